@@ -1,1 +1,25 @@
-//! placeholder
+//! kvtier storage: the data model of a session's KV cache and the host-RAM tier.
+//!
+//! # Layout
+//!
+//! - [`dtype`]: stored element types (bf16, f16, f32) and their conversions.
+//! - [`geometry`]: session [`Geometry`] and the tile layout it implies; the selection [`Policy`].
+//! - [`arena`]: [`HostArena`], fixed-size block frames in one anonymous mapping (the host tier).
+//! - [`kv`]: [`KvCache`], one session's per-layer block tables and incremental block summaries.
+//!
+//! A tile is one (layer, block, kv-head): the K tile `[B x D]` followed by the V tile `[B x D]`.
+//! The tiles of one (layer, block) are adjacent, forming a block run that fills one arena frame.
+//! Nothing here depends on a GPU or on io_uring: policy code is testable anywhere.
+
+pub mod arena;
+pub mod dtype;
+pub mod error;
+pub mod geometry;
+pub mod kv;
+pub mod testing;
+
+pub use arena::{ArenaOptions, ArenaUsage, Frame, HostArena};
+pub use dtype::DType;
+pub use error::{Result, StorageError};
+pub use geometry::{Geometry, Policy};
+pub use kv::{KvCache, LayerView};

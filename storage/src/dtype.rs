@@ -1,0 +1,188 @@
+//! Element types of stored K/V and their conversions to and from f32.
+//!
+//! Stored bytes are little-endian. Conversions are written as plain loops over slices so the
+//! compiler vectorises them; bf16 and f16 rounding is round-to-nearest-even (the `half` crate).
+
+use half::{bf16, f16};
+
+/// Element type of stored keys and values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum DType {
+    #[default]
+    Bf16,
+    F16,
+    F32,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::Bf16 | DType::F16 => 2,
+            DType::F32 => 4,
+        }
+    }
+
+    /// Wire code (docs/protocol.md): 0 bf16, 1 f16, 2 f32.
+    pub const fn code(self) -> u8 {
+        match self {
+            DType::Bf16 => 0,
+            DType::F16 => 1,
+            DType::F32 => 2,
+        }
+    }
+
+    pub const fn from_code(code: u8) -> Option<DType> {
+        match code {
+            0 => Some(DType::Bf16),
+            1 => Some(DType::F16),
+            2 => Some(DType::F32),
+            _ => None,
+        }
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::Bf16 => "bf16",
+            DType::F16 => "f16",
+            DType::F32 => "f32",
+        }
+    }
+
+    /// Decodes `out.len()` elements from `bytes` (which must hold exactly that many).
+    #[inline]
+    pub fn decode(self, bytes: &[u8], out: &mut [f32]) {
+        debug_assert_eq!(bytes.len(), out.len() * self.size());
+        match self {
+            DType::Bf16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    // bf16 is the top half of an f32: widening is exact and branch-free.
+                    *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+                }
+            }
+            DType::F16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                }
+            }
+            DType::F32 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+        }
+    }
+
+    /// Encodes `values` into `out` (exactly `values.len() * size()` bytes), rounding to nearest
+    /// even for the 16-bit types.
+    pub fn encode(self, values: &[f32], out: &mut [u8]) {
+        assert_eq!(out.len(), values.len() * self.size(), "encode: output size mismatch");
+        match self {
+            DType::Bf16 => {
+                for (v, o) in values.iter().zip(out.chunks_exact_mut(2)) {
+                    o.copy_from_slice(&bf16::from_f32(*v).to_bits().to_le_bytes());
+                }
+            }
+            DType::F16 => {
+                for (v, o) in values.iter().zip(out.chunks_exact_mut(2)) {
+                    o.copy_from_slice(&f16::from_f32(*v).to_bits().to_le_bytes());
+                }
+            }
+            DType::F32 => {
+                for (v, o) in values.iter().zip(out.chunks_exact_mut(4)) {
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+    }
+
+    /// Encodes a slice into a fresh byte vector (convenience for tests, benches and clients).
+    pub fn encode_vec(self, values: &[f32]) -> Vec<u8> {
+        let mut out = vec![0u8; values.len() * self.size()];
+        self.encode(values, &mut out);
+        out
+    }
+
+    /// Decodes a byte slice into a fresh f32 vector.
+    pub fn decode_vec(self, bytes: &[u8]) -> Vec<f32> {
+        let mut out = vec![0f32; bytes.len() / self.size()];
+        self.decode(bytes, &mut out);
+        out
+    }
+
+    /// Index of the first NaN or infinity in `bytes` (whole elements), read from the bit
+    /// pattern alone: all exponent bits set.
+    pub fn first_non_finite(self, bytes: &[u8]) -> Option<usize> {
+        match self {
+            DType::Bf16 | DType::F16 => {
+                let exp: u16 = if self == DType::Bf16 { 0x7F80 } else { 0x7C00 };
+                bytes
+                    .chunks_exact(2)
+                    .position(|b| u16::from_le_bytes([b[0], b[1]]) & exp == exp)
+            }
+            DType::F32 => bytes.chunks_exact(4).position(|b| {
+                u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7F80_0000 == 0x7F80_0000
+            }),
+        }
+    }
+
+    /// Rounds an f32 to this type's precision and back (what storing it would keep).
+    pub fn round(self, v: f32) -> f32 {
+        match self {
+            DType::Bf16 => bf16::from_f32(v).to_f32(),
+            DType::F16 => f16::from_f32(v).to_f32(),
+            DType::F32 => v,
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for DType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "bf16" => Ok(DType::Bf16),
+            "f16" | "fp16" => Ok(DType::F16),
+            "f32" | "fp32" => Ok(DType::F32),
+            other => Err(format!("unknown dtype {other:?} (expected bf16, f16 or f32)")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_all_types() {
+        let xs = [0.0f32, -1.5, 3.25, 1e-3, -65504.0, 0.1];
+        for dt in [DType::Bf16, DType::F16, DType::F32] {
+            let bytes = dt.encode_vec(&xs);
+            assert_eq!(bytes.len(), xs.len() * dt.size());
+            let back = dt.decode_vec(&bytes);
+            for (x, y) in xs.iter().zip(&back) {
+                assert_eq!(dt.round(*x), *y, "{dt}: {x}");
+            }
+        }
+        assert_eq!(DType::Bf16.round(1.0 + 1.0 / 256.0), 1.0, "bf16 has 8 significant bits");
+        assert_eq!(DType::from_code(3), None);
+    }
+
+    #[test]
+    fn non_finite_values_are_found_in_every_type() {
+        for dt in [DType::Bf16, DType::F16, DType::F32] {
+            let mut xs = vec![1.0f32, -2.0, 3.0, 0.0];
+            assert_eq!(dt.first_non_finite(&dt.encode_vec(&xs)), None, "{dt}");
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                xs[2] = bad;
+                assert_eq!(dt.first_non_finite(&dt.encode_vec(&xs)), Some(2), "{dt} {bad}");
+            }
+            xs[2] = 3.0;
+        }
+    }
+}

@@ -1,0 +1,44 @@
+use std::io;
+
+/// Errors of the storage crate. Every variant carries the values a caller needs to explain the
+/// failure without parsing the message.
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    #[error("invalid geometry: {field} {reason}")]
+    InvalidGeometry { field: &'static str, reason: String },
+
+    #[error("invalid policy: {field} {reason}")]
+    InvalidPolicy { field: &'static str, reason: String },
+
+    #[error("invalid arena configuration: {reason}")]
+    InvalidArena { reason: String },
+
+    #[error("host arena full: all {frames} frames of {frame_bytes} bytes are in use")]
+    ArenaFull { frames: usize, frame_bytes: usize },
+
+    #[error("a block run of {block_bytes} bytes does not fit a {frame_bytes}-byte arena frame")]
+    BlockTooLarge { block_bytes: usize, frame_bytes: usize },
+
+    #[error("layer {layer} out of range (session has {layers} layers)")]
+    LayerOutOfRange { layer: u32, layers: u32 },
+
+    #[error("position {got} at layer {layer} does not continue the sequence: expected {expected}")]
+    PositionMismatch { layer: u32, expected: u64, got: u64 },
+
+    #[error("{what}: expected {expected} bytes, got {got}")]
+    PayloadSize { what: &'static str, expected: usize, got: usize },
+
+    #[error("{what} contains a non-finite value (NaN or infinity) at element {index}")]
+    NonFinite { what: &'static str, index: usize },
+
+    #[error("session would exceed {max} tokens")]
+    TooManyTokens { max: u64 },
+
+    #[error("mapping {bytes} bytes of anonymous memory failed: {source}")]
+    Map { bytes: usize, source: io::Error },
+
+    #[error("locking the host arena in RAM failed ({source}); raise RLIMIT_MEMLOCK (LimitMEMLOCK=infinity in the systemd unit) or disable lock_memory")]
+    Lock { source: io::Error },
+}
+
+pub type Result<T, E = StorageError> = std::result::Result<T, E>;

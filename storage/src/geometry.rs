@@ -1,0 +1,215 @@
+//! Session geometry, the tile layout it implies, and the selection policy.
+
+use crate::dtype::DType;
+use crate::error::{Result, StorageError};
+
+/// Largest values accepted; they bound every size computed from a geometry so none overflows.
+pub const MAX_LAYERS: u32 = 1024;
+pub const MAX_HEADS: u32 = 1024;
+pub const MAX_HEAD_DIM: u32 = 1024;
+pub const MAX_BLOCK_TOKENS: u32 = 4096;
+
+/// Attention geometry of one session: the shape of its KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Geometry {
+    pub layers: u32,
+    pub q_heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub dtype: DType,
+    /// Tokens per block (B); the unit of selection and transfer.
+    pub block_tokens: u32,
+}
+
+impl Geometry {
+    /// Qwen2.5-7B attention geometry, the reference model of the design brief.
+    pub const QWEN2_5_7B: Geometry = Geometry {
+        layers: 28,
+        q_heads: 28,
+        kv_heads: 4,
+        head_dim: 128,
+        dtype: DType::Bf16,
+        block_tokens: 128,
+    };
+
+    /// Checks every field; the error names the field and says what is wrong.
+    pub fn validate(&self) -> Result<()> {
+        fn bad(field: &'static str, reason: String) -> Result<()> {
+            Err(StorageError::InvalidGeometry { field, reason })
+        }
+        let in_range = |field, v: u32, max: u32| {
+            if v == 0 || v > max {
+                bad(field, format!("must be in 1..={max}, got {v}"))
+            } else {
+                Ok(())
+            }
+        };
+        in_range("layers", self.layers, MAX_LAYERS)?;
+        in_range("q_heads", self.q_heads, MAX_HEADS)?;
+        in_range("kv_heads", self.kv_heads, MAX_HEADS)?;
+        in_range("head_dim", self.head_dim, MAX_HEAD_DIM)?;
+        in_range("block_tokens", self.block_tokens, MAX_BLOCK_TOKENS)?;
+        if self.q_heads % self.kv_heads != 0 {
+            return bad(
+                "q_heads",
+                format!(
+                    "must be a multiple of kv_heads ({} is not a multiple of {})",
+                    self.q_heads, self.kv_heads
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    /// Query heads per KV head (G).
+    pub fn group(&self) -> usize {
+        (self.q_heads / self.kv_heads) as usize
+    }
+
+    /// Bytes of one K (or V) row of one head: D elements.
+    pub fn row_bytes(&self) -> usize {
+        self.head_dim as usize * self.dtype.size()
+    }
+
+    /// Bytes of one K tile (or one V tile): B x D elements.
+    pub fn half_tile_bytes(&self) -> usize {
+        self.block_tokens as usize * self.row_bytes()
+    }
+
+    /// Bytes of one tile: the K tile followed by the V tile of one (layer, block, kv-head).
+    pub fn tile_bytes(&self) -> usize {
+        2 * self.half_tile_bytes()
+    }
+
+    /// Bytes of one (layer, block) run: the tiles of all KV heads back to back.
+    pub fn block_bytes(&self) -> usize {
+        self.kv_heads as usize * self.tile_bytes()
+    }
+
+    /// Byte offset of the K tile of `kv_head` inside a block run; the V tile follows it.
+    pub fn tile_offset(&self, kv_head: usize) -> usize {
+        kv_head * self.tile_bytes()
+    }
+
+    /// Byte offset of token `slot`'s K row of `kv_head` inside a block run.
+    pub fn k_row_offset(&self, kv_head: usize, slot: usize) -> usize {
+        self.tile_offset(kv_head) + slot * self.row_bytes()
+    }
+
+    /// Byte offset of token `slot`'s V row of `kv_head` inside a block run.
+    pub fn v_row_offset(&self, kv_head: usize, slot: usize) -> usize {
+        self.k_row_offset(kv_head, slot) + self.half_tile_bytes()
+    }
+
+    /// Bytes of K (or V) for one token of one layer, all KV heads: the engine's `[Hkv, D]` row.
+    pub fn token_bytes(&self) -> usize {
+        self.kv_heads as usize * self.row_bytes()
+    }
+
+    /// KV bytes per token over all layers (K and V): 57,344 for Qwen2.5-7B in bf16.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        2 * self.layers as usize * self.token_bytes()
+    }
+
+    /// f32 elements of one layer-block's summaries: `[kv_head][max|min][D]`.
+    pub fn summary_floats_per_block(&self) -> usize {
+        self.kv_heads as usize * 2 * self.head_dim as usize
+    }
+
+    /// Number of blocks holding `tokens` tokens.
+    pub fn blocks_for(&self, tokens: u64) -> u64 {
+        tokens.div_ceil(self.block_tokens as u64)
+    }
+}
+
+/// Which blocks a decode step keeps: sink blocks, the local window, and the top-k distant blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Policy {
+    pub sink_blocks: u32,
+    pub local_blocks: u32,
+    pub top_k: u32,
+}
+
+impl Default for Policy {
+    /// The design brief's assured budget: 1 sink, 4 local, top-32 distant.
+    fn default() -> Self {
+        Policy {
+            sink_blocks: 1,
+            local_blocks: 4,
+            top_k: 32,
+        }
+    }
+}
+
+/// Upper bound on each policy field: a keep-set larger than this is dense attention in disguise.
+pub const MAX_POLICY_BLOCKS: u32 = 1 << 20;
+
+impl Policy {
+    pub fn validate(&self) -> Result<()> {
+        for (field, v) in [
+            ("sink_blocks", self.sink_blocks),
+            ("local_blocks", self.local_blocks),
+            ("top_k", self.top_k),
+        ] {
+            if v > MAX_POLICY_BLOCKS {
+                return Err(StorageError::InvalidPolicy {
+                    field,
+                    reason: format!("must be at most {MAX_POLICY_BLOCKS}, got {v}"),
+                });
+            }
+        }
+        if self.local_blocks == 0 {
+            // The newest token must always be attended to; it lives in the tail block.
+            return Err(StorageError::InvalidPolicy {
+                field: "local_blocks",
+                reason: "must be at least 1 (the tail block holds the current token)".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Blocks kept per KV head when a context has at least this many blocks.
+    pub fn budget(&self) -> u64 {
+        self.sink_blocks as u64 + self.local_blocks as u64 + self.top_k as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qwen_sizes_match_the_design_brief() {
+        let g = Geometry::QWEN2_5_7B;
+        g.validate().unwrap();
+        assert_eq!(g.group(), 7);
+        assert_eq!(g.tile_bytes(), 64 * 1024);
+        assert_eq!(g.block_bytes(), 256 * 1024);
+        assert_eq!(g.kv_bytes_per_token(), 57_344);
+        assert_eq!(g.v_row_offset(1, 2), 64 * 1024 + 32 * 1024 + 2 * 256);
+    }
+
+    #[test]
+    fn invalid_geometry_names_the_field() {
+        let mut g = Geometry::QWEN2_5_7B;
+        g.q_heads = 30;
+        let e = g.validate().unwrap_err().to_string();
+        assert!(e.contains("q_heads") && e.contains("multiple of kv_heads"), "{e}");
+        let mut g = Geometry::QWEN2_5_7B;
+        g.head_dim = 0;
+        assert!(g.validate().unwrap_err().to_string().contains("head_dim"));
+        let mut g = Geometry::QWEN2_5_7B;
+        g.block_tokens = MAX_BLOCK_TOKENS + 1;
+        assert!(g.validate().unwrap_err().to_string().contains("block_tokens"));
+    }
+
+    #[test]
+    fn policy_needs_a_local_block() {
+        let p = Policy {
+            local_blocks: 0,
+            ..Policy::default()
+        };
+        assert!(p.validate().unwrap_err().to_string().contains("local_blocks"));
+        Policy::default().validate().unwrap();
+    }
+}

@@ -1,0 +1,206 @@
+//! KvCache behaviour: layout, incremental bounds, batching invariance, and bad appends.
+
+use kvtier_storage::testing::Rng;
+use kvtier_storage::{ArenaOptions, DType, Geometry, HostArena, KvCache, StorageError};
+use proptest::prelude::*;
+
+fn geo(dtype: DType, block_tokens: u32) -> Geometry {
+    Geometry {
+        layers: 2,
+        q_heads: 6,
+        kv_heads: 2,
+        head_dim: 16,
+        dtype,
+        block_tokens,
+    }
+}
+
+fn arena(frames: usize) -> HostArena {
+    HostArena::new(&ArenaOptions::new(frames * 4096, 4096)).unwrap()
+}
+
+/// `[n][kv_heads][head_dim]` random rows, encoded in the session dtype.
+fn rows(g: &Geometry, n: usize, rng: &mut Rng) -> Vec<u8> {
+    g.dtype
+        .encode_vec(&rng.normals(n * (g.kv_heads * g.head_dim) as usize))
+}
+
+/// The full append payload for all layers: per layer K then V.
+fn payload(g: &Geometry, n: usize, seed: u64) -> Vec<u8> {
+    let mut rng = Rng::new(seed);
+    (0..g.layers)
+        .flat_map(|_| [rows(g, n, &mut rng), rows(g, n, &mut rng)].concat())
+        .collect()
+}
+
+fn snapshot(kv: &KvCache) -> Vec<(u64, Vec<u8>, Vec<u32>)> {
+    (0..kv.geometry().layers)
+        .map(|l| {
+            let v = kv.layer(l).unwrap();
+            let bytes = (0..v.blocks()).flat_map(|b| v.block_run(b).to_vec()).collect();
+            let sums = v.summaries().iter().map(|x| x.to_bits()).collect();
+            (v.tokens(), bytes, sums)
+        })
+        .collect()
+}
+
+/// Appends `p` (all layers, `n` tokens) in the chunks given by `cuts`.
+fn append_in_chunks(kv: &mut KvCache, p: &[u8], n: usize, cuts: &[usize]) {
+    let g = *kv.geometry();
+    let tb = g.token_bytes();
+    let mut start = 0;
+    for &end in cuts.iter().chain(std::iter::once(&n)) {
+        if end <= start {
+            continue;
+        }
+        let chunk: Vec<u8> = (0..g.layers as usize)
+            .flat_map(|l| {
+                let base = 2 * l * n * tb;
+                let k = &p[base + start * tb..base + end * tb];
+                let v = &p[base + n * tb + start * tb..base + n * tb + end * tb];
+                [k, v].concat()
+            })
+            .collect();
+        kv.append(start as u64, (end - start) as u64, &chunk).unwrap();
+        start = end;
+    }
+}
+
+#[test]
+fn tiles_hold_rows_where_the_layout_says() {
+    let g = geo(DType::F32, 4);
+    let mut kv = KvCache::new(g, arena(16)).unwrap();
+    let p = payload(&g, 6, 1);
+    kv.append(0, 6, &p).unwrap();
+    let tb = g.token_bytes();
+    let row = g.row_bytes();
+    let layer1 = kv.layer(1).unwrap();
+    assert_eq!(layer1.blocks(), 2);
+    assert_eq!(layer1.valid_tokens(0), 4);
+    assert_eq!(layer1.valid_tokens(1), 2);
+    // Token 5 of layer 1, kv head 1: block 1, slot 1.
+    let base = 2 * 6 * tb;
+    let k_src = &p[base + 5 * tb + row..base + 5 * tb + 2 * row];
+    let v_src = &p[base + 6 * tb + 5 * tb + row..base + 6 * tb + 5 * tb + 2 * row];
+    let (kt, vt) = layer1.tile(1, 1);
+    assert_eq!(&kt[row..2 * row], k_src);
+    assert_eq!(&vt[row..2 * row], v_src);
+    assert!(kt[2 * row..].iter().all(|&b| b == 0), "slots past the tail are zero");
+}
+
+#[test]
+fn bounds_are_exact_max_and_min_of_stored_keys() {
+    for dtype in [DType::Bf16, DType::F16, DType::F32] {
+        let g = geo(dtype, 8);
+        let mut kv = KvCache::new(g, arena(16)).unwrap();
+        kv.append(0, 21, &payload(&g, 21, 7)).unwrap();
+        let v = kv.layer(0).unwrap();
+        let d = g.head_dim as usize;
+        for b in 0..v.blocks() {
+            for h in 0..g.kv_heads as usize {
+                let (kt, _) = v.tile(b, h);
+                let keys = dtype.decode_vec(&kt[..v.valid_tokens(b) * g.row_bytes()]);
+                let (mx, mn) = v.bounds(b, h);
+                for i in 0..d {
+                    let col = keys.chunks(d).map(|r| r[i]);
+                    assert_eq!(mx[i], col.clone().fold(f32::MIN, f32::max));
+                    assert_eq!(mn[i], col.fold(f32::MAX, f32::min));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_appends_are_typed_errors_and_change_nothing() {
+    let g = geo(DType::Bf16, 4);
+    let mut kv = KvCache::new(g, arena(4)).unwrap();
+    kv.append(0, 3, &payload(&g, 3, 1)).unwrap();
+    let before = snapshot(&kv);
+    let one = payload(&g, 1, 2);
+    // Backwards, gap, wrong size, bad layer, NaN.
+    assert!(matches!(
+        kv.append(2, 1, &one),
+        Err(StorageError::PositionMismatch { expected: 3, got: 2, .. })
+    ));
+    assert!(matches!(
+        kv.append(4, 1, &one),
+        Err(StorageError::PositionMismatch { expected: 3, got: 4, .. })
+    ));
+    assert!(matches!(
+        kv.append(3, 1, &one[1..]),
+        Err(StorageError::PayloadSize { .. })
+    ));
+    let tb = g.token_bytes();
+    assert!(matches!(
+        kv.append_layer(2, 3, &one[..tb], &one[tb..2 * tb]),
+        Err(StorageError::LayerOutOfRange { layer: 2, layers: 2 })
+    ));
+    // A bf16 NaN as element 1 of layer 1's K rows.
+    let mut nan = one.clone();
+    nan[2 * tb + 2..2 * tb + 4].copy_from_slice(&0x7FC0u16.to_le_bytes());
+    assert!(matches!(
+        kv.append(3, 1, &nan),
+        Err(StorageError::NonFinite { what: "k", index: 1 })
+    ));
+    // Arena full: 4 frames; 2 used; 8 more tokens need 2 blocks per layer = 4 frames.
+    assert!(matches!(
+        kv.append(3, 8, &payload(&g, 8, 3)),
+        Err(StorageError::ArenaFull { .. })
+    ));
+    assert_eq!(snapshot(&kv), before, "failed appends left the cache unchanged");
+    assert_eq!(kv.arena().usage().frames_used, 2);
+    // Per-layer appends may run ahead of each other, but each layer stays contiguous.
+    kv.append_layer(0, 3, &one[..tb], &one[tb..2 * tb]).unwrap();
+    assert_eq!(kv.tokens(0).unwrap(), 4);
+    assert_eq!(kv.min_tokens(), 3);
+}
+
+#[test]
+fn a_block_run_larger_than_a_frame_is_refused() {
+    let mut g = geo(DType::F32, 128);
+    g.head_dim = 64;
+    assert!(matches!(
+        KvCache::new(g, arena(4)),
+        Err(StorageError::BlockTooLarge { .. })
+    ));
+}
+
+#[test]
+fn dropping_a_cache_returns_its_frames() {
+    let g = geo(DType::Bf16, 4);
+    let a = arena(8);
+    let mut kv = KvCache::new(g, a.clone()).unwrap();
+    kv.append(0, 9, &payload(&g, 9, 5)).unwrap();
+    assert_eq!(a.usage().frames_used, 6);
+    assert_eq!(kv.host_bytes(), 6 * 4096);
+    drop(kv);
+    assert_eq!(a.usage().frames_used, 0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// However the appends are batched, tiles and summaries are bit-identical.
+    #[test]
+    fn batching_does_not_change_a_single_bit(
+        n in 1usize..40,
+        cuts in proptest::collection::vec(0usize..40, 0..8),
+        bt in prop_oneof![Just(1u32), Just(3), Just(4), Just(8)],
+        dt in prop_oneof![Just(DType::Bf16), Just(DType::F16), Just(DType::F32)],
+        seed in any::<u64>(),
+    ) {
+        let g = geo(dt, bt);
+        let p = payload(&g, n, seed);
+        let mut whole = KvCache::new(g, arena(128)).unwrap();
+        whole.append(0, n as u64, &p).unwrap();
+        let mut cuts: Vec<usize> = cuts.into_iter().filter(|&c| c < n).collect();
+        cuts.sort_unstable();
+        let mut chunked = KvCache::new(g, arena(128)).unwrap();
+        append_in_chunks(&mut chunked, &p, n, &cuts);
+        let mut single = KvCache::new(g, arena(128)).unwrap();
+        append_in_chunks(&mut single, &p, n, &(1..n).collect::<Vec<_>>());
+        prop_assert_eq!(snapshot(&whole), snapshot(&chunked));
+        prop_assert_eq!(snapshot(&whole), snapshot(&single));
+    }
+}
