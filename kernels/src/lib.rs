@@ -1,1 +1,22 @@
-//! placeholder
+//! kvtier kernels: the block selector and gather-decode attention, with the CPU backend as the
+//! reference implementation.
+//!
+//! # Layout
+//!
+//! - [`select`]: key-bound block scoring and per-kv-head keep-sets ([`KeepSet`]).
+//! - [`attention`]: split-k gather-decode attention with an fp32 online softmax and a
+//!   log-sum-exp merge.
+//! - [`decode`]: one layer's decode step for a batch of sessions (append, select, attend).
+//! - [`dense`]: the f64 softmax-attention oracle every kernel is tested against.
+//! - [`simd`]: the vectorisable inner loops (dot products, bounds, exp).
+
+pub mod attention;
+pub mod decode;
+pub mod dense;
+pub mod error;
+pub mod select;
+pub mod simd;
+
+pub use decode::{decode_layer, DecodeEntry, StepStats};
+pub use error::{KernelError, Result};
+pub use select::{select, KeepSet, SelectScratch};

@@ -87,14 +87,16 @@ pub struct HostArena {
 
 impl std::fmt::Debug for HostArena {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostArena").field("usage", &self.usage()).finish()
+        f.debug_struct("HostArena")
+            .field("usage", &self.usage())
+            .finish()
     }
 }
 
 impl HostArena {
     pub fn new(opts: &ArenaOptions) -> Result<Self> {
         let invalid = |reason: String| Err(StorageError::InvalidArena { reason });
-        if opts.frame_bytes == 0 || opts.frame_bytes % FRAME_ALIGN != 0 {
+        if opts.frame_bytes == 0 || !opts.frame_bytes.is_multiple_of(FRAME_ALIGN) {
             return invalid(format!(
                 "frame_bytes must be a positive multiple of {FRAME_ALIGN}, got {}",
                 opts.frame_bytes
@@ -151,10 +153,15 @@ impl HostArena {
 
     /// Takes a free frame, zeroed, or fails with [`StorageError::ArenaFull`].
     pub fn alloc(&self) -> Result<Frame> {
-        let id = self.inner.free.lock().pop().ok_or(StorageError::ArenaFull {
-            frames: self.inner.frames_total,
-            frame_bytes: self.inner.frame_bytes,
-        })?;
+        let id = self
+            .inner
+            .free
+            .lock()
+            .pop()
+            .ok_or(StorageError::ArenaFull {
+                frames: self.inner.frames_total,
+                frame_bytes: self.inner.frame_bytes,
+            })?;
         self.inner.used.fetch_add(1, Ordering::Relaxed);
         let mut frame = Frame {
             arena: self.inner.clone(),
@@ -234,7 +241,9 @@ impl Frame {
         // and is reachable only through this handle, which we borrow shared.
         unsafe {
             std::slice::from_raw_parts(
-                self.arena.base.add(self.id as usize * self.arena.frame_bytes),
+                self.arena
+                    .base
+                    .add(self.id as usize * self.arena.frame_bytes),
                 self.arena.frame_bytes,
             )
         }
@@ -244,7 +253,9 @@ impl Frame {
         // SAFETY: as in `as_slice`; `&mut self` makes this the only live reference to the range.
         unsafe {
             std::slice::from_raw_parts_mut(
-                self.arena.base.add(self.id as usize * self.arena.frame_bytes),
+                self.arena
+                    .base
+                    .add(self.id as usize * self.arena.frame_bytes),
                 self.arena.frame_bytes,
             )
         }
@@ -302,15 +313,25 @@ mod tests {
         drop(x);
         let z = a.alloc().unwrap();
         assert_eq!(z.id(), id, "LIFO reuse");
-        assert!(z.as_slice().iter().all(|&b| b == 0), "reused frame is zeroed");
+        assert!(
+            z.as_slice().iter().all(|&b| b == 0),
+            "reused frame is zeroed"
+        );
     }
 
     #[test]
     fn alloc_many_is_all_or_nothing() {
         let a = arena(4);
         let _one = a.alloc().unwrap();
-        assert!(matches!(a.alloc_many(4), Err(StorageError::ArenaFull { .. })));
-        assert_eq!(a.usage().frames_used, 1, "a failed alloc_many takes nothing");
+        assert!(matches!(
+            a.alloc_many(4),
+            Err(StorageError::ArenaFull { .. })
+        ));
+        assert_eq!(
+            a.usage().frames_used,
+            1,
+            "a failed alloc_many takes nothing"
+        );
         let three = a.alloc_many(3).unwrap();
         assert_eq!(three.len(), 3);
         assert_eq!(a.usage().frames_used, 4);

@@ -76,7 +76,11 @@ impl DType {
     /// Encodes `values` into `out` (exactly `values.len() * size()` bytes), rounding to nearest
     /// even for the 16-bit types.
     pub fn encode(self, values: &[f32], out: &mut [u8]) {
-        assert_eq!(out.len(), values.len() * self.size(), "encode: output size mismatch");
+        assert_eq!(
+            out.len(),
+            values.len() * self.size(),
+            "encode: output size mismatch"
+        );
         match self {
             DType::Bf16 => {
                 for (v, o) in values.iter().zip(out.chunks_exact_mut(2)) {
@@ -149,7 +153,9 @@ impl std::str::FromStr for DType {
             "bf16" => Ok(DType::Bf16),
             "f16" | "fp16" => Ok(DType::F16),
             "f32" | "fp32" => Ok(DType::F32),
-            other => Err(format!("unknown dtype {other:?} (expected bf16, f16 or f32)")),
+            other => Err(format!(
+                "unknown dtype {other:?} (expected bf16, f16 or f32)"
+            )),
         }
     }
 }
@@ -169,7 +175,11 @@ mod tests {
                 assert_eq!(dt.round(*x), *y, "{dt}: {x}");
             }
         }
-        assert_eq!(DType::Bf16.round(1.0 + 1.0 / 256.0), 1.0, "bf16 has 8 significant bits");
+        assert_eq!(
+            DType::Bf16.round(1.0 + 1.0 / 256.0),
+            1.0,
+            "bf16 has 8 significant bits"
+        );
         assert_eq!(DType::from_code(3), None);
     }
 
@@ -180,7 +190,11 @@ mod tests {
             assert_eq!(dt.first_non_finite(&dt.encode_vec(&xs)), None, "{dt}");
             for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
                 xs[2] = bad;
-                assert_eq!(dt.first_non_finite(&dt.encode_vec(&xs)), Some(2), "{dt} {bad}");
+                assert_eq!(
+                    dt.first_non_finite(&dt.encode_vec(&xs)),
+                    Some(2),
+                    "{dt} {bad}"
+                );
             }
             xs[2] = 3.0;
         }

@@ -17,7 +17,10 @@ pub enum StorageError {
     ArenaFull { frames: usize, frame_bytes: usize },
 
     #[error("a block run of {block_bytes} bytes does not fit a {frame_bytes}-byte arena frame")]
-    BlockTooLarge { block_bytes: usize, frame_bytes: usize },
+    BlockTooLarge {
+        block_bytes: usize,
+        frame_bytes: usize,
+    },
 
     #[error("layer {layer} out of range (session has {layers} layers)")]
     LayerOutOfRange { layer: u32, layers: u32 },
@@ -26,7 +29,11 @@ pub enum StorageError {
     PositionMismatch { layer: u32, expected: u64, got: u64 },
 
     #[error("{what}: expected {expected} bytes, got {got}")]
-    PayloadSize { what: &'static str, expected: usize, got: usize },
+    PayloadSize {
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
 
     #[error("{what} contains a non-finite value (NaN or infinity) at element {index}")]
     NonFinite { what: &'static str, index: usize },

@@ -49,7 +49,7 @@ impl Geometry {
         in_range("kv_heads", self.kv_heads, MAX_HEADS)?;
         in_range("head_dim", self.head_dim, MAX_HEAD_DIM)?;
         in_range("block_tokens", self.block_tokens, MAX_BLOCK_TOKENS)?;
-        if self.q_heads % self.kv_heads != 0 {
+        if !self.q_heads.is_multiple_of(self.kv_heads) {
             return bad(
                 "q_heads",
                 format!(
@@ -194,13 +194,20 @@ mod tests {
         let mut g = Geometry::QWEN2_5_7B;
         g.q_heads = 30;
         let e = g.validate().unwrap_err().to_string();
-        assert!(e.contains("q_heads") && e.contains("multiple of kv_heads"), "{e}");
+        assert!(
+            e.contains("q_heads") && e.contains("multiple of kv_heads"),
+            "{e}"
+        );
         let mut g = Geometry::QWEN2_5_7B;
         g.head_dim = 0;
         assert!(g.validate().unwrap_err().to_string().contains("head_dim"));
         let mut g = Geometry::QWEN2_5_7B;
         g.block_tokens = MAX_BLOCK_TOKENS + 1;
-        assert!(g.validate().unwrap_err().to_string().contains("block_tokens"));
+        assert!(g
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("block_tokens"));
     }
 
     #[test]
@@ -209,7 +216,11 @@ mod tests {
             local_blocks: 0,
             ..Policy::default()
         };
-        assert!(p.validate().unwrap_err().to_string().contains("local_blocks"));
+        assert!(p
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("local_blocks"));
         Policy::default().validate().unwrap();
     }
 }

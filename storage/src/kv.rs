@@ -112,11 +112,37 @@ impl KvCache {
     /// `k` and `v` are `[n][kv_heads][head_dim]` in the session dtype (the engine's layout).
     /// All-or-nothing: on error nothing changed.
     pub fn append_layer(&mut self, layer: u32, start: u64, k: &[u8], v: &[u8]) -> Result<()> {
-        let n = self.check_layer_append(layer, start, k, v)?;
-        let need = self.frames_needed(self.layer_kv(layer)?.tokens, n);
+        let need = self.check_layer_append(layer, start, k, v)?;
         let mut fresh = self.arena.alloc_many(need)?;
-        self.write_layer(layer, k, v, n, &mut fresh);
-        debug_assert!(fresh.is_empty());
+        self.append_layer_reserved(layer, start, k, v, &mut fresh)
+    }
+
+    /// Validates a one-layer append without changing anything; returns how many new frames it
+    /// needs. Lets a batch of appends over many sessions reserve all frames before touching any.
+    pub fn check_layer_append(&self, layer: u32, start: u64, k: &[u8], v: &[u8]) -> Result<usize> {
+        let n = self.check_rows(layer, start, k, v)?;
+        Ok(self.frames_needed(start, n))
+    }
+
+    /// [`KvCache::append_layer`] taking its new frames from `reserved` (at least
+    /// [`KvCache::check_layer_append`]'s count).
+    pub fn append_layer_reserved(
+        &mut self,
+        layer: u32,
+        start: u64,
+        k: &[u8],
+        v: &[u8],
+        reserved: &mut Vec<Frame>,
+    ) -> Result<()> {
+        let n = self.check_rows(layer, start, k, v)?;
+        let need = self.frames_needed(start, n);
+        if reserved.len() < need {
+            return Err(StorageError::ArenaFull {
+                frames: self.arena.usage().frames_total,
+                frame_bytes: self.arena.frame_bytes(),
+            });
+        }
+        self.write_layer(layer, k, v, n, reserved);
         Ok(())
     }
 
@@ -144,8 +170,7 @@ impl KvCache {
         for layer in 0..self.geo.layers {
             let at = 2 * half * layer as usize;
             let (k, v) = (&payload[at..at + half], &payload[at + half..at + 2 * half]);
-            self.check_layer_append(layer, start, k, v)?;
-            need += self.frames_needed(start, n);
+            need += self.check_layer_append(layer, start, k, v)?;
         }
         let mut fresh = self.arena.alloc_many(need)?;
         for layer in 0..self.geo.layers {
@@ -157,8 +182,8 @@ impl KvCache {
         Ok(())
     }
 
-    /// Validates one layer's append; returns the token count.
-    fn check_layer_append(&self, layer: u32, start: u64, k: &[u8], v: &[u8]) -> Result<u64> {
+    /// Validates one layer's rows; returns the token count.
+    fn check_rows(&self, layer: u32, start: u64, k: &[u8], v: &[u8]) -> Result<u64> {
         let l = self.layer_kv(layer)?;
         if start != l.tokens {
             return Err(StorageError::PositionMismatch {
@@ -168,7 +193,7 @@ impl KvCache {
             });
         }
         let tb = self.geo.token_bytes();
-        if k.len() % tb != 0 {
+        if !k.len().is_multiple_of(tb) {
             return Err(StorageError::PayloadSize {
                 what: "k",
                 expected: (k.len() / tb + 1) * tb,

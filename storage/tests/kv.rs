@@ -37,7 +37,9 @@ fn snapshot(kv: &KvCache) -> Vec<(u64, Vec<u8>, Vec<u32>)> {
     (0..kv.geometry().layers)
         .map(|l| {
             let v = kv.layer(l).unwrap();
-            let bytes = (0..v.blocks()).flat_map(|b| v.block_run(b).to_vec()).collect();
+            let bytes = (0..v.blocks())
+                .flat_map(|b| v.block_run(b).to_vec())
+                .collect();
             let sums = v.summaries().iter().map(|x| x.to_bits()).collect();
             (v.tokens(), bytes, sums)
         })
@@ -61,7 +63,8 @@ fn append_in_chunks(kv: &mut KvCache, p: &[u8], n: usize, cuts: &[usize]) {
                 [k, v].concat()
             })
             .collect();
-        kv.append(start as u64, (end - start) as u64, &chunk).unwrap();
+        kv.append(start as u64, (end - start) as u64, &chunk)
+            .unwrap();
         start = end;
     }
 }
@@ -85,7 +88,10 @@ fn tiles_hold_rows_where_the_layout_says() {
     let (kt, vt) = layer1.tile(1, 1);
     assert_eq!(&kt[row..2 * row], k_src);
     assert_eq!(&vt[row..2 * row], v_src);
-    assert!(kt[2 * row..].iter().all(|&b| b == 0), "slots past the tail are zero");
+    assert!(
+        kt[2 * row..].iter().all(|&b| b == 0),
+        "slots past the tail are zero"
+    );
 }
 
 #[test]
@@ -121,11 +127,19 @@ fn bad_appends_are_typed_errors_and_change_nothing() {
     // Backwards, gap, wrong size, bad layer, NaN.
     assert!(matches!(
         kv.append(2, 1, &one),
-        Err(StorageError::PositionMismatch { expected: 3, got: 2, .. })
+        Err(StorageError::PositionMismatch {
+            expected: 3,
+            got: 2,
+            ..
+        })
     ));
     assert!(matches!(
         kv.append(4, 1, &one),
-        Err(StorageError::PositionMismatch { expected: 3, got: 4, .. })
+        Err(StorageError::PositionMismatch {
+            expected: 3,
+            got: 4,
+            ..
+        })
     ));
     assert!(matches!(
         kv.append(3, 1, &one[1..]),
@@ -134,21 +148,31 @@ fn bad_appends_are_typed_errors_and_change_nothing() {
     let tb = g.token_bytes();
     assert!(matches!(
         kv.append_layer(2, 3, &one[..tb], &one[tb..2 * tb]),
-        Err(StorageError::LayerOutOfRange { layer: 2, layers: 2 })
+        Err(StorageError::LayerOutOfRange {
+            layer: 2,
+            layers: 2
+        })
     ));
     // A bf16 NaN as element 1 of layer 1's K rows.
     let mut nan = one.clone();
     nan[2 * tb + 2..2 * tb + 4].copy_from_slice(&0x7FC0u16.to_le_bytes());
     assert!(matches!(
         kv.append(3, 1, &nan),
-        Err(StorageError::NonFinite { what: "k", index: 1 })
+        Err(StorageError::NonFinite {
+            what: "k",
+            index: 1
+        })
     ));
     // Arena full: 4 frames; 2 used; 8 more tokens need 2 blocks per layer = 4 frames.
     assert!(matches!(
         kv.append(3, 8, &payload(&g, 8, 3)),
         Err(StorageError::ArenaFull { .. })
     ));
-    assert_eq!(snapshot(&kv), before, "failed appends left the cache unchanged");
+    assert_eq!(
+        snapshot(&kv),
+        before,
+        "failed appends left the cache unchanged"
+    );
     assert_eq!(kv.arena().usage().frames_used, 2);
     // Per-layer appends may run ahead of each other, but each layer stays contiguous.
     kv.append_layer(0, 3, &one[..tb], &one[tb..2 * tb]).unwrap();

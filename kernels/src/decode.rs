@@ -1,0 +1,157 @@
+//! One decode step of one layer for a batch of sessions on the CPU: append the new token's K/V,
+//! select each kv-head's keep-set from the key bounds, attend over it.
+
+use rayon::prelude::*;
+
+use kvtier_storage::{KvCache, Policy};
+
+use crate::attention::{attend, AttendItem};
+use crate::error::{KernelError, Result};
+use crate::select::{check_query, select_head, KeepSet, SelectScratch};
+
+/// One session's part of a batched decode step.
+pub struct DecodeEntry<'a> {
+    pub kv: &'a mut KvCache,
+    pub policy: Policy,
+    /// Position of the new token: the layer's current length.
+    pub position: u64,
+    /// `[q_heads][head_dim]` f32.
+    pub q: &'a [f32],
+    /// The new token's `[kv_heads][head_dim]` K and V in the session dtype.
+    pub k: &'a [u8],
+    pub v: &'a [u8],
+}
+
+/// What one entry's step read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepStats {
+    /// Blocks in the layer after the append.
+    pub blocks_total: u32,
+    /// Selected (block, kv-head) tiles over all kv-heads.
+    pub tiles_selected: u32,
+    /// Bytes read to answer: the summaries scanned plus the valid K/V rows of selected tiles.
+    pub bytes_touched: u64,
+    /// The keep-set, per kv-head.
+    pub keep: KeepSet,
+}
+
+/// Below this many scored blocks the selection stays on the calling thread.
+const PARALLEL_MIN_BLOCKS: usize = 256;
+
+/// Runs one layer's decode step for every entry; `out` receives `[entry][q_heads][head_dim]`.
+/// All-or-nothing: every entry is validated and every frame reserved before any cache changes,
+/// so an error (naming the entry) leaves every session as it was.
+pub fn decode_layer(
+    layer: u32,
+    entries: &mut [DecodeEntry<'_>],
+    out: &mut [f32],
+) -> Result<Vec<StepStats>> {
+    let at = |entry: usize| {
+        move |e: KernelError| KernelError::Entry {
+            entry,
+            source: Box::new(e),
+        }
+    };
+    let mut needs = Vec::with_capacity(entries.len());
+    let mut out_len = 0;
+    for (i, e) in entries.iter().enumerate() {
+        let geo = e.kv.geometry();
+        check_query(geo, e.q).map_err(at(i))?;
+        let one = geo.token_bytes();
+        for (what, bytes) in [("k", e.k), ("v", e.v)] {
+            if bytes.len() != one {
+                return Err(at(i)(KernelError::Storage(
+                    kvtier_storage::StorageError::PayloadSize {
+                        what,
+                        expected: one,
+                        got: bytes.len(),
+                    },
+                )));
+            }
+        }
+        needs.push(
+            e.kv.check_layer_append(layer, e.position, e.k, e.v)
+                .map_err(|s| at(i)(s.into()))?,
+        );
+        out_len += geo.q_heads as usize * geo.head_dim as usize;
+    }
+    assert_eq!(out.len(), out_len, "decode_layer: output buffer size");
+    let mut reserved = Vec::with_capacity(entries.len());
+    for (i, (e, &n)) in entries.iter().zip(&needs).enumerate() {
+        reserved.push(e.kv.arena().alloc_many(n).map_err(|s| at(i)(s.into()))?);
+    }
+    for (e, frames) in entries.iter_mut().zip(&mut reserved) {
+        e.kv.append_layer_reserved(layer, e.position, e.k, e.v, frames)
+            .expect("validated append cannot fail");
+    }
+
+    let views: Vec<_> = entries
+        .iter()
+        .map(|e| e.kv.layer(layer).expect("layer was validated"))
+        .collect();
+    let jobs: Vec<(usize, usize)> = entries
+        .iter()
+        .enumerate()
+        .flat_map(|(i, e)| (0..e.kv.geometry().kv_heads as usize).map(move |h| (i, h)))
+        .collect();
+    let select_one = |scratch: &mut SelectScratch, &(i, h): &(usize, usize)| {
+        let mut blocks = Vec::new();
+        select_head(
+            entries[i].q,
+            &views[i],
+            &entries[i].policy,
+            h,
+            scratch,
+            &mut blocks,
+        );
+        blocks
+    };
+    let scored: usize = views.iter().map(|v| v.blocks()).sum();
+    let heads: Vec<Vec<u32>> = if scored >= PARALLEL_MIN_BLOCKS {
+        jobs.par_iter()
+            .map_init(SelectScratch::default, select_one)
+            .collect()
+    } else {
+        let mut scratch = SelectScratch::default();
+        jobs.iter().map(|j| select_one(&mut scratch, j)).collect()
+    };
+    let mut keeps = vec![KeepSet::new(); entries.len()];
+    for (&(i, _), blocks) in jobs.iter().zip(heads) {
+        keeps[i].push_head(blocks);
+    }
+
+    let items: Vec<AttendItem<'_>> = entries
+        .iter()
+        .zip(&views)
+        .zip(&keeps)
+        .map(|((e, layer), keep)| AttendItem {
+            q: e.q,
+            layer: *layer,
+            keep,
+        })
+        .collect();
+    attend(&items, out);
+
+    Ok(views
+        .iter()
+        .zip(keeps)
+        .map(|(v, keep)| {
+            let geo = v.geometry();
+            let summary_bytes = v.blocks() * geo.summary_floats_per_block() * 4;
+            let mut rows = 0u64;
+            for h in 0..keep.heads() {
+                rows += keep
+                    .head(h)
+                    .iter()
+                    .map(|&b| v.valid_tokens(b as usize) as u64)
+                    .sum::<u64>();
+            }
+            StepStats {
+                blocks_total: v.blocks() as u32,
+                tiles_selected: keep.tiles() as u32,
+                bytes_touched: summary_bytes as u64 + rows * 2 * geo.row_bytes() as u64,
+                keep,
+            }
+        })
+        .collect())
+}

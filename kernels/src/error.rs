@@ -1,0 +1,36 @@
+use kvtier_storage::StorageError;
+
+/// Errors of the kernels crate.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+
+    #[error("query: expected {expected} f32 values (q_heads x head_dim), got {got}")]
+    QuerySize { expected: usize, got: usize },
+
+    #[error("query value {index} is not finite")]
+    NonFiniteQuery { index: usize },
+
+    #[error("decode at layer {layer} of a session with no tokens at that layer")]
+    EmptyLayer { layer: u32 },
+
+    #[error("batch entry {entry}: {source}")]
+    Entry {
+        entry: usize,
+        #[source]
+        source: Box<KernelError>,
+    },
+}
+
+impl KernelError {
+    /// The error without the batch-entry wrapper.
+    pub fn root(&self) -> &KernelError {
+        match self {
+            KernelError::Entry { source, .. } => source.root(),
+            e => e,
+        }
+    }
+}
+
+pub type Result<T, E = KernelError> = std::result::Result<T, E>;
