@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use kvtier_storage::LayerView;
 
 use crate::select::KeepSet;
-use crate::simd::{axpy, dot, exp_nonpos};
+use crate::simd::{axpy, dots, exp_nonpos, weighted_rows};
 
 /// Tiles per work unit: large enough to amortise the merge, small enough to spread a batch-1
 /// step over both cores.
@@ -112,35 +112,61 @@ fn run_unit(it: &AttendItem<'_>, u: &Unit) -> Partial {
         let (kt, vt) = it.layer.tile(block, u.kv_head);
         let rows = &mut rows[..n * d];
         geo.dtype.decode(&kt[..n * geo.row_bytes()], rows);
+        scores(&q, g, d, rows, bt, &mut s);
         for gi in 0..g {
-            let qg = &q[gi * d..(gi + 1) * d];
             let sg = &mut s[gi * bt..gi * bt + n];
-            for (st, key) in sg.iter_mut().zip(rows.chunks_exact(d)) {
-                *st = dot(qg, key);
-            }
             let tile_max = sg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let m_new = p.m[gi].max(tile_max);
             // The first tile has m = -inf: alpha = 0 rescales the empty accumulator to zero.
             let alpha = (p.m[gi] - m_new).exp();
             p.m[gi] = m_new;
-            let mut sum = 0.0;
-            for st in sg.iter_mut() {
-                *st = exp_nonpos(*st - m_new);
-                sum += *st;
-            }
-            p.l[gi] = p.l[gi] * alpha + sum;
+            sg.iter_mut().for_each(|st| *st = exp_nonpos(*st - m_new));
+            p.l[gi] = p.l[gi] * alpha + sg.iter().sum::<f32>();
             for a in &mut p.acc[gi * d..(gi + 1) * d] {
                 *a *= alpha;
             }
         }
         geo.dtype.decode(&vt[..n * geo.row_bytes()], rows);
-        for (t, val) in rows.chunks_exact(d).enumerate() {
-            for gi in 0..g {
-                axpy(&mut p.acc[gi * d..(gi + 1) * d], s[gi * bt + t], val);
-            }
+        for gi in 0..g {
+            weighted_rows(
+                &s[gi * bt..gi * bt + n],
+                rows,
+                &mut p.acc[gi * d..(gi + 1) * d],
+            );
         }
     }
     p
+}
+
+/// `s[g][t] = q[g] . rows[t]` for the `n = rows.len() / d` rows, up to four query heads per
+/// pass so each key row is read once per four heads.
+fn scores(q: &[f32], g: usize, d: usize, rows: &[f32], bt: usize, s: &mut [f32]) {
+    let mut gi = 0;
+    while gi < g {
+        match g - gi {
+            1 => scores_n::<1>(q, gi, d, rows, bt, s),
+            2 => scores_n::<2>(q, gi, d, rows, bt, s),
+            3 => scores_n::<3>(q, gi, d, rows, bt, s),
+            _ => scores_n::<4>(q, gi, d, rows, bt, s),
+        }
+        gi += (g - gi).min(4);
+    }
+}
+
+fn scores_n<const N: usize>(
+    q: &[f32],
+    g0: usize,
+    d: usize,
+    rows: &[f32],
+    bt: usize,
+    s: &mut [f32],
+) {
+    let qs: [&[f32]; N] = std::array::from_fn(|j| &q[(g0 + j) * d..(g0 + j + 1) * d]);
+    for (t, key) in rows.chunks_exact(d).enumerate() {
+        for (j, v) in dots(qs, key).into_iter().enumerate() {
+            s[(g0 + j) * bt + t] = v;
+        }
+    }
 }
 
 /// Log-sum-exp merge of one kv-head's partials, in unit order, into its `G x D` output rows.

@@ -1,9 +1,19 @@
 //! Small numeric loops written so the compiler vectorises them (fixed 8-lane accumulators, no
 //! branches, no libm calls), shared by the selector and attention.
 
+//! Explicit SIMD via `wide::f32x8` (SSE pairs on baseline x86-64, AVX where enabled). Products
+//! and sums are separate operations, never fused, so results are identical on every target.
+
+use wide::f32x8;
+
 /// Lanes of the partial sums. The reduction order below is part of the selector's definition
 /// (a GPU port that wants bit-identical scores sums the same way).
 pub const LANES: usize = 8;
+
+#[inline(always)]
+fn load(s: &[f32]) -> f32x8 {
+    f32x8::new(s[..LANES].try_into().expect("8 lanes"))
+}
 
 /// Folds the 8 lane sums in a fixed tree: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
 #[inline(always)]
@@ -17,45 +27,53 @@ pub fn reduce(acc: [f32; LANES]) -> f32 {
     (t[0] + t[2]) + (t[1] + t[3])
 }
 
-/// Dot product; element `i` accumulates into lane `i % 8`.
+/// Dot product; element `i` accumulates into lane `i % 8` in increasing `i`, then [`reduce`].
 #[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    let mut acc = [0f32; LANES];
-    let mut ca = a.chunks_exact(LANES);
-    let mut cb = b.chunks_exact(LANES);
-    for (x, y) in (&mut ca).zip(&mut cb) {
-        for j in 0..LANES {
-            acc[j] += x[j] * y[j];
+    dots([a], b)[0]
+}
+
+/// `N` dot products of one shared vector `x` with `N` rows `qs`, each summed exactly as [`dot`]:
+/// `x` is loaded once per chunk and the `N` accumulators are independent dependency chains,
+/// which keeps the FP units busy (a single chain is latency-bound).
+#[inline(always)]
+pub fn dots<const N: usize>(qs: [&[f32]; N], x: &[f32]) -> [f32; N] {
+    let full = x.len() / LANES * LANES;
+    let mut acc = [f32x8::ZERO; N];
+    for c in (0..full).step_by(LANES) {
+        let xc = load(&x[c..]);
+        for (a, q) in acc.iter_mut().zip(&qs) {
+            *a += load(&q[c..]) * xc;
         }
     }
-    for (j, (x, y)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
-        acc[j] += x * y;
+    let mut out = [0f32; N];
+    for ((o, a), q) in out.iter_mut().zip(acc).zip(&qs) {
+        let mut lanes = a.to_array();
+        for (j, i) in (full..x.len()).enumerate() {
+            lanes[j] += q[i] * x[i];
+        }
+        *o = reduce(lanes);
     }
-    reduce(acc)
+    out
 }
 
 /// Quest bound: sum over d of max(q[d]*hi[d], q[d]*lo[d]), an upper bound on q.k for every k
-/// with lo <= k <= hi element-wise. Element `d` accumulates into lane `d % 8`.
+/// with lo <= k <= hi element-wise. Summed in [`dot`]'s order, so (rounding being monotone) it
+/// bounds [`dot`] of every such k exactly, not just up to rounding.
 #[inline(always)]
 pub fn bound_dot(q: &[f32], hi: &[f32], lo: &[f32]) -> f32 {
     debug_assert!(q.len() == hi.len() && q.len() == lo.len());
-    let mut acc = [0f32; LANES];
-    let (cq, ch, cl) = (
-        q.chunks_exact(LANES),
-        hi.chunks_exact(LANES),
-        lo.chunks_exact(LANES),
-    );
-    let (rq, rh, rl) = (cq.remainder(), ch.remainder(), cl.remainder());
-    for ((x, h), l) in cq.zip(ch).zip(cl) {
-        for j in 0..LANES {
-            acc[j] += (x[j] * h[j]).max(x[j] * l[j]);
-        }
+    let full = q.len() / LANES * LANES;
+    let mut acc = f32x8::ZERO;
+    for c in (0..full).step_by(LANES) {
+        let x = load(&q[c..]);
+        acc += (x * load(&hi[c..])).fast_max(x * load(&lo[c..]));
     }
-    for j in 0..rq.len() {
-        acc[j] += (rq[j] * rh[j]).max(rq[j] * rl[j]);
+    let mut lanes = acc.to_array();
+    for (j, i) in (full..q.len()).enumerate() {
+        lanes[j] += (q[i] * hi[i]).max(q[i] * lo[i]);
     }
-    reduce(acc)
+    reduce(lanes)
 }
 
 /// `acc += a * x`.
@@ -63,6 +81,33 @@ pub fn bound_dot(q: &[f32], hi: &[f32], lo: &[f32]) -> f32 {
 pub fn axpy(acc: &mut [f32], a: f32, x: &[f32]) {
     for (o, v) in acc.iter_mut().zip(x) {
         *o += a * v;
+    }
+}
+
+/// `acc += sum_t w[t] * rows[t]` for rows of `acc.len()` columns: 32 columns at a time held in
+/// registers across the whole token loop, instead of streaming `acc` through memory per token.
+#[inline(always)]
+pub fn weighted_rows(w: &[f32], rows: &[f32], acc: &mut [f32]) {
+    const COLS: usize = 4 * LANES;
+    let d = acc.len();
+    let mut c0 = 0;
+    while c0 + COLS <= d {
+        let mut r = [0, 1, 2, 3].map(|i| load(&acc[c0 + i * LANES..]));
+        for (wt, row) in w.iter().zip(rows.chunks_exact(d)) {
+            let wv = f32x8::splat(*wt);
+            for (i, ri) in r.iter_mut().enumerate() {
+                *ri += wv * load(&row[c0 + i * LANES..]);
+            }
+        }
+        for (i, ri) in r.iter().enumerate() {
+            acc[c0 + i * LANES..c0 + (i + 1) * LANES].copy_from_slice(&ri.to_array());
+        }
+        c0 += COLS;
+    }
+    if c0 < d {
+        for (wt, row) in w.iter().zip(rows.chunks_exact(d)) {
+            axpy(&mut acc[c0..], *wt, &row[c0..]);
+        }
     }
 }
 
@@ -128,5 +173,18 @@ mod tests {
         assert!((b - exact).abs() < 1e-5);
         // The corners are attained: picking the better endpoint per coordinate equals the bound.
         assert!(dot(&q, &hi) <= b && dot(&q, &lo) <= b);
+    }
+
+    #[test]
+    fn dots_are_bit_identical_to_dot() {
+        let mut rng = kvtier_storage::testing::Rng::new(3);
+        for len in [1, 7, 8, 20, 128, 131] {
+            let x = rng.normals(len);
+            let q: Vec<Vec<f32>> = (0..4).map(|_| rng.normals(len)).collect();
+            let got = dots([&q[0][..], &q[1], &q[2], &q[3]], &x);
+            for (g, qi) in got.iter().zip(&q) {
+                assert_eq!(g.to_bits(), dot(qi, &x).to_bits(), "len {len}");
+            }
+        }
     }
 }

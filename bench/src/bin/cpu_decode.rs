@@ -1,0 +1,214 @@
+//! CPU decode step, sparse vs dense, in one run: Qwen2.5-7B attention geometry, all 28 layers.
+//!
+//! cargo run --release -p kvtier-bench --bin cpu_decode -- [--contexts 8192,32768,131072]
+//!     [--steps 15] [--dense-steps 3] [--json FILE]
+//!
+//! Per context it builds a session of that many random bf16 tokens in a host arena, then times
+//! full decode steps (28 layers of append + select + attend, batch 1): sparse with k=32, sink 1,
+//! local 4, and dense (every block selected) through the same kernels. Prints medians, bytes
+//! read per step (summaries + selected K/V rows) and the achieved read bandwidth.
+
+use std::time::{Duration, Instant};
+
+use kvtier_bench::{cpu_description, fill_bf16, gbps, median, process_cpu_time};
+use kvtier_kernels::{decode_layer, DecodeEntry};
+use kvtier_storage::testing::Rng;
+use kvtier_storage::{ArenaOptions, Geometry, HostArena, KvCache, Policy};
+
+struct Args {
+    contexts: Vec<u64>,
+    steps: usize,
+    dense_steps: usize,
+    json: Option<String>,
+}
+
+fn parse_args() -> Args {
+    let mut a = Args {
+        contexts: vec![8192, 32768, 131072],
+        steps: 15,
+        dense_steps: 3,
+        json: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut val = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--contexts" => {
+                a.contexts = val()
+                    .split(',')
+                    .map(|s| s.parse().expect("--contexts: integers"))
+                    .collect()
+            }
+            "--steps" => a.steps = val().parse().expect("--steps: integer"),
+            "--dense-steps" => a.dense_steps = val().parse().expect("--dense-steps: integer"),
+            "--json" => a.json = Some(val()),
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    a
+}
+
+struct Row {
+    context: u64,
+    mode: &'static str,
+    step: Duration,
+    cpu: Duration,
+    bytes: u64,
+    tiles: u64,
+}
+
+/// Times `steps` decode steps of all layers; returns (median wall time, median CPU time, bytes
+/// read, tiles per step).
+fn run_steps(
+    kv: &mut KvCache,
+    policy: Policy,
+    steps: usize,
+    rng: &mut Rng,
+) -> (Duration, Duration, u64, u64) {
+    let g = *kv.geometry();
+    let mut q = vec![0f32; (g.q_heads * g.head_dim) as usize];
+    let mut k = vec![0u8; g.token_bytes()];
+    let mut v = vec![0u8; g.token_bytes()];
+    let mut out = vec![0f32; q.len()];
+    let mut times = Vec::new();
+    let mut cpu = Vec::new();
+    let (mut bytes, mut tiles) = (0, 0);
+    for _ in 0..steps {
+        q.iter_mut().for_each(|x| *x = rng.normal());
+        let (t0, c0) = (Instant::now(), process_cpu_time());
+        let (mut b, mut n) = (0, 0);
+        for layer in 0..g.layers {
+            fill_bf16(rng, &mut k);
+            fill_bf16(rng, &mut v);
+            let position = kv.tokens(layer).unwrap();
+            let stats = decode_layer(
+                layer,
+                &mut [DecodeEntry {
+                    kv: &mut *kv,
+                    policy,
+                    position,
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                }],
+                &mut out,
+            )
+            .expect("decode");
+            b += stats[0].bytes_touched;
+            n += stats[0].tiles_selected as u64;
+        }
+        times.push(t0.elapsed());
+        cpu.push(process_cpu_time() - c0);
+        (bytes, tiles) = (b, n);
+    }
+    (median(&mut times), median(&mut cpu), bytes, tiles)
+}
+
+fn main() {
+    let args = parse_args();
+    let g = Geometry::QWEN2_5_7B;
+    let sparse = Policy {
+        sink_blocks: 1,
+        local_blocks: 4,
+        top_k: 32,
+    };
+    let dense = Policy {
+        sink_blocks: 0,
+        local_blocks: 1,
+        top_k: u32::MAX >> 12,
+    };
+    println!("kvtier cpu_decode: Qwen2.5-7B attention geometry (28 layers, 28/4 heads, D=128, bf16, B=128), batch 1");
+    println!("machine: {}", cpu_description());
+    println!(
+        "command: cargo run --release -p kvtier-bench --bin cpu_decode -- {}",
+        std::env::args().skip(1).collect::<Vec<_>>().join(" ")
+    );
+    let mut rows = Vec::new();
+    let mut rng = Rng::new(0x5EED);
+    for &ctx in &args.contexts {
+        let extra = (args.steps + args.dense_steps) as u64 + g.block_tokens as u64;
+        let frames = g.blocks_for(ctx + extra) as usize * g.layers as usize;
+        let arena = HostArena::new(&ArenaOptions::new(
+            frames * g.block_bytes(),
+            g.block_bytes(),
+        ))
+        .expect("arena");
+        let mut kv = KvCache::new(g, arena).unwrap();
+        let t0 = Instant::now();
+        let chunk = 2048u64;
+        let mut payload = vec![0u8; chunk as usize * g.kv_bytes_per_token()];
+        let mut at = 0;
+        while at < ctx {
+            let n = chunk.min(ctx - at);
+            let p = &mut payload[..n as usize * g.kv_bytes_per_token()];
+            fill_bf16(&mut rng, p);
+            kv.append(at, n, p).unwrap();
+            at += n;
+        }
+        eprintln!(
+            "context {ctx}: built {:.1} GB in {:.1?}",
+            kv.host_bytes() as f64 / 1e9,
+            t0.elapsed()
+        );
+        let (t, c, b, n) = run_steps(&mut kv, sparse, args.steps, &mut rng);
+        rows.push(Row {
+            context: ctx,
+            mode: "sparse k=32",
+            step: t,
+            cpu: c,
+            bytes: b,
+            tiles: n,
+        });
+        let (t, c, b, n) = run_steps(&mut kv, dense, args.dense_steps, &mut rng);
+        rows.push(Row {
+            context: ctx,
+            mode: "dense",
+            step: t,
+            cpu: c,
+            bytes: b,
+            tiles: n,
+        });
+    }
+    println!();
+    println!(
+        "{:>8}  {:<12} {:>10} {:>10} {:>8} {:>12} {:>7} {:>8}",
+        "context", "mode", "wall ms", "cpu ms", "tiles", "bytes read", "GB/s", "speedup"
+    );
+    let mut json = Vec::new();
+    for pair in rows.chunks(2) {
+        let speedup = pair[1].step.as_secs_f64() / pair[0].step.as_secs_f64();
+        for r in pair {
+            let ms = r.step.as_secs_f64() * 1e3;
+            let s = if r.mode == "dense" {
+                String::from("1.0x")
+            } else {
+                format!("{speedup:.1}x")
+            };
+            println!(
+                "{:>8}  {:<12} {:>10.2} {:>10.2} {:>8} {:>12} {:>7.2} {:>8}",
+                r.context,
+                r.mode,
+                ms,
+                r.cpu.as_secs_f64() * 1e3,
+                r.tiles,
+                r.bytes,
+                gbps(r.bytes, r.step),
+                s
+            );
+            json.push(format!(
+                "{{\"context\":{},\"mode\":\"{}\",\"step_ms\":{:.3},\"cpu_ms\":{:.3},\"tiles\":{},\"bytes_read\":{},\"gbps\":{:.3}}}",
+                r.context,
+                r.mode,
+                ms,
+                r.cpu.as_secs_f64() * 1e3,
+                r.tiles,
+                r.bytes,
+                gbps(r.bytes, r.step)
+            ));
+        }
+    }
+    if let Some(path) = args.json {
+        std::fs::write(&path, format!("[{}]\n", json.join(",\n"))).expect("write json");
+        println!("wrote {path}");
+    }
+}

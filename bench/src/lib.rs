@@ -1,0 +1,58 @@
+//! Shared helpers of the kvtier benchmark binaries.
+
+use std::time::Duration;
+
+use kvtier_storage::testing::Rng;
+
+/// Fills `bytes` with random bf16 values of magnitude in [2^-5, 1), four per RNG call: fast
+/// enough to fill a 7.5 GB cache in seconds, with enough spread that block bounds differ.
+pub fn fill_bf16(rng: &mut Rng, bytes: &mut [u8]) {
+    for chunk in bytes.chunks_mut(8) {
+        let r = rng.next_u64();
+        for (i, b) in chunk.chunks_exact_mut(2).enumerate() {
+            let x = (r >> (16 * i)) as u16;
+            // sign + 7 mantissa bits from x; exponent 2^-1 .. 2^-5 from 2 more bits.
+            let exp = 126 - ((x >> 7) & 3);
+            let v = (x & 0x807F) | (exp << 7);
+            b.copy_from_slice(&v.to_le_bytes());
+        }
+    }
+}
+
+pub fn median(xs: &mut [Duration]) -> Duration {
+    xs.sort_unstable();
+    xs[xs.len() / 2]
+}
+
+/// One line describing the CPU this ran on (model name and core count).
+pub fn cpu_description() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    format!("{model}, {cores} cores")
+}
+
+pub fn gbps(bytes: u64, t: Duration) -> f64 {
+    bytes as f64 / t.as_secs_f64() / 1e9
+}
+
+/// CPU time (user + system) consumed by this process so far, all threads. Unlike wall time it
+/// is not inflated when other processes share the cores, so it compares kernel variants on a
+/// busy machine; wall time stays the figure of record.
+pub fn process_cpu_time() -> Duration {
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes a full `rusage` into the pointer we pass and reads nothing.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
+    assert_eq!(rc, 0, "getrusage");
+    // SAFETY: getrusage succeeded, so the struct is initialised.
+    let ru = unsafe { ru.assume_init() };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
