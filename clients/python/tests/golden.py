@@ -45,3 +45,24 @@ def session_info(session: int, label: str, pinned: bool) -> p.SessionInfo:
         tokens_min=2, tokens_max=3, blocks=2, host_bytes=4096, nvme_bytes=0, pinned=pinned,
         created_unix_ms=1_763_800_000_000, last_access_unix_ms=1_763_800_000_500,
     )
+
+
+def read_frame_fds(sock):
+    """Read one frame exactly from a socket, collecting SCM_RIGHTS descriptors."""
+    import socket
+
+    fds = []
+
+    def exact(n):
+        buf = b""
+        while len(buf) < n:
+            data, got, _flags, _addr = socket.recv_fds(sock, n - len(buf), 4)
+            fds.extend(got)
+            if not data:
+                raise EOFError
+            buf += data
+        return buf
+
+    header = exact(p.HEADER_LEN)
+    body_len = p.decode_header(header)[0]
+    return header + (exact(body_len) if body_len else b""), fds

@@ -14,25 +14,7 @@ from kvtier import Client, ErrorCode, ProtocolError, ServerError
 from kvtier import protocol as p
 
 from golden import GEOMETRY, PAYLOAD, decode_entries, load, session_info, split
-
-
-def recv_exact(sock, n, fds):
-    buf = b""
-    while len(buf) < n:
-        data, got_fds, _flags, _addr = socket.recv_fds(sock, n - len(buf), 4)
-        fds.extend(got_fds)
-        if not data:
-            raise EOFError
-        buf += data
-    return buf
-
-
-def read_frame(sock):
-    fds = []
-    header = recv_exact(sock, p.HEADER_LEN, fds)
-    body_len = p.decode_header(header)[0]
-    body = recv_exact(sock, body_len, fds) if body_len else b""
-    return header + body, fds
+from golden import read_frame_fds as read_frame
 
 
 class Peer(threading.Thread):
