@@ -1,0 +1,46 @@
+"""Python client for kvtier's tierd daemon (protocol v1, see docs/protocol.md)."""
+
+from .client import Client, sealed_memfd
+from .protocol import (
+    PROTOCOL_VERSION,
+    STATS_KEYS,
+    DecodeEntry,
+    DecodeOutput,
+    DecodeStats,
+    Dtype,
+    ErrorCode,
+    Geometry,
+    HelloReply,
+    KvtierError,
+    Op,
+    Policy,
+    ProtocolError,
+    ServerError,
+    SessionInfo,
+    bf16_to_f32,
+    f32_to_bf16,
+    pack_append_payload,
+)
+
+__all__ = [
+    "Client",
+    "sealed_memfd",
+    "PROTOCOL_VERSION",
+    "STATS_KEYS",
+    "DecodeEntry",
+    "DecodeOutput",
+    "DecodeStats",
+    "Dtype",
+    "ErrorCode",
+    "Geometry",
+    "HelloReply",
+    "KvtierError",
+    "Op",
+    "Policy",
+    "ProtocolError",
+    "ServerError",
+    "SessionInfo",
+    "bf16_to_f32",
+    "f32_to_bf16",
+    "pack_append_payload",
+]

@@ -1,0 +1,194 @@
+"""Blocking client for tierd over a Unix stream socket (one request in flight at a time)."""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import os
+import socket
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from . import protocol as p
+from .protocol import (
+    DecodeEntry,
+    DecodeOutput,
+    Geometry,
+    HelloReply,
+    Op,
+    Policy,
+    ProtocolError,
+    ServerError,
+    SessionInfo,
+)
+
+#: Largest HELLO reply accepted before the server has announced its limit.
+HELLO_REPLY_MAX = 64 * 1024
+
+
+def sealed_memfd(payload, name: str = "kvtier-append") -> int:
+    """A memfd holding `payload`, sealed against shrink/grow/write. Returns the fd (caller
+    closes it). The file offset stays at 0."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        mv = memoryview(payload).cast("B")
+        done = 0
+        while done < len(mv):
+            done += os.pwrite(fd, mv[done:], done)
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class Client:
+    """Connects, performs HELLO, then offers one method per request. Server errors raise
+    `ServerError` with `.code` (an `ErrorCode`) and `.message`."""
+
+    def __init__(self, path: Optional[str] = None, client_name: str = "kvtier-python",
+                 timeout: Optional[float] = None, sock: Optional[socket.socket] = None):
+        if sock is None:
+            if path is None:
+                raise ValueError("give a socket path or a connected socket")
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            try:
+                sock.connect(path)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock.settimeout(timeout)
+        self._sock = sock
+        self._next_id = 1
+        self.server = HelloReply(0, HELLO_REPLY_MAX, "", "")
+        reply = self._call(Op.HELLO, p.encode_hello(client_name))
+        if reply.version != p.PROTOCOL_VERSION:
+            raise ProtocolError(f"server chose protocol version {reply.version}")
+        self.server = reply
+
+    # -- connection -----------------------------------------------------------------------
+
+    def disconnect(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.disconnect()
+
+    # -- requests -------------------------------------------------------------------------
+
+    def create_session(self, geometry: Geometry, policy: Policy = Policy(), label: str = "") -> int:
+        return self._call(Op.CREATE_SESSION, p.encode_create_session(geometry, policy, label))
+
+    def append_kv(self, session: int, start_pos: int, n_tokens: int, payload) -> int:
+        """Inline append; `payload` is bytes or an array (see `pack_append_payload`).
+        Returns the session's new length."""
+        data = p.payload_bytes(payload)
+        prefix = p.encode_append_prefix(session, start_pos, n_tokens, len(data))
+        return self._call(Op.APPEND_KV, prefix, tail=data)
+
+    def append_kv_shm(self, session: int, start_pos: int, n_tokens: int, payload) -> int:
+        """Append through a sealed memfd passed with SCM_RIGHTS (no size limit)."""
+        data = p.payload_bytes(payload)
+        fd = sealed_memfd(data)
+        try:
+            return self.append_kv_fd(session, start_pos, n_tokens, fd, 0, len(data))
+        finally:
+            os.close(fd)
+
+    def append_kv_fd(self, session: int, start_pos: int, n_tokens: int, fd: int,
+                     offset: int, length: int) -> int:
+        """Append `length` bytes at `offset` of an open file or memfd; the range must not
+        change until this returns."""
+        body = p.encode_append_shm(session, start_pos, n_tokens, offset, length)
+        return self._call(Op.APPEND_KV, body, flags=p.FLAG_APPEND_SHM, fd=fd)
+
+    def decode(self, layer: int, session: int, position: int, q, k, v,
+               want_stats: bool = False) -> DecodeOutput:
+        """One decode step: q float32 [Hq, D]; k, v [Hkv, D] in the session dtype."""
+        return self.decode_batch(layer, [DecodeEntry(session, position, q, k, v)], want_stats)[0]
+
+    def decode_batch(self, layer: int, entries: Sequence[DecodeEntry],
+                     want_stats: bool = False) -> List[DecodeOutput]:
+        outs = self._call(Op.DECODE, p.encode_decode(layer, entries, want_stats))
+        if len(outs) != len(entries):
+            raise ProtocolError(f"{len(outs)} outputs for {len(entries)} entries")
+        for e, o in zip(entries, outs):
+            shape = getattr(e.q, "shape", None)
+            if shape is not None and int(np.prod(shape)) == o.out.size:
+                o.out = o.out.reshape(shape)
+        return outs
+
+    def session_info(self, session: int) -> SessionInfo:
+        return self._call(Op.SESSION_INFO, p.encode_session(session))
+
+    def close(self, session: int) -> None:
+        """CLOSE_SESSION (the connection stays open; see `disconnect`)."""
+        self._call(Op.CLOSE_SESSION, p.encode_session(session))
+
+    def list_sessions(self) -> List[SessionInfo]:
+        return self._call(Op.LIST_SESSIONS)
+
+    def stats(self) -> dict:
+        return self._call(Op.STATS)
+
+    def evict(self, session: int) -> None:
+        """Admin: drop any session."""
+        self._call(Op.EVICT, p.encode_session(session))
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _call(self, op: Op, body: bytes = b"", flags: int = 0, tail: bytes = b"",
+              fd: Optional[int] = None):
+        rid = self._next_id
+        self._next_id = (self._next_id + 1) % (1 << 64)
+        body_len = len(body) + len(tail)
+        if self.server.version and body_len > self.server.max_frame_bytes:
+            raise ProtocolError(
+                f"request body of {body_len} bytes exceeds max_frame_bytes "
+                f"{self.server.max_frame_bytes}; use append_kv_shm for large payloads")
+        head = p.encode_header(int(op), flags, rid, body_len) + body
+        if fd is None:
+            self._sock.sendall(head)
+        else:
+            fds = array.array("i", [fd])
+            sent = self._sock.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            # The descriptor travels with the first byte; the rest is ordinary data.
+            self._sock.sendall(head[sent:])
+        if tail:
+            self._sock.sendall(tail)
+        return self._read_reply(rid, op)
+
+    def _recv_exact(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self._sock.recv_into(view[got:])
+            if k == 0:
+                raise ConnectionError("server closed the connection")
+            got += k
+        return buf
+
+    def _read_reply(self, rid: int, op: Op):
+        body_len, reply_id, opcode, flags = p.decode_header(bytes(self._recv_exact(p.HEADER_LEN)))
+        if body_len > self.server.max_frame_bytes:
+            raise ProtocolError(f"reply body of {body_len} bytes exceeds {self.server.max_frame_bytes}")
+        body = self._recv_exact(body_len) if body_len else b""
+        reply = p.decode_reply(opcode, flags, body)
+        if isinstance(reply, p.ErrorReply):
+            # id 0: the server could not parse our header and is closing the connection.
+            if reply_id not in (rid, 0):
+                raise ProtocolError(f"reply id {reply_id}, expected {rid}")
+            raise ServerError(reply.code, reply.message)
+        if reply_id != rid:
+            raise ProtocolError(f"reply id {reply_id}, expected {rid}")
+        if opcode != op.reply:
+            raise ProtocolError(f"reply opcode 0x{opcode:04x} does not answer {op.name}")
+        return reply

@@ -1,0 +1,534 @@
+"""kvtier wire protocol v1: framing, body encoders and reply decoders.
+
+Pure Python + numpy. The byte layout is specified in docs/protocol.md; the golden frames in
+protocol/tests/golden/*.hex are checked by tests/test_golden.py.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+MAGIC = 0x3154564B  # b"KVT1" little-endian
+HEADER = struct.Struct("<IIQHHI")
+HEADER_LEN = HEADER.size  # 24
+PROTOCOL_VERSION = 1
+REPLY_BIT = 0x8000
+ERROR_OPCODE = 0xFFFF
+FLAG_APPEND_SHM = 0x0001
+DECODE_WANT_STATS = 0x1
+#: DEMOTE 0x10, PROMOTE 0x11, PIN 0x12, UNPIN 0x13; answered with UNIMPLEMENTED for now.
+RESERVED_TIER_OPCODES = range(0x0010, 0x0020)
+
+
+class Op(IntEnum):
+    HELLO = 0x0001
+    CREATE_SESSION = 0x0002
+    APPEND_KV = 0x0003
+    DECODE = 0x0004
+    SESSION_INFO = 0x0005
+    CLOSE_SESSION = 0x0006
+    LIST_SESSIONS = 0x0007
+    STATS = 0x0008
+    EVICT = 0x0009
+
+    @property
+    def reply(self) -> int:
+        return int(self) | REPLY_BIT
+
+
+class ErrorCode(IntEnum):
+    NOT_FOUND = 1
+    INVALID_ARGUMENT = 2
+    RESOURCE_EXHAUSTED = 3
+    FAILED_PRECONDITION = 4
+    PERMISSION_DENIED = 5
+    UNAVAILABLE = 6
+    INTERNAL = 7
+    UNIMPLEMENTED = 8
+    DATA_LOSS = 9
+
+
+class Dtype(IntEnum):
+    BF16 = 0
+    F16 = 1
+    F32 = 2
+
+    @property
+    def elem_bytes(self) -> int:
+        return 4 if self is Dtype.F32 else 2
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        """numpy type holding one element: bf16 travels as uint16 bit patterns."""
+        return np.dtype({Dtype.BF16: "<u2", Dtype.F16: "<f2", Dtype.F32: "<f4"}[self])
+
+
+STATS_KEYS = (
+    "uptime_ms",
+    "sessions",
+    "host_bytes_used",
+    "host_bytes_capacity",
+    "host_frames_used",
+    "host_frames_capacity",
+    "decode_requests_total",
+    "decode_entries_total",
+    "append_tokens_total",
+    "errors_total",
+    "rejected_total",
+    "bytes_touched_total",
+)
+
+
+class KvtierError(Exception):
+    """Base class of every error raised by this package."""
+
+
+class ProtocolError(KvtierError):
+    """Malformed or unexpected bytes on the wire."""
+
+
+class ServerError(KvtierError):
+    """The server answered with an error reply."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+# --------------------------------------------------------------------------- bf16 helpers
+
+
+def f32_to_bf16(x) -> np.ndarray:
+    """float32 -> bf16 bit patterns (uint16), round to nearest even; NaN stays NaN."""
+    a = np.ascontiguousarray(x, dtype=np.float32)
+    bits = a.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        rounded[nan] = ((bits[nan] >> 16) | 0x0040).astype(np.uint16)
+    return rounded
+
+
+def bf16_to_f32(b) -> np.ndarray:
+    """bf16 bit patterns (uint16) -> float32 (exact)."""
+    u = np.ascontiguousarray(b, dtype=np.uint16)
+    return (u.astype(np.uint32) << 16).view(np.float32)
+
+
+# --------------------------------------------------------------------------- value types
+
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: Dtype = Dtype.BF16
+    block_tokens: int = 128
+
+    def q_bytes(self) -> int:
+        return self.q_heads * self.head_dim * 4
+
+    def kv_token_bytes(self) -> int:
+        return self.kv_heads * self.head_dim * Dtype(self.dtype).elem_bytes
+
+    def append_payload_bytes(self, n_tokens: int) -> int:
+        return self.layers * 2 * n_tokens * self.kv_token_bytes()
+
+
+@dataclass(frozen=True)
+class Policy:
+    sink_blocks: int = 1
+    local_blocks: int = 4
+    top_k: int = 32
+
+
+@dataclass
+class HelloReply:
+    version: int
+    max_frame_bytes: int
+    server_name: str
+    server_version: str
+
+
+@dataclass
+class SessionInfo:
+    session: int
+    owner_uid: int
+    label: str
+    geometry: Geometry
+    policy: Policy
+    tokens_min: int
+    tokens_max: int
+    blocks: int
+    host_bytes: int
+    nvme_bytes: int
+    pinned: bool
+    created_unix_ms: int
+    last_access_unix_ms: int
+
+
+@dataclass
+class DecodeStats:
+    blocks_total: int
+    blocks_selected: int
+    bytes_touched: int
+    bytes_moved: int
+    cache_hits: int
+    blocks_ram: int
+    blocks_nvme: int
+    selected: List[List[int]] = field(default_factory=list)
+
+
+@dataclass
+class DecodeOutput:
+    out: np.ndarray  # float32, [Hq * D] (the client reshapes to the query's shape)
+    stats: Optional[DecodeStats]
+
+
+@dataclass
+class ErrorReply:
+    code: ErrorCode
+    message: str
+
+
+@dataclass
+class DecodeEntry:
+    """One DECODE entry. q: float32 [Hq, D]; k, v: [Hkv, D] in the session dtype (uint16 bf16
+    bit patterns, float16 or float32), or raw little-endian bytes."""
+
+    session: int
+    position: int
+    q: object
+    k: object
+    v: object
+
+
+Header = Tuple[int, int, int, int]  # body_len, request_id, opcode, flags
+
+# --------------------------------------------------------------------------- primitives
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def u8(self, v: int) -> "_Writer":
+        self.buf += struct.pack("<B", v)
+        return self
+
+    def u16(self, v: int) -> "_Writer":
+        self.buf += struct.pack("<H", v)
+        return self
+
+    def u32(self, v: int) -> "_Writer":
+        self.buf += struct.pack("<I", v)
+        return self
+
+    def u64(self, v: int) -> "_Writer":
+        self.buf += struct.pack("<Q", v)
+        return self
+
+    def raw(self, b) -> "_Writer":
+        self.buf += b
+        return self
+
+    def str(self, s: str) -> "_Writer":
+        b = s.encode("utf-8")
+        return self.u32(len(b)).raw(b)
+
+
+class _Reader:
+    def __init__(self, body) -> None:
+        self.mv = memoryview(body)
+        self.pos = 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n > len(self.mv) - self.pos:
+            raise ProtocolError(f"truncated {what}: needs {n} bytes, {len(self.mv) - self.pos} left")
+        out = self.mv[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def _unpack(self, fmt: str, n: int, what: str) -> int:
+        return struct.unpack(fmt, self.take(n, what))[0]
+
+    def u8(self, what: str) -> int:
+        return self._unpack("<B", 1, what)
+
+    def u16(self, what: str) -> int:
+        return self._unpack("<H", 2, what)
+
+    def u32(self, what: str) -> int:
+        return self._unpack("<I", 4, what)
+
+    def u64(self, what: str) -> int:
+        return self._unpack("<Q", 8, what)
+
+    def bool(self, what: str) -> bool:
+        v = self.u8(what)
+        if v not in (0, 1):
+            raise ProtocolError(f"{what} must be 0 or 1, got {v}")
+        return v == 1
+
+    def str(self, what: str) -> str:
+        n = self.u32(what)
+        try:
+            return bytes(self.take(n, what)).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ProtocolError(f"{what} is not valid UTF-8") from e
+
+    def count(self, what: str, min_item: int) -> int:
+        n = self.u32(what)
+        if n * min_item > len(self.mv) - self.pos:
+            raise ProtocolError(f"truncated {what}: {n} items cannot fit")
+        return n
+
+    def finish(self) -> None:
+        extra = len(self.mv) - self.pos
+        if extra:
+            raise ProtocolError(f"{extra} trailing bytes after the body")
+
+
+# --------------------------------------------------------------------------- framing
+
+
+def encode_header(opcode: int, flags: int, request_id: int, body_len: int) -> bytes:
+    return HEADER.pack(MAGIC, body_len, request_id, opcode, flags, 0)
+
+
+def decode_header(b) -> Header:
+    if len(b) != HEADER_LEN:
+        raise ProtocolError(f"header must be {HEADER_LEN} bytes, got {len(b)}")
+    magic, body_len, request_id, opcode, flags, reserved = HEADER.unpack(b)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic 0x{magic:08x}")
+    if reserved != 0:
+        raise ProtocolError(f"reserved header field is {reserved}, must be 0")
+    return body_len, request_id, opcode, flags
+
+
+def frame(opcode: int, flags: int, request_id: int, body=b"") -> bytes:
+    return encode_header(opcode, flags, request_id, len(body)) + bytes(body)
+
+
+# --------------------------------------------------------------------------- request bodies
+
+
+def _le_bytes(x, what: str, allowed: Sequence[str]) -> bytes:
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return bytes(x)
+    a = np.asarray(x)
+    if a.dtype.kind + str(a.dtype.itemsize) not in allowed:
+        raise TypeError(f"{what}: dtype {a.dtype} not accepted (use one of {allowed})")
+    return np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()
+
+
+KV_DTYPES = ("u2", "f2", "f4")  # bf16 bit patterns, f16, f32
+
+
+def kv_bytes(x, what: str = "k/v") -> bytes:
+    """K/V data as wire bytes: uint16 (bf16 bits), float16 or float32 arrays, or raw bytes."""
+    return _le_bytes(x, what, KV_DTYPES)
+
+
+def payload_bytes(x) -> bytes:
+    """An APPEND_KV payload as bytes: raw bytes, or a uint8 / KV-dtype array."""
+    return _le_bytes(x, "append payload", KV_DTYPES + ("u1",))
+
+
+def q_bytes(q) -> bytes:
+    """A query as little-endian float32 bytes (any float array is converted to float32)."""
+    if isinstance(q, (bytes, bytearray, memoryview)):
+        return bytes(q)
+    return np.ascontiguousarray(q, dtype="<f4").tobytes()
+
+
+def pack_append_payload(k, v) -> bytes:
+    """APPEND_KV payload from K and V of shape [L, n, Hkv, D]: per layer K then V."""
+    k = np.asarray(k)
+    v = np.asarray(v)
+    if k.shape != v.shape or k.ndim != 4 or k.dtype != v.dtype:
+        raise ValueError(f"k and v must both be [L, n, Hkv, D] of one dtype, got {k.shape} {v.shape}")
+    return kv_bytes(np.stack([k, v], axis=1), "append payload")
+
+
+def encode_hello(client_name: str, min_version: int = PROTOCOL_VERSION, max_version: int = PROTOCOL_VERSION) -> bytes:
+    return bytes(_Writer().u16(min_version).u16(max_version).str(client_name).buf)
+
+
+def _geometry(w: _Writer, g: Geometry) -> None:
+    w.u32(g.layers).u32(g.q_heads).u32(g.kv_heads).u32(g.head_dim).u8(int(g.dtype)).u32(g.block_tokens)
+
+
+def encode_create_session(geometry: Geometry, policy: Policy = Policy(), label: str = "") -> bytes:
+    w = _Writer()
+    _geometry(w, geometry)
+    w.u32(policy.sink_blocks).u32(policy.local_blocks).u32(policy.top_k).str(label)
+    return bytes(w.buf)
+
+
+def encode_append_prefix(session: int, start_pos: int, n_tokens: int, payload_len: int) -> bytes:
+    """Inline APPEND_KV body up to (not including) the payload bytes."""
+    return bytes(_Writer().u64(session).u64(start_pos).u32(n_tokens).u32(0).u64(payload_len).buf)
+
+
+def encode_append_inline(session: int, start_pos: int, n_tokens: int, payload) -> bytes:
+    p = bytes(payload)
+    return encode_append_prefix(session, start_pos, n_tokens, len(p)) + p
+
+
+def encode_append_shm(session: int, start_pos: int, n_tokens: int, offset: int, length: int) -> bytes:
+    """Body of the shared-memory APPEND_KV (send with header flag FLAG_APPEND_SHM)."""
+    return bytes(_Writer().u64(session).u64(start_pos).u32(n_tokens).u32(0).u64(offset).u64(length).buf)
+
+
+def encode_decode(layer: int, entries: Sequence[DecodeEntry], want_stats: bool = False) -> bytes:
+    w = _Writer().u32(layer).u32(DECODE_WANT_STATS if want_stats else 0).u32(len(entries))
+    for e in entries:
+        q = q_bytes(e.q)
+        k = kv_bytes(e.k, "k")
+        v = kv_bytes(e.v, "v")
+        if len(q) % 4:
+            raise ValueError(f"q of {len(q)} bytes is not whole f32s")
+        if len(k) != len(v):
+            raise ValueError(f"k ({len(k)} bytes) and v ({len(v)} bytes) differ in size")
+        w.u64(e.session).u64(e.position).u32(len(q)).u32(len(k)).raw(q).raw(k).raw(v)
+    return bytes(w.buf)
+
+
+def encode_session(session: int) -> bytes:
+    """Body of SESSION_INFO, CLOSE_SESSION and EVICT."""
+    return struct.pack("<Q", session)
+
+
+# --------------------------------------------------------------------------- reply bodies
+
+
+def _session_info(r: _Reader) -> SessionInfo:
+    session = r.u64("session")
+    owner = r.u32("owner_uid")
+    label = r.str("label")
+    geometry = Geometry(
+        layers=r.u32("layers"),
+        q_heads=r.u32("q_heads"),
+        kv_heads=r.u32("kv_heads"),
+        head_dim=r.u32("head_dim"),
+        dtype=_dtype(r.u8("dtype")),
+        block_tokens=r.u32("block_tokens"),
+    )
+    policy = Policy(r.u32("sink_blocks"), r.u32("local_blocks"), r.u32("top_k"))
+    return SessionInfo(
+        session=session,
+        owner_uid=owner,
+        label=label,
+        geometry=geometry,
+        policy=policy,
+        tokens_min=r.u64("tokens_min"),
+        tokens_max=r.u64("tokens_max"),
+        blocks=r.u64("blocks"),
+        host_bytes=r.u64("host_bytes"),
+        nvme_bytes=r.u64("nvme_bytes"),
+        pinned=r.bool("pinned"),
+        created_unix_ms=r.u64("created_unix_ms"),
+        last_access_unix_ms=r.u64("last_access_unix_ms"),
+    )
+
+
+def _dtype(v: int) -> Dtype:
+    try:
+        return Dtype(v)
+    except ValueError:
+        raise ProtocolError(f"unknown dtype {v}") from None
+
+
+SESSION_INFO_MIN_LEN = 106
+
+
+def _decode_stats(r: _Reader) -> DecodeStats:
+    s = DecodeStats(
+        blocks_total=r.u32("blocks_total"),
+        blocks_selected=r.u32("blocks_selected"),
+        bytes_touched=r.u64("bytes_touched"),
+        bytes_moved=r.u64("bytes_moved"),
+        cache_hits=r.u32("cache_hits"),
+        blocks_ram=r.u32("blocks_ram"),
+        blocks_nvme=r.u32("blocks_nvme"),
+    )
+    for _ in range(r.count("selected kv heads", 4)):
+        n = r.count("selected block ids", 4)
+        s.selected.append(list(struct.unpack(f"<{n}I", r.take(4 * n, "selected block ids"))))
+    return s
+
+
+Reply = Union[HelloReply, int, List[DecodeOutput], SessionInfo, List[SessionInfo], dict, None, ErrorReply]
+
+
+def decode_reply(opcode: int, flags: int, body) -> Reply:
+    """Decode a reply body. Returns, by opcode: HelloReply; session id (CREATE_SESSION); new
+    length (APPEND_KV); list of DecodeOutput; SessionInfo; None (CLOSE_SESSION, EVICT); list
+    of SessionInfo; dict key -> value (STATS); ErrorReply (opcode 0xFFFF)."""
+    if not opcode & REPLY_BIT:
+        raise ProtocolError(f"opcode 0x{opcode:04x} is not a reply")
+    if flags:
+        raise ProtocolError(f"reply flags must be 0, got 0x{flags:x}")
+    r = _Reader(body)
+    if opcode == ERROR_OPCODE:
+        code = r.u16("error code")
+        try:
+            code = ErrorCode(code)
+        except ValueError:
+            raise ProtocolError(f"unknown error code {code}") from None
+        out: Reply = ErrorReply(code, r.str("error message"))
+    else:
+        try:
+            op = Op(opcode & ~REPLY_BIT)
+        except ValueError:
+            raise ProtocolError(f"unknown reply opcode 0x{opcode:04x}") from None
+        if op is Op.HELLO:
+            out = HelloReply(r.u16("version"), r.u32("max_frame_bytes"), r.str("server name"), r.str("server version"))
+        elif op in (Op.CREATE_SESSION, Op.APPEND_KV):
+            out = r.u64("reply value")
+        elif op is Op.DECODE:
+            outs = []
+            for _ in range(r.count("decode outputs", 5)):
+                n = r.count("decode output", 4)
+                vec = np.frombuffer(r.take(4 * n, "decode output"), dtype="<f4").astype(np.float32)
+                stats = _decode_stats(r) if r.bool("has_stats") else None
+                outs.append(DecodeOutput(vec, stats))
+            out = outs
+        elif op is Op.SESSION_INFO:
+            out = _session_info(r)
+        elif op is Op.LIST_SESSIONS:
+            out = [_session_info(r) for _ in range(r.count("session list", SESSION_INFO_MIN_LEN))]
+        elif op is Op.STATS:
+            stats = {}
+            for _ in range(r.count("stats entries", 12)):
+                k = r.str("stats key")
+                stats[k] = r.u64("stats value")
+            out = stats
+        else:  # CLOSE_SESSION, EVICT
+            out = None
+    r.finish()
+    return out
+
+
+def encode_reply_body(op: Op, value) -> bytes:
+    """Encode simple success reply bodies (used by tests and fakes): CREATE_SESSION and
+    APPEND_KV take an int, CLOSE_SESSION and EVICT take None."""
+    if op in (Op.CREATE_SESSION, Op.APPEND_KV):
+        return struct.pack("<Q", value)
+    if op in (Op.CLOSE_SESSION, Op.EVICT):
+        return b""
+    raise ValueError(f"no simple reply encoder for {op.name}")
+
+
+def encode_error_body(code: ErrorCode, message: str) -> bytes:
+    return bytes(_Writer().u16(int(code)).str(message).buf)

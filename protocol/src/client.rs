@@ -1,0 +1,400 @@
+//! Blocking client over a Unix stream socket. One request in flight at a time; every call
+//! returns the server's typed error as [`ClientError::Server`].
+
+use std::io::{self, Write};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use crate::error::{ErrorCode, ProtoError};
+use crate::fdpass;
+use crate::header::{Header, Opcode, HEADER_LEN, PROTOCOL_VERSION};
+use crate::request::{
+    AppendData, AppendKvRequest, CreateSessionRequest, DecodeEntryRef, DecodeRequest, HelloRequest,
+    Request,
+};
+use crate::response::{DecodeOutput, HelloReply, Response, StatsReply};
+use crate::types::{Geometry, Policy, SessionInfo};
+
+/// Largest HELLO reply accepted before the server has told us its limit.
+const HELLO_REPLY_MAX: u32 = 64 * 1024;
+
+/// Failures of a client call.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("socket I/O: {0}")]
+    Io(#[from] io::Error),
+    #[error("protocol: {0}")]
+    Proto(#[from] ProtoError),
+    /// The server answered with an error reply.
+    #[error("server error {code}: {message}")]
+    Server { code: ErrorCode, message: String },
+    #[error("server closed the connection")]
+    Closed,
+    #[error("reply carries request id {got}, expected {expected}")]
+    RequestIdMismatch { expected: u64, got: u64 },
+    #[error("reply opcode 0x{got:04x} does not answer {expected}")]
+    UnexpectedReply { expected: &'static str, got: u16 },
+    #[error("request body of {len} bytes exceeds the server's max_frame_bytes {max}")]
+    FrameTooLarge { len: usize, max: u32 },
+    #[error("server chose protocol version {version}, this client speaks {PROTOCOL_VERSION}")]
+    Version { version: u16 },
+    #[error("peer sent {count} unexpected file descriptors")]
+    UnexpectedFds { count: usize },
+}
+
+impl ClientError {
+    /// The server's error code, for errors the server reported.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            ClientError::Server { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+/// Read bytes until `buf` is full, collecting passed descriptors. `Ok(false)` if the stream
+/// ended before the first byte (clean close), EOF mid-way is `UnexpectedEof`.
+fn read_exact_fds(
+    sock: BorrowedFd<'_>,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+) -> io::Result<bool> {
+    let mut done = 0;
+    while done < buf.len() {
+        let n = fdpass::recv_with_fds(sock, &mut buf[done..], fds)?;
+        if n == 0 {
+            if done == 0 {
+                return Ok(false);
+            }
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        done += n;
+    }
+    Ok(true)
+}
+
+/// Read one frame exactly (header, then `body_len` bytes) from a blocking socket. The body
+/// replaces the contents of `body`; descriptors received with the frame are appended to
+/// `fds`. A header announcing more than `max_body` bytes fails before the body is read.
+/// `Ok(None)` on a clean end of stream at a frame boundary.
+pub fn read_frame(
+    stream: &UnixStream,
+    max_body: u32,
+    body: &mut Vec<u8>,
+    fds: &mut Vec<OwnedFd>,
+) -> Result<Option<Header>, ClientError> {
+    let mut hbuf = [0u8; HEADER_LEN];
+    if !read_exact_fds(stream.as_fd(), &mut hbuf, fds)? {
+        return Ok(None);
+    }
+    let header = Header::decode(&hbuf)?;
+    header.check_len(max_body)?;
+    body.clear();
+    body.resize(header.body_len as usize, 0);
+    if !body.is_empty() && !read_exact_fds(stream.as_fd(), body, fds)? {
+        return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
+    }
+    Ok(Some(header))
+}
+
+/// A connected, handshaken client.
+pub struct Client {
+    stream: UnixStream,
+    server: HelloReply,
+    next_id: u64,
+    buf: Vec<u8>,
+    body: Vec<u8>,
+}
+
+impl Client {
+    /// Connect to the daemon socket at `path` and perform HELLO.
+    pub fn connect(path: impl AsRef<Path>) -> Result<Self, ClientError> {
+        Self::connect_as(path, "kvtier-protocol-rs")
+    }
+
+    /// Like [`Client::connect`] with a client name the server may log.
+    pub fn connect_as(path: impl AsRef<Path>, client_name: &str) -> Result<Self, ClientError> {
+        Self::handshake(UnixStream::connect(path)?, client_name)
+    }
+
+    /// Perform HELLO on an already connected stream.
+    pub fn handshake(stream: UnixStream, client_name: &str) -> Result<Self, ClientError> {
+        let mut c = Self {
+            stream,
+            server: HelloReply {
+                version: 0,
+                max_frame_bytes: HELLO_REPLY_MAX,
+                server_name: String::new(),
+                server_version: String::new(),
+            },
+            next_id: 1,
+            buf: Vec::new(),
+            body: Vec::new(),
+        };
+        let req = Request::Hello(HelloRequest {
+            min_version: PROTOCOL_VERSION,
+            max_version: PROTOCOL_VERSION,
+            client_name: client_name.to_owned(),
+        });
+        match c.call(&req)? {
+            Response::Hello(h) => {
+                if h.version != PROTOCOL_VERSION {
+                    return Err(ClientError::Version { version: h.version });
+                }
+                c.server = h;
+                Ok(c)
+            }
+            other => Err(unexpected(Opcode::Hello, &other)),
+        }
+    }
+
+    /// What the server said in HELLO (version, max frame, name, version string).
+    pub fn server(&self) -> &HelloReply {
+        &self.server
+    }
+
+    /// Read and write timeout for every later call (None = block forever).
+    pub fn set_timeout(&self, timeout: Option<Duration>) -> Result<(), ClientError> {
+        self.stream.set_read_timeout(timeout)?;
+        self.stream.set_write_timeout(timeout)?;
+        Ok(())
+    }
+
+    /// Send any request and wait for its reply. Error replies become `ClientError::Server`.
+    pub fn call(&mut self, req: &Request<'_>) -> Result<Response, ClientError> {
+        let id = self.take_id();
+        self.buf.clear();
+        req.encode_frame(id, &mut self.buf)?;
+        self.check_body_len(self.buf.len() - HEADER_LEN)?;
+        self.stream.write_all(&self.buf)?;
+        self.read_reply(id, req.opcode())
+    }
+
+    pub fn create_session(
+        &mut self,
+        geometry: Geometry,
+        policy: Policy,
+        label: &str,
+    ) -> Result<u64, ClientError> {
+        let req = Request::CreateSession(CreateSessionRequest {
+            geometry,
+            policy,
+            label: label.to_owned(),
+        });
+        match self.call(&req)? {
+            Response::CreateSession { session } => Ok(session),
+            other => Err(unexpected(Opcode::CreateSession, &other)),
+        }
+    }
+
+    /// Append `n_tokens` to every layer, payload inline in the frame (written straight from
+    /// `payload`, not copied). Returns the session's new length.
+    pub fn append_kv(
+        &mut self,
+        session: u64,
+        start_pos: u64,
+        n_tokens: u32,
+        payload: &[u8],
+    ) -> Result<u64, ClientError> {
+        let req = AppendKvRequest {
+            session,
+            start_pos,
+            n_tokens,
+            data: AppendData::Inline(payload),
+        };
+        let id = self.take_id();
+        self.buf.clear();
+        self.buf.extend_from_slice(&[0u8; HEADER_LEN]);
+        req.encode_prefix(&mut self.buf);
+        let body_len = self.buf.len() - HEADER_LEN + payload.len();
+        self.check_body_len(body_len)?;
+        let header = Header::request(Opcode::AppendKv, req.flags(), id, body_len as u32);
+        self.buf[..HEADER_LEN].copy_from_slice(&header.encode());
+        self.stream.write_all(&self.buf)?;
+        self.stream.write_all(payload)?;
+        self.append_reply(id)
+    }
+
+    /// Append through shared memory: copy `payload` into a fresh sealed memfd and pass it with
+    /// SCM_RIGHTS. Returns the session's new length.
+    pub fn append_kv_shm(
+        &mut self,
+        session: u64,
+        start_pos: u64,
+        n_tokens: u32,
+        payload: &[u8],
+    ) -> Result<u64, ClientError> {
+        let fd = fdpass::sealed_memfd(c"kvtier-append", payload)?;
+        self.append_kv_fd(
+            session,
+            start_pos,
+            n_tokens,
+            fd.as_fd(),
+            0,
+            payload.len() as u64,
+        )
+    }
+
+    /// Append the `len` bytes at `offset` of an existing file or memfd. The range must not
+    /// change until this call returns.
+    pub fn append_kv_fd(
+        &mut self,
+        session: u64,
+        start_pos: u64,
+        n_tokens: u32,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        len: u64,
+    ) -> Result<u64, ClientError> {
+        let req = Request::AppendKv(AppendKvRequest {
+            session,
+            start_pos,
+            n_tokens,
+            data: AppendData::Shm { offset, len },
+        });
+        let id = self.take_id();
+        self.buf.clear();
+        req.encode_frame(id, &mut self.buf)?;
+        let sent = fdpass::send_with_fd(self.stream.as_fd(), &[&self.buf], fd)?;
+        // The descriptor went with the first byte; the rest (if any) is ordinary data.
+        self.stream.write_all(&self.buf[sent..])?;
+        self.append_reply(id)
+    }
+
+    /// Single-session decode step for `layer`.
+    pub fn decode(
+        &mut self,
+        layer: u32,
+        entry: DecodeEntryRef<'_>,
+        want_stats: bool,
+    ) -> Result<DecodeOutput, ClientError> {
+        let mut out = self.decode_batch(layer, &[entry], want_stats)?;
+        match out.pop() {
+            Some(o) if out.is_empty() => Ok(o),
+            _ => Err(ClientError::UnexpectedReply {
+                expected: "DECODE with one entry",
+                got: Opcode::Decode.reply(),
+            }),
+        }
+    }
+
+    /// Batch decode: many sessions, same layer; outputs in entry order.
+    pub fn decode_batch(
+        &mut self,
+        layer: u32,
+        entries: &[DecodeEntryRef<'_>],
+        want_stats: bool,
+    ) -> Result<Vec<DecodeOutput>, ClientError> {
+        let req = Request::Decode(DecodeRequest {
+            layer,
+            want_stats,
+            entries: entries.to_vec(),
+        });
+        match self.call(&req)? {
+            Response::Decode(d) if d.entries.len() == entries.len() => Ok(d.entries),
+            other => Err(unexpected(Opcode::Decode, &other)),
+        }
+    }
+
+    pub fn session_info(&mut self, session: u64) -> Result<SessionInfo, ClientError> {
+        match self.call(&Request::SessionInfo { session })? {
+            Response::SessionInfo(s) => Ok(s),
+            other => Err(unexpected(Opcode::SessionInfo, &other)),
+        }
+    }
+
+    /// CLOSE_SESSION.
+    pub fn close(&mut self, session: u64) -> Result<(), ClientError> {
+        match self.call(&Request::CloseSession { session })? {
+            Response::CloseSession => Ok(()),
+            other => Err(unexpected(Opcode::CloseSession, &other)),
+        }
+    }
+
+    pub fn list_sessions(&mut self) -> Result<Vec<SessionInfo>, ClientError> {
+        match self.call(&Request::ListSessions)? {
+            Response::ListSessions(l) => Ok(l),
+            other => Err(unexpected(Opcode::ListSessions, &other)),
+        }
+    }
+
+    pub fn stats(&mut self) -> Result<StatsReply, ClientError> {
+        match self.call(&Request::Stats)? {
+            Response::Stats(s) => Ok(s),
+            other => Err(unexpected(Opcode::Stats, &other)),
+        }
+    }
+
+    /// Admin: drop any session.
+    pub fn evict(&mut self, session: u64) -> Result<(), ClientError> {
+        match self.call(&Request::Evict { session })? {
+            Response::Evict => Ok(()),
+            other => Err(unexpected(Opcode::Evict, &other)),
+        }
+    }
+
+    fn take_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
+        id
+    }
+
+    fn check_body_len(&self, len: usize) -> Result<(), ClientError> {
+        let max = self.server.max_frame_bytes;
+        // Before HELLO completes the limit is unknown; the HELLO body is tiny anyway.
+        if self.server.version != 0 && len > max as usize {
+            return Err(ClientError::FrameTooLarge { len, max });
+        }
+        Ok(())
+    }
+
+    fn append_reply(&mut self, id: u64) -> Result<u64, ClientError> {
+        match self.read_reply(id, Opcode::AppendKv)? {
+            Response::AppendKv { tokens } => Ok(tokens),
+            other => Err(unexpected(Opcode::AppendKv, &other)),
+        }
+    }
+
+    fn read_reply(&mut self, id: u64, op: Opcode) -> Result<Response, ClientError> {
+        let mut fds = Vec::new();
+        let header = read_frame(
+            &self.stream,
+            self.server.max_frame_bytes,
+            &mut self.body,
+            &mut fds,
+        )?
+        .ok_or(ClientError::Closed)?;
+        if !fds.is_empty() {
+            return Err(ClientError::UnexpectedFds { count: fds.len() });
+        }
+        let resp = Response::decode(&header, &self.body)?;
+        // A server that cannot parse a header answers with request id 0 before closing.
+        let id_ok = header.request_id == id || (header.request_id == 0 && header.is_error());
+        if !id_ok {
+            return Err(ClientError::RequestIdMismatch {
+                expected: id,
+                got: header.request_id,
+            });
+        }
+        match resp {
+            Response::Error(e) => Err(ClientError::Server {
+                code: e.code,
+                message: e.message,
+            }),
+            r if header.opcode == op.reply() => Ok(r),
+            _ => Err(ClientError::UnexpectedReply {
+                expected: op.name(),
+                got: header.opcode,
+            }),
+        }
+    }
+}
+
+fn unexpected(op: Opcode, got: &Response) -> ClientError {
+    ClientError::UnexpectedReply {
+        expected: op.name(),
+        got: got.opcode(),
+    }
+}

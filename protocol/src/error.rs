@@ -1,0 +1,138 @@
+//! The crate's error type and the wire error codes.
+
+/// Error codes carried in an error reply (opcode 0xFFFF). Numbering is part of the wire
+/// format; docs/protocol.md says when each one is used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u16)]
+pub enum ErrorCode {
+    /// The session id does not exist (never created, closed or evicted).
+    NotFound = 1,
+    /// Malformed frame or body, or arguments that can never be valid (bad geometry, sizes
+    /// that do not match the session, layer out of range).
+    InvalidArgument = 2,
+    /// A limit was hit: frame larger than max_frame_bytes, tiers full, too many sessions.
+    ResourceExhausted = 3,
+    /// The request is well formed but the state does not allow it (no HELLO yet, append at a
+    /// position other than the layer's current length, no common protocol version).
+    FailedPrecondition = 4,
+    /// The session belongs to another uid, or an admin operation from a non-admin peer.
+    PermissionDenied = 5,
+    /// Temporarily unable to serve (shutting down, a tier offline); retrying may succeed.
+    Unavailable = 6,
+    /// A server bug or an I/O failure that is not the client's fault.
+    Internal = 7,
+    /// Unknown or reserved opcode. The connection stays usable.
+    Unimplemented = 8,
+    /// Stored data failed verification (checksum mismatch, corrupt page).
+    DataLoss = 9,
+}
+
+impl ErrorCode {
+    /// Every code, in wire order.
+    pub const ALL: [ErrorCode; 9] = [
+        ErrorCode::NotFound,
+        ErrorCode::InvalidArgument,
+        ErrorCode::ResourceExhausted,
+        ErrorCode::FailedPrecondition,
+        ErrorCode::PermissionDenied,
+        ErrorCode::Unavailable,
+        ErrorCode::Internal,
+        ErrorCode::Unimplemented,
+        ErrorCode::DataLoss,
+    ];
+
+    /// The code's wire value.
+    pub fn as_u16(self) -> u16 {
+        self as u16
+    }
+
+    /// Parse a wire value.
+    pub fn from_u16(code: u16) -> Result<Self, ProtoError> {
+        Self::ALL
+            .into_iter()
+            .find(|c| c.as_u16() == code)
+            .ok_or(ProtoError::UnknownErrorCode { code })
+    }
+
+    /// Upper-snake name as used in the documentation (`NOT_FOUND`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorCode::NotFound => "NOT_FOUND",
+            ErrorCode::InvalidArgument => "INVALID_ARGUMENT",
+            ErrorCode::ResourceExhausted => "RESOURCE_EXHAUSTED",
+            ErrorCode::FailedPrecondition => "FAILED_PRECONDITION",
+            ErrorCode::PermissionDenied => "PERMISSION_DENIED",
+            ErrorCode::Unavailable => "UNAVAILABLE",
+            ErrorCode::Internal => "INTERNAL",
+            ErrorCode::Unimplemented => "UNIMPLEMENTED",
+            ErrorCode::DataLoss => "DATA_LOSS",
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Everything that can go wrong while encoding or decoding a frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProtoError {
+    #[error("bad magic 0x{found:08x} (expected 0x3154564b, \"KVT1\")")]
+    BadMagic { found: u32 },
+    #[error("reserved header field is {value}, must be 0")]
+    ReservedNonZero { value: u32 },
+    #[error("frame body of {body_len} bytes exceeds the limit of {max} bytes")]
+    FrameTooLarge { body_len: u64, max: u32 },
+    #[error("header announces {announced} body bytes but {actual} were given")]
+    BodyLenMismatch { announced: u32, actual: usize },
+    #[error("unknown or reserved opcode 0x{opcode:04x}")]
+    UnknownOpcode { opcode: u16 },
+    #[error("opcode 0x{opcode:04x} is a request, expected a reply")]
+    NotAReply { opcode: u16 },
+    #[error("opcode 0x{opcode:04x} is a reply, expected a request")]
+    NotARequest { opcode: u16 },
+    #[error("unsupported flags 0x{flags:x} for opcode 0x{opcode:04x}")]
+    BadFlags { opcode: u16, flags: u32 },
+    #[error("truncated {what}: needs {needed} bytes, {available} left")]
+    Truncated {
+        what: &'static str,
+        needed: usize,
+        available: usize,
+    },
+    #[error("{extra} trailing bytes after the body")]
+    TrailingBytes { extra: usize },
+    #[error("{what} is not valid UTF-8")]
+    InvalidUtf8 { what: &'static str },
+    #[error("{what} must be 0 or 1, got {value}")]
+    BadBool { what: &'static str, value: u8 },
+    #[error("unknown dtype {value} (0 bf16, 1 f16, 2 f32)")]
+    BadDtype { value: u8 },
+    #[error("unknown error code {code}")]
+    UnknownErrorCode { code: u16 },
+    #[error("{what}: length arithmetic overflows")]
+    LengthOverflow { what: &'static str },
+    #[error("{what}: {len} bytes is not a multiple of {multiple}")]
+    Misaligned {
+        what: &'static str,
+        len: usize,
+        multiple: usize,
+    },
+    #[error("{what} of {len} does not fit its u32 length field")]
+    TooLong { what: &'static str, len: usize },
+}
+
+impl ProtoError {
+    /// The error code a server answers with when a request fails to decode this way.
+    pub fn error_code(&self) -> ErrorCode {
+        match self {
+            ProtoError::FrameTooLarge { .. } => ErrorCode::ResourceExhausted,
+            ProtoError::UnknownOpcode { .. } => ErrorCode::Unimplemented,
+            // Only an encoder produces TooLong: a server that cannot encode its own reply.
+            ProtoError::TooLong { .. } => ErrorCode::Internal,
+            _ => ErrorCode::InvalidArgument,
+        }
+    }
+}

@@ -1,0 +1,37 @@
+//! kvtier wire protocol: the frame codec spoken between `tierd` and its clients, and a
+//! blocking client over a Unix stream socket.
+//!
+//! The byte-level specification is `docs/protocol.md`; this crate is its reference
+//! implementation. It is runtime-neutral (std + libc only): the daemon reads a 24-byte
+//! header, calls [`Header::decode`] and [`Header::check_len`] before reading the body, then
+//! [`Request::decode`], which borrows query and KV payloads from the body buffer.
+//!
+//! # Layout
+//! - [`header`]: the 24-byte frame header, opcodes, flags, version constants.
+//! - [`request`] / [`response`]: typed bodies with `encode` / `decode`.
+//! - [`types`]: geometry, policy, session info, decode stats, STATS key names.
+//! - [`error`]: [`ProtoError`] (codec failures) and [`ErrorCode`] (wire error codes).
+//! - [`fdpass`]: `sendmsg`/`recvmsg` with SCM_RIGHTS, the one unsafe FFI corner.
+//! - [`client`]: blocking [`client::Client`] used by tierctl, tests and the load generator.
+
+pub mod client;
+pub mod error;
+pub mod fdpass;
+pub mod header;
+pub mod request;
+pub mod response;
+pub mod types;
+mod wire;
+
+pub use error::{ErrorCode, ProtoError};
+pub use header::{
+    Header, Opcode, ERROR_OPCODE, FLAG_APPEND_SHM, HEADER_LEN, MAGIC, PROTOCOL_VERSION, REPLY_BIT,
+    RESERVED_TIER_OPCODES,
+};
+pub use request::{
+    AppendData, AppendKvRequest, CreateSessionRequest, DecodeEntryRef, DecodeRequest, HelloRequest,
+    Request, DECODE_WANT_STATS,
+};
+pub use response::{DecodeOutput, DecodeReply, ErrorReply, HelloReply, Response, StatsReply};
+pub use types::{stats_keys, DecodeStats, Dtype, Geometry, Policy, SessionInfo};
+pub use wire::{f32_le_bytes, f32s_le, read_f32s_into};

@@ -1,0 +1,294 @@
+//! Value types shared by several bodies: geometry, policy, session info, decode stats.
+
+use crate::error::ProtoError;
+use crate::wire::{put_len, put_str, put_u32, put_u64, put_u8, Reader};
+
+/// Element type of K and V. Queries and outputs are always f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Dtype {
+    Bf16 = 0,
+    F16 = 1,
+    F32 = 2,
+}
+
+impl Dtype {
+    pub fn as_u8(self) -> u8 {
+        self as u8
+    }
+
+    pub fn from_u8(value: u8) -> Result<Self, ProtoError> {
+        match value {
+            0 => Ok(Dtype::Bf16),
+            1 => Ok(Dtype::F16),
+            2 => Ok(Dtype::F32),
+            value => Err(ProtoError::BadDtype { value }),
+        }
+    }
+
+    /// Bytes per element.
+    pub fn elem_bytes(self) -> usize {
+        match self {
+            Dtype::Bf16 | Dtype::F16 => 2,
+            Dtype::F32 => 4,
+        }
+    }
+}
+
+/// Attention geometry of a session. Wire: layers u32, q_heads u32, kv_heads u32,
+/// head_dim u32, dtype u8, block_tokens u32 (21 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Geometry {
+    pub layers: u32,
+    pub q_heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub dtype: Dtype,
+    pub block_tokens: u32,
+}
+
+impl Geometry {
+    pub const WIRE_LEN: usize = 21;
+
+    pub(crate) fn put(&self, buf: &mut Vec<u8>) {
+        put_u32(buf, self.layers);
+        put_u32(buf, self.q_heads);
+        put_u32(buf, self.kv_heads);
+        put_u32(buf, self.head_dim);
+        put_u8(buf, self.dtype.as_u8());
+        put_u32(buf, self.block_tokens);
+    }
+
+    pub(crate) fn get(r: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        Ok(Self {
+            layers: r.u32("geometry.layers")?,
+            q_heads: r.u32("geometry.q_heads")?,
+            kv_heads: r.u32("geometry.kv_heads")?,
+            head_dim: r.u32("geometry.head_dim")?,
+            dtype: Dtype::from_u8(r.u8("geometry.dtype")?)?,
+            block_tokens: r.u32("geometry.block_tokens")?,
+        })
+    }
+
+    /// Bytes of one query `[Hq][D]` f32 (also one decode output). None on overflow.
+    pub fn q_bytes(&self) -> Option<u64> {
+        u64::from(self.q_heads)
+            .checked_mul(u64::from(self.head_dim))?
+            .checked_mul(4)
+    }
+
+    /// Bytes of one token's K (or V) for one layer, `[Hkv][D]` in dtype.
+    pub fn kv_token_bytes(&self) -> Option<u64> {
+        u64::from(self.kv_heads)
+            .checked_mul(u64::from(self.head_dim))?
+            .checked_mul(self.dtype.elem_bytes() as u64)
+    }
+
+    /// Bytes of an APPEND_KV payload of `n_tokens`: for every layer K `[n][Hkv][D]` then
+    /// V `[n][Hkv][D]`.
+    pub fn append_payload_bytes(&self, n_tokens: u32) -> Option<u64> {
+        self.kv_token_bytes()?
+            .checked_mul(u64::from(n_tokens))?
+            .checked_mul(2)?
+            .checked_mul(u64::from(self.layers))
+    }
+}
+
+/// Block selection policy. Wire: sink_blocks u32, local_blocks u32, top_k u32 (12 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Policy {
+    pub sink_blocks: u32,
+    pub local_blocks: u32,
+    pub top_k: u32,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            sink_blocks: 1,
+            local_blocks: 4,
+            top_k: 32,
+        }
+    }
+}
+
+impl Policy {
+    pub const WIRE_LEN: usize = 12;
+
+    pub(crate) fn put(&self, buf: &mut Vec<u8>) {
+        put_u32(buf, self.sink_blocks);
+        put_u32(buf, self.local_blocks);
+        put_u32(buf, self.top_k);
+    }
+
+    pub(crate) fn get(r: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        Ok(Self {
+            sink_blocks: r.u32("policy.sink_blocks")?,
+            local_blocks: r.u32("policy.local_blocks")?,
+            top_k: r.u32("policy.top_k")?,
+        })
+    }
+}
+
+/// One session as reported by SESSION_INFO and LIST_SESSIONS.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionInfo {
+    pub session: u64,
+    pub owner_uid: u32,
+    pub label: String,
+    pub geometry: Geometry,
+    pub policy: Policy,
+    /// Smallest token count over the layers (they differ while a decode step is under way).
+    pub tokens_min: u64,
+    /// Largest token count over the layers.
+    pub tokens_max: u64,
+    /// Stored (layer, block) runs.
+    pub blocks: u64,
+    pub host_bytes: u64,
+    pub nvme_bytes: u64,
+    pub pinned: bool,
+    pub created_unix_ms: u64,
+    pub last_access_unix_ms: u64,
+}
+
+impl SessionInfo {
+    /// Encoded size with an empty label; the minimum size of one list element.
+    pub const MIN_WIRE_LEN: usize =
+        8 + 4 + 4 + Geometry::WIRE_LEN + Policy::WIRE_LEN + 8 * 5 + 1 + 8 * 2;
+
+    pub(crate) fn put(&self, buf: &mut Vec<u8>) -> Result<(), ProtoError> {
+        put_u64(buf, self.session);
+        put_u32(buf, self.owner_uid);
+        put_str(buf, &self.label, "session label")?;
+        self.geometry.put(buf);
+        self.policy.put(buf);
+        put_u64(buf, self.tokens_min);
+        put_u64(buf, self.tokens_max);
+        put_u64(buf, self.blocks);
+        put_u64(buf, self.host_bytes);
+        put_u64(buf, self.nvme_bytes);
+        put_u8(buf, u8::from(self.pinned));
+        put_u64(buf, self.created_unix_ms);
+        put_u64(buf, self.last_access_unix_ms);
+        Ok(())
+    }
+
+    pub(crate) fn get(r: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        Ok(Self {
+            session: r.u64("session")?,
+            owner_uid: r.u32("owner_uid")?,
+            label: r.str("session label")?.to_owned(),
+            geometry: Geometry::get(r)?,
+            policy: Policy::get(r)?,
+            tokens_min: r.u64("tokens_min")?,
+            tokens_max: r.u64("tokens_max")?,
+            blocks: r.u64("blocks")?,
+            host_bytes: r.u64("host_bytes")?,
+            nvme_bytes: r.u64("nvme_bytes")?,
+            pinned: r.bool("pinned")?,
+            created_unix_ms: r.u64("created_unix_ms")?,
+            last_access_unix_ms: r.u64("last_access_unix_ms")?,
+        })
+    }
+}
+
+/// Per-entry statistics of a DECODE step (when asked for with the want-stats flag).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DecodeStats {
+    /// Blocks in the layer (per kv head) when the step ran.
+    pub blocks_total: u32,
+    /// Selected (block, kv head) tiles, summed over kv heads.
+    pub blocks_selected: u32,
+    /// KV bytes read by attention over the keep-set.
+    pub bytes_touched: u64,
+    /// Bytes transferred between tiers for this step (host -> GPU, NVMe -> host).
+    pub bytes_moved: u64,
+    /// Selected tiles already resident in the GPU block cache.
+    pub cache_hits: u32,
+    /// Selected tiles served from host RAM.
+    pub blocks_ram: u32,
+    /// Selected tiles read from NVMe.
+    pub blocks_nvme: u32,
+    /// Selected block ids, ascending, one list per kv head.
+    pub selected: Vec<Vec<u32>>,
+}
+
+impl DecodeStats {
+    /// Encoded size with no kv heads.
+    pub const MIN_WIRE_LEN: usize = 4 + 4 + 8 + 8 + 4 + 4 + 4 + 4;
+
+    pub(crate) fn put(&self, buf: &mut Vec<u8>) -> Result<(), ProtoError> {
+        put_u32(buf, self.blocks_total);
+        put_u32(buf, self.blocks_selected);
+        put_u64(buf, self.bytes_touched);
+        put_u64(buf, self.bytes_moved);
+        put_u32(buf, self.cache_hits);
+        put_u32(buf, self.blocks_ram);
+        put_u32(buf, self.blocks_nvme);
+        put_len(buf, self.selected.len(), "selected kv heads")?;
+        for ids in &self.selected {
+            put_len(buf, ids.len(), "selected block ids")?;
+            for id in ids {
+                put_u32(buf, *id);
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn get(r: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        let mut s = Self {
+            blocks_total: r.u32("blocks_total")?,
+            blocks_selected: r.u32("blocks_selected")?,
+            bytes_touched: r.u64("bytes_touched")?,
+            bytes_moved: r.u64("bytes_moved")?,
+            cache_hits: r.u32("cache_hits")?,
+            blocks_ram: r.u32("blocks_ram")?,
+            blocks_nvme: r.u32("blocks_nvme")?,
+            selected: Vec::new(),
+        };
+        let heads = r.count("selected kv heads", 4)?;
+        s.selected.reserve(heads);
+        for _ in 0..heads {
+            let n = r.count("selected block ids", 4)?;
+            let mut ids = Vec::with_capacity(n);
+            for _ in 0..n {
+                ids.push(r.u32("selected block id")?);
+            }
+            s.selected.push(ids);
+        }
+        Ok(s)
+    }
+}
+
+/// Names of the initial STATS keys. The list is open: servers may add keys without a
+/// version bump and clients must ignore keys they do not know.
+pub mod stats_keys {
+    pub const UPTIME_MS: &str = "uptime_ms";
+    pub const SESSIONS: &str = "sessions";
+    pub const HOST_BYTES_USED: &str = "host_bytes_used";
+    pub const HOST_BYTES_CAPACITY: &str = "host_bytes_capacity";
+    pub const HOST_FRAMES_USED: &str = "host_frames_used";
+    pub const HOST_FRAMES_CAPACITY: &str = "host_frames_capacity";
+    pub const DECODE_REQUESTS_TOTAL: &str = "decode_requests_total";
+    pub const DECODE_ENTRIES_TOTAL: &str = "decode_entries_total";
+    pub const APPEND_TOKENS_TOTAL: &str = "append_tokens_total";
+    pub const ERRORS_TOTAL: &str = "errors_total";
+    pub const REJECTED_TOTAL: &str = "rejected_total";
+    pub const BYTES_TOUCHED_TOTAL: &str = "bytes_touched_total";
+
+    /// Every initial key, in documentation order.
+    pub const ALL: [&str; 12] = [
+        UPTIME_MS,
+        SESSIONS,
+        HOST_BYTES_USED,
+        HOST_BYTES_CAPACITY,
+        HOST_FRAMES_USED,
+        HOST_FRAMES_CAPACITY,
+        DECODE_REQUESTS_TOTAL,
+        DECODE_ENTRIES_TOTAL,
+        APPEND_TOKENS_TOTAL,
+        ERRORS_TOTAL,
+        REJECTED_TOTAL,
+        BYTES_TOUCHED_TOTAL,
+    ];
+}

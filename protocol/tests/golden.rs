@@ -1,0 +1,364 @@
+//! Golden vectors: encoded frames stored as hex in tests/golden/*.hex. The Python client's
+//! tests check its encoder and decoder against the same files. Regenerate after an intended
+//! wire change with `KVTIER_BLESS=1 cargo test -p kvtier-protocol --test golden`.
+
+use std::path::PathBuf;
+
+use kvtier_protocol::*;
+
+fn bf16_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
+    // Golden values are exactly representable in bf16, so truncation is exact.
+    values
+        .into_iter()
+        .flat_map(|v| {
+            assert_eq!(v.to_bits() & 0xFFFF, 0, "{v} is not exact in bf16");
+            ((v.to_bits() >> 16) as u16).to_le_bytes()
+        })
+        .collect()
+}
+
+fn f32_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
+    values.into_iter().flat_map(f32::to_le_bytes).collect()
+}
+
+fn geometry() -> Geometry {
+    Geometry {
+        layers: 2,
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 4,
+        dtype: Dtype::Bf16,
+        block_tokens: 16,
+    }
+}
+
+fn info(session: u64, label: &str, pinned: bool) -> SessionInfo {
+    SessionInfo {
+        session,
+        owner_uid: 1000,
+        label: label.into(),
+        geometry: geometry(),
+        policy: Policy::default(),
+        tokens_min: 2,
+        tokens_max: 3,
+        blocks: 2,
+        host_bytes: 4096,
+        nvme_bytes: 0,
+        pinned,
+        created_unix_ms: 1_763_800_000_000,
+        last_access_unix_ms: 1_763_800_000_500,
+    }
+}
+
+/// (file stem, description, frame bytes)
+fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut req = |name: &'static str, id: u64, r: Request<'_>, what: &str| {
+        let mut f = Vec::new();
+        r.encode_frame(id, &mut f).unwrap();
+        out.push((name, what.to_string(), f));
+    };
+
+    req(
+        "hello_request",
+        1,
+        Request::Hello(HelloRequest {
+            min_version: 1,
+            max_version: 1,
+            client_name: "kvtier-golden".into(),
+        }),
+        "HELLO request, id 1: min_version 1, max_version 1, client_name \"kvtier-golden\"",
+    );
+    req(
+        "create_session_request",
+        2,
+        Request::CreateSession(CreateSessionRequest {
+            geometry: geometry(),
+            policy: Policy::default(),
+            label: "golden".into(),
+        }),
+        "CREATE_SESSION request, id 2: layers 2, q_heads 4, kv_heads 2, head_dim 4, bf16, \
+         block_tokens 16; sink 1, local 4, top_k 32; label \"golden\"",
+    );
+    // 2 layers x (K then V) x 1 token x 2 kv heads x 4 dims = 32 bf16 values: i * 0.25.
+    let payload = bf16_bytes((0..32).map(|i| i as f32 * 0.25));
+    req(
+        "append_kv_inline_request",
+        3,
+        Request::AppendKv(AppendKvRequest {
+            session: 7,
+            start_pos: 0,
+            n_tokens: 1,
+            data: AppendData::Inline(&payload),
+        }),
+        "APPEND_KV inline request, id 3: session 7, start_pos 0, n_tokens 1, \
+         payload = 32 bf16 values i*0.25 for i in 0..32",
+    );
+    req(
+        "append_kv_shm_request",
+        4,
+        Request::AppendKv(AppendKvRequest {
+            session: 7,
+            start_pos: 1,
+            n_tokens: 1,
+            data: AppendData::Shm { offset: 0, len: 64 },
+        }),
+        "APPEND_KV shm request (flag 1), id 4: session 7, start_pos 1, n_tokens 1, offset 0, len 64",
+    );
+    let q1 = f32_bytes((0..16).map(|i| i as f32 * 0.125 - 1.0));
+    let k1 = bf16_bytes((0..8).map(|i| i as f32 * 0.5));
+    let v1 = bf16_bytes((0..8).map(|i| -(i as f32)));
+    let q2 = f32_bytes((0..16).map(|i| 1.0 - i as f32 * 0.0625));
+    let k2 = bf16_bytes((0..8).map(|i| i as f32 + 1.0));
+    let v2 = bf16_bytes((0..8).map(|i| i as f32 * -0.25));
+    req(
+        "decode_request",
+        5,
+        Request::Decode(DecodeRequest {
+            layer: 1,
+            want_stats: true,
+            entries: vec![
+                DecodeEntryRef {
+                    session: 7,
+                    position: 2,
+                    q: &q1,
+                    k: &k1,
+                    v: &v1,
+                },
+                DecodeEntryRef {
+                    session: 9,
+                    position: 0,
+                    q: &q2,
+                    k: &k2,
+                    v: &v2,
+                },
+            ],
+        }),
+        "DECODE request, id 5: layer 1, want_stats; entry 0: session 7, position 2, \
+         q[i] = i*0.125-1, k[i] = bf16(i*0.5), v[i] = bf16(-i); entry 1: session 9, position 0, \
+         q[i] = 1-i*0.0625, k[i] = bf16(i+1), v[i] = bf16(-0.25*i)",
+    );
+    req(
+        "session_info_request",
+        6,
+        Request::SessionInfo { session: 7 },
+        "SESSION_INFO request, id 6: session 7",
+    );
+    req(
+        "list_sessions_request",
+        7,
+        Request::ListSessions,
+        "LIST_SESSIONS request, id 7",
+    );
+    req("stats_request", 8, Request::Stats, "STATS request, id 8");
+    req(
+        "close_session_request",
+        10,
+        Request::CloseSession { session: 7 },
+        "CLOSE_SESSION request, id 10: session 7",
+    );
+    req(
+        "evict_request",
+        11,
+        Request::Evict { session: 9 },
+        "EVICT request, id 11: session 9",
+    );
+
+    let mut resp = |name: &'static str, id: u64, r: Response, what: &str| {
+        let mut f = Vec::new();
+        r.encode_frame(id, &mut f).unwrap();
+        out.push((name, what.to_string(), f));
+    };
+    resp(
+        "hello_reply",
+        1,
+        Response::Hello(HelloReply {
+            version: 1,
+            max_frame_bytes: 16 << 20,
+            server_name: "tierd".into(),
+            server_version: "0.1.0".into(),
+        }),
+        "HELLO reply, id 1: version 1, max_frame_bytes 16777216, server \"tierd\" \"0.1.0\"",
+    );
+    resp(
+        "create_session_reply",
+        2,
+        Response::CreateSession { session: 7 },
+        "CREATE_SESSION reply, id 2: session 7",
+    );
+    resp(
+        "append_kv_reply",
+        3,
+        Response::AppendKv { tokens: 1 },
+        "APPEND_KV reply, id 3: tokens 1",
+    );
+    resp(
+        "decode_reply",
+        5,
+        Response::Decode(DecodeReply {
+            entries: vec![
+                DecodeOutput {
+                    out: (0..16).map(|i| i as f32 * 0.5).collect(),
+                    stats: Some(DecodeStats {
+                        blocks_total: 3,
+                        blocks_selected: 6,
+                        bytes_touched: 1024,
+                        bytes_moved: 512,
+                        cache_hits: 2,
+                        blocks_ram: 4,
+                        blocks_nvme: 0,
+                        selected: vec![vec![0, 1, 2], vec![0, 1, 2]],
+                    }),
+                },
+                DecodeOutput {
+                    out: (0..16).map(|i| -(i as f32)).collect(),
+                    stats: Some(DecodeStats {
+                        blocks_total: 1,
+                        blocks_selected: 2,
+                        bytes_touched: 256,
+                        bytes_moved: 0,
+                        cache_hits: 0,
+                        blocks_ram: 2,
+                        blocks_nvme: 0,
+                        selected: vec![vec![0], vec![0]],
+                    }),
+                },
+            ],
+        }),
+        "DECODE reply, id 5: entry 0 out[i] = i*0.5, stats {3, 6, 1024, 512, 2, 4, 0, \
+         [[0,1,2],[0,1,2]]}; entry 1 out[i] = -i, stats {1, 2, 256, 0, 0, 2, 0, [[0],[0]]}",
+    );
+    resp(
+        "session_info_reply",
+        6,
+        Response::SessionInfo(info(7, "golden", false)),
+        "SESSION_INFO reply, id 6: session 7, uid 1000, label \"golden\", golden geometry, \
+         default policy, tokens 2..3, blocks 2, host 4096, nvme 0, not pinned, \
+         created 1763800000000, last access 1763800000500",
+    );
+    resp(
+        "list_sessions_reply",
+        7,
+        Response::ListSessions(vec![info(7, "golden", false), info(9, "", true)]),
+        "LIST_SESSIONS reply, id 7: session 7 as in session_info_reply; session 9 with empty \
+         label and pinned",
+    );
+    resp(
+        "stats_reply",
+        8,
+        Response::Stats(StatsReply {
+            entries: vec![("uptime_ms".into(), 1234), ("sessions".into(), 2)],
+        }),
+        "STATS reply, id 8: uptime_ms 1234, sessions 2",
+    );
+    resp(
+        "error_reply",
+        9,
+        Response::Error(ErrorReply::new(ErrorCode::NotFound, "session 42 not found")),
+        "error reply, id 9: NOT_FOUND \"session 42 not found\"",
+    );
+    resp(
+        "close_session_reply",
+        10,
+        Response::CloseSession,
+        "CLOSE_SESSION reply, id 10 (empty body)",
+    );
+    out
+}
+
+/// Header line, then the body 16 bytes per line; `#` lines are comments.
+fn to_hex(what: &str, frame: &[u8]) -> String {
+    let mut s = format!("# {what}\n# header (24 bytes)\n");
+    let line = |bytes: &[u8]| {
+        bytes
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    s.push_str(&line(&frame[..HEADER_LEN]));
+    s.push('\n');
+    s.push_str(&format!("# body ({} bytes)\n", frame.len() - HEADER_LEN));
+    for chunk in frame[HEADER_LEN..].chunks(16) {
+        s.push_str(&line(chunk));
+        s.push('\n');
+    }
+    s
+}
+
+fn parse_hex(text: &str) -> Vec<u8> {
+    text.lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .flat_map(str::split_whitespace)
+        .map(|h| u8::from_str_radix(h, 16).expect("hex byte"))
+        .collect()
+}
+
+fn golden_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden")
+}
+
+#[test]
+fn golden_vectors_match() {
+    let bless = std::env::var_os("KVTIER_BLESS").is_some();
+    let mut failures = Vec::new();
+    for (name, what, frame) in vectors() {
+        let path = golden_dir().join(format!("{name}.hex"));
+        let text = to_hex(&what, &frame);
+        if bless {
+            std::fs::create_dir_all(golden_dir()).unwrap();
+            std::fs::write(&path, &text).unwrap();
+            continue;
+        }
+        match std::fs::read_to_string(&path) {
+            Ok(stored) if parse_hex(&stored) == frame => {}
+            Ok(_) => failures.push(format!("{name}: encoding differs from {}", path.display())),
+            Err(e) => failures.push(format!("{name}: cannot read {}: {e}", path.display())),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "golden mismatch (KVTIER_BLESS=1 regenerates after an intended change):\n{}",
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn golden_files_decode_back() {
+    for (name, _, frame) in vectors() {
+        let path = golden_dir().join(format!("{name}.hex"));
+        let Ok(stored) = std::fs::read_to_string(&path) else {
+            panic!("missing {}", path.display());
+        };
+        let bytes = parse_hex(&stored);
+        let mut h = [0u8; HEADER_LEN];
+        h.copy_from_slice(&bytes[..HEADER_LEN]);
+        let header = Header::decode(&h).unwrap();
+        let body = &bytes[HEADER_LEN..];
+        if header.is_reply() {
+            let r = Response::decode(&header, body).unwrap();
+            let mut again = Vec::new();
+            r.encode_frame(header.request_id, &mut again).unwrap();
+            assert_eq!(again, frame, "{name}");
+        } else {
+            let r = Request::decode(&header, body).unwrap();
+            let mut again = Vec::new();
+            r.encode_frame(header.request_id, &mut again).unwrap();
+            assert_eq!(again, frame, "{name}");
+        }
+    }
+}
+
+#[test]
+fn hello_request_bytes_by_hand() {
+    // Spelled out independently of the encoder, as in docs/protocol.md.
+    let (_, _, frame) = vectors().into_iter().next().unwrap();
+    let mut want = Vec::new();
+    want.extend_from_slice(b"KVT1");
+    want.extend_from_slice(&21u32.to_le_bytes()); // 2 + 2 + 4 + 13
+    want.extend_from_slice(&1u64.to_le_bytes());
+    want.extend_from_slice(&[0x01, 0x00, 0x00, 0x00, 0, 0, 0, 0]);
+    want.extend_from_slice(&[1, 0, 1, 0, 13, 0, 0, 0]);
+    want.extend_from_slice(b"kvtier-golden");
+    assert_eq!(frame, want);
+}
