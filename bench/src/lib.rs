@@ -19,6 +19,15 @@ pub fn fill_bf16(rng: &mut Rng, bytes: &mut [u8]) {
     }
 }
 
+/// Nearest-rank percentile `p` (0..=100) of an ascending slice; zero for an empty one.
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
 pub fn median(xs: &mut [Duration]) -> Duration {
     xs.sort_unstable();
     xs[xs.len() / 2]
@@ -55,4 +64,20 @@ pub fn process_cpu_time() -> Duration {
     let ru = unsafe { ru.assume_init() };
     let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
     tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let ms: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
+        assert_eq!(percentile(&ms, 50.0), Duration::from_millis(50));
+        assert_eq!(percentile(&ms, 99.0), Duration::from_millis(99));
+        assert_eq!(percentile(&ms, 100.0), Duration::from_millis(100));
+        assert_eq!(percentile(&ms, 0.0), Duration::from_millis(1));
+        assert_eq!(percentile(&ms[..1], 99.0), Duration::from_millis(1));
+        assert_eq!(percentile(&[], 50.0), Duration::ZERO);
+    }
 }
