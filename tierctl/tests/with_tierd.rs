@@ -14,10 +14,14 @@ use kvtier_protocol::client::Client;
 use kvtier_protocol::{Dtype, Geometry, Policy};
 use serde_json::Value;
 
-/// Builds tierd once per test binary and returns its path.
+/// Builds tierd once per test binary and returns its path; `KVTIER_TEST_TIERD` names a
+/// prebuilt binary instead.
 fn tierd_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
+        if let Some(p) = std::env::var_os("KVTIER_TEST_TIERD") {
+            return PathBuf::from(p);
+        }
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         let st = Command::new(cargo)
@@ -49,7 +53,14 @@ impl Daemon {
         let child = Command::new(tierd_bin())
             .arg("--socket")
             .arg(&sock)
-            .args(["--host-capacity", "64MiB", "--backend", "cpu", "--log-level", "warn"])
+            .args([
+                "--host-capacity",
+                "64MiB",
+                "--backend",
+                "cpu",
+                "--log-level",
+                "warn",
+            ])
             .args(extra)
             .spawn()
             .expect("spawn tierd");
@@ -107,7 +118,8 @@ fn json(o: &Output) -> Value {
 
 fn err(o: &Output, code: i32) -> String {
     let e = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert_eq!(o.status.code(), Some(code), "stderr: {e}");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(code), "stderr: {e}\nstdout: {out}");
     e
 }
 
@@ -122,6 +134,15 @@ const GEOM: Geometry = Geometry {
 
 /// Bytes of one (layer, block) run of GEOM.
 const RUN_BYTES: u64 = 2 * 2 * 16 * 16 * 2;
+
+/// The CLI's size format for the sizes these tests produce (KiB and MiB with one decimal).
+fn human_bytes(n: u64) -> String {
+    if n < 1 << 20 {
+        format!("{:.1} KiB", n as f64 / 1024.0)
+    } else {
+        format!("{:.1} MiB", n as f64 / (1 << 20) as f64)
+    }
+}
 
 fn my_uid() -> u32 {
     // SAFETY: geteuid has no preconditions and cannot fail.
@@ -139,7 +160,10 @@ fn session(c: &mut Client, label: &str, tokens: u32) -> u64 {
     let len = GEOM.append_payload_bytes(tokens).unwrap() as usize;
     // bf16 1.0 = 0x3F80.
     let payload: Vec<u8> = [0x80u8, 0x3F].repeat(len / 2);
-    assert_eq!(c.append_kv(id, 0, tokens, &payload).unwrap(), u64::from(tokens));
+    assert_eq!(
+        c.append_kv(id, 0, tokens, &payload).unwrap(),
+        u64::from(tokens)
+    );
     id
 }
 
@@ -174,7 +198,12 @@ fn sessions_info_stats_tier_close() {
     assert_eq!(s["tokens_max"], 40);
     // 40 tokens at B=16: 3 blocks per layer, 2 layers.
     assert_eq!(s["blocks"], 6);
-    assert_eq!(s["host_bytes"], 6 * RUN_BYTES);
+    // Host bytes count whole frames (one run per frame); the frame size is the daemon's.
+    let st = json(&d.ctl(&["--json", "stats"]));
+    let frame = st["stats"]["host_bytes_capacity"].as_u64().unwrap()
+        / st["stats"]["host_frames_capacity"].as_u64().unwrap();
+    assert!(frame >= RUN_BYTES, "a frame holds a run");
+    assert_eq!(s["host_bytes"], 6 * frame);
     assert_eq!(s["nvme_bytes"], 0);
     assert_eq!(s["pinned"], false);
     assert!(s["last_access_unix_ms"].as_u64().unwrap() >= s["created_unix_ms"].as_u64().unwrap());
@@ -187,8 +216,11 @@ fn sessions_info_stats_tier_close() {
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines.len(), 3, "{out}");
     assert!(lines[0].contains("L/Hq/Hkv/D/dtype/B") && lines[0].contains("LAST ACCESS"));
-    assert!(lines[1].contains("alpha") && lines[1].contains("2/4/2/16/bf16/16"), "{out}");
-    assert!(lines[1].contains("6.0 KiB"), "{out}");
+    assert!(
+        lines[1].contains("alpha") && lines[1].contains("2/4/2/16/bf16/16"),
+        "{out}"
+    );
+    assert!(lines[1].contains(&human_bytes(6 * frame)), "{out}");
     assert!(lines[2].contains(" - "), "empty label shows as -: {out}");
 
     // session info, JSON and human.
@@ -205,13 +237,13 @@ fn sessions_info_stats_tier_close() {
     let st = &v["stats"];
     assert_eq!(st["sessions"], 2);
     assert_eq!(st["append_tokens_total"], 56);
-    assert_eq!(st["host_bytes_used"], 8 * RUN_BYTES);
+    assert_eq!(st["host_bytes_used"], 8 * frame);
     assert_eq!(st["host_bytes_capacity"], 64u64 << 20);
     let v = json(&d.ctl(&["--json", "status"]));
     assert_eq!(v["server_name"], "tierd");
     assert_eq!(v["protocol_version"], 1);
     assert_eq!(v["sessions"], 2);
-    assert_eq!(v["host_bytes_used"], 8 * RUN_BYTES);
+    assert_eq!(v["host_bytes_used"], 8 * frame);
     assert!(v["uptime_ms"].as_u64().is_some());
     let out = ok(&d.ctl(&["status"]));
     assert!(out.contains("tierd") && out.contains("64.0 MiB"), "{out}");
@@ -221,11 +253,14 @@ fn sessions_info_stats_tier_close() {
     let tiers = v["tiers"].as_array().unwrap();
     assert_eq!(tiers.len(), 1, "{v}");
     assert_eq!(tiers[0]["tier"], "host");
-    assert_eq!(tiers[0]["bytes_used"], 8 * RUN_BYTES);
+    assert_eq!(tiers[0]["bytes_used"], 8 * frame);
     assert_eq!(tiers[0]["bytes_capacity"], 64u64 << 20);
 
     // close: gone afterwards, and a second close is NOT_FOUND.
-    assert_eq!(ok(&d.ctl(&["close", &a.to_string()])), format!("closed session {a}\n"));
+    assert_eq!(
+        ok(&d.ctl(&["close", &a.to_string()])),
+        format!("closed session {a}\n")
+    );
     let e = err(&d.ctl(&["session", "info", &a.to_string()]), 5);
     assert!(e.contains(&format!("session {a} not found")), "{e}");
     let e = err(&d.ctl(&["close", &a.to_string()]), 5);
@@ -259,7 +294,8 @@ fn permission_denied_for_another_uid() {
     let mut c = d.client();
     let id = session(&mut c, "root's", 16);
 
-    // The temp dir is 0700: nobody cannot reach the socket at all.
+    // With the socket's directory at 0700, nobody cannot reach the socket at all.
+    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
     let e = err(&ctl_at(&d.sock, &["status"], Some(NOBODY)), 4);
     assert!(e.contains("permission denied connecting to"), "{e}");
 
@@ -267,13 +303,20 @@ fn permission_denied_for_another_uid() {
     std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let o = ctl_at(&d.sock, &["--json", "sessions"], Some(NOBODY));
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(v["sessions"].as_array().unwrap().len(), 0, "nobody sees only own");
+    assert_eq!(
+        v["sessions"].as_array().unwrap().len(),
+        0,
+        "nobody sees only own"
+    );
     let e = err(
         &ctl_at(&d.sock, &["session", "info", &id.to_string()], Some(NOBODY)),
         4,
     );
     assert!(e.contains("PERMISSION_DENIED"), "{e}");
-    let e = err(&ctl_at(&d.sock, &["close", &id.to_string()], Some(NOBODY)), 4);
+    let e = err(
+        &ctl_at(&d.sock, &["close", &id.to_string()], Some(NOBODY)),
+        4,
+    );
     assert!(e.contains("PERMISSION_DENIED"), "{e}");
     let o = ctl_at(&d.sock, &["--json", "evict", &id.to_string()], Some(NOBODY));
     let e = err(&o, 4);
