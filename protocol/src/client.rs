@@ -1,10 +1,11 @@
 //! Blocking client over a Unix stream socket. One request in flight at a time; every call
 //! returns the server's typed error as [`ClientError::Server`].
 
+use std::ffi::OsString;
 use std::io::{self, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::error::{ErrorCode, ProtoError};
@@ -19,6 +20,43 @@ use crate::types::{Geometry, Policy, SessionInfo};
 
 /// Largest HELLO reply accepted before the server has told us its limit.
 const HELLO_REPLY_MAX: u32 = 64 * 1024;
+
+/// Environment variable naming the daemon socket; overrides every other default.
+pub const SOCKET_ENV: &str = "KVTIER_SOCKET";
+
+/// The socket path `tierd` listens on and clients connect to when none is given:
+/// `$KVTIER_SOCKET`, else `$XDG_RUNTIME_DIR/kvtier/tierd.sock`, else
+/// `/run/kvtier/tierd.sock` for root, else `/tmp/kvtier-<uid>/tierd.sock`. Empty variables
+/// count as unset.
+pub fn default_socket_path() -> PathBuf {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    socket_path_from(
+        std::env::var_os(SOCKET_ENV),
+        std::env::var_os("XDG_RUNTIME_DIR"),
+        euid,
+    )
+}
+
+/// [`default_socket_path`] with its inputs made explicit (testable without touching the
+/// process environment).
+pub fn socket_path_from(
+    kvtier_socket: Option<OsString>,
+    xdg_runtime_dir: Option<OsString>,
+    euid: u32,
+) -> PathBuf {
+    let set = |v: Option<OsString>| v.filter(|v| !v.is_empty());
+    if let Some(p) = set(kvtier_socket) {
+        return PathBuf::from(p);
+    }
+    if let Some(dir) = set(xdg_runtime_dir) {
+        return Path::new(&dir).join("kvtier").join("tierd.sock");
+    }
+    if euid == 0 {
+        return PathBuf::from("/run/kvtier/tierd.sock");
+    }
+    PathBuf::from(format!("/tmp/kvtier-{euid}/tierd.sock"))
+}
 
 /// Failures of a client call.
 #[derive(Debug, thiserror::Error)]
@@ -396,5 +434,39 @@ fn unexpected(op: Opcode, got: &Response) -> ClientError {
     ClientError::UnexpectedReply {
         expected: op.name(),
         got: got.opcode(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn os(s: &str) -> Option<OsString> {
+        Some(OsString::from(s))
+    }
+
+    #[test]
+    fn socket_path_precedence() {
+        assert_eq!(
+            socket_path_from(os("/x/y.sock"), os("/run/user/1000"), 1000),
+            PathBuf::from("/x/y.sock")
+        );
+        assert_eq!(
+            socket_path_from(None, os("/run/user/1000"), 1000),
+            PathBuf::from("/run/user/1000/kvtier/tierd.sock")
+        );
+        assert_eq!(
+            socket_path_from(os(""), os(""), 0),
+            PathBuf::from("/run/kvtier/tierd.sock")
+        );
+        assert_eq!(
+            socket_path_from(None, None, 1234),
+            PathBuf::from("/tmp/kvtier-1234/tierd.sock")
+        );
+        // XDG wins over the root default: a root user session with a runtime dir uses it.
+        assert_eq!(
+            socket_path_from(None, os("/run/user/0"), 0),
+            PathBuf::from("/run/user/0/kvtier/tierd.sock")
+        );
     }
 }
