@@ -12,9 +12,6 @@ pub enum KernelError {
     #[error("query value {index} is not finite")]
     NonFiniteQuery { index: usize },
 
-    #[error("decode at layer {layer} of a session with no tokens at that layer")]
-    EmptyLayer { layer: u32 },
-
     #[error("batch entry {entry}: {source}")]
     Entry {
         entry: usize,

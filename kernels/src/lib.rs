@@ -20,3 +20,12 @@ pub mod simd;
 pub use decode::{decode_layer, DecodeEntry, StepStats};
 pub use error::{KernelError, Result};
 pub use select::{select, KeepSet, SelectScratch};
+
+/// Sizes the compute pool that selection and attention run on (call once, before any decode).
+pub fn set_compute_threads(threads: usize) -> std::result::Result<(), String> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("kvtier-compute-{i}"))
+        .build_global()
+        .map_err(|e| e.to_string())
+}

@@ -1,0 +1,545 @@
+//! tierd configuration: embedded defaults, then a TOML file, then `TIERD_<SECTION>_<FIELD>`
+//! environment variables, then command-line overrides; validated as a whole with errors that
+//! name the field.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// A byte count written as an integer or a string with a binary unit ("256KiB", "8 GiB").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "toml::Value", into = "String")]
+pub struct ByteSize(pub u64);
+
+impl std::str::FromStr for ByteSize {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let n: u64 = num
+            .parse()
+            .map_err(|_| format!("{s:?} is not a size (examples: 4096, \"256KiB\", \"8GiB\")"))?;
+        let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1,
+            "k" | "kib" | "kb" => 1 << 10,
+            "m" | "mib" | "mb" => 1 << 20,
+            "g" | "gib" | "gb" => 1 << 30,
+            "t" | "tib" | "tb" => 1 << 40,
+            other => return Err(format!("unknown size unit {other:?} in {s:?}")),
+        };
+        n.checked_mul(mult)
+            .map(ByteSize)
+            .ok_or_else(|| format!("{s:?} overflows"))
+    }
+}
+
+impl TryFrom<toml::Value> for ByteSize {
+    type Error = String;
+    fn try_from(v: toml::Value) -> Result<Self, String> {
+        match v {
+            toml::Value::Integer(i) if i >= 0 => Ok(ByteSize(i as u64)),
+            toml::Value::String(s) => s.parse(),
+            other => Err(format!("expected a size, got {other}")),
+        }
+    }
+}
+
+impl From<ByteSize> for String {
+    fn from(b: ByteSize) -> String {
+        b.to_string()
+    }
+}
+
+impl std::fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let b = self.0;
+        for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
+            if b >= 1 << shift && b.is_multiple_of(1 << shift) {
+                return write!(f, "{}{unit}", b >> shift);
+            }
+        }
+        write!(f, "{b}")
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub host: HostConfig,
+    pub admission: AdmissionConfig,
+    pub auth: AuthConfig,
+    pub backend: BackendConfig,
+    pub log: LogConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Unix socket path; its parent directory is created (0755) if missing.
+    pub socket_path: PathBuf,
+    /// Permission bits of the socket file (who may connect), e.g. 0o660.
+    pub socket_mode: u32,
+    /// Group (name or numeric id) to give the socket file, so its members may connect.
+    pub socket_group: Option<String>,
+    /// Largest request or reply body; larger KV uploads use shared memory.
+    pub max_frame_bytes: ByteSize,
+    /// Open connections at once; more are refused with RESOURCE_EXHAUSTED.
+    pub max_connections: usize,
+    /// How long shutdown waits for in-flight requests before dropping them.
+    pub shutdown_grace_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct HostConfig {
+    /// Host-RAM tier size (anonymous memory, touched only as blocks fill).
+    pub capacity: ByteSize,
+    /// Bytes per frame; one frame holds one (layer, block) run of a session.
+    pub frame_bytes: ByteSize,
+    /// Advise transparent huge pages for the arena.
+    pub huge_pages: bool,
+    /// mlock the arena (needs LimitMEMLOCK); pinned memory for the GPU backend implies it.
+    pub lock_memory: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdmissionConfig {
+    pub max_sessions: usize,
+    /// APPEND_KV / DECODE requests executing at once (each uses the compute pool).
+    pub max_concurrent_requests: usize,
+    /// Requests waiting for an execution slot; beyond this, RESOURCE_EXHAUSTED.
+    pub max_queued_requests: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthConfig {
+    /// Peers with one of these uids may see every session and EVICT.
+    pub admin_uids: Vec<u32>,
+    /// Peers whose primary gid is one of these are admins too.
+    pub admin_gids: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// CUDA when a device is present, else the CPU backend (logged).
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct BackendConfig {
+    pub kind: BackendKind,
+    /// Threads of the compute pool (0 = one per core).
+    pub threads: usize,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines (journald adds its own timestamps).
+    Text,
+    /// One JSON object per line with structured fields.
+    Json,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// error, warn, info, debug or trace.
+    pub level: String,
+    pub format: LogFormat,
+}
+
+/// The socket path clients and the daemon agree on when nothing is configured:
+/// `$KVTIER_SOCKET`, else `$XDG_RUNTIME_DIR/kvtier/tierd.sock`, else `/run/kvtier/tierd.sock`
+/// for root, else `/tmp/kvtier-<uid>/tierd.sock`.
+pub fn default_socket_path() -> PathBuf {
+    kvtier_protocol::client::default_socket_path()
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            socket_path: default_socket_path(),
+            socket_mode: 0o660,
+            socket_group: None,
+            max_frame_bytes: ByteSize(16 << 20),
+            max_connections: 1024,
+            shutdown_grace_ms: 10_000,
+        }
+    }
+}
+
+impl Default for HostConfig {
+    fn default() -> Self {
+        HostConfig {
+            capacity: ByteSize(default_host_capacity()),
+            frame_bytes: ByteSize(256 << 10),
+            huge_pages: true,
+            lock_memory: false,
+        }
+    }
+}
+
+/// A quarter of physical RAM, rounded down to whole GiB (at least 1 GiB). The arena is
+/// anonymous memory touched only as blocks fill, so an idle daemon costs little.
+fn default_host_capacity() -> u64 {
+    // SAFETY: sysconf has no preconditions; it returns -1 on unknown names.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let ram = if pages > 0 && page > 0 {
+        pages as u64 * page as u64
+    } else {
+        4 << 30
+    };
+    ((ram / 4) >> 30).max(1) << 30
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        AdmissionConfig {
+            max_sessions: 4096,
+            max_concurrent_requests: 64,
+            max_queued_requests: 4096,
+        }
+    }
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        AuthConfig {
+            admin_uids: vec![0],
+            admin_gids: vec![],
+        }
+    }
+}
+
+impl Default for BackendConfig {
+    fn default() -> Self {
+        BackendConfig {
+            kind: BackendKind::Auto,
+            threads: 0,
+        }
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            level: "info".into(),
+            format: LogFormat::Text,
+        }
+    }
+}
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{origin}: {message}")]
+    Override { origin: String, message: String },
+    #[error("invalid configuration: {field}: {reason}")]
+    Invalid { field: &'static str, reason: String },
+}
+
+const SECTIONS: [&str; 6] = ["server", "host", "admission", "auth", "backend", "log"];
+
+impl Config {
+    /// Defaults, overlaid with `file` (if any), then `TIERD_*` variables from `env`, then the
+    /// `section.field=value` pairs of `overrides`; validated.
+    pub fn load(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+        overrides: &[(String, String)],
+    ) -> Result<Config, ConfigError> {
+        let mut tree = toml::Table::try_from(Config::default()).expect("defaults serialize");
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                path: path.into(),
+                source,
+            })?;
+            let parsed: toml::Table =
+                text.parse()
+                    .map_err(|e: toml::de::Error| ConfigError::Parse {
+                        path: path.into(),
+                        message: e.to_string(),
+                    })?;
+            merge(&mut tree, parsed);
+        }
+        for (key, value) in env {
+            let Some(rest) = key.strip_prefix("TIERD_") else {
+                continue;
+            };
+            let rest = rest.to_ascii_lowercase();
+            let Some(section) = SECTIONS.iter().find(|s| rest.starts_with(&format!("{s}_"))) else {
+                continue;
+            };
+            let field = &rest[section.len() + 1..];
+            set(&mut tree, section, field, &value).map_err(|message| ConfigError::Override {
+                origin: format!("environment variable {key}"),
+                message,
+            })?;
+        }
+        for (key, value) in overrides {
+            let (section, field) = key.split_once('.').ok_or_else(|| ConfigError::Override {
+                origin: format!("--set {key}"),
+                message: "expected section.field=value".into(),
+            })?;
+            set(&mut tree, section, field, value).map_err(|message| ConfigError::Override {
+                origin: format!("--set {key}"),
+                message,
+            })?;
+        }
+        let cfg: Config = tree
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Parse {
+                path: file.map_or_else(|| PathBuf::from("<overrides>"), Into::into),
+                message: e.to_string(),
+            })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        fn bad(field: &'static str, reason: String) -> Result<(), ConfigError> {
+            Err(ConfigError::Invalid { field, reason })
+        }
+        let frame = self.host.frame_bytes.0;
+        if frame == 0 || !frame.is_multiple_of(4096) {
+            return bad(
+                "host.frame_bytes",
+                format!("must be a positive multiple of 4096, got {frame}"),
+            );
+        }
+        if self.host.capacity.0 < frame {
+            return bad(
+                "host.capacity",
+                format!(
+                    "must hold at least one frame of {}, got {}",
+                    self.host.frame_bytes, self.host.capacity
+                ),
+            );
+        }
+        let mfb = self.server.max_frame_bytes.0;
+        if !(4096..=(1 << 30)).contains(&mfb) {
+            return bad(
+                "server.max_frame_bytes",
+                format!(
+                    "must be between 4KiB and 1GiB, got {}",
+                    self.server.max_frame_bytes
+                ),
+            );
+        }
+        if self.server.socket_mode > 0o777 {
+            return bad(
+                "server.socket_mode",
+                format!(
+                    "must be permission bits (at most 0o777), got {:o}",
+                    self.server.socket_mode
+                ),
+            );
+        }
+        if self.server.socket_path.as_os_str().is_empty() {
+            return bad("server.socket_path", "must not be empty".into());
+        }
+        // sun_path holds 108 bytes including the terminating NUL.
+        if self.server.socket_path.as_os_str().len() > 107 {
+            return bad(
+                "server.socket_path",
+                format!(
+                    "{} is longer than the 107 bytes a Unix socket path may have",
+                    self.server.socket_path.display()
+                ),
+            );
+        }
+        for (field, v) in [
+            ("server.max_connections", self.server.max_connections),
+            ("admission.max_sessions", self.admission.max_sessions),
+            (
+                "admission.max_concurrent_requests",
+                self.admission.max_concurrent_requests,
+            ),
+        ] {
+            if v == 0 {
+                return bad(field, "must be at least 1".into());
+            }
+        }
+        if !["error", "warn", "info", "debug", "trace"].contains(&self.log.level.as_str()) {
+            return bad(
+                "log.level",
+                format!(
+                    "must be one of error, warn, info, debug, trace; got {:?}",
+                    self.log.level
+                ),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Overlays `src` onto `dst`, table by table.
+fn merge(dst: &mut toml::Table, src: toml::Table) {
+    for (k, v) in src {
+        match (dst.get_mut(&k), v) {
+            (Some(toml::Value::Table(d)), toml::Value::Table(s)) => merge(d, s),
+            (_, v) => {
+                dst.insert(k, v);
+            }
+        }
+    }
+}
+
+/// Sets `section.field` from a string: parsed as a TOML value when it is one (numbers,
+/// booleans, arrays), else taken as a string.
+fn set(tree: &mut toml::Table, section: &str, field: &str, raw: &str) -> Result<(), String> {
+    if !SECTIONS.contains(&section) {
+        return Err(format!(
+            "unknown section {section:?} (one of {})",
+            SECTIONS.join(", ")
+        ));
+    }
+    let value = format!("v = {raw}")
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()));
+    let table = tree
+        .entry(section)
+        .or_insert_with(|| toml::Value::Table(Default::default()));
+    match table {
+        toml::Value::Table(t) => {
+            t.insert(field.to_string(), value);
+            Ok(())
+        }
+        _ => Err(format!("{section} is not a table")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(
+        toml_text: &str,
+        env: &[(&str, &str)],
+        sets: &[(&str, &str)],
+    ) -> Result<Config, ConfigError> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tierd.toml");
+        std::fs::write(&path, toml_text).unwrap();
+        Config::load(
+            Some(&path),
+            env.iter().map(|(k, v)| (k.to_string(), v.to_string())),
+            &sets
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    #[test]
+    fn layering_is_defaults_then_file_then_env_then_cli() {
+        let cfg = load(
+            "[host]\ncapacity = \"2GiB\"\nframe_bytes = 131072\n[admission]\nmax_sessions = 7\n",
+            &[
+                ("TIERD_HOST_CAPACITY", "3GiB"),
+                ("TIERD_LOG_LEVEL", "debug"),
+                ("OTHER", "x"),
+            ],
+            &[
+                ("host.capacity", "\"4GiB\""),
+                ("server.socket_mode", "0o600"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            cfg.host.capacity,
+            ByteSize(4 << 30),
+            "CLI beats env beats file"
+        );
+        assert_eq!(
+            cfg.host.frame_bytes,
+            ByteSize(128 << 10),
+            "file beats defaults"
+        );
+        assert_eq!(cfg.admission.max_sessions, 7);
+        assert_eq!(cfg.log.level, "debug");
+        assert_eq!(cfg.server.socket_mode, 0o600);
+        assert_eq!(
+            cfg.server.max_frame_bytes,
+            ByteSize(16 << 20),
+            "default kept"
+        );
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = load("[host]\nframe_bytes = 1000\n", &[], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("host.frame_bytes"), "{e}");
+        let e = load("[host]\ncapacity = \"1KiB\"\n", &[], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("host.capacity"), "{e}");
+        let e = load("[host]\ncapacity = \"12 parsecs\"\n", &[], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("parsecs"), "{e}");
+        let e = load("[hots]\ncapacity = 1\n", &[], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("hots"), "{e}");
+        let e = load("[host]\ncapacty = 1\n", &[], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("capacty"), "{e}");
+        let e = load("", &[("TIERD_LOG_LEVEL", "loud")], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("log.level"), "{e}");
+        let e = load("", &[], &[("nonsense", "1")]).unwrap_err().to_string();
+        assert!(e.contains("section.field"), "{e}");
+        let e = load("", &[], &[("admission.max_sessions", "0")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("admission.max_sessions"), "{e}");
+    }
+
+    #[test]
+    fn sizes_parse_and_print() {
+        assert_eq!("256KiB".parse::<ByteSize>().unwrap(), ByteSize(256 << 10));
+        assert_eq!(" 8 GiB ".parse::<ByteSize>().unwrap(), ByteSize(8 << 30));
+        assert_eq!("4096".parse::<ByteSize>().unwrap(), ByteSize(4096));
+        assert!("1.5GiB".parse::<ByteSize>().is_err());
+        assert_eq!(ByteSize(3 << 30).to_string(), "3GiB");
+        assert_eq!(ByteSize(1000).to_string(), "1000");
+    }
+
+    #[test]
+    fn the_shipped_production_config_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/tierd.toml");
+        let cfg = Config::load(Some(&path), std::iter::empty(), &[]).unwrap();
+        assert_eq!(
+            cfg.server.socket_path,
+            PathBuf::from("/run/kvtier/tierd.sock")
+        );
+    }
+}

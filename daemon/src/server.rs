@@ -1,0 +1,605 @@
+//! The socket side of tierd: binding the Unix socket safely, accepting connections, reading
+//! frames exactly (so SCM_RIGHTS descriptors arrive with their own frame), running requests,
+//! and shutting down gracefully.
+//!
+//! Each connection is one task that executes its requests in order. Cheap operations run on the
+//! event loop; APPEND_KV and DECODE take an execution slot (admission control) and run on the
+//! blocking pool, where the kernels use the compute pool's threads.
+
+use std::future::Future;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncWriteExt, Interest};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+
+use kvtier_protocol::fdpass::recv_with_fds;
+use kvtier_protocol::{
+    AppendData, ErrorCode, ErrorReply, Header, HelloReply, Opcode, Request, Response, HEADER_LEN,
+    PROTOCOL_VERSION,
+};
+
+use crate::engine::{Engine, Peer};
+use crate::error::{ServiceError, ServiceResult};
+
+/// Socket-side settings (from the `[server]` and `[admission]` config sections).
+#[derive(Debug, Clone)]
+pub struct ServerSettings {
+    pub max_frame_bytes: u32,
+    pub max_connections: usize,
+    pub max_concurrent_requests: usize,
+    pub max_queued_requests: usize,
+    pub shutdown_grace: Duration,
+    /// Removed when the server stops accepting.
+    pub socket_path: Option<PathBuf>,
+}
+
+/// Why the socket could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    #[error("another tierd is already serving {0}")]
+    InUse(PathBuf),
+    #[error("{0} exists and is not a socket; refusing to replace it")]
+    NotASocket(PathBuf),
+    #[error("unknown group {0:?} (server.socket_group)")]
+    UnknownGroup(String),
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+}
+
+/// Binds the Unix socket at `path`: creates the parent directory if missing, replaces a stale
+/// socket left by a dead daemon (but never a live one or a non-socket file), then applies
+/// `mode` and `group` so only the intended users can connect.
+pub fn bind(
+    path: &Path,
+    mode: u32,
+    group: Option<&str>,
+) -> Result<std::os::unix::net::UnixListener, BindError> {
+    let io_err = |what, source| BindError::Io {
+        what,
+        path: path.into(),
+        source,
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.exists() {
+            std::fs::create_dir_all(dir).map_err(|e| io_err("creating socket directory", e))?;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+                .map_err(|e| io_err("setting permissions of socket directory", e))?;
+        }
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            match std::os::unix::net::UnixStream::connect(path) {
+                Ok(_) => return Err(BindError::InUse(path.into())),
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                    tracing::warn!(path = %path.display(), "removing stale socket");
+                    std::fs::remove_file(path).map_err(|e| io_err("removing stale socket", e))?;
+                }
+                Err(e) => return Err(io_err("probing existing socket", e)),
+            }
+        }
+        Ok(_) => return Err(BindError::NotASocket(path.into())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err("inspecting socket path", e)),
+    }
+    let listener =
+        std::os::unix::net::UnixListener::bind(path).map_err(|e| io_err("binding socket", e))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| io_err("setting socket mode", e))?;
+    if let Some(group) = group {
+        let gid = resolve_group(group)?;
+        std::os::unix::fs::chown(path, None, Some(gid))
+            .map_err(|e| io_err("setting socket group", e))?;
+    }
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| io_err("configuring socket", e))?;
+    Ok(listener)
+}
+
+/// A group name or numeric id to a gid.
+fn resolve_group(group: &str) -> Result<u32, BindError> {
+    if let Ok(gid) = group.parse() {
+        return Ok(gid);
+    }
+    let name = std::ffi::CString::new(group).map_err(|_| BindError::UnknownGroup(group.into()))?;
+    let mut grp = std::mem::MaybeUninit::<libc::group>::zeroed();
+    let mut buf = vec![0 as libc::c_char; 16 * 1024];
+    let mut result: *mut libc::group = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call: `grp` for one struct, `buf` for its stated
+    // length; getgrnam_r stores into them and sets `result` to `grp` or null.
+    let rc = unsafe {
+        libc::getgrnam_r(
+            name.as_ptr(),
+            grp.as_mut_ptr(),
+            buf.as_mut_ptr(),
+            buf.len(),
+            &mut result,
+        )
+    };
+    if rc != 0 || result.is_null() {
+        return Err(BindError::UnknownGroup(group.into()));
+    }
+    // SAFETY: getgrnam_r succeeded and returned `grp`, which it initialised.
+    Ok(unsafe { grp.assume_init() }.gr_gid)
+}
+
+/// Bounds executing and waiting APPEND_KV / DECODE requests.
+struct Admission {
+    slots: Arc<Semaphore>,
+    queued: AtomicUsize,
+    max_queued: usize,
+}
+
+impl Admission {
+    async fn enter(&self, engine: &Engine) -> ServiceResult<OwnedSemaphorePermit> {
+        if let Ok(p) = self.slots.clone().try_acquire_owned() {
+            return Ok(p);
+        }
+        if self.queued.fetch_add(1, Ordering::AcqRel) >= self.max_queued {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            engine.counters.rejected.fetch_add(1, Ordering::Relaxed);
+            return Err(ServiceError::exhausted(format!(
+                "request queue full ({} waiting; admission.max_queued_requests)",
+                self.max_queued
+            )));
+        }
+        let p = self.slots.clone().acquire_owned().await;
+        self.queued.fetch_sub(1, Ordering::AcqRel);
+        p.map_err(|_| ServiceError::new(ErrorCode::Unavailable, "shutting down"))
+    }
+}
+
+struct Shared {
+    engine: Arc<Engine>,
+    settings: ServerSettings,
+    admission: Admission,
+}
+
+/// Serves `listener` until `shutdown` resolves, then stops accepting, removes the socket file,
+/// lets every connection finish the request it is executing (up to the grace period), and
+/// returns.
+pub async fn run(
+    listener: UnixListener,
+    engine: Arc<Engine>,
+    settings: ServerSettings,
+    shutdown: impl Future<Output = ()>,
+) -> io::Result<()> {
+    let shared = Arc::new(Shared {
+        admission: Admission {
+            slots: Arc::new(Semaphore::new(settings.max_concurrent_requests)),
+            queued: AtomicUsize::new(0),
+            max_queued: settings.max_queued_requests,
+        },
+        engine,
+        settings,
+    });
+    let connections = Arc::new(Semaphore::new(shared.settings.max_connections));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            accepted = listener.accept() => {
+                let stream = match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        // EMFILE and friends: back off instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
+                };
+                let peer = match stream.peer_cred() {
+                    Ok(c) => Peer { uid: c.uid(), gid: c.gid(), pid: c.pid() },
+                    Err(e) => {
+                        tracing::warn!(error = %e, "no peer credentials; dropping connection");
+                        continue;
+                    }
+                };
+                match connections.clone().try_acquire_owned() {
+                    Ok(permit) => {
+                        let conn = Connection { stream, peer, shared: shared.clone(), stop: stop_rx.clone(), hello: false };
+                        tasks.spawn(async move {
+                            conn.serve().await;
+                            drop(permit);
+                        });
+                    }
+                    Err(_) => {
+                        shared.engine.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                        let max = shared.settings.max_connections;
+                        tasks.spawn(async move {
+                            let mut stream = stream;
+                            let err = ServiceError::exhausted(format!("too many connections ({max}; server.max_connections)"));
+                            let _ = stream.write_all(&error_frame(0, &err)).await;
+                        });
+                    }
+                }
+            }
+        }
+    }
+    drop(listener);
+    if let Some(path) = &shared.settings.socket_path {
+        if let Err(e) = std::fs::remove_file(path) {
+            tracing::warn!(path = %path.display(), error = %e, "could not remove socket");
+        }
+    }
+    tracing::info!(
+        connections = tasks.len(),
+        "shutting down: draining in-flight requests"
+    );
+    let _ = stop_tx.send(true);
+    shared.admission.slots.close();
+    let drained = tokio::time::timeout(shared.settings.shutdown_grace, async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            remaining = tasks.len(),
+            "grace period over; dropping connections"
+        );
+        tasks.abort_all();
+    }
+    Ok(())
+}
+
+fn error_frame(request_id: u64, e: &ServiceError) -> Vec<u8> {
+    let mut buf = Vec::new();
+    Response::Error(ErrorReply::new(e.code, e.message.clone()))
+        .encode_frame(request_id, &mut buf)
+        .expect("error replies always encode");
+    buf
+}
+
+/// Encodes a reply, replacing it with RESOURCE_EXHAUSTED if it would exceed the frame limit.
+fn reply_frame(
+    request_id: u64,
+    result: ServiceResult<Response>,
+    max: u32,
+    engine: &Engine,
+) -> Vec<u8> {
+    let r = result.and_then(|resp| {
+        let mut buf = Vec::new();
+        resp.encode_frame(request_id, &mut buf)
+            .map_err(|e| ServiceError::internal(format!("encoding reply: {e}")))?;
+        if buf.len() - HEADER_LEN > max as usize {
+            return Err(ServiceError::exhausted(format!(
+                "reply of {} bytes exceeds max_frame_bytes {max}",
+                buf.len() - HEADER_LEN
+            )));
+        }
+        Ok(buf)
+    });
+    r.unwrap_or_else(|e| {
+        engine.counters.errors.fetch_add(1, Ordering::Relaxed);
+        error_frame(request_id, &e)
+    })
+}
+
+/// Reads exactly `buf.len()` bytes with recvmsg, collecting passed descriptors. Returns
+/// `Ok(false)` on a clean end of stream before the first byte.
+async fn recv_exact(
+    stream: &UnixStream,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+) -> io::Result<bool> {
+    let mut off = 0;
+    while off < buf.len() {
+        stream.readable().await?;
+        match stream.try_io(Interest::READABLE, || {
+            recv_with_fds(stream.as_fd(), &mut buf[off..], fds)
+        }) {
+            Ok(0) if off == 0 => return Ok(false),
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => off += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+struct Connection {
+    stream: UnixStream,
+    peer: Peer,
+    shared: Arc<Shared>,
+    stop: watch::Receiver<bool>,
+    hello: bool,
+}
+
+impl Connection {
+    async fn serve(mut self) {
+        let max = self.shared.settings.max_frame_bytes;
+        let mut head = [0u8; HEADER_LEN];
+        let mut body = Vec::new();
+        let mut fds = Vec::new();
+        tracing::debug!(uid = self.peer.uid, pid = ?self.peer.pid, "connection opened");
+        loop {
+            if *self.stop.borrow() {
+                break;
+            }
+            fds.clear();
+            let got = tokio::select! {
+                _ = self.stop.changed() => break,
+                r = recv_exact(&self.stream, &mut head, &mut fds) => r,
+            };
+            match got {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => {
+                    tracing::debug!(error = %e, "connection read failed");
+                    break;
+                }
+            }
+            // A bad header or an oversized body: the stream cannot be trusted (or we will not
+            // read it), so answer with request id 0 and close.
+            let header = match Header::decode(&head).and_then(|h| h.check_len(max).map(|_| h)) {
+                Ok(h) => h,
+                Err(e) => {
+                    self.shared
+                        .engine
+                        .counters
+                        .errors
+                        .fetch_add(1, Ordering::Relaxed);
+                    let _ = self.stream.write_all(&error_frame(0, &e.into())).await;
+                    break;
+                }
+            };
+            body.resize(header.body_len as usize, 0);
+            match recv_exact(&self.stream, &mut body, &mut fds).await {
+                Ok(true) => {}
+                Ok(false) if body.is_empty() => {}
+                _ => break,
+            }
+            let frame = self.handle(&header, &mut body, &mut fds).await;
+            if self.stream.write_all(&frame).await.is_err() {
+                break;
+            }
+        }
+        tracing::debug!(uid = self.peer.uid, "connection closed");
+    }
+
+    async fn handle(
+        &mut self,
+        header: &Header,
+        body: &mut Vec<u8>,
+        fds: &mut Vec<OwnedFd>,
+    ) -> Vec<u8> {
+        let engine = self.shared.engine.clone();
+        let max = self.shared.settings.max_frame_bytes;
+        let rid = header.request_id;
+        let opcode = Opcode::from_u16(header.opcode).ok();
+        let shm = opcode == Some(Opcode::AppendKv)
+            && header.flags & kvtier_protocol::FLAG_APPEND_SHM != 0;
+        let fd = match (shm, fds.len()) {
+            (true, 1) => fds.pop(),
+            (false, 0) => None,
+            (true, n) => {
+                return reply_frame(
+                    rid,
+                    Err(ServiceError::invalid(format!(
+                        "a shared-memory APPEND_KV carries exactly one file descriptor, got {n}"
+                    ))),
+                    max,
+                    &engine,
+                );
+            }
+            (false, n) => {
+                fds.clear();
+                return reply_frame(
+                    rid,
+                    Err(ServiceError::invalid(format!(
+                        "{n} unexpected file descriptor(s) with a frame that takes none"
+                    ))),
+                    max,
+                    &engine,
+                );
+            }
+        };
+        if !self.hello && opcode != Some(Opcode::Hello) {
+            let e = ServiceError::precondition("the first request on a connection must be HELLO");
+            return reply_frame(rid, Err(e), max, &engine);
+        }
+        match opcode {
+            Some(Opcode::AppendKv | Opcode::Decode) => {
+                let permit = match self.shared.admission.enter(&engine).await {
+                    Ok(p) => p,
+                    Err(e) => return reply_frame(rid, Err(e), max, &engine),
+                };
+                let (peer, header, owned) = (self.peer, *header, std::mem::take(body));
+                let eng = engine.clone();
+                let joined = tokio::task::spawn_blocking(move || {
+                    let result = execute_heavy(&eng, &peer, &header, &owned, fd);
+                    let frame = reply_frame(header.request_id, result, max, &eng);
+                    drop(permit);
+                    (frame, owned)
+                })
+                .await;
+                match joined {
+                    Ok((frame, owned)) => {
+                        *body = owned;
+                        frame
+                    }
+                    Err(e) => reply_frame(
+                        rid,
+                        Err(ServiceError::internal(format!("request task failed: {e}"))),
+                        max,
+                        &engine,
+                    ),
+                }
+            }
+            _ => {
+                let result = Request::decode(header, body)
+                    .map_err(ServiceError::from)
+                    .and_then(|req| self.execute_light(&engine, req));
+                reply_frame(rid, result, max, &engine)
+            }
+        }
+    }
+
+    fn execute_light(&mut self, engine: &Engine, req: Request<'_>) -> ServiceResult<Response> {
+        let peer = &self.peer;
+        Ok(match req {
+            Request::Hello(h) => {
+                if self.hello {
+                    return Err(ServiceError::precondition(
+                        "HELLO was already sent on this connection",
+                    ));
+                }
+                if !(h.min_version..=h.max_version).contains(&PROTOCOL_VERSION) {
+                    return Err(ServiceError::precondition(format!(
+                        "no common protocol version: client speaks {}..={}, server {PROTOCOL_VERSION}",
+                        h.min_version, h.max_version
+                    )));
+                }
+                self.hello = true;
+                tracing::debug!(client = %h.client_name, uid = peer.uid, "hello");
+                Response::Hello(HelloReply {
+                    version: PROTOCOL_VERSION,
+                    max_frame_bytes: self.shared.settings.max_frame_bytes,
+                    server_name: "tierd".into(),
+                    server_version: env!("CARGO_PKG_VERSION").into(),
+                })
+            }
+            Request::CreateSession(c) => Response::CreateSession {
+                session: engine.create(peer, &c)?,
+            },
+            Request::SessionInfo { session } => Response::SessionInfo(engine.info(peer, session)?),
+            Request::CloseSession { session } => {
+                engine.close(peer, session)?;
+                Response::CloseSession
+            }
+            Request::ListSessions => Response::ListSessions(engine.list(peer)),
+            Request::Stats => Response::Stats(engine.stats()),
+            Request::Evict { session } => {
+                engine.evict(peer, session)?;
+                Response::Evict
+            }
+            Request::AppendKv(_) | Request::Decode(_) => {
+                unreachable!("heavy requests run on the blocking pool")
+            }
+        })
+    }
+}
+
+/// APPEND_KV and DECODE, on a blocking thread.
+fn execute_heavy(
+    engine: &Engine,
+    peer: &Peer,
+    header: &Header,
+    body: &[u8],
+    fd: Option<OwnedFd>,
+) -> ServiceResult<Response> {
+    match Request::decode(header, body)? {
+        Request::AppendKv(a) => {
+            let tokens = match a.data {
+                AppendData::Inline(payload) => {
+                    engine.append(peer, a.session, a.start_pos, a.n_tokens, payload)?
+                }
+                AppendData::Shm { offset, len } => {
+                    let fd = fd.ok_or_else(|| {
+                        ServiceError::invalid("shared-memory APPEND_KV without a descriptor")
+                    })?;
+                    let payload = SharedPayload::open(
+                        fd,
+                        offset,
+                        len,
+                        engine.arena().usage().bytes_total() as u64,
+                    )?;
+                    engine.append(peer, a.session, a.start_pos, a.n_tokens, payload.bytes())?
+                }
+            };
+            Ok(Response::AppendKv { tokens })
+        }
+        Request::Decode(d) => Ok(Response::Decode(engine.decode(
+            peer,
+            d.layer,
+            d.want_stats,
+            &d.entries,
+        )?)),
+        _ => unreachable!("only APPEND_KV and DECODE are heavy"),
+    }
+}
+
+/// The payload range of a passed descriptor: mapped when the descriptor is a memfd sealed
+/// against shrinking and writing (so the bytes cannot change or vanish while we read them),
+/// otherwise read into memory with pread.
+enum SharedPayload {
+    Mapped(memmap2::Mmap),
+    Read(Vec<u8>),
+}
+
+impl SharedPayload {
+    fn open(fd: OwnedFd, offset: u64, len: u64, limit: u64) -> ServiceResult<Self> {
+        let file = std::fs::File::from(fd);
+        let size = file
+            .metadata()
+            .map_err(|e| {
+                ServiceError::invalid(format!("cannot stat the shared-memory descriptor: {e}"))
+            })?
+            .len();
+        let end = offset
+            .checked_add(len)
+            .filter(|&e| e <= size)
+            .ok_or_else(|| {
+                ServiceError::invalid(format!(
+                    "range {offset}+{len} lies outside the {size}-byte file"
+                ))
+            })?;
+        if len > limit {
+            return Err(ServiceError::exhausted(format!(
+                "payload of {len} bytes exceeds the host tier ({limit} bytes)"
+            )));
+        }
+        if len == 0 {
+            return Ok(SharedPayload::Read(Vec::new()));
+        }
+        // SAFETY: F_GET_SEALS only reads the descriptor's seal set.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        let needed = libc::F_SEAL_SHRINK | libc::F_SEAL_WRITE;
+        if seals >= 0 && seals & needed == needed {
+            // SAFETY: the memfd is sealed against shrinking and writing, so the mapped range
+            // (inside the file, checked above) stays valid and unchanged while mapped.
+            let map = unsafe {
+                memmap2::MmapOptions::new()
+                    .offset(offset)
+                    .len(len as usize)
+                    .map(&file)
+            }
+            .map_err(|e| {
+                ServiceError::internal(format!("mapping the shared-memory payload: {e}"))
+            })?;
+            return Ok(SharedPayload::Mapped(map));
+        }
+        // Unsealed memfds and regular files could be truncated under a mapping (SIGBUS) or
+        // change between validation and copy: read them instead.
+        let mut buf = vec![0u8; len as usize];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut buf, offset).map_err(|e| {
+            ServiceError::invalid(format!(
+                "reading the shared-memory payload ({end} bytes): {e}"
+            ))
+        })?;
+        Ok(SharedPayload::Read(buf))
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            SharedPayload::Mapped(m) => m,
+            SharedPayload::Read(v) => v,
+        }
+    }
+}

@@ -1,0 +1,478 @@
+//! Every bad request gets its typed error, and the daemon keeps serving everyone else.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use common::*;
+use kvtier_protocol::client::{Client, ClientError};
+use kvtier_protocol::{
+    ErrorCode, Geometry, Header, HelloRequest, Opcode, Policy, Request, Response, HEADER_LEN, MAGIC,
+};
+
+fn code<T: std::fmt::Debug>(r: Result<T, ClientError>) -> ErrorCode {
+    match r {
+        Err(e) => e
+            .code()
+            .unwrap_or_else(|| panic!("not a server error: {e}")),
+        Ok(v) => panic!("expected an error, got {v:?}"),
+    }
+}
+
+/// Reads one reply frame from a raw stream; None when the server closed the connection.
+fn read_reply(s: &mut UnixStream) -> Option<(Header, Response)> {
+    let mut head = [0u8; HEADER_LEN];
+    if s.read_exact(&mut head).is_err() {
+        return None;
+    }
+    let h = Header::decode(&head).unwrap();
+    let mut body = vec![0u8; h.body_len as usize];
+    s.read_exact(&mut body).unwrap();
+    Some((h, Response::decode(&h, &body).unwrap()))
+}
+
+fn error_code(r: &Response) -> ErrorCode {
+    match r {
+        Response::Error(e) => e.code,
+        other => panic!("expected an error reply, got {other:?}"),
+    }
+}
+
+fn raw(d: &Daemon) -> UnixStream {
+    let s = UnixStream::connect(d.path()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s
+}
+
+fn hello(s: &mut UnixStream) {
+    let mut buf = Vec::new();
+    Request::Hello(HelloRequest {
+        min_version: 1,
+        max_version: 1,
+        client_name: "raw".into(),
+    })
+    .encode_frame(7, &mut buf)
+    .unwrap();
+    s.write_all(&buf).unwrap();
+    let (h, r) = read_reply(s).unwrap();
+    assert_eq!(h.request_id, 7);
+    assert!(matches!(r, Response::Hello(_)));
+}
+
+fn is_closed(s: &mut UnixStream) -> bool {
+    let mut b = [0u8; 1];
+    matches!(s.read(&mut b), Ok(0) | Err(_))
+}
+
+/// The daemon still answers a fresh, well-behaved client.
+fn still_serving(d: &Daemon) {
+    let mut c = d.client();
+    c.stats().expect("daemon still serving");
+}
+
+#[test]
+fn oversized_frames_are_refused_from_the_header_alone() {
+    let d = Daemon::start(&["--set", "server.max_frame_bytes=65536"]);
+    let mut s = raw(&d);
+    hello(&mut s);
+    // Announce 1 GiB and send nothing more: the refusal must not wait for the body.
+    let h = Header::request(Opcode::AppendKv, 0, 9, 1 << 30);
+    s.write_all(&h.encode()).unwrap();
+    let (h, r) = read_reply(&mut s).expect("an error reply");
+    assert_eq!(
+        (h.request_id, error_code(&r)),
+        (0, ErrorCode::ResourceExhausted)
+    );
+    assert!(is_closed(&mut s));
+    still_serving(&d);
+}
+
+#[test]
+fn garbage_and_truncated_frames_do_not_disturb_the_daemon() {
+    let d = Daemon::start(&[]);
+    let mut s = raw(&d);
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let (h, r) = read_reply(&mut s).expect("an error reply");
+    assert_eq!(
+        (h.request_id, error_code(&r)),
+        (0, ErrorCode::InvalidArgument)
+    );
+    assert!(is_closed(&mut s));
+    // A header announcing 100 bytes, 10 sent, then hang up.
+    let mut s = raw(&d);
+    hello(&mut s);
+    s.write_all(&Header::request(Opcode::Stats, 0, 3, 100).encode())
+        .unwrap();
+    s.write_all(&[0u8; 10]).unwrap();
+    drop(s);
+    // A truncated header.
+    let mut s = raw(&d);
+    s.write_all(&MAGIC.to_le_bytes()).unwrap();
+    drop(s);
+    still_serving(&d);
+}
+
+#[test]
+fn protocol_misuse_gets_typed_errors_and_the_connection_survives() {
+    let d = Daemon::start(&[]);
+    let mut s = raw(&d);
+    // Anything before HELLO.
+    let mut buf = Vec::new();
+    Request::Stats.encode_frame(11, &mut buf).unwrap();
+    s.write_all(&buf).unwrap();
+    let (h, r) = read_reply(&mut s).unwrap();
+    assert_eq!(
+        (h.request_id, error_code(&r)),
+        (11, ErrorCode::FailedPrecondition)
+    );
+    hello(&mut s);
+    // Unknown opcode, with a body: UNIMPLEMENTED, connection still usable.
+    let mut h = Header::request(Opcode::Stats, 0, 12, 3);
+    h.opcode = 0x0042;
+    s.write_all(&h.encode()).unwrap();
+    s.write_all(b"abc").unwrap();
+    let (h, r) = read_reply(&mut s).unwrap();
+    assert_eq!(
+        (h.request_id, error_code(&r)),
+        (12, ErrorCode::Unimplemented)
+    );
+    // Malformed body: CREATE_SESSION with a truncated geometry.
+    s.write_all(&Header::request(Opcode::CreateSession, 0, 13, 5).encode())
+        .unwrap();
+    s.write_all(&[1, 0, 0, 0, 2]).unwrap();
+    let (h, r) = read_reply(&mut s).unwrap();
+    assert_eq!(
+        (h.request_id, error_code(&r)),
+        (13, ErrorCode::InvalidArgument)
+    );
+    // Second HELLO.
+    let mut buf = Vec::new();
+    Request::Hello(HelloRequest {
+        min_version: 1,
+        max_version: 1,
+        client_name: String::new(),
+    })
+    .encode_frame(14, &mut buf)
+    .unwrap();
+    s.write_all(&buf).unwrap();
+    let (_, r) = read_reply(&mut s).unwrap();
+    assert_eq!(error_code(&r), ErrorCode::FailedPrecondition);
+    // Still fine for real work.
+    let mut buf = Vec::new();
+    Request::Stats.encode_frame(15, &mut buf).unwrap();
+    s.write_all(&buf).unwrap();
+    assert!(matches!(read_reply(&mut s).unwrap().1, Response::Stats(_)));
+    // No common version.
+    let mut s = raw(&d);
+    let mut buf = Vec::new();
+    Request::Hello(HelloRequest {
+        min_version: 2,
+        max_version: 9,
+        client_name: String::new(),
+    })
+    .encode_frame(1, &mut buf)
+    .unwrap();
+    s.write_all(&buf).unwrap();
+    assert_eq!(
+        error_code(&read_reply(&mut s).unwrap().1),
+        ErrorCode::FailedPrecondition
+    );
+}
+
+#[test]
+fn wrong_geometry_sizes_layers_positions_and_sessions() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let g = small_geometry();
+    let bad = |f: fn(&mut Geometry)| {
+        let mut x = small_geometry();
+        f(&mut x);
+        x
+    };
+    assert_eq!(
+        code(c.create_session(bad(|g| g.q_heads = 3), policy(), "")),
+        ErrorCode::InvalidArgument
+    );
+    assert_eq!(
+        code(c.create_session(bad(|g| g.head_dim = 0), policy(), "")),
+        ErrorCode::InvalidArgument
+    );
+    // A block run larger than the 4 KiB frames this daemon was configured with.
+    assert_eq!(
+        code(c.create_session(bad(|g| g.head_dim = 64), policy(), "")),
+        ErrorCode::InvalidArgument
+    );
+    let p0 = Policy {
+        local_blocks: 0,
+        ..policy()
+    };
+    assert_eq!(
+        code(c.create_session(g, p0, "")),
+        ErrorCode::InvalidArgument
+    );
+
+    let id = c.create_session(g, policy(), "").unwrap();
+    let mut sh = Shadow::new(g, 3);
+    let p = sh.payload(40);
+    assert_eq!(
+        code(c.append_kv(id, 0, 40, &p[1..])),
+        ErrorCode::InvalidArgument,
+        "payload size"
+    );
+    assert_eq!(
+        code(c.append_kv(id, 0, 41, &p)),
+        ErrorCode::InvalidArgument,
+        "n_tokens vs payload"
+    );
+    c.append_kv(id, 0, 40, &p).unwrap();
+    assert_eq!(
+        code(c.append_kv(id, 20, 40, &p)),
+        ErrorCode::FailedPrecondition,
+        "backwards"
+    );
+    assert_eq!(
+        code(c.append_kv(id, 41, 40, &p)),
+        ErrorCode::FailedPrecondition,
+        "gap"
+    );
+    assert_eq!(code(c.append_kv(999, 40, 40, &p)), ErrorCode::NotFound);
+
+    let (q, k, v) = sh.step_input(0);
+    let qb = f32_bytes(&q);
+    assert_eq!(
+        code(c.decode(0, entry(id, 39, &qb, &k, &v), false)),
+        ErrorCode::FailedPrecondition
+    );
+    assert_eq!(
+        code(c.decode(2, entry(id, 40, &qb, &k, &v), false)),
+        ErrorCode::InvalidArgument,
+        "layer"
+    );
+    assert_eq!(
+        code(c.decode(0, entry(id, 40, &qb[4..], &k, &v), false)),
+        ErrorCode::InvalidArgument,
+        "q size"
+    );
+    assert_eq!(
+        code(c.decode(0, entry(id, 40, &qb, &k[2..], &v[2..]), false)),
+        ErrorCode::InvalidArgument,
+        "k size"
+    );
+    assert_eq!(
+        code(c.decode(0, entry(12345, 40, &qb, &k, &v), false)),
+        ErrorCode::NotFound
+    );
+    let mut nan = q.clone();
+    nan[3] = f32::NAN;
+    let nb = f32_bytes(&nan);
+    assert_eq!(
+        code(c.decode(0, entry(id, 40, &nb, &k, &v), false)),
+        ErrorCode::InvalidArgument,
+        "NaN q"
+    );
+    let e = [entry(id, 40, &qb, &k, &v), entry(id, 40, &qb, &k, &v)];
+    assert_eq!(
+        code(c.decode_batch(0, &e, false)),
+        ErrorCode::InvalidArgument,
+        "duplicate session"
+    );
+    assert_eq!(
+        code(c.decode_batch(0, &[], false)),
+        ErrorCode::InvalidArgument,
+        "empty batch"
+    );
+    // None of that changed the session: the right request still works.
+    let out = c.decode(0, entry(id, 40, &qb, &k, &v), true).unwrap();
+    sh.check(0, &q, &out);
+    assert_eq!(c.session_info(id).unwrap().tokens_max, 41);
+}
+
+#[test]
+fn a_failed_batch_entry_leaves_every_session_unchanged() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let g = small_geometry();
+    let a = c.create_session(g, policy(), "").unwrap();
+    let b = c.create_session(g, policy(), "").unwrap();
+    let mut sa = Shadow::new(g, 1);
+    let mut sb = Shadow::new(g, 2);
+    c.append_kv(a, 0, 20, &sa.payload(20)).unwrap();
+    c.append_kv(b, 0, 20, &sb.payload(20)).unwrap();
+    let (q, k, v) = sa.step_input(0);
+    let qb = f32_bytes(&q);
+    // Entry 1 has a stale position: the whole batch fails, entry 0's k/v are not appended.
+    let e = [entry(a, 20, &qb, &k, &v), entry(b, 19, &qb, &k, &v)];
+    let err = c.decode_batch(0, &e, false).unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::FailedPrecondition));
+    assert!(err.to_string().contains("batch entry 1"), "{err}");
+    assert_eq!(c.session_info(a).unwrap().tokens_max, 20);
+    assert_eq!(c.session_info(b).unwrap().tokens_max, 20);
+}
+
+#[test]
+fn admission_limits_answer_resource_exhausted() {
+    let d = Daemon::start(&[
+        "--set",
+        "admission.max_sessions=2",
+        "--set",
+        "host.capacity=\"64KiB\"",
+    ]);
+    let mut c = d.client();
+    let g = small_geometry();
+    let a = c.create_session(g, policy(), "").unwrap();
+    c.create_session(g, policy(), "").unwrap();
+    assert_eq!(
+        code(c.create_session(g, policy(), "")),
+        ErrorCode::ResourceExhausted
+    );
+    // 16 frames of 4 KiB: 7 blocks x 2 layers fit, 9 blocks x 2 layers do not.
+    let mut sh = Shadow::new(g, 5);
+    c.append_kv(a, 0, 7 * 16, &sh.payload(7 * 16)).unwrap();
+    let mut sh2 = Shadow::new(g, 6);
+    let p = sh2.payload(32);
+    assert_eq!(
+        code(c.append_kv(a, 7 * 16, 32, &p)),
+        ErrorCode::ResourceExhausted
+    );
+    assert_eq!(
+        c.session_info(a).unwrap().tokens_max,
+        112,
+        "a full tier changes nothing"
+    );
+    c.close(a).unwrap();
+    assert_eq!(code(c.session_info(a)), ErrorCode::NotFound);
+    still_serving(&d);
+}
+
+#[test]
+fn shared_memory_descriptors_are_checked() {
+    use std::os::fd::AsFd;
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let g = small_geometry();
+    let id = c.create_session(g, policy(), "").unwrap();
+    let mut sh = Shadow::new(g, 8);
+    let p = sh.payload(16);
+    // A regular (unsealed) file works, read rather than mapped.
+    let mut f = tempfile::tempfile().unwrap();
+    f.write_all(&[0u8; 100]).unwrap();
+    f.write_all(&p).unwrap();
+    assert_eq!(
+        c.append_kv_fd(id, 0, 16, f.as_fd(), 100, p.len() as u64)
+            .unwrap(),
+        16
+    );
+    // A range past the end of the file.
+    let p2 = sh.payload(16);
+    let e = c.append_kv_fd(id, 16, 16, f.as_fd(), 200, p2.len() as u64);
+    assert_eq!(code(e), ErrorCode::InvalidArgument);
+    // A file descriptor on a frame that takes none: send STATS with an fd attached.
+    let s = UnixStream::connect(d.path()).unwrap();
+    let mut s2 = s.try_clone().unwrap();
+    hello(&mut s2);
+    let mut buf = Vec::new();
+    Request::Stats.encode_frame(5, &mut buf).unwrap();
+    kvtier_protocol::fdpass::send_with_fd(s.as_fd(), &[&buf], f.as_fd()).unwrap();
+    s2.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let (h, r) = read_reply(&mut s2).unwrap();
+    assert_eq!(
+        (h.request_id, error_code(&r)),
+        (5, ErrorCode::InvalidArgument)
+    );
+}
+
+#[test]
+fn another_uid_cannot_touch_a_session() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to run a client under a second uid");
+        return;
+    }
+    if std::env::var_os("KVTIER_FOREIGN_SESSION").is_some() {
+        return; // the child half runs in `foreign_client`, below
+    }
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let g = small_geometry();
+    let id = c.create_session(g, policy(), "root's").unwrap();
+    c.append_kv(id, 0, 16, &Shadow::new(g, 1).payload(16))
+        .unwrap();
+    // Re-run this test binary as uid/gid 65534 (nobody), executing only `foreign_client`.
+    use std::os::unix::process::CommandExt;
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "foreign_client",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("KVTIER_FOREIGN_SESSION", id.to_string())
+        .env("KVTIER_FOREIGN_SOCKET", d.path())
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "foreign client failed:\n{text}");
+    assert!(
+        text.contains("foreign checks passed"),
+        "child did not run its checks:\n{text}"
+    );
+    // The owner still has it, untouched.
+    assert_eq!(c.session_info(id).unwrap().tokens_max, 16);
+    assert_eq!(c.list_sessions().unwrap().len(), 1);
+}
+
+/// The second-uid half of `another_uid_cannot_touch_a_session` (a no-op when run directly).
+#[test]
+fn foreign_client() {
+    let (Ok(id), Ok(path)) = (
+        std::env::var("KVTIER_FOREIGN_SESSION"),
+        std::env::var("KVTIER_FOREIGN_SOCKET"),
+    ) else {
+        return;
+    };
+    let id: u64 = id.parse().unwrap();
+    let mut c = Client::connect(&path).unwrap();
+    let g = small_geometry();
+    let mut sh = Shadow::new(g, 2);
+    assert_eq!(code(c.session_info(id)), ErrorCode::PermissionDenied);
+    assert_eq!(
+        code(c.append_kv(id, 16, 16, &sh.payload(16))),
+        ErrorCode::PermissionDenied
+    );
+    let (q, k, v) = sh.step_input(0);
+    let qb = f32_bytes(&q);
+    assert_eq!(
+        code(c.decode(0, entry(id, 16, &qb, &k, &v), false)),
+        ErrorCode::PermissionDenied
+    );
+    assert_eq!(code(c.close(id)), ErrorCode::PermissionDenied);
+    assert_eq!(code(c.evict(id)), ErrorCode::PermissionDenied);
+    assert!(
+        c.list_sessions().unwrap().is_empty(),
+        "others' sessions are not listed"
+    );
+    // Its own session works.
+    let mine = c.create_session(g, policy(), "nobody's").unwrap();
+    assert_eq!(c.list_sessions().unwrap().len(), 1);
+    c.close(mine).unwrap();
+    println!("foreign checks passed");
+}
+
+#[test]
+fn admins_can_evict_and_see_everything() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let id = c.create_session(small_geometry(), policy(), "").unwrap();
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        c.evict(id).unwrap();
+        assert_eq!(code(c.session_info(id)), ErrorCode::NotFound);
+    } else {
+        assert_eq!(code(c.evict(id)), ErrorCode::PermissionDenied);
+    }
+}

@@ -1,0 +1,246 @@
+//! A real tierd process on a real socket, for integration tests.
+#![allow(dead_code)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use kvtier_kernels::dense::{max_rel_err, reference_attention};
+use kvtier_protocol::client::Client;
+use kvtier_protocol::{DecodeEntryRef, DecodeOutput, Dtype, Geometry, Policy};
+use kvtier_storage::testing::Rng;
+use kvtier_storage::DType;
+
+pub struct Daemon {
+    pub child: Child,
+    pub socket: PathBuf,
+    pub dir: tempfile::TempDir,
+}
+
+impl Daemon {
+    /// Starts tierd with a 64 MiB host tier of 4 KiB frames on a fresh socket, plus `extra`
+    /// arguments, and waits until the socket accepts.
+    pub fn start(extra: &[&str]) -> Daemon {
+        let dir = tempfile::tempdir().unwrap();
+        // Other uids (the permission tests) must reach the socket inside.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let socket = dir.path().join("tierd.sock");
+        let child = Command::new(env!("CARGO_BIN_EXE_tierd"))
+            .arg("--socket")
+            .arg(&socket)
+            .args([
+                "--host-capacity",
+                "64MiB",
+                "--set",
+                "host.frame_bytes=\"4KiB\"",
+            ])
+            .args(["--set", "server.socket_mode=0o666", "--log-level", "warn"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn tierd");
+        let mut d = Daemon { child, socket, dir };
+        d.wait_ready();
+        d
+    }
+
+    fn wait_ready(&mut self) {
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(20) {
+            if Client::connect(&self.socket).is_ok() {
+                return;
+            }
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!("tierd exited during startup: {status}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("tierd did not come up at {}", self.socket.display());
+    }
+
+    pub fn client(&self) -> Client {
+        Client::connect(&self.socket).expect("connect")
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill has no memory-safety preconditions; the pid is our live child.
+        assert_eq!(unsafe { libc::kill(self.pid(), sig) }, 0);
+    }
+
+    /// Waits for the process to exit (at most `limit`).
+    pub fn wait(&mut self, limit: Duration) -> ExitStatus {
+        let t0 = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(t0.elapsed() < limit, "tierd did not exit within {limit:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Resident memory of the daemon in bytes.
+    pub fn rss(&self) -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        let kb: u64 = s
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap();
+        kb * 1024
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.socket
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A small GQA geometry whose (layer, block) run exactly fills a 4 KiB frame: 2 KV heads x
+/// (K, V) x 16 tokens x 32 dims x 2 bytes.
+pub fn small_geometry() -> Geometry {
+    Geometry {
+        layers: 2,
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        dtype: Dtype::Bf16,
+        block_tokens: 16,
+    }
+}
+
+pub fn policy() -> Policy {
+    Policy {
+        sink_blocks: 1,
+        local_blocks: 1,
+        top_k: 2,
+    }
+}
+
+pub fn dtype(g: &Geometry) -> DType {
+    DType::from_code(g.dtype.as_u8()).unwrap()
+}
+
+/// The model side of a session: every layer's stored K/V (as f32 after dtype rounding), so
+/// outputs can be checked against the dense oracle.
+pub struct Shadow {
+    pub g: Geometry,
+    pub k: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+    pub rng: Rng,
+}
+
+impl Shadow {
+    pub fn new(g: Geometry, seed: u64) -> Self {
+        Shadow {
+            g,
+            k: vec![Vec::new(); g.layers as usize],
+            v: vec![Vec::new(); g.layers as usize],
+            rng: Rng::new(seed),
+        }
+    }
+
+    fn row_elems(&self) -> usize {
+        (self.g.kv_heads * self.g.head_dim) as usize
+    }
+
+    /// A random APPEND_KV payload of `n` tokens (recorded in the shadow).
+    pub fn payload(&mut self, n: usize) -> Vec<u8> {
+        let dt = dtype(&self.g);
+        let mut out = Vec::new();
+        for l in 0..self.g.layers as usize {
+            for kv in 0..2 {
+                let vals = self.rng.normals(n * self.row_elems());
+                let bytes = dt.encode_vec(&vals);
+                let stored = dt.decode_vec(&bytes);
+                if kv == 0 {
+                    self.k[l].extend(stored)
+                } else {
+                    self.v[l].extend(stored)
+                }
+                out.extend(bytes);
+            }
+        }
+        out
+    }
+
+    /// A random decode input for `layer` (recorded): (q f32 bytes, k, v).
+    pub fn step_input(&mut self, layer: usize) -> (Vec<f32>, Vec<u8>, Vec<u8>) {
+        let dt = dtype(&self.g);
+        let q = self
+            .rng
+            .normals((self.g.q_heads * self.g.head_dim) as usize);
+        let n = self.row_elems();
+        let k = dt.encode_vec(&self.rng.normals(n));
+        let v = dt.encode_vec(&self.rng.normals(n));
+        self.k[layer].extend(dt.decode_vec(&k));
+        self.v[layer].extend(dt.decode_vec(&v));
+        (q, k, v)
+    }
+
+    pub fn tokens(&self, layer: usize) -> u64 {
+        (self.k[layer].len() / self.row_elems()) as u64
+    }
+
+    /// Checks a decode output against dense attention over exactly the reported keep-set.
+    pub fn check(&self, layer: usize, q: &[f32], out: &DecodeOutput) {
+        let stats = out.stats.as_ref().expect("stats requested");
+        let g = kvtier_storage::Geometry {
+            layers: self.g.layers,
+            q_heads: self.g.q_heads,
+            kv_heads: self.g.kv_heads,
+            head_dim: self.g.head_dim,
+            dtype: dtype(&self.g),
+            block_tokens: self.g.block_tokens,
+        };
+        let bt = self.g.block_tokens;
+        let want = reference_attention(&g, q, &self.k[layer], &self.v[layer], |h, t| {
+            stats.selected[h].binary_search(&(t as u32 / bt)).is_ok()
+        });
+        let err = max_rel_err(&out.out, &want);
+        assert!(
+            err <= 2e-3,
+            "decode output differs from the dense oracle: rel err {err}"
+        );
+        let blocks = g.blocks_for(self.tokens(layer)) as u32;
+        assert_eq!(stats.blocks_total, blocks);
+        let p = policy();
+        let budget = (p.sink_blocks + p.local_blocks + p.top_k).min(blocks);
+        assert!(
+            stats.selected.iter().all(|s| s.len() as u32 == budget),
+            "keep-set size"
+        );
+    }
+}
+
+pub fn entry<'a>(
+    session: u64,
+    position: u64,
+    q: &'a [u8],
+    k: &'a [u8],
+    v: &'a [u8],
+) -> DecodeEntryRef<'a> {
+    DecodeEntryRef {
+        session,
+        position,
+        q,
+        k,
+        v,
+    }
+}
+
+pub fn f32_bytes(x: &[f32]) -> Vec<u8> {
+    x.iter().flat_map(|v| v.to_le_bytes()).collect()
+}

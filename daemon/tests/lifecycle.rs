@@ -1,0 +1,202 @@
+//! A real tierd process: a full session lifecycle checked against the dense oracle, many
+//! concurrent clients, and graceful shutdown under load.
+
+mod common;
+
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use common::*;
+use kvtier_protocol::client::Client;
+use kvtier_protocol::{stats_keys, ErrorCode};
+
+#[test]
+fn full_session_lifecycle_matches_the_dense_oracle() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let g = small_geometry();
+    let id = c.create_session(g, policy(), "lifecycle").unwrap();
+    let mut sh = Shadow::new(g, 1);
+    // Inline append, then a shared-memory append continuing it.
+    let p = sh.payload(100);
+    assert_eq!(c.append_kv(id, 0, 100, &p).unwrap(), 100);
+    let p = sh.payload(57);
+    assert_eq!(c.append_kv_shm(id, 100, 57, &p).unwrap(), 157);
+    for step in 0..40 {
+        for layer in 0..g.layers as usize {
+            let pos = sh.tokens(layer);
+            let (q, k, v) = sh.step_input(layer);
+            let qb = f32_bytes(&q);
+            let out = c
+                .decode(layer as u32, entry(id, pos, &qb, &k, &v), true)
+                .unwrap();
+            sh.check(layer, &q, &out);
+            let stats = out.stats.unwrap();
+            assert!(
+                stats.bytes_touched > 0 && stats.blocks_ram == stats.blocks_selected,
+                "step {step}"
+            );
+        }
+    }
+    let info = c.session_info(id).unwrap();
+    assert_eq!((info.tokens_min, info.tokens_max), (197, 197));
+    assert_eq!(info.label, "lifecycle");
+    assert_eq!(info.blocks, 2 * 13, "13 blocks of 16 tokens per layer");
+    assert_eq!(info.host_bytes, 26 * 4096);
+    let stats = c.stats().unwrap();
+    assert_eq!(stats.get(stats_keys::SESSIONS), Some(1));
+    assert_eq!(stats.get(stats_keys::HOST_FRAMES_USED), Some(26));
+    assert_eq!(stats.get(stats_keys::DECODE_ENTRIES_TOTAL), Some(80));
+    assert_eq!(stats.get(stats_keys::APPEND_TOKENS_TOTAL), Some(157));
+    assert_eq!(c.list_sessions().unwrap().len(), 1);
+    c.close(id).unwrap();
+    let e = c.session_info(id).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::NotFound));
+    assert_eq!(
+        c.stats().unwrap().get(stats_keys::HOST_FRAMES_USED),
+        Some(0),
+        "frames freed"
+    );
+}
+
+#[test]
+fn batch_decode_of_several_sessions_matches_single_decodes() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let g = small_geometry();
+    let mut shadows: Vec<(u64, Shadow)> = (0..3)
+        .map(|i| {
+            let id = c.create_session(g, policy(), "").unwrap();
+            let mut sh = Shadow::new(g, 10 + i);
+            let p = sh.payload(70 + 20 * i as usize);
+            c.append_kv(id, 0, 70 + 20 * i as u32, &p).unwrap();
+            (id, sh)
+        })
+        .collect();
+    for layer in 0..2usize {
+        let inputs: Vec<_> = shadows
+            .iter_mut()
+            .map(|(id, sh)| {
+                let pos = sh.tokens(layer);
+                let (q, k, v) = sh.step_input(layer);
+                (*id, pos, q, f32_bytes(&[]), k, v)
+            })
+            .collect();
+        let qbs: Vec<Vec<u8>> = inputs.iter().map(|i| f32_bytes(&i.2)).collect();
+        let entries: Vec<_> = inputs
+            .iter()
+            .zip(&qbs)
+            .map(|(i, qb)| entry(i.0, i.1, qb, &i.4, &i.5))
+            .collect();
+        let outs = c.decode_batch(layer as u32, &entries, true).unwrap();
+        assert_eq!(outs.len(), 3);
+        for ((_, sh), (out, i)) in shadows.iter().zip(outs.iter().zip(&inputs)) {
+            sh.check(layer, &i.2, out);
+        }
+    }
+}
+
+#[test]
+fn sixty_four_concurrent_clients_all_get_correct_answers() {
+    let d = Daemon::start(&["--set", "admission.max_concurrent_requests=8"]);
+    let rss_before = d.rss();
+    let barrier = Arc::new(Barrier::new(64));
+    let threads: Vec<_> = (0..64)
+        .map(|i| {
+            let path = d.path().to_path_buf();
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                let mut c = Client::connect(&path).unwrap();
+                let g = small_geometry();
+                let id = c
+                    .create_session(g, policy(), &format!("client-{i}"))
+                    .unwrap();
+                let mut sh = Shadow::new(g, 1000 + i);
+                let n = 50 + i as u32;
+                let p = sh.payload(n as usize);
+                c.append_kv(id, 0, n, &p).unwrap();
+                barrier.wait();
+                for _ in 0..10 {
+                    for layer in 0..2usize {
+                        let pos = sh.tokens(layer);
+                        let (q, k, v) = sh.step_input(layer);
+                        let qb = f32_bytes(&q);
+                        let out = c
+                            .decode(layer as u32, entry(id, pos, &qb, &k, &v), true)
+                            .unwrap();
+                        sh.check(layer, &q, &out);
+                    }
+                }
+                id
+            })
+        })
+        .collect();
+    let ids: Vec<u64> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let mut sorted = ids.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(sorted.len(), 64, "every client got its own session");
+    let mut c = d.client();
+    let s = c.stats().unwrap();
+    assert_eq!(s.get(stats_keys::DECODE_ENTRIES_TOTAL), Some(64 * 20));
+    // Memory is bounded by what the sessions hold: frames in use match the tokens stored.
+    let frames: u64 = (0..64u64).map(|i| 2 * (50 + i + 10).div_ceil(16)).sum();
+    assert_eq!(s.get(stats_keys::HOST_FRAMES_USED), Some(frames));
+    let grown = d.rss().saturating_sub(rss_before);
+    assert!(
+        grown < 64 << 20,
+        "daemon RSS grew by {grown} bytes for {frames} frames"
+    );
+}
+
+#[test]
+fn sigterm_under_load_finishes_in_flight_requests_and_exits_cleanly() {
+    let mut d = Daemon::start(&[]);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let workers: Vec<_> = (0..4)
+        .map(|i| {
+            let path = d.path().to_path_buf();
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut c = Client::connect(&path).unwrap();
+                let g = small_geometry();
+                let id = c.create_session(g, policy(), "").unwrap();
+                let mut sh = Shadow::new(g, 77 + i);
+                let p = sh.payload(300);
+                c.append_kv(id, 0, 300, &p).unwrap();
+                let mut ok = 0u32;
+                loop {
+                    let pos = sh.tokens(0);
+                    let (q, k, v) = sh.step_input(0);
+                    let qb = f32_bytes(&q);
+                    match c.decode(0, entry(id, pos, &qb, &k, &v), true) {
+                        // Every answer that arrives is a correct one.
+                        Ok(out) => {
+                            sh.check(0, &q, &out);
+                            ok += 1;
+                        }
+                        Err(e) => {
+                            assert!(
+                                stop.load(std::sync::atomic::Ordering::SeqCst),
+                                "error before shutdown: {e}"
+                            );
+                            return ok;
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    d.signal(libc::SIGTERM);
+    let status = d.wait(Duration::from_secs(15));
+    assert_eq!(status.code(), Some(0), "clean exit");
+    assert!(!d.path().exists(), "socket removed");
+    for w in workers {
+        assert!(
+            w.join().unwrap() > 0,
+            "each client completed requests before shutdown"
+        );
+    }
+}

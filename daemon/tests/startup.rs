@@ -1,0 +1,101 @@
+//! Starting tierd: config errors, stale and live sockets, and paths it must not clobber.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::Daemon;
+
+fn tierd(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_tierd"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn invalid_config_fails_with_exit_code_2_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("s.sock");
+    let sock = sock.to_str().unwrap();
+    let out = tierd(&["--socket", sock, "--set", "host.frame_bytes=1000"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("host.frame_bytes"), "{err}");
+    let cfg = dir.path().join("bad.toml");
+    std::fs::write(&cfg, "[server]\nsocket_mode = \"rw\"\n").unwrap();
+    let out = tierd(&["--config", cfg.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("socket_mode"));
+    let out = tierd(&["--config", "/nonexistent/tierd.toml"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/tierd.toml"));
+}
+
+#[test]
+fn print_config_shows_the_effective_layered_config() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tierd"))
+        .args(["--print-config", "--host-capacity", "3GiB"])
+        .env("TIERD_ADMISSION_MAX_SESSIONS", "17")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("capacity = \"3GiB\""), "{text}");
+    assert!(text.contains("max_sessions = 17"), "{text}");
+}
+
+#[test]
+fn a_stale_socket_is_replaced_and_a_live_one_is_not() {
+    let d = Daemon::start(&[]);
+    let sock = d.path().to_str().unwrap().to_string();
+    // A second daemon on the same live socket refuses to start and leaves it alone.
+    let out = tierd(&["--socket", &sock, "--host-capacity", "64MiB"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already serving"));
+    d.client().stats().expect("first daemon unaffected");
+    drop(d);
+
+    // A socket file nobody listens on (a crashed daemon's) is replaced.
+    let dir = tempfile::tempdir().unwrap();
+    let stale = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    assert!(stale.exists());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tierd"))
+        .args([
+            "--socket",
+            stale.to_str().unwrap(),
+            "--host-capacity",
+            "64MiB",
+            "--log-level",
+            "error",
+        ])
+        .spawn()
+        .unwrap();
+    let mut up = false;
+    for _ in 0..500 {
+        if kvtier_protocol::client::Client::connect(&stale).is_ok() {
+            up = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: kill has no memory-safety preconditions; the pid is our live child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+    assert!(up, "tierd did not take over the stale socket");
+
+    // A regular file at the socket path is never deleted.
+    let file = dir.path().join("precious");
+    std::fs::write(&file, b"data").unwrap();
+    let out = tierd(&[
+        "--socket",
+        file.to_str().unwrap(),
+        "--host-capacity",
+        "64MiB",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a socket"));
+    assert_eq!(std::fs::read(&file).unwrap(), b"data");
+}
