@@ -26,7 +26,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvtier_bench::{cpu_description, fill_bf16, percentile};
 use kvtier_protocol::client::{default_socket_path, Client};
-use kvtier_protocol::{DecodeEntryRef, Dtype, Geometry, Policy};
+use kvtier_protocol::{stats_keys, DecodeEntryRef, Dtype, Geometry, Policy};
 use kvtier_storage::testing::Rng;
 use serde::Serialize;
 
@@ -70,7 +70,7 @@ struct Args {
     #[arg(long, default_value_t = 5000)]
     rtt_requests: u32,
     /// Tokens per shared-memory APPEND_KV during prefill.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 1024)]
     prefill_chunk: u32,
     /// Host RAM the cells may fill, in MiB; larger cells are skipped. Default: half of
     /// MemAvailable.
@@ -178,6 +178,7 @@ impl Daemon {
             .arg(&sock)
             .arg("--host-capacity")
             .arg(format!("{capacity_mib}MiB"))
+            .args(["--log-level", "warn"])
             .spawn()
             .map_err(|e| format!("starting {}: {e}", bin.display()))?;
         let mut d = Daemon {
@@ -240,15 +241,19 @@ fn mem_available_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Host bytes a session of `tokens` occupies: whole (layer, block) runs.
-fn session_host_bytes(g: &Geometry, tokens: u64) -> u64 {
+/// tierd's default host frame size (host.frame_bytes), used to size a spawned daemon before
+/// it can be asked.
+const DEFAULT_FRAME_BYTES: u64 = 256 << 10;
+
+/// Host bytes a session of `tokens` occupies: every (layer, block) run takes whole frames.
+fn session_host_bytes(g: &Geometry, tokens: u64, frame: u64) -> u64 {
     let blocks = tokens.div_ceil(u64::from(g.block_tokens));
     let run = u64::from(g.kv_heads)
         * 2
         * u64::from(g.block_tokens)
         * u64::from(g.head_dim)
         * g.dtype.elem_bytes() as u64;
-    blocks * u64::from(g.layers) * run
+    blocks * u64::from(g.layers) * run.div_ceil(frame) * frame
 }
 
 fn random_f32_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
@@ -507,17 +512,23 @@ fn run(args: Args) -> Result<(), BoxError> {
     if args.prefill_chunk == 0 {
         return Err("--prefill-chunk must be positive".into());
     }
-    let budget = args
+    let mut budget = args
         .host_budget_mib
         .map(|m| m << 20)
         .or_else(|| mem_available_bytes().map(|b| b / 2))
         .unwrap_or(4 << 30);
     // Decode steps add tokens too: size every cell for its final length.
-    let cell_bytes = |s: u32, ctx: u64| u64::from(s) * session_host_bytes(&g, ctx + args.steps);
+    let cell_bytes = |s: u32, ctx: u64, frame: u64| {
+        u64::from(s) * session_host_bytes(&g, ctx + args.steps, frame)
+    };
     let largest_fitting = args
         .sessions
         .iter()
-        .flat_map(|&s| contexts.iter().map(move |&c| cell_bytes(s, c)))
+        .flat_map(|&s| {
+            contexts
+                .iter()
+                .map(move |&c| cell_bytes(s, c, DEFAULT_FRAME_BYTES))
+        })
         .filter(|&b| b <= budget)
         .max()
         .unwrap_or(0);
@@ -539,14 +550,30 @@ fn run(args: Args) -> Result<(), BoxError> {
         args.socket.clone().unwrap_or_else(default_socket_path)
     };
 
-    let server = {
-        let c = Client::connect_as(&sock, "tierbench")
+    // The daemon's own frame size and free host RAM decide which cells fit.
+    let (server, frame) = {
+        let mut c = Client::connect_as(&sock, "tierbench")
             .map_err(|e| format!("connecting to tierd at {}: {e}", sock.display()))?;
         let h = c.server();
-        format!(
+        let server = format!(
             "{} {} (protocol v{})",
             h.server_name, h.server_version, h.version
-        )
+        );
+        let st = c.stats()?;
+        let (cap, frames, used) = (
+            st.get(stats_keys::HOST_BYTES_CAPACITY),
+            st.get(stats_keys::HOST_FRAMES_CAPACITY),
+            st.get(stats_keys::HOST_BYTES_USED),
+        );
+        let frame = match (cap, frames) {
+            (Some(c), Some(f)) if f > 0 => c / f,
+            _ => DEFAULT_FRAME_BYTES,
+        };
+        if let (Some(c), Some(u)) = (cap, used) {
+            // Leave room for the RTT session (a few frames).
+            budget = budget.min(c.saturating_sub(u).saturating_sub(64 * frame));
+        }
+        (server, frame)
     };
 
     println!("kvtier tierbench: decode requests over the tierd Unix socket");
@@ -570,10 +597,10 @@ fn run(args: Args) -> Result<(), BoxError> {
     let mut cells = Vec::new();
     for &s in &args.sessions {
         for &ctx in &contexts {
-            let need = cell_bytes(s, ctx);
+            let need = cell_bytes(s, ctx, frame);
             if need > budget {
                 let why = format!(
-                    "needs {:.1} GiB of host RAM, budget {:.1} GiB",
+                    "needs {:.1} GiB of host RAM, budget (free in tierd, at most --host-budget-mib) {:.1} GiB",
                     gib(need),
                     gib(budget)
                 );
