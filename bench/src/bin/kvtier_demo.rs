@@ -192,7 +192,7 @@ fn main() {
                 let noise = rng.normal() * 0.5;
                 // Heads 0..7 (kv head 0's group) look for the needle.
                 if i / d < 7 {
-                    noise + 2.0 * u[i % d]
+                    noise + 4.0 * u[i % d]
                 } else {
                     noise
                 }
