@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::buf::{round_up, AlignedBuf, DirectFile};
+use super::buf::{round_up, AlignedBuf, BufPool, DirectFile};
 use super::io::{IoEngine, IoRequest};
 use super::page::{self, PageId, HEADER_LEN};
 use super::NvmeError;
@@ -61,26 +61,37 @@ pub struct PageRead {
     pub expected_crc: Option<u32>,
 }
 
-/// A verified page, payload in an aligned buffer (no copy after the read).
+/// A verified page, payload in an aligned buffer (no copy after the read). The buffer goes
+/// back to the store's pool on drop.
 #[derive(Debug)]
 pub struct PageData {
-    buf: AlignedBuf,
+    buf: Option<AlignedBuf>,
+    pool: Arc<BufPool>,
     len: usize,
     crc: u32,
 }
 
 impl PageData {
     pub fn payload(&self) -> &[u8] {
-        &self.buf[HEADER_LEN..HEADER_LEN + self.len]
+        let buf = self.buf.as_ref().expect("present until drop");
+        &buf[HEADER_LEN..HEADER_LEN + self.len]
     }
 
     pub fn crc(&self) -> u32 {
         self.crc
     }
 
-    /// The whole page buffer, for reuse.
-    pub fn into_buf(self) -> AlignedBuf {
-        self.buf
+    /// Takes the whole page buffer out of the pool's cycle.
+    pub fn into_buf(mut self) -> AlignedBuf {
+        self.buf.take().expect("present until drop")
+    }
+}
+
+impl Drop for PageData {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            self.pool.put(b);
+        }
     }
 }
 
@@ -186,6 +197,7 @@ pub struct PageStore {
     devices: Vec<Device>,
     page_size: usize,
     max_payload: usize,
+    pool: Arc<BufPool>,
     stripe: Mutex<HashMap<u64, Vec<f64>>>,
     bytes_read: AtomicU64,
     bytes_written: AtomicU64,
@@ -253,11 +265,19 @@ impl PageStore {
                 alloc: Mutex::new(Bitmap::new(pages)),
             });
         }
+        let mem_align = devices
+            .iter()
+            .map(|d| d.file.mem_align())
+            .max()
+            .expect("non-empty");
+        // Enough idle buffers for a few keep-set batches in flight.
+        let pool = Arc::new(BufPool::new(page_size, mem_align, 512)?);
         Ok(Self {
             engine,
             devices,
             page_size,
             max_payload: cfg.max_payload,
+            pool,
             stripe: Mutex::new(HashMap::new()),
             bytes_read: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),
@@ -409,7 +429,7 @@ impl PageStore {
                     self.max_payload
                 )));
             }
-            let mut buf = AlignedBuf::new(self.page_size, dev.file.mem_align())?;
+            let mut buf = self.pool.get();
             crcs.push(page::encode(&mut buf, w.id, w.payload));
             reqs.push(IoRequest::write(
                 dev.file.clone(),
@@ -417,12 +437,23 @@ impl PageStore {
                 buf,
             )?);
         }
+        let mut first_err = None;
         for c in self.engine.submit(reqs)? {
-            c.result?;
-            self.bytes_written
-                .fetch_add(c.buf.len() as u64, Ordering::Relaxed);
+            match c.result {
+                Ok(()) => {
+                    self.bytes_written
+                        .fetch_add(c.buf.len() as u64, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+            self.pool.put(c.buf);
         }
-        Ok(crcs)
+        match first_err {
+            None => Ok(crcs),
+            Some(e) => Err(e),
+        }
     }
 
     /// Reads and verifies pages in one batch. The outer error is for bad arguments or a dead
@@ -435,7 +466,7 @@ impl PageStore {
         let mut reqs = Vec::with_capacity(reads.len());
         for r in reads {
             let dev = self.device(r.addr)?;
-            let buf = AlignedBuf::new(self.page_size, dev.file.mem_align())?;
+            let buf = self.pool.get();
             reqs.push(IoRequest::read(dev.file.clone(), self.offset(r.addr), buf)?);
         }
         let done = self.engine.submit(reqs)?;
@@ -443,7 +474,10 @@ impl PageStore {
             .into_iter()
             .zip(reads)
             .map(|(c, r)| {
-                c.result?;
+                if let Err(e) = c.result {
+                    self.pool.put(c.buf);
+                    return Err(e);
+                }
                 self.bytes_read
                     .fetch_add(c.buf.len() as u64, Ordering::Relaxed);
                 let corrupt = |reason| {
@@ -454,20 +488,28 @@ impl PageStore {
                         reason,
                     }
                 };
-                let (len, crc) = page::verify(&c.buf, r.id).map_err(corrupt)?;
-                if let Some(expected) = r.expected_crc {
-                    if expected != crc {
-                        return Err(corrupt(super::CorruptReason::UnexpectedChecksum {
-                            expected,
-                            found: crc,
-                        }));
+                let checked =
+                    page::verify(&c.buf, r.id).and_then(|(len, crc)| match r.expected_crc {
+                        Some(expected) if expected != crc => {
+                            Err(super::CorruptReason::UnexpectedChecksum {
+                                expected,
+                                found: crc,
+                            })
+                        }
+                        _ => Ok((len, crc)),
+                    });
+                match checked {
+                    Ok((len, crc)) => Ok(PageData {
+                        buf: Some(c.buf),
+                        pool: self.pool.clone(),
+                        len,
+                        crc,
+                    }),
+                    Err(reason) => {
+                        self.pool.put(c.buf);
+                        Err(corrupt(reason))
                     }
                 }
-                Ok(PageData {
-                    buf: c.buf,
-                    len,
-                    crc,
-                })
             })
             .collect())
     }
