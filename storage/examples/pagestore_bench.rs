@@ -2,7 +2,7 @@
 //! the same transfer size (one page) and queue depth, on the same file.
 //!
 //! cargo run --release -p kvtier-storage --example pagestore_bench -- \
-//!     [--dir DIR] [--file-mib 1024] [--payload 262144] [--qd 1,4,16,32] [--secs 3] [--json FILE]
+//!     [--dir DIR] [--file-mib 1024] [--payload 262144] [--qd 1,4,16,32] [--secs 3] [--rounds 6] [--json FILE]
 //!
 //! Rows:
 //! - `pread`: QD threads, each a loop of one O_DIRECT pread of a random page (fio psync-like).
@@ -30,6 +30,7 @@ struct Args {
     payload: usize,
     qds: Vec<usize>,
     secs: f64,
+    rounds: usize,
     json: Option<PathBuf>,
 }
 
@@ -40,6 +41,7 @@ fn parse_args() -> Args {
         payload: 256 << 10,
         qds: vec![1, 4, 16, 32],
         secs: 3.0,
+        rounds: 6,
         json: None,
     };
     let mut it = std::env::args().skip(1);
@@ -51,6 +53,7 @@ fn parse_args() -> Args {
             "--payload" => a.payload = v().parse().expect("--payload"),
             "--qd" => a.qds = v().split(',').map(|s| s.parse().expect("--qd")).collect(),
             "--secs" => a.secs = v().parse().expect("--secs"),
+            "--rounds" => a.rounds = v().parse().expect("--rounds"),
             "--json" => a.json = Some(v().into()),
             other => panic!("unknown argument {other}"),
         }
@@ -205,11 +208,14 @@ fn main() {
         r
     };
 
-    let mut rows = Vec::new();
-    for &qd in &a.qds {
-        eprintln!("qd {qd} ...");
+    // The modes take turns in short slices so that drift of a shared virtual disk hits all
+    // of them alike; each row is the sum of its slices.
+    let mut rows: Vec<Row> = Vec::new();
+    let slice = a.secs / a.rounds as f64;
+    for (round, &qd) in (0..a.rounds).flat_map(|r| a.qds.iter().map(move |q| (r, q))) {
+        eprintln!("round {round} qd {qd} ...");
         let f = file.clone();
-        rows.push(run_threads("pread", qd, qd, a.secs, move |rng| {
+        rows.push(run_threads("pread", qd, qd, slice, move |rng| {
             thread_local! {
                 static BUF: std::cell::RefCell<Option<AlignedBuf>> = const { std::cell::RefCell::new(None) };
             }
@@ -225,7 +231,7 @@ fn main() {
             "store/uring xQD threads",
             qd,
             qd,
-            a.secs,
+            slice,
             |rng| {
                 let r = store.read_pages(&[fix(read(rng))]).unwrap();
                 let d = r.into_iter().next().unwrap().unwrap();
@@ -233,7 +239,7 @@ fn main() {
                 page as u64
             },
         ));
-        rows.push(run_threads("store/uring batch", qd, 1, a.secs, |rng| {
+        rows.push(run_threads("store/uring batch", qd, 1, slice, |rng| {
             let reads: Vec<PageRead> = (0..qd).map(|_| fix(read(rng))).collect();
             for r in store.read_pages(&reads).unwrap() {
                 r.unwrap();
@@ -242,7 +248,7 @@ fn main() {
         }));
         let f = file.clone();
         let eng = uring.clone();
-        rows.push(run_threads("uring raw batch", qd, 1, a.secs, move |rng| {
+        rows.push(run_threads("uring raw batch", qd, 1, slice, move |rng| {
             thread_local! {
                 static BUFS: std::cell::RefCell<Vec<AlignedBuf>> = const { std::cell::RefCell::new(Vec::new()) };
             }
@@ -263,6 +269,22 @@ fn main() {
             (qd * page) as u64
         }));
     }
+    let mut merged: Vec<Row> = Vec::new();
+    for r in rows {
+        match merged.iter_mut().find(|m| m.mode == r.mode && m.qd == r.qd) {
+            Some(m) => {
+                m.bytes += r.bytes;
+                m.ops += r.ops;
+                m.secs += r.secs;
+                m.lat_us.extend(r.lat_us);
+            }
+            None => merged.push(r),
+        }
+    }
+    for m in &mut merged {
+        m.lat_us.sort_by(f64::total_cmp);
+    }
+    let rows = merged;
     let cmd = std::env::args().collect::<Vec<_>>().join(" ");
     println!("# page store random reads vs O_DIRECT pread");
     println!("machine: {}", machine());
