@@ -12,9 +12,14 @@
 //! - a full SQ is flushed with a submit before pushing more;
 //! - a buffer whose operation may still be in the kernel is never freed (leaked if the
 //!   thread has to give up), because the kernel would write into freed memory.
+//!
+//! While operations are in flight the thread sleeps in `io_uring_enter`; a read of an eventfd
+//! is kept armed in the ring and callers write the eventfd after queueing a batch, so a new
+//! batch is submitted at once instead of waiting for some earlier operation to complete.
 
 use std::collections::VecDeque;
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -72,6 +77,7 @@ struct Batch {
 /// The io_uring engine. Dropping it waits for every in-flight operation to finish.
 pub struct UringEngine {
     tx: Option<Sender<Batch>>,
+    wake: Arc<EventFd>,
     thread: Option<JoinHandle<()>>,
     counters: Arc<Counters>,
     depth: u32,
@@ -136,15 +142,18 @@ impl UringEngine {
             });
         }
 
+        let wake = Arc::new(EventFd::new().map_err(|e| unavailable("eventfd", e))?);
         let (tx, rx) = crossbeam_channel::unbounded::<Batch>();
         let counters = Arc::new(Counters::default());
         let c2 = counters.clone();
+        let w2 = wake.clone();
         let thread = std::thread::Builder::new()
             .name("kvtier-uring".into())
-            .spawn(move || RingThread::new(ring, depth as usize, rx, c2).run())
+            .spawn(move || RingThread::new(ring, depth as usize, rx, c2, w2).run())
             .map_err(|e| unavailable("spawn ring thread", e))?;
         Ok(Self {
             tx: Some(tx),
+            wake,
             thread: Some(thread),
             counters,
             depth,
@@ -176,6 +185,7 @@ impl IoEngine for UringEngine {
         let tx = self.tx.as_ref().ok_or(NvmeError::EngineStopped)?;
         tx.send(Batch { reqs, reply })
             .map_err(|_| NvmeError::EngineStopped)?;
+        self.wake.notify();
         done.recv().map_err(|_| NvmeError::EngineStopped)
     }
 
@@ -188,6 +198,7 @@ impl Drop for UringEngine {
     fn drop(&mut self) {
         // Closing the channel tells the thread to finish in-flight work and exit.
         drop(self.tx.take());
+        self.wake.notify();
         if let Some(t) = self.thread.take() {
             if t.join().is_err() {
                 tracing::error!("io_uring thread panicked");
@@ -195,6 +206,52 @@ impl Drop for UringEngine {
         }
     }
 }
+
+/// An eventfd used to wake the ring thread.
+#[derive(Debug)]
+struct EventFd(OwnedFd);
+
+impl EventFd {
+    fn new() -> io::Result<Self> {
+        // SAFETY: plain syscall; a non-negative return is a new fd we own.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd was just returned by eventfd and is owned by nobody else.
+        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    fn notify(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to an eventfd we own. Failure (only EAGAIN
+        // at counter overflow, when a wake-up is pending anyway) is harmless.
+        let _ = unsafe {
+            libc::write(
+                self.0.as_raw_fd(),
+                (&one as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+    }
+}
+
+/// The 8-byte target of the armed eventfd read. Leaked rather than freed if the thread ends
+/// while the read may still be in the kernel.
+struct WakeBuf {
+    buf: Option<Box<u64>>,
+    armed: bool,
+}
+
+impl Drop for WakeBuf {
+    fn drop(&mut self) {
+        if self.armed {
+            std::mem::forget(self.buf.take());
+        }
+    }
+}
+
+const WAKE: u64 = u64::MAX;
 
 /// Resubmission limits: generous, but a stuck operation must end as an error.
 const MAX_RETRIES: u32 = 1000;
@@ -268,6 +325,8 @@ struct RingThread {
     slots: Slots,
     last_overflow: u32,
     closed: bool,
+    wake: Arc<EventFd>,
+    wake_buf: WakeBuf,
 }
 
 impl RingThread {
@@ -276,6 +335,7 @@ impl RingThread {
         depth: usize,
         rx: Receiver<Batch>,
         counters: Arc<Counters>,
+        wake: Arc<EventFd>,
     ) -> Self {
         Self {
             ring,
@@ -292,6 +352,11 @@ impl RingThread {
             },
             last_overflow: 0,
             closed: false,
+            wake,
+            wake_buf: WakeBuf {
+                buf: Some(Box::new(0)),
+                armed: false,
+            },
         }
     }
 
@@ -299,6 +364,7 @@ impl RingThread {
         loop {
             if self.slots.live == 0 && self.pending.is_empty() {
                 if self.closed {
+                    self.disarm_wake();
                     return;
                 }
                 match self.rx.recv() {
@@ -398,9 +464,45 @@ impl RingThread {
             }
         }
         if self.slots.live > 0 {
+            self.arm_wake()?;
             self.submit_retrying(1)?;
         }
         Ok(())
+    }
+
+    /// Keeps a read of the wake eventfd in the ring, so a caller's notify ends our wait.
+    fn arm_wake(&mut self) -> io::Result<()> {
+        if self.wake_buf.armed || self.closed {
+            return Ok(());
+        }
+        let ptr: *mut u64 = &mut **self.wake_buf.buf.as_mut().expect("present");
+        let sqe = opcode::Read::new(types::Fd(self.wake.0.as_raw_fd()), ptr.cast(), 8)
+            .build()
+            .user_data(WAKE);
+        loop {
+            // SAFETY: the 8-byte target is a heap box owned by `wake_buf`, never freed while
+            // `armed` is set (WakeBuf::drop leaks it); the eventfd is kept open by `wake`.
+            if unsafe { self.ring.submission().push(&sqe) }.is_ok() {
+                self.wake_buf.armed = true;
+                return Ok(());
+            }
+            self.counters.sq_full.fetch_add(1, Ordering::Relaxed);
+            self.submit_retrying(0)?;
+        }
+    }
+
+    /// Completes an armed wake read before exiting, so its buffer can be freed.
+    fn disarm_wake(&mut self) {
+        for _ in 0..1000 {
+            if !self.wake_buf.armed {
+                return;
+            }
+            self.wake.notify();
+            if self.ring.submit_and_wait(1).is_err() {
+                continue;
+            }
+            self.reap();
+        }
     }
 
     fn submit_retrying(&mut self, want: usize) -> io::Result<()> {
@@ -435,6 +537,10 @@ impl RingThread {
         }
         let done: Vec<(u64, i32)> = cq.map(|c| (c.user_data(), c.result())).collect();
         for (ud, res) in done {
+            if ud == WAKE {
+                self.wake_buf.armed = false;
+                continue;
+            }
             let Some(op) = self.slots.take(ud as usize) else {
                 tracing::error!(user_data = ud, "completion for unknown io_uring slot");
                 continue;
