@@ -319,6 +319,23 @@ mod tests {
     }
 
     #[test]
+    fn buf_pool_recycles_only_its_shape() {
+        assert!(BufPool::new(4097, 4096, 4).is_err());
+        let pool = BufPool::new(8192, 4096, 2).unwrap();
+        let a = pool.get();
+        let p = a.as_ptr();
+        pool.put(a);
+        assert_eq!(pool.idle(), 1);
+        assert_eq!(pool.get().as_ptr(), p, "the idle buffer is reused");
+        pool.put(AlignedBuf::new(4096, 4096).unwrap());
+        assert_eq!(pool.idle(), 0, "a buffer of another size is not kept");
+        for _ in 0..3 {
+            pool.put(AlignedBuf::new(8192, 4096).unwrap());
+        }
+        assert_eq!(pool.idle(), 2, "bounded");
+    }
+
+    #[test]
     fn round_up_works() {
         assert_eq!(round_up(1, 4096), 4096);
         assert_eq!(round_up(4096, 4096), 4096);
