@@ -9,6 +9,8 @@
 //! - [`page`]: the on-disk page format (header, crc32c, identity).
 //! - [`store`]: [`PageStore`]: devices, page allocation, bandwidth-weighted striping.
 //! - [`manifest`]: the rkyv index of what is on NVMe, replaced atomically.
+//! - [`tier`]: [`NvmeTier`]: store + manifest with the crash-safe write order (what the
+//!   daemon's demotion/promotion calls).
 //! - [`plan`]: lanes, online bandwidth tracking and the makespan-minimising planner
 //!   (pure logic, no I/O except the probe).
 
@@ -19,9 +21,11 @@ pub mod manifest;
 pub mod page;
 pub mod plan;
 pub mod store;
+pub mod tier;
 
 pub use buf::{AlignedBuf, DirectFile};
 pub use error::{CorruptReason, NvmeError};
 pub use io::{open_best_engine, IoEngine, IoRequest, OpKind, PreadEngine, UringEngine};
 pub use page::PageId;
 pub use store::{DeviceConfig, PageAddr, PageStore, PageStoreConfig};
+pub use tier::{BlockRun, NvmeTier, RecoveryReport};
