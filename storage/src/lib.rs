@@ -25,4 +25,4 @@ pub use arena::{ArenaOptions, ArenaUsage, Frame, HostArena};
 pub use dtype::DType;
 pub use error::{Result, StorageError};
 pub use geometry::{Geometry, Policy};
-pub use kv::{KvCache, LayerView};
+pub use kv::{ColdSource, KvCache, LayerView};
