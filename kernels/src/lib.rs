@@ -1,1 +1,4 @@
 //! placeholder
+
+#[cfg(feature = "cuda")]
+pub mod cuda;

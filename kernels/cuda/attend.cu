@@ -1,0 +1,164 @@
+// Split-k gather-decode attention over the staged keep-set, then a log-sum-exp merge.
+//
+// attend_partial: one thread block per (session, kv head, selected tile). The tile's K and V
+// are read once (16-byte loads) and serve all GROUP query heads of the kv head. Writes the
+// partial (m, l, acc) with acc unnormalised: acc = sum_t exp(s_t - m) v_t, l = sum_t exp(s_t - m).
+// attend_merge: one thread block per (session, query head) combines the partials.
+
+#define ATT_THREADS 128
+#define ATT_WARPS (ATT_THREADS / 32)
+#define RG (CPR < 32 ? CPR : 32)  // lanes sharing one K row in the score phase
+#define CPL (CPR / RG)            // 16-byte chunks per lane per K row
+#define ROWS_PER_WARP (32 / RG)
+#define SLICES (ATT_THREADS / CPR)  // V rows processed concurrently in the value phase
+
+#if CPR > ATT_THREADS || (CPR & (CPR - 1)) != 0
+#error "HEAD_DIM * ELEM_BYTES / 16 must be a power of two <= 128"
+#endif
+
+// grid (KSEL, KV_HEADS, batch), block ATT_THREADS.
+// q: [batch][HQ][HEAD_DIM] f32. part_acc: [batch][KV_HEADS][KSEL][GROUP][HEAD_DIM].
+// part_ml: [batch][KV_HEADS][KSEL][GROUP][2].
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_partial(
+    const float* __restrict__ q, const u32* __restrict__ sess, const u32* __restrict__ ntok, u32 layer,
+    const u32* __restrict__ table, const u32* __restrict__ counts, const u32* __restrict__ slot_of,
+    const uint4* __restrict__ cache, float scale, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    const u32 j = blockIdx.x;
+    const u32 kvh = blockIdx.y;
+    const u32 i = blockIdx.z;
+    const u32 ih = i * KV_HEADS + kvh;
+    if (j >= counts[ih]) return;
+    const u32 tid = threadIdx.x;
+    const u32 lane = tid & 31u;
+    const u32 warp = tid >> 5;
+
+    __shared__ float s_q[GROUP][HEAD_DIM];
+    __shared__ float s_p[GROUP][BLOCK_TOKENS];
+    __shared__ float s_red[SLICES][GROUP * HEAD_DIM];
+    __shared__ float s_m[GROUP];
+    __shared__ float s_l[GROUP];
+
+    const u32 b = table[(u64)ih * KSEL + j];
+    const u32 nt = ntok[i];
+    const u32 nvalid = min((u32)BLOCK_TOKENS, nt - b * BLOCK_TOKENS);
+    const u64 slot = (((u64)sess[i] * NUM_LAYERS + layer) * KV_HEADS + kvh) * CACHE_SLOTS + slot_of[(u64)ih * KSEL + j];
+    const uint4* kt = cache + slot * (TILE_BYTES / 16);
+    const uint4* vt = kt + (u64)BLOCK_TOKENS * CPR;
+
+    const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
+    for (u32 x = tid; x < GROUP * HEAD_DIM; x += ATT_THREADS) s_q[x / HEAD_DIM][x % HEAD_DIM] = qh[x];
+    __syncthreads();
+
+    // Scores: RG lanes per K row; loop bounds are warp-uniform so the shuffles stay converged.
+    const u32 sub = lane / RG;
+    const u32 rl = lane % RG;
+    for (u32 r0 = warp * ROWS_PER_WARP; r0 < nvalid; r0 += ATT_WARPS * ROWS_PER_WARP) {
+        const u32 r = r0 + sub;
+        const bool ok = r < nvalid;
+        float acc[GROUP];
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) acc[g] = 0.0f;
+        if (ok) {
+#pragma unroll
+            for (int cc = 0; cc < CPL; ++cc) {
+                const u32 c = rl + cc * RG;
+                float kf[VEC];
+                unpack16(kt[(u64)r * CPR + c], kf);
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+                    for (int v = 0; v < VEC; ++v) acc[g] += s_q[g][c * VEC + v] * kf[v];
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+            for (int o = RG / 2; o > 0; o >>= 1) acc[g] += __shfl_xor_sync(FULL_MASK, acc[g], o);
+        if (ok && rl == 0) {
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) s_p[g][r] = acc[g] * scale;
+        }
+    }
+    __syncthreads();
+
+    // Per-head max and exp-sum; one warp per head.
+    for (u32 g = warp; g < GROUP; g += ATT_WARPS) {
+        float m = NEG_INF;
+        for (u32 r = lane; r < nvalid; r += 32) m = fmaxf(m, s_p[g][r]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+        float l = 0.0f;
+        for (u32 r = lane; r < nvalid; r += 32) {
+            const float p = expf(s_p[g][r] - m);
+            s_p[g][r] = p;
+            l += p;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(FULL_MASK, l, o);
+        if (lane == 0) {
+            s_m[g] = m;
+            s_l[g] = l;
+        }
+    }
+    __syncthreads();
+
+    // Values: thread owns chunk c of the row and every SLICES-th row.
+    {
+        const u32 c = tid % CPR;
+        const u32 slice = tid / CPR;
+        float acc[GROUP][VEC];
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) acc[g][v] = 0.0f;
+        for (u32 r = slice; r < nvalid; r += SLICES) {
+            float vf[VEC];
+            unpack16(vt[(u64)r * CPR + c], vf);
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                const float p = s_p[g][r];
+#pragma unroll
+                for (int v = 0; v < VEC; ++v) acc[g][v] += p * vf[v];
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) s_red[slice][g * HEAD_DIM + c * VEC + v] = acc[g][v];
+    }
+    __syncthreads();
+    const u64 pbase = ((u64)ih * KSEL + j) * GROUP;
+    for (u32 x = tid; x < GROUP * HEAD_DIM; x += ATT_THREADS) {
+        float s = 0.0f;
+#pragma unroll
+        for (int sl = 0; sl < SLICES; ++sl) s += s_red[sl][x];
+        part_acc[pbase * HEAD_DIM + x] = s;
+    }
+    for (u32 g = tid; g < GROUP; g += ATT_THREADS) {
+        part_ml[(pbase + g) * 2] = s_m[g];
+        part_ml[(pbase + g) * 2 + 1] = s_l[g];
+    }
+}
+
+// grid (HQ, batch), block HEAD_DIM threads. out: [batch][HQ][HEAD_DIM] f32.
+extern "C" __global__ void attend_merge(
+    const u32* __restrict__ counts, const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+    float* __restrict__ out) {
+    const u32 h = blockIdx.x;
+    const u32 i = blockIdx.y;
+    const u32 kvh = h / GROUP;
+    const u32 g = h % GROUP;
+    const u32 ih = i * KV_HEADS + kvh;
+    const u32 n = counts[ih];
+    const u32 d = threadIdx.x;
+    float M = NEG_INF;
+    for (u32 j = 0; j < n; ++j) M = fmaxf(M, part_ml[(((u64)ih * KSEL + j) * GROUP + g) * 2]);
+    float L = 0.0f, acc = 0.0f;
+    for (u32 j = 0; j < n; ++j) {
+        const u64 p = ((u64)ih * KSEL + j) * GROUP + g;
+        const float w = expf(part_ml[p * 2] - M);
+        L += part_ml[p * 2 + 1] * w;
+        acc += part_acc[p * HEAD_DIM + d] * w;
+    }
+    out[((u64)i * HQ + h) * HEAD_DIM + d] = acc / L;
+}

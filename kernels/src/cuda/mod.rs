@@ -1,0 +1,37 @@
+//! CUDA backend: block selection, zero-copy gather and split-k gather-decode attention on an
+//! NVIDIA GPU, for KV blocks that live in pinned host RAM.
+//!
+//! Built with cudarc's dynamic loading, so the crate compiles without a CUDA toolkit; libcuda
+//! and libnvrtc are needed only at run time. Kernel sources (kernels/cuda/*.cu) are embedded
+//! and compiled with NVRTC for the backend's geometry when [`CudaBackend::new`] runs.
+//!
+//! # Layout
+//! - [`config`]: geometry, policy and capacity, validated before any device work.
+//! - [`pinned`]: [`PinnedRegion`], the host arena registered with CUDA (mapped, pinned).
+//! - [`backend`]: [`CudaBackend`], device-side layer state (summaries, page table, tile cache)
+//!   and the per-layer pipeline: `select_score` + `select_topk` -> `gather_plan` +
+//!   `gather_copy` -> `attend_partial` + `attend_merge`.
+//! - `module`: NVRTC compilation; [`error`]: [`CudaError`].
+//!
+//! # Per layer, per decode call
+//! 1. Selector: one thread per (block, query head) computes the bound score in fp32 in the CPU's
+//!    summation order (bit-identical), max over the group; a radix select per (session, kv head)
+//!    picks the top-k distant blocks, ties to the lower index, written ascending.
+//! 2. Gather: a per-(session, layer, kv head) LRU tile cache on the GPU; only misses are read
+//!    from mapped pinned host memory, 16 bytes per thread, several loads in flight.
+//! 3. Attention: one thread block per (session, kv head, tile) reads the tile once for its G
+//!    query heads (fp32 online softmax), writes (m, l, acc); a merge kernel combines them.
+
+pub mod backend;
+pub mod config;
+pub mod error;
+mod module;
+pub mod pinned;
+
+pub use backend::{
+    device_available, CudaBackend, DecodeItem, LayerOutput, LayerStats, LayerTiming, StepItem, StepOutput,
+};
+pub use config::{bf16_outward, CudaConfig, CudaGeometry, KvDtype, SelectPolicy, SummaryDtype};
+pub use error::CudaError;
+pub use module::{compile_check, KERNEL_SOURCE};
+pub use pinned::{AnonMapping, PinnedRegion, MAX_REGISTER_CHUNK};
