@@ -253,6 +253,17 @@ impl PinnedRegion {
     }
 }
 
+impl std::fmt::Debug for PinnedRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedRegion")
+            .field("base", &self.base)
+            .field("len", &self.len)
+            .field("chunks", &self.chunks.len())
+            .field("owned", &self.owned.is_some())
+            .finish()
+    }
+}
+
 impl Drop for PinnedRegion {
     fn drop(&mut self) {
         if let Err(e) = self.ctx.bind_to_thread() {
