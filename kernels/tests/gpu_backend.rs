@@ -4,8 +4,8 @@
 
 use half::{bf16, f16};
 use kvtier_kernels::cuda::{
-    bf16_outward, device_available, AnonMapping, CudaBackend, CudaConfig, CudaError, CudaGeometry, DecodeItem,
-    KvDtype, PinnedRegion, SelectPolicy, StepItem, SummaryDtype,
+    bf16_outward, device_available, AnonMapping, CudaBackend, CudaConfig, CudaError, CudaGeometry,
+    DecodeItem, KvDtype, PinnedRegion, SelectPolicy, StepItem, SummaryDtype,
 };
 
 fn gpu() -> bool {
@@ -64,10 +64,23 @@ struct Harness {
 }
 
 fn geom(hq: u32, hkv: u32, d: u32, b: u32, dtype: KvDtype) -> CudaGeometry {
-    CudaGeometry { layers: 2, q_heads: hq, kv_heads: hkv, head_dim: d, block_tokens: b, dtype }
+    CudaGeometry {
+        layers: 2,
+        q_heads: hq,
+        kv_heads: hkv,
+        head_dim: d,
+        block_tokens: b,
+        dtype,
+    }
 }
 
-fn config(g: CudaGeometry, policy: SelectPolicy, max_blocks: u32, sessions: u32, sum: SummaryDtype) -> CudaConfig {
+fn config(
+    g: CudaGeometry,
+    policy: SelectPolicy,
+    max_blocks: u32,
+    sessions: u32,
+    sum: SummaryDtype,
+) -> CudaConfig {
     CudaConfig {
         geometry: g,
         policy,
@@ -95,7 +108,14 @@ impl Harness {
         let map = AnonMapping::new((n_frames * g.block_run_bytes() as u64) as usize).expect("mmap");
         let region = PinnedRegion::register_owned(be.context(), map).expect("pin");
         be.attach_host(region).expect("attach");
-        Harness { cfg, be, sessions: Vec::new(), next_frame: 0, n_frames, rng: Rng(seed | 1) }
+        Harness {
+            cfg,
+            be,
+            sessions: Vec::new(),
+            next_frame: 0,
+            n_frames,
+            rng: Rng(seed | 1),
+        }
     }
 
     fn frame_offset(&self, frame: u64) -> u64 {
@@ -169,7 +189,11 @@ impl Harness {
                         } else {
                             t
                         };
-                        let kx = if src_t < t { k[l][h][src_t * d + dd] } else { store(self.rng.f(), g.dtype).0 };
+                        let kx = if src_t < t {
+                            k[l][h][src_t * d + dd]
+                        } else {
+                            store(self.rng.f(), g.dtype).0
+                        };
                         k[l][h][t * d + dd] = kx;
                         v[l][h][t * d + dd] = store(self.rng.f(), g.dtype).0;
                     }
@@ -185,7 +209,12 @@ impl Harness {
                 self.next_frame += 1;
             }
         }
-        self.sessions.push(SessionKv { n_tokens: 0, k, v, frames });
+        self.sessions.push(SessionKv {
+            n_tokens: 0,
+            k,
+            v,
+            frames,
+        });
         self.append(slot, n_tokens);
         slot
     }
@@ -205,9 +234,12 @@ impl Harness {
             let first = old / bt;
             let last = new.div_ceil(bt);
             let sums = self.summaries(s, l, first, last - first);
-            self.be.upload_summaries(slot, l as u32, first, &sums).unwrap();
-            let offs: Vec<u64> =
-                (first..last).map(|b| self.frame_offset(self.sessions[s].frames[l][b as usize])).collect();
+            self.be
+                .upload_summaries(slot, l as u32, first, &sums)
+                .unwrap();
+            let offs: Vec<u64> = (first..last)
+                .map(|b| self.frame_offset(self.sessions[s].frames[l][b as usize]))
+                .collect();
             self.be.map_blocks(slot, l as u32, first, &offs).unwrap();
             self.be.set_tokens(slot, l as u32, new).unwrap();
         }
@@ -215,7 +247,9 @@ impl Harness {
 
     fn query(&mut self) -> Vec<f32> {
         let g = self.cfg.geometry;
-        (0..g.q_heads * g.head_dim).map(|_| self.rng.f() * 2.0).collect()
+        (0..g.q_heads * g.head_dim)
+            .map(|_| self.rng.f() * 2.0)
+            .collect()
     }
 
     /// CPU selector: the rule of the data model, fp32 scores summed over d in order.
@@ -248,8 +282,9 @@ impl Harness {
                     }
                     best
                 };
-                let mut cand: Vec<(f32, u32)> =
-                    (p.sink_blocks..n - p.local_blocks).map(|b| (score(b), b)).collect();
+                let mut cand: Vec<(f32, u32)> = (p.sink_blocks..n - p.local_blocks)
+                    .map(|b| (score(b), b))
+                    .collect();
                 cand.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap().then(a.1.cmp(&b.1)));
                 let mut keep: Vec<u32> = (0..p.sink_blocks).collect();
                 keep.extend(cand.iter().take(p.top_k as usize).map(|c| c.1));
@@ -276,7 +311,12 @@ impl Harness {
             let qh = &q[hq * d..][..d];
             let sc: Vec<f64> = toks
                 .iter()
-                .map(|&t| (0..d).map(|dd| qh[dd] as f64 * kv.k[l][h][t * d + dd] as f64).sum::<f64>() * scale)
+                .map(|&t| {
+                    (0..d)
+                        .map(|dd| qh[dd] as f64 * kv.k[l][h][t * d + dd] as f64)
+                        .sum::<f64>()
+                        * scale
+                })
                 .collect();
             let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let w: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
@@ -292,8 +332,15 @@ impl Harness {
 }
 
 fn rel_err(got: &[f32], want: &[f64]) -> f64 {
-    assert!(got.iter().all(|x| x.is_finite()), "unwritten (NaN-poisoned) or non-finite output");
-    let num: f64 = got.iter().zip(want).map(|(a, b)| (*a as f64 - b).powi(2)).sum();
+    assert!(
+        got.iter().all(|x| x.is_finite()),
+        "unwritten (NaN-poisoned) or non-finite output"
+    );
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (*a as f64 - b).powi(2))
+        .sum();
     let den: f64 = want.iter().map(|b| b * b).sum();
     (num / den).sqrt()
 }
@@ -301,7 +348,11 @@ fn rel_err(got: &[f32], want: &[f64]) -> f64 {
 /// Runs one layer for the given slots and checks selection (exact) and attention (2e-3).
 fn check_layer(h: &mut Harness, layer: u32, slots: &[u32]) {
     let qs: Vec<Vec<f32>> = slots.iter().map(|_| h.query()).collect();
-    let items: Vec<DecodeItem> = slots.iter().zip(&qs).map(|(&slot, q)| DecodeItem { slot, q }).collect();
+    let items: Vec<DecodeItem> = slots
+        .iter()
+        .zip(&qs)
+        .map(|(&slot, q)| DecodeItem { slot, q })
+        .collect();
     let out = h.be.decode_layer(layer, &items).expect("decode");
     let keeps = h.be.last_keep_sets(layer).unwrap();
     let hqd = (h.cfg.geometry.q_heads * h.cfg.geometry.head_dim) as usize;
@@ -315,17 +366,30 @@ fn check_layer(h: &mut Harness, layer: u32, slots: &[u32]) {
     let tiles: u64 = keeps.iter().flatten().map(|k| k.len() as u64).sum();
     assert_eq!(out.stats.tiles, tiles);
     assert_eq!(out.stats.hits + out.stats.misses, tiles);
-    assert_eq!(out.stats.bytes_moved, out.stats.misses * h.cfg.geometry.tile_bytes() as u64);
+    assert_eq!(
+        out.stats.bytes_moved,
+        out.stats.misses * h.cfg.geometry.tile_bytes() as u64
+    );
 }
 
-const POLICY: SelectPolicy = SelectPolicy { sink_blocks: 1, local_blocks: 4, top_k: 8 };
+const POLICY: SelectPolicy = SelectPolicy {
+    sink_blocks: 1,
+    local_blocks: 4,
+    top_k: 8,
+};
 
 #[test]
 fn smoke_device_and_one_layer() {
     if !gpu() {
         return;
     }
-    let cfg = config(geom(28, 4, 128, 128, KvDtype::Bf16), POLICY, 24, 1, SummaryDtype::F32);
+    let cfg = config(
+        geom(28, 4, 128, 128, KvDtype::Bf16),
+        POLICY,
+        24,
+        1,
+        SummaryDtype::F32,
+    );
     let mut h = Harness::new(cfg, 1);
     println!("device: {}", h.be.device_name().unwrap());
     let s = h.add_session(20 * 128 + 77, KeyGen { templates: 0 });
@@ -339,11 +403,33 @@ fn qwen_geometry_batch_1_and_8() {
     if !gpu() {
         return;
     }
-    let policy = SelectPolicy { sink_blocks: 1, local_blocks: 4, top_k: 32 };
-    let cfg = config(geom(28, 4, 128, 128, KvDtype::Bf16), policy, 64, 8, SummaryDtype::F32);
+    let policy = SelectPolicy {
+        sink_blocks: 1,
+        local_blocks: 4,
+        top_k: 32,
+    };
+    let cfg = config(
+        geom(28, 4, 128, 128, KvDtype::Bf16),
+        policy,
+        64,
+        8,
+        SummaryDtype::F32,
+    );
     let mut h = Harness::new(cfg, 2);
-    let lens = [64 * 128, 50 * 128 + 3, 37 * 128, 38 * 128 + 1, 10 * 128 + 127, 1, 129, 63 * 128 + 64];
-    let slots: Vec<u32> = lens.iter().map(|&n| h.add_session(n, KeyGen { templates: 0 })).collect();
+    let lens = [
+        64 * 128,
+        50 * 128 + 3,
+        37 * 128,
+        38 * 128 + 1,
+        10 * 128 + 127,
+        1,
+        129,
+        63 * 128 + 64,
+    ];
+    let slots: Vec<u32> = lens
+        .iter()
+        .map(|&n| h.add_session(n, KeyGen { templates: 0 }))
+        .collect();
     check_layer(&mut h, 0, &slots[..1]);
     check_layer(&mut h, 1, &slots[..1]);
     check_layer(&mut h, 1, &slots);
@@ -356,18 +442,58 @@ fn other_geometries_and_dtypes() {
         return;
     }
     let cases = [
-        (geom(8, 8, 64, 16, KvDtype::F16), SelectPolicy { sink_blocks: 2, local_blocks: 3, top_k: 4 }, SummaryDtype::F32),
-        (geom(16, 2, 128, 32, KvDtype::F32), POLICY, SummaryDtype::F32),
-        (geom(16, 4, 256, 64, KvDtype::Bf16), POLICY, SummaryDtype::Bf16Outward),
-        (geom(32, 8, 32, 16, KvDtype::F32), SelectPolicy { sink_blocks: 0, local_blocks: 1, top_k: 3 }, SummaryDtype::Bf16Outward),
-        (geom(12, 4, 64, 128, KvDtype::Bf16), POLICY, SummaryDtype::Bf16Outward),
+        (
+            geom(8, 8, 64, 16, KvDtype::F16),
+            SelectPolicy {
+                sink_blocks: 2,
+                local_blocks: 3,
+                top_k: 4,
+            },
+            SummaryDtype::F32,
+        ),
+        (
+            geom(16, 2, 128, 32, KvDtype::F32),
+            POLICY,
+            SummaryDtype::F32,
+        ),
+        (
+            geom(16, 4, 256, 64, KvDtype::Bf16),
+            POLICY,
+            SummaryDtype::Bf16Outward,
+        ),
+        (
+            geom(32, 8, 32, 16, KvDtype::F32),
+            SelectPolicy {
+                sink_blocks: 0,
+                local_blocks: 1,
+                top_k: 3,
+            },
+            SummaryDtype::Bf16Outward,
+        ),
+        (
+            geom(12, 4, 64, 128, KvDtype::Bf16),
+            POLICY,
+            SummaryDtype::Bf16Outward,
+        ),
     ];
     for (ci, (g, p, sd)) in cases.into_iter().enumerate() {
         let cfg = config(g, p, 40, 8, sd);
         let mut h = Harness::new(cfg, 10 + ci as u64);
         let b = g.block_tokens;
-        let lens = [40 * b, 33 * b + 1, 20 * b - 1, 3, 17 * b + b / 2, 39 * b + 2, 25 * b, 12 * b];
-        let slots: Vec<u32> = lens.iter().map(|&n| h.add_session(n, KeyGen { templates: 0 })).collect();
+        let lens = [
+            40 * b,
+            33 * b + 1,
+            20 * b - 1,
+            3,
+            17 * b + b / 2,
+            39 * b + 2,
+            25 * b,
+            12 * b,
+        ];
+        let slots: Vec<u32> = lens
+            .iter()
+            .map(|&n| h.add_session(n, KeyGen { templates: 0 }))
+            .collect();
         check_layer(&mut h, 1, &slots[..1]);
         check_layer(&mut h, 0, &slots);
     }
@@ -379,7 +505,11 @@ fn selector_ties_break_to_lower_block() {
     if !gpu() {
         return;
     }
-    for (templates, sd) in [(3, SummaryDtype::F32), (1, SummaryDtype::F32), (5, SummaryDtype::Bf16Outward)] {
+    for (templates, sd) in [
+        (3, SummaryDtype::F32),
+        (1, SummaryDtype::F32),
+        (5, SummaryDtype::Bf16Outward),
+    ] {
         let cfg = config(geom(8, 2, 64, 16, KvDtype::Bf16), POLICY, 60, 2, sd);
         let mut h = Harness::new(cfg, 20 + templates as u64);
         let a = h.add_session(60 * 16, KeyGen { templates });
@@ -395,12 +525,24 @@ fn dense_mode_is_plain_attention() {
     if !gpu() {
         return;
     }
-    let p = SelectPolicy { sink_blocks: 1, local_blocks: 2, top_k: 40 };
-    let cfg = config(geom(28, 4, 128, 32, KvDtype::Bf16), p, 43, 2, SummaryDtype::F32);
+    let p = SelectPolicy {
+        sink_blocks: 1,
+        local_blocks: 2,
+        top_k: 40,
+    };
+    let cfg = config(
+        geom(28, 4, 128, 32, KvDtype::Bf16),
+        p,
+        43,
+        2,
+        SummaryDtype::F32,
+    );
     let mut h = Harness::new(cfg, 30);
     let s = h.add_session(43 * 32, KeyGen { templates: 0 });
     let q = h.query();
-    let out = h.be.decode_layer(0, &[DecodeItem { slot: s, q: &q }]).unwrap();
+    let out =
+        h.be.decode_layer(0, &[DecodeItem { slot: s, q: &q }])
+            .unwrap();
     let all: Vec<Vec<u32>> = (0..4).map(|_| (0..43).collect()).collect();
     assert_eq!(h.be.last_keep_sets(0).unwrap()[0], all);
     let r = h.cpu_attend(s as usize, 0, &q, &all);
@@ -415,16 +557,28 @@ fn block_cache_hits_and_appends() {
     if !gpu() {
         return;
     }
-    let cfg = config(geom(28, 4, 128, 32, KvDtype::Bf16), POLICY, 40, 2, SummaryDtype::F32);
+    let cfg = config(
+        geom(28, 4, 128, 32, KvDtype::Bf16),
+        POLICY,
+        40,
+        2,
+        SummaryDtype::F32,
+    );
     let mut h = Harness::new(cfg, 40);
     let a = h.add_session(30 * 32 + 5, KeyGen { templates: 0 }); // partial tail
     let b = h.add_session(30 * 32, KeyGen { templates: 0 }); // full tail
     let (qa, qb) = (h.query(), h.query());
-    let items = [DecodeItem { slot: a, q: &qa }, DecodeItem { slot: b, q: &qb }];
+    let items = [
+        DecodeItem { slot: a, q: &qa },
+        DecodeItem { slot: b, q: &qb },
+    ];
     let first = h.be.decode_layer(0, &items).unwrap();
     assert_eq!(first.stats.hits, 0, "cold cache");
     let second = h.be.decode_layer(0, &items).unwrap();
-    assert_eq!(second.stats.misses, 4, "only session a's partial tail tiles (4 kv heads) refetched");
+    assert_eq!(
+        second.stats.misses, 4,
+        "only session a's partial tail tiles (4 kv heads) refetched"
+    );
     assert_eq!(first.out, second.out);
     // Other layer has its own cache: cold.
     let other = h.be.decode_layer(1, &items).unwrap();
@@ -438,7 +592,9 @@ fn block_cache_hits_and_appends() {
     // flush -> cold again
     h.be.flush_cache().unwrap();
     let qa = h.query();
-    let cold = h.be.decode_layer(0, &[DecodeItem { slot: a, q: &qa }]).unwrap();
+    let cold =
+        h.be.decode_layer(0, &[DecodeItem { slot: a, q: &qa }])
+            .unwrap();
     assert_eq!(cold.stats.hits, 0);
 }
 
@@ -448,13 +604,29 @@ fn decode_step_matches_layers() {
     if !gpu() {
         return;
     }
-    let cfg = config(geom(28, 4, 128, 32, KvDtype::Bf16), POLICY, 40, 3, SummaryDtype::F32);
+    let cfg = config(
+        geom(28, 4, 128, 32, KvDtype::Bf16),
+        POLICY,
+        40,
+        3,
+        SummaryDtype::F32,
+    );
     let mut h = Harness::new(cfg, 50);
-    let slots: Vec<u32> = [40 * 32, 25 * 32 + 9, 7].iter().map(|&n| h.add_session(n, KeyGen { templates: 0 })).collect();
+    let slots: Vec<u32> = [40 * 32, 25 * 32 + 9, 7]
+        .iter()
+        .map(|&n| h.add_session(n, KeyGen { templates: 0 }))
+        .collect();
     let hqd = 28 * 128;
-    let qs: Vec<Vec<f32>> = slots.iter().map(|_| [h.query(), h.query()].concat()).collect();
+    let qs: Vec<Vec<f32>> = slots
+        .iter()
+        .map(|_| [h.query(), h.query()].concat())
+        .collect();
     h.be.set_timing(true).unwrap();
-    let items: Vec<StepItem> = slots.iter().zip(&qs).map(|(&slot, q)| StepItem { slot, q }).collect();
+    let items: Vec<StepItem> = slots
+        .iter()
+        .zip(&qs)
+        .map(|(&slot, q)| StepItem { slot, q })
+        .collect();
     let step = h.be.decode_step(&items).unwrap();
     assert!(step.step_ms.unwrap() > 0.0);
     assert_eq!(step.timing.as_ref().unwrap().len(), 2);
@@ -475,51 +647,141 @@ fn bad_inputs_get_typed_errors() {
     if !gpu() {
         return;
     }
-    let cfg = config(geom(8, 2, 64, 16, KvDtype::Bf16), POLICY, 20, 2, SummaryDtype::F32);
+    let cfg = config(
+        geom(8, 2, 64, 16, KvDtype::Bf16),
+        POLICY,
+        20,
+        2,
+        SummaryDtype::F32,
+    );
     let mut h = Harness::new(cfg, 60);
     let s = h.add_session(100, KeyGen { templates: 0 });
     let q = h.query();
     let be = &mut h.be;
     let one = |slot| [DecodeItem { slot, q: &q }];
-    assert!(matches!(be.decode_layer(2, &one(s)), Err(CudaError::LayerOutOfRange { .. })));
-    assert!(matches!(be.decode_layer(0, &one(1)), Err(CudaError::SessionNotOpen { slot: 1 })));
-    assert!(matches!(be.decode_layer(0, &one(7)), Err(CudaError::SlotOutOfRange { .. })));
-    assert!(matches!(be.decode_layer(0, &[]), Err(CudaError::EmptyBatch)));
+    assert!(matches!(
+        be.decode_layer(2, &one(s)),
+        Err(CudaError::LayerOutOfRange { .. })
+    ));
+    assert!(matches!(
+        be.decode_layer(0, &one(1)),
+        Err(CudaError::SessionNotOpen { slot: 1 })
+    ));
+    assert!(matches!(
+        be.decode_layer(0, &one(7)),
+        Err(CudaError::SlotOutOfRange { .. })
+    ));
+    assert!(matches!(
+        be.decode_layer(0, &[]),
+        Err(CudaError::EmptyBatch)
+    ));
     let dup = [DecodeItem { slot: s, q: &q }, DecodeItem { slot: s, q: &q }];
-    assert!(matches!(be.decode_layer(0, &dup), Err(CudaError::DuplicateSession { .. })));
-    let three = [DecodeItem { slot: s, q: &q }, DecodeItem { slot: 1, q: &q }, DecodeItem { slot: 0, q: &q }];
-    assert!(matches!(be.decode_layer(0, &three), Err(CudaError::BatchTooLarge { .. })));
-    assert!(matches!(be.decode_layer(0, &[DecodeItem { slot: s, q: &q[1..] }]), Err(CudaError::BadLength { .. })));
+    assert!(matches!(
+        be.decode_layer(0, &dup),
+        Err(CudaError::DuplicateSession { .. })
+    ));
+    let three = [
+        DecodeItem { slot: s, q: &q },
+        DecodeItem { slot: 1, q: &q },
+        DecodeItem { slot: 0, q: &q },
+    ];
+    assert!(matches!(
+        be.decode_layer(0, &three),
+        Err(CudaError::BatchTooLarge { .. })
+    ));
+    assert!(matches!(
+        be.decode_layer(
+            0,
+            &[DecodeItem {
+                slot: s,
+                q: &q[1..]
+            }]
+        ),
+        Err(CudaError::BadLength { .. })
+    ));
     let mut qn = q.clone();
     qn[5] = f32::NAN;
-    assert!(matches!(be.decode_layer(0, &[DecodeItem { slot: s, q: &qn }]), Err(CudaError::NonFinite { index: 5, .. })));
+    assert!(matches!(
+        be.decode_layer(0, &[DecodeItem { slot: s, q: &qn }]),
+        Err(CudaError::NonFinite { index: 5, .. })
+    ));
     // Tokens beyond the mapped/summarised blocks: refused, never attended.
     be.set_tokens(s, 0, 200).unwrap();
-    assert!(matches!(be.decode_layer(0, &one(s)), Err(CudaError::NotReady { .. })));
-    assert!(matches!(be.set_tokens(s, 0, 150), Err(CudaError::BadTokenCount { .. })));
-    assert!(matches!(be.set_tokens(s, 0, 20 * 16 + 1), Err(CudaError::BadTokenCount { .. })));
+    assert!(matches!(
+        be.decode_layer(0, &one(s)),
+        Err(CudaError::NotReady { .. })
+    ));
+    assert!(matches!(
+        be.set_tokens(s, 0, 150),
+        Err(CudaError::BadTokenCount { .. })
+    ));
+    assert!(matches!(
+        be.set_tokens(s, 0, 20 * 16 + 1),
+        Err(CudaError::BadTokenCount { .. })
+    ));
     be.open_session(1).unwrap();
-    assert!(matches!(be.decode_layer(0, &one(1)), Err(CudaError::EmptySession { .. })));
-    assert!(matches!(be.open_session(1), Err(CudaError::SessionAlreadyOpen { .. })));
-    assert!(matches!(be.upload_summaries(s, 0, 0, &[0.0; 7]), Err(CudaError::BadLength { .. })));
+    assert!(matches!(
+        be.decode_layer(0, &one(1)),
+        Err(CudaError::EmptySession { .. })
+    ));
+    assert!(matches!(
+        be.open_session(1),
+        Err(CudaError::SessionAlreadyOpen { .. })
+    ));
+    assert!(matches!(
+        be.upload_summaries(s, 0, 0, &[0.0; 7]),
+        Err(CudaError::BadLength { .. })
+    ));
     let per = 2 * 2 * 64;
-    assert!(matches!(be.upload_summaries(s, 0, 19, &vec![0.0; 2 * per]), Err(CudaError::BlockOutOfRange { .. })));
+    assert!(matches!(
+        be.upload_summaries(s, 0, 19, &vec![0.0; 2 * per]),
+        Err(CudaError::BlockOutOfRange { .. })
+    ));
     let mut bad = vec![0.0; per];
     bad[3] = f32::INFINITY;
-    assert!(matches!(be.upload_summaries(s, 0, 0, &bad), Err(CudaError::NonFinite { .. })));
+    assert!(matches!(
+        be.upload_summaries(s, 0, 0, &bad),
+        Err(CudaError::NonFinite { .. })
+    ));
     let region_len = be.host_mut().unwrap().len() as u64;
-    assert!(matches!(be.map_blocks(s, 0, 0, &[region_len]), Err(CudaError::HostRange { .. })));
-    assert!(matches!(be.map_blocks(s, 0, 0, &[u64::MAX - 3]), Err(CudaError::HostRange { .. })));
+    assert!(matches!(
+        be.map_blocks(s, 0, 0, &[region_len]),
+        Err(CudaError::HostRange { .. })
+    ));
+    assert!(matches!(
+        be.map_blocks(s, 0, 0, &[u64::MAX - 3]),
+        Err(CudaError::HostRange { .. })
+    ));
     let map = AnonMapping::new(1 << 20).unwrap();
     let other = PinnedRegion::register_owned(be.context(), map).unwrap();
-    assert!(matches!(be.attach_host(other), Err(CudaError::HostRegionAttached)));
+    assert!(matches!(
+        be.attach_host(other),
+        Err(CudaError::HostRegionAttached)
+    ));
     be.close_session(1).unwrap();
-    assert!(matches!(be.close_session(1), Err(CudaError::SessionNotOpen { .. })));
+    assert!(matches!(
+        be.close_session(1),
+        Err(CudaError::SessionNotOpen { .. })
+    ));
+    assert!(matches!(
+        be.detach_host(),
+        Err(CudaError::SessionsOpen { open: 1 })
+    ));
+    be.close_session(s).unwrap();
+    let region = be.detach_host().unwrap();
+    assert!(matches!(be.detach_host(), Err(CudaError::NoHostRegion)));
+    be.attach_host(region).unwrap();
 
     let mut fresh = CudaBackend::new(0, cfg).unwrap();
     fresh.open_session(0).unwrap();
-    assert!(matches!(fresh.map_blocks(0, 0, 0, &[0]), Err(CudaError::NoHostRegion)));
-    assert!(matches!(CudaBackend::new(4096, cfg), Err(CudaError::NoDevice { .. })));
+    assert!(matches!(
+        fresh.map_blocks(0, 0, 0, &[0]),
+        Err(CudaError::NoHostRegion)
+    ));
+    assert!(matches!(
+        CudaBackend::new(4096, cfg),
+        Err(CudaError::NoDevice { .. })
+    ));
 }
 
 #[test]
@@ -527,7 +789,13 @@ fn pinned_region_chunks_and_cleanup() {
     if !gpu() {
         return;
     }
-    let cfg = config(geom(8, 2, 64, 16, KvDtype::Bf16), POLICY, 20, 1, SummaryDtype::F32);
+    let cfg = config(
+        geom(8, 2, 64, 16, KvDtype::Bf16),
+        POLICY,
+        20,
+        1,
+        SummaryDtype::F32,
+    );
     let be = CudaBackend::new(0, cfg).unwrap();
     let ctx = be.context();
     let mut map = AnonMapping::new(1 << 20).unwrap();
@@ -537,7 +805,10 @@ fn pinned_region_chunks_and_cleanup() {
         let r = unsafe { PinnedRegion::register_chunked(ctx, base, 1 << 20, 64 << 10) }.unwrap();
         assert_eq!(r.chunk_count(), 16);
         assert!(r.device_addr(0, 64 << 10).is_ok());
-        assert!(r.device_addr((64 << 10) - 16, 32).is_err(), "range crossing a chunk");
+        assert!(
+            r.device_addr((64 << 10) - 16, 32).is_err(),
+            "range crossing a chunk"
+        );
         assert!(r.device_addr(1 << 20, 1).is_err());
         // The second half is registered already: a registration overlapping it fails after
         // registering its own first chunks, and must hand those back.
@@ -548,10 +819,16 @@ fn pinned_region_chunks_and_cleanup() {
     let mut map2 = AnonMapping::new(1 << 20).unwrap();
     let base2 = map2.as_mut_slice().as_mut_ptr();
     // SAFETY: map2 outlives r2 within this scope.
-    let r2 = unsafe { PinnedRegion::register_chunked(ctx, base2.wrapping_add(512 << 10), 512 << 10, 64 << 10) }.unwrap();
+    let r2 = unsafe {
+        PinnedRegion::register_chunked(ctx, base2.wrapping_add(512 << 10), 512 << 10, 64 << 10)
+    }
+    .unwrap();
     // SAFETY: as above; overlaps r2 from offset 512 KiB, so it fails at that chunk.
     let e = unsafe { PinnedRegion::register_chunked(ctx, base2, 1 << 20, 64 << 10) };
-    assert!(matches!(e, Err(CudaError::Pin { offset, .. }) if offset == 512 << 10), "{e:?}");
+    assert!(
+        matches!(e, Err(CudaError::Pin { offset, .. }) if offset == 512 << 10),
+        "{e:?}"
+    );
     // Its first 8 chunks were unregistered on failure: registering them again works.
     // SAFETY: as above.
     let again = unsafe { PinnedRegion::register_chunked(ctx, base2, 512 << 10, 64 << 10) };

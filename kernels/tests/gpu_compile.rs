@@ -2,12 +2,25 @@
 //! skips (saying so) where libnvrtc is absent.
 #![cfg(feature = "cuda")]
 
-use kvtier_kernels::cuda::{compile_check, CudaConfig, CudaError, CudaGeometry, KvDtype, SelectPolicy, SummaryDtype};
+use kvtier_kernels::cuda::{
+    compile_check, CudaConfig, CudaError, CudaGeometry, KvDtype, SelectPolicy, SummaryDtype,
+};
 
 fn cfg(hq: u32, hkv: u32, d: u32, b: u32, dtype: KvDtype, sum: SummaryDtype) -> CudaConfig {
     CudaConfig {
-        geometry: CudaGeometry { layers: 2, q_heads: hq, kv_heads: hkv, head_dim: d, block_tokens: b, dtype },
-        policy: SelectPolicy { sink_blocks: 1, local_blocks: 2, top_k: 5 },
+        geometry: CudaGeometry {
+            layers: 2,
+            q_heads: hq,
+            kv_heads: hkv,
+            head_dim: d,
+            block_tokens: b,
+            dtype,
+        },
+        policy: SelectPolicy {
+            sink_blocks: 1,
+            local_blocks: 2,
+            top_k: 5,
+        },
         max_sessions: 4,
         max_blocks: 64,
         max_batch: 4,
@@ -34,7 +47,14 @@ fn kernels_compile_for_supported_geometries() {
             }
             Err(e) => panic!("{:?}: {e}", c.geometry),
             Ok(ptx) => {
-                for k in ["select_score", "select_topk", "gather_plan", "gather_copy", "attend_partial", "attend_merge"] {
+                for k in [
+                    "select_score",
+                    "select_topk",
+                    "gather_plan",
+                    "gather_copy",
+                    "attend_partial",
+                    "attend_merge",
+                ] {
                     assert!(ptx.contains(&format!(".entry {k}")), "{k} missing from PTX");
                 }
             }

@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    PushKernelArg, ValidAsZeroBits,
+    sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 
 use super::config::{bf16_outward, CudaConfig, Derived, SummaryDtype};
@@ -30,7 +30,9 @@ struct DevBuf<T> {
 
 impl<T: DeviceRepr + ValidAsZeroBits> DevBuf<T> {
     fn zeros(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
-        let slice = stream.alloc_zeros::<T>(len.max(1)).map_err(CudaError::driver("cuMemAlloc"))?;
+        let slice = stream
+            .alloc_zeros::<T>(len.max(1))
+            .map_err(CudaError::driver("cuMemAlloc"))?;
         let ptr = {
             let (ptr, _sync) = slice.device_ptr(stream);
             ptr
@@ -160,25 +162,39 @@ impl CudaBackend {
         if !unsafe { sys::is_culib_present() } {
             return Err(CudaError::NoDriver);
         }
-        let count = CudaContext::device_count().map_err(CudaError::driver("cuDeviceGetCount"))? as usize;
+        let count =
+            CudaContext::device_count().map_err(CudaError::driver("cuDeviceGetCount"))? as usize;
         if ordinal >= count {
             return Err(CudaError::NoDevice { ordinal, count });
         }
-        let ctx = CudaContext::new(ordinal).map_err(CudaError::driver("cuDevicePrimaryCtxRetain"))?;
-        let (major, minor) = ctx.compute_capability().map_err(CudaError::driver("cuDeviceGetAttribute"))?;
+        let ctx =
+            CudaContext::new(ordinal).map_err(CudaError::driver("cuDevicePrimaryCtxRetain"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(CudaError::driver("cuDeviceGetAttribute"))?;
         if major < 7 {
             return Err(CudaError::ComputeCapability { major, minor });
         }
         // SAFETY: the backend uses exactly one stream and orders every buffer use on it, so
         // cudarc's cross-stream event tracking is not needed (and would add event records).
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.new_stream().map_err(CudaError::driver("cuStreamCreate"))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(CudaError::driver("cuStreamCreate"))?;
         let k = compile(&ctx, &cfg, &derived)?;
 
         let g = &cfg.geometry;
-        let (s, l, mb) = (cfg.max_sessions as usize, g.layers as usize, cfg.max_blocks as usize);
+        let (s, l, mb) = (
+            cfg.max_sessions as usize,
+            g.layers as usize,
+            cfg.max_blocks as usize,
+        );
         let (hkv, hq, d) = (g.kv_heads as usize, g.q_heads as usize, g.head_dim as usize);
-        let (c, ks, bmax) = (cfg.cache_slots as usize, derived.keep_max as usize, cfg.max_batch as usize);
+        let (c, ks, bmax) = (
+            cfg.cache_slots as usize,
+            derived.keep_max as usize,
+            cfg.max_batch as usize,
+        );
         let sum_elem = match cfg.summary_dtype {
             SummaryDtype::F32 => 4,
             SummaryDtype::Bf16Outward => 2,
@@ -233,7 +249,9 @@ impl CudaBackend {
 
     /// Device name, e.g. "NVIDIA H100 80GB HBM3".
     pub fn device_name(&self) -> Result<String> {
-        self.ctx.name().map_err(CudaError::driver("cuDeviceGetName"))
+        self.ctx
+            .name()
+            .map_err(CudaError::driver("cuDeviceGetName"))
     }
 
     /// Attaches the pinned host arena that page-table entries point into (once).
@@ -241,11 +259,26 @@ impl CudaBackend {
         if self.host.is_some() {
             return Err(CudaError::HostRegionAttached);
         }
-        if !Arc::ptr_eq(region.context(), &self.ctx) && region.context().cu_ctx() != self.ctx.cu_ctx() {
-            return Err(CudaError::InvalidConfig { reason: "host region registered in another context".into() });
+        if !Arc::ptr_eq(region.context(), &self.ctx)
+            && region.context().cu_ctx() != self.ctx.cu_ctx()
+        {
+            return Err(CudaError::InvalidConfig {
+                reason: "host region registered in another context".into(),
+            });
         }
         self.host = Some(region);
         Ok(())
+    }
+
+    /// Detaches the host region (to reuse it with another backend). Refused while sessions
+    /// are open, since their page tables point into it.
+    pub fn detach_host(&mut self) -> Result<PinnedRegion> {
+        let open = self.sessions.iter().flatten().count();
+        if open > 0 {
+            return Err(CudaError::SessionsOpen { open });
+        }
+        self.sync()?;
+        self.host.take().ok_or(CudaError::NoHostRegion)
     }
 
     /// The attached host region (mutable, to write frames between decode calls).
@@ -279,21 +312,29 @@ impl CudaBackend {
 
     fn check_slot(&self, slot: u32) -> Result<usize> {
         if slot >= self.cfg.max_sessions {
-            return Err(CudaError::SlotOutOfRange { slot, max: self.cfg.max_sessions });
+            return Err(CudaError::SlotOutOfRange {
+                slot,
+                max: self.cfg.max_sessions,
+            });
         }
         Ok(slot as usize)
     }
 
     fn check_layer(&self, layer: u32) -> Result<usize> {
         if layer >= self.cfg.geometry.layers {
-            return Err(CudaError::LayerOutOfRange { layer, layers: self.cfg.geometry.layers });
+            return Err(CudaError::LayerOutOfRange {
+                layer,
+                layers: self.cfg.geometry.layers,
+            });
         }
         Ok(layer as usize)
     }
 
     fn session_mut(&mut self, slot: u32) -> Result<&mut Session> {
         let s = self.check_slot(slot)?;
-        self.sessions[s].as_mut().ok_or(CudaError::SessionNotOpen { slot })
+        self.sessions[s]
+            .as_mut()
+            .ok_or(CudaError::SessionNotOpen { slot })
     }
 
     /// Opens a session slot: no tokens, nothing mapped, its cache entries cleared.
@@ -330,7 +371,9 @@ impl CudaBackend {
     }
 
     fn memset_u32(&self, ptr: u64, value: u32, n: usize) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
         // SAFETY: ptr..ptr+4n lies inside a buffer this backend owns (callers compute it from
         // DevBuf::at with in-range indices); the stream orders it with every other use.
         unsafe { sys::cuMemsetD32Async(ptr, value, n, self.stream.cu_stream()) }
@@ -339,7 +382,9 @@ impl CudaBackend {
     }
 
     fn htod<T: DeviceRepr>(&self, dst: u64, src: &[T]) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
         // SAFETY: callers check that dst..dst+size_of_val(src) lies inside an owned buffer.
         // cuMemcpyHtoDAsync from pageable memory stages the source before returning.
         unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
@@ -347,7 +392,9 @@ impl CudaBackend {
     }
 
     fn dtoh<T: DeviceRepr>(&self, dst: &mut [T], src: u64) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
         // SAFETY: callers check the source range; the stream is synchronized before dst is read.
         unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
             .map_err(CudaError::driver("cuMemcpyDtoHAsync"))?;
@@ -355,13 +402,19 @@ impl CudaBackend {
     }
 
     fn sync(&self) -> Result<()> {
-        self.stream.synchronize().map_err(CudaError::driver("cuStreamSynchronize"))
+        self.stream
+            .synchronize()
+            .map_err(CudaError::driver("cuStreamSynchronize"))
     }
 
     fn block_range(&self, first: u32, count: usize) -> Result<()> {
         let max = self.cfg.max_blocks;
         if count == 0 || first as u64 + count as u64 > max as u64 {
-            return Err(CudaError::BlockOutOfRange { first, count: count as u32, max });
+            return Err(CudaError::BlockOutOfRange {
+                first,
+                count: count as u32,
+                max,
+            });
         }
         Ok(())
     }
@@ -378,11 +431,17 @@ impl CudaBackend {
     /// Uploads block summaries [n][kv_head][2][D] f32 (index 0 = max, 1 = min) for blocks
     /// `first_block..first_block + n` of one session layer. Re-uploading a block (the tail
     /// block after appends) replaces it.
-    pub fn upload_summaries(&mut self, slot: u32, layer: u32, first_block: u32, summaries: &[f32]) -> Result<()> {
+    pub fn upload_summaries(
+        &mut self,
+        slot: u32,
+        layer: u32,
+        first_block: u32,
+        summaries: &[f32],
+    ) -> Result<()> {
         let s = self.check_slot(slot)?;
         let l = self.check_layer(layer)?;
         let per = self.cfg.geometry.summary_len_per_block();
-        if summaries.is_empty() || summaries.len() % per != 0 {
+        if summaries.is_empty() || !summaries.len().is_multiple_of(per) {
             return Err(CudaError::BadLength {
                 what: "summaries",
                 got: summaries.len(),
@@ -392,7 +451,10 @@ impl CudaBackend {
         let n = summaries.len() / per;
         self.block_range(first_block, n)?;
         if let Some(index) = summaries.iter().position(|x| !x.is_finite()) {
-            return Err(CudaError::NonFinite { what: "summaries", index });
+            return Err(CudaError::NonFinite {
+                what: "summaries",
+                index,
+            });
         }
         self.session_mut(slot)?;
         let mb = self.cfg.max_blocks as usize;
@@ -404,7 +466,7 @@ impl CudaBackend {
                 let rounded: Vec<u16> = summaries
                     .iter()
                     .enumerate()
-                    .map(|(i, &x)| bf16_outward(x, (i / d) % 2 == 0))
+                    .map(|(i, &x)| bf16_outward(x, (i / d).is_multiple_of(2)))
                     .collect();
                 self.htod(self.sums.at(elem0 * 2), &rounded)?;
             }
@@ -419,14 +481,23 @@ impl CudaBackend {
 
     /// Points blocks `first_block..` of one session layer at block runs in the attached host
     /// region, given as byte offsets into it. Each run must lie inside the region.
-    pub fn map_blocks(&mut self, slot: u32, layer: u32, first_block: u32, host_offsets: &[u64]) -> Result<()> {
+    pub fn map_blocks(
+        &mut self,
+        slot: u32,
+        layer: u32,
+        first_block: u32,
+        host_offsets: &[u64],
+    ) -> Result<()> {
         let s = self.check_slot(slot)?;
         let l = self.check_layer(layer)?;
         self.block_range(first_block, host_offsets.len())?;
         self.session_mut(slot)?;
         let host = self.host.as_ref().ok_or(CudaError::NoHostRegion)?;
         let run = self.cfg.geometry.block_run_bytes() as u64;
-        let addrs = host_offsets.iter().map(|&o| host.device_addr(o, run)).collect::<Result<Vec<u64>>>()?;
+        let addrs = host_offsets
+            .iter()
+            .map(|&o| host.device_addr(o, run))
+            .collect::<Result<Vec<u64>>>()?;
         let mb = self.cfg.max_blocks as usize;
         let idx = (s * self.cfg.geometry.layers as usize + l) * mb + first_block as usize;
         self.htod(self.pages.at(idx), &addrs)?;
@@ -445,7 +516,13 @@ impl CudaBackend {
         let sess = self.session_mut(slot)?;
         let current = sess.n_tokens[l];
         if n_tokens < current || n_tokens as u64 > capacity {
-            return Err(CudaError::BadTokenCount { slot, layer, current, new: n_tokens, capacity });
+            return Err(CudaError::BadTokenCount {
+                slot,
+                layer,
+                current,
+                new: n_tokens,
+                capacity,
+            });
         }
         sess.n_tokens[l] = n_tokens;
         Ok(())
@@ -455,7 +532,9 @@ impl CudaBackend {
     pub fn tokens(&self, slot: u32, layer: u32) -> Result<u32> {
         let s = self.check_slot(slot)?;
         let l = self.check_layer(layer)?;
-        let sess = self.sessions[s].as_ref().ok_or(CudaError::SessionNotOpen { slot })?;
+        let sess = self.sessions[s]
+            .as_ref()
+            .ok_or(CudaError::SessionNotOpen { slot })?;
         Ok(sess.n_tokens[l])
     }
 
@@ -465,7 +544,10 @@ impl CudaBackend {
             return Err(CudaError::EmptyBatch);
         }
         if slots.len() > self.cfg.max_batch as usize {
-            return Err(CudaError::BatchTooLarge { got: slots.len(), max: self.cfg.max_batch });
+            return Err(CudaError::BatchTooLarge {
+                got: slots.len(),
+                max: self.cfg.max_batch,
+            });
         }
         let bt = self.cfg.geometry.block_tokens;
         let mut seen = vec![false; self.cfg.max_sessions as usize];
@@ -475,14 +557,24 @@ impl CudaBackend {
             if std::mem::replace(&mut seen[s], true) {
                 return Err(CudaError::DuplicateSession { slot });
             }
-            let sess = self.sessions[s].as_ref().ok_or(CudaError::SessionNotOpen { slot })?;
+            let sess = self.sessions[s]
+                .as_ref()
+                .ok_or(CudaError::SessionNotOpen { slot })?;
             let n = sess.n_tokens[layer];
             if n == 0 {
-                return Err(CudaError::EmptySession { slot, layer: layer as u32 });
+                return Err(CudaError::EmptySession {
+                    slot,
+                    layer: layer as u32,
+                });
             }
             let nb = n.div_ceil(bt);
             if nb > sess.ready[layer] {
-                return Err(CudaError::NotReady { slot, layer: layer as u32, n_blocks: nb, ready: sess.ready[layer] });
+                return Err(CudaError::NotReady {
+                    slot,
+                    layer: layer as u32,
+                    n_blocks: nb,
+                    ready: sess.ready[layer],
+                });
             }
             ntok.push(n);
         }
@@ -491,7 +583,11 @@ impl CudaBackend {
 
     fn check_q(&self, q: &[f32], expected: usize) -> Result<()> {
         if q.len() != expected {
-            return Err(CudaError::BadLength { what: "q", got: q.len(), expected });
+            return Err(CudaError::BadLength {
+                what: "q",
+                got: q.len(),
+                expected,
+            });
         }
         if let Some(index) = q.iter().position(|x| !x.is_finite()) {
             return Err(CudaError::NonFinite { what: "q", index });
@@ -530,11 +626,16 @@ impl CudaBackend {
         let mut per_layer = Vec::with_capacity(layers);
         for l in 0..layers {
             let ntok = self.check_batch(l, &slots)?;
-            let q: Vec<f32> = items.iter().flat_map(|it| it.q[l * hqd..(l + 1) * hqd].iter().copied()).collect();
+            let q: Vec<f32> = items
+                .iter()
+                .flat_map(|it| it.q[l * hqd..(l + 1) * hqd].iter().copied())
+                .collect();
             per_layer.push((l, ntok, q));
         }
-        let refs: Vec<(usize, &[u32], &[f32])> =
-            per_layer.iter().map(|(l, n, q)| (*l, n.as_slice(), q.as_slice())).collect();
+        let refs: Vec<(usize, &[u32], &[f32])> = per_layer
+            .iter()
+            .map(|(l, n, q)| (*l, n.as_slice(), q.as_slice()))
+            .collect();
         self.prepare(&slots, &refs)?;
         for (l, ntok, _) in &per_layer {
             let max_nb = self.max_blocks_of(ntok);
@@ -545,7 +646,10 @@ impl CudaBackend {
     }
 
     fn max_blocks_of(&self, ntok: &[u32]) -> u32 {
-        ntok.iter().map(|n| n.div_ceil(self.cfg.geometry.block_tokens)).max().unwrap_or(1)
+        ntok.iter()
+            .map(|n| n.div_ceil(self.cfg.geometry.block_tokens))
+            .max()
+            .unwrap_or(1)
     }
 
     /// Uploads the batch description and zeroes the statistics.
@@ -571,7 +675,13 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn launch(&self, f: &CudaFunction, name: &'static str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+    fn launch(
+        &self,
+        f: &CudaFunction,
+        name: &'static str,
+        cfg: LaunchConfig,
+        args: &[Arg],
+    ) -> Result<()> {
         let mut lb = self.stream.launch_builder(f);
         for a in args {
             match a {
@@ -591,7 +701,9 @@ impl CudaBackend {
 
     fn record(&self, l: usize, i: usize) -> Result<()> {
         if let Some(t) = &self.timers {
-            t.marks[l][i].record(&self.stream).map_err(CudaError::driver("cuEventRecord"))?;
+            t.marks[l][i]
+                .record(&self.stream)
+                .map_err(CudaError::driver("cuEventRecord"))?;
         }
         Ok(())
     }
@@ -615,7 +727,11 @@ impl CudaBackend {
         let out = self.out.at(l * bmax * hqd);
         let sess = self.sess.ptr;
         let sb = self.derived.score_blocks;
-        let cfg = |grid: (u32, u32, u32), threads: u32| LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        let cfg = |grid: (u32, u32, u32), threads: u32| LaunchConfig {
+            grid_dim: grid,
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let k = &self.k;
 
         self.record(l, 0)?;
@@ -623,7 +739,15 @@ impl CudaBackend {
             &k.select_score,
             "select_score",
             cfg((max_nb.div_ceil(sb), hkv, bu), sb * g.group()),
-            &[P(q), P(self.sums.ptr), P(sess), P(ntok), U(layer), U(mb), P(self.scores.ptr)],
+            &[
+                P(q),
+                P(self.sums.ptr),
+                P(sess),
+                P(ntok),
+                U(layer),
+                U(mb),
+                P(self.scores.ptr),
+            ],
         )?;
         self.launch(
             &k.select_topk,
@@ -657,7 +781,14 @@ impl CudaBackend {
             &k.gather_copy,
             "gather_copy",
             cfg((chunks, ks, bu * hkv), 256),
-            &[P(sess), U(layer), P(counts), P(self.slot_of.ptr), P(self.miss_src.ptr), P(self.cache.ptr)],
+            &[
+                P(sess),
+                U(layer),
+                P(counts),
+                P(self.slot_of.ptr),
+                P(self.miss_src.ptr),
+                P(self.cache.ptr),
+            ],
         )?;
         self.record(l, 2)?;
         let scale = (1.0 / (g.head_dim as f64).sqrt()) as f32;
@@ -700,37 +831,59 @@ impl CudaBackend {
         for (li, &l) in layers.iter().enumerate() {
             self.dtoh(&mut rows, self.out.at(l * bmax * hqd))?;
             for i in 0..b {
-                out[(i * nl + li) * hqd..(i * nl + li + 1) * hqd].copy_from_slice(&rows[i * hqd..(i + 1) * hqd]);
+                out[(i * nl + li) * hqd..(i * nl + li + 1) * hqd]
+                    .copy_from_slice(&rows[i * hqd..(i + 1) * hqd]);
             }
         }
         let mut raw = vec![0u64; g.layers as usize * 4];
         self.dtoh(&mut raw, self.stats.ptr)?;
         let stats = layers
             .iter()
-            .map(|&l| LayerStats { hits: raw[l * 4], misses: raw[l * 4 + 1], bytes_moved: raw[l * 4 + 2], tiles: raw[l * 4 + 3] })
+            .map(|&l| LayerStats {
+                hits: raw[l * 4],
+                misses: raw[l * 4 + 1],
+                bytes_moved: raw[l * 4 + 2],
+                tiles: raw[l * 4 + 3],
+            })
             .collect();
         let (timing, step_ms) = match &self.timers {
             None => (None, None),
             Some(t) => {
-                let ms = |a: &CudaEvent, z: &CudaEvent| a.elapsed_ms(z).map_err(CudaError::driver("cuEventElapsedTime"));
+                let ms = |a: &CudaEvent, z: &CudaEvent| {
+                    a.elapsed_ms(z)
+                        .map_err(CudaError::driver("cuEventElapsedTime"))
+                };
                 let mut v = Vec::with_capacity(nl);
                 for &l in layers {
                     let m = &t.marks[l];
-                    v.push(LayerTiming { select_ms: ms(&m[0], &m[1])?, gather_ms: ms(&m[1], &m[2])?, attend_ms: ms(&m[2], &m[3])? });
+                    v.push(LayerTiming {
+                        select_ms: ms(&m[0], &m[1])?,
+                        gather_ms: ms(&m[1], &m[2])?,
+                        attend_ms: ms(&m[2], &m[3])?,
+                    });
                 }
                 let first = &t.marks[layers[0]][0];
                 let last = &t.marks[layers[nl - 1]][3];
                 (Some(v), Some(ms(first, last)?))
             }
         };
-        Ok(StepOutput { out, stats, timing, step_ms })
+        Ok(StepOutput {
+            out,
+            stats,
+            timing,
+            step_ms,
+        })
     }
 
     /// Keep-sets of the last call at `layer`: [batch][kv_head] -> ascending block ids.
     pub fn last_keep_sets(&self, layer: u32) -> Result<Vec<Vec<Vec<u32>>>> {
         let l = self.check_layer(layer)?;
         let g = self.cfg.geometry;
-        let (bmax, hkv, ks) = (self.cfg.max_batch as usize, g.kv_heads as usize, self.derived.keep_max as usize);
+        let (bmax, hkv, ks) = (
+            self.cfg.max_batch as usize,
+            g.kv_heads as usize,
+            self.derived.keep_max as usize,
+        );
         let b = self.last_batch;
         let mut counts = vec![0u32; b * hkv];
         let mut table = vec![0u32; b * hkv * ks];

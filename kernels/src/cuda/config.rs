@@ -88,7 +88,11 @@ impl SelectPolicy {
 
 impl Default for SelectPolicy {
     fn default() -> Self {
-        SelectPolicy { sink_blocks: 1, local_blocks: 4, top_k: 32 }
+        SelectPolicy {
+            sink_blocks: 1,
+            local_blocks: 4,
+            top_k: 32,
+        }
     }
 }
 
@@ -112,7 +116,9 @@ const SMEM_LIMIT: usize = 48 * 1024;
 const ATT_THREADS: usize = 128;
 
 fn invalid(reason: impl Into<String>) -> CudaError {
-    CudaError::InvalidConfig { reason: reason.into() }
+    CudaError::InvalidConfig {
+        reason: reason.into(),
+    }
 }
 
 impl CudaConfig {
@@ -121,9 +127,11 @@ impl CudaConfig {
         let g = &self.geometry;
         let p = &self.policy;
         if g.layers == 0 || g.q_heads == 0 || g.kv_heads == 0 || g.block_tokens == 0 {
-            return Err(invalid("layers, q_heads, kv_heads and block_tokens must be non-zero"));
+            return Err(invalid(
+                "layers, q_heads, kv_heads and block_tokens must be non-zero",
+            ));
         }
-        if g.q_heads % g.kv_heads != 0 {
+        if !g.q_heads.is_multiple_of(g.kv_heads) {
             return Err(invalid(format!(
                 "q_heads {} is not a multiple of kv_heads {}",
                 g.q_heads, g.kv_heads
@@ -141,13 +149,18 @@ impl CudaConfig {
             )));
         }
         if g.block_tokens > 1024 {
-            return Err(invalid(format!("block_tokens {} exceeds 1024", g.block_tokens)));
+            return Err(invalid(format!(
+                "block_tokens {} exceeds 1024",
+                g.block_tokens
+            )));
         }
         if p.top_k == 0 {
             return Err(invalid("top_k must be at least 1"));
         }
         if p.local_blocks == 0 {
-            return Err(invalid("local_blocks must be at least 1 (the tail block is always kept)"));
+            return Err(invalid(
+                "local_blocks must be at least 1 (the tail block is always kept)",
+            ));
         }
         let ksel = p.keep_max();
         if ksel > 65_535 {
@@ -160,7 +173,9 @@ impl CudaConfig {
             )));
         }
         if self.max_sessions == 0 || self.max_blocks == 0 || self.max_batch == 0 {
-            return Err(invalid("max_sessions, max_blocks and max_batch must be non-zero"));
+            return Err(invalid(
+                "max_sessions, max_blocks and max_batch must be non-zero",
+            ));
         }
         if self.max_batch > self.max_sessions {
             return Err(invalid("max_batch exceeds max_sessions"));
@@ -169,7 +184,9 @@ impl CudaConfig {
             return Err(invalid("max_batch * kv_heads exceeds 65535 (grid limit)"));
         }
         if (self.max_blocks as u64) * (g.block_tokens as u64) > u32::MAX as u64 {
-            return Err(invalid("max_blocks * block_tokens exceeds u32 token positions"));
+            return Err(invalid(
+                "max_blocks * block_tokens exceeds u32 token positions",
+            ));
         }
         let d = g.head_dim as usize;
         let gs = group as usize;
@@ -191,9 +208,14 @@ impl CudaConfig {
         let c = self.cache_slots as usize;
         let plan_smem = k * 12 + c * 13 + 4;
         if plan_smem > SMEM_LIMIT {
-            return Err(invalid(format!("gather plan needs {plan_smem} bytes of shared memory")));
+            return Err(invalid(format!(
+                "gather plan needs {plan_smem} bytes of shared memory"
+            )));
         }
-        Ok(Derived { score_blocks: sb as u32, keep_max: ksel })
+        Ok(Derived {
+            score_blocks: sb as u32,
+            keep_max: ksel,
+        })
     }
 
     /// The -D defines the kernels are compiled with.
@@ -207,7 +229,10 @@ impl CudaConfig {
             ("BLOCK_TOKENS", g.block_tokens),
             ("NUM_LAYERS", g.layers),
             ("ELEM_KIND", g.dtype.kind()),
-            ("SUM_BF16", u32::from(self.summary_dtype == SummaryDtype::Bf16Outward)),
+            (
+                "SUM_BF16",
+                u32::from(self.summary_dtype == SummaryDtype::Bf16Outward),
+            ),
             ("SINK", p.sink_blocks),
             ("LOCAL", p.local_blocks),
             ("TOPK", p.top_k),

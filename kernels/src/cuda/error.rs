@@ -9,7 +9,9 @@ pub enum CudaError {
     #[error("CUDA driver library (libcuda) not found")]
     NoDriver,
     /// libnvrtc could not be loaded.
-    #[error("NVRTC library (libnvrtc) not found; the CUDA backend compiles its kernels at run time")]
+    #[error(
+        "NVRTC library (libnvrtc) not found; the CUDA backend compiles its kernels at run time"
+    )]
     NoNvrtc,
     /// The requested device ordinal does not exist.
     #[error("no CUDA device with ordinal {ordinal} ({count} present)")]
@@ -53,10 +55,18 @@ pub enum CudaError {
     EmptyRegion,
     /// A host region base or chunk size is not page aligned.
     #[error("host region {what} {value:#x} is not a multiple of the page size {page}")]
-    Misaligned { what: &'static str, value: usize, page: usize },
+    Misaligned {
+        what: &'static str,
+        value: usize,
+        page: usize,
+    },
     /// A (offset, len) range is outside the pinned region or crosses a registration chunk.
     #[error("host range [{offset}, {offset}+{len}) is outside the pinned region of {region_len} bytes or crosses a registration chunk")]
-    HostRange { offset: u64, len: u64, region_len: usize },
+    HostRange {
+        offset: u64,
+        len: u64,
+        region_len: usize,
+    },
     /// No pinned host region is attached to the backend.
     #[error("no pinned host region is attached to the backend")]
     NoHostRegion,
@@ -68,7 +78,11 @@ pub enum CudaError {
     InvalidConfig { reason: String },
     /// A slice argument has the wrong length.
     #[error("{what} has length {got}, expected {expected}")]
-    BadLength { what: &'static str, got: usize, expected: usize },
+    BadLength {
+        what: &'static str,
+        got: usize,
+        expected: usize,
+    },
     /// A value that must be finite is NaN or infinite.
     #[error("{what} holds a non-finite value at index {index}")]
     NonFinite { what: &'static str, index: usize },
@@ -89,13 +103,27 @@ pub enum CudaError {
     BlockOutOfRange { first: u32, count: u32, max: u32 },
     /// Token counts may only grow (append-only positions) and must fit the capacity.
     #[error("session {slot} layer {layer}: token count {new} invalid (current {current}, capacity {capacity})")]
-    BadTokenCount { slot: u32, layer: u32, current: u32, new: u32, capacity: u64 },
+    BadTokenCount {
+        slot: u32,
+        layer: u32,
+        current: u32,
+        new: u32,
+        capacity: u64,
+    },
     /// A block to attend has no summary or no host frame yet: never attend over unknown bytes.
     #[error("session {slot} layer {layer}: {n_blocks} blocks needed but only {ready} have a summary and a host frame")]
-    NotReady { slot: u32, layer: u32, n_blocks: u32, ready: u32 },
+    NotReady {
+        slot: u32,
+        layer: u32,
+        n_blocks: u32,
+        ready: u32,
+    },
     /// The session layer has no tokens to attend over.
     #[error("session {slot} layer {layer} has no tokens")]
     EmptySession { slot: u32, layer: u32 },
+    /// The host region cannot be detached while sessions map into it.
+    #[error("{open} sessions are open and map into the host region")]
+    SessionsOpen { open: usize },
     /// Batch is empty.
     #[error("empty decode batch")]
     EmptyBatch,

@@ -29,7 +29,8 @@ mod module;
 pub mod pinned;
 
 pub use backend::{
-    device_available, CudaBackend, DecodeItem, LayerOutput, LayerStats, LayerTiming, StepItem, StepOutput,
+    device_available, CudaBackend, DecodeItem, LayerOutput, LayerStats, LayerTiming, StepItem,
+    StepOutput,
 };
 pub use config::{bf16_outward, CudaConfig, CudaGeometry, KvDtype, SelectPolicy, SummaryDtype};
 pub use error::CudaError;

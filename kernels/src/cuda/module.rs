@@ -70,11 +70,23 @@ pub fn compile_check(cfg: &CudaConfig) -> Result<String> {
 }
 
 /// Compiles the kernels for `cfg` and loads them into `ctx`.
-pub(crate) fn compile(ctx: &Arc<CudaContext>, cfg: &CudaConfig, derived: &Derived) -> Result<Kernels> {
-    let cc = ctx.compute_capability().map_err(CudaError::driver("cuDeviceGetAttribute"))?;
+pub(crate) fn compile(
+    ctx: &Arc<CudaContext>,
+    cfg: &CudaConfig,
+    derived: &Derived,
+) -> Result<Kernels> {
+    let cc = ctx
+        .compute_capability()
+        .map_err(CudaError::driver("cuDeviceGetAttribute"))?;
     let ptx = nvrtc(cfg, derived, arch_for(cc))?;
-    let module = ctx.load_module(ptx).map_err(CudaError::driver("cuModuleLoadData"))?;
-    let f = |name: &'static str| module.load_function(name).map_err(CudaError::driver("cuModuleGetFunction"));
+    let module = ctx
+        .load_module(ptx)
+        .map_err(CudaError::driver("cuModuleLoadData"))?;
+    let f = |name: &'static str| {
+        module
+            .load_function(name)
+            .map_err(CudaError::driver("cuModuleGetFunction"))
+    };
     Ok(Kernels {
         select_score: f("select_score")?,
         select_topk: f("select_topk")?,

@@ -43,7 +43,10 @@ impl AnonMapping {
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(CudaError::Mmap { len, source: std::io::Error::last_os_error() });
+            return Err(CudaError::Mmap {
+                len,
+                source: std::io::Error::last_os_error(),
+            });
         }
         // SAFETY: p is a live mapping of len bytes; the advice is only a hint, failure is fine.
         unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
@@ -79,7 +82,11 @@ impl Drop for AnonMapping {
         // SAFETY: ptr/len are exactly what mmap returned; nothing borrows the mapping any more.
         let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
         if rc != 0 {
-            eprintln!("kvtier cuda: munmap of {} bytes failed: {}", self.len, std::io::Error::last_os_error());
+            eprintln!(
+                "kvtier cuda: munmap of {} bytes failed: {}",
+                self.len,
+                std::io::Error::last_os_error()
+            );
         }
     }
 }
@@ -108,7 +115,10 @@ unsafe impl Send for PinnedRegion {}
 unsafe impl Sync for PinnedRegion {}
 
 fn memlock_limit() -> String {
-    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: getrlimit writes into the struct we own.
     if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0 {
         return "unknown".into();
@@ -149,15 +159,30 @@ impl PinnedRegion {
         if len == 0 {
             return Err(CudaError::EmptyRegion);
         }
-        if base.as_ptr() as usize % PAGE != 0 {
-            return Err(CudaError::Misaligned { what: "base", value: base.as_ptr() as usize, page: PAGE });
+        if !(base.as_ptr() as usize).is_multiple_of(PAGE) {
+            return Err(CudaError::Misaligned {
+                what: "base",
+                value: base.as_ptr() as usize,
+                page: PAGE,
+            });
         }
-        if chunk_len == 0 || chunk_len % PAGE != 0 {
-            return Err(CudaError::Misaligned { what: "chunk length", value: chunk_len, page: PAGE });
+        if chunk_len == 0 || !chunk_len.is_multiple_of(PAGE) {
+            return Err(CudaError::Misaligned {
+                what: "chunk length",
+                value: chunk_len,
+                page: PAGE,
+            });
         }
-        ctx.bind_to_thread().map_err(CudaError::driver("cuCtxSetCurrent"))?;
-        let mut region =
-            PinnedRegion { base, len, chunk_len, chunks: Vec::new(), ctx: ctx.clone(), owned: None };
+        ctx.bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        let mut region = PinnedRegion {
+            base,
+            len,
+            chunk_len,
+            chunks: Vec::new(),
+            ctx: ctx.clone(),
+            owned: None,
+        };
         let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
         let mut offset = 0;
         while offset < len {
@@ -165,7 +190,8 @@ impl PinnedRegion {
             // SAFETY: offset < len, so the pointer stays inside the caller's mapping.
             let host = unsafe { base.as_ptr().add(offset) };
             // SAFETY: the caller guarantees [host, host + clen) is a live mapping.
-            let reg = check(unsafe { sys::cuMemHostRegister_v2(host.cast::<c_void>(), clen, flags) });
+            let reg =
+                check(unsafe { sys::cuMemHostRegister_v2(host.cast::<c_void>(), clen, flags) });
             let pin_err = |source| CudaError::Pin {
                 base: base.as_ptr() as usize,
                 len,
@@ -182,9 +208,16 @@ impl PinnedRegion {
             if let Err(source) = got {
                 // SAFETY: this chunk was registered above and is not yet tracked by region.
                 let _ = unsafe { sys::cuMemHostUnregister(host.cast()) };
-                return Err(CudaError::Driver { call: "cuMemHostGetDevicePointer", source });
+                return Err(CudaError::Driver {
+                    call: "cuMemHostGetDevicePointer",
+                    source,
+                });
             }
-            region.chunks.push(Chunk { host, len: clen, dev });
+            region.chunks.push(Chunk {
+                host,
+                len: clen,
+                dev,
+            });
             offset += clen;
         }
         Ok(region)
@@ -222,7 +255,11 @@ impl PinnedRegion {
 
     /// Device address of `[offset, offset + len)`, which must lie inside one chunk.
     pub fn device_addr(&self, offset: u64, len: u64) -> Result<u64> {
-        let err = || CudaError::HostRange { offset, len, region_len: self.len };
+        let err = || CudaError::HostRange {
+            offset,
+            len,
+            region_len: self.len,
+        };
         let end = offset.checked_add(len).ok_or_else(err)?;
         if len == 0 || end > self.len as u64 {
             return Err(err());
@@ -272,7 +309,10 @@ impl Drop for PinnedRegion {
         for c in self.chunks.drain(..) {
             // SAFETY: c.host was registered by this region and is unregistered exactly once.
             if let Err(e) = check(unsafe { sys::cuMemHostUnregister(c.host.cast()) }) {
-                eprintln!("kvtier cuda: cuMemHostUnregister({:p}, {} bytes) failed: {e}", c.host, c.len);
+                eprintln!(
+                    "kvtier cuda: cuMemHostUnregister({:p}, {} bytes) failed: {e}",
+                    c.host, c.len
+                );
             }
         }
     }
