@@ -1,7 +1,7 @@
 // Split-k gather-decode attention over the staged keep-set, then a log-sum-exp merge.
 //
-// attend_partial: one thread block per (session, kv head, selected tile). The tile's K and V
-// are read once (16-byte loads) and serve all GROUP query heads of the kv head. Writes the
+// attend_tile: one thread block per (session, kv head, selected tile). The tile's K and V
+// are fetched once into shared memory and serve all GROUP query heads of the kv head. Writes the
 // partial (m, l, acc) with acc unnormalised: acc = sum_t exp(s_t - m) v_t, l = sum_t exp(s_t - m).
 // attend_merge: one thread block per (session, query head) combines the partials.
 
@@ -16,13 +16,55 @@
 #error "HEAD_DIM * ELEM_BYTES / 16 must be a power of two <= 128"
 #endif
 
-// grid (KSEL, KV_HEADS, batch), block ATT_THREADS.
+#if __CUDA_ARCH__ >= 800
+#define USE_CP_ASYNC 1
+#else
+#define USE_CP_ASYNC 0
+#endif
+
+// Copies rows [0, rows) of a [BLOCK_TOKENS][CPR] uint4 matrix into shared memory. With
+// cp.async every 16-byte load of the tile is in flight at once (one PCIe round trip for a
+// miss read from mapped host memory); otherwise 8 loads per thread per round.
+__device__ __forceinline__ void stage_rows(uint4* dst, const uint4* src, u32 rows) {
+    const u32 n = rows * CPR;
+#if USE_CP_ASYNC
+    for (u32 v = threadIdx.x; v < n; v += ATT_THREADS) {
+        u32 saddr;
+        asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(saddr) : "l"(dst + v));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(src + v) : "memory");
+    }
+#else
+    for (u32 v0 = threadIdx.x; v0 < n; v0 += 8 * ATT_THREADS) {
+        uint4 r[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+            if (v0 + u * ATT_THREADS < n) r[u] = src[v0 + u * ATT_THREADS];
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+            if (v0 + u * ATT_THREADS < n) dst[v0 + u * ATT_THREADS] = r[u];
+    }
+#endif
+}
+
+__device__ __forceinline__ void stage_wait() {
+#if USE_CP_ASYNC
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+    __syncthreads();
+}
+
+// grid (KSEL, KV_HEADS, batch), block ATT_THREADS, dynamic shared memory ATT_DYN_SMEM bytes.
+// Fetch and attend in one kernel: the tile comes from its cache slot (hit) or straight from
+// mapped pinned host memory (miss, miss_src != 0), is staged in shared memory, written back
+// to its cache slot if it is a miss of a full block, and attended from shared memory. Misses
+// of different tiles and the attention of hits overlap across thread blocks.
 // q: [batch][HQ][HEAD_DIM] f32. part_acc: [batch][KV_HEADS][KSEL][GROUP][HEAD_DIM].
 // part_ml: [batch][KV_HEADS][KSEL][GROUP][2].
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_partial(
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
     const float* __restrict__ q, const u32* __restrict__ sess, const u32* __restrict__ ntok, u32 layer,
     const u32* __restrict__ table, const u32* __restrict__ counts, const u32* __restrict__ slot_of,
-    const uint4* __restrict__ cache, float scale, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    const u64* __restrict__ miss_src, uint4* __restrict__ cache, float scale, float* __restrict__ part_acc,
+    float* __restrict__ part_ml) {
     const u32 j = blockIdx.x;
     const u32 kvh = blockIdx.y;
     const u32 i = blockIdx.z;
@@ -32,22 +74,39 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_partial(
     const u32 lane = tid & 31u;
     const u32 warp = tid >> 5;
 
+    extern __shared__ uint4 s_tile[];  // K rows, V rows, then (unless aliased) s_red
     __shared__ float s_q[GROUP][HEAD_DIM];
     __shared__ float s_p[GROUP][BLOCK_TOKENS];
-    __shared__ float s_red[SLICES][GROUP * HEAD_DIM];
     __shared__ float s_m[GROUP];
     __shared__ float s_l[GROUP];
+#if RED_IN_TILE
+    // The K half of the tile is dead once scores are computed; the value phase reduces there.
+    float* s_red = (float*)s_tile;
+#else
+    float* s_red = (float*)(s_tile + 2 * BLOCK_TOKENS * CPR);
+#endif
 
     const u32 b = table[(u64)ih * KSEL + j];
     const u32 nt = ntok[i];
     const u32 nvalid = min((u32)BLOCK_TOKENS, nt - b * BLOCK_TOKENS);
     const u64 slot = (((u64)sess[i] * NUM_LAYERS + layer) * KV_HEADS + kvh) * CACHE_SLOTS + slot_of[(u64)ih * KSEL + j];
-    const uint4* kt = cache + slot * (TILE_BYTES / 16);
-    const uint4* vt = kt + (u64)BLOCK_TOKENS * CPR;
+    uint4* cslot = cache + slot * (TILE_BYTES / 16);
+    const u64 src = miss_src[(u64)ih * KSEL + j];
+    const uint4* from = src ? (const uint4*)src : cslot;
+    stage_rows(s_tile, from, nvalid);
+    stage_rows(s_tile + BLOCK_TOKENS * CPR, from + BLOCK_TOKENS * CPR, nvalid);
+#if USE_CP_ASYNC
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
 
     const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
     for (u32 x = tid; x < GROUP * HEAD_DIM; x += ATT_THREADS) s_q[x / HEAD_DIM][x % HEAD_DIM] = qh[x];
-    __syncthreads();
+    stage_wait();
+    // Only full blocks are cached (gather_plan tags them); partial tails are refetched.
+    if (src && nvalid == BLOCK_TOKENS)
+        for (u32 v = tid; v < 2 * BLOCK_TOKENS * CPR; v += ATT_THREADS) cslot[v] = s_tile[v];
+    const uint4* kt = s_tile;
+    const uint4* vt = s_tile + BLOCK_TOKENS * CPR;
 
     // Scores: RG lanes per K row; loop bounds are warp-uniform so the shuffles stay converged.
     const u32 sub = lane / RG;
@@ -124,14 +183,14 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_partial(
 #pragma unroll
         for (int g = 0; g < GROUP; ++g)
 #pragma unroll
-            for (int v = 0; v < VEC; ++v) s_red[slice][g * HEAD_DIM + c * VEC + v] = acc[g][v];
+            for (int v = 0; v < VEC; ++v) s_red[slice * GROUP * HEAD_DIM + g * HEAD_DIM + c * VEC + v] = acc[g][v];
     }
     __syncthreads();
     const u64 pbase = ((u64)ih * KSEL + j) * GROUP;
     for (u32 x = tid; x < GROUP * HEAD_DIM; x += ATT_THREADS) {
         float s = 0.0f;
 #pragma unroll
-        for (int sl = 0; sl < SLICES; ++sl) s += s_red[sl][x];
+        for (int sl = 0; sl < SLICES; ++sl) s += s_red[sl * GROUP * HEAD_DIM + x];
         part_acc[pbase * HEAD_DIM + x] = s;
     }
     for (u32 g = tid; g < GROUP; g += ATT_THREADS) {

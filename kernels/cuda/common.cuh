@@ -61,31 +61,3 @@ __device__ __forceinline__ void unpack16(const uint4 v, float* out) {
 __device__ __forceinline__ u32 n_blocks_of(u32 n_tokens) {
     return (n_tokens + BLOCK_TOKENS - 1) / BLOCK_TOKENS;
 }
-
-// Exclusive prefix count of a per-thread flag across the whole (1-D) thread block. blockDim.x
-// must be a multiple of 32. `scratch` holds 33 words. Returns the block total in *total.
-__device__ __forceinline__ u32 block_excl_count(bool v, u32* scratch, u32* total) {
-    const u32 lane = threadIdx.x & 31u;
-    const u32 warp = threadIdx.x >> 5;
-    const u32 nwarps = blockDim.x >> 5;
-    const u32 m = __ballot_sync(FULL_MASK, v);
-    const u32 pre = __popc(m & ((1u << lane) - 1u));
-    if (lane == 0) scratch[warp] = __popc(m);
-    __syncthreads();
-    if (warp == 0) {
-        const u32 x = lane < nwarps ? scratch[lane] : 0u;
-        u32 incl = x;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
-            if (lane >= (u32)o) incl += y;
-        }
-        scratch[lane] = incl - x;
-        if (lane == 31) scratch[32] = incl;
-    }
-    __syncthreads();
-    const u32 r = scratch[warp] + pre;
-    *total = scratch[32];
-    __syncthreads();
-    return r;
-}

@@ -1,4 +1,5 @@
-// Zero-copy gather with a per-(session, layer, kv-head) GPU tile cache.
+// Zero-copy gather planning with a per-(session, layer, kv-head) GPU tile cache. The fetch
+// itself happens in attend_tile (attend.cu), which reads misses straight from mapped host memory.
 //
 // Cache: CACHE_SLOTS tile slots per (session, layer, kv head), LRU by the step stamp of the
 // last use. tags[] holds block+1 (0 = empty, so a zeroed buffer is an empty cache). Only tiles
@@ -94,39 +95,5 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS) gather_plan(
         atomicAdd(s + 1, (unsigned long long)s_nmiss);
         atomicAdd(s + 2, (unsigned long long)s_nmiss * TILE_BYTES);
         atomicAdd(s + 3, (unsigned long long)n);
-    }
-}
-
-#define COPY_THREADS 256
-#define COPY_UNROLL 4
-#define COPY_CHUNK (COPY_THREADS * 16 * COPY_UNROLL)
-
-// grid (ceil(TILE_BYTES / COPY_CHUNK), KSEL, batch * KV_HEADS), block COPY_THREADS.
-// Each thread keeps COPY_UNROLL independent 16-byte loads from mapped host memory in flight
-// before the first store: PCIe latency is long, so loads in flight set the bandwidth.
-extern "C" __global__ void __launch_bounds__(COPY_THREADS) gather_copy(
-    const u32* __restrict__ sess, u32 layer, const u32* __restrict__ counts,
-    const u32* __restrict__ slot_of, const u64* __restrict__ miss_src, uint4* __restrict__ cache) {
-    const u32 ih = blockIdx.z;
-    const u32 j = blockIdx.y;
-    if (j >= counts[ih]) return;
-    const u64 src = miss_src[(u64)ih * KSEL + j];
-    if (src == 0) return;
-    const u32 i = ih / KV_HEADS;
-    const u32 kvh = ih % KV_HEADS;
-    const u64 slot = (((u64)sess[i] * NUM_LAYERS + layer) * KV_HEADS + kvh) * CACHE_SLOTS + slot_of[(u64)ih * KSEL + j];
-    const uint4* s = (const uint4*)src;
-    uint4* d = cache + slot * (TILE_BYTES / 16);
-    const u64 v0 = (u64)blockIdx.x * (COPY_CHUNK / 16);
-    uint4 r[COPY_UNROLL];
-#pragma unroll
-    for (int u = 0; u < COPY_UNROLL; ++u) {
-        const u64 v = v0 + (u64)u * COPY_THREADS + threadIdx.x;
-        if (v < TILE_BYTES / 16) r[u] = s[v];
-    }
-#pragma unroll
-    for (int u = 0; u < COPY_UNROLL; ++u) {
-        const u64 v = v0 + (u64)u * COPY_THREADS + threadIdx.x;
-        if (v < TILE_BYTES / 16) d[v] = r[u];
     }
 }

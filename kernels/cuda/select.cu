@@ -7,7 +7,6 @@
 // heads is order-independent. So scores are bit-identical, and ties are broken by block index in
 // both implementations.
 
-// SB (blocks scored per thread block) arrives as a define sized to the shared-memory limit.
 
 #if SUM_BF16
 typedef unsigned short sum_t;
@@ -17,55 +16,67 @@ typedef float sum_t;
 __device__ __forceinline__ float sum_to_f32(sum_t v) { return v; }
 #endif
 
-// grid (ceil(max_blocks / SB), KV_HEADS, batch), block SB * GROUP threads.
+#define SCORE_THREADS 128
+
+// Loads 4 consecutive summary values as floats (16 bytes of f32 or 8 bytes of bf16).
+__device__ __forceinline__ void load4(const sum_t* p, float* out) {
+#if SUM_BF16
+    const uint2 v = __ldg((const uint2*)p);
+    out[0] = bf16_bits_to_f32(v.x & 0xffffu);
+    out[1] = bf16_bits_to_f32(v.x >> 16);
+    out[2] = bf16_bits_to_f32(v.y & 0xffffu);
+    out[3] = bf16_bits_to_f32(v.y >> 16);
+#else
+    const float4 v = __ldg((const float4*)p);
+    out[0] = v.x;
+    out[1] = v.y;
+    out[2] = v.z;
+    out[3] = v.w;
+#endif
+}
+
+// grid (ceil(max_blocks / SCORE_THREADS), KV_HEADS, batch), block SCORE_THREADS.
+// One thread per block: it reads the block's k_max/k_min row once (16-byte loads; the other
+// half of each sector is hit in L1 on the next step) and keeps GROUP running sums in registers.
 // q: [batch][HQ][HEAD_DIM] f32. sums: [slot][layer][max_blocks][KV_HEADS][2][HEAD_DIM].
 // scores: [batch][KV_HEADS][max_blocks].
-extern "C" __global__ void __launch_bounds__(SB * GROUP) select_score(
+extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
     const float* __restrict__ q, const sum_t* __restrict__ sums, const u32* __restrict__ sess,
     const u32* __restrict__ ntok, u32 layer, u32 max_blocks, float* __restrict__ scores) {
     const u32 i = blockIdx.z;
     const u32 kvh = blockIdx.y;
-    const u32 b0 = blockIdx.x * SB;
     const u32 nb = n_blocks_of(ntok[i]);
-    if (b0 >= nb) return;
-
-    // +1 pad: thread t reads row t, so rows must not share a bank.
-    __shared__ float s_sum[SB][2 * HEAD_DIM + 1];
-    __shared__ float s_q[GROUP][HEAD_DIM];
-    __shared__ float s_part[GROUP][SB];
-
+    if (blockIdx.x * SCORE_THREADS >= nb) return;
+    __shared__ float4 s_q[GROUP][HEAD_DIM / 4];
     const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
-    for (u32 x = threadIdx.x; x < GROUP * HEAD_DIM; x += blockDim.x) s_q[x / HEAD_DIM][x % HEAD_DIM] = qh[x];
-
-    const sum_t* base = sums + ((u64)sess[i] * NUM_LAYERS + layer) * (u64)max_blocks * KV_HEADS * 2 * HEAD_DIM;
-    for (u32 x = threadIdx.x; x < SB * 2 * HEAD_DIM; x += blockDim.x) {
-        const u32 bl = x / (2 * HEAD_DIM);
-        const u32 e = x % (2 * HEAD_DIM);
-        const u32 b = b0 + bl;
-        if (b < nb) s_sum[bl][e] = sum_to_f32(base[((u64)b * KV_HEADS + kvh) * 2 * HEAD_DIM + e]);
-    }
+    for (u32 x = threadIdx.x; x < GROUP * HEAD_DIM / 4; x += SCORE_THREADS)
+        s_q[x / (HEAD_DIM / 4)][x % (HEAD_DIM / 4)] = ((const float4*)qh)[x];
     __syncthreads();
-
-    const u32 bl = threadIdx.x % SB;
-    const u32 g = threadIdx.x / SB;
-    float s = 0.0f;
-    if (b0 + bl < nb) {
-#pragma unroll 8
-        for (u32 d = 0; d < HEAD_DIM; ++d) {
-            const float qd = s_q[g][d];
-            const float a = __fmul_rn(qd, s_sum[bl][d]);
-            const float c = __fmul_rn(qd, s_sum[bl][HEAD_DIM + d]);
-            s = __fadd_rn(s, fmaxf(a, c));
+    const u32 b = blockIdx.x * SCORE_THREADS + threadIdx.x;
+    if (b >= nb) return;
+    const sum_t* row = sums + (((u64)sess[i] * NUM_LAYERS + layer) * (u64)max_blocks + b) * KV_HEADS * 2 * HEAD_DIM
+                       + (u64)kvh * 2 * HEAD_DIM;
+    float acc[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) acc[g] = 0.0f;
+#pragma unroll 2
+    for (u32 d4 = 0; d4 < HEAD_DIM / 4; ++d4) {
+        float mx[4], mn[4];
+        load4(row + d4 * 4, mx);
+        load4(row + HEAD_DIM + d4 * 4, mn);
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            const float4 qq = s_q[g][d4];
+            const float qv[4] = {qq.x, qq.y, qq.z, qq.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                acc[g] = __fadd_rn(acc[g], fmaxf(__fmul_rn(qv[e], mx[e]), __fmul_rn(qv[e], mn[e])));
         }
     }
-    s_part[g][bl] = s;
-    __syncthreads();
-    if (threadIdx.x < SB && b0 + threadIdx.x < nb) {
-        float m = s_part[0][threadIdx.x];
+    float m = acc[0];
 #pragma unroll
-        for (u32 gg = 1; gg < GROUP; ++gg) m = fmaxf(m, s_part[gg][threadIdx.x]);
-        scores[((u64)i * KV_HEADS + kvh) * max_blocks + b0 + threadIdx.x] = m;
-    }
+    for (int g = 1; g < GROUP; ++g) m = fmaxf(m, acc[g]);
+    scores[((u64)i * KV_HEADS + kvh) * max_blocks + b] = m;
 }
 
 // Maps a float to a u32 whose unsigned order is the float order (-0 folded into +0 so that
@@ -78,11 +89,44 @@ __device__ __forceinline__ u32 orderable(float f) {
 
 #define TOPK_THREADS 1024
 
+// Exclusive prefix sum of a per-thread count across the (1-D) thread block; total in *total.
+__device__ __forceinline__ u32 block_excl_sum(u32 v, u32* scratch, u32* total) {
+    const u32 lane = threadIdx.x & 31u;
+    const u32 warp = threadIdx.x >> 5;
+    const u32 nwarps = blockDim.x >> 5;
+    u32 incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
+        if (lane >= (u32)o) incl += y;
+    }
+    if (lane == 31) scratch[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        const u32 x = lane < nwarps ? scratch[lane] : 0u;
+        u32 w = x;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const u32 y = __shfl_up_sync(FULL_MASK, w, o);
+            if (lane >= (u32)o) w += y;
+        }
+        scratch[lane] = w - x;
+        if (lane == 31) scratch[32] = w;
+    }
+    __syncthreads();
+    const u32 r = scratch[warp] + incl - v;
+    *total = scratch[32];
+    __syncthreads();
+    return r;
+}
+
 // grid (KV_HEADS, batch), block TOPK_THREADS. Writes the keep-set ascending into
 // table[batch][KV_HEADS][KSEL] and its size into counts[batch][KV_HEADS].
-// Radix select (4 passes of 8 bits, MSB first) finds T = the TOPK-th largest key among the
-// distant blocks and how many blocks equal to T are taken; one ordered scan then emits
-// key > T, plus the lowest-indexed blocks with key == T (the tie rule), in ascending order.
+// Thread t owns the TOPK_KPT consecutive distant candidates starting at t * TOPK_KPT, kept in
+// registers as order-preserving u32 keys. Radix select (4 passes of 8 bits, MSB first) finds
+// T = the TOPK-th largest key and how many blocks equal to T are taken; two block-wide
+// prefix sums then emit key > T, plus the lowest-indexed blocks with key == T (the tie
+// rule), in ascending order.
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(
     const float* __restrict__ scores, const u32* __restrict__ ntok, u32 max_blocks,
     u32* __restrict__ table, u32* __restrict__ counts) {
@@ -101,23 +145,25 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(
     }
     const u32 lo = SINK;
     const u32 hi = nb - LOCAL;
+    const u32 c0 = tid * TOPK_KPT;
 
     __shared__ u32 hist[256];
     __shared__ u32 s_digit;
     __shared__ u32 s_krem;
     __shared__ u32 scratch[33];
 
+    u32 key[TOPK_KPT];
+#pragma unroll
+    for (int u = 0; u < TOPK_KPT; ++u) key[u] = (lo + c0 + u < hi) ? orderable(sc[lo + c0 + u]) : 0u;
+
     u32 prefix = 0, pmask = 0, krem = TOPK;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (u32 x = tid; x < 256; x += blockDim.x) hist[x] = 0;
         __syncthreads();
-        for (u32 base = lo; base < hi; base += blockDim.x) {
-            const u32 b = base + tid;
+#pragma unroll
+        for (int u = 0; u < TOPK_KPT; ++u) {
             u32 digit = 256u;  // sentinel: not a candidate in this pass
-            if (b < hi) {
-                const u32 key = orderable(sc[b]);
-                if ((key & pmask) == prefix) digit = (key >> shift) & 0xffu;
-            }
+            if (lo + c0 + u < hi && (key[u] & pmask) == prefix) digit = (key[u] >> shift) & 0xffu;
             // Warp-aggregated increments: scores cluster in few top digits.
             const u32 grp = __match_any_sync(FULL_MASK, digit);
             if (digit < 256u && lane == (u32)(__ffs(grp) - 1)) atomicAdd(&hist[digit], __popc(grp));
@@ -164,21 +210,29 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(
     for (u32 x = tid; x < SINK; x += blockDim.x) out[x] = x;
     for (u32 x = tid; x < LOCAL; x += blockDim.x) out[SINK + TOPK + x] = hi + x;
 
-    u32 run_eq = 0, run_sel = 0;
-    for (u32 base = lo; base < hi; base += blockDim.x) {
-        const u32 b = base + tid;
-        u32 key = 0;
-        const bool valid = b < hi;
-        if (valid) key = orderable(sc[b]);
-        const bool eq = valid && key == T;
-        const bool gt = valid && key > T;
-        u32 tot_eq, tot_sel;
-        const u32 eq_rank = run_eq + block_excl_count(eq, scratch, &tot_eq);
-        const bool sel = gt || (eq && eq_rank < need_eq);
-        const u32 pos = run_sel + block_excl_count(sel, scratch, &tot_sel);
-        if (sel) out[SINK + pos] = b;
-        run_eq += tot_eq;
-        run_sel += tot_sel;
+    u32 n_eq = 0;
+#pragma unroll
+    for (int u = 0; u < TOPK_KPT; ++u) n_eq += (lo + c0 + u < hi && key[u] == T);
+    u32 tot;
+    u32 eq_rank = block_excl_sum(n_eq, scratch, &tot);
+    u32 n_sel = 0;
+    u32 selmask = 0;  // TOPK_KPT <= 32 (checked in Rust)
+#pragma unroll
+    for (int u = 0; u < TOPK_KPT; ++u) {
+        const bool valid = lo + c0 + u < hi;
+        bool sel = valid && key[u] > T;
+        if (valid && key[u] == T) {
+            sel = eq_rank < need_eq;
+            ++eq_rank;
+        }
+        if (sel) {
+            selmask |= 1u << u;
+            ++n_sel;
+        }
     }
+    u32 pos = block_excl_sum(n_sel, scratch, &tot);
+#pragma unroll
+    for (int u = 0; u < TOPK_KPT; ++u)
+        if (selmask & (1u << u)) out[SINK + pos++] = lo + c0 + u;
     if (tid == 0) counts[i * KV_HEADS + kvh] = SINK + TOPK + LOCAL;
 }

@@ -51,8 +51,7 @@ fn kernels_compile_for_supported_geometries() {
                     "select_score",
                     "select_topk",
                     "gather_plan",
-                    "gather_copy",
-                    "attend_partial",
+                    "attend_tile",
                     "attend_merge",
                 ] {
                     assert!(ptx.contains(&format!(".entry {k}")), "{k} missing from PTX");

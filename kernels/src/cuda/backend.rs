@@ -79,9 +79,12 @@ pub struct LayerStats {
 /// Per-layer device time (CUDA events), when timing is enabled.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LayerTiming {
+    /// Scoring and top-k.
     pub select_ms: f32,
-    pub gather_ms: f32,
-    pub attend_ms: f32,
+    /// Cache lookup and miss planning (gather_plan).
+    pub plan_ms: f32,
+    /// Fetching misses from host memory fused with attention, plus the merge.
+    pub fetch_attend_ms: f32,
 }
 
 /// Result of [`CudaBackend::decode_layer`].
@@ -726,7 +729,6 @@ impl CudaBackend {
         let counts = self.counts.at(l * bmax * hkv as usize);
         let out = self.out.at(l * bmax * hqd);
         let sess = self.sess.ptr;
-        let sb = self.derived.score_blocks;
         let cfg = |grid: (u32, u32, u32), threads: u32| LaunchConfig {
             grid_dim: grid,
             block_dim: (threads, 1, 1),
@@ -738,7 +740,7 @@ impl CudaBackend {
         self.launch(
             &k.select_score,
             "select_score",
-            cfg((max_nb.div_ceil(sb), hkv, bu), sb * g.group()),
+            cfg((max_nb.div_ceil(SCORE_THREADS), hkv, bu), SCORE_THREADS),
             &[
                 P(q),
                 P(self.sums.ptr),
@@ -776,26 +778,16 @@ impl CudaBackend {
                 U(self.stamp),
             ],
         )?;
-        let chunks = (g.tile_bytes() as u32).div_ceil(COPY_CHUNK);
-        self.launch(
-            &k.gather_copy,
-            "gather_copy",
-            cfg((chunks, ks, bu * hkv), 256),
-            &[
-                P(sess),
-                U(layer),
-                P(counts),
-                P(self.slot_of.ptr),
-                P(self.miss_src.ptr),
-                P(self.cache.ptr),
-            ],
-        )?;
         self.record(l, 2)?;
         let scale = (1.0 / (g.head_dim as f64).sqrt()) as f32;
         self.launch(
-            &k.attend_partial,
-            "attend_partial",
-            cfg((ks, hkv, bu), 128),
+            &k.attend_tile,
+            "attend_tile",
+            LaunchConfig {
+                grid_dim: (ks, hkv, bu),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: self.derived.att_dyn_smem,
+            },
             &[
                 P(q),
                 P(sess),
@@ -804,6 +796,7 @@ impl CudaBackend {
                 P(table),
                 P(counts),
                 P(self.slot_of.ptr),
+                P(self.miss_src.ptr),
                 P(self.cache.ptr),
                 F(scale),
                 P(self.part_acc.ptr),
@@ -858,8 +851,8 @@ impl CudaBackend {
                     let m = &t.marks[l];
                     v.push(LayerTiming {
                         select_ms: ms(&m[0], &m[1])?,
-                        gather_ms: ms(&m[1], &m[2])?,
-                        attend_ms: ms(&m[2], &m[3])?,
+                        plan_ms: ms(&m[1], &m[2])?,
+                        fetch_attend_ms: ms(&m[2], &m[3])?,
                     });
                 }
                 let first = &t.marks[layers[0]][0];
@@ -912,5 +905,5 @@ enum Arg {
     F(f32),
 }
 
-/// Bytes one gather_copy thread block moves (kernels/cuda/gather.cu COPY_CHUNK).
-const COPY_CHUNK: u32 = 256 * 16 * 4;
+/// Threads (= blocks scored) per select_score thread block (kernels/cuda/select.cu).
+const SCORE_THREADS: u32 = 128;

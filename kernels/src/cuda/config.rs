@@ -113,6 +113,9 @@ pub struct CudaConfig {
 }
 
 const SMEM_LIMIT: usize = 48 * 1024;
+/// Largest opt-in shared memory per block on compute capability 8.0 / 9.0 (checked against
+/// the device at backend creation too).
+const SMEM_OPTIN_LIMIT: usize = 227 * 1024;
 const ATT_THREADS: usize = 128;
 
 fn invalid(reason: impl Into<String>) -> CudaError {
@@ -191,17 +194,25 @@ impl CudaConfig {
         let d = g.head_dim as usize;
         let gs = group as usize;
         let b = g.block_tokens as usize;
-        // select_score: s_sum[SB][2D+1] + s_q[G][D] + s_part[G][SB], SB in {32, 16, 8}.
-        let sb = [32usize, 16, 8]
-            .into_iter()
-            .find(|sb| (sb * (2 * d + 1) + gs * d + gs * sb) * 4 <= SMEM_LIMIT)
-            .ok_or_else(|| invalid("selector shared memory exceeds 48 KiB"))?;
-        // attend_partial: s_q[G][D] + s_p[G][B] + s_red[SLICES][G*D] + s_m/s_l.
-        let slices = ATT_THREADS / cpr;
-        let att_smem = (gs * d + gs * b + slices * gs * d + 2 * gs) * 4;
-        if att_smem > SMEM_LIMIT {
+        // select_topk keeps ceil(max_blocks / 1024) keys per thread in registers.
+        let kpt = (self.max_blocks as usize).div_ceil(1024);
+        if kpt > 32 {
             return Err(invalid(format!(
-                "attention needs {att_smem} bytes of shared memory (> 48 KiB) for G={gs}, D={d}, B={b}"
+                "max_blocks {} exceeds 32768",
+                self.max_blocks
+            )));
+        }
+        // attend_tile: dynamic = tile (+ reduction buffer unless it fits in the dead K half).
+        let slices = ATT_THREADS / cpr;
+        let red = slices * gs * d * 4;
+        let k_half = b * d * g.dtype.size();
+        let red_in_tile = red <= k_half;
+        let dyn_smem = g.tile_bytes() + if red_in_tile { 0 } else { red };
+        let static_smem = (gs * d + gs * b + 2 * gs) * 4;
+        if static_smem > SMEM_LIMIT || dyn_smem + static_smem > SMEM_OPTIN_LIMIT {
+            return Err(invalid(format!(
+                "attention needs {} bytes of shared memory (> {SMEM_OPTIN_LIMIT}) for G={gs}, D={d}, B={b}",
+                dyn_smem + static_smem
             )));
         }
         let k = ksel as usize;
@@ -213,8 +224,11 @@ impl CudaConfig {
             )));
         }
         Ok(Derived {
-            score_blocks: sb as u32,
             keep_max: ksel,
+            topk_per_thread: kpt.max(1) as u32,
+            att_dyn_smem: dyn_smem as u32,
+            att_total_smem: (dyn_smem + static_smem) as u32,
+            red_in_tile,
         })
     }
 
@@ -238,7 +252,8 @@ impl CudaConfig {
             ("TOPK", p.top_k),
             ("KSEL", derived.keep_max),
             ("CACHE_SLOTS", self.cache_slots),
-            ("SB", derived.score_blocks),
+            ("TOPK_KPT", derived.topk_per_thread),
+            ("RED_IN_TILE", u32::from(derived.red_in_tile)),
         ]
         .iter()
         .map(|(k, v)| format!("-D{k}={v}"))
@@ -249,10 +264,16 @@ impl CudaConfig {
 /// Kernel constants derived from a validated config.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Derived {
-    /// Blocks scored per selector thread block.
-    pub score_blocks: u32,
     /// Keep-set size bound per kv head (sink + local + top_k).
     pub keep_max: u32,
+    /// Distant candidates per select_topk thread (registers).
+    pub topk_per_thread: u32,
+    /// Dynamic shared memory of attend_tile in bytes.
+    pub att_dyn_smem: u32,
+    /// Static + dynamic shared memory of attend_tile in bytes.
+    pub att_total_smem: u32,
+    /// Whether the value-phase reduction reuses the tile's K half.
+    pub red_in_tile: bool,
 }
 
 /// Rounds an fp32 bound to bf16 bits away from the interior: `up` rounds toward +inf (for
@@ -300,7 +321,9 @@ mod tests {
     fn qwen_geometry_is_valid() {
         let d = qwen().validate().unwrap();
         assert_eq!(d.keep_max, 37);
-        assert_eq!(d.score_blocks, 32);
+        assert_eq!(d.topk_per_thread, 8);
+        assert!(d.red_in_tile);
+        assert_eq!(d.att_dyn_smem, 64 * 1024);
         assert_eq!(qwen().geometry.block_run_bytes(), 256 * 1024);
     }
 
@@ -326,6 +349,13 @@ mod tests {
         assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
         let mut c = qwen();
         c.geometry.q_heads = 4 * 33;
+        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
+        let mut c = qwen();
+        c.max_blocks = 40_000;
+        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
+        let mut c = qwen();
+        c.geometry.block_tokens = 1024;
+        c.geometry.dtype = KvDtype::F32;
         assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
         let mut c = qwen();
         c.geometry.kv_heads = 0;

@@ -9,18 +9,20 @@
 //! - [`config`]: geometry, policy and capacity, validated before any device work.
 //! - [`pinned`]: [`PinnedRegion`], the host arena registered with CUDA (mapped, pinned).
 //! - [`backend`]: [`CudaBackend`], device-side layer state (summaries, page table, tile cache)
-//!   and the per-layer pipeline: `select_score` + `select_topk` -> `gather_plan` +
-//!   `gather_copy` -> `attend_partial` + `attend_merge`.
+//!   and the per-layer pipeline: `select_score` + `select_topk` -> `gather_plan` ->
+//!   `attend_tile` (fetch fused with attention) + `attend_merge`.
 //! - `module`: NVRTC compilation; [`error`]: [`CudaError`].
 //!
 //! # Per layer, per decode call
 //! 1. Selector: one thread per (block, query head) computes the bound score in fp32 in the CPU's
 //!    summation order (bit-identical), max over the group; a radix select per (session, kv head)
 //!    picks the top-k distant blocks, ties to the lower index, written ascending.
-//! 2. Gather: a per-(session, layer, kv head) LRU tile cache on the GPU; only misses are read
-//!    from mapped pinned host memory, 16 bytes per thread, several loads in flight.
-//! 3. Attention: one thread block per (session, kv head, tile) reads the tile once for its G
-//!    query heads (fp32 online softmax), writes (m, l, acc); a merge kernel combines them.
+//! 2. Gather plan: a per-(session, layer, kv head) LRU tile cache on the GPU decides hits and
+//!    victim slots; only misses will be read from mapped pinned host memory.
+//! 3. Fetch + attention: one thread block per (session, kv head, tile) stages the tile in shared
+//!    memory (cp.async, 16 bytes per copy, all in flight: from the cache slot on a hit, over
+//!    PCIe from the host frame on a miss, then written back to the slot), attends it for its G
+//!    query heads (fp32 softmax), writes (m, l, acc); a merge kernel combines them (LSE).
 
 pub mod backend;
 pub mod config;

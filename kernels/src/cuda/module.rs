@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::driver::{sys, CudaContext, CudaFunction};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 
 use super::config::{CudaConfig, Derived};
@@ -24,8 +24,7 @@ pub(crate) struct Kernels {
     pub select_score: CudaFunction,
     pub select_topk: CudaFunction,
     pub gather_plan: CudaFunction,
-    pub gather_copy: CudaFunction,
-    pub attend_partial: CudaFunction,
+    pub attend_tile: CudaFunction,
     pub attend_merge: CudaFunction,
 }
 
@@ -87,12 +86,30 @@ pub(crate) fn compile(
             .load_function(name)
             .map_err(CudaError::driver("cuModuleGetFunction"))
     };
+    let attend_tile = f("attend_tile")?;
+    // attend_tile stages a whole tile in shared memory: opt in above the 48 KiB default.
+    let optin = ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .map_err(CudaError::driver("cuDeviceGetAttribute"))?;
+    if derived.att_total_smem as i32 > optin {
+        return Err(CudaError::InvalidConfig {
+            reason: format!(
+                "attention needs {} bytes of shared memory, device allows {optin}",
+                derived.att_total_smem
+            ),
+        });
+    }
+    attend_tile
+        .set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            derived.att_dyn_smem as i32,
+        )
+        .map_err(CudaError::driver("cuFuncSetAttribute"))?;
     Ok(Kernels {
+        attend_tile,
         select_score: f("select_score")?,
         select_topk: f("select_topk")?,
         gather_plan: f("gather_plan")?,
-        gather_copy: f("gather_copy")?,
-        attend_partial: f("attend_partial")?,
         attend_merge: f("attend_merge")?,
     })
 }
