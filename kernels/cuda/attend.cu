@@ -16,41 +16,23 @@
 #error "HEAD_DIM * ELEM_BYTES / 16 must be a power of two <= 128"
 #endif
 
-#if __CUDA_ARCH__ >= 800
-#define USE_CP_ASYNC 1
-#else
-#define USE_CP_ASYNC 0
-#endif
+#define STAGE_UNROLL 8
 
-// Copies rows [0, rows) of a [BLOCK_TOKENS][CPR] uint4 matrix into shared memory. With
-// cp.async every 16-byte load of the tile is in flight at once (one PCIe round trip for a
-// miss read from mapped host memory); otherwise 8 loads per thread per round.
+// Copies rows [0, rows) of a [BLOCK_TOKENS][CPR] uint4 matrix into shared memory with plain
+// 16-byte loads, STAGE_UNROLL per thread in flight per round, a warp covering 512 contiguous
+// bytes per load. (cp.async from mapped host memory was measured slower on an H200: 35 vs
+// 48 GB/s for the same tiles, see bench/gpu/NOTES.md.)
 __device__ __forceinline__ void stage_rows(uint4* dst, const uint4* src, u32 rows) {
     const u32 n = rows * CPR;
-#if USE_CP_ASYNC
-    for (u32 v = threadIdx.x; v < n; v += ATT_THREADS) {
-        u32 saddr;
-        asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(saddr) : "l"(dst + v));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(src + v) : "memory");
-    }
-#else
-    for (u32 v0 = threadIdx.x; v0 < n; v0 += 8 * ATT_THREADS) {
-        uint4 r[8];
+    for (u32 v0 = threadIdx.x; v0 < n; v0 += STAGE_UNROLL * ATT_THREADS) {
+        uint4 r[STAGE_UNROLL];
 #pragma unroll
-        for (int u = 0; u < 8; ++u)
+        for (int u = 0; u < STAGE_UNROLL; ++u)
             if (v0 + u * ATT_THREADS < n) r[u] = src[v0 + u * ATT_THREADS];
 #pragma unroll
-        for (int u = 0; u < 8; ++u)
+        for (int u = 0; u < STAGE_UNROLL; ++u)
             if (v0 + u * ATT_THREADS < n) dst[v0 + u * ATT_THREADS] = r[u];
     }
-#endif
-}
-
-__device__ __forceinline__ void stage_wait() {
-#if USE_CP_ASYNC
-    asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-    __syncthreads();
 }
 
 // grid (KSEL, KV_HEADS, batch), block ATT_THREADS, dynamic shared memory ATT_DYN_SMEM bytes.
@@ -95,13 +77,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
     const uint4* from = src ? (const uint4*)src : cslot;
     stage_rows(s_tile, from, nvalid);
     stage_rows(s_tile + BLOCK_TOKENS * CPR, from + BLOCK_TOKENS * CPR, nvalid);
-#if USE_CP_ASYNC
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-
     const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
     for (u32 x = tid; x < GROUP * HEAD_DIM; x += ATT_THREADS) s_q[x / HEAD_DIM][x % HEAD_DIM] = qh[x];
-    stage_wait();
+    __syncthreads();
     // Only full blocks are cached (gather_plan tags them); partial tails are refetched.
     if (src && nvalid == BLOCK_TOKENS)
         for (u32 v = tid; v < 2 * BLOCK_TOKENS * CPR; v += ATT_THREADS) cslot[v] = s_tile[v];
@@ -200,6 +178,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
 }
 
 // grid (HQ, batch), block HEAD_DIM threads. out: [batch][HQ][HEAD_DIM] f32.
+// The (m, l) pairs are loaded in parallel into shared memory first: a serial chain of
+// dependent global loads made this kernel 12 us long.
 extern "C" __global__ void attend_merge(
     const u32* __restrict__ counts, const float* __restrict__ part_acc, const float* __restrict__ part_ml,
     float* __restrict__ out) {
@@ -210,14 +190,28 @@ extern "C" __global__ void attend_merge(
     const u32 ih = i * KV_HEADS + kvh;
     const u32 n = counts[ih];
     const u32 d = threadIdx.x;
-    float M = NEG_INF;
-    for (u32 j = 0; j < n; ++j) M = fmaxf(M, part_ml[(((u64)ih * KSEL + j) * GROUP + g) * 2]);
-    float L = 0.0f, acc = 0.0f;
-    for (u32 j = 0; j < n; ++j) {
-        const u64 p = ((u64)ih * KSEL + j) * GROUP + g;
-        const float w = expf(part_ml[p * 2] - M);
-        L += part_ml[p * 2 + 1] * w;
-        acc += part_acc[p * HEAD_DIM + d] * w;
+    __shared__ float s_w[KSEL];
+    __shared__ float s_L;
+    for (u32 j = d; j < n; j += blockDim.x) s_w[j] = part_ml[(((u64)ih * KSEL + j) * GROUP + g) * 2];
+    __syncthreads();
+    if (d < 32) {
+        float M = NEG_INF;
+        for (u32 j = d; j < n; j += 32) M = fmaxf(M, s_w[j]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, o));
+        float L = 0.0f;
+        for (u32 j = d; j < n; j += 32) {
+            const float w = expf(s_w[j] - M);
+            L += part_ml[(((u64)ih * KSEL + j) * GROUP + g) * 2 + 1] * w;
+            s_w[j] = w;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(FULL_MASK, L, o);
+        if (d == 0) s_L = L;
     }
-    out[((u64)i * HQ + h) * HEAD_DIM + d] = acc / L;
+    __syncthreads();
+    float acc = 0.0f;
+#pragma unroll 4
+    for (u32 j = 0; j < n; ++j) acc += part_acc[(((u64)ih * KSEL + j) * GROUP + g) * HEAD_DIM + d] * s_w[j];
+    out[((u64)i * HQ + h) * HEAD_DIM + d] = acc / s_L;
 }

@@ -59,17 +59,20 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
     float acc[GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) acc[g] = 0.0f;
-#pragma unroll 2
-    for (u32 d4 = 0; d4 < HEAD_DIM / 4; ++d4) {
-        float mx[4], mn[4];
-        load4(row + d4 * 4, mx);
-        load4(row + HEAD_DIM + d4 * 4, mn);
+    // 8 dims per step: four independent 16-byte loads issued before the arithmetic.
+    for (u32 d8 = 0; d8 < HEAD_DIM / 8; ++d8) {
+        float mx[8], mn[8];
+        load4(row + d8 * 8, mx);
+        load4(row + d8 * 8 + 4, mx + 4);
+        load4(row + HEAD_DIM + d8 * 8, mn);
+        load4(row + HEAD_DIM + d8 * 8 + 4, mn + 4);
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
-            const float4 qq = s_q[g][d4];
-            const float qv[4] = {qq.x, qq.y, qq.z, qq.w};
+            const float4 q0 = s_q[g][2 * d8];
+            const float4 q1 = s_q[g][2 * d8 + 1];
+            const float qv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
+            for (int e = 0; e < 8; ++e)
                 acc[g] = __fadd_rn(acc[g], fmaxf(__fmul_rn(qv[e], mx[e]), __fmul_rn(qv[e], mn[e])));
         }
     }
@@ -150,6 +153,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(
     __shared__ u32 hist[256];
     __shared__ u32 s_digit;
     __shared__ u32 s_krem;
+    __shared__ u32 s_done;
     __shared__ u32 scratch[33];
 
     u32 key[TOPK_KPT];
@@ -192,6 +196,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(
                     if (cum + c[k] >= krem) {
                         s_digit = 255 - (lane * 8 + k);
                         s_krem = krem - cum;
+                        // The whole boundary bin is taken: no need to resolve it further.
+                        s_done = (krem - cum == c[k]);
                         break;
                     }
                     cum += c[k];
@@ -202,17 +208,21 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(
         prefix |= s_digit << shift;
         pmask |= 0xffu << shift;
         krem = s_krem;
+        const bool done = s_done;
         __syncthreads();
+        if (done) break;
     }
-    const u32 T = prefix;
-    const u32 need_eq = krem;  // blocks with key == T to take, lowest index first
+    // Blocks whose key, masked to the resolved bits, is above `prefix` are in; of those equal
+    // to it, the `need_eq` lowest-indexed are in (all of them when the loop exited early;
+    // with every bit resolved this is exactly "ties go to the lower block").
+    const u32 need_eq = krem;
 
     for (u32 x = tid; x < SINK; x += blockDim.x) out[x] = x;
     for (u32 x = tid; x < LOCAL; x += blockDim.x) out[SINK + TOPK + x] = hi + x;
 
     u32 n_eq = 0;
 #pragma unroll
-    for (int u = 0; u < TOPK_KPT; ++u) n_eq += (lo + c0 + u < hi && key[u] == T);
+    for (int u = 0; u < TOPK_KPT; ++u) n_eq += (lo + c0 + u < hi && (key[u] & pmask) == prefix);
     u32 tot;
     u32 eq_rank = block_excl_sum(n_eq, scratch, &tot);
     u32 n_sel = 0;
@@ -220,8 +230,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(
 #pragma unroll
     for (int u = 0; u < TOPK_KPT; ++u) {
         const bool valid = lo + c0 + u < hi;
-        bool sel = valid && key[u] > T;
-        if (valid && key[u] == T) {
+        bool sel = valid && (key[u] & pmask) > prefix;
+        if (valid && (key[u] & pmask) == prefix) {
             sel = eq_rank < need_eq;
             ++eq_rank;
         }

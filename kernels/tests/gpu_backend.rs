@@ -842,3 +842,28 @@ fn pinned_region_chunks_and_cleanup() {
     let e = unsafe { PinnedRegion::register(ctx, 0x1001 as *mut u8, 4096) };
     assert!(matches!(e, Err(CudaError::Misaligned { .. })));
 }
+
+/// Thousands of blocks: several candidates per top-k thread, full radix passes, exact match.
+#[test]
+fn selector_large_context_exact() {
+    if !gpu() {
+        return;
+    }
+    let p = SelectPolicy {
+        sink_blocks: 1,
+        local_blocks: 4,
+        top_k: 32,
+    };
+    for (templates, sd) in [
+        (0, SummaryDtype::F32),
+        (7, SummaryDtype::F32),
+        (0, SummaryDtype::Bf16Outward),
+    ] {
+        let cfg = config(geom(8, 2, 32, 16, KvDtype::F32), p, 3000, 2, sd);
+        let mut h = Harness::new(cfg, 70 + templates as u64);
+        let a = h.add_session(3000 * 16, KeyGen { templates });
+        let b = h.add_session(2111 * 16 + 9, KeyGen { templates });
+        check_layer(&mut h, 0, &[a, b]);
+        check_layer(&mut h, 1, &[b, a]);
+    }
+}

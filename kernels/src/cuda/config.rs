@@ -145,9 +145,9 @@ impl CudaConfig {
             return Err(invalid(format!("GQA group {group} exceeds 32")));
         }
         let cpr = g.head_dim as usize * g.dtype.size() / 16;
-        if !g.head_dim.is_power_of_two() || g.head_dim < 16 || cpr == 0 || cpr > ATT_THREADS {
+        if !g.head_dim.is_power_of_two() || g.head_dim < 32 || cpr == 0 || cpr > ATT_THREADS {
             return Err(invalid(format!(
-                "head_dim {} unsupported: must be a power of two >= 16 with head_dim * elem / 16 <= {ATT_THREADS}",
+                "head_dim {} unsupported: must be a power of two >= 32 with head_dim * elem / 16 <= {ATT_THREADS}",
                 g.head_dim
             )));
         }
