@@ -1,5 +1,6 @@
-// Zero-copy gather planning with a per-(session, layer, kv-head) GPU tile cache. The fetch
-// itself happens in attend_tile (attend.cu), which reads misses straight from mapped host memory.
+// Zero-copy gather planning with a per-(session, layer, kv-head) GPU tile cache, run at the
+// end of select_topk. The fetch itself happens in attend_tile (attend.cu), which reads misses
+// straight from mapped host memory.
 //
 // Cache: CACHE_SLOTS tile slots per (session, layer, kv head), LRU by the step stamp of the
 // last use. tags[] holds block+1 (0 = empty, so a zeroed buffer is an empty cache). Only tiles
@@ -9,20 +10,14 @@
 // bookkeeping needs no atomics; a batch must not name a session twice (checked in Rust).
 // CACHE_SLOTS >= KSEL (checked in Rust), so there are always enough unselected victims.
 
-#define PLAN_THREADS 256
-
-// grid (KV_HEADS, batch), block PLAN_THREADS.
-extern "C" __global__ void __launch_bounds__(PLAN_THREADS) gather_plan(
-    const u32* __restrict__ sess, const u32* __restrict__ ntok, u32 layer, u32 max_blocks,
-    const u32* __restrict__ table, const u32* __restrict__ counts, u32* __restrict__ tags,
-    u32* __restrict__ stamps, const u64* __restrict__ pages, u32* __restrict__ slot_of,
-    u64* __restrict__ miss_src, unsigned long long* __restrict__ stats, u32 stamp) {
-    const u32 i = blockIdx.y;
-    const u32 kvh = blockIdx.x;
+// Called by the whole thread block of select_topk for (batch item i, kv head kvh) once the
+// keep-set ids[0..n) (ascending) is in global memory and a __syncthreads() has passed.
+__device__ __forceinline__ void plan_tile_cache(
+    u32 i, u32 kvh, u32 n, const u32* ids, const u32* __restrict__ sess, const u32* __restrict__ ntok,
+    u32 layer, u32 max_blocks, u32* __restrict__ tags, u32* __restrict__ stamps, const u64* __restrict__ pages,
+    u32* __restrict__ slot_of, u64* __restrict__ miss_src, unsigned long long* __restrict__ stats, u32 stamp) {
     const u32 tid = threadIdx.x;
     const u32 ih = i * KV_HEADS + kvh;
-    const u32 n = counts[ih];
-    const u32* ids = table + (u64)ih * KSEL;
     const u64 cbase = (((u64)sess[i] * NUM_LAYERS + layer) * KV_HEADS + kvh) * CACHE_SLOTS;
     u32* tg = tags + cbase;
     u32* st = stamps + cbase;

@@ -59,21 +59,24 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
     float acc[GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) acc[g] = 0.0f;
-    // 8 dims per step: four independent 16-byte loads issued before the arithmetic.
-    for (u32 d8 = 0; d8 < HEAD_DIM / 8; ++d8) {
-        float mx[8], mn[8];
-        load4(row + d8 * 8, mx);
-        load4(row + d8 * 8 + 4, mx + 4);
-        load4(row + HEAD_DIM + d8 * 8, mn);
-        load4(row + HEAD_DIM + d8 * 8 + 4, mn + 4);
+    // 16 dims per step: eight independent 16-byte loads issued before the arithmetic.
+    for (u32 d16 = 0; d16 < HEAD_DIM / 16; ++d16) {
+        float mx[16], mn[16];
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            load4(row + d16 * 16 + 4 * h, mx + 4 * h);
+            load4(row + HEAD_DIM + d16 * 16 + 4 * h, mn + 4 * h);
+        }
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
-            const float4 q0 = s_q[g][2 * d8];
-            const float4 q1 = s_q[g][2 * d8 + 1];
-            const float qv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
 #pragma unroll
-            for (int e = 0; e < 8; ++e)
-                acc[g] = __fadd_rn(acc[g], fmaxf(__fmul_rn(qv[e], mx[e]), __fmul_rn(qv[e], mn[e])));
+            for (int h = 0; h < 4; ++h) {
+                const float4 qq = s_q[g][4 * d16 + h];
+                const float qv[4] = {qq.x, qq.y, qq.z, qq.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    acc[g] = __fadd_rn(acc[g], fmaxf(__fmul_rn(qv[e], mx[4 * h + e]), __fmul_rn(qv[e], mn[4 * h + e])));
+            }
         }
     }
     float m = acc[0];
@@ -123,29 +126,10 @@ __device__ __forceinline__ u32 block_excl_sum(u32 v, u32* scratch, u32* total) {
     return r;
 }
 
-// grid (KV_HEADS, batch), block TOPK_THREADS. Writes the keep-set ascending into
-// table[batch][KV_HEADS][KSEL] and its size into counts[batch][KV_HEADS].
-// Thread t owns the TOPK_KPT consecutive distant candidates starting at t * TOPK_KPT, kept in
-// registers as order-preserving u32 keys. Radix select (4 passes of 8 bits, MSB first) finds
-// T = the TOPK-th largest key and how many blocks equal to T are taken; two block-wide
-// prefix sums then emit key > T, plus the lowest-indexed blocks with key == T (the tie
-// rule), in ascending order.
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(
-    const float* __restrict__ scores, const u32* __restrict__ ntok, u32 max_blocks,
-    u32* __restrict__ table, u32* __restrict__ counts) {
-    const u32 i = blockIdx.y;
-    const u32 kvh = blockIdx.x;
+// Top-k of the distant blocks [SINK, nb - LOCAL) plus sink and local, ascending, into out.
+__device__ __forceinline__ void select_distant(const float* __restrict__ sc, u32 nb, u32* out) {
     const u32 tid = threadIdx.x;
     const u32 lane = tid & 31u;
-    const u32 nb = n_blocks_of(ntok[i]);
-    const float* sc = scores + ((u64)i * KV_HEADS + kvh) * max_blocks;
-    u32* out = table + ((u64)i * KV_HEADS + kvh) * KSEL;
-
-    if (nb <= (u32)(SINK + LOCAL + TOPK)) {
-        for (u32 b = tid; b < nb; b += blockDim.x) out[b] = b;
-        if (tid == 0) counts[i * KV_HEADS + kvh] = nb;
-        return;
-    }
     const u32 lo = SINK;
     const u32 hi = nb - LOCAL;
     const u32 c0 = tid * TOPK_KPT;
@@ -244,5 +228,36 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(
 #pragma unroll
     for (int u = 0; u < TOPK_KPT; ++u)
         if (selmask & (1u << u)) out[SINK + pos++] = lo + c0 + u;
-    if (tid == 0) counts[i * KV_HEADS + kvh] = SINK + TOPK + LOCAL;
+}
+
+// grid (KV_HEADS, batch), block TOPK_THREADS. Writes the keep-set ascending into
+// table[batch][KV_HEADS][KSEL] and its size into counts[batch][KV_HEADS].
+// Thread t owns the TOPK_KPT consecutive distant candidates starting at t * TOPK_KPT, kept in
+// registers as order-preserving u32 keys. Radix select (4 passes of 8 bits, MSB first) finds
+// T = the TOPK-th largest key and how many blocks equal to T are taken; two block-wide
+// prefix sums then emit key > T, plus the lowest-indexed blocks with key == T (the tie
+// rule), in ascending order.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(
+    const float* __restrict__ scores, const u32* __restrict__ ntok, u32 max_blocks, u32* table,
+    u32* __restrict__ counts, const u32* __restrict__ sess, u32 layer, u32* __restrict__ tags,
+    u32* __restrict__ stamps, const u64* __restrict__ pages, u32* __restrict__ slot_of,
+    u64* __restrict__ miss_src, unsigned long long* __restrict__ stats, u32 stamp) {
+    const u32 i = blockIdx.y;
+    const u32 kvh = blockIdx.x;
+    const u32 tid = threadIdx.x;
+    const u32 nb = n_blocks_of(ntok[i]);
+    const float* sc = scores + ((u64)i * KV_HEADS + kvh) * max_blocks;
+    u32* out = table + ((u64)i * KV_HEADS + kvh) * KSEL;
+
+    if (nb <= (u32)(SINK + LOCAL + TOPK)) {
+        for (u32 b = tid; b < nb; b += blockDim.x) out[b] = b;
+        if (tid == 0) counts[i * KV_HEADS + kvh] = nb;
+    } else {
+        select_distant(sc, nb, out);
+        if (tid == 0) counts[i * KV_HEADS + kvh] = SINK + TOPK + LOCAL;
+    }
+    __syncthreads();
+    const u32 n = nb <= (u32)(SINK + LOCAL + TOPK) ? nb : (u32)(SINK + LOCAL + TOPK);
+    plan_tile_cache(i, kvh, n, out, sess, ntok, layer, max_blocks, tags, stamps, pages, slot_of, miss_src, stats,
+                    stamp);
 }

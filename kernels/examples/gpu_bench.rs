@@ -187,7 +187,8 @@ struct Row {
     keep_bytes: f64,
     hit_rate: f64,
     sel_us: f64,
-    gather_us: f64,
+    /// Per step: sum over layers of the fetch + attend phase (ms).
+    fetch_ms: f64,
     att_us: f64,
     overlap: f64,
     chance: f64,
@@ -309,9 +310,16 @@ fn run_mode(
             wall_ms.push(wall);
             for t in out.timing.as_ref().unwrap() {
                 sel.push(t.select_ms as f64 * 1e3);
-                gat.push(t.plan_ms as f64 * 1e3);
                 att.push(t.fetch_attend_ms as f64 * 1e3);
             }
+            gat.push(
+                out.timing
+                    .as_ref()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.fetch_attend_ms as f64)
+                    .sum::<f64>(),
+            );
             for s in &out.stats {
                 bytes += s.bytes_moved as f64;
                 tiles += s.tiles as f64;
@@ -343,7 +351,7 @@ fn run_mode(
         keep_bytes: tiles * tile / n,
         hit_rate: hits / tiles.max(1.0),
         sel_us: median(&mut sel),
-        gather_us: median(&mut gat),
+        fetch_ms: median(&mut gat),
         att_us: median(&mut att),
         overlap: if ovn > 0 { ov / ovn as f64 } else { f64::NAN },
         chance: (k as f64 / distant).min(1.0),
@@ -455,7 +463,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     println!(
         "{:>8} {:>3} {:>5} {:>5} | {:>8} {:>8} {:>8} {:>6} | {:>9} {:>9} {:>6} {:>6} | {:>7} {:>8} {:>7} | {:>7} {:>7}",
-        "ctx", "k", "batch", "cache", "step_ms", "wall_ms", "floor_ms", "ratio", "moved_MB", "keep_MB", "GB/s", "hit%", "sel_us", "plan_us", "f+att_us", "overlap", "chance"
+        "ctx", "k", "batch", "cache", "step_ms", "wall_ms", "floor_ms", "ratio", "moved_MB", "keep_MB", "GB/s", "hit%", "sel_us", "f+att_us", "fetchGB/s", "overlap", "chance"
     );
     for r in &rows {
         println!(
@@ -473,8 +481,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             r.gbps(),
             r.hit_rate * 100.0,
             r.sel_us,
-            r.gather_us,
             r.att_us,
+            r.bytes / (r.fetch_ms * 1e-3) / 1e9,
             r.overlap,
             r.chance
         );
@@ -502,8 +510,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut s = String::from("[\n");
         for (i, r) in rows.iter().enumerate() {
             s += &format!(
-                "  {{\"ctx\":{},\"k\":{},\"batch\":{},\"cache\":\"{}\",\"step_ms\":{:.4},\"wall_ms\":{:.4},\"floor_ms\":{:.4},\"bytes\":{:.0},\"keep_bytes\":{:.0},\"hit_rate\":{:.4},\"select_us\":{:.2},\"gather_us\":{:.2},\"attend_us\":{:.2},\"overlap\":{:.4},\"chance\":{:.5}}}{}\n",
-                r.ctx, r.k, r.batch, r.mode, r.step_ms, r.wall_ms, r.floor_ms(), r.bytes, r.keep_bytes, r.hit_rate, r.sel_us, r.gather_us, r.att_us, r.overlap, r.chance,
+                "  {{\"ctx\":{},\"k\":{},\"batch\":{},\"cache\":\"{}\",\"step_ms\":{:.4},\"wall_ms\":{:.4},\"floor_ms\":{:.4},\"bytes\":{:.0},\"keep_bytes\":{:.0},\"hit_rate\":{:.4},\"select_us\":{:.2},\"fetch_ms_step\":{:.4},\"attend_us\":{:.2},\"overlap\":{:.4},\"chance\":{:.5}}}{}\n",
+                r.ctx, r.k, r.batch, r.mode, r.step_ms, r.wall_ms, r.floor_ms(), r.bytes, r.keep_bytes, r.hit_rate, r.sel_us, r.fetch_ms, r.att_us, r.overlap, r.chance,
                 if i + 1 < rows.len() { "," } else { "" }
             );
         }

@@ -79,11 +79,9 @@ pub struct LayerStats {
 /// Per-layer device time (CUDA events), when timing is enabled.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LayerTiming {
-    /// Scoring and top-k.
+    /// Scoring, top-k and the block-cache plan (hits, victims, miss addresses).
     pub select_ms: f32,
-    /// Cache lookup and miss planning (gather_plan).
-    pub plan_ms: f32,
-    /// Fetching misses from host memory fused with attention, plus the merge.
+    /// Fetching misses from host memory fused with attention and the LSE merge.
     pub fetch_attend_ms: f32,
 }
 
@@ -118,8 +116,8 @@ struct Session {
 }
 
 struct Timers {
-    // Per layer: before select, after select, after gather, after attend.
-    marks: Vec<[CudaEvent; 4]>,
+    // Per layer: before select, after select + plan, after fetch + attend.
+    marks: Vec<[CudaEvent; 3]>,
 }
 
 /// CUDA backend for one model geometry: owns the device state of up to `max_sessions`
@@ -154,6 +152,7 @@ pub struct CudaBackend {
     part_acc: DevBuf<f32>,
     part_ml: DevBuf<f32>,
     out: DevBuf<f32>,
+    done: DevBuf<u32>,
     stats: DevBuf<u64>,
 }
 
@@ -224,6 +223,7 @@ impl CudaBackend {
             part_ml: zf(bmax * hkv * ks * g.group() as usize * 2)?,
             out: zf(l * bmax * hq * d)?,
             stats: z64(l * 4)?,
+            done: z32(bmax * hkv)?,
             cfg,
             derived,
             ctx,
@@ -302,7 +302,7 @@ impl CudaBackend {
         };
         let mut marks = Vec::with_capacity(self.cfg.geometry.layers as usize);
         for _ in 0..self.cfg.geometry.layers {
-            marks.push([mk()?, mk()?, mk()?, mk()?]);
+            marks.push([mk()?, mk()?, mk()?]);
         }
         self.timers = Some(Timers { marks });
         Ok(())
@@ -755,20 +755,14 @@ impl CudaBackend {
             &k.select_topk,
             "select_topk",
             cfg((hkv, bu, 1), 1024),
-            &[P(self.scores.ptr), P(ntok), U(mb), P(table), P(counts)],
-        )?;
-        self.record(l, 1)?;
-        self.launch(
-            &k.gather_plan,
-            "gather_plan",
-            cfg((hkv, bu, 1), 256),
             &[
-                P(sess),
+                P(self.scores.ptr),
                 P(ntok),
-                U(layer),
                 U(mb),
                 P(table),
                 P(counts),
+                P(sess),
+                U(layer),
                 P(self.tags.ptr),
                 P(self.stamps.ptr),
                 P(self.pages.ptr),
@@ -778,7 +772,7 @@ impl CudaBackend {
                 U(self.stamp),
             ],
         )?;
-        self.record(l, 2)?;
+        self.record(l, 1)?;
         let scale = (1.0 / (g.head_dim as f64).sqrt()) as f32;
         self.launch(
             &k.attend_tile,
@@ -801,15 +795,11 @@ impl CudaBackend {
                 F(scale),
                 P(self.part_acc.ptr),
                 P(self.part_ml.ptr),
+                P(self.done.ptr),
+                P(out),
             ],
         )?;
-        self.launch(
-            &k.attend_merge,
-            "attend_merge",
-            cfg((g.q_heads, bu, 1), g.head_dim),
-            &[P(counts), P(self.part_acc.ptr), P(self.part_ml.ptr), P(out)],
-        )?;
-        self.record(l, 3)?;
+        self.record(l, 2)?;
         Ok(())
     }
 
@@ -851,12 +841,11 @@ impl CudaBackend {
                     let m = &t.marks[l];
                     v.push(LayerTiming {
                         select_ms: ms(&m[0], &m[1])?,
-                        plan_ms: ms(&m[1], &m[2])?,
-                        fetch_attend_ms: ms(&m[2], &m[3])?,
+                        fetch_attend_ms: ms(&m[1], &m[2])?,
                     });
                 }
                 let first = &t.marks[layers[0]][0];
-                let last = &t.marks[layers[nl - 1]][3];
+                let last = &t.marks[layers[nl - 1]][2];
                 (Some(v), Some(ms(first, last)?))
             }
         };

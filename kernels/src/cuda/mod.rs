@@ -9,20 +9,21 @@
 //! - [`config`]: geometry, policy and capacity, validated before any device work.
 //! - [`pinned`]: [`PinnedRegion`], the host arena registered with CUDA (mapped, pinned).
 //! - [`backend`]: [`CudaBackend`], device-side layer state (summaries, page table, tile cache)
-//!   and the per-layer pipeline: `select_score` + `select_topk` -> `gather_plan` ->
-//!   `attend_tile` (fetch fused with attention) + `attend_merge`.
+//!   and the per-layer pipeline of three launches: `select_score` -> `select_topk` (top-k,
+//!   then the block-cache plan) -> `attend_tile` (fetch fused with attention and the merge).
 //! - `module`: NVRTC compilation; [`error`]: [`CudaError`].
 //!
 //! # Per layer, per decode call
 //! 1. Selector: one thread per (block, query head) computes the bound score in fp32 in the CPU's
 //!    summation order (bit-identical), max over the group; a radix select per (session, kv head)
 //!    picks the top-k distant blocks, ties to the lower index, written ascending.
-//! 2. Gather plan: a per-(session, layer, kv head) LRU tile cache on the GPU decides hits and
-//!    victim slots; only misses will be read from mapped pinned host memory.
+//! 2. Cache plan (same thread block as the top-k): a per-(session, layer, kv head) LRU tile
+//!    cache on the GPU decides hits and victim slots; only misses are read from host memory.
 //! 3. Fetch + attention: one thread block per (session, kv head, tile) stages the tile in shared
 //!    memory (cp.async, 16 bytes per copy, all in flight: from the cache slot on a hit, over
 //!    PCIe from the host frame on a miss, then written back to the slot), attends it for its G
-//!    query heads (fp32 softmax), writes (m, l, acc); a merge kernel combines them (LSE).
+//!    query heads (fp32 softmax), writes (m, l, acc); the last thread block of each (session,
+//!    kv head) merges them (log-sum-exp) into the output.
 
 pub mod backend;
 pub mod config;

@@ -12,9 +12,9 @@ use super::error::{CudaError, Result};
 pub const KERNEL_SOURCE: &str = concat!(
     include_str!("../../cuda/common.cuh"),
     "\n",
-    include_str!("../../cuda/select.cu"),
-    "\n",
     include_str!("../../cuda/gather.cu"),
+    "\n",
+    include_str!("../../cuda/select.cu"),
     "\n",
     include_str!("../../cuda/attend.cu"),
 );
@@ -23,9 +23,7 @@ pub const KERNEL_SOURCE: &str = concat!(
 pub(crate) struct Kernels {
     pub select_score: CudaFunction,
     pub select_topk: CudaFunction,
-    pub gather_plan: CudaFunction,
     pub attend_tile: CudaFunction,
-    pub attend_merge: CudaFunction,
 }
 
 fn arch_for(cc: (i32, i32)) -> Option<&'static str> {
@@ -109,7 +107,5 @@ pub(crate) fn compile(
         attend_tile,
         select_score: f("select_score")?,
         select_topk: f("select_topk")?,
-        gather_plan: f("gather_plan")?,
-        attend_merge: f("attend_merge")?,
     })
 }
