@@ -11,6 +11,7 @@
 #define CPL (CPR / RG)            // 16-byte chunks per lane per K row
 #define ROWS_PER_WARP (32 / RG)
 #define SLICES (ATT_THREADS / CPR)  // V rows processed concurrently in the value phase
+#define XPT ((GROUP * HEAD_DIM + ATT_THREADS - 1) / ATT_THREADS)  // merge outputs per thread
 
 #if CPR > ATT_THREADS || (CPR & (CPR - 1)) != 0
 #error "HEAD_DIM * ELEM_BYTES / 16 must be a power of two <= 128"
@@ -214,20 +215,32 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
         }
     }
     __syncthreads();
-    for (u32 x = tid; x < GROUP * HEAD_DIM; x += ATT_THREADS) {
-        const u32 g = x / HEAD_DIM;
-        float acc = 0.0f;
+    // Each thread owns XPT outputs; the j loop is outermost so XPT independent loads per j
+    // (and 4 j's when unrolled) are in flight.
+    float acc[XPT];
+#pragma unroll
+    for (int u = 0; u < XPT; ++u) acc[u] = 0.0f;
 #pragma unroll 4
-        for (u32 jj = 0; jj < n; ++jj) {
-            const u64 p = (p0 + (u64)jj * GROUP + g);
+    for (u32 jj = 0; jj < n; ++jj) {
+#pragma unroll
+        for (int u = 0; u < XPT; ++u) {
+            const u32 x = tid + u * ATT_THREADS;
+            if (x < GROUP * HEAD_DIM) {
+                const u32 g = x / HEAD_DIM;
+                const u64 p = (p0 + (u64)jj * GROUP + g);
 #if KSEL <= BLOCK_TOKENS
-            const float w = s_w[g][jj];
+                const float w = s_w[g][jj];
 #else
-            const float w = expf(__ldcg(&part_ml[p * 2]) - s_m[g]);
+                const float w = expf(__ldcg(&part_ml[p * 2]) - s_m[g]);
 #endif
-            acc += __ldcg(&part_acc[p * HEAD_DIM + (x % HEAD_DIM)]) * w;
+                acc[u] += __ldcg(&part_acc[p * HEAD_DIM + (x % HEAD_DIM)]) * w;
+            }
         }
-        out[((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM + x] = acc / s_l[g];
+    }
+#pragma unroll
+    for (int u = 0; u < XPT; ++u) {
+        const u32 x = tid + u * ATT_THREADS;
+        if (x < GROUP * HEAD_DIM) out[((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM + x] = acc[u] / s_l[x / HEAD_DIM];
     }
     if (tid == 0) done[ih] = 0;  // ready for the next layer (stream-ordered)
 }

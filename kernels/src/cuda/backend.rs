@@ -740,7 +740,14 @@ impl CudaBackend {
         self.launch(
             &k.select_score,
             "select_score",
-            cfg((max_nb.div_ceil(SCORE_THREADS), hkv, bu), SCORE_THREADS),
+            cfg(
+                (
+                    max_nb.div_ceil(SCORE_THREADS / score_split(g.group())),
+                    hkv,
+                    bu,
+                ),
+                SCORE_THREADS,
+            ),
             &[
                 P(q),
                 P(self.sums.ptr),
@@ -894,5 +901,14 @@ enum Arg {
     F(f32),
 }
 
-/// Threads (= blocks scored) per select_score thread block (kernels/cuda/select.cu).
+/// Threads per select_score thread block (kernels/cuda/select.cu SCORE_THREADS).
 const SCORE_THREADS: u32 = 128;
+
+/// Threads per scored block in select_score (kernels/cuda/select.cu GSPLIT).
+fn score_split(group: u32) -> u32 {
+    match group {
+        4.. => 4,
+        2..=3 => 2,
+        _ => 1,
+    }
+}
