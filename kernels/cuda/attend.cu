@@ -3,7 +3,7 @@
 // attend_tile: one thread block per (session, kv head, selected tile). The tile's K and V
 // are fetched once into shared memory and serve all GROUP query heads of the kv head. Writes the
 // partial (m, l, acc) with acc unnormalised: acc = sum_t exp(s_t - m) v_t, l = sum_t exp(s_t - m).
-// The last thread block of each (session, kv head) merges the partials (log-sum-exp) into out.
+// attend_merge: one thread block per (session, query head) combines the partials.
 
 #define ATT_THREADS 128
 #define ATT_WARPS (ATT_THREADS / 32)
@@ -11,7 +11,6 @@
 #define CPL (CPR / RG)            // 16-byte chunks per lane per K row
 #define ROWS_PER_WARP (32 / RG)
 #define SLICES (ATT_THREADS / CPR)  // V rows processed concurrently in the value phase
-#define XPT ((GROUP * HEAD_DIM + ATT_THREADS - 1) / ATT_THREADS)  // merge outputs per thread
 
 #if CPR > ATT_THREADS || (CPR & (CPR - 1)) != 0
 #error "HEAD_DIM * ELEM_BYTES / 16 must be a power of two <= 128"
@@ -42,13 +41,12 @@ __device__ __forceinline__ void stage_rows(uint4* dst, const uint4* src, u32 row
 // to its cache slot if it is a miss of a full block, and attended from shared memory. Misses
 // of different tiles and the attention of hits overlap across thread blocks.
 // q: [batch][HQ][HEAD_DIM] f32. part_acc: [batch][KV_HEADS][KSEL][GROUP][HEAD_DIM].
-// part_ml: [batch][KV_HEADS][KSEL][GROUP][2]. done: [batch][KV_HEADS] zeroed counters.
-// out: [batch][HQ][HEAD_DIM] f32.
+// part_ml: [batch][KV_HEADS][KSEL][GROUP][2].
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
     const float* __restrict__ q, const u32* __restrict__ sess, const u32* __restrict__ ntok, u32 layer,
     const u32* __restrict__ table, const u32* __restrict__ counts, const u32* __restrict__ slot_of,
     const u64* __restrict__ miss_src, uint4* __restrict__ cache, float scale, float* __restrict__ part_acc,
-    float* __restrict__ part_ml, u32* __restrict__ done, float* __restrict__ out) {
+    float* __restrict__ part_ml) {
     const u32 j = blockIdx.x;
     const u32 kvh = blockIdx.y;
     const u32 i = blockIdx.z;
@@ -177,70 +175,43 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
         part_ml[(pbase + g) * 2] = s_m[g];
         part_ml[(pbase + g) * 2 + 1] = s_l[g];
     }
+}
 
-    // Log-sum-exp merge by the last thread block of this (session, kv head) to finish: no
-    // separate merge launch. Fence so the partials are visible before the counter moves.
-    __shared__ u32 s_last;
-    __threadfence();
-    __syncthreads();
+// grid (HQ, batch), block HEAD_DIM threads. out: [batch][HQ][HEAD_DIM] f32.
+// The (m, l) pairs are loaded in parallel into shared memory first: a serial chain of
+// dependent global loads made this kernel 12 us long.
+extern "C" __global__ void attend_merge(
+    const u32* __restrict__ counts, const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+    float* __restrict__ out) {
+    const u32 h = blockIdx.x;
+    const u32 i = blockIdx.y;
+    const u32 kvh = h / GROUP;
+    const u32 g = h % GROUP;
+    const u32 ih = i * KV_HEADS + kvh;
     const u32 n = counts[ih];
-    if (tid == 0) s_last = atomicAdd(&done[ih], 1u) == n - 1;
+    const u32 d = threadIdx.x;
+    __shared__ float s_w[KSEL];
+    __shared__ float s_L;
+    for (u32 j = d; j < n; j += blockDim.x) s_w[j] = part_ml[(((u64)ih * KSEL + j) * GROUP + g) * 2];
     __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    const u64 p0 = (u64)ih * KSEL * GROUP;
-    // Per head: M = max_j m_j, L = sum_j l_j e^(m_j - M); weights e^(m_j - M) kept in s_w.
-#if KSEL <= BLOCK_TOKENS
-    float(*s_w)[BLOCK_TOKENS] = s_p;  // the probabilities are dead now
-#endif
-    for (u32 g = warp; g < GROUP; g += ATT_WARPS) {
+    if (d < 32) {
         float M = NEG_INF;
-        for (u32 jj = lane; jj < n; jj += 32) M = fmaxf(M, __ldcg(&part_ml[(p0 + (u64)jj * GROUP + g) * 2]));
+        for (u32 j = d; j < n; j += 32) M = fmaxf(M, s_w[j]);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, o));
         float L = 0.0f;
-        for (u32 jj = lane; jj < n; jj += 32) {
-            const u64 p = (p0 + (u64)jj * GROUP + g) * 2;
-            const float w = expf(__ldcg(&part_ml[p]) - M);
-            L += __ldcg(&part_ml[p + 1]) * w;
-#if KSEL <= BLOCK_TOKENS
-            s_w[g][jj] = w;
-#endif
+        for (u32 j = d; j < n; j += 32) {
+            const float w = expf(s_w[j] - M);
+            L += part_ml[(((u64)ih * KSEL + j) * GROUP + g) * 2 + 1] * w;
+            s_w[j] = w;
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(FULL_MASK, L, o);
-        if (lane == 0) {
-            s_m[g] = M;
-            s_l[g] = L;
-        }
+        if (d == 0) s_L = L;
     }
     __syncthreads();
-    // Each thread owns XPT outputs; the j loop is outermost so XPT independent loads per j
-    // (and 4 j's when unrolled) are in flight.
-    float acc[XPT];
-#pragma unroll
-    for (int u = 0; u < XPT; ++u) acc[u] = 0.0f;
+    float acc = 0.0f;
 #pragma unroll 4
-    for (u32 jj = 0; jj < n; ++jj) {
-#pragma unroll
-        for (int u = 0; u < XPT; ++u) {
-            const u32 x = tid + u * ATT_THREADS;
-            if (x < GROUP * HEAD_DIM) {
-                const u32 g = x / HEAD_DIM;
-                const u64 p = (p0 + (u64)jj * GROUP + g);
-#if KSEL <= BLOCK_TOKENS
-                const float w = s_w[g][jj];
-#else
-                const float w = expf(__ldcg(&part_ml[p * 2]) - s_m[g]);
-#endif
-                acc[u] += __ldcg(&part_acc[p * HEAD_DIM + (x % HEAD_DIM)]) * w;
-            }
-        }
-    }
-#pragma unroll
-    for (int u = 0; u < XPT; ++u) {
-        const u32 x = tid + u * ATT_THREADS;
-        if (x < GROUP * HEAD_DIM) out[((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM + x] = acc[u] / s_l[x / HEAD_DIM];
-    }
-    if (tid == 0) done[ih] = 0;  // ready for the next layer (stream-ordered)
+    for (u32 j = 0; j < n; ++j) acc += part_acc[(((u64)ih * KSEL + j) * GROUP + g) * HEAD_DIM + d] * s_w[j];
+    out[((u64)i * HQ + h) * HEAD_DIM + d] = acc / s_L;
 }

@@ -17,11 +17,6 @@ __device__ __forceinline__ float sum_to_f32(sum_t v) { return v; }
 #endif
 
 #define SCORE_THREADS 128
-// Threads per block: each takes HPT of the GROUP query heads (same row, so the loads of the
-// GSPLIT threads coalesce); more threads in flight hide HBM latency.
-#define GSPLIT (GROUP >= 4 ? 4 : (GROUP >= 2 ? 2 : 1))
-#define HPT ((GROUP + GSPLIT - 1) / GSPLIT)
-#define SCORE_BLOCKS (SCORE_THREADS / GSPLIT)
 
 // Loads 4 consecutive summary values as floats (16 bytes of f32 or 8 bytes of bf16).
 __device__ __forceinline__ void load4(const sum_t* p, float* out) {
@@ -40,10 +35,9 @@ __device__ __forceinline__ void load4(const sum_t* p, float* out) {
 #endif
 }
 
-// grid (ceil(max_blocks / SCORE_BLOCKS), KV_HEADS, batch), block SCORE_THREADS.
-// GSPLIT adjacent threads per block; each reads the block's k_max/k_min row (16-byte loads,
-// 8 in flight) and keeps the running sums of its HPT heads in registers, then the GSPLIT
-// partial maxima are combined with shuffles.
+// grid (ceil(max_blocks / SCORE_THREADS), KV_HEADS, batch), block SCORE_THREADS.
+// One thread per block: it reads the block's k_max/k_min row once (16-byte loads; the other
+// half of each sector is hit in L1 on the next step) and keeps GROUP running sums in registers.
 // q: [batch][HQ][HEAD_DIM] f32. sums: [slot][layer][max_blocks][KV_HEADS][2][HEAD_DIM].
 // scores: [batch][KV_HEADS][max_blocks].
 extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
@@ -52,52 +46,43 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
     const u32 i = blockIdx.z;
     const u32 kvh = blockIdx.y;
     const u32 nb = n_blocks_of(ntok[i]);
-    if (blockIdx.x * SCORE_BLOCKS >= nb) return;
+    if (blockIdx.x * SCORE_THREADS >= nb) return;
     __shared__ float4 s_q[GROUP][HEAD_DIM / 4];
     const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
     for (u32 x = threadIdx.x; x < GROUP * HEAD_DIM / 4; x += SCORE_THREADS)
         s_q[x / (HEAD_DIM / 4)][x % (HEAD_DIM / 4)] = ((const float4*)qh)[x];
     __syncthreads();
-    const u32 sub = threadIdx.x % GSPLIT;
-    const u32 b = blockIdx.x * SCORE_BLOCKS + threadIdx.x / GSPLIT;
-    const bool valid = b < nb;
-    const sum_t* row = sums + (((u64)sess[i] * NUM_LAYERS + layer) * (u64)max_blocks + (valid ? b : 0)) * KV_HEADS * 2 * HEAD_DIM
+    const u32 b = blockIdx.x * SCORE_THREADS + threadIdx.x;
+    if (b >= nb) return;
+    const sum_t* row = sums + (((u64)sess[i] * NUM_LAYERS + layer) * (u64)max_blocks + b) * KV_HEADS * 2 * HEAD_DIM
                        + (u64)kvh * 2 * HEAD_DIM;
-    float acc[HPT];
+    float acc[GROUP];
 #pragma unroll
-    for (int h = 0; h < HPT; ++h) acc[h] = 0.0f;
-    if (valid) {
-        // 16 dims per step: eight independent 16-byte loads issued before the arithmetic.
-        for (u32 d16 = 0; d16 < HEAD_DIM / 16; ++d16) {
-            float mx[16], mn[16];
+    for (int g = 0; g < GROUP; ++g) acc[g] = 0.0f;
+    // 16 dims per step: eight independent 16-byte loads issued before the arithmetic.
+    for (u32 d16 = 0; d16 < HEAD_DIM / 16; ++d16) {
+        float mx[16], mn[16];
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            load4(row + d16 * 16 + 4 * h, mx + 4 * h);
+            load4(row + HEAD_DIM + d16 * 16 + 4 * h, mn + 4 * h);
+        }
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
 #pragma unroll
             for (int h = 0; h < 4; ++h) {
-                load4(row + d16 * 16 + 4 * h, mx + 4 * h);
-                load4(row + HEAD_DIM + d16 * 16 + 4 * h, mn + 4 * h);
-            }
+                const float4 qq = s_q[g][4 * d16 + h];
+                const float qv[4] = {qq.x, qq.y, qq.z, qq.w};
 #pragma unroll
-            for (int hh = 0; hh < HPT; ++hh) {
-                const u32 g = sub * HPT + hh;
-                if (g < GROUP) {
-#pragma unroll
-                    for (int h = 0; h < 4; ++h) {
-                        const float4 qq = s_q[g][4 * d16 + h];
-                        const float qv[4] = {qq.x, qq.y, qq.z, qq.w};
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            acc[hh] = __fadd_rn(acc[hh], fmaxf(__fmul_rn(qv[e], mx[4 * h + e]), __fmul_rn(qv[e], mn[4 * h + e])));
-                    }
-                }
+                for (int e = 0; e < 4; ++e)
+                    acc[g] = __fadd_rn(acc[g], fmaxf(__fmul_rn(qv[e], mx[4 * h + e]), __fmul_rn(qv[e], mn[4 * h + e])));
             }
         }
     }
-    float m = NEG_INF;
+    float m = acc[0];
 #pragma unroll
-    for (int hh = 0; hh < HPT; ++hh)
-        if (sub * HPT + hh < GROUP) m = fmaxf(m, acc[hh]);
-#pragma unroll
-    for (int o = 1; o < GSPLIT; o <<= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
-    if (valid && sub == 0) scores[((u64)i * KV_HEADS + kvh) * max_blocks + b] = m;
+    for (int g = 1; g < GROUP; ++g) m = fmaxf(m, acc[g]);
+    scores[((u64)i * KV_HEADS + kvh) * max_blocks + b] = m;
 }
 
 // Maps a float to a u32 whose unsigned order is the float order (-0 folded into +0 so that

@@ -81,7 +81,7 @@ pub struct LayerStats {
 pub struct LayerTiming {
     /// Scoring, top-k and the block-cache plan (hits, victims, miss addresses).
     pub select_ms: f32,
-    /// Fetching misses from host memory fused with attention and the LSE merge.
+    /// Fetching misses from host memory fused with attention, then the LSE merge kernel.
     pub fetch_attend_ms: f32,
 }
 
@@ -152,7 +152,6 @@ pub struct CudaBackend {
     part_acc: DevBuf<f32>,
     part_ml: DevBuf<f32>,
     out: DevBuf<f32>,
-    done: DevBuf<u32>,
     stats: DevBuf<u64>,
 }
 
@@ -223,7 +222,6 @@ impl CudaBackend {
             part_ml: zf(bmax * hkv * ks * g.group() as usize * 2)?,
             out: zf(l * bmax * hq * d)?,
             stats: z64(l * 4)?,
-            done: z32(bmax * hkv)?,
             cfg,
             derived,
             ctx,
@@ -740,14 +738,7 @@ impl CudaBackend {
         self.launch(
             &k.select_score,
             "select_score",
-            cfg(
-                (
-                    max_nb.div_ceil(SCORE_THREADS / score_split(g.group())),
-                    hkv,
-                    bu,
-                ),
-                SCORE_THREADS,
-            ),
+            cfg((max_nb.div_ceil(SCORE_THREADS), hkv, bu), SCORE_THREADS),
             &[
                 P(q),
                 P(self.sums.ptr),
@@ -802,9 +793,13 @@ impl CudaBackend {
                 F(scale),
                 P(self.part_acc.ptr),
                 P(self.part_ml.ptr),
-                P(self.done.ptr),
-                P(out),
             ],
+        )?;
+        self.launch(
+            &k.attend_merge,
+            "attend_merge",
+            cfg((g.q_heads, bu, 1), g.head_dim),
+            &[P(counts), P(self.part_acc.ptr), P(self.part_ml.ptr), P(out)],
         )?;
         self.record(l, 2)?;
         Ok(())
@@ -901,14 +896,5 @@ enum Arg {
     F(f32),
 }
 
-/// Threads per select_score thread block (kernels/cuda/select.cu SCORE_THREADS).
+/// Threads (= blocks scored) per select_score thread block (kernels/cuda/select.cu).
 const SCORE_THREADS: u32 = 128;
-
-/// Threads per scored block in select_score (kernels/cuda/select.cu GSPLIT).
-fn score_split(group: u32) -> u32 {
-    match group {
-        4.. => 4,
-        2..=3 => 2,
-        _ => 1,
-    }
-}

@@ -9,8 +9,8 @@
 //! - [`config`]: geometry, policy and capacity, validated before any device work.
 //! - [`pinned`]: [`PinnedRegion`], the host arena registered with CUDA (mapped, pinned).
 //! - [`backend`]: [`CudaBackend`], device-side layer state (summaries, page table, tile cache)
-//!   and the per-layer pipeline of three launches: `select_score` -> `select_topk` (top-k,
-//!   then the block-cache plan) -> `attend_tile` (fetch fused with attention and the merge).
+//!   and the per-layer pipeline of four launches: `select_score` -> `select_topk` (top-k,
+//!   then the block-cache plan) -> `attend_tile` (fetch fused with attention) -> `attend_merge`.
 //! - `module`: NVRTC compilation; [`error`]: [`CudaError`].
 //!
 //! # Per layer, per decode call
@@ -22,8 +22,8 @@
 //! 3. Fetch + attention: one thread block per (session, kv head, tile) stages the tile in shared
 //!    memory (cp.async, 16 bytes per copy, all in flight: from the cache slot on a hit, over
 //!    PCIe from the host frame on a miss, then written back to the slot), attends it for its G
-//!    query heads (fp32 softmax), writes (m, l, acc); the last thread block of each (session,
-//!    kv head) merges them (log-sum-exp) into the output.
+//!    query heads (fp32 softmax), writes (m, l, acc); a merge kernel combines them (LSE).
+//!    (Merging in the last thread block of each (session, kv head) was measured slower.)
 
 pub mod backend;
 pub mod config;

@@ -24,6 +24,7 @@ pub(crate) struct Kernels {
     pub select_score: CudaFunction,
     pub select_topk: CudaFunction,
     pub attend_tile: CudaFunction,
+    pub attend_merge: CudaFunction,
 }
 
 fn arch_for(cc: (i32, i32)) -> Option<&'static str> {
@@ -105,6 +106,7 @@ pub(crate) fn compile(
         .map_err(CudaError::driver("cuFuncSetAttribute"))?;
     Ok(Kernels {
         attend_tile,
+        attend_merge: f("attend_merge")?,
         select_score: f("select_score")?,
         select_topk: f("select_topk")?,
     })
