@@ -35,9 +35,15 @@ __device__ __forceinline__ void load4(const sum_t* p, float* out) {
 #endif
 }
 
+// Summary values of one (block, kv head) row chunk staged per step: DCH dims of k_max and of
+// k_min (DCH arrives as a define: 32, or 16 when shared memory is short).
+#define SC_LOADS (SCORE_THREADS * 2 * DCH / 4 / SCORE_THREADS)  // 4-value loads per thread per chunk
+
 // grid (ceil(max_blocks / SCORE_THREADS), KV_HEADS, batch), block SCORE_THREADS.
-// One thread per block: it reads the block's k_max/k_min row once (16-byte loads; the other
-// half of each sector is hit in L1 on the next step) and keeps GROUP running sums in registers.
+// One thread per block keeps GROUP running sums in registers (so each score is one sequential
+// fp32 sum over d, as on the CPU). The summaries are read in DCH-dim chunks with coalesced
+// loads (a row chunk is 128 contiguous bytes in f32) into padded shared memory; the next
+// chunk's loads are issued into registers before the current chunk is computed.
 // q: [batch][HQ][HEAD_DIM] f32. sums: [slot][layer][max_blocks][KV_HEADS][2][HEAD_DIM].
 // scores: [batch][KV_HEADS][max_blocks].
 extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
@@ -46,43 +52,68 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
     const u32 i = blockIdx.z;
     const u32 kvh = blockIdx.y;
     const u32 nb = n_blocks_of(ntok[i]);
-    if (blockIdx.x * SCORE_THREADS >= nb) return;
-    __shared__ float4 s_q[GROUP][HEAD_DIM / 4];
+    const u32 b0 = blockIdx.x * SCORE_THREADS;
+    if (b0 >= nb) return;
+    __shared__ float s_q[GROUP][HEAD_DIM];
+    __shared__ float s_mx[SCORE_THREADS][DCH + 1];
+    __shared__ float s_mn[SCORE_THREADS][DCH + 1];
+    const u32 tid = threadIdx.x;
     const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
-    for (u32 x = threadIdx.x; x < GROUP * HEAD_DIM / 4; x += SCORE_THREADS)
-        s_q[x / (HEAD_DIM / 4)][x % (HEAD_DIM / 4)] = ((const float4*)qh)[x];
-    __syncthreads();
-    const u32 b = blockIdx.x * SCORE_THREADS + threadIdx.x;
-    if (b >= nb) return;
-    const sum_t* row = sums + (((u64)sess[i] * NUM_LAYERS + layer) * (u64)max_blocks + b) * KV_HEADS * 2 * HEAD_DIM
-                       + (u64)kvh * 2 * HEAD_DIM;
+    for (u32 x = tid; x < GROUP * HEAD_DIM; x += SCORE_THREADS) s_q[x / HEAD_DIM][x % HEAD_DIM] = qh[x];
+    const sum_t* base = sums + (((u64)sess[i] * NUM_LAYERS + layer) * (u64)max_blocks) * KV_HEADS * 2 * HEAD_DIM;
+
+    // Load slot x of a chunk: row r = x / (2*DCH/4), array (max/min) and 4-value group within.
+    float4 pre[SC_LOADS];
+    auto load_chunk = [&](u32 c) {
+#pragma unroll
+        for (int u = 0; u < SC_LOADS; ++u) {
+            const u32 x = tid + u * SCORE_THREADS;
+            const u32 r = x / (2 * DCH / 4);
+            const u32 e = x % (2 * DCH / 4);
+            const u32 which = e / (DCH / 4);
+            const u32 d = c * DCH + (e % (DCH / 4)) * 4;
+            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (b0 + r < nb) load4(base + ((u64)(b0 + r) * KV_HEADS + kvh) * 2 * HEAD_DIM + which * HEAD_DIM + d, v);
+            pre[u] = make_float4(v[0], v[1], v[2], v[3]);
+        }
+    };
+    load_chunk(0);
     float acc[GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) acc[g] = 0.0f;
-    // 16 dims per step: eight independent 16-byte loads issued before the arithmetic.
-    for (u32 d16 = 0; d16 < HEAD_DIM / 16; ++d16) {
-        float mx[16], mn[16];
+    for (u32 c = 0; c < HEAD_DIM / DCH; ++c) {
 #pragma unroll
-        for (int h = 0; h < 4; ++h) {
-            load4(row + d16 * 16 + 4 * h, mx + 4 * h);
-            load4(row + HEAD_DIM + d16 * 16 + 4 * h, mn + 4 * h);
+        for (int u = 0; u < SC_LOADS; ++u) {
+            const u32 x = tid + u * SCORE_THREADS;
+            const u32 r = x / (2 * DCH / 4);
+            const u32 e = x % (2 * DCH / 4);
+            float* dst = (e / (DCH / 4)) ? &s_mn[r][(e % (DCH / 4)) * 4] : &s_mx[r][(e % (DCH / 4)) * 4];
+            dst[0] = pre[u].x;
+            dst[1] = pre[u].y;
+            dst[2] = pre[u].z;
+            dst[3] = pre[u].w;
         }
+        __syncthreads();
+        if (c + 1 < HEAD_DIM / DCH) load_chunk(c + 1);
+#pragma unroll 8
+        for (u32 dd = 0; dd < DCH; ++dd) {
+            const float mx = s_mx[tid][dd];
+            const float mn = s_mn[tid][dd];
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g) {
-#pragma unroll
-            for (int h = 0; h < 4; ++h) {
-                const float4 qq = s_q[g][4 * d16 + h];
-                const float qv[4] = {qq.x, qq.y, qq.z, qq.w};
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    acc[g] = __fadd_rn(acc[g], fmaxf(__fmul_rn(qv[e], mx[4 * h + e]), __fmul_rn(qv[e], mn[4 * h + e])));
+            for (int g = 0; g < GROUP; ++g) {
+                const float qd = s_q[g][c * DCH + dd];
+                acc[g] = __fadd_rn(acc[g], fmaxf(__fmul_rn(qd, mx), __fmul_rn(qd, mn)));
             }
         }
+        __syncthreads();
     }
-    float m = acc[0];
+    const u32 b = b0 + tid;
+    if (b < nb) {
+        float m = acc[0];
 #pragma unroll
-    for (int g = 1; g < GROUP; ++g) m = fmaxf(m, acc[g]);
-    scores[((u64)i * KV_HEADS + kvh) * max_blocks + b] = m;
+        for (int g = 1; g < GROUP; ++g) m = fmaxf(m, acc[g]);
+        scores[((u64)i * KV_HEADS + kvh) * max_blocks + b] = m;
+    }
 }
 
 // Maps a float to a u32 whose unsigned order is the float order (-0 folded into +0 so that

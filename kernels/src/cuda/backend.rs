@@ -608,7 +608,7 @@ impl CudaBackend {
         let q: Vec<f32> = items.iter().flat_map(|it| it.q.iter().copied()).collect();
         self.prepare(&slots, &[(l, &ntok, &q)])?;
         let max_nb = self.max_blocks_of(&ntok);
-        self.run_layer(l, items.len(), max_nb)?;
+        self.run_layer(l, 0, items.len(), max_nb)?;
         self.finish(&[l], items.len()).map(|mut s| LayerOutput {
             out: std::mem::take(&mut s.out),
             stats: s.stats[0],
@@ -638,9 +638,9 @@ impl CudaBackend {
             .map(|(l, n, q)| (*l, n.as_slice(), q.as_slice()))
             .collect();
         self.prepare(&slots, &refs)?;
-        for (l, ntok, _) in &per_layer {
+        for (li, (l, ntok, _)) in per_layer.iter().enumerate() {
             let max_nb = self.max_blocks_of(ntok);
-            self.run_layer(*l, items.len(), max_nb)?;
+            self.run_layer(*l, li, items.len(), max_nb)?;
         }
         let all: Vec<usize> = (0..layers).collect();
         self.finish(&all, items.len())
@@ -659,11 +659,18 @@ impl CudaBackend {
         let g = &self.cfg.geometry;
         let hqd = (g.q_heads * g.head_dim) as usize;
         let bmax = self.cfg.max_batch as usize;
-        self.htod(self.sess.ptr, slots)?;
-        for &(l, ntok, q) in layers {
-            self.htod(self.ntok.at(l * bmax), ntok)?;
-            self.htod(self.q.at(l * bmax * hqd), q)?;
+        debug_assert!(layers.len() * b <= self.cfg.geometry.layers as usize * bmax);
+        // Dense per-call layout [call layer][batch][..]: one upload each for q and counts.
+        let mut q_all = Vec::with_capacity(layers.len() * b * hqd);
+        let mut n_all = Vec::with_capacity(layers.len() * b);
+        for &(_, ntok, q) in layers {
+            debug_assert!(q.len() == b * hqd && ntok.len() == b);
+            q_all.extend_from_slice(q);
+            n_all.extend_from_slice(ntok);
         }
+        self.htod(self.sess.ptr, slots)?;
+        self.htod(self.ntok.ptr, &n_all)?;
+        self.htod(self.q.ptr, &q_all)?;
         self.memset_u32(self.stats.ptr, 0, self.stats.slice.len() * 2)?;
         if self.poison {
             let nan = 0x7fc0_0000;
@@ -710,7 +717,8 @@ impl CudaBackend {
     }
 
     /// Enqueues the six kernels of one layer. `max_nb`: most blocks of any batch session.
-    fn run_layer(&mut self, l: usize, b: usize, max_nb: u32) -> Result<()> {
+    /// `l`: model layer; `li`: its index within this call (offset into the dense q/out).
+    fn run_layer(&mut self, l: usize, li: usize, b: usize, max_nb: u32) -> Result<()> {
         use Arg::{F, P, U};
         let g = self.cfg.geometry;
         let bmax = self.cfg.max_batch as usize;
@@ -721,11 +729,11 @@ impl CudaBackend {
         self.stamp = self.stamp.wrapping_add(1);
         let layer = l as u32;
         let mb = self.cfg.max_blocks;
-        let q = self.q.at(l * bmax * hqd);
-        let ntok = self.ntok.at(l * bmax);
+        let q = self.q.at(li * b * hqd);
+        let ntok = self.ntok.at(li * b);
         let table = self.table.at(l * bmax * (hkv * ks) as usize);
         let counts = self.counts.at(l * bmax * hkv as usize);
-        let out = self.out.at(l * bmax * hqd);
+        let out = self.out.at(li * b * hqd);
         let sess = self.sess.ptr;
         let cfg = |grid: (u32, u32, u32), threads: u32| LaunchConfig {
             grid_dim: grid,
@@ -808,16 +816,16 @@ impl CudaBackend {
     /// Waits for the enqueued layers and reads outputs, statistics and timings.
     fn finish(&mut self, layers: &[usize], b: usize) -> Result<StepOutput> {
         let g = self.cfg.geometry;
-        let bmax = self.cfg.max_batch as usize;
         let hqd = (g.q_heads * g.head_dim) as usize;
         let nl = layers.len();
-        let mut rows = vec![0f32; b * hqd];
+        // One readback for every layer of the call ([call layer][batch][Hq x D] on the device).
+        let mut rows = vec![0f32; nl * b * hqd];
+        self.dtoh(&mut rows, self.out.ptr)?;
         let mut out = vec![0f32; b * nl * hqd];
-        for (li, &l) in layers.iter().enumerate() {
-            self.dtoh(&mut rows, self.out.at(l * bmax * hqd))?;
+        for li in 0..nl {
             for i in 0..b {
                 out[(i * nl + li) * hqd..(i * nl + li + 1) * hqd]
-                    .copy_from_slice(&rows[i * hqd..(i + 1) * hqd]);
+                    .copy_from_slice(&rows[(li * b + i) * hqd..(li * b + i + 1) * hqd]);
             }
         }
         let mut raw = vec![0u64; g.layers as usize * 4];

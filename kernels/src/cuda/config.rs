@@ -202,6 +202,11 @@ impl CudaConfig {
                 self.max_blocks
             )));
         }
+        // select_score: s_q[G][D] + two [128][DCH+1] chunk buffers.
+        let dch = [32usize, 16]
+            .into_iter()
+            .find(|c| (gs * d + 2 * 128 * (c + 1)) * 4 <= SMEM_LIMIT && d.is_multiple_of(*c))
+            .ok_or_else(|| invalid("selector shared memory exceeds 48 KiB"))?;
         // attend_tile: dynamic = tile (+ reduction buffer unless it fits in the dead K half).
         let slices = ATT_THREADS / cpr;
         let red = slices * gs * d * 4;
@@ -224,6 +229,7 @@ impl CudaConfig {
             )));
         }
         Ok(Derived {
+            score_chunk: dch as u32,
             keep_max: ksel,
             topk_per_thread: kpt.max(1) as u32,
             att_dyn_smem: dyn_smem as u32,
@@ -253,6 +259,7 @@ impl CudaConfig {
             ("KSEL", derived.keep_max),
             ("CACHE_SLOTS", self.cache_slots),
             ("TOPK_KPT", derived.topk_per_thread),
+            ("DCH", derived.score_chunk),
             ("RED_IN_TILE", u32::from(derived.red_in_tile)),
         ]
         .iter()
@@ -264,6 +271,8 @@ impl CudaConfig {
 /// Kernel constants derived from a validated config.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Derived {
+    /// Head dims per selector staging step.
+    pub score_chunk: u32,
     /// Keep-set size bound per kv head (sink + local + top_k).
     pub keep_max: u32,
     /// Distant candidates per select_topk thread (registers).
