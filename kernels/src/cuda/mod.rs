@@ -14,9 +14,10 @@
 //! - `module`: NVRTC compilation; [`error`]: [`CudaError`].
 //!
 //! # Per layer, per decode call
-//! 1. Selector: one thread per (block, query head) computes the bound score in fp32 in the CPU's
-//!    summation order (bit-identical), max over the group; a radix select per (session, kv head)
-//!    picks the top-k distant blocks, ties to the lower index, written ascending.
+//! 1. Selector: one thread per block keeps the G query heads' bound sums in registers, summing
+//!    over d in order in fp32 (bit-identical to the CPU), reading the summaries in coalesced
+//!    chunks through shared memory; a radix select per (session, kv head) picks the top-k
+//!    distant blocks, ties to the lower index, written ascending.
 //! 2. Cache plan (same thread block as the top-k): a per-(session, layer, kv head) LRU tile
 //!    cache on the GPU decides hits and victim slots; only misses are read from host memory.
 //! 3. Fetch + attention: one thread block per (session, kv head, tile) stages the tile in shared
