@@ -171,6 +171,53 @@ impl KvCache {
         Ok(cold.len())
     }
 
+    /// The partially filled tail blocks that are cold, as `(layer, block)`: what must be
+    /// promoted before an append.
+    pub fn cold_tails(&self) -> Vec<(u32, u32)> {
+        let bt = self.geo.block_tokens as u64;
+        self.layers
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.tokens % bt != 0 && matches!(l.slots.last(), Some(Slot::Cold)))
+            .map(|(i, l)| (i as u32, l.slots.len() as u32 - 1))
+            .collect()
+    }
+
+    /// Cuts every layer back to at most `tokens` tokens: later blocks are dropped, the rows past
+    /// the new tail are zeroed and the tail's bounds refolded, so the cache is bit-identical to
+    /// one that never held the removed tokens. Used to roll back an append whose durable copy
+    /// could not be written. Panics if a tail block it must rewrite is cold.
+    pub fn truncate(&mut self, tokens: u64) {
+        let geo = self.geo;
+        let bt = geo.block_tokens as u64;
+        let (hkv, row) = (geo.kv_heads as usize, geo.row_bytes());
+        let spb = geo.summary_floats_per_block();
+        for l in &mut self.layers {
+            if l.tokens <= tokens {
+                continue;
+            }
+            let blocks = geo.blocks_for(tokens) as usize;
+            l.slots.truncate(blocks);
+            l.summaries.truncate(blocks * spb);
+            l.tokens = tokens;
+            let valid = (tokens % bt) as usize;
+            if valid == 0 {
+                continue;
+            }
+            let Some(Slot::Hot(frame)) = l.slots.last_mut() else {
+                panic!("truncate: the tail block must be resident");
+            };
+            let run = frame.as_mut_slice();
+            for h in 0..hkv {
+                let (ko, vo) = (geo.k_row_offset(h, valid), geo.v_row_offset(h, valid));
+                let rest = (bt as usize - valid) * row;
+                run[ko..ko + rest].fill(0);
+                run[vo..vo + rest].fill(0);
+            }
+            refold_bounds(&geo, run, valid, &mut l.summaries[(blocks - 1) * spb..]);
+        }
+    }
+
     /// Appends a whole stored block to `layer` (warm restart): `run` is the block run with
     /// `valid` tokens; the layer's length must be a multiple of the block size. Folds the
     /// block's bounds from its stored keys, so tiles, bounds and every later selection are
@@ -213,30 +260,10 @@ impl KvCache {
         } else {
             Slot::Cold
         };
-        let (hkv, d, row) = (
-            geo.kv_heads as usize,
-            geo.head_dim as usize,
-            geo.row_bytes(),
-        );
         let l = &mut self.layers[layer as usize];
         let at = l.summaries.len();
         l.summaries.resize(at + geo.summary_floats_per_block(), 0.0);
-        let mut key = [0f32; MAX_HEAD_DIM as usize];
-        let key = &mut key[..d];
-        for h in 0..hkv {
-            let s = &mut l.summaries[at + h * 2 * d..at + (h + 1) * 2 * d];
-            let (mx, mn) = s.split_at_mut(d);
-            mx.fill(f32::NEG_INFINITY);
-            mn.fill(f32::INFINITY);
-            for t in 0..valid {
-                let o = geo.k_row_offset(h, t);
-                geo.dtype.decode(&run[o..o + row], key);
-                for ((m, x), kv) in mx.iter_mut().zip(mn.iter_mut()).zip(key.iter()) {
-                    *m = m.max(*kv);
-                    *x = x.min(*kv);
-                }
-            }
-        }
+        refold_bounds(&geo, run, valid, &mut l.summaries[at..]);
         l.slots.push(slot);
         l.tokens += valid as u64;
         Ok(())
@@ -367,6 +394,13 @@ impl KvCache {
             });
         }
         let n = (k.len() / tb) as u64;
+        let bt = self.geo.block_tokens as u64;
+        if n > 0 && l.tokens % bt != 0 {
+            if let Some(Slot::Cold) = l.slots.last() {
+                // The partial tail block must be in RAM to take more rows.
+                return Err(StorageError::NotResident { layer, blocks: 1 });
+            }
+        }
         if l.tokens + n > self.max_tokens {
             return Err(StorageError::TooManyTokens {
                 max: self.max_tokens,
@@ -435,6 +469,27 @@ impl KvCache {
                 }
             }
             l.tokens += 1;
+        }
+    }
+}
+
+/// Recomputes one block's `[kv_head][max|min][D]` bounds from the first `valid` stored keys of
+/// its run (exactly what folding them in one by one on append produces).
+fn refold_bounds(geo: &Geometry, run: &[u8], valid: usize, summ: &mut [f32]) {
+    let (d, row) = (geo.head_dim as usize, geo.row_bytes());
+    let mut key = [0f32; MAX_HEAD_DIM as usize];
+    let key = &mut key[..d];
+    for h in 0..geo.kv_heads as usize {
+        let (mx, mn) = summ[h * 2 * d..(h + 1) * 2 * d].split_at_mut(d);
+        mx.fill(f32::NEG_INFINITY);
+        mn.fill(f32::INFINITY);
+        for t in 0..valid {
+            let o = geo.k_row_offset(h, t);
+            geo.dtype.decode(&run[o..o + row], key);
+            for ((m, x), kv) in mx.iter_mut().zip(mn.iter_mut()).zip(key.iter()) {
+                *m = m.max(*kv);
+                *x = x.min(*kv);
+            }
         }
     }
 }
