@@ -251,6 +251,7 @@ impl Engine {
                 q,
                 k: e.k,
                 v: e.v,
+                cold: None,
             })
             .collect();
         let out_len: usize = sessions

@@ -489,6 +489,15 @@ impl Connection {
                 engine.evict(peer, session)?;
                 Response::Evict
             }
+            Request::Demote { .. }
+            | Request::Promote { .. }
+            | Request::Pin { .. }
+            | Request::Unpin { .. } => {
+                return Err(ServiceError::new(
+                    ErrorCode::Unimplemented,
+                    "tier operations need the NVMe tier, which this daemon has not enabled",
+                ))
+            }
             Request::AppendKv(_) | Request::Decode(_) => {
                 unreachable!("heavy requests run on the blocking pool")
             }

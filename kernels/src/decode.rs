@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use kvtier_storage::{KvCache, Policy};
+use kvtier_storage::{ColdSource, KvCache, Policy};
 
 use crate::attention::{attend, AttendItem};
 use crate::error::{KernelError, Result};
@@ -20,6 +20,8 @@ pub struct DecodeEntry<'a> {
     /// The new token's `[kv_heads][head_dim]` K and V in the session dtype.
     pub k: &'a [u8],
     pub v: &'a [u8],
+    /// Where cold blocks of this session are read from (None: every block is resident).
+    pub cold: Option<&'a dyn ColdSource>,
 }
 
 /// What one entry's step read.
@@ -31,6 +33,10 @@ pub struct StepStats {
     pub tiles_selected: u32,
     /// Bytes read to answer: the summaries scanned plus the valid K/V rows of selected tiles.
     pub bytes_touched: u64,
+    /// Blocks of the keep-set that were cold and read back from the colder tier.
+    pub blocks_promoted: u32,
+    /// Bytes those reads brought into the host tier (whole block runs).
+    pub bytes_promoted: u64,
     /// The keep-set, per kv-head.
     pub keep: KeepSet,
 }
@@ -39,8 +45,11 @@ pub struct StepStats {
 const PARALLEL_MIN_BLOCKS: usize = 256;
 
 /// Runs one layer's decode step for every entry; `out` receives `[entry][q_heads][head_dim]`.
-/// All-or-nothing: every entry is validated and every frame reserved before any cache changes,
-/// so an error (naming the entry) leaves every session as it was.
+///
+/// Order: validate every entry and reserve every frame the appends need; select each keep-set
+/// (before the append — see [`select_head`]); promote cold keep-set blocks; append the new
+/// tokens; attend. Every failure happens before the first append, names its entry, and leaves
+/// every session as it was (a promoted block is only a cache fill).
 pub fn decode_layer(
     layer: u32,
     entries: &mut [DecodeEntry<'_>],
@@ -80,6 +89,30 @@ pub fn decode_layer(
     for (i, (e, &n)) in entries.iter().zip(&needs).enumerate() {
         reserved.push(e.kv.arena().alloc_many(n).map_err(|s| at(i)(s.into()))?);
     }
+
+    let keeps = select_all(layer, entries);
+
+    let mut promoted = vec![(0u32, 0u64); entries.len()];
+    for (i, (e, keep)) in entries.iter_mut().zip(&keeps).enumerate() {
+        let union = keep.union();
+        let missing = e.kv.cold_among(layer, &union);
+        if missing.is_empty() {
+            continue;
+        }
+        let source = e.cold.ok_or_else(|| {
+            at(i)(KernelError::Storage(
+                kvtier_storage::StorageError::NotResident {
+                    layer,
+                    blocks: missing.len(),
+                },
+            ))
+        })?;
+        let n =
+            e.kv.promote(layer, &missing, source)
+                .map_err(|s| at(i)(s.into()))?;
+        promoted[i] = (n as u32, (n * e.kv.geometry().block_bytes()) as u64);
+    }
+
     for (e, frames) in entries.iter_mut().zip(&mut reserved) {
         e.kv.append_layer_reserved(layer, e.position, e.k, e.v, frames)
             .expect("validated append cannot fail");
@@ -89,37 +122,6 @@ pub fn decode_layer(
         .iter()
         .map(|e| e.kv.layer(layer).expect("layer was validated"))
         .collect();
-    let jobs: Vec<(usize, usize)> = entries
-        .iter()
-        .enumerate()
-        .flat_map(|(i, e)| (0..e.kv.geometry().kv_heads as usize).map(move |h| (i, h)))
-        .collect();
-    let select_one = |scratch: &mut SelectScratch, &(i, h): &(usize, usize)| {
-        let mut blocks = Vec::new();
-        select_head(
-            entries[i].q,
-            &views[i],
-            &entries[i].policy,
-            h,
-            scratch,
-            &mut blocks,
-        );
-        blocks
-    };
-    let scored: usize = views.iter().map(|v| v.blocks()).sum();
-    let heads: Vec<Vec<u32>> = if scored >= PARALLEL_MIN_BLOCKS {
-        jobs.par_iter()
-            .map_init(SelectScratch::default, select_one)
-            .collect()
-    } else {
-        let mut scratch = SelectScratch::default();
-        jobs.iter().map(|j| select_one(&mut scratch, j)).collect()
-    };
-    let mut keeps = vec![KeepSet::new(); entries.len()];
-    for (&(i, _), blocks) in jobs.iter().zip(heads) {
-        keeps[i].push_head(blocks);
-    }
-
     let items: Vec<AttendItem<'_>> = entries
         .iter()
         .zip(&views)
@@ -135,7 +137,8 @@ pub fn decode_layer(
     Ok(views
         .iter()
         .zip(keeps)
-        .map(|(v, keep)| {
+        .zip(promoted)
+        .map(|((v, keep), (blocks_promoted, bytes_promoted))| {
             let geo = v.geometry();
             let summary_bytes = v.blocks() * geo.summary_floats_per_block() * 4;
             let mut rows = 0u64;
@@ -150,8 +153,48 @@ pub fn decode_layer(
                 blocks_total: v.blocks() as u32,
                 tiles_selected: keep.tiles() as u32,
                 bytes_touched: summary_bytes as u64 + rows * 2 * geo.row_bytes() as u64,
+                blocks_promoted,
+                bytes_promoted,
                 keep,
             }
         })
         .collect())
+}
+
+/// Selects every entry's keep-set over the block count the layer will have after the append,
+/// in parallel over (entry, kv-head) when there is enough scoring work.
+fn select_all(layer: u32, entries: &[DecodeEntry<'_>]) -> Vec<KeepSet> {
+    let views: Vec<_> = entries
+        .iter()
+        .map(|e| e.kv.layer(layer).expect("layer was validated"))
+        .collect();
+    let after: Vec<usize> = entries
+        .iter()
+        .map(|e| e.kv.geometry().blocks_for(e.position + 1) as usize)
+        .collect();
+    let jobs: Vec<(usize, usize)> = entries
+        .iter()
+        .enumerate()
+        .flat_map(|(i, e)| (0..e.kv.geometry().kv_heads as usize).map(move |h| (i, h)))
+        .collect();
+    let select_one = |scratch: &mut SelectScratch, &(i, h): &(usize, usize)| {
+        let mut blocks = Vec::new();
+        let e = &entries[i];
+        select_head(e.q, &views[i], after[i], &e.policy, h, scratch, &mut blocks);
+        blocks
+    };
+    let scored: usize = after.iter().sum();
+    let heads: Vec<Vec<u32>> = if scored >= PARALLEL_MIN_BLOCKS {
+        jobs.par_iter()
+            .map_init(SelectScratch::default, select_one)
+            .collect()
+    } else {
+        let mut scratch = SelectScratch::default();
+        jobs.iter().map(|j| select_one(&mut scratch, j)).collect()
+    };
+    let mut keeps = vec![KeepSet::new(); entries.len()];
+    for (&(i, _), blocks) in jobs.iter().zip(heads) {
+        keeps[i].push_head(blocks);
+    }
+    keeps
 }

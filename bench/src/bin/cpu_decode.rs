@@ -90,6 +90,7 @@ fn run_steps(
                     q: &q,
                     k: &k,
                     v: &v,
+                    cold: None,
                 }],
                 &mut out,
             )
