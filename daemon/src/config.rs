@@ -71,6 +71,7 @@ pub struct Config {
     pub admission: AdmissionConfig,
     pub auth: AuthConfig,
     pub backend: BackendConfig,
+    pub nvme: NvmeConfig,
     pub log: LogConfig,
 }
 
@@ -138,6 +139,84 @@ pub struct BackendConfig {
     pub kind: BackendKind,
     /// Threads of the compute pool (0 = one per core).
     pub threads: usize,
+}
+
+/// Which io engine the NVMe tier uses.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum IoEngineKind {
+    /// io_uring when the kernel allows it, else pread/pwrite (logged).
+    Auto,
+    Uring,
+    Pread,
+}
+
+/// One page file or block device of the NVMe tier.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NvmeDevice {
+    pub path: PathBuf,
+    pub capacity: ByteSize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct NvmeConfig {
+    /// Keep a durable copy of sessions on NVMe: demotion, write-through, warm restart.
+    pub enabled: bool,
+    /// Holds the manifest, and the default page file when `devices` is empty.
+    pub dir: PathBuf,
+    /// Page files or block devices; pages are striped over them by measured bandwidth.
+    pub devices: Vec<NvmeDevice>,
+    /// Size of the default page file `<dir>/pages-0` (preallocated).
+    pub capacity: ByteSize,
+    /// Make every APPEND_KV durable before acknowledging it.
+    pub write_through: bool,
+    /// When host-tier use passes this fraction, least recently used unpinned sessions are
+    /// demoted until it falls below `low_water`.
+    pub high_water: f64,
+    pub low_water: f64,
+    pub engine: IoEngineKind,
+    pub queue_depth: u32,
+}
+
+/// `$STATE_DIRECTORY` (systemd StateDirectory=), else `/var/lib/kvtier` for root, else
+/// `$XDG_STATE_HOME/kvtier` or `~/.local/state/kvtier`.
+pub fn default_state_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("STATE_DIRECTORY").filter(|d| !d.is_empty()) {
+        let first = d
+            .to_string_lossy()
+            .split(':')
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        return PathBuf::from(first);
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        return PathBuf::from("/var/lib/kvtier");
+    }
+    if let Some(d) = std::env::var_os("XDG_STATE_HOME").filter(|d| !d.is_empty()) {
+        return Path::new(&d).join("kvtier");
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into());
+    Path::new(&home).join(".local/state/kvtier")
+}
+
+impl Default for NvmeConfig {
+    fn default() -> Self {
+        NvmeConfig {
+            enabled: true,
+            dir: default_state_dir(),
+            devices: Vec::new(),
+            capacity: ByteSize(4 << 30),
+            write_through: false,
+            high_water: 0.9,
+            low_water: 0.75,
+            engine: IoEngineKind::Auto,
+            queue_depth: 64,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -259,7 +338,15 @@ pub enum ConfigError {
     Invalid { field: &'static str, reason: String },
 }
 
-const SECTIONS: [&str; 6] = ["server", "host", "admission", "auth", "backend", "log"];
+const SECTIONS: [&str; 7] = [
+    "server",
+    "host",
+    "admission",
+    "auth",
+    "backend",
+    "nvme",
+    "log",
+];
 
 impl Config {
     /// Defaults, overlaid with `file` (if any), then `TIERD_*` variables from `env`, then the
@@ -379,6 +466,40 @@ impl Config {
         ] {
             if v == 0 {
                 return bad(field, "must be at least 1".into());
+            }
+        }
+        let n = &self.nvme;
+        if !(n.low_water > 0.0 && n.low_water < n.high_water && n.high_water <= 1.0) {
+            return bad(
+                "nvme.high_water",
+                format!(
+                    "need 0 < low_water < high_water <= 1, got low {} high {}",
+                    n.low_water, n.high_water
+                ),
+            );
+        }
+        if n.enabled {
+            let page = frame + 4096;
+            if n.devices.is_empty() && n.capacity.0 < page {
+                return bad(
+                    "nvme.capacity",
+                    format!(
+                        "must hold at least one page ({page} bytes), got {}",
+                        n.capacity
+                    ),
+                );
+            }
+            if n.devices.iter().any(|d| d.capacity.0 < page) {
+                return bad(
+                    "nvme.devices",
+                    format!("every device must hold at least one page ({page} bytes)"),
+                );
+            }
+            if n.queue_depth == 0 || n.queue_depth > 4096 {
+                return bad(
+                    "nvme.queue_depth",
+                    format!("must be in 1..=4096, got {}", n.queue_depth),
+                );
             }
         }
         if !["error", "warn", "info", "debug", "trace"].contains(&self.log.level.as_str()) {

@@ -2,8 +2,14 @@
 //! (ownership, admission), appends, batched decode steps, and the counters behind STATS.
 //!
 //! Locking: the session table is a read-write lock held only to look sessions up; each session's
-//! KV cache has its own mutex, held for the duration of one append or decode. A batch decode
-//! locks its sessions in ascending id order, so two batches can never deadlock.
+//! state (KV cache, NVMe watermark) has its own mutex, held for the duration of one operation. A
+//! batch decode locks its sessions in ascending id order, so two batches can never deadlock;
+//! demotion under memory pressure only `try_lock`s other sessions, so it never waits on them.
+//!
+//! Tiering: with the NVMe tier enabled, a session's blocks are written to it (copy-on-write
+//! pages + manifest commit) on demotion, on write-through appends and at clean shutdown. A
+//! demoted block keeps its summary in RAM, so selection never touches NVMe; blocks a keep-set
+//! needs are promoted back (read, verified) before attention.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,9 +23,13 @@ use kvtier_protocol::{
     stats_keys, CreateSessionRequest, DecodeEntryRef, DecodeOutput, DecodeReply, DecodeStats,
     SessionInfo, StatsReply,
 };
+use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
+use kvtier_storage::nvme::{BlockRun, NvmeError, NvmeTier};
+use kvtier_storage::{ColdSource, Frame, StorageError};
 use kvtier_storage::{DType, Geometry, HostArena, KvCache, Policy};
 
 use crate::error::{ServiceError, ServiceResult};
+use kvtier_protocol::ErrorCode;
 
 /// Who is asking, from SO_PEERCRED.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,7 +47,15 @@ pub struct EngineLimits {
     pub admin_gids: Vec<u32>,
 }
 
-/// One session: its identity, policy and KV cache.
+/// How the engine uses the NVMe tier.
+#[derive(Debug, Clone)]
+pub struct TierSettings {
+    pub write_through: bool,
+    pub high_water: f64,
+    pub low_water: f64,
+}
+
+/// One session: its identity, policy and state.
 pub struct Session {
     pub id: u64,
     pub owner_uid: u32,
@@ -46,7 +64,59 @@ pub struct Session {
     pub policy: Policy,
     pub created_unix_ms: u64,
     last_access_unix_ms: AtomicU64,
-    kv: Mutex<KvCache>,
+    pinned: std::sync::atomic::AtomicBool,
+    state: Mutex<SessionState>,
+}
+
+struct SessionState {
+    kv: KvCache,
+    /// Tokens per layer whose blocks are durable on NVMe (blocks at or past
+    /// `persisted / block_tokens` are dirty and never evicted).
+    persisted: Vec<u64>,
+    /// The NVMe manifest holds a record of this session.
+    stored: bool,
+}
+
+/// Reads a session's cold blocks back from the NVMe tier, verified against the manifest.
+struct ColdFor<'a> {
+    tier: &'a NvmeTier,
+    session: u64,
+}
+
+impl ColdSource for ColdFor<'_> {
+    fn read_runs(
+        &self,
+        layer: u32,
+        blocks: &[u32],
+        frames: &mut [Frame],
+    ) -> kvtier_storage::Result<()> {
+        let fail = |block: u32, e: &NvmeError| StorageError::ColdRead {
+            layer,
+            block,
+            reason: e.to_string(),
+            corrupt: e.is_data_loss(),
+        };
+        let wanted: Vec<(u32, u32)> = blocks.iter().map(|&b| (layer, b)).collect();
+        let pages = self
+            .tier
+            .read_runs(self.session, &wanted)
+            .map_err(|e| fail(blocks[0], &e))?;
+        for ((page, frame), &b) in pages.into_iter().zip(frames).zip(blocks) {
+            let page = page.map_err(|e| fail(b, &e))?;
+            let bytes = page.payload();
+            frame.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
+        }
+        Ok(())
+    }
+}
+
+fn nvme_error(e: NvmeError) -> ServiceError {
+    let code = match &e {
+        NvmeError::Full { .. } | NvmeError::NoSpace { .. } => ErrorCode::ResourceExhausted,
+        e if e.is_data_loss() => ErrorCode::DataLoss,
+        _ => ErrorCode::Internal,
+    };
+    ServiceError::new(code, format!("NVMe tier: {e}"))
 }
 
 /// Monotonic counters reported by STATS (relaxed atomics: read at scrape time).
@@ -58,11 +128,15 @@ pub struct Counters {
     pub errors: AtomicU64,
     pub rejected: AtomicU64,
     pub bytes_touched: AtomicU64,
+    pub demotions: AtomicU64,
+    pub blocks_demoted: AtomicU64,
+    pub blocks_promoted: AtomicU64,
 }
 
 pub struct Engine {
     limits: EngineLimits,
     arena: HostArena,
+    tier: Option<(Arc<NvmeTier>, TierSettings)>,
     sessions: RwLock<HashMap<u64, Arc<Session>>>,
     next_id: AtomicU64,
     pub counters: Counters,
@@ -99,11 +173,23 @@ fn to_wire_geometry(g: &Geometry) -> kvtier_protocol::Geometry {
 
 impl Engine {
     pub fn new(arena: HostArena, limits: EngineLimits) -> Self {
+        Self::with_tier(arena, limits, None)
+    }
+
+    /// An engine whose sessions tier to `tier`.
+    pub fn with_tier(
+        arena: HostArena,
+        limits: EngineLimits,
+        tier: Option<(Arc<NvmeTier>, TierSettings)>,
+    ) -> Self {
         Engine {
             limits,
             arena,
+            tier,
             sessions: RwLock::new(HashMap::new()),
-            next_id: AtomicU64::new(1),
+            // Ids never repeat across restarts: they start from the clock (4096 per ms), and
+            // recovery moves past every restored id.
+            next_id: AtomicU64::new(now_ms() << 12),
             counters: Counters::default(),
             started: Instant::now(),
         }
@@ -157,25 +243,28 @@ impl Engine {
             )));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let now = now_ms();
-        sessions.insert(
+        let session = Arc::new(Session::new(
             id,
-            Arc::new(Session {
-                id,
-                owner_uid: peer.uid,
-                label: req.label.clone(),
-                geometry,
-                policy,
-                created_unix_ms: now,
-                last_access_unix_ms: AtomicU64::new(now),
-                kv: Mutex::new(kv),
-            }),
-        );
+            peer.uid,
+            req.label.clone(),
+            policy,
+            kv,
+            false,
+        ));
+        if self.tier.as_ref().is_some_and(|(_, t)| t.write_through) {
+            // Write-through: an acknowledged session survives a crash even before its first
+            // append.
+            let mut st = session.state.lock();
+            self.persist_locked(&session, &mut st)?;
+        }
+        sessions.insert(id, session);
         tracing::info!(session = id, uid = peer.uid, label = %req.label, ?geometry, ?policy, "session created");
         Ok(id)
     }
 
-    /// Appends `n_tokens` to every layer of a session; returns its new length.
+    /// Appends `n_tokens` to every layer of a session; returns its new length. With
+    /// write-through the new blocks are durable on NVMe before this returns; if they cannot be
+    /// made durable the append is rolled back.
     pub fn append(
         &self,
         peer: &Peer,
@@ -185,17 +274,40 @@ impl Engine {
         payload: &[u8],
     ) -> ServiceResult<u64> {
         let s = self.lookup(peer, id, false)?;
-        let mut kv = s.kv.lock();
-        kv.append(start, n_tokens as u64, payload)
-            .inspect_err(|e| {
-                if matches!(e, kvtier_storage::StorageError::ArenaFull { .. }) {
+        let mut st = s.state.lock();
+        let need = st.kv.geometry().blocks_for(start + n_tokens as u64) as usize
+            * st.kv.geometry().layers as usize;
+        let tails = st.kv.cold_tails();
+        let attempt = |st: &mut SessionState| -> ServiceResult<()> {
+            self.promote_tails(&s, st, &tails)?;
+            st.kv.append(start, n_tokens as u64, payload)?;
+            Ok(())
+        };
+        if let Err(e) = attempt(&mut st) {
+            if e.code != ErrorCode::ResourceExhausted || !self.make_room(&[id], need) {
+                if e.code == ErrorCode::ResourceExhausted {
                     self.counters.rejected.fetch_add(1, Ordering::Relaxed);
                 }
-            })?;
+                return Err(e);
+            }
+            attempt(&mut st)?;
+        }
+        if self.tier.as_ref().is_some_and(|(_, t)| t.write_through) {
+            if let Err(e) = self.persist_locked(&s, &mut st) {
+                st.kv.truncate(start);
+                return Err(ServiceError::new(
+                    e.code,
+                    format!("append rolled back, not durable: {}", e.message),
+                ));
+            }
+        }
         self.counters
             .append_tokens
             .fetch_add(n_tokens as u64, Ordering::Relaxed);
-        Ok(kv.min_tokens())
+        let tokens = st.kv.min_tokens();
+        drop(st);
+        self.make_room(&[id], 0);
+        Ok(tokens)
     }
 
     /// One decode step of `layer` for every entry (a batch when several). All-or-nothing.
@@ -230,28 +342,23 @@ impl Engine {
                 w[0].max(w[1])
             )));
         }
-        let mut guards: Vec<Option<MutexGuard<'_, KvCache>>> =
+        let mut guards: Vec<Option<MutexGuard<'_, SessionState>>> =
             (0..entries.len()).map(|_| None).collect();
         for &i in &order {
-            guards[i] = Some(sessions[i].kv.lock());
+            guards[i] = Some(sessions[i].state.lock());
         }
         let queries: Vec<Vec<f32>> = entries
             .iter()
             .map(|e| kvtier_protocol::f32s_le(e.q).collect())
             .collect();
-        let mut batch: Vec<DecodeEntry<'_>> = guards
-            .iter_mut()
-            .zip(entries)
-            .zip(&queries)
-            .zip(&sessions)
-            .map(|(((g, e), q), s)| DecodeEntry {
-                kv: g.as_mut().expect("locked above"),
-                policy: s.policy,
-                position: e.position,
-                q,
-                k: e.k,
-                v: e.v,
-                cold: None,
+        let ids: Vec<u64> = sessions.iter().map(|s| s.id).collect();
+        let sources: Vec<Option<ColdFor<'_>>> = ids
+            .iter()
+            .map(|&session| {
+                self.tier.as_ref().map(|(tier, _)| ColdFor {
+                    tier: tier.as_ref(),
+                    session,
+                })
             })
             .collect();
         let out_len: usize = sessions
@@ -259,17 +366,59 @@ impl Engine {
             .map(|s| (s.geometry.q_heads * s.geometry.head_dim) as usize)
             .sum();
         let mut out = vec![0f32; out_len];
-        let stats = decode_layer(layer, &mut batch, &mut out).inspect_err(|e| {
-            if matches!(
-                e.root(),
-                kvtier_kernels::KernelError::Storage(
-                    kvtier_storage::StorageError::ArenaFull { .. }
-                )
-            ) {
-                self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+        let mut run = |guards: &mut Vec<Option<MutexGuard<'_, SessionState>>>| {
+            for (i, g) in guards.iter_mut().enumerate() {
+                let st = g.as_mut().expect("locked above");
+                // The tail block takes the new token: bring it back if it was demoted.
+                let tails: Vec<(u32, u32)> = st
+                    .kv
+                    .cold_tails()
+                    .into_iter()
+                    .filter(|t| t.0 == layer)
+                    .collect();
+                self.promote_tails(&sessions[i], st, &tails)
+                    .map_err(|err| {
+                        ServiceError::new(err.code, format!("batch entry {i}: {}", err.message))
+                    })?;
             }
-        })?;
-        drop(batch);
+            let mut batch: Vec<DecodeEntry<'_>> = guards
+                .iter_mut()
+                .zip(entries)
+                .zip(&queries)
+                .zip(&sessions)
+                .zip(&sources)
+                .map(|((((g, e), q), s), src)| DecodeEntry {
+                    kv: &mut g.as_mut().expect("locked above").kv,
+                    policy: s.policy,
+                    position: e.position,
+                    q,
+                    k: e.k,
+                    v: e.v,
+                    cold: src.as_ref().map(|c| c as &dyn ColdSource),
+                })
+                .collect();
+            decode_layer(layer, &mut batch, &mut out).map_err(ServiceError::from)
+        };
+        let stats = match run(&mut guards) {
+            Err(e) if e.code == ErrorCode::ResourceExhausted => {
+                // Make room by demoting other sessions, then try once more: enough frames for
+                // every entry's keep-set (distinct blocks over its kv-heads) and a new block.
+                let need: usize = sessions
+                    .iter()
+                    .map(|s| {
+                        let keep = s.policy.budget() as usize * s.geometry.kv_heads as usize;
+                        let blocks = s.geometry.blocks_for(entries[0].position + 1) as usize;
+                        keep.min(blocks) + 1
+                    })
+                    .sum();
+                if !self.make_room(&ids, need) {
+                    self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                    return Err(e);
+                }
+                run(&mut guards)?
+            }
+            other => other?,
+        };
         drop(guards);
         self.counters
             .decode_requests
@@ -281,6 +430,10 @@ impl Engine {
         self.counters
             .bytes_touched
             .fetch_add(touched, Ordering::Relaxed);
+        let promoted: u64 = stats.iter().map(|s| s.blocks_promoted as u64).sum();
+        self.counters
+            .blocks_promoted
+            .fetch_add(promoted, Ordering::Relaxed);
         let mut at = 0;
         let reply = sessions
             .iter()
@@ -289,17 +442,18 @@ impl Engine {
                 let n = (s.geometry.q_heads * s.geometry.head_dim) as usize;
                 let o = out[at..at + n].to_vec();
                 at += n;
+                let nvme_tiles = st.blocks_promoted * s.geometry.kv_heads;
                 DecodeOutput {
                     out: o,
                     stats: want_stats.then(|| DecodeStats {
                         blocks_total: st.blocks_total,
                         blocks_selected: st.tiles_selected,
                         bytes_touched: st.bytes_touched,
-                        // The CPU backend attends in place: nothing crosses a tier boundary.
-                        bytes_moved: 0,
+                        // The CPU backend attends in place; only NVMe reads move bytes.
+                        bytes_moved: st.bytes_promoted,
                         cache_hits: 0,
-                        blocks_ram: st.tiles_selected,
-                        blocks_nvme: 0,
+                        blocks_ram: st.tiles_selected.saturating_sub(nvme_tiles),
+                        blocks_nvme: nvme_tiles.min(st.tiles_selected),
                         selected: (0..st.keep.heads())
                             .map(|h| st.keep.head(h).to_vec())
                             .collect(),
@@ -307,11 +461,295 @@ impl Engine {
                 }
             })
             .collect();
+        self.make_room(&ids, 0);
         Ok(DecodeReply { entries: reply })
     }
 
+    fn promote_tails(
+        &self,
+        s: &Session,
+        st: &mut SessionState,
+        tails: &[(u32, u32)],
+    ) -> ServiceResult<()> {
+        if tails.is_empty() {
+            return Ok(());
+        }
+        let (tier, _) = self
+            .tier
+            .as_ref()
+            .ok_or_else(|| ServiceError::internal("cold blocks without an NVMe tier"))?;
+        let src = ColdFor {
+            tier,
+            session: s.id,
+        };
+        for &(layer, block) in tails {
+            let n = st.kv.promote(layer, &[block], &src)?;
+            self.counters
+                .blocks_promoted
+                .fetch_add(n as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Writes the session's dirty blocks (those at or past the durable watermark) to NVMe and
+    /// commits its record; returns the blocks written.
+    fn persist_locked(&self, s: &Session, st: &mut SessionState) -> ServiceResult<usize> {
+        let (tier, _) = self.tier.as_ref().ok_or_else(|| {
+            ServiceError::new(
+                ErrorCode::FailedPrecondition,
+                "the NVMe tier is not enabled (nvme.enabled)",
+            )
+        })?;
+        let geo = s.geometry;
+        let bt = geo.block_tokens as u64;
+        let mut runs = Vec::new();
+        for l in 0..geo.layers {
+            let from = (st.persisted[l as usize] / bt) as u32;
+            let blocks = st.kv.layer(l)?.blocks() as u32;
+            for b in from..blocks {
+                let bytes = st.kv.run(l, b).expect("dirty blocks are never evicted");
+                runs.push(BlockRun {
+                    layer: l,
+                    block: b,
+                    bytes,
+                });
+            }
+        }
+        let tokens: Vec<u64> = (0..geo.layers)
+            .map(|l| st.kv.tokens(l).expect("layer exists"))
+            .collect();
+        if runs.is_empty() && st.stored {
+            return Ok(0);
+        }
+        let record = SessionRecord {
+            id: s.id,
+            owner_uid: s.owner_uid,
+            label: s.label.clone(),
+            geometry: GeometryRecord {
+                layers: geo.layers,
+                q_heads: geo.q_heads,
+                kv_heads: geo.kv_heads,
+                head_dim: geo.head_dim,
+                dtype: geo.dtype.code(),
+                block_tokens: geo.block_tokens,
+            },
+            policy: PolicyRecord {
+                sink_blocks: s.policy.sink_blocks,
+                local_blocks: s.policy.local_blocks,
+                top_k: s.policy.top_k,
+            },
+            layer_tokens: tokens.clone(),
+            pages: Vec::new(),
+        };
+        tier.put_session(&record, &runs).map_err(nvme_error)?;
+        st.persisted = tokens;
+        st.stored = true;
+        Ok(runs.len())
+    }
+
+    /// Persists the session and frees every host frame it holds; returns the frames freed.
+    fn demote_locked(&self, s: &Session, st: &mut SessionState) -> ServiceResult<usize> {
+        self.persist_locked(s, st)?;
+        let mut freed = 0;
+        for l in 0..s.geometry.layers {
+            for b in 0..st.kv.layer(l)?.blocks() as u32 {
+                freed += st.kv.evict(l, b) as usize;
+            }
+        }
+        self.counters.demotions.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .blocks_demoted
+            .fetch_add(freed as u64, Ordering::Relaxed);
+        Ok(freed)
+    }
+
+    /// DEMOTE: write the session to NVMe and free its host frames.
+    pub fn demote(&self, peer: &Peer, id: u64) -> ServiceResult<u64> {
+        let s = self.lookup(peer, id, false)?;
+        if s.pinned.load(Ordering::Relaxed) {
+            return Err(ServiceError::precondition(format!(
+                "session {id} is pinned; UNPIN it first"
+            )));
+        }
+        let mut st = s.state.lock();
+        let freed = self.demote_locked(&s, &mut st)?;
+        tracing::info!(session = id, frames = freed, "session demoted");
+        Ok(freed as u64)
+    }
+
+    /// PROMOTE: read every cold block of the session back into the host tier.
+    pub fn promote(&self, peer: &Peer, id: u64) -> ServiceResult<u64> {
+        let s = self.lookup(peer, id, false)?;
+        let Some((tier, _)) = &self.tier else {
+            return Ok(0);
+        };
+        let mut st = s.state.lock();
+        let src = ColdFor { tier, session: id };
+        let mut n = 0;
+        for l in 0..s.geometry.layers {
+            let all: Vec<u32> = (0..st.kv.layer(l)?.blocks() as u32).collect();
+            n += st.kv.promote(l, &all, &src)?;
+        }
+        self.counters
+            .blocks_promoted
+            .fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n as u64)
+    }
+
+    /// PIN / UNPIN: a pinned session is never demoted.
+    pub fn pin(&self, peer: &Peer, id: u64, pinned: bool) -> ServiceResult<()> {
+        let s = self.lookup(peer, id, false)?;
+        s.pinned.store(pinned, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Demotes least recently used, unpinned sessions not in `exclude` while the host tier is
+    /// above its high-water mark (down to the low-water mark) or fewer than `need` frames are
+    /// free. Only `try_lock`s sessions, so it never waits on a busy one. Returns whether the
+    /// goal was reached.
+    fn make_room(&self, exclude: &[u64], need: usize) -> bool {
+        let Some((_, t)) = &self.tier else {
+            return false;
+        };
+        let u = self.arena.usage();
+        let total = u.frames_total as f64;
+        let goal_used =
+            |used: usize| (used as f64) <= total * t.low_water && u.frames_total - used >= need;
+        if (u.frames_used as f64) < total * t.high_water && u.frames_total - u.frames_used >= need {
+            return true;
+        }
+        let mut candidates: Vec<Arc<Session>> = self
+            .sessions
+            .read()
+            .values()
+            .filter(|s| !exclude.contains(&s.id) && !s.pinned.load(Ordering::Relaxed))
+            .cloned()
+            .collect();
+        candidates.sort_by_key(|s| s.last_access_unix_ms.load(Ordering::Relaxed));
+        for s in candidates {
+            if goal_used(self.arena.usage().frames_used) {
+                break;
+            }
+            let Some(mut st) = s.state.try_lock() else {
+                continue;
+            };
+            if st.kv.frames() == 0 {
+                continue;
+            }
+            match self.demote_locked(&s, &mut st) {
+                Ok(n) => {
+                    tracing::info!(session = s.id, frames = n, "demoted under memory pressure")
+                }
+                Err(e) => tracing::warn!(session = s.id, error = %e, "demotion failed"),
+            }
+        }
+        let used = self.arena.usage().frames_used;
+        u.frames_total - used >= need
+    }
+
+    /// Writes every session to NVMe (clean shutdown), so a restart finds them all.
+    pub fn persist_all(&self) -> (usize, usize) {
+        if self.tier.is_none() {
+            return (0, 0);
+        }
+        let all: Vec<Arc<Session>> = self.sessions.read().values().cloned().collect();
+        let (mut ok, mut failed) = (0, 0);
+        for s in all {
+            let mut st = s.state.lock();
+            match self.persist_locked(&s, &mut st) {
+                Ok(_) => ok += 1,
+                Err(e) => {
+                    failed += 1;
+                    tracing::error!(session = s.id, error = %e, "could not persist session at shutdown");
+                }
+            }
+        }
+        (ok, failed)
+    }
+
+    /// Loads every session the NVMe manifest holds (warm restart): reads and verifies each
+    /// page, rebuilds tiles and bounds bit-identically, keeping blocks resident while the host
+    /// tier is below its low-water mark and cold after that. A session that cannot be read
+    /// back is left on NVMe, not served, and reported.
+    pub fn recover(&self) -> (usize, Vec<String>) {
+        let Some((tier, t)) = &self.tier else {
+            return (0, Vec::new());
+        };
+        let mut problems = Vec::new();
+        let mut loaded = 0;
+        for id in tier.session_ids() {
+            let rec = tier.session(id).expect("listed");
+            match self.restore(tier, t, &rec) {
+                Ok(session) => {
+                    self.sessions.write().insert(id, Arc::new(session));
+                    self.next_id.fetch_max(id + 1, Ordering::Relaxed);
+                    loaded += 1;
+                }
+                Err(e) => problems.push(format!("session {id}: {e}")),
+            }
+        }
+        (loaded, problems)
+    }
+
+    fn restore(
+        &self,
+        tier: &NvmeTier,
+        t: &TierSettings,
+        rec: &SessionRecord,
+    ) -> ServiceResult<Session> {
+        let g = &rec.geometry;
+        let geometry = Geometry {
+            layers: g.layers,
+            q_heads: g.q_heads,
+            kv_heads: g.kv_heads,
+            head_dim: g.head_dim,
+            dtype: DType::from_code(g.dtype)
+                .ok_or_else(|| ServiceError::internal(format!("unknown dtype {}", g.dtype)))?,
+            block_tokens: g.block_tokens,
+        };
+        let policy = Policy {
+            sink_blocks: rec.policy.sink_blocks,
+            local_blocks: rec.policy.local_blocks,
+            top_k: rec.policy.top_k,
+        };
+        let mut kv = KvCache::new(geometry, self.arena.clone())?;
+        let bt = geometry.block_tokens as u64;
+        const BATCH: usize = 64;
+        for l in 0..geometry.layers {
+            let tokens = *rec.layer_tokens.get(l as usize).unwrap_or(&0);
+            let blocks: Vec<(u32, u32)> = (0..geometry.blocks_for(tokens) as u32)
+                .map(|b| (l, b))
+                .collect();
+            for chunk in blocks.chunks(BATCH) {
+                let pages = tier.read_runs(rec.id, chunk).map_err(nvme_error)?;
+                for (page, &(_, b)) in pages.into_iter().zip(chunk) {
+                    let page = page.map_err(nvme_error)?;
+                    let valid = (tokens - b as u64 * bt).min(bt) as usize;
+                    let u = self.arena.usage();
+                    let keep = (u.frames_used as f64) < u.frames_total as f64 * t.low_water;
+                    kv.restore_block(l, page.payload(), valid, keep)?;
+                }
+            }
+        }
+        let persisted = (0..geometry.layers)
+            .map(|l| kv.tokens(l).expect("layer"))
+            .collect();
+        let mut s = Session::new(rec.id, rec.owner_uid, rec.label.clone(), policy, kv, true);
+        s.state.get_mut().persisted = persisted;
+        Ok(s)
+    }
+
     fn info_of(&self, s: &Session) -> SessionInfo {
-        let kv = s.kv.lock();
+        let st = s.state.lock();
+        let page = self
+            .tier
+            .as_ref()
+            .map_or(0, |(t, _)| t.store().page_size() as u64);
+        let nvme_pages: u64 = if st.stored {
+            st.persisted.iter().map(|&t| s.geometry.blocks_for(t)).sum()
+        } else {
+            0
+        };
         SessionInfo {
             session: s.id,
             owner_uid: s.owner_uid,
@@ -322,12 +760,12 @@ impl Engine {
                 local_blocks: s.policy.local_blocks,
                 top_k: s.policy.top_k,
             },
-            tokens_min: kv.min_tokens(),
-            tokens_max: kv.max_tokens_stored(),
-            blocks: kv.frames() as u64,
-            host_bytes: kv.host_bytes() as u64,
-            nvme_bytes: 0,
-            pinned: false,
+            tokens_min: st.kv.min_tokens(),
+            tokens_max: st.kv.max_tokens_stored(),
+            blocks: st.kv.blocks() as u64,
+            host_bytes: st.kv.host_bytes() as u64,
+            nvme_bytes: nvme_pages * page,
+            pinned: s.pinned.load(Ordering::Relaxed),
             created_unix_ms: s.created_unix_ms,
             last_access_unix_ms: s.last_access_unix_ms.load(Ordering::Relaxed),
         }
@@ -354,7 +792,7 @@ impl Engine {
 
     pub fn close(&self, peer: &Peer, id: u64) -> ServiceResult<()> {
         self.lookup(peer, id, false)?;
-        self.remove(id);
+        self.remove(id)?;
         tracing::info!(session = id, uid = peer.uid, "session closed");
         Ok(())
     }
@@ -366,21 +804,29 @@ impl Engine {
             ));
         }
         self.lookup(peer, id, true)?;
-        self.remove(id);
+        self.remove(id)?;
         tracing::info!(session = id, uid = peer.uid, "session evicted");
         Ok(())
     }
 
-    /// Drops a session; its frames return to the arena once in-flight requests release it.
-    fn remove(&self, id: u64) {
-        self.sessions.write().remove(&id);
+    /// Drops a session and its NVMe copy; its frames return to the arena once in-flight
+    /// requests release it.
+    fn remove(&self, id: u64) -> ServiceResult<()> {
+        let Some(s) = self.sessions.write().remove(&id) else {
+            return Err(ServiceError::not_found(id));
+        };
+        let stored = s.state.lock().stored;
+        if let (Some((tier, _)), true) = (&self.tier, stored) {
+            tier.delete_session(id).map_err(nvme_error)?;
+        }
+        Ok(())
     }
 
     pub fn stats(&self) -> StatsReply {
         let u = self.arena.usage();
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let entries = vec![
+        let mut entries = vec![
             (
                 stats_keys::UPTIME_MS,
                 self.started.elapsed().as_millis() as u64,
@@ -397,11 +843,57 @@ impl Engine {
             (stats_keys::REJECTED_TOTAL, get(&c.rejected)),
             (stats_keys::BYTES_TOUCHED_TOTAL, get(&c.bytes_touched)),
         ];
+        if let Some((tier, _)) = &self.tier {
+            let su = tier.store().usage();
+            let used: u64 = su.devices.iter().map(|d| d.bytes_used).sum();
+            let total: u64 = su.devices.iter().map(|d| d.bytes_total).sum();
+            entries.extend([
+                ("nvme_bytes_used", used),
+                ("nvme_bytes_capacity", total),
+                ("nvme_devices", su.devices.len() as u64),
+                ("nvme_sessions", tier.session_ids().len() as u64),
+                ("nvme_read_bytes_total", su.bytes_read),
+                ("nvme_written_bytes_total", su.bytes_written),
+                ("nvme_corrupt_pages_total", su.corrupt_pages),
+                ("demotions_total", get(&c.demotions)),
+                ("blocks_demoted_total", get(&c.blocks_demoted)),
+                ("blocks_promoted_total", get(&c.blocks_promoted)),
+            ]);
+        }
         StatsReply {
             entries: entries
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
                 .collect(),
+        }
+    }
+}
+
+impl Session {
+    fn new(
+        id: u64,
+        owner_uid: u32,
+        label: String,
+        policy: Policy,
+        kv: KvCache,
+        stored: bool,
+    ) -> Self {
+        let now = now_ms();
+        let layers = kv.geometry().layers as usize;
+        Session {
+            id,
+            owner_uid,
+            label,
+            geometry: *kv.geometry(),
+            policy,
+            created_unix_ms: now,
+            last_access_unix_ms: AtomicU64::new(now),
+            pinned: std::sync::atomic::AtomicBool::new(false),
+            state: Mutex::new(SessionState {
+                kv,
+                persisted: vec![0; layers],
+                stored,
+            }),
         }
     }
 }

@@ -114,7 +114,15 @@ fn serve(cfg: Config) -> Result<(), String> {
     if cfg.backend.threads > 0 {
         rayon_pool(cfg.backend.threads)?;
     }
-    let engine = tierd::build_engine(&cfg).map_err(|e| format!("host tier: {e}"))?;
+    let std_listener = tierd::bind(
+        &cfg.server.socket_path,
+        cfg.server.socket_mode,
+        cfg.server.socket_group.as_deref(),
+    )
+    .map_err(|e| e.to_string())?;
+    // Bound before the engine is built, so a second daemon on this socket fails before it
+    // touches the NVMe tier; connections wait in the backlog until a warm restart is done.
+    let engine = Arc::new(tierd::build_engine(&cfg)?);
     let usage = engine.arena().usage();
     tracing::info!(
         capacity = %tierd::config::ByteSize(usage.bytes_total() as u64),
@@ -122,12 +130,6 @@ fn serve(cfg: Config) -> Result<(), String> {
         frames = usage.frames_total,
         "host tier ready"
     );
-    let std_listener = tierd::bind(
-        &cfg.server.socket_path,
-        cfg.server.socket_mode,
-        cfg.server.socket_group.as_deref(),
-    )
-    .map_err(|e| e.to_string())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("tierd-io")
@@ -138,9 +140,15 @@ fn serve(cfg: Config) -> Result<(), String> {
         let listener = tokio::net::UnixListener::from_std(std_listener)
             .map_err(|e| format!("registering the socket: {e}"))?;
         tracing::info!(socket = %cfg.server.socket_path.display(), "tierd ready");
-        tierd::run(listener, Arc::new(engine), settings, shutdown_signal())
+        tierd::run(listener, engine.clone(), settings, shutdown_signal())
             .await
-            .map_err(|e| format!("server: {e}"))
+            .map_err(|e| format!("server: {e}"))?;
+        // Every session goes to NVMe so a restart finds it (no-op without the NVMe tier).
+        let (ok, failed) = engine.persist_all();
+        if ok + failed > 0 {
+            tracing::info!(persisted = ok, failed, "sessions written to the NVMe tier");
+        }
+        Ok::<(), String>(())
     })?;
     tracing::info!("tierd stopped");
     Ok(())

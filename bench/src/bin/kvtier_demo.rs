@@ -65,10 +65,16 @@ impl Drop for Daemon {
 fn start_tierd(path: PathBuf) -> Daemon {
     let dir = tempfile::tempdir().expect("temp dir");
     let socket = dir.path().join("tierd.sock");
-    // Embedded defaults: only the socket is private, so the demo never meets a system tierd.
+    // Embedded defaults: only the socket and the NVMe state directory are private, so the demo
+    // never meets a system tierd or its sessions.
     let child = Command::new(&path)
         .arg("--socket")
         .arg(&socket)
+        .arg("--set")
+        .arg(format!(
+            "nvme.dir={:?}",
+            dir.path().join("state").to_str().unwrap()
+        ))
         .args(["--log-level", "warn"])
         .stdin(Stdio::null())
         .spawn()
@@ -277,6 +283,9 @@ fn main() {
         info.blocks,
         info.host_bytes as f64 / 1e6
     );
+    for s in [sparse, dense] {
+        c.close(s).expect("close");
+    }
     drop(c);
     drop(daemon);
 }

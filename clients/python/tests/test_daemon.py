@@ -29,7 +29,8 @@ def daemon(tmp_path):
     sock = str(tmp_path / "tierd.sock")
     proc = subprocess.Popen(
         [tierd_binary(), "--socket", sock, "--host-capacity", "64MiB",
-         "--set", 'host.frame_bytes="4KiB"', "--log-level", "warn"],
+         "--set", 'host.frame_bytes="4KiB"', "--log-level", "warn",
+         "--set", f'nvme.dir="{tmp_path / "state"}"', "--set", 'nvme.capacity="64MiB"'],
         stdin=subprocess.DEVNULL,
     )
     deadline = time.time() + 20
@@ -155,3 +156,25 @@ def test_decode_loop_example_runs_against_the_daemon(daemon):
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "appended 300 tokens" in out.stdout, out.stdout
+
+
+def test_demote_promote_and_pin(daemon):
+    sock, _ = daemon
+    rng = np.random.default_rng(3)
+    with Client(sock) as c:
+        sid = c.create_session(G, POLICY)
+        kv = f32_to_bf16(rng.standard_normal((2, 2, 100, 2, 32), dtype=np.float32))
+        c.append_kv(sid, 0, 100, kv)
+        q = rng.standard_normal((4, 32), dtype=np.float32)
+        k = f32_to_bf16(rng.standard_normal((2, 32), dtype=np.float32))
+        c.pin(sid)
+        with pytest.raises(ServerError) as e:
+            c.demote(sid)
+        assert e.value.code == ErrorCode.FAILED_PRECONDITION
+        c.pin(sid, False)
+        assert c.demote(sid) == 2 * 7  # 100 tokens = 7 blocks of 16 per layer
+        assert c.session_info(sid).host_bytes == 0
+        out = c.decode(0, sid, 100, q, k, k, want_stats=True)
+        assert out.stats.blocks_nvme > 0 and out.stats.bytes_moved > 0
+        assert c.promote(sid) > 0
+        assert c.stats()["demotions_total"] == 1
