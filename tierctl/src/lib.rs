@@ -74,6 +74,26 @@ pub enum Command {
         /// Session id.
         id: u64,
     },
+    /// Write one of your sessions to the NVMe tier and free its host RAM.
+    Demote {
+        /// Session id.
+        id: u64,
+    },
+    /// Read one of your sessions' NVMe blocks back into host RAM.
+    Promote {
+        /// Session id.
+        id: u64,
+    },
+    /// Keep one of your sessions in host RAM (never demoted).
+    Pin {
+        /// Session id.
+        id: u64,
+    },
+    /// Undo `pin`.
+    Unpin {
+        /// Session id.
+        id: u64,
+    },
     /// Every STATS key the daemon reports.
     Stats,
     /// Storage tier usage, as reported by the daemon.
@@ -177,6 +197,40 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), CtlError> {
                 action: "evicted",
             };
             emit(cli, out, &r, || format!("evicted session {id}\n"))
+        }
+        Command::Demote { id } => {
+            let blocks = client.demote(*id).map_err(fail("DEMOTE", Some(*id)))?;
+            let r = report::TierMove {
+                session: *id,
+                action: "demoted",
+                blocks,
+            };
+            emit(cli, out, &r, || {
+                format!("demoted session {id}: {blocks} blocks moved to NVMe\n")
+            })
+        }
+        Command::Promote { id } => {
+            let blocks = client.promote(*id).map_err(fail("PROMOTE", Some(*id)))?;
+            let r = report::TierMove {
+                session: *id,
+                action: "promoted",
+                blocks,
+            };
+            emit(cli, out, &r, || {
+                format!("promoted session {id}: {blocks} blocks read into host RAM\n")
+            })
+        }
+        Command::Pin { id } | Command::Unpin { id } => {
+            let pin = matches!(cli.command, Command::Pin { .. });
+            let op = if pin { "PIN" } else { "UNPIN" };
+            client.pin(*id, pin).map_err(fail(op, Some(*id)))?;
+            let r = report::Pinned {
+                session: *id,
+                pinned: pin,
+            };
+            emit(cli, out, &r, || {
+                format!("{} session {id}\n", if pin { "pinned" } else { "unpinned" })
+            })
         }
         Command::Stats => {
             let stats = client.stats().map_err(fail("STATS", None))?;

@@ -382,6 +382,23 @@ pub struct Dropped {
     pub action: &'static str,
 }
 
+/// `demote` / `promote`.
+#[derive(Debug, Serialize)]
+pub struct TierMove {
+    pub session: u64,
+    /// `demoted` or `promoted`.
+    pub action: &'static str,
+    /// Blocks freed from host RAM (demote) or read back (promote).
+    pub blocks: u64,
+}
+
+/// `pin` / `unpin`.
+#[derive(Debug, Serialize)]
+pub struct Pinned {
+    pub session: u64,
+    pub pinned: bool,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

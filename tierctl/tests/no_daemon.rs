@@ -32,6 +32,10 @@ fn missing_socket_is_not_running() {
         &["session", "info", "1"],
         &["close", "1"],
         &["evict", "1"],
+        &["demote", "1"],
+        &["promote", "1"],
+        &["pin", "1"],
+        &["unpin", "1"],
         &["stats"],
         &["tier"],
     ] {

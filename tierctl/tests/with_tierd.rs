@@ -50,6 +50,8 @@ impl Daemon {
     fn start(extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("tierd.sock");
+        // NVMe state in the temp dir: never the system default /var/lib/kvtier.
+        let state = dir.path().join("state");
         let child = Command::new(tierd_bin())
             .arg("--socket")
             .arg(&sock)
@@ -61,6 +63,9 @@ impl Daemon {
                 "--log-level",
                 "warn",
             ])
+            .arg("--set")
+            .arg(format!("nvme.dir={:?}", state.to_str().unwrap()))
+            .args(["--set", "nvme.capacity=\"32MiB\""])
             .args(extra)
             .spawn()
             .expect("spawn tierd");
@@ -248,13 +253,57 @@ fn sessions_info_stats_tier_close() {
     let out = ok(&d.ctl(&["status"]));
     assert!(out.contains("tierd") && out.contains("64.0 MiB"), "{out}");
 
-    // tier: one host row, no invented NVMe row.
+    // tier: the host row and the NVMe row, as the daemon reports them.
     let v = json(&d.ctl(&["--json", "tier"]));
     let tiers = v["tiers"].as_array().unwrap();
-    assert_eq!(tiers.len(), 1, "{v}");
+    assert_eq!(tiers.len(), 2, "{v}");
     assert_eq!(tiers[0]["tier"], "host");
     assert_eq!(tiers[0]["bytes_used"], 8 * frame);
     assert_eq!(tiers[0]["bytes_capacity"], 64u64 << 20);
+    assert_eq!(tiers[1]["tier"], "nvme");
+    // The daemon reserves a little of the page file; the row carries exactly what STATS says.
+    let nvme_cap = tiers[1]["bytes_capacity"].as_u64().unwrap();
+    assert!((31u64 << 20..=32 << 20).contains(&nvme_cap), "{v}");
+    let st = json(&d.ctl(&["--json", "stats"]));
+    assert_eq!(st["stats"]["nvme_bytes_capacity"], nvme_cap);
+    let out = ok(&d.ctl(&["tier"]));
+    assert!(
+        out.contains("host") && out.contains("nvme") && out.contains("32.0 MiB"),
+        "{out}"
+    );
+
+    // demote / promote / pin / unpin on b (16 tokens: one block in each of 2 layers).
+    let bs = b.to_string();
+    let v = json(&d.ctl(&["--json", "demote", &bs]));
+    assert_eq!(
+        (v["action"].as_str(), v["blocks"].as_u64()),
+        (Some("demoted"), Some(2))
+    );
+    let v = json(&d.ctl(&["--json", "session", "info", &bs]));
+    assert_eq!(v["host_bytes"], 0, "{v}");
+    assert!(v["nvme_bytes"].as_u64().unwrap() > 0, "{v}");
+    let out = ok(&d.ctl(&["promote", &bs]));
+    assert_eq!(
+        out,
+        format!("promoted session {b}: 2 blocks read into host RAM\n")
+    );
+    let v = json(&d.ctl(&["--json", "session", "info", &bs]));
+    assert_eq!(v["host_bytes"], 2 * frame, "{v}");
+    assert_eq!(ok(&d.ctl(&["pin", &bs])), format!("pinned session {b}\n"));
+    assert_eq!(
+        json(&d.ctl(&["--json", "session", "info", &bs]))["pinned"],
+        true
+    );
+    let e = err(&d.ctl(&["demote", &bs]), 6);
+    assert!(e.contains("DEMOTE failed: FAILED_PRECONDITION"), "{e}");
+    let v = json(&d.ctl(&["--json", "unpin", &bs]));
+    assert_eq!(v["pinned"], false);
+    assert_eq!(
+        json(&d.ctl(&["--json", "session", "info", &bs]))["pinned"],
+        false
+    );
+    let e = err(&d.ctl(&["demote", "999999"]), 5);
+    assert!(e.contains("session 999999 not found"), "{e}");
 
     // close: gone afterwards, and a second close is NOT_FOUND.
     assert_eq!(

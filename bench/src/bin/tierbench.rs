@@ -179,6 +179,9 @@ impl Daemon {
             .arg("--host-capacity")
             .arg(format!("{capacity_mib}MiB"))
             .args(["--log-level", "warn"])
+            // Host tier only: no page file to preallocate, and no memory-pressure demotion
+            // moving sessions to NVMe in the middle of a cell.
+            .args(["--set", "nvme.enabled=false"])
             .spawn()
             .map_err(|e| format!("starting {}: {e}", bin.display()))?;
         let mut d = Daemon {
