@@ -24,8 +24,8 @@ use kvtier_protocol::{
     SessionInfo, StatsReply,
 };
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
-use kvtier_storage::nvme::{BlockRun, NvmeError, NvmeTier};
-use kvtier_storage::{ColdSource, Frame, StorageError};
+use kvtier_storage::nvme::{BlockRun, NvmeError, NvmeTier, TierSource};
+use kvtier_storage::ColdSource;
 use kvtier_storage::{DType, Geometry, HostArena, KvCache, Policy};
 
 use crate::error::{ServiceError, ServiceResult};
@@ -75,39 +75,6 @@ struct SessionState {
     persisted: Vec<u64>,
     /// The NVMe manifest holds a record of this session.
     stored: bool,
-}
-
-/// Reads a session's cold blocks back from the NVMe tier, verified against the manifest.
-struct ColdFor<'a> {
-    tier: &'a NvmeTier,
-    session: u64,
-}
-
-impl ColdSource for ColdFor<'_> {
-    fn read_runs(
-        &self,
-        layer: u32,
-        blocks: &[u32],
-        frames: &mut [Frame],
-    ) -> kvtier_storage::Result<()> {
-        let fail = |block: u32, e: &NvmeError| StorageError::ColdRead {
-            layer,
-            block,
-            reason: e.to_string(),
-            corrupt: e.is_data_loss(),
-        };
-        let wanted: Vec<(u32, u32)> = blocks.iter().map(|&b| (layer, b)).collect();
-        let pages = self
-            .tier
-            .read_runs(self.session, &wanted)
-            .map_err(|e| fail(blocks[0], &e))?;
-        for ((page, frame), &b) in pages.into_iter().zip(frames).zip(blocks) {
-            let page = page.map_err(|e| fail(b, &e))?;
-            let bytes = page.payload();
-            frame.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
-        }
-        Ok(())
-    }
 }
 
 fn nvme_error(e: NvmeError) -> ServiceError {
@@ -352,10 +319,10 @@ impl Engine {
             .map(|e| kvtier_protocol::f32s_le(e.q).collect())
             .collect();
         let ids: Vec<u64> = sessions.iter().map(|s| s.id).collect();
-        let sources: Vec<Option<ColdFor<'_>>> = ids
+        let sources: Vec<Option<TierSource<'_>>> = ids
             .iter()
             .map(|&session| {
-                self.tier.as_ref().map(|(tier, _)| ColdFor {
+                self.tier.as_ref().map(|(tier, _)| TierSource {
                     tier: tier.as_ref(),
                     session,
                 })
@@ -478,7 +445,7 @@ impl Engine {
             .tier
             .as_ref()
             .ok_or_else(|| ServiceError::internal("cold blocks without an NVMe tier"))?;
-        let src = ColdFor {
+        let src = TierSource {
             tier,
             session: s.id,
         };
@@ -584,7 +551,7 @@ impl Engine {
             return Ok(0);
         };
         let mut st = s.state.lock();
-        let src = ColdFor { tier, session: id };
+        let src = TierSource { tier, session: id };
         let mut n = 0;
         for l in 0..s.geometry.layers {
             let all: Vec<u32> = (0..st.kv.layer(l)?.blocks() as u32).collect();

@@ -306,3 +306,38 @@ impl NvmeTier {
             .collect())
     }
 }
+
+/// Reads one session's cold blocks back from the tier into host frames (the KV cache's
+/// [`crate::ColdSource`]): every page is verified against the identity and checksum the
+/// manifest recorded; a page that fails is an error (`corrupt` for data loss), never data.
+pub struct TierSource<'a> {
+    pub tier: &'a NvmeTier,
+    pub session: u64,
+}
+
+impl crate::ColdSource for TierSource<'_> {
+    fn read_runs(
+        &self,
+        layer: u32,
+        blocks: &[u32],
+        frames: &mut [crate::Frame],
+    ) -> crate::Result<()> {
+        let fail = |block: u32, e: &NvmeError| crate::StorageError::ColdRead {
+            layer,
+            block,
+            reason: e.to_string(),
+            corrupt: e.is_data_loss(),
+        };
+        let wanted: Vec<(u32, u32)> = blocks.iter().map(|&b| (layer, b)).collect();
+        let pages = self
+            .tier
+            .read_runs(self.session, &wanted)
+            .map_err(|e| fail(blocks[0], &e))?;
+        for ((page, frame), &b) in pages.into_iter().zip(frames).zip(blocks) {
+            let page = page.map_err(|e| fail(b, &e))?;
+            let bytes = page.payload();
+            frame.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
+        }
+        Ok(())
+    }
+}
