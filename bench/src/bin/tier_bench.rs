@@ -67,14 +67,22 @@ fn record(kv: &KvCache) -> SessionRecord {
             dtype: G.dtype.code(),
             block_tokens: G.block_tokens,
         },
-        policy: PolicyRecord { sink_blocks: 1, local_blocks: 4, top_k: 32 },
+        policy: PolicyRecord {
+            sink_blocks: 1,
+            local_blocks: 4,
+            top_k: 32,
+        },
         layer_tokens: (0..G.layers).map(|l| kv.tokens(l).unwrap()).collect(),
         pages: Vec::new(),
     }
 }
 
 fn arena(blocks: usize) -> HostArena {
-    HostArena::new(&ArenaOptions::new(blocks * G.block_bytes(), G.block_bytes())).expect("arena")
+    HostArena::new(&ArenaOptions::new(
+        blocks * G.block_bytes(),
+        G.block_bytes(),
+    ))
+    .expect("arena")
 }
 
 /// A fresh tier on `devices` (path, capacity, bandwidth weight) in `dir`.
@@ -107,7 +115,11 @@ fn store_all(tier: &NvmeTier, kv: &KvCache) -> Duration {
     let mut runs = Vec::new();
     for l in 0..G.layers {
         for b in 0..kv.layer(l).unwrap().blocks() as u32 {
-            runs.push(BlockRun { layer: l, block: b, bytes: kv.run(l, b).unwrap() });
+            runs.push(BlockRun {
+                layer: l,
+                block: b,
+                bytes: kv.run(l, b).unwrap(),
+            });
         }
     }
     let t0 = Instant::now();
@@ -124,7 +136,12 @@ fn restore_all(tier: &NvmeTier, tokens: u64, keep: bool) -> (Duration, KvCache) 
     for l in 0..G.layers {
         let ids: Vec<(u32, u32)> = (0..G.blocks_for(tokens) as u32).map(|b| (l, b)).collect();
         for chunk in ids.chunks(64) {
-            for (page, &(_, b)) in tier.read_runs(SESSION, chunk).unwrap().into_iter().zip(chunk) {
+            for (page, &(_, b)) in tier
+                .read_runs(SESSION, chunk)
+                .unwrap()
+                .into_iter()
+                .zip(chunk)
+            {
                 let page = page.expect("verified page");
                 let valid = (tokens - b as u64 * bt).min(bt) as usize;
                 kv.restore_block(l, page.payload(), valid, keep).unwrap();
@@ -143,10 +160,24 @@ fn probe(engine: &dyn IoEngine, path: &Path, cap: u64) -> Lane {
 fn main() {
     let args = parse_args();
     let engine = open_best_engine(Default::default());
-    println!("kvtier tier_bench: Qwen2.5-7B geometry, {} tokens", args.tokens);
-    println!("machine: {}; io engine: {}", cpu_description(), engine.name());
-    println!("lanes: slow = {}, fast = {}", args.dir.display(), args.fast_dir.display());
-    println!("command: cargo run --release -p kvtier-bench --bin tier_bench -- {}", std::env::args().skip(1).collect::<Vec<_>>().join(" "));
+    println!(
+        "kvtier tier_bench: Qwen2.5-7B geometry, {} tokens",
+        args.tokens
+    );
+    println!(
+        "machine: {}; io engine: {}",
+        cpu_description(),
+        engine.name()
+    );
+    println!(
+        "lanes: slow = {}, fast = {}",
+        args.dir.display(),
+        args.fast_dir.display()
+    );
+    println!(
+        "command: cargo run --release -p kvtier-bench --bin tier_bench -- {}",
+        std::env::args().skip(1).collect::<Vec<_>>().join(" ")
+    );
     std::fs::create_dir_all(&args.dir).unwrap();
     std::fs::create_dir_all(&args.fast_dir).unwrap();
 
@@ -166,7 +197,11 @@ fn main() {
     let bytes = kv.frames() as u64 * G.block_bytes() as u64;
     let page = (G.block_bytes() as u64 + 64).next_multiple_of(4096);
     let cap = kv.frames() as u64 * page + (64 << 20);
-    println!("session: {:.2} GB of KV in {} blocks", bytes as f64 / 1e9, kv.frames());
+    println!(
+        "session: {:.2} GB of KV in {} blocks",
+        bytes as f64 / 1e9,
+        kv.frames()
+    );
 
     // Lane bandwidths, probed the way tierd does at startup.
     let slow_path = args.dir.join("pages-slow");
@@ -182,12 +217,24 @@ fn main() {
     );
 
     // 1. Restore of the whole session from one device.
-    let t = tier(&args.dir.join("one"), &[(slow_path.clone(), cap, 1.0)], engine.clone());
+    let t = tier(
+        &args.dir.join("one"),
+        &[(slow_path.clone(), cap, 1.0)],
+        engine.clone(),
+    );
     let w = store_all(&t, &kv);
     let (r, _) = restore_all(&t, args.tokens, false);
     println!();
-    println!("restore ({:.2} GB, one device: {}):", bytes as f64 / 1e9, args.dir.display());
-    println!("  write (pages + fdatasync + manifest): {:>8.2?}  {:.2} GB/s", w, gbps(bytes, w));
+    println!(
+        "restore ({:.2} GB, one device: {}):",
+        bytes as f64 / 1e9,
+        args.dir.display()
+    );
+    println!(
+        "  write (pages + fdatasync + manifest): {:>8.2?}  {:.2} GB/s",
+        w,
+        gbps(bytes, w)
+    );
     println!(
         "  read + verify + rebuild bounds:       {:>8.2?}  {:.2} GB/s   floor {:.2?} at the probed {:.2} GB/s",
         r,
@@ -199,9 +246,16 @@ fn main() {
     // 2. Striping over two lanes: proportional to probed bandwidth vs uniform.
     println!();
     println!("striping over two lanes (read all pages back):");
-    println!("  {:<13} {:>10} {:>10} {:>10} {:>11} {:>8}", "mode", "slow GB", "fast GB", "read", "predicted", "ratio");
+    println!(
+        "  {:<13} {:>10} {:>10} {:>10} {:>11} {:>8}",
+        "mode", "slow GB", "fast GB", "read", "predicted", "ratio"
+    );
     for (mode, ws, wf) in [
-        ("proportional", slow.bandwidth_bytes_per_s, fast.bandwidth_bytes_per_s),
+        (
+            "proportional",
+            slow.bandwidth_bytes_per_s,
+            fast.bandwidth_bytes_per_s,
+        ),
         ("uniform", 1.0, 1.0),
     ] {
         let t = tier(
@@ -232,7 +286,10 @@ fn main() {
 
     // 3. A decode step whose keep-set is cold on NVMe vs the same step in RAM.
     let (_, mut cold) = restore_all(&t, args.tokens, false);
-    let src = TierSource { tier: &t, session: SESSION };
+    let src = TierSource {
+        tier: &t,
+        session: SESSION,
+    };
     let policy = Policy::default();
     let mut q = vec![0f32; (G.q_heads * G.head_dim) as usize];
     let mut out = vec![0f32; q.len()];
@@ -247,7 +304,15 @@ fn main() {
             let position = kv.tokens(layer).unwrap();
             let s = decode_layer(
                 layer,
-                &mut [DecodeEntry { kv: &mut *kv, policy, position, q: &q, k, v, cold: with_source.then_some(&src as _) }],
+                &mut [DecodeEntry {
+                    kv: &mut *kv,
+                    policy,
+                    position,
+                    q: &q,
+                    k,
+                    v,
+                    cold: with_source.then_some(&src as _),
+                }],
                 &mut out,
             )
             .expect("decode");
@@ -256,7 +321,10 @@ fn main() {
         (t0.elapsed(), promoted)
     };
     println!();
-    println!("decode step, 28 layers, k=32 (first step: keep-set cold on {}):", args.dir.display());
+    println!(
+        "decode step, 28 layers, k=32 (first step: keep-set cold on {}):",
+        args.dir.display()
+    );
     let (tc, moved) = step(&mut cold, true, &mut rng);
     let mut warm = Vec::new();
     for _ in 0..args.steps {
