@@ -2,7 +2,9 @@
 
 use std::time::Duration;
 
+use kvtier_kernels::{decode_layer, DecodeEntry, StepStats};
 use kvtier_storage::testing::Rng;
+use kvtier_storage::{ColdSource, KvCache, Policy};
 
 /// Fills `bytes` with random bf16 values of magnitude in [2^-5, 1), four per RNG call: fast
 /// enough to fill a 7.5 GB cache in seconds, with enough spread that block bounds differ.
@@ -64,6 +66,39 @@ pub fn process_cpu_time() -> Duration {
     let ru = unsafe { ru.assume_init() };
     let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
     tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// One decode step over every layer of `kv` (batch 1): a random query and a random new token
+/// per layer, cold blocks read from `cold`. Returns each layer's stats.
+pub fn decode_step(
+    kv: &mut KvCache,
+    policy: Policy,
+    cold: Option<&dyn ColdSource>,
+    rng: &mut Rng,
+) -> Vec<StepStats> {
+    let g = *kv.geometry();
+    let q = rng.normals((g.q_heads * g.head_dim) as usize);
+    let mut out = vec![0f32; q.len()];
+    let mut kvb = vec![0u8; 2 * g.token_bytes()];
+    (0..g.layers)
+        .map(|layer| {
+            fill_bf16(rng, &mut kvb);
+            let (k, v) = kvb.split_at(g.token_bytes());
+            let position = kv.tokens(layer).expect("layer");
+            let entry = DecodeEntry {
+                kv: &mut *kv,
+                policy,
+                position,
+                q: &q,
+                k,
+                v,
+                cold,
+            };
+            decode_layer(layer, &mut [entry], &mut out)
+                .expect("decode")
+                .remove(0)
+        })
+        .collect()
 }
 
 #[cfg(test)]

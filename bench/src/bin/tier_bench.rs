@@ -12,8 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_bench::{cpu_description, fill_bf16, gbps, median};
-use kvtier_kernels::{decode_layer, DecodeEntry};
+use kvtier_bench::{cpu_description, decode_step, fill_bf16, gbps, median};
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
 use kvtier_storage::nvme::plan::{probe_device, Lane};
 use kvtier_storage::nvme::{
@@ -21,7 +20,7 @@ use kvtier_storage::nvme::{
     PageStoreConfig, TierSource,
 };
 use kvtier_storage::testing::Rng;
-use kvtier_storage::{ArenaOptions, Geometry, HostArena, KvCache, Policy};
+use kvtier_storage::{ArenaOptions, ColdSource, Geometry, HostArena, KvCache, Policy};
 
 struct Args {
     tokens: u64,
@@ -291,33 +290,10 @@ fn main() {
         session: SESSION,
     };
     let policy = Policy::default();
-    let mut q = vec![0f32; (G.q_heads * G.head_dim) as usize];
-    let mut out = vec![0f32; q.len()];
-    let mut kvb = vec![0u8; 2 * G.token_bytes()];
-    let mut step = |kv: &mut KvCache, with_source: bool, rng: &mut Rng| -> (Duration, u64) {
-        q.iter_mut().for_each(|x| *x = rng.normal());
+    let step = |kv: &mut KvCache, cold: Option<&dyn ColdSource>, rng: &mut Rng| {
         let t0 = Instant::now();
-        let mut promoted = 0;
-        for layer in 0..G.layers {
-            fill_bf16(rng, &mut kvb);
-            let (k, v) = kvb.split_at(G.token_bytes());
-            let position = kv.tokens(layer).unwrap();
-            let s = decode_layer(
-                layer,
-                &mut [DecodeEntry {
-                    kv: &mut *kv,
-                    policy,
-                    position,
-                    q: &q,
-                    k,
-                    v,
-                    cold: with_source.then_some(&src as _),
-                }],
-                &mut out,
-            )
-            .expect("decode");
-            promoted += s[0].bytes_promoted;
-        }
+        let stats = decode_step(kv, policy, cold, rng);
+        let promoted: u64 = stats.iter().map(|s| s.bytes_promoted).sum();
         (t0.elapsed(), promoted)
     };
     println!();
@@ -325,10 +301,10 @@ fn main() {
         "decode step, 28 layers, k=32 (first step: keep-set cold on {}):",
         args.dir.display()
     );
-    let (tc, moved) = step(&mut cold, true, &mut rng);
+    let (tc, moved) = step(&mut cold, Some(&src), &mut rng);
     let mut warm = Vec::new();
     for _ in 0..args.steps {
-        warm.push(step(&mut kv, false, &mut rng).0);
+        warm.push(step(&mut kv, None, &mut rng).0);
     }
     let tw = median(&mut warm);
     println!(
