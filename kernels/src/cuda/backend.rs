@@ -128,7 +128,8 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     k: Kernels,
-    host: Option<PinnedRegion>,
+    /// Shared so that several backends (one per geometry) can map the same registered arena.
+    host: Option<Arc<PinnedRegion>>,
     sessions: Vec<Option<Session>>,
     stamp: u32,
     timers: Option<Timers>,
@@ -255,8 +256,10 @@ impl CudaBackend {
             .map_err(CudaError::driver("cuDeviceGetName"))
     }
 
-    /// Attaches the pinned host arena that page-table entries point into (once).
-    pub fn attach_host(&mut self, region: PinnedRegion) -> Result<()> {
+    /// Attaches the pinned host arena that page-table entries point into (once). Takes a
+    /// region or an `Arc` of one shared with other backends of the same device.
+    pub fn attach_host(&mut self, region: impl Into<Arc<PinnedRegion>>) -> Result<()> {
+        let region = region.into();
         if self.host.is_some() {
             return Err(CudaError::HostRegionAttached);
         }
@@ -273,7 +276,7 @@ impl CudaBackend {
 
     /// Detaches the host region (to reuse it with another backend). Refused while sessions
     /// are open, since their page tables point into it.
-    pub fn detach_host(&mut self) -> Result<PinnedRegion> {
+    pub fn detach_host(&mut self) -> Result<Arc<PinnedRegion>> {
         let open = self.sessions.iter().flatten().count();
         if open > 0 {
             return Err(CudaError::SessionsOpen { open });
@@ -282,9 +285,10 @@ impl CudaBackend {
         self.host.take().ok_or(CudaError::NoHostRegion)
     }
 
-    /// The attached host region (mutable, to write frames between decode calls).
+    /// The attached host region (mutable, to write frames between decode calls); None when
+    /// none is attached or it is shared with another backend.
     pub fn host_mut(&mut self) -> Option<&mut PinnedRegion> {
-        self.host.as_mut()
+        self.host.as_mut().and_then(Arc::get_mut)
     }
 
     /// Enables per-layer CUDA-event timing in outputs.
