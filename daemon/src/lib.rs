@@ -7,6 +7,7 @@
 //! - [`engine`]: sessions, ownership, admission, and every operation's semantics.
 //! - [`server`]: the socket (safe bind, framing with SCM_RIGHTS, admission slots, shutdown).
 //! - [`error`]: request failures as typed wire errors.
+//! - [`gpu`]: the CUDA decode path ([`GpuDecoder`]) over the registered host arena.
 //! - `main.rs`: a thin binary: parse flags, load config, build the arena, serve until SIGTERM.
 //!
 //! The request path: a connection task reads one frame exactly (header, then body), decodes it
@@ -17,33 +18,48 @@
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod gpu;
 pub mod server;
 
 pub use config::Config;
 pub use engine::{Engine, EngineLimits, Peer};
+pub use gpu::{GpuDecoder, GpuError, GpuSettings};
 pub use server::{bind, run, ServerSettings};
 
 use std::time::Duration;
 
 use kvtier_storage::{ArenaOptions, HostArena};
 
-/// Builds the host arena and engine a config describes.
-pub fn build_engine(cfg: &Config) -> Result<Engine, kvtier_storage::StorageError> {
+/// Builds the host arena a config describes.
+pub fn build_arena(cfg: &Config) -> Result<HostArena, kvtier_storage::StorageError> {
     let mut opts = ArenaOptions::new(
         cfg.host.capacity.0 as usize,
         cfg.host.frame_bytes.0 as usize,
     );
     opts.huge_pages = cfg.host.huge_pages;
     opts.lock = cfg.host.lock_memory;
-    let arena = HostArena::new(&opts)?;
-    Ok(Engine::new(
+    HostArena::new(&opts)
+}
+
+/// Builds the engine over `arena`. `gpu`: the CUDA decode path over the same arena, when the
+/// backend resolved to cuda.
+pub fn build_engine(cfg: &Config, arena: HostArena, gpu: Option<GpuDecoder>) -> Engine {
+    // TODO(lead, engine.rs): `Engine::new(arena, limits, gpu)` routing supported sessions'
+    // decodes through `GpuDecoder::decode`; until then every decode runs on the CPU.
+    if let Some(g) = gpu {
+        tracing::warn!(
+            device = g.device_name(),
+            "cuda: engine has no GPU decode route yet; decodes run on the CPU"
+        );
+    }
+    Engine::new(
         arena,
         EngineLimits {
             max_sessions: cfg.admission.max_sessions,
             admin_uids: cfg.auth.admin_uids.clone(),
             admin_gids: cfg.auth.admin_gids.clone(),
         },
-    ))
+    )
 }
 
 /// The socket settings a config describes.

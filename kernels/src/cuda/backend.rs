@@ -21,6 +21,21 @@ pub fn device_available() -> bool {
     matches!(CudaContext::device_count(), Ok(n) if n > 0)
 }
 
+/// Retains device `ordinal`'s primary context, the one every backend on that device uses (so a
+/// host region registered in it can be attached to any of them). Never panics.
+pub fn device_context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    // SAFETY: only probes whether the shared library can be loaded.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(CudaError::NoDriver);
+    }
+    let count =
+        CudaContext::device_count().map_err(CudaError::driver("cuDeviceGetCount"))? as usize;
+    if ordinal >= count {
+        return Err(CudaError::NoDevice { ordinal, count });
+    }
+    CudaContext::new(ordinal).map_err(CudaError::driver("cuDevicePrimaryCtxRetain"))
+}
+
 /// One device buffer with its raw address cached for kernel arguments (single stream, event
 /// tracking off: the backend orders every use on its one stream).
 struct DevBuf<T> {

@@ -34,10 +34,11 @@ mod module;
 pub mod pinned;
 
 pub use backend::{
-    device_available, CudaBackend, DecodeItem, LayerOutput, LayerStats, LayerTiming, StepItem,
-    StepOutput,
+    device_available, device_context, CudaBackend, DecodeItem, LayerOutput, LayerStats,
+    LayerTiming, StepItem, StepOutput,
 };
 pub use config::{bf16_outward, CudaConfig, CudaGeometry, KvDtype, SelectPolicy, SummaryDtype};
+pub use cudarc::driver::CudaContext;
 pub use error::CudaError;
 pub use module::{compile_check, KERNEL_SOURCE};
 pub use pinned::{AnonMapping, PinnedRegion, MAX_REGISTER_CHUNK};
