@@ -139,6 +139,60 @@ pub struct BackendConfig {
     pub kind: BackendKind,
     /// Threads of the compute pool (0 = one per core).
     pub threads: usize,
+    /// The CUDA path (used when `kind` resolves to cuda).
+    pub cuda: CudaSection,
+}
+
+/// `[backend.cuda]`: device and device-memory sizing. One backend is compiled per distinct
+/// (geometry, policy) of the sessions, lazily at session creation, up to `max_backends`;
+/// sessions beyond that, or of a geometry the kernels cannot run, use the CPU path.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct CudaSection {
+    /// Device ordinal.
+    pub device: usize,
+    /// Distinct (geometry, policy) backends.
+    pub max_backends: usize,
+    /// Sessions with device state, per backend.
+    pub max_sessions: u32,
+    /// Blocks per session layer (context capacity = max_blocks x block_tokens).
+    pub max_blocks: u32,
+    /// Sessions per device call.
+    pub max_batch: u32,
+    /// GPU tile-cache slots per (session, layer, kv head); 0 = twice the keep-set size.
+    pub cache_slots: u32,
+    /// Bytes per pinning call when registering the arena (rounded to whole frames).
+    pub register_chunk: ByteSize,
+}
+
+impl Default for CudaSection {
+    fn default() -> Self {
+        let d = crate::gpu::GpuSettings::default();
+        CudaSection {
+            device: d.device,
+            max_backends: d.max_backends,
+            max_sessions: d.max_sessions,
+            max_blocks: d.max_blocks,
+            max_batch: d.max_batch,
+            cache_slots: d.cache_slots,
+            register_chunk: ByteSize(d.register_chunk as u64),
+        }
+    }
+}
+
+impl CudaSection {
+    /// The decoder settings this section describes.
+    pub fn settings(&self) -> crate::gpu::GpuSettings {
+        crate::gpu::GpuSettings {
+            device: self.device,
+            max_backends: self.max_backends,
+            max_sessions: self.max_sessions,
+            max_blocks: self.max_blocks,
+            max_batch: self.max_batch,
+            cache_slots: self.cache_slots,
+            register_chunk: self.register_chunk.0 as usize,
+        }
+    }
 }
 
 /// Which io engine the NVMe tier uses.
@@ -309,6 +363,7 @@ impl Default for BackendConfig {
         BackendConfig {
             kind: BackendKind::Auto,
             threads: 0,
+            cuda: CudaSection::default(),
         }
     }
 }
@@ -502,6 +557,18 @@ impl Config {
                 );
             }
         }
+        let c = &self.backend.cuda;
+        for (field, v) in [
+            ("backend.cuda.max_backends", c.max_backends as u64),
+            ("backend.cuda.max_sessions", c.max_sessions as u64),
+            ("backend.cuda.max_blocks", c.max_blocks as u64),
+            ("backend.cuda.max_batch", c.max_batch as u64),
+            ("backend.cuda.register_chunk", c.register_chunk.0),
+        ] {
+            if v == 0 {
+                return bad(field, "must be at least 1".into());
+            }
+        }
         if !["error", "warn", "info", "debug", "trace"].contains(&self.log.level.as_str()) {
             return bad(
                 "log.level",
@@ -541,15 +608,30 @@ fn set(tree: &mut toml::Table, section: &str, field: &str, raw: &str) -> Result<
         .ok()
         .and_then(|mut t| t.remove("v"))
         .unwrap_or_else(|| toml::Value::String(raw.to_string()));
-    let table = tree
+    let mut table = tree
         .entry(section)
         .or_insert_with(|| toml::Value::Table(Default::default()));
-    match table {
-        toml::Value::Table(t) => {
-            t.insert(field.to_string(), value);
-            Ok(())
+    // `backend.cuda.max_sessions`: walk sub-tables; `TIERD_BACKEND_CUDA_MAX_SESSIONS` names
+    // the same field when its first word is a sub-table.
+    let mut field = field.to_string();
+    loop {
+        let toml::Value::Table(t) = table else {
+            return Err(format!("{section} is not a table"));
+        };
+        let sub = field
+            .split_once(['.', '_'])
+            .filter(|(head, _)| matches!(t.get(*head), Some(toml::Value::Table(_))))
+            .map(|(head, rest)| (head.to_string(), rest.to_string()));
+        match sub {
+            Some((head, rest)) => {
+                table = t.get_mut(&head).expect("checked above");
+                field = rest;
+            }
+            None => {
+                t.insert(field, value);
+                return Ok(());
+            }
         }
-        _ => Err(format!("{section} is not a table")),
     }
 }
 
@@ -642,6 +724,27 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("admission.max_sessions"), "{e}");
+    }
+
+    #[test]
+    fn cuda_section_layers_and_validates() {
+        let cfg = load(
+            "[backend.cuda]\nmax_sessions = 4\n",
+            &[("TIERD_BACKEND_CUDA_MAX_BLOCKS", "1024")],
+            &[("backend.cuda.max_batch", "2")],
+        )
+        .unwrap();
+        let s = cfg.backend.cuda.settings();
+        assert_eq!((s.max_sessions, s.max_blocks, s.max_batch), (4, 1024, 2));
+        assert_eq!(s.max_backends, 2, "default kept");
+        let e = load("[backend.cuda]\nmax_batch = 0\n", &[], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("backend.cuda.max_batch"), "{e}");
+        let e = load("[backend.cuda]\nmax_batchez = 1\n", &[], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("max_batchez"), "{e}");
     }
 
     #[test]

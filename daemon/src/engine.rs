@@ -29,6 +29,7 @@ use kvtier_storage::ColdSource;
 use kvtier_storage::{DType, Geometry, HostArena, KvCache, Policy};
 
 use crate::error::{ServiceError, ServiceResult};
+use crate::gpu::{GpuDecoder, GpuEntry, GpuError};
 use kvtier_protocol::ErrorCode;
 
 /// Who is asking, from SO_PEERCRED.
@@ -104,6 +105,10 @@ pub struct Engine {
     limits: EngineLimits,
     arena: HostArena,
     tier: Option<(Arc<NvmeTier>, TierSettings)>,
+    /// The CUDA decode path, for the sessions it supports whose blocks are all resident;
+    /// everything else (and any GPU failure, which happens before the step changes anything)
+    /// runs on the CPU backend.
+    gpu: Option<Mutex<GpuDecoder>>,
     sessions: RwLock<HashMap<u64, Arc<Session>>>,
     next_id: AtomicU64,
     pub counters: Counters,
@@ -140,7 +145,7 @@ fn to_wire_geometry(g: &Geometry) -> kvtier_protocol::Geometry {
 
 impl Engine {
     pub fn new(arena: HostArena, limits: EngineLimits) -> Self {
-        Self::with_tier(arena, limits, None)
+        Self::with_tier(arena, limits, None, None)
     }
 
     /// An engine whose sessions tier to `tier`.
@@ -148,11 +153,13 @@ impl Engine {
         arena: HostArena,
         limits: EngineLimits,
         tier: Option<(Arc<NvmeTier>, TierSettings)>,
+        gpu: Option<GpuDecoder>,
     ) -> Self {
         Engine {
             limits,
             arena,
             tier,
+            gpu: gpu.map(Mutex::new),
             sessions: RwLock::new(HashMap::new()),
             // Ids never repeat across restarts: they start from the clock (4096 per ms), and
             // recovery moves past every restored id.
@@ -225,6 +232,7 @@ impl Engine {
             self.persist_locked(&session, &mut st)?;
         }
         sessions.insert(id, session);
+        self.gpu_open(id, &geometry, &policy);
         tracing::info!(session = id, uid = peer.uid, label = %req.label, ?geometry, ?policy, "session created");
         Ok(id)
     }
@@ -262,6 +270,9 @@ impl Engine {
         if self.tier.as_ref().is_some_and(|(_, t)| t.write_through) {
             if let Err(e) = self.persist_locked(&s, &mut st) {
                 st.kv.truncate(start);
+                if let Some(gpu) = &self.gpu {
+                    let _ = gpu.lock().invalidate(id);
+                }
                 return Err(ServiceError::new(
                     e.code,
                     format!("append rolled back, not durable: {}", e.message),
@@ -333,6 +344,12 @@ impl Engine {
             .map(|s| (s.geometry.q_heads * s.geometry.head_dim) as usize)
             .sum();
         let mut out = vec![0f32; out_len];
+        if let Some(stats) =
+            self.decode_gpu(layer, want_stats, entries, &mut guards, &queries, &mut out)
+        {
+            drop(guards);
+            return Ok(self.decode_reply(&sessions, &ids, out, stats, want_stats));
+        }
         let mut run = |guards: &mut Vec<Option<MutexGuard<'_, SessionState>>>| {
             for (i, g) in guards.iter_mut().enumerate() {
                 let st = g.as_mut().expect("locked above");
@@ -387,49 +404,158 @@ impl Engine {
             other => other?,
         };
         drop(guards);
+        let promoted: u64 = stats.iter().map(|s| s.blocks_promoted as u64).sum();
+        self.counters
+            .blocks_promoted
+            .fetch_add(promoted, Ordering::Relaxed);
+        let wire = sessions
+            .iter()
+            .zip(stats)
+            .map(|(s, st)| {
+                let nvme_tiles = st.blocks_promoted * s.geometry.kv_heads;
+                DecodeStats {
+                    blocks_total: st.blocks_total,
+                    blocks_selected: st.tiles_selected,
+                    bytes_touched: st.bytes_touched,
+                    // The CPU backend attends in place; only NVMe reads move bytes.
+                    bytes_moved: st.bytes_promoted,
+                    cache_hits: 0,
+                    blocks_ram: st.tiles_selected.saturating_sub(nvme_tiles),
+                    blocks_nvme: nvme_tiles.min(st.tiles_selected),
+                    selected: (0..st.keep.heads())
+                        .map(|h| st.keep.head(h).to_vec())
+                        .collect(),
+                }
+            })
+            .collect();
+        Ok(self.decode_reply(&sessions, &ids, out, wire, want_stats))
+    }
+
+    /// Counts a finished step and splits its output per entry.
+    fn decode_reply(
+        &self,
+        sessions: &[Arc<Session>],
+        ids: &[u64],
+        out: Vec<f32>,
+        stats: Vec<DecodeStats>,
+        want_stats: bool,
+    ) -> DecodeReply {
         self.counters
             .decode_requests
             .fetch_add(1, Ordering::Relaxed);
         self.counters
             .decode_entries
-            .fetch_add(entries.len() as u64, Ordering::Relaxed);
+            .fetch_add(sessions.len() as u64, Ordering::Relaxed);
         let touched: u64 = stats.iter().map(|s| s.bytes_touched).sum();
         self.counters
             .bytes_touched
             .fetch_add(touched, Ordering::Relaxed);
-        let promoted: u64 = stats.iter().map(|s| s.blocks_promoted as u64).sum();
-        self.counters
-            .blocks_promoted
-            .fetch_add(promoted, Ordering::Relaxed);
         let mut at = 0;
-        let reply = sessions
+        let entries = sessions
             .iter()
             .zip(stats)
             .map(|(s, st)| {
                 let n = (s.geometry.q_heads * s.geometry.head_dim) as usize;
                 let o = out[at..at + n].to_vec();
                 at += n;
-                let nvme_tiles = st.blocks_promoted * s.geometry.kv_heads;
                 DecodeOutput {
                     out: o,
-                    stats: want_stats.then(|| DecodeStats {
-                        blocks_total: st.blocks_total,
-                        blocks_selected: st.tiles_selected,
-                        bytes_touched: st.bytes_touched,
-                        // The CPU backend attends in place; only NVMe reads move bytes.
-                        bytes_moved: st.bytes_promoted,
-                        cache_hits: 0,
-                        blocks_ram: st.tiles_selected.saturating_sub(nvme_tiles),
-                        blocks_nvme: nvme_tiles.min(st.tiles_selected),
-                        selected: (0..st.keep.heads())
-                            .map(|h| st.keep.head(h).to_vec())
-                            .collect(),
-                    }),
+                    stats: want_stats.then_some(st),
                 }
             })
             .collect();
-        self.make_room(&ids, 0);
-        Ok(DecodeReply { entries: reply })
+        self.make_room(ids, 0);
+        DecodeReply { entries }
+    }
+
+    /// Opens a session on the GPU when the CUDA path supports it (else it stays on the CPU).
+    fn gpu_open(&self, id: u64, geometry: &Geometry, policy: &Policy) {
+        if let Some(gpu) = &self.gpu {
+            let mut g = gpu.lock();
+            if g.supports(geometry, policy) {
+                if let Err(e) = g.open(id, geometry, policy) {
+                    tracing::info!(session = id, error = %e, "session stays on the CPU backend");
+                }
+            }
+        }
+    }
+
+    /// The GPU step for a batch whose sessions are all open on the GPU. None when the GPU
+    /// cannot take it (not open, a cold block, a device error): the CPU path answers then —
+    /// every GPU failure happens before the step changes anything, and the CPU path reports
+    /// request errors with their proper codes.
+    fn decode_gpu(
+        &self,
+        layer: u32,
+        want_stats: bool,
+        entries: &[DecodeEntryRef<'_>],
+        guards: &mut [Option<MutexGuard<'_, SessionState>>],
+        queries: &[Vec<f32>],
+        out: &mut [f32],
+    ) -> Option<Vec<DecodeStats>> {
+        let gpu = self.gpu.as_ref()?;
+        let mut g = gpu.lock();
+        if !entries.iter().all(|e| g.is_open(e.session)) {
+            return None;
+        }
+        let mut batch: Vec<GpuEntry<'_>> = guards
+            .iter_mut()
+            .zip(entries)
+            .zip(queries)
+            .map(|((st, e), q)| GpuEntry {
+                session: e.session,
+                kv: &mut st.as_mut().expect("locked").kv,
+                position: e.position,
+                q,
+                k: e.k,
+                v: e.v,
+            })
+            .collect();
+        let r = match g.decode(layer, &mut batch, out, want_stats) {
+            Ok(r) => r,
+            Err(e) => {
+                match e.root() {
+                    GpuError::Cuda(_) => {
+                        tracing::warn!(error = %e, "GPU decode failed; answering on the CPU")
+                    }
+                    _ => tracing::debug!(error = %e, "GPU cannot take this step; CPU path"),
+                }
+                return None;
+            }
+        };
+        drop(batch);
+        Some(
+            r.entries
+                .into_iter()
+                .zip(guards.iter())
+                .enumerate()
+                .map(|(i, (st, guard))| {
+                    let geo = *guard.as_ref().expect("locked").kv.geometry();
+                    let blocks = st.blocks_total as u64;
+                    let summaries = blocks * geo.summary_floats_per_block() as u64 * 4;
+                    // Device counters are per call: a batch reports them on its first entry.
+                    let (hits, moved) = if i == 0 {
+                        (r.cache_hits as u32, r.bytes_moved)
+                    } else {
+                        (0, 0)
+                    };
+                    DecodeStats {
+                        blocks_total: st.blocks_total,
+                        blocks_selected: st.tiles_selected,
+                        bytes_touched: summaries
+                            + st.tiles_selected as u64 * geo.tile_bytes() as u64,
+                        bytes_moved: moved,
+                        cache_hits: hits,
+                        blocks_ram: st.tiles_selected.saturating_sub(hits),
+                        blocks_nvme: 0,
+                        selected: st
+                            .keep
+                            .map(|k| (0..k.heads()).map(|h| k.head(h).to_vec()).collect())
+                            .unwrap_or_default(),
+                    }
+                })
+                .collect(),
+        )
     }
 
     fn promote_tails(
@@ -648,6 +774,7 @@ impl Engine {
             let rec = tier.session(id).expect("listed");
             match self.restore(tier, t, &rec) {
                 Ok(session) => {
+                    self.gpu_open(id, &session.geometry, &session.policy);
                     self.sessions.write().insert(id, Arc::new(session));
                     self.next_id.fetch_max(id + 1, Ordering::Relaxed);
                     loaded += 1;
@@ -782,6 +909,12 @@ impl Engine {
         let Some(s) = self.sessions.write().remove(&id) else {
             return Err(ServiceError::not_found(id));
         };
+        if let Some(gpu) = &self.gpu {
+            let mut g = gpu.lock();
+            if g.is_open(id) {
+                let _ = g.close(id);
+            }
+        }
         let stored = s.state.lock().stored;
         if let (Some((tier, _)), true) = (&self.tier, stored) {
             tier.delete_session(id).map_err(nvme_error)?;

@@ -7,6 +7,7 @@
 //! - [`engine`]: sessions, ownership, admission, and every operation's semantics.
 //! - [`server`]: the socket (safe bind, framing with SCM_RIGHTS, admission slots, shutdown).
 //! - [`error`]: request failures as typed wire errors.
+//! - [`gpu`]: the CUDA decode path ([`GpuDecoder`]) over the registered host arena.
 //! - `main.rs`: a thin binary: parse flags, load config, build the arena, serve until SIGTERM.
 //!
 //! The request path: a connection task reads one frame exactly (header, then body), decodes it
@@ -17,10 +18,12 @@
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod gpu;
 pub mod server;
 
 pub use config::Config;
 pub use engine::{Engine, EngineLimits, Peer, TierSettings};
+pub use gpu::{GpuDecoder, GpuError, GpuSettings};
 pub use server::{bind, run, ServerSettings};
 
 use std::sync::Arc;
@@ -29,16 +32,25 @@ use std::time::Duration;
 use kvtier_storage::nvme::NvmeTier;
 use kvtier_storage::{ArenaOptions, HostArena};
 
-/// Builds the host arena, opens the NVMe tier (recovering its manifest) and builds the engine
-/// a config describes. Sessions found on NVMe are loaded back (warm restart).
-pub fn build_engine(cfg: &Config) -> Result<Engine, String> {
+/// Builds the host arena a config describes.
+pub fn build_arena(cfg: &Config) -> Result<HostArena, kvtier_storage::StorageError> {
     let mut opts = ArenaOptions::new(
         cfg.host.capacity.0 as usize,
         cfg.host.frame_bytes.0 as usize,
     );
     opts.huge_pages = cfg.host.huge_pages;
     opts.lock = cfg.host.lock_memory;
-    let arena = HostArena::new(&opts).map_err(|e| format!("host tier: {e}"))?;
+    HostArena::new(&opts)
+}
+
+/// Opens the NVMe tier (recovering its manifest) and builds the engine over `arena`; `gpu` is
+/// the CUDA decode path over the same arena when the backend resolved to cuda. Sessions found
+/// on NVMe are loaded back (warm restart).
+pub fn build_engine(
+    cfg: &Config,
+    arena: HostArena,
+    gpu: Option<GpuDecoder>,
+) -> Result<Engine, String> {
     let tier =
         open_tier(cfg).map_err(|e| format!("NVMe tier at {}: {e}", cfg.nvme.dir.display()))?;
     let engine = Engine::with_tier(
@@ -49,6 +61,7 @@ pub fn build_engine(cfg: &Config) -> Result<Engine, String> {
             admin_gids: cfg.auth.admin_gids.clone(),
         },
         tier,
+        gpu,
     );
     let t0 = std::time::Instant::now();
     let (loaded, problems) = engine.recover();

@@ -101,16 +101,6 @@ fn main() -> ExitCode {
 }
 
 fn serve(cfg: Config) -> Result<(), String> {
-    match cfg.backend.kind {
-        BackendKind::Cpu => tracing::info!("backend: cpu"),
-        BackendKind::Auto => tracing::info!("backend: cpu (auto: this build has no CUDA backend)"),
-        BackendKind::Cuda => {
-            return Err(
-                "backend.kind = \"cuda\" is not available in this build; use \"cpu\" or \"auto\""
-                    .into(),
-            )
-        }
-    }
     if cfg.backend.threads > 0 {
         rayon_pool(cfg.backend.threads)?;
     }
@@ -122,7 +112,9 @@ fn serve(cfg: Config) -> Result<(), String> {
     .map_err(|e| e.to_string())?;
     // Bound before the engine is built, so a second daemon on this socket fails before it
     // touches the NVMe tier; connections wait in the backlog until a warm restart is done.
-    let engine = Arc::new(tierd::build_engine(&cfg)?);
+    let arena = tierd::build_arena(&cfg).map_err(|e| format!("host tier: {e}"))?;
+    let gpu = gpu_decoder(&cfg, &arena)?;
+    let engine = Arc::new(tierd::build_engine(&cfg, arena, gpu)?);
     let usage = engine.arena().usage();
     tracing::info!(
         capacity = %tierd::config::ByteSize(usage.bytes_total() as u64),
@@ -152,6 +144,46 @@ fn serve(cfg: Config) -> Result<(), String> {
     })?;
     tracing::info!("tierd stopped");
     Ok(())
+}
+
+/// Resolves `backend.kind`: auto takes CUDA when a device is present (else the CPU, logged);
+/// cuda without a usable device is an error (the daemon exits 1).
+fn gpu_decoder(
+    cfg: &Config,
+    arena: &kvtier_storage::HostArena,
+) -> Result<Option<tierd::GpuDecoder>, String> {
+    let settings = cfg.backend.cuda.settings();
+    match cfg.backend.kind {
+        BackendKind::Cpu => {
+            tracing::info!("backend: cpu (configured)");
+            Ok(None)
+        }
+        BackendKind::Auto if !kvtier_kernels::cuda::device_available() => {
+            tracing::info!("backend: cpu (auto: no CUDA driver or device found)");
+            Ok(None)
+        }
+        BackendKind::Auto => match tierd::GpuDecoder::new(arena, &settings) {
+            Ok(g) => {
+                tracing::info!(device = g.device_name(), "backend: cuda (auto)");
+                Ok(Some(g))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "backend: cpu (auto: CUDA device present but unusable)");
+                Ok(None)
+            }
+        },
+        BackendKind::Cuda => {
+            if !kvtier_kernels::cuda::device_available() {
+                return Err(
+                    "backend.kind = \"cuda\" but no CUDA driver or device was found; use \"cpu\" or \"auto\"".into(),
+                );
+            }
+            let g = tierd::GpuDecoder::new(arena, &settings)
+                .map_err(|e| format!("backend.kind = \"cuda\": {e}"))?;
+            tracing::info!(device = g.device_name(), "backend: cuda");
+            Ok(Some(g))
+        }
+    }
 }
 
 fn rayon_pool(threads: usize) -> Result<(), String> {

@@ -1,12 +1,12 @@
 // Block selector: bounds scoring (select_score) and per-kv-head top-k (select_topk).
 //
-// Bit-exactness with the CPU selector: each score is computed by ONE thread as
-//   s = 0; for d in 0..HEAD_DIM: s = s + max(q[d]*k_max[d], q[d]*k_min[d])
-// in fp32, with explicit round-to-nearest multiply and add (__fmul_rn/__fadd_rn cannot be
-// contracted into FMAs), which is exactly the CPU's sequential order. The max over the G query
-// heads is order-independent. So scores are bit-identical, and ties are broken by block index in
-// both implementations.
-
+// Bit-exactness with the CPU selector (kvtier_kernels::simd::bound_dot + select::block_score):
+// each score is computed by ONE thread in the CPU's exact order: element d of
+// max(q[d]*k_max[d], q[d]*k_min[d]) is added to lane d % 8 (8 accumulators, increasing d), then
+// the lanes are folded as ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) (simd.rs `reduce`). Multiplies
+// and adds are explicit round-to-nearest (__fmul_rn/__fadd_rn are never contracted into FMAs).
+// The max over the G query heads is order-independent. So scores are bit-identical, and ties
+// are broken by lower block index in both implementations.
 
 #if SUM_BF16
 typedef unsigned short sum_t;
@@ -17,6 +17,15 @@ __device__ __forceinline__ float sum_to_f32(sum_t v) { return v; }
 #endif
 
 #define SCORE_THREADS 128
+
+// The CPU's lane fold (kvtier_kernels::simd::reduce): ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
+__device__ __forceinline__ float lanes_reduce(const float* a) {
+    const float t0 = __fadd_rn(a[0], a[4]);
+    const float t1 = __fadd_rn(a[1], a[5]);
+    const float t2 = __fadd_rn(a[2], a[6]);
+    const float t3 = __fadd_rn(a[3], a[7]);
+    return __fadd_rn(__fadd_rn(t0, t2), __fadd_rn(t1, t3));
+}
 
 // Loads 4 consecutive summary values as floats (16 bytes of f32 or 8 bytes of bf16).
 __device__ __forceinline__ void load4(const sum_t* p, float* out) {
@@ -78,9 +87,12 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
         }
     };
     load_chunk(0);
-    float acc[GROUP];
+    // acc[g][j]: lane j of query head g's bound sum (the CPU's 8 SIMD lanes).
+    float acc[GROUP][8];
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) acc[g] = 0.0f;
+    for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[g][j] = 0.0f;
     for (u32 c = 0; c < HEAD_DIM / DCH; ++c) {
 #pragma unroll
         for (int u = 0; u < SC_LOADS; ++u) {
@@ -95,23 +107,26 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
         }
         __syncthreads();
         if (c + 1 < HEAD_DIM / DCH) load_chunk(c + 1);
-#pragma unroll 8
-        for (u32 dd = 0; dd < DCH; ++dd) {
-            const float mx = s_mx[tid][dd];
-            const float mn = s_mn[tid][dd];
+        // DCH is a multiple of 8, so dim c*DCH + d0 + j goes to lane j.
+        for (u32 d0 = 0; d0 < DCH; d0 += 8) {
 #pragma unroll
-            for (int g = 0; g < GROUP; ++g) {
-                const float qd = s_q[g][c * DCH + dd];
-                acc[g] = __fadd_rn(acc[g], fmaxf(__fmul_rn(qd, mx), __fmul_rn(qd, mn)));
+            for (int j = 0; j < 8; ++j) {
+                const float mx = s_mx[tid][d0 + j];
+                const float mn = s_mn[tid][d0 + j];
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) {
+                    const float qd = s_q[g][c * DCH + d0 + j];
+                    acc[g][j] = __fadd_rn(acc[g][j], fmaxf(__fmul_rn(qd, mx), __fmul_rn(qd, mn)));
+                }
             }
         }
         __syncthreads();
     }
     const u32 b = b0 + tid;
     if (b < nb) {
-        float m = acc[0];
+        float m = NEG_INF;
 #pragma unroll
-        for (int g = 1; g < GROUP; ++g) m = fmaxf(m, acc[g]);
+        for (int g = 0; g < GROUP; ++g) m = fmaxf(m, lanes_reduce(acc[g]));
         scores[((u64)i * KV_HEADS + kvh) * max_blocks + b] = m;
     }
 }

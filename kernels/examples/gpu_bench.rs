@@ -364,7 +364,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let frame = (HKV * 2 * BT * D * 2) as usize;
     let mut rows = Vec::new();
     let mut overlap_rows = Vec::new();
-    let mut region: Option<PinnedRegion> = None;
+    let mut region: Option<std::sync::Arc<PinnedRegion>> = None;
     let mut device = String::new();
     for &ctx in &args.contexts {
         let n_blocks = ctx / BT;
@@ -380,7 +380,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             );
             let r = match region.take() {
                 Some(r) => r,
-                None => host_region(&be, (args.host_gb * 1e9) as usize, frame)?,
+                None => host_region(&be, (args.host_gb * 1e9) as usize, frame)?.into(),
             };
             let n_frames = (r.len() / frame) as u64;
             be.attach_host(r)?;

@@ -1,4 +1,5 @@
-//! CUDA backend against a self-contained CPU reference (selector bit for bit, attention in f64).
+//! CUDA backend against the CPU selector (`kvtier_kernels::select::{block_score, partition}`,
+//! bit for bit) and an f64 attention reference.
 //! Every test prints "skipped: no CUDA device" and passes where no driver/device is present.
 #![cfg(feature = "cuda")]
 
@@ -7,6 +8,8 @@ use kvtier_kernels::cuda::{
     bf16_outward, device_available, AnonMapping, CudaBackend, CudaConfig, CudaError, CudaGeometry,
     DecodeItem, KvDtype, PinnedRegion, SelectPolicy, StepItem, SummaryDtype,
 };
+use kvtier_kernels::select::{block_score, partition};
+use kvtier_storage::Policy;
 
 fn gpu() -> bool {
     if device_available() {
@@ -252,10 +255,17 @@ impl Harness {
             .collect()
     }
 
-    /// CPU selector: the rule of the data model, fp32 scores summed over d in order.
+    /// The CPU selector's own scoring ([`block_score`]) and partition ([`partition`]) over the
+    /// same (optionally bf16-rounded) summaries; top-k by score, ties to the lower block, as
+    /// `select_head` orders them (`total_cmp`, then index).
     fn cpu_select(&self, s: usize, l: usize, q: &[f32]) -> Vec<Vec<u32>> {
         let g = self.cfg.geometry;
         let p = self.cfg.policy;
+        let policy = Policy {
+            sink_blocks: p.sink_blocks,
+            local_blocks: p.local_blocks,
+            top_k: p.top_k,
+        };
         let (d, grp) = (g.head_dim as usize, g.group() as usize);
         let n = self.sessions[s].n_tokens.div_ceil(g.block_tokens);
         let mut sums = self.summaries(s, l, 0, n);
@@ -266,29 +276,20 @@ impl Harness {
         }
         (0..g.kv_heads as usize)
             .map(|h| {
-                if n <= p.keep_max() {
+                let Some((sink_end, local_start)) = partition(n as usize, &policy) else {
                     return (0..n).collect();
-                }
-                let score = |b: u32| {
-                    let row = &sums[(b as usize * g.kv_heads as usize + h) * 2 * d..][..2 * d];
-                    let mut best = f32::NEG_INFINITY;
-                    for gi in 0..grp {
-                        let qg = &q[(h * grp + gi) * d..][..d];
-                        let mut acc = 0f32;
-                        for dd in 0..d {
-                            acc += (qg[dd] * row[dd]).max(qg[dd] * row[d + dd]);
-                        }
-                        best = best.max(acc);
-                    }
-                    best
                 };
-                let mut cand: Vec<(f32, u32)> = (p.sink_blocks..n - p.local_blocks)
-                    .map(|b| (score(b), b))
+                let q_group = &q[h * grp * d..(h + 1) * grp * d];
+                let mut cand: Vec<(f32, u32)> = (sink_end..local_start)
+                    .map(|b| {
+                        let row = &sums[(b * g.kv_heads as usize + h) * 2 * d..][..2 * d];
+                        (block_score(q_group, &row[..d], &row[d..]), b as u32)
+                    })
                     .collect();
-                cand.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap().then(a.1.cmp(&b.1)));
-                let mut keep: Vec<u32> = (0..p.sink_blocks).collect();
+                cand.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                let mut keep: Vec<u32> = (0..sink_end as u32).collect();
                 keep.extend(cand.iter().take(p.top_k as usize).map(|c| c.1));
-                keep.extend(n - p.local_blocks..n);
+                keep.extend(local_start as u32..n);
                 keep.sort_unstable();
                 keep
             })

@@ -21,6 +21,21 @@ pub fn device_available() -> bool {
     matches!(CudaContext::device_count(), Ok(n) if n > 0)
 }
 
+/// Retains device `ordinal`'s primary context, the one every backend on that device uses (so a
+/// host region registered in it can be attached to any of them). Never panics.
+pub fn device_context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    // SAFETY: only probes whether the shared library can be loaded.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(CudaError::NoDriver);
+    }
+    let count =
+        CudaContext::device_count().map_err(CudaError::driver("cuDeviceGetCount"))? as usize;
+    if ordinal >= count {
+        return Err(CudaError::NoDevice { ordinal, count });
+    }
+    CudaContext::new(ordinal).map_err(CudaError::driver("cuDevicePrimaryCtxRetain"))
+}
+
 /// One device buffer with its raw address cached for kernel arguments (single stream, event
 /// tracking off: the backend orders every use on its one stream).
 struct DevBuf<T> {
@@ -128,7 +143,8 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     k: Kernels,
-    host: Option<PinnedRegion>,
+    /// Shared so that several backends (one per geometry) can map the same registered arena.
+    host: Option<Arc<PinnedRegion>>,
     sessions: Vec<Option<Session>>,
     stamp: u32,
     timers: Option<Timers>,
@@ -255,8 +271,10 @@ impl CudaBackend {
             .map_err(CudaError::driver("cuDeviceGetName"))
     }
 
-    /// Attaches the pinned host arena that page-table entries point into (once).
-    pub fn attach_host(&mut self, region: PinnedRegion) -> Result<()> {
+    /// Attaches the pinned host arena that page-table entries point into (once). Takes a
+    /// region or an `Arc` of one shared with other backends of the same device.
+    pub fn attach_host(&mut self, region: impl Into<Arc<PinnedRegion>>) -> Result<()> {
+        let region = region.into();
         if self.host.is_some() {
             return Err(CudaError::HostRegionAttached);
         }
@@ -273,7 +291,7 @@ impl CudaBackend {
 
     /// Detaches the host region (to reuse it with another backend). Refused while sessions
     /// are open, since their page tables point into it.
-    pub fn detach_host(&mut self) -> Result<PinnedRegion> {
+    pub fn detach_host(&mut self) -> Result<Arc<PinnedRegion>> {
         let open = self.sessions.iter().flatten().count();
         if open > 0 {
             return Err(CudaError::SessionsOpen { open });
@@ -282,9 +300,10 @@ impl CudaBackend {
         self.host.take().ok_or(CudaError::NoHostRegion)
     }
 
-    /// The attached host region (mutable, to write frames between decode calls).
+    /// The attached host region (mutable, to write frames between decode calls); None when
+    /// none is attached or it is shared with another backend.
     pub fn host_mut(&mut self) -> Option<&mut PinnedRegion> {
-        self.host.as_mut()
+        self.host.as_mut().and_then(Arc::get_mut)
     }
 
     /// Enables per-layer CUDA-event timing in outputs.

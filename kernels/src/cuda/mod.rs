@@ -14,8 +14,9 @@
 //! - `module`: NVRTC compilation; [`error`]: [`CudaError`].
 //!
 //! # Per layer, per decode call
-//! 1. Selector: one thread per block keeps the G query heads' bound sums in registers, summing
-//!    over d in order in fp32 (bit-identical to the CPU), reading the summaries in coalesced
+//! 1. Selector: one thread per block keeps the G query heads' bound sums in registers, in the
+//!    CPU selector's order (8 lanes, d -> lane d % 8, then `simd::reduce`'s tree; no FMA), so
+//!    scores are bit-identical to `select::block_score`, reading the summaries in coalesced
 //!    chunks through shared memory; a radix select per (session, kv head) picks the top-k
 //!    distant blocks, ties to the lower index, written ascending.
 //! 2. Cache plan (same thread block as the top-k): a per-(session, layer, kv head) LRU tile
@@ -33,10 +34,11 @@ mod module;
 pub mod pinned;
 
 pub use backend::{
-    device_available, CudaBackend, DecodeItem, LayerOutput, LayerStats, LayerTiming, StepItem,
-    StepOutput,
+    device_available, device_context, CudaBackend, DecodeItem, LayerOutput, LayerStats,
+    LayerTiming, StepItem, StepOutput,
 };
 pub use config::{bf16_outward, CudaConfig, CudaGeometry, KvDtype, SelectPolicy, SummaryDtype};
+pub use cudarc::driver::CudaContext;
 pub use error::CudaError;
 pub use module::{compile_check, KERNEL_SOURCE};
 pub use pinned::{AnonMapping, PinnedRegion, MAX_REGISTER_CHUNK};
