@@ -113,10 +113,6 @@ pub struct AdmissionConfig {
     pub max_concurrent_requests: usize,
     /// Requests waiting for an execution slot; beyond this, RESOURCE_EXHAUSTED.
     pub max_queued_requests: usize,
-    /// DECODEs scoring at most this many block-heads (blocks x query heads) run on the event
-    /// loop, skipping the hand-off to the blocking pool that dominates a small request's round
-    /// trip (0: every DECODE goes to the pool).
-    pub inline_decode_max_cost: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -349,7 +345,6 @@ impl Default for AdmissionConfig {
             max_sessions: 4096,
             max_concurrent_requests: 64,
             max_queued_requests: 4096,
-            inline_decode_max_cost: 512,
         }
     }
 }

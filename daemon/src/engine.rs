@@ -48,19 +48,6 @@ pub struct EngineLimits {
     pub admin_gids: Vec<u32>,
 }
 
-/// Why an inline decode did not answer.
-enum Inline {
-    /// Not suitable to run inline; nothing was done.
-    GiveUp,
-    Failed(ServiceError),
-}
-
-impl From<ServiceError> for Inline {
-    fn from(e: ServiceError) -> Self {
-        Inline::Failed(e)
-    }
-}
-
 /// How the engine uses the NVMe tier.
 #[derive(Debug, Clone)]
 pub struct TierSettings {
@@ -309,55 +296,8 @@ impl Engine {
         want_stats: bool,
         entries: &[DecodeEntryRef<'_>],
     ) -> ServiceResult<DecodeReply> {
-        self.decode_with(peer, layer, want_stats, entries, None)
-            .expect("a blocking decode always runs")
-    }
-
-    /// A decode small enough to run on the calling (event-loop) thread: at most `max_cost`
-    /// scored block-heads, every session unlocked right now, all blocks resident, CPU backend.
-    /// None (nothing done) when any of that does not hold: the caller queues it instead. Saves
-    /// the hand-off to the blocking pool, which dominates a small request's round trip.
-    pub fn try_decode_small(
-        &self,
-        peer: &Peer,
-        layer: u32,
-        want_stats: bool,
-        entries: &[DecodeEntryRef<'_>],
-        max_cost: u64,
-    ) -> Option<ServiceResult<DecodeReply>> {
-        if self.gpu.is_some() || entries.is_empty() {
-            return None;
-        }
-        self.decode_with(peer, layer, want_stats, entries, Some(max_cost))
-    }
-
-    /// The decode step; with `inline = Some(max_cost)` it gives up (None, nothing changed)
-    /// instead of waiting for a lock, reading NVMe or doing more than `max_cost` work.
-    fn decode_with(
-        &self,
-        peer: &Peer,
-        layer: u32,
-        want_stats: bool,
-        entries: &[DecodeEntryRef<'_>],
-        inline: Option<u64>,
-    ) -> Option<ServiceResult<DecodeReply>> {
-        Some(self.decode_inner(peer, layer, want_stats, entries, inline)).and_then(|r| match r {
-            Err(Inline::GiveUp) => None,
-            Err(Inline::Failed(e)) => Some(Err(e)),
-            Ok(reply) => Some(Ok(reply)),
-        })
-    }
-
-    fn decode_inner(
-        &self,
-        peer: &Peer,
-        layer: u32,
-        want_stats: bool,
-        entries: &[DecodeEntryRef<'_>],
-        inline: Option<u64>,
-    ) -> Result<DecodeReply, Inline> {
         if entries.is_empty() {
-            return Err(ServiceError::invalid("DECODE with no entries").into());
+            return Err(ServiceError::invalid("DECODE with no entries"));
         }
         let mut sessions = Vec::with_capacity(entries.len());
         for (i, e) in entries.iter().enumerate() {
@@ -378,34 +318,12 @@ impl Engine {
                 sessions[w[0]].id,
                 w[0].min(w[1]),
                 w[0].max(w[1])
-            ))
-            .into());
-        }
-        if let Some(max_cost) = inline {
-            let cost: u64 = sessions
-                .iter()
-                .zip(entries)
-                .map(|(s, e)| s.geometry.blocks_for(e.position + 1) * s.geometry.q_heads as u64)
-                .sum();
-            if cost > max_cost {
-                return Err(Inline::GiveUp);
-            }
+            )));
         }
         let mut guards: Vec<Option<MutexGuard<'_, SessionState>>> =
             (0..entries.len()).map(|_| None).collect();
         for &i in &order {
-            guards[i] = Some(match inline {
-                None => sessions[i].state.lock(),
-                Some(_) => sessions[i].state.try_lock().ok_or(Inline::GiveUp)?,
-            });
-        }
-        if inline.is_some()
-            && guards.iter().any(|g| {
-                g.as_ref()
-                    .is_some_and(|st| st.kv.frames() != st.kv.blocks())
-            })
-        {
-            return Err(Inline::GiveUp);
+            guards[i] = Some(sessions[i].state.lock());
         }
         let queries: Vec<Vec<f32>> = entries
             .iter()
@@ -479,7 +397,7 @@ impl Engine {
                     .sum();
                 if !self.make_room(&ids, need) {
                     self.counters.rejected.fetch_add(1, Ordering::Relaxed);
-                    return Err(e.into());
+                    return Err(e);
                 }
                 run(&mut guards)?
             }

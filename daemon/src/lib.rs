@@ -183,7 +183,6 @@ pub fn server_settings(cfg: &Config) -> ServerSettings {
         max_concurrent_requests: cfg.admission.max_concurrent_requests,
         max_queued_requests: cfg.admission.max_queued_requests,
         shutdown_grace: Duration::from_millis(cfg.server.shutdown_grace_ms),
-        inline_decode_max_cost: cfg.admission.inline_decode_max_cost,
         socket_path: Some(cfg.server.socket_path.clone()),
     }
 }

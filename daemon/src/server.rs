@@ -29,10 +29,6 @@ use kvtier_protocol::{
 use crate::engine::{Engine, Peer};
 use crate::error::{ServiceError, ServiceResult};
 
-/// A DECODE body at most this big may run on the event loop (see
-/// `ServerSettings::inline_decode_max_cost`).
-const INLINE_DECODE_MAX_BODY: usize = 16 << 10;
-
 /// Socket-side settings (from the `[server]` and `[admission]` config sections).
 #[derive(Debug, Clone)]
 pub struct ServerSettings {
@@ -41,9 +37,6 @@ pub struct ServerSettings {
     pub max_concurrent_requests: usize,
     pub max_queued_requests: usize,
     pub shutdown_grace: Duration,
-    /// DECODEs needing at most this many scored block-heads run on the event loop instead of
-    /// the blocking pool (0: never).
-    pub inline_decode_max_cost: u64,
     /// Removed when the server stops accepting.
     pub socket_path: Option<PathBuf>,
 }
@@ -423,25 +416,6 @@ impl Connection {
         }
         match opcode {
             Some(Opcode::AppendKv | Opcode::Decode | Opcode::Demote | Opcode::Promote) => {
-                let inline_cost = self.shared.settings.inline_decode_max_cost;
-                if opcode == Some(Opcode::Decode)
-                    && inline_cost > 0
-                    && body.len() <= INLINE_DECODE_MAX_BODY
-                {
-                    // Small steps run right here: cheaper than the hop to the blocking pool.
-                    if let Ok(Request::Decode(d)) = Request::decode(header, body) {
-                        let peer = self.peer;
-                        if let Some(result) = engine.try_decode_small(
-                            &peer,
-                            d.layer,
-                            d.want_stats,
-                            &d.entries,
-                            inline_cost,
-                        ) {
-                            return reply_frame(rid, result.map(Response::Decode), max, &engine);
-                        }
-                    }
-                }
                 let permit = match self.shared.admission.enter(&engine).await {
                     Ok(p) => p,
                     Err(e) => return reply_frame(rid, Err(e), max, &engine),

@@ -12,17 +12,7 @@ use kvtier_protocol::{stats_keys, ErrorCode};
 
 #[test]
 fn full_session_lifecycle_matches_the_dense_oracle() {
-    lifecycle(&[]);
-}
-
-/// The same with every DECODE on the blocking pool (small ones normally run inline).
-#[test]
-fn full_session_lifecycle_without_inline_decodes() {
-    lifecycle(&["--set", "admission.inline_decode_max_cost=0"]);
-}
-
-fn lifecycle(args: &[&str]) {
-    let d = Daemon::start(args);
+    let d = Daemon::start(&[]);
     let mut c = d.client();
     let g = small_geometry();
     let id = c.create_session(g, policy(), "lifecycle").unwrap();
