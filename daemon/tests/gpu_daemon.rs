@@ -13,7 +13,7 @@ fn the_cuda_daemon_answers_like_the_cpu_daemon() {
         eprintln!("skipped: no CUDA device");
         return;
     }
-    let gpu = Daemon::start(&["--backend", "cuda", "--log-level", "info"]);
+    let gpu = Daemon::start(&["--backend", "cuda"]);
     let cpu = Daemon::start(&["--backend", "cpu"]);
     let (mut cg, mut cc) = (gpu.client(), cpu.client());
     let g = small_geometry();
