@@ -35,10 +35,17 @@ fn the_cuda_daemon_answers_like_the_cpu_daemon() {
                 let pos = sh.tokens(layer);
                 let (q, k, v) = sh.step_input(layer);
                 let qb = f32_bytes(&q);
-                let og = cg.decode(layer as u32, entry(*a, pos, &qb, &k, &v), true).unwrap();
-                let oc = cc.decode(layer as u32, entry(*b, pos, &qb, &k, &v), true).unwrap();
+                let og = cg
+                    .decode(layer as u32, entry(*a, pos, &qb, &k, &v), true)
+                    .unwrap();
+                let oc = cc
+                    .decode(layer as u32, entry(*b, pos, &qb, &k, &v), true)
+                    .unwrap();
                 let (sg, sc) = (og.stats.as_ref().unwrap(), oc.stats.as_ref().unwrap());
-                assert_eq!(sg.selected, sc.selected, "step {step} layer {layer}: keep-sets");
+                assert_eq!(
+                    sg.selected, sc.selected,
+                    "step {step} layer {layer}: keep-sets"
+                );
                 let err = max_rel_err(&og.out, &oc.out);
                 assert!(err <= 2e-3, "step {step} layer {layer}: rel err {err}");
                 sh.check(layer, &q, &og);
@@ -46,6 +53,9 @@ fn the_cuda_daemon_answers_like_the_cpu_daemon() {
             }
         }
     }
-    assert!(hits > 0, "the GPU path served the steps (block cache hits: {hits})");
+    assert!(
+        hits > 0,
+        "the GPU path served the steps (block cache hits: {hits})"
+    );
     eprintln!("cuda daemon == cpu daemon over 144 decode steps; GPU block-cache hits {hits}");
 }

@@ -26,7 +26,9 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvtier_bench::{cpu_description, fill_bf16, percentile};
 use kvtier_protocol::client::{default_socket_path, Client};
-use kvtier_protocol::{stats_keys, DecodeEntryRef, Dtype, Geometry, Policy};
+use kvtier_protocol::{
+    stats_keys, DecodeEntryRef, DecodeRequest, Dtype, Geometry, Policy, Request, HEADER_LEN,
+};
 use kvtier_storage::testing::Rng;
 use serde::Serialize;
 
@@ -138,6 +140,9 @@ struct Rtt {
     latency: Latency,
     target_p50_us: f64,
     target_met: bool,
+    /// The floor: the same request and reply sizes bounced between two threads over a bare
+    /// Unix socket pair (no protocol, no daemon), in the same run.
+    socket_floor: Latency,
 }
 
 #[derive(Debug, Serialize)]
@@ -467,12 +472,61 @@ fn measure_rtt(sock: &Path, requests: u32) -> Result<Rtt, BoxError> {
         c.close(s)?;
     }
     let latency = Latency::of(lat);
+    let request_bytes = {
+        let mut buf = Vec::new();
+        let entry = DecodeEntryRef {
+            session: 1,
+            position: 0,
+            q: &q,
+            k,
+            v,
+        };
+        Request::Decode(DecodeRequest {
+            layer: 0,
+            want_stats: false,
+            entries: vec![entry],
+        })
+        .encode_frame(1, &mut buf)?;
+        buf.len()
+    };
+    // Reply: header + count + out_len + Hq*D f32 + has_stats.
+    let reply_bytes = HEADER_LEN + 4 + 4 + 4 * (g.q_heads * g.head_dim) as usize + 1;
     Ok(Rtt {
         requests,
         target_p50_us: 50.0,
         target_met: latency.p50_us <= 50.0,
         latency,
+        socket_floor: socket_ping_pong(request_bytes, reply_bytes, requests)?,
     })
+}
+
+/// Round trips of `req` bytes out and `resp` bytes back between this thread and an echo
+/// thread over a Unix socket pair: what the kernel and the scheduler alone cost.
+fn socket_ping_pong(req: usize, resp: usize, requests: u32) -> Result<Latency, BoxError> {
+    use std::io::{Read, Write};
+    let (mut a, mut b) = UnixStream::pair()?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut inb, out) = (vec![0u8; req], vec![0u8; resp]);
+        loop {
+            if b.read_exact(&mut inb).is_err() {
+                return Ok(());
+            }
+            b.write_all(&out)?;
+        }
+    });
+    let (out, mut inb) = (vec![0u8; req], vec![0u8; resp]);
+    let mut lat = Vec::with_capacity(requests as usize);
+    for i in 0..requests + 200 {
+        let t0 = Instant::now();
+        a.write_all(&out)?;
+        a.read_exact(&mut inb)?;
+        if i >= 200 {
+            lat.push(t0.elapsed());
+        }
+    }
+    drop(a);
+    echo.join().map_err(|_| "echo thread panicked")??;
+    Ok(Latency::of(lat))
 }
 
 fn dtype_name(d: Dtype) -> &'static str {
@@ -685,6 +739,11 @@ fn run(args: Args) -> Result<(), BoxError> {
         rtt.latency.max_us,
         if rtt.target_met { "met" } else { "MISSED" },
         ctx_end = 2 * SMALL_CONTEXT - 1
+    );
+    println!(
+        "floor: the same bytes bounced over a bare Unix socket pair between two threads: p50 {:.1} us, \
+         p99 {:.1} us",
+        rtt.socket_floor.p50_us, rtt.socket_floor.p99_us
     );
 
     let report = Report {
