@@ -120,7 +120,7 @@ fn main() {
         top_k: 1 << 20,
     };
     println!(
-        "kvtier demo: tierd (CPU backend, embedded defaults) serving a {}-token session",
+        "kvtier demo: tierd on embedded defaults (CPU backend unless a CUDA device is present) serving a {}-token session",
         args.context
     );
     println!("geometry: {} layers, 28 query / 4 KV heads, D=128, bf16, 128-token blocks (Qwen2.5-7B attention)", g.layers);
