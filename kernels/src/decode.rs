@@ -1,6 +1,8 @@
 //! One decode step of one layer for a batch of sessions on the CPU: append the new token's K/V,
 //! select each kv-head's keep-set from the key bounds, attend over it.
 
+use std::time::Instant;
+
 use rayon::prelude::*;
 
 use kvtier_storage::{KvCache, Policy};
@@ -35,6 +37,18 @@ pub struct StepStats {
     pub keep: KeepSet,
 }
 
+/// Wall time of one batched step's stages, for the daemon's latency metrics. Measured around
+/// whole stages (three clock reads per call), so the hot loops carry no timing cost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StageTimings {
+    /// Validating, reserving frames and appending the new token's K/V (and its key bounds).
+    pub append_ns: u64,
+    /// Scoring blocks and building every kv-head's keep-set.
+    pub select_ns: u64,
+    /// Attention over the keep-sets, including the log-sum-exp merge.
+    pub attend_ns: u64,
+}
+
 /// Below this many scored blocks the selection stays on the calling thread.
 const PARALLEL_MIN_BLOCKS: usize = 256;
 
@@ -46,6 +60,18 @@ pub fn decode_layer(
     entries: &mut [DecodeEntry<'_>],
     out: &mut [f32],
 ) -> Result<Vec<StepStats>> {
+    decode_layer_timed(layer, entries, out, &mut StageTimings::default())
+}
+
+/// [`decode_layer`], also reporting how long each stage of the batch took (left unchanged when
+/// the step fails).
+pub fn decode_layer_timed(
+    layer: u32,
+    entries: &mut [DecodeEntry<'_>],
+    out: &mut [f32],
+    timings: &mut StageTimings,
+) -> Result<Vec<StepStats>> {
+    let t0 = Instant::now();
     let at = |entry: usize| {
         move |e: KernelError| KernelError::Entry {
             entry,
@@ -85,6 +111,8 @@ pub fn decode_layer(
             .expect("validated append cannot fail");
     }
 
+    let t_append = t0.elapsed();
+
     let views: Vec<_> = entries
         .iter()
         .map(|e| e.kv.layer(layer).expect("layer was validated"))
@@ -120,6 +148,8 @@ pub fn decode_layer(
         keeps[i].push_head(blocks);
     }
 
+    let t_select = t0.elapsed();
+
     let items: Vec<AttendItem<'_>> = entries
         .iter()
         .zip(&views)
@@ -131,6 +161,12 @@ pub fn decode_layer(
         })
         .collect();
     attend(&items, out);
+    let t_attend = t0.elapsed();
+    *timings = StageTimings {
+        append_ns: t_append.as_nanos() as u64,
+        select_ns: (t_select - t_append).as_nanos() as u64,
+        attend_ns: (t_attend - t_select).as_nanos() as u64,
+    };
 
     Ok(views
         .iter()
