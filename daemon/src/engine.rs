@@ -6,20 +6,44 @@
 //! locks its sessions in ascending id order, so two batches can never deadlock.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
 
-use kvtier_kernels::{decode_layer, DecodeEntry};
+use kvtier_kernels::{decode_layer_timed, DecodeEntry, StageTimings};
 use kvtier_protocol::{
     stats_keys, CreateSessionRequest, DecodeEntryRef, DecodeOutput, DecodeReply, DecodeStats,
-    SessionInfo, StatsReply,
+    ErrorCode, SessionInfo, StatsReply,
 };
 use kvtier_storage::{DType, Geometry, HostArena, KvCache, Policy};
 
 use crate::error::{ServiceError, ServiceResult};
+use crate::metrics::{Metrics, Rejection};
+
+/// STATS keys tierd reports beyond the protocol's initial set (docs/protocol.md §5.7).
+pub mod extra_stats_keys {
+    /// 1 while the daemon accepts requests, 0 once shutdown has begun (draining).
+    pub const READY: &str = "ready";
+    /// Wall-clock start time, ms since the Unix epoch.
+    pub const STARTED_UNIX_MS: &str = "started_unix_ms";
+    /// Selected (block, kv-head) tiles over all decode entries.
+    pub const SELECTED_TILES_TOTAL: &str = "selected_tiles_total";
+    /// Summed wall time of DECODE requests' stages, ns (divide by decode_requests_total).
+    pub const DECODE_APPEND_NS_TOTAL: &str = "decode_append_ns_total";
+    pub const DECODE_SELECT_NS_TOTAL: &str = "decode_select_ns_total";
+    pub const DECODE_ATTEND_NS_TOTAL: &str = "decode_attend_ns_total";
+
+    pub const ALL: [&str; 6] = [
+        READY,
+        STARTED_UNIX_MS,
+        SELECTED_TILES_TOTAL,
+        DECODE_APPEND_NS_TOTAL,
+        DECODE_SELECT_NS_TOTAL,
+        DECODE_ATTEND_NS_TOTAL,
+    ];
+}
 
 /// Who is asking, from SO_PEERCRED.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,6 +82,33 @@ pub struct Counters {
     pub errors: AtomicU64,
     pub rejected: AtomicU64,
     pub bytes_touched: AtomicU64,
+    pub selected_tiles: AtomicU64,
+    pub append_ns: AtomicU64,
+    pub select_ns: AtomicU64,
+    pub attend_ns: AtomicU64,
+}
+
+/// The engine's state at one instant: what STATS and a metrics scrape report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    pub ready: bool,
+    pub uptime: Duration,
+    pub started_unix_ms: u64,
+    pub sessions: u64,
+    pub host_bytes_used: u64,
+    pub host_bytes_capacity: u64,
+    pub host_frames_used: u64,
+    pub host_frames_capacity: u64,
+    pub decode_requests: u64,
+    pub decode_entries: u64,
+    pub append_tokens: u64,
+    pub errors: u64,
+    pub rejected: u64,
+    pub bytes_touched: u64,
+    pub selected_tiles: u64,
+    pub append_ns: u64,
+    pub select_ns: u64,
+    pub attend_ns: u64,
 }
 
 pub struct Engine {
@@ -66,7 +117,10 @@ pub struct Engine {
     sessions: RwLock<HashMap<u64, Arc<Session>>>,
     next_id: AtomicU64,
     pub counters: Counters,
+    metrics: Metrics,
+    ready: AtomicBool,
     started: Instant,
+    started_unix_ms: u64,
 }
 
 fn now_ms() -> u64 {
@@ -105,8 +159,46 @@ impl Engine {
             sessions: RwLock::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             counters: Counters::default(),
+            metrics: Metrics::disabled(),
+            ready: AtomicBool::new(false),
             started: Instant::now(),
+            started_unix_ms: now_ms(),
         }
+    }
+
+    /// Records into `metrics` from now on.
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Marks the daemon as serving (true) or draining (false); reported by STATS and metrics.
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Relaxed);
+    }
+
+    /// An error reply is being sent.
+    pub fn record_error(&self, code: ErrorCode) {
+        self.counters.errors.fetch_add(1, Ordering::Relaxed);
+        self.metrics.error(code);
+    }
+
+    /// A request was refused by an admission limit.
+    pub fn record_rejection(&self, why: Rejection) {
+        self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+        self.metrics.rejection(why);
+    }
+
+    /// Whether the session table can be locked right now: the watchdog's liveness probe (a
+    /// writer stuck while holding it would wedge every request).
+    pub fn responsive(&self) -> bool {
+        self.sessions
+            .try_read_for(Duration::from_millis(50))
+            .is_some()
     }
 
     pub fn arena(&self) -> &HostArena {
@@ -150,7 +242,7 @@ impl Engine {
         let kv = KvCache::new(geometry, self.arena.clone())?;
         let mut sessions = self.sessions.write();
         if sessions.len() >= self.limits.max_sessions {
-            self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+            self.record_rejection(Rejection::SessionLimit);
             return Err(ServiceError::exhausted(format!(
                 "session limit reached ({} sessions; admission.max_sessions)",
                 self.limits.max_sessions
@@ -189,7 +281,7 @@ impl Engine {
         kv.append(start, n_tokens as u64, payload)
             .inspect_err(|e| {
                 if matches!(e, kvtier_storage::StorageError::ArenaFull { .. }) {
-                    self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                    self.record_rejection(Rejection::HostFull);
                 }
             })?;
         self.counters
@@ -258,18 +350,34 @@ impl Engine {
             .map(|s| (s.geometry.q_heads * s.geometry.head_dim) as usize)
             .sum();
         let mut out = vec![0f32; out_len];
-        let stats = decode_layer(layer, &mut batch, &mut out).inspect_err(|e| {
-            if matches!(
-                e.root(),
-                kvtier_kernels::KernelError::Storage(
-                    kvtier_storage::StorageError::ArenaFull { .. }
-                )
-            ) {
-                self.counters.rejected.fetch_add(1, Ordering::Relaxed);
-            }
-        })?;
+        let t0 = Instant::now();
+        let mut timings = StageTimings::default();
+        let stats =
+            decode_layer_timed(layer, &mut batch, &mut out, &mut timings).inspect_err(|e| {
+                if matches!(
+                    e.root(),
+                    kvtier_kernels::KernelError::Storage(
+                        kvtier_storage::StorageError::ArenaFull { .. }
+                    )
+                ) {
+                    self.record_rejection(Rejection::HostFull);
+                }
+            })?;
         drop(batch);
         drop(guards);
+        let c = &self.counters;
+        c.append_ns.fetch_add(timings.append_ns, Ordering::Relaxed);
+        c.select_ns.fetch_add(timings.select_ns, Ordering::Relaxed);
+        c.attend_ns.fetch_add(timings.attend_ns, Ordering::Relaxed);
+        self.metrics.decode_timings(&timings, t0.elapsed());
+        let mut tiles = 0u64;
+        for st in &stats {
+            tiles += st.tiles_selected as u64;
+            if st.keep.heads() > 0 {
+                self.metrics.keep_set(st.keep.head(0).len());
+            }
+        }
+        c.selected_tiles.fetch_add(tiles, Ordering::Relaxed);
         self.counters
             .decode_requests
             .fetch_add(1, Ordering::Relaxed);
@@ -375,26 +483,55 @@ impl Engine {
         self.sessions.write().remove(&id);
     }
 
-    pub fn stats(&self) -> StatsReply {
+    /// The counters and usage STATS and metrics report.
+    pub fn snapshot(&self) -> Snapshot {
         let u = self.arena.usage();
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Snapshot {
+            ready: self.ready.load(Ordering::Relaxed),
+            uptime: self.started.elapsed(),
+            started_unix_ms: self.started_unix_ms,
+            sessions: self.session_count() as u64,
+            host_bytes_used: u.bytes_used() as u64,
+            host_bytes_capacity: u.bytes_total() as u64,
+            host_frames_used: u.frames_used as u64,
+            host_frames_capacity: u.frames_total as u64,
+            decode_requests: get(&c.decode_requests),
+            decode_entries: get(&c.decode_entries),
+            append_tokens: get(&c.append_tokens),
+            errors: get(&c.errors),
+            rejected: get(&c.rejected),
+            bytes_touched: get(&c.bytes_touched),
+            selected_tiles: get(&c.selected_tiles),
+            append_ns: get(&c.append_ns),
+            select_ns: get(&c.select_ns),
+            attend_ns: get(&c.attend_ns),
+        }
+    }
+
+    pub fn stats(&self) -> StatsReply {
+        let s = self.snapshot();
+        use extra_stats_keys as x;
         let entries = vec![
-            (
-                stats_keys::UPTIME_MS,
-                self.started.elapsed().as_millis() as u64,
-            ),
-            (stats_keys::SESSIONS, self.session_count() as u64),
-            (stats_keys::HOST_BYTES_USED, u.bytes_used() as u64),
-            (stats_keys::HOST_BYTES_CAPACITY, u.bytes_total() as u64),
-            (stats_keys::HOST_FRAMES_USED, u.frames_used as u64),
-            (stats_keys::HOST_FRAMES_CAPACITY, u.frames_total as u64),
-            (stats_keys::DECODE_REQUESTS_TOTAL, get(&c.decode_requests)),
-            (stats_keys::DECODE_ENTRIES_TOTAL, get(&c.decode_entries)),
-            (stats_keys::APPEND_TOKENS_TOTAL, get(&c.append_tokens)),
-            (stats_keys::ERRORS_TOTAL, get(&c.errors)),
-            (stats_keys::REJECTED_TOTAL, get(&c.rejected)),
-            (stats_keys::BYTES_TOUCHED_TOTAL, get(&c.bytes_touched)),
+            (stats_keys::UPTIME_MS, s.uptime.as_millis() as u64),
+            (stats_keys::SESSIONS, s.sessions),
+            (stats_keys::HOST_BYTES_USED, s.host_bytes_used),
+            (stats_keys::HOST_BYTES_CAPACITY, s.host_bytes_capacity),
+            (stats_keys::HOST_FRAMES_USED, s.host_frames_used),
+            (stats_keys::HOST_FRAMES_CAPACITY, s.host_frames_capacity),
+            (stats_keys::DECODE_REQUESTS_TOTAL, s.decode_requests),
+            (stats_keys::DECODE_ENTRIES_TOTAL, s.decode_entries),
+            (stats_keys::APPEND_TOKENS_TOTAL, s.append_tokens),
+            (stats_keys::ERRORS_TOTAL, s.errors),
+            (stats_keys::REJECTED_TOTAL, s.rejected),
+            (stats_keys::BYTES_TOUCHED_TOTAL, s.bytes_touched),
+            (x::READY, s.ready as u64),
+            (x::STARTED_UNIX_MS, s.started_unix_ms),
+            (x::SELECTED_TILES_TOTAL, s.selected_tiles),
+            (x::DECODE_APPEND_NS_TOTAL, s.append_ns),
+            (x::DECODE_SELECT_NS_TOTAL, s.select_ns),
+            (x::DECODE_ATTEND_NS_TOTAL, s.attend_ns),
         ];
         StatsReply {
             entries: entries

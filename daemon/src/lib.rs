@@ -7,6 +7,9 @@
 //! - [`engine`]: sessions, ownership, admission, and every operation's semantics.
 //! - [`server`]: the socket (safe bind, framing with SCM_RIGHTS, admission slots, shutdown).
 //! - [`error`]: request failures as typed wire errors.
+//! - [`notify`]: the systemd notification protocol (READY=1, WATCHDOG=1, STATUS=, STOPPING=1).
+//! - [`metrics`]: every Prometheus metric name, the recording handles, the scrape endpoint.
+//! - [`preflight`]: startup checks that fail fast naming the fix (memlock limit, permissions).
 //! - `main.rs`: a thin binary: parse flags, load config, build the arena, serve until SIGTERM.
 //!
 //! The request path: a connection task reads one frame exactly (header, then body), decodes it
@@ -17,6 +20,9 @@
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod metrics;
+pub mod notify;
+pub mod preflight;
 pub mod server;
 
 pub use config::Config;
@@ -36,6 +42,11 @@ pub fn build_engine(cfg: &Config) -> Result<Engine, kvtier_storage::StorageError
     opts.huge_pages = cfg.host.huge_pages;
     opts.lock = cfg.host.lock_memory;
     let arena = HostArena::new(&opts)?;
+    let metrics = if cfg.metrics.listen.is_some() {
+        metrics::Metrics::prometheus()
+    } else {
+        metrics::Metrics::disabled()
+    };
     Ok(Engine::new(
         arena,
         EngineLimits {
@@ -43,7 +54,8 @@ pub fn build_engine(cfg: &Config) -> Result<Engine, kvtier_storage::StorageError
             admin_uids: cfg.auth.admin_uids.clone(),
             admin_gids: cfg.auth.admin_gids.clone(),
         },
-    ))
+    )
+    .with_metrics(metrics))
 }
 
 /// The socket settings a config describes.
@@ -55,5 +67,7 @@ pub fn server_settings(cfg: &Config) -> ServerSettings {
         max_queued_requests: cfg.admission.max_queued_requests,
         shutdown_grace: Duration::from_millis(cfg.server.shutdown_grace_ms),
         socket_path: Some(cfg.server.socket_path.clone()),
+        notifier: None,
+        watchdog: None,
     }
 }
