@@ -188,6 +188,17 @@ fn serve(cfg: Config) -> Result<(), String> {
             "systemd watchdog enabled"
         );
     }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("tierd-io")
+        .build()
+        .map_err(|e| format!("starting the runtime: {e}"))?;
+    // Handlers go in before the socket exists: a SIGTERM right after READY=1 must drain, not
+    // kill with the default action.
+    let shutdown = {
+        let _rt = runtime.enter();
+        shutdown_signal().map_err(|e| format!("installing signal handlers: {e}"))?
+    };
     notify::send(notifier.as_deref(), "STATUS=building the host tier");
     if cfg.backend.threads > 0 {
         rayon_pool(cfg.backend.threads)?;
@@ -211,11 +222,6 @@ fn serve(cfg: Config) -> Result<(), String> {
         cfg.server.socket_group.as_deref(),
     )
     .map_err(|e| e.to_string())?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("tierd-io")
-        .build()
-        .map_err(|e| format!("starting the runtime: {e}"))?;
     let mut settings = tierd::server_settings(&cfg);
     settings.notifier = notifier;
     settings.watchdog = watchdog;
@@ -237,7 +243,7 @@ fn serve(cfg: Config) -> Result<(), String> {
             ));
         }
         tracing::info!(socket = %cfg.server.socket_path.display(), "tierd ready");
-        tierd::run(listener, engine, settings, shutdown_signal())
+        tierd::run(listener, engine, settings, shutdown)
             .await
             .map_err(|e| format!("server: {e}"))
     })?;
@@ -249,13 +255,15 @@ fn rayon_pool(threads: usize) -> Result<(), String> {
     kvtier_kernels::set_compute_threads(threads).map_err(|e| format!("compute pool: {e}"))
 }
 
-/// Resolves on the first SIGTERM or SIGINT.
-async fn shutdown_signal() {
+/// Installs the SIGTERM and SIGINT handlers now; the future resolves on the first of them.
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received"),
-        _ = int.recv() => tracing::info!("SIGINT received"),
-    }
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM received"),
+            _ = int.recv() => tracing::info!("SIGINT received"),
+        }
+    })
 }
