@@ -9,7 +9,7 @@
 use std::future::Future;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -105,8 +105,15 @@ pub fn bind(
         .map_err(|e| io_err("setting socket mode", e))?;
     if let Some(group) = group {
         let gid = resolve_group(group)?;
-        std::os::unix::fs::chown(path, None, Some(gid))
-            .map_err(|e| io_err("setting socket group", e))?;
+        // Under the shipped unit the socket already has the service's group, and the syscall
+        // filter denies chown: only change what differs.
+        let current = std::fs::metadata(path)
+            .map_err(|e| io_err("inspecting socket", e))?
+            .gid();
+        if current != gid {
+            std::os::unix::fs::chown(path, None, Some(gid))
+                .map_err(|e| io_err("setting socket group", e))?;
+        }
     }
     listener
         .set_nonblocking(true)
