@@ -609,5 +609,8 @@ mod tests {
             cfg.server.socket_path,
             PathBuf::from("/run/kvtier/tierd.sock")
         );
+        assert!(cfg.host.lock_memory, "production locks the host tier");
+        assert_eq!(cfg.log.format, LogFormat::Journald);
+        assert_eq!(cfg.metrics.listen, None, "metrics are opt-in");
     }
 }
