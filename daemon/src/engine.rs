@@ -541,3 +541,51 @@ impl Engine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvtier_storage::ArenaOptions;
+
+    fn engine() -> Engine {
+        let arena = HostArena::new(&ArenaOptions::new(1 << 20, 4096)).unwrap();
+        Engine::new(
+            arena,
+            EngineLimits {
+                max_sessions: 4,
+                admin_uids: vec![],
+                admin_gids: vec![],
+            },
+        )
+    }
+
+    #[test]
+    fn a_stuck_session_table_is_not_responsive() {
+        let e = engine();
+        assert!(e.responsive());
+        let held = e.sessions.write();
+        assert!(
+            !e.responsive(),
+            "the watchdog probe must notice a held table lock"
+        );
+        drop(held);
+        assert!(e.responsive());
+    }
+
+    #[test]
+    fn readiness_and_recorded_failures_reach_stats() {
+        let e = engine();
+        let get = |k| e.stats().get(k).unwrap();
+        assert_eq!(get(extra_stats_keys::READY), 0, "not ready before serving");
+        e.set_ready(true);
+        assert_eq!(get(extra_stats_keys::READY), 1);
+        e.record_error(ErrorCode::NotFound);
+        e.record_rejection(Rejection::QueueFull);
+        assert_eq!(get(stats_keys::ERRORS_TOTAL), 1);
+        assert_eq!(get(stats_keys::REJECTED_TOTAL), 1);
+        assert!(get(extra_stats_keys::STARTED_UNIX_MS) > 1_700_000_000_000);
+        for k in extra_stats_keys::ALL.iter().chain(&stats_keys::ALL) {
+            assert!(e.stats().get(k).is_some(), "STATS lacks {k}");
+        }
+    }
+}

@@ -15,7 +15,12 @@ use kvtier_protocol::stats_keys;
 
 /// Starts tierd through `sh`, so WATCHDOG_PID can be the daemon's own pid (`exec` keeps the
 /// shell's pid), as systemd sets it. `watchdog_pid` None: the daemon's pid; Some(p): p.
-fn spawn(socket: &Path, notify: &str, watchdog_usec: u64, watchdog_pid: Option<u32>) -> Child {
+fn spawn(
+    socket: &Path,
+    notify: &str,
+    watchdog_usec: u64,
+    watchdog_pid: Option<u32>,
+) -> common::Reaped {
     let pid = watchdog_pid.map_or("$$".to_string(), |p| p.to_string());
     Command::new("sh")
         .arg("-c")
@@ -34,6 +39,7 @@ fn spawn(socket: &Path, notify: &str, watchdog_usec: u64, watchdog_pid: Option<u
         .env("WATCHDOG_USEC", watchdog_usec.to_string())
         .stdin(Stdio::null())
         .spawn()
+        .map(common::Reaped)
         .expect("spawn tierd")
 }
 

@@ -1,6 +1,8 @@
 //! Startup checks that fail fast naming the fix (memlock limit, socket directory), and log
 //! output for the journal.
 
+mod common;
+
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Output, Stdio};
@@ -109,6 +111,7 @@ fn a_sufficient_memlock_limit_locks_the_host_tier_and_serves() {
         .args(["--log-level", "warn"])
         .stdin(Stdio::null())
         .spawn()
+        .map(common::Reaped)
         .unwrap();
     wait_for_socket(&sock, &mut child);
     let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
@@ -167,7 +170,7 @@ fn logs(extra: &[&str], journal_stream: bool) -> String {
     if journal_stream {
         cmd.env("JOURNAL_STREAM", format!("{}:{}", meta.dev(), meta.ino()));
     }
-    let mut child = cmd.spawn().unwrap();
+    let mut child = common::Reaped(cmd.spawn().unwrap());
     wait_for_socket(&sock, &mut child);
     assert!(stop(&mut child).success());
     std::fs::read_to_string(&log).unwrap()
