@@ -2,7 +2,9 @@
 
 use std::time::Duration;
 
+use kvtier_kernels::{decode_layer, DecodeEntry, StepStats};
 use kvtier_storage::testing::Rng;
+use kvtier_storage::{ColdSource, KvCache, Policy};
 
 /// Fills `bytes` with random bf16 values of magnitude in [2^-5, 1), four per RNG call: fast
 /// enough to fill a 7.5 GB cache in seconds, with enough spread that block bounds differ.
@@ -17,6 +19,15 @@ pub fn fill_bf16(rng: &mut Rng, bytes: &mut [u8]) {
             b.copy_from_slice(&v.to_le_bytes());
         }
     }
+}
+
+/// Nearest-rank percentile `p` (0..=100) of an ascending slice; zero for an empty one.
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
 pub fn median(xs: &mut [Duration]) -> Duration {
@@ -55,4 +66,53 @@ pub fn process_cpu_time() -> Duration {
     let ru = unsafe { ru.assume_init() };
     let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
     tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// One decode step over every layer of `kv` (batch 1): a random query and a random new token
+/// per layer, cold blocks read from `cold`. Returns each layer's stats.
+pub fn decode_step(
+    kv: &mut KvCache,
+    policy: Policy,
+    cold: Option<&dyn ColdSource>,
+    rng: &mut Rng,
+) -> Vec<StepStats> {
+    let g = *kv.geometry();
+    let q = rng.normals((g.q_heads * g.head_dim) as usize);
+    let mut out = vec![0f32; q.len()];
+    let mut kvb = vec![0u8; 2 * g.token_bytes()];
+    (0..g.layers)
+        .map(|layer| {
+            fill_bf16(rng, &mut kvb);
+            let (k, v) = kvb.split_at(g.token_bytes());
+            let position = kv.tokens(layer).expect("layer");
+            let entry = DecodeEntry {
+                kv: &mut *kv,
+                policy,
+                position,
+                q: &q,
+                k,
+                v,
+                cold,
+            };
+            decode_layer(layer, &mut [entry], &mut out)
+                .expect("decode")
+                .remove(0)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let ms: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
+        assert_eq!(percentile(&ms, 50.0), Duration::from_millis(50));
+        assert_eq!(percentile(&ms, 99.0), Duration::from_millis(99));
+        assert_eq!(percentile(&ms, 100.0), Duration::from_millis(100));
+        assert_eq!(percentile(&ms, 0.0), Duration::from_millis(1));
+        assert_eq!(percentile(&ms[..1], 99.0), Duration::from_millis(1));
+        assert_eq!(percentile(&[], 50.0), Duration::ZERO);
+    }
 }

@@ -71,6 +71,7 @@ pub struct Config {
     pub admission: AdmissionConfig,
     pub auth: AuthConfig,
     pub backend: BackendConfig,
+    pub nvme: NvmeConfig,
     pub log: LogConfig,
     pub metrics: MetricsConfig,
 }
@@ -139,6 +140,138 @@ pub struct BackendConfig {
     pub kind: BackendKind,
     /// Threads of the compute pool (0 = one per core).
     pub threads: usize,
+    /// The CUDA path (used when `kind` resolves to cuda).
+    pub cuda: CudaSection,
+}
+
+/// `[backend.cuda]`: device and device-memory sizing. One backend is compiled per distinct
+/// (geometry, policy) of the sessions, lazily at session creation, up to `max_backends`;
+/// sessions beyond that, or of a geometry the kernels cannot run, use the CPU path.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct CudaSection {
+    /// Device ordinal.
+    pub device: usize,
+    /// Distinct (geometry, policy) backends.
+    pub max_backends: usize,
+    /// Sessions with device state, per backend.
+    pub max_sessions: u32,
+    /// Blocks per session layer (context capacity = max_blocks x block_tokens).
+    pub max_blocks: u32,
+    /// Sessions per device call.
+    pub max_batch: u32,
+    /// GPU tile-cache slots per (session, layer, kv head); 0 = twice the keep-set size.
+    pub cache_slots: u32,
+    /// Bytes per pinning call when registering the arena (rounded to whole frames).
+    pub register_chunk: ByteSize,
+}
+
+impl Default for CudaSection {
+    fn default() -> Self {
+        let d = crate::gpu::GpuSettings::default();
+        CudaSection {
+            device: d.device,
+            max_backends: d.max_backends,
+            max_sessions: d.max_sessions,
+            max_blocks: d.max_blocks,
+            max_batch: d.max_batch,
+            cache_slots: d.cache_slots,
+            register_chunk: ByteSize(d.register_chunk as u64),
+        }
+    }
+}
+
+impl CudaSection {
+    /// The decoder settings this section describes.
+    pub fn settings(&self) -> crate::gpu::GpuSettings {
+        crate::gpu::GpuSettings {
+            device: self.device,
+            max_backends: self.max_backends,
+            max_sessions: self.max_sessions,
+            max_blocks: self.max_blocks,
+            max_batch: self.max_batch,
+            cache_slots: self.cache_slots,
+            register_chunk: self.register_chunk.0 as usize,
+        }
+    }
+}
+
+/// Which io engine the NVMe tier uses.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum IoEngineKind {
+    /// io_uring when the kernel allows it, else pread/pwrite (logged).
+    Auto,
+    Uring,
+    Pread,
+}
+
+/// One page file or block device of the NVMe tier.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NvmeDevice {
+    pub path: PathBuf,
+    pub capacity: ByteSize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct NvmeConfig {
+    /// Keep a durable copy of sessions on NVMe: demotion, write-through, warm restart.
+    pub enabled: bool,
+    /// Holds the manifest, and the default page file when `devices` is empty.
+    pub dir: PathBuf,
+    /// Page files or block devices; pages are striped over them by measured bandwidth.
+    pub devices: Vec<NvmeDevice>,
+    /// Size of the default page file `<dir>/pages-0` (preallocated).
+    pub capacity: ByteSize,
+    /// Make every APPEND_KV durable before acknowledging it.
+    pub write_through: bool,
+    /// When host-tier use passes this fraction, least recently used unpinned sessions are
+    /// demoted until it falls below `low_water`.
+    pub high_water: f64,
+    pub low_water: f64,
+    pub engine: IoEngineKind,
+    pub queue_depth: u32,
+}
+
+/// `$STATE_DIRECTORY` (systemd StateDirectory=), else `/var/lib/kvtier` for root, else
+/// `$XDG_STATE_HOME/kvtier` or `~/.local/state/kvtier`.
+pub fn default_state_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("STATE_DIRECTORY").filter(|d| !d.is_empty()) {
+        let first = d
+            .to_string_lossy()
+            .split(':')
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        return PathBuf::from(first);
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        return PathBuf::from("/var/lib/kvtier");
+    }
+    if let Some(d) = std::env::var_os("XDG_STATE_HOME").filter(|d| !d.is_empty()) {
+        return Path::new(&d).join("kvtier");
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into());
+    Path::new(&home).join(".local/state/kvtier")
+}
+
+impl Default for NvmeConfig {
+    fn default() -> Self {
+        NvmeConfig {
+            enabled: true,
+            dir: default_state_dir(),
+            devices: Vec::new(),
+            capacity: ByteSize(4 << 30),
+            write_through: false,
+            high_water: 0.9,
+            low_water: 0.75,
+            engine: IoEngineKind::Auto,
+            queue_depth: 64,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -246,6 +379,7 @@ impl Default for BackendConfig {
         BackendConfig {
             kind: BackendKind::Auto,
             threads: 0,
+            cuda: CudaSection::default(),
         }
     }
 }
@@ -275,12 +409,13 @@ pub enum ConfigError {
     Invalid { field: &'static str, reason: String },
 }
 
-const SECTIONS: [&str; 7] = [
+const SECTIONS: [&str; 8] = [
     "server",
     "host",
     "admission",
     "auth",
     "backend",
+    "nvme",
     "log",
     "metrics",
 ];
@@ -405,6 +540,52 @@ impl Config {
                 return bad(field, "must be at least 1".into());
             }
         }
+        let n = &self.nvme;
+        if !(n.low_water > 0.0 && n.low_water < n.high_water && n.high_water <= 1.0) {
+            return bad(
+                "nvme.high_water",
+                format!(
+                    "need 0 < low_water < high_water <= 1, got low {} high {}",
+                    n.low_water, n.high_water
+                ),
+            );
+        }
+        if n.enabled {
+            let page = frame + 4096;
+            if n.devices.is_empty() && n.capacity.0 < page {
+                return bad(
+                    "nvme.capacity",
+                    format!(
+                        "must hold at least one page ({page} bytes), got {}",
+                        n.capacity
+                    ),
+                );
+            }
+            if n.devices.iter().any(|d| d.capacity.0 < page) {
+                return bad(
+                    "nvme.devices",
+                    format!("every device must hold at least one page ({page} bytes)"),
+                );
+            }
+            if n.queue_depth == 0 || n.queue_depth > 4096 {
+                return bad(
+                    "nvme.queue_depth",
+                    format!("must be in 1..=4096, got {}", n.queue_depth),
+                );
+            }
+        }
+        let c = &self.backend.cuda;
+        for (field, v) in [
+            ("backend.cuda.max_backends", c.max_backends as u64),
+            ("backend.cuda.max_sessions", c.max_sessions as u64),
+            ("backend.cuda.max_blocks", c.max_blocks as u64),
+            ("backend.cuda.max_batch", c.max_batch as u64),
+            ("backend.cuda.register_chunk", c.register_chunk.0),
+        ] {
+            if v == 0 {
+                return bad(field, "must be at least 1".into());
+            }
+        }
         if let Some(addr) = self.metrics.listen {
             if !addr.ip().is_loopback() && !self.metrics.allow_remote {
                 return bad(
@@ -455,15 +636,30 @@ fn set(tree: &mut toml::Table, section: &str, field: &str, raw: &str) -> Result<
         .ok()
         .and_then(|mut t| t.remove("v"))
         .unwrap_or_else(|| toml::Value::String(raw.to_string()));
-    let table = tree
+    let mut table = tree
         .entry(section)
         .or_insert_with(|| toml::Value::Table(Default::default()));
-    match table {
-        toml::Value::Table(t) => {
-            t.insert(field.to_string(), value);
-            Ok(())
+    // `backend.cuda.max_sessions`: walk sub-tables; `TIERD_BACKEND_CUDA_MAX_SESSIONS` names
+    // the same field when its first word is a sub-table.
+    let mut field = field.to_string();
+    loop {
+        let toml::Value::Table(t) = table else {
+            return Err(format!("{section} is not a table"));
+        };
+        let sub = field
+            .split_once(['.', '_'])
+            .filter(|(head, _)| matches!(t.get(*head), Some(toml::Value::Table(_))))
+            .map(|(head, rest)| (head.to_string(), rest.to_string()));
+        match sub {
+            Some((head, rest)) => {
+                table = t.get_mut(&head).expect("checked above");
+                field = rest;
+            }
+            None => {
+                t.insert(field, value);
+                return Ok(());
+            }
         }
-        _ => Err(format!("{section} is not a table")),
     }
 }
 
@@ -556,6 +752,27 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("admission.max_sessions"), "{e}");
+    }
+
+    #[test]
+    fn cuda_section_layers_and_validates() {
+        let cfg = load(
+            "[backend.cuda]\nmax_sessions = 4\n",
+            &[("TIERD_BACKEND_CUDA_MAX_BLOCKS", "1024")],
+            &[("backend.cuda.max_batch", "2")],
+        )
+        .unwrap();
+        let s = cfg.backend.cuda.settings();
+        assert_eq!((s.max_sessions, s.max_blocks, s.max_batch), (4, 1024, 2));
+        assert_eq!(s.max_backends, 2, "default kept");
+        let e = load("[backend.cuda]\nmax_batch = 0\n", &[], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("backend.cuda.max_batch"), "{e}");
+        let e = load("[backend.cuda]\nmax_batchez = 1\n", &[], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("max_batchez"), "{e}");
     }
 
     #[test]

@@ -2,8 +2,14 @@
 //! (ownership, admission), appends, batched decode steps, and the counters behind STATS.
 //!
 //! Locking: the session table is a read-write lock held only to look sessions up; each session's
-//! KV cache has its own mutex, held for the duration of one append or decode. A batch decode
-//! locks its sessions in ascending id order, so two batches can never deadlock.
+//! state (KV cache, NVMe watermark) has its own mutex, held for the duration of one operation. A
+//! batch decode locks its sessions in ascending id order, so two batches can never deadlock;
+//! demotion under memory pressure only `try_lock`s other sessions, so it never waits on them.
+//!
+//! Tiering: with the NVMe tier enabled, a session's blocks are written to it (copy-on-write
+//! pages + manifest commit) on demotion, on write-through appends and at clean shutdown. A
+//! demoted block keeps its summary in RAM, so selection never touches NVMe; blocks a keep-set
+//! needs are promoted back (read, verified) before attention.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -15,8 +21,11 @@ use parking_lot::{Mutex, MutexGuard, RwLock};
 use kvtier_kernels::{decode_layer_timed, DecodeEntry, StageTimings};
 use kvtier_protocol::{
     stats_keys, CreateSessionRequest, DecodeEntryRef, DecodeOutput, DecodeReply, DecodeStats,
-    ErrorCode, SessionInfo, StatsReply,
+    SessionInfo, StatsReply,
 };
+use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
+use kvtier_storage::nvme::{BlockRun, NvmeError, NvmeTier, TierSource};
+use kvtier_storage::ColdSource;
 use kvtier_storage::{DType, Geometry, HostArena, KvCache, Policy};
 
 use crate::error::{ServiceError, ServiceResult};
@@ -30,20 +39,24 @@ pub mod extra_stats_keys {
     pub const STARTED_UNIX_MS: &str = "started_unix_ms";
     /// Selected (block, kv-head) tiles over all decode entries.
     pub const SELECTED_TILES_TOTAL: &str = "selected_tiles_total";
-    /// Summed wall time of DECODE requests' stages, ns (divide by decode_requests_total).
+    /// Summed wall time of the stages of CPU-path DECODE requests, ns.
     pub const DECODE_APPEND_NS_TOTAL: &str = "decode_append_ns_total";
     pub const DECODE_SELECT_NS_TOTAL: &str = "decode_select_ns_total";
+    pub const DECODE_FETCH_NS_TOTAL: &str = "decode_fetch_ns_total";
     pub const DECODE_ATTEND_NS_TOTAL: &str = "decode_attend_ns_total";
 
-    pub const ALL: [&str; 6] = [
+    pub const ALL: [&str; 7] = [
         READY,
         STARTED_UNIX_MS,
         SELECTED_TILES_TOTAL,
         DECODE_APPEND_NS_TOTAL,
         DECODE_SELECT_NS_TOTAL,
+        DECODE_FETCH_NS_TOTAL,
         DECODE_ATTEND_NS_TOTAL,
     ];
 }
+use crate::gpu::{GpuDecoder, GpuEntry, GpuError};
+use kvtier_protocol::ErrorCode;
 
 /// Who is asking, from SO_PEERCRED.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,7 +74,15 @@ pub struct EngineLimits {
     pub admin_gids: Vec<u32>,
 }
 
-/// One session: its identity, policy and KV cache.
+/// How the engine uses the NVMe tier.
+#[derive(Debug, Clone)]
+pub struct TierSettings {
+    pub write_through: bool,
+    pub high_water: f64,
+    pub low_water: f64,
+}
+
+/// One session: its identity, policy and state.
 pub struct Session {
     pub id: u64,
     pub owner_uid: u32,
@@ -70,7 +91,26 @@ pub struct Session {
     pub policy: Policy,
     pub created_unix_ms: u64,
     last_access_unix_ms: AtomicU64,
-    kv: Mutex<KvCache>,
+    pinned: std::sync::atomic::AtomicBool,
+    state: Mutex<SessionState>,
+}
+
+struct SessionState {
+    kv: KvCache,
+    /// Tokens per layer whose blocks are durable on NVMe (blocks at or past
+    /// `persisted / block_tokens` are dirty and never evicted).
+    persisted: Vec<u64>,
+    /// The NVMe manifest holds a record of this session.
+    stored: bool,
+}
+
+fn nvme_error(e: NvmeError) -> ServiceError {
+    let code = match &e {
+        NvmeError::Full { .. } | NvmeError::NoSpace { .. } => ErrorCode::ResourceExhausted,
+        e if e.is_data_loss() => ErrorCode::DataLoss,
+        _ => ErrorCode::Internal,
+    };
+    ServiceError::new(code, format!("NVMe tier: {e}"))
 }
 
 /// Monotonic counters reported by STATS (relaxed atomics: read at scrape time).
@@ -82,10 +122,22 @@ pub struct Counters {
     pub errors: AtomicU64,
     pub rejected: AtomicU64,
     pub bytes_touched: AtomicU64,
+    pub demotions: AtomicU64,
+    pub blocks_demoted: AtomicU64,
+    pub blocks_promoted: AtomicU64,
     pub selected_tiles: AtomicU64,
     pub append_ns: AtomicU64,
     pub select_ns: AtomicU64,
+    pub fetch_ns: AtomicU64,
     pub attend_ns: AtomicU64,
+}
+
+/// The NVMe tier's metric series.
+struct NvmeSeries {
+    usage: crate::metrics::TierGauges,
+    read: metrics::Counter,
+    written: metrics::Counter,
+    counters: crate::metrics::NvmeMetrics,
 }
 
 /// The engine's state at one instant: what STATS and a metrics scrape report.
@@ -108,16 +160,26 @@ pub struct Snapshot {
     pub selected_tiles: u64,
     pub append_ns: u64,
     pub select_ns: u64,
+    pub fetch_ns: u64,
     pub attend_ns: u64,
 }
 
 pub struct Engine {
     limits: EngineLimits,
     arena: HostArena,
+    tier: Option<(Arc<NvmeTier>, TierSettings)>,
+    /// The CUDA decode path, for the sessions it supports whose blocks are all resident;
+    /// everything else (and any GPU failure, which happens before the step changes anything)
+    /// runs on the CPU backend.
+    gpu: Option<Mutex<GpuDecoder>>,
     sessions: RwLock<HashMap<u64, Arc<Session>>>,
     next_id: AtomicU64,
     pub counters: Counters,
     metrics: Metrics,
+    /// The fetch-stage histogram, registered only when a colder tier exists to fetch from.
+    fetch_seconds: Option<metrics::Histogram>,
+    /// NVMe tier series, registered only when the tier exists; refreshed at scrape time.
+    nvme_metrics: Option<NvmeSeries>,
     ready: AtomicBool,
     started: Instant,
     started_unix_ms: u64,
@@ -153,13 +215,29 @@ fn to_wire_geometry(g: &Geometry) -> kvtier_protocol::Geometry {
 
 impl Engine {
     pub fn new(arena: HostArena, limits: EngineLimits) -> Self {
+        Self::with_tier(arena, limits, None, None)
+    }
+
+    /// An engine whose sessions tier to `tier`.
+    pub fn with_tier(
+        arena: HostArena,
+        limits: EngineLimits,
+        tier: Option<(Arc<NvmeTier>, TierSettings)>,
+        gpu: Option<GpuDecoder>,
+    ) -> Self {
         Engine {
             limits,
             arena,
+            tier,
+            gpu: gpu.map(Mutex::new),
             sessions: RwLock::new(HashMap::new()),
-            next_id: AtomicU64::new(1),
+            // Ids never repeat across restarts: they start from the clock (4096 per ms), and
+            // recovery moves past every restored id.
+            next_id: AtomicU64::new(now_ms() << 12),
             counters: Counters::default(),
             metrics: Metrics::disabled(),
+            fetch_seconds: None,
+            nvme_metrics: None,
             ready: AtomicBool::new(false),
             started: Instant::now(),
             started_unix_ms: now_ms(),
@@ -168,6 +246,13 @@ impl Engine {
 
     /// Records into `metrics` from now on.
     pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.fetch_seconds = self.tier.is_some().then(|| metrics.register_fetch_stage());
+        self.nvme_metrics = self.tier.is_some().then(|| NvmeSeries {
+            usage: metrics.register_tier("nvme"),
+            read: metrics.register_lane("nvme_to_host"),
+            written: metrics.register_lane("host_to_nvme"),
+            counters: metrics.register_nvme(),
+        });
         self.metrics = metrics;
         self
     }
@@ -249,25 +334,29 @@ impl Engine {
             )));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let now = now_ms();
-        sessions.insert(
+        let session = Arc::new(Session::new(
             id,
-            Arc::new(Session {
-                id,
-                owner_uid: peer.uid,
-                label: req.label.clone(),
-                geometry,
-                policy,
-                created_unix_ms: now,
-                last_access_unix_ms: AtomicU64::new(now),
-                kv: Mutex::new(kv),
-            }),
-        );
+            peer.uid,
+            req.label.clone(),
+            policy,
+            kv,
+            false,
+        ));
+        if self.tier.as_ref().is_some_and(|(_, t)| t.write_through) {
+            // Write-through: an acknowledged session survives a crash even before its first
+            // append.
+            let mut st = session.state.lock();
+            self.persist_locked(&session, &mut st)?;
+        }
+        sessions.insert(id, session);
+        self.gpu_open(id, &geometry, &policy);
         tracing::info!(session = id, uid = peer.uid, label = %req.label, ?geometry, ?policy, "session created");
         Ok(id)
     }
 
-    /// Appends `n_tokens` to every layer of a session; returns its new length.
+    /// Appends `n_tokens` to every layer of a session; returns its new length. With
+    /// write-through the new blocks are durable on NVMe before this returns; if they cannot be
+    /// made durable the append is rolled back.
     pub fn append(
         &self,
         peer: &Peer,
@@ -277,17 +366,43 @@ impl Engine {
         payload: &[u8],
     ) -> ServiceResult<u64> {
         let s = self.lookup(peer, id, false)?;
-        let mut kv = s.kv.lock();
-        kv.append(start, n_tokens as u64, payload)
-            .inspect_err(|e| {
-                if matches!(e, kvtier_storage::StorageError::ArenaFull { .. }) {
+        let mut st = s.state.lock();
+        let need = st.kv.geometry().blocks_for(start + n_tokens as u64) as usize
+            * st.kv.geometry().layers as usize;
+        let tails = st.kv.cold_tails();
+        let attempt = |st: &mut SessionState| -> ServiceResult<()> {
+            self.promote_tails(&s, st, &tails)?;
+            st.kv.append(start, n_tokens as u64, payload)?;
+            Ok(())
+        };
+        if let Err(e) = attempt(&mut st) {
+            if e.code != ErrorCode::ResourceExhausted || !self.make_room(&[id], need) {
+                if e.code == ErrorCode::ResourceExhausted {
                     self.record_rejection(Rejection::HostFull);
                 }
-            })?;
+                return Err(e);
+            }
+            attempt(&mut st)?;
+        }
+        if self.tier.as_ref().is_some_and(|(_, t)| t.write_through) {
+            if let Err(e) = self.persist_locked(&s, &mut st) {
+                st.kv.truncate(start);
+                if let Some(gpu) = &self.gpu {
+                    let _ = gpu.lock().invalidate(id);
+                }
+                return Err(ServiceError::new(
+                    e.code,
+                    format!("append rolled back, not durable: {}", e.message),
+                ));
+            }
+        }
         self.counters
             .append_tokens
             .fetch_add(n_tokens as u64, Ordering::Relaxed);
-        Ok(kv.min_tokens())
+        let tokens = st.kv.min_tokens();
+        drop(st);
+        self.make_room(&[id], 0);
+        Ok(tokens)
     }
 
     /// One decode step of `layer` for every entry (a batch when several). All-or-nothing.
@@ -322,27 +437,23 @@ impl Engine {
                 w[0].max(w[1])
             )));
         }
-        let mut guards: Vec<Option<MutexGuard<'_, KvCache>>> =
+        let mut guards: Vec<Option<MutexGuard<'_, SessionState>>> =
             (0..entries.len()).map(|_| None).collect();
         for &i in &order {
-            guards[i] = Some(sessions[i].kv.lock());
+            guards[i] = Some(sessions[i].state.lock());
         }
         let queries: Vec<Vec<f32>> = entries
             .iter()
             .map(|e| kvtier_protocol::f32s_le(e.q).collect())
             .collect();
-        let mut batch: Vec<DecodeEntry<'_>> = guards
-            .iter_mut()
-            .zip(entries)
-            .zip(&queries)
-            .zip(&sessions)
-            .map(|(((g, e), q), s)| DecodeEntry {
-                kv: g.as_mut().expect("locked above"),
-                policy: s.policy,
-                position: e.position,
-                q,
-                k: e.k,
-                v: e.v,
+        let ids: Vec<u64> = sessions.iter().map(|s| s.id).collect();
+        let sources: Vec<Option<TierSource<'_>>> = ids
+            .iter()
+            .map(|&session| {
+                self.tier.as_ref().map(|(tier, _)| TierSource {
+                    tier: tier.as_ref(),
+                    session,
+                })
             })
             .collect();
         let out_len: usize = sessions
@@ -350,46 +461,135 @@ impl Engine {
             .map(|s| (s.geometry.q_heads * s.geometry.head_dim) as usize)
             .sum();
         let mut out = vec![0f32; out_len];
+        if let Some(stats) =
+            self.decode_gpu(layer, want_stats, entries, &mut guards, &queries, &mut out)
+        {
+            drop(guards);
+            return Ok(self.decode_reply(&sessions, &ids, out, stats, want_stats));
+        }
         let t0 = Instant::now();
         let mut timings = StageTimings::default();
-        let stats =
-            decode_layer_timed(layer, &mut batch, &mut out, &mut timings).inspect_err(|e| {
-                if matches!(
-                    e.root(),
-                    kvtier_kernels::KernelError::Storage(
-                        kvtier_storage::StorageError::ArenaFull { .. }
-                    )
-                ) {
+        let mut run = |guards: &mut Vec<Option<MutexGuard<'_, SessionState>>>| {
+            for (i, g) in guards.iter_mut().enumerate() {
+                let st = g.as_mut().expect("locked above");
+                // The tail block takes the new token: bring it back if it was demoted.
+                let tails: Vec<(u32, u32)> = st
+                    .kv
+                    .cold_tails()
+                    .into_iter()
+                    .filter(|t| t.0 == layer)
+                    .collect();
+                self.promote_tails(&sessions[i], st, &tails)
+                    .map_err(|err| {
+                        ServiceError::new(err.code, format!("batch entry {i}: {}", err.message))
+                    })?;
+            }
+            let mut batch: Vec<DecodeEntry<'_>> = guards
+                .iter_mut()
+                .zip(entries)
+                .zip(&queries)
+                .zip(&sessions)
+                .zip(&sources)
+                .map(|((((g, e), q), s), src)| DecodeEntry {
+                    kv: &mut g.as_mut().expect("locked above").kv,
+                    policy: s.policy,
+                    position: e.position,
+                    q,
+                    k: e.k,
+                    v: e.v,
+                    cold: src.as_ref().map(|c| c as &dyn ColdSource),
+                })
+                .collect();
+            decode_layer_timed(layer, &mut batch, &mut out, &mut timings)
+                .map_err(ServiceError::from)
+        };
+        let stats = match run(&mut guards) {
+            Err(e) if e.code == ErrorCode::ResourceExhausted => {
+                // Make room by demoting other sessions, then try once more: enough frames for
+                // every entry's keep-set (distinct blocks over its kv-heads) and a new block.
+                let need: usize = sessions
+                    .iter()
+                    .map(|s| {
+                        let keep = s.policy.budget() as usize * s.geometry.kv_heads as usize;
+                        let blocks = s.geometry.blocks_for(entries[0].position + 1) as usize;
+                        keep.min(blocks) + 1
+                    })
+                    .sum();
+                if !self.make_room(&ids, need) {
                     self.record_rejection(Rejection::HostFull);
+                    return Err(e);
                 }
-            })?;
-        drop(batch);
+                run(&mut guards)?
+            }
+            other => other?,
+        };
         drop(guards);
         let c = &self.counters;
         c.append_ns.fetch_add(timings.append_ns, Ordering::Relaxed);
         c.select_ns.fetch_add(timings.select_ns, Ordering::Relaxed);
+        c.fetch_ns.fetch_add(timings.fetch_ns, Ordering::Relaxed);
         c.attend_ns.fetch_add(timings.attend_ns, Ordering::Relaxed);
         self.metrics.decode_timings(&timings, t0.elapsed());
-        let mut tiles = 0u64;
-        for st in &stats {
-            tiles += st.tiles_selected as u64;
-            if st.keep.heads() > 0 {
-                self.metrics.keep_set(st.keep.head(0).len());
-            }
+        if let Some(h) = &self.fetch_seconds {
+            h.record(timings.fetch_ns as f64 * 1e-9);
         }
-        c.selected_tiles.fetch_add(tiles, Ordering::Relaxed);
+        let promoted: u64 = stats.iter().map(|s| s.blocks_promoted as u64).sum();
+        self.counters
+            .blocks_promoted
+            .fetch_add(promoted, Ordering::Relaxed);
+        let wire = sessions
+            .iter()
+            .zip(stats)
+            .map(|(s, st)| {
+                let nvme_tiles = st.blocks_promoted * s.geometry.kv_heads;
+                DecodeStats {
+                    blocks_total: st.blocks_total,
+                    blocks_selected: st.tiles_selected,
+                    bytes_touched: st.bytes_touched,
+                    // The CPU backend attends in place; only NVMe reads move bytes.
+                    bytes_moved: st.bytes_promoted,
+                    cache_hits: 0,
+                    blocks_ram: st.tiles_selected.saturating_sub(nvme_tiles),
+                    blocks_nvme: nvme_tiles.min(st.tiles_selected),
+                    selected: (0..st.keep.heads())
+                        .map(|h| st.keep.head(h).to_vec())
+                        .collect(),
+                }
+            })
+            .collect();
+        Ok(self.decode_reply(&sessions, &ids, out, wire, want_stats))
+    }
+
+    /// Counts a finished step and splits its output per entry.
+    fn decode_reply(
+        &self,
+        sessions: &[Arc<Session>],
+        ids: &[u64],
+        out: Vec<f32>,
+        stats: Vec<DecodeStats>,
+        want_stats: bool,
+    ) -> DecodeReply {
         self.counters
             .decode_requests
             .fetch_add(1, Ordering::Relaxed);
         self.counters
             .decode_entries
-            .fetch_add(entries.len() as u64, Ordering::Relaxed);
+            .fetch_add(sessions.len() as u64, Ordering::Relaxed);
         let touched: u64 = stats.iter().map(|s| s.bytes_touched).sum();
         self.counters
             .bytes_touched
             .fetch_add(touched, Ordering::Relaxed);
+        let tiles: u64 = stats.iter().map(|s| s.blocks_selected as u64).sum();
+        self.counters
+            .selected_tiles
+            .fetch_add(tiles, Ordering::Relaxed);
+        for st in &stats {
+            if let Some(head) = st.selected.first() {
+                self.metrics.keep_set(head.len());
+            }
+        }
         let mut at = 0;
-        let reply = sessions
+        let entries = sessions
             .iter()
             .zip(stats)
             .map(|(s, st)| {
@@ -398,27 +598,390 @@ impl Engine {
                 at += n;
                 DecodeOutput {
                     out: o,
-                    stats: want_stats.then(|| DecodeStats {
-                        blocks_total: st.blocks_total,
-                        blocks_selected: st.tiles_selected,
-                        bytes_touched: st.bytes_touched,
-                        // The CPU backend attends in place: nothing crosses a tier boundary.
-                        bytes_moved: 0,
-                        cache_hits: 0,
-                        blocks_ram: st.tiles_selected,
-                        blocks_nvme: 0,
-                        selected: (0..st.keep.heads())
-                            .map(|h| st.keep.head(h).to_vec())
-                            .collect(),
-                    }),
+                    stats: want_stats.then_some(st),
                 }
             })
             .collect();
-        Ok(DecodeReply { entries: reply })
+        self.make_room(ids, 0);
+        DecodeReply { entries }
+    }
+
+    /// Opens a session on the GPU when the CUDA path supports it (else it stays on the CPU).
+    fn gpu_open(&self, id: u64, geometry: &Geometry, policy: &Policy) {
+        if let Some(gpu) = &self.gpu {
+            let mut g = gpu.lock();
+            if g.supports(geometry, policy) {
+                if let Err(e) = g.open(id, geometry, policy) {
+                    tracing::info!(session = id, error = %e, "session stays on the CPU backend");
+                }
+            }
+        }
+    }
+
+    /// The GPU step for a batch whose sessions are all open on the GPU. None when the GPU
+    /// cannot take it (not open, a cold block, a device error): the CPU path answers then —
+    /// every GPU failure happens before the step changes anything, and the CPU path reports
+    /// request errors with their proper codes.
+    fn decode_gpu(
+        &self,
+        layer: u32,
+        want_stats: bool,
+        entries: &[DecodeEntryRef<'_>],
+        guards: &mut [Option<MutexGuard<'_, SessionState>>],
+        queries: &[Vec<f32>],
+        out: &mut [f32],
+    ) -> Option<Vec<DecodeStats>> {
+        let gpu = self.gpu.as_ref()?;
+        let mut g = gpu.lock();
+        if !entries.iter().all(|e| g.is_open(e.session)) {
+            return None;
+        }
+        let mut batch: Vec<GpuEntry<'_>> = guards
+            .iter_mut()
+            .zip(entries)
+            .zip(queries)
+            .map(|((st, e), q)| GpuEntry {
+                session: e.session,
+                kv: &mut st.as_mut().expect("locked").kv,
+                position: e.position,
+                q,
+                k: e.k,
+                v: e.v,
+            })
+            .collect();
+        let r = match g.decode(layer, &mut batch, out, want_stats) {
+            Ok(r) => r,
+            Err(e) => {
+                match e.root() {
+                    GpuError::Cuda(_) => {
+                        tracing::warn!(error = %e, "GPU decode failed; answering on the CPU")
+                    }
+                    _ => tracing::debug!(error = %e, "GPU cannot take this step; CPU path"),
+                }
+                return None;
+            }
+        };
+        drop(batch);
+        Some(
+            r.entries
+                .into_iter()
+                .zip(guards.iter())
+                .enumerate()
+                .map(|(i, (st, guard))| {
+                    let geo = *guard.as_ref().expect("locked").kv.geometry();
+                    let blocks = st.blocks_total as u64;
+                    let summaries = blocks * geo.summary_floats_per_block() as u64 * 4;
+                    // Device counters are per call: a batch reports them on its first entry.
+                    let (hits, moved) = if i == 0 {
+                        (r.cache_hits as u32, r.bytes_moved)
+                    } else {
+                        (0, 0)
+                    };
+                    DecodeStats {
+                        blocks_total: st.blocks_total,
+                        blocks_selected: st.tiles_selected,
+                        bytes_touched: summaries
+                            + st.tiles_selected as u64 * geo.tile_bytes() as u64,
+                        bytes_moved: moved,
+                        cache_hits: hits,
+                        blocks_ram: st.tiles_selected.saturating_sub(hits),
+                        blocks_nvme: 0,
+                        selected: st
+                            .keep
+                            .map(|k| (0..k.heads()).map(|h| k.head(h).to_vec()).collect())
+                            .unwrap_or_default(),
+                    }
+                })
+                .collect(),
+        )
+    }
+
+    fn promote_tails(
+        &self,
+        s: &Session,
+        st: &mut SessionState,
+        tails: &[(u32, u32)],
+    ) -> ServiceResult<()> {
+        if tails.is_empty() {
+            return Ok(());
+        }
+        let (tier, _) = self
+            .tier
+            .as_ref()
+            .ok_or_else(|| ServiceError::internal("cold blocks without an NVMe tier"))?;
+        let src = TierSource {
+            tier,
+            session: s.id,
+        };
+        for &(layer, block) in tails {
+            let n = st.kv.promote(layer, &[block], &src)?;
+            self.counters
+                .blocks_promoted
+                .fetch_add(n as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Writes the session's dirty blocks (those at or past the durable watermark) to NVMe and
+    /// commits its record; returns the blocks written.
+    fn persist_locked(&self, s: &Session, st: &mut SessionState) -> ServiceResult<usize> {
+        let (tier, _) = self.tier.as_ref().ok_or_else(|| {
+            ServiceError::new(
+                ErrorCode::FailedPrecondition,
+                "the NVMe tier is not enabled (nvme.enabled)",
+            )
+        })?;
+        let geo = s.geometry;
+        let bt = geo.block_tokens as u64;
+        let mut runs = Vec::new();
+        for l in 0..geo.layers {
+            let from = (st.persisted[l as usize] / bt) as u32;
+            let blocks = st.kv.layer(l)?.blocks() as u32;
+            for b in from..blocks {
+                let bytes = st.kv.run(l, b).expect("dirty blocks are never evicted");
+                runs.push(BlockRun {
+                    layer: l,
+                    block: b,
+                    bytes,
+                });
+            }
+        }
+        let tokens: Vec<u64> = (0..geo.layers)
+            .map(|l| st.kv.tokens(l).expect("layer exists"))
+            .collect();
+        if runs.is_empty() && st.stored {
+            return Ok(0);
+        }
+        let record = SessionRecord {
+            id: s.id,
+            owner_uid: s.owner_uid,
+            label: s.label.clone(),
+            geometry: GeometryRecord {
+                layers: geo.layers,
+                q_heads: geo.q_heads,
+                kv_heads: geo.kv_heads,
+                head_dim: geo.head_dim,
+                dtype: geo.dtype.code(),
+                block_tokens: geo.block_tokens,
+            },
+            policy: PolicyRecord {
+                sink_blocks: s.policy.sink_blocks,
+                local_blocks: s.policy.local_blocks,
+                top_k: s.policy.top_k,
+            },
+            layer_tokens: tokens.clone(),
+            pages: Vec::new(),
+        };
+        tier.put_session(&record, &runs).map_err(nvme_error)?;
+        st.persisted = tokens;
+        st.stored = true;
+        Ok(runs.len())
+    }
+
+    /// Persists the session and frees every host frame it holds; returns the frames freed.
+    fn demote_locked(&self, s: &Session, st: &mut SessionState) -> ServiceResult<usize> {
+        self.persist_locked(s, st)?;
+        let mut freed = 0;
+        for l in 0..s.geometry.layers {
+            for b in 0..st.kv.layer(l)?.blocks() as u32 {
+                freed += st.kv.evict(l, b) as usize;
+            }
+        }
+        self.counters.demotions.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .blocks_demoted
+            .fetch_add(freed as u64, Ordering::Relaxed);
+        Ok(freed)
+    }
+
+    /// DEMOTE: write the session to NVMe and free its host frames.
+    pub fn demote(&self, peer: &Peer, id: u64) -> ServiceResult<u64> {
+        let s = self.lookup(peer, id, false)?;
+        if s.pinned.load(Ordering::Relaxed) {
+            return Err(ServiceError::precondition(format!(
+                "session {id} is pinned; UNPIN it first"
+            )));
+        }
+        let mut st = s.state.lock();
+        let freed = self.demote_locked(&s, &mut st)?;
+        tracing::info!(session = id, frames = freed, "session demoted");
+        Ok(freed as u64)
+    }
+
+    /// PROMOTE: read every cold block of the session back into the host tier.
+    pub fn promote(&self, peer: &Peer, id: u64) -> ServiceResult<u64> {
+        let s = self.lookup(peer, id, false)?;
+        let Some((tier, _)) = &self.tier else {
+            return Ok(0);
+        };
+        let mut st = s.state.lock();
+        let src = TierSource { tier, session: id };
+        let mut n = 0;
+        for l in 0..s.geometry.layers {
+            let all: Vec<u32> = (0..st.kv.layer(l)?.blocks() as u32).collect();
+            n += st.kv.promote(l, &all, &src)?;
+        }
+        self.counters
+            .blocks_promoted
+            .fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n as u64)
+    }
+
+    /// PIN / UNPIN: a pinned session is never demoted.
+    pub fn pin(&self, peer: &Peer, id: u64, pinned: bool) -> ServiceResult<()> {
+        let s = self.lookup(peer, id, false)?;
+        s.pinned.store(pinned, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Demotes least recently used, unpinned sessions not in `exclude` while the host tier is
+    /// above its high-water mark (down to the low-water mark) or fewer than `need` frames are
+    /// free. Only `try_lock`s sessions, so it never waits on a busy one. Returns whether the
+    /// goal was reached.
+    fn make_room(&self, exclude: &[u64], need: usize) -> bool {
+        let Some((_, t)) = &self.tier else {
+            return false;
+        };
+        let u = self.arena.usage();
+        let total = u.frames_total as f64;
+        let goal_used =
+            |used: usize| (used as f64) <= total * t.low_water && u.frames_total - used >= need;
+        if (u.frames_used as f64) < total * t.high_water && u.frames_total - u.frames_used >= need {
+            return true;
+        }
+        let mut candidates: Vec<Arc<Session>> = self
+            .sessions
+            .read()
+            .values()
+            .filter(|s| !exclude.contains(&s.id) && !s.pinned.load(Ordering::Relaxed))
+            .cloned()
+            .collect();
+        candidates.sort_by_key(|s| s.last_access_unix_ms.load(Ordering::Relaxed));
+        for s in candidates {
+            if goal_used(self.arena.usage().frames_used) {
+                break;
+            }
+            let Some(mut st) = s.state.try_lock() else {
+                continue;
+            };
+            if st.kv.frames() == 0 {
+                continue;
+            }
+            match self.demote_locked(&s, &mut st) {
+                Ok(n) => {
+                    tracing::info!(session = s.id, frames = n, "demoted under memory pressure")
+                }
+                Err(e) => tracing::warn!(session = s.id, error = %e, "demotion failed"),
+            }
+        }
+        let used = self.arena.usage().frames_used;
+        u.frames_total - used >= need
+    }
+
+    /// Writes every session to NVMe (clean shutdown), so a restart finds them all.
+    pub fn persist_all(&self) -> (usize, usize) {
+        if self.tier.is_none() {
+            return (0, 0);
+        }
+        let all: Vec<Arc<Session>> = self.sessions.read().values().cloned().collect();
+        let (mut ok, mut failed) = (0, 0);
+        for s in all {
+            let mut st = s.state.lock();
+            match self.persist_locked(&s, &mut st) {
+                Ok(_) => ok += 1,
+                Err(e) => {
+                    failed += 1;
+                    tracing::error!(session = s.id, error = %e, "could not persist session at shutdown");
+                }
+            }
+        }
+        (ok, failed)
+    }
+
+    /// Loads every session the NVMe manifest holds (warm restart): reads and verifies each
+    /// page, rebuilds tiles and bounds bit-identically, keeping blocks resident while the host
+    /// tier is below its low-water mark and cold after that. A session that cannot be read
+    /// back is left on NVMe, not served, and reported.
+    pub fn recover(&self) -> (usize, Vec<String>) {
+        let Some((tier, t)) = &self.tier else {
+            return (0, Vec::new());
+        };
+        let mut problems = Vec::new();
+        let mut loaded = 0;
+        for id in tier.session_ids() {
+            let rec = tier.session(id).expect("listed");
+            match self.restore(tier, t, &rec) {
+                Ok(session) => {
+                    self.gpu_open(id, &session.geometry, &session.policy);
+                    self.sessions.write().insert(id, Arc::new(session));
+                    self.next_id.fetch_max(id + 1, Ordering::Relaxed);
+                    loaded += 1;
+                }
+                Err(e) => problems.push(format!("session {id}: {e}")),
+            }
+        }
+        (loaded, problems)
+    }
+
+    fn restore(
+        &self,
+        tier: &NvmeTier,
+        t: &TierSettings,
+        rec: &SessionRecord,
+    ) -> ServiceResult<Session> {
+        let g = &rec.geometry;
+        let geometry = Geometry {
+            layers: g.layers,
+            q_heads: g.q_heads,
+            kv_heads: g.kv_heads,
+            head_dim: g.head_dim,
+            dtype: DType::from_code(g.dtype)
+                .ok_or_else(|| ServiceError::internal(format!("unknown dtype {}", g.dtype)))?,
+            block_tokens: g.block_tokens,
+        };
+        let policy = Policy {
+            sink_blocks: rec.policy.sink_blocks,
+            local_blocks: rec.policy.local_blocks,
+            top_k: rec.policy.top_k,
+        };
+        let mut kv = KvCache::new(geometry, self.arena.clone())?;
+        let bt = geometry.block_tokens as u64;
+        const BATCH: usize = 64;
+        for l in 0..geometry.layers {
+            let tokens = *rec.layer_tokens.get(l as usize).unwrap_or(&0);
+            let blocks: Vec<(u32, u32)> = (0..geometry.blocks_for(tokens) as u32)
+                .map(|b| (l, b))
+                .collect();
+            for chunk in blocks.chunks(BATCH) {
+                let pages = tier.read_runs(rec.id, chunk).map_err(nvme_error)?;
+                for (page, &(_, b)) in pages.into_iter().zip(chunk) {
+                    let page = page.map_err(nvme_error)?;
+                    let valid = (tokens - b as u64 * bt).min(bt) as usize;
+                    let u = self.arena.usage();
+                    let keep = (u.frames_used as f64) < u.frames_total as f64 * t.low_water;
+                    kv.restore_block(l, page.payload(), valid, keep)?;
+                }
+            }
+        }
+        let persisted = (0..geometry.layers)
+            .map(|l| kv.tokens(l).expect("layer"))
+            .collect();
+        let mut s = Session::new(rec.id, rec.owner_uid, rec.label.clone(), policy, kv, true);
+        s.state.get_mut().persisted = persisted;
+        Ok(s)
     }
 
     fn info_of(&self, s: &Session) -> SessionInfo {
-        let kv = s.kv.lock();
+        let st = s.state.lock();
+        let page = self
+            .tier
+            .as_ref()
+            .map_or(0, |(t, _)| t.store().page_size() as u64);
+        let nvme_pages: u64 = if st.stored {
+            st.persisted.iter().map(|&t| s.geometry.blocks_for(t)).sum()
+        } else {
+            0
+        };
         SessionInfo {
             session: s.id,
             owner_uid: s.owner_uid,
@@ -429,12 +992,12 @@ impl Engine {
                 local_blocks: s.policy.local_blocks,
                 top_k: s.policy.top_k,
             },
-            tokens_min: kv.min_tokens(),
-            tokens_max: kv.max_tokens_stored(),
-            blocks: kv.frames() as u64,
-            host_bytes: kv.host_bytes() as u64,
-            nvme_bytes: 0,
-            pinned: false,
+            tokens_min: st.kv.min_tokens(),
+            tokens_max: st.kv.max_tokens_stored(),
+            blocks: st.kv.blocks() as u64,
+            host_bytes: st.kv.host_bytes() as u64,
+            nvme_bytes: nvme_pages * page,
+            pinned: s.pinned.load(Ordering::Relaxed),
             created_unix_ms: s.created_unix_ms,
             last_access_unix_ms: s.last_access_unix_ms.load(Ordering::Relaxed),
         }
@@ -461,7 +1024,7 @@ impl Engine {
 
     pub fn close(&self, peer: &Peer, id: u64) -> ServiceResult<()> {
         self.lookup(peer, id, false)?;
-        self.remove(id);
+        self.remove(id)?;
         tracing::info!(session = id, uid = peer.uid, "session closed");
         Ok(())
     }
@@ -473,14 +1036,46 @@ impl Engine {
             ));
         }
         self.lookup(peer, id, true)?;
-        self.remove(id);
+        self.remove(id)?;
         tracing::info!(session = id, uid = peer.uid, "session evicted");
         Ok(())
     }
 
-    /// Drops a session; its frames return to the arena once in-flight requests release it.
-    fn remove(&self, id: u64) {
-        self.sessions.write().remove(&id);
+    /// Drops a session and its NVMe copy; its frames return to the arena once in-flight
+    /// requests release it.
+    fn remove(&self, id: u64) -> ServiceResult<()> {
+        let Some(s) = self.sessions.write().remove(&id) else {
+            return Err(ServiceError::not_found(id));
+        };
+        if let Some(gpu) = &self.gpu {
+            let mut g = gpu.lock();
+            if g.is_open(id) {
+                let _ = g.close(id);
+            }
+        }
+        let stored = s.state.lock().stored;
+        if let (Some((tier, _)), true) = (&self.tier, stored) {
+            tier.delete_session(id).map_err(nvme_error)?;
+        }
+        Ok(())
+    }
+
+    /// Copies the NVMe tier's usage and traffic into its metric series (scrape time).
+    pub fn refresh_tier_metrics(&self) {
+        let (Some(m), Some((tier, _))) = (&self.nvme_metrics, &self.tier) else {
+            return;
+        };
+        let su = tier.store().usage();
+        let sum = |f: fn(&kvtier_storage::nvme::store::DeviceUsage) -> u64| -> f64 {
+            su.devices.iter().map(f).sum::<u64>() as f64
+        };
+        m.usage.used_bytes.set(sum(|d| d.bytes_used));
+        m.usage.capacity_bytes.set(sum(|d| d.bytes_total));
+        m.usage.used_blocks.set(sum(|d| d.pages_used));
+        m.usage.capacity_blocks.set(sum(|d| d.pages_total));
+        m.read.absolute(su.bytes_read);
+        m.written.absolute(su.bytes_written);
+        m.counters.checksum_failures.absolute(su.corrupt_pages);
     }
 
     /// The counters and usage STATS and metrics report.
@@ -506,14 +1101,17 @@ impl Engine {
             selected_tiles: get(&c.selected_tiles),
             append_ns: get(&c.append_ns),
             select_ns: get(&c.select_ns),
+            fetch_ns: get(&c.fetch_ns),
             attend_ns: get(&c.attend_ns),
         }
     }
 
     pub fn stats(&self) -> StatsReply {
         let s = self.snapshot();
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         use extra_stats_keys as x;
-        let entries = vec![
+        let mut entries = vec![
             (stats_keys::UPTIME_MS, s.uptime.as_millis() as u64),
             (stats_keys::SESSIONS, s.sessions),
             (stats_keys::HOST_BYTES_USED, s.host_bytes_used),
@@ -531,8 +1129,26 @@ impl Engine {
             (x::SELECTED_TILES_TOTAL, s.selected_tiles),
             (x::DECODE_APPEND_NS_TOTAL, s.append_ns),
             (x::DECODE_SELECT_NS_TOTAL, s.select_ns),
+            (x::DECODE_FETCH_NS_TOTAL, s.fetch_ns),
             (x::DECODE_ATTEND_NS_TOTAL, s.attend_ns),
         ];
+        if let Some((tier, _)) = &self.tier {
+            let su = tier.store().usage();
+            let used: u64 = su.devices.iter().map(|d| d.bytes_used).sum();
+            let total: u64 = su.devices.iter().map(|d| d.bytes_total).sum();
+            entries.extend([
+                ("nvme_bytes_used", used),
+                ("nvme_bytes_capacity", total),
+                ("nvme_devices", su.devices.len() as u64),
+                ("nvme_sessions", tier.session_ids().len() as u64),
+                ("nvme_read_bytes_total", su.bytes_read),
+                ("nvme_written_bytes_total", su.bytes_written),
+                ("nvme_corrupt_pages_total", su.corrupt_pages),
+                ("demotions_total", get(&c.demotions)),
+                ("blocks_demoted_total", get(&c.blocks_demoted)),
+                ("blocks_promoted_total", get(&c.blocks_promoted)),
+            ]);
+        }
         StatsReply {
             entries: entries
                 .into_iter()
@@ -542,6 +1158,34 @@ impl Engine {
     }
 }
 
+impl Session {
+    fn new(
+        id: u64,
+        owner_uid: u32,
+        label: String,
+        policy: Policy,
+        kv: KvCache,
+        stored: bool,
+    ) -> Self {
+        let now = now_ms();
+        let layers = kv.geometry().layers as usize;
+        Session {
+            id,
+            owner_uid,
+            label,
+            geometry: *kv.geometry(),
+            policy,
+            created_unix_ms: now,
+            last_access_unix_ms: AtomicU64::new(now),
+            pinned: std::sync::atomic::AtomicBool::new(false),
+            state: Mutex::new(SessionState {
+                kv,
+                persisted: vec![0; layers],
+                stored,
+            }),
+        }
+    }
+}
 #[cfg(test)]
 mod tests {
     use super::*;

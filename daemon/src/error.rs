@@ -58,9 +58,12 @@ pub fn storage_code(e: &StorageError) -> ErrorCode {
         | StorageError::LayerOutOfRange { .. }
         | StorageError::PayloadSize { .. }
         | StorageError::NonFinite { .. } => ErrorCode::InvalidArgument,
+        StorageError::ColdRead { corrupt: true, .. } => ErrorCode::DataLoss,
         StorageError::InvalidArena { .. }
         | StorageError::Map { .. }
-        | StorageError::Lock { .. } => ErrorCode::Internal,
+        | StorageError::Lock { .. }
+        | StorageError::NotResident { .. }
+        | StorageError::ColdRead { .. } => ErrorCode::Internal,
     }
 }
 

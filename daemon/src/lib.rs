@@ -7,6 +7,7 @@
 //! - [`engine`]: sessions, ownership, admission, and every operation's semantics.
 //! - [`server`]: the socket (safe bind, framing with SCM_RIGHTS, admission slots, shutdown).
 //! - [`error`]: request failures as typed wire errors.
+//! - [`gpu`]: the CUDA decode path ([`GpuDecoder`]) over the registered host arena.
 //! - [`notify`]: the systemd notification protocol (READY=1, WATCHDOG=1, STATUS=, STOPPING=1).
 //! - [`metrics`]: every Prometheus metric name, the recording handles, the scrape endpoint.
 //! - [`preflight`]: startup checks that fail fast naming the fix (memlock limit, permissions).
@@ -20,42 +21,169 @@
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod gpu;
 pub mod metrics;
 pub mod notify;
 pub mod preflight;
 pub mod server;
 
 pub use config::Config;
-pub use engine::{Engine, EngineLimits, Peer};
+pub use engine::{Engine, EngineLimits, Peer, TierSettings};
+pub use gpu::{GpuDecoder, GpuError, GpuSettings};
 pub use server::{bind, run, ServerSettings};
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use kvtier_storage::nvme::NvmeTier;
 use kvtier_storage::{ArenaOptions, HostArena};
 
-/// Builds the host arena and engine a config describes.
-pub fn build_engine(cfg: &Config) -> Result<Engine, kvtier_storage::StorageError> {
+/// Builds the host arena a config describes.
+pub fn build_arena(cfg: &Config) -> Result<HostArena, kvtier_storage::StorageError> {
     let mut opts = ArenaOptions::new(
         cfg.host.capacity.0 as usize,
         cfg.host.frame_bytes.0 as usize,
     );
     opts.huge_pages = cfg.host.huge_pages;
     opts.lock = cfg.host.lock_memory;
-    let arena = HostArena::new(&opts)?;
-    let metrics = if cfg.metrics.listen.is_some() {
-        metrics::Metrics::prometheus()
-    } else {
-        metrics::Metrics::disabled()
-    };
-    Ok(Engine::new(
+    HostArena::new(&opts)
+}
+
+/// Opens the NVMe tier (recovering its manifest) and builds the engine over `arena`; `gpu` is
+/// the CUDA decode path over the same arena when the backend resolved to cuda. Sessions found
+/// on NVMe are loaded back (warm restart).
+pub fn build_engine(
+    cfg: &Config,
+    arena: HostArena,
+    gpu: Option<GpuDecoder>,
+) -> Result<Engine, String> {
+    let tier =
+        open_tier(cfg).map_err(|e| format!("NVMe tier at {}: {e}", cfg.nvme.dir.display()))?;
+    let engine = Engine::with_tier(
         arena,
         EngineLimits {
             max_sessions: cfg.admission.max_sessions,
             admin_uids: cfg.auth.admin_uids.clone(),
             admin_gids: cfg.auth.admin_gids.clone(),
         },
+        tier,
+        gpu,
     )
-    .with_metrics(metrics))
+    .with_metrics(if cfg.metrics.listen.is_some() {
+        metrics::Metrics::prometheus()
+    } else {
+        metrics::Metrics::disabled()
+    });
+    let t0 = std::time::Instant::now();
+    let (loaded, problems) = engine.recover();
+    if loaded > 0 || !problems.is_empty() {
+        tracing::info!(sessions = loaded, elapsed = ?t0.elapsed(), "restored sessions from the NVMe tier");
+    }
+    for p in problems {
+        tracing::error!("{p} (left on NVMe, not served)");
+    }
+    Ok(engine)
+}
+
+/// Opens the NVMe tier the `[nvme]` section describes (None when disabled): the page files,
+/// the io engine, the manifest (recovered), with devices weighted by a startup bandwidth probe.
+pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, String> {
+    use kvtier_storage::nvme::io::UringConfig;
+    use kvtier_storage::nvme::{self, DeviceConfig, PageStore, PageStoreConfig};
+    let n = &cfg.nvme;
+    if !n.enabled {
+        return Ok(None);
+    }
+    std::fs::create_dir_all(&n.dir).map_err(|e| format!("creating {}: {e}", n.dir.display()))?;
+    lock_state_dir(&n.dir)?;
+    let uring = UringConfig {
+        queue_depth: n.queue_depth,
+    };
+    let engine: Arc<dyn nvme::IoEngine> = match n.engine {
+        config::IoEngineKind::Auto => nvme::open_best_engine(uring),
+        config::IoEngineKind::Uring => {
+            Arc::new(nvme::UringEngine::new(uring).map_err(|e| e.to_string())?)
+        }
+        config::IoEngineKind::Pread => Arc::new(nvme::PreadEngine::new()),
+    };
+    let devices: Vec<(std::path::PathBuf, u64)> = if n.devices.is_empty() {
+        vec![(n.dir.join("pages-0"), n.capacity.0)]
+    } else {
+        n.devices
+            .iter()
+            .map(|d| (d.path.clone(), d.capacity.0))
+            .collect()
+    };
+    let mut configs = Vec::new();
+    for (path, capacity) in &devices {
+        // One device needs no weight; several are striped in proportion to measured bandwidth.
+        let bandwidth = if devices.len() > 1 {
+            let file = Arc::new(nvme::DirectFile::open(path).map_err(|e| e.to_string())?);
+            file.ensure_len(*capacity).map_err(|e| e.to_string())?;
+            let span = (*capacity).min(256 << 20);
+            let lane = nvme::plan::probe_device(engine.as_ref(), &file, span, Default::default())
+                .map_err(|e| e.to_string())?;
+            tracing::info!(device = %path.display(), gbps = lane.bandwidth_bytes_per_s / 1e9, latency_us = lane.latency_s * 1e6, "probed NVMe device");
+            lane.bandwidth_bytes_per_s
+        } else {
+            1.0
+        };
+        configs.push(DeviceConfig {
+            path: path.clone(),
+            capacity_bytes: *capacity,
+            bandwidth_bytes_per_s: bandwidth,
+        });
+    }
+    let store = PageStore::open(
+        &PageStoreConfig {
+            devices: configs,
+            max_payload: cfg.host.frame_bytes.0 as usize,
+        },
+        engine,
+    )
+    .map_err(|e| e.to_string())?;
+    let (tier, report) = NvmeTier::open(store, &n.dir).map_err(|e| e.to_string())?;
+    for skipped in &report.skipped_manifests {
+        tracing::warn!(manifest = %skipped, "skipped a damaged manifest; using an older one");
+    }
+    tracing::info!(
+        engine = tier.store().engine_name(),
+        epoch = report.epoch,
+        sessions = report.sessions,
+        pages = report.pages,
+        "NVMe tier ready"
+    );
+    Ok(Some((
+        Arc::new(tier),
+        TierSettings {
+            write_through: n.write_through,
+            high_water: n.high_water,
+            low_water: n.low_water,
+        },
+    )))
+}
+
+/// Takes an exclusive lock on `dir/lock` for the life of the process: two daemons on the same
+/// page files would overwrite each other's pages.
+fn lock_state_dir(dir: &std::path::Path) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let path = dir.join("lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| format!("opening {}: {e}", path.display()))?;
+    // SAFETY: flock only takes a descriptor we own.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(format!(
+            "{} is in use by another tierd (nvme.dir must differ per daemon)",
+            dir.display()
+        ));
+    }
+    // The lock must outlive every use of the tier: keep the descriptor open until exit.
+    std::mem::forget(file);
+    Ok(())
 }
 
 /// The socket settings a config describes.

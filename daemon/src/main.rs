@@ -158,16 +158,6 @@ fn main() -> ExitCode {
 }
 
 fn serve(cfg: Config) -> Result<(), String> {
-    match cfg.backend.kind {
-        BackendKind::Cpu => tracing::info!("backend: cpu"),
-        BackendKind::Auto => tracing::info!("backend: cpu (auto: this build has no CUDA backend)"),
-        BackendKind::Cuda => {
-            return Err(
-                "backend.kind = \"cuda\" is not available in this build; use \"cpu\" or \"auto\""
-                    .into(),
-            )
-        }
-    }
     tierd::preflight::check(&cfg).map_err(|e| e.to_string())?;
     let notifier = Notifier::from_env()
         .unwrap_or_else(|e| {
@@ -203,12 +193,22 @@ fn serve(cfg: Config) -> Result<(), String> {
     if cfg.backend.threads > 0 {
         rayon_pool(cfg.backend.threads)?;
     }
-    let engine = tierd::build_engine(&cfg).map_err(|e| match e {
+    let std_listener = tierd::bind(
+        &cfg.server.socket_path,
+        cfg.server.socket_mode,
+        cfg.server.socket_group.as_deref(),
+    )
+    .map_err(|e| e.to_string())?;
+    // Bound before the engine is built, so a second daemon on this socket fails before it
+    // touches the NVMe tier; connections wait in the backlog until a warm restart is done.
+    let arena = tierd::build_arena(&cfg).map_err(|e| match e {
         kvtier_storage::StorageError::Lock { .. } => format!(
             "host tier: {e}: raise LimitMEMLOCK (systemd) or ulimit -l, or set host.lock_memory = false"
         ),
         e => format!("host tier: {e}"),
     })?;
+    let gpu = gpu_decoder(&cfg, &arena)?;
+    let engine = Arc::new(tierd::build_engine(&cfg, arena, gpu)?);
     let usage = engine.arena().usage();
     tracing::info!(
         capacity = %tierd::config::ByteSize(usage.bytes_total() as u64),
@@ -216,19 +216,12 @@ fn serve(cfg: Config) -> Result<(), String> {
         frames = usage.frames_total,
         "host tier ready"
     );
-    let std_listener = tierd::bind(
-        &cfg.server.socket_path,
-        cfg.server.socket_mode,
-        cfg.server.socket_group.as_deref(),
-    )
-    .map_err(|e| e.to_string())?;
     let mut settings = tierd::server_settings(&cfg);
     settings.notifier = notifier;
     settings.watchdog = watchdog;
     runtime.block_on(async move {
         let listener = tokio::net::UnixListener::from_std(std_listener)
             .map_err(|e| format!("registering the socket: {e}"))?;
-        let engine = Arc::new(engine);
         if let Some(addr) = cfg.metrics.listen {
             let metrics = tierd::metrics::bind(addr)
                 .await
@@ -243,12 +236,58 @@ fn serve(cfg: Config) -> Result<(), String> {
             ));
         }
         tracing::info!(socket = %cfg.server.socket_path.display(), "tierd ready");
-        tierd::run(listener, engine, settings, shutdown)
+        tierd::run(listener, engine.clone(), settings, shutdown)
             .await
-            .map_err(|e| format!("server: {e}"))
+            .map_err(|e| format!("server: {e}"))?;
+        // Every session goes to NVMe so a restart finds it (no-op without the NVMe tier).
+        let (ok, failed) = engine.persist_all();
+        if ok + failed > 0 {
+            tracing::info!(persisted = ok, failed, "sessions written to the NVMe tier");
+        }
+        Ok::<(), String>(())
     })?;
     tracing::info!("tierd stopped");
     Ok(())
+}
+
+/// Resolves `backend.kind`: auto takes CUDA when a device is present (else the CPU, logged);
+/// cuda without a usable device is an error (the daemon exits 1).
+fn gpu_decoder(
+    cfg: &Config,
+    arena: &kvtier_storage::HostArena,
+) -> Result<Option<tierd::GpuDecoder>, String> {
+    let settings = cfg.backend.cuda.settings();
+    match cfg.backend.kind {
+        BackendKind::Cpu => {
+            tracing::info!("backend: cpu (configured)");
+            Ok(None)
+        }
+        BackendKind::Auto if !kvtier_kernels::cuda::device_available() => {
+            tracing::info!("backend: cpu (auto: no CUDA driver or device found)");
+            Ok(None)
+        }
+        BackendKind::Auto => match tierd::GpuDecoder::new(arena, &settings) {
+            Ok(g) => {
+                tracing::info!(device = g.device_name(), "backend: cuda (auto)");
+                Ok(Some(g))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "backend: cpu (auto: CUDA device present but unusable)");
+                Ok(None)
+            }
+        },
+        BackendKind::Cuda => {
+            if !kvtier_kernels::cuda::device_available() {
+                return Err(
+                    "backend.kind = \"cuda\" but no CUDA driver or device was found; use \"cpu\" or \"auto\"".into(),
+                );
+            }
+            let g = tierd::GpuDecoder::new(arena, &settings)
+                .map_err(|e| format!("backend.kind = \"cuda\": {e}"))?;
+            tracing::info!(device = g.device_name(), "backend: cuda");
+            Ok(Some(g))
+        }
+    }
 }
 
 fn rayon_pool(threads: usize) -> Result<(), String> {

@@ -146,7 +146,6 @@ pub struct TierGauges {
 /// NVMe tier counters, registered when the NVMe tier is enabled.
 #[derive(Debug, Clone)]
 pub struct NvmeMetrics {
-    pub io_errors: Counter,
     pub checksum_failures: Counter,
 }
 
@@ -245,11 +244,14 @@ impl Metrics {
     }
 
     pub fn register_nvme(&self) -> NvmeMetrics {
-        let r = self.registrar();
         NvmeMetrics {
-            io_errors: r.counter(names::NVME_IO_ERRORS, &[]),
-            checksum_failures: r.counter(names::NVME_CHECKSUM_FAILURES, &[]),
+            checksum_failures: self.registrar().counter(names::NVME_CHECKSUM_FAILURES, &[]),
         }
+    }
+
+    /// NVMe I/O errors, for the component that counts them (the page store does not yet).
+    pub fn register_nvme_io_errors(&self) -> Counter {
+        self.registrar().counter(names::NVME_IO_ERRORS, &[])
     }
 
     pub fn register_gpu_cache(&self) -> GpuCacheMetrics {
@@ -312,6 +314,7 @@ impl Metrics {
             return String::new();
         };
         self.refresh(&engine.snapshot());
+        engine.refresh_tier_metrics();
         rec.handle().render()
     }
 
@@ -626,7 +629,10 @@ mod tests {
             text.contains("kvtier_nvme_checksum_failures_total 2"),
             "{text}"
         );
-        assert!(text.contains("kvtier_nvme_io_errors_total 0"), "{text}");
+        assert!(!text.contains("kvtier_nvme_io_errors_total"), "{text}");
+        m.register_nvme_io_errors().increment(1);
+        let text = rendered(&m);
+        assert!(text.contains("kvtier_nvme_io_errors_total 1"), "{text}");
         assert!(
             text.contains("kvtier_lane_moved_bytes_total{lane=\"nvme0_to_host\"} 4096"),
             "{text}"
@@ -652,6 +658,7 @@ mod tests {
             &kvtier_kernels::StageTimings {
                 append_ns: 1_000,
                 select_ns: 20_000,
+                fetch_ns: 0,
                 attend_ns: 300_000,
             },
             Duration::from_micros(400),

@@ -471,7 +471,7 @@ impl Connection {
             return reply_frame(rid, Err(e), max, &engine);
         }
         match opcode {
-            Some(Opcode::AppendKv | Opcode::Decode) => {
+            Some(Opcode::AppendKv | Opcode::Decode | Opcode::Demote | Opcode::Promote) => {
                 let permit = match self.shared.admission.enter(&engine).await {
                     Ok(p) => p,
                     Err(e) => return reply_frame(rid, Err(e), max, &engine),
@@ -545,7 +545,18 @@ impl Connection {
                 engine.evict(peer, session)?;
                 Response::Evict
             }
-            Request::AppendKv(_) | Request::Decode(_) => {
+            Request::Pin { session } => {
+                engine.pin(peer, session, true)?;
+                Response::Pin
+            }
+            Request::Unpin { session } => {
+                engine.pin(peer, session, false)?;
+                Response::Unpin
+            }
+            Request::AppendKv(_)
+            | Request::Decode(_)
+            | Request::Demote { .. }
+            | Request::Promote { .. } => {
                 unreachable!("heavy requests run on the blocking pool")
             }
         })
@@ -587,7 +598,13 @@ fn execute_heavy(
             d.want_stats,
             &d.entries,
         )?)),
-        _ => unreachable!("only APPEND_KV and DECODE are heavy"),
+        Request::Demote { session } => Ok(Response::Demote {
+            blocks: engine.demote(peer, session)?,
+        }),
+        Request::Promote { session } => Ok(Response::Promote {
+            blocks: engine.promote(peer, session)?,
+        }),
+        _ => unreachable!("only APPEND_KV, DECODE, DEMOTE and PROMOTE are heavy"),
     }
 }
 

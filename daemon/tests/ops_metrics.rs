@@ -239,11 +239,43 @@ fn a_scrape_during_a_decode_run_shows_every_metric_matching_stats() {
         entries
     );
 
-    // Tiers and lanes this build does not have are absent, not zero.
-    for absent in ["nvme", "gpu", "lane", "stage=\"fetch\"", "tier=\"nvme\""] {
+    // The harness enables the NVMe tier: its series mirror STATS' nvme_* keys.
+    for (series, key) in [
+        ("kvtier_tier_used_bytes{tier=\"nvme\"}", "nvme_bytes_used"),
+        (
+            "kvtier_tier_capacity_bytes{tier=\"nvme\"}",
+            "nvme_bytes_capacity",
+        ),
+        (
+            "kvtier_lane_moved_bytes_total{lane=\"nvme_to_host\"}",
+            "nvme_read_bytes_total",
+        ),
+        (
+            "kvtier_lane_moved_bytes_total{lane=\"host_to_nvme\"}",
+            "nvme_written_bytes_total",
+        ),
+        (
+            "kvtier_nvme_checksum_failures_total",
+            "nvme_corrupt_pages_total",
+        ),
+    ] {
+        assert_eq!(get(&m, series), stat(&s, key), "{series} vs STATS {key}");
+    }
+    assert!(get(&m, "kvtier_tier_capacity_bytes{tier=\"nvme\"}") > 0.0);
+    let fetches = get(&m, "kvtier_decode_stage_seconds_count{stage=\"fetch\"}");
+    assert_eq!(fetches, requests, "one fetch observation per DECODE");
+    let secs = get(&m, "kvtier_decode_stage_seconds_sum{stage=\"fetch\"}");
+    let want = stat(&s, x::DECODE_FETCH_NS_TOTAL) / 1e9;
+    assert!(
+        (secs - want).abs() <= 1e-6 * want.max(1e-3),
+        "fetch {secs} vs {want}"
+    );
+
+    // What this run does not have is absent, not zero: no GPU, no per-device I/O error count.
+    for absent in ["gpu", "tier=\"gpu\"", "host_to_gpu", names::NVME_IO_ERRORS] {
         assert!(
             m.keys().all(|k| !k.contains(absent)),
-            "{absent} exported without its tier"
+            "{absent} exported without its component"
         );
     }
 
@@ -264,6 +296,7 @@ fn an_unusable_metrics_address_fails_startup_naming_it() {
         .arg(dir.path().join("s.sock"))
         .args(["--host-capacity", "64MiB", "--set"])
         .arg(format!("metrics.listen=\"127.0.0.1:{port}\""))
+        .args(["--set", "nvme.enabled=false"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));

@@ -35,6 +35,13 @@ fn spawn(
             "host.frame_bytes=\"4KiB\"",
         ])
         .args(["--log-level", "warn"])
+        // The NVMe tier in the test's directory: READY=1 also waits for its index.
+        .arg("--set")
+        .arg(format!(
+            "nvme.dir={:?}",
+            socket.with_extension("state").to_str().unwrap()
+        ))
+        .args(["--set", "nvme.capacity=\"64MiB\""])
         .env("NOTIFY_SOCKET", notify)
         .env("WATCHDOG_USEC", watchdog_usec.to_string())
         .stdin(Stdio::null())

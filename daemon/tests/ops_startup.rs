@@ -10,6 +10,10 @@ use std::time::{Duration, Instant};
 
 use kvtier_protocol::client::Client;
 
+/// These tests are about the host tier, the socket and logs; the NVMe tier (on by default,
+/// in a shared state directory) stays out of them.
+const NO_NVME: [&str; 2] = ["--set", "nvme.enabled=false"];
+
 /// Root runs the daemon as nobody, so it has neither CAP_IPC_LOCK nor DAC override, as under
 /// the shipped unit's dedicated user.
 fn as_unprivileged(cmd: &mut Command) -> &mut Command {
@@ -84,6 +88,7 @@ fn a_memlock_limit_below_the_host_tier_fails_fast_naming_the_fix() {
         .arg("--socket")
         .arg(dir.path().join("s.sock"))
         .args(["--host-capacity", "64MiB", "--set", "host.lock_memory=true"])
+        .args(NO_NVME)
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
@@ -108,6 +113,7 @@ fn a_sufficient_memlock_limit_locks_the_host_tier_and_serves() {
         .arg("--socket")
         .arg(&sock)
         .args(["--host-capacity", "4MiB", "--set", "host.lock_memory=true"])
+        .args(NO_NVME)
         .args(["--log-level", "warn"])
         .stdin(Stdio::null())
         .spawn()
@@ -139,6 +145,7 @@ fn an_unwritable_socket_directory_fails_fast_naming_the_fix() {
         .arg("--socket")
         .arg(ro.join("kvtier/tierd.sock"))
         .args(["--host-capacity", "64MiB"])
+        .args(NO_NVME)
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
@@ -163,6 +170,7 @@ fn logs(extra: &[&str], journal_stream: bool) -> String {
     cmd.arg("--socket")
         .arg(&sock)
         .args(["--host-capacity", "64MiB", "--log-level", "info"])
+        .args(NO_NVME)
         .args(extra)
         .env_remove("JOURNAL_STREAM")
         .stdin(Stdio::null())

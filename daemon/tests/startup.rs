@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use common::Daemon;
 
+/// tierd with the NVMe tier off, so these tests never touch a default state directory.
 fn tierd(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_tierd"))
+        .args(["--set", "nvme.enabled=false"])
         .args(args)
         .output()
         .unwrap()
@@ -70,6 +72,8 @@ fn a_stale_socket_is_replaced_and_a_live_one_is_not() {
             "64MiB",
             "--log-level",
             "error",
+            "--set",
+            "nvme.enabled=false",
         ])
         .spawn()
         .unwrap();

@@ -9,8 +9,13 @@
 //! - [`decode`]: one layer's decode step for a batch of sessions (append, select, attend).
 //! - [`dense`]: the f64 softmax-attention oracle every kernel is tested against.
 //! - [`simd`]: the vectorisable inner loops (dot products, bounds, exp).
+//! - `cuda` (feature `cuda`, on by default; needs no toolkit to build): the GPU backend —
+//!   pinned mapped host regions, fused selector, zero-copy keep-set gather, block cache and
+//!   split-k attention, compiled with NVRTC at run time.
 
 pub mod attention;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod decode;
 pub mod dense;
 pub mod error;

@@ -112,18 +112,24 @@ pub fn block_score(q_group: &[f32], hi: &[f32], lo: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, f32::max)
 }
 
-/// Selects the keep-set of one kv-head into `out` (ascending block ids). `q` is the full
-/// `[q_heads][head_dim]` query, already checked with [`check_query`].
+/// Selects the keep-set of one kv-head into `out` (ascending block ids) for a layer of
+/// `blocks` blocks. `q` is the full `[q_heads][head_dim]` query, already checked with
+/// [`check_query`].
+///
+/// `blocks` may exceed `layer.blocks()` by one: the decode step selects *before* appending the
+/// new token (so a cold-tier read failure changes nothing), and the block that token opens is
+/// in the local window, which is never scored — only distant blocks, which all exist, are.
 pub fn select_head(
     q: &[f32],
     layer: &LayerView<'_>,
+    blocks: usize,
     policy: &Policy,
     kv_head: usize,
     scratch: &mut SelectScratch,
     out: &mut Vec<u32>,
 ) {
     let geo = layer.geometry();
-    let blocks = layer.blocks();
+    debug_assert!(blocks <= layer.blocks() + 1);
     out.clear();
     let Some((sink_end, local_start)) = partition(blocks, policy) else {
         out.extend(0..blocks as u32);
@@ -177,7 +183,7 @@ pub fn select(
     out.clear();
     let mut head = Vec::new();
     for h in 0..layer.geometry().kv_heads as usize {
-        select_head(q, layer, policy, h, scratch, &mut head);
+        select_head(q, layer, layer.blocks(), policy, h, scratch, &mut head);
         out.push_head(head.iter().copied());
     }
     Ok(())

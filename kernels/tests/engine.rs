@@ -95,6 +95,7 @@ fn step(
             q,
             k: &k,
             v: &v,
+            cold: None,
         }],
         &mut out,
     )
@@ -186,6 +187,7 @@ fn a_batch_equals_its_entries_decoded_alone() {
                 q: &q,
                 k: &k,
                 v: &v,
+                cold: None,
             }],
             &mut out,
         )
@@ -204,6 +206,7 @@ fn a_batch_equals_its_entries_decoded_alone() {
             q,
             k,
             v,
+            cold: None,
         })
         .collect();
     let mut out = vec![0f32; alone.len()];
@@ -286,6 +289,7 @@ fn bad_requests_are_typed_errors_and_change_nothing() {
                 q,
                 k,
                 v: &v,
+                cold: None,
             }],
             &mut out,
         )
@@ -370,6 +374,7 @@ fn a_full_arena_fails_the_whole_batch_before_any_append() {
                 q: &q,
                 k: &row,
                 v: &row,
+                cold: None,
             },
             DecodeEntry {
                 kv: &mut b,
@@ -378,6 +383,7 @@ fn a_full_arena_fails_the_whole_batch_before_any_append() {
                 q: &q,
                 k: &row,
                 v: &row,
+                cold: None,
             },
         ],
         &mut out,
@@ -429,9 +435,11 @@ fn a_planted_needle_is_always_selected() {
             top_k: 1,
         };
         let mut keep = Vec::new();
+        let layer = kv.layer(0).unwrap();
         select_head(
             &q,
-            &kv.layer(0).unwrap(),
+            &layer,
+            layer.blocks(),
             &policy,
             head,
             &mut SelectScratch::default(),
@@ -488,12 +496,12 @@ proptest! {
         let mut stepwise = KvCache::new(g, arena(4096, 64)).unwrap();
         let mut out = vec![0f32; 64];
         for t in 0..n - 1 {
-            decode_layer(0, &mut [DecodeEntry { kv: &mut stepwise, policy, position: t as u64, q: &qs[t], k: &ks[t], v: &vs[t] }], &mut out).unwrap();
+            decode_layer(0, &mut [DecodeEntry { kv: &mut stepwise, policy, position: t as u64, q: &qs[t], k: &ks[t], v: &vs[t], cold: None }], &mut out).unwrap();
         }
         let last = n - 1;
         let run = |kv: &mut KvCache| {
             let mut out = vec![0f32; 64];
-            let s = decode_layer(0, &mut [DecodeEntry { kv, policy, position: last as u64, q: &qs[last], k: &ks[last], v: &vs[last] }], &mut out).unwrap();
+            let s = decode_layer(0, &mut [DecodeEntry { kv, policy, position: last as u64, q: &qs[last], k: &ks[last], v: &vs[last], cold: None }], &mut out).unwrap();
             (out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), s)
         };
         prop_assert_eq!(run(&mut bulk), run(&mut stepwise));
@@ -520,6 +528,7 @@ fn timed_decode_reports_every_stage_and_changes_nothing_else() {
             q,
             k,
             v,
+            cold: None,
         }
     }
     let plain = decode_layer(0, &mut [entry(&mut a.kv, &q, &k, &v)], &mut out_a).unwrap();

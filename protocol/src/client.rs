@@ -373,6 +373,35 @@ impl Client {
         }
     }
 
+    /// Writes the session to the NVMe tier and frees its host frames; returns the blocks freed.
+    pub fn demote(&mut self, session: u64) -> Result<u64, ClientError> {
+        match self.call(&Request::Demote { session })? {
+            Response::Demote { blocks } => Ok(blocks),
+            other => Err(unexpected(Opcode::Demote, &other)),
+        }
+    }
+
+    /// Reads every cold block of the session back into RAM; returns the blocks read.
+    pub fn promote(&mut self, session: u64) -> Result<u64, ClientError> {
+        match self.call(&Request::Promote { session })? {
+            Response::Promote { blocks } => Ok(blocks),
+            other => Err(unexpected(Opcode::Promote, &other)),
+        }
+    }
+
+    /// Pins (`true`) or unpins the session: a pinned session is never demoted.
+    pub fn pin(&mut self, session: u64, pinned: bool) -> Result<(), ClientError> {
+        let req = if pinned {
+            Request::Pin { session }
+        } else {
+            Request::Unpin { session }
+        };
+        match (self.call(&req)?, pinned) {
+            (Response::Pin, true) | (Response::Unpin, false) => Ok(()),
+            (other, _) => Err(unexpected(req.opcode(), &other)),
+        }
+    }
+
     fn take_id(&mut self) -> u64 {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);

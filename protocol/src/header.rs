@@ -15,10 +15,9 @@ pub const ERROR_OPCODE: u16 = 0xFFFF;
 /// Header flag of APPEND_KV: the body names a range of a file descriptor passed with
 /// SCM_RIGHTS instead of carrying the payload inline.
 pub const FLAG_APPEND_SHM: u16 = 0x0001;
-/// Opcodes reserved for the NVMe tier operations (DEMOTE 0x0010, PROMOTE 0x0011, PIN 0x0012,
-/// UNPIN 0x0013, the rest of the range unassigned). A server answers them with UNIMPLEMENTED
-/// until they exist.
-pub const RESERVED_TIER_OPCODES: std::ops::RangeInclusive<u16> = 0x0010..=0x001F;
+/// The tier-operation opcode range: DEMOTE 0x0010, PROMOTE 0x0011, PIN 0x0012, UNPIN 0x0013;
+/// 0x0014..=0x001F are reserved (answered with UNIMPLEMENTED).
+pub const RESERVED_TIER_OPCODES: std::ops::RangeInclusive<u16> = 0x0014..=0x001F;
 
 /// Request opcodes. A success reply's opcode is `opcode | 0x8000`; an error reply's is 0xFFFF.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -33,11 +32,15 @@ pub enum Opcode {
     ListSessions = 0x0007,
     Stats = 0x0008,
     Evict = 0x0009,
+    Demote = 0x0010,
+    Promote = 0x0011,
+    Pin = 0x0012,
+    Unpin = 0x0013,
 }
 
 impl Opcode {
     /// Every implemented opcode.
-    pub const ALL: [Opcode; 9] = [
+    pub const ALL: [Opcode; 13] = [
         Opcode::Hello,
         Opcode::CreateSession,
         Opcode::AppendKv,
@@ -47,6 +50,10 @@ impl Opcode {
         Opcode::ListSessions,
         Opcode::Stats,
         Opcode::Evict,
+        Opcode::Demote,
+        Opcode::Promote,
+        Opcode::Pin,
+        Opcode::Unpin,
     ];
 
     /// The request opcode's wire value.
@@ -88,6 +95,10 @@ impl Opcode {
             Opcode::ListSessions => "LIST_SESSIONS",
             Opcode::Stats => "STATS",
             Opcode::Evict => "EVICT",
+            Opcode::Demote => "DEMOTE",
+            Opcode::Promote => "PROMOTE",
+            Opcode::Pin => "PIN",
+            Opcode::Unpin => "UNPIN",
         }
     }
 }
@@ -252,7 +263,7 @@ mod tests {
 
     #[test]
     fn unknown_and_reserved_opcodes() {
-        for op in [0u16, 0x000A, 0x0010, 0x0012, 0x001F, 0x7FFF, 0x8001, 0xFFFF] {
+        for op in [0u16, 0x000A, 0x0014, 0x0015, 0x001F, 0x7FFF, 0x8001, 0xFFFF] {
             let err = Opcode::from_u16(op).unwrap_err();
             assert_eq!(err, ProtoError::UnknownOpcode { opcode: op });
             assert_eq!(err.error_code(), crate::ErrorCode::Unimplemented);

@@ -303,6 +303,21 @@ pub enum Request<'a> {
     Evict {
         session: u64,
     },
+    /// Write a session's blocks to the NVMe tier and free its host frames.
+    Demote {
+        session: u64,
+    },
+    /// Bring every block of a session back into the host tier.
+    Promote {
+        session: u64,
+    },
+    /// Never demote this session (until UNPIN).
+    Pin {
+        session: u64,
+    },
+    Unpin {
+        session: u64,
+    },
 }
 
 impl<'a> Request<'a> {
@@ -317,6 +332,10 @@ impl<'a> Request<'a> {
             Request::ListSessions => Opcode::ListSessions,
             Request::Stats => Opcode::Stats,
             Request::Evict { .. } => Opcode::Evict,
+            Request::Demote { .. } => Opcode::Demote,
+            Request::Promote { .. } => Opcode::Promote,
+            Request::Pin { .. } => Opcode::Pin,
+            Request::Unpin { .. } => Opcode::Unpin,
         }
     }
 
@@ -337,7 +356,11 @@ impl<'a> Request<'a> {
             Request::Decode(d) => d.encode(buf),
             Request::SessionInfo { session }
             | Request::CloseSession { session }
-            | Request::Evict { session } => {
+            | Request::Evict { session }
+            | Request::Demote { session }
+            | Request::Promote { session }
+            | Request::Pin { session }
+            | Request::Unpin { session } => {
                 put_u64(buf, *session);
                 Ok(())
             }
@@ -386,6 +409,18 @@ impl<'a> Request<'a> {
                 session: session_only(body)?,
             },
             Opcode::Evict => Request::Evict {
+                session: session_only(body)?,
+            },
+            Opcode::Demote => Request::Demote {
+                session: session_only(body)?,
+            },
+            Opcode::Promote => Request::Promote {
+                session: session_only(body)?,
+            },
+            Opcode::Pin => Request::Pin {
+                session: session_only(body)?,
+            },
+            Opcode::Unpin => Request::Unpin {
                 session: session_only(body)?,
             },
             Opcode::ListSessions => {

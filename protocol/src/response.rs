@@ -138,6 +138,16 @@ pub enum Response {
     ListSessions(Vec<SessionInfo>),
     Stats(StatsReply),
     Evict,
+    /// Blocks written to NVMe (or already there) whose host frames were freed.
+    Demote {
+        blocks: u64,
+    },
+    /// Blocks read back into the host tier.
+    Promote {
+        blocks: u64,
+    },
+    Pin,
+    Unpin,
     Error(ErrorReply),
 }
 
@@ -162,6 +172,10 @@ impl Response {
             Response::ListSessions(_) => Opcode::ListSessions,
             Response::Stats(_) => Opcode::Stats,
             Response::Evict => Opcode::Evict,
+            Response::Demote { .. } => Opcode::Demote,
+            Response::Promote { .. } => Opcode::Promote,
+            Response::Pin => Opcode::Pin,
+            Response::Unpin => Opcode::Unpin,
             Response::Error(_) => return None,
         })
     }
@@ -192,7 +206,11 @@ impl Response {
                 }
                 Ok(())
             }
-            Response::CloseSession | Response::Evict => Ok(()),
+            Response::Demote { blocks } | Response::Promote { blocks } => {
+                put_u64(buf, *blocks);
+                Ok(())
+            }
+            Response::CloseSession | Response::Evict | Response::Pin | Response::Unpin => Ok(()),
             Response::Error(e) => {
                 put_u16(buf, e.code.as_u16());
                 put_str(buf, &e.message, "error message")
@@ -260,6 +278,14 @@ impl Response {
                     Response::Stats(StatsReply { entries })
                 }
                 Opcode::Evict => Response::Evict,
+                Opcode::Demote => Response::Demote {
+                    blocks: r.u64("blocks")?,
+                },
+                Opcode::Promote => Response::Promote {
+                    blocks: r.u64("blocks")?,
+                },
+                Opcode::Pin => Response::Pin,
+                Opcode::Unpin => Response::Unpin,
             }
         };
         r.finish()?;

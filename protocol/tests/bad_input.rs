@@ -126,7 +126,15 @@ fn trailing_bytes_rejected_for_every_request_kind() {
             Err(ProtoError::TrailingBytes { extra: 2 })
         );
     }
-    for op in [Opcode::SessionInfo, Opcode::CloseSession, Opcode::Evict] {
+    for op in [
+        Opcode::SessionInfo,
+        Opcode::CloseSession,
+        Opcode::Evict,
+        Opcode::Demote,
+        Opcode::Promote,
+        Opcode::Pin,
+        Opcode::Unpin,
+    ] {
         assert_eq!(
             req(op, 0, &[0; 9]),
             Err(ProtoError::TrailingBytes { extra: 1 })

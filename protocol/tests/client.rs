@@ -216,6 +216,12 @@ fn handle(req: Request<'_>, mut fds: Vec<OwnedFd>, st: &mut State) -> Response {
             entries: vec![(stats_keys::SESSIONS.into(), st.sessions.len() as u64)],
         }),
         Request::Evict { .. } => err(ErrorCode::PermissionDenied, "admin only"),
+        Request::Demote { .. }
+        | Request::Promote { .. }
+        | Request::Pin { .. }
+        | Request::Unpin { .. } => {
+            err(ErrorCode::Unimplemented, "no NVMe tier in this test double")
+        }
     }
 }
 

@@ -41,6 +41,19 @@ pub enum StorageError {
     #[error("session would exceed {max} tokens")]
     TooManyTokens { max: u64 },
 
+    #[error("{blocks} block(s) of layer {layer} are not resident and no colder tier was given")]
+    NotResident { layer: u32, blocks: usize },
+
+    /// A cold block could not be read back. `corrupt`: the stored bytes failed verification
+    /// (checksum or identity) — data loss, not a transient fault.
+    #[error("reading block {block} of layer {layer} from the NVMe tier: {reason}")]
+    ColdRead {
+        layer: u32,
+        block: u32,
+        reason: String,
+        corrupt: bool,
+    },
+
     #[error("mapping {bytes} bytes of anonymous memory failed: {source}")]
     Map { bytes: usize, source: io::Error },
 

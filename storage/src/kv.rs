@@ -5,10 +5,33 @@ use crate::arena::{Frame, HostArena};
 use crate::error::{Result, StorageError};
 use crate::geometry::{Geometry, MAX_HEAD_DIM};
 
+/// Where a block's bytes are: in an arena frame, or only in a colder tier (its summary always
+/// stays in RAM, so selection never waits for a cold tier).
+enum Slot {
+    Hot(Frame),
+    Cold,
+}
+
+impl Slot {
+    fn frame(&self) -> Option<&Frame> {
+        match self {
+            Slot::Hot(f) => Some(f),
+            Slot::Cold => None,
+        }
+    }
+}
+
+/// Reads stored block runs back from a colder tier (the NVMe page store).
+pub trait ColdSource: Send + Sync {
+    /// Fills `frames[i]` (zeroed, frame-sized) with the stored run of `(layer, blocks[i])`.
+    /// Must verify what it returns: wrong bytes must be an error, never data.
+    fn read_runs(&self, layer: u32, blocks: &[u32], frames: &mut [Frame]) -> Result<()>;
+}
+
 struct LayerKv {
     tokens: u64,
-    /// Frame of block `b` at index `b`.
-    frames: Vec<Frame>,
+    /// Slot of block `b` at index `b`.
+    slots: Vec<Slot>,
     /// `[block][kv_head][max|min][D]` in f32 of the stored (dtype-rounded) keys.
     summaries: Vec<f32>,
 }
@@ -43,7 +66,7 @@ impl KvCache {
         let layers = (0..geo.layers)
             .map(|_| LayerKv {
                 tokens: 0,
-                frames: Vec::new(),
+                slots: Vec::new(),
                 summaries: Vec::new(),
             })
             .collect();
@@ -78,9 +101,172 @@ impl KvCache {
         self.layers.iter().map(|l| l.tokens).max().unwrap_or(0)
     }
 
-    /// Blocks held over all layers (each is one arena frame).
+    /// Blocks resident in the host tier over all layers (each is one arena frame).
     pub fn frames(&self) -> usize {
-        self.layers.iter().map(|l| l.frames.len()).sum()
+        self.layers
+            .iter()
+            .map(|l| l.slots.iter().filter(|s| s.frame().is_some()).count())
+            .sum()
+    }
+
+    /// Blocks over all layers, resident or not.
+    pub fn blocks(&self) -> usize {
+        self.layers.iter().map(|l| l.slots.len()).sum()
+    }
+
+    /// Whether `(layer, block)` is in the host tier. Panics on a block that does not exist.
+    pub fn is_resident(&self, layer: u32, block: u32) -> bool {
+        self.layers[layer as usize].slots[block as usize]
+            .frame()
+            .is_some()
+    }
+
+    /// The stored run of a resident block (for writing it to a colder tier).
+    pub fn run(&self, layer: u32, block: u32) -> Option<&[u8]> {
+        let bb = self.geo.block_bytes();
+        self.layers
+            .get(layer as usize)?
+            .slots
+            .get(block as usize)?
+            .frame()
+            .map(|f| &f.as_slice()[..bb])
+    }
+
+    /// Drops the frame of a resident block, keeping its summary: the block is now cold. The
+    /// caller must hold a durable copy (the NVMe tier). Returns whether a frame was freed.
+    pub fn evict(&mut self, layer: u32, block: u32) -> bool {
+        let slot = &mut self.layers[layer as usize].slots[block as usize];
+        matches!(std::mem::replace(slot, Slot::Cold), Slot::Hot(_))
+    }
+
+    /// The blocks of `blocks` at `layer` that are cold.
+    pub fn cold_among(&self, layer: u32, blocks: &[u32]) -> Vec<u32> {
+        let slots = &self.layers[layer as usize].slots;
+        blocks
+            .iter()
+            .copied()
+            .filter(|&b| matches!(slots.get(b as usize), Some(Slot::Cold)))
+            .collect()
+    }
+
+    /// Brings cold `blocks` of `layer` back into frames from `source`. All-or-nothing: on
+    /// error (arena full, a read or verification failure) no block changed. Returns how many
+    /// blocks were read.
+    pub fn promote(
+        &mut self,
+        layer: u32,
+        blocks: &[u32],
+        source: &dyn ColdSource,
+    ) -> Result<usize> {
+        let cold = self.cold_among(layer, blocks);
+        if cold.is_empty() {
+            return Ok(0);
+        }
+        let mut frames = self.arena.alloc_many(cold.len())?;
+        source.read_runs(layer, &cold, &mut frames)?;
+        let slots = &mut self.layers[layer as usize].slots;
+        for (b, f) in cold.iter().zip(frames) {
+            slots[*b as usize] = Slot::Hot(f);
+        }
+        Ok(cold.len())
+    }
+
+    /// The partially filled tail blocks that are cold, as `(layer, block)`: what must be
+    /// promoted before an append.
+    pub fn cold_tails(&self) -> Vec<(u32, u32)> {
+        let bt = self.geo.block_tokens as u64;
+        self.layers
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.tokens % bt != 0 && matches!(l.slots.last(), Some(Slot::Cold)))
+            .map(|(i, l)| (i as u32, l.slots.len() as u32 - 1))
+            .collect()
+    }
+
+    /// Cuts every layer back to at most `tokens` tokens: later blocks are dropped, the rows past
+    /// the new tail are zeroed and the tail's bounds refolded, so the cache is bit-identical to
+    /// one that never held the removed tokens. Used to roll back an append whose durable copy
+    /// could not be written. Panics if a tail block it must rewrite is cold.
+    pub fn truncate(&mut self, tokens: u64) {
+        let geo = self.geo;
+        let bt = geo.block_tokens as u64;
+        let (hkv, row) = (geo.kv_heads as usize, geo.row_bytes());
+        let spb = geo.summary_floats_per_block();
+        for l in &mut self.layers {
+            if l.tokens <= tokens {
+                continue;
+            }
+            let blocks = geo.blocks_for(tokens) as usize;
+            l.slots.truncate(blocks);
+            l.summaries.truncate(blocks * spb);
+            l.tokens = tokens;
+            let valid = (tokens % bt) as usize;
+            if valid == 0 {
+                continue;
+            }
+            let Some(Slot::Hot(frame)) = l.slots.last_mut() else {
+                panic!("truncate: the tail block must be resident");
+            };
+            let run = frame.as_mut_slice();
+            for h in 0..hkv {
+                let (ko, vo) = (geo.k_row_offset(h, valid), geo.v_row_offset(h, valid));
+                let rest = (bt as usize - valid) * row;
+                run[ko..ko + rest].fill(0);
+                run[vo..vo + rest].fill(0);
+            }
+            refold_bounds(&geo, run, valid, &mut l.summaries[(blocks - 1) * spb..]);
+        }
+    }
+
+    /// Appends a whole stored block to `layer` (warm restart): `run` is the block run with
+    /// `valid` tokens; the layer's length must be a multiple of the block size. Folds the
+    /// block's bounds from its stored keys, so tiles, bounds and every later selection are
+    /// bit-identical to the session before it was stored. With `keep` the run stays resident
+    /// in a fresh frame; without, the block is restored cold (summary only).
+    pub fn restore_block(
+        &mut self,
+        layer: u32,
+        run: &[u8],
+        valid: usize,
+        keep: bool,
+    ) -> Result<()> {
+        let geo = self.geo;
+        let bt = geo.block_tokens as u64;
+        let l = self.layer_kv(layer)?;
+        if l.tokens % bt != 0 || valid == 0 || valid as u64 > bt {
+            return Err(StorageError::PositionMismatch {
+                layer,
+                expected: l.tokens.next_multiple_of(bt),
+                got: l.tokens,
+            });
+        }
+        if run.len() != geo.block_bytes() {
+            return Err(StorageError::PayloadSize {
+                what: "stored block run",
+                expected: geo.block_bytes(),
+                got: run.len(),
+            });
+        }
+        if let Some(index) = geo.dtype.first_non_finite(run) {
+            return Err(StorageError::NonFinite {
+                what: "stored block run",
+                index,
+            });
+        }
+        let slot = if keep {
+            let mut f = self.arena.alloc()?;
+            f.as_mut_slice()[..run.len()].copy_from_slice(run);
+            Slot::Hot(f)
+        } else {
+            Slot::Cold
+        };
+        let l = &mut self.layers[layer as usize];
+        let at = l.summaries.len();
+        l.summaries.resize(at + geo.summary_floats_per_block(), 0.0);
+        refold_bounds(&geo, run, valid, &mut l.summaries[at..]);
+        l.slots.push(slot);
+        l.tokens += valid as u64;
+        Ok(())
     }
 
     /// Host bytes held (whole frames).
@@ -103,7 +289,7 @@ impl KvCache {
         Ok(LayerView {
             geo: &self.geo,
             tokens: l.tokens,
-            frames: &l.frames,
+            slots: &l.slots,
             summaries: &l.summaries,
         })
     }
@@ -208,6 +394,13 @@ impl KvCache {
             });
         }
         let n = (k.len() / tb) as u64;
+        let bt = self.geo.block_tokens as u64;
+        if n > 0 && l.tokens % bt != 0 {
+            if let Some(Slot::Cold) = l.slots.last() {
+                // The partial tail block must be in RAM to take more rows.
+                return Err(StorageError::NotResident { layer, blocks: 1 });
+            }
+        }
         if l.tokens + n > self.max_tokens {
             return Err(StorageError::TooManyTokens {
                 max: self.max_tokens,
@@ -243,8 +436,9 @@ impl KvCache {
         for i in 0..n as usize {
             let pos = l.tokens;
             let (block, slot) = ((pos / bt) as usize, (pos % bt) as usize);
-            if block == l.frames.len() {
-                l.frames.push(fresh.pop().expect("frames were reserved"));
+            if block == l.slots.len() {
+                l.slots
+                    .push(Slot::Hot(fresh.pop().expect("frames were reserved")));
                 // Empty bounds: every fold replaces them.
                 for h in 0..hkv {
                     let at = l.summaries.len();
@@ -253,7 +447,10 @@ impl KvCache {
                     debug_assert_eq!(at, (block * hkv + h) * 2 * d);
                 }
             }
-            let frame = l.frames[block].as_mut_slice();
+            let Slot::Hot(frame) = &mut l.slots[block] else {
+                unreachable!("the tail block is never evicted while it is being filled")
+            };
+            let frame = frame.as_mut_slice();
             let summ = &mut l.summaries[block * spb..(block + 1) * spb];
             for h in 0..hkv {
                 let src = (i * hkv + h) * row;
@@ -276,12 +473,33 @@ impl KvCache {
     }
 }
 
+/// Recomputes one block's `[kv_head][max|min][D]` bounds from the first `valid` stored keys of
+/// its run (exactly what folding them in one by one on append produces).
+fn refold_bounds(geo: &Geometry, run: &[u8], valid: usize, summ: &mut [f32]) {
+    let (d, row) = (geo.head_dim as usize, geo.row_bytes());
+    let mut key = [0f32; MAX_HEAD_DIM as usize];
+    let key = &mut key[..d];
+    for h in 0..geo.kv_heads as usize {
+        let (mx, mn) = summ[h * 2 * d..(h + 1) * 2 * d].split_at_mut(d);
+        mx.fill(f32::NEG_INFINITY);
+        mn.fill(f32::INFINITY);
+        for t in 0..valid {
+            let o = geo.k_row_offset(h, t);
+            geo.dtype.decode(&run[o..o + row], key);
+            for ((m, x), kv) in mx.iter_mut().zip(mn.iter_mut()).zip(key.iter()) {
+                *m = m.max(*kv);
+                *x = x.min(*kv);
+            }
+        }
+    }
+}
+
 /// Read-only view of one layer of a session's cache.
 #[derive(Clone, Copy)]
 pub struct LayerView<'a> {
     geo: &'a Geometry,
     tokens: u64,
-    frames: &'a [Frame],
+    slots: &'a [Slot],
     summaries: &'a [f32],
 }
 
@@ -295,7 +513,7 @@ impl<'a> LayerView<'a> {
     }
 
     pub fn blocks(&self) -> usize {
-        self.frames.len()
+        self.slots.len()
     }
 
     /// All summaries of the layer: `[block][kv_head][max|min][D]` f32.
@@ -317,14 +535,18 @@ impl<'a> LayerView<'a> {
         (self.tokens - block as u64 * bt).min(bt) as usize
     }
 
-    /// The arena frame holding `block`.
-    pub fn frame(&self, block: usize) -> &'a Frame {
-        &self.frames[block]
+    /// The arena frame holding `block`, or None while the block is cold.
+    pub fn frame(&self, block: usize) -> Option<&'a Frame> {
+        self.slots[block].frame()
     }
 
-    /// The (layer, block) run: every KV head's K tile then V tile.
+    /// The (layer, block) run: every KV head's K tile then V tile. Panics if the block is
+    /// cold: callers bring a keep-set in ([`KvCache::promote`]) before attending to it.
     pub fn block_run(&self, block: usize) -> &'a [u8] {
-        &self.frames[block].as_slice()[..self.geo.block_bytes()]
+        let frame = self.slots[block]
+            .frame()
+            .unwrap_or_else(|| panic!("block {block} is not resident; promote it before reading"));
+        &frame.as_slice()[..self.geo.block_bytes()]
     }
 
     /// `(K tile, V tile)` of one (block, kv-head); rows past `valid_tokens` are zero.

@@ -6,6 +6,8 @@
 //! - [`geometry`]: session [`Geometry`] and the tile layout it implies; the selection [`Policy`].
 //! - [`arena`]: [`HostArena`], fixed-size block frames in one anonymous mapping (the host tier).
 //! - [`kv`]: [`KvCache`], one session's per-layer block tables and incremental block summaries.
+//! - [`nvme`]: the NVMe tier: io engines (io_uring, pread), checksummed page store, crash-safe
+//!   manifest, lane model and fetch planner.
 //!
 //! A tile is one (layer, block, kv-head): the K tile `[B x D]` followed by the V tile `[B x D]`.
 //! The tiles of one (layer, block) are adjacent, forming a block run that fills one arena frame.
@@ -16,10 +18,11 @@ pub mod dtype;
 pub mod error;
 pub mod geometry;
 pub mod kv;
+pub mod nvme;
 pub mod testing;
 
 pub use arena::{ArenaOptions, ArenaUsage, Frame, HostArena};
 pub use dtype::DType;
 pub use error::{Result, StorageError};
 pub use geometry::{Geometry, Policy};
-pub use kv::{KvCache, LayerView};
+pub use kv::{ColdSource, KvCache, LayerView};

@@ -228,3 +228,147 @@ proptest! {
         prop_assert_eq!(snapshot(&whole), snapshot(&single));
     }
 }
+
+/// Saved runs of one session, standing in for the NVMe tier in these unit tests (the daemon's
+/// tests use the real page store).
+struct Saved(std::collections::HashMap<(u32, u32), Vec<u8>>);
+
+impl kvtier_storage::ColdSource for Saved {
+    fn read_runs(
+        &self,
+        layer: u32,
+        blocks: &[u32],
+        frames: &mut [kvtier_storage::Frame],
+    ) -> kvtier_storage::Result<()> {
+        for (b, f) in blocks.iter().zip(frames) {
+            let run = self.0.get(&(layer, *b)).ok_or(StorageError::ColdRead {
+                layer,
+                block: *b,
+                reason: "not saved".into(),
+                corrupt: false,
+            })?;
+            f.as_mut_slice()[..run.len()].copy_from_slice(run);
+        }
+        Ok(())
+    }
+}
+
+fn save_all(kv: &KvCache) -> Saved {
+    let mut m = std::collections::HashMap::new();
+    for l in 0..kv.geometry().layers {
+        for b in 0..kv.layer(l).unwrap().blocks() as u32 {
+            m.insert((l, b), kv.run(l, b).unwrap().to_vec());
+        }
+    }
+    Saved(m)
+}
+
+#[test]
+fn evicted_blocks_come_back_bit_identical_and_free_their_frames() {
+    let g = geo(DType::Bf16, 4);
+    let a = arena(32);
+    let mut kv = KvCache::new(g, a.clone()).unwrap();
+    kv.append(0, 14, &payload(&g, 14, 9)).unwrap();
+    let before = snapshot(&kv);
+    let saved = save_all(&kv);
+    for l in 0..2 {
+        for b in 0..4 {
+            assert!(kv.evict(l, b));
+        }
+    }
+    assert_eq!(kv.frames(), 0);
+    assert_eq!(
+        a.usage().frames_used,
+        0,
+        "evicted frames went back to the arena"
+    );
+    assert_eq!(kv.blocks(), 8, "blocks and their summaries stay");
+    assert_eq!(kv.cold_tails(), vec![(0, 3), (1, 3)]);
+    // The cold partial tail refuses appends with a typed error instead of losing rows.
+    let one = payload(&g, 1, 3);
+    assert!(matches!(
+        kv.append(14, 1, &one),
+        Err(StorageError::NotResident { .. })
+    ));
+    assert_eq!(kv.cold_among(1, &[0, 2, 3]), vec![0, 2, 3]);
+    assert_eq!(kv.promote(1, &[0, 2, 3], &saved).unwrap(), 3);
+    assert_eq!(
+        kv.promote(1, &[0, 2], &saved).unwrap(),
+        0,
+        "already resident"
+    );
+    for b in [1, 3] {
+        kv.promote(0, &[b], &saved).unwrap();
+    }
+    kv.promote(0, &[0, 2], &saved).unwrap();
+    kv.promote(1, &[1], &saved).unwrap();
+    assert_eq!(snapshot(&kv), before);
+    // A failing source changes nothing.
+    kv.evict(0, 1);
+    let empty = Saved(Default::default());
+    assert!(matches!(
+        kv.promote(0, &[1], &empty),
+        Err(StorageError::ColdRead { .. })
+    ));
+    assert!(!kv.is_resident(0, 1));
+    assert_eq!(
+        a.usage().frames_used,
+        7,
+        "the failed promotion's frame was returned"
+    );
+}
+
+#[test]
+fn restoring_stored_blocks_rebuilds_identical_tiles_and_bounds() {
+    for n in [1usize, 4, 13, 16] {
+        let g = geo(DType::F16, 4);
+        let mut kv = KvCache::new(g, arena(32)).unwrap();
+        kv.append(0, n as u64, &payload(&g, n, 21)).unwrap();
+        let saved = save_all(&kv);
+        let mut back = KvCache::new(g, arena(32)).unwrap();
+        for l in 0..2 {
+            for b in 0..g.blocks_for(n as u64) as u32 {
+                let valid = (n - 4 * b as usize).min(4);
+                back.restore_block(l, &saved.0[&(l, b)], valid, true)
+                    .unwrap();
+            }
+        }
+        assert_eq!(snapshot(&back), snapshot(&kv), "n={n}");
+        // Restored cold, then promoted: the same.
+        let mut cold = KvCache::new(g, arena(32)).unwrap();
+        for l in 0..2 {
+            for b in 0..g.blocks_for(n as u64) as u32 {
+                let valid = (n - 4 * b as usize).min(4);
+                cold.restore_block(l, &saved.0[&(l, b)], valid, false)
+                    .unwrap();
+            }
+            let all: Vec<u32> = (0..g.blocks_for(n as u64) as u32).collect();
+            cold.promote(l, &all, &saved).unwrap();
+        }
+        assert_eq!(snapshot(&cold), snapshot(&kv), "n={n} via cold restore");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// Truncating back to any earlier length equals never having appended the rest.
+    #[test]
+    fn truncate_equals_never_appending(n in 1usize..30, cut in 0usize..30, seed in any::<u64>()) {
+        let cut = cut.min(n);
+        let g = geo(DType::Bf16, 4);
+        let p = payload(&g, n, seed);
+        let mut full = KvCache::new(g, arena(64)).unwrap();
+        full.append(0, n as u64, &p).unwrap();
+        full.truncate(cut as u64);
+        let mut fresh = KvCache::new(g, arena(64)).unwrap();
+        let tb = g.token_bytes();
+        let prefix: Vec<u8> = (0..2).flat_map(|l| {
+            let base = 2 * l * n * tb;
+            [&p[base..base + cut * tb], &p[base + n * tb..base + n * tb + cut * tb]].concat()
+        }).collect();
+        fresh.append(0, cut as u64, &prefix).unwrap();
+        prop_assert_eq!(snapshot(&full), snapshot(&fresh));
+        prop_assert_eq!(full.frames(), fresh.frames());
+    }
+}

@@ -10,8 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvtier_bench::{cpu_description, fill_bf16, gbps, median, process_cpu_time};
-use kvtier_kernels::{decode_layer, DecodeEntry};
+use kvtier_bench::{cpu_description, decode_step, fill_bf16, gbps, median, process_cpu_time};
 use kvtier_storage::testing::Rng;
 use kvtier_storage::{ArenaOptions, Geometry, HostArena, KvCache, Policy};
 
@@ -65,41 +64,16 @@ fn run_steps(
     steps: usize,
     rng: &mut Rng,
 ) -> (Duration, Duration, u64, u64) {
-    let g = *kv.geometry();
-    let mut q = vec![0f32; (g.q_heads * g.head_dim) as usize];
-    let mut k = vec![0u8; g.token_bytes()];
-    let mut v = vec![0u8; g.token_bytes()];
-    let mut out = vec![0f32; q.len()];
     let mut times = Vec::new();
     let mut cpu = Vec::new();
     let (mut bytes, mut tiles) = (0, 0);
     for _ in 0..steps {
-        q.iter_mut().for_each(|x| *x = rng.normal());
         let (t0, c0) = (Instant::now(), process_cpu_time());
-        let (mut b, mut n) = (0, 0);
-        for layer in 0..g.layers {
-            fill_bf16(rng, &mut k);
-            fill_bf16(rng, &mut v);
-            let position = kv.tokens(layer).unwrap();
-            let stats = decode_layer(
-                layer,
-                &mut [DecodeEntry {
-                    kv: &mut *kv,
-                    policy,
-                    position,
-                    q: &q,
-                    k: &k,
-                    v: &v,
-                }],
-                &mut out,
-            )
-            .expect("decode");
-            b += stats[0].bytes_touched;
-            n += stats[0].tiles_selected as u64;
-        }
+        let stats = decode_step(kv, policy, None, rng);
         times.push(t0.elapsed());
         cpu.push(process_cpu_time() - c0);
-        (bytes, tiles) = (b, n);
+        bytes = stats.iter().map(|s| s.bytes_touched).sum();
+        tiles = stats.iter().map(|s| s.tiles_selected as u64).sum();
     }
     (median(&mut times), median(&mut cpu), bytes, tiles)
 }

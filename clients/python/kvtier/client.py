@@ -142,6 +142,18 @@ class Client:
         """Admin: drop any session."""
         self._call(Op.EVICT, p.encode_session(session))
 
+    def demote(self, session: int) -> int:
+        """Write the session to the NVMe tier and free its host RAM; returns frames freed."""
+        return self._call(Op.DEMOTE, p.encode_session(session))
+
+    def promote(self, session: int) -> int:
+        """Read every cold block of the session back into host RAM; returns blocks read."""
+        return self._call(Op.PROMOTE, p.encode_session(session))
+
+    def pin(self, session: int, pinned: bool = True) -> None:
+        """Pin (never demote) or unpin the session."""
+        self._call(Op.PIN if pinned else Op.UNPIN, p.encode_session(session))
+
     # -- plumbing -------------------------------------------------------------------------
 
     def _call(self, op: Op, body: bytes = b"", flags: int = 0, tail: bytes = b"",

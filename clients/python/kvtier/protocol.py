@@ -21,8 +21,8 @@ REPLY_BIT = 0x8000
 ERROR_OPCODE = 0xFFFF
 FLAG_APPEND_SHM = 0x0001
 DECODE_WANT_STATS = 0x1
-#: DEMOTE 0x10, PROMOTE 0x11, PIN 0x12, UNPIN 0x13; answered with UNIMPLEMENTED for now.
-RESERVED_TIER_OPCODES = range(0x0010, 0x0020)
+#: Opcodes reserved for future tier operations; servers answer them with UNIMPLEMENTED.
+RESERVED_TIER_OPCODES = range(0x0014, 0x0020)
 
 
 class Op(IntEnum):
@@ -35,6 +35,10 @@ class Op(IntEnum):
     LIST_SESSIONS = 0x0007
     STATS = 0x0008
     EVICT = 0x0009
+    DEMOTE = 0x0010
+    PROMOTE = 0x0011
+    PIN = 0x0012
+    UNPIN = 0x0013
 
     @property
     def reply(self) -> int:
@@ -473,7 +477,8 @@ Reply = Union[HelloReply, int, List[DecodeOutput], SessionInfo, List[SessionInfo
 
 def decode_reply(opcode: int, flags: int, body) -> Reply:
     """Decode a reply body. Returns, by opcode: HelloReply; session id (CREATE_SESSION); new
-    length (APPEND_KV); list of DecodeOutput; SessionInfo; None (CLOSE_SESSION, EVICT); list
+    length (APPEND_KV); blocks moved (DEMOTE, PROMOTE); list of DecodeOutput; SessionInfo; None
+    (CLOSE_SESSION, EVICT, PIN, UNPIN); list
     of SessionInfo; dict key -> value (STATS); ErrorReply (opcode 0xFFFF)."""
     if not opcode & REPLY_BIT:
         raise ProtocolError(f"opcode 0x{opcode:04x} is not a reply")
@@ -494,7 +499,7 @@ def decode_reply(opcode: int, flags: int, body) -> Reply:
             raise ProtocolError(f"unknown reply opcode 0x{opcode:04x}") from None
         if op is Op.HELLO:
             out = HelloReply(r.u16("version"), r.u32("max_frame_bytes"), r.str("server name"), r.str("server version"))
-        elif op in (Op.CREATE_SESSION, Op.APPEND_KV):
+        elif op in (Op.CREATE_SESSION, Op.APPEND_KV, Op.DEMOTE, Op.PROMOTE):
             out = r.u64("reply value")
         elif op is Op.DECODE:
             outs = []
@@ -514,7 +519,7 @@ def decode_reply(opcode: int, flags: int, body) -> Reply:
                 k = r.str("stats key")
                 stats[k] = r.u64("stats value")
             out = stats
-        else:  # CLOSE_SESSION, EVICT
+        else:  # CLOSE_SESSION, EVICT, PIN, UNPIN
             out = None
     r.finish()
     return out

@@ -19,13 +19,20 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    /// Starts tierd with a 64 MiB host tier of 4 KiB frames on a fresh socket, plus `extra`
-    /// arguments, and waits until the socket accepts.
+    /// Starts tierd with a 64 MiB host tier of 4 KiB frames and a 64 MiB NVMe tier in a
+    /// private state directory on a fresh socket, plus `extra` arguments, and waits until the
+    /// socket accepts.
     pub fn start(extra: &[&str]) -> Daemon {
         let dir = tempfile::tempdir().unwrap();
         // Other uids (the permission tests) must reach the socket inside.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        Self::start_in(dir, extra)
+    }
+
+    /// Starts tierd on the socket and NVMe state of `dir` (a restart when a daemon ran there).
+    pub fn start_in(dir: tempfile::TempDir, extra: &[&str]) -> Daemon {
         let socket = dir.path().join("tierd.sock");
+        let state = dir.path().join("state");
         let child = Command::new(env!("CARGO_BIN_EXE_tierd"))
             .arg("--socket")
             .arg(&socket)
@@ -36,6 +43,9 @@ impl Daemon {
                 "host.frame_bytes=\"4KiB\"",
             ])
             .args(["--set", "server.socket_mode=0o666", "--log-level", "warn"])
+            .arg("--set")
+            .arg(format!("nvme.dir={:?}", state.to_str().unwrap()))
+            .args(["--set", "nvme.capacity=\"64MiB\""])
             .args(extra)
             .stdin(Stdio::null())
             .spawn()
@@ -43,6 +53,23 @@ impl Daemon {
         let mut d = Daemon { child, socket, dir };
         d.wait_ready();
         d
+    }
+
+    /// Stops the daemon (SIGTERM, or SIGKILL with `kill9`) and hands back its directory, so a
+    /// new daemon can start on the same state.
+    pub fn stop(mut self, kill9: bool) -> tempfile::TempDir {
+        self.signal(if kill9 { libc::SIGKILL } else { libc::SIGTERM });
+        let status = self.wait(Duration::from_secs(20));
+        if !kill9 {
+            assert_eq!(status.code(), Some(0), "clean exit");
+        }
+        let _ = std::fs::remove_file(&self.socket);
+        std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap())
+    }
+
+    /// The NVMe page file of this daemon.
+    pub fn page_file(&self) -> PathBuf {
+        self.dir.path().join("state").join("pages-0")
     }
 
     fn wait_ready(&mut self) {

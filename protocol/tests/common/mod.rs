@@ -142,6 +142,10 @@ pub enum OwnedRequest {
     List,
     Stats,
     Evict(u64),
+    Demote(u64),
+    Promote(u64),
+    Pin(u64),
+    Unpin(u64),
 }
 
 impl OwnedRequest {
@@ -178,6 +182,10 @@ impl OwnedRequest {
             OwnedRequest::List => Request::ListSessions,
             OwnedRequest::Stats => Request::Stats,
             OwnedRequest::Evict(s) => Request::Evict { session: *s },
+            OwnedRequest::Demote(s) => Request::Demote { session: *s },
+            OwnedRequest::Promote(s) => Request::Promote { session: *s },
+            OwnedRequest::Pin(s) => Request::Pin { session: *s },
+            OwnedRequest::Unpin(s) => Request::Unpin { session: *s },
         }
     }
 }
@@ -220,6 +228,10 @@ pub fn request() -> impl Strategy<Value = OwnedRequest> {
         Just(OwnedRequest::List),
         Just(OwnedRequest::Stats),
         any::<u64>().prop_map(OwnedRequest::Evict),
+        any::<u64>().prop_map(OwnedRequest::Demote),
+        any::<u64>().prop_map(OwnedRequest::Promote),
+        any::<u64>().prop_map(OwnedRequest::Pin),
+        any::<u64>().prop_map(OwnedRequest::Unpin),
     ]
 }
 
@@ -254,6 +266,10 @@ pub fn response() -> impl Strategy<Value = Response> {
         vec((text(), any::<u64>()), 0..6)
             .prop_map(|entries| Response::Stats(StatsReply { entries })),
         Just(Response::Evict),
+        any::<u64>().prop_map(|blocks| Response::Demote { blocks }),
+        any::<u64>().prop_map(|blocks| Response::Promote { blocks }),
+        Just(Response::Pin),
+        Just(Response::Unpin),
         (error_code(), text())
             .prop_map(|(code, message)| Response::Error(ErrorReply { code, message })),
     ]

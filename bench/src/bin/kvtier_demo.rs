@@ -1,0 +1,291 @@
+//! The main job end to end: start tierd on embedded defaults (CPU backend), load a synthetic
+//! long-context session with a planted "needle" key, decode, and show per step the keep-set,
+//! the bytes touched, whether the needle's block was selected, and the speed against dense.
+//!
+//!     scripts/demo.sh [--context 32768] [--steps 6] [--layers 28]
+//!
+//! Two sessions hold the same KV: one with the sparse policy (sink 1, local 4, top-32), one
+//! dense (every block). Each step sends the same query and new token to both, all layers.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvtier_bench::{cpu_description, fill_bf16};
+use kvtier_protocol::client::Client;
+use kvtier_protocol::{DecodeEntryRef, Dtype, Geometry, Policy};
+use kvtier_storage::testing::Rng;
+use kvtier_storage::DType;
+
+struct Args {
+    context: u64,
+    steps: usize,
+    layers: u32,
+    tierd: Option<PathBuf>,
+}
+
+fn parse_args() -> Args {
+    let mut a = Args {
+        context: 32768,
+        steps: 6,
+        layers: 28,
+        tierd: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut val = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--context" => a.context = val().parse().expect("--context: tokens"),
+            "--steps" => a.steps = val().parse().expect("--steps: count"),
+            "--layers" => a.layers = val().parse().expect("--layers: count"),
+            "--tierd" => a.tierd = Some(val().into()),
+            "-h" | "--help" => {
+                println!(
+                    "usage: kvtier-demo [--context TOKENS] [--steps N] [--layers L] [--tierd PATH]"
+                );
+                std::process::exit(0);
+            }
+            other => panic!("unknown flag {other} (try --help)"),
+        }
+    }
+    a
+}
+
+/// tierd as a child process on a private socket; killed if the demo panics.
+struct Daemon(Child, PathBuf, #[allow(dead_code)] tempfile::TempDir);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // SAFETY: kill has no memory-safety preconditions; the pid is our child.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let _ = self.0.wait();
+    }
+}
+
+fn start_tierd(path: PathBuf) -> Daemon {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("tierd.sock");
+    // Embedded defaults: only the socket and the NVMe state directory are private, so the demo
+    // never meets a system tierd or its sessions.
+    let child = Command::new(&path)
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--set")
+        .arg(format!(
+            "nvme.dir={:?}",
+            dir.path().join("state").to_str().unwrap()
+        ))
+        .args(["--log-level", "warn"])
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "starting {}: {e} (build it: cargo build --release -p tierd)",
+                path.display()
+            )
+        });
+    let t0 = Instant::now();
+    while Client::connect(&socket).is_err() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "tierd did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Daemon(child, socket, dir)
+}
+
+fn main() {
+    let args = parse_args();
+    let tierd = args
+        .tierd
+        .clone()
+        .unwrap_or_else(|| std::env::current_exe().unwrap().with_file_name("tierd"));
+    let g = Geometry {
+        layers: args.layers,
+        q_heads: 28,
+        kv_heads: 4,
+        head_dim: 128,
+        dtype: Dtype::Bf16,
+        block_tokens: 128,
+    };
+    let sparse_policy = Policy {
+        sink_blocks: 1,
+        local_blocks: 4,
+        top_k: 32,
+    };
+    let dense_policy = Policy {
+        sink_blocks: 0,
+        local_blocks: 1,
+        top_k: 1 << 20,
+    };
+    println!(
+        "kvtier demo: tierd (CPU backend, embedded defaults) serving a {}-token session",
+        args.context
+    );
+    println!("geometry: {} layers, 28 query / 4 KV heads, D=128, bf16, 128-token blocks (Qwen2.5-7B attention)", g.layers);
+    println!("machine: {}", cpu_description());
+    let daemon = start_tierd(tierd);
+    let mut c = Client::connect(&daemon.1).expect("connect");
+    println!(
+        "connected: {} {}",
+        c.server().server_name,
+        c.server().server_version
+    );
+    let sparse = c
+        .create_session(g, sparse_policy, "demo-sparse")
+        .expect("create");
+    let dense = c
+        .create_session(g, dense_policy, "demo-dense")
+        .expect("create");
+
+    // The needle: one key of kv head 0 at a distant position, aligned with a fixed direction u
+    // that the queries of head group 0 also lean towards.
+    let mut rng = Rng::new(2026);
+    let d = 128usize;
+    let u: Vec<f32> = {
+        let v = rng.normals(d);
+        let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        v.iter().map(|x| x / n).collect()
+    };
+    let needle_pos = args.context / 3 + 17;
+    let needle_block = (needle_pos / 128) as u32;
+    let row = g.kv_heads as usize * d * 2;
+    let chunk = 2048u64;
+    let t0 = Instant::now();
+    let mut payload = Vec::new();
+    let mut at = 0;
+    while at < args.context {
+        let n = chunk.min(args.context - at);
+        payload.resize(n as usize * row * 2 * g.layers as usize, 0);
+        fill_bf16(&mut rng, &mut payload);
+        if (at..at + n).contains(&needle_pos) {
+            let t = (needle_pos - at) as usize;
+            let key = DType::Bf16.encode_vec(&u.iter().map(|x| x * 64.0).collect::<Vec<_>>());
+            for layer in 0..g.layers as usize {
+                // Layer l's K block starts at 2*l*n*row; kv head 0 is the row's first D values.
+                let off = 2 * layer * n as usize * row + t * row;
+                payload[off..off + d * 2].copy_from_slice(&key);
+            }
+        }
+        for s in [sparse, dense] {
+            c.append_kv_shm(s, at, n as u32, &payload).expect("append");
+        }
+        at += n;
+    }
+    let gb = 2.0 * args.context as f64 * (row * 2 * g.layers as usize) as f64 / 1e9;
+    println!(
+        "loaded 2 sessions x {} tokens ({gb:.1} GB of KV) through shared memory in {:.1?}; needle at token {needle_pos} (block {needle_block}, kv head 0)",
+        args.context,
+        t0.elapsed()
+    );
+    println!();
+    println!(
+        "{:>4}  {:>12} {:>11} {:>8}  {:>15} {:>13}  {:>14}  {:>10}",
+        "step",
+        "sparse ms",
+        "dense ms",
+        "speedup",
+        "tiles/layer",
+        "MB touched",
+        "needle found",
+        "max diff"
+    );
+    let mut speedups = Vec::new();
+    for step in 0..args.steps {
+        let q: Vec<f32> = (0..28 * d)
+            .map(|i| {
+                let noise = rng.normal() * 0.5;
+                // Heads 0..7 (kv head 0's group) look for the needle.
+                if i / d < 7 {
+                    noise + 4.0 * u[i % d]
+                } else {
+                    noise
+                }
+            })
+            .collect();
+        let qb: Vec<u8> = q.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let mut kv = vec![0u8; 2 * row];
+        let (mut t_sparse, mut t_dense) = (Duration::ZERO, Duration::ZERO);
+        let (mut tiles, mut touched, mut found, mut diff) = (0u64, 0u64, 0u32, 0f32);
+        let pos = args.context + step as u64;
+        for layer in 0..g.layers {
+            fill_bf16(&mut rng, &mut kv);
+            let (k, v) = kv.split_at(row);
+            let t = Instant::now();
+            let s = c
+                .decode(
+                    layer,
+                    DecodeEntryRef {
+                        session: sparse,
+                        position: pos,
+                        q: &qb,
+                        k,
+                        v,
+                    },
+                    true,
+                )
+                .expect("sparse decode");
+            t_sparse += t.elapsed();
+            let t = Instant::now();
+            let o = c
+                .decode(
+                    layer,
+                    DecodeEntryRef {
+                        session: dense,
+                        position: pos,
+                        q: &qb,
+                        k,
+                        v,
+                    },
+                    false,
+                )
+                .expect("dense decode");
+            t_dense += t.elapsed();
+            let st = s.stats.expect("stats");
+            tiles += st.blocks_selected as u64;
+            touched += st.bytes_touched;
+            found += st.selected[0].contains(&needle_block) as u32;
+            // How far the sparse answer is from exact dense attention (heads of the needle group).
+            for (a, b) in s.out.iter().zip(&o.out).take(7 * d) {
+                diff = diff.max((a - b).abs());
+            }
+        }
+        let speedup = t_dense.as_secs_f64() / t_sparse.as_secs_f64();
+        speedups.push(speedup);
+        println!(
+            "{:>4}  {:>12.1} {:>11.1} {:>7.1}x  {:>15} {:>13.1}  {:>11}/{:<2}  {:>10.2e}",
+            step,
+            t_sparse.as_secs_f64() * 1e3,
+            t_dense.as_secs_f64() * 1e3,
+            speedup,
+            tiles / g.layers as u64,
+            touched as f64 / 1e6,
+            found,
+            g.layers,
+            diff
+        );
+    }
+    speedups.sort_by(f64::total_cmp);
+    let blocks = args.context.div_ceil(128);
+    println!();
+    println!(
+        "median speedup of the sparse step over dense: {:.1}x ({} of {} blocks per kv head attended)",
+        speedups[speedups.len() / 2],
+        (sparse_policy.sink_blocks + sparse_policy.local_blocks + sparse_policy.top_k).min(blocks as u32),
+        blocks
+    );
+    let info = c.session_info(sparse).expect("info");
+    println!(
+        "session {}: {} tokens, {} blocks, {:.1} MB in the host tier",
+        info.session,
+        info.tokens_max,
+        info.blocks,
+        info.host_bytes as f64 / 1e6
+    );
+    for s in [sparse, dense] {
+        c.close(s).expect("close");
+    }
+    drop(c);
+    drop(daemon);
+}

@@ -1,0 +1,318 @@
+//! The NVMe tier, measured: restore of a ~4 GB session, striping over two lanes of different
+//! bandwidth (bandwidth-proportional vs uniform, against the predicted makespan), and a decode
+//! step whose keep-set is cold on NVMe vs the same step all in RAM.
+//!
+//! cargo run --release -p kvtier-bench --bin tier_bench -- [--tokens 69760]
+//!     [--dir target/tier-bench] [--fast-dir /dev/shm/kvtier-bench] [--steps 3]
+//!
+//! `--dir` should be on the NVMe (or whatever disk) under test; `--fast-dir` on a faster lane
+//! (tmpfs stands in for a second, faster device on a machine with one disk).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier_bench::{cpu_description, decode_step, fill_bf16, gbps, median};
+use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
+use kvtier_storage::nvme::plan::{probe_device, Lane};
+use kvtier_storage::nvme::{
+    open_best_engine, BlockRun, DeviceConfig, DirectFile, IoEngine, NvmeTier, PageStore,
+    PageStoreConfig, TierSource,
+};
+use kvtier_storage::testing::Rng;
+use kvtier_storage::{ArenaOptions, ColdSource, Geometry, HostArena, KvCache, Policy};
+
+struct Args {
+    tokens: u64,
+    dir: PathBuf,
+    fast_dir: PathBuf,
+    steps: usize,
+}
+
+fn parse_args() -> Args {
+    let mut a = Args {
+        tokens: 69_760,
+        dir: PathBuf::from("target/tier-bench"),
+        fast_dir: PathBuf::from("/dev/shm/kvtier-bench"),
+        steps: 3,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut val = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--tokens" => a.tokens = val().parse().expect("--tokens"),
+            "--dir" => a.dir = val().into(),
+            "--fast-dir" => a.fast_dir = val().into(),
+            "--steps" => a.steps = val().parse().expect("--steps"),
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    a
+}
+
+const G: Geometry = Geometry::QWEN2_5_7B;
+const SESSION: u64 = 1;
+
+fn record(kv: &KvCache) -> SessionRecord {
+    SessionRecord {
+        id: SESSION,
+        owner_uid: 0,
+        label: "bench".into(),
+        geometry: GeometryRecord {
+            layers: G.layers,
+            q_heads: G.q_heads,
+            kv_heads: G.kv_heads,
+            head_dim: G.head_dim,
+            dtype: G.dtype.code(),
+            block_tokens: G.block_tokens,
+        },
+        policy: PolicyRecord {
+            sink_blocks: 1,
+            local_blocks: 4,
+            top_k: 32,
+        },
+        layer_tokens: (0..G.layers).map(|l| kv.tokens(l).unwrap()).collect(),
+        pages: Vec::new(),
+    }
+}
+
+fn arena(blocks: usize) -> HostArena {
+    HostArena::new(&ArenaOptions::new(
+        blocks * G.block_bytes(),
+        G.block_bytes(),
+    ))
+    .expect("arena")
+}
+
+/// A fresh tier on `devices` (path, capacity, bandwidth weight) in `dir`.
+fn tier(dir: &Path, devices: &[(PathBuf, u64, f64)], engine: Arc<dyn IoEngine>) -> NvmeTier {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).unwrap();
+    for (p, _, _) in devices {
+        let _ = std::fs::remove_file(p);
+    }
+    let store = PageStore::open(
+        &PageStoreConfig {
+            devices: devices
+                .iter()
+                .map(|(path, cap, bw)| DeviceConfig {
+                    path: path.clone(),
+                    capacity_bytes: *cap,
+                    bandwidth_bytes_per_s: *bw,
+                })
+                .collect(),
+            max_payload: G.block_bytes(),
+        },
+        engine,
+    )
+    .expect("page store");
+    NvmeTier::open(store, dir).expect("tier").0
+}
+
+/// Writes every block of `kv` to `tier` in one put_session; returns the time.
+fn store_all(tier: &NvmeTier, kv: &KvCache) -> Duration {
+    let mut runs = Vec::new();
+    for l in 0..G.layers {
+        for b in 0..kv.layer(l).unwrap().blocks() as u32 {
+            runs.push(BlockRun {
+                layer: l,
+                block: b,
+                bytes: kv.run(l, b).unwrap(),
+            });
+        }
+    }
+    let t0 = Instant::now();
+    tier.put_session(&record(kv), &runs).expect("store");
+    t0.elapsed()
+}
+
+/// Reads the whole session back into a fresh cache (warm restart); returns the time.
+fn restore_all(tier: &NvmeTier, tokens: u64, keep: bool) -> (Duration, KvCache) {
+    let blocks = G.blocks_for(tokens) as usize * G.layers as usize;
+    let mut kv = KvCache::new(G, arena(blocks + 64)).unwrap();
+    let bt = G.block_tokens as u64;
+    let t0 = Instant::now();
+    for l in 0..G.layers {
+        let ids: Vec<(u32, u32)> = (0..G.blocks_for(tokens) as u32).map(|b| (l, b)).collect();
+        for chunk in ids.chunks(64) {
+            for (page, &(_, b)) in tier
+                .read_runs(SESSION, chunk)
+                .unwrap()
+                .into_iter()
+                .zip(chunk)
+            {
+                let page = page.expect("verified page");
+                let valid = (tokens - b as u64 * bt).min(bt) as usize;
+                kv.restore_block(l, page.payload(), valid, keep).unwrap();
+            }
+        }
+    }
+    (t0.elapsed(), kv)
+}
+
+fn probe(engine: &dyn IoEngine, path: &Path, cap: u64) -> Lane {
+    let f = Arc::new(DirectFile::open(path).expect("open"));
+    f.ensure_len(cap).expect("allocate");
+    probe_device(engine, &f, cap.min(1 << 30), Default::default()).expect("probe")
+}
+
+fn main() {
+    let args = parse_args();
+    let engine = open_best_engine(Default::default());
+    println!(
+        "kvtier tier_bench: Qwen2.5-7B geometry, {} tokens",
+        args.tokens
+    );
+    println!(
+        "machine: {}; io engine: {}",
+        cpu_description(),
+        engine.name()
+    );
+    println!(
+        "lanes: slow = {}, fast = {}",
+        args.dir.display(),
+        args.fast_dir.display()
+    );
+    println!(
+        "command: cargo run --release -p kvtier-bench --bin tier_bench -- {}",
+        std::env::args().skip(1).collect::<Vec<_>>().join(" ")
+    );
+    std::fs::create_dir_all(&args.dir).unwrap();
+    std::fs::create_dir_all(&args.fast_dir).unwrap();
+
+    // The session, built in RAM.
+    let blocks = G.blocks_for(args.tokens + 64) as usize * G.layers as usize;
+    let mut kv = KvCache::new(G, arena(blocks)).unwrap();
+    let mut rng = Rng::new(7);
+    let mut payload = vec![0u8; 2048 * G.kv_bytes_per_token()];
+    let mut at = 0;
+    while at < args.tokens {
+        let n = 2048.min(args.tokens - at);
+        let p = &mut payload[..n as usize * G.kv_bytes_per_token()];
+        fill_bf16(&mut rng, p);
+        kv.append(at, n, p).unwrap();
+        at += n;
+    }
+    let bytes = kv.frames() as u64 * G.block_bytes() as u64;
+    let page = (G.block_bytes() as u64 + 64).next_multiple_of(4096);
+    let cap = kv.frames() as u64 * page + (64 << 20);
+    println!(
+        "session: {:.2} GB of KV in {} blocks",
+        bytes as f64 / 1e9,
+        kv.frames()
+    );
+
+    // Lane bandwidths, probed the way tierd does at startup.
+    let slow_path = args.dir.join("pages-slow");
+    let fast_path = args.fast_dir.join("pages-fast");
+    let slow = probe(engine.as_ref(), &slow_path, cap);
+    let fast = probe(engine.as_ref(), &fast_path, cap);
+    println!(
+        "probe: slow {:.2} GB/s ({:.0} us), fast {:.2} GB/s ({:.0} us)",
+        slow.bandwidth_bytes_per_s / 1e9,
+        slow.latency_s * 1e6,
+        fast.bandwidth_bytes_per_s / 1e9,
+        fast.latency_s * 1e6
+    );
+
+    // 1. Restore of the whole session from one device.
+    let t = tier(
+        &args.dir.join("one"),
+        &[(slow_path.clone(), cap, 1.0)],
+        engine.clone(),
+    );
+    let w = store_all(&t, &kv);
+    let (r, _) = restore_all(&t, args.tokens, false);
+    println!();
+    println!(
+        "restore ({:.2} GB, one device: {}):",
+        bytes as f64 / 1e9,
+        args.dir.display()
+    );
+    println!(
+        "  write (pages + fdatasync + manifest): {:>8.2?}  {:.2} GB/s",
+        w,
+        gbps(bytes, w)
+    );
+    println!(
+        "  read + verify + rebuild bounds:       {:>8.2?}  {:.2} GB/s   floor {:.2?} at the probed {:.2} GB/s",
+        r,
+        gbps(bytes, r),
+        Duration::from_secs_f64(bytes as f64 / slow.bandwidth_bytes_per_s),
+        slow.bandwidth_bytes_per_s / 1e9
+    );
+
+    // 2. Striping over two lanes: proportional to probed bandwidth vs uniform.
+    println!();
+    println!("striping over two lanes (read all pages back):");
+    println!(
+        "  {:<13} {:>10} {:>10} {:>10} {:>11} {:>8}",
+        "mode", "slow GB", "fast GB", "read", "predicted", "ratio"
+    );
+    for (mode, ws, wf) in [
+        (
+            "proportional",
+            slow.bandwidth_bytes_per_s,
+            fast.bandwidth_bytes_per_s,
+        ),
+        ("uniform", 1.0, 1.0),
+    ] {
+        let t = tier(
+            &args.dir.join(mode),
+            &[(slow_path.clone(), cap, ws), (fast_path.clone(), cap, wf)],
+            engine.clone(),
+        );
+        store_all(&t, &kv);
+        let u = t.store().usage();
+        let (bs, bf) = (u.devices[0].bytes_used, u.devices[1].bytes_used);
+        let mut times = Vec::new();
+        for _ in 0..3 {
+            times.push(restore_all(&t, args.tokens, false).0);
+        }
+        let r = median(&mut times);
+        let predicted = (slow.latency_s + bs as f64 / slow.bandwidth_bytes_per_s)
+            .max(fast.latency_s + bf as f64 / fast.bandwidth_bytes_per_s);
+        println!(
+            "  {:<13} {:>10.2} {:>10.2} {:>10.2?} {:>11.2?} {:>7.2}x",
+            mode,
+            bs as f64 / 1e9,
+            bf as f64 / 1e9,
+            r,
+            Duration::from_secs_f64(predicted),
+            r.as_secs_f64() / predicted
+        );
+    }
+
+    // 3. A decode step whose keep-set is cold on NVMe vs the same step in RAM.
+    let (_, mut cold) = restore_all(&t, args.tokens, false);
+    let src = TierSource {
+        tier: &t,
+        session: SESSION,
+    };
+    let policy = Policy::default();
+    let step = |kv: &mut KvCache, cold: Option<&dyn ColdSource>, rng: &mut Rng| {
+        let t0 = Instant::now();
+        let stats = decode_step(kv, policy, cold, rng);
+        let promoted: u64 = stats.iter().map(|s| s.bytes_promoted).sum();
+        (t0.elapsed(), promoted)
+    };
+    println!();
+    println!(
+        "decode step, 28 layers, k=32 (first step: keep-set cold on {}):",
+        args.dir.display()
+    );
+    let (tc, moved) = step(&mut cold, Some(&src), &mut rng);
+    let mut warm = Vec::new();
+    for _ in 0..args.steps {
+        warm.push(step(&mut kv, None, &mut rng).0);
+    }
+    let tw = median(&mut warm);
+    println!(
+        "  cold keep-set: {:>8.2?}  ({:.1} MB read from NVMe; floor {:.2?} at the probed bandwidth)",
+        tc,
+        moved as f64 / 1e6,
+        Duration::from_secs_f64(moved as f64 / slow.bandwidth_bytes_per_s)
+    );
+    println!("  all in RAM:    {:>8.2?}  (median of {})", tw, args.steps);
+    let _ = std::fs::remove_dir_all(&args.fast_dir);
+}

@@ -1,0 +1,354 @@
+//! GpuDecoder against the CPU decode step (`kvtier_kernels::decode_layer`): the same sessions,
+//! appended and decoded through both, select identical keep-sets and give outputs within
+//! 2e-3 relative error. Every test prints "skipped: no CUDA device" and passes without one.
+
+use kvtier_kernels::{decode_layer, DecodeEntry};
+use kvtier_storage::testing::Rng;
+use kvtier_storage::{ArenaOptions, DType, Geometry, HostArena, KvCache, Policy};
+use tierd::gpu::{GpuDecoder, GpuEntry, GpuError, GpuSettings};
+
+fn gpu() -> bool {
+    if kvtier_kernels::cuda::device_available() {
+        true
+    } else {
+        println!("skipped: no CUDA device");
+        false
+    }
+}
+
+const _: () = {
+    const fn send<T: Send>() {}
+    send::<GpuDecoder>();
+};
+
+/// Qwen2.5-7B heads (28/4, D=128, bf16) with 16-token blocks, so a few dozen steps cross
+/// block boundaries.
+const GEO: Geometry = Geometry {
+    layers: 2,
+    q_heads: 28,
+    kv_heads: 4,
+    head_dim: 128,
+    dtype: DType::Bf16,
+    block_tokens: 16,
+};
+
+const POLICY: Policy = Policy {
+    sink_blocks: 1,
+    local_blocks: 4,
+    top_k: 8,
+};
+
+fn arena(mib: usize) -> HostArena {
+    HostArena::new(&ArenaOptions::new(mib << 20, GEO.block_bytes())).unwrap()
+}
+
+fn settings() -> GpuSettings {
+    GpuSettings {
+        max_sessions: 8,
+        max_blocks: 64,
+        // Batches of 8 are split into two device calls.
+        max_batch: 4,
+        ..GpuSettings::default()
+    }
+}
+
+/// One session held twice: `gpu` in the registered arena, `cpu` (the reference) elsewhere.
+struct Twin {
+    id: u64,
+    gpu: KvCache,
+    cpu: KvCache,
+}
+
+fn random_kv(rng: &mut Rng, n: u64) -> Vec<u8> {
+    let per_layer = n as usize * GEO.kv_heads as usize * GEO.head_dim as usize;
+    let mut payload = Vec::new();
+    for _ in 0..GEO.layers {
+        payload.extend(GEO.dtype.encode_vec(&rng.normals(per_layer)));
+        payload.extend(GEO.dtype.encode_vec(&rng.normals(per_layer)));
+    }
+    payload
+}
+
+fn twin(
+    dec: &mut GpuDecoder,
+    ga: &HostArena,
+    ca: &HostArena,
+    id: u64,
+    tokens: u64,
+    rng: &mut Rng,
+) -> Twin {
+    let mut gpu = KvCache::new(GEO, ga.clone()).unwrap();
+    let mut cpu = KvCache::new(GEO, ca.clone()).unwrap();
+    let payload = random_kv(rng, tokens);
+    gpu.append(0, tokens, &payload).unwrap();
+    cpu.append(0, tokens, &payload).unwrap();
+    dec.open(id, &GEO, &POLICY).unwrap();
+    Twin { id, gpu, cpu }
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    assert!(got.iter().all(|x| x.is_finite()), "non-finite GPU output");
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+/// One decode step of every layer for `twins` through both paths; returns the GPU cache hits.
+fn step_both(dec: &mut GpuDecoder, twins: &mut [Twin], rng: &mut Rng) -> u64 {
+    let hqd = (GEO.q_heads * GEO.head_dim) as usize;
+    let row = GEO.kv_heads as usize * GEO.head_dim as usize;
+    let mut hits = 0;
+    for layer in 0..GEO.layers {
+        let qs: Vec<Vec<f32>> = twins.iter().map(|_| rng.normals(hqd)).collect();
+        let ks: Vec<Vec<u8>> = twins
+            .iter()
+            .map(|_| GEO.dtype.encode_vec(&rng.normals(row)))
+            .collect();
+        let vs: Vec<Vec<u8>> = twins
+            .iter()
+            .map(|_| GEO.dtype.encode_vec(&rng.normals(row)))
+            .collect();
+        let positions: Vec<u64> = twins.iter().map(|t| t.cpu.tokens(layer).unwrap()).collect();
+        let mut cpu_out = vec![0f32; twins.len() * hqd];
+        let mut gpu_out = vec![f32::NAN; twins.len() * hqd];
+        let cpu_stats = {
+            let mut entries: Vec<DecodeEntry<'_>> = twins
+                .iter_mut()
+                .enumerate()
+                .map(|(i, t)| DecodeEntry {
+                    kv: &mut t.cpu,
+                    policy: POLICY,
+                    position: positions[i],
+                    q: &qs[i],
+                    k: &ks[i],
+                    v: &vs[i],
+                    cold: None,
+                })
+                .collect();
+            decode_layer(layer, &mut entries, &mut cpu_out).unwrap()
+        };
+        let gpu_res = {
+            let mut entries: Vec<GpuEntry<'_>> = twins
+                .iter_mut()
+                .enumerate()
+                .map(|(i, t)| GpuEntry {
+                    session: t.id,
+                    kv: &mut t.gpu,
+                    position: positions[i],
+                    q: &qs[i],
+                    k: &ks[i],
+                    v: &vs[i],
+                })
+                .collect();
+            dec.decode(layer, &mut entries, &mut gpu_out, true).unwrap()
+        };
+        assert!(!gpu_res.cpu_fallback, "device path failed");
+        for (i, t) in twins.iter().enumerate() {
+            let (c, g) = (&cpu_stats[i], &gpu_res.entries[i]);
+            assert_eq!(
+                g.keep.as_ref().unwrap(),
+                &c.keep,
+                "keep-set of session {} layer {layer} at {}",
+                t.id,
+                positions[i]
+            );
+            assert_eq!(g.blocks_total, c.blocks_total);
+            assert_eq!(g.tiles_selected, c.tiles_selected);
+            let e = rel_err(
+                &gpu_out[i * hqd..(i + 1) * hqd],
+                &cpu_out[i * hqd..(i + 1) * hqd],
+            );
+            assert!(e < 2e-3, "session {} layer {layer}: rel err {e}", t.id);
+            assert_eq!(t.gpu.tokens(layer).unwrap(), positions[i] + 1);
+        }
+        let tiles: u64 = cpu_stats.iter().map(|s| s.tiles_selected as u64).sum();
+        assert_eq!(gpu_res.cache_hits + gpu_res.cache_misses, tiles);
+        assert_eq!(
+            gpu_res.bytes_moved,
+            gpu_res.cache_misses * GEO.tile_bytes() as u64
+        );
+        hits += gpu_res.cache_hits;
+    }
+    hits
+}
+
+#[test]
+fn batch_1_many_steps_match_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    let (ga, ca) = (arena(64), arena(64));
+    let mut dec = GpuDecoder::new(&ga, &settings()).unwrap();
+    println!("device: {}", dec.device_name());
+    let mut rng = Rng::new(1);
+    // 20 blocks + 9 tokens: 40 steps cross two block boundaries (top-k path throughout).
+    let mut twins = vec![twin(&mut dec, &ga, &ca, 7, 20 * 16 + 9, &mut rng)];
+    let mut late_hits = 0;
+    for s in 0..40 {
+        let h = step_both(&mut dec, &mut twins, &mut rng);
+        if s > 0 {
+            late_hits += h;
+        }
+    }
+    assert!(late_hits > 0, "later steps hit the GPU tile cache");
+    dec.close(7).unwrap();
+    assert!(matches!(dec.close(7), Err(GpuError::UnknownSession { .. })));
+}
+
+#[test]
+fn batch_8_mixed_lengths_match_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    let (ga, ca) = (arena(128), arena(128));
+    let mut dec = GpuDecoder::new(&ga, &settings()).unwrap();
+    let mut rng = Rng::new(2);
+    // Short (dense path), exactly at the budget, full tails, partial tails, long.
+    let lens = [
+        1,
+        13 * 16,
+        13 * 16 + 1,
+        30 * 16 - 1,
+        40 * 16,
+        7,
+        45 * 16 + 3,
+        16,
+    ];
+    let mut twins: Vec<Twin> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| twin(&mut dec, &ga, &ca, 100 + i as u64, n, &mut rng))
+        .collect();
+    let mut late_hits = 0;
+    for s in 0..20 {
+        let h = step_both(&mut dec, &mut twins, &mut rng);
+        if s > 0 {
+            late_hits += h;
+        }
+    }
+    assert!(late_hits > 0);
+    // A sub-batch in another order, after the full batch: the bookkeeping is per session.
+    let mut sub: Vec<Twin> = vec![twins.remove(6), twins.remove(1)];
+    for _ in 0..5 {
+        step_both(&mut dec, &mut sub, &mut rng);
+    }
+    // Invalidate forces a full re-upload and an empty tile cache; results stay identical.
+    dec.invalidate(sub[0].id).unwrap();
+    step_both(&mut dec, &mut sub, &mut rng);
+}
+
+#[test]
+fn refusals_leave_sessions_unchanged() {
+    if !gpu() {
+        return;
+    }
+    let (ga, ca) = (arena(64), arena(64));
+    let mut dec = GpuDecoder::new(&ga, &settings()).unwrap();
+    let mut rng = Rng::new(3);
+
+    // Geometry the kernels cannot run (head_dim not a power of two): refused, CPU path.
+    let odd = Geometry {
+        head_dim: 96,
+        ..GEO
+    };
+    assert!(!dec.supports(&odd, &POLICY));
+    assert!(matches!(
+        dec.open(1, &odd, &POLICY),
+        Err(GpuError::Unsupported { .. })
+    ));
+    let no_topk = Policy { top_k: 0, ..POLICY };
+    assert!(!dec.supports(&GEO, &no_topk));
+    assert!(dec.supports(&GEO, &POLICY));
+
+    let mut t = twin(&mut dec, &ga, &ca, 5, 20 * 16, &mut rng);
+    assert!(matches!(
+        dec.open(5, &GEO, &POLICY),
+        Err(GpuError::AlreadyOpen { .. })
+    ));
+    let hqd = (GEO.q_heads * GEO.head_dim) as usize;
+    let q = rng.normals(hqd);
+    let kv = GEO
+        .dtype
+        .encode_vec(&rng.normals(GEO.kv_heads as usize * GEO.head_dim as usize));
+    let mut out = vec![0f32; hqd];
+    let pos = t.gpu.tokens(0).unwrap();
+    let mut run = |dec: &mut GpuDecoder, t: &mut Twin, session, position, q: &[f32], k: &[u8]| {
+        let mut e = [GpuEntry {
+            session,
+            kv: &mut t.gpu,
+            position,
+            q,
+            k,
+            v: &kv,
+        }];
+        dec.decode(0, &mut e, &mut out, false)
+    };
+    let root = |r: Result<_, GpuError>| match r {
+        Err(e) => format!("{:?}", e.root()),
+        Ok(_) => panic!("accepted"),
+    };
+    assert!(root(run(&mut dec, &mut t, 99, pos, &q, &kv)).starts_with("UnknownSession"));
+    assert!(root(run(&mut dec, &mut t, 5, pos + 1, &q, &kv)).starts_with("Storage"));
+    assert!(root(run(&mut dec, &mut t, 5, pos, &q[1..], &kv)).starts_with("Kernel"));
+    assert!(root(run(&mut dec, &mut t, 5, pos, &q, &kv[2..])).starts_with("Storage"));
+    let mut qn = q.clone();
+    qn[3] = f32::NAN;
+    assert!(root(run(&mut dec, &mut t, 5, pos, &qn, &kv)).starts_with("Kernel"));
+    // A cold (evicted) block is never mapped: refused before the append.
+    assert!(t.gpu.evict(0, 3));
+    let e = root(run(&mut dec, &mut t, 5, pos, &q, &kv));
+    assert!(e.starts_with("NotResident"), "{e}");
+    assert_eq!(t.gpu.tokens(0).unwrap(), pos, "nothing appended on refusal");
+    // Capacity: a session longer than max_blocks is refused.
+    let mut long = twin(&mut dec, &ga, &ca, 6, 64 * 16, &mut rng);
+    let e = root(run(&mut dec, &mut long, 6, 64 * 16, &q, &kv));
+    assert!(e.starts_with("TooManyBlocks"), "{e}");
+    assert_eq!(long.gpu.tokens(0).unwrap(), 64 * 16);
+    assert!(matches!(
+        dec.decode(0, &mut [], &mut out, false),
+        Err(GpuError::EmptyBatch)
+    ));
+    // Duplicate session in one batch.
+    let mut a = twin(&mut dec, &ga, &ca, 8, 40, &mut rng);
+    let mut b = KvCache::new(GEO, ga.clone()).unwrap();
+    b.append(0, 40, &random_kv(&mut rng, 40)).unwrap();
+    let mut out2 = vec![0f32; 2 * hqd];
+    let mut dup = [
+        GpuEntry {
+            session: 8,
+            kv: &mut a.gpu,
+            position: 40,
+            q: &q,
+            k: &kv,
+            v: &kv,
+        },
+        GpuEntry {
+            session: 8,
+            kv: &mut b,
+            position: 40,
+            q: &q,
+            k: &kv,
+            v: &kv,
+        },
+    ];
+    let e = dec.decode(0, &mut dup, &mut out2, false).unwrap_err();
+    assert!(matches!(e.root(), GpuError::DuplicateSession { .. }), "{e}");
+    assert!(matches!(
+        dec.decode(0, &mut dup[..1], &mut out2, false),
+        Err(GpuError::OutputSize { .. })
+    ));
+    assert_eq!(a.gpu.tokens(0).unwrap(), 40);
+    // Backend cap: a second (geometry, policy) fills max_backends = 2, a third is refused.
+    let other = Policy { top_k: 4, ..POLICY };
+    dec.open(20, &GEO, &other).unwrap();
+    let third = Policy { top_k: 5, ..POLICY };
+    assert!(!dec.supports(&GEO, &third));
+    assert!(matches!(
+        dec.open(21, &GEO, &third),
+        Err(GpuError::Unsupported { .. })
+    ));
+}

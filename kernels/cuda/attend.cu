@@ -1,0 +1,217 @@
+// Split-k gather-decode attention over the staged keep-set, then a log-sum-exp merge.
+//
+// attend_tile: one thread block per (session, kv head, selected tile). The tile's K and V
+// are fetched once into shared memory and serve all GROUP query heads of the kv head. Writes the
+// partial (m, l, acc) with acc unnormalised: acc = sum_t exp(s_t - m) v_t, l = sum_t exp(s_t - m).
+// attend_merge: one thread block per (session, query head) combines the partials.
+
+#define ATT_THREADS 128
+#define ATT_WARPS (ATT_THREADS / 32)
+#define RG (CPR < 32 ? CPR : 32)  // lanes sharing one K row in the score phase
+#define CPL (CPR / RG)            // 16-byte chunks per lane per K row
+#define ROWS_PER_WARP (32 / RG)
+#define SLICES (ATT_THREADS / CPR)  // V rows processed concurrently in the value phase
+
+#if CPR > ATT_THREADS || (CPR & (CPR - 1)) != 0
+#error "HEAD_DIM * ELEM_BYTES / 16 must be a power of two <= 128"
+#endif
+
+#define STAGE_UNROLL 8
+
+// Copies rows [0, rows) of a [BLOCK_TOKENS][CPR] uint4 matrix into shared memory with plain
+// 16-byte loads, STAGE_UNROLL per thread in flight per round, a warp covering 512 contiguous
+// bytes per load. (cp.async from mapped host memory was measured slower on an H200: 35 vs
+// 48 GB/s for the same tiles, see bench/gpu/NOTES.md.)
+__device__ __forceinline__ void stage_rows(uint4* dst, const uint4* src, u32 rows) {
+    const u32 n = rows * CPR;
+    for (u32 v0 = threadIdx.x; v0 < n; v0 += STAGE_UNROLL * ATT_THREADS) {
+        uint4 r[STAGE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < STAGE_UNROLL; ++u)
+            if (v0 + u * ATT_THREADS < n) r[u] = src[v0 + u * ATT_THREADS];
+#pragma unroll
+        for (int u = 0; u < STAGE_UNROLL; ++u)
+            if (v0 + u * ATT_THREADS < n) dst[v0 + u * ATT_THREADS] = r[u];
+    }
+}
+
+// grid (KSEL, KV_HEADS, batch), block ATT_THREADS, dynamic shared memory ATT_DYN_SMEM bytes.
+// Fetch and attend in one kernel: the tile comes from its cache slot (hit) or straight from
+// mapped pinned host memory (miss, miss_src != 0), is staged in shared memory, written back
+// to its cache slot if it is a miss of a full block, and attended from shared memory. Misses
+// of different tiles and the attention of hits overlap across thread blocks.
+// q: [batch][HQ][HEAD_DIM] f32. part_acc: [batch][KV_HEADS][KSEL][GROUP][HEAD_DIM].
+// part_ml: [batch][KV_HEADS][KSEL][GROUP][2].
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
+    const float* __restrict__ q, const u32* __restrict__ sess, const u32* __restrict__ ntok, u32 layer,
+    const u32* __restrict__ table, const u32* __restrict__ counts, const u32* __restrict__ slot_of,
+    const u64* __restrict__ miss_src, uint4* __restrict__ cache, float scale, float* __restrict__ part_acc,
+    float* __restrict__ part_ml) {
+    const u32 j = blockIdx.x;
+    const u32 kvh = blockIdx.y;
+    const u32 i = blockIdx.z;
+    const u32 ih = i * KV_HEADS + kvh;
+    if (j >= counts[ih]) return;
+    const u32 tid = threadIdx.x;
+    const u32 lane = tid & 31u;
+    const u32 warp = tid >> 5;
+
+    extern __shared__ uint4 s_tile[];  // K rows, V rows, then (unless aliased) s_red
+    __shared__ float s_q[GROUP][HEAD_DIM];
+    __shared__ float s_p[GROUP][BLOCK_TOKENS];
+    __shared__ float s_m[GROUP];
+    __shared__ float s_l[GROUP];
+#if RED_IN_TILE
+    // The K half of the tile is dead once scores are computed; the value phase reduces there.
+    float* s_red = (float*)s_tile;
+#else
+    float* s_red = (float*)(s_tile + 2 * BLOCK_TOKENS * CPR);
+#endif
+
+    const u32 b = table[(u64)ih * KSEL + j];
+    const u32 nt = ntok[i];
+    const u32 nvalid = min((u32)BLOCK_TOKENS, nt - b * BLOCK_TOKENS);
+    const u64 slot = (((u64)sess[i] * NUM_LAYERS + layer) * KV_HEADS + kvh) * CACHE_SLOTS + slot_of[(u64)ih * KSEL + j];
+    uint4* cslot = cache + slot * (TILE_BYTES / 16);
+    const u64 src = miss_src[(u64)ih * KSEL + j];
+    const uint4* from = src ? (const uint4*)src : cslot;
+    stage_rows(s_tile, from, nvalid);
+    stage_rows(s_tile + BLOCK_TOKENS * CPR, from + BLOCK_TOKENS * CPR, nvalid);
+    const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
+    for (u32 x = tid; x < GROUP * HEAD_DIM; x += ATT_THREADS) s_q[x / HEAD_DIM][x % HEAD_DIM] = qh[x];
+    __syncthreads();
+    // Only full blocks are cached (gather_plan tags them); partial tails are refetched.
+    if (src && nvalid == BLOCK_TOKENS)
+        for (u32 v = tid; v < 2 * BLOCK_TOKENS * CPR; v += ATT_THREADS) cslot[v] = s_tile[v];
+    const uint4* kt = s_tile;
+    const uint4* vt = s_tile + BLOCK_TOKENS * CPR;
+
+    // Scores: RG lanes per K row; loop bounds are warp-uniform so the shuffles stay converged.
+    const u32 sub = lane / RG;
+    const u32 rl = lane % RG;
+    for (u32 r0 = warp * ROWS_PER_WARP; r0 < nvalid; r0 += ATT_WARPS * ROWS_PER_WARP) {
+        const u32 r = r0 + sub;
+        const bool ok = r < nvalid;
+        float acc[GROUP];
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) acc[g] = 0.0f;
+        if (ok) {
+#pragma unroll
+            for (int cc = 0; cc < CPL; ++cc) {
+                const u32 c = rl + cc * RG;
+                float kf[VEC];
+                unpack16(kt[(u64)r * CPR + c], kf);
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+                    for (int v = 0; v < VEC; ++v) acc[g] += s_q[g][c * VEC + v] * kf[v];
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+            for (int o = RG / 2; o > 0; o >>= 1) acc[g] += __shfl_xor_sync(FULL_MASK, acc[g], o);
+        if (ok && rl == 0) {
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) s_p[g][r] = acc[g] * scale;
+        }
+    }
+    __syncthreads();
+
+    // Per-head max and exp-sum; one warp per head.
+    for (u32 g = warp; g < GROUP; g += ATT_WARPS) {
+        float m = NEG_INF;
+        for (u32 r = lane; r < nvalid; r += 32) m = fmaxf(m, s_p[g][r]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+        float l = 0.0f;
+        for (u32 r = lane; r < nvalid; r += 32) {
+            const float p = expf(s_p[g][r] - m);
+            s_p[g][r] = p;
+            l += p;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(FULL_MASK, l, o);
+        if (lane == 0) {
+            s_m[g] = m;
+            s_l[g] = l;
+        }
+    }
+    __syncthreads();
+
+    // Values: thread owns chunk c of the row and every SLICES-th row.
+    {
+        const u32 c = tid % CPR;
+        const u32 slice = tid / CPR;
+        float acc[GROUP][VEC];
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) acc[g][v] = 0.0f;
+        for (u32 r = slice; r < nvalid; r += SLICES) {
+            float vf[VEC];
+            unpack16(vt[(u64)r * CPR + c], vf);
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                const float p = s_p[g][r];
+#pragma unroll
+                for (int v = 0; v < VEC; ++v) acc[g][v] += p * vf[v];
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) s_red[slice * GROUP * HEAD_DIM + g * HEAD_DIM + c * VEC + v] = acc[g][v];
+    }
+    __syncthreads();
+    const u64 pbase = ((u64)ih * KSEL + j) * GROUP;
+    for (u32 x = tid; x < GROUP * HEAD_DIM; x += ATT_THREADS) {
+        float s = 0.0f;
+#pragma unroll
+        for (int sl = 0; sl < SLICES; ++sl) s += s_red[sl * GROUP * HEAD_DIM + x];
+        part_acc[pbase * HEAD_DIM + x] = s;
+    }
+    for (u32 g = tid; g < GROUP; g += ATT_THREADS) {
+        part_ml[(pbase + g) * 2] = s_m[g];
+        part_ml[(pbase + g) * 2 + 1] = s_l[g];
+    }
+}
+
+// grid (HQ, batch), block HEAD_DIM threads. out: [batch][HQ][HEAD_DIM] f32.
+// The (m, l) pairs are loaded in parallel into shared memory first: a serial chain of
+// dependent global loads made this kernel 12 us long.
+extern "C" __global__ void attend_merge(
+    const u32* __restrict__ counts, const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+    float* __restrict__ out) {
+    const u32 h = blockIdx.x;
+    const u32 i = blockIdx.y;
+    const u32 kvh = h / GROUP;
+    const u32 g = h % GROUP;
+    const u32 ih = i * KV_HEADS + kvh;
+    const u32 n = counts[ih];
+    const u32 d = threadIdx.x;
+    __shared__ float s_w[KSEL];
+    __shared__ float s_L;
+    for (u32 j = d; j < n; j += blockDim.x) s_w[j] = part_ml[(((u64)ih * KSEL + j) * GROUP + g) * 2];
+    __syncthreads();
+    if (d < 32) {
+        float M = NEG_INF;
+        for (u32 j = d; j < n; j += 32) M = fmaxf(M, s_w[j]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, o));
+        float L = 0.0f;
+        for (u32 j = d; j < n; j += 32) {
+            const float w = expf(s_w[j] - M);
+            L += part_ml[(((u64)ih * KSEL + j) * GROUP + g) * 2 + 1] * w;
+            s_w[j] = w;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(FULL_MASK, L, o);
+        if (d == 0) s_L = L;
+    }
+    __syncthreads();
+    float acc = 0.0f;
+#pragma unroll 4
+    for (u32 j = 0; j < n; ++j) acc += part_acc[(((u64)ih * KSEL + j) * GROUP + g) * HEAD_DIM + d] * s_w[j];
+    out[((u64)i * HQ + h) * HEAD_DIM + d] = acc / s_L;
+}

@@ -1,0 +1,522 @@
+//! CUDA KV path benchmark: per decode step, 28 layers of select + zero-copy gather + split-k
+//! attention, Qwen2.5-7B attention geometry (28 layers, 28/4 heads, D=128, bf16, B=128).
+//!
+//! Compares measured step time with the PCIe floor (bytes moved / 55.3 GB/s), cold cache (the
+//! block cache flushed before each step) and warm (consecutive steps, AR(1) queries).
+//!
+//! Host KV: one anonymous mapping (default 60 GB, the 1M-token KV of one session) filled with
+//! random bf16 and registered with CUDA. Frames are assigned (slot, layer, block) -> frame
+//! modulo the frame count, so batch 8 at 1M (8 x 60 GB) wraps onto the same frames: bytes moved
+//! and timing are unaffected, contents repeat. Block summaries are synthetic (random bounds,
+//! a few variants rotated over sessions and layers): the selector's cost does not depend on
+//! values, and its exactness is covered by the GPU tests.
+//!
+//! Usage: gpu_bench [--host-gb 60] [--steps 20] [--warmup 3] [--rho 0.9] [--contexts 131072,1048576]
+//!                  [--ks 8,32] [--batches 1,8] [--json PATH]
+
+use std::time::Instant;
+
+use kvtier_kernels::cuda::{
+    AnonMapping, CudaBackend, CudaConfig, CudaGeometry, KvDtype, PinnedRegion, SelectPolicy,
+    StepItem, SummaryDtype,
+};
+
+const PCIE_GBPS: f64 = 55.3;
+const LAYERS: u32 = 28;
+const HQ: u32 = 28;
+const HKV: u32 = 4;
+const D: u32 = 128;
+const BT: u32 = 128;
+
+struct Args {
+    host_gb: f64,
+    steps: usize,
+    warmup: usize,
+    rho: f64,
+    contexts: Vec<u32>,
+    ks: Vec<u32>,
+    batches: Vec<u32>,
+    json: Option<String>,
+    sum_bf16: bool,
+}
+
+fn parse() -> Result<Args, String> {
+    let mut a = Args {
+        host_gb: 60.2,
+        steps: 20,
+        warmup: 3,
+        rho: 0.9,
+        contexts: vec![131_072, 1_048_576],
+        ks: vec![8, 32],
+        batches: vec![1, 8],
+        json: None,
+        sum_bf16: false,
+    };
+    let mut it = std::env::args().skip(1);
+    let list = |s: String| -> Result<Vec<u32>, String> {
+        s.split(',')
+            .map(|x| x.parse::<u32>().map_err(|e| e.to_string()))
+            .collect()
+    };
+    while let Some(k) = it.next() {
+        let mut v = || it.next().ok_or(format!("{k} needs a value"));
+        match k.as_str() {
+            "--host-gb" => a.host_gb = v()?.parse().map_err(|e| format!("{e}"))?,
+            "--steps" => a.steps = v()?.parse().map_err(|e| format!("{e}"))?,
+            "--warmup" => a.warmup = v()?.parse().map_err(|e| format!("{e}"))?,
+            "--rho" => a.rho = v()?.parse().map_err(|e| format!("{e}"))?,
+            "--contexts" => a.contexts = list(v()?)?,
+            "--ks" => a.ks = list(v()?)?,
+            "--batches" => a.batches = list(v()?)?,
+            "--json" => a.json = Some(v()?),
+            "--summaries-bf16" => a.sum_bf16 = true,
+            _ => return Err(format!("unknown argument {k}")),
+        }
+    }
+    Ok(a)
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn unif(&mut self) -> f64 {
+        ((self.next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+    fn normal(&mut self) -> f64 {
+        (-2.0 * self.unif().ln()).sqrt() * (std::f64::consts::TAU * self.unif()).cos()
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// Allocates, fills (random bf16 in +-[0.5, 1), all threads) and pins the host KV buffer,
+/// halving the size on failure.
+fn host_region(be: &CudaBackend, mut bytes: usize, frame: usize) -> Result<PinnedRegion, String> {
+    loop {
+        bytes -= bytes % frame;
+        let t0 = Instant::now();
+        let attempt = AnonMapping::new(bytes).map_err(|e| e.to_string()).and_then(|mut m| {
+            let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
+            let buf = m.as_mut_slice();
+            let chunk = buf.len().div_ceil(threads).next_multiple_of(8);
+            std::thread::scope(|s| {
+                for (i, c) in buf.chunks_mut(chunk).enumerate() {
+                    s.spawn(move || {
+                        let mut r = Rng(0x9e37_79b9_7f4a_7c15 ^ ((i as u64 + 1) * 0x1234_5678_9abc_def1));
+                        for w in c.chunks_exact_mut(8) {
+                            let x = (r.next() & 0x807f_807f_807f_807f) | 0x3f00_3f00_3f00_3f00;
+                            w.copy_from_slice(&x.to_le_bytes());
+                        }
+                    });
+                }
+            });
+            let filled = t0.elapsed().as_secs_f64();
+            let t1 = Instant::now();
+            let r = PinnedRegion::register_owned(be.context(), m).map_err(|e| e.to_string())?;
+            println!(
+                "host KV buffer: {:.1} GB, filled in {:.1} s, cuMemHostRegister {:.2} s ({} chunks)",
+                bytes as f64 / 1e9,
+                filled,
+                t1.elapsed().as_secs_f64(),
+                r.chunk_count()
+            );
+            Ok(r)
+        });
+        match attempt {
+            Ok(r) => return Ok(r),
+            Err(e) if bytes > (4usize << 30) => {
+                println!(
+                    "host buffer of {:.1} GB failed ({e}); retrying with half",
+                    bytes as f64 / 1e9
+                );
+                bytes /= 2;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn config(n_blocks: u32, k: u32, batch: u32, sum_bf16: bool) -> CudaConfig {
+    let policy = SelectPolicy {
+        sink_blocks: 1,
+        local_blocks: 4,
+        top_k: k,
+    };
+    CudaConfig {
+        geometry: CudaGeometry {
+            layers: LAYERS,
+            q_heads: HQ,
+            kv_heads: HKV,
+            head_dim: D,
+            block_tokens: BT,
+            dtype: KvDtype::Bf16,
+        },
+        policy,
+        max_sessions: batch,
+        max_blocks: n_blocks,
+        max_batch: batch,
+        cache_slots: 2 * policy.keep_max(),
+        summary_dtype: if sum_bf16 {
+            SummaryDtype::Bf16Outward
+        } else {
+            SummaryDtype::F32
+        },
+    }
+}
+
+#[derive(Default, Clone)]
+struct Row {
+    ctx: u32,
+    k: u32,
+    batch: u32,
+    mode: &'static str,
+    step_ms: f64,
+    wall_ms: f64,
+    bytes: f64,
+    keep_bytes: f64,
+    hit_rate: f64,
+    sel_us: f64,
+    /// Per step: sum over layers of the fetch + attend phase (ms).
+    fetch_ms: f64,
+    att_us: f64,
+    overlap: f64,
+    chance: f64,
+}
+
+impl Row {
+    fn floor_ms(&self) -> f64 {
+        self.bytes / (PCIE_GBPS * 1e9) * 1e3
+    }
+    fn gbps(&self) -> f64 {
+        self.bytes / (self.step_ms * 1e-3) / 1e9
+    }
+}
+
+/// Queries for every (session, layer): AR(1) with correlation rho between steps.
+struct Queries {
+    q: Vec<Vec<f32>>, // [session] -> [layers * Hq * D]
+    rho: f64,
+    rng: Rng,
+}
+
+impl Queries {
+    fn new(batch: u32, rho: f64, seed: u64) -> Self {
+        let mut rng = Rng(seed);
+        let n = (LAYERS * HQ * D) as usize;
+        let q = (0..batch)
+            .map(|_| (0..n).map(|_| rng.normal() as f32).collect())
+            .collect();
+        Queries { q, rho, rng }
+    }
+    fn advance(&mut self) {
+        let s = (1.0 - self.rho * self.rho).sqrt();
+        for qs in &mut self.q {
+            for x in qs.iter_mut() {
+                *x = (self.rho * *x as f64 + s * self.rng.normal()) as f32;
+            }
+        }
+    }
+}
+
+fn overlap(
+    prev: &[Vec<Vec<u32>>],
+    cur: &[Vec<Vec<u32>>],
+    sink: u32,
+    n_blocks: u32,
+    local: u32,
+) -> (f64, usize) {
+    // Distant blocks only (sink and local always overlap).
+    let mut inter = 0usize;
+    let mut total = 0usize;
+    for (p, c) in prev.iter().flatten().zip(cur.iter().flatten()) {
+        let d = |v: &Vec<u32>| {
+            v.iter()
+                .copied()
+                .filter(|&b| b >= sink && b < n_blocks - local)
+                .collect::<Vec<u32>>()
+        };
+        let (pd, cd) = (d(p), d(c));
+        inter += cd.iter().filter(|b| pd.binary_search(b).is_ok()).count();
+        total += cd.len();
+    }
+    (inter as f64 / total.max(1) as f64, total)
+}
+
+/// Cold: cache flushed before every step. Warm: consecutive AR(1) queries. Hot: the same
+/// query every step, so the keep-set is (nearly) all cache hits: attention over staged tiles.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Cold,
+    Warm,
+    Hot,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_mode(
+    be: &mut CudaBackend,
+    args: &Args,
+    ctx: u32,
+    k: u32,
+    batch: u32,
+    mode: Mode,
+    rho: f64,
+    steps: usize,
+) -> Result<Row, Box<dyn std::error::Error>> {
+    let cold = mode == Mode::Cold;
+    let n_blocks = ctx / BT;
+    let mut qs = Queries::new(
+        batch,
+        rho,
+        0x51ed + ctx as u64 + k as u64 * 7 + batch as u64 * 131,
+    );
+    be.flush_cache()?;
+    let (mut step_ms, mut wall_ms, mut sel, mut gat, mut att) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    let (mut bytes, mut tiles, mut hits, mut ov, mut ovn) = (0f64, 0f64, 0f64, 0f64, 0usize);
+    let mut prev_keep: Option<Vec<Vec<Vec<u32>>>> = None;
+    let sample_layer = LAYERS - 1;
+    for step in 0..args.warmup + steps {
+        if cold {
+            be.flush_cache()?;
+        }
+        if mode != Mode::Hot || step == 0 {
+            qs.advance();
+        }
+        let items: Vec<StepItem> =
+            qs.q.iter()
+                .enumerate()
+                .map(|(i, q)| StepItem { slot: i as u32, q })
+                .collect();
+        let t0 = Instant::now();
+        let out = be.decode_step(&items)?;
+        let wall = t0.elapsed().as_secs_f64() * 1e3;
+        if !out.out.iter().all(|x| x.is_finite()) {
+            return Err("non-finite attention output".into());
+        }
+        let keep = be.last_keep_sets(sample_layer)?;
+        if step >= args.warmup {
+            step_ms.push(out.step_ms.unwrap_or(f32::NAN) as f64);
+            wall_ms.push(wall);
+            for t in out.timing.as_ref().unwrap() {
+                sel.push(t.select_ms as f64 * 1e3);
+                att.push(t.fetch_attend_ms as f64 * 1e3);
+            }
+            gat.push(
+                out.timing
+                    .as_ref()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.fetch_attend_ms as f64)
+                    .sum::<f64>(),
+            );
+            for s in &out.stats {
+                bytes += s.bytes_moved as f64;
+                tiles += s.tiles as f64;
+                hits += s.hits as f64;
+            }
+            if let Some(p) = &prev_keep {
+                let (o, n) = overlap(p, &keep, 1, n_blocks, 4);
+                ov += o * n as f64;
+                ovn += n;
+            }
+        }
+        prev_keep = Some(keep);
+    }
+    let n = steps as f64;
+    let tile = (2 * BT * D * 2) as f64;
+    let distant = (n_blocks - 5) as f64;
+    Ok(Row {
+        ctx,
+        k,
+        batch,
+        mode: match mode {
+            Mode::Cold => "cold",
+            Mode::Warm => "warm",
+            Mode::Hot => "hot",
+        },
+        step_ms: median(&mut step_ms),
+        wall_ms: median(&mut wall_ms),
+        bytes: bytes / n,
+        keep_bytes: tiles * tile / n,
+        hit_rate: hits / tiles.max(1.0),
+        sel_us: median(&mut sel),
+        fetch_ms: median(&mut gat),
+        att_us: median(&mut att),
+        overlap: if ovn > 0 { ov / ovn as f64 } else { f64::NAN },
+        chance: (k as f64 / distant).min(1.0),
+    })
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = parse()?;
+    let cmd: Vec<String> = std::env::args().collect();
+    let frame = (HKV * 2 * BT * D * 2) as usize;
+    let mut rows = Vec::new();
+    let mut overlap_rows = Vec::new();
+    let mut region: Option<std::sync::Arc<PinnedRegion>> = None;
+    let mut device = String::new();
+    for &ctx in &args.contexts {
+        let n_blocks = ctx / BT;
+        for &k in &args.ks {
+            let max_batch = *args.batches.iter().max().unwrap_or(&1);
+            let cfg = config(n_blocks, k, max_batch, args.sum_bf16);
+            let t0 = Instant::now();
+            let mut be = CudaBackend::new(0, cfg)?;
+            device = be.device_name()?;
+            println!(
+                "backend ctx={ctx} k={k}: created (NVRTC + device alloc) in {:.2} s",
+                t0.elapsed().as_secs_f64()
+            );
+            let r = match region.take() {
+                Some(r) => r,
+                None => host_region(&be, (args.host_gb * 1e9) as usize, frame)?.into(),
+            };
+            let n_frames = (r.len() / frame) as u64;
+            be.attach_host(r)?;
+            be.set_timing(true)?;
+            // Sessions: summaries (4 synthetic variants), frames, token counts.
+            let t1 = Instant::now();
+            let per = cfg.geometry.summary_len_per_block();
+            let mut rng = Rng(77);
+            let variants: Vec<Vec<f32>> = (0..4)
+                .map(|_| {
+                    let mut v = vec![0f32; n_blocks as usize * per];
+                    for row in v.chunks_mut(2 * D as usize) {
+                        for d in 0..D as usize {
+                            let a = rng.normal() as f32;
+                            let b = rng.normal() as f32;
+                            row[d] = a.max(b);
+                            row[D as usize + d] = a.min(b);
+                        }
+                    }
+                    v
+                })
+                .collect();
+            for slot in 0..max_batch {
+                be.open_session(slot)?;
+                for l in 0..LAYERS {
+                    be.upload_summaries(slot, l, 0, &variants[((slot + l) % 4) as usize])?;
+                    let base = (slot as u64 * LAYERS as u64 + l as u64) * n_blocks as u64;
+                    let offs: Vec<u64> = (0..n_blocks as u64)
+                        .map(|b| ((base + b) % n_frames) * frame as u64)
+                        .collect();
+                    be.map_blocks(slot, l, 0, &offs)?;
+                    be.set_tokens(slot, l, ctx)?;
+                }
+            }
+            let wraps = max_batch as u64 * LAYERS as u64 * n_blocks as u64 > n_frames;
+            println!(
+                "  sessions ready in {:.2} s{}",
+                t1.elapsed().as_secs_f64(),
+                if wraps {
+                    " (block frames wrap: host buffer smaller than batch KV)"
+                } else {
+                    ""
+                }
+            );
+            for &batch in &args.batches {
+                for mode in [Mode::Cold, Mode::Warm, Mode::Hot] {
+                    let row = run_mode(&mut be, &args, ctx, k, batch, mode, args.rho, args.steps)?;
+                    println!(
+                        "  ctx={} k={} batch={} {}: step {:.3} ms, floor {:.3} ms, sel {:.1} us, fetch+att {:.1} us",
+                        ctx, k, batch, row.mode, row.step_ms, row.floor_ms(), row.sel_us, row.att_us
+                    );
+                    rows.push(row);
+                }
+            }
+            // Overlap of consecutive keep-sets vs query correlation (batch 1, warm).
+            if ctx == *args.contexts.last().unwrap() && k == *args.ks.last().unwrap() {
+                for rho in [0.0, 0.5, 0.9, 0.99] {
+                    let row = run_mode(&mut be, &args, ctx, k, 1, Mode::Warm, rho, args.steps)?;
+                    overlap_rows.push((rho, row));
+                }
+            }
+            for slot in 0..max_batch {
+                be.close_session(slot)?;
+            }
+            region = Some(be.detach_host()?);
+        }
+    }
+
+    println!();
+    println!("device: {device}");
+    println!("command: {}", cmd.join(" "));
+    println!(
+        "geometry: Qwen2.5-7B attention (28 layers, 28/4 heads, D=128, bf16, B=128), sink 1, local 4; summaries {}",
+        if args.sum_bf16 { "bf16 outward" } else { "f32" }
+    );
+    println!("step = 28 x (select + plan + fetch/attend), device time by CUDA events (median of {} steps); wall includes uploads, sync, readback", args.steps);
+    println!(
+        "floor = bytes moved / {PCIE_GBPS} GB/s; warm = consecutive steps, AR(1) queries rho={}",
+        args.rho
+    );
+    println!(
+        "{:>8} {:>3} {:>5} {:>5} | {:>8} {:>8} {:>8} {:>6} | {:>9} {:>9} {:>6} {:>6} | {:>7} {:>8} {:>7} | {:>7} {:>7}",
+        "ctx", "k", "batch", "cache", "step_ms", "wall_ms", "floor_ms", "ratio", "moved_MB", "keep_MB", "GB/s", "hit%", "sel_us", "f+att_us", "fetchGB/s", "overlap", "chance"
+    );
+    for r in &rows {
+        println!(
+            "{:>8} {:>3} {:>5} {:>5} | {:>8.3} {:>8.3} {:>8.3} {:>6.2} | {:>9.1} {:>9.1} {:>6.1} {:>6.1} | {:>7.1} {:>8.1} {:>7.1} | {:>7.3} {:>7.4}",
+            r.ctx,
+            r.k,
+            r.batch,
+            r.mode,
+            r.step_ms,
+            r.wall_ms,
+            r.floor_ms(),
+            r.step_ms / r.floor_ms(),
+            r.bytes / 1e6,
+            r.keep_bytes / 1e6,
+            r.gbps(),
+            r.hit_rate * 100.0,
+            r.sel_us,
+            r.att_us,
+            r.bytes / (r.fetch_ms * 1e-3) / 1e9,
+            r.overlap,
+            r.chance
+        );
+    }
+    if !overlap_rows.is_empty() {
+        println!();
+        println!("keep-set overlap vs query correlation (ctx {}, k {}, batch 1, warm, layer 27 distant blocks):", overlap_rows[0].1.ctx, overlap_rows[0].1.k);
+        println!(
+            "{:>5} {:>8} {:>7} {:>6} {:>9} {:>8}",
+            "rho", "overlap", "chance", "hit%", "moved_MB", "step_ms"
+        );
+        for (rho, r) in &overlap_rows {
+            println!(
+                "{:>5} {:>8.3} {:>7.4} {:>6.1} {:>9.1} {:>8.3}",
+                rho,
+                r.overlap,
+                r.chance,
+                r.hit_rate * 100.0,
+                r.bytes / 1e6,
+                r.step_ms
+            );
+        }
+    }
+    if let Some(path) = &args.json {
+        let mut s = String::from("[\n");
+        for (i, r) in rows.iter().enumerate() {
+            s += &format!(
+                "  {{\"ctx\":{},\"k\":{},\"batch\":{},\"cache\":\"{}\",\"step_ms\":{:.4},\"wall_ms\":{:.4},\"floor_ms\":{:.4},\"bytes\":{:.0},\"keep_bytes\":{:.0},\"hit_rate\":{:.4},\"select_us\":{:.2},\"fetch_ms_step\":{:.4},\"attend_us\":{:.2},\"overlap\":{:.4},\"chance\":{:.5}}}{}\n",
+                r.ctx, r.k, r.batch, r.mode, r.step_ms, r.wall_ms, r.floor_ms(), r.bytes, r.keep_bytes, r.hit_rate, r.sel_us, r.fetch_ms, r.att_us, r.overlap, r.chance,
+                if i + 1 < rows.len() { "," } else { "" }
+            );
+        }
+        s += "]\n";
+        std::fs::write(path, s)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,927 @@
+//! The CUDA backend: device-side layer state and the select -> gather -> attend pipeline.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+
+use super::config::{bf16_outward, CudaConfig, Derived, SummaryDtype};
+use super::error::{CudaError, Result};
+use super::module::{compile, Kernels};
+use super::pinned::PinnedRegion;
+
+/// Is a CUDA driver with at least one device present? Never panics.
+pub fn device_available() -> bool {
+    // SAFETY: only probes whether the shared library can be loaded.
+    if !unsafe { sys::is_culib_present() } {
+        return false;
+    }
+    matches!(CudaContext::device_count(), Ok(n) if n > 0)
+}
+
+/// Retains device `ordinal`'s primary context, the one every backend on that device uses (so a
+/// host region registered in it can be attached to any of them). Never panics.
+pub fn device_context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    // SAFETY: only probes whether the shared library can be loaded.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(CudaError::NoDriver);
+    }
+    let count =
+        CudaContext::device_count().map_err(CudaError::driver("cuDeviceGetCount"))? as usize;
+    if ordinal >= count {
+        return Err(CudaError::NoDevice { ordinal, count });
+    }
+    CudaContext::new(ordinal).map_err(CudaError::driver("cuDevicePrimaryCtxRetain"))
+}
+
+/// One device buffer with its raw address cached for kernel arguments (single stream, event
+/// tracking off: the backend orders every use on its one stream).
+struct DevBuf<T> {
+    slice: CudaSlice<T>,
+    ptr: u64,
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits> DevBuf<T> {
+    fn zeros(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
+        let slice = stream
+            .alloc_zeros::<T>(len.max(1))
+            .map_err(CudaError::driver("cuMemAlloc"))?;
+        let ptr = {
+            let (ptr, _sync) = slice.device_ptr(stream);
+            ptr
+        };
+        Ok(DevBuf { slice, ptr })
+    }
+
+    fn at(&self, elem: usize) -> u64 {
+        self.ptr + (elem * std::mem::size_of::<T>()) as u64
+    }
+}
+
+/// One batch entry for [`CudaBackend::decode_layer`].
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeItem<'a> {
+    /// Session slot.
+    pub slot: u32,
+    /// Query [Hq x D] f32 for this layer.
+    pub q: &'a [f32],
+}
+
+/// One batch entry for [`CudaBackend::decode_step`]: queries of every layer.
+#[derive(Clone, Copy, Debug)]
+pub struct StepItem<'a> {
+    /// Session slot.
+    pub slot: u32,
+    /// Queries [layers x Hq x D] f32.
+    pub q: &'a [f32],
+}
+
+/// Transfer statistics of one layer of one call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LayerStats {
+    /// Tiles in the keep-sets (all sessions, all kv heads).
+    pub tiles: u64,
+    /// Tiles found in the GPU block cache.
+    pub hits: u64,
+    /// Tiles fetched from pinned host memory.
+    pub misses: u64,
+    /// Bytes moved host -> GPU.
+    pub bytes_moved: u64,
+}
+
+/// Per-layer device time (CUDA events), when timing is enabled.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LayerTiming {
+    /// Scoring, top-k and the block-cache plan (hits, victims, miss addresses).
+    pub select_ms: f32,
+    /// Fetching misses from host memory fused with attention, then the LSE merge kernel.
+    pub fetch_attend_ms: f32,
+}
+
+/// Result of [`CudaBackend::decode_layer`].
+#[derive(Clone, Debug)]
+pub struct LayerOutput {
+    /// [batch x Hq x D] f32.
+    pub out: Vec<f32>,
+    pub stats: LayerStats,
+    pub timing: Option<LayerTiming>,
+}
+
+/// Result of [`CudaBackend::decode_step`].
+#[derive(Clone, Debug)]
+pub struct StepOutput {
+    /// [batch x layers x Hq x D] f32.
+    pub out: Vec<f32>,
+    /// Per layer.
+    pub stats: Vec<LayerStats>,
+    /// Per layer, when timing is enabled.
+    pub timing: Option<Vec<LayerTiming>>,
+    /// Device time of the whole step (first launch to last), when timing is enabled.
+    pub step_ms: Option<f32>,
+}
+
+struct Session {
+    n_tokens: Vec<u32>,
+    /// Per layer: per block bit 0 = summary uploaded, bit 1 = host frame mapped.
+    flags: Vec<Vec<u8>>,
+    /// Per layer: leading blocks that have both.
+    ready: Vec<u32>,
+}
+
+struct Timers {
+    // Per layer: before select, after select + plan, after fetch + attend.
+    marks: Vec<[CudaEvent; 3]>,
+}
+
+/// CUDA backend for one model geometry: owns the device state of up to `max_sessions`
+/// sessions and runs select -> zero-copy gather -> split-k attention per layer.
+pub struct CudaBackend {
+    cfg: CudaConfig,
+    derived: Derived,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    k: Kernels,
+    /// Shared so that several backends (one per geometry) can map the same registered arena.
+    host: Option<Arc<PinnedRegion>>,
+    sessions: Vec<Option<Session>>,
+    stamp: u32,
+    timers: Option<Timers>,
+    poison: bool,
+    last_batch: usize,
+    // Device state.
+    sums: DevBuf<u8>,
+    pages: DevBuf<u64>,
+    tags: DevBuf<u32>,
+    stamps: DevBuf<u32>,
+    cache: DevBuf<u8>,
+    // Per-call scratch.
+    q: DevBuf<f32>,
+    sess: DevBuf<u32>,
+    ntok: DevBuf<u32>,
+    scores: DevBuf<f32>,
+    table: DevBuf<u32>,
+    counts: DevBuf<u32>,
+    slot_of: DevBuf<u32>,
+    miss_src: DevBuf<u64>,
+    part_acc: DevBuf<f32>,
+    part_ml: DevBuf<f32>,
+    out: DevBuf<f32>,
+    stats: DevBuf<u64>,
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`, compiles the kernels for `cfg` and allocates all device state.
+    pub fn new(ordinal: usize, cfg: CudaConfig) -> Result<Self> {
+        let derived = cfg.validate()?;
+        // SAFETY: only probes whether the shared library can be loaded.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(CudaError::NoDriver);
+        }
+        let count =
+            CudaContext::device_count().map_err(CudaError::driver("cuDeviceGetCount"))? as usize;
+        if ordinal >= count {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        let ctx =
+            CudaContext::new(ordinal).map_err(CudaError::driver("cuDevicePrimaryCtxRetain"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(CudaError::driver("cuDeviceGetAttribute"))?;
+        if major < 7 {
+            return Err(CudaError::ComputeCapability { major, minor });
+        }
+        // SAFETY: the backend uses exactly one stream and orders every buffer use on it, so
+        // cudarc's cross-stream event tracking is not needed (and would add event records).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx
+            .new_stream()
+            .map_err(CudaError::driver("cuStreamCreate"))?;
+        let k = compile(&ctx, &cfg, &derived)?;
+
+        let g = &cfg.geometry;
+        let (s, l, mb) = (
+            cfg.max_sessions as usize,
+            g.layers as usize,
+            cfg.max_blocks as usize,
+        );
+        let (hkv, hq, d) = (g.kv_heads as usize, g.q_heads as usize, g.head_dim as usize);
+        let (c, ks, bmax) = (
+            cfg.cache_slots as usize,
+            derived.keep_max as usize,
+            cfg.max_batch as usize,
+        );
+        let sum_elem = match cfg.summary_dtype {
+            SummaryDtype::F32 => 4,
+            SummaryDtype::Bf16Outward => 2,
+        };
+        let z8 = |n| DevBuf::<u8>::zeros(&stream, n);
+        let z32 = |n| DevBuf::<u32>::zeros(&stream, n);
+        let zf = |n| DevBuf::<f32>::zeros(&stream, n);
+        let z64 = |n| DevBuf::<u64>::zeros(&stream, n);
+        let backend = CudaBackend {
+            sums: z8(s * l * mb * g.summary_len_per_block() * sum_elem)?,
+            pages: z64(s * l * mb)?,
+            tags: z32(s * l * hkv * c)?,
+            stamps: z32(s * l * hkv * c)?,
+            cache: z8(s * l * hkv * c * g.tile_bytes())?,
+            q: zf(l * bmax * hq * d)?,
+            sess: z32(bmax)?,
+            ntok: z32(l * bmax)?,
+            scores: zf(bmax * hkv * mb)?,
+            table: z32(l * bmax * hkv * ks)?,
+            counts: z32(l * bmax * hkv)?,
+            slot_of: z32(bmax * hkv * ks)?,
+            miss_src: z64(bmax * hkv * ks)?,
+            part_acc: zf(bmax * hkv * ks * g.group() as usize * d)?,
+            part_ml: zf(bmax * hkv * ks * g.group() as usize * 2)?,
+            out: zf(l * bmax * hq * d)?,
+            stats: z64(l * 4)?,
+            cfg,
+            derived,
+            ctx,
+            stream,
+            k,
+            host: None,
+            sessions: (0..s).map(|_| None).collect(),
+            stamp: 0,
+            timers: None,
+            poison: false,
+            last_batch: 0,
+        };
+        backend.sync()?;
+        Ok(backend)
+    }
+
+    /// The validated configuration.
+    pub fn config(&self) -> &CudaConfig {
+        &self.cfg
+    }
+
+    /// The CUDA context (for registering host memory).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Device name, e.g. "NVIDIA H100 80GB HBM3".
+    pub fn device_name(&self) -> Result<String> {
+        self.ctx
+            .name()
+            .map_err(CudaError::driver("cuDeviceGetName"))
+    }
+
+    /// Attaches the pinned host arena that page-table entries point into (once). Takes a
+    /// region or an `Arc` of one shared with other backends of the same device.
+    pub fn attach_host(&mut self, region: impl Into<Arc<PinnedRegion>>) -> Result<()> {
+        let region = region.into();
+        if self.host.is_some() {
+            return Err(CudaError::HostRegionAttached);
+        }
+        if !Arc::ptr_eq(region.context(), &self.ctx)
+            && region.context().cu_ctx() != self.ctx.cu_ctx()
+        {
+            return Err(CudaError::InvalidConfig {
+                reason: "host region registered in another context".into(),
+            });
+        }
+        self.host = Some(region);
+        Ok(())
+    }
+
+    /// Detaches the host region (to reuse it with another backend). Refused while sessions
+    /// are open, since their page tables point into it.
+    pub fn detach_host(&mut self) -> Result<Arc<PinnedRegion>> {
+        let open = self.sessions.iter().flatten().count();
+        if open > 0 {
+            return Err(CudaError::SessionsOpen { open });
+        }
+        self.sync()?;
+        self.host.take().ok_or(CudaError::NoHostRegion)
+    }
+
+    /// The attached host region (mutable, to write frames between decode calls); None when
+    /// none is attached or it is shared with another backend.
+    pub fn host_mut(&mut self) -> Option<&mut PinnedRegion> {
+        self.host.as_mut().and_then(Arc::get_mut)
+    }
+
+    /// Enables per-layer CUDA-event timing in outputs.
+    pub fn set_timing(&mut self, on: bool) -> Result<()> {
+        if !on {
+            self.timers = None;
+            return Ok(());
+        }
+        let mk = || {
+            self.ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(CudaError::driver("cuEventCreate"))
+        };
+        let mut marks = Vec::with_capacity(self.cfg.geometry.layers as usize);
+        for _ in 0..self.cfg.geometry.layers {
+            marks.push([mk()?, mk()?, mk()?]);
+        }
+        self.timers = Some(Timers { marks });
+        Ok(())
+    }
+
+    /// Test aid: fill outputs and partials with NaN before every call so unwritten elements show.
+    pub fn set_poison_outputs(&mut self, on: bool) {
+        self.poison = on;
+    }
+
+    fn check_slot(&self, slot: u32) -> Result<usize> {
+        if slot >= self.cfg.max_sessions {
+            return Err(CudaError::SlotOutOfRange {
+                slot,
+                max: self.cfg.max_sessions,
+            });
+        }
+        Ok(slot as usize)
+    }
+
+    fn check_layer(&self, layer: u32) -> Result<usize> {
+        if layer >= self.cfg.geometry.layers {
+            return Err(CudaError::LayerOutOfRange {
+                layer,
+                layers: self.cfg.geometry.layers,
+            });
+        }
+        Ok(layer as usize)
+    }
+
+    fn session_mut(&mut self, slot: u32) -> Result<&mut Session> {
+        let s = self.check_slot(slot)?;
+        self.sessions[s]
+            .as_mut()
+            .ok_or(CudaError::SessionNotOpen { slot })
+    }
+
+    /// Opens a session slot: no tokens, nothing mapped, its cache entries cleared.
+    pub fn open_session(&mut self, slot: u32) -> Result<()> {
+        let s = self.check_slot(slot)?;
+        if self.sessions[s].is_some() {
+            return Err(CudaError::SessionAlreadyOpen { slot });
+        }
+        let l = self.cfg.geometry.layers as usize;
+        let per = self.cfg.geometry.kv_heads as usize * self.cfg.cache_slots as usize;
+        let (start, len) = (s * l * per, l * per);
+        self.memset_u32(self.tags.at(start), 0, len)?;
+        self.sessions[s] = Some(Session {
+            n_tokens: vec![0; l],
+            flags: vec![vec![0; self.cfg.max_blocks as usize]; l],
+            ready: vec![0; l],
+        });
+        Ok(())
+    }
+
+    /// Closes a session slot; its device state is reused by the next open.
+    pub fn close_session(&mut self, slot: u32) -> Result<()> {
+        let s = self.check_slot(slot)?;
+        if self.sessions[s].take().is_none() {
+            return Err(CudaError::SessionNotOpen { slot });
+        }
+        Ok(())
+    }
+
+    /// Empties the GPU block cache of every session (the next call runs cold).
+    pub fn flush_cache(&mut self) -> Result<()> {
+        let n = self.tags.slice.len();
+        self.memset_u32(self.tags.ptr, 0, n)
+    }
+
+    fn memset_u32(&self, ptr: u64, value: u32, n: usize) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        // SAFETY: ptr..ptr+4n lies inside a buffer this backend owns (callers compute it from
+        // DevBuf::at with in-range indices); the stream orders it with every other use.
+        unsafe { sys::cuMemsetD32Async(ptr, value, n, self.stream.cu_stream()) }
+            .result()
+            .map_err(CudaError::driver("cuMemsetD32Async"))
+    }
+
+    fn htod<T: DeviceRepr>(&self, dst: u64, src: &[T]) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        // SAFETY: callers check that dst..dst+size_of_val(src) lies inside an owned buffer.
+        // cuMemcpyHtoDAsync from pageable memory stages the source before returning.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .map_err(CudaError::driver("cuMemcpyHtoDAsync"))
+    }
+
+    fn dtoh<T: DeviceRepr>(&self, dst: &mut [T], src: u64) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        // SAFETY: callers check the source range; the stream is synchronized before dst is read.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+            .map_err(CudaError::driver("cuMemcpyDtoHAsync"))?;
+        self.sync()
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(CudaError::driver("cuStreamSynchronize"))
+    }
+
+    fn block_range(&self, first: u32, count: usize) -> Result<()> {
+        let max = self.cfg.max_blocks;
+        if count == 0 || first as u64 + count as u64 > max as u64 {
+            return Err(CudaError::BlockOutOfRange {
+                first,
+                count: count as u32,
+                max,
+            });
+        }
+        Ok(())
+    }
+
+    fn advance_ready(sess: &mut Session, l: usize) {
+        let f = &sess.flags[l];
+        let mut r = sess.ready[l] as usize;
+        while r < f.len() && f[r] == 3 {
+            r += 1;
+        }
+        sess.ready[l] = r as u32;
+    }
+
+    /// Uploads block summaries [n][kv_head][2][D] f32 (index 0 = max, 1 = min) for blocks
+    /// `first_block..first_block + n` of one session layer. Re-uploading a block (the tail
+    /// block after appends) replaces it.
+    pub fn upload_summaries(
+        &mut self,
+        slot: u32,
+        layer: u32,
+        first_block: u32,
+        summaries: &[f32],
+    ) -> Result<()> {
+        let s = self.check_slot(slot)?;
+        let l = self.check_layer(layer)?;
+        let per = self.cfg.geometry.summary_len_per_block();
+        if summaries.is_empty() || !summaries.len().is_multiple_of(per) {
+            return Err(CudaError::BadLength {
+                what: "summaries",
+                got: summaries.len(),
+                expected: per * (summaries.len() / per).max(1),
+            });
+        }
+        let n = summaries.len() / per;
+        self.block_range(first_block, n)?;
+        if let Some(index) = summaries.iter().position(|x| !x.is_finite()) {
+            return Err(CudaError::NonFinite {
+                what: "summaries",
+                index,
+            });
+        }
+        self.session_mut(slot)?;
+        let mb = self.cfg.max_blocks as usize;
+        let elem0 = ((s * self.cfg.geometry.layers as usize + l) * mb + first_block as usize) * per;
+        match self.cfg.summary_dtype {
+            SummaryDtype::F32 => self.htod(self.sums.at(elem0 * 4), summaries)?,
+            SummaryDtype::Bf16Outward => {
+                let d = self.cfg.geometry.head_dim as usize;
+                let rounded: Vec<u16> = summaries
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &x)| bf16_outward(x, (i / d).is_multiple_of(2)))
+                    .collect();
+                self.htod(self.sums.at(elem0 * 2), &rounded)?;
+            }
+        }
+        let sess = self.session_mut(slot)?;
+        for f in &mut sess.flags[l][first_block as usize..first_block as usize + n] {
+            *f |= 1;
+        }
+        Self::advance_ready(sess, l);
+        Ok(())
+    }
+
+    /// Points blocks `first_block..` of one session layer at block runs in the attached host
+    /// region, given as byte offsets into it. Each run must lie inside the region.
+    pub fn map_blocks(
+        &mut self,
+        slot: u32,
+        layer: u32,
+        first_block: u32,
+        host_offsets: &[u64],
+    ) -> Result<()> {
+        let s = self.check_slot(slot)?;
+        let l = self.check_layer(layer)?;
+        self.block_range(first_block, host_offsets.len())?;
+        self.session_mut(slot)?;
+        let host = self.host.as_ref().ok_or(CudaError::NoHostRegion)?;
+        let run = self.cfg.geometry.block_run_bytes() as u64;
+        let addrs = host_offsets
+            .iter()
+            .map(|&o| host.device_addr(o, run))
+            .collect::<Result<Vec<u64>>>()?;
+        let mb = self.cfg.max_blocks as usize;
+        let idx = (s * self.cfg.geometry.layers as usize + l) * mb + first_block as usize;
+        self.htod(self.pages.at(idx), &addrs)?;
+        let sess = self.session_mut(slot)?;
+        for f in &mut sess.flags[l][first_block as usize..first_block as usize + addrs.len()] {
+            *f |= 2;
+        }
+        Self::advance_ready(sess, l);
+        Ok(())
+    }
+
+    /// Sets a session layer's token count. Positions are append-only: it may only grow.
+    pub fn set_tokens(&mut self, slot: u32, layer: u32, n_tokens: u32) -> Result<()> {
+        let l = self.check_layer(layer)?;
+        let capacity = self.cfg.max_blocks as u64 * self.cfg.geometry.block_tokens as u64;
+        let sess = self.session_mut(slot)?;
+        let current = sess.n_tokens[l];
+        if n_tokens < current || n_tokens as u64 > capacity {
+            return Err(CudaError::BadTokenCount {
+                slot,
+                layer,
+                current,
+                new: n_tokens,
+                capacity,
+            });
+        }
+        sess.n_tokens[l] = n_tokens;
+        Ok(())
+    }
+
+    /// Token count of a session layer.
+    pub fn tokens(&self, slot: u32, layer: u32) -> Result<u32> {
+        let s = self.check_slot(slot)?;
+        let l = self.check_layer(layer)?;
+        let sess = self.sessions[s]
+            .as_ref()
+            .ok_or(CudaError::SessionNotOpen { slot })?;
+        Ok(sess.n_tokens[l])
+    }
+
+    /// Validates a batch for `layer`; returns its token counts.
+    fn check_batch(&self, layer: usize, slots: &[u32]) -> Result<Vec<u32>> {
+        if slots.is_empty() {
+            return Err(CudaError::EmptyBatch);
+        }
+        if slots.len() > self.cfg.max_batch as usize {
+            return Err(CudaError::BatchTooLarge {
+                got: slots.len(),
+                max: self.cfg.max_batch,
+            });
+        }
+        let bt = self.cfg.geometry.block_tokens;
+        let mut seen = vec![false; self.cfg.max_sessions as usize];
+        let mut ntok = Vec::with_capacity(slots.len());
+        for &slot in slots {
+            let s = self.check_slot(slot)?;
+            if std::mem::replace(&mut seen[s], true) {
+                return Err(CudaError::DuplicateSession { slot });
+            }
+            let sess = self.sessions[s]
+                .as_ref()
+                .ok_or(CudaError::SessionNotOpen { slot })?;
+            let n = sess.n_tokens[layer];
+            if n == 0 {
+                return Err(CudaError::EmptySession {
+                    slot,
+                    layer: layer as u32,
+                });
+            }
+            let nb = n.div_ceil(bt);
+            if nb > sess.ready[layer] {
+                return Err(CudaError::NotReady {
+                    slot,
+                    layer: layer as u32,
+                    n_blocks: nb,
+                    ready: sess.ready[layer],
+                });
+            }
+            ntok.push(n);
+        }
+        Ok(ntok)
+    }
+
+    fn check_q(&self, q: &[f32], expected: usize) -> Result<()> {
+        if q.len() != expected {
+            return Err(CudaError::BadLength {
+                what: "q",
+                got: q.len(),
+                expected,
+            });
+        }
+        if let Some(index) = q.iter().position(|x| !x.is_finite()) {
+            return Err(CudaError::NonFinite { what: "q", index });
+        }
+        Ok(())
+    }
+
+    /// Runs select -> gather -> attend for one layer and a batch of sessions.
+    pub fn decode_layer(&mut self, layer: u32, items: &[DecodeItem<'_>]) -> Result<LayerOutput> {
+        let l = self.check_layer(layer)?;
+        let hqd = (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize;
+        let slots: Vec<u32> = items.iter().map(|it| it.slot).collect();
+        let ntok = self.check_batch(l, &slots)?;
+        for it in items {
+            self.check_q(it.q, hqd)?;
+        }
+        let q: Vec<f32> = items.iter().flat_map(|it| it.q.iter().copied()).collect();
+        self.prepare(&slots, &[(l, &ntok, &q)])?;
+        let max_nb = self.max_blocks_of(&ntok);
+        self.run_layer(l, 0, items.len(), max_nb)?;
+        self.finish(&[l], items.len()).map(|mut s| LayerOutput {
+            out: std::mem::take(&mut s.out),
+            stats: s.stats[0],
+            timing: s.timing.map(|t| t[0]),
+        })
+    }
+
+    /// Runs all layers (in order) for a batch of sessions with one synchronization at the end.
+    pub fn decode_step(&mut self, items: &[StepItem<'_>]) -> Result<StepOutput> {
+        let layers = self.cfg.geometry.layers as usize;
+        let hqd = (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize;
+        let slots: Vec<u32> = items.iter().map(|it| it.slot).collect();
+        for it in items {
+            self.check_q(it.q, layers * hqd)?;
+        }
+        let mut per_layer = Vec::with_capacity(layers);
+        for l in 0..layers {
+            let ntok = self.check_batch(l, &slots)?;
+            let q: Vec<f32> = items
+                .iter()
+                .flat_map(|it| it.q[l * hqd..(l + 1) * hqd].iter().copied())
+                .collect();
+            per_layer.push((l, ntok, q));
+        }
+        let refs: Vec<(usize, &[u32], &[f32])> = per_layer
+            .iter()
+            .map(|(l, n, q)| (*l, n.as_slice(), q.as_slice()))
+            .collect();
+        self.prepare(&slots, &refs)?;
+        for (li, (l, ntok, _)) in per_layer.iter().enumerate() {
+            let max_nb = self.max_blocks_of(ntok);
+            self.run_layer(*l, li, items.len(), max_nb)?;
+        }
+        let all: Vec<usize> = (0..layers).collect();
+        self.finish(&all, items.len())
+    }
+
+    fn max_blocks_of(&self, ntok: &[u32]) -> u32 {
+        ntok.iter()
+            .map(|n| n.div_ceil(self.cfg.geometry.block_tokens))
+            .max()
+            .unwrap_or(1)
+    }
+
+    /// Uploads the batch description and zeroes the statistics.
+    fn prepare(&mut self, slots: &[u32], layers: &[(usize, &[u32], &[f32])]) -> Result<()> {
+        let b = slots.len();
+        let g = &self.cfg.geometry;
+        let hqd = (g.q_heads * g.head_dim) as usize;
+        let bmax = self.cfg.max_batch as usize;
+        debug_assert!(layers.len() * b <= self.cfg.geometry.layers as usize * bmax);
+        // Dense per-call layout [call layer][batch][..]: one upload each for q and counts.
+        let mut q_all = Vec::with_capacity(layers.len() * b * hqd);
+        let mut n_all = Vec::with_capacity(layers.len() * b);
+        for &(_, ntok, q) in layers {
+            debug_assert!(q.len() == b * hqd && ntok.len() == b);
+            q_all.extend_from_slice(q);
+            n_all.extend_from_slice(ntok);
+        }
+        self.htod(self.sess.ptr, slots)?;
+        self.htod(self.ntok.ptr, &n_all)?;
+        self.htod(self.q.ptr, &q_all)?;
+        self.memset_u32(self.stats.ptr, 0, self.stats.slice.len() * 2)?;
+        if self.poison {
+            let nan = 0x7fc0_0000;
+            self.memset_u32(self.out.ptr, nan, self.out.slice.len())?;
+            self.memset_u32(self.part_acc.ptr, nan, self.part_acc.slice.len())?;
+            self.memset_u32(self.part_ml.ptr, nan, self.part_ml.slice.len())?;
+            self.memset_u32(self.table.ptr, u32::MAX, self.table.slice.len())?;
+        }
+        self.last_batch = b;
+        Ok(())
+    }
+
+    fn launch(
+        &self,
+        f: &CudaFunction,
+        name: &'static str,
+        cfg: LaunchConfig,
+        args: &[Arg],
+    ) -> Result<()> {
+        let mut lb = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::P(v) => lb.arg(v),
+                Arg::U(v) => lb.arg(v),
+                Arg::F(v) => lb.arg(v),
+            };
+        }
+        // SAFETY: argument lists match the kernel signatures in kernels/cuda/*.cu (pointer
+        // arguments are device addresses of buffers this backend owns, sized from the same
+        // validated config the kernels were compiled with); grids are bounded by max_batch,
+        // kv_heads and the keep-set size, so every index a kernel forms is inside those sizes.
+        // Launch-configuration errors come back as the launch status.
+        unsafe { lb.launch(cfg) }.map_err(|source| CudaError::Driver { call: name, source })?;
+        Ok(())
+    }
+
+    fn record(&self, l: usize, i: usize) -> Result<()> {
+        if let Some(t) = &self.timers {
+            t.marks[l][i]
+                .record(&self.stream)
+                .map_err(CudaError::driver("cuEventRecord"))?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues the six kernels of one layer. `max_nb`: most blocks of any batch session.
+    /// `l`: model layer; `li`: its index within this call (offset into the dense q/out).
+    fn run_layer(&mut self, l: usize, li: usize, b: usize, max_nb: u32) -> Result<()> {
+        use Arg::{F, P, U};
+        let g = self.cfg.geometry;
+        let bmax = self.cfg.max_batch as usize;
+        let ks = self.derived.keep_max;
+        let hkv = g.kv_heads;
+        let hqd = (g.q_heads * g.head_dim) as usize;
+        let bu = b as u32;
+        self.stamp = self.stamp.wrapping_add(1);
+        let layer = l as u32;
+        let mb = self.cfg.max_blocks;
+        let q = self.q.at(li * b * hqd);
+        let ntok = self.ntok.at(li * b);
+        let table = self.table.at(l * bmax * (hkv * ks) as usize);
+        let counts = self.counts.at(l * bmax * hkv as usize);
+        let out = self.out.at(li * b * hqd);
+        let sess = self.sess.ptr;
+        let cfg = |grid: (u32, u32, u32), threads: u32| LaunchConfig {
+            grid_dim: grid,
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let k = &self.k;
+
+        self.record(l, 0)?;
+        self.launch(
+            &k.select_score,
+            "select_score",
+            cfg((max_nb.div_ceil(SCORE_THREADS), hkv, bu), SCORE_THREADS),
+            &[
+                P(q),
+                P(self.sums.ptr),
+                P(sess),
+                P(ntok),
+                U(layer),
+                U(mb),
+                P(self.scores.ptr),
+            ],
+        )?;
+        self.launch(
+            &k.select_topk,
+            "select_topk",
+            cfg((hkv, bu, 1), 1024),
+            &[
+                P(self.scores.ptr),
+                P(ntok),
+                U(mb),
+                P(table),
+                P(counts),
+                P(sess),
+                U(layer),
+                P(self.tags.ptr),
+                P(self.stamps.ptr),
+                P(self.pages.ptr),
+                P(self.slot_of.ptr),
+                P(self.miss_src.ptr),
+                P(self.stats.ptr),
+                U(self.stamp),
+            ],
+        )?;
+        self.record(l, 1)?;
+        let scale = (1.0 / (g.head_dim as f64).sqrt()) as f32;
+        self.launch(
+            &k.attend_tile,
+            "attend_tile",
+            LaunchConfig {
+                grid_dim: (ks, hkv, bu),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: self.derived.att_dyn_smem,
+            },
+            &[
+                P(q),
+                P(sess),
+                P(ntok),
+                U(layer),
+                P(table),
+                P(counts),
+                P(self.slot_of.ptr),
+                P(self.miss_src.ptr),
+                P(self.cache.ptr),
+                F(scale),
+                P(self.part_acc.ptr),
+                P(self.part_ml.ptr),
+            ],
+        )?;
+        self.launch(
+            &k.attend_merge,
+            "attend_merge",
+            cfg((g.q_heads, bu, 1), g.head_dim),
+            &[P(counts), P(self.part_acc.ptr), P(self.part_ml.ptr), P(out)],
+        )?;
+        self.record(l, 2)?;
+        Ok(())
+    }
+
+    /// Waits for the enqueued layers and reads outputs, statistics and timings.
+    fn finish(&mut self, layers: &[usize], b: usize) -> Result<StepOutput> {
+        let g = self.cfg.geometry;
+        let hqd = (g.q_heads * g.head_dim) as usize;
+        let nl = layers.len();
+        // One readback for every layer of the call ([call layer][batch][Hq x D] on the device).
+        let mut rows = vec![0f32; nl * b * hqd];
+        self.dtoh(&mut rows, self.out.ptr)?;
+        let mut out = vec![0f32; b * nl * hqd];
+        for li in 0..nl {
+            for i in 0..b {
+                out[(i * nl + li) * hqd..(i * nl + li + 1) * hqd]
+                    .copy_from_slice(&rows[(li * b + i) * hqd..(li * b + i + 1) * hqd]);
+            }
+        }
+        let mut raw = vec![0u64; g.layers as usize * 4];
+        self.dtoh(&mut raw, self.stats.ptr)?;
+        let stats = layers
+            .iter()
+            .map(|&l| LayerStats {
+                hits: raw[l * 4],
+                misses: raw[l * 4 + 1],
+                bytes_moved: raw[l * 4 + 2],
+                tiles: raw[l * 4 + 3],
+            })
+            .collect();
+        let (timing, step_ms) = match &self.timers {
+            None => (None, None),
+            Some(t) => {
+                let ms = |a: &CudaEvent, z: &CudaEvent| {
+                    a.elapsed_ms(z)
+                        .map_err(CudaError::driver("cuEventElapsedTime"))
+                };
+                let mut v = Vec::with_capacity(nl);
+                for &l in layers {
+                    let m = &t.marks[l];
+                    v.push(LayerTiming {
+                        select_ms: ms(&m[0], &m[1])?,
+                        fetch_attend_ms: ms(&m[1], &m[2])?,
+                    });
+                }
+                let first = &t.marks[layers[0]][0];
+                let last = &t.marks[layers[nl - 1]][2];
+                (Some(v), Some(ms(first, last)?))
+            }
+        };
+        Ok(StepOutput {
+            out,
+            stats,
+            timing,
+            step_ms,
+        })
+    }
+
+    /// Keep-sets of the last call at `layer`: [batch][kv_head] -> ascending block ids.
+    pub fn last_keep_sets(&self, layer: u32) -> Result<Vec<Vec<Vec<u32>>>> {
+        let l = self.check_layer(layer)?;
+        let g = self.cfg.geometry;
+        let (bmax, hkv, ks) = (
+            self.cfg.max_batch as usize,
+            g.kv_heads as usize,
+            self.derived.keep_max as usize,
+        );
+        let b = self.last_batch;
+        let mut counts = vec![0u32; b * hkv];
+        let mut table = vec![0u32; b * hkv * ks];
+        if b == 0 {
+            return Ok(Vec::new());
+        }
+        self.dtoh(&mut counts, self.counts.at(l * bmax * hkv))?;
+        self.dtoh(&mut table, self.table.at(l * bmax * hkv * ks))?;
+        Ok((0..b)
+            .map(|i| {
+                (0..hkv)
+                    .map(|h| {
+                        let ih = i * hkv + h;
+                        table[ih * ks..ih * ks + counts[ih] as usize].to_vec()
+                    })
+                    .collect()
+            })
+            .collect())
+    }
+}
+
+/// A kernel argument: device pointer, u32 or f32.
+enum Arg {
+    P(u64),
+    U(u32),
+    F(f32),
+}
+
+/// Threads (= blocks scored) per select_score thread block (kernels/cuda/select.cu).
+const SCORE_THREADS: u32 = 128;

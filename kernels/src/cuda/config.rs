@@ -1,0 +1,394 @@
+//! Geometry, policy and capacity of a CUDA backend, validated before anything touches the GPU.
+
+use super::error::{CudaError, Result};
+
+/// Storage dtype of K and V (little-endian in memory).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    Bf16,
+    F16,
+    F32,
+}
+
+impl KvDtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::Bf16 | KvDtype::F16 => 2,
+            KvDtype::F32 => 4,
+        }
+    }
+
+    fn kind(self) -> u32 {
+        match self {
+            KvDtype::Bf16 => 0,
+            KvDtype::F16 => 1,
+            KvDtype::F32 => 2,
+        }
+    }
+}
+
+/// How block summaries are stored on the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SummaryDtype {
+    /// fp32, exactly as the CPU holds them: selection is bit-identical to the CPU selector.
+    F32,
+    /// bf16 rounded outward (max up, min down): half the selector's bytes, still an upper bound.
+    /// Bit-identical to the CPU selector run on the same rounded summaries.
+    Bf16Outward,
+}
+
+/// Attention geometry shared by every session of a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaGeometry {
+    pub layers: u32,
+    pub q_heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub block_tokens: u32,
+    pub dtype: KvDtype,
+}
+
+impl CudaGeometry {
+    /// GQA group size G = Hq / Hkv.
+    pub fn group(&self) -> u32 {
+        self.q_heads / self.kv_heads
+    }
+
+    /// Bytes of one tile: K [B x D] then V [B x D].
+    pub fn tile_bytes(&self) -> usize {
+        2 * self.block_tokens as usize * self.head_dim as usize * self.dtype.size()
+    }
+
+    /// Bytes of one (layer, block) run: Hkv tiles back to back.
+    pub fn block_run_bytes(&self) -> usize {
+        self.kv_heads as usize * self.tile_bytes()
+    }
+
+    /// f32 values of one block's summaries: [kv_head][2][D].
+    pub fn summary_len_per_block(&self) -> usize {
+        self.kv_heads as usize * 2 * self.head_dim as usize
+    }
+}
+
+/// Selection policy (see the data model: sink, local window, top-k distant blocks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SelectPolicy {
+    pub sink_blocks: u32,
+    pub local_blocks: u32,
+    pub top_k: u32,
+}
+
+impl SelectPolicy {
+    /// Largest keep-set per kv head.
+    pub fn keep_max(&self) -> u32 {
+        self.sink_blocks + self.local_blocks + self.top_k
+    }
+}
+
+impl Default for SelectPolicy {
+    fn default() -> Self {
+        SelectPolicy {
+            sink_blocks: 1,
+            local_blocks: 4,
+            top_k: 32,
+        }
+    }
+}
+
+/// Everything a [`super::CudaBackend`] is sized from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaConfig {
+    pub geometry: CudaGeometry,
+    pub policy: SelectPolicy,
+    /// Session slots with device state (summaries, page table, tile cache).
+    pub max_sessions: u32,
+    /// Most blocks per session and layer (context capacity = max_blocks * block_tokens).
+    pub max_blocks: u32,
+    /// Most sessions in one decode batch.
+    pub max_batch: u32,
+    /// Tile-cache slots per (session, layer, kv head); at least the keep-set size.
+    pub cache_slots: u32,
+    pub summary_dtype: SummaryDtype,
+}
+
+const SMEM_LIMIT: usize = 48 * 1024;
+/// Largest opt-in shared memory per block on compute capability 8.0 / 9.0 (checked against
+/// the device at backend creation too).
+const SMEM_OPTIN_LIMIT: usize = 227 * 1024;
+const ATT_THREADS: usize = 128;
+
+fn invalid(reason: impl Into<String>) -> CudaError {
+    CudaError::InvalidConfig {
+        reason: reason.into(),
+    }
+}
+
+impl CudaConfig {
+    /// Checks every limit the kernels rely on; returns the derived kernel constants.
+    pub fn validate(&self) -> Result<Derived> {
+        let g = &self.geometry;
+        let p = &self.policy;
+        if g.layers == 0 || g.q_heads == 0 || g.kv_heads == 0 || g.block_tokens == 0 {
+            return Err(invalid(
+                "layers, q_heads, kv_heads and block_tokens must be non-zero",
+            ));
+        }
+        if !g.q_heads.is_multiple_of(g.kv_heads) {
+            return Err(invalid(format!(
+                "q_heads {} is not a multiple of kv_heads {}",
+                g.q_heads, g.kv_heads
+            )));
+        }
+        let group = g.group();
+        if group > 32 {
+            return Err(invalid(format!("GQA group {group} exceeds 32")));
+        }
+        let cpr = g.head_dim as usize * g.dtype.size() / 16;
+        if !g.head_dim.is_power_of_two() || g.head_dim < 32 || cpr == 0 || cpr > ATT_THREADS {
+            return Err(invalid(format!(
+                "head_dim {} unsupported: must be a power of two >= 32 with head_dim * elem / 16 <= {ATT_THREADS}",
+                g.head_dim
+            )));
+        }
+        if g.block_tokens > 1024 {
+            return Err(invalid(format!(
+                "block_tokens {} exceeds 1024",
+                g.block_tokens
+            )));
+        }
+        if p.top_k == 0 {
+            return Err(invalid("top_k must be at least 1"));
+        }
+        if p.local_blocks == 0 {
+            return Err(invalid(
+                "local_blocks must be at least 1 (the tail block is always kept)",
+            ));
+        }
+        let ksel = p.keep_max();
+        if ksel > 65_535 {
+            return Err(invalid(format!("keep-set size {ksel} exceeds 65535")));
+        }
+        if self.cache_slots < ksel {
+            return Err(invalid(format!(
+                "cache_slots {} is smaller than the keep-set size {ksel}",
+                self.cache_slots
+            )));
+        }
+        if self.max_sessions == 0 || self.max_blocks == 0 || self.max_batch == 0 {
+            return Err(invalid(
+                "max_sessions, max_blocks and max_batch must be non-zero",
+            ));
+        }
+        if self.max_batch > self.max_sessions {
+            return Err(invalid("max_batch exceeds max_sessions"));
+        }
+        if self.max_batch as u64 * g.kv_heads as u64 > 65_535 {
+            return Err(invalid("max_batch * kv_heads exceeds 65535 (grid limit)"));
+        }
+        if (self.max_blocks as u64) * (g.block_tokens as u64) > u32::MAX as u64 {
+            return Err(invalid(
+                "max_blocks * block_tokens exceeds u32 token positions",
+            ));
+        }
+        let d = g.head_dim as usize;
+        let gs = group as usize;
+        let b = g.block_tokens as usize;
+        // select_topk keeps ceil(max_blocks / 1024) keys per thread in registers.
+        let kpt = (self.max_blocks as usize).div_ceil(1024);
+        if kpt > 32 {
+            return Err(invalid(format!(
+                "max_blocks {} exceeds 32768",
+                self.max_blocks
+            )));
+        }
+        // select_score: s_q[G][D] + two [128][DCH+1] chunk buffers.
+        let dch = [32usize, 16]
+            .into_iter()
+            .find(|c| (gs * d + 2 * 128 * (c + 1)) * 4 <= SMEM_LIMIT && d.is_multiple_of(*c))
+            .ok_or_else(|| invalid("selector shared memory exceeds 48 KiB"))?;
+        // attend_tile: dynamic = tile (+ reduction buffer unless it fits in the dead K half).
+        let slices = ATT_THREADS / cpr;
+        let red = slices * gs * d * 4;
+        let k_half = b * d * g.dtype.size();
+        let red_in_tile = red <= k_half;
+        let dyn_smem = g.tile_bytes() + if red_in_tile { 0 } else { red };
+        let static_smem = (gs * d + gs * b + 2 * gs) * 4;
+        if static_smem > SMEM_LIMIT || dyn_smem + static_smem > SMEM_OPTIN_LIMIT {
+            return Err(invalid(format!(
+                "attention needs {} bytes of shared memory (> {SMEM_OPTIN_LIMIT}) for G={gs}, D={d}, B={b}",
+                dyn_smem + static_smem
+            )));
+        }
+        let k = ksel as usize;
+        let c = self.cache_slots as usize;
+        let plan_smem = k * 12 + c * 13 + 4;
+        if plan_smem > SMEM_LIMIT {
+            return Err(invalid(format!(
+                "gather plan needs {plan_smem} bytes of shared memory"
+            )));
+        }
+        Ok(Derived {
+            score_chunk: dch as u32,
+            keep_max: ksel,
+            topk_per_thread: kpt.max(1) as u32,
+            att_dyn_smem: dyn_smem as u32,
+            att_total_smem: (dyn_smem + static_smem) as u32,
+            red_in_tile,
+        })
+    }
+
+    /// The -D defines the kernels are compiled with.
+    pub(crate) fn defines(&self, derived: &Derived) -> Vec<String> {
+        let g = &self.geometry;
+        let p = &self.policy;
+        [
+            ("HEAD_DIM", g.head_dim),
+            ("GROUP", g.group()),
+            ("KV_HEADS", g.kv_heads),
+            ("BLOCK_TOKENS", g.block_tokens),
+            ("NUM_LAYERS", g.layers),
+            ("ELEM_KIND", g.dtype.kind()),
+            (
+                "SUM_BF16",
+                u32::from(self.summary_dtype == SummaryDtype::Bf16Outward),
+            ),
+            ("SINK", p.sink_blocks),
+            ("LOCAL", p.local_blocks),
+            ("TOPK", p.top_k),
+            ("KSEL", derived.keep_max),
+            ("CACHE_SLOTS", self.cache_slots),
+            ("TOPK_KPT", derived.topk_per_thread),
+            ("DCH", derived.score_chunk),
+            ("RED_IN_TILE", u32::from(derived.red_in_tile)),
+        ]
+        .iter()
+        .map(|(k, v)| format!("-D{k}={v}"))
+        .collect()
+    }
+}
+
+/// Kernel constants derived from a validated config.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Derived {
+    /// Head dims per selector staging step.
+    pub score_chunk: u32,
+    /// Keep-set size bound per kv head (sink + local + top_k).
+    pub keep_max: u32,
+    /// Distant candidates per select_topk thread (registers).
+    pub topk_per_thread: u32,
+    /// Dynamic shared memory of attend_tile in bytes.
+    pub att_dyn_smem: u32,
+    /// Static + dynamic shared memory of attend_tile in bytes.
+    pub att_total_smem: u32,
+    /// Whether the value-phase reduction reuses the tile's K half.
+    pub red_in_tile: bool,
+}
+
+/// Rounds an fp32 bound to bf16 bits away from the interior: `up` rounds toward +inf (for
+/// k_max), otherwise toward -inf (for k_min). Finite inputs only.
+pub fn bf16_outward(x: f32, up: bool) -> u16 {
+    let bits = x.to_bits();
+    let trunc = (bits >> 16) as u16; // rounds toward zero
+    if bits & 0xffff == 0 {
+        return trunc;
+    }
+    let negative = bits >> 31 == 1;
+    // Toward zero is toward -inf for positives and toward +inf for negatives.
+    let away = up != negative;
+    if away {
+        trunc + 1
+    } else {
+        trunc
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qwen() -> CudaConfig {
+        CudaConfig {
+            geometry: CudaGeometry {
+                layers: 28,
+                q_heads: 28,
+                kv_heads: 4,
+                head_dim: 128,
+                block_tokens: 128,
+                dtype: KvDtype::Bf16,
+            },
+            policy: SelectPolicy::default(),
+            max_sessions: 8,
+            max_blocks: 8192,
+            max_batch: 8,
+            cache_slots: 74,
+            summary_dtype: SummaryDtype::F32,
+        }
+    }
+
+    #[test]
+    fn qwen_geometry_is_valid() {
+        let d = qwen().validate().unwrap();
+        assert_eq!(d.keep_max, 37);
+        assert_eq!(d.topk_per_thread, 8);
+        assert!(d.red_in_tile);
+        assert_eq!(d.att_dyn_smem, 64 * 1024);
+        assert_eq!(qwen().geometry.block_run_bytes(), 256 * 1024);
+    }
+
+    #[test]
+    fn bad_configs_are_rejected() {
+        let mut c = qwen();
+        c.geometry.q_heads = 30;
+        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
+        let mut c = qwen();
+        c.geometry.head_dim = 96;
+        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
+        let mut c = qwen();
+        c.cache_slots = 36;
+        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
+        let mut c = qwen();
+        c.policy.top_k = 0;
+        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
+        let mut c = qwen();
+        c.policy.local_blocks = 0;
+        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
+        let mut c = qwen();
+        c.max_batch = 9;
+        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
+        let mut c = qwen();
+        c.geometry.q_heads = 4 * 33;
+        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
+        let mut c = qwen();
+        c.max_blocks = 40_000;
+        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
+        let mut c = qwen();
+        c.geometry.block_tokens = 1024;
+        c.geometry.dtype = KvDtype::F32;
+        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
+        let mut c = qwen();
+        c.geometry.kv_heads = 0;
+        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
+    }
+
+    #[test]
+    fn bf16_outward_rounding_brackets_the_value() {
+        let mut x = 0x1234_5678u32;
+        for _ in 0..100_000 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            let f = f32::from_bits(x);
+            if !f.is_finite() || f.abs() > 1e38 {
+                continue;
+            }
+            let hi = f32::from_bits((bf16_outward(f, true) as u32) << 16);
+            let lo = f32::from_bits((bf16_outward(f, false) as u32) << 16);
+            assert!(hi >= f && lo <= f, "{f} -> [{lo}, {hi}]");
+            // One bf16 ulp apart at most.
+            assert!(bf16_outward(f, true).abs_diff(bf16_outward(f, false)) <= 1 || f == 0.0);
+        }
+        assert_eq!(bf16_outward(1.0, true), 0x3f80);
+        assert_eq!(bf16_outward(-1.0, false), 0xbf80);
+    }
+}

@@ -1,0 +1,113 @@
+//! Run-time compilation (NVRTC) of the kernel sources for one backend's geometry.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext, CudaFunction};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
+
+use super::config::{CudaConfig, Derived};
+use super::error::{CudaError, Result};
+
+/// All kernel sources, concatenated in dependency order.
+pub const KERNEL_SOURCE: &str = concat!(
+    include_str!("../../cuda/common.cuh"),
+    "\n",
+    include_str!("../../cuda/gather.cu"),
+    "\n",
+    include_str!("../../cuda/select.cu"),
+    "\n",
+    include_str!("../../cuda/attend.cu"),
+);
+
+/// Loaded kernel functions.
+pub(crate) struct Kernels {
+    pub select_score: CudaFunction,
+    pub select_topk: CudaFunction,
+    pub attend_tile: CudaFunction,
+    pub attend_merge: CudaFunction,
+}
+
+fn arch_for(cc: (i32, i32)) -> Option<&'static str> {
+    Some(match cc {
+        (7, 0) => "compute_70",
+        (7, 5) => "compute_75",
+        (8, 0) => "compute_80",
+        (8, 6) => "compute_86",
+        (8, 9) => "compute_89",
+        (9, 0) => "compute_90",
+        (10, 0) => "compute_100",
+        (12, 0) => "compute_120",
+        _ => return None,
+    })
+}
+
+fn nvrtc(cfg: &CudaConfig, derived: &Derived, arch: Option<&'static str>) -> Result<Ptx> {
+    // SAFETY: only probes whether the shared library can be loaded.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::NoNvrtc);
+    }
+    let opts = CompileOptions {
+        arch,
+        options: cfg.defines(derived),
+        name: Some("kvtier.cu".into()),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(KERNEL_SOURCE, opts).map_err(|e| CudaError::Compile {
+        log: match e {
+            CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+            other => other.to_string(),
+        },
+    })
+}
+
+/// Compiles the kernels for `cfg` with NVRTC for compute capability 9.0 and returns the PTX.
+/// Needs libnvrtc but no GPU, so kernel sources can be checked on machines without a device.
+pub fn compile_check(cfg: &CudaConfig) -> Result<String> {
+    let derived = cfg.validate()?;
+    Ok(nvrtc(cfg, &derived, Some("compute_90"))?.to_src())
+}
+
+/// Compiles the kernels for `cfg` and loads them into `ctx`.
+pub(crate) fn compile(
+    ctx: &Arc<CudaContext>,
+    cfg: &CudaConfig,
+    derived: &Derived,
+) -> Result<Kernels> {
+    let cc = ctx
+        .compute_capability()
+        .map_err(CudaError::driver("cuDeviceGetAttribute"))?;
+    let ptx = nvrtc(cfg, derived, arch_for(cc))?;
+    let module = ctx
+        .load_module(ptx)
+        .map_err(CudaError::driver("cuModuleLoadData"))?;
+    let f = |name: &'static str| {
+        module
+            .load_function(name)
+            .map_err(CudaError::driver("cuModuleGetFunction"))
+    };
+    let attend_tile = f("attend_tile")?;
+    // attend_tile stages a whole tile in shared memory: opt in above the 48 KiB default.
+    let optin = ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .map_err(CudaError::driver("cuDeviceGetAttribute"))?;
+    if derived.att_total_smem as i32 > optin {
+        return Err(CudaError::InvalidConfig {
+            reason: format!(
+                "attention needs {} bytes of shared memory, device allows {optin}",
+                derived.att_total_smem
+            ),
+        });
+    }
+    attend_tile
+        .set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            derived.att_dyn_smem as i32,
+        )
+        .map_err(CudaError::driver("cuFuncSetAttribute"))?;
+    Ok(Kernels {
+        attend_tile,
+        attend_merge: f("attend_merge")?,
+        select_score: f("select_score")?,
+        select_topk: f("select_topk")?,
+    })
+}

@@ -1,0 +1,56 @@
+//! NVRTC compiles the kernel sources for several geometries. Needs libnvrtc, not a GPU;
+//! skips (saying so) where libnvrtc is absent.
+#![cfg(feature = "cuda")]
+
+use kvtier_kernels::cuda::{
+    compile_check, CudaConfig, CudaError, CudaGeometry, KvDtype, SelectPolicy, SummaryDtype,
+};
+
+fn cfg(hq: u32, hkv: u32, d: u32, b: u32, dtype: KvDtype, sum: SummaryDtype) -> CudaConfig {
+    CudaConfig {
+        geometry: CudaGeometry {
+            layers: 2,
+            q_heads: hq,
+            kv_heads: hkv,
+            head_dim: d,
+            block_tokens: b,
+            dtype,
+        },
+        policy: SelectPolicy {
+            sink_blocks: 1,
+            local_blocks: 2,
+            top_k: 5,
+        },
+        max_sessions: 4,
+        max_blocks: 64,
+        max_batch: 4,
+        cache_slots: 16,
+        summary_dtype: sum,
+    }
+}
+
+#[test]
+fn kernels_compile_for_supported_geometries() {
+    let cases = [
+        cfg(28, 4, 128, 128, KvDtype::Bf16, SummaryDtype::F32),
+        cfg(28, 4, 128, 128, KvDtype::Bf16, SummaryDtype::Bf16Outward),
+        cfg(8, 8, 64, 16, KvDtype::F16, SummaryDtype::F32),
+        cfg(16, 2, 128, 32, KvDtype::F32, SummaryDtype::F32),
+        cfg(16, 4, 256, 64, KvDtype::Bf16, SummaryDtype::F32),
+        cfg(32, 8, 32, 16, KvDtype::F32, SummaryDtype::Bf16Outward),
+    ];
+    for c in cases {
+        match compile_check(&c) {
+            Err(CudaError::NoNvrtc) => {
+                println!("skipped: no NVRTC library");
+                return;
+            }
+            Err(e) => panic!("{:?}: {e}", c.geometry),
+            Ok(ptx) => {
+                for k in ["select_score", "select_topk", "attend_tile"] {
+                    assert!(ptx.contains(&format!(".entry {k}")), "{k} missing from PTX");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The main job end to end on embedded defaults: builds tierd and the demo client (release),
+# starts tierd on the CPU backend, loads a synthetic long-context session with a planted needle,
+# decodes, and prints per step the keep-set, bytes touched, needle found, and speed vs dense.
+# Arguments go to the demo (e.g. --context 131072 --steps 4).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release -q -p tierd -p kvtier-bench --bin tierd --bin kvtier_demo
+exec target/release/kvtier_demo "$@"

@@ -1,0 +1,208 @@
+//! I/O engines: positional reads and writes of aligned buffers on [`DirectFile`]s.
+//!
+//! An operation owns its buffer from submission to completion and hands it back in the
+//! [`IoCompletion`], so no buffer can be freed or touched while the kernel may still write it.
+//! A completion is `Ok` only when every byte was transferred: short transfers are resubmitted
+//! or turned into [`NvmeError::ShortRead`]/[`NvmeError::ShortWrite`].
+
+mod faulty;
+mod pread;
+mod uring;
+
+use std::sync::Arc;
+
+pub use faulty::{Fault, FaultRule, FaultyEngine, Trigger};
+pub use pread::PreadEngine;
+pub use uring::{UringConfig, UringEngine};
+
+use super::buf::{AlignedBuf, DirectFile};
+use super::NvmeError;
+
+/// Read or write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    Read,
+    Write,
+}
+
+/// One positional transfer of a whole aligned buffer. Built only through the checked
+/// constructors, so alignment is guaranteed when an engine sees it.
+#[derive(Debug)]
+pub struct IoRequest {
+    file: Arc<DirectFile>,
+    kind: OpKind,
+    offset: u64,
+    buf: AlignedBuf,
+}
+
+impl IoRequest {
+    /// Reads `buf.len()` bytes at `offset` into `buf`.
+    pub fn read(file: Arc<DirectFile>, offset: u64, buf: AlignedBuf) -> Result<Self, NvmeError> {
+        Self::new(file, OpKind::Read, offset, buf)
+    }
+
+    /// Writes all of `buf` at `offset`.
+    pub fn write(file: Arc<DirectFile>, offset: u64, buf: AlignedBuf) -> Result<Self, NvmeError> {
+        Self::new(file, OpKind::Write, offset, buf)
+    }
+
+    pub fn new(
+        file: Arc<DirectFile>,
+        kind: OpKind,
+        offset: u64,
+        buf: AlignedBuf,
+    ) -> Result<Self, NvmeError> {
+        let oa = file.offset_align() as u64;
+        if !offset.is_multiple_of(oa) {
+            return Err(NvmeError::Misaligned {
+                what: "file offset",
+                value: offset,
+                align: oa,
+            });
+        }
+        if buf.align() < file.mem_align() {
+            return Err(NvmeError::Misaligned {
+                what: "buffer alignment",
+                value: buf.align() as u64,
+                align: file.mem_align() as u64,
+            });
+        }
+        if !(buf.len() as u64).is_multiple_of(oa) {
+            return Err(NvmeError::Misaligned {
+                what: "transfer length",
+                value: buf.len() as u64,
+                align: oa,
+            });
+        }
+        if buf.len() > u32::MAX as usize / 2 {
+            return Err(NvmeError::invalid(format!(
+                "transfer of {} bytes is too large for one operation",
+                buf.len()
+            )));
+        }
+        Ok(Self {
+            file,
+            kind,
+            offset,
+            buf,
+        })
+    }
+
+    pub fn kind(&self) -> OpKind {
+        self.kind
+    }
+
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    pub fn file(&self) -> &Arc<DirectFile> {
+        &self.file
+    }
+
+    /// Gives the buffer back (e.g. when a request is dropped before submission).
+    pub fn into_buf(self) -> AlignedBuf {
+        self.buf
+    }
+
+    pub(crate) fn buf_mut(&mut self) -> &mut AlignedBuf {
+        &mut self.buf
+    }
+
+    pub(crate) fn buf(&self) -> &AlignedBuf {
+        &self.buf
+    }
+
+    pub(crate) fn complete(self, result: Result<(), NvmeError>) -> IoCompletion {
+        IoCompletion {
+            kind: self.kind,
+            offset: self.offset,
+            buf: self.buf,
+            result,
+        }
+    }
+}
+
+/// The outcome of one request, with its buffer handed back.
+#[derive(Debug)]
+pub struct IoCompletion {
+    pub kind: OpKind,
+    pub offset: u64,
+    pub buf: AlignedBuf,
+    /// `Ok` only if all `buf.len()` bytes were transferred.
+    pub result: Result<(), NvmeError>,
+}
+
+/// A positional I/O engine. `submit` sends a batch and waits for all of it; completions come
+/// back in request order. Engines are shared between threads; concurrent batches proceed in
+/// parallel where the engine can (io_uring interleaves them in one ring).
+pub trait IoEngine: Send + Sync {
+    /// Submits every request and waits for all completions. The outer error means the engine
+    /// itself is gone; per-request failures are in each completion's `result`.
+    fn submit(&self, reqs: Vec<IoRequest>) -> Result<Vec<IoCompletion>, NvmeError>;
+
+    /// Short name for logs and benchmark tables.
+    fn name(&self) -> &'static str;
+}
+
+impl<E: IoEngine + ?Sized> IoEngine for Arc<E> {
+    fn submit(&self, reqs: Vec<IoRequest>) -> Result<Vec<IoCompletion>, NvmeError> {
+        (**self).submit(reqs)
+    }
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+}
+
+impl<E: IoEngine + ?Sized> IoEngine for Box<E> {
+    fn submit(&self, reqs: Vec<IoRequest>) -> Result<Vec<IoCompletion>, NvmeError> {
+        (**self).submit(reqs)
+    }
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+}
+
+/// io_uring where the kernel allows it, otherwise pread/pwrite, with the reason logged.
+pub fn open_best_engine(cfg: UringConfig) -> Arc<dyn IoEngine> {
+    match UringEngine::new(cfg) {
+        Ok(e) => Arc::new(e),
+        Err(err) => {
+            tracing::warn!(error = %err, "io_uring unavailable, falling back to pread/pwrite");
+            Arc::new(PreadEngine::new())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_rejects_misalignment() {
+        let dir = std::env::temp_dir().join(format!("kvtier-io-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = Arc::new(DirectFile::open(&dir.join("f")).unwrap());
+        let buf = AlignedBuf::new(4096, 4096).unwrap();
+        let err = IoRequest::read(f.clone(), 100, buf).unwrap_err();
+        assert!(matches!(
+            err,
+            NvmeError::Misaligned {
+                what: "file offset",
+                ..
+            }
+        ));
+        let small = AlignedBuf::new(512, 512).unwrap();
+        let err = IoRequest::read(f, 0, small).unwrap_err();
+        assert!(matches!(err, NvmeError::Misaligned { .. }));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -1,0 +1,410 @@
+//! The manifest: the index of everything on NVMe (sessions, their metadata, and for every
+//! (layer, block) the page holding it), serialized with rkyv and read back through a
+//! validated, memory-mapped view.
+//!
+//! # Files and crash safety
+//!
+//! Each commit writes a new file `manifest-<epoch>` (20 decimal digits): written to
+//! `manifest-<epoch>.tmp`, fsync'd, renamed, then the directory is fsync'd. A file is
+//! `magic | version | crc32c | epoch | len | reserved` (48 bytes) + the rkyv bytes; the crc
+//! covers bytes 16..48 and the payload. Loading takes the newest file that verifies and
+//! reports the others it skipped; the previous good manifest is kept until the next commit,
+//! so a corrupt or truncated newest file falls back to it.
+//!
+//! # Page reuse rule
+//!
+//! For that fallback to find its pages intact, pages that epoch E stops referencing may be
+//! reused only after epoch E+1 is committed. [`ManifestStore::open`] returns the previous
+//! manifest too, so recovery can keep its pages until then ([`Manifest::retired_since`]).
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use rkyv::rancor;
+
+use super::store::{PageAddr, PageStore};
+use super::NvmeError;
+
+const MAGIC: &[u8; 8] = b"KVTMANI1";
+const VERSION: u32 = 1;
+const HEADER: usize = 48;
+const PREFIX: &str = "manifest-";
+
+/// Model geometry of a session (the fields of the lead's `Geometry`, as plain numbers).
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct GeometryRecord {
+    pub layers: u32,
+    pub q_heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    /// 0 = bf16, 1 = fp16, 2 = fp32.
+    pub dtype: u8,
+    pub block_tokens: u32,
+}
+
+/// Selection policy of a session.
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct PolicyRecord {
+    pub sink_blocks: u32,
+    pub local_blocks: u32,
+    pub top_k: u32,
+}
+
+/// Where one (layer, block) run of a session lives and what it must verify as.
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct PageRecord {
+    pub layer: u32,
+    pub block: u32,
+    pub device: u16,
+    pub page: u64,
+    pub generation: u64,
+    pub crc: u32,
+    pub payload_len: u32,
+}
+
+impl PageRecord {
+    pub fn addr(&self) -> PageAddr {
+        PageAddr {
+            device: self.device,
+            page: self.page,
+        }
+    }
+}
+
+/// One session on NVMe.
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct SessionRecord {
+    pub id: u64,
+    pub owner_uid: u32,
+    pub label: String,
+    pub geometry: GeometryRecord,
+    pub policy: PolicyRecord,
+    /// Tokens per layer.
+    pub layer_tokens: Vec<u64>,
+    pub pages: Vec<PageRecord>,
+}
+
+/// A backing device as the manifest last saw it.
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct DeviceRecord {
+    pub path: String,
+    pub pages: u64,
+}
+
+/// The whole index.
+#[derive(
+    Debug, Clone, Default, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize,
+)]
+pub struct Manifest {
+    /// Set by [`ManifestStore::commit`].
+    pub epoch: u64,
+    pub page_size: u64,
+    pub devices: Vec<DeviceRecord>,
+    pub sessions: Vec<SessionRecord>,
+}
+
+impl Manifest {
+    /// An empty manifest describing `store`'s devices.
+    pub fn for_store(store: &PageStore) -> Self {
+        Self {
+            epoch: 0,
+            page_size: store.page_size() as u64,
+            devices: store
+                .usage()
+                .devices
+                .into_iter()
+                .map(|d| DeviceRecord {
+                    path: d.path.display().to_string(),
+                    pages: d.pages_total,
+                })
+                .collect(),
+            sessions: Vec::new(),
+        }
+    }
+
+    pub fn session(&self, id: u64) -> Option<&SessionRecord> {
+        self.sessions.iter().find(|s| s.id == id)
+    }
+
+    /// Every page the manifest references.
+    pub fn page_addrs(&self) -> impl Iterator<Item = PageAddr> + '_ {
+        self.sessions
+            .iter()
+            .flat_map(|s| s.pages.iter().map(PageRecord::addr))
+    }
+
+    /// Pages `older` references that `self` does not: free them once the manifest after
+    /// `self` is committed.
+    pub fn retired_since(&self, older: &Manifest) -> Vec<PageAddr> {
+        let now: std::collections::HashSet<PageAddr> = self.page_addrs().collect();
+        let mut out: Vec<PageAddr> = older.page_addrs().filter(|a| !now.contains(a)).collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// Checks the manifest against the open store (page size, device count and sizes) and
+    /// marks every page it references, and those of `previous` (kept for fallback), as
+    /// allocated. Returns the pages to free after the next commit.
+    pub fn recover_into(
+        &self,
+        store: &PageStore,
+        previous: Option<&Manifest>,
+    ) -> Result<Vec<PageAddr>, NvmeError> {
+        for m in std::iter::once(self).chain(previous) {
+            if m.page_size != store.page_size() as u64 {
+                return Err(NvmeError::ManifestMismatch {
+                    what: format!(
+                        "manifest epoch {} has page size {}, store {}",
+                        m.epoch,
+                        m.page_size,
+                        store.page_size()
+                    ),
+                });
+            }
+            let pages = store.device_pages();
+            if m.devices.len() != pages.len()
+                || m.devices.iter().zip(&pages).any(|(d, &p)| d.pages != p)
+            {
+                return Err(NvmeError::ManifestMismatch {
+                    what: format!(
+                        "manifest epoch {} describes devices {:?}, store has pages {:?}",
+                        m.epoch,
+                        m.devices.iter().map(|d| d.pages).collect::<Vec<_>>(),
+                        pages
+                    ),
+                });
+            }
+        }
+        for a in self.page_addrs() {
+            store.mark_allocated(a)?;
+        }
+        let retired = previous.map(|p| self.retired_since(p)).unwrap_or_default();
+        for &a in &retired {
+            store.mark_allocated(a)?;
+        }
+        Ok(retired)
+    }
+}
+
+/// What [`ManifestStore::open`] found.
+#[derive(Debug)]
+pub struct Loaded {
+    pub current: Manifest,
+    /// The newest valid manifest before `current`, if its file is still there.
+    pub previous: Option<Manifest>,
+    /// Files that failed verification (newer than `current` or between), with why.
+    pub skipped: Vec<(PathBuf, NvmeError)>,
+}
+
+/// The manifest directory.
+#[derive(Debug)]
+pub struct ManifestStore {
+    dir: PathBuf,
+    next_epoch: u64,
+    /// Epoch of the newest good manifest (kept as the fallback after the next commit).
+    last_good: Option<u64>,
+}
+
+fn file_name(epoch: u64) -> String {
+    format!("{PREFIX}{epoch:020}")
+}
+
+fn parse_epoch(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix(PREFIX)?;
+    if digits.len() == 20 && digits.bytes().all(|b| b.is_ascii_digit()) {
+        digits.parse().ok()
+    } else {
+        None
+    }
+}
+
+impl ManifestStore {
+    /// Opens (creating) the directory, removes leftover temporary files, and loads the newest
+    /// manifest that verifies. `None` when there is no valid manifest at all.
+    pub fn open(dir: &Path) -> Result<(Self, Option<Loaded>), NvmeError> {
+        fs::create_dir_all(dir).map_err(|e| NvmeError::os("mkdir", dir, e))?;
+        let mut epochs = Vec::new();
+        for entry in fs::read_dir(dir).map_err(|e| NvmeError::os("readdir", dir, e))? {
+            let entry = entry.map_err(|e| NvmeError::os("readdir", dir, e))?;
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if name.starts_with(PREFIX) && name.ends_with(".tmp") {
+                // An interrupted commit: never renamed, so never acknowledged.
+                let p = entry.path();
+                fs::remove_file(&p).map_err(|e| NvmeError::os("unlink", &p, e))?;
+            } else if let Some(e) = parse_epoch(name) {
+                epochs.push(e);
+            }
+        }
+        epochs.sort_unstable_by(|a, b| b.cmp(a));
+        let next_epoch = epochs.first().map_or(1, |e| e + 1);
+        let mut skipped = Vec::new();
+        let mut good: Vec<Manifest> = Vec::new();
+        for &e in &epochs {
+            let path = dir.join(file_name(e));
+            match load_file(&path) {
+                Ok(m) if m.epoch == e => {
+                    good.push(m);
+                    if good.len() == 2 {
+                        break;
+                    }
+                }
+                Ok(m) => skipped.push((
+                    path.clone(),
+                    NvmeError::CorruptManifest {
+                        path,
+                        reason: format!("file name says epoch {e}, contents {}", m.epoch),
+                    },
+                )),
+                Err(err) => {
+                    if good.is_empty() {
+                        tracing::warn!(path = %path.display(), error = %err, "skipping bad manifest");
+                    }
+                    skipped.push((path, err));
+                }
+            }
+        }
+        let mut good = good.into_iter();
+        let loaded = good.next().map(|current| Loaded {
+            previous: good.next(),
+            current,
+            skipped,
+        });
+        let store = Self {
+            dir: dir.to_path_buf(),
+            next_epoch,
+            last_good: loaded.as_ref().map(|l| l.current.epoch),
+        };
+        Ok((store, loaded))
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The epoch the next commit will get.
+    pub fn next_epoch(&self) -> u64 {
+        self.next_epoch
+    }
+
+    /// Durably replaces the manifest: when this returns `Ok(epoch)`, a restart loads this
+    /// manifest (or, if its file is later damaged, the previous one). Sets `m.epoch`.
+    pub fn commit(&mut self, m: &mut Manifest) -> Result<u64, NvmeError> {
+        let epoch = self.next_epoch;
+        m.epoch = epoch;
+        let payload = rkyv::to_bytes::<rancor::Error>(m)
+            .map_err(|e| NvmeError::invalid(format!("manifest does not serialize: {e}")))?;
+        let mut header = [0u8; HEADER];
+        header[0..8].copy_from_slice(MAGIC);
+        header[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        header[16..24].copy_from_slice(&epoch.to_le_bytes());
+        header[24..32].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&header[16..]), &payload);
+        header[12..16].copy_from_slice(&crc.to_le_bytes());
+
+        let final_path = self.dir.join(file_name(epoch));
+        let tmp = self.dir.join(format!("{}.tmp", file_name(epoch)));
+        {
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+                .map_err(|e| NvmeError::os("create", &tmp, e))?;
+            f.write_all(&header)
+                .and_then(|_| f.write_all(&payload))
+                .map_err(|e| map_write_err(&tmp, e))?;
+            f.sync_all().map_err(|e| NvmeError::os("fsync", &tmp, e))?;
+        }
+        // The epoch is used up even if the rename fails, so a retry never reuses a name.
+        self.next_epoch += 1;
+        fs::rename(&tmp, &final_path).map_err(|e| NvmeError::os("rename", &tmp, e))?;
+        File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| NvmeError::os("fsync(dir)", &self.dir, e))?;
+        // Keep the previous good manifest as the fallback; everything older goes.
+        let keep_from = self.last_good.unwrap_or(epoch);
+        self.last_good = Some(epoch);
+        self.remove_older_than(keep_from);
+        Ok(epoch)
+    }
+
+    fn remove_older_than(&self, epoch: u64) {
+        let Ok(rd) = fs::read_dir(&self.dir) else {
+            return;
+        };
+        for entry in rd.flatten() {
+            let name = entry.file_name();
+            if let Some(e) = name.to_str().and_then(parse_epoch) {
+                if e < epoch {
+                    if let Err(err) = fs::remove_file(entry.path()) {
+                        tracing::warn!(error = %err, "could not remove old manifest");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn map_write_err(path: &Path, e: std::io::Error) -> NvmeError {
+    if e.raw_os_error() == Some(libc::ENOSPC) {
+        NvmeError::NoSpace { offset: 0, len: 0 }
+    } else {
+        NvmeError::os("write", path, e)
+    }
+}
+
+/// Reads and fully verifies one manifest file (header, length, crc32c, rkyv validation).
+pub fn load_file(path: &Path) -> Result<Manifest, NvmeError> {
+    let corrupt = |reason: String| NvmeError::CorruptManifest {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let file = File::open(path).map_err(|e| NvmeError::os("open", path, e))?;
+    let size = file
+        .metadata()
+        .map_err(|e| NvmeError::os("fstat", path, e))?
+        .len();
+    if size < HEADER as u64 {
+        return Err(corrupt(format!(
+            "truncated: {size} bytes, header is {HEADER}"
+        )));
+    }
+    // SAFETY: committed manifest files are never modified in place (new epochs are new files
+    // made by rename), so the mapping does not change under us.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| NvmeError::os("mmap", path, e))?;
+    if &map[0..8] != MAGIC {
+        return Err(corrupt("bad magic".into()));
+    }
+    let version = u32::from_le_bytes(map[8..12].try_into().expect("4 bytes"));
+    if version != VERSION {
+        return Err(corrupt(format!("unknown version {version}")));
+    }
+    let stored = u32::from_le_bytes(map[12..16].try_into().expect("4 bytes"));
+    let epoch = u64::from_le_bytes(map[16..24].try_into().expect("8 bytes"));
+    let len = u64::from_le_bytes(map[24..32].try_into().expect("8 bytes"));
+    if HEADER as u64 + len != size {
+        return Err(corrupt(format!(
+            "length {len} + header does not match file size {size} (truncated or padded)"
+        )));
+    }
+    let computed = crc32c::crc32c_append(crc32c::crc32c(&map[16..HEADER]), &map[HEADER..]);
+    if stored != computed {
+        return Err(corrupt(format!(
+            "crc32c stored {stored:#010x}, computed {computed:#010x}"
+        )));
+    }
+    // The mapping is page aligned and the header is 48 bytes, so the payload is 16-aligned.
+    let archived = rkyv::access::<ArchivedManifest, rancor::Error>(&map[HEADER..])
+        .map_err(|e| corrupt(format!("rkyv validation: {e}")))?;
+    let m: Manifest = rkyv::deserialize::<Manifest, rancor::Error>(archived)
+        .map_err(|e| corrupt(format!("rkyv deserialize: {e}")))?;
+    if m.epoch != epoch {
+        return Err(corrupt(format!(
+            "header epoch {epoch}, body epoch {}",
+            m.epoch
+        )));
+    }
+    Ok(m)
+}

@@ -1,0 +1,451 @@
+//! Lanes and the fetch planner: pure logic (the device probe at the bottom is the only I/O).
+//!
+//! A lane is a path blocks can come from (host RAM over PCIe, one NVMe device, later the GPU
+//! block cache) with a bandwidth and a fixed per-transfer latency. Moving `b` bytes on a lane
+//! takes `latency + b / bandwidth` (0 if the lane moves nothing). For a keep-set whose blocks
+//! may have copies on several lanes, the planner picks one lane per block so the slowest lane
+//! finishes as early as possible (the step's makespan): all lanes finish together and no tier
+//! straggles.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::buf::{AlignedBuf, DirectFile};
+use super::io::{IoEngine, IoRequest};
+use super::NvmeError;
+
+/// A transfer path: bandwidth in bytes/s and per-transfer latency in seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Lane {
+    pub bandwidth_bytes_per_s: f64,
+    pub latency_s: f64,
+}
+
+impl Lane {
+    /// A lane; bandwidth must be positive and finite, latency finite and >= 0.
+    pub fn new(bandwidth_bytes_per_s: f64, latency_s: f64) -> Result<Self, NvmeError> {
+        let l = Self {
+            bandwidth_bytes_per_s,
+            latency_s,
+        };
+        l.validate()?;
+        Ok(l)
+    }
+
+    fn validate(&self) -> Result<(), NvmeError> {
+        if !(self.bandwidth_bytes_per_s.is_finite() && self.bandwidth_bytes_per_s > 0.0) {
+            return Err(NvmeError::invalid(format!(
+                "lane bandwidth {} must be positive and finite",
+                self.bandwidth_bytes_per_s
+            )));
+        }
+        if !(self.latency_s.is_finite() && self.latency_s >= 0.0) {
+            return Err(NvmeError::invalid(format!(
+                "lane latency {} must be finite and >= 0",
+                self.latency_s
+            )));
+        }
+        Ok(())
+    }
+
+    /// Time to move `bytes` on this lane (0 when idle).
+    pub fn time(&self, bytes: u64) -> f64 {
+        if bytes == 0 {
+            0.0
+        } else {
+            self.latency_s + bytes as f64 / self.bandwidth_bytes_per_s
+        }
+    }
+}
+
+/// One block of a keep-set: its size and the lanes (indices into the lane slice) that hold a
+/// copy of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockCopies {
+    pub bytes: u64,
+    pub lanes: Vec<usize>,
+}
+
+/// An assignment of blocks to lanes with its predicted timing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// `assignment[i]` is the lane block `i` is fetched from.
+    pub assignment: Vec<usize>,
+    pub lane_bytes: Vec<u64>,
+    pub lane_time_s: Vec<f64>,
+    /// max over lanes of `lane_time_s`.
+    pub makespan_s: f64,
+}
+
+fn validate(lanes: &[Lane], blocks: &[BlockCopies]) -> Result<(), NvmeError> {
+    if lanes.is_empty() {
+        return Err(NvmeError::invalid("planner needs at least one lane"));
+    }
+    for l in lanes {
+        l.validate()?;
+    }
+    for (i, b) in blocks.iter().enumerate() {
+        if b.lanes.is_empty() {
+            return Err(NvmeError::invalid(format!(
+                "block {i} has no copy on any lane"
+            )));
+        }
+        if let Some(&bad) = b.lanes.iter().find(|&&l| l >= lanes.len()) {
+            return Err(NvmeError::invalid(format!(
+                "block {i} names lane {bad}, but there are {} lanes",
+                lanes.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Times an assignment. Errors if a block is assigned to a lane that does not hold it.
+pub fn evaluate(
+    lanes: &[Lane],
+    blocks: &[BlockCopies],
+    assignment: &[usize],
+) -> Result<Plan, NvmeError> {
+    validate(lanes, blocks)?;
+    if assignment.len() != blocks.len() {
+        return Err(NvmeError::invalid(format!(
+            "{} assignments for {} blocks",
+            assignment.len(),
+            blocks.len()
+        )));
+    }
+    let mut lane_bytes = vec![0u64; lanes.len()];
+    for (i, (b, &l)) in blocks.iter().zip(assignment).enumerate() {
+        if !b.lanes.contains(&l) {
+            return Err(NvmeError::invalid(format!(
+                "block {i} assigned to lane {l}, which holds no copy"
+            )));
+        }
+        lane_bytes[l] += b.bytes;
+    }
+    Ok(finish(lanes, assignment.to_vec(), lane_bytes))
+}
+
+fn finish(lanes: &[Lane], assignment: Vec<usize>, lane_bytes: Vec<u64>) -> Plan {
+    let lane_time_s: Vec<f64> = lanes
+        .iter()
+        .zip(&lane_bytes)
+        .map(|(l, &b)| l.time(b))
+        .collect();
+    let makespan_s = lane_time_s.iter().copied().fold(0.0, f64::max);
+    Plan {
+        assignment,
+        lane_bytes,
+        lane_time_s,
+        makespan_s,
+    }
+}
+
+/// The baseline: blocks with a choice are spread evenly by count over the lanes that hold
+/// them (each goes to the holder with the fewest blocks so far), ignoring bandwidth.
+pub fn uniform(lanes: &[Lane], blocks: &[BlockCopies]) -> Result<Plan, NvmeError> {
+    validate(lanes, blocks)?;
+    let mut count = vec![0usize; lanes.len()];
+    let mut assignment = vec![0usize; blocks.len()];
+    let mut lane_bytes = vec![0u64; lanes.len()];
+    for (i, b) in blocks.iter().enumerate() {
+        let l = *b
+            .lanes
+            .iter()
+            .min_by_key(|&&l| (count[l], l))
+            .expect("validated non-empty");
+        count[l] += 1;
+        assignment[i] = l;
+        lane_bytes[l] += b.bytes;
+    }
+    Ok(finish(lanes, assignment, lane_bytes))
+}
+
+/// Plans a fetch: blocks with one copy are fixed first; the rest go largest first to the
+/// holder where they would finish earliest (greedy LPT); then single-block moves off the
+/// bottleneck lane are applied while they shorten the makespan. The result is never worse
+/// than [`uniform`] (if it were, the uniform plan is returned).
+pub fn plan(lanes: &[Lane], blocks: &[BlockCopies]) -> Result<Plan, NvmeError> {
+    validate(lanes, blocks)?;
+    let n = blocks.len();
+    let mut assignment = vec![usize::MAX; n];
+    let mut lane_bytes = vec![0u64; lanes.len()];
+    let mut free: Vec<usize> = Vec::new();
+    for (i, b) in blocks.iter().enumerate() {
+        let first = b.lanes[0];
+        if b.lanes.iter().all(|&l| l == first) {
+            assignment[i] = first;
+            lane_bytes[first] += b.bytes;
+        } else {
+            free.push(i);
+        }
+    }
+    free.sort_by(|&a, &b| blocks[b].bytes.cmp(&blocks[a].bytes).then(a.cmp(&b)));
+    for &i in &free {
+        let b = &blocks[i];
+        let l = best_lane(lanes, &lane_bytes, b);
+        assignment[i] = l;
+        lane_bytes[l] += b.bytes;
+    }
+    improve(lanes, blocks, &mut assignment, &mut lane_bytes, &free);
+    let greedy = finish(lanes, assignment, lane_bytes);
+    let base = uniform(lanes, blocks)?;
+    Ok(if base.makespan_s < greedy.makespan_s {
+        base
+    } else {
+        greedy
+    })
+}
+
+fn best_lane(lanes: &[Lane], lane_bytes: &[u64], b: &BlockCopies) -> usize {
+    let mut best = usize::MAX;
+    let mut best_t = f64::INFINITY;
+    for &l in &b.lanes {
+        let t = lanes[l].time(lane_bytes[l] + b.bytes);
+        if t < best_t || (t == best_t && l < best) {
+            best = l;
+            best_t = t;
+        }
+    }
+    best
+}
+
+fn makespan_of(lanes: &[Lane], lane_bytes: &[u64]) -> (f64, usize) {
+    let mut worst = (0.0, 0);
+    for (l, lane) in lanes.iter().enumerate() {
+        let t = lane.time(lane_bytes[l]);
+        if t > worst.0 {
+            worst = (t, l);
+        }
+    }
+    worst
+}
+
+/// Moves single blocks off the bottleneck lane while that strictly lowers the makespan.
+fn improve(
+    lanes: &[Lane],
+    blocks: &[BlockCopies],
+    assignment: &mut [usize],
+    lane_bytes: &mut [u64],
+    movable: &[usize],
+) {
+    // Each accepted move strictly lowers the makespan; the cap bounds pathological inputs.
+    for _ in 0..4 * movable.len() + 16 {
+        let (current, hot) = makespan_of(lanes, lane_bytes);
+        let mut best: Option<(f64, usize, usize)> = None;
+        for &i in movable.iter().filter(|&&i| assignment[i] == hot) {
+            let b = &blocks[i];
+            for &to in b.lanes.iter().filter(|&&l| l != hot) {
+                lane_bytes[hot] -= b.bytes;
+                lane_bytes[to] += b.bytes;
+                let (m, _) = makespan_of(lanes, lane_bytes);
+                lane_bytes[to] -= b.bytes;
+                lane_bytes[hot] += b.bytes;
+                if m < current * (1.0 - 1e-12) && best.is_none_or(|(bm, _, _)| m < bm) {
+                    best = Some((m, i, to));
+                }
+            }
+        }
+        let Some((_, i, to)) = best else { return };
+        lane_bytes[assignment[i]] -= blocks[i].bytes;
+        lane_bytes[to] += blocks[i].bytes;
+        assignment[i] = to;
+    }
+}
+
+/// Split `total` bytes (e.g. a bulk restore or split-k partitions) over lanes in proportion
+/// to bandwidth, in whole `unit`s; the remainder goes to the fastest lanes.
+pub fn proportional_split(lanes: &[Lane], total_units: u64) -> Result<Vec<u64>, NvmeError> {
+    validate(lanes, &[])?;
+    let sum: f64 = lanes.iter().map(|l| l.bandwidth_bytes_per_s).sum();
+    let mut out: Vec<u64> = lanes
+        .iter()
+        .map(|l| (total_units as f64 * l.bandwidth_bytes_per_s / sum).floor() as u64)
+        .collect();
+    let mut left = total_units - out.iter().sum::<u64>();
+    let mut order: Vec<usize> = (0..lanes.len()).collect();
+    order.sort_by(|&a, &b| {
+        lanes[b]
+            .bandwidth_bytes_per_s
+            .total_cmp(&lanes[a].bandwidth_bytes_per_s)
+            .then(a.cmp(&b))
+    });
+    for &l in order.iter().cycle() {
+        if left == 0 {
+            break;
+        }
+        out[l] += 1;
+        left -= 1;
+    }
+    Ok(out)
+}
+
+/// Online estimate of a lane from observed transfers: an exponentially weighted least-squares
+/// fit of `seconds = latency + bytes / bandwidth`. With transfers of one size only, the
+/// latency stays at its last estimate and the bandwidth absorbs the rest.
+#[derive(Debug, Clone)]
+pub struct LaneTracker {
+    alpha: f64,
+    samples: u64,
+    mx: f64,
+    my: f64,
+    mxx: f64,
+    mxy: f64,
+    estimate: Lane,
+}
+
+impl LaneTracker {
+    /// `prior` is used until the first observation; `alpha` in (0, 1] is the weight of each
+    /// new observation.
+    pub fn new(prior: Lane, alpha: f64) -> Result<Self, NvmeError> {
+        prior.validate()?;
+        if !(alpha > 0.0 && alpha <= 1.0) {
+            return Err(NvmeError::invalid(format!(
+                "EWMA weight {alpha} must be in (0, 1]"
+            )));
+        }
+        Ok(Self {
+            alpha,
+            samples: 0,
+            mx: 0.0,
+            my: 0.0,
+            mxx: 0.0,
+            mxy: 0.0,
+            estimate: prior,
+        })
+    }
+
+    pub fn estimate(&self) -> Lane {
+        self.estimate
+    }
+
+    pub fn samples(&self) -> u64 {
+        self.samples
+    }
+
+    /// Folds in one transfer. Returns false (and ignores it) for zero bytes or a duration
+    /// that is not positive and finite.
+    pub fn observe(&mut self, bytes: u64, seconds: f64) -> bool {
+        if bytes == 0 || !(seconds.is_finite() && seconds > 0.0) {
+            return false;
+        }
+        let (x, y) = (bytes as f64, seconds);
+        let a = if self.samples == 0 { 1.0 } else { self.alpha };
+        self.mx += a * (x - self.mx);
+        self.my += a * (y - self.my);
+        self.mxx += a * (x * x - self.mxx);
+        self.mxy += a * (x * y - self.mxy);
+        self.samples += 1;
+        let var = self.mxx - self.mx * self.mx;
+        let cov = self.mxy - self.mx * self.my;
+        let spread_ok = var > (1e-3 * self.mx).powi(2);
+        let (mut lat, mut slope) = (self.estimate.latency_s, 0.0);
+        if spread_ok && cov > 0.0 {
+            slope = cov / var;
+            lat = self.my - slope * self.mx;
+        } else if self.my > lat {
+            slope = (self.my - lat) / self.mx;
+        }
+        if lat < 0.0 || slope <= 0.0 {
+            lat = 0.0;
+            slope = self.my / self.mx;
+        }
+        self.estimate = Lane {
+            bandwidth_bytes_per_s: 1.0 / slope,
+            latency_s: lat,
+        };
+        true
+    }
+}
+
+/// Probe settings for [`probe_device`].
+#[derive(Debug, Clone, Copy)]
+pub struct ProbeConfig {
+    /// Number of single small reads (queue depth 1) timed for the latency.
+    pub latency_reads: usize,
+    /// Transfer size for the bandwidth phase.
+    pub block_bytes: usize,
+    /// Reads in flight per batch in the bandwidth phase.
+    pub depth: usize,
+    /// Batches in the bandwidth phase.
+    pub batches: usize,
+}
+
+impl Default for ProbeConfig {
+    fn default() -> Self {
+        Self {
+            latency_reads: 32,
+            block_bytes: 256 << 10,
+            depth: 32,
+            batches: 8,
+        }
+    }
+}
+
+/// Measures a device at startup with timed O_DIRECT reads over its first `span` bytes (which
+/// must exist): latency = median of single small reads, bandwidth = bytes / time of batches of
+/// `depth` large reads at spread-out offsets.
+pub fn probe_device(
+    engine: &dyn IoEngine,
+    file: &Arc<DirectFile>,
+    span: u64,
+    cfg: ProbeConfig,
+) -> Result<Lane, NvmeError> {
+    let align = file.align();
+    if cfg.latency_reads == 0 || cfg.depth == 0 || cfg.batches == 0 {
+        return Err(NvmeError::invalid("probe counts must be positive"));
+    }
+    if cfg.block_bytes == 0 || !cfg.block_bytes.is_multiple_of(align) {
+        return Err(NvmeError::Misaligned {
+            what: "probe block size",
+            value: cfg.block_bytes as u64,
+            align: align as u64,
+        });
+    }
+    let slots = span / cfg.block_bytes as u64;
+    if slots == 0 {
+        return Err(NvmeError::invalid(format!(
+            "probe span {span} is smaller than one {}-byte block",
+            cfg.block_bytes
+        )));
+    }
+    // Golden-ratio stride: offsets spread over the span without repeating soon.
+    let mut k = 0u64;
+    let mut next_off = || {
+        k += 1;
+        (k.wrapping_mul(0x9E37_79B9_7F4A_7C15) % slots) * cfg.block_bytes as u64
+    };
+    let mut lat = Vec::with_capacity(cfg.latency_reads);
+    for _ in 0..cfg.latency_reads {
+        let req = IoRequest::read(file.clone(), next_off(), AlignedBuf::new(align, align)?)?;
+        let t = Instant::now();
+        let c = engine.submit(vec![req])?;
+        lat.push(t.elapsed().as_secs_f64());
+        for c in c {
+            c.result?;
+        }
+    }
+    lat.sort_by(f64::total_cmp);
+    let latency_s = lat[lat.len() / 2];
+    let mut bytes = 0u64;
+    let t = Instant::now();
+    for _ in 0..cfg.batches {
+        let reqs = (0..cfg.depth)
+            .map(|_| {
+                IoRequest::read(
+                    file.clone(),
+                    next_off(),
+                    AlignedBuf::new(cfg.block_bytes, align)?,
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        for c in engine.submit(reqs)? {
+            c.result?;
+            bytes += c.buf.len() as u64;
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    // Per batch the latency is paid once; the rest is streaming time.
+    let stream = (secs - latency_s * cfg.batches as f64).max(secs * 0.5);
+    Lane::new(bytes as f64 / stream, latency_s)
+}

@@ -1,0 +1,572 @@
+//! The page store: fixed-size checksummed pages on one or more O_DIRECT devices.
+//!
+//! Each device is a file or block device divided into pages of `page_size` bytes (header +
+//! largest payload, rounded up to the direct-I/O alignment). A bitmap allocator per device
+//! hands out pages; a session's pages are striped over devices in proportion to their
+//! bandwidth by smooth weighted round robin, so reading a session back keeps every device
+//! busy for about the same time. Reads verify magic, identity and crc32c: a page that fails
+//! is an error, never data.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::buf::{round_up, AlignedBuf, BufPool, DirectFile};
+use super::io::{IoEngine, IoRequest};
+use super::page::{self, PageId, HEADER_LEN};
+use super::NvmeError;
+
+/// One backing device.
+#[derive(Debug, Clone)]
+pub struct DeviceConfig {
+    /// A regular file (created and preallocated if needed) or a block device.
+    pub path: PathBuf,
+    /// Bytes of the device the store may use (rounded down to whole pages).
+    pub capacity_bytes: u64,
+    /// Relative or measured read bandwidth, bytes/s; sets this device's share of pages.
+    pub bandwidth_bytes_per_s: f64,
+}
+
+/// Page store configuration.
+#[derive(Debug, Clone)]
+pub struct PageStoreConfig {
+    pub devices: Vec<DeviceConfig>,
+    /// Largest payload a page holds (one block run: Hkv * 2 * B * D * elem bytes).
+    pub max_payload: usize,
+}
+
+/// Where a page lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PageAddr {
+    pub device: u16,
+    pub page: u64,
+}
+
+/// A page to write.
+#[derive(Debug, Clone, Copy)]
+pub struct PageWrite<'a> {
+    pub addr: PageAddr,
+    pub id: PageId,
+    pub payload: &'a [u8],
+}
+
+/// A page to read: where, what it must be, and (if the index recorded it) its checksum.
+#[derive(Debug, Clone, Copy)]
+pub struct PageRead {
+    pub addr: PageAddr,
+    pub id: PageId,
+    pub expected_crc: Option<u32>,
+}
+
+/// A verified page, payload in an aligned buffer (no copy after the read). The buffer goes
+/// back to the store's pool on drop.
+#[derive(Debug)]
+pub struct PageData {
+    buf: Option<AlignedBuf>,
+    pool: Arc<BufPool>,
+    len: usize,
+    crc: u32,
+}
+
+impl PageData {
+    pub fn payload(&self) -> &[u8] {
+        let buf = self.buf.as_ref().expect("present until drop");
+        &buf[HEADER_LEN..HEADER_LEN + self.len]
+    }
+
+    pub fn crc(&self) -> u32 {
+        self.crc
+    }
+
+    /// Takes the whole page buffer out of the pool's cycle.
+    pub fn into_buf(mut self) -> AlignedBuf {
+        self.buf.take().expect("present until drop")
+    }
+}
+
+impl Drop for PageData {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            self.pool.put(b);
+        }
+    }
+}
+
+/// Usage of one device.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceUsage {
+    pub path: PathBuf,
+    pub pages_total: u64,
+    pub pages_used: u64,
+    pub bytes_total: u64,
+    pub bytes_used: u64,
+    pub bandwidth_bytes_per_s: f64,
+}
+
+/// Usage and traffic of the store.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoreUsage {
+    pub page_size: usize,
+    pub devices: Vec<DeviceUsage>,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    pub corrupt_pages: u64,
+}
+
+struct Bitmap {
+    words: Vec<u64>,
+    pages: u64,
+    used: u64,
+    cursor: usize,
+}
+
+impl Bitmap {
+    fn new(pages: u64) -> Self {
+        let mut words = vec![0u64; pages.div_ceil(64) as usize];
+        // Bits past the end are permanently "used".
+        let tail = pages % 64;
+        if tail != 0 {
+            *words.last_mut().expect("pages > 0") |= !0u64 << tail;
+        }
+        Self {
+            words,
+            pages,
+            used: 0,
+            cursor: 0,
+        }
+    }
+
+    fn free(&self) -> u64 {
+        self.pages - self.used
+    }
+
+    fn alloc(&mut self) -> Option<u64> {
+        if self.used == self.pages {
+            return None;
+        }
+        let n = self.words.len();
+        for k in 0..n {
+            let w = (self.cursor + k) % n;
+            if self.words[w] != !0 {
+                let bit = self.words[w].trailing_ones() as u64;
+                self.words[w] |= 1 << bit;
+                self.used += 1;
+                self.cursor = w;
+                return Some(w as u64 * 64 + bit);
+            }
+        }
+        None
+    }
+
+    fn is_set(&self, page: u64) -> bool {
+        self.words[(page / 64) as usize] & (1 << (page % 64)) != 0
+    }
+
+    fn set(&mut self, page: u64) -> bool {
+        if self.is_set(page) {
+            return false;
+        }
+        self.words[(page / 64) as usize] |= 1 << (page % 64);
+        self.used += 1;
+        true
+    }
+
+    fn clear(&mut self, page: u64) -> bool {
+        if !self.is_set(page) {
+            return false;
+        }
+        self.words[(page / 64) as usize] &= !(1 << (page % 64));
+        self.used -= 1;
+        true
+    }
+}
+
+struct Device {
+    file: Arc<DirectFile>,
+    pages: u64,
+    bandwidth: f64,
+    alloc: Mutex<Bitmap>,
+}
+
+/// The NVMe page store. Cheap to share (`Arc<PageStore>`); all methods take `&self`.
+pub struct PageStore {
+    engine: Arc<dyn IoEngine>,
+    devices: Vec<Device>,
+    page_size: usize,
+    max_payload: usize,
+    pool: Arc<BufPool>,
+    stripe: Mutex<HashMap<u64, Vec<f64>>>,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    corrupt_pages: AtomicU64,
+}
+
+impl std::fmt::Debug for PageStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PageStore")
+            .field("engine", &self.engine.name())
+            .field("devices", &self.devices.len())
+            .field("page_size", &self.page_size)
+            .finish()
+    }
+}
+
+impl PageStore {
+    /// Opens (creating and preallocating regular files as needed) every device. All pages
+    /// start free: after a restart, call [`PageStore::mark_allocated`] for every page the
+    /// manifest references.
+    pub fn open(cfg: &PageStoreConfig, engine: Arc<dyn IoEngine>) -> Result<Self, NvmeError> {
+        if cfg.devices.is_empty() {
+            return Err(NvmeError::invalid("page store needs at least one device"));
+        }
+        if cfg.devices.len() > u16::MAX as usize {
+            return Err(NvmeError::invalid(format!(
+                "{} devices; at most {}",
+                cfg.devices.len(),
+                u16::MAX
+            )));
+        }
+        if cfg.max_payload == 0 || cfg.max_payload > u32::MAX as usize / 4 {
+            return Err(NvmeError::invalid(format!(
+                "max_payload {} must be in 1..={}",
+                cfg.max_payload,
+                u32::MAX / 4
+            )));
+        }
+        let mut files = Vec::with_capacity(cfg.devices.len());
+        for d in &cfg.devices {
+            if !(d.bandwidth_bytes_per_s.is_finite() && d.bandwidth_bytes_per_s > 0.0) {
+                return Err(NvmeError::invalid(format!(
+                    "device {:?}: bandwidth {} must be positive",
+                    d.path, d.bandwidth_bytes_per_s
+                )));
+            }
+            files.push(Arc::new(DirectFile::open(&d.path)?));
+        }
+        let align = files.iter().map(|f| f.align()).max().expect("non-empty");
+        let page_size = round_up(HEADER_LEN + cfg.max_payload, align);
+        let mut devices = Vec::with_capacity(files.len());
+        for (d, file) in cfg.devices.iter().zip(files) {
+            let pages = d.capacity_bytes / page_size as u64;
+            if pages == 0 {
+                return Err(NvmeError::invalid(format!(
+                    "device {:?}: capacity {} bytes holds no {page_size}-byte page",
+                    d.path, d.capacity_bytes
+                )));
+            }
+            file.ensure_len(pages * page_size as u64)?;
+            devices.push(Device {
+                file,
+                pages,
+                bandwidth: d.bandwidth_bytes_per_s,
+                alloc: Mutex::new(Bitmap::new(pages)),
+            });
+        }
+        let mem_align = devices
+            .iter()
+            .map(|d| d.file.mem_align())
+            .max()
+            .expect("non-empty");
+        // Enough idle buffers for a few keep-set batches in flight.
+        let pool = Arc::new(BufPool::new(page_size, mem_align, 512)?);
+        Ok(Self {
+            engine,
+            devices,
+            page_size,
+            max_payload: cfg.max_payload,
+            pool,
+            stripe: Mutex::new(HashMap::new()),
+            bytes_read: AtomicU64::new(0),
+            bytes_written: AtomicU64::new(0),
+            corrupt_pages: AtomicU64::new(0),
+        })
+    }
+
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    pub fn max_payload(&self) -> usize {
+        self.max_payload
+    }
+
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    pub fn engine_name(&self) -> &'static str {
+        self.engine.name()
+    }
+
+    /// Pages per device.
+    pub fn device_pages(&self) -> Vec<u64> {
+        self.devices.iter().map(|d| d.pages).collect()
+    }
+
+    pub fn free_pages(&self) -> u64 {
+        self.devices.iter().map(|d| d.alloc.lock().free()).sum()
+    }
+
+    /// Allocates `n` pages for `session`, striped over devices in proportion to bandwidth
+    /// (smooth weighted round robin, continuing where this session's last allocation left
+    /// off). All or nothing: `Full` allocates nothing.
+    pub fn alloc(&self, session: u64, n: usize) -> Result<Vec<PageAddr>, NvmeError> {
+        let mut stripe = self.stripe.lock();
+        let nd = self.devices.len();
+        let cur = stripe.entry(session).or_insert_with(|| vec![0.0; nd]);
+        let mut eligible: Vec<bool> = self
+            .devices
+            .iter()
+            .map(|d| d.alloc.lock().free() > 0)
+            .collect();
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            let total: f64 = (0..nd)
+                .filter(|&i| eligible[i])
+                .map(|i| self.devices[i].bandwidth)
+                .sum();
+            if total == 0.0 {
+                drop(stripe);
+                let requested = n;
+                self.free(&out)?;
+                return Err(NvmeError::Full {
+                    requested,
+                    free: self.free_pages(),
+                });
+            }
+            let mut best = usize::MAX;
+            for i in (0..nd).filter(|&i| eligible[i]) {
+                cur[i] += self.devices[i].bandwidth;
+                if best == usize::MAX || cur[i] > cur[best] {
+                    best = i;
+                }
+            }
+            cur[best] -= total;
+            match self.devices[best].alloc.lock().alloc() {
+                Some(page) => out.push(PageAddr {
+                    device: best as u16,
+                    page,
+                }),
+                None => eligible[best] = false,
+            }
+        }
+        Ok(out)
+    }
+
+    /// Returns pages to the free pool. Freeing a page that is not allocated is an error
+    /// (a double free would let two owners share a page).
+    pub fn free(&self, addrs: &[PageAddr]) -> Result<(), NvmeError> {
+        for a in addrs {
+            let dev = self.device(*a)?;
+            if !dev.alloc.lock().clear(a.page) {
+                return Err(NvmeError::invalid(format!("double free of {a:?}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks a page as in use (recovery from the manifest). A page referenced twice or out
+    /// of range means the manifest does not belong to these devices.
+    pub fn mark_allocated(&self, addr: PageAddr) -> Result<(), NvmeError> {
+        let dev = self.device(addr).map_err(|_| NvmeError::ManifestMismatch {
+            what: format!("{addr:?} is outside the devices"),
+        })?;
+        if !dev.alloc.lock().set(addr.page) {
+            return Err(NvmeError::ManifestMismatch {
+                what: format!("{addr:?} referenced twice"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Drops a session's striping position (after it is deleted).
+    pub fn forget_session(&self, session: u64) {
+        self.stripe.lock().remove(&session);
+    }
+
+    fn device(&self, a: PageAddr) -> Result<&Device, NvmeError> {
+        let dev = self.devices.get(a.device as usize).ok_or_else(|| {
+            NvmeError::invalid(format!(
+                "device {} out of range ({} devices)",
+                a.device,
+                self.devices.len()
+            ))
+        })?;
+        if a.page >= dev.pages {
+            return Err(NvmeError::invalid(format!(
+                "page {} out of range (device {} has {})",
+                a.page, a.device, dev.pages
+            )));
+        }
+        Ok(dev)
+    }
+
+    fn offset(&self, a: PageAddr) -> u64 {
+        a.page * self.page_size as u64
+    }
+
+    /// Writes pages (to allocated addresses) in one batch. Returns each page's checksum, for
+    /// the manifest. Not durable until [`PageStore::sync`] returns. On error, pages of the
+    /// batch may be partially written: the caller must not reference them.
+    pub fn write_pages(&self, writes: &[PageWrite<'_>]) -> Result<Vec<u32>, NvmeError> {
+        let mut reqs = Vec::with_capacity(writes.len());
+        let mut crcs = Vec::with_capacity(writes.len());
+        for w in writes {
+            let dev = self.device(w.addr)?;
+            if !dev.alloc.lock().is_set(w.addr.page) {
+                return Err(NvmeError::invalid(format!(
+                    "write to unallocated page {:?}",
+                    w.addr
+                )));
+            }
+            if w.payload.len() > self.max_payload {
+                return Err(NvmeError::invalid(format!(
+                    "payload of {} bytes exceeds the page's {}",
+                    w.payload.len(),
+                    self.max_payload
+                )));
+            }
+            let mut buf = self.pool.get();
+            crcs.push(page::encode(&mut buf, w.id, w.payload));
+            reqs.push(IoRequest::write(
+                dev.file.clone(),
+                self.offset(w.addr),
+                buf,
+            )?);
+        }
+        let mut first_err = None;
+        for c in self.engine.submit(reqs)? {
+            match c.result {
+                Ok(()) => {
+                    self.bytes_written
+                        .fetch_add(c.buf.len() as u64, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+            self.pool.put(c.buf);
+        }
+        match first_err {
+            None => Ok(crcs),
+            Some(e) => Err(e),
+        }
+    }
+
+    /// Reads and verifies pages in one batch. The outer error is for bad arguments or a dead
+    /// engine; each page has its own result. A page that fails verification is
+    /// `NvmeError::Corrupt`, never data.
+    pub fn read_pages(
+        &self,
+        reads: &[PageRead],
+    ) -> Result<Vec<Result<PageData, NvmeError>>, NvmeError> {
+        let mut reqs = Vec::with_capacity(reads.len());
+        for r in reads {
+            let dev = self.device(r.addr)?;
+            let buf = self.pool.get();
+            reqs.push(IoRequest::read(dev.file.clone(), self.offset(r.addr), buf)?);
+        }
+        let done = self.engine.submit(reqs)?;
+        Ok(done
+            .into_iter()
+            .zip(reads)
+            .map(|(c, r)| {
+                if let Err(e) = c.result {
+                    self.pool.put(c.buf);
+                    return Err(e);
+                }
+                self.bytes_read
+                    .fetch_add(c.buf.len() as u64, Ordering::Relaxed);
+                let corrupt = |reason| {
+                    self.corrupt_pages.fetch_add(1, Ordering::Relaxed);
+                    NvmeError::Corrupt {
+                        device: r.addr.device,
+                        page: r.addr.page,
+                        reason,
+                    }
+                };
+                let checked =
+                    page::verify(&c.buf, r.id).and_then(|(len, crc)| match r.expected_crc {
+                        Some(expected) if expected != crc => {
+                            Err(super::CorruptReason::UnexpectedChecksum {
+                                expected,
+                                found: crc,
+                            })
+                        }
+                        _ => Ok((len, crc)),
+                    });
+                match checked {
+                    Ok((len, crc)) => Ok(PageData {
+                        buf: Some(c.buf),
+                        pool: self.pool.clone(),
+                        len,
+                        crc,
+                    }),
+                    Err(reason) => {
+                        self.pool.put(c.buf);
+                        Err(corrupt(reason))
+                    }
+                }
+            })
+            .collect())
+    }
+
+    /// fdatasync every device: after this, completed page writes survive power loss.
+    pub fn sync(&self) -> Result<(), NvmeError> {
+        for d in &self.devices {
+            d.file.sync_data()?;
+        }
+        Ok(())
+    }
+
+    /// The files backing the devices (for probing).
+    pub fn device_files(&self) -> Vec<Arc<DirectFile>> {
+        self.devices.iter().map(|d| d.file.clone()).collect()
+    }
+
+    pub fn usage(&self) -> StoreUsage {
+        StoreUsage {
+            page_size: self.page_size,
+            devices: self
+                .devices
+                .iter()
+                .map(|d| {
+                    let used = d.alloc.lock().used;
+                    DeviceUsage {
+                        path: d.file.path().to_path_buf(),
+                        pages_total: d.pages,
+                        pages_used: used,
+                        bytes_total: d.pages * self.page_size as u64,
+                        bytes_used: used * self.page_size as u64,
+                        bandwidth_bytes_per_s: d.bandwidth,
+                    }
+                })
+                .collect(),
+            bytes_read: self.bytes_read.load(Ordering::Relaxed),
+            bytes_written: self.bytes_written.load(Ordering::Relaxed),
+            corrupt_pages: self.corrupt_pages.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bitmap_alloc_free_and_tail() {
+        let mut b = Bitmap::new(70);
+        let got: Vec<u64> = (0..70).map(|_| b.alloc().unwrap()).collect();
+        let mut sorted = got.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..70).collect::<Vec<_>>());
+        assert_eq!(b.alloc(), None);
+        assert!(b.clear(65));
+        assert!(!b.clear(65));
+        assert_eq!(b.alloc(), Some(65));
+        assert!(!b.set(3));
+    }
+}

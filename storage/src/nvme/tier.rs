@@ -1,0 +1,343 @@
+//! The NVMe tier as the daemon uses it: a [`PageStore`] plus its manifest, with the write
+//! ordering that makes an acknowledged write survive a crash.
+//!
+//! A write (`put_session`) is copy-on-write: new pages at a new generation, fdatasync of the
+//! devices, then a manifest commit; only then does it return. Pages the commit stops
+//! referencing are freed one commit later (the previous manifest is the fallback if the newest
+//! file is damaged, and its pages must still be there). Reads verify every page against the
+//! identity and checksum the manifest recorded.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::manifest::{Manifest, ManifestStore, PageRecord, SessionRecord};
+use super::store::{PageAddr, PageData, PageRead, PageStore, PageWrite};
+use super::{NvmeError, PageId};
+
+/// One (layer, block) run to store.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockRun<'a> {
+    pub layer: u32,
+    pub block: u32,
+    pub bytes: &'a [u8],
+}
+
+/// What recovery found at open.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Epoch of the manifest in use (0: none, a fresh tier).
+    pub epoch: u64,
+    pub sessions: usize,
+    pub pages: usize,
+    /// Manifest files that failed verification and were skipped (newest first).
+    pub skipped_manifests: Vec<String>,
+}
+
+struct State {
+    manifests: ManifestStore,
+    manifest: Manifest,
+    /// Retired by the last commit; freed after the next one.
+    deferred: Vec<PageAddr>,
+}
+
+/// The NVMe tier: sessions stored as checksummed pages, indexed by a crash-safe manifest.
+pub struct NvmeTier {
+    store: Arc<PageStore>,
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for NvmeTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NvmeTier")
+            .field("store", &self.store)
+            .finish()
+    }
+}
+
+impl NvmeTier {
+    /// Opens the tier: loads the newest valid manifest from `manifest_dir` (falling back to
+    /// the previous one if the newest is damaged), checks it matches the store, and marks its
+    /// pages (and the fallback's) allocated.
+    pub fn open(
+        store: PageStore,
+        manifest_dir: &Path,
+    ) -> Result<(Self, RecoveryReport), NvmeError> {
+        let (manifests, loaded) = ManifestStore::open(manifest_dir)?;
+        let (manifest, deferred, skipped) = match loaded {
+            Some(l) => {
+                let deferred = l.current.recover_into(&store, l.previous.as_ref())?;
+                let skipped = l
+                    .skipped
+                    .iter()
+                    .map(|(p, e)| format!("{}: {e}", p.display()))
+                    .collect();
+                (l.current, deferred, skipped)
+            }
+            None => (Manifest::for_store(&store), Vec::new(), Vec::new()),
+        };
+        let report = RecoveryReport {
+            epoch: manifest.epoch,
+            sessions: manifest.sessions.len(),
+            pages: manifest.page_addrs().count(),
+            skipped_manifests: skipped,
+        };
+        Ok((
+            Self {
+                store: Arc::new(store),
+                state: Mutex::new(State {
+                    manifests,
+                    manifest,
+                    deferred,
+                }),
+            },
+            report,
+        ))
+    }
+
+    pub fn store(&self) -> &Arc<PageStore> {
+        &self.store
+    }
+
+    /// The current manifest's epoch.
+    pub fn epoch(&self) -> u64 {
+        self.state.lock().manifest.epoch
+    }
+
+    /// The generation the next `put_session` stamps on its pages (its commit's epoch).
+    pub fn next_generation(&self) -> u64 {
+        self.state.lock().manifests.next_epoch()
+    }
+
+    /// Metadata and page records of a session.
+    pub fn session(&self, id: u64) -> Option<SessionRecord> {
+        self.state.lock().manifest.session(id).cloned()
+    }
+
+    pub fn session_ids(&self) -> Vec<u64> {
+        self.state
+            .lock()
+            .manifest
+            .sessions
+            .iter()
+            .map(|s| s.id)
+            .collect()
+    }
+
+    /// Stores runs of a session durably and updates its metadata (`meta.pages` is ignored:
+    /// runs not given keep their current pages). Returns the committed epoch; when it returns
+    /// `Ok`, the data survives a crash. On error nothing changes (new pages are freed).
+    pub fn put_session(
+        &self,
+        meta: &SessionRecord,
+        runs: &[BlockRun<'_>],
+    ) -> Result<u64, NvmeError> {
+        let mut seen = std::collections::HashSet::with_capacity(runs.len());
+        for r in runs {
+            if r.layer >= meta.geometry.layers {
+                return Err(NvmeError::invalid(format!(
+                    "session {}: layer {} out of range ({} layers)",
+                    meta.id, r.layer, meta.geometry.layers
+                )));
+            }
+            if !seen.insert((r.layer, r.block)) {
+                return Err(NvmeError::invalid(format!(
+                    "session {}: (layer {}, block {}) given twice",
+                    meta.id, r.layer, r.block
+                )));
+            }
+            if r.bytes.len() > self.store.max_payload() {
+                return Err(NvmeError::invalid(format!(
+                    "session {}: run of {} bytes exceeds the page payload {}",
+                    meta.id,
+                    r.bytes.len(),
+                    self.store.max_payload()
+                )));
+            }
+        }
+        let mut st = self.state.lock();
+        let generation = st.manifests.next_epoch();
+        let addrs = self.store.alloc(meta.id, runs.len())?;
+        let ids: Vec<PageId> = runs
+            .iter()
+            .map(|r| PageId {
+                session: meta.id,
+                layer: r.layer,
+                block: r.block,
+                generation,
+            })
+            .collect();
+        let writes: Vec<PageWrite> = runs
+            .iter()
+            .zip(&addrs)
+            .zip(&ids)
+            .map(|((r, &addr), &id)| PageWrite {
+                addr,
+                id,
+                payload: r.bytes,
+            })
+            .collect();
+        let undo = |e: NvmeError| {
+            if let Err(fe) = self.store.free(&addrs) {
+                tracing::error!(error = %fe, "freeing pages of a failed write");
+            }
+            e
+        };
+        let crcs = self
+            .store
+            .write_pages(&writes)
+            .and_then(|c| self.store.sync().map(|()| c))
+            .map_err(undo)?;
+
+        let mut next = st.manifest.clone();
+        let idx = match next.sessions.iter().position(|s| s.id == meta.id) {
+            Some(i) => i,
+            None => {
+                next.sessions.push(SessionRecord {
+                    pages: Vec::new(),
+                    ..meta.clone()
+                });
+                next.sessions.len() - 1
+            }
+        };
+        let sess = &mut next.sessions[idx];
+        let pages = std::mem::take(&mut sess.pages);
+        *sess = SessionRecord {
+            pages: Vec::new(),
+            ..meta.clone()
+        };
+        let mut by_key: HashMap<(u32, u32), PageRecord> =
+            pages.into_iter().map(|p| ((p.layer, p.block), p)).collect();
+        let mut retired = Vec::new();
+        for ((r, a), crc) in runs.iter().zip(&addrs).zip(crcs) {
+            let rec = PageRecord {
+                layer: r.layer,
+                block: r.block,
+                device: a.device,
+                page: a.page,
+                generation,
+                crc,
+                payload_len: r.bytes.len() as u32,
+            };
+            if let Some(old) = by_key.insert((r.layer, r.block), rec) {
+                retired.push(old.addr());
+            }
+        }
+        let mut pages: Vec<PageRecord> = by_key.into_values().collect();
+        pages.sort_by_key(|p| (p.layer, p.block));
+        sess.pages = pages;
+        let epoch = st.manifests.commit(&mut next).map_err(undo)?;
+        self.after_commit(&mut st, next, retired);
+        Ok(epoch)
+    }
+
+    /// Removes a session durably; its pages are reused after the next commit.
+    pub fn delete_session(&self, id: u64) -> Result<u64, NvmeError> {
+        let mut st = self.state.lock();
+        let mut next = st.manifest.clone();
+        let Some(i) = next.sessions.iter().position(|s| s.id == id) else {
+            return Err(NvmeError::invalid(format!("no session {id} on NVMe")));
+        };
+        let gone = next.sessions.remove(i);
+        let epoch = st.manifests.commit(&mut next)?;
+        self.after_commit(
+            &mut st,
+            next,
+            gone.pages.iter().map(PageRecord::addr).collect(),
+        );
+        self.store.forget_session(id);
+        Ok(epoch)
+    }
+
+    fn after_commit(&self, st: &mut State, next: Manifest, retired: Vec<PageAddr>) {
+        st.manifest = next;
+        let free = std::mem::replace(&mut st.deferred, retired);
+        if let Err(e) = self.store.free(&free) {
+            // Only possible if the bookkeeping is wrong; leaking pages is the safe side.
+            tracing::error!(error = %e, "freeing retired pages");
+        }
+    }
+
+    /// Reads and verifies runs of a session. The outer error is for an unknown session or a
+    /// dead engine; each run has its own result (`InvalidArgument` for a run that is not
+    /// stored, `Corrupt`/`ShortRead`/`Io` for one that cannot be read back correctly).
+    pub fn read_runs(
+        &self,
+        session: u64,
+        wanted: &[(u32, u32)],
+    ) -> Result<Vec<Result<PageData, NvmeError>>, NvmeError> {
+        let plan: Vec<Option<PageRead>> = {
+            let st = self.state.lock();
+            let s = st
+                .manifest
+                .session(session)
+                .ok_or_else(|| NvmeError::invalid(format!("no session {session} on NVMe")))?;
+            let index: HashMap<(u32, u32), &PageRecord> =
+                s.pages.iter().map(|p| ((p.layer, p.block), p)).collect();
+            wanted
+                .iter()
+                .map(|k| {
+                    index.get(k).map(|p| PageRead {
+                        addr: p.addr(),
+                        id: PageId {
+                            session,
+                            layer: p.layer,
+                            block: p.block,
+                            generation: p.generation,
+                        },
+                        expected_crc: Some(p.crc),
+                    })
+                })
+                .collect()
+        };
+        let reads: Vec<PageRead> = plan.iter().flatten().copied().collect();
+        let mut done = self.store.read_pages(&reads)?.into_iter();
+        Ok(plan
+            .iter()
+            .zip(wanted)
+            .map(|(p, &(layer, block))| match p {
+                Some(_) => done.next().expect("one result per read"),
+                None => Err(NvmeError::invalid(format!(
+                    "session {session} has no (layer {layer}, block {block}) on NVMe"
+                ))),
+            })
+            .collect())
+    }
+}
+
+/// Reads one session's cold blocks back from the tier into host frames (the KV cache's
+/// [`crate::ColdSource`]): every page is verified against the identity and checksum the
+/// manifest recorded; a page that fails is an error (`corrupt` for data loss), never data.
+pub struct TierSource<'a> {
+    pub tier: &'a NvmeTier,
+    pub session: u64,
+}
+
+impl crate::ColdSource for TierSource<'_> {
+    fn read_runs(
+        &self,
+        layer: u32,
+        blocks: &[u32],
+        frames: &mut [crate::Frame],
+    ) -> crate::Result<()> {
+        let fail = |block: u32, e: &NvmeError| crate::StorageError::ColdRead {
+            layer,
+            block,
+            reason: e.to_string(),
+            corrupt: e.is_data_loss(),
+        };
+        let wanted: Vec<(u32, u32)> = blocks.iter().map(|&b| (layer, b)).collect();
+        let pages = self
+            .tier
+            .read_runs(self.session, &wanted)
+            .map_err(|e| fail(blocks[0], &e))?;
+        for ((page, frame), &b) in pages.into_iter().zip(frames).zip(blocks) {
+            let page = page.map_err(|e| fail(b, &e))?;
+            let bytes = page.payload();
+            frame.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,659 @@
+//! I/O engines and the page store on real O_DIRECT files.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyEngine, Trigger, UringConfig};
+use kvtier_storage::nvme::store::{PageRead, PageWrite};
+use kvtier_storage::nvme::{
+    AlignedBuf, CorruptReason, DeviceConfig, DirectFile, IoEngine, IoRequest, NvmeError, OpKind,
+    PageAddr, PageId, PageStore, PageStoreConfig, PreadEngine, UringEngine,
+};
+
+fn test_dir(name: &str) -> PathBuf {
+    let base = option_env!("CARGO_TARGET_TMPDIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    let d = base.join(format!("nvme-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn engines() -> Vec<Box<dyn IoEngine>> {
+    vec![
+        Box::new(UringEngine::new(UringConfig { queue_depth: 8 }).expect("io_uring on this host")),
+        Box::new(PreadEngine::new()),
+    ]
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn filled(file: &DirectFile, data: &[u8]) -> AlignedBuf {
+    let mut b = AlignedBuf::for_file(file, data.len()).unwrap();
+    b.copy_from_slice(data);
+    b
+}
+
+#[test]
+fn write_then_read_many_ops_more_than_queue_depth() {
+    let dir = test_dir("rw");
+    for (ei, engine) in engines().iter().enumerate() {
+        let f = Arc::new(DirectFile::open(&dir.join(format!("f{ei}"))).unwrap());
+        f.ensure_len(100 * 8192).unwrap();
+        let writes = (0..100u64)
+            .map(|i| IoRequest::write(f.clone(), i * 8192, filled(&f, &pattern(i, 8192))).unwrap())
+            .collect();
+        for c in engine.submit(writes).unwrap() {
+            c.result.unwrap();
+        }
+        let reads = (0..100u64)
+            .rev()
+            .map(|i| {
+                IoRequest::read(f.clone(), i * 8192, AlignedBuf::for_file(&f, 8192).unwrap())
+                    .unwrap()
+            })
+            .collect();
+        let done = engine.submit(reads).unwrap();
+        for (k, c) in done.into_iter().enumerate() {
+            let i = 99 - k as u64;
+            assert_eq!(
+                c.offset,
+                i * 8192,
+                "{}: completions in request order",
+                engine.name()
+            );
+            c.result.unwrap();
+            assert_eq!(
+                &c.buf[..],
+                &pattern(i, 8192)[..],
+                "{} op {i}",
+                engine.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn short_read_at_eof_is_an_error_not_success() {
+    let dir = test_dir("eof");
+    let uring = UringEngine::new(UringConfig { queue_depth: 4 }).unwrap();
+    let pread = PreadEngine::new();
+    for (name, engine) in [("uring", &uring as &dyn IoEngine), ("pread", &pread)] {
+        let f = Arc::new(DirectFile::open(&dir.join(name)).unwrap());
+        f.ensure_len(8192).unwrap();
+        let w = IoRequest::write(f.clone(), 0, filled(&f, &[7u8; 8192])).unwrap();
+        engine.submit(vec![w]).unwrap()[0].result.as_ref().unwrap();
+        // 16 KiB from offset 0 of an 8 KiB file: the kernel returns 8 KiB, the remainder is
+        // resubmitted, hits EOF, and the whole op must fail with the byte count.
+        let r = IoRequest::read(f.clone(), 0, AlignedBuf::for_file(&f, 16384).unwrap()).unwrap();
+        let c = engine.submit(vec![r]).unwrap().pop().unwrap();
+        match c.result {
+            Err(NvmeError::ShortRead {
+                offset: 0,
+                expected: 16384,
+                got: 8192,
+            }) => {}
+            other => panic!("{name}: {other:?}"),
+        }
+        // Entirely past EOF.
+        let r = IoRequest::read(f.clone(), 65536, AlignedBuf::for_file(&f, 4096).unwrap()).unwrap();
+        let c = engine.submit(vec![r]).unwrap().pop().unwrap();
+        assert!(
+            matches!(c.result, Err(NvmeError::ShortRead { got: 0, .. })),
+            "{name}"
+        );
+    }
+    assert!(uring.stats().resubmits_short >= 1, "{:?}", uring.stats());
+    assert_eq!(uring.stats().cq_overflow, 0);
+}
+
+#[test]
+fn errno_failures_are_typed() {
+    let dir = test_dir("errno");
+    for (i, engine) in engines().iter().enumerate() {
+        let f = Arc::new(DirectFile::open(&dir.join(format!("f{i}"))).unwrap());
+        // Past ext4's maximum file size: the kernel answers EFBIG, a real errno completion.
+        let w = IoRequest::write(f.clone(), 1 << 50, filled(&f, &[1u8; 4096])).unwrap();
+        let c = engine.submit(vec![w]).unwrap().pop().unwrap();
+        match &c.result {
+            Err(NvmeError::Io {
+                kind: OpKind::Write,
+                offset,
+                len: 4096,
+                source,
+            }) => {
+                assert_eq!(*offset, 1 << 50);
+                assert!(
+                    source.raw_os_error().is_some(),
+                    "{}: {source}",
+                    engine.name()
+                );
+            }
+            other => panic!("{}: {other:?}", engine.name()),
+        }
+        // Misaligned offsets never reach the engine.
+        assert!(matches!(
+            IoRequest::write(f.clone(), 512, AlignedBuf::for_file(&f, 4096).unwrap()),
+            Err(NvmeError::Misaligned { .. })
+        ));
+    }
+}
+
+#[test]
+fn concurrent_callers_share_one_ring() {
+    let dir = test_dir("conc");
+    let engine = Arc::new(UringEngine::new(UringConfig { queue_depth: 16 }).unwrap());
+    let f = Arc::new(DirectFile::open(&dir.join("f")).unwrap());
+    f.ensure_len(64 * 4096).unwrap();
+    let w = (0..64u64)
+        .map(|i| IoRequest::write(f.clone(), i * 4096, filled(&f, &pattern(i, 4096))).unwrap())
+        .collect();
+    for c in engine.submit(w).unwrap() {
+        c.result.unwrap();
+    }
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let engine = engine.clone();
+            let f = f.clone();
+            s.spawn(move || {
+                for round in 0..20u64 {
+                    let ids: Vec<u64> = (0..8).map(|k| (t * 13 + round * 7 + k * 5) % 64).collect();
+                    let reqs = ids
+                        .iter()
+                        .map(|&i| {
+                            IoRequest::read(
+                                f.clone(),
+                                i * 4096,
+                                AlignedBuf::for_file(&f, 4096).unwrap(),
+                            )
+                            .unwrap()
+                        })
+                        .collect();
+                    for (c, &i) in engine.submit(reqs).unwrap().into_iter().zip(&ids) {
+                        c.result.unwrap();
+                        assert_eq!(&c.buf[..], &pattern(i, 4096)[..]);
+                    }
+                }
+            });
+        }
+    });
+    assert_eq!(engine.stats().ops, 64 + 4 * 20 * 8);
+}
+
+fn faulty(rules: Vec<FaultRule>, seed: u64) -> FaultyEngine<PreadEngine> {
+    FaultyEngine::new(PreadEngine::new(), rules, seed).unwrap()
+}
+
+#[test]
+fn faulty_engine_injects_each_fault() {
+    let dir = test_dir("faulty");
+    let f = Arc::new(DirectFile::open(&dir.join("f")).unwrap());
+    f.ensure_len(4 * 8192).unwrap();
+    let clean = PreadEngine::new();
+    let w = IoRequest::write(f.clone(), 0, filled(&f, &pattern(1, 8192))).unwrap();
+    clean.submit(vec![w]).unwrap()[0].result.as_ref().unwrap();
+    let read = |e: &dyn IoEngine| {
+        let r = IoRequest::read(f.clone(), 0, AlignedBuf::for_file(&f, 8192).unwrap()).unwrap();
+        e.submit(vec![r]).unwrap().pop().unwrap()
+    };
+    let always = |kind, fault| FaultRule {
+        kind: Some(kind),
+        fault,
+        trigger: Trigger::Always,
+    };
+
+    let e = faulty(vec![always(OpKind::Read, Fault::Eio)], 1);
+    let c = read(&e);
+    assert!(
+        matches!(&c.result, Err(NvmeError::Io { source, .. }) if source.raw_os_error() == Some(libc::EIO))
+    );
+    assert_eq!(e.injected(), 1);
+
+    let e = faulty(vec![always(OpKind::Read, Fault::Enospc)], 1);
+    assert!(matches!(read(&e).result, Err(NvmeError::NoSpace { .. })));
+
+    let e = faulty(vec![always(OpKind::Read, Fault::ShortTransfer)], 1);
+    assert!(matches!(
+        read(&e).result,
+        Err(NvmeError::ShortRead { expected: 8192, .. })
+    ));
+
+    let e = faulty(vec![always(OpKind::Read, Fault::BitFlip)], 1);
+    let c = read(&e);
+    c.result.as_ref().unwrap();
+    let diff: u32 = c
+        .buf
+        .iter()
+        .zip(pattern(1, 8192))
+        .map(|(a, b)| (a ^ b).count_ones())
+        .sum();
+    assert_eq!(diff, 1, "exactly one bit flipped");
+
+    // A rule for writes leaves reads alone.
+    let e = faulty(vec![always(OpKind::Write, Fault::Eio)], 1);
+    read(&e).result.unwrap();
+
+    // Torn write: only an aligned prefix lands, and the op reports ShortWrite.
+    let e = faulty(vec![always(OpKind::Write, Fault::ShortTransfer)], 3);
+    let w = IoRequest::write(f.clone(), 8192, filled(&f, &[0xEE; 8192])).unwrap();
+    let c = e.submit(vec![w]).unwrap().pop().unwrap();
+    assert!(
+        matches!(c.result, Err(NvmeError::ShortWrite { expected: 8192, .. })),
+        "{:?}",
+        c.result
+    );
+    assert_eq!(
+        &c.buf[..],
+        &[0xEE; 8192][..],
+        "caller's buffer comes back intact"
+    );
+
+    // Silent write corruption: success, caller's buffer restored, one bit differs on disk.
+    let e = faulty(vec![always(OpKind::Write, Fault::BitFlip)], 3);
+    let w = IoRequest::write(f.clone(), 16384, filled(&f, &[0x11; 8192])).unwrap();
+    let c = e.submit(vec![w]).unwrap().pop().unwrap();
+    c.result.unwrap();
+    assert_eq!(&c.buf[..], &[0x11; 8192][..]);
+    let r = IoRequest::read(f.clone(), 16384, AlignedBuf::for_file(&f, 8192).unwrap()).unwrap();
+    let c = clean.submit(vec![r]).unwrap().pop().unwrap();
+    let diff: u32 = c.buf.iter().map(|&a| (a ^ 0x11).count_ones()).sum();
+    assert_eq!(diff, 1);
+}
+
+#[test]
+fn faulty_engine_triggers_are_deterministic() {
+    let dir = test_dir("faulty-det");
+    let f = Arc::new(DirectFile::open(&dir.join("f")).unwrap());
+    f.ensure_len(8192).unwrap();
+    let outcomes = |rules: Vec<FaultRule>, seed| {
+        let e = faulty(rules, seed);
+        (0..200)
+            .map(|_| {
+                let r =
+                    IoRequest::read(f.clone(), 0, AlignedBuf::for_file(&f, 4096).unwrap()).unwrap();
+                e.submit(vec![r]).unwrap().pop().unwrap().result.is_err()
+            })
+            .collect::<Vec<bool>>()
+    };
+    let p = vec![FaultRule {
+        kind: None,
+        fault: Fault::Eio,
+        trigger: Trigger::Probability(0.3),
+    }];
+    let a = outcomes(p.clone(), 42);
+    assert_eq!(a, outcomes(p.clone(), 42), "same seed, same faults");
+    assert_ne!(a, outcomes(p, 43), "another seed, other faults");
+    let fails = a.iter().filter(|&&x| x).count();
+    assert!((30..90).contains(&fails), "about 30% of 200: {fails}");
+
+    let nth = outcomes(
+        vec![FaultRule {
+            kind: None,
+            fault: Fault::Eio,
+            trigger: Trigger::Nth(5),
+        }],
+        0,
+    );
+    assert_eq!(nth.iter().position(|&x| x), Some(4));
+    assert_eq!(nth.iter().filter(|&&x| x).count(), 1);
+    let every = outcomes(
+        vec![FaultRule {
+            kind: None,
+            fault: Fault::Eio,
+            trigger: Trigger::EveryNth(10),
+        }],
+        0,
+    );
+    assert_eq!(every.iter().filter(|&&x| x).count(), 20);
+
+    assert!(FaultyEngine::new(
+        PreadEngine::new(),
+        vec![FaultRule {
+            kind: None,
+            fault: Fault::Eio,
+            trigger: Trigger::Probability(1.5)
+        }],
+        0
+    )
+    .is_err());
+    assert!(FaultyEngine::new(
+        PreadEngine::new(),
+        vec![FaultRule {
+            kind: None,
+            fault: Fault::Eio,
+            trigger: Trigger::Nth(0)
+        }],
+        0
+    )
+    .is_err());
+}
+
+fn store_cfg(dir: &std::path::Path, bws: &[f64], capacity: u64) -> PageStoreConfig {
+    PageStoreConfig {
+        devices: bws
+            .iter()
+            .enumerate()
+            .map(|(i, &bw)| DeviceConfig {
+                path: dir.join(format!("dev{i}")),
+                capacity_bytes: capacity,
+                bandwidth_bytes_per_s: bw,
+            })
+            .collect(),
+        max_payload: 10_000,
+    }
+}
+
+fn id(block: u32, generation: u64) -> PageId {
+    PageId {
+        session: 9,
+        layer: 2,
+        block,
+        generation,
+    }
+}
+
+#[test]
+fn page_store_roundtrip_and_verification() {
+    let dir = test_dir("store");
+    for engine in [
+        Arc::new(UringEngine::new(UringConfig::default()).unwrap()) as Arc<dyn IoEngine>,
+        Arc::new(PreadEngine::new()),
+    ] {
+        let store = PageStore::open(&store_cfg(&dir, &[1.0, 1.0], 1 << 20), engine).unwrap();
+        assert_eq!(store.page_size(), 12288);
+        let addrs = store.alloc(9, 20).unwrap();
+        let payloads: Vec<Vec<u8>> = (0..20)
+            .map(|i| pattern(i, 1000 + i as usize * 400))
+            .collect();
+        let writes: Vec<PageWrite> = addrs
+            .iter()
+            .zip(&payloads)
+            .enumerate()
+            .map(|(i, (&addr, p))| PageWrite {
+                addr,
+                id: id(i as u32, 1),
+                payload: p,
+            })
+            .collect();
+        let crcs = store.write_pages(&writes).unwrap();
+        store.sync().unwrap();
+        let reads: Vec<PageRead> = addrs
+            .iter()
+            .enumerate()
+            .map(|(i, &addr)| PageRead {
+                addr,
+                id: id(i as u32, 1),
+                expected_crc: Some(crcs[i]),
+            })
+            .collect();
+        for (i, r) in store.read_pages(&reads).unwrap().into_iter().enumerate() {
+            assert_eq!(r.unwrap().payload(), &payloads[i][..]);
+        }
+        // Asking for another generation or block: Corrupt(WrongIdentity), no data.
+        let wrong = [PageRead {
+            addr: addrs[0],
+            id: id(0, 2),
+            expected_crc: None,
+        }];
+        let r = store.read_pages(&wrong).unwrap().pop().unwrap();
+        assert!(matches!(
+            r,
+            Err(NvmeError::Corrupt {
+                reason: CorruptReason::WrongIdentity { .. },
+                ..
+            })
+        ));
+        // Wrong recorded checksum.
+        let wrong = [PageRead {
+            addr: addrs[0],
+            id: id(0, 1),
+            expected_crc: Some(crcs[0] ^ 1),
+        }];
+        let r = store.read_pages(&wrong).unwrap().pop().unwrap();
+        assert!(matches!(
+            r,
+            Err(NvmeError::Corrupt {
+                reason: CorruptReason::UnexpectedChecksum { .. },
+                ..
+            })
+        ));
+        // A never-written page.
+        let fresh = store.alloc(9, 1).unwrap()[0];
+        let r = store
+            .read_pages(&[PageRead {
+                addr: fresh,
+                id: id(0, 1),
+                expected_crc: None,
+            }])
+            .unwrap()
+            .pop()
+            .unwrap();
+        assert!(matches!(r, Err(e @ NvmeError::Corrupt { .. }) if e.is_data_loss()));
+        store.free(&[fresh]).unwrap();
+        store.free(&addrs).unwrap();
+        assert_eq!(
+            store
+                .usage()
+                .devices
+                .iter()
+                .map(|d| d.pages_used)
+                .sum::<u64>(),
+            0
+        );
+        assert!(store.usage().corrupt_pages >= 3);
+    }
+}
+
+#[test]
+fn page_store_bad_input_is_typed() {
+    let dir = test_dir("store-bad");
+    let engine: Arc<dyn IoEngine> = Arc::new(PreadEngine::new());
+    let store = PageStore::open(&store_cfg(&dir, &[1.0], 10 * 12288), engine.clone()).unwrap();
+    let a = store.alloc(1, 1).unwrap()[0];
+    let big = vec![0u8; 10_001];
+    assert!(matches!(
+        store.write_pages(&[PageWrite {
+            addr: a,
+            id: id(0, 1),
+            payload: &big
+        }]),
+        Err(NvmeError::InvalidArgument { .. })
+    ));
+    let unalloc = PageAddr {
+        device: 0,
+        page: (a.page + 1) % 10,
+    };
+    assert!(matches!(
+        store.write_pages(&[PageWrite {
+            addr: unalloc,
+            id: id(0, 1),
+            payload: &[1]
+        }]),
+        Err(NvmeError::InvalidArgument { .. })
+    ));
+    let out = PageAddr { device: 3, page: 0 };
+    assert!(store
+        .read_pages(&[PageRead {
+            addr: out,
+            id: id(0, 1),
+            expected_crc: None
+        }])
+        .is_err());
+    assert!(matches!(
+        store.free(&[PageAddr {
+            device: 0,
+            page: 10
+        }]),
+        Err(NvmeError::InvalidArgument { .. })
+    ));
+    store.free(&[a]).unwrap();
+    assert!(
+        matches!(store.free(&[a]), Err(NvmeError::InvalidArgument { .. })),
+        "double free"
+    );
+    // Full: all or nothing.
+    let all = store.alloc(1, 10).unwrap();
+    assert!(matches!(
+        store.alloc(1, 1),
+        Err(NvmeError::Full {
+            requested: 1,
+            free: 0
+        })
+    ));
+    store.free(&all[..3]).unwrap();
+    assert!(matches!(
+        store.alloc(1, 4),
+        Err(NvmeError::Full {
+            requested: 4,
+            free: 3
+        })
+    ));
+    assert_eq!(store.free_pages(), 3, "a failed alloc takes nothing");
+    // Recovery marks.
+    store.mark_allocated(all[0]).unwrap();
+    assert!(matches!(
+        store.mark_allocated(all[0]),
+        Err(NvmeError::ManifestMismatch { .. })
+    ));
+    assert!(matches!(
+        store.mark_allocated(PageAddr { device: 1, page: 0 }),
+        Err(NvmeError::ManifestMismatch { .. })
+    ));
+    // Config errors.
+    let mut cfg = store_cfg(&dir, &[1.0], 4096);
+    assert!(
+        matches!(
+            PageStore::open(&cfg, engine.clone()),
+            Err(NvmeError::InvalidArgument { .. })
+        ),
+        "no whole page"
+    );
+    cfg.devices.clear();
+    assert!(PageStore::open(&cfg, engine.clone()).is_err());
+    let cfg = store_cfg(&dir, &[0.0], 1 << 20);
+    assert!(PageStore::open(&cfg, engine.clone()).is_err());
+    let mut cfg = store_cfg(&dir, &[1.0], 1 << 20);
+    cfg.max_payload = 0;
+    assert!(PageStore::open(&cfg, engine).is_err());
+}
+
+#[test]
+fn striping_follows_bandwidth() {
+    let dir = test_dir("stripe");
+    let store = PageStore::open(
+        &store_cfg(&dir, &[3.0e9, 1.0e9, 2.0e9], 1 << 22),
+        Arc::new(PreadEngine::new()),
+    )
+    .unwrap();
+    let mut per_dev = [0usize; 3];
+    // Many small allocations of one session still interleave (the cursor persists).
+    for _ in 0..60 {
+        for a in store.alloc(5, 1).unwrap() {
+            per_dev[a.device as usize] += 1;
+        }
+    }
+    assert_eq!(per_dev, [30, 10, 20]);
+    // Smooth: within any window of 6 consecutive pages the split is exactly 3:1:2.
+    let addrs = store.alloc(6, 12).unwrap();
+    for w in addrs.chunks(6) {
+        let mut c = [0; 3];
+        for a in w {
+            c[a.device as usize] += 1;
+        }
+        assert_eq!(c, [3, 1, 2]);
+    }
+    // A full device is skipped, the rest still serve.
+    let pages = store.device_pages();
+    let mut total = 72usize;
+    while let Ok(a) = store.alloc(7, 1) {
+        total += a.len();
+    }
+    assert_eq!(total as u64, pages.iter().sum::<u64>());
+}
+
+#[test]
+fn page_store_under_injected_faults_never_returns_wrong_data() {
+    let dir = test_dir("store-faults");
+    let rules = vec![
+        FaultRule {
+            kind: Some(OpKind::Read),
+            fault: Fault::BitFlip,
+            trigger: Trigger::Probability(0.1),
+        },
+        FaultRule {
+            kind: Some(OpKind::Read),
+            fault: Fault::ShortTransfer,
+            trigger: Trigger::Probability(0.05),
+        },
+        FaultRule {
+            kind: Some(OpKind::Read),
+            fault: Fault::Eio,
+            trigger: Trigger::Probability(0.05),
+        },
+        FaultRule {
+            kind: Some(OpKind::Write),
+            fault: Fault::BitFlip,
+            trigger: Trigger::Probability(0.05),
+        },
+    ];
+    let engine = Arc::new(
+        FaultyEngine::new(UringEngine::new(UringConfig::default()).unwrap(), rules, 7).unwrap(),
+    );
+    let store = PageStore::open(&store_cfg(&dir, &[1.0, 2.0], 4 << 20), engine.clone()).unwrap();
+    let addrs = store.alloc(9, 64).unwrap();
+    let payloads: Vec<Vec<u8>> = (0..64).map(|i| pattern(i, 9000)).collect();
+    let writes: Vec<PageWrite> = addrs
+        .iter()
+        .zip(&payloads)
+        .enumerate()
+        .map(|(i, (&addr, p))| PageWrite {
+            addr,
+            id: id(i as u32, 1),
+            payload: p,
+        })
+        .collect();
+    store.write_pages(&writes).unwrap();
+    let (mut ok, mut corrupt, mut io) = (0, 0, 0);
+    for _round in 0..20 {
+        let reads: Vec<PageRead> = addrs
+            .iter()
+            .enumerate()
+            .map(|(i, &addr)| PageRead {
+                addr,
+                id: id(i as u32, 1),
+                expected_crc: None,
+            })
+            .collect();
+        for (i, r) in store.read_pages(&reads).unwrap().into_iter().enumerate() {
+            match r {
+                Ok(d) => {
+                    assert_eq!(
+                        d.payload(),
+                        &payloads[i][..],
+                        "wrong bytes returned as data"
+                    );
+                    ok += 1;
+                }
+                Err(NvmeError::Corrupt { .. }) => corrupt += 1,
+                Err(NvmeError::ShortRead { .. } | NvmeError::Io { .. }) => io += 1,
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+    assert!(engine.injected() > 100);
+    assert!(
+        ok > 0 && corrupt > 0 && io > 0,
+        "ok {ok} corrupt {corrupt} io {io}"
+    );
+}

@@ -1,0 +1,456 @@
+//! What each command reports, as serde structs (the `--json` schema; field names are
+//! stable) and their human renderings.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use kvtier_protocol::{stats_keys as keys, Dtype, SessionInfo, StatsReply};
+use serde::Serialize;
+
+use crate::human::{self, Align, Table};
+
+/// `tierctl status`.
+#[derive(Debug, Serialize)]
+pub struct Status {
+    pub socket: String,
+    pub server_name: String,
+    pub server_version: String,
+    pub protocol_version: u16,
+    pub max_frame_bytes: u32,
+    /// STATS values; `null` when the daemon does not report the key.
+    pub uptime_ms: Option<u64>,
+    pub sessions: Option<u64>,
+    pub host_bytes_used: Option<u64>,
+    pub host_bytes_capacity: Option<u64>,
+    pub decode_requests_total: Option<u64>,
+    pub decode_entries_total: Option<u64>,
+    pub append_tokens_total: Option<u64>,
+    pub errors_total: Option<u64>,
+    pub rejected_total: Option<u64>,
+}
+
+impl Status {
+    pub fn new(socket: String, hello: &kvtier_protocol::HelloReply, stats: &StatsReply) -> Self {
+        Self {
+            socket,
+            server_name: hello.server_name.clone(),
+            server_version: hello.server_version.clone(),
+            protocol_version: hello.version,
+            max_frame_bytes: hello.max_frame_bytes,
+            uptime_ms: stats.get(keys::UPTIME_MS),
+            sessions: stats.get(keys::SESSIONS),
+            host_bytes_used: stats.get(keys::HOST_BYTES_USED),
+            host_bytes_capacity: stats.get(keys::HOST_BYTES_CAPACITY),
+            decode_requests_total: stats.get(keys::DECODE_REQUESTS_TOTAL),
+            decode_entries_total: stats.get(keys::DECODE_ENTRIES_TOTAL),
+            append_tokens_total: stats.get(keys::APPEND_TOKENS_TOTAL),
+            errors_total: stats.get(keys::ERRORS_TOTAL),
+            rejected_total: stats.get(keys::REJECTED_TOTAL),
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let opt = |v: Option<u64>| v.map_or_else(|| "not reported".into(), |v| v.to_string());
+        let mut t = Table::new(&[("", Align::Left), ("", Align::Left)]);
+        let mut kv = |k: &str, v: String| t.row(vec![format!("{k}:"), v]);
+        kv(
+            "daemon",
+            format!(
+                "{} {} (reachable at {})",
+                self.server_name, self.server_version, self.socket
+            ),
+        );
+        kv(
+            "protocol",
+            format!(
+                "v{}, max frame {}",
+                self.protocol_version,
+                human::bytes(u64::from(self.max_frame_bytes))
+            ),
+        );
+        kv(
+            "uptime",
+            self.uptime_ms.map_or_else(
+                || "not reported".into(),
+                |ms| human::duration(Duration::from_millis(ms)),
+            ),
+        );
+        kv("sessions", opt(self.sessions));
+        kv(
+            "host tier",
+            self.host_bytes_used.map_or_else(
+                || "not reported".into(),
+                |u| human::usage(u, self.host_bytes_capacity),
+            ),
+        );
+        kv("decode requests", opt(self.decode_requests_total));
+        kv("decode entries", opt(self.decode_entries_total));
+        kv("tokens appended", opt(self.append_tokens_total));
+        kv("errors", opt(self.errors_total));
+        kv("rejected", opt(self.rejected_total));
+        // The header row of a key/value table is empty; drop it.
+        t.render()
+            .split_once('\n')
+            .map_or(String::new(), |(_, rest)| rest.to_owned())
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct GeometryJson {
+    pub layers: u32,
+    pub q_heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub dtype: &'static str,
+    pub block_tokens: u32,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PolicyJson {
+    pub sink_blocks: u32,
+    pub local_blocks: u32,
+    pub top_k: u32,
+}
+
+/// One session (`session info`, and each element of `sessions`).
+#[derive(Debug, Serialize)]
+pub struct Session {
+    pub id: u64,
+    pub owner_uid: u32,
+    pub label: String,
+    pub geometry: GeometryJson,
+    pub policy: PolicyJson,
+    pub tokens_min: u64,
+    pub tokens_max: u64,
+    pub blocks: u64,
+    pub host_bytes: u64,
+    pub nvme_bytes: u64,
+    pub pinned: bool,
+    pub created_unix_ms: u64,
+    pub last_access_unix_ms: u64,
+}
+
+pub fn dtype_name(d: Dtype) -> &'static str {
+    match d {
+        Dtype::Bf16 => "bf16",
+        Dtype::F16 => "f16",
+        Dtype::F32 => "f32",
+    }
+}
+
+impl From<&SessionInfo> for Session {
+    fn from(s: &SessionInfo) -> Self {
+        let g = &s.geometry;
+        Self {
+            id: s.session,
+            owner_uid: s.owner_uid,
+            label: s.label.clone(),
+            geometry: GeometryJson {
+                layers: g.layers,
+                q_heads: g.q_heads,
+                kv_heads: g.kv_heads,
+                head_dim: g.head_dim,
+                dtype: dtype_name(g.dtype),
+                block_tokens: g.block_tokens,
+            },
+            policy: PolicyJson {
+                sink_blocks: s.policy.sink_blocks,
+                local_blocks: s.policy.local_blocks,
+                top_k: s.policy.top_k,
+            },
+            tokens_min: s.tokens_min,
+            tokens_max: s.tokens_max,
+            blocks: s.blocks,
+            host_bytes: s.host_bytes,
+            nvme_bytes: s.nvme_bytes,
+            pinned: s.pinned,
+            created_unix_ms: s.created_unix_ms,
+            last_access_unix_ms: s.last_access_unix_ms,
+        }
+    }
+}
+
+impl Session {
+    fn geometry_cell(&self) -> String {
+        let g = &self.geometry;
+        format!(
+            "{}/{}/{}/{}/{}/{}",
+            g.layers, g.q_heads, g.kv_heads, g.head_dim, g.dtype, g.block_tokens
+        )
+    }
+
+    fn tokens_cell(&self) -> String {
+        // Layers differ only while a decode step is in flight.
+        if self.tokens_min == self.tokens_max {
+            self.tokens_max.to_string()
+        } else {
+            format!("{}-{}", self.tokens_min, self.tokens_max)
+        }
+    }
+
+    fn label_cell(&self) -> String {
+        if self.label.is_empty() {
+            "-".into()
+        } else {
+            self.label.clone()
+        }
+    }
+
+    /// `session info`: one field per line.
+    pub fn render(&self, now_unix_ms: u64) -> String {
+        let p = &self.policy;
+        let mut t = Table::new(&[("", Align::Left), ("", Align::Left)]);
+        let mut kv = |k: &str, v: String| t.row(vec![format!("{k}:"), v]);
+        kv("session", self.id.to_string());
+        kv("owner uid", self.owner_uid.to_string());
+        kv("label", self.label_cell());
+        kv("geometry (L/Hq/Hkv/D/dtype/B)", self.geometry_cell());
+        kv(
+            "policy",
+            format!(
+                "sink {}, local {}, top-k {}",
+                p.sink_blocks, p.local_blocks, p.top_k
+            ),
+        );
+        kv("tokens", self.tokens_cell());
+        kv("blocks", self.blocks.to_string());
+        kv("host bytes", human::bytes(self.host_bytes));
+        kv("nvme bytes", human::bytes(self.nvme_bytes));
+        kv("pinned", if self.pinned { "yes" } else { "no" }.into());
+        kv(
+            "created",
+            format!("{} ago", human::age(self.created_unix_ms, now_unix_ms)),
+        );
+        kv(
+            "last access",
+            format!("{} ago", human::age(self.last_access_unix_ms, now_unix_ms)),
+        );
+        t.render()
+            .split_once('\n')
+            .map_or(String::new(), |(_, rest)| rest.to_owned())
+    }
+}
+
+/// `tierctl sessions`.
+#[derive(Debug, Serialize)]
+pub struct Sessions {
+    pub sessions: Vec<Session>,
+}
+
+impl Sessions {
+    pub fn render(&self, now_unix_ms: u64) -> String {
+        if self.sessions.is_empty() {
+            return "no sessions\n".into();
+        }
+        let mut t = Table::new(&[
+            ("ID", Align::Right),
+            ("OWNER", Align::Right),
+            ("LABEL", Align::Left),
+            ("L/Hq/Hkv/D/dtype/B", Align::Left),
+            ("TOKENS", Align::Right),
+            ("BLOCKS", Align::Right),
+            ("HOST", Align::Right),
+            ("LAST ACCESS", Align::Right),
+        ]);
+        for s in &self.sessions {
+            t.row(vec![
+                s.id.to_string(),
+                s.owner_uid.to_string(),
+                s.label_cell(),
+                s.geometry_cell(),
+                s.tokens_cell(),
+                s.blocks.to_string(),
+                human::bytes(s.host_bytes),
+                human::age(s.last_access_unix_ms, now_unix_ms),
+            ]);
+        }
+        t.render()
+    }
+}
+
+/// One storage tier's usage, built only from keys the daemon reports.
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct TierRow {
+    pub tier: String,
+    pub bytes_used: Option<u64>,
+    pub bytes_capacity: Option<u64>,
+    pub frames_used: Option<u64>,
+    pub frames_capacity: Option<u64>,
+}
+
+/// `tierctl tier`.
+#[derive(Debug, Serialize)]
+pub struct Tiers {
+    pub tiers: Vec<TierRow>,
+}
+
+impl Tiers {
+    /// A row for every prefix `P` such that the daemon reports `P_bytes_used` or
+    /// `P_bytes_capacity` (today `host`; NVMe and GPU rows appear when the daemon adds
+    /// their keys). Host first, then the others by name.
+    pub fn from_stats(stats: &StatsReply) -> Self {
+        let mut names: Vec<&str> = stats
+            .entries
+            .iter()
+            .filter_map(|(k, _)| {
+                k.strip_suffix("_bytes_used")
+                    .or_else(|| k.strip_suffix("_bytes_capacity"))
+            })
+            .filter(|p| !p.is_empty())
+            .collect();
+        names.sort_by_key(|n| (*n != "host", *n));
+        names.dedup();
+        let tiers = names
+            .into_iter()
+            .map(|n| TierRow {
+                tier: n.to_owned(),
+                bytes_used: stats.get(&format!("{n}_bytes_used")),
+                bytes_capacity: stats.get(&format!("{n}_bytes_capacity")),
+                frames_used: stats.get(&format!("{n}_frames_used")),
+                frames_capacity: stats.get(&format!("{n}_frames_capacity")),
+            })
+            .collect();
+        Self { tiers }
+    }
+
+    pub fn render(&self) -> String {
+        if self.tiers.is_empty() {
+            return "the daemon reports no tier usage\n".into();
+        }
+        let opt_bytes = |v: Option<u64>| v.map_or_else(|| "-".into(), human::bytes);
+        let opt = |v: Option<u64>| v.map_or_else(|| "-".into(), |v| v.to_string());
+        let mut t = Table::new(&[
+            ("TIER", Align::Left),
+            ("USED", Align::Right),
+            ("CAPACITY", Align::Right),
+            ("USE%", Align::Right),
+            ("FRAMES USED", Align::Right),
+            ("FRAMES", Align::Right),
+        ]);
+        for r in &self.tiers {
+            let pct = match (r.bytes_used, r.bytes_capacity) {
+                (Some(u), Some(c)) if c > 0 => format!("{:.1}%", u as f64 * 100.0 / c as f64),
+                _ => "-".into(),
+            };
+            t.row(vec![
+                r.tier.clone(),
+                opt_bytes(r.bytes_used),
+                opt_bytes(r.bytes_capacity),
+                pct,
+                opt(r.frames_used),
+                opt(r.frames_capacity),
+            ]);
+        }
+        t.render()
+    }
+}
+
+/// `tierctl stats`: every key the daemon reports, sorted by name.
+#[derive(Debug, Serialize)]
+pub struct Stats {
+    pub stats: BTreeMap<String, u64>,
+}
+
+impl Stats {
+    pub fn from_stats(stats: &StatsReply) -> Self {
+        Self {
+            stats: stats.entries.iter().cloned().collect(),
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let w = self.stats.keys().map(|k| k.len()).max().unwrap_or(0);
+        let mut out = String::new();
+        for (k, v) in &self.stats {
+            // Byte-valued keys also get a human size; the raw number stays first.
+            if k.contains("bytes") && *v >= 1024 {
+                let _ = writeln!(out, "{k:<w$}  {v} ({})", human::bytes(*v));
+            } else {
+                let _ = writeln!(out, "{k:<w$}  {v}");
+            }
+        }
+        out
+    }
+}
+
+/// `close` / `evict`.
+#[derive(Debug, Serialize)]
+pub struct Dropped {
+    pub session: u64,
+    /// `closed` or `evicted`.
+    pub action: &'static str,
+}
+
+/// `demote` / `promote`.
+#[derive(Debug, Serialize)]
+pub struct TierMove {
+    pub session: u64,
+    /// `demoted` or `promoted`.
+    pub action: &'static str,
+    /// Blocks freed from host RAM (demote) or read back (promote).
+    pub blocks: u64,
+}
+
+/// `pin` / `unpin`.
+#[derive(Debug, Serialize)]
+pub struct Pinned {
+    pub session: u64,
+    pub pinned: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stats(pairs: &[(&str, u64)]) -> StatsReply {
+        StatsReply {
+            entries: pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        }
+    }
+
+    #[test]
+    fn tier_rows_only_for_reported_keys() {
+        let s = stats(&[
+            ("uptime_ms", 5),
+            ("host_bytes_used", 10),
+            ("host_bytes_capacity", 100),
+            ("host_frames_used", 1),
+            ("host_frames_capacity", 10),
+            ("bytes_touched_total", 7),
+        ]);
+        let t = Tiers::from_stats(&s);
+        assert_eq!(
+            t.tiers,
+            vec![TierRow {
+                tier: "host".into(),
+                bytes_used: Some(10),
+                bytes_capacity: Some(100),
+                frames_used: Some(1),
+                frames_capacity: Some(10),
+            }]
+        );
+        // A daemon that adds an NVMe tier gets a second row, host still first.
+        let s = stats(&[
+            ("nvme_bytes_capacity", 1 << 30),
+            ("host_bytes_used", 0),
+            ("nvme_bytes_used", 4096),
+        ]);
+        let t = Tiers::from_stats(&s);
+        let names: Vec<_> = t.tiers.iter().map(|r| r.tier.as_str()).collect();
+        assert_eq!(names, ["host", "nvme"]);
+        assert_eq!(t.tiers[1].bytes_used, Some(4096));
+        assert_eq!(t.tiers[1].frames_used, None);
+        assert!(t.render().contains("1.0 GiB"));
+        assert_eq!(Tiers::from_stats(&stats(&[])).tiers, vec![]);
+    }
+
+    #[test]
+    fn stats_render_sorted_with_human_bytes() {
+        let s = Stats::from_stats(&stats(&[("sessions", 2), ("host_bytes_used", 3 << 20)]));
+        assert_eq!(
+            s.render(),
+            "host_bytes_used  3145728 (3.0 MiB)\nsessions         2\n"
+        );
+    }
+}

@@ -1,0 +1,377 @@
+//! The real `tierctl` binary against a real `tierd` process started by the test (built with
+//! `cargo build -p tierd`). Sessions are created with the protocol client; tierctl's output
+//! is checked against what the client created.
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use kvtier_protocol::client::Client;
+use kvtier_protocol::{Dtype, Geometry, Policy};
+use serde_json::Value;
+
+/// Builds tierd once per test binary and returns its path; `KVTIER_TEST_TIERD` names a
+/// prebuilt binary instead.
+fn tierd_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(p) = std::env::var_os("KVTIER_TEST_TIERD") {
+            return PathBuf::from(p);
+        }
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let st = Command::new(cargo)
+            .args(["build", "--quiet", "-p", "tierd"])
+            .current_dir(root)
+            .status()
+            .expect("run cargo build -p tierd");
+        assert!(st.success(), "cargo build -p tierd failed");
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| root.join("target"));
+        let bin = target.join("debug").join("tierd");
+        assert!(bin.is_file(), "{} missing after build", bin.display());
+        bin
+    })
+}
+
+/// A tierd on a private socket; killed (SIGTERM) and reaped on drop.
+struct Daemon {
+    child: Child,
+    sock: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl Daemon {
+    fn start(extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("tierd.sock");
+        // NVMe state in the temp dir: never the system default /var/lib/kvtier.
+        let state = dir.path().join("state");
+        let child = Command::new(tierd_bin())
+            .arg("--socket")
+            .arg(&sock)
+            .args([
+                "--host-capacity",
+                "64MiB",
+                "--backend",
+                "cpu",
+                "--log-level",
+                "warn",
+            ])
+            .arg("--set")
+            .arg(format!("nvme.dir={:?}", state.to_str().unwrap()))
+            .args(["--set", "nvme.capacity=\"32MiB\""])
+            .args(extra)
+            .spawn()
+            .expect("spawn tierd");
+        let mut d = Daemon { child, sock, dir };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while UnixStream::connect(&d.sock).is_err() {
+            if let Some(st) = d.child.try_wait().unwrap() {
+                panic!("tierd exited during startup: {st}");
+            }
+            assert!(Instant::now() < deadline, "tierd did not open its socket");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        d
+    }
+
+    fn client(&self) -> Client {
+        Client::connect_as(&self.sock, "tierctl-test").unwrap()
+    }
+
+    fn ctl(&self, args: &[&str]) -> Output {
+        ctl_at(&self.sock, args, None)
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // SAFETY: kill has no memory-safety preconditions; the pid is our unreaped child.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+fn ctl_at(sock: &Path, args: &[&str], uid: Option<u32>) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tierctl"));
+    cmd.arg("--socket").arg(sock).args(args);
+    if let Some(uid) = uid {
+        cmd.uid(uid).gid(uid);
+    }
+    cmd.output().expect("run tierctl")
+}
+
+fn ok(o: &Output) -> String {
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "stderr: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout.clone()).unwrap()
+}
+
+fn json(o: &Output) -> Value {
+    serde_json::from_str(&ok(o)).expect("valid JSON")
+}
+
+fn err(o: &Output, code: i32) -> String {
+    let e = String::from_utf8_lossy(&o.stderr).into_owned();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(code), "stderr: {e}\nstdout: {out}");
+    e
+}
+
+const GEOM: Geometry = Geometry {
+    layers: 2,
+    q_heads: 4,
+    kv_heads: 2,
+    head_dim: 16,
+    dtype: Dtype::Bf16,
+    block_tokens: 16,
+};
+
+/// Bytes of one (layer, block) run of GEOM.
+const RUN_BYTES: u64 = 2 * 2 * 16 * 16 * 2;
+
+/// The CLI's size format for the sizes these tests produce (KiB and MiB with one decimal).
+fn human_bytes(n: u64) -> String {
+    if n < 1 << 20 {
+        format!("{:.1} KiB", n as f64 / 1024.0)
+    } else {
+        format!("{:.1} MiB", n as f64 / (1 << 20) as f64)
+    }
+}
+
+fn my_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Create a session of `tokens` tokens (bf16 ones, inline append) and return its id.
+fn session(c: &mut Client, label: &str, tokens: u32) -> u64 {
+    let policy = Policy {
+        sink_blocks: 1,
+        local_blocks: 2,
+        top_k: 3,
+    };
+    let id = c.create_session(GEOM, policy, label).unwrap();
+    let len = GEOM.append_payload_bytes(tokens).unwrap() as usize;
+    // bf16 1.0 = 0x3F80.
+    let payload: Vec<u8> = [0x80u8, 0x3F].repeat(len / 2);
+    assert_eq!(
+        c.append_kv(id, 0, tokens, &payload).unwrap(),
+        u64::from(tokens)
+    );
+    id
+}
+
+#[test]
+fn sessions_info_stats_tier_close() {
+    let d = Daemon::start(&[]);
+    let uid = my_uid();
+    let mut c = d.client();
+
+    let out = ok(&d.ctl(&["sessions"]));
+    assert_eq!(out, "no sessions\n");
+
+    let a = session(&mut c, "alpha", 40);
+    let b = session(&mut c, "", 16);
+
+    // sessions --json: both, sorted by id, values as created.
+    let v = json(&d.ctl(&["--json", "sessions"]));
+    let list = v["sessions"].as_array().unwrap();
+    assert_eq!(list.len(), 2);
+    let s = &list[0];
+    assert_eq!(s["id"], a);
+    assert_eq!(s["owner_uid"], uid);
+    assert_eq!(s["label"], "alpha");
+    assert_eq!(s["geometry"]["layers"], 2);
+    assert_eq!(s["geometry"]["q_heads"], 4);
+    assert_eq!(s["geometry"]["kv_heads"], 2);
+    assert_eq!(s["geometry"]["head_dim"], 16);
+    assert_eq!(s["geometry"]["dtype"], "bf16");
+    assert_eq!(s["geometry"]["block_tokens"], 16);
+    assert_eq!(s["policy"]["top_k"], 3);
+    assert_eq!(s["tokens_min"], 40);
+    assert_eq!(s["tokens_max"], 40);
+    // 40 tokens at B=16: 3 blocks per layer, 2 layers.
+    assert_eq!(s["blocks"], 6);
+    // Host bytes count whole frames (one run per frame); the frame size is the daemon's.
+    let st = json(&d.ctl(&["--json", "stats"]));
+    let frame = st["stats"]["host_bytes_capacity"].as_u64().unwrap()
+        / st["stats"]["host_frames_capacity"].as_u64().unwrap();
+    assert!(frame >= RUN_BYTES, "a frame holds a run");
+    assert_eq!(s["host_bytes"], 6 * frame);
+    assert_eq!(s["nvme_bytes"], 0);
+    assert_eq!(s["pinned"], false);
+    assert!(s["last_access_unix_ms"].as_u64().unwrap() >= s["created_unix_ms"].as_u64().unwrap());
+    assert_eq!(list[1]["id"], b);
+    assert_eq!(list[1]["tokens_max"], 16);
+    assert_eq!(list[1]["blocks"], 2);
+
+    // Human table: a header and one aligned row per session.
+    let out = ok(&d.ctl(&["sessions"]));
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    assert!(lines[0].contains("L/Hq/Hkv/D/dtype/B") && lines[0].contains("LAST ACCESS"));
+    assert!(
+        lines[1].contains("alpha") && lines[1].contains("2/4/2/16/bf16/16"),
+        "{out}"
+    );
+    assert!(lines[1].contains(&human_bytes(6 * frame)), "{out}");
+    assert!(lines[2].contains(" - "), "empty label shows as -: {out}");
+
+    // session info, JSON and human.
+    let v = json(&d.ctl(&["--json", "session", "info", &a.to_string()]));
+    assert_eq!(v["id"], a);
+    assert_eq!(v["tokens_max"], 40);
+    assert_eq!(v["policy"]["local_blocks"], 2);
+    let out = ok(&d.ctl(&["session", "info", &a.to_string()]));
+    assert!(out.contains("label:") && out.contains("alpha"), "{out}");
+    assert!(out.contains("sink 1, local 2, top-k 3"), "{out}");
+
+    // stats and status agree with what we did.
+    let v = json(&d.ctl(&["--json", "stats"]));
+    let st = &v["stats"];
+    assert_eq!(st["sessions"], 2);
+    assert_eq!(st["append_tokens_total"], 56);
+    assert_eq!(st["host_bytes_used"], 8 * frame);
+    assert_eq!(st["host_bytes_capacity"], 64u64 << 20);
+    let v = json(&d.ctl(&["--json", "status"]));
+    assert_eq!(v["server_name"], "tierd");
+    assert_eq!(v["protocol_version"], 1);
+    assert_eq!(v["sessions"], 2);
+    assert_eq!(v["host_bytes_used"], 8 * frame);
+    assert!(v["uptime_ms"].as_u64().is_some());
+    let out = ok(&d.ctl(&["status"]));
+    assert!(out.contains("tierd") && out.contains("64.0 MiB"), "{out}");
+
+    // tier: the host row and the NVMe row, as the daemon reports them.
+    let v = json(&d.ctl(&["--json", "tier"]));
+    let tiers = v["tiers"].as_array().unwrap();
+    assert_eq!(tiers.len(), 2, "{v}");
+    assert_eq!(tiers[0]["tier"], "host");
+    assert_eq!(tiers[0]["bytes_used"], 8 * frame);
+    assert_eq!(tiers[0]["bytes_capacity"], 64u64 << 20);
+    assert_eq!(tiers[1]["tier"], "nvme");
+    // The daemon reserves a little of the page file; the row carries exactly what STATS says.
+    let nvme_cap = tiers[1]["bytes_capacity"].as_u64().unwrap();
+    assert!((31u64 << 20..=32 << 20).contains(&nvme_cap), "{v}");
+    let st = json(&d.ctl(&["--json", "stats"]));
+    assert_eq!(st["stats"]["nvme_bytes_capacity"], nvme_cap);
+    let out = ok(&d.ctl(&["tier"]));
+    assert!(
+        out.contains("host") && out.contains("nvme") && out.contains("32.0 MiB"),
+        "{out}"
+    );
+
+    // demote / promote / pin / unpin on b (16 tokens: one block in each of 2 layers).
+    let bs = b.to_string();
+    let v = json(&d.ctl(&["--json", "demote", &bs]));
+    assert_eq!(
+        (v["action"].as_str(), v["blocks"].as_u64()),
+        (Some("demoted"), Some(2))
+    );
+    let v = json(&d.ctl(&["--json", "session", "info", &bs]));
+    assert_eq!(v["host_bytes"], 0, "{v}");
+    assert!(v["nvme_bytes"].as_u64().unwrap() > 0, "{v}");
+    let out = ok(&d.ctl(&["promote", &bs]));
+    assert_eq!(
+        out,
+        format!("promoted session {b}: 2 blocks read into host RAM\n")
+    );
+    let v = json(&d.ctl(&["--json", "session", "info", &bs]));
+    assert_eq!(v["host_bytes"], 2 * frame, "{v}");
+    assert_eq!(ok(&d.ctl(&["pin", &bs])), format!("pinned session {b}\n"));
+    assert_eq!(
+        json(&d.ctl(&["--json", "session", "info", &bs]))["pinned"],
+        true
+    );
+    let e = err(&d.ctl(&["demote", &bs]), 6);
+    assert!(e.contains("DEMOTE failed: FAILED_PRECONDITION"), "{e}");
+    let v = json(&d.ctl(&["--json", "unpin", &bs]));
+    assert_eq!(v["pinned"], false);
+    assert_eq!(
+        json(&d.ctl(&["--json", "session", "info", &bs]))["pinned"],
+        false
+    );
+    let e = err(&d.ctl(&["demote", "999999"]), 5);
+    assert!(e.contains("session 999999 not found"), "{e}");
+
+    // close: gone afterwards, and a second close is NOT_FOUND.
+    assert_eq!(
+        ok(&d.ctl(&["close", &a.to_string()])),
+        format!("closed session {a}\n")
+    );
+    let e = err(&d.ctl(&["session", "info", &a.to_string()]), 5);
+    assert!(e.contains(&format!("session {a} not found")), "{e}");
+    let e = err(&d.ctl(&["close", &a.to_string()]), 5);
+    assert!(e.contains("NOT_FOUND"), "{e}");
+    let v = json(&d.ctl(&["--json", "sessions"]));
+    assert_eq!(v["sessions"].as_array().unwrap().len(), 1);
+
+    // evict (we started tierd ourselves; root is its default admin).
+    if uid == 0 {
+        let v = json(&d.ctl(&["--json", "evict", &b.to_string()]));
+        assert_eq!(v["session"], b);
+        assert_eq!(v["action"], "evicted");
+        let v = json(&d.ctl(&["--json", "stats"]));
+        assert_eq!(v["stats"]["sessions"], 0);
+        assert_eq!(v["stats"]["host_bytes_used"], 0);
+    }
+    let e = err(&d.ctl(&["session", "info", "999999"]), 5);
+    assert!(e.contains("session 999999 not found"), "{e}");
+}
+
+/// Permission failures need a second uid: only when the tests run as root (as CI does),
+/// tierctl is run as `nobody`.
+#[test]
+fn permission_denied_for_another_uid() {
+    if my_uid() != 0 {
+        eprintln!("not root: cannot run tierctl as another uid, test not applicable");
+        return;
+    }
+    const NOBODY: u32 = 65534;
+    let d = Daemon::start(&["--set", "server.socket_mode=0o666"]);
+    let mut c = d.client();
+    let id = session(&mut c, "root's", 16);
+
+    // With the socket's directory at 0700, nobody cannot reach the socket at all.
+    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let e = err(&ctl_at(&d.sock, &["status"], Some(NOBODY)), 4);
+    assert!(e.contains("permission denied connecting to"), "{e}");
+
+    // Open the directory: nobody connects, but the daemon refuses root's session and EVICT.
+    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let o = ctl_at(&d.sock, &["--json", "sessions"], Some(NOBODY));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        v["sessions"].as_array().unwrap().len(),
+        0,
+        "nobody sees only own"
+    );
+    let e = err(
+        &ctl_at(&d.sock, &["session", "info", &id.to_string()], Some(NOBODY)),
+        4,
+    );
+    assert!(e.contains("PERMISSION_DENIED"), "{e}");
+    let e = err(
+        &ctl_at(&d.sock, &["close", &id.to_string()], Some(NOBODY)),
+        4,
+    );
+    assert!(e.contains("PERMISSION_DENIED"), "{e}");
+    let o = ctl_at(&d.sock, &["--json", "evict", &id.to_string()], Some(NOBODY));
+    let e = err(&o, 4);
+    assert!(e.contains("EVICT needs an admin"), "{e}");
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["error"]["kind"], "PERMISSION_DENIED");
+    // Still there for its owner.
+    assert_eq!(c.session_info(id).unwrap().tokens_max, 16);
+}
