@@ -73,6 +73,7 @@ pub struct Config {
     pub backend: BackendConfig,
     pub nvme: NvmeConfig,
     pub log: LogConfig,
+    pub metrics: MetricsConfig,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -276,7 +277,12 @@ impl Default for NvmeConfig {
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
-    /// Human-readable lines (journald adds its own timestamps).
+    /// `journald` when stderr is the journal (systemd sets $JOURNAL_STREAM), else `text`.
+    Auto,
+    /// Lines prefixed with their syslog priority (`<3>` error .. `<7>` trace) and no timestamp,
+    /// so journald files each line at the right level and stamps it itself.
+    Journald,
+    /// Human-readable timestamped lines.
     Text,
     /// One JSON object per line with structured fields.
     Json,
@@ -288,6 +294,16 @@ pub struct LogConfig {
     /// error, warn, info, debug or trace.
     pub level: String,
     pub format: LogFormat,
+}
+
+/// The Prometheus scrape endpoint.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Address to serve `GET /metrics` on, e.g. "127.0.0.1:9464". Unset (the default): off.
+    pub listen: Option<std::net::SocketAddr>,
+    /// Allow a non-loopback `listen` address (the endpoint has no authentication).
+    pub allow_remote: bool,
 }
 
 /// The socket path clients and the daemon agree on when nothing is configured:
@@ -372,7 +388,7 @@ impl Default for LogConfig {
     fn default() -> Self {
         LogConfig {
             level: "info".into(),
-            format: LogFormat::Text,
+            format: LogFormat::Auto,
         }
     }
 }
@@ -393,7 +409,7 @@ pub enum ConfigError {
     Invalid { field: &'static str, reason: String },
 }
 
-const SECTIONS: [&str; 7] = [
+const SECTIONS: [&str; 8] = [
     "server",
     "host",
     "admission",
@@ -401,6 +417,7 @@ const SECTIONS: [&str; 7] = [
     "backend",
     "nvme",
     "log",
+    "metrics",
 ];
 
 impl Config {
@@ -567,6 +584,17 @@ impl Config {
         ] {
             if v == 0 {
                 return bad(field, "must be at least 1".into());
+            }
+        }
+        if let Some(addr) = self.metrics.listen {
+            if !addr.ip().is_loopback() && !self.metrics.allow_remote {
+                return bad(
+                    "metrics.listen",
+                    format!(
+                        "{addr} is not a loopback address; the endpoint has no authentication, \
+                         so set metrics.allow_remote = true to expose it"
+                    ),
+                );
             }
         }
         if !["error", "warn", "info", "debug", "trace"].contains(&self.log.level.as_str()) {
@@ -748,6 +776,39 @@ mod tests {
     }
 
     #[test]
+    fn metrics_are_off_by_default_and_loopback_unless_allowed() {
+        let cfg = load("", &[], &[]).unwrap();
+        assert_eq!(cfg.metrics.listen, None);
+        assert_eq!(cfg.log.format, LogFormat::Auto);
+        let cfg = load("", &[("TIERD_METRICS_LISTEN", "127.0.0.1:9464")], &[]).unwrap();
+        assert_eq!(cfg.metrics.listen, Some("127.0.0.1:9464".parse().unwrap()));
+        let cfg = load("[metrics]\nlisten = \"[::1]:9464\"\n", &[], &[]).unwrap();
+        assert!(cfg.metrics.listen.unwrap().ip().is_loopback());
+        let e = load("[metrics]\nlisten = \"0.0.0.0:9464\"\n", &[], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("metrics.listen") && e.contains("allow_remote"),
+            "{e}"
+        );
+        let cfg = load(
+            "[metrics]\nlisten = \"0.0.0.0:9464\"\nallow_remote = true\n",
+            &[],
+            &[],
+        )
+        .unwrap();
+        assert!(cfg.metrics.allow_remote);
+        let e = load("[metrics]\nlisten = \"localhost\"\n", &[], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("metrics") || e.contains("listen"), "{e}");
+        let e = load("[log]\nformat = \"xml\"\n", &[], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("xml"), "{e}");
+    }
+
+    #[test]
     fn sizes_parse_and_print() {
         assert_eq!("256KiB".parse::<ByteSize>().unwrap(), ByteSize(256 << 10));
         assert_eq!(" 8 GiB ".parse::<ByteSize>().unwrap(), ByteSize(8 << 30));
@@ -765,5 +826,8 @@ mod tests {
             cfg.server.socket_path,
             PathBuf::from("/run/kvtier/tierd.sock")
         );
+        assert!(cfg.host.lock_memory, "production locks the host tier");
+        assert_eq!(cfg.log.format, LogFormat::Journald);
+        assert_eq!(cfg.metrics.listen, None, "metrics are opt-in");
     }
 }

@@ -12,13 +12,13 @@
 //! needs are promoted back (read, verified) before attention.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
 
-use kvtier_kernels::{decode_layer, DecodeEntry};
+use kvtier_kernels::{decode_layer_timed, DecodeEntry, StageTimings};
 use kvtier_protocol::{
     stats_keys, CreateSessionRequest, DecodeEntryRef, DecodeOutput, DecodeReply, DecodeStats,
     SessionInfo, StatsReply,
@@ -29,6 +29,32 @@ use kvtier_storage::ColdSource;
 use kvtier_storage::{DType, Geometry, HostArena, KvCache, Policy};
 
 use crate::error::{ServiceError, ServiceResult};
+use crate::metrics::{Metrics, Rejection};
+
+/// STATS keys tierd reports beyond the protocol's initial set (docs/protocol.md §5.7).
+pub mod extra_stats_keys {
+    /// 1 while the daemon accepts requests, 0 once shutdown has begun (draining).
+    pub const READY: &str = "ready";
+    /// Wall-clock start time, ms since the Unix epoch.
+    pub const STARTED_UNIX_MS: &str = "started_unix_ms";
+    /// Selected (block, kv-head) tiles over all decode entries.
+    pub const SELECTED_TILES_TOTAL: &str = "selected_tiles_total";
+    /// Summed wall time of the stages of CPU-path DECODE requests, ns.
+    pub const DECODE_APPEND_NS_TOTAL: &str = "decode_append_ns_total";
+    pub const DECODE_SELECT_NS_TOTAL: &str = "decode_select_ns_total";
+    pub const DECODE_FETCH_NS_TOTAL: &str = "decode_fetch_ns_total";
+    pub const DECODE_ATTEND_NS_TOTAL: &str = "decode_attend_ns_total";
+
+    pub const ALL: [&str; 7] = [
+        READY,
+        STARTED_UNIX_MS,
+        SELECTED_TILES_TOTAL,
+        DECODE_APPEND_NS_TOTAL,
+        DECODE_SELECT_NS_TOTAL,
+        DECODE_FETCH_NS_TOTAL,
+        DECODE_ATTEND_NS_TOTAL,
+    ];
+}
 use crate::gpu::{GpuDecoder, GpuEntry, GpuError};
 use kvtier_protocol::ErrorCode;
 
@@ -99,6 +125,43 @@ pub struct Counters {
     pub demotions: AtomicU64,
     pub blocks_demoted: AtomicU64,
     pub blocks_promoted: AtomicU64,
+    pub selected_tiles: AtomicU64,
+    pub append_ns: AtomicU64,
+    pub select_ns: AtomicU64,
+    pub fetch_ns: AtomicU64,
+    pub attend_ns: AtomicU64,
+}
+
+/// The NVMe tier's metric series.
+struct NvmeSeries {
+    usage: crate::metrics::TierGauges,
+    read: metrics::Counter,
+    written: metrics::Counter,
+    counters: crate::metrics::NvmeMetrics,
+}
+
+/// The engine's state at one instant: what STATS and a metrics scrape report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    pub ready: bool,
+    pub uptime: Duration,
+    pub started_unix_ms: u64,
+    pub sessions: u64,
+    pub host_bytes_used: u64,
+    pub host_bytes_capacity: u64,
+    pub host_frames_used: u64,
+    pub host_frames_capacity: u64,
+    pub decode_requests: u64,
+    pub decode_entries: u64,
+    pub append_tokens: u64,
+    pub errors: u64,
+    pub rejected: u64,
+    pub bytes_touched: u64,
+    pub selected_tiles: u64,
+    pub append_ns: u64,
+    pub select_ns: u64,
+    pub fetch_ns: u64,
+    pub attend_ns: u64,
 }
 
 pub struct Engine {
@@ -112,7 +175,14 @@ pub struct Engine {
     sessions: RwLock<HashMap<u64, Arc<Session>>>,
     next_id: AtomicU64,
     pub counters: Counters,
+    metrics: Metrics,
+    /// The fetch-stage histogram, registered only when a colder tier exists to fetch from.
+    fetch_seconds: Option<metrics::Histogram>,
+    /// NVMe tier series, registered only when the tier exists; refreshed at scrape time.
+    nvme_metrics: Option<NvmeSeries>,
+    ready: AtomicBool,
     started: Instant,
+    started_unix_ms: u64,
 }
 
 fn now_ms() -> u64 {
@@ -165,8 +235,55 @@ impl Engine {
             // recovery moves past every restored id.
             next_id: AtomicU64::new(now_ms() << 12),
             counters: Counters::default(),
+            metrics: Metrics::disabled(),
+            fetch_seconds: None,
+            nvme_metrics: None,
+            ready: AtomicBool::new(false),
             started: Instant::now(),
+            started_unix_ms: now_ms(),
         }
+    }
+
+    /// Records into `metrics` from now on.
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.fetch_seconds = self.tier.is_some().then(|| metrics.register_fetch_stage());
+        self.nvme_metrics = self.tier.is_some().then(|| NvmeSeries {
+            usage: metrics.register_tier("nvme"),
+            read: metrics.register_lane("nvme_to_host"),
+            written: metrics.register_lane("host_to_nvme"),
+            counters: metrics.register_nvme(),
+        });
+        self.metrics = metrics;
+        self
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Marks the daemon as serving (true) or draining (false); reported by STATS and metrics.
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Relaxed);
+    }
+
+    /// An error reply is being sent.
+    pub fn record_error(&self, code: ErrorCode) {
+        self.counters.errors.fetch_add(1, Ordering::Relaxed);
+        self.metrics.error(code);
+    }
+
+    /// A request was refused by an admission limit.
+    pub fn record_rejection(&self, why: Rejection) {
+        self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+        self.metrics.rejection(why);
+    }
+
+    /// Whether the session table can be locked right now: the watchdog's liveness probe (a
+    /// writer stuck while holding it would wedge every request).
+    pub fn responsive(&self) -> bool {
+        self.sessions
+            .try_read_for(Duration::from_millis(50))
+            .is_some()
     }
 
     pub fn arena(&self) -> &HostArena {
@@ -210,7 +327,7 @@ impl Engine {
         let kv = KvCache::new(geometry, self.arena.clone())?;
         let mut sessions = self.sessions.write();
         if sessions.len() >= self.limits.max_sessions {
-            self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+            self.record_rejection(Rejection::SessionLimit);
             return Err(ServiceError::exhausted(format!(
                 "session limit reached ({} sessions; admission.max_sessions)",
                 self.limits.max_sessions
@@ -261,7 +378,7 @@ impl Engine {
         if let Err(e) = attempt(&mut st) {
             if e.code != ErrorCode::ResourceExhausted || !self.make_room(&[id], need) {
                 if e.code == ErrorCode::ResourceExhausted {
-                    self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                    self.record_rejection(Rejection::HostFull);
                 }
                 return Err(e);
             }
@@ -350,6 +467,8 @@ impl Engine {
             drop(guards);
             return Ok(self.decode_reply(&sessions, &ids, out, stats, want_stats));
         }
+        let t0 = Instant::now();
+        let mut timings = StageTimings::default();
         let mut run = |guards: &mut Vec<Option<MutexGuard<'_, SessionState>>>| {
             for (i, g) in guards.iter_mut().enumerate() {
                 let st = g.as_mut().expect("locked above");
@@ -381,7 +500,8 @@ impl Engine {
                     cold: src.as_ref().map(|c| c as &dyn ColdSource),
                 })
                 .collect();
-            decode_layer(layer, &mut batch, &mut out).map_err(ServiceError::from)
+            decode_layer_timed(layer, &mut batch, &mut out, &mut timings)
+                .map_err(ServiceError::from)
         };
         let stats = match run(&mut guards) {
             Err(e) if e.code == ErrorCode::ResourceExhausted => {
@@ -396,7 +516,7 @@ impl Engine {
                     })
                     .sum();
                 if !self.make_room(&ids, need) {
-                    self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                    self.record_rejection(Rejection::HostFull);
                     return Err(e);
                 }
                 run(&mut guards)?
@@ -404,6 +524,15 @@ impl Engine {
             other => other?,
         };
         drop(guards);
+        let c = &self.counters;
+        c.append_ns.fetch_add(timings.append_ns, Ordering::Relaxed);
+        c.select_ns.fetch_add(timings.select_ns, Ordering::Relaxed);
+        c.fetch_ns.fetch_add(timings.fetch_ns, Ordering::Relaxed);
+        c.attend_ns.fetch_add(timings.attend_ns, Ordering::Relaxed);
+        self.metrics.decode_timings(&timings, t0.elapsed());
+        if let Some(h) = &self.fetch_seconds {
+            h.record(timings.fetch_ns as f64 * 1e-9);
+        }
         let promoted: u64 = stats.iter().map(|s| s.blocks_promoted as u64).sum();
         self.counters
             .blocks_promoted
@@ -450,6 +579,15 @@ impl Engine {
         self.counters
             .bytes_touched
             .fetch_add(touched, Ordering::Relaxed);
+        let tiles: u64 = stats.iter().map(|s| s.blocks_selected as u64).sum();
+        self.counters
+            .selected_tiles
+            .fetch_add(tiles, Ordering::Relaxed);
+        for st in &stats {
+            if let Some(head) = st.selected.first() {
+                self.metrics.keep_set(head.len());
+            }
+        }
         let mut at = 0;
         let entries = sessions
             .iter()
@@ -922,26 +1060,77 @@ impl Engine {
         Ok(())
     }
 
-    pub fn stats(&self) -> StatsReply {
+    /// Copies the NVMe tier's usage and traffic into its metric series (scrape time).
+    pub fn refresh_tier_metrics(&self) {
+        let (Some(m), Some((tier, _))) = (&self.nvme_metrics, &self.tier) else {
+            return;
+        };
+        let su = tier.store().usage();
+        let sum = |f: fn(&kvtier_storage::nvme::store::DeviceUsage) -> u64| -> f64 {
+            su.devices.iter().map(f).sum::<u64>() as f64
+        };
+        m.usage.used_bytes.set(sum(|d| d.bytes_used));
+        m.usage.capacity_bytes.set(sum(|d| d.bytes_total));
+        m.usage.used_blocks.set(sum(|d| d.pages_used));
+        m.usage.capacity_blocks.set(sum(|d| d.pages_total));
+        m.read.absolute(su.bytes_read);
+        m.written.absolute(su.bytes_written);
+        m.counters.checksum_failures.absolute(su.corrupt_pages);
+    }
+
+    /// The counters and usage STATS and metrics report.
+    pub fn snapshot(&self) -> Snapshot {
         let u = self.arena.usage();
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Snapshot {
+            ready: self.ready.load(Ordering::Relaxed),
+            uptime: self.started.elapsed(),
+            started_unix_ms: self.started_unix_ms,
+            sessions: self.session_count() as u64,
+            host_bytes_used: u.bytes_used() as u64,
+            host_bytes_capacity: u.bytes_total() as u64,
+            host_frames_used: u.frames_used as u64,
+            host_frames_capacity: u.frames_total as u64,
+            decode_requests: get(&c.decode_requests),
+            decode_entries: get(&c.decode_entries),
+            append_tokens: get(&c.append_tokens),
+            errors: get(&c.errors),
+            rejected: get(&c.rejected),
+            bytes_touched: get(&c.bytes_touched),
+            selected_tiles: get(&c.selected_tiles),
+            append_ns: get(&c.append_ns),
+            select_ns: get(&c.select_ns),
+            fetch_ns: get(&c.fetch_ns),
+            attend_ns: get(&c.attend_ns),
+        }
+    }
+
+    pub fn stats(&self) -> StatsReply {
+        let s = self.snapshot();
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        use extra_stats_keys as x;
         let mut entries = vec![
-            (
-                stats_keys::UPTIME_MS,
-                self.started.elapsed().as_millis() as u64,
-            ),
-            (stats_keys::SESSIONS, self.session_count() as u64),
-            (stats_keys::HOST_BYTES_USED, u.bytes_used() as u64),
-            (stats_keys::HOST_BYTES_CAPACITY, u.bytes_total() as u64),
-            (stats_keys::HOST_FRAMES_USED, u.frames_used as u64),
-            (stats_keys::HOST_FRAMES_CAPACITY, u.frames_total as u64),
-            (stats_keys::DECODE_REQUESTS_TOTAL, get(&c.decode_requests)),
-            (stats_keys::DECODE_ENTRIES_TOTAL, get(&c.decode_entries)),
-            (stats_keys::APPEND_TOKENS_TOTAL, get(&c.append_tokens)),
-            (stats_keys::ERRORS_TOTAL, get(&c.errors)),
-            (stats_keys::REJECTED_TOTAL, get(&c.rejected)),
-            (stats_keys::BYTES_TOUCHED_TOTAL, get(&c.bytes_touched)),
+            (stats_keys::UPTIME_MS, s.uptime.as_millis() as u64),
+            (stats_keys::SESSIONS, s.sessions),
+            (stats_keys::HOST_BYTES_USED, s.host_bytes_used),
+            (stats_keys::HOST_BYTES_CAPACITY, s.host_bytes_capacity),
+            (stats_keys::HOST_FRAMES_USED, s.host_frames_used),
+            (stats_keys::HOST_FRAMES_CAPACITY, s.host_frames_capacity),
+            (stats_keys::DECODE_REQUESTS_TOTAL, s.decode_requests),
+            (stats_keys::DECODE_ENTRIES_TOTAL, s.decode_entries),
+            (stats_keys::APPEND_TOKENS_TOTAL, s.append_tokens),
+            (stats_keys::ERRORS_TOTAL, s.errors),
+            (stats_keys::REJECTED_TOTAL, s.rejected),
+            (stats_keys::BYTES_TOUCHED_TOTAL, s.bytes_touched),
+            (x::READY, s.ready as u64),
+            (x::STARTED_UNIX_MS, s.started_unix_ms),
+            (x::SELECTED_TILES_TOTAL, s.selected_tiles),
+            (x::DECODE_APPEND_NS_TOTAL, s.append_ns),
+            (x::DECODE_SELECT_NS_TOTAL, s.select_ns),
+            (x::DECODE_FETCH_NS_TOTAL, s.fetch_ns),
+            (x::DECODE_ATTEND_NS_TOTAL, s.attend_ns),
         ];
         if let Some((tier, _)) = &self.tier {
             let su = tier.store().usage();
@@ -994,6 +1183,53 @@ impl Session {
                 persisted: vec![0; layers],
                 stored,
             }),
+        }
+    }
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvtier_storage::ArenaOptions;
+
+    fn engine() -> Engine {
+        let arena = HostArena::new(&ArenaOptions::new(1 << 20, 4096)).unwrap();
+        Engine::new(
+            arena,
+            EngineLimits {
+                max_sessions: 4,
+                admin_uids: vec![],
+                admin_gids: vec![],
+            },
+        )
+    }
+
+    #[test]
+    fn a_stuck_session_table_is_not_responsive() {
+        let e = engine();
+        assert!(e.responsive());
+        let held = e.sessions.write();
+        assert!(
+            !e.responsive(),
+            "the watchdog probe must notice a held table lock"
+        );
+        drop(held);
+        assert!(e.responsive());
+    }
+
+    #[test]
+    fn readiness_and_recorded_failures_reach_stats() {
+        let e = engine();
+        let get = |k| e.stats().get(k).unwrap();
+        assert_eq!(get(extra_stats_keys::READY), 0, "not ready before serving");
+        e.set_ready(true);
+        assert_eq!(get(extra_stats_keys::READY), 1);
+        e.record_error(ErrorCode::NotFound);
+        e.record_rejection(Rejection::QueueFull);
+        assert_eq!(get(stats_keys::ERRORS_TOTAL), 1);
+        assert_eq!(get(stats_keys::REJECTED_TOTAL), 1);
+        assert!(get(extra_stats_keys::STARTED_UNIX_MS) > 1_700_000_000_000);
+        for k in extra_stats_keys::ALL.iter().chain(&stats_keys::ALL) {
+            assert!(e.stats().get(k).is_some(), "STATS lacks {k}");
         }
     }
 }

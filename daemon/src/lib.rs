@@ -8,6 +8,9 @@
 //! - [`server`]: the socket (safe bind, framing with SCM_RIGHTS, admission slots, shutdown).
 //! - [`error`]: request failures as typed wire errors.
 //! - [`gpu`]: the CUDA decode path ([`GpuDecoder`]) over the registered host arena.
+//! - [`notify`]: the systemd notification protocol (READY=1, WATCHDOG=1, STATUS=, STOPPING=1).
+//! - [`metrics`]: every Prometheus metric name, the recording handles, the scrape endpoint.
+//! - [`preflight`]: startup checks that fail fast naming the fix (memlock limit, permissions).
 //! - `main.rs`: a thin binary: parse flags, load config, build the arena, serve until SIGTERM.
 //!
 //! The request path: a connection task reads one frame exactly (header, then body), decodes it
@@ -19,6 +22,9 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod gpu;
+pub mod metrics;
+pub mod notify;
+pub mod preflight;
 pub mod server;
 
 pub use config::Config;
@@ -62,7 +68,12 @@ pub fn build_engine(
         },
         tier,
         gpu,
-    );
+    )
+    .with_metrics(if cfg.metrics.listen.is_some() {
+        metrics::Metrics::prometheus()
+    } else {
+        metrics::Metrics::disabled()
+    });
     let t0 = std::time::Instant::now();
     let (loaded, problems) = engine.recover();
     if loaded > 0 || !problems.is_empty() {
@@ -184,5 +195,7 @@ pub fn server_settings(cfg: &Config) -> ServerSettings {
         max_queued_requests: cfg.admission.max_queued_requests,
         shutdown_grace: Duration::from_millis(cfg.server.shutdown_grace_ms),
         socket_path: Some(cfg.server.socket_path.clone()),
+        notifier: None,
+        watchdog: None,
     }
 }

@@ -5,8 +5,14 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use std::os::fd::AsFd;
+
 use clap::Parser;
 use tierd::config::{BackendKind, Config, LogFormat};
+use tierd::notify::{self, Notifier};
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
+use tracing_subscriber::registry::LookupSpan;
 
 /// kvtier daemon: sparse decode attention over tiered KV caches, on a Unix socket.
 #[derive(Parser, Debug)]
@@ -65,12 +71,63 @@ fn init_logging(cfg: &Config) {
         .with_max_level(level)
         .with_writer(std::io::stderr)
         .with_target(false);
-    match cfg.log.format {
+    let format = match cfg.log.format {
+        LogFormat::Auto if stderr_is_journal() => LogFormat::Journald,
+        LogFormat::Auto => LogFormat::Text,
+        f => f,
+    };
+    match format {
         LogFormat::Json => builder.json().flatten_event(true).init(),
-        // journald timestamps lines itself; colour only on a terminal.
-        LogFormat::Text => builder
+        LogFormat::Journald => builder.with_ansi(false).event_format(JournaldFormat).init(),
+        LogFormat::Text | LogFormat::Auto => builder
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .init(),
+    }
+}
+
+/// systemd sets `JOURNAL_STREAM=<dev>:<inode>` of the stream it connects stdout/stderr to;
+/// stderr is the journal when its device and inode match (sd_journal_stream_fd(3)).
+fn stderr_is_journal() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Some(v) = std::env::var_os("JOURNAL_STREAM") else {
+        return false;
+    };
+    let Some((dev, ino)) = v.to_str().and_then(|s| s.split_once(':')) else {
+        return false;
+    };
+    let Ok(fd) = std::io::stderr().as_fd().try_clone_to_owned() else {
+        return false;
+    };
+    std::fs::File::from(fd)
+        .metadata()
+        .is_ok_and(|m| dev.parse() == Ok(m.dev()) && ino.parse() == Ok(m.ino()))
+}
+
+/// One line per event, prefixed with its syslog priority (`<3>` error, `<4>` warn, `<6>` info,
+/// `<7>` debug and trace), which journald strips and files as the entry's PRIORITY. No
+/// timestamp or colour: the journal adds its own. Fields follow the message as `key=value`.
+struct JournaldFormat;
+
+impl<S, N> FormatEvent<S, N> for JournaldFormat
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        let priority = match *event.metadata().level() {
+            tracing::Level::ERROR => 3,
+            tracing::Level::WARN => 4,
+            tracing::Level::INFO => 6,
+            _ => 7,
+        };
+        write!(writer, "<{priority}>")?;
+        ctx.field_format().format_fields(writer.by_ref(), event)?;
+        writeln!(writer)
     }
 }
 
@@ -101,6 +158,38 @@ fn main() -> ExitCode {
 }
 
 fn serve(cfg: Config) -> Result<(), String> {
+    tierd::preflight::check(&cfg).map_err(|e| e.to_string())?;
+    let notifier = Notifier::from_env()
+        .unwrap_or_else(|e| {
+            tracing::warn!("{e}; not reporting to the service manager");
+            None
+        })
+        .map(Arc::new);
+    let watchdog = match notify::watchdog_from_env() {
+        Ok(w) => w,
+        Err(e) => {
+            tracing::warn!("{e}; watchdog keep-alives disabled");
+            None
+        }
+    };
+    if let Some(every) = watchdog {
+        tracing::info!(
+            interval_ms = every.as_millis() as u64,
+            "systemd watchdog enabled"
+        );
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("tierd-io")
+        .build()
+        .map_err(|e| format!("starting the runtime: {e}"))?;
+    // Handlers go in before the socket exists: a SIGTERM right after READY=1 must drain, not
+    // kill with the default action.
+    let shutdown = {
+        let _rt = runtime.enter();
+        shutdown_signal().map_err(|e| format!("installing signal handlers: {e}"))?
+    };
+    notify::send(notifier.as_deref(), "STATUS=building the host tier");
     if cfg.backend.threads > 0 {
         rayon_pool(cfg.backend.threads)?;
     }
@@ -112,7 +201,12 @@ fn serve(cfg: Config) -> Result<(), String> {
     .map_err(|e| e.to_string())?;
     // Bound before the engine is built, so a second daemon on this socket fails before it
     // touches the NVMe tier; connections wait in the backlog until a warm restart is done.
-    let arena = tierd::build_arena(&cfg).map_err(|e| format!("host tier: {e}"))?;
+    let arena = tierd::build_arena(&cfg).map_err(|e| match e {
+        kvtier_storage::StorageError::Lock { .. } => format!(
+            "host tier: {e}: raise LimitMEMLOCK (systemd) or ulimit -l, or set host.lock_memory = false"
+        ),
+        e => format!("host tier: {e}"),
+    })?;
     let gpu = gpu_decoder(&cfg, &arena)?;
     let engine = Arc::new(tierd::build_engine(&cfg, arena, gpu)?);
     let usage = engine.arena().usage();
@@ -122,17 +216,27 @@ fn serve(cfg: Config) -> Result<(), String> {
         frames = usage.frames_total,
         "host tier ready"
     );
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("tierd-io")
-        .build()
-        .map_err(|e| format!("starting the runtime: {e}"))?;
-    let settings = tierd::server_settings(&cfg);
+    let mut settings = tierd::server_settings(&cfg);
+    settings.notifier = notifier;
+    settings.watchdog = watchdog;
     runtime.block_on(async move {
         let listener = tokio::net::UnixListener::from_std(std_listener)
             .map_err(|e| format!("registering the socket: {e}"))?;
+        if let Some(addr) = cfg.metrics.listen {
+            let metrics = tierd::metrics::bind(addr)
+                .await
+                .map_err(|e| e.to_string())?;
+            let addr = metrics.local_addr().map_or(addr, |a| a);
+            tracing::info!(%addr, "metrics endpoint at http://{addr}/metrics");
+            // Scrapes keep working while connections drain; the runtime's end stops it.
+            tokio::spawn(tierd::metrics::serve(
+                metrics,
+                engine.clone(),
+                std::future::pending(),
+            ));
+        }
         tracing::info!(socket = %cfg.server.socket_path.display(), "tierd ready");
-        tierd::run(listener, engine.clone(), settings, shutdown_signal())
+        tierd::run(listener, engine.clone(), settings, shutdown)
             .await
             .map_err(|e| format!("server: {e}"))?;
         // Every session goes to NVMe so a restart finds it (no-op without the NVMe tier).
@@ -190,13 +294,15 @@ fn rayon_pool(threads: usize) -> Result<(), String> {
     kvtier_kernels::set_compute_threads(threads).map_err(|e| format!("compute pool: {e}"))
 }
 
-/// Resolves on the first SIGTERM or SIGINT.
-async fn shutdown_signal() {
+/// Installs the SIGTERM and SIGINT handlers now; the future resolves on the first of them.
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received"),
-        _ = int.recv() => tracing::info!("SIGINT received"),
-    }
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM received"),
+            _ = int.recv() => tracing::info!("SIGINT received"),
+        }
+    })
 }

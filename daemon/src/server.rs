@@ -9,7 +9,7 @@
 use std::future::Future;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -28,6 +28,8 @@ use kvtier_protocol::{
 
 use crate::engine::{Engine, Peer};
 use crate::error::{ServiceError, ServiceResult};
+use crate::metrics::Rejection;
+use crate::notify::{self, Notifier};
 
 /// Socket-side settings (from the `[server]` and `[admission]` config sections).
 #[derive(Debug, Clone)]
@@ -39,6 +41,10 @@ pub struct ServerSettings {
     pub shutdown_grace: Duration,
     /// Removed when the server stops accepting.
     pub socket_path: Option<PathBuf>,
+    /// The service manager to tell READY=1 / STATUS= / STOPPING=1 (sd_notify), if any.
+    pub notifier: Option<Arc<Notifier>>,
+    /// Send WATCHDOG=1 this often (half of WatchdogSec), from the accept loop.
+    pub watchdog: Option<Duration>,
 }
 
 /// Why the socket could not be set up.
@@ -99,8 +105,15 @@ pub fn bind(
         .map_err(|e| io_err("setting socket mode", e))?;
     if let Some(group) = group {
         let gid = resolve_group(group)?;
-        std::os::unix::fs::chown(path, None, Some(gid))
-            .map_err(|e| io_err("setting socket group", e))?;
+        // Under the shipped unit the socket already has the service's group, and the syscall
+        // filter denies chown: only change what differs.
+        let current = std::fs::metadata(path)
+            .map_err(|e| io_err("inspecting socket", e))?
+            .gid();
+        if current != gid {
+            std::os::unix::fs::chown(path, None, Some(gid))
+                .map_err(|e| io_err("setting socket group", e))?;
+        }
     }
     listener
         .set_nonblocking(true)
@@ -149,7 +162,7 @@ impl Admission {
         }
         if self.queued.fetch_add(1, Ordering::AcqRel) >= self.max_queued {
             self.queued.fetch_sub(1, Ordering::AcqRel);
-            engine.counters.rejected.fetch_add(1, Ordering::Relaxed);
+            engine.record_rejection(Rejection::QueueFull);
             return Err(ServiceError::exhausted(format!(
                 "request queue full ({} waiting; admission.max_queued_requests)",
                 self.max_queued
@@ -167,9 +180,23 @@ struct Shared {
     admission: Admission,
 }
 
+/// One line for `systemctl status`: what the daemon holds right now.
+fn status_line(engine: &Engine) -> String {
+    let s = engine.snapshot();
+    Notifier::status_line(&format!(
+        "serving: {} sessions, host tier {} of {} frames in use",
+        s.sessions, s.host_frames_used, s.host_frames_capacity
+    ))
+}
+
 /// Serves `listener` until `shutdown` resolves, then stops accepting, removes the socket file,
 /// lets every connection finish the request it is executing (up to the grace period), and
 /// returns.
+///
+/// Everything the daemon needs (the engine and its tiers, the bound socket) exists before this
+/// is called, so it reports READY=1 first thing; WATCHDOG=1 keep-alives come from this loop,
+/// so a wedged event loop (or a session table that stays locked) stops them and systemd
+/// restarts the daemon.
 pub async fn run(
     listener: UnixListener,
     engine: Arc<Engine>,
@@ -189,9 +216,35 @@ pub async fn run(
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
     tokio::pin!(shutdown);
+    let notifier = shared.settings.notifier.clone();
+    shared.engine.set_ready(true);
+    notify::send(
+        notifier.as_deref(),
+        &format!("READY=1\n{}", status_line(&shared.engine)),
+    );
+    let mut watchdog = shared.settings.watchdog.map(|every| {
+        let mut t = tokio::time::interval(every);
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        t
+    });
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
+            _ = async {
+                match watchdog.as_mut() {
+                    Some(t) => t.tick().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                if shared.engine.responsive() {
+                    notify::send(
+                        notifier.as_deref(),
+                        &format!("WATCHDOG=1\n{}", status_line(&shared.engine)),
+                    );
+                } else {
+                    tracing::warn!("session table stayed locked; withholding the watchdog keep-alive");
+                }
+            }
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             accepted = listener.accept() => {
                 let stream = match accepted {
@@ -219,11 +272,12 @@ pub async fn run(
                         });
                     }
                     Err(_) => {
-                        shared.engine.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                        shared.engine.record_rejection(Rejection::ConnectionLimit);
                         let max = shared.settings.max_connections;
+                        let err = ServiceError::exhausted(format!("too many connections ({max}; server.max_connections)"));
+                        shared.engine.record_error(err.code);
                         tasks.spawn(async move {
                             let mut stream = stream;
-                            let err = ServiceError::exhausted(format!("too many connections ({max}; server.max_connections)"));
                             let _ = stream.write_all(&error_frame(0, &err)).await;
                         });
                     }
@@ -232,6 +286,11 @@ pub async fn run(
         }
     }
     drop(listener);
+    shared.engine.set_ready(false);
+    notify::send(
+        notifier.as_deref(),
+        "STOPPING=1\nSTATUS=draining in-flight requests",
+    );
     if let Some(path) = &shared.settings.socket_path {
         if let Err(e) = std::fs::remove_file(path) {
             tracing::warn!(path = %path.display(), error = %e, "could not remove socket");
@@ -285,7 +344,7 @@ fn reply_frame(
         Ok(buf)
     });
     r.unwrap_or_else(|e| {
-        engine.counters.errors.fetch_add(1, Ordering::Relaxed);
+        engine.record_error(e.code);
         error_frame(request_id, &e)
     })
 }
@@ -350,12 +409,9 @@ impl Connection {
             let header = match Header::decode(&head).and_then(|h| h.check_len(max).map(|_| h)) {
                 Ok(h) => h,
                 Err(e) => {
-                    self.shared
-                        .engine
-                        .counters
-                        .errors
-                        .fetch_add(1, Ordering::Relaxed);
-                    let _ = self.stream.write_all(&error_frame(0, &e.into())).await;
+                    let e = ServiceError::from(e);
+                    self.shared.engine.record_error(e.code);
+                    let _ = self.stream.write_all(&error_frame(0, &e)).await;
                     break;
                 }
             };

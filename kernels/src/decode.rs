@@ -1,6 +1,8 @@
 //! One decode step of one layer for a batch of sessions on the CPU: append the new token's K/V,
 //! select each kv-head's keep-set from the key bounds, attend over it.
 
+use std::time::Instant;
+
 use rayon::prelude::*;
 
 use kvtier_storage::{ColdSource, KvCache, Policy};
@@ -41,6 +43,20 @@ pub struct StepStats {
     pub keep: KeepSet,
 }
 
+/// Wall time of one batched step's stages, for the daemon's latency metrics. Measured around
+/// whole stages (a few clock reads per call), so the hot loops carry no timing cost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StageTimings {
+    /// Validating, reserving frames and appending the new token's K/V (and its key bounds).
+    pub append_ns: u64,
+    /// Scoring blocks and building every kv-head's keep-set.
+    pub select_ns: u64,
+    /// Reading cold keep-set blocks back from the colder tier (0 when all were resident).
+    pub fetch_ns: u64,
+    /// Attention over the keep-sets, including the log-sum-exp merge.
+    pub attend_ns: u64,
+}
+
 /// Below this many scored blocks the selection stays on the calling thread.
 const PARALLEL_MIN_BLOCKS: usize = 256;
 
@@ -55,6 +71,18 @@ pub fn decode_layer(
     entries: &mut [DecodeEntry<'_>],
     out: &mut [f32],
 ) -> Result<Vec<StepStats>> {
+    decode_layer_timed(layer, entries, out, &mut StageTimings::default())
+}
+
+/// [`decode_layer`], also reporting how long each stage of the batch took (left unchanged when
+/// the step fails).
+pub fn decode_layer_timed(
+    layer: u32,
+    entries: &mut [DecodeEntry<'_>],
+    out: &mut [f32],
+    timings: &mut StageTimings,
+) -> Result<Vec<StepStats>> {
+    let t0 = Instant::now();
     let at = |entry: usize| {
         move |e: KernelError| KernelError::Entry {
             entry,
@@ -90,7 +118,9 @@ pub fn decode_layer(
         reserved.push(e.kv.arena().alloc_many(n).map_err(|s| at(i)(s.into()))?);
     }
 
+    let t_reserved = t0.elapsed();
     let keeps = select_all(layer, entries);
+    let t_selected = t0.elapsed();
 
     let mut promoted = vec![(0u32, 0u64); entries.len()];
     for (i, (e, keep)) in entries.iter_mut().zip(&keeps).enumerate() {
@@ -113,10 +143,13 @@ pub fn decode_layer(
         promoted[i] = (n as u32, (n * e.kv.geometry().block_bytes()) as u64);
     }
 
+    let t_fetched = t0.elapsed();
     for (e, frames) in entries.iter_mut().zip(&mut reserved) {
         e.kv.append_layer_reserved(layer, e.position, e.k, e.v, frames)
             .expect("validated append cannot fail");
     }
+
+    let t_appended = t0.elapsed();
 
     let views: Vec<_> = entries
         .iter()
@@ -133,6 +166,14 @@ pub fn decode_layer(
         })
         .collect();
     attend(&items, out);
+    let t_attended = t0.elapsed();
+    let ns = |d: std::time::Duration| d.as_nanos() as u64;
+    *timings = StageTimings {
+        append_ns: ns(t_reserved) + ns(t_appended - t_fetched),
+        select_ns: ns(t_selected - t_reserved),
+        fetch_ns: ns(t_fetched - t_selected),
+        attend_ns: ns(t_attended - t_appended),
+    };
 
     Ok(views
         .iter()

@@ -22,7 +22,7 @@ pub mod error;
 pub mod select;
 pub mod simd;
 
-pub use decode::{decode_layer, DecodeEntry, StepStats};
+pub use decode::{decode_layer, decode_layer_timed, DecodeEntry, StageTimings, StepStats};
 pub use error::{KernelError, Result};
 pub use select::{select, KeepSet, SelectScratch};
 

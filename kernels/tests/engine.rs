@@ -507,3 +507,46 @@ proptest! {
         prop_assert_eq!(run(&mut bulk), run(&mut stepwise));
     }
 }
+
+#[test]
+fn timed_decode_reports_every_stage_and_changes_nothing_else() {
+    use kvtier_kernels::{decode_layer_timed, StageTimings};
+    let g = geometries()[3];
+    let (mut a, mut b) = (fixture(g, 4000, 11), fixture(g, 4000, 11));
+    let mut rng = Rng::new(12);
+    let q = rng.normals((g.q_heads * g.head_dim) as usize);
+    let per = (g.kv_heads * g.head_dim) as usize;
+    let k = g.dtype.encode_vec(&rng.normals(per));
+    let v = g.dtype.encode_vec(&rng.normals(per));
+    let n = (g.q_heads * g.head_dim) as usize;
+    let (mut out_a, mut out_b) = (vec![0f32; n], vec![0f32; n]);
+    fn entry<'a>(kv: &'a mut KvCache, q: &'a [f32], k: &'a [u8], v: &'a [u8]) -> DecodeEntry<'a> {
+        DecodeEntry {
+            kv,
+            policy: Policy::default(),
+            position: 4000,
+            q,
+            k,
+            v,
+            cold: None,
+        }
+    }
+    let plain = decode_layer(0, &mut [entry(&mut a.kv, &q, &k, &v)], &mut out_a).unwrap();
+    let mut t = StageTimings::default();
+    let timed =
+        decode_layer_timed(0, &mut [entry(&mut b.kv, &q, &k, &v)], &mut out_b, &mut t).unwrap();
+    assert_eq!(plain, timed);
+    assert_eq!(out_a, out_b, "timing must not change the answer");
+    assert!(
+        t.append_ns > 0 && t.select_ns > 0 && t.attend_ns > 0,
+        "{t:?}"
+    );
+    // A failed step leaves the timings as they were.
+    let before = t;
+    let bad = DecodeEntry {
+        position: 7,
+        ..entry(&mut b.kv, &q, &k, &v)
+    };
+    decode_layer_timed(0, &mut [bad], &mut out_b, &mut t).unwrap_err();
+    assert_eq!(t, before);
+}

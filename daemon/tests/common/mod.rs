@@ -135,6 +135,32 @@ impl Drop for Daemon {
     }
 }
 
+/// A child process killed (and reaped) when dropped, so a failing test never leaves a daemon
+/// behind holding the test harness's output pipes open.
+pub struct Reaped(pub Child);
+
+impl std::ops::Deref for Reaped {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Reaped {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 /// A small GQA geometry whose (layer, block) run exactly fills a 4 KiB frame: 2 KV heads x
 /// (K, V) x 16 tokens x 32 dims x 2 bytes.
 pub fn small_geometry() -> Geometry {

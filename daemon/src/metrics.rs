@@ -1,0 +1,702 @@
+//! Prometheus metrics: every metric name (in [`names`]), the handles the request path records
+//! into, and the scrape endpoint.
+//!
+//! Names follow `{prefix}_{name}_{unit}`, with `_total` only on counters. Two kinds of values:
+//!
+//! - **Scrape-time** values (sessions, tier usage, the counters STATS reports) are read from the
+//!   engine's relaxed atomics by [`Metrics::refresh`] when a scrape arrives, so a scrape and STATS
+//!   read the same numbers and the hot path records them only once.
+//! - **Event-time** values (errors by code, rejections by reason, latency and keep-set
+//!   histograms) are recorded where they happen, into handles registered once at startup
+//!   (an atomic add, or a lock-free bucket push for histograms).
+//!
+//! Metrics of tiers and lanes that do not exist in a run (NVMe, the GPU block cache, transfer
+//! lanes, the fetch stage) are registered by the component that owns them, through
+//! [`Metrics::register_tier`], [`Metrics::register_lane`], [`Metrics::register_nvme`],
+//! [`Metrics::register_gpu_cache`] and [`Metrics::register_fetch_stage`]; until then they are
+//! absent from the exposition rather than exported as zeros.
+//!
+//! With metrics off (the default) every handle is a no-op and nothing listens.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Label, Metadata, Recorder, Unit};
+use metrics_exporter_prometheus::{
+    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use kvtier_protocol::ErrorCode;
+
+use crate::engine::{Engine, Snapshot};
+
+/// Every exported metric name, in one place.
+pub mod names {
+    pub const PREFIX: &str = "kvtier";
+
+    // Scrape-time gauges.
+    pub const READY: &str = "kvtier_ready";
+    pub const UPTIME: &str = "kvtier_uptime_seconds";
+    pub const SESSIONS: &str = "kvtier_sessions";
+    pub const TIER_USED_BYTES: &str = "kvtier_tier_used_bytes";
+    pub const TIER_CAPACITY_BYTES: &str = "kvtier_tier_capacity_bytes";
+    pub const TIER_USED_BLOCKS: &str = "kvtier_tier_used_blocks";
+    pub const TIER_CAPACITY_BLOCKS: &str = "kvtier_tier_capacity_blocks";
+
+    // Scrape-time counters (the same numbers STATS reports).
+    pub const DECODE_REQUESTS: &str = "kvtier_decode_requests_total";
+    pub const DECODE_ENTRIES: &str = "kvtier_decode_entries_total";
+    pub const APPEND_TOKENS: &str = "kvtier_append_tokens_total";
+    pub const DECODE_TOUCHED_BYTES: &str = "kvtier_decode_touched_bytes_total";
+    pub const DECODE_SELECTED_TILES: &str = "kvtier_decode_selected_tiles_total";
+
+    // Event-time counters.
+    pub const ERRORS: &str = "kvtier_errors_total";
+    pub const ADMISSION_REJECTIONS: &str = "kvtier_admission_rejections_total";
+
+    // Event-time histograms.
+    pub const DECODE_STAGE_SECONDS: &str = "kvtier_decode_stage_seconds";
+    pub const DECODE_SECONDS: &str = "kvtier_decode_seconds";
+    pub const DECODE_KEEP_SET_BLOCKS: &str = "kvtier_decode_keep_set_blocks";
+
+    // Registered by the tier or backend that owns them.
+    pub const LANE_MOVED_BYTES: &str = "kvtier_lane_moved_bytes_total";
+    pub const GPU_CACHE_HITS: &str = "kvtier_gpu_cache_hits_total";
+    pub const GPU_CACHE_LOOKUPS: &str = "kvtier_gpu_cache_lookups_total";
+    pub const NVME_IO_ERRORS: &str = "kvtier_nvme_io_errors_total";
+    pub const NVME_CHECKSUM_FAILURES: &str = "kvtier_nvme_checksum_failures_total";
+}
+
+/// Why a request was refused before it ran (label `reason` of
+/// `kvtier_admission_rejections_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejection {
+    /// admission.max_sessions reached.
+    SessionLimit,
+    /// admission.max_queued_requests reached.
+    QueueFull,
+    /// server.max_connections reached.
+    ConnectionLimit,
+    /// The host tier had no free frame.
+    HostFull,
+}
+
+impl Rejection {
+    pub const ALL: [Rejection; 4] = [
+        Rejection::SessionLimit,
+        Rejection::QueueFull,
+        Rejection::ConnectionLimit,
+        Rejection::HostFull,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Rejection::SessionLimit => "max_sessions",
+            Rejection::QueueFull => "queue_full",
+            Rejection::ConnectionLimit => "max_connections",
+            Rejection::HostFull => "host_full",
+        }
+    }
+}
+
+/// Decode stages timed per DECODE request (label `stage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    Append,
+    Select,
+    Attend,
+}
+
+impl Stage {
+    pub const ALL: [Stage; 3] = [Stage::Append, Stage::Select, Stage::Attend];
+    pub fn label(self) -> &'static str {
+        match self {
+            Stage::Append => "append",
+            Stage::Select => "select",
+            Stage::Attend => "attend",
+        }
+    }
+}
+
+/// Latency buckets, seconds: 1 us to 2.5 s.
+const SECONDS_BUCKETS: [f64; 19] = [
+    1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+    5e-2, 0.1, 0.25, 1.0, 2.5,
+];
+/// Keep-set size buckets, blocks per kv-head (37 = 1 sink + 4 local + 32 top-k).
+const BLOCKS_BUCKETS: [f64; 12] = [
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 37.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
+];
+
+static METADATA: Metadata<'static> = Metadata::new("tierd", metrics::Level::INFO, None);
+
+/// Gauges of one tier (label `tier`), set by the tier's owner (the host tier's at scrape time).
+#[derive(Debug, Clone)]
+pub struct TierGauges {
+    pub used_bytes: Gauge,
+    pub capacity_bytes: Gauge,
+    pub used_blocks: Gauge,
+    pub capacity_blocks: Gauge,
+}
+
+/// NVMe tier counters, registered when the NVMe tier is enabled.
+#[derive(Debug, Clone)]
+pub struct NvmeMetrics {
+    pub checksum_failures: Counter,
+}
+
+/// GPU block cache counters (hit rate = hits / lookups), registered by the CUDA backend.
+#[derive(Debug, Clone)]
+pub struct GpuCacheMetrics {
+    pub hits: Counter,
+    pub lookups: Counter,
+}
+
+/// The daemon's metric handles. Cheap to record into; no-ops when metrics are off.
+#[derive(Debug)]
+pub struct Metrics {
+    recorder: Option<Arc<PrometheusRecorder>>,
+    ready: Gauge,
+    uptime: Gauge,
+    sessions: Gauge,
+    host: TierGauges,
+    decode_requests: Counter,
+    decode_entries: Counter,
+    append_tokens: Counter,
+    touched_bytes: Counter,
+    selected_tiles: Counter,
+    errors: Vec<(ErrorCode, Counter)>,
+    rejections: [Counter; 4],
+    stages: [Histogram; 3],
+    decode_seconds: Histogram,
+    keep_set_blocks: Histogram,
+}
+
+impl Metrics {
+    /// Handles that record nothing (metrics off).
+    pub fn disabled() -> Metrics {
+        Metrics::build(None)
+    }
+
+    /// A Prometheus recorder and the daemon's handles registered in it.
+    pub fn prometheus() -> Metrics {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS_BUCKETS)
+            .and_then(|b| {
+                b.set_buckets_for_metric(
+                    Matcher::Full(names::DECODE_KEEP_SET_BLOCKS.into()),
+                    &BLOCKS_BUCKETS,
+                )
+            })
+            .expect("bucket lists are non-empty")
+            .build_recorder();
+        Metrics::build(Some(Arc::new(recorder)))
+    }
+
+    fn build(recorder: Option<Arc<PrometheusRecorder>>) -> Metrics {
+        let r = Registrar(recorder.as_deref());
+        r.describe_all();
+        Metrics {
+            ready: r.gauge(names::READY, &[]),
+            uptime: r.gauge(names::UPTIME, &[]),
+            sessions: r.gauge(names::SESSIONS, &[]),
+            host: r.tier("host"),
+            decode_requests: r.counter(names::DECODE_REQUESTS, &[]),
+            decode_entries: r.counter(names::DECODE_ENTRIES, &[]),
+            append_tokens: r.counter(names::APPEND_TOKENS, &[]),
+            touched_bytes: r.counter(names::DECODE_TOUCHED_BYTES, &[]),
+            selected_tiles: r.counter(names::DECODE_SELECTED_TILES, &[]),
+            errors: ErrorCode::ALL
+                .iter()
+                .map(|&c| (c, r.counter(names::ERRORS, &[("code", c.name())])))
+                .collect(),
+            rejections: Rejection::ALL
+                .map(|x| r.counter(names::ADMISSION_REJECTIONS, &[("reason", x.label())])),
+            stages: Stage::ALL
+                .map(|s| r.histogram(names::DECODE_STAGE_SECONDS, &[("stage", s.label())])),
+            decode_seconds: r.histogram(names::DECODE_SECONDS, &[]),
+            keep_set_blocks: r.histogram(names::DECODE_KEEP_SET_BLOCKS, &[]),
+            recorder,
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.recorder.is_some()
+    }
+
+    fn registrar(&self) -> Registrar<'_> {
+        Registrar(self.recorder.as_deref())
+    }
+
+    /// Gauges for another tier (`"nvme"`, `"gpu"`), for the tier's owner to keep current.
+    pub fn register_tier(&self, tier: &'static str) -> TierGauges {
+        self.registrar().tier(tier)
+    }
+
+    /// The byte counter of a transfer lane (`"host_to_gpu"`, `"nvme0_to_host"`, ...).
+    pub fn register_lane(&self, lane: &'static str) -> Counter {
+        self.registrar()
+            .counter(names::LANE_MOVED_BYTES, &[("lane", lane)])
+    }
+
+    pub fn register_nvme(&self) -> NvmeMetrics {
+        NvmeMetrics {
+            checksum_failures: self.registrar().counter(names::NVME_CHECKSUM_FAILURES, &[]),
+        }
+    }
+
+    /// NVMe I/O errors, for the component that counts them (the page store does not yet).
+    pub fn register_nvme_io_errors(&self) -> Counter {
+        self.registrar().counter(names::NVME_IO_ERRORS, &[])
+    }
+
+    pub fn register_gpu_cache(&self) -> GpuCacheMetrics {
+        let r = self.registrar();
+        GpuCacheMetrics {
+            hits: r.counter(names::GPU_CACHE_HITS, &[]),
+            lookups: r.counter(names::GPU_CACHE_LOOKUPS, &[]),
+        }
+    }
+
+    /// The `stage="fetch"` latency histogram, for backends that move keep-set tiles.
+    pub fn register_fetch_stage(&self) -> Histogram {
+        self.registrar()
+            .histogram(names::DECODE_STAGE_SECONDS, &[("stage", "fetch")])
+    }
+
+    pub fn error(&self, code: ErrorCode) {
+        if let Some((_, c)) = self.errors.iter().find(|(k, _)| *k == code) {
+            c.increment(1);
+        }
+    }
+
+    pub fn rejection(&self, why: Rejection) {
+        self.rejections[why as usize].increment(1);
+    }
+
+    /// One DECODE request's stage times and total execution time.
+    pub fn decode_timings(&self, t: &kvtier_kernels::StageTimings, total: Duration) {
+        let ns = |n: u64| n as f64 * 1e-9;
+        self.stages[Stage::Append as usize].record(ns(t.append_ns));
+        self.stages[Stage::Select as usize].record(ns(t.select_ns));
+        self.stages[Stage::Attend as usize].record(ns(t.attend_ns));
+        self.decode_seconds.record(total.as_secs_f64());
+    }
+
+    /// One decode entry's keep-set size, blocks per kv-head.
+    pub fn keep_set(&self, blocks: usize) {
+        self.keep_set_blocks.record(blocks as f64);
+    }
+
+    /// Copies the engine's scrape-time values into the exported gauges and counters.
+    pub fn refresh(&self, s: &Snapshot) {
+        self.ready.set(if s.ready { 1.0 } else { 0.0 });
+        self.uptime.set(s.uptime.as_secs_f64());
+        self.sessions.set(s.sessions as f64);
+        self.host.used_bytes.set(s.host_bytes_used as f64);
+        self.host.capacity_bytes.set(s.host_bytes_capacity as f64);
+        self.host.used_blocks.set(s.host_frames_used as f64);
+        self.host.capacity_blocks.set(s.host_frames_capacity as f64);
+        self.decode_requests.absolute(s.decode_requests);
+        self.decode_entries.absolute(s.decode_entries);
+        self.append_tokens.absolute(s.append_tokens);
+        self.touched_bytes.absolute(s.bytes_touched);
+        self.selected_tiles.absolute(s.selected_tiles);
+    }
+
+    /// The text exposition, after a refresh from `engine`. Empty when metrics are off.
+    pub fn render(&self, engine: &Engine) -> String {
+        let Some(rec) = &self.recorder else {
+            return String::new();
+        };
+        self.refresh(&engine.snapshot());
+        engine.refresh_tier_metrics();
+        rec.handle().render()
+    }
+
+    fn handle(&self) -> Option<PrometheusHandle> {
+        self.recorder.as_ref().map(|r| r.handle())
+    }
+}
+
+/// Registers handles in a recorder, or hands out no-ops without one.
+struct Registrar<'a>(Option<&'a PrometheusRecorder>);
+
+impl Registrar<'_> {
+    fn key(name: &'static str, labels: &[(&'static str, &'static str)]) -> Key {
+        Key::from_parts(
+            name,
+            labels
+                .iter()
+                .map(|&(k, v)| Label::from_static_parts(k, v))
+                .collect::<Vec<_>>(),
+        )
+    }
+    fn counter(&self, name: &'static str, labels: &[(&'static str, &'static str)]) -> Counter {
+        self.0.map_or(Counter::noop(), |r| {
+            r.register_counter(&Self::key(name, labels), &METADATA)
+        })
+    }
+    fn gauge(&self, name: &'static str, labels: &[(&'static str, &'static str)]) -> Gauge {
+        self.0.map_or(Gauge::noop(), |r| {
+            r.register_gauge(&Self::key(name, labels), &METADATA)
+        })
+    }
+    fn histogram(&self, name: &'static str, labels: &[(&'static str, &'static str)]) -> Histogram {
+        self.0.map_or(Histogram::noop(), |r| {
+            r.register_histogram(&Self::key(name, labels), &METADATA)
+        })
+    }
+    fn tier(&self, tier: &'static str) -> TierGauges {
+        let l = [("tier", tier)];
+        TierGauges {
+            used_bytes: self.gauge(names::TIER_USED_BYTES, &l),
+            capacity_bytes: self.gauge(names::TIER_CAPACITY_BYTES, &l),
+            used_blocks: self.gauge(names::TIER_USED_BLOCKS, &l),
+            capacity_blocks: self.gauge(names::TIER_CAPACITY_BLOCKS, &l),
+        }
+    }
+
+    /// HELP lines (and units) for every name; a name only appears once it has a series.
+    fn describe_all(&self) {
+        use names::*;
+        let Some(r) = self.0 else { return };
+        let c = |n: &'static str, u: Option<Unit>, h: &'static str| {
+            r.describe_counter(KeyName::from_const_str(n), u, h.into())
+        };
+        let g = |n: &'static str, u: Option<Unit>, h: &'static str| {
+            r.describe_gauge(KeyName::from_const_str(n), u, h.into())
+        };
+        let hi = |n: &'static str, u: Option<Unit>, h: &'static str| {
+            r.describe_histogram(KeyName::from_const_str(n), u, h.into())
+        };
+        let (b, s) = (Some(Unit::Bytes), Some(Unit::Seconds));
+        g(
+            READY,
+            None,
+            "1 while tierd accepts requests, 0 while it drains at shutdown",
+        );
+        g(UPTIME, s, "Seconds since tierd started");
+        g(SESSIONS, None, "Live sessions");
+        g(TIER_USED_BYTES, b, "Bytes of the tier holding KV blocks");
+        g(TIER_CAPACITY_BYTES, b, "Configured bytes of the tier");
+        g(TIER_USED_BLOCKS, None, "Block frames of the tier in use");
+        g(TIER_CAPACITY_BLOCKS, None, "Block frames the tier can hold");
+        c(DECODE_REQUESTS, None, "DECODE requests served");
+        c(
+            DECODE_ENTRIES,
+            None,
+            "DECODE entries (session steps) served",
+        );
+        c(
+            APPEND_TOKENS,
+            None,
+            "Tokens appended by APPEND_KV and DECODE",
+        );
+        c(
+            DECODE_TOUCHED_BYTES,
+            b,
+            "Bytes read to answer decodes: summaries scanned plus the K/V rows of selected tiles",
+        );
+        c(
+            DECODE_SELECTED_TILES,
+            None,
+            "Selected (block, kv-head) tiles over all decode entries",
+        );
+        c(ERRORS, None, "Error replies sent, by wire error code");
+        c(
+            ADMISSION_REJECTIONS,
+            None,
+            "Requests refused by admission limits, by reason",
+        );
+        hi(
+            DECODE_STAGE_SECONDS,
+            s,
+            "Wall time of one DECODE request's stage, per request",
+        );
+        hi(
+            DECODE_SECONDS,
+            s,
+            "Execution time of one DECODE request (all stages)",
+        );
+        hi(
+            DECODE_KEEP_SET_BLOCKS,
+            None,
+            "Keep-set size per decode entry, blocks per kv-head",
+        );
+        c(LANE_MOVED_BYTES, b, "Bytes moved between tiers, by lane");
+        c(
+            GPU_CACHE_HITS,
+            None,
+            "Keep-set tiles found in the GPU block cache",
+        );
+        c(
+            GPU_CACHE_LOOKUPS,
+            None,
+            "Keep-set tiles looked up in the GPU block cache",
+        );
+        c(
+            NVME_IO_ERRORS,
+            None,
+            "NVMe reads or writes that failed or came back short",
+        );
+        c(
+            NVME_CHECKSUM_FAILURES,
+            None,
+            "NVMe pages whose checksum did not match",
+        );
+    }
+}
+
+/// Why the metrics endpoint could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error("metrics.listen {addr}: {source}{hint}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+        hint: &'static str,
+    },
+}
+
+/// Binds the scrape endpoint. Under the shipped unit (RestrictAddressFamilies=AF_UNIX) TCP is
+/// refused; the error then names the drop-in that allows it.
+pub async fn bind(addr: SocketAddr) -> Result<TcpListener, MetricsError> {
+    TcpListener::bind(addr).await.map_err(|source| {
+        let hint = if source.raw_os_error() == Some(libc::EAFNOSUPPORT) {
+            " (the systemd unit allows only AF_UNIX: install configs/systemd/tierd.service.d/metrics.conf)"
+        } else {
+            ""
+        };
+        MetricsError::Bind { addr, source, hint }
+    })
+}
+
+/// Largest request head read from a scraper.
+const MAX_REQUEST: usize = 8 << 10;
+/// A scraper that sends nothing for this long is dropped.
+const READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Histogram buckets are drained this often between scrapes, so memory stays bounded.
+const UPKEEP: Duration = Duration::from_secs(5);
+
+/// Serves `GET /metrics` (HTTP/1.x, one request per connection) until `shutdown` resolves.
+pub async fn serve(listener: TcpListener, engine: Arc<Engine>, shutdown: impl Future<Output = ()>) {
+    let Some(handle) = engine.metrics().handle() else {
+        return;
+    };
+    tokio::pin!(shutdown);
+    let mut upkeep = tokio::time::interval(UPKEEP);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            _ = upkeep.tick() => handle.run_upkeep(),
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let engine = engine.clone();
+                    tokio::spawn(async move {
+                        if let Err(e) = scrape(stream, &engine).await {
+                            tracing::debug!(error = %e, "metrics request failed");
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "metrics accept failed");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            },
+        }
+    }
+}
+
+async fn scrape(mut stream: TcpStream, engine: &Engine) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(1024);
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i;
+        }
+        if buf.len() >= MAX_REQUEST {
+            return respond(&mut stream, "431 Request Header Fields Too Large", "").await;
+        }
+        let mut chunk = [0u8; 1024];
+        let n = tokio::time::timeout(READ_TIMEOUT, stream.read(&mut chunk))
+            .await
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+        if n == 0 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]);
+    let mut parts = head.lines().next().unwrap_or("").split_whitespace();
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = target.split('?').next().unwrap_or("");
+    match (method, path) {
+        ("GET", "/metrics") => {
+            respond(&mut stream, "200 OK", &engine.metrics().render(engine)).await
+        }
+        ("GET", _) => respond(&mut stream, "404 Not Found", "try /metrics\n").await,
+        _ => respond(&mut stream, "405 Method Not Allowed", "").await,
+    }
+}
+
+async fn respond(stream: &mut TcpStream, status: &str, body: &str) -> std::io::Result<()> {
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(body.as_bytes()).await?;
+    stream.shutdown().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rendered(m: &Metrics) -> String {
+        m.handle().unwrap().render()
+    }
+
+    #[test]
+    fn names_follow_the_convention() {
+        use names::*;
+        let counters = [
+            DECODE_REQUESTS,
+            DECODE_ENTRIES,
+            APPEND_TOKENS,
+            DECODE_TOUCHED_BYTES,
+            DECODE_SELECTED_TILES,
+            ERRORS,
+            ADMISSION_REJECTIONS,
+            LANE_MOVED_BYTES,
+            GPU_CACHE_HITS,
+            GPU_CACHE_LOOKUPS,
+            NVME_IO_ERRORS,
+            NVME_CHECKSUM_FAILURES,
+        ];
+        let others = [
+            READY,
+            UPTIME,
+            SESSIONS,
+            TIER_USED_BYTES,
+            TIER_CAPACITY_BYTES,
+            TIER_USED_BLOCKS,
+            TIER_CAPACITY_BLOCKS,
+            DECODE_STAGE_SECONDS,
+            DECODE_SECONDS,
+            DECODE_KEEP_SET_BLOCKS,
+        ];
+        for n in counters.iter().chain(&others) {
+            assert!(n.starts_with(&format!("{PREFIX}_")), "{n}");
+            assert!(n.chars().all(|c| c.is_ascii_lowercase() || c == '_'), "{n}");
+        }
+        assert!(counters.iter().all(|n| n.ends_with("_total")));
+        assert!(others.iter().all(|n| !n.ends_with("_total")));
+    }
+
+    #[test]
+    fn optional_tiers_appear_only_once_registered() {
+        let m = Metrics::prometheus();
+        let text = rendered(&m);
+        for absent in [
+            names::NVME_IO_ERRORS,
+            names::GPU_CACHE_HITS,
+            names::LANE_MOVED_BYTES,
+            "tier=\"nvme\"",
+            "stage=\"fetch\"",
+        ] {
+            assert!(
+                !text.contains(absent),
+                "{absent} exported before its tier exists"
+            );
+        }
+        assert!(
+            text.contains("kvtier_tier_capacity_bytes{tier=\"host\"} 0"),
+            "{text}"
+        );
+        let nvme = m.register_nvme();
+        nvme.checksum_failures.increment(2);
+        m.register_lane("nvme0_to_host").increment(4096);
+        m.register_tier("nvme").used_bytes.set(8192.0);
+        m.register_fetch_stage().record(0.001);
+        let text = rendered(&m);
+        assert!(
+            text.contains("kvtier_nvme_checksum_failures_total 2"),
+            "{text}"
+        );
+        assert!(!text.contains("kvtier_nvme_io_errors_total"), "{text}");
+        m.register_nvme_io_errors().increment(1);
+        let text = rendered(&m);
+        assert!(text.contains("kvtier_nvme_io_errors_total 1"), "{text}");
+        assert!(
+            text.contains("kvtier_lane_moved_bytes_total{lane=\"nvme0_to_host\"} 4096"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvtier_tier_used_bytes{tier=\"nvme\"} 8192"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvtier_decode_stage_seconds_count{stage=\"fetch\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn event_metrics_are_labelled_and_histograms_have_buckets() {
+        let m = Metrics::prometheus();
+        m.error(ErrorCode::NotFound);
+        m.error(ErrorCode::NotFound);
+        m.rejection(Rejection::QueueFull);
+        m.keep_set(37);
+        m.decode_timings(
+            &kvtier_kernels::StageTimings {
+                append_ns: 1_000,
+                select_ns: 20_000,
+                fetch_ns: 0,
+                attend_ns: 300_000,
+            },
+            Duration::from_micros(400),
+        );
+        let text = rendered(&m);
+        assert!(
+            text.contains("kvtier_errors_total{code=\"NOT_FOUND\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvtier_errors_total{code=\"INTERNAL\"} 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvtier_admission_rejections_total{reason=\"queue_full\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvtier_decode_keep_set_blocks_bucket{le=\"37\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvtier_decode_stage_seconds_bucket{stage=\"select\",le=\"0.000025\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvtier_decode_stage_seconds_bucket{stage=\"select\",le=\"0.00001\"} 0"),
+            "{text}"
+        );
+        assert!(text.contains("# HELP kvtier_errors_total"), "{text}");
+    }
+
+    #[test]
+    fn disabled_metrics_record_nothing() {
+        let m = Metrics::disabled();
+        m.error(ErrorCode::Internal);
+        m.rejection(Rejection::HostFull);
+        assert!(!m.enabled());
+        assert!(m.handle().is_none());
+    }
+}

@@ -1,0 +1,308 @@
+//! The Prometheus endpoint of a real tierd during a decode run: every metric is present, and
+//! its values agree with STATS (bracketed while the run is going, equal once it stops).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use common::*;
+use kvtier_protocol::{stats_keys, ErrorCode, StatsReply};
+use tierd::engine::extra_stats_keys as x;
+use tierd::metrics::names;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Raw HTTP exchange: (status line, body).
+fn http(port: u16, request: &str) -> (String, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").expect("HTTP response");
+    (head.lines().next().unwrap().to_string(), body.to_string())
+}
+
+/// One scrape as `series -> value` (series = name plus labels, as exposed).
+fn scrape(port: u16) -> BTreeMap<String, f64> {
+    let (status, body) = http(port, "GET /metrics HTTP/1.1\r\nHost: tierd\r\n\r\n");
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    body.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| {
+            let (series, value) = l.rsplit_once(' ').expect("series value");
+            (series.to_string(), value.parse().expect("numeric value"))
+        })
+        .collect()
+}
+
+fn get(m: &BTreeMap<String, f64>, series: &str) -> f64 {
+    *m.get(series)
+        .unwrap_or_else(|| panic!("{series} missing from the scrape: {:#?}", m.keys()))
+}
+
+fn sum(m: &BTreeMap<String, f64>, name: &str) -> f64 {
+    m.iter()
+        .filter(|(k, _)| k.starts_with(&format!("{name}{{")))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+fn stat(s: &StatsReply, key: &str) -> f64 {
+    s.get(key).unwrap_or_else(|| panic!("STATS lacks {key}")) as f64
+}
+
+/// Scrape-time series and the STATS key each one mirrors.
+const MIRRORED: [(&str, &str); 10] = [
+    (names::SESSIONS, stats_keys::SESSIONS),
+    (
+        "kvtier_tier_used_bytes{tier=\"host\"}",
+        stats_keys::HOST_BYTES_USED,
+    ),
+    (
+        "kvtier_tier_capacity_bytes{tier=\"host\"}",
+        stats_keys::HOST_BYTES_CAPACITY,
+    ),
+    (
+        "kvtier_tier_used_blocks{tier=\"host\"}",
+        stats_keys::HOST_FRAMES_USED,
+    ),
+    (
+        "kvtier_tier_capacity_blocks{tier=\"host\"}",
+        stats_keys::HOST_FRAMES_CAPACITY,
+    ),
+    (names::DECODE_REQUESTS, stats_keys::DECODE_REQUESTS_TOTAL),
+    (names::DECODE_ENTRIES, stats_keys::DECODE_ENTRIES_TOTAL),
+    (names::APPEND_TOKENS, stats_keys::APPEND_TOKENS_TOTAL),
+    (names::DECODE_TOUCHED_BYTES, stats_keys::BYTES_TOUCHED_TOTAL),
+    (names::DECODE_SELECTED_TILES, x::SELECTED_TILES_TOTAL),
+];
+
+#[test]
+fn a_scrape_during_a_decode_run_shows_every_metric_matching_stats() {
+    let port = free_port();
+    let listen = format!("metrics.listen=\"127.0.0.1:{port}\"");
+    let d = Daemon::start(&["--set", &listen, "--set", "admission.max_sessions=3"]);
+    let g = small_geometry();
+
+    // Some failures and one admission rejection, so those series carry real counts.
+    let mut c = d.client();
+    assert_eq!(
+        c.session_info(999).unwrap_err().code(),
+        Some(ErrorCode::NotFound)
+    );
+    let ids: Vec<u64> = (0..3)
+        .map(|i| c.create_session(g, policy(), &format!("s{i}")).unwrap())
+        .collect();
+    let e = c.create_session(g, policy(), "one too many").unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted));
+
+    // The decode run: three sessions stepping every layer on their own connections.
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| {
+            let (sock, stop) = (d.path().to_path_buf(), stop.clone());
+            std::thread::spawn(move || {
+                let mut c = kvtier_protocol::client::Client::connect(&sock).unwrap();
+                let mut sh = Shadow::new(g, 100 + i as u64);
+                let p = sh.payload(300);
+                c.append_kv(id, 0, 300, &p).unwrap();
+                let mut steps = 0;
+                while !stop.load(Ordering::Relaxed) || steps < 20 {
+                    for layer in 0..g.layers as usize {
+                        let pos = sh.tokens(layer);
+                        let (q, k, v) = sh.step_input(layer);
+                        let qb = f32_bytes(&q);
+                        let out = c
+                            .decode(layer as u32, entry(id, pos, &qb, &k, &v), true)
+                            .unwrap();
+                        sh.check(layer, &q, &out);
+                    }
+                    steps += 1;
+                }
+            })
+        })
+        .collect();
+
+    // Mid-run: every metric is there, and each counter lies between STATS read just before
+    // and just after the scrape.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let before = c.stats().unwrap();
+    let m = scrape(port);
+    let after = c.stats().unwrap();
+    for (series, key) in MIRRORED {
+        let v = get(&m, series);
+        assert!(
+            stat(&before, key) <= v && v <= stat(&after, key),
+            "{series} = {v} outside STATS {key} [{}, {}]",
+            stat(&before, key),
+            stat(&after, key)
+        );
+    }
+    assert!(get(&m, names::DECODE_REQUESTS) > 0.0, "the run is decoding");
+    assert_eq!(get(&m, names::READY), 1.0);
+    for stage in ["append", "select", "attend"] {
+        assert!(
+            get(
+                &m,
+                &format!("kvtier_decode_stage_seconds_count{{stage=\"{stage}\"}}")
+            ) > 0.0
+        );
+    }
+    for series in [
+        "kvtier_decode_seconds_count",
+        "kvtier_decode_keep_set_blocks_count",
+        "kvtier_decode_keep_set_blocks_bucket{le=\"4\"}",
+        "kvtier_errors_total{code=\"DATA_LOSS\"}",
+        "kvtier_admission_rejections_total{reason=\"queue_full\"}",
+    ] {
+        get(&m, series);
+    }
+
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.join().unwrap();
+    }
+
+    // At rest: equal to STATS, series by series.
+    let s = c.stats().unwrap();
+    let m = scrape(port);
+    for (series, key) in MIRRORED {
+        assert_eq!(get(&m, series), stat(&s, key), "{series} vs STATS {key}");
+    }
+    let uptime = get(&m, names::UPTIME);
+    assert!(
+        (uptime - stat(&s, stats_keys::UPTIME_MS) / 1e3).abs() < 1.0,
+        "uptime {uptime}"
+    );
+    assert_eq!(sum(&m, names::ERRORS), stat(&s, stats_keys::ERRORS_TOTAL));
+    assert_eq!(get(&m, "kvtier_errors_total{code=\"NOT_FOUND\"}"), 1.0);
+    assert_eq!(
+        get(&m, "kvtier_errors_total{code=\"RESOURCE_EXHAUSTED\"}"),
+        1.0
+    );
+    assert_eq!(
+        sum(&m, names::ADMISSION_REJECTIONS),
+        stat(&s, stats_keys::REJECTED_TOTAL)
+    );
+    assert_eq!(
+        get(
+            &m,
+            "kvtier_admission_rejections_total{reason=\"max_sessions\"}"
+        ),
+        1.0
+    );
+    let requests = stat(&s, stats_keys::DECODE_REQUESTS_TOTAL);
+    for (stage, key) in [
+        ("append", x::DECODE_APPEND_NS_TOTAL),
+        ("select", x::DECODE_SELECT_NS_TOTAL),
+        ("attend", x::DECODE_ATTEND_NS_TOTAL),
+    ] {
+        let count = get(
+            &m,
+            &format!("kvtier_decode_stage_seconds_count{{stage=\"{stage}\"}}"),
+        );
+        assert_eq!(count, requests, "one {stage} observation per DECODE");
+        let secs = get(
+            &m,
+            &format!("kvtier_decode_stage_seconds_sum{{stage=\"{stage}\"}}"),
+        );
+        let want = stat(&s, key) / 1e9;
+        assert!(
+            (secs - want).abs() <= 1e-6 * want.max(1e-3),
+            "{stage}: {secs} s vs STATS {want} s"
+        );
+        assert!(secs > 0.0);
+    }
+    assert_eq!(get(&m, "kvtier_decode_seconds_count"), requests);
+    // Every entry's keep-set: 1 sink + 1 local + 2 top-k blocks once past 4 blocks.
+    let entries = stat(&s, stats_keys::DECODE_ENTRIES_TOTAL);
+    assert_eq!(get(&m, "kvtier_decode_keep_set_blocks_count"), entries);
+    assert_eq!(get(&m, "kvtier_decode_keep_set_blocks_sum"), 4.0 * entries);
+    assert_eq!(
+        get(&m, "kvtier_decode_keep_set_blocks_bucket{le=\"2\"}"),
+        0.0
+    );
+    assert_eq!(
+        get(&m, "kvtier_decode_keep_set_blocks_bucket{le=\"4\"}"),
+        entries
+    );
+
+    // The harness enables the NVMe tier: its series mirror STATS' nvme_* keys.
+    for (series, key) in [
+        ("kvtier_tier_used_bytes{tier=\"nvme\"}", "nvme_bytes_used"),
+        (
+            "kvtier_tier_capacity_bytes{tier=\"nvme\"}",
+            "nvme_bytes_capacity",
+        ),
+        (
+            "kvtier_lane_moved_bytes_total{lane=\"nvme_to_host\"}",
+            "nvme_read_bytes_total",
+        ),
+        (
+            "kvtier_lane_moved_bytes_total{lane=\"host_to_nvme\"}",
+            "nvme_written_bytes_total",
+        ),
+        (
+            "kvtier_nvme_checksum_failures_total",
+            "nvme_corrupt_pages_total",
+        ),
+    ] {
+        assert_eq!(get(&m, series), stat(&s, key), "{series} vs STATS {key}");
+    }
+    assert!(get(&m, "kvtier_tier_capacity_bytes{tier=\"nvme\"}") > 0.0);
+    let fetches = get(&m, "kvtier_decode_stage_seconds_count{stage=\"fetch\"}");
+    assert_eq!(fetches, requests, "one fetch observation per DECODE");
+    let secs = get(&m, "kvtier_decode_stage_seconds_sum{stage=\"fetch\"}");
+    let want = stat(&s, x::DECODE_FETCH_NS_TOTAL) / 1e9;
+    assert!(
+        (secs - want).abs() <= 1e-6 * want.max(1e-3),
+        "fetch {secs} vs {want}"
+    );
+
+    // What this run does not have is absent, not zero: no GPU, no per-device I/O error count.
+    for absent in ["gpu", "tier=\"gpu\"", "host_to_gpu", names::NVME_IO_ERRORS] {
+        assert!(
+            m.keys().all(|k| !k.contains(absent)),
+            "{absent} exported without its component"
+        );
+    }
+
+    // Only GET /metrics is served.
+    let (status, _) = http(port, "GET / HTTP/1.1\r\n\r\n");
+    assert_eq!(status, "HTTP/1.1 404 Not Found");
+    let (status, _) = http(port, "POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n");
+    assert_eq!(status, "HTTP/1.1 405 Method Not Allowed");
+}
+
+#[test]
+fn an_unusable_metrics_address_fails_startup_naming_it() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tierd"))
+        .arg("--socket")
+        .arg(dir.path().join("s.sock"))
+        .args(["--host-capacity", "64MiB", "--set"])
+        .arg(format!("metrics.listen=\"127.0.0.1:{port}\""))
+        .args(["--set", "nvme.enabled=false"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("metrics.listen 127.0.0.1:{port}")),
+        "{err}"
+    );
+}
