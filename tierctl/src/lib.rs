@@ -158,8 +158,16 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), CtlError> {
     let fail = |op, session| move |e| CtlError::from_client(e, p, t, op, session);
     match &cli.command {
         Command::Status => {
+            // Two samples half a second apart give current rates, not lifetime averages.
+            let earlier = client.stats().map_err(fail("STATS", None))?;
+            std::thread::sleep(Duration::from_millis(500));
             let stats = client.stats().map_err(fail("STATS", None))?;
-            let status = report::Status::new(path.display().to_string(), client.server(), &stats);
+            let status = report::Status::new(
+                path.display().to_string(),
+                client.server(),
+                &stats,
+                Some(&earlier),
+            );
             emit(cli, out, &status, || status.render())
         }
         Command::Sessions => {

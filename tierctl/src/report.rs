@@ -19,6 +19,8 @@ pub struct Status {
     pub protocol_version: u16,
     pub max_frame_bytes: u32,
     /// STATS values; `null` when the daemon does not report the key.
+    /// Whether the daemon accepts requests (false while it drains for shutdown).
+    pub ready: Option<bool>,
     pub uptime_ms: Option<u64>,
     pub sessions: Option<u64>,
     pub host_bytes_used: Option<u64>,
@@ -28,11 +30,60 @@ pub struct Status {
     pub append_tokens_total: Option<u64>,
     pub errors_total: Option<u64>,
     pub rejected_total: Option<u64>,
+    pub nvme_bytes_used: Option<u64>,
+    pub nvme_bytes_capacity: Option<u64>,
+    /// Per-second rates over the interval between two STATS samples (`null` without one).
+    pub rates: Option<Rates>,
+}
+
+/// Counter deltas per second between two STATS replies.
+#[derive(Debug, Serialize)]
+pub struct Rates {
+    pub interval_ms: u64,
+    pub decode_requests_per_s: f64,
+    pub decode_entries_per_s: f64,
+    pub append_tokens_per_s: f64,
+    pub errors_per_s: f64,
+}
+
+impl Rates {
+    /// Rates between `earlier` and `later`; None if either lacks uptime or no time passed.
+    pub fn between(earlier: &StatsReply, later: &StatsReply) -> Option<Self> {
+        let dt = later
+            .get(keys::UPTIME_MS)?
+            .checked_sub(earlier.get(keys::UPTIME_MS)?)?;
+        if dt == 0 {
+            return None;
+        }
+        let rate = |k: &str| {
+            let d = later
+                .get(k)
+                .unwrap_or(0)
+                .saturating_sub(earlier.get(k).unwrap_or(0));
+            d as f64 * 1000.0 / dt as f64
+        };
+        Some(Rates {
+            interval_ms: dt,
+            decode_requests_per_s: rate(keys::DECODE_REQUESTS_TOTAL),
+            decode_entries_per_s: rate(keys::DECODE_ENTRIES_TOTAL),
+            append_tokens_per_s: rate(keys::APPEND_TOKENS_TOTAL),
+            errors_per_s: rate(keys::ERRORS_TOTAL),
+        })
+    }
 }
 
 impl Status {
-    pub fn new(socket: String, hello: &kvtier_protocol::HelloReply, stats: &StatsReply) -> Self {
+    pub fn new(
+        socket: String,
+        hello: &kvtier_protocol::HelloReply,
+        stats: &StatsReply,
+        earlier: Option<&StatsReply>,
+    ) -> Self {
         Self {
+            ready: stats.get("ready").map(|v| v != 0),
+            nvme_bytes_used: stats.get("nvme_bytes_used"),
+            nvme_bytes_capacity: stats.get("nvme_bytes_capacity"),
+            rates: earlier.and_then(|e| Rates::between(e, stats)),
             socket,
             server_name: hello.server_name.clone(),
             server_version: hello.server_version.clone(),
@@ -70,6 +121,19 @@ impl Status {
             ),
         );
         kv(
+            "ready",
+            self.ready.map_or_else(
+                || "not reported".into(),
+                |r| {
+                    if r {
+                        "yes".into()
+                    } else {
+                        "no (draining)".into()
+                    }
+                },
+            ),
+        );
+        kv(
             "uptime",
             self.uptime_ms.map_or_else(
                 || "not reported".into(),
@@ -84,11 +148,27 @@ impl Status {
                 |u| human::usage(u, self.host_bytes_capacity),
             ),
         );
+        if let Some(u) = self.nvme_bytes_used {
+            kv("nvme tier", human::usage(u, self.nvme_bytes_capacity));
+        }
         kv("decode requests", opt(self.decode_requests_total));
         kv("decode entries", opt(self.decode_entries_total));
         kv("tokens appended", opt(self.append_tokens_total));
         kv("errors", opt(self.errors_total));
         kv("rejected", opt(self.rejected_total));
+        if let Some(r) = &self.rates {
+            kv(
+                "rates",
+                format!(
+                    "{:.1} decode req/s, {:.1} entries/s, {:.1} tokens appended/s, {:.2} errors/s (over {} ms)",
+                    r.decode_requests_per_s,
+                    r.decode_entries_per_s,
+                    r.append_tokens_per_s,
+                    r.errors_per_s,
+                    r.interval_ms
+                ),
+            );
+        }
         // The header row of a key/value table is empty; drop it.
         t.render()
             .split_once('\n')

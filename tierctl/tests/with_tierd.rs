@@ -250,8 +250,14 @@ fn sessions_info_stats_tier_close() {
     assert_eq!(v["sessions"], 2);
     assert_eq!(v["host_bytes_used"], 8 * frame);
     assert!(v["uptime_ms"].as_u64().is_some());
+    assert_eq!(v["ready"], true);
+    assert!(v["nvme_bytes_capacity"].as_u64().unwrap() > 0, "{v}");
+    let rates = &v["rates"];
+    assert!(rates["interval_ms"].as_u64().unwrap() >= 400, "{v}");
+    assert_eq!(rates["append_tokens_per_s"], 0.0, "nothing appended while sampling");
     let out = ok(&d.ctl(&["status"]));
     assert!(out.contains("tierd") && out.contains("64.0 MiB"), "{out}");
+    assert!(out.contains("ready:") && out.contains("yes") && out.contains("rates:"), "{out}");
 
     // tier: the host row and the NVMe row, as the daemon reports them.
     let v = json(&d.ctl(&["--json", "tier"]));
