@@ -233,6 +233,9 @@ pub struct NvmeConfig {
     pub low_water: f64,
     pub engine: IoEngineKind,
     pub queue_depth: u32,
+    /// Speculative promotion: after a step that read cold blocks, bring in this many more
+    /// candidates per kv-head (those ranked just below the cut) in the background (0: off).
+    pub prefetch_blocks: u32,
 }
 
 /// `$STATE_DIRECTORY` (systemd StateDirectory=), else `/var/lib/kvtier` for root, else
@@ -270,6 +273,7 @@ impl Default for NvmeConfig {
             low_water: 0.75,
             engine: IoEngineKind::Auto,
             queue_depth: 64,
+            prefetch_blocks: 8,
         }
     }
 }

@@ -80,6 +80,8 @@ pub struct TierSettings {
     pub write_through: bool,
     pub high_water: f64,
     pub low_water: f64,
+    /// Candidates per kv-head beyond the keep-set promoted ahead of need (0: no prefetch).
+    pub prefetch_blocks: u32,
 }
 
 /// One session: its identity, policy and state.
@@ -172,6 +174,7 @@ pub struct Engine {
     /// everything else (and any GPU failure, which happens before the step changes anything)
     /// runs on the CPU backend.
     gpu: Option<Mutex<GpuDecoder>>,
+    prefetcher: Option<crate::prefetch::Prefetcher>,
     sessions: RwLock<HashMap<u64, Arc<Session>>>,
     next_id: AtomicU64,
     pub counters: Counters,
@@ -225,11 +228,20 @@ impl Engine {
         tier: Option<(Arc<NvmeTier>, TierSettings)>,
         gpu: Option<GpuDecoder>,
     ) -> Self {
+        let prefetcher = tier.as_ref().and_then(|(t, s)| {
+            (s.prefetch_blocks > 0)
+                .then(|| crate::prefetch::Prefetcher::start(t.clone(), s.prefetch_blocks))
+                .and_then(|r| {
+                    r.map_err(|e| tracing::warn!(error = %e, "no prefetch thread"))
+                        .ok()
+                })
+        });
         Engine {
             limits,
             arena,
             tier,
             gpu: gpu.map(Mutex::new),
+            prefetcher,
             sessions: RwLock::new(HashMap::new()),
             // Ids never repeat across restarts: they start from the clock (4096 per ms), and
             // recovery moves past every restored id.
@@ -523,6 +535,19 @@ impl Engine {
             }
             other => other?,
         };
+        if let Some(p) = &self.prefetcher {
+            // Sessions still partly on NVMe: read the runners-up of this layer in the background.
+            for ((g, s), q) in guards.iter().zip(&sessions).zip(&queries) {
+                let st = g.as_ref().expect("locked");
+                if st.kv.frames() < st.kv.blocks() {
+                    p.offer(crate::prefetch::Job {
+                        session: s.clone(),
+                        layer,
+                        q: q.clone(),
+                    });
+                }
+            }
+        }
         drop(guards);
         let c = &self.counters;
         c.append_ns.fetch_add(timings.append_ns, Ordering::Relaxed);
@@ -1147,6 +1172,10 @@ impl Engine {
                 ("demotions_total", get(&c.demotions)),
                 ("blocks_demoted_total", get(&c.blocks_demoted)),
                 ("blocks_promoted_total", get(&c.blocks_promoted)),
+                (
+                    "blocks_prefetched_total",
+                    self.prefetcher.as_ref().map_or(0, |p| get(&p.promoted)),
+                ),
             ]);
         }
         StatsReply {
@@ -1159,6 +1188,11 @@ impl Engine {
 }
 
 impl Session {
+    /// Runs `f` on the session's KV cache under its lock.
+    pub(crate) fn with_kv<R>(&self, f: impl FnOnce(&mut KvCache) -> R) -> R {
+        f(&mut self.state.lock().kv)
+    }
+
     fn new(
         id: u64,
         owner_uid: u32,

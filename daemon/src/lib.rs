@@ -7,6 +7,7 @@
 //! - [`engine`]: sessions, ownership, admission, and every operation's semantics.
 //! - [`server`]: the socket (safe bind, framing with SCM_RIGHTS, admission slots, shutdown).
 //! - [`error`]: request failures as typed wire errors.
+//! - [`prefetch`]: speculative promotion of blocks ranked just below the cut (NVMe tier).
 //! - [`gpu`]: the CUDA decode path ([`GpuDecoder`]) over the registered host arena.
 //! - [`notify`]: the systemd notification protocol (READY=1, WATCHDOG=1, STATUS=, STOPPING=1).
 //! - [`metrics`]: every Prometheus metric name, the recording handles, the scrape endpoint.
@@ -24,6 +25,7 @@ pub mod error;
 pub mod gpu;
 pub mod metrics;
 pub mod notify;
+pub mod prefetch;
 pub mod preflight;
 pub mod server;
 
@@ -159,6 +161,7 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
             write_through: n.write_through,
             high_water: n.high_water,
             low_water: n.low_water,
+            prefetch_blocks: n.prefetch_blocks,
         },
     )))
 }

@@ -57,7 +57,8 @@ fn step_both(
 
 #[test]
 fn keep_sets_spanning_ram_and_nvme_equal_all_ram() {
-    let d = Daemon::start(&[]);
+    // On-demand promotion alone (the read-ahead has its own test below).
+    let d = Daemon::start(&["--set", "nvme.prefetch_blocks=0"]);
     let mut c = d.client();
     let g = small_geometry();
     let (mut a, mut b) = twins(&mut c, g, 600, 42);
@@ -332,4 +333,44 @@ fn crash_loop_write_through_loses_nothing_acknowledged() {
         }
     }
     eprintln!("{cycles} kill -9 cycles: {acked} tokens acknowledged; in-flight appends landed {landed_inflight}, absent {lost_inflight}");
+}
+
+/// After a step that read cold blocks, the runners-up just below the cut are read back in the
+/// background: a later step whose ranking shifts finds them resident.
+#[test]
+fn blocks_ranked_just_below_the_cut_are_promoted_ahead_of_need() {
+    let d = Daemon::start(&["--set", "nvme.prefetch_blocks=3"]);
+    let mut c = d.client();
+    let g = small_geometry();
+    let (mut a, mut b) = twins(&mut c, g, 800, 77); // 50 blocks per layer
+    c.demote(a.0).unwrap();
+    let stats = step_both(&mut c, &mut a, &mut b);
+    let keep_frames: u64 = stats
+        .iter()
+        .map(|s| {
+            let mut u: Vec<u32> = s.selected.iter().flatten().copied().collect();
+            u.sort_unstable();
+            u.dedup();
+            u.len() as u64
+        })
+        .sum();
+    let mut prefetched = 0;
+    for _ in 0..200 {
+        prefetched = c.stats().unwrap().get("blocks_prefetched_total").unwrap();
+        if prefetched > 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(prefetched > 0, "no runner-up was read ahead");
+    std::thread::sleep(Duration::from_millis(100));
+    let resident = c.session_info(a.0).unwrap().host_bytes / 4096;
+    assert!(
+        resident > keep_frames,
+        "{resident} frames resident vs {keep_frames} in the keep-sets"
+    );
+    // Later steps still answer exactly like the all-RAM twin.
+    for _ in 0..3 {
+        step_both(&mut c, &mut a, &mut b);
+    }
 }

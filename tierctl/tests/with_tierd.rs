@@ -254,10 +254,16 @@ fn sessions_info_stats_tier_close() {
     assert!(v["nvme_bytes_capacity"].as_u64().unwrap() > 0, "{v}");
     let rates = &v["rates"];
     assert!(rates["interval_ms"].as_u64().unwrap() >= 400, "{v}");
-    assert_eq!(rates["append_tokens_per_s"], 0.0, "nothing appended while sampling");
+    assert_eq!(
+        rates["append_tokens_per_s"], 0.0,
+        "nothing appended while sampling"
+    );
     let out = ok(&d.ctl(&["status"]));
     assert!(out.contains("tierd") && out.contains("64.0 MiB"), "{out}");
-    assert!(out.contains("ready:") && out.contains("yes") && out.contains("rates:"), "{out}");
+    assert!(
+        out.contains("ready:") && out.contains("yes") && out.contains("rates:"),
+        "{out}"
+    );
 
     // tier: the host row and the NVMe row, as the daemon reports them.
     let v = json(&d.ctl(&["--json", "tier"]));
