@@ -521,9 +521,10 @@ impl Engine {
                 // every entry's keep-set (distinct blocks over its kv-heads) and a new block.
                 let need: usize = sessions
                     .iter()
-                    .map(|s| {
+                    .zip(entries)
+                    .map(|(s, e)| {
                         let keep = s.policy.budget() as usize * s.geometry.kv_heads as usize;
-                        let blocks = s.geometry.blocks_for(entries[0].position + 1) as usize;
+                        let blocks = s.geometry.blocks_for(e.position + 1) as usize;
                         keep.min(blocks) + 1
                     })
                     .sum();

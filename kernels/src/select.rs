@@ -154,12 +154,12 @@ pub fn select_head(
             .total_cmp(&scores[*a as usize])
             .then(a.cmp(b))
     };
-    if k < n {
-        if k > 0 {
-            scratch.order.select_nth_unstable_by(k - 1, better);
-        }
-        scratch.order.truncate(k);
+    // `partition` returned ranges, so there are more distant candidates than k.
+    debug_assert!(k < n);
+    if k > 0 {
+        scratch.order.select_nth_unstable_by(k - 1, better);
     }
+    scratch.order.truncate(k);
     scratch.order.sort_unstable();
     out.extend(0..sink_end as u32);
     out.extend(
