@@ -33,7 +33,7 @@ grep -E "test result|FAILED|panicked" "$OUT/tests.txt" 2>/dev/null | tail -n 12
 if [ -x $D/gpu_bench ] && [ "${RUN_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
   log "ncu kernel durations (1M tokens, k=32, batch 1 and 8; 8 GB host buffer, frames wrap)"
   for b in ${NCU_BATCHES:-1 8}; do
-    ncu --clock-control none --metrics gpu__time_duration.sum --launch-skip 300 --launch-count 60 \
+    ncu --clock-control none --metrics gpu__time_duration.sum --launch-skip 336 --launch-count 84 \
       --print-summary per-kernel $D/gpu_bench --host-gb 8 --contexts 1048576 --ks 32 --batches $b \
       --steps 3 --warmup 2 > "$OUT/ncu_b$b.txt" 2>&1
     grep -E "^  [a-z_]+|gpu__time_duration" "$OUT/ncu_b$b.txt" | head -n 20

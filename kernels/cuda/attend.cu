@@ -35,8 +35,10 @@ __device__ __forceinline__ void stage_rows(uint4* dst, const uint4* src, u32 row
     }
 }
 
-// grid (KSEL, KV_HEADS, batch), block ATT_THREADS, dynamic shared memory ATT_DYN_SMEM bytes.
-// Fetch and attend in one kernel: the tile comes from its cache slot (hit) or straight from
+// grid (KSEL or TOPK, KV_HEADS, batch), block ATT_THREADS, dynamic shared memory ATT_DYN_SMEM
+// bytes. `part` 0 attends the fixed part of each keep-set (plan_fixed: sink and local, or all
+// of a short layer; grid.x = KSEL) and runs on a second stream while the selector scores;
+// `part` 1 attends the TOPK distant tiles (grid.x = TOPK). Fetch and attend in one kernel: the tile comes from its cache slot (hit) or straight from
 // mapped pinned host memory (miss, miss_src != 0), is staged in shared memory, written back
 // to its cache slot if it is a miss of a full block, and attended from shared memory. Misses
 // of different tiles and the attention of hits overlap across thread blocks.
@@ -46,12 +48,22 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
     const float* __restrict__ q, const u32* __restrict__ sess, const u32* __restrict__ ntok, u32 layer,
     const u32* __restrict__ table, const u32* __restrict__ counts, const u32* __restrict__ slot_of,
     const u64* __restrict__ miss_src, uint4* __restrict__ cache, float scale, float* __restrict__ part_acc,
-    float* __restrict__ part_ml) {
-    const u32 j = blockIdx.x;
+    float* __restrict__ part_ml, u32 part) {
     const u32 kvh = blockIdx.y;
     const u32 i = blockIdx.z;
     const u32 ih = i * KV_HEADS + kvh;
-    if (j >= counts[ih]) return;
+    // Table position of this thread block's tile (layout in gather.cu).
+    u32 j;
+    if (SHORT_LAYER(n_blocks_of(ntok[i]))) {
+        j = blockIdx.x;
+        if (part != 0 || j >= counts[ih]) return;
+    } else if (part == 0) {
+        if (blockIdx.x >= SINK + LOCAL) return;
+        j = blockIdx.x < SINK ? blockIdx.x : blockIdx.x + TOPK;
+    } else {
+        if (blockIdx.x >= TOPK) return;  // grid.x is at least 1
+        j = SINK + blockIdx.x;
+    }
     const u32 tid = threadIdx.x;
     const u32 lane = tid & 31u;
     const u32 warp = tid >> 5;
@@ -191,8 +203,21 @@ extern "C" __global__ void attend_merge(
     const u32 n = counts[ih];
     const u32 d = threadIdx.x;
     __shared__ float s_w[KSEL];
+    __shared__ float s_l[KSEL];
     __shared__ float s_L;
-    for (u32 j = d; j < n; j += blockDim.x) s_w[j] = part_ml[(((u64)ih * KSEL + j) * GROUP + g) * 2];
+    const float* acc_of = part_acc + ((u64)ih * KSEL * GROUP + g) * HEAD_DIM + d;  // + j * GROUP * HEAD_DIM
+#if KSEL <= 64
+    // Every partial's value is loaded up front (independent loads in flight together): a
+    // loop of dependent rounds made this kernel several microseconds long.
+    float pa[KSEL];
+#pragma unroll
+    for (int j = 0; j < KSEL; ++j) pa[j] = (u32)j < n ? acc_of[(u64)j * GROUP * HEAD_DIM] : 0.0f;
+#endif
+    for (u32 j = d; j < n; j += blockDim.x) {
+        const float2 ml = *(const float2*)&part_ml[(((u64)ih * KSEL + j) * GROUP + g) * 2];
+        s_w[j] = ml.x;
+        s_l[j] = ml.y;
+    }
     __syncthreads();
     if (d < 32) {
         float M = NEG_INF;
@@ -202,7 +227,7 @@ extern "C" __global__ void attend_merge(
         float L = 0.0f;
         for (u32 j = d; j < n; j += 32) {
             const float w = expf(s_w[j] - M);
-            L += part_ml[(((u64)ih * KSEL + j) * GROUP + g) * 2 + 1] * w;
+            L += s_l[j] * w;
             s_w[j] = w;
         }
 #pragma unroll
@@ -211,7 +236,13 @@ extern "C" __global__ void attend_merge(
     }
     __syncthreads();
     float acc = 0.0f;
+#if KSEL <= 64
+#pragma unroll
+    for (int j = 0; j < KSEL; ++j)
+        if ((u32)j < n) acc += pa[j] * s_w[j];
+#else
 #pragma unroll 4
-    for (u32 j = 0; j < n; ++j) acc += part_acc[(((u64)ih * KSEL + j) * GROUP + g) * HEAD_DIM + d] * s_w[j];
+    for (u32 j = 0; j < n; ++j) acc += acc_of[(u64)j * GROUP * HEAD_DIM] * s_w[j];
+#endif
     out[((u64)i * HQ + h) * HEAD_DIM + d] = acc / s_L;
 }

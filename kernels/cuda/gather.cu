@@ -1,20 +1,39 @@
-// Zero-copy gather planning with a per-(session, layer, kv-head) GPU tile cache, run at the
-// end of select_topk. The fetch itself happens in attend_tile (attend.cu), which reads misses
-// straight from mapped host memory.
+// Zero-copy gather planning with a per-(session, layer, kv-head) GPU tile cache. The fetch
+// itself happens in attend_tile (attend.cu), which reads misses straight from mapped host
+// memory.
 //
-// Cache: CACHE_SLOTS tile slots per (session, layer, kv head), LRU by the step stamp of the
-// last use. tags[] holds block+1 (0 = empty, so a zeroed buffer is an empty cache). Only tiles
-// of blocks that were FULL when fetched are tagged: a partial tail block changes with every
+// A layer's keep-set is planned in two parts so that the fixed part can be fetched while the
+// selector runs (see attend.cu and CudaBackend::run_layer):
+// - plan_fixed (first kernel of a layer) writes and plans the blocks known without scoring:
+//   the sink and the local window, or every block when the layer has no more than KSEL blocks;
+// - select_topk (select.cu) writes and plans the TOPK distant blocks once they are selected.
+// Table position j of a kv head's keep-set row is fixed: [0, SINK) sink, [SINK, SINK + TOPK)
+// distant, [SINK + TOPK, KSEL) local; a short layer uses [0, nb) in block order. So the row is
+// ascending in both cases, as the CPU selector returns it.
+//
+// Cache: CACHE_SLOTS tile slots per (session, layer, kv head), LRU by the stamp of the last
+// use. tags[] holds block+1 (0 = empty, so a zeroed buffer is an empty cache). Only tiles of
+// blocks that were FULL when fetched are tagged: a partial tail block changes with every
 // appended token, so it is refetched until it is full (append-only positions make full blocks
-// immutable). Exactly one thread block handles one (session, kv head) of a layer, so the
-// bookkeeping needs no atomics; a batch must not name a session twice (checked in Rust).
-// CACHE_SLOTS >= KSEL (checked in Rust), so there are always enough unselected victims.
+// immutable). Exactly one thread block handles one (session, kv head) of a layer in each
+// planning kernel, so the bookkeeping needs no atomics; a batch must not name a session twice
+// (checked in Rust). CACHE_SLOTS >= KSEL (checked in Rust).
+//
+// The distant plan runs while the fixed tiles may still be in flight on the other stream, so
+// it never takes a slot the fixed plan used in this call (stamp == this call's stamp) as a
+// victim: those are being read or written. Enough victims remain: the fixed plan used at most
+// SINK + LOCAL slots, hits need none, so CACHE_SLOTS - (SINK + LOCAL) >= TOPK are left.
 
-// Called by the whole thread block of select_topk for (batch item i, kv head kvh) once the
-// keep-set ids[0..n) (ascending) is in global memory and a __syncthreads() has passed.
+#define SHORT_LAYER(nb) ((nb) <= (u32)KSEL)
+
+// Plans the keep-set entries at table positions [pos0, pos0 + n0) then [pos1, pos1 + n1) of
+// (batch item i, kv head kvh), whose block ids are ascending in that order. Called by a whole
+// thread block once the ids are in global memory and a __syncthreads() has passed. For each
+// entry: its cache slot (a hit, or a victim) and, for a miss, the host address to fetch from.
 __device__ __forceinline__ void plan_tile_cache(
-    u32 i, u32 kvh, u32 n, const u32* ids, const u32* __restrict__ sess, const u32* __restrict__ ntok,
-    u32 layer, u32 max_blocks, u32* __restrict__ tags, u32* __restrict__ stamps, const u64* __restrict__ pages,
+    u32 i, u32 kvh, const u32* row, u32 pos0, u32 n0, u32 pos1, u32 n1, bool keep_current,
+    const u32* __restrict__ sess, const u32* __restrict__ ntok, u32 layer, u32 max_blocks,
+    u32* __restrict__ tags, u32* __restrict__ stamps, const u64* __restrict__ pages,
     u32* __restrict__ slot_of, u64* __restrict__ miss_src, unsigned long long* __restrict__ stats, u32 stamp) {
     const u32 tid = threadIdx.x;
     const u32 ih = i * KV_HEADS + kvh;
@@ -22,25 +41,25 @@ __device__ __forceinline__ void plan_tile_cache(
     u32* tg = tags + cbase;
     u32* st = stamps + cbase;
     const u32 nfull = ntok[i] / BLOCK_TOKENS;  // blocks [0, nfull) are complete
+    const u32 n = n0 + n1;
 
     __shared__ u32 s_ids[KSEL];
     __shared__ int s_hit[KSEL];
     __shared__ unsigned char s_used[CACHE_SLOTS];
     __shared__ u64 s_key[CACHE_SLOTS];
     __shared__ u32 s_victim[CACHE_SLOTS];
-    __shared__ int s_slot[KSEL];
-    __shared__ u32 s_nmiss;
 
     for (u32 j = tid; j < n; j += blockDim.x) {
-        s_ids[j] = ids[j];
+        s_ids[j] = row[j < n0 ? pos0 + j : pos1 + (j - n0)];
         s_hit[j] = -1;
     }
     __syncthreads();
-    // A slot hits if its tag is in the (ascending) keep-set: binary search.
+    // A slot hits if its tag is in the (ascending) ids: binary search.
     for (u32 c = tid; c < CACHE_SLOTS; c += blockDim.x) {
         const u32 t = tg[c];
-        bool used = false;
-        if (t != 0) {
+        const u32 last = st[c];
+        bool used = keep_current && last == stamp;
+        if (t != 0 && !used) {
             const u32 b = t - 1;
             u32 l = 0, h = n;
             while (l < h) {
@@ -54,7 +73,7 @@ __device__ __forceinline__ void plan_tile_cache(
         }
         s_used[c] = used;
         // Victim order: empty slots first, then least recently used; slot index breaks ties.
-        s_key[c] = ((t == 0 ? 0ull : (u64)st[c] + 1ull) << 32) | c;
+        s_key[c] = ((t == 0 ? 0ull : (u64)last + 1ull) << 32) | c;
     }
     __syncthreads();
     for (u32 c = tid; c < CACHE_SLOTS; c += blockDim.x) {
@@ -65,30 +84,68 @@ __device__ __forceinline__ void plan_tile_cache(
         s_victim[rank] = c;
     }
     __syncthreads();
-    if (tid == 0) {
-        u32 r = 0;
-        for (u32 j = 0; j < n; ++j) s_slot[j] = s_hit[j] >= 0 ? s_hit[j] : (int)s_victim[r++];
-        s_nmiss = r;
-    }
-    __syncthreads();
     const u64* pg = pages + ((u64)sess[i] * NUM_LAYERS + layer) * max_blocks;
+    u32 my_miss = 0;
     for (u32 j = tid; j < n; j += blockDim.x) {
-        const u32 c = (u32)s_slot[j];
+        const u32 p = j < n0 ? pos0 + j : pos1 + (j - n0);
         const u32 b = s_ids[j];
-        slot_of[(u64)ih * KSEL + j] = c;
-        st[c] = stamp;
-        if (s_hit[j] >= 0) {
-            miss_src[(u64)ih * KSEL + j] = 0;
+        const int hit = s_hit[j];
+        u32 c;
+        if (hit >= 0) {
+            c = (u32)hit;
+            miss_src[(u64)ih * KSEL + p] = 0;
         } else {
+            // The r-th miss (in keep-set order) takes the r-th victim.
+            u32 r = 0;
+            for (u32 x = 0; x < j; ++x) r += (s_hit[x] < 0);
+            c = s_victim[r];
             tg[c] = b < nfull ? b + 1 : 0;
-            miss_src[(u64)ih * KSEL + j] = pg[b] + (u64)kvh * TILE_BYTES;
+            miss_src[(u64)ih * KSEL + p] = pg[b] + (u64)kvh * TILE_BYTES;
+            ++my_miss;
         }
+        slot_of[(u64)ih * KSEL + p] = c;
+        st[c] = stamp;
+    }
+    if (my_miss) {
+        unsigned long long* s = stats + (u64)layer * 4;
+        atomicAdd(s + 1, (unsigned long long)my_miss);
+        atomicAdd(s + 2, (unsigned long long)my_miss * TILE_BYTES);
     }
     if (tid == 0) {
         unsigned long long* s = stats + (u64)layer * 4;
-        atomicAdd(s + 0, (unsigned long long)(n - s_nmiss));
-        atomicAdd(s + 1, (unsigned long long)s_nmiss);
-        atomicAdd(s + 2, (unsigned long long)s_nmiss * TILE_BYTES);
+        u32 hits = 0;
+        for (u32 j = 0; j < n; ++j) hits += (s_hit[j] >= 0);
+        atomicAdd(s + 0, (unsigned long long)hits);
         atomicAdd(s + 3, (unsigned long long)n);
+    }
+}
+
+// grid (KV_HEADS, batch), block PLAN_THREADS. Writes the fixed part of each keep-set row of
+// table[batch][KV_HEADS][KSEL] (sink and local, or every block of a short layer), the row's
+// size into counts[batch][KV_HEADS], and plans those tiles.
+#define PLAN_THREADS 128
+extern "C" __global__ void __launch_bounds__(PLAN_THREADS) plan_fixed(
+    const u32* __restrict__ ntok, u32 max_blocks, u32* table, u32* __restrict__ counts,
+    const u32* __restrict__ sess, u32 layer, u32* __restrict__ tags, u32* __restrict__ stamps,
+    const u64* __restrict__ pages, u32* __restrict__ slot_of, u64* __restrict__ miss_src,
+    unsigned long long* __restrict__ stats, u32 stamp) {
+    const u32 i = blockIdx.y;
+    const u32 kvh = blockIdx.x;
+    const u32 tid = threadIdx.x;
+    const u32 nb = n_blocks_of(ntok[i]);
+    u32* row = table + ((u64)i * KV_HEADS + kvh) * KSEL;
+    if (SHORT_LAYER(nb)) {
+        for (u32 b = tid; b < nb; b += blockDim.x) row[b] = b;
+        if (tid == 0) counts[i * KV_HEADS + kvh] = nb;
+        __syncthreads();
+        plan_tile_cache(i, kvh, row, 0, nb, 0, 0, false, sess, ntok, layer, max_blocks, tags, stamps, pages,
+                        slot_of, miss_src, stats, stamp);
+    } else {
+        for (u32 x = tid; x < SINK; x += blockDim.x) row[x] = x;
+        for (u32 x = tid; x < LOCAL; x += blockDim.x) row[SINK + TOPK + x] = nb - LOCAL + x;
+        if (tid == 0) counts[i * KV_HEADS + kvh] = KSEL;
+        __syncthreads();
+        plan_tile_cache(i, kvh, row, 0, SINK, SINK + TOPK, LOCAL, false, sess, ntok, layer, max_blocks, tags,
+                        stamps, pages, slot_of, miss_src, stats, stamp);
     }
 }

@@ -27,32 +27,39 @@ __device__ __forceinline__ float lanes_reduce(const float* a) {
     return __fadd_rn(__fadd_rn(t0, t2), __fadd_rn(t1, t3));
 }
 
-// Loads 4 consecutive summary values as floats (16 bytes of f32 or 8 bytes of bf16).
-__device__ __forceinline__ void load4(const sum_t* p, float* out) {
+// Summary values per 16-byte load, and 16-byte loads per (block row, DCH-dim chunk): the
+// chunk's k_max half then its k_min half.
 #if SUM_BF16
-    const uint2 v = __ldg((const uint2*)p);
-    out[0] = bf16_bits_to_f32(v.x & 0xffffu);
-    out[1] = bf16_bits_to_f32(v.x >> 16);
-    out[2] = bf16_bits_to_f32(v.y & 0xffffu);
-    out[3] = bf16_bits_to_f32(v.y >> 16);
+#define SV 8
 #else
-    const float4 v = __ldg((const float4*)p);
-    out[0] = v.x;
-    out[1] = v.y;
-    out[2] = v.z;
-    out[3] = v.w;
+#define SV 4
+#endif
+#define LPR (2 * DCH / SV)
+
+// Unpacks one 16-byte load of summary values into SV floats.
+__device__ __forceinline__ void unpack_sums(const uint4 v, float* out) {
+#if SUM_BF16
+    const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        out[2 * k] = bf16_bits_to_f32(w[k] & 0xffffu);
+        out[2 * k + 1] = bf16_bits_to_f32(w[k] >> 16);
+    }
+#else
+    out[0] = __uint_as_float(v.x);
+    out[1] = __uint_as_float(v.y);
+    out[2] = __uint_as_float(v.z);
+    out[3] = __uint_as_float(v.w);
 #endif
 }
 
-// Summary values of one (block, kv head) row chunk staged per step: DCH dims of k_max and of
-// k_min (DCH arrives as a define: 32, or 16 when shared memory is short).
-#define SC_LOADS (SCORE_THREADS * 2 * DCH / 4 / SCORE_THREADS)  // 4-value loads per thread per chunk
-
 // grid (ceil(max_blocks / SCORE_THREADS), KV_HEADS, batch), block SCORE_THREADS.
-// One thread per block keeps GROUP running sums in registers (so each score is one sequential
-// fp32 sum over d, as on the CPU). The summaries are read in DCH-dim chunks with coalesced
-// loads (a row chunk is 128 contiguous bytes in f32) into padded shared memory; the next
-// chunk's loads are issued into registers before the current chunk is computed.
+// One thread per scored block keeps GROUP x 8 running sums in registers (per query head, the
+// CPU's 8 lanes, each summed over d in increasing order exactly as on the CPU). The summaries
+// are read in DCH-dim chunks with coalesced 16-byte loads into padded shared memory; the next
+// chunk's loads are issued into registers before the current chunk is used. (Two threads per
+// scored block, each owning 4 lanes, measured the same 15.5 us at 1M tokens on an H200: the
+// kernel is issue-bound, not short of threads; bench/gpu/NOTES.md v10.)
 // q: [batch][HQ][HEAD_DIM] f32. sums: [slot][layer][max_blocks][KV_HEADS][2][HEAD_DIM].
 // scores: [batch][KV_HEADS][max_blocks].
 extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
@@ -62,7 +69,8 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
     const u32 kvh = blockIdx.y;
     const u32 nb = n_blocks_of(ntok[i]);
     const u32 b0 = blockIdx.x * SCORE_THREADS;
-    if (b0 >= nb) return;
+    // A short layer keeps every block (plan_fixed): nothing to score.
+    if (b0 >= nb || SHORT_LAYER(nb)) return;
     __shared__ float s_q[GROUP][HEAD_DIM];
     __shared__ float s_mx[SCORE_THREADS][DCH + 1];
     __shared__ float s_mn[SCORE_THREADS][DCH + 1];
@@ -71,19 +79,19 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
     for (u32 x = tid; x < GROUP * HEAD_DIM; x += SCORE_THREADS) s_q[x / HEAD_DIM][x % HEAD_DIM] = qh[x];
     const sum_t* base = sums + (((u64)sess[i] * NUM_LAYERS + layer) * (u64)max_blocks) * KV_HEADS * 2 * HEAD_DIM;
 
-    // Load slot x of a chunk: row r = x / (2*DCH/4), array (max/min) and 4-value group within.
-    float4 pre[SC_LOADS];
+    // Load x of a chunk: row r = x / LPR; which half (max/min) and SV-value group within it.
+    uint4 pre[LPR];
     auto load_chunk = [&](u32 c) {
 #pragma unroll
-        for (int u = 0; u < SC_LOADS; ++u) {
+        for (int u = 0; u < LPR; ++u) {
             const u32 x = tid + u * SCORE_THREADS;
-            const u32 r = x / (2 * DCH / 4);
-            const u32 e = x % (2 * DCH / 4);
-            const u32 which = e / (DCH / 4);
-            const u32 d = c * DCH + (e % (DCH / 4)) * 4;
-            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (b0 + r < nb) load4(base + ((u64)(b0 + r) * KV_HEADS + kvh) * 2 * HEAD_DIM + which * HEAD_DIM + d, v);
-            pre[u] = make_float4(v[0], v[1], v[2], v[3]);
+            const u32 r = x / LPR;
+            const u32 e = x % LPR;
+            const u32 which = e / (LPR / 2);
+            const u32 d = c * DCH + (e % (LPR / 2)) * SV;
+            pre[u] = make_uint4(0u, 0u, 0u, 0u);
+            if (b0 + r < nb)
+                pre[u] = __ldg((const uint4*)(base + ((u64)(b0 + r) * KV_HEADS + kvh) * 2 * HEAD_DIM + which * HEAD_DIM + d));
         }
     };
     load_chunk(0);
@@ -95,15 +103,15 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
         for (int j = 0; j < 8; ++j) acc[g][j] = 0.0f;
     for (u32 c = 0; c < HEAD_DIM / DCH; ++c) {
 #pragma unroll
-        for (int u = 0; u < SC_LOADS; ++u) {
+        for (int u = 0; u < LPR; ++u) {
             const u32 x = tid + u * SCORE_THREADS;
-            const u32 r = x / (2 * DCH / 4);
-            const u32 e = x % (2 * DCH / 4);
-            float* dst = (e / (DCH / 4)) ? &s_mn[r][(e % (DCH / 4)) * 4] : &s_mx[r][(e % (DCH / 4)) * 4];
-            dst[0] = pre[u].x;
-            dst[1] = pre[u].y;
-            dst[2] = pre[u].z;
-            dst[3] = pre[u].w;
+            const u32 r = x / LPR;
+            const u32 e = x % LPR;
+            float* dst = (e / (LPR / 2)) ? &s_mn[r][(e % (LPR / 2)) * SV] : &s_mx[r][(e % (LPR / 2)) * SV];
+            float v[SV];
+            unpack_sums(pre[u], v);
+#pragma unroll
+            for (int k = 0; k < SV; ++k) dst[k] = v[k];
         }
         __syncthreads();
         if (c + 1 < HEAD_DIM / DCH) load_chunk(c + 1);
@@ -172,7 +180,7 @@ __device__ __forceinline__ u32 block_excl_sum(u32 v, u32* scratch, u32* total) {
     return r;
 }
 
-// Top-k of the distant blocks [SINK, nb - LOCAL) plus sink and local, ascending, into out.
+// Top-k of the distant blocks [SINK, nb - LOCAL), ascending, into out[SINK, SINK + TOPK).
 __device__ __forceinline__ void select_distant(const float* __restrict__ sc, u32 nb, u32* out) {
     const u32 tid = threadIdx.x;
     const u32 lane = tid & 31u;
@@ -247,9 +255,6 @@ __device__ __forceinline__ void select_distant(const float* __restrict__ sc, u32
     // with every bit resolved this is exactly "ties go to the lower block").
     const u32 need_eq = krem;
 
-    for (u32 x = tid; x < SINK; x += blockDim.x) out[x] = x;
-    for (u32 x = tid; x < LOCAL; x += blockDim.x) out[SINK + TOPK + x] = hi + x;
-
     u32 n_eq = 0;
 #pragma unroll
     for (int u = 0; u < TOPK_KPT; ++u) n_eq += (lo + c0 + u < hi && (key[u] & pmask) == prefix);
@@ -276,8 +281,9 @@ __device__ __forceinline__ void select_distant(const float* __restrict__ sc, u32
         if (selmask & (1u << u)) out[SINK + pos++] = lo + c0 + u;
 }
 
-// grid (KV_HEADS, batch), block TOPK_THREADS. Writes the keep-set ascending into
-// table[batch][KV_HEADS][KSEL] and its size into counts[batch][KV_HEADS].
+// grid (KV_HEADS, batch), block TOPK_THREADS. For a layer longer than KSEL blocks, writes the
+// TOPK distant blocks of each keep-set row (positions [SINK, SINK + TOPK) of
+// table[batch][KV_HEADS][KSEL]; plan_fixed wrote the rest and the counts) and plans them.
 // Thread t owns the TOPK_KPT consecutive distant candidates starting at t * TOPK_KPT, kept in
 // registers as order-preserving u32 keys. Radix select (4 passes of 8 bits, MSB first) finds
 // T = the TOPK-th largest key and how many blocks equal to T are taken; two block-wide
@@ -285,25 +291,17 @@ __device__ __forceinline__ void select_distant(const float* __restrict__ sc, u32
 // rule), in ascending order.
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(
     const float* __restrict__ scores, const u32* __restrict__ ntok, u32 max_blocks, u32* table,
-    u32* __restrict__ counts, const u32* __restrict__ sess, u32 layer, u32* __restrict__ tags,
-    u32* __restrict__ stamps, const u64* __restrict__ pages, u32* __restrict__ slot_of,
-    u64* __restrict__ miss_src, unsigned long long* __restrict__ stats, u32 stamp) {
+    const u32* __restrict__ sess, u32 layer, u32* __restrict__ tags, u32* __restrict__ stamps,
+    const u64* __restrict__ pages, u32* __restrict__ slot_of, u64* __restrict__ miss_src,
+    unsigned long long* __restrict__ stats, u32 stamp) {
     const u32 i = blockIdx.y;
     const u32 kvh = blockIdx.x;
-    const u32 tid = threadIdx.x;
     const u32 nb = n_blocks_of(ntok[i]);
+    if (SHORT_LAYER(nb)) return;
     const float* sc = scores + ((u64)i * KV_HEADS + kvh) * max_blocks;
-    u32* out = table + ((u64)i * KV_HEADS + kvh) * KSEL;
-
-    if (nb <= (u32)(SINK + LOCAL + TOPK)) {
-        for (u32 b = tid; b < nb; b += blockDim.x) out[b] = b;
-        if (tid == 0) counts[i * KV_HEADS + kvh] = nb;
-    } else {
-        select_distant(sc, nb, out);
-        if (tid == 0) counts[i * KV_HEADS + kvh] = SINK + TOPK + LOCAL;
-    }
+    u32* row = table + ((u64)i * KV_HEADS + kvh) * KSEL;
+    select_distant(sc, nb, row);
     __syncthreads();
-    const u32 n = nb <= (u32)(SINK + LOCAL + TOPK) ? nb : (u32)(SINK + LOCAL + TOPK);
-    plan_tile_cache(i, kvh, n, out, sess, ntok, layer, max_blocks, tags, stamps, pages, slot_of, miss_src, stats,
-                    stamp);
+    plan_tile_cache(i, kvh, row, SINK, TOPK, 0, 0, true, sess, ntok, layer, max_blocks, tags, stamps, pages,
+                    slot_of, miss_src, stats, stamp);
 }

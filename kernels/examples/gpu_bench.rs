@@ -453,8 +453,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("device: {device}");
     println!("command: {}", cmd.join(" "));
     println!(
-        "geometry: Qwen2.5-7B attention (28 layers, 28/4 heads, D=128, bf16, B=128), sink 1, local 4; summaries {}",
-        if args.sum_bf16 { "bf16 outward" } else { "f32" }
+        "geometry: Qwen2.5-7B attention (28 layers, 28/4 heads, D=128, bf16, B=128), sink 1, local 4; summaries {} on the device",
+        if args.sum_bf16 { "bf16 outward" } else { "exact (bf16: lossless for bf16 keys)" }
     );
     println!("step = 28 x (select + plan + fetch/attend), device time by CUDA events (median of {} steps); wall includes uploads, sync, readback", args.steps);
     println!(

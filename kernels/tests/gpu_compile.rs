@@ -47,7 +47,13 @@ fn kernels_compile_for_supported_geometries() {
             }
             Err(e) => panic!("{:?}: {e}", c.geometry),
             Ok(ptx) => {
-                for k in ["select_score", "select_topk", "attend_tile"] {
+                for k in [
+                    "plan_fixed",
+                    "select_score",
+                    "select_topk",
+                    "attend_tile",
+                    "attend_merge",
+                ] {
                     assert!(ptx.contains(&format!(".entry {k}")), "{k} missing from PTX");
                 }
             }

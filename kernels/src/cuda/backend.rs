@@ -7,7 +7,7 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 
-use super::config::{bf16_outward, CudaConfig, Derived, SummaryDtype};
+use super::config::{bf16_outward, CudaConfig, Derived};
 use super::error::{CudaError, Result};
 use super::module::{compile, Kernels};
 use super::pinned::PinnedRegion;
@@ -36,8 +36,8 @@ pub fn device_context(ordinal: usize) -> Result<Arc<CudaContext>> {
     CudaContext::new(ordinal).map_err(CudaError::driver("cuDevicePrimaryCtxRetain"))
 }
 
-/// One device buffer with its raw address cached for kernel arguments (single stream, event
-/// tracking off: the backend orders every use on its one stream).
+/// One device buffer with its raw address cached for kernel arguments (event tracking off: the
+/// backend orders every use itself, see [`CudaBackend`]'s streams).
 struct DevBuf<T> {
     slice: CudaSlice<T>,
     ptr: u64,
@@ -141,7 +141,16 @@ pub struct CudaBackend {
     cfg: CudaConfig,
     derived: Derived,
     ctx: Arc<CudaContext>,
+    /// Everything is ordered on `stream` except the fixed part of a layer's keep-set (sink and
+    /// local window), which `side` plans, fetches and attends while `stream` scores: `fork`
+    /// (recorded on `stream` at the layer's start) starts it, `planned` (after plan_fixed) is
+    /// waited for before the distant plan, `join` before the merge. Both streams are drained
+    /// before any result is read.
     stream: Arc<CudaStream>,
+    side: Arc<CudaStream>,
+    fork: CudaEvent,
+    planned: CudaEvent,
+    join: CudaEvent,
     k: Kernels,
     /// Shared so that several backends (one per geometry) can map the same registered arena.
     host: Option<Arc<PinnedRegion>>,
@@ -192,12 +201,20 @@ impl CudaBackend {
         if major < 7 {
             return Err(CudaError::ComputeCapability { major, minor });
         }
-        // SAFETY: the backend uses exactly one stream and orders every buffer use on it, so
-        // cudarc's cross-stream event tracking is not needed (and would add event records).
+        // SAFETY: the backend orders its two streams explicitly (the fork/join events of
+        // run_layer; both are drained before results are read), so cudarc's cross-stream event
+        // tracking is not needed (and would add event records).
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx
-            .new_stream()
-            .map_err(CudaError::driver("cuStreamCreate"))?;
+        let new_stream = || {
+            ctx.new_stream()
+                .map_err(CudaError::driver("cuStreamCreate"))
+        };
+        let (stream, side) = (new_stream()?, new_stream()?);
+        let new_event = || {
+            ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .map_err(CudaError::driver("cuEventCreate"))
+        };
+        let (fork, planned, join) = (new_event()?, new_event()?, new_event()?);
         let k = compile(&ctx, &cfg, &derived)?;
 
         let g = &cfg.geometry;
@@ -212,10 +229,7 @@ impl CudaBackend {
             derived.keep_max as usize,
             cfg.max_batch as usize,
         );
-        let sum_elem = match cfg.summary_dtype {
-            SummaryDtype::F32 => 4,
-            SummaryDtype::Bf16Outward => 2,
-        };
+        let sum_elem = if cfg.summaries_bf16() { 2 } else { 4 };
         let z8 = |n| DevBuf::<u8>::zeros(&stream, n);
         let z32 = |n| DevBuf::<u32>::zeros(&stream, n);
         let zf = |n| DevBuf::<f32>::zeros(&stream, n);
@@ -242,6 +256,10 @@ impl CudaBackend {
             derived,
             ctx,
             stream,
+            side,
+            fork,
+            planned,
+            join,
             k,
             host: None,
             sessions: (0..s).map(|_| None).collect(),
@@ -422,6 +440,9 @@ impl CudaBackend {
     }
 
     fn sync(&self) -> Result<()> {
+        self.side
+            .synchronize()
+            .map_err(CudaError::driver("cuStreamSynchronize"))?;
         self.stream
             .synchronize()
             .map_err(CudaError::driver("cuStreamSynchronize"))
@@ -479,17 +500,17 @@ impl CudaBackend {
         self.session_mut(slot)?;
         let mb = self.cfg.max_blocks as usize;
         let elem0 = ((s * self.cfg.geometry.layers as usize + l) * mb + first_block as usize) * per;
-        match self.cfg.summary_dtype {
-            SummaryDtype::F32 => self.htod(self.sums.at(elem0 * 4), summaries)?,
-            SummaryDtype::Bf16Outward => {
-                let d = self.cfg.geometry.head_dim as usize;
-                let rounded: Vec<u16> = summaries
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &x)| bf16_outward(x, (i / d).is_multiple_of(2)))
-                    .collect();
-                self.htod(self.sums.at(elem0 * 2), &rounded)?;
-            }
+        if self.cfg.summaries_bf16() {
+            // Outward rounding: exact for the bounds of bf16 keys (see summaries_bf16).
+            let d = self.cfg.geometry.head_dim as usize;
+            let rounded: Vec<u16> = summaries
+                .iter()
+                .enumerate()
+                .map(|(i, &x)| bf16_outward(x, (i / d).is_multiple_of(2)))
+                .collect();
+            self.htod(self.sums.at(elem0 * 2), &rounded)?;
+        } else {
+            self.htod(self.sums.at(elem0 * 4), summaries)?;
         }
         let sess = self.session_mut(slot)?;
         for f in &mut sess.flags[l][first_block as usize..first_block as usize + n] {
@@ -704,12 +725,13 @@ impl CudaBackend {
 
     fn launch(
         &self,
+        stream: &Arc<CudaStream>,
         f: &CudaFunction,
         name: &'static str,
         cfg: LaunchConfig,
         args: &[Arg],
     ) -> Result<()> {
-        let mut lb = self.stream.launch_builder(f);
+        let mut lb = stream.launch_builder(f);
         for a in args {
             match a {
                 Arg::P(v) => lb.arg(v),
@@ -735,17 +757,31 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Enqueues the six kernels of one layer. `max_nb`: most blocks of any batch session.
-    /// `l`: model layer; `li`: its index within this call (offset into the dense q/out).
+    /// Enqueues one layer: in parallel, the fixed part of the keep-set (sink and local window:
+    /// known before any scoring; planned, fetched and attended) on the side stream and the
+    /// selector on the main one; then the distant tiles and, once both are done, the merge. `max_nb`: most blocks of any
+    /// batch session. `l`: model layer; `li`: its index within this call (offset into the dense
+    /// q/out).
     fn run_layer(&mut self, l: usize, li: usize, b: usize, max_nb: u32) -> Result<()> {
+        self.stamp = self.stamp.wrapping_add(1);
+        let r = self.enqueue_layer(l, li, b, max_nb);
+        if r.is_err() {
+            // Something was refused mid-layer: drain the side stream so that no later use of
+            // the shared scratch races tiles still in flight there.
+            let _ = self.side.synchronize();
+        }
+        r
+    }
+
+    fn enqueue_layer(&self, l: usize, li: usize, b: usize, max_nb: u32) -> Result<()> {
         use Arg::{F, P, U};
         let g = self.cfg.geometry;
+        let p = self.cfg.policy;
         let bmax = self.cfg.max_batch as usize;
         let ks = self.derived.keep_max;
         let hkv = g.kv_heads;
         let hqd = (g.q_heads * g.head_dim) as usize;
         let bu = b as u32;
-        self.stamp = self.stamp.wrapping_add(1);
         let layer = l as u32;
         let mb = self.cfg.max_blocks;
         let q = self.q.at(li * b * hqd);
@@ -760,9 +796,73 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let k = &self.k;
+        let (main, side) = (&self.stream, &self.side);
+        // Cache bookkeeping arguments shared by both planning kernels.
+        let plan_args = [
+            P(sess),
+            U(layer),
+            P(self.tags.ptr),
+            P(self.stamps.ptr),
+            P(self.pages.ptr),
+            P(self.slot_of.ptr),
+            P(self.miss_src.ptr),
+            P(self.stats.ptr),
+            U(self.stamp),
+        ];
+        let scale = (1.0 / (g.head_dim as f64).sqrt()) as f32;
+        let attend = |stream: &Arc<CudaStream>, part: u32, tiles: u32| {
+            self.launch(
+                stream,
+                &k.attend_tile,
+                "attend_tile",
+                LaunchConfig {
+                    grid_dim: (tiles, hkv, bu),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: self.derived.att_dyn_smem,
+                },
+                &[
+                    P(q),
+                    P(sess),
+                    P(ntok),
+                    U(layer),
+                    P(table),
+                    P(counts),
+                    P(self.slot_of.ptr),
+                    P(self.miss_src.ptr),
+                    P(self.cache.ptr),
+                    F(scale),
+                    P(self.part_acc.ptr),
+                    P(self.part_ml.ptr),
+                    U(part),
+                ],
+            )
+        };
 
         self.record(l, 0)?;
+        let rec = |e: &CudaEvent, st: &Arc<CudaStream>| {
+            e.record(st).map_err(CudaError::driver("cuEventRecord"))
+        };
+        let wait = |st: &Arc<CudaStream>, e: &CudaEvent| {
+            st.wait(e).map_err(CudaError::driver("cuStreamWaitEvent"))
+        };
+        // Side: plan the fixed part, then fetch + attend it, while main scores.
+        rec(&self.fork, main)?;
+        wait(side, &self.fork)?;
+        let mut args = vec![P(ntok), U(mb), P(table), P(counts)];
+        args.extend_from_slice(&plan_args);
         self.launch(
+            side,
+            &k.plan_fixed,
+            "plan_fixed",
+            cfg((hkv, bu, 1), 128),
+            &args,
+        )?;
+        rec(&self.planned, side)?;
+        attend(side, 0, ks)?;
+        rec(&self.join, side)?;
+
+        self.launch(
+            main,
             &k.select_score,
             "select_score",
             cfg((max_nb.div_ceil(SCORE_THREADS), hkv, bu), SCORE_THREADS),
@@ -776,53 +876,22 @@ impl CudaBackend {
                 P(self.scores.ptr),
             ],
         )?;
+        // The distant plan must see the fixed plan's slot stamps.
+        wait(main, &self.planned)?;
+        let mut args = vec![P(self.scores.ptr), P(ntok), U(mb), P(table)];
+        args.extend_from_slice(&plan_args);
         self.launch(
+            main,
             &k.select_topk,
             "select_topk",
             cfg((hkv, bu, 1), 1024),
-            &[
-                P(self.scores.ptr),
-                P(ntok),
-                U(mb),
-                P(table),
-                P(counts),
-                P(sess),
-                U(layer),
-                P(self.tags.ptr),
-                P(self.stamps.ptr),
-                P(self.pages.ptr),
-                P(self.slot_of.ptr),
-                P(self.miss_src.ptr),
-                P(self.stats.ptr),
-                U(self.stamp),
-            ],
+            &args,
         )?;
         self.record(l, 1)?;
-        let scale = (1.0 / (g.head_dim as f64).sqrt()) as f32;
+        attend(main, 1, p.top_k.max(1))?;
+        wait(main, &self.join)?;
         self.launch(
-            &k.attend_tile,
-            "attend_tile",
-            LaunchConfig {
-                grid_dim: (ks, hkv, bu),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: self.derived.att_dyn_smem,
-            },
-            &[
-                P(q),
-                P(sess),
-                P(ntok),
-                U(layer),
-                P(table),
-                P(counts),
-                P(self.slot_of.ptr),
-                P(self.miss_src.ptr),
-                P(self.cache.ptr),
-                F(scale),
-                P(self.part_acc.ptr),
-                P(self.part_ml.ptr),
-            ],
-        )?;
-        self.launch(
+            main,
             &k.attend_merge,
             "attend_merge",
             cfg((g.q_heads, bu, 1), g.head_dim),
@@ -917,6 +986,7 @@ impl CudaBackend {
 }
 
 /// A kernel argument: device pointer, u32 or f32.
+#[derive(Clone, Copy)]
 enum Arg {
     P(u64),
     U(u32),

@@ -31,7 +31,9 @@ impl KvDtype {
 /// How block summaries are stored on the GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SummaryDtype {
-    /// fp32, exactly as the CPU holds them: selection is bit-identical to the CPU selector.
+    /// Exactly as the CPU holds them: selection is bit-identical to the CPU selector. Stored
+    /// as fp32, or as bf16 when the KV dtype is bf16 (lossless, see
+    /// [`CudaConfig::summaries_bf16`]).
     F32,
     /// bf16 rounded outward (max up, min down): half the selector's bytes, still an upper bound.
     /// Bit-identical to the CPU selector run on the same rounded summaries.
@@ -222,7 +224,8 @@ impl CudaConfig {
         }
         let k = ksel as usize;
         let c = self.cache_slots as usize;
-        let plan_smem = k * 12 + c * 13 + 4;
+        // plan_tile_cache: ids and hits per keep-set entry; used, key and victim per slot.
+        let plan_smem = k * 8 + c * 13;
         if plan_smem > SMEM_LIMIT {
             return Err(invalid(format!(
                 "gather plan needs {plan_smem} bytes of shared memory"
@@ -238,6 +241,14 @@ impl CudaConfig {
         })
     }
 
+    /// Whether the device holds summaries as bf16. Besides [`SummaryDtype::Bf16Outward`], this is
+    /// the case for bf16 KV with [`SummaryDtype::F32`]: the bounds of bf16 keys are bf16 values,
+    /// so storing them in bf16 rounds nothing (selection stays bit-identical to the CPU) and
+    /// halves the selector's bytes.
+    pub fn summaries_bf16(&self) -> bool {
+        self.summary_dtype == SummaryDtype::Bf16Outward || self.geometry.dtype == KvDtype::Bf16
+    }
+
     /// The -D defines the kernels are compiled with.
     pub(crate) fn defines(&self, derived: &Derived) -> Vec<String> {
         let g = &self.geometry;
@@ -249,10 +260,7 @@ impl CudaConfig {
             ("BLOCK_TOKENS", g.block_tokens),
             ("NUM_LAYERS", g.layers),
             ("ELEM_KIND", g.dtype.kind()),
-            (
-                "SUM_BF16",
-                u32::from(self.summary_dtype == SummaryDtype::Bf16Outward),
-            ),
+            ("SUM_BF16", u32::from(self.summaries_bf16())),
             ("SINK", p.sink_blocks),
             ("LOCAL", p.local_blocks),
             ("TOPK", p.top_k),

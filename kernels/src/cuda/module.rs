@@ -21,6 +21,7 @@ pub const KERNEL_SOURCE: &str = concat!(
 
 /// Loaded kernel functions.
 pub(crate) struct Kernels {
+    pub plan_fixed: CudaFunction,
     pub select_score: CudaFunction,
     pub select_topk: CudaFunction,
     pub attend_tile: CudaFunction,
@@ -107,6 +108,7 @@ pub(crate) fn compile(
     Ok(Kernels {
         attend_tile,
         attend_merge: f("attend_merge")?,
+        plan_fixed: f("plan_fixed")?,
         select_score: f("select_score")?,
         select_topk: f("select_topk")?,
     })
