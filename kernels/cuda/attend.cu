@@ -5,12 +5,14 @@
 // partial (m, l, acc) with acc unnormalised: acc = sum_t exp(s_t - m) v_t, l = sum_t exp(s_t - m).
 // attend_merge: one thread block per (session, query head) combines the partials.
 
-#define ATT_THREADS 128
+// ATT_THREADS arrives as a define (config.rs).
 #define ATT_WARPS (ATT_THREADS / 32)
 #define RG (CPR < 32 ? CPR : 32)  // lanes sharing one K row in the score phase
 #define CPL (CPR / RG)            // 16-byte chunks per lane per K row
 #define ROWS_PER_WARP (32 / RG)
 #define SLICES (ATT_THREADS / CPR)  // V rows processed concurrently in the value phase
+#define WSL (CPR < 32 ? 32 / CPR : 1)  // slices within one warp, summed by shuffles
+#define RSL (SLICES / WSL)             // slices left for the shared-memory reduction
 
 #if CPR > ATT_THREADS || (CPR & (CPR - 1)) != 0
 #error "HEAD_DIM * ELEM_BYTES / 16 must be a power of two <= 128"
@@ -170,17 +172,27 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
                 for (int v = 0; v < VEC; ++v) acc[g][v] += p * vf[v];
             }
         }
+        // Lanes CPR apart hold the same chunk of different slices: fold them first.
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g)
+        for (int o = CPR; o < 32; o <<= 1)
 #pragma unroll
-            for (int v = 0; v < VEC; ++v) s_red[slice * GROUP * HEAD_DIM + g * HEAD_DIM + c * VEC + v] = acc[g][v];
+            for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+                for (int v = 0; v < VEC; ++v) acc[g][v] += __shfl_xor_sync(FULL_MASK, acc[g][v], o);
+        if (slice % WSL == 0) {
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+                for (int v = 0; v < VEC; ++v)
+                    s_red[(slice / WSL) * GROUP * HEAD_DIM + g * HEAD_DIM + c * VEC + v] = acc[g][v];
+        }
     }
     __syncthreads();
     const u64 pbase = ((u64)ih * KSEL + j) * GROUP;
     for (u32 x = tid; x < GROUP * HEAD_DIM; x += ATT_THREADS) {
         float s = 0.0f;
 #pragma unroll
-        for (int sl = 0; sl < SLICES; ++sl) s += s_red[sl * GROUP * HEAD_DIM + x];
+        for (int sl = 0; sl < RSL; ++sl) s += s_red[sl * GROUP * HEAD_DIM + x];
         part_acc[pbase * HEAD_DIM + x] = s;
     }
     for (u32 g = tid; g < GROUP; g += ATT_THREADS) {

@@ -817,7 +817,7 @@ impl CudaBackend {
                 "attend_tile",
                 LaunchConfig {
                     grid_dim: (tiles, hkv, bu),
-                    block_dim: (128, 1, 1),
+                    block_dim: (self.derived.att_threads, 1, 1),
                     shared_mem_bytes: self.derived.att_dyn_smem,
                 },
                 &[

@@ -118,7 +118,10 @@ const SMEM_LIMIT: usize = 48 * 1024;
 /// Largest opt-in shared memory per block on compute capability 8.0 / 9.0 (checked against
 /// the device at backend creation too).
 const SMEM_OPTIN_LIMIT: usize = 227 * 1024;
-const ATT_THREADS: usize = 128;
+/// Threads of an attend_tile thread block. 256 measured 18.7 vs 21.5 us/layer for the hot
+/// distant attention + merge at 1M tokens, k=32, batch 1 on an H200 (cold: no change);
+/// bench/gpu/NOTES.md v12.
+const ATT_THREADS: usize = 256;
 
 fn invalid(reason: impl Into<String>) -> CudaError {
     CudaError::InvalidConfig {
@@ -147,9 +150,10 @@ impl CudaConfig {
             return Err(invalid(format!("GQA group {group} exceeds 32")));
         }
         let cpr = g.head_dim as usize * g.dtype.size() / 16;
-        if !g.head_dim.is_power_of_two() || g.head_dim < 32 || cpr == 0 || cpr > ATT_THREADS {
+        let att_threads = ATT_THREADS;
+        if !g.head_dim.is_power_of_two() || g.head_dim < 32 || cpr == 0 || cpr > att_threads {
             return Err(invalid(format!(
-                "head_dim {} unsupported: must be a power of two >= 32 with head_dim * elem / 16 <= {ATT_THREADS}",
+                "head_dim {} unsupported: must be a power of two >= 32 with head_dim * elem / 16 <= {att_threads}",
                 g.head_dim
             )));
         }
@@ -210,8 +214,10 @@ impl CudaConfig {
             .find(|c| (gs * d + 2 * 128 * (c + 1)) * 4 <= SMEM_LIMIT && d.is_multiple_of(*c))
             .ok_or_else(|| invalid("selector shared memory exceeds 48 KiB"))?;
         // attend_tile: dynamic = tile (+ reduction buffer unless it fits in the dead K half).
-        let slices = ATT_THREADS / cpr;
-        let red = slices * gs * d * 4;
+        // Value-phase slices left after the in-warp shuffle reduction (attend.cu RSL).
+        let slices = att_threads / cpr;
+        let per_warp = if cpr < 32 { 32 / cpr } else { 1 };
+        let red = slices / per_warp * gs * d * 4;
         let k_half = b * d * g.dtype.size();
         let red_in_tile = red <= k_half;
         let dyn_smem = g.tile_bytes() + if red_in_tile { 0 } else { red };
@@ -235,6 +241,7 @@ impl CudaConfig {
             score_chunk: dch as u32,
             keep_max: ksel,
             topk_per_thread: kpt.max(1) as u32,
+            att_threads: att_threads as u32,
             att_dyn_smem: dyn_smem as u32,
             att_total_smem: (dyn_smem + static_smem) as u32,
             red_in_tile,
@@ -269,6 +276,7 @@ impl CudaConfig {
             ("TOPK_KPT", derived.topk_per_thread),
             ("DCH", derived.score_chunk),
             ("RED_IN_TILE", u32::from(derived.red_in_tile)),
+            ("ATT_THREADS", derived.att_threads),
         ]
         .iter()
         .map(|(k, v)| format!("-D{k}={v}"))
@@ -285,6 +293,8 @@ pub struct Derived {
     pub keep_max: u32,
     /// Distant candidates per select_topk thread (registers).
     pub topk_per_thread: u32,
+    /// Threads per attend_tile thread block.
+    pub att_threads: u32,
     /// Dynamic shared memory of attend_tile in bytes.
     pub att_dyn_smem: u32,
     /// Static + dynamic shared memory of attend_tile in bytes.
