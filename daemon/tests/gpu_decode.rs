@@ -142,6 +142,7 @@ fn step_both(dec: &mut GpuDecoder, twins: &mut [Twin], rng: &mut Rng) -> u64 {
                     q: &qs[i],
                     k: &ks[i],
                     v: &vs[i],
+                    cold: None,
                 })
                 .collect();
             dec.decode(layer, &mut entries, &mut gpu_out, true).unwrap()
@@ -284,6 +285,7 @@ fn refusals_leave_sessions_unchanged() {
             q,
             k,
             v: &kv,
+            cold: None,
         }];
         dec.decode(0, &mut e, &mut out, false)
     };
@@ -298,10 +300,11 @@ fn refusals_leave_sessions_unchanged() {
     let mut qn = q.clone();
     qn[3] = f32::NAN;
     assert!(root(run(&mut dec, &mut t, 5, pos, &qn, &kv)).starts_with("Kernel"));
-    // A cold (evicted) block is never mapped: refused before the append.
-    assert!(t.gpu.evict(0, 3));
+    // A cold block the keep-set needs (the sink always is) with no colder tier to read it
+    // from: refused before the append.
+    assert!(t.gpu.evict(0, 0));
     let e = root(run(&mut dec, &mut t, 5, pos, &q, &kv));
-    assert!(e.starts_with("NotResident"), "{e}");
+    assert!(e.starts_with("NotResident { layer: 0, block: 0 }"), "{e}");
     assert_eq!(t.gpu.tokens(0).unwrap(), pos, "nothing appended on refusal");
     // Capacity: a session longer than max_blocks is refused.
     let mut long = twin(&mut dec, &ga, &ca, 6, 64 * 16, &mut rng);
@@ -325,6 +328,7 @@ fn refusals_leave_sessions_unchanged() {
             q: &q,
             k: &kv,
             v: &kv,
+            cold: None,
         },
         GpuEntry {
             session: 8,
@@ -333,6 +337,7 @@ fn refusals_leave_sessions_unchanged() {
             q: &q,
             k: &kv,
             v: &kv,
+            cold: None,
         },
     ];
     let e = dec.decode(0, &mut dup, &mut out2, false).unwrap_err();
