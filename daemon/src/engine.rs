@@ -26,9 +26,9 @@ use kvtier_protocol::{
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
 use kvtier_storage::nvme::{BlockRun, NvmeError, NvmeTier, TierSource};
 use kvtier_storage::ColdSource;
-use kvtier_storage::{DType, Geometry, HostArena, KvCache, Policy};
+use kvtier_storage::{DType, Geometry, HostArena, KvCache, Policy, StorageError};
 
-use crate::error::{ServiceError, ServiceResult};
+use crate::error::{storage_code, ServiceError, ServiceResult};
 use crate::metrics::{Metrics, Rejection};
 
 /// STATS keys tierd reports beyond the protocol's initial set (docs/protocol.md §5.7).
@@ -132,6 +132,37 @@ pub struct Counters {
     pub select_ns: AtomicU64,
     pub fetch_ns: AtomicU64,
     pub attend_ns: AtomicU64,
+    /// Decode entries the CUDA device answered.
+    pub gpu_entries: AtomicU64,
+    /// GPU decode calls answered on the CPU after the appends (a device failure, or a device
+    /// keep-set naming a block still on NVMe).
+    pub gpu_cpu_fallbacks: AtomicU64,
+    /// Entries whose device keep-set named a block still on NVMe (should stay 0).
+    pub gpu_cold_divergences: AtomicU64,
+}
+
+/// One DECODE request as the GPU path sees it (the engine's per-entry views of it).
+struct GpuBatch<'a> {
+    layer: u32,
+    want_stats: bool,
+    sessions: &'a [Arc<Session>],
+    entries: &'a [DecodeEntryRef<'a>],
+    queries: &'a [Vec<f32>],
+    sources: &'a [Option<TierSource<'a>>],
+}
+
+/// Frames a decode step may need at most, for making room when the host tier is full: every
+/// entry's keep-set (distinct blocks over its kv-heads) and a new block.
+fn step_frames(sessions: &[Arc<Session>], entries: &[DecodeEntryRef<'_>]) -> usize {
+    sessions
+        .iter()
+        .zip(entries)
+        .map(|(s, e)| {
+            let keep = s.policy.budget() as usize * s.geometry.kv_heads as usize;
+            let blocks = s.geometry.blocks_for(e.position + 1) as usize;
+            keep.min(blocks) + 1
+        })
+        .sum()
 }
 
 /// The NVMe tier's metric series.
@@ -170,9 +201,9 @@ pub struct Engine {
     limits: EngineLimits,
     arena: HostArena,
     tier: Option<(Arc<NvmeTier>, TierSettings)>,
-    /// The CUDA decode path, for the sessions it supports whose blocks are all resident;
-    /// everything else (and any GPU failure, which happens before the step changes anything)
-    /// runs on the CPU backend.
+    /// The CUDA decode path, for the sessions it supports (cold blocks a step needs are
+    /// promoted first); everything else (and any GPU failure, which happens before the step
+    /// changes anything) runs on the CPU backend.
     gpu: Option<Mutex<GpuDecoder>>,
     prefetcher: Option<crate::prefetch::Prefetcher>,
     sessions: RwLock<HashMap<u64, Arc<Session>>>,
@@ -473,9 +504,16 @@ impl Engine {
             .map(|s| (s.geometry.q_heads * s.geometry.head_dim) as usize)
             .sum();
         let mut out = vec![0f32; out_len];
-        if let Some(stats) =
-            self.decode_gpu(layer, want_stats, entries, &mut guards, &queries, &mut out)
-        {
+        let gpu = GpuBatch {
+            layer,
+            want_stats,
+            sessions: &sessions,
+            entries,
+            queries: &queries,
+            sources: &sources,
+        };
+        if let Some(stats) = self.decode_gpu(&gpu, &mut guards, &mut out)? {
+            self.offer_prefetch(layer, &guards, &sessions, &queries);
             drop(guards);
             return Ok(self.decode_reply(&sessions, &ids, out, stats, want_stats));
         }
@@ -517,18 +555,8 @@ impl Engine {
         };
         let stats = match run(&mut guards) {
             Err(e) if e.code == ErrorCode::ResourceExhausted => {
-                // Make room by demoting other sessions, then try once more: enough frames for
-                // every entry's keep-set (distinct blocks over its kv-heads) and a new block.
-                let need: usize = sessions
-                    .iter()
-                    .zip(entries)
-                    .map(|(s, e)| {
-                        let keep = s.policy.budget() as usize * s.geometry.kv_heads as usize;
-                        let blocks = s.geometry.blocks_for(e.position + 1) as usize;
-                        keep.min(blocks) + 1
-                    })
-                    .sum();
-                if !self.make_room(&ids, need) {
+                // Make room by demoting other sessions, then try once more.
+                if !self.make_room(&ids, step_frames(&sessions, entries)) {
                     self.record_rejection(Rejection::HostFull);
                     return Err(e);
                 }
@@ -536,19 +564,7 @@ impl Engine {
             }
             other => other?,
         };
-        if let Some(p) = &self.prefetcher {
-            // Sessions still partly on NVMe: read the runners-up of this layer in the background.
-            for ((g, s), q) in guards.iter().zip(&sessions).zip(&queries) {
-                let st = g.as_ref().expect("locked");
-                if st.kv.frames() < st.kv.blocks() {
-                    p.offer(crate::prefetch::Job {
-                        session: s.clone(),
-                        layer,
-                        q: q.clone(),
-                    });
-                }
-            }
-        }
+        self.offer_prefetch(layer, &guards, &sessions, &queries);
         drop(guards);
         let c = &self.counters;
         c.append_ns.fetch_add(timings.append_ns, Ordering::Relaxed);
@@ -644,57 +660,113 @@ impl Engine {
         }
     }
 
-    /// The GPU step for a batch whose sessions are all open on the GPU. None when the GPU
-    /// cannot take it (not open, a cold block, a device error): the CPU path answers then —
-    /// every GPU failure happens before the step changes anything, and the CPU path reports
-    /// request errors with their proper codes.
-    fn decode_gpu(
+    /// Sessions still partly on NVMe: read the runners-up of this layer in the background.
+    fn offer_prefetch(
         &self,
         layer: u32,
-        want_stats: bool,
-        entries: &[DecodeEntryRef<'_>],
-        guards: &mut [Option<MutexGuard<'_, SessionState>>],
+        guards: &[Option<MutexGuard<'_, SessionState>>],
+        sessions: &[Arc<Session>],
         queries: &[Vec<f32>],
-        out: &mut [f32],
-    ) -> Option<Vec<DecodeStats>> {
-        let gpu = self.gpu.as_ref()?;
-        let mut g = gpu.lock();
-        if !entries.iter().all(|e| g.is_open(e.session)) {
-            return None;
+    ) {
+        let Some(p) = &self.prefetcher else {
+            return;
+        };
+        for ((g, s), q) in guards.iter().zip(sessions).zip(queries) {
+            let st = g.as_ref().expect("locked");
+            if st.kv.frames() < st.kv.blocks() {
+                p.offer(crate::prefetch::Job {
+                    session: s.clone(),
+                    layer,
+                    q: q.clone(),
+                });
+            }
         }
-        let mut batch: Vec<GpuEntry<'_>> = guards
-            .iter_mut()
-            .zip(entries)
-            .zip(queries)
-            .map(|((st, e), q)| GpuEntry {
-                session: e.session,
-                kv: &mut st.as_mut().expect("locked").kv,
-                position: e.position,
-                q,
-                k: e.k,
-                v: e.v,
-            })
-            .collect();
-        let r = match g.decode(layer, &mut batch, out, want_stats) {
-            Ok(r) => r,
-            Err(e) => {
-                match e.root() {
-                    GpuError::Cuda(_) => {
-                        tracing::warn!(error = %e, "GPU decode failed; answering on the CPU")
+    }
+
+    /// The GPU step for a batch whose sessions are all open on the GPU; the decoder promotes
+    /// the cold blocks the step needs through the NVMe tier first. `Ok(None)`: the CPU path
+    /// answers (a session not open on the GPU, a request error the CPU path reports with its
+    /// proper code, a device error; all happen before the step changes anything). A full host
+    /// tier gets the CPU path's treatment (demote other sessions, try once more) and a failed
+    /// NVMe read is the request's error, as on the CPU path (reading it again would not help).
+    fn decode_gpu(
+        &self,
+        b: &GpuBatch<'_>,
+        guards: &mut [Option<MutexGuard<'_, SessionState>>],
+        out: &mut [f32],
+    ) -> ServiceResult<Option<Vec<DecodeStats>>> {
+        let Some(gpu) = &self.gpu else {
+            return Ok(None);
+        };
+        let mut made_room = false;
+        let r = loop {
+            let mut g = gpu.lock();
+            if !b.entries.iter().all(|e| g.is_open(e.session)) {
+                return Ok(None);
+            }
+            let mut batch: Vec<GpuEntry<'_>> = guards
+                .iter_mut()
+                .zip(b.entries)
+                .zip(b.queries)
+                .zip(b.sources)
+                .map(|(((st, e), q), src)| GpuEntry {
+                    session: e.session,
+                    kv: &mut st.as_mut().expect("locked").kv,
+                    position: e.position,
+                    q,
+                    k: e.k,
+                    v: e.v,
+                    cold: src.as_ref().map(|c| c as &dyn ColdSource),
+                })
+                .collect();
+            let e = match g.decode(b.layer, &mut batch, out, b.want_stats) {
+                Ok(r) => break r,
+                Err(e) => e,
+            };
+            drop(batch);
+            // make_room writes other sessions to NVMe: not under the device lock.
+            drop(g);
+            match e.storage() {
+                Some(s @ StorageError::ArenaFull { .. }) if !made_room => {
+                    made_room = true;
+                    let ids: Vec<u64> = b.sessions.iter().map(|s| s.id).collect();
+                    if !self.make_room(&ids, step_frames(b.sessions, b.entries)) {
+                        self.record_rejection(Rejection::HostFull);
+                        return Err(ServiceError::new(storage_code(s), e.to_string()));
                     }
-                    _ => tracing::debug!(error = %e, "GPU cannot take this step; CPU path"),
                 }
-                return None;
+                Some(s @ (StorageError::ArenaFull { .. } | StorageError::ColdRead { .. })) => {
+                    return Err(ServiceError::new(storage_code(s), e.to_string()));
+                }
+                _ => {
+                    match e.root() {
+                        GpuError::Cuda(_) => {
+                            tracing::warn!(error = %e, "GPU decode failed; answering on the CPU")
+                        }
+                        _ => tracing::debug!(error = %e, "GPU cannot take this step; CPU path"),
+                    }
+                    return Ok(None);
+                }
             }
         };
-        drop(batch);
-        Some(
+        let c = &self.counters;
+        if r.cpu_fallback {
+            c.gpu_cpu_fallbacks.fetch_add(1, Ordering::Relaxed);
+        } else {
+            c.gpu_entries
+                .fetch_add(b.entries.len() as u64, Ordering::Relaxed);
+        }
+        c.gpu_cold_divergences
+            .fetch_add(r.cold_divergences as u64, Ordering::Relaxed);
+        let promoted: u64 = r.entries.iter().map(|s| s.blocks_promoted as u64).sum();
+        c.blocks_promoted.fetch_add(promoted, Ordering::Relaxed);
+        Ok(Some(
             r.entries
                 .into_iter()
-                .zip(guards.iter())
+                .zip(b.sessions)
                 .enumerate()
-                .map(|(i, (st, guard))| {
-                    let geo = *guard.as_ref().expect("locked").kv.geometry();
+                .map(|(i, (st, s))| {
+                    let geo = s.geometry;
                     let blocks = st.blocks_total as u64;
                     let summaries = blocks * geo.summary_floats_per_block() as u64 * 4;
                     // Device counters are per call: a batch reports them on its first entry.
@@ -703,15 +775,18 @@ impl Engine {
                     } else {
                         (0, 0)
                     };
+                    // Blocks promoted for this step, counted as tiles of every kv-head like
+                    // the CPU path does.
+                    let nvme_tiles = (st.blocks_promoted * geo.kv_heads).min(st.tiles_selected);
                     DecodeStats {
                         blocks_total: st.blocks_total,
                         blocks_selected: st.tiles_selected,
                         bytes_touched: summaries
                             + st.tiles_selected as u64 * geo.tile_bytes() as u64,
-                        bytes_moved: moved,
+                        bytes_moved: moved + st.bytes_promoted,
                         cache_hits: hits,
-                        blocks_ram: st.tiles_selected.saturating_sub(hits),
-                        blocks_nvme: 0,
+                        blocks_ram: st.tiles_selected.saturating_sub(hits + nvme_tiles),
+                        blocks_nvme: nvme_tiles,
                         selected: st
                             .keep
                             .map(|k| (0..k.heads()).map(|h| k.head(h).to_vec()).collect())
@@ -719,7 +794,7 @@ impl Engine {
                     }
                 })
                 .collect(),
-        )
+        ))
     }
 
     fn promote_tails(
@@ -1177,6 +1252,13 @@ impl Engine {
                     "blocks_prefetched_total",
                     self.prefetcher.as_ref().map_or(0, |p| get(&p.promoted)),
                 ),
+            ]);
+        }
+        if self.gpu.is_some() {
+            entries.extend([
+                ("gpu_decode_entries_total", get(&c.gpu_entries)),
+                ("gpu_cpu_fallbacks_total", get(&c.gpu_cpu_fallbacks)),
+                ("gpu_cold_divergences_total", get(&c.gpu_cold_divergences)),
             ]);
         }
         StatsReply {

@@ -59,3 +59,100 @@ fn the_cuda_daemon_answers_like_the_cpu_daemon() {
     );
     eprintln!("cuda daemon == cpu daemon over 144 decode steps; GPU block-cache hits {hits}");
 }
+
+#[test]
+fn a_demoted_session_decodes_on_the_gpu_like_the_cpu_daemon_over_ram() {
+    if !kvtier_kernels::cuda::device_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    // On-demand promotion only, so every read is the decode step's own.
+    let gpu = Daemon::start(&["--backend", "cuda", "--set", "nvme.prefetch_blocks=0"]);
+    let cpu = Daemon::start(&["--backend", "cpu"]);
+    let (mut cg, mut cc) = (gpu.client(), cpu.client());
+    let g = small_geometry();
+    let a = cg.create_session(g, policy(), "gpu-cold").unwrap();
+    let b = cc.create_session(g, policy(), "cpu-ram").unwrap();
+    let mut sh = Shadow::new(g, 77);
+    let n = 600; // 38 blocks of 16 per layer, the last one partial
+    let p = sh.payload(n);
+    cg.append_kv(a, 0, n as u32, &p).unwrap();
+    cc.append_kv(b, 0, n as u32, &p).unwrap();
+    // Warm the GPU's tile cache, then move every block to NVMe.
+    let (mut entries, mut nvme_steps, mut hits) = (0u64, 0, 0u64);
+    let mut step = |cg: &mut kvtier_protocol::client::Client,
+                    cc: &mut kvtier_protocol::client::Client,
+                    sh: &mut Shadow| {
+        let mut nvme = 0;
+        for layer in 0..2usize {
+            let pos = sh.tokens(layer);
+            let (q, k, v) = sh.step_input(layer);
+            let qb = f32_bytes(&q);
+            let og = cg
+                .decode(layer as u32, entry(a, pos, &qb, &k, &v), true)
+                .unwrap();
+            let oc = cc
+                .decode(layer as u32, entry(b, pos, &qb, &k, &v), true)
+                .unwrap();
+            let (sg, sc) = (og.stats.as_ref().unwrap(), oc.stats.as_ref().unwrap());
+            assert_eq!(
+                sg.selected, sc.selected,
+                "layer {layer} at {pos}: keep-sets"
+            );
+            let err = max_rel_err(&og.out, &oc.out);
+            assert!(err <= 2e-3, "layer {layer} at {pos}: rel err {err}");
+            sh.check(layer, &q, &og);
+            if sg.blocks_nvme > 0 {
+                nvme += 1;
+                assert!(
+                    sg.bytes_moved >= sg.blocks_nvme as u64 / g.kv_heads as u64 * 4096,
+                    "NVMe reads count in bytes_moved: {sg:?}"
+                );
+            }
+            // A block read back may also be a GPU cache hit (the host cannot see the device's
+            // cache), so the three counts may overlap; RAM and NVMe never do.
+            assert!(
+                sg.blocks_ram + sg.blocks_nvme <= sg.blocks_selected,
+                "{sg:?}"
+            );
+            assert!(sg.cache_hits <= sg.blocks_selected, "{sg:?}");
+            hits += sg.cache_hits as u64;
+            entries += 1;
+        }
+        nvme
+    };
+    for _ in 0..4 {
+        step(&mut cg, &mut cc, &mut sh);
+    }
+    assert_eq!(cg.demote(a).unwrap(), 2 * 38);
+    assert_eq!(cg.session_info(a).unwrap().host_bytes, 0);
+    for i in 0..12 {
+        nvme_steps += step(&mut cg, &mut cc, &mut sh);
+        if i == 5 {
+            // Cold again, the decoded tokens too.
+            assert!(cg.demote(a).unwrap() > 0);
+        }
+    }
+    let stats = cg.stats().unwrap();
+    let get = |k: &str| stats.get(k).unwrap_or_else(|| panic!("STATS lacks {k}"));
+    assert!(nvme_steps >= 2, "steps reading NVMe: {nvme_steps}");
+    assert!(get("blocks_promoted_total") > 0);
+    assert_eq!(
+        get("gpu_decode_entries_total"),
+        entries,
+        "every step, cold ones included, was answered by the device"
+    );
+    assert_eq!(get("gpu_cpu_fallbacks_total"), 0);
+    assert_eq!(get("gpu_cold_divergences_total"), 0);
+    assert!(hits > 0, "GPU tile-cache hits {hits}");
+    assert!(
+        cc.stats()
+            .unwrap()
+            .get("gpu_decode_entries_total")
+            .is_none(),
+        "the CPU daemon reports no GPU counters"
+    );
+    eprintln!(
+        "demoted session on the cuda daemon == cpu daemon over RAM: {entries} entries, {nvme_steps} read NVMe, {hits} GPU cache hits"
+    );
+}
