@@ -872,6 +872,7 @@ impl Engine {
             },
             layer_tokens: tokens.clone(),
             pages: Vec::new(),
+            pinned: s.pinned.load(Ordering::Relaxed),
         };
         tier.put_session(&record, &runs).map_err(nvme_error)?;
         st.persisted = tokens;
@@ -928,9 +929,16 @@ impl Engine {
         Ok(n as u64)
     }
 
-    /// PIN / UNPIN: a pinned session is never demoted.
+    /// PIN / UNPIN: a pinned session is never demoted. For a session with a durable copy
+    /// the flag is committed to the NVMe manifest before the reply, so it survives a restart
+    /// (a session not yet on NVMe records it when it is first written).
     pub fn pin(&self, peer: &Peer, id: u64, pinned: bool) -> ServiceResult<()> {
         let s = self.lookup(peer, id, false)?;
+        // Under the session lock, so a concurrent persist writes the same flag.
+        let st = s.state.lock();
+        if let (Some((tier, _)), true) = (&self.tier, st.stored) {
+            tier.set_pinned(id, pinned).map_err(nvme_error)?;
+        }
         s.pinned.store(pinned, Ordering::Relaxed);
         Ok(())
     }
@@ -1009,8 +1017,15 @@ impl Engine {
         };
         let mut problems = Vec::new();
         let mut loaded = 0;
-        for id in tier.session_ids() {
-            let rec = tier.session(id).expect("listed");
+        // Pinned sessions first: they get host frames while the tier is below low water.
+        let mut records: Vec<SessionRecord> = tier
+            .session_ids()
+            .into_iter()
+            .filter_map(|id| tier.session(id))
+            .collect();
+        records.sort_by_key(|r| (!r.pinned, r.id));
+        for rec in records {
+            let id = rec.id;
             match self.restore(tier, t, &rec) {
                 Ok(session) => {
                     self.gpu_open(id, &session.geometry, &session.policy);
@@ -1047,21 +1062,22 @@ impl Engine {
         };
         let mut kv = KvCache::new(geometry, self.arena.clone())?;
         let bt = geometry.block_tokens as u64;
-        const BATCH: usize = 64;
-        for l in 0..geometry.layers {
-            let tokens = *rec.layer_tokens.get(l as usize).unwrap_or(&0);
-            let blocks: Vec<(u32, u32)> = (0..geometry.blocks_for(tokens) as u32)
-                .map(|b| (l, b))
-                .collect();
-            for chunk in blocks.chunks(BATCH) {
-                let pages = tier.read_runs(rec.id, chunk).map_err(nvme_error)?;
-                for (page, &(_, b)) in pages.into_iter().zip(chunk) {
-                    let page = page.map_err(nvme_error)?;
-                    let valid = (tokens - b as u64 * bt).min(bt) as usize;
-                    let u = self.arena.usage();
-                    let keep = (u.frames_used as f64) < u.frames_total as f64 * t.low_water;
-                    kv.restore_block(l, page.payload(), valid, keep)?;
-                }
+        let tokens = |l: u32| *rec.layer_tokens.get(l as usize).unwrap_or(&0);
+        // Every run in the order the cache is rebuilt (layer by layer, block by block), read
+        // in batches sized by the devices' tracked rates.
+        let wanted: Vec<(u32, u32)> = (0..geometry.layers)
+            .flat_map(|l| (0..geometry.blocks_for(tokens(l)) as u32).map(move |b| (l, b)))
+            .collect();
+        for r in tier.plan_batches(rec.id, &wanted).map_err(nvme_error)? {
+            let pages = tier
+                .read_runs(rec.id, &wanted[r.clone()])
+                .map_err(nvme_error)?;
+            for (page, &(l, b)) in pages.into_iter().zip(&wanted[r]) {
+                let page = page.map_err(nvme_error)?;
+                let valid = (tokens(l) - b as u64 * bt).min(bt) as usize;
+                let u = self.arena.usage();
+                let keep = (u.frames_used as f64) < u.frames_total as f64 * t.low_water;
+                kv.restore_block(l, page.payload(), valid, keep)?;
             }
         }
         let persisted = (0..geometry.layers)
@@ -1069,6 +1085,7 @@ impl Engine {
             .collect();
         let mut s = Session::new(rec.id, rec.owner_uid, rec.label.clone(), policy, kv, true);
         s.state.get_mut().persisted = persisted;
+        s.pinned.store(rec.pinned, Ordering::Relaxed);
         Ok(s)
     }
 
@@ -1176,7 +1193,8 @@ impl Engine {
         m.usage.capacity_blocks.set(sum(|d| d.pages_total));
         m.read.absolute(su.bytes_read);
         m.written.absolute(su.bytes_written);
-        m.counters.checksum_failures.absolute(su.corrupt_pages);
+        m.counters.checksum_errors.absolute(su.corrupt_pages);
+        m.counters.io_errors.absolute(su.io_errors);
     }
 
     /// The counters and usage STATS and metrics report.
@@ -1233,10 +1251,15 @@ impl Engine {
             (x::DECODE_FETCH_NS_TOTAL, s.fetch_ns),
             (x::DECODE_ATTEND_NS_TOTAL, s.attend_ns),
         ];
+        let mut lanes = Vec::new();
         if let Some((tier, _)) = &self.tier {
             let su = tier.store().usage();
             let used: u64 = su.devices.iter().map(|d| d.bytes_used).sum();
             let total: u64 = su.devices.iter().map(|d| d.bytes_total).sum();
+            for (i, d) in su.devices.iter().enumerate() {
+                lanes.extend(nvme_lane_stats(i, "read", d.read_lane));
+                lanes.extend(nvme_lane_stats(i, "write", d.write_lane));
+            }
             entries.extend([
                 ("nvme_bytes_used", used),
                 ("nvme_bytes_capacity", total),
@@ -1244,7 +1267,8 @@ impl Engine {
                 ("nvme_sessions", tier.session_ids().len() as u64),
                 ("nvme_read_bytes_total", su.bytes_read),
                 ("nvme_written_bytes_total", su.bytes_written),
-                ("nvme_corrupt_pages_total", su.corrupt_pages),
+                ("nvme_checksum_errors_total", su.corrupt_pages),
+                ("nvme_io_errors_total", su.io_errors),
                 ("demotions_total", get(&c.demotions)),
                 ("blocks_demoted_total", get(&c.blocks_demoted)),
                 ("blocks_promoted_total", get(&c.blocks_promoted)),
@@ -1265,9 +1289,29 @@ impl Engine {
             entries: entries
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
+                .chain(lanes)
                 .collect(),
         }
     }
+}
+
+/// STATS entries of one NVMe device lane's online estimate: `nvme_dev<i>_<op>_bytes_per_s`
+/// and `nvme_dev<i>_<op>_latency_ns`, 0 until the device has a timed transfer of that kind.
+fn nvme_lane_stats(
+    device: usize,
+    op: &str,
+    lane: Option<kvtier_storage::nvme::plan::Lane>,
+) -> [(String, u64); 2] {
+    let (bw, lat) = lane.map_or((0, 0), |l| {
+        (
+            l.bandwidth_bytes_per_s.round() as u64,
+            (l.latency_s * 1e9).round() as u64,
+        )
+    });
+    [
+        (format!("nvme_dev{device}_{op}_bytes_per_s"), bw),
+        (format!("nvme_dev{device}_{op}_latency_ns"), lat),
+    ]
 }
 
 impl Session {

@@ -68,7 +68,7 @@ pub mod names {
     pub const GPU_CACHE_HITS: &str = "kvtier_gpu_cache_hits_total";
     pub const GPU_CACHE_LOOKUPS: &str = "kvtier_gpu_cache_lookups_total";
     pub const NVME_IO_ERRORS: &str = "kvtier_nvme_io_errors_total";
-    pub const NVME_CHECKSUM_FAILURES: &str = "kvtier_nvme_checksum_failures_total";
+    pub const NVME_CHECKSUM_ERRORS: &str = "kvtier_nvme_checksum_errors_total";
 }
 
 /// Why a request was refused before it ran (label `reason` of
@@ -146,7 +146,10 @@ pub struct TierGauges {
 /// NVMe tier counters, registered when the NVMe tier is enabled.
 #[derive(Debug, Clone)]
 pub struct NvmeMetrics {
-    pub checksum_failures: Counter,
+    /// Pages that failed verification (STATS `nvme_checksum_errors_total`).
+    pub checksum_errors: Counter,
+    /// Failed page reads, writes and fdatasyncs (STATS `nvme_io_errors_total`).
+    pub io_errors: Counter,
 }
 
 /// GPU block cache counters (hit rate = hits / lookups), registered by the CUDA backend.
@@ -244,14 +247,11 @@ impl Metrics {
     }
 
     pub fn register_nvme(&self) -> NvmeMetrics {
+        let r = self.registrar();
         NvmeMetrics {
-            checksum_failures: self.registrar().counter(names::NVME_CHECKSUM_FAILURES, &[]),
+            checksum_errors: r.counter(names::NVME_CHECKSUM_ERRORS, &[]),
+            io_errors: r.counter(names::NVME_IO_ERRORS, &[]),
         }
-    }
-
-    /// NVMe I/O errors, for the component that counts them (the page store does not yet).
-    pub fn register_nvme_io_errors(&self) -> Counter {
-        self.registrar().counter(names::NVME_IO_ERRORS, &[])
     }
 
     pub fn register_gpu_cache(&self) -> GpuCacheMetrics {
@@ -442,12 +442,12 @@ impl Registrar<'_> {
         c(
             NVME_IO_ERRORS,
             None,
-            "NVMe reads or writes that failed or came back short",
+            "NVMe page reads, writes or fdatasyncs that failed (an errno, or a short transfer retries could not finish)",
         );
         c(
-            NVME_CHECKSUM_FAILURES,
+            NVME_CHECKSUM_ERRORS,
             None,
-            "NVMe pages whose checksum did not match",
+            "NVMe pages that failed verification (checksum, header or identity mismatch); never returned as data",
         );
     }
 }
@@ -577,7 +577,7 @@ mod tests {
             GPU_CACHE_HITS,
             GPU_CACHE_LOOKUPS,
             NVME_IO_ERRORS,
-            NVME_CHECKSUM_FAILURES,
+            NVME_CHECKSUM_ERRORS,
         ];
         let others = [
             READY,
@@ -620,18 +620,16 @@ mod tests {
             "{text}"
         );
         let nvme = m.register_nvme();
-        nvme.checksum_failures.increment(2);
+        nvme.checksum_errors.increment(2);
+        nvme.io_errors.increment(1);
         m.register_lane("nvme0_to_host").increment(4096);
         m.register_tier("nvme").used_bytes.set(8192.0);
         m.register_fetch_stage().record(0.001);
         let text = rendered(&m);
         assert!(
-            text.contains("kvtier_nvme_checksum_failures_total 2"),
+            text.contains("kvtier_nvme_checksum_errors_total 2"),
             "{text}"
         );
-        assert!(!text.contains("kvtier_nvme_io_errors_total"), "{text}");
-        m.register_nvme_io_errors().increment(1);
-        let text = rendered(&m);
         assert!(text.contains("kvtier_nvme_io_errors_total 1"), "{text}");
         assert!(
             text.contains("kvtier_lane_moved_bytes_total{lane=\"nvme0_to_host\"} 4096"),

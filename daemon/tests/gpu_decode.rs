@@ -439,6 +439,7 @@ fn demote(tier: &NvmeTier, t: &mut Twin) -> usize {
         id: t.id,
         owner_uid: 0,
         label: "gpu-cold".into(),
+        pinned: false,
         geometry: GeometryRecord {
             layers: GEO.layers,
             q_heads: GEO.q_heads,

@@ -255,9 +255,10 @@ fn a_scrape_during_a_decode_run_shows_every_metric_matching_stats() {
             "nvme_written_bytes_total",
         ),
         (
-            "kvtier_nvme_checksum_failures_total",
-            "nvme_corrupt_pages_total",
+            "kvtier_nvme_checksum_errors_total",
+            "nvme_checksum_errors_total",
         ),
+        ("kvtier_nvme_io_errors_total", "nvme_io_errors_total"),
     ] {
         assert_eq!(get(&m, series), stat(&s, key), "{series} vs STATS {key}");
     }
@@ -271,8 +272,8 @@ fn a_scrape_during_a_decode_run_shows_every_metric_matching_stats() {
         "fetch {secs} vs {want}"
     );
 
-    // What this run does not have is absent, not zero: no GPU, no per-device I/O error count.
-    for absent in ["gpu", "tier=\"gpu\"", "host_to_gpu", names::NVME_IO_ERRORS] {
+    // What this run does not have is absent, not zero: no GPU.
+    for absent in ["gpu", "tier=\"gpu\"", "host_to_gpu"] {
         assert!(
             m.keys().all(|k| !k.contains(absent)),
             "{absent} exported without its component"
@@ -305,4 +306,96 @@ fn an_unusable_metrics_address_fails_startup_naming_it() {
         err.contains(&format!("metrics.listen 127.0.0.1:{port}")),
         "{err}"
     );
+}
+
+/// Flips bytes of one page payload in the page file, as a failing disk would.
+fn damage(path: &std::path::Path, at: u64) {
+    use std::io::{Seek, SeekFrom};
+    let mut f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.seek(SeekFrom::Start(at)).unwrap();
+    f.write_all(&[0x5A; 16]).unwrap();
+    f.sync_all().unwrap();
+}
+
+#[test]
+fn a_corrupted_page_counts_one_checksum_error_in_stats_and_metrics() {
+    let port = free_port();
+    let listen = format!("metrics.listen=\"127.0.0.1:{port}\"");
+    let d = Daemon::start(&["--set", &listen, "--set", "nvme.prefetch_blocks=0"]);
+    let mut c = d.client();
+    let g = small_geometry();
+    let id = c.create_session(g, policy(), "victim").unwrap();
+    let mut sh = Shadow::new(g, 8);
+    c.append_kv(id, 0, 200, &sh.payload(200)).unwrap();
+    c.demote(id).unwrap();
+    let counters = |c: &mut kvtier_protocol::client::Client| {
+        let s = c.stats().unwrap();
+        let m = scrape(port);
+        let pair = (
+            stat(&s, "nvme_checksum_errors_total"),
+            stat(&s, "nvme_io_errors_total"),
+        );
+        assert_eq!(
+            pair,
+            (
+                get(&m, names::NVME_CHECKSUM_ERRORS),
+                get(&m, names::NVME_IO_ERRORS)
+            ),
+            "STATS and metrics agree"
+        );
+        pair
+    };
+    assert_eq!(counters(&mut c), (0.0, 0.0));
+    // The first page of a fresh store holds (layer 0, block 0), the sink block every keep-set
+    // of layer 0 reads: damage its payload (past the 64-byte header).
+    damage(&d.page_file(), 100);
+    let (q, k, v) = sh.step_input(0);
+    let qb = f32_bytes(&q);
+    let e = c.decode(0, entry(id, 200, &qb, &k, &v), true).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::DataLoss), "{e}");
+    assert_eq!(counters(&mut c), (1.0, 0.0), "one bad page read once");
+    // Layer 1 is intact and still decodes.
+    let (q1, k1, v1) = sh.step_input(1);
+    let qb1 = f32_bytes(&q1);
+    let out = c.decode(1, entry(id, 200, &qb1, &k1, &v1), true).unwrap();
+    sh.check(1, &q1, &out);
+    assert_eq!(counters(&mut c), (1.0, 0.0));
+    // Each attempt that reads it counts again.
+    assert_eq!(c.promote(id).unwrap_err().code(), Some(ErrorCode::DataLoss));
+    assert_eq!(counters(&mut c), (2.0, 0.0));
+}
+
+#[test]
+fn failed_nvme_reads_count_as_io_errors_in_stats_and_metrics() {
+    let port = free_port();
+    let listen = format!("metrics.listen=\"127.0.0.1:{port}\"");
+    let d = Daemon::start(&["--set", &listen, "--set", "nvme.prefetch_blocks=0"]);
+    let mut c = d.client();
+    let g = small_geometry();
+    let id = c.create_session(g, policy(), "cut short").unwrap();
+    let mut sh = Shadow::new(g, 9);
+    c.append_kv(id, 0, 64, &sh.payload(64)).unwrap(); // 4 blocks per layer
+    assert_eq!(c.demote(id).unwrap(), 8);
+    // The device shrinks under the daemon: every page read hits end of file and comes back
+    // short, however often it is retried.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(d.page_file())
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    let e = c.promote(id).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::DataLoss), "{e}");
+    let s = c.stats().unwrap();
+    let m = scrape(port);
+    let io = stat(&s, "nvme_io_errors_total");
+    // PROMOTE reads layer 0's four pages in one batch, all short, then stops.
+    assert_eq!(io, 4.0);
+    assert_eq!(get(&m, names::NVME_IO_ERRORS), io);
+    assert_eq!(
+        stat(&s, "nvme_checksum_errors_total"),
+        0.0,
+        "not corruption"
+    );
+    assert_eq!(get(&m, names::NVME_CHECKSUM_ERRORS), 0.0);
 }

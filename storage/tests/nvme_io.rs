@@ -656,4 +656,252 @@ fn page_store_under_injected_faults_never_returns_wrong_data() {
         ok > 0 && corrupt > 0 && io > 0,
         "ok {ok} corrupt {corrupt} io {io}"
     );
+    // Every failure was counted once, each in its own counter.
+    let u = store.usage();
+    assert_eq!((u.io_errors, u.corrupt_pages), (io, corrupt));
+}
+
+#[test]
+fn io_errors_are_counted_per_failed_operation_apart_from_corruption() {
+    let dir = test_dir("store-io-errors");
+    let rule = |kind, fault, n| FaultRule {
+        kind: Some(kind),
+        fault,
+        trigger: Trigger::Nth(n),
+    };
+    let rules = vec![
+        rule(OpKind::Write, Fault::Eio, 2),
+        rule(OpKind::Write, Fault::ShortTransfer, 4),
+        rule(OpKind::Read, Fault::Eio, 1),
+        rule(OpKind::Read, Fault::ShortTransfer, 3),
+    ];
+    let engine = Arc::new(FaultyEngine::new(PreadEngine::new(), rules, 11).unwrap());
+    let store = PageStore::open(&store_cfg(&dir, &[1.0], 1 << 20), engine).unwrap();
+    let addrs = store.alloc(9, 5).unwrap();
+    let payloads: Vec<Vec<u8>> = (0..5).map(|i| pattern(i, 4000)).collect();
+    let writes: Vec<PageWrite> = addrs
+        .iter()
+        .zip(&payloads)
+        .enumerate()
+        .map(|(i, (&addr, p))| PageWrite {
+            addr,
+            id: id(i as u32, 1),
+            payload: p,
+        })
+        .collect();
+    // Writes 2 (EIO) and 4 (torn) fail: the batch fails, two errors counted.
+    assert!(store.write_pages(&writes).is_err());
+    let u = store.usage();
+    assert_eq!((u.io_errors, u.corrupt_pages), (2, 0));
+    // Rewritten cleanly (the rules fired already).
+    store.write_pages(&writes).unwrap();
+    store.sync().unwrap();
+    assert_eq!(store.usage().io_errors, 2);
+    let reads: Vec<PageRead> = addrs
+        .iter()
+        .enumerate()
+        .map(|(i, &addr)| PageRead {
+            addr,
+            id: id(i as u32, 1),
+            expected_crc: None,
+        })
+        .collect();
+    // Reads 1 (EIO) and 3 (short) fail as I/O errors; all others verify.
+    let r = store.read_pages(&reads).unwrap();
+    assert!(matches!(r[0], Err(NvmeError::Io { .. })));
+    assert!(matches!(r[2], Err(NvmeError::ShortRead { .. })));
+    assert!(r[1].is_ok() && r[3].is_ok() && r[4].is_ok());
+    let u = store.usage();
+    assert_eq!((u.io_errors, u.corrupt_pages), (4, 0));
+    // Bytes damaged on the device: a checksum error, not an I/O error.
+    {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join("dev0"))
+            .unwrap();
+        let at = addrs[0].page * store.page_size() as u64 + 100;
+        f.seek(SeekFrom::Start(at)).unwrap();
+        f.write_all(&[0xFF; 8]).unwrap();
+        f.sync_all().unwrap();
+    }
+    let r = store.read_pages(&reads[..1]).unwrap();
+    assert!(matches!(
+        r[0],
+        Err(NvmeError::Corrupt {
+            reason: CorruptReason::Checksum { .. },
+            ..
+        })
+    ));
+    let u = store.usage();
+    assert_eq!((u.io_errors, u.corrupt_pages), (4, 1));
+}
+
+/// An engine for a store of two devices whose first is slow: its operations go through a
+/// stalling [`FaultyEngine`], the other device's straight to pread.
+struct SlowFirstDevice {
+    slow: PathBuf,
+    stalled: FaultyEngine<PreadEngine>,
+    fast: PreadEngine,
+}
+
+impl IoEngine for SlowFirstDevice {
+    fn submit(
+        &self,
+        reqs: Vec<IoRequest>,
+    ) -> Result<Vec<kvtier_storage::nvme::io::IoCompletion>, NvmeError> {
+        let (mut slow, mut fast, mut order) = (Vec::new(), Vec::new(), Vec::new());
+        for r in reqs {
+            let is_slow = r.file().path() == self.slow;
+            order.push(is_slow);
+            if is_slow {
+                slow.push(r)
+            } else {
+                fast.push(r)
+            }
+        }
+        let mut slow = self.stalled.submit(slow)?.into_iter();
+        let mut fast = self.fast.submit(fast)?.into_iter();
+        Ok(order
+            .into_iter()
+            .map(|s| if s { slow.next() } else { fast.next() }.expect("one per request"))
+            .collect())
+    }
+
+    fn name(&self) -> &'static str {
+        "slow-first-device"
+    }
+}
+
+#[test]
+fn tracked_read_rates_set_the_stripe_weights_of_new_sessions_and_the_bulk_batches() {
+    use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
+    use kvtier_storage::nvme::store::STRIPE_MIN_SAMPLES;
+    use kvtier_storage::nvme::tier::{BULK_BATCH_SECONDS, BULK_BATCH_UNMEASURED_PAGES};
+    use kvtier_storage::nvme::{BlockRun, NvmeTier};
+
+    let dir = test_dir("store-tracked");
+    // Configured as equals; device 0 really holds every operation 5 ms longer (a margin
+    // that CPU contention on the fast device's reads cannot eat).
+    let cfg = store_cfg(&dir, &[1.0, 1.0], 4 << 20);
+    let engine = SlowFirstDevice {
+        slow: cfg.devices[0].path.clone(),
+        stalled: FaultyEngine::new(
+            PreadEngine::new(),
+            vec![FaultRule {
+                kind: None,
+                fault: Fault::Stall(std::time::Duration::from_millis(5)),
+                trigger: Trigger::Always,
+            }],
+            0,
+        )
+        .unwrap(),
+        fast: PreadEngine::new(),
+    };
+    let store = PageStore::open(&cfg, Arc::new(engine)).unwrap();
+    assert!(store.usage().devices.iter().all(|d| d.read_lane.is_none()));
+    let (tier, _) = NvmeTier::open(store, &dir.join("manifest")).unwrap();
+    let record = |id: u64| SessionRecord {
+        id,
+        owner_uid: 0,
+        label: String::new(),
+        geometry: GeometryRecord {
+            layers: 1,
+            q_heads: 1,
+            kv_heads: 1,
+            head_dim: 8,
+            dtype: 0,
+            block_tokens: 16,
+        },
+        policy: PolicyRecord {
+            sink_blocks: 1,
+            local_blocks: 1,
+            top_k: 1,
+        },
+        layer_tokens: vec![16 * 100],
+        pages: Vec::new(),
+        pinned: false,
+    };
+    let payloads: Vec<Vec<u8>> = (0..100).map(|i| pattern(i, 9000)).collect();
+    let runs: Vec<BlockRun> = payloads
+        .iter()
+        .enumerate()
+        .map(|(b, p)| BlockRun {
+            layer: 0,
+            block: b as u32,
+            bytes: p,
+        })
+        .collect();
+    let per_device = |id: u64| {
+        let mut n = [0usize; 2];
+        for p in tier.session(id).unwrap().pages {
+            n[p.device as usize] += 1;
+        }
+        n
+    };
+    tier.put_session(&record(1), &runs).unwrap();
+    assert_eq!(per_device(1), [50, 50], "configured weights: an even split");
+    let wanted: Vec<(u32, u32)> = (0..100).map(|b| (0, b)).collect();
+    let lens = |r: &[std::ops::Range<usize>]| r.iter().map(|r| r.len()).collect::<Vec<_>>();
+    assert_eq!(
+        lens(&tier.plan_batches(1, &wanted).unwrap()),
+        [
+            BULK_BATCH_UNMEASURED_PAGES,
+            100 - BULK_BATCH_UNMEASURED_PAGES
+        ],
+        "by count before any rate is known"
+    );
+    // Writes were timed too.
+    let u = tier.store().usage();
+    assert!(u
+        .devices
+        .iter()
+        .all(|d| d.write_samples == 1 && d.write_lane.is_some()));
+
+    // Read the session back, one batch of 10 at a time.
+    for k in 0..STRIPE_MIN_SAMPLES as u32 {
+        let want: Vec<(u32, u32)> = (0..10).map(|b| (0, (k * 10 + b) % 100)).collect();
+        for r in tier.read_runs(1, &want).unwrap() {
+            r.unwrap();
+        }
+        if k + 1 < STRIPE_MIN_SAMPLES as u32 {
+            assert_eq!(tier.store().stripe_weights(), [1.0, 1.0], "not settled yet");
+        }
+    }
+    let u = tier.store().usage();
+    let (slow, fast) = (
+        u.devices[0].read_lane.unwrap(),
+        u.devices[1].read_lane.unwrap(),
+    );
+    assert_eq!(u.devices[0].read_samples, STRIPE_MIN_SAMPLES);
+    assert!(
+        fast.bandwidth_bytes_per_s > 4.0 * slow.bandwidth_bytes_per_s,
+        "slow {slow:?} fast {fast:?}"
+    );
+    // A 12 KiB page per 5 ms stall: the slow device's rate is at most ~2.5 MB/s.
+    assert!(slow.bandwidth_bytes_per_s < 2.5e6, "{slow:?}");
+    let w = tier.store().stripe_weights();
+    assert_eq!(w, [slow.bandwidth_bytes_per_s, fast.bandwidth_bytes_per_s]);
+    assert_eq!(u.devices[0].bandwidth_bytes_per_s, w[0]);
+
+    // A session persisted now is striped by the tracked rates: most pages on the fast device.
+    tier.put_session(&record(2), &runs).unwrap();
+    let n = per_device(2);
+    assert!(n[1] >= 80, "new session split {n:?}");
+    assert_eq!(per_device(1), [50, 50], "the old one stays where it is");
+
+    // A bulk read of the old session goes in batches of about BULK_BATCH_SECONDS at the
+    // tracked rates: each batch holds the few slow-device pages that fit.
+    let batches = tier.plan_batches(1, &wanted).unwrap();
+    assert!(batches.len() > 2, "{:?}", lens(&batches));
+    let s = tier.session(1).unwrap();
+    let page = tier.store().page_size() as u64;
+    for r in &batches {
+        let slow_pages = s.pages[r.clone()].iter().filter(|p| p.device == 0).count() as u64;
+        assert!(
+            r.len() == 1 || slow.time(slow_pages * page) <= BULK_BATCH_SECONDS,
+            "{r:?}"
+        );
+    }
+    assert_eq!(batches.last().unwrap().end, 100);
 }

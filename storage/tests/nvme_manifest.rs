@@ -85,6 +85,7 @@ fn session_record(id: u64) -> SessionRecord {
         },
         layer_tokens: vec![u64::from(BLOCKS) * 128; LAYERS as usize],
         pages: Vec::new(),
+        pinned: id % 2 == 1,
     }
 }
 
@@ -482,6 +483,45 @@ fn tier_partial_updates_and_bad_input() {
     let (tier, report) = open_tier(&dir);
     assert_eq!(report.epoch, tier.epoch());
     assert!(report.pages > 0);
+    verify_tier(&tier).unwrap();
+}
+
+#[test]
+fn pins_are_committed_and_survive_reopen() {
+    let dir = test_dir("tier-pins");
+    {
+        let (tier, _) = open_tier(&dir);
+        tier_step(&tier, 0); // session 0, written unpinned
+        assert!(!tier.session(0).unwrap().pinned);
+        let before = tier.epoch();
+        let epoch = tier.set_pinned(0, true).unwrap().expect("a commit");
+        assert_eq!((epoch, tier.epoch()), (before + 1, before + 1));
+        assert!(tier.session(0).unwrap().pinned);
+        assert_eq!(
+            tier.set_pinned(0, true).unwrap(),
+            None,
+            "no change, no commit"
+        );
+        assert_eq!(tier.epoch(), epoch);
+        assert!(matches!(
+            tier.set_pinned(77, true),
+            Err(NvmeError::InvalidArgument { .. })
+        ));
+        // A commit without page changes must not free pages still referenced.
+        verify_tier(&tier).unwrap();
+    }
+    {
+        let (tier, _) = open_tier(&dir);
+        assert!(tier.session(0).unwrap().pinned, "pinned after reopen");
+        verify_tier(&tier).unwrap();
+        // A later put_session writes the flag its record carries.
+        tier_step(&tier, 0);
+        assert!(!tier.session(0).unwrap().pinned);
+        tier.set_pinned(0, true).unwrap();
+        tier.set_pinned(0, false).unwrap();
+    }
+    let (tier, _) = open_tier(&dir);
+    assert!(!tier.session(0).unwrap().pinned, "unpinned after reopen");
     verify_tier(&tier).unwrap();
 }
 

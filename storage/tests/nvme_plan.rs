@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use kvtier_storage::nvme::io::UringConfig;
 use kvtier_storage::nvme::plan::{
-    evaluate, plan, probe_device, proportional_split, uniform, BlockCopies, Lane, LaneTracker,
-    ProbeConfig,
+    evaluate, plan, probe_device, proportional_split, split_batches, uniform, BlockCopies, Lane,
+    LaneTracker, Observed, ProbeConfig, TRACKER_OUTLIER_FACTOR, TRACKER_WARMUP,
 };
 use kvtier_storage::nvme::{open_best_engine, AlignedBuf, DirectFile, IoRequest, NvmeError};
 use proptest::prelude::*;
@@ -235,49 +235,306 @@ fn proportional_split_sums_and_follows_bandwidth() {
     assert_eq!(proportional_split(&lanes, 0).unwrap(), vec![0, 0, 0]);
 }
 
+/// A tracker decision-table row: a prior, the device's true lane, the transfer sizes fed (in
+/// rotation), and how close the estimate must be after `n` transfers.
+struct TrackCase {
+    name: &'static str,
+    prior: (f64, f64),
+    alpha: f64,
+    truth: (f64, f64),
+    sizes: &'static [u64],
+    n: usize,
+    bw_rel_tol: f64,
+    /// None: the latency is not identifiable from these sizes; it must stay at the prior's.
+    lat_tol_us: Option<f64>,
+}
+
+const TRACK_CASES: &[TrackCase] = &[
+    TrackCase {
+        name: "mixed sizes recover bandwidth and latency",
+        prior: (1.0, 0.0),
+        alpha: 0.05,
+        truth: (2.0, 100.0),
+        sizes: &[4 * KIB, 64 * KIB, 256 * KIB, 1024 * KIB],
+        n: 400,
+        bw_rel_tol: 0.01,
+        lat_tol_us: Some(2.0),
+    },
+    TrackCase {
+        name: "one size only: latency stays at the prior, bandwidth absorbs the rest",
+        prior: (1.0, 100.0),
+        alpha: 0.1,
+        truth: (2.0, 100.0),
+        sizes: &[256 * KIB],
+        n: 50,
+        bw_rel_tol: 0.01,
+        lat_tol_us: None,
+    },
+    TrackCase {
+        name: "a relative-weight prior (1 B/s) is replaced by the first transfer",
+        prior: (1e-9, 0.0),
+        alpha: 0.1,
+        truth: (1.3, 80.0),
+        sizes: &[8 * KIB, 256 * KIB, 2048 * KIB],
+        n: 300,
+        bw_rel_tol: 0.01,
+        lat_tol_us: Some(2.0),
+    },
+    TrackCase {
+        name: "a fast device (7 GB/s, 20 us) in store-sized batches",
+        prior: (2.0, 0.0),
+        alpha: 0.1,
+        truth: (7.0, 20.0),
+        sizes: &[8 * KIB, 64 * KIB, 512 * KIB, 16 << 20],
+        n: 300,
+        bw_rel_tol: 0.01,
+        lat_tol_us: Some(1.0),
+    },
+    TrackCase {
+        name: "a slow device (200 MB/s, 2 ms) with latency-dominated small transfers",
+        prior: (2.0, 0.0),
+        alpha: 0.1,
+        truth: (0.2, 2000.0),
+        sizes: &[4 * KIB, 8 * KIB, 1024 * KIB],
+        n: 300,
+        bw_rel_tol: 0.01,
+        lat_tol_us: Some(20.0),
+    },
+];
+
 #[test]
-fn tracker_recovers_latency_and_bandwidth_and_follows_change() {
+fn tracker_decision_table_converges() {
+    for c in TRACK_CASES {
+        let prior = lane(c.prior.0, c.prior.1);
+        let truth = lane(c.truth.0, c.truth.1);
+        let mut t = LaneTracker::new(prior, c.alpha).unwrap();
+        assert_eq!(t.estimate(), prior, "{}: prior before data", c.name);
+        for i in 0..c.n {
+            let b = c.sizes[i % c.sizes.len()];
+            assert!(t.observe(b, truth.time(b)).used(), "{}", c.name);
+        }
+        assert_eq!(t.samples(), c.n as u64);
+        let e = t.estimate();
+        let rel = e.bandwidth_bytes_per_s / truth.bandwidth_bytes_per_s - 1.0;
+        assert!(rel.abs() < c.bw_rel_tol, "{}: {e:?} vs {truth:?}", c.name);
+        match c.lat_tol_us {
+            Some(tol) => assert!(
+                (e.latency_s - truth.latency_s).abs() < tol * 1e-6,
+                "{}: {e:?}",
+                c.name
+            ),
+            None => assert_eq!(e.latency_s, prior.latency_s, "{}", c.name),
+        }
+    }
+}
+
+/// A tracker settled on `truth` with mixed sizes.
+fn settled(truth: Lane) -> LaneTracker {
+    let mut t = LaneTracker::new(lane(1.0, 0.0), 0.1).unwrap();
+    let sizes = [64 * KIB, 256 * KIB, 1024 * KIB];
+    for i in 0..300 {
+        let b = sizes[i % 3];
+        t.observe(b, truth.time(b));
+    }
+    t
+}
+
+#[test]
+fn tracker_follows_a_lasting_change() {
+    let sizes = [64 * KIB, 256 * KIB, 1024 * KIB];
+    // 2 GB/s -> 1 GB/s (within the outlier bound) and 2 GB/s -> 0.1 GB/s (each transfer
+    // 20x slower than predicted at first, so clamped until the estimate catches up).
+    for (after, within) in [(lane(1.0, 100.0), 100), (lane(0.1, 100.0), 150)] {
+        let mut t = settled(lane(2.0, 100.0));
+        for i in 0..within {
+            let b = sizes[i % 3];
+            t.observe(b, after.time(b));
+        }
+        let e = t.estimate();
+        assert!(
+            (e.bandwidth_bytes_per_s / after.bandwidth_bytes_per_s - 1.0).abs() < 0.03,
+            "after {within} transfers at {after:?}: {e:?}"
+        );
+    }
+}
+
+#[test]
+fn tracker_clamps_outliers() {
     let truth = lane(2.0, 100.0);
-    let mut t = LaneTracker::new(lane(1.0, 0.0), 0.05).unwrap();
-    assert_eq!(t.estimate(), lane(1.0, 0.0), "prior before data");
-    let sizes = [4 * KIB, 64 * KIB, 256 * KIB, 1024 * KIB];
-    for i in 0..400 {
-        let b = sizes[i % 4];
-        assert!(t.observe(b, truth.time(b)));
+    let b = 256 * KIB;
+    // A 1000x stall: clamped, and the estimate moves by a bounded step.
+    let mut t = settled(truth);
+    assert_eq!(t.observe(b, truth.time(b) * 1000.0), Observed::Clamped);
+    let e = t.estimate();
+    let drop = 1.0 - e.bandwidth_bytes_per_s / truth.bandwidth_bytes_per_s;
+    assert!(drop < 0.35, "one stall cut the estimate by {drop}: {e:?}");
+    // What the clamp prevents: the same stall folded in as measured (as a first transfer
+    // is) wrecks the estimate.
+    let mut raw = LaneTracker::new(truth, 0.1).unwrap();
+    raw.observe(b, truth.time(b) * 1000.0);
+    assert!(raw.estimate().bandwidth_bytes_per_s < 0.01 * truth.bandwidth_bytes_per_s);
+    // A few normal transfers put it back.
+    let sizes = [64 * KIB, 256 * KIB, 1024 * KIB];
+    for i in 0..40 {
+        let s = sizes[i % 3];
+        assert_eq!(t.observe(s, truth.time(s)), Observed::Folded);
     }
     let e = t.estimate();
     assert!(
-        (e.bandwidth_bytes_per_s / truth.bandwidth_bytes_per_s - 1.0).abs() < 0.01,
+        (e.bandwidth_bytes_per_s / truth.bandwidth_bytes_per_s - 1.0).abs() < 0.03,
         "{e:?}"
     );
-    assert!((e.latency_s - truth.latency_s).abs() < 2e-6, "{e:?}");
-    // The device slows to 1 GB/s: the estimate follows within a few hundred transfers.
-    let slow = lane(1.0, 100.0);
-    for i in 0..400 {
-        let b = sizes[i % 4];
-        t.observe(b, slow.time(b));
+    // Implausibly fast (a cache hit, a timer glitch): clamped too.
+    let mut t = settled(truth);
+    assert_eq!(t.observe(b, truth.time(b) / 1000.0), Observed::Clamped);
+    let rise = t.estimate().bandwidth_bytes_per_s / truth.bandwidth_bytes_per_s - 1.0;
+    assert!(rise < 0.5, "one fast outlier raised the estimate by {rise}");
+    // Within the bound is folded as measured.
+    let mut t = settled(truth);
+    assert_eq!(
+        t.observe(b, truth.time(b) * TRACKER_OUTLIER_FACTOR * 0.99),
+        Observed::Folded
+    );
+    // Before warm-up nothing is an outlier: the first transfers define the estimate.
+    let mut t = LaneTracker::new(lane(1.0, 0.0), 0.1).unwrap();
+    for i in 0..TRACKER_WARMUP {
+        let secs = if i % 2 == 0 { 1e-3 } else { 1.0 };
+        assert_eq!(t.observe(b, secs), Observed::Folded);
     }
-    let e = t.estimate();
-    assert!(
-        (e.bandwidth_bytes_per_s / slow.bandwidth_bytes_per_s - 1.0).abs() < 0.02,
-        "{e:?}"
-    );
-    // One transfer size only: latency stays, bandwidth absorbs the rest.
-    let mut t = LaneTracker::new(lane(1.0, 100.0), 0.1).unwrap();
-    for _ in 0..50 {
-        t.observe(256 * KIB, truth.time(256 * KIB));
+}
+
+#[test]
+fn tracker_ignores_zero_and_nonsense_durations() {
+    let truth = lane(2.0, 100.0);
+    let mut t = settled(truth);
+    let (before, n) = (t.estimate(), t.samples());
+    for (bytes, secs) in [
+        (0, 1.0),
+        (4096, 0.0),
+        (4096, -1e-3),
+        (4096, f64::NAN),
+        (4096, f64::INFINITY),
+    ] {
+        assert_eq!(
+            t.observe(bytes, secs),
+            Observed::Ignored,
+            "{bytes} B in {secs} s"
+        );
+        assert!(!t.observe(bytes, secs).used());
     }
-    let e = t.estimate();
-    assert!(
-        (e.bandwidth_bytes_per_s / truth.bandwidth_bytes_per_s - 1.0).abs() < 0.01,
-        "{e:?}"
-    );
-    // Garbage is refused.
-    assert!(!t.observe(0, 1.0));
-    assert!(!t.observe(10, 0.0));
-    assert!(!t.observe(10, f64::NAN));
+    assert_eq!((t.estimate(), t.samples()), (before, n), "nothing moved");
+    // A fresh tracker given only nonsense keeps its prior.
+    let mut t = LaneTracker::new(lane(1.0, 5.0), 0.5).unwrap();
+    t.observe(4096, 0.0);
+    assert_eq!((t.estimate(), t.samples()), (lane(1.0, 5.0), 0));
     assert!(LaneTracker::new(lane(1.0, 0.0), 0.0).is_err());
     assert!(LaneTracker::new(lane(1.0, 0.0), 1.5).is_err());
+    assert!(LaneTracker::new(lane(1.0, 0.0), f64::NAN).is_err());
+}
+
+const MB: u64 = 1_000_000;
+
+/// A batch-split decision-table row: lanes (GB/s, latency us), reads as lane indices (each
+/// `MB` bytes), target ms, cap, and the expected batch lengths.
+struct SplitCase {
+    name: &'static str,
+    lanes: &'static [(f64, f64)],
+    reads: &'static [usize],
+    target_ms: f64,
+    max_reads: usize,
+    batches: &'static [usize],
+}
+
+const SPLIT_CASES: &[SplitCase] = &[
+    SplitCase {
+        name:
+            "1:3 lanes, pages striped 1:3: each batch takes 2 from the slow lane, 6 from the fast",
+        lanes: &[(1.0, 0.0), (3.0, 0.0)],
+        reads: &[0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 0],
+        target_ms: 2.0,
+        max_reads: 100,
+        batches: &[8, 8, 1],
+    },
+    SplitCase {
+        name: "the same pages at equal rates: at most 2 MB per lane per batch",
+        lanes: &[(1.0, 0.0), (1.0, 0.0)],
+        reads: &[0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 0],
+        target_ms: 2.0,
+        max_reads: 100,
+        batches: &[3, 3, 3, 2, 3, 3],
+    },
+    SplitCase {
+        name: "the cap bounds a batch the rates would allow",
+        lanes: &[(100.0, 0.0)],
+        reads: &[0, 0, 0, 0, 0, 0, 0],
+        target_ms: 1000.0,
+        max_reads: 3,
+        batches: &[3, 3, 1],
+    },
+    SplitCase {
+        name: "latency counts: a read that cannot fit the target alone still goes, alone",
+        lanes: &[(1.0, 1500.0)],
+        reads: &[0, 0, 0],
+        target_ms: 2.0,
+        max_reads: 100,
+        batches: &[1, 1, 1],
+    },
+    SplitCase {
+        name: "a read past the target alone closes its batch at once",
+        lanes: &[(0.25, 0.0), (10.0, 0.0)],
+        reads: &[0, 1, 1, 0],
+        target_ms: 2.0,
+        max_reads: 100,
+        batches: &[1, 2, 1],
+    },
+    SplitCase {
+        name: "a lane that is idle in a batch costs nothing",
+        lanes: &[(0.001, 0.0), (10.0, 0.0)],
+        reads: &[1, 1, 1, 1, 1],
+        target_ms: 1.0,
+        max_reads: 100,
+        batches: &[5],
+    },
+    SplitCase {
+        name: "no reads: no batches",
+        lanes: &[(1.0, 0.0)],
+        reads: &[],
+        target_ms: 1.0,
+        max_reads: 1,
+        batches: &[],
+    },
+];
+
+#[test]
+fn split_batches_decision_table() {
+    for c in SPLIT_CASES {
+        let lanes: Vec<Lane> = c.lanes.iter().map(|&(g, l)| lane(g, l)).collect();
+        let reads: Vec<(usize, u64)> = c.reads.iter().map(|&l| (l, MB)).collect();
+        let got = split_batches(&lanes, &reads, c.target_ms * 1e-3, c.max_reads).unwrap();
+        let lens: Vec<usize> = got.iter().map(|r| r.len()).collect();
+        assert_eq!(lens, c.batches, "{}", c.name);
+    }
+}
+
+#[test]
+fn split_batches_rejects_bad_input() {
+    let ok = [lane(1.0, 0.0)];
+    let r = [(0usize, MB)];
+    for (name, lanes, reads, target, max) in [
+        ("no lanes", &[][..], &r[..], 1.0, 1),
+        ("lane out of range", &ok[..], &[(1usize, MB)][..], 1.0, 1),
+        ("zero target", &ok[..], &r[..], 0.0, 1),
+        ("NaN target", &ok[..], &r[..], f64::NAN, 1),
+        ("zero cap", &ok[..], &r[..], 1.0, 0),
+    ] {
+        assert!(
+            matches!(
+                split_batches(lanes, reads, target, max),
+                Err(NvmeError::InvalidArgument { .. })
+            ),
+            "{name}"
+        );
+    }
 }
 
 #[test]
@@ -367,5 +624,39 @@ proptest! {
         let total: u64 = blocks.iter().map(|b| b.bytes).sum();
         let bw: f64 = lanes.iter().map(|l| l.bandwidth_bytes_per_s).sum();
         prop_assert!(p.makespan_s >= total as f64 / bw * (1.0 - 1e-9));
+    }
+
+    #[test]
+    fn split_batches_cover_in_order_and_are_maximal(
+        (lanes, reads, target_ms, max) in (1usize..5).prop_flat_map(|nl| (
+            prop::collection::vec((0.1f64..20.0, 0.0f64..300.0), nl)
+                .prop_map(|v| v.into_iter().map(|(g, l)| lane(g, l)).collect::<Vec<_>>()),
+            prop::collection::vec((0..nl, 1u64..(4 << 20)), 0..200),
+            0.01f64..20.0,
+            1usize..80,
+        ))
+    ) {
+        let target = target_ms * 1e-3;
+        let got = split_batches(&lanes, &reads, target, max).unwrap();
+        let mut next = 0;
+        for r in &got {
+            prop_assert_eq!(r.start, next, "contiguous, in order");
+            prop_assert!(!r.is_empty() && r.len() <= max);
+            next = r.end;
+            let makespan = |r: std::ops::Range<usize>| {
+                let mut by = vec![0u64; lanes.len()];
+                for &(l, b) in &reads[r] {
+                    by[l] += b;
+                }
+                lanes.iter().zip(&by).map(|(l, &b)| l.time(b)).fold(0.0, f64::max)
+            };
+            // Within the target unless it is a single read.
+            prop_assert!(r.len() == 1 || makespan(r.clone()) <= target);
+            // Maximal: one more read would break the target or the cap.
+            if r.end < reads.len() {
+                prop_assert!(r.len() == max || makespan(r.start..r.end + 1) > target);
+            }
+        }
+        prop_assert_eq!(next, reads.len());
     }
 }

@@ -56,6 +56,21 @@ pub fn usage(used: u64, capacity: Option<u64>) -> String {
     }
 }
 
+/// A transfer rate in IEC units: `512 B/s`, `1.3 GiB/s`.
+pub fn rate(bytes_per_s: u64) -> String {
+    format!("{}/s", bytes(bytes_per_s))
+}
+
+/// A latency given in ns: `850 ns`, `85 us`, `1.2 ms`, `2.0 s`.
+pub fn latency_ns(ns: u64) -> String {
+    match ns {
+        0..1_000 => format!("{ns} ns"),
+        1_000..1_000_000 => format!("{} us", ns / 1_000),
+        1_000_000..1_000_000_000 => format!("{:.1} ms", ns as f64 / 1e6),
+        _ => format!("{:.1} s", ns as f64 / 1e9),
+    }
+}
+
 /// Parse a timeout such as `5s`, `250ms`, `1.5s`, `2m` or a bare number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
@@ -171,6 +186,16 @@ mod tests {
         assert_eq!(age(0, 5000), "-");
         assert_eq!(age(1000, 4000), "3s");
         assert_eq!(age(9000, 4000), "0ms");
+    }
+
+    #[test]
+    fn rates_and_latencies() {
+        assert_eq!(rate(1_395_864_371), "1.3 GiB/s");
+        assert_eq!(rate(100), "100 B/s");
+        assert_eq!(latency_ns(850), "850 ns");
+        assert_eq!(latency_ns(85_400), "85 us");
+        assert_eq!(latency_ns(1_250_000), "1.2 ms");
+        assert_eq!(latency_ns(2_000_000_000), "2.0 s");
     }
 
     #[test]

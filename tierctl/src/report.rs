@@ -32,6 +32,8 @@ pub struct Status {
     pub rejected_total: Option<u64>,
     pub nvme_bytes_used: Option<u64>,
     pub nvme_bytes_capacity: Option<u64>,
+    /// Each NVMe device's online read/write estimates (empty without the NVMe tier).
+    pub nvme_lanes: Vec<NvmeLane>,
     /// Per-second rates over the interval between two STATS samples (`null` without one).
     pub rates: Option<Rates>,
 }
@@ -83,6 +85,7 @@ impl Status {
             ready: stats.get("ready").map(|v| v != 0),
             nvme_bytes_used: stats.get("nvme_bytes_used"),
             nvme_bytes_capacity: stats.get("nvme_bytes_capacity"),
+            nvme_lanes: NvmeLane::from_stats(stats),
             rates: earlier.and_then(|e| Rates::between(e, stats)),
             socket,
             server_name: hello.server_name.clone(),
@@ -150,6 +153,9 @@ impl Status {
         );
         if let Some(u) = self.nvme_bytes_used {
             kv("nvme tier", human::usage(u, self.nvme_bytes_capacity));
+        }
+        for l in &self.nvme_lanes {
+            kv(&format!("nvme dev{}", l.device), l.render());
         }
         kv("decode requests", opt(self.decode_requests_total));
         kv("decode entries", opt(self.decode_entries_total));
@@ -331,6 +337,7 @@ impl Sessions {
             ("TOKENS", Align::Right),
             ("BLOCKS", Align::Right),
             ("HOST", Align::Right),
+            ("PINNED", Align::Left),
             ("LAST ACCESS", Align::Right),
         ]);
         for s in &self.sessions {
@@ -342,10 +349,56 @@ impl Sessions {
                 s.tokens_cell(),
                 s.blocks.to_string(),
                 human::bytes(s.host_bytes),
+                if s.pinned { "yes" } else { "-" }.into(),
                 human::age(s.last_access_unix_ms, now_unix_ms),
             ]);
         }
         t.render()
+    }
+}
+
+/// One NVMe device's online lane estimates, from STATS `nvme_dev<i>_{read,write}_*`
+/// (0: no transfer of that kind timed yet).
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct NvmeLane {
+    pub device: u32,
+    pub read_bytes_per_s: u64,
+    pub read_latency_ns: u64,
+    pub write_bytes_per_s: u64,
+    pub write_latency_ns: u64,
+}
+
+impl NvmeLane {
+    /// Devices 0, 1, ... for as long as the daemon reports `nvme_dev<i>_read_bytes_per_s`.
+    pub fn from_stats(stats: &StatsReply) -> Vec<Self> {
+        (0u32..)
+            .map_while(|i| {
+                let get = |what: &str| stats.get(&format!("nvme_dev{i}_{what}"));
+                Some(Self {
+                    device: i,
+                    read_bytes_per_s: get("read_bytes_per_s")?,
+                    read_latency_ns: get("read_latency_ns").unwrap_or(0),
+                    write_bytes_per_s: get("write_bytes_per_s").unwrap_or(0),
+                    write_latency_ns: get("write_latency_ns").unwrap_or(0),
+                })
+            })
+            .collect()
+    }
+
+    /// `read 1.3 GiB/s (85 us), write not measured yet`.
+    pub fn render(&self) -> String {
+        let op = |bw: u64, lat: u64| {
+            if bw == 0 {
+                "not measured yet".to_owned()
+            } else {
+                format!("{} ({})", human::rate(bw), human::latency_ns(lat))
+            }
+        };
+        format!(
+            "read {}, write {}",
+            op(self.read_bytes_per_s, self.read_latency_ns),
+            op(self.write_bytes_per_s, self.write_latency_ns)
+        )
     }
 }
 
@@ -363,6 +416,8 @@ pub struct TierRow {
 #[derive(Debug, Serialize)]
 pub struct Tiers {
     pub tiers: Vec<TierRow>,
+    /// Each NVMe device's online read/write estimates (empty without the NVMe tier).
+    pub nvme_lanes: Vec<NvmeLane>,
 }
 
 impl Tiers {
@@ -391,7 +446,10 @@ impl Tiers {
                 frames_capacity: stats.get(&format!("{n}_frames_capacity")),
             })
             .collect();
-        Self { tiers }
+        Self {
+            tiers,
+            nvme_lanes: NvmeLane::from_stats(stats),
+        }
     }
 
     pub fn render(&self) -> String {
@@ -422,7 +480,14 @@ impl Tiers {
                 opt(r.frames_capacity),
             ]);
         }
-        t.render()
+        let mut out = t.render();
+        if !self.nvme_lanes.is_empty() {
+            out.push_str("\nNVMe devices (online estimates from page reads and writes):\n");
+            for l in &self.nvme_lanes {
+                let _ = writeln!(out, "  dev{}  {}", l.device, l.render());
+            }
+        }
+        out
     }
 }
 
@@ -522,7 +587,47 @@ mod tests {
         assert_eq!(t.tiers[1].bytes_used, Some(4096));
         assert_eq!(t.tiers[1].frames_used, None);
         assert!(t.render().contains("1.0 GiB"));
+        assert!(t.nvme_lanes.is_empty() && !t.render().contains("NVMe devices"));
         assert_eq!(Tiers::from_stats(&stats(&[])).tiers, vec![]);
+    }
+
+    #[test]
+    fn nvme_lanes_from_stats_in_device_order() {
+        let s = stats(&[
+            ("nvme_bytes_used", 0),
+            ("nvme_dev1_read_bytes_per_s", 2_000_000_000),
+            ("nvme_dev0_read_bytes_per_s", 1_395_864_371),
+            ("nvme_dev0_read_latency_ns", 85_000),
+            ("nvme_dev0_write_bytes_per_s", 0),
+            ("nvme_dev0_write_latency_ns", 0),
+            ("nvme_dev1_read_latency_ns", 1_500_000),
+            // A gap ends the list: dev3 without dev2 is not shown.
+            ("nvme_dev3_read_bytes_per_s", 1),
+        ]);
+        let lanes = NvmeLane::from_stats(&s);
+        assert_eq!(lanes.len(), 2);
+        assert_eq!(
+            lanes[0],
+            NvmeLane {
+                device: 0,
+                read_bytes_per_s: 1_395_864_371,
+                read_latency_ns: 85_000,
+                write_bytes_per_s: 0,
+                write_latency_ns: 0,
+            }
+        );
+        assert_eq!(
+            lanes[0].render(),
+            "read 1.3 GiB/s (85 us), write not measured yet"
+        );
+        assert_eq!(lanes[1].write_bytes_per_s, 0, "missing keys read as 0");
+        let t = Tiers::from_stats(&s);
+        let out = t.render();
+        assert!(
+            out.contains("NVMe devices") && out.contains("  dev1  read 1.9 GiB/s (1.5 ms)"),
+            "{out}"
+        );
+        assert!(NvmeLane::from_stats(&stats(&[("sessions", 1)])).is_empty());
     }
 
     #[test]

@@ -301,7 +301,25 @@ fn sessions_info_stats_tier_close() {
     );
     let v = json(&d.ctl(&["--json", "session", "info", &bs]));
     assert_eq!(v["host_bytes"], 2 * frame, "{v}");
+    // The page reads and writes behind demote/promote gave the one device its estimates.
+    for cmd in ["tier", "status"] {
+        let v = json(&d.ctl(&["--json", cmd]));
+        let lanes = v["nvme_lanes"].as_array().unwrap();
+        assert_eq!(lanes.len(), 1, "{v}");
+        assert!(lanes[0]["read_bytes_per_s"].as_u64().unwrap() > 0, "{v}");
+        assert!(lanes[0]["write_bytes_per_s"].as_u64().unwrap() > 0, "{v}");
+    }
+    let out = ok(&d.ctl(&["tier"]));
+    assert!(out.contains("dev0  read ") && out.contains("/s ("), "{out}");
+    let out = ok(&d.ctl(&["status"]));
+    assert!(out.contains("nvme dev0:"), "{out}");
     assert_eq!(ok(&d.ctl(&["pin", &bs])), format!("pinned session {b}\n"));
+    let out = ok(&d.ctl(&["sessions"]));
+    let row = out
+        .lines()
+        .find(|l| l.trim_start().starts_with(&bs))
+        .unwrap();
+    assert!(out.contains("PINNED") && row.contains(" yes "), "{out}");
     assert_eq!(
         json(&d.ctl(&["--json", "session", "info", &bs]))["pinned"],
         true

@@ -90,6 +90,17 @@ pub enum NvmeError {
     #[error("corrupt manifest {path:?}: {reason}")]
     CorruptManifest { path: PathBuf, reason: String },
 
+    /// A manifest file that verifies (magic, length, checksum) but is of a format version this
+    /// build cannot read: written by a newer tierd. Never skipped in favour of an older
+    /// manifest, which would serve stale data and later delete the newer file.
+    #[error("manifest {path:?} has format version {found}; this build reads versions {oldest} to {newest} (was it written by a newer tierd?)")]
+    UnsupportedManifestVersion {
+        path: PathBuf,
+        found: u32,
+        oldest: u32,
+        newest: u32,
+    },
+
     /// The manifest and the devices disagree (page size, device count, page out of range).
     #[error("manifest does not match the page store: {what}")]
     ManifestMismatch { what: String },

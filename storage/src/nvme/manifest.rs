@@ -11,6 +11,13 @@
 //! reports the others it skipped; the previous good manifest is kept until the next commit,
 //! so a corrupt or truncated newest file falls back to it.
 //!
+//! # Versions
+//!
+//! Version 2 added [`SessionRecord::pinned`]. Version 1 files still load (sessions come back
+//! unpinned); the next commit writes version 2. A file of a version this build does not know
+//! is [`NvmeError::UnsupportedManifestVersion`] and stops [`ManifestStore::open`], rather than
+//! being skipped for an older manifest.
+//!
 //! # Page reuse rule
 //!
 //! For that fallback to find its pages intact, pages that epoch E stops referencing may be
@@ -27,7 +34,10 @@ use super::store::{PageAddr, PageStore};
 use super::NvmeError;
 
 const MAGIC: &[u8; 8] = b"KVTMANI1";
-const VERSION: u32 = 1;
+/// The format version commits write.
+pub const VERSION: u32 = 2;
+/// The oldest format version that still loads.
+pub const OLDEST_VERSION: u32 = 1;
 const HEADER: usize = 48;
 const PREFIX: &str = "manifest-";
 
@@ -83,6 +93,8 @@ pub struct SessionRecord {
     /// Tokens per layer.
     pub layer_tokens: Vec<u64>,
     pub pages: Vec<PageRecord>,
+    /// PIN: never demoted; restored as pinned after a restart (version 2).
+    pub pinned: bool,
 }
 
 /// A backing device as the manifest last saw it.
@@ -102,6 +114,54 @@ pub struct Manifest {
     pub page_size: u64,
     pub devices: Vec<DeviceRecord>,
     pub sessions: Vec<SessionRecord>,
+}
+
+/// The version 1 layout (no `pinned`), read only to upgrade old files.
+mod v1 {
+    use super::{DeviceRecord, GeometryRecord, PageRecord, PolicyRecord};
+
+    #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+    pub struct SessionRecord {
+        pub id: u64,
+        pub owner_uid: u32,
+        pub label: String,
+        pub geometry: GeometryRecord,
+        pub policy: PolicyRecord,
+        pub layer_tokens: Vec<u64>,
+        pub pages: Vec<PageRecord>,
+    }
+
+    #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+    pub struct Manifest {
+        pub epoch: u64,
+        pub page_size: u64,
+        pub devices: Vec<DeviceRecord>,
+        pub sessions: Vec<SessionRecord>,
+    }
+
+    impl From<Manifest> for super::Manifest {
+        fn from(m: Manifest) -> Self {
+            Self {
+                epoch: m.epoch,
+                page_size: m.page_size,
+                devices: m.devices,
+                sessions: m
+                    .sessions
+                    .into_iter()
+                    .map(|s| super::SessionRecord {
+                        id: s.id,
+                        owner_uid: s.owner_uid,
+                        label: s.label,
+                        geometry: s.geometry,
+                        policy: s.policy,
+                        layer_tokens: s.layer_tokens,
+                        pages: s.pages,
+                        pinned: false,
+                    })
+                    .collect(),
+            }
+        }
+    }
 }
 
 impl Manifest {
@@ -258,6 +318,9 @@ impl ManifestStore {
                         reason: format!("file name says epoch {e}, contents {}", m.epoch),
                     },
                 )),
+                Err(err @ NvmeError::UnsupportedManifestVersion { .. }) if good.is_empty() => {
+                    return Err(err);
+                }
                 Err(err) => {
                     if good.is_empty() {
                         tracing::warn!(path = %path.display(), error = %err, "skipping bad manifest");
@@ -296,27 +359,9 @@ impl ManifestStore {
         m.epoch = epoch;
         let payload = rkyv::to_bytes::<rancor::Error>(m)
             .map_err(|e| NvmeError::invalid(format!("manifest does not serialize: {e}")))?;
-        let mut header = [0u8; HEADER];
-        header[0..8].copy_from_slice(MAGIC);
-        header[8..12].copy_from_slice(&VERSION.to_le_bytes());
-        header[16..24].copy_from_slice(&epoch.to_le_bytes());
-        header[24..32].copy_from_slice(&(payload.len() as u64).to_le_bytes());
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&header[16..]), &payload);
-        header[12..16].copy_from_slice(&crc.to_le_bytes());
-
         let final_path = self.dir.join(file_name(epoch));
         let tmp = self.dir.join(format!("{}.tmp", file_name(epoch)));
-        {
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&tmp)
-                .map_err(|e| NvmeError::os("create", &tmp, e))?;
-            f.write_all(&header)
-                .and_then(|_| f.write_all(&payload))
-                .map_err(|e| map_write_err(&tmp, e))?;
-            f.sync_all().map_err(|e| NvmeError::os("fsync", &tmp, e))?;
-        }
+        write_file(&tmp, VERSION, epoch, &payload)?;
         // The epoch is used up even if the rename fails, so a retry never reuses a name.
         self.next_epoch += 1;
         fs::rename(&tmp, &final_path).map_err(|e| NvmeError::os("rename", &tmp, e))?;
@@ -345,6 +390,26 @@ impl ManifestStore {
             }
         }
     }
+}
+
+/// Writes header + payload to a new file `path` and fsyncs it.
+fn write_file(path: &Path, version: u32, epoch: u64, payload: &[u8]) -> Result<(), NvmeError> {
+    let mut header = [0u8; HEADER];
+    header[0..8].copy_from_slice(MAGIC);
+    header[8..12].copy_from_slice(&version.to_le_bytes());
+    header[16..24].copy_from_slice(&epoch.to_le_bytes());
+    header[24..32].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&header[16..]), payload);
+    header[12..16].copy_from_slice(&crc.to_le_bytes());
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|e| NvmeError::os("create", path, e))?;
+    f.write_all(&header)
+        .and_then(|_| f.write_all(payload))
+        .map_err(|e| map_write_err(path, e))?;
+    f.sync_all().map_err(|e| NvmeError::os("fsync", path, e))
 }
 
 fn map_write_err(path: &Path, e: std::io::Error) -> NvmeError {
@@ -378,9 +443,6 @@ pub fn load_file(path: &Path) -> Result<Manifest, NvmeError> {
         return Err(corrupt("bad magic".into()));
     }
     let version = u32::from_le_bytes(map[8..12].try_into().expect("4 bytes"));
-    if version != VERSION {
-        return Err(corrupt(format!("unknown version {version}")));
-    }
     let stored = u32::from_le_bytes(map[12..16].try_into().expect("4 bytes"));
     let epoch = u64::from_le_bytes(map[16..24].try_into().expect("8 bytes"));
     let len = u64::from_le_bytes(map[24..32].try_into().expect("8 bytes"));
@@ -395,11 +457,33 @@ pub fn load_file(path: &Path) -> Result<Manifest, NvmeError> {
             "crc32c stored {stored:#010x}, computed {computed:#010x}"
         )));
     }
+    // The version is checked only after the checksum (which does not cover it), so a
+    // damaged file is reported as corrupt and an intact one of a newer format as such.
     // The mapping is page aligned and the header is 48 bytes, so the payload is 16-aligned.
-    let archived = rkyv::access::<ArchivedManifest, rancor::Error>(&map[HEADER..])
-        .map_err(|e| corrupt(format!("rkyv validation: {e}")))?;
-    let m: Manifest = rkyv::deserialize::<Manifest, rancor::Error>(archived)
-        .map_err(|e| corrupt(format!("rkyv deserialize: {e}")))?;
+    let body = &map[HEADER..];
+    let m: Manifest = match version {
+        VERSION => {
+            let archived = rkyv::access::<ArchivedManifest, rancor::Error>(body)
+                .map_err(|e| corrupt(format!("rkyv validation: {e}")))?;
+            rkyv::deserialize::<Manifest, rancor::Error>(archived)
+                .map_err(|e| corrupt(format!("rkyv deserialize: {e}")))?
+        }
+        1 => {
+            let archived = rkyv::access::<v1::ArchivedManifest, rancor::Error>(body)
+                .map_err(|e| corrupt(format!("rkyv validation (version 1): {e}")))?;
+            rkyv::deserialize::<v1::Manifest, rancor::Error>(archived)
+                .map_err(|e| corrupt(format!("rkyv deserialize (version 1): {e}")))?
+                .into()
+        }
+        found => {
+            return Err(NvmeError::UnsupportedManifestVersion {
+                path: path.to_path_buf(),
+                found,
+                oldest: OLDEST_VERSION,
+                newest: VERSION,
+            })
+        }
+    };
     if m.epoch != epoch {
         return Err(corrupt(format!(
             "header epoch {epoch}, body epoch {}",
@@ -407,4 +491,142 @@ pub fn load_file(path: &Path) -> Result<Manifest, NvmeError> {
         )));
     }
     Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geometry() -> GeometryRecord {
+        GeometryRecord {
+            layers: 2,
+            q_heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+            dtype: 0,
+            block_tokens: 16,
+        }
+    }
+
+    fn policy() -> PolicyRecord {
+        PolicyRecord {
+            sink_blocks: 1,
+            local_blocks: 1,
+            top_k: 2,
+        }
+    }
+
+    fn page(block: u32) -> PageRecord {
+        PageRecord {
+            layer: 1,
+            block,
+            device: 0,
+            page: block as u64 + 3,
+            generation: 7,
+            crc: 0xDEAD_BEEF,
+            payload_len: 4096,
+        }
+    }
+
+    /// Writes `payload` as manifest file `epoch` of format `version`, as a tierd of that
+    /// version would have.
+    fn write_as(dir: &Path, version: u32, epoch: u64, payload: &[u8]) {
+        write_file(&dir.join(file_name(epoch)), version, epoch, payload).unwrap();
+    }
+
+    #[test]
+    fn a_version_1_manifest_loads_with_sessions_unpinned_and_is_upgraded_on_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = v1::Manifest {
+            epoch: 4,
+            page_size: 8192,
+            devices: vec![DeviceRecord {
+                path: "/x/pages-0".into(),
+                pages: 100,
+            }],
+            sessions: vec![v1::SessionRecord {
+                id: 42,
+                owner_uid: 1000,
+                label: "old".into(),
+                geometry: geometry(),
+                policy: policy(),
+                layer_tokens: vec![40, 40],
+                pages: vec![page(0), page(1)],
+            }],
+        };
+        let bytes = rkyv::to_bytes::<rancor::Error>(&old).unwrap();
+        write_as(dir.path(), 1, 4, &bytes);
+        let (mut store, loaded) = ManifestStore::open(dir.path()).unwrap();
+        let mut m = loaded.expect("a manifest").current;
+        assert_eq!(m.epoch, 4);
+        assert_eq!(m.devices, old.devices);
+        let s = &m.sessions[0];
+        assert_eq!(
+            (
+                s.id,
+                s.owner_uid,
+                s.label.as_str(),
+                &s.layer_tokens,
+                s.pinned
+            ),
+            (42, 1000, "old", &vec![40, 40], false)
+        );
+        assert_eq!(s.pages, old.sessions[0].pages);
+        assert_eq!((&s.geometry, &s.policy), (&geometry(), &policy()));
+
+        // The next commit is version 2 and carries the flag.
+        m.sessions[0].pinned = true;
+        let epoch = store.commit(&mut m).unwrap();
+        let path = dir.path().join(file_name(epoch));
+        let raw = fs::read(&path).unwrap();
+        assert_eq!(u32::from_le_bytes(raw[8..12].try_into().unwrap()), VERSION);
+        assert!(load_file(&path).unwrap().sessions[0].pinned);
+    }
+
+    #[test]
+    fn an_unknown_version_is_a_typed_error_naming_it_and_stops_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = ManifestStore::open(dir.path()).unwrap().0;
+        let mut m = Manifest {
+            page_size: 8192,
+            ..Default::default()
+        };
+        store.commit(&mut m).unwrap();
+        // A newer tierd's manifest after it: intact, but of format version 9.
+        let bytes = rkyv::to_bytes::<rancor::Error>(&m).unwrap();
+        write_as(dir.path(), 9, 2, &bytes);
+        let path = dir.path().join(file_name(2));
+        let e = load_file(&path).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                NvmeError::UnsupportedManifestVersion {
+                    found: 9,
+                    oldest: OLDEST_VERSION,
+                    newest: VERSION,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("format version 9"), "{e}");
+        // Not skipped for the older epoch 1: that would serve stale data.
+        let e = ManifestStore::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(e, NvmeError::UnsupportedManifestVersion { found: 9, .. }),
+            "{e:?}"
+        );
+        // The same file damaged (checksum fails) is corruption, skipped as before.
+        let mut raw = fs::read(&path).unwrap();
+        let last = raw.len() - 1;
+        raw[last] ^= 1;
+        fs::write(&path, raw).unwrap();
+        let (_, loaded) = ManifestStore::open(dir.path()).unwrap();
+        let loaded = loaded.unwrap();
+        assert_eq!(loaded.current.epoch, 1);
+        assert!(matches!(
+            loaded.skipped[0].1,
+            NvmeError::CorruptManifest { .. }
+        ));
+    }
 }

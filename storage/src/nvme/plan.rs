@@ -280,9 +280,40 @@ pub fn proportional_split(lanes: &[Lane], total_units: u64) -> Result<Vec<u64>, 
     Ok(out)
 }
 
+/// Once a tracker has this many samples, observations far from its prediction are clamped.
+pub const TRACKER_WARMUP: u64 = 4;
+/// An observation more than this factor slower (or faster) than predicted is clamped to this
+/// factor before it is folded in.
+pub const TRACKER_OUTLIER_FACTOR: f64 = 4.0;
+
+/// What [`LaneTracker::observe`] did with a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Observed {
+    /// Folded in as measured.
+    Folded,
+    /// An outlier (a stall, or a transfer served from a cache): folded in clamped to
+    /// [`TRACKER_OUTLIER_FACTOR`] times (or 1/that of) the predicted time.
+    Clamped,
+    /// Ignored: zero bytes, or a duration that is not positive and finite.
+    Ignored,
+}
+
+impl Observed {
+    /// Whether the transfer moved the estimate.
+    pub fn used(self) -> bool {
+        self != Observed::Ignored
+    }
+}
+
 /// Online estimate of a lane from observed transfers: an exponentially weighted least-squares
 /// fit of `seconds = latency + bytes / bandwidth`. With transfers of one size only, the
 /// latency stays at its last estimate and the bandwidth absorbs the rest.
+///
+/// Outliers: after [`TRACKER_WARMUP`] samples, a transfer taking more than
+/// [`TRACKER_OUTLIER_FACTOR`] times the predicted time (or less than 1/that) is clamped to that
+/// bound, so one stall moves the estimate by a bounded step, while a lasting change still
+/// pulls it over within a few dozen transfers (each one moves the prediction, and with it the
+/// bound).
 #[derive(Debug, Clone)]
 pub struct LaneTracker {
     alpha: f64,
@@ -323,13 +354,25 @@ impl LaneTracker {
         self.samples
     }
 
-    /// Folds in one transfer. Returns false (and ignores it) for zero bytes or a duration
-    /// that is not positive and finite.
-    pub fn observe(&mut self, bytes: u64, seconds: f64) -> bool {
+    /// Folds in one transfer of `bytes` that took `seconds`.
+    pub fn observe(&mut self, bytes: u64, seconds: f64) -> Observed {
         if bytes == 0 || !(seconds.is_finite() && seconds > 0.0) {
-            return false;
+            return Observed::Ignored;
         }
-        let (x, y) = (bytes as f64, seconds);
+        let mut y = seconds;
+        let mut verdict = Observed::Folded;
+        if self.samples >= TRACKER_WARMUP {
+            let predicted = self.estimate.time(bytes);
+            let (lo, hi) = (
+                predicted / TRACKER_OUTLIER_FACTOR,
+                predicted * TRACKER_OUTLIER_FACTOR,
+            );
+            if y > hi || y < lo {
+                y = y.clamp(lo, hi);
+                verdict = Observed::Clamped;
+            }
+        }
+        let x = bytes as f64;
         let a = if self.samples == 0 { 1.0 } else { self.alpha };
         self.mx += a * (x - self.mx);
         self.my += a * (y - self.my);
@@ -354,8 +397,59 @@ impl LaneTracker {
             bandwidth_bytes_per_s: 1.0 / slope,
             latency_s: lat,
         };
-        true
+        verdict
     }
+}
+
+/// Cuts a sequence of reads, given as (lane, bytes) in the order they must be delivered, into
+/// consecutive batches: each is the longest run of reads whose predicted makespan over the
+/// lanes (per lane `latency + bytes / bandwidth`, the lanes working in parallel) stays within
+/// `target_s`, with at most `max_reads` reads and at least one. Fast lanes thus take more of
+/// each batch than slow ones, and every batch keeps each lane busy for about the same time
+/// (as far as the placement of the reads allows), bounded, so a bulk restore never holds more
+/// than about `target_s` worth of buffers at the tracked rates.
+pub fn split_batches(
+    lanes: &[Lane],
+    reads: &[(usize, u64)],
+    target_s: f64,
+    max_reads: usize,
+) -> Result<Vec<std::ops::Range<usize>>, NvmeError> {
+    validate(lanes, &[])?;
+    if !(target_s.is_finite() && target_s > 0.0) {
+        return Err(NvmeError::invalid(format!(
+            "batch target {target_s} s must be positive and finite"
+        )));
+    }
+    if max_reads == 0 {
+        return Err(NvmeError::invalid("a batch must allow at least one read"));
+    }
+    if let Some((i, &(bad, _))) = reads.iter().enumerate().find(|(_, r)| r.0 >= lanes.len()) {
+        return Err(NvmeError::invalid(format!(
+            "read {i} names lane {bad}, but there are {} lanes",
+            lanes.len()
+        )));
+    }
+    let mut out = Vec::new();
+    let mut lane_bytes = vec![0u64; lanes.len()];
+    let mut start = 0;
+    // Only a batch's first read can take it past the target (it goes regardless).
+    let mut over = false;
+    for (i, &(lane, bytes)) in reads.iter().enumerate() {
+        let n = i - start;
+        if n > 0
+            && (n == max_reads || over || lanes[lane].time(lane_bytes[lane] + bytes) > target_s)
+        {
+            out.push(start..i);
+            start = i;
+            lane_bytes.fill(0);
+        }
+        lane_bytes[lane] += bytes;
+        over = lanes[lane].time(lane_bytes[lane]) > target_s;
+    }
+    if start < reads.len() {
+        out.push(start..reads.len());
+    }
+    Ok(out)
 }
 
 /// Probe settings for [`probe_device`].

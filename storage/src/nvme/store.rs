@@ -6,18 +6,31 @@
 //! bandwidth by smooth weighted round robin, so reading a session back keeps every device
 //! busy for about the same time. Reads verify magic, identity and crc32c: a page that fails
 //! is an error, never data.
+//!
+//! Every batch of reads and writes is timed per device (the union of the intervals its
+//! operations were in flight) and folded into that device's read or write [`LaneTracker`].
+//! Once every device has [`STRIPE_MIN_SAMPLES`] timed reads, new pages are striped by the
+//! tracked read bandwidth instead of the configured one.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use parking_lot::Mutex;
 
 use super::buf::{round_up, AlignedBuf, BufPool, DirectFile};
-use super::io::{IoEngine, IoRequest};
+use super::io::{IoCompletion, IoEngine, IoRequest, OpKind};
 use super::page::{self, PageId, HEADER_LEN};
+use super::plan::{Lane, LaneTracker};
 use super::NvmeError;
+
+/// Timed reads every device needs before the tracked read bandwidth replaces the configured
+/// stripe weights (a few batches, so one early outlier cannot set the weights).
+pub const STRIPE_MIN_SAMPLES: u64 = 8;
+/// Weight of each new batch in the devices' EWMA lane estimates.
+pub const TRACKER_ALPHA: f64 = 0.1;
 
 /// One backing device.
 #[derive(Debug, Clone)]
@@ -26,7 +39,8 @@ pub struct DeviceConfig {
     pub path: PathBuf,
     /// Bytes of the device the store may use (rounded down to whole pages).
     pub capacity_bytes: u64,
-    /// Relative or measured read bandwidth, bytes/s; sets this device's share of pages.
+    /// Relative or measured read bandwidth, bytes/s; sets this device's share of pages until
+    /// the online estimate takes over (see [`STRIPE_MIN_SAMPLES`]).
     pub bandwidth_bytes_per_s: f64,
 }
 
@@ -103,7 +117,15 @@ pub struct DeviceUsage {
     pub pages_used: u64,
     pub bytes_total: u64,
     pub bytes_used: u64,
+    /// The stripe weight new pages get now: the tracked read bandwidth once every device has
+    /// [`STRIPE_MIN_SAMPLES`] timed reads, else the configured bandwidth.
     pub bandwidth_bytes_per_s: f64,
+    /// Online estimate from this device's timed page reads (None before the first).
+    pub read_lane: Option<Lane>,
+    pub read_samples: u64,
+    /// Online estimate from this device's timed page writes (None before the first).
+    pub write_lane: Option<Lane>,
+    pub write_samples: u64,
 }
 
 /// Usage and traffic of the store.
@@ -113,7 +135,11 @@ pub struct StoreUsage {
     pub devices: Vec<DeviceUsage>,
     pub bytes_read: u64,
     pub bytes_written: u64,
+    /// Pages that failed verification (checksum, header or identity).
     pub corrupt_pages: u64,
+    /// Page reads and writes that failed (an errno, or a short transfer that retries could
+    /// not finish), and failed fdatasyncs.
+    pub io_errors: u64,
 }
 
 struct Bitmap {
@@ -187,8 +213,46 @@ impl Bitmap {
 struct Device {
     file: Arc<DirectFile>,
     pages: u64,
+    /// Configured stripe weight.
     bandwidth: f64,
     alloc: Mutex<Bitmap>,
+    read: Mutex<LaneTracker>,
+    write: Mutex<LaneTracker>,
+}
+
+impl Device {
+    fn tracker(&self, kind: OpKind) -> &Mutex<LaneTracker> {
+        match kind {
+            OpKind::Read => &self.read,
+            OpKind::Write => &self.write,
+        }
+    }
+}
+
+fn measured(t: &LaneTracker) -> Option<Lane> {
+    (t.samples() > 0).then(|| t.estimate())
+}
+
+/// Total time covered by a set of intervals (overlaps counted once), seconds.
+fn union_seconds(spans: &mut [(Instant, Instant)]) -> f64 {
+    spans.sort_unstable_by_key(|s| s.0);
+    let mut total = 0.0;
+    let mut cur: Option<(Instant, Instant)> = None;
+    for &(a, b) in spans.iter() {
+        match &mut cur {
+            Some((_, end)) if a <= *end => *end = (*end).max(b),
+            _ => {
+                if let Some((s, e)) = cur {
+                    total += (e - s).as_secs_f64();
+                }
+                cur = Some((a, b));
+            }
+        }
+    }
+    if let Some((s, e)) = cur {
+        total += (e - s).as_secs_f64();
+    }
+    total
 }
 
 /// The NVMe page store. Cheap to share (`Arc<PageStore>`); all methods take `&self`.
@@ -202,6 +266,7 @@ pub struct PageStore {
     bytes_read: AtomicU64,
     bytes_written: AtomicU64,
     corrupt_pages: AtomicU64,
+    io_errors: AtomicU64,
 }
 
 impl std::fmt::Debug for PageStore {
@@ -258,11 +323,15 @@ impl PageStore {
                 )));
             }
             file.ensure_len(pages * page_size as u64)?;
+            // The prior only stands until the first timed transfer replaces it.
+            let prior = Lane::new(d.bandwidth_bytes_per_s, 0.0)?;
             devices.push(Device {
                 file,
                 pages,
                 bandwidth: d.bandwidth_bytes_per_s,
                 alloc: Mutex::new(Bitmap::new(pages)),
+                read: Mutex::new(LaneTracker::new(prior, TRACKER_ALPHA)?),
+                write: Mutex::new(LaneTracker::new(prior, TRACKER_ALPHA)?),
             });
         }
         let mem_align = devices
@@ -282,6 +351,7 @@ impl PageStore {
             bytes_read: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),
             corrupt_pages: AtomicU64::new(0),
+            io_errors: AtomicU64::new(0),
         })
     }
 
@@ -310,6 +380,55 @@ impl PageStore {
         self.devices.iter().map(|d| d.alloc.lock().free()).sum()
     }
 
+    /// The stripe weight of every device: the tracked read bandwidth once every device has
+    /// [`STRIPE_MIN_SAMPLES`] timed reads (so measured and configured figures, which may be
+    /// in different units, are never mixed), else the configured bandwidth.
+    pub fn stripe_weights(&self) -> Vec<f64> {
+        let tracked: Option<Vec<f64>> = self
+            .devices
+            .iter()
+            .map(|d| {
+                let t = d.read.lock();
+                (t.samples() >= STRIPE_MIN_SAMPLES).then(|| t.estimate().bandwidth_bytes_per_s)
+            })
+            .collect();
+        tracked.unwrap_or_else(|| self.devices.iter().map(|d| d.bandwidth).collect())
+    }
+
+    /// Every device's tracked read lane, when each has at least one timed read.
+    pub fn read_lanes(&self) -> Option<Vec<Lane>> {
+        self.devices
+            .iter()
+            .map(|d| measured(&d.read.lock()))
+            .collect()
+    }
+
+    /// Folds a finished batch's timings into the devices' trackers and counts its failures:
+    /// per device, the bytes of its successful operations over the time any of them was in
+    /// flight. `devs[i]` is the device of `done[i]`.
+    fn account(&self, kind: OpKind, devs: &[u16], done: &[IoCompletion]) {
+        let mut per: Vec<(u64, Vec<(Instant, Instant)>)> =
+            vec![(0, Vec::new()); self.devices.len()];
+        for (c, &d) in done.iter().zip(devs) {
+            match &c.result {
+                Ok(()) => {
+                    let p = &mut per[d as usize];
+                    p.0 += c.buf.len() as u64;
+                    p.1.push((c.started, c.finished));
+                }
+                Err(_) => {
+                    self.io_errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        for (dev, (bytes, mut spans)) in self.devices.iter().zip(per) {
+            if bytes > 0 {
+                let secs = union_seconds(&mut spans);
+                dev.tracker(kind).lock().observe(bytes, secs);
+            }
+        }
+    }
+
     /// Allocates `n` pages for `session`, striped over devices in proportion to bandwidth
     /// (smooth weighted round robin, continuing where this session's last allocation left
     /// off). All or nothing: `Full` allocates nothing.
@@ -317,6 +436,7 @@ impl PageStore {
         let mut stripe = self.stripe.lock();
         let nd = self.devices.len();
         let cur = stripe.entry(session).or_insert_with(|| vec![0.0; nd]);
+        let weight = self.stripe_weights();
         let mut eligible: Vec<bool> = self
             .devices
             .iter()
@@ -324,10 +444,7 @@ impl PageStore {
             .collect();
         let mut out = Vec::with_capacity(n);
         while out.len() < n {
-            let total: f64 = (0..nd)
-                .filter(|&i| eligible[i])
-                .map(|i| self.devices[i].bandwidth)
-                .sum();
+            let total: f64 = (0..nd).filter(|&i| eligible[i]).map(|i| weight[i]).sum();
             if total == 0.0 {
                 drop(stripe);
                 let requested = n;
@@ -339,7 +456,7 @@ impl PageStore {
             }
             let mut best = usize::MAX;
             for i in (0..nd).filter(|&i| eligible[i]) {
-                cur[i] += self.devices[i].bandwidth;
+                cur[i] += weight[i];
                 if best == usize::MAX || cur[i] > cur[best] {
                     best = i;
                 }
@@ -414,6 +531,7 @@ impl PageStore {
     pub fn write_pages(&self, writes: &[PageWrite<'_>]) -> Result<Vec<u32>, NvmeError> {
         let mut reqs = Vec::with_capacity(writes.len());
         let mut crcs = Vec::with_capacity(writes.len());
+        let devs: Vec<u16> = writes.iter().map(|w| w.addr.device).collect();
         for w in writes {
             let dev = self.device(w.addr)?;
             if !dev.alloc.lock().is_set(w.addr.page) {
@@ -437,8 +555,10 @@ impl PageStore {
                 buf,
             )?);
         }
+        let done = self.engine.submit(reqs)?;
+        self.account(OpKind::Write, &devs, &done);
         let mut first_err = None;
-        for c in self.engine.submit(reqs)? {
+        for c in done {
             match c.result {
                 Ok(()) => {
                     self.bytes_written
@@ -470,6 +590,8 @@ impl PageStore {
             reqs.push(IoRequest::read(dev.file.clone(), self.offset(r.addr), buf)?);
         }
         let done = self.engine.submit(reqs)?;
+        let devs: Vec<u16> = reads.iter().map(|r| r.addr.device).collect();
+        self.account(OpKind::Read, &devs, &done);
         Ok(done
             .into_iter()
             .zip(reads)
@@ -517,7 +639,10 @@ impl PageStore {
     /// fdatasync every device: after this, completed page writes survive power loss.
     pub fn sync(&self) -> Result<(), NvmeError> {
         for d in &self.devices {
-            d.file.sync_data()?;
+            // A failed fdatasync means written pages may not be on the device: a write error.
+            d.file.sync_data().inspect_err(|_| {
+                self.io_errors.fetch_add(1, Ordering::Relaxed);
+            })?;
         }
         Ok(())
     }
@@ -528,26 +653,34 @@ impl PageStore {
     }
 
     pub fn usage(&self) -> StoreUsage {
+        let weights = self.stripe_weights();
         StoreUsage {
             page_size: self.page_size,
             devices: self
                 .devices
                 .iter()
-                .map(|d| {
+                .zip(weights)
+                .map(|(d, weight)| {
                     let used = d.alloc.lock().used;
+                    let (read, write) = (d.read.lock(), d.write.lock());
                     DeviceUsage {
                         path: d.file.path().to_path_buf(),
                         pages_total: d.pages,
                         pages_used: used,
                         bytes_total: d.pages * self.page_size as u64,
                         bytes_used: used * self.page_size as u64,
-                        bandwidth_bytes_per_s: d.bandwidth,
+                        bandwidth_bytes_per_s: weight,
+                        read_lane: measured(&read),
+                        read_samples: read.samples(),
+                        write_lane: measured(&write),
+                        write_samples: write.samples(),
                     }
                 })
                 .collect(),
             bytes_read: self.bytes_read.load(Ordering::Relaxed),
             bytes_written: self.bytes_written.load(Ordering::Relaxed),
             corrupt_pages: self.corrupt_pages.load(Ordering::Relaxed),
+            io_errors: self.io_errors.load(Ordering::Relaxed),
         }
     }
 }
@@ -555,6 +688,28 @@ impl PageStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn busy_time_counts_overlapping_operations_once() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + std::time::Duration::from_millis(ms);
+        let cases: [(&[(u64, u64)], f64); 5] = [
+            (&[], 0.0),
+            (&[(0, 5)], 0.005),
+            // All in flight together (io_uring): the span from first start to last finish.
+            (&[(0, 4), (0, 7), (1, 6)], 0.007),
+            // One after another (pread): the sum.
+            (&[(4, 6), (0, 3), (10, 11)], 0.006),
+            // Touching and nested.
+            (&[(0, 3), (3, 5), (1, 2)], 0.005),
+        ];
+        for (spans, want) in cases {
+            let mut v: Vec<(Instant, Instant)> =
+                spans.iter().map(|&(a, b)| (at(a), at(b))).collect();
+            let got = union_seconds(&mut v);
+            assert!((got - want).abs() < 1e-9, "{spans:?}: {got} vs {want}");
+        }
+    }
 
     #[test]
     fn bitmap_alloc_free_and_tail() {

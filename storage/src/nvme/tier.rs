@@ -8,12 +8,14 @@
 //! identity and checksum the manifest recorded.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
 use super::manifest::{Manifest, ManifestStore, PageRecord, SessionRecord};
+use super::plan;
 use super::store::{PageAddr, PageData, PageRead, PageStore, PageWrite};
 use super::{NvmeError, PageId};
 
@@ -24,6 +26,15 @@ pub struct BlockRun<'a> {
     pub block: u32,
     pub bytes: &'a [u8],
 }
+
+/// Predicted wall time of one batch of a bulk read at the devices' tracked read rates: long
+/// enough that the per-batch latency is a few percent, short enough to bound the buffers a
+/// batch holds (about 16 MB at 2 GB/s).
+pub const BULK_BATCH_SECONDS: f64 = 0.008;
+/// Most pages one batch of a bulk read holds, whatever the rates.
+pub const BULK_BATCH_MAX_PAGES: usize = 256;
+/// Pages per batch before every device has a tracked read rate.
+pub const BULK_BATCH_UNMEASURED_PAGES: usize = 64;
 
 /// What recovery found at open.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -233,6 +244,59 @@ impl NvmeTier {
         Ok(epoch)
     }
 
+    /// Records PIN/UNPIN of a stored session durably (a manifest commit; no page changes).
+    /// Returns the committed epoch, or None when the record already says so.
+    pub fn set_pinned(&self, id: u64, pinned: bool) -> Result<Option<u64>, NvmeError> {
+        let mut st = self.state.lock();
+        let Some(i) = st.manifest.sessions.iter().position(|s| s.id == id) else {
+            return Err(NvmeError::invalid(format!("no session {id} on NVMe")));
+        };
+        if st.manifest.sessions[i].pinned == pinned {
+            return Ok(None);
+        }
+        let mut next = st.manifest.clone();
+        next.sessions[i].pinned = pinned;
+        let epoch = st.manifests.commit(&mut next)?;
+        self.after_commit(&mut st, next, Vec::new());
+        Ok(Some(epoch))
+    }
+
+    /// Cuts a bulk read of `wanted` runs (in delivery order) into consecutive batches by the
+    /// devices' tracked read rates ([`plan::split_batches`], [`BULK_BATCH_SECONDS`]); by count
+    /// ([`BULK_BATCH_UNMEASURED_PAGES`]) until every device has a tracked rate. Runs the
+    /// session does not have count as one page on device 0 (their read fails on its own).
+    pub fn plan_batches(
+        &self,
+        session: u64,
+        wanted: &[(u32, u32)],
+    ) -> Result<Vec<Range<usize>>, NvmeError> {
+        let Some(lanes) = self.store.read_lanes() else {
+            let n = wanted.len();
+            return Ok((0..n)
+                .step_by(BULK_BATCH_UNMEASURED_PAGES)
+                .map(|a| a..(a + BULK_BATCH_UNMEASURED_PAGES).min(n))
+                .collect());
+        };
+        let page = self.store.page_size() as u64;
+        let reads: Vec<(usize, u64)> = {
+            let st = self.state.lock();
+            let s = st
+                .manifest
+                .session(session)
+                .ok_or_else(|| NvmeError::invalid(format!("no session {session} on NVMe")))?;
+            let device: HashMap<(u32, u32), u16> = s
+                .pages
+                .iter()
+                .map(|p| ((p.layer, p.block), p.device))
+                .collect();
+            wanted
+                .iter()
+                .map(|k| (device.get(k).copied().unwrap_or(0) as usize, page))
+                .collect()
+        };
+        plan::split_batches(&lanes, &reads, BULK_BATCH_SECONDS, BULK_BATCH_MAX_PAGES)
+    }
+
     /// Removes a session durably; its pages are reused after the next commit.
     pub fn delete_session(&self, id: u64) -> Result<u64, NvmeError> {
         let mut st = self.state.lock();
@@ -328,15 +392,29 @@ impl crate::ColdSource for TierSource<'_> {
             reason: e.to_string(),
             corrupt: e.is_data_loss(),
         };
+        if blocks.is_empty() {
+            return Ok(());
+        }
         let wanted: Vec<(u32, u32)> = blocks.iter().map(|&b| (layer, b)).collect();
-        let pages = self
+        // A large promotion goes in batches sized by the devices' tracked rates.
+        let batches = self
             .tier
-            .read_runs(self.session, &wanted)
+            .plan_batches(self.session, &wanted)
             .map_err(|e| fail(blocks[0], &e))?;
-        for ((page, frame), &b) in pages.into_iter().zip(frames).zip(blocks) {
-            let page = page.map_err(|e| fail(b, &e))?;
-            let bytes = page.payload();
-            frame.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
+        for r in batches {
+            let pages = self
+                .tier
+                .read_runs(self.session, &wanted[r.clone()])
+                .map_err(|e| fail(blocks[r.start], &e))?;
+            for ((page, frame), &b) in pages
+                .into_iter()
+                .zip(&mut frames[r.clone()])
+                .zip(&blocks[r])
+            {
+                let page = page.map_err(|e| fail(b, &e))?;
+                let bytes = page.payload();
+                frame.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
+            }
         }
         Ok(())
     }

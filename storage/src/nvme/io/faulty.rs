@@ -1,9 +1,10 @@
-//! A fault-injecting wrapper around any engine, for tests: short transfers, EIO, ENOSPC and
-//! bit flips, chosen per operation kind by probability or operation count, deterministic for
-//! a given seed and submission order.
+//! A fault-injecting wrapper around any engine, for tests: short transfers, EIO, ENOSPC, bit
+//! flips and stalls, chosen per operation kind by probability or operation count,
+//! deterministic for a given seed and submission order.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
@@ -24,6 +25,10 @@ pub enum Fault {
     /// Silent corruption: one bit flipped in the data read, or in the data stored on a write
     /// (the caller's buffer is restored). Reported as success.
     BitFlip,
+    /// A slow device: the operation succeeds, but holds the device this much longer. The
+    /// stalled operations of a batch take their stalls one after another, before the batch
+    /// reaches the wrapped engine, and count as in flight from the start of their stall.
+    Stall(Duration),
 }
 
 /// When a rule fires. Counts are per rule, over the operations the rule's kind matches,
@@ -125,6 +130,7 @@ impl<E: IoEngine> FaultyEngine<E> {
 
 enum Plan {
     Pass,
+    Stall,
     Fail(Fault),
     FlipRead { bit: u64 },
     FlipWrite { bit: u64 },
@@ -137,6 +143,7 @@ impl<E: IoEngine> IoEngine for FaultyEngine<E> {
         let mut plans = Vec::with_capacity(reqs.len());
         let mut inner_reqs = Vec::with_capacity(reqs.len());
         let mut immediate: Vec<Option<IoCompletion>> = Vec::with_capacity(reqs.len());
+        let mut stall = Duration::ZERO;
         {
             let mut st = self.state.lock();
             for mut req in reqs {
@@ -145,6 +152,11 @@ impl<E: IoEngine> IoEngine for FaultyEngine<E> {
                 let len = req.len();
                 let plan = match (fault, req.kind()) {
                     (None, _) => Plan::Pass,
+                    (Some(Fault::Stall(d)), _) => {
+                        req.mark_started();
+                        stall += d;
+                        Plan::Stall
+                    }
                     (Some(f @ (Fault::Eio | Fault::Enospc)), _) => Plan::Fail(f),
                     (Some(Fault::BitFlip), OpKind::Read) => Plan::FlipRead {
                         bit: st.rng.below(len as u64 * 8),
@@ -210,6 +222,9 @@ impl<E: IoEngine> IoEngine for FaultyEngine<E> {
                 }
             }
         }
+        if !stall.is_zero() {
+            std::thread::sleep(stall);
+        }
         let mut inner_done = self.inner.submit(inner_reqs)?.into_iter();
         let mut out = Vec::with_capacity(immediate.len());
         for (imm, plan) in immediate.into_iter().zip(plans) {
@@ -219,7 +234,7 @@ impl<E: IoEngine> IoEngine for FaultyEngine<E> {
             }
             let mut c = inner_done.next().ok_or(NvmeError::EngineStopped)?;
             match plan {
-                Plan::Pass | Plan::Fail(_) => {}
+                Plan::Pass | Plan::Stall | Plan::Fail(_) => {}
                 Plan::FlipRead { bit } => {
                     if c.result.is_ok() {
                         c.buf[(bit / 8) as usize] ^= 1 << (bit % 8);

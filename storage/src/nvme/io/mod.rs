@@ -10,6 +10,7 @@ mod pread;
 mod uring;
 
 use std::sync::Arc;
+use std::time::Instant;
 
 pub use faulty::{Fault, FaultRule, FaultyEngine, Trigger};
 pub use pread::PreadEngine;
@@ -33,6 +34,8 @@ pub struct IoRequest {
     kind: OpKind,
     offset: u64,
     buf: AlignedBuf,
+    /// When the engine first handed the operation to the kernel (None until then).
+    started: Option<Instant>,
 }
 
 impl IoRequest {
@@ -85,6 +88,7 @@ impl IoRequest {
             kind,
             offset,
             buf,
+            started: None,
         })
     }
 
@@ -121,12 +125,21 @@ impl IoRequest {
         &self.buf
     }
 
+    /// Records that the operation was handed to the kernel now (the first time only: a
+    /// resubmitted remainder keeps its original start).
+    pub(crate) fn mark_started(&mut self) {
+        self.started.get_or_insert_with(Instant::now);
+    }
+
     pub(crate) fn complete(self, result: Result<(), NvmeError>) -> IoCompletion {
+        let finished = Instant::now();
         IoCompletion {
             kind: self.kind,
             offset: self.offset,
             buf: self.buf,
             result,
+            started: self.started.unwrap_or(finished),
+            finished,
         }
     }
 }
@@ -139,6 +152,12 @@ pub struct IoCompletion {
     pub buf: AlignedBuf,
     /// `Ok` only if all `buf.len()` bytes were transferred.
     pub result: Result<(), NvmeError>,
+    /// When the operation was first handed to the kernel (= `finished` for one that never
+    /// was, e.g. an injected failure).
+    pub started: Instant,
+    /// When its final result was known. `started..finished` is the time the device had it,
+    /// which is what online bandwidth tracking measures.
+    pub finished: Instant,
 }
 
 /// A positional I/O engine. `submit` sends a batch and waits for all of it; completions come

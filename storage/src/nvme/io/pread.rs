@@ -23,6 +23,7 @@ impl PreadEngine {
 const MAX_STALLS: u32 = 8;
 
 pub(crate) fn run_one(mut req: IoRequest) -> IoCompletion {
+    req.mark_started();
     let kind = req.kind();
     let offset = req.offset();
     let len = req.len();

@@ -450,6 +450,7 @@ impl RingThread {
             };
             let slot = self.slots.insert(op);
             let op = self.slots.slots[slot].as_mut().expect("just inserted");
+            op.req.mark_started();
             let sqe = Self::sqe_for(op, slot as u64);
             loop {
                 // SAFETY: the buffer and the file the SQE points at are owned by the Op in
