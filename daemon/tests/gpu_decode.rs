@@ -491,9 +491,10 @@ fn sessions_on_nvme_decode_on_the_gpu_like_the_cpu_over_ram() {
     }
     let round = |dec: &mut GpuDecoder, twins: &mut [Twin], rng: &mut Rng| {
         for t in twins.iter_mut().take(4) {
-            let blocks = t.gpu.blocks();
-            assert_eq!(demote(&tier, t), blocks, "every block cold");
-            assert_eq!(t.gpu.frames(), 0);
+            // Blocks a previous round left cold keep their pages; the rest go now.
+            let resident = t.gpu.frames();
+            assert_eq!(demote(&tier, t), resident, "every resident block demoted");
+            assert_eq!(t.gpu.frames(), 0, "every block cold");
         }
         let (mut promoted, mut hits, mut cold_steps) = (0u64, 0u64, 0);
         for _ in 0..6 {
