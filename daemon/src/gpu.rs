@@ -59,7 +59,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use kvtier_kernels::attention::{attend, AttendItem};
+use kvtier_kernels::attention::attend_keep_sets;
 use kvtier_kernels::cuda::{
     device_context, CudaBackend, CudaConfig, CudaError, CudaGeometry, DecodeItem, KvDtype,
     PinnedRegion, SelectPolicy, SummaryDtype,
@@ -859,17 +859,7 @@ impl GpuDecoder {
             .iter()
             .map(|e| e.kv.layer(layer).expect("layer was validated"))
             .collect();
-        let items: Vec<AttendItem<'_>> = entries
-            .iter()
-            .zip(&views)
-            .zip(&keeps)
-            .map(|((e, layer), keep)| AttendItem {
-                q: e.q,
-                layer: *layer,
-                keep,
-            })
-            .collect();
-        attend(&items, out);
+        attend_keep_sets(entries.iter().map(|e| e.q), &views, &keeps, out);
         Ok(GpuDecodeOutput {
             entries: views
                 .iter()

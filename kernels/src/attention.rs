@@ -44,6 +44,27 @@ struct Partial {
     acc: Vec<f32>,
 }
 
+/// [`attend`] over parallel lists: entry i is query `qs[i]` over `keeps[i]` of `views[i]`.
+pub fn attend_keep_sets<'a>(
+    qs: impl IntoIterator<Item = &'a [f32]>,
+    views: &[LayerView<'a>],
+    keeps: &'a [KeepSet],
+    out: &mut [f32],
+) {
+    let items: Vec<AttendItem<'_>> = qs
+        .into_iter()
+        .zip(views)
+        .zip(keeps)
+        .map(|((q, layer), keep)| AttendItem {
+            q,
+            layer: *layer,
+            keep,
+        })
+        .collect();
+    debug_assert_eq!(items.len(), views.len());
+    attend(&items, out);
+}
+
 /// Attention for every item; `out` receives `[item][q_heads][head_dim]` f32. Items must have
 /// been checked (query sizes, keep-sets within the layer).
 pub fn attend(items: &[AttendItem<'_>], out: &mut [f32]) {

@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use kvtier_storage::{ColdSource, KvCache, Policy};
 
-use crate::attention::{attend, AttendItem};
+use crate::attention::attend_keep_sets;
 use crate::error::{KernelError, Result};
 use crate::select::{check_query, select_head, KeepSet, SelectScratch};
 
@@ -155,17 +155,7 @@ pub fn decode_layer_timed(
         .iter()
         .map(|e| e.kv.layer(layer).expect("layer was validated"))
         .collect();
-    let items: Vec<AttendItem<'_>> = entries
-        .iter()
-        .zip(&views)
-        .zip(&keeps)
-        .map(|((e, layer), keep)| AttendItem {
-            q: e.q,
-            layer: *layer,
-            keep,
-        })
-        .collect();
-    attend(&items, out);
+    attend_keep_sets(entries.iter().map(|e| e.q), &views, &keeps, out);
     let t_attended = t0.elapsed();
     let ns = |d: std::time::Duration| d.as_nanos() as u64;
     *timings = StageTimings {

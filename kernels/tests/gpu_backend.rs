@@ -6,7 +6,7 @@
 use half::{bf16, f16};
 use kvtier_kernels::cuda::{
     bf16_outward, device_available, AnonMapping, CudaBackend, CudaConfig, CudaError, CudaGeometry,
-    DecodeItem, KvDtype, PinnedRegion, SelectPolicy, StepItem, SummaryDtype,
+    DecodeItem, KvDtype, LayerStats, PinnedRegion, SelectPolicy, StepItem, SummaryDtype,
 };
 use kvtier_kernels::select::{block_score, partition};
 use kvtier_storage::Policy;
@@ -551,6 +551,21 @@ fn dense_mode_is_plain_attention() {
     assert!(e < 2e-3, "rel err {e}");
 }
 
+/// On a flushed layer-0 cache, `items` (two sessions, 4 kv heads, the first with a partial
+/// tail) run twice: the first call misses everything, the second refetches only the 4 partial
+/// tail tiles and gives the same output. Returns the first call's statistics.
+fn repeat_refetches_only_partial_tails(h: &mut Harness, items: &[DecodeItem<'_>]) -> LayerStats {
+    let first = h.be.decode_layer(0, items).unwrap();
+    assert_eq!(first.stats.hits, 0, "cold cache");
+    let second = h.be.decode_layer(0, items).unwrap();
+    assert_eq!(
+        second.stats.misses, 4,
+        "only the first session's partial tail tiles (4 kv heads) refetched"
+    );
+    assert_eq!(first.out, second.out);
+    first.stats
+}
+
 /// Second identical call hits the cache except partial tail tiles, with identical output;
 /// appended tokens (tail refetched, new blocks) are attended correctly.
 #[test]
@@ -573,14 +588,7 @@ fn block_cache_hits_and_appends() {
         DecodeItem { slot: a, q: &qa },
         DecodeItem { slot: b, q: &qb },
     ];
-    let first = h.be.decode_layer(0, &items).unwrap();
-    assert_eq!(first.stats.hits, 0, "cold cache");
-    let second = h.be.decode_layer(0, &items).unwrap();
-    assert_eq!(
-        second.stats.misses, 4,
-        "only session a's partial tail tiles (4 kv heads) refetched"
-    );
-    assert_eq!(first.out, second.out);
+    repeat_refetches_only_partial_tails(&mut h, &items);
     // Other layer has its own cache: cold.
     let other = h.be.decode_layer(1, &items).unwrap();
     assert_eq!(other.stats.hits, 0);
@@ -624,16 +632,8 @@ fn split_plan_keeps_cache_exact_at_ksel_slots() {
         DecodeItem { slot: a, q: &qa },
         DecodeItem { slot: b, q: &qb },
     ];
-    let ksel = POLICY.keep_max() as u64;
-    let first = h.be.decode_layer(0, &items).unwrap();
-    assert_eq!(first.stats.hits, 0, "cold cache");
-    assert_eq!(first.stats.tiles, 2 * 4 * ksel);
-    let second = h.be.decode_layer(0, &items).unwrap();
-    assert_eq!(
-        second.stats.misses, 4,
-        "only session a's partial tail tiles (4 kv heads) refetched"
-    );
-    assert_eq!(first.out, second.out);
+    let first = repeat_refetches_only_partial_tails(&mut h, &items);
+    assert_eq!(first.tiles, 2 * 4 * POLICY.keep_max() as u64);
     // Changing queries: the keep-sets move, the cache turns over, results stay exact.
     for _ in 0..6 {
         check_layer(&mut h, 0, &[a, b]);
