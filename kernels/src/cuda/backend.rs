@@ -759,9 +759,9 @@ impl CudaBackend {
 
     /// Enqueues one layer: in parallel, the fixed part of the keep-set (sink and local window:
     /// known before any scoring; planned, fetched and attended) on the side stream and the
-    /// selector on the main one; then the distant tiles and, once both are done, the merge. `max_nb`: most blocks of any
-    /// batch session. `l`: model layer; `li`: its index within this call (offset into the dense
-    /// q/out).
+    /// selector on the main one; then the distant tiles and, once both are done, the merge.
+    /// `max_nb`: most blocks of any batch session. `l`: model layer; `li`: its index within
+    /// this call (offset into the dense q/out).
     fn run_layer(&mut self, l: usize, li: usize, b: usize, max_nb: u32) -> Result<()> {
         self.stamp = self.stamp.wrapping_add(1);
         let r = self.enqueue_layer(l, li, b, max_nb);
