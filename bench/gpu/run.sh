@@ -15,7 +15,7 @@ if [ -f $D/kvtier.ptx ] && command -v ptxas >/dev/null; then
   ptxas -arch=sm_90 -v $D/kvtier.ptx -o /tmp/k.cubin 2>&1 | grep -E "Compiling|registers|spill|stack" | tee "$OUT/ptxas.txt"
 fi
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-  for t in $D/gpu_compile $D/gpu_backend $D/kvtier_kernels $D/gpu_decode; do
+  for t in $D/gpu_compile $D/gpu_backend $D/kvtier_kernels $D/gpu_decode $D/gpu_daemon; do
     [ -x "$t" ] || continue
     log "test $t"
     "$t" --nocapture --test-threads=4 2>&1 | tee -a "$OUT/tests.txt" | grep -vE "^$"

@@ -16,7 +16,6 @@ typedef float sum_t;
 __device__ __forceinline__ float sum_to_f32(sum_t v) { return v; }
 #endif
 
-#define SCORE_THREADS 128
 
 // The CPU's lane fold (kvtier_kernels::simd::reduce): ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
 __device__ __forceinline__ float lanes_reduce(const float* a) {
@@ -53,6 +52,66 @@ __device__ __forceinline__ void unpack_sums(const uint4 v, float* out) {
 #endif
 }
 
+// Maps a float to a u32 whose unsigned order is the float order (-0 folded into +0 so that
+// equal scores compare equal, as on the CPU).
+__device__ __forceinline__ u32 orderable(float f) {
+    if (f == 0.0f) f = 0.0f;
+    const u32 u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Two-stage top-k (TOPK <= 32; config.rs sets TOPK_MERGE). select_score reduces each thread
+// block's SCORE_THREADS blocks to its 32 best candidates, a descending list; select_topk merges
+// the lists of a kv head. A candidate is a 64-bit key: the score's order-preserving bits above
+// the complemented block id, so a larger key is a better block and equal scores prefer the
+// lower block (the CPU's tie rule); 0 is "no candidate" and below every real key. The global
+// top-k under this strict order is the top-k of the union of the lists' top-32s, so the result
+// is the radix select's exactly. Every step is a warp-wide bitonic network (shuffles, no
+// barriers) except one barrier per merge level: the radix version spent ~20 us at 1M tokens on
+// a chain of barriers in one thread block per kv head (bench/gpu/NOTES.md v10, v13).
+__device__ __forceinline__ u64 cand_key(float score, u32 b) {
+    return ((u64)orderable(score) << 32) | (u64)(~b);
+}
+
+__device__ __forceinline__ u64 shfl_xor64(u64 v, int m) {
+    const u32 lo = __shfl_xor_sync(FULL_MASK, (u32)v, m);
+    const u32 hi = __shfl_xor_sync(FULL_MASK, (u32)(v >> 32), m);
+    return ((u64)hi << 32) | lo;
+}
+
+// Sorts one key per lane across the warp, descending (lane 0 holds the largest).
+__device__ __forceinline__ u64 warp_sort_desc(u64 v) {
+    const u32 lane = threadIdx.x & 31u;
+#pragma unroll
+    for (u32 k = 2; k <= 32; k <<= 1) {
+#pragma unroll
+        for (u32 j = k >> 1; j > 0; j >>= 1) {
+            const u64 p = shfl_xor64(v, j);
+            // Runs of k lanes alternate direction; the last (k = 32) is one descending run.
+            const bool take_max = ((lane & j) == 0) == ((lane & k) == 0);
+            v = take_max ? (v > p ? v : p) : (v < p ? v : p);
+        }
+    }
+    return v;
+}
+
+// The top 32 of two descending warp lists, descending. `b_rev` holds the second list reversed
+// (lane l: its element 31 - l), so max(a, b_rev) is a bitonic sequence holding the top 32 of
+// both, which one bitonic merge sorts.
+__device__ __forceinline__ u64 warp_merge_desc(u64 a, u64 b_rev) {
+    const u32 lane = threadIdx.x & 31u;
+    u64 v = a > b_rev ? a : b_rev;
+#pragma unroll
+    for (u32 j = 16; j > 0; j >>= 1) {
+        const u64 p = shfl_xor64(v, j);
+        v = (lane & j) == 0 ? (v > p ? v : p) : (v < p ? v : p);
+    }
+    return v;
+}
+
+// Candidate lists per (batch item, kv head): one per select_score thread block.
+#define SCORE_LISTS(max_blocks) (((max_blocks) + SCORE_THREADS - 1) / SCORE_THREADS)
+
 // grid (ceil(max_blocks / SCORE_THREADS), KV_HEADS, batch), block SCORE_THREADS.
 // One thread per scored block keeps GROUP x 8 running sums in registers (per query head, the
 // CPU's 8 lanes, each summed over d in increasing order exactly as on the CPU). The summaries
@@ -61,10 +120,12 @@ __device__ __forceinline__ void unpack_sums(const uint4 v, float* out) {
 // scored block, each owning 4 lanes, measured the same 15.5 us at 1M tokens on an H200: the
 // kernel is issue-bound, not short of threads; bench/gpu/NOTES.md v10.)
 // q: [batch][HQ][HEAD_DIM] f32. sums: [slot][layer][max_blocks][KV_HEADS][2][HEAD_DIM].
-// scores: [batch][KV_HEADS][max_blocks].
+// scratch: with TOPK_MERGE, each thread block's descending list of its 32 best distant
+// candidates, u64 [batch][KV_HEADS][SCORE_LISTS(max_blocks)][32]; otherwise every score, f32
+// [batch][KV_HEADS][max_blocks].
 extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
     const float* __restrict__ q, const sum_t* __restrict__ sums, const u32* __restrict__ sess,
-    const u32* __restrict__ ntok, u32 layer, u32 max_blocks, float* __restrict__ scores) {
+    const u32* __restrict__ ntok, u32 layer, u32 max_blocks, void* __restrict__ scratch) {
     const u32 i = blockIdx.z;
     const u32 kvh = blockIdx.y;
     const u32 nb = n_blocks_of(ntok[i]);
@@ -131,20 +192,27 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
         __syncthreads();
     }
     const u32 b = b0 + tid;
-    if (b < nb) {
-        float m = NEG_INF;
+    float m = NEG_INF;
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g) m = fmaxf(m, lanes_reduce(acc[g]));
-        scores[((u64)i * KV_HEADS + kvh) * max_blocks + b] = m;
+    for (int g = 0; g < GROUP; ++g) m = fmaxf(m, lanes_reduce(acc[g]));
+#if TOPK_MERGE
+    // Only distant blocks are candidates (nb > KSEL here, so nb - LOCAL > SINK).
+    u64 key = (b >= SINK && b < nb - LOCAL) ? cand_key(m, b) : 0ull;
+    key = warp_sort_desc(key);
+    __shared__ u64 s_list[SCORE_THREADS / 32][32];
+    const u32 lane = tid & 31u;
+    const u32 w = tid >> 5;
+    s_list[w][lane] = key;
+    __syncthreads();
+    if (w == 0) {
+#pragma unroll
+        for (u32 o = 1; o < SCORE_THREADS / 32; ++o) key = warp_merge_desc(key, s_list[o][31 - lane]);
+        u64* lists = (u64*)scratch;
+        lists[(((u64)i * KV_HEADS + kvh) * SCORE_LISTS(max_blocks) + blockIdx.x) * 32 + lane] = key;
     }
-}
-
-// Maps a float to a u32 whose unsigned order is the float order (-0 folded into +0 so that
-// equal scores compare equal, as on the CPU).
-__device__ __forceinline__ u32 orderable(float f) {
-    if (f == 0.0f) f = 0.0f;
-    const u32 u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+#else
+    if (b < nb) ((float*)scratch)[((u64)i * KV_HEADS + kvh) * max_blocks + b] = m;
+#endif
 }
 
 #define TOPK_THREADS 1024
@@ -281,6 +349,36 @@ __device__ __forceinline__ void select_distant(const float* __restrict__ sc, u32
         if (selmask & (1u << u)) out[SINK + pos++] = lo + c0 + u;
 }
 
+// Top-k of the distant blocks, ascending, into out[SINK, SINK + TOPK), from the candidate lists
+// select_score wrote for this (batch item, kv head) (TOPK <= 32). Each warp merges lists
+// w, w + 32, ...; a barrier-separated tree merges the warps' lists; warp 0 then sorts the
+// TOPK winners' block ids ascending.
+__device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lists, u32 nb, u32* out) {
+    __shared__ u64 s_top[TOPK_THREADS / 32][32];
+    const u32 lane = threadIdx.x & 31u;
+    const u32 w = threadIdx.x >> 5;
+    const u32 nw = blockDim.x >> 5;
+    const u32 nlists = SCORE_LISTS(nb);
+    u64 v = w < nlists ? lists[(u64)w * 32 + lane] : 0ull;
+    for (u32 x = w + nw; x < nlists; x += nw) v = warp_merge_desc(v, lists[(u64)x * 32 + 31 - lane]);
+    s_top[w][lane] = v;
+    __syncthreads();
+    // Level s: warp w (a multiple of 2s) takes in warp w + s's list (written at level s / 2).
+    for (u32 s = 1; s < nw; s <<= 1) {
+        if ((w & (2 * s - 1)) == 0 && w + s < nw && w + s < nlists) {
+            v = warp_merge_desc(v, s_top[w + s][31 - lane]);
+            s_top[w][lane] = v;
+        }
+        __syncthreads();
+    }
+    if (w == 0) {
+        // Winners' complemented ids (the low key word) sorted descending = ids ascending.
+        u64 id = lane < TOPK ? (u64)(u32)v : 0ull;
+        id = warp_sort_desc(id);
+        if (lane < TOPK) out[SINK + lane] = ~(u32)id;
+    }
+}
+
 // grid (KV_HEADS, batch), block TOPK_THREADS. For a layer longer than KSEL blocks, writes the
 // TOPK distant blocks of each keep-set row (positions [SINK, SINK + TOPK) of
 // table[batch][KV_HEADS][KSEL]; plan_fixed wrote the rest and the counts) and plans them.
@@ -290,7 +388,7 @@ __device__ __forceinline__ void select_distant(const float* __restrict__ sc, u32
 // prefix sums then emit key > T, plus the lowest-indexed blocks with key == T (the tie
 // rule), in ascending order.
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(
-    const float* __restrict__ scores, const u32* __restrict__ ntok, u32 max_blocks, u32* table,
+    const void* __restrict__ scratch, const u32* __restrict__ ntok, u32 max_blocks, u32* table,
     const u32* __restrict__ sess, u32 layer, u32* __restrict__ tags, u32* __restrict__ stamps,
     const u64* __restrict__ pages, u32* __restrict__ slot_of, u64* __restrict__ miss_src,
     unsigned long long* __restrict__ stats, u32 stamp) {
@@ -298,9 +396,12 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(
     const u32 kvh = blockIdx.x;
     const u32 nb = n_blocks_of(ntok[i]);
     if (SHORT_LAYER(nb)) return;
-    const float* sc = scores + ((u64)i * KV_HEADS + kvh) * max_blocks;
     u32* row = table + ((u64)i * KV_HEADS + kvh) * KSEL;
-    select_distant(sc, nb, row);
+#if TOPK_MERGE
+    select_distant_merge((const u64*)scratch + ((u64)i * KV_HEADS + kvh) * SCORE_LISTS(max_blocks) * 32, nb, row);
+#else
+    select_distant((const float*)scratch + ((u64)i * KV_HEADS + kvh) * max_blocks, nb, row);
+#endif
     __syncthreads();
     plan_tile_cache(i, kvh, row, SINK, TOPK, 0, 0, true, sess, ntok, layer, max_blocks, tags, stamps, pages,
                     slot_of, miss_src, stats, stamp);

@@ -944,3 +944,31 @@ fn selector_large_context_exact() {
         check_layer(&mut h, 1, &[b, a]);
     }
 }
+
+/// The largest supported context (32,768 blocks: 256 candidate lists per kv head, 8 merged per
+/// select_topk warp before the tree) and a mid-size one, ties included: exactly the CPU's.
+#[test]
+fn selector_max_blocks_list_merge_exact() {
+    if !gpu() {
+        return;
+    }
+    for (top_k, templates) in [(32, 0), (32, 5), (8, 3)] {
+        let p = SelectPolicy {
+            sink_blocks: 1,
+            local_blocks: 4,
+            top_k,
+        };
+        let cfg = config(
+            geom(4, 1, 32, 16, KvDtype::Bf16),
+            p,
+            32_768,
+            2,
+            SummaryDtype::F32,
+        );
+        let mut h = Harness::new(cfg, 80 + templates as u64);
+        let a = h.add_session(32_768 * 16, KeyGen { templates });
+        let b = h.add_session(9_000 * 16 + 7, KeyGen { templates });
+        check_layer(&mut h, 0, &[a, b]);
+        check_layer(&mut h, 1, &[b, a]);
+    }
+}

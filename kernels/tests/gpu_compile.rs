@@ -38,6 +38,16 @@ fn kernels_compile_for_supported_geometries() {
         cfg(16, 2, 128, 32, KvDtype::F32, SummaryDtype::F32),
         cfg(16, 4, 256, 64, KvDtype::Bf16, SummaryDtype::F32),
         cfg(32, 8, 32, 16, KvDtype::F32, SummaryDtype::Bf16Outward),
+        // top_k > 32: the radix select over every score instead of the list merge.
+        CudaConfig {
+            policy: SelectPolicy {
+                sink_blocks: 1,
+                local_blocks: 2,
+                top_k: 40,
+            },
+            cache_slots: 48,
+            ..cfg(28, 4, 128, 128, KvDtype::Bf16, SummaryDtype::F32)
+        },
     ];
     for c in cases {
         match compile_check(&c) {

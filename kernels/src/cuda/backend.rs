@@ -7,7 +7,7 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 
-use super::config::{bf16_outward, CudaConfig, Derived};
+use super::config::{bf16_outward, CudaConfig, Derived, SCORE_THREADS};
 use super::error::{CudaError, Result};
 use super::module::{compile, Kernels};
 use super::pinned::PinnedRegion;
@@ -169,7 +169,8 @@ pub struct CudaBackend {
     q: DevBuf<f32>,
     sess: DevBuf<u32>,
     ntok: DevBuf<u32>,
-    scores: DevBuf<f32>,
+    /// Selector scratch between select_score and select_topk ([`Derived::score_scratch`]).
+    scores: DevBuf<u8>,
     table: DevBuf<u32>,
     counts: DevBuf<u32>,
     slot_of: DevBuf<u32>,
@@ -243,7 +244,7 @@ impl CudaBackend {
             q: zf(l * bmax * hq * d)?,
             sess: z32(bmax)?,
             ntok: z32(l * bmax)?,
-            scores: zf(bmax * hkv * mb)?,
+            scores: z8(bmax * hkv * derived.score_scratch)?,
             table: z32(l * bmax * hkv * ks)?,
             counts: z32(l * bmax * hkv)?,
             slot_of: z32(bmax * hkv * ks)?,
@@ -992,6 +993,3 @@ enum Arg {
     U(u32),
     F(f32),
 }
-
-/// Threads (= blocks scored) per select_score thread block (kernels/cuda/select.cu).
-const SCORE_THREADS: u32 = 128;

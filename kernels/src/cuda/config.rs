@@ -115,6 +115,8 @@ pub struct CudaConfig {
 }
 
 const SMEM_LIMIT: usize = 48 * 1024;
+/// Threads (= blocks scored) per select_score thread block (kernels/cuda/select.cu).
+pub(crate) const SCORE_THREADS: u32 = 128;
 /// Largest opt-in shared memory per block on compute capability 8.0 / 9.0 (checked against
 /// the device at backend creation too).
 const SMEM_OPTIN_LIMIT: usize = 227 * 1024;
@@ -208,10 +210,14 @@ impl CudaConfig {
                 self.max_blocks
             )));
         }
-        // select_score: s_q[G][D] + two [128][DCH+1] chunk buffers.
+        // select_score: s_q[G][D] + two [SCORE_THREADS][DCH+1] chunk buffers + the candidate
+        // lists of its warps (u64 [SCORE_THREADS / 32][32]).
+        let st = SCORE_THREADS as usize;
         let dch = [32usize, 16]
             .into_iter()
-            .find(|c| (gs * d + 2 * 128 * (c + 1)) * 4 <= SMEM_LIMIT && d.is_multiple_of(*c))
+            .find(|c| {
+                (gs * d + 2 * st * (c + 1)) * 4 + st * 8 <= SMEM_LIMIT && d.is_multiple_of(*c)
+            })
             .ok_or_else(|| invalid("selector shared memory exceeds 48 KiB"))?;
         // attend_tile: dynamic = tile (+ reduction buffer unless it fits in the dead K half).
         // Value-phase slices left after the in-warp shuffle reduction (attend.cu RSL).
@@ -237,8 +243,18 @@ impl CudaConfig {
                 "gather plan needs {plan_smem} bytes of shared memory"
             )));
         }
+        // Top-k by merging per-thread-block candidate lists of 32 (select.cu) where the lists
+        // can hold it; the radix select over every score otherwise.
+        let topk_merge = p.top_k <= 32;
+        let score_scratch = if topk_merge {
+            (self.max_blocks as usize).div_ceil(st) * 32 * 8
+        } else {
+            self.max_blocks as usize * 4
+        };
         Ok(Derived {
             score_chunk: dch as u32,
+            topk_merge,
+            score_scratch,
             keep_max: ksel,
             topk_per_thread: kpt.max(1) as u32,
             att_threads: att_threads as u32,
@@ -274,9 +290,11 @@ impl CudaConfig {
             ("KSEL", derived.keep_max),
             ("CACHE_SLOTS", self.cache_slots),
             ("TOPK_KPT", derived.topk_per_thread),
+            ("TOPK_MERGE", u32::from(derived.topk_merge)),
             ("DCH", derived.score_chunk),
             ("RED_IN_TILE", u32::from(derived.red_in_tile)),
             ("ATT_THREADS", derived.att_threads),
+            ("SCORE_THREADS", SCORE_THREADS),
         ]
         .iter()
         .map(|(k, v)| format!("-D{k}={v}"))
@@ -289,6 +307,11 @@ impl CudaConfig {
 pub struct Derived {
     /// Head dims per selector staging step.
     pub score_chunk: u32,
+    /// Whether select_topk merges select_score's per-thread-block candidate lists (top_k <= 32)
+    /// instead of running a radix select over every score.
+    pub topk_merge: bool,
+    /// Bytes of selector scratch per (batch item, kv head): the candidate lists or the scores.
+    pub score_scratch: usize,
     /// Keep-set size bound per kv head (sink + local + top_k).
     pub keep_max: u32,
     /// Distant candidates per select_topk thread (registers).
