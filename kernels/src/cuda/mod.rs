@@ -17,8 +17,10 @@
 //! 1. Selector: one thread per block keeps the G query heads' bound sums in registers, in the
 //!    CPU selector's order (8 lanes, d -> lane d % 8, then `simd::reduce`'s tree; no FMA), so
 //!    scores are bit-identical to `select::block_score`, reading the summaries in coalesced
-//!    chunks through shared memory; a radix select per (session, kv head) picks the top-k
-//!    distant blocks, ties to the lower index, written ascending.
+//!    chunks through shared memory. For top_k <= 32 each thread block also reduces its 128
+//!    blocks to a sorted list of its 32 best distant candidates and `select_topk` merges a kv
+//!    head's lists (warp bitonic networks); for larger top_k a radix select over every score.
+//!    Either way the top-k distant blocks, ties to the lower index, written ascending.
 //! 2. Cache plan (same thread block as the top-k): a per-(session, layer, kv head) LRU tile
 //!    cache on the GPU decides hits and victim slots; only misses are read from host memory.
 //! 3. Fetch + attention: one thread block per (session, kv head, tile) stages the tile in shared
