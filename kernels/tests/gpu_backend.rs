@@ -667,12 +667,17 @@ fn selector_long_layers_match_cpu() {
             2,
             SummaryDtype::F32,
         );
-        let mut h = Harness::new(cfg, 60 + top_k as u64);
-        let a = h.add_session(1100 * 16, KeyGen { templates });
-        let b = h.add_session(70 * 16 + 3, KeyGen { templates });
-        check_layer(&mut h, 0, &[a, b]);
-        check_layer(&mut h, 1, &[b, a]);
+        check_two_sessions(cfg, 60 + top_k as u64, 1100 * 16, 70 * 16 + 3, templates);
     }
+}
+
+/// A session of `long` tokens and one of `short` tokens, batched both ways round on two layers.
+fn check_two_sessions(cfg: CudaConfig, seed: u64, long: u32, short: u32, templates: u32) {
+    let mut h = Harness::new(cfg, seed);
+    let a = h.add_session(long, KeyGen { templates });
+    let b = h.add_session(short, KeyGen { templates });
+    check_layer(&mut h, 0, &[a, b]);
+    check_layer(&mut h, 1, &[b, a]);
 }
 
 /// decode_step (all layers, one sync) equals per-layer calls.
@@ -965,10 +970,12 @@ fn selector_max_blocks_list_merge_exact() {
             2,
             SummaryDtype::F32,
         );
-        let mut h = Harness::new(cfg, 80 + templates as u64);
-        let a = h.add_session(32_768 * 16, KeyGen { templates });
-        let b = h.add_session(9_000 * 16 + 7, KeyGen { templates });
-        check_layer(&mut h, 0, &[a, b]);
-        check_layer(&mut h, 1, &[b, a]);
+        check_two_sessions(
+            cfg,
+            80 + templates as u64,
+            32_768 * 16,
+            9_000 * 16 + 7,
+            templates,
+        );
     }
 }
