@@ -4,9 +4,10 @@
 //
 // A layer's keep-set is planned in two parts so that the fixed part can be fetched while the
 // selector runs (see attend.cu and CudaBackend::run_layer):
-// - plan_fixed (first kernel of a layer) writes and plans the blocks known without scoring:
-//   the sink and the local window, or every block when the layer has no more than KSEL blocks;
-// - select_topk (select.cu) writes and plans the TOPK distant blocks once they are selected.
+// - plan_fixed (first kernel of a layer, side stream) writes and plans the blocks known without
+//   scoring: the sink and the local window, or every block when the layer has no more than KSEL
+//   blocks;
+// - the selector (select.cu) writes and plans the TOPK distant blocks once they are selected.
 // Table position j of a kv head's keep-set row is fixed: [0, SINK) sink, [SINK, SINK + TOPK)
 // distant, [SINK + TOPK, KSEL) local; a short layer uses [0, nb) in block order. So the row is
 // ascending in both cases, as the CPU selector returns it.
@@ -19,25 +20,30 @@
 // planning kernel, so the bookkeeping needs no atomics; a batch must not name a session twice
 // (checked in Rust). CACHE_SLOTS >= KSEL (checked in Rust).
 //
-// The distant plan runs while the fixed tiles may still be in flight on the other stream, so
-// it never takes a slot the fixed plan used in this call (stamp == this call's stamp) as a
-// victim: those are being read or written. Enough victims remain: the fixed plan used at most
-// SINK + LOCAL slots, hits need none, so CACHE_SLOTS - (SINK + LOCAL) >= TOPK are left.
+// The two parts of a long layer use disjoint slot regions, [0, DISTANT_SLOT0) for the fixed
+// part and [DISTANT_SLOT0, CACHE_SLOTS) for the distant one, so the distant plan needs no
+// ordering against the fixed plan or the fixed tiles in flight on the other stream. Each
+// region is large enough for its part (CACHE_SLOTS - DISTANT_SLOT0 >= TOPK). A block that
+// leaves the local window is fetched once more into the distant region; tags are unique within
+// a region (a miss only tags a block no slot of its region holds). A short layer has no
+// distant part and plans in the whole cache.
+#define DISTANT_SLOT0 (SINK + LOCAL)
 
 #define SHORT_LAYER(nb) ((nb) <= (u32)KSEL)
 
 // Plans the keep-set entries at table positions [pos0, pos0 + n0) then [pos1, pos1 + n1) of
-// (batch item i, kv head kvh), whose block ids are ascending in that order. Called by a whole
-// thread block once the ids are in global memory and a __syncthreads() has passed. For each
-// entry: its cache slot (a hit, or a victim) and, for a miss, the host address to fetch from.
+// (batch item i, kv head kvh), whose block ids are ascending in that order, in the cache slots
+// [c0, c0 + ns) (n0 + n1 <= ns). Called by a whole thread block once the ids are in global
+// memory and a __syncthreads() has passed. For each entry: its cache slot (a hit, or a victim)
+// and, for a miss, the host address to fetch from.
 __device__ __forceinline__ void plan_tile_cache(
-    u32 i, u32 kvh, const u32* row, u32 pos0, u32 n0, u32 pos1, u32 n1, bool keep_current,
+    u32 i, u32 kvh, const u32* row, u32 pos0, u32 n0, u32 pos1, u32 n1, u32 c0, u32 ns,
     const u32* __restrict__ sess, const u32* __restrict__ ntok, u32 layer, u32 max_blocks,
     u32* __restrict__ tags, u32* __restrict__ stamps, const u64* __restrict__ pages,
     u32* __restrict__ slot_of, u64* __restrict__ miss_src, unsigned long long* __restrict__ stats, u32 stamp) {
     const u32 tid = threadIdx.x;
     const u32 ih = i * KV_HEADS + kvh;
-    const u64 cbase = (((u64)sess[i] * NUM_LAYERS + layer) * KV_HEADS + kvh) * CACHE_SLOTS;
+    const u64 cbase = (((u64)sess[i] * NUM_LAYERS + layer) * KV_HEADS + kvh) * CACHE_SLOTS + c0;
     u32* tg = tags + cbase;
     u32* st = stamps + cbase;
     const u32 nfull = ntok[i] / BLOCK_TOKENS;  // blocks [0, nfull) are complete
@@ -55,11 +61,11 @@ __device__ __forceinline__ void plan_tile_cache(
     }
     __syncthreads();
     // A slot hits if its tag is in the (ascending) ids: binary search.
-    for (u32 c = tid; c < CACHE_SLOTS; c += blockDim.x) {
+    for (u32 c = tid; c < ns; c += blockDim.x) {
         const u32 t = tg[c];
         const u32 last = st[c];
-        bool used = keep_current && last == stamp;
-        if (t != 0 && !used) {
+        bool used = false;
+        if (t != 0) {
             const u32 b = t - 1;
             u32 l = 0, h = n;
             while (l < h) {
@@ -76,11 +82,11 @@ __device__ __forceinline__ void plan_tile_cache(
         s_key[c] = ((t == 0 ? 0ull : (u64)last + 1ull) << 32) | c;
     }
     __syncthreads();
-    for (u32 c = tid; c < CACHE_SLOTS; c += blockDim.x) {
+    for (u32 c = tid; c < ns; c += blockDim.x) {
         if (s_used[c]) continue;
         const u64 k = s_key[c];
         u32 rank = 0;
-        for (u32 x = 0; x < CACHE_SLOTS; ++x) rank += (!s_used[x] && s_key[x] < k);
+        for (u32 x = 0; x < ns; ++x) rank += (!s_used[x] && s_key[x] < k);
         s_victim[rank] = c;
     }
     __syncthreads();
@@ -103,7 +109,7 @@ __device__ __forceinline__ void plan_tile_cache(
             miss_src[(u64)ih * KSEL + p] = pg[b] + (u64)kvh * TILE_BYTES;
             ++my_miss;
         }
-        slot_of[(u64)ih * KSEL + p] = c;
+        slot_of[(u64)ih * KSEL + p] = c0 + c;
         st[c] = stamp;
     }
     if (my_miss) {
@@ -138,14 +144,14 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS) plan_fixed(
         for (u32 b = tid; b < nb; b += blockDim.x) row[b] = b;
         if (tid == 0) counts[i * KV_HEADS + kvh] = nb;
         __syncthreads();
-        plan_tile_cache(i, kvh, row, 0, nb, 0, 0, false, sess, ntok, layer, max_blocks, tags, stamps, pages,
+        plan_tile_cache(i, kvh, row, 0, nb, 0, 0, 0, CACHE_SLOTS, sess, ntok, layer, max_blocks, tags, stamps, pages,
                         slot_of, miss_src, stats, stamp);
     } else {
         for (u32 x = tid; x < SINK; x += blockDim.x) row[x] = x;
         for (u32 x = tid; x < LOCAL; x += blockDim.x) row[SINK + TOPK + x] = nb - LOCAL + x;
         if (tid == 0) counts[i * KV_HEADS + kvh] = KSEL;
         __syncthreads();
-        plan_tile_cache(i, kvh, row, 0, SINK, SINK + TOPK, LOCAL, false, sess, ntok, layer, max_blocks, tags,
-                        stamps, pages, slot_of, miss_src, stats, stamp);
+        plan_tile_cache(i, kvh, row, 0, SINK, SINK + TOPK, LOCAL, 0, DISTANT_SLOT0, sess, ntok, layer, max_blocks,
+                        tags, stamps, pages, slot_of, miss_src, stats, stamp);
     }
 }

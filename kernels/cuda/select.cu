@@ -1,48 +1,60 @@
-// Block selector: bounds scoring (select_score) and per-kv-head top-k (select_topk).
+// Block selector: bounds scoring and the per-kv-head top-k.
 //
 // Bit-exactness with the CPU selector (kvtier_kernels::simd::bound_dot + select::block_score):
-// each score is computed by ONE thread in the CPU's exact order: element d of
-// max(q[d]*k_max[d], q[d]*k_min[d]) is added to lane d % 8 (8 accumulators, increasing d), then
-// the lanes are folded as ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) (simd.rs `reduce`). Multiplies
-// and adds are explicit round-to-nearest (__fmul_rn/__fadd_rn are never contracted into FMAs).
-// The max over the G query heads is order-independent. So scores are bit-identical, and ties
-// are broken by lower block index in both implementations.
+// each score is summed in the CPU's exact order: element d of max(q[d]*k_max[d], q[d]*k_min[d])
+// is added to lane d % 8 (8 accumulators, increasing d), then the lanes are folded as
+// ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) (simd.rs `reduce`). Multiplies and adds are explicit
+// round-to-nearest (__fmul_rn/__fadd_rn are never contracted into FMAs). The max over the G
+// query heads is order-independent. So scores are bit-identical, and ties are broken by lower
+// block index in both implementations.
+//
+// top_k <= 32 (TOPK_MERGE): one kernel per layer, select_score, scores, keeps each thread
+// block's 32 best candidates and merges them in the last thread block of each kv head, which
+// also plans the distant tiles. top_k > 32: select_score writes every score and select_topk
+// runs a radix select and the plan.
 
 #if SUM_BF16
 typedef unsigned short sum_t;
-__device__ __forceinline__ float sum_to_f32(sum_t v) { return bf16_bits_to_f32(v); }
 #else
 typedef float sum_t;
-__device__ __forceinline__ float sum_to_f32(sum_t v) { return v; }
 #endif
 
 
-// The CPU's lane fold (kvtier_kernels::simd::reduce): ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
-__device__ __forceinline__ float lanes_reduce(const float* a) {
-    const float t0 = __fadd_rn(a[0], a[4]);
-    const float t1 = __fadd_rn(a[1], a[5]);
-    const float t2 = __fadd_rn(a[2], a[6]);
-    const float t3 = __fadd_rn(a[3], a[7]);
-    return __fadd_rn(__fadd_rn(t0, t2), __fadd_rn(t1, t3));
+// The CPU's lane fold (kvtier_kernels::simd::reduce), ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)),
+// across an octet whose thread j holds lane j: xor 4 forms l_j + l_{j+4}, xor 2 pairs those
+// as (t0+t2) and (t1+t3), xor 1 adds the two. IEEE addition is commutative, so every thread of
+// the octet ends with the CPU's sum, bit for bit.
+__device__ __forceinline__ float octet_reduce(float a) {
+    a = __fadd_rn(a, __shfl_xor_sync(FULL_MASK, a, 4));
+    a = __fadd_rn(a, __shfl_xor_sync(FULL_MASK, a, 2));
+    return __fadd_rn(a, __shfl_xor_sync(FULL_MASK, a, 1));
 }
 
-// Summary values per 16-byte load, and 16-byte loads per (block row, DCH-dim chunk): the
-// chunk's k_max half then its k_min half.
+// Device summary layout (CudaBackend::upload_summaries): the record of one (block, kv head)
+// holds its 2 * HEAD_DIM bounds arranged for the scorer below, where thread j of an octet owns
+// the CPU's lane j (dims d = j + 8s, s < SEL_S). Lane j's values are (max, min) pairs in
+// increasing s, SEL_P pairs per 16-byte vector; vector u of lane j is the record's vector
+// u * 8 + j, so one warp load reads whole 128-byte lines of four records.
+#define SEL_S (HEAD_DIM / 8)
 #if SUM_BF16
-#define SV 8
+#define SEL_P 4
 #else
-#define SV 4
+#define SEL_P 2
 #endif
-#define LPR (2 * DCH / SV)
+#define SEL_V (SEL_S / SEL_P)  // 16-byte vectors per lane per record
+#define REC_VECS (8 * SEL_V)   // 16-byte vectors per record
+#if SEL_V < 1
+#error "HEAD_DIM too small for the summary layout"
+#endif
 
-// Unpacks one 16-byte load of summary values into SV floats.
+// Unpacks one 16-byte vector of summary values into 2 * SEL_P floats: (max, min) pairs.
 __device__ __forceinline__ void unpack_sums(const uint4 v, float* out) {
 #if SUM_BF16
     const unsigned int w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         out[2 * k] = bf16_bits_to_f32(w[k] & 0xffffu);
-        out[2 * k + 1] = bf16_bits_to_f32(w[k] >> 16);
+        out[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
     }
 #else
     out[0] = __uint_as_float(v.x);
@@ -60,9 +72,9 @@ __device__ __forceinline__ u32 orderable(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Two-stage top-k (TOPK <= 32; config.rs sets TOPK_MERGE). select_score reduces each thread
-// block's SCORE_THREADS blocks to its 32 best candidates, a descending list; select_topk merges
-// the lists of a kv head. A candidate is a 64-bit key: the score's order-preserving bits above
+// Two-stage top-k (TOPK <= 32; config.rs sets TOPK_MERGE). Each select_score thread block
+// reduces its blocks to its 32 best candidates, a descending list; the kv head's last thread
+// block merges the lists. A candidate is a 64-bit key: the score's order-preserving bits above
 // the complemented block id, so a larger key is a better block and equal scores prefer the
 // lower block (the CPU's tie rule); 0 is "no candidate" and below every real key. The global
 // top-k under this strict order is the top-k of the union of the lists' top-32s, so the result
@@ -109,109 +121,199 @@ __device__ __forceinline__ u64 warp_merge_desc(u64 a, u64 b_rev) {
     return v;
 }
 
-// Candidate lists per (batch item, kv head): one per select_score thread block.
-#define SCORE_LISTS(max_blocks) (((max_blocks) + SCORE_THREADS - 1) / SCORE_THREADS)
+// Top-k of the distant blocks, ascending, into out[SINK, SINK + TOPK), from the `nlists`
+// candidate lists of one (batch item, kv head) (TOPK <= 32), called by the whole thread block
+// that found itself last. Each warp merges lists w, w + nw, ... (the next list's load in
+// flight during a merge); a barrier-separated tree merges the warps' lists; warp 0 then sorts
+// the TOPK winners' block ids ascending. Lists are read from L2 (__ldcg): other thread blocks
+// wrote them during this launch.
+__device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lists, u32 nlists, u32* out) {
+    __shared__ u64 s_top[SCORE_THREADS / 32][32];
+    const u32 lane = threadIdx.x & 31u;
+    const u32 w = threadIdx.x >> 5;
+    const u32 nw = blockDim.x >> 5;
+    u64 v = w < nlists ? __ldcg(lists + (u64)w * 32 + lane) : 0ull;
+    u64 nxt = w + nw < nlists ? __ldcg(lists + (u64)(w + nw) * 32 + 31 - lane) : 0ull;
+    for (u32 x = w + nw; x < nlists; x += nw) {
+        const u64 cur = nxt;
+        if (x + nw < nlists) nxt = __ldcg(lists + (u64)(x + nw) * 32 + 31 - lane);
+        v = warp_merge_desc(v, cur);
+    }
+    s_top[w][lane] = v;
+    __syncthreads();
+    // Level s: warp w (a multiple of 2s) takes in warp w + s's list (written at level s / 2).
+    for (u32 s = 1; s < nw; s <<= 1) {
+        if ((w & (2 * s - 1)) == 0 && w + s < nw && w + s < nlists) {
+            v = warp_merge_desc(v, s_top[w + s][31 - lane]);
+            s_top[w][lane] = v;
+        }
+        __syncthreads();
+    }
+    if (w == 0) {
+        // Winners' complemented ids (the low key word) sorted descending = ids ascending.
+        u64 id = lane < TOPK ? (u64)(u32)v : 0ull;
+        id = warp_sort_desc(id);
+        if (lane < TOPK) out[SINK + lane] = ~(u32)id;
+    }
+}
 
-// grid (ceil(max_blocks / SCORE_THREADS), KV_HEADS, batch), block SCORE_THREADS.
-// One thread per scored block keeps GROUP x 8 running sums in registers (per query head, the
-// CPU's 8 lanes, each summed over d in increasing order exactly as on the CPU). The summaries
-// are read in DCH-dim chunks with coalesced 16-byte loads into padded shared memory; the next
-// chunk's loads are issued into registers before the current chunk is used. (Two threads per
-// scored block, each owning 4 lanes, measured the same 15.5 us at 1M tokens on an H200: the
-// kernel is issue-bound, not short of threads; bench/gpu/NOTES.md v10.)
-// q: [batch][HQ][HEAD_DIM] f32. sums: [slot][layer][max_blocks][KV_HEADS][2][HEAD_DIM].
-// scratch: with TOPK_MERGE, each thread block's descending list of its 32 best distant
-// candidates, u64 [batch][KV_HEADS][SCORE_LISTS(max_blocks)][32]; otherwise every score, f32
-// [batch][KV_HEADS][max_blocks].
+// select_score: SCORE_THREADS threads = SCORE_OCTETS octets; octet o of thread block x scores
+// blocks x * nbo * SCORE_OCTETS + n * SCORE_OCTETS + o for n < nbo (nbo <= SCORE_NB, chosen
+// per launch so that small contexts still spread over many SMs).
+#define SCORE_OCTETS (SCORE_THREADS / 8)
+// Candidate lists per (batch item, kv head): one per select_score thread block.
+#define SCORE_LISTS(nb, nbo) (((nb) + (nbo) * SCORE_OCTETS - 1) / ((nbo) * SCORE_OCTETS))
+#define SEL_PREFETCH (SEL_V <= 8)
+#if (SCORE_OCTETS * SCORE_NB) % 32 != 0 || SCORE_OCTETS * SCORE_NB / 32 > SCORE_THREADS / 32
+#error "SCORE_NB blocks per octet must make whole warp lists"
+#endif
+
+// grid (lists of the longest session, KV_HEADS, batch), block SCORE_THREADS.
+// Each score is summed by one octet in the CPU's exact order: thread j adds element d = j + 8s
+// of max(q[d]*k_max[d], q[d]*k_min[d]) into its lane for increasing s (explicit round-to-
+// nearest multiplies and adds, never contracted into FMAs), then octet_reduce folds the lanes
+// as simd::reduce does; the max over the GROUP query heads is order-independent. So scores are
+// bit-identical to kvtier_kernels::select::block_score. (One thread per block with all G x 8
+// lanes in registers ran at 2 warps per scheduler, a latency chain; bench/gpu/NOTES.md v13-v17.)
+// q: [batch][HQ][HEAD_DIM] f32. sums: [slot][layer][max_blocks][KV_HEADS][REC_VECS] uint4.
+// With TOPK_MERGE each thread block writes the descending list of its 32 best distant
+// candidates to scratch (u64 [batch][KV_HEADS][SCORE_LISTS(max_blocks, 1)][32]); the last
+// thread block of a (batch item, kv head) to finish merges that head's lists into the TOPK
+// distant blocks of its keep-set row and plans their tiles (the done[] counters return to 0).
+// Otherwise every score goes to scratch (f32 [batch][KV_HEADS][max_blocks]) for select_topk.
 extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
     const float* __restrict__ q, const sum_t* __restrict__ sums, const u32* __restrict__ sess,
-    const u32* __restrict__ ntok, u32 layer, u32 max_blocks, void* __restrict__ scratch) {
+    const u32* __restrict__ ntok, u32 layer, u32 max_blocks, u32 nbo, void* __restrict__ scratch,
+    u32* __restrict__ done, u32* table, u32* __restrict__ tags, u32* __restrict__ stamps,
+    const u64* __restrict__ pages, u32* __restrict__ slot_of, u64* __restrict__ miss_src,
+    unsigned long long* __restrict__ stats, u32 stamp) {
     const u32 i = blockIdx.z;
     const u32 kvh = blockIdx.y;
     const u32 nb = n_blocks_of(ntok[i]);
-    const u32 b0 = blockIdx.x * SCORE_THREADS;
+    const u32 b0 = blockIdx.x * nbo * SCORE_OCTETS;
     // A short layer keeps every block (plan_fixed): nothing to score.
     if (b0 >= nb || SHORT_LAYER(nb)) return;
-    __shared__ float s_q[GROUP][HEAD_DIM];
-    __shared__ float s_mx[SCORE_THREADS][DCH + 1];
-    __shared__ float s_mn[SCORE_THREADS][DCH + 1];
     const u32 tid = threadIdx.x;
+    const u32 j = tid & 7u;    // the CPU lane this thread sums
+    const u32 oct = tid >> 3;  // its octet
     const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
-    for (u32 x = tid; x < GROUP * HEAD_DIM; x += SCORE_THREADS) s_q[x / HEAD_DIM][x % HEAD_DIM] = qh[x];
-    const sum_t* base = sums + (((u64)sess[i] * NUM_LAYERS + layer) * (u64)max_blocks) * KV_HEADS * 2 * HEAD_DIM;
-
-    // Load x of a chunk: row r = x / LPR; which half (max/min) and SV-value group within it.
-    uint4 pre[LPR];
-    auto load_chunk = [&](u32 c) {
+    // q in lane-major order, so that the octets of a warp read one broadcast word per
+    // (head, dim): q held in registers (G x D/8 per thread) took 176 registers, one thread
+    // block per SM, and measured slower (bench/gpu/NOTES.md v17).
+    __shared__ float s_q[SEL_S][GROUP][8];
+    for (u32 x = tid; x < GROUP * HEAD_DIM; x += SCORE_THREADS) {
+        const u32 d = x % HEAD_DIM;
+        s_q[d / 8][x / HEAD_DIM][d % 8] = qh[x];
+    }
+    __syncthreads();
+    const uint4* recs = (const uint4*)sums + ((u64)sess[i] * NUM_LAYERS + layer) * (u64)max_blocks * KV_HEADS * REC_VECS;
+    // Loads octet row n's record, zeros past the layer or past this launch's nbo rows. The
+    // loads are predicated, not branched over: under a branch the compiler sank the next
+    // row's loads below the current row's arithmetic (every row then waited a full memory
+    // latency; bench/gpu/NOTES.md v16).
+    auto load = [&](u32 n, uint4* v) {
+        const u32 b = b0 + n * SCORE_OCTETS + oct;
+        const bool ok = b < nb && n < nbo;
+        const uint4* r = recs + ((u64)b * KV_HEADS + kvh) * REC_VECS + j;
 #pragma unroll
-        for (int u = 0; u < LPR; ++u) {
-            const u32 x = tid + u * SCORE_THREADS;
-            const u32 r = x / LPR;
-            const u32 e = x % LPR;
-            const u32 which = e / (LPR / 2);
-            const u32 d = c * DCH + (e % (LPR / 2)) * SV;
-            pre[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (b0 + r < nb)
-                pre[u] = __ldg((const uint4*)(base + ((u64)(b0 + r) * KV_HEADS + kvh) * 2 * HEAD_DIM + which * HEAD_DIM + d));
-        }
+        for (int u = 0; u < SEL_V; ++u) v[u] = ok ? __ldg(r + u * 8) : make_uint4(0u, 0u, 0u, 0u);
     };
-    load_chunk(0);
-    // acc[g][j]: lane j of query head g's bound sum (the CPU's 8 SIMD lanes).
-    float acc[GROUP][8];
+    uint4 cur[SEL_V];
+    load(0, cur);
+    u64 key[SCORE_NB];
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g)
+    for (int n = 0; n < SCORE_NB; ++n) key[n] = 0ull;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[g][j] = 0.0f;
-    for (u32 c = 0; c < HEAD_DIM / DCH; ++c) {
+    for (int n = 0; n < SCORE_NB; ++n) {
+        if ((u32)n >= nbo) break;  // uniform across the thread block
+#if SEL_PREFETCH
+        uint4 nxt[SEL_V];
+        if (n + 1 < SCORE_NB) load(n + 1, nxt);
+#endif
+        float acc[GROUP];
 #pragma unroll
-        for (int u = 0; u < LPR; ++u) {
-            const u32 x = tid + u * SCORE_THREADS;
-            const u32 r = x / LPR;
-            const u32 e = x % LPR;
-            float* dst = (e / (LPR / 2)) ? &s_mn[r][(e % (LPR / 2)) * SV] : &s_mx[r][(e % (LPR / 2)) * SV];
-            float v[SV];
-            unpack_sums(pre[u], v);
+        for (int g = 0; g < GROUP; ++g) acc[g] = 0.0f;
 #pragma unroll
-            for (int k = 0; k < SV; ++k) dst[k] = v[k];
-        }
-        __syncthreads();
-        if (c + 1 < HEAD_DIM / DCH) load_chunk(c + 1);
-        // DCH is a multiple of 8, so dim c*DCH + d0 + j goes to lane j.
-        for (u32 d0 = 0; d0 < DCH; d0 += 8) {
+        for (int u = 0; u < SEL_V; ++u) {
+            float v[2 * SEL_P];
+            unpack_sums(cur[u], v);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float mx = s_mx[tid][d0 + j];
-                const float mn = s_mn[tid][d0 + j];
+            for (int w = 0; w < SEL_P; ++w) {
 #pragma unroll
                 for (int g = 0; g < GROUP; ++g) {
-                    const float qd = s_q[g][c * DCH + d0 + j];
-                    acc[g][j] = __fadd_rn(acc[g][j], fmaxf(__fmul_rn(qd, mx), __fmul_rn(qd, mn)));
+                    const float qd = s_q[u * SEL_P + w][g][j];
+                    acc[g] = __fadd_rn(acc[g], fmaxf(__fmul_rn(qd, v[2 * w]), __fmul_rn(qd, v[2 * w + 1])));
                 }
             }
         }
-        __syncthreads();
-    }
-    const u32 b = b0 + tid;
-    float m = NEG_INF;
+        float m = NEG_INF;
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) m = fmaxf(m, lanes_reduce(acc[g]));
+        for (int g = 0; g < GROUP; ++g) m = fmaxf(m, octet_reduce(acc[g]));
+        const u32 b = b0 + n * SCORE_OCTETS + oct;
 #if TOPK_MERGE
-    // Only distant blocks are candidates (nb > KSEL here, so nb - LOCAL > SINK).
-    u64 key = (b >= SINK && b < nb - LOCAL) ? cand_key(m, b) : 0ull;
-    key = warp_sort_desc(key);
-    __shared__ u64 s_list[SCORE_THREADS / 32][32];
+        // Only distant blocks are candidates (nb > KSEL here, so nb - LOCAL > SINK).
+        key[n] = (b >= SINK && b < nb - LOCAL) ? cand_key(m, b) : 0ull;
+#else
+        if (j == 0 && b < nb) ((float*)scratch)[((u64)i * KV_HEADS + kvh) * max_blocks + b] = m;
+#endif
+#if SEL_PREFETCH
+        if (n + 1 < SCORE_NB) {
+#pragma unroll
+            for (int u = 0; u < SEL_V; ++u) cur[u] = nxt[u];
+        }
+#else
+        if (n + 1 < SCORE_NB) load(n + 1, cur);
+#endif
+    }
+#if TOPK_MERGE
+    // This thread block's best 32: each warp sorts 32 keys, then a tree of warp merges.
+#define NSL (SCORE_OCTETS * SCORE_NB / 32)
+    __shared__ u64 s_keys[NSL * 32];
+    __shared__ u64 s_sl[NSL][32];
+    __shared__ bool s_last;
+    if (j == 0) {
+#pragma unroll
+        for (int n = 0; n < SCORE_NB; ++n) s_keys[n * SCORE_OCTETS + oct] = key[n];
+    }
+    __syncthreads();
     const u32 lane = tid & 31u;
     const u32 w = tid >> 5;
-    s_list[w][lane] = key;
-    __syncthreads();
-    if (w == 0) {
-#pragma unroll
-        for (u32 o = 1; o < SCORE_THREADS / 32; ++o) key = warp_merge_desc(key, s_list[o][31 - lane]);
-        u64* lists = (u64*)scratch;
-        lists[(((u64)i * KV_HEADS + kvh) * SCORE_LISTS(max_blocks) + blockIdx.x) * 32 + lane] = key;
+    const u32 nsl = nbo * SCORE_OCTETS / 32;  // lists of 32 keys in use (at least 1)
+    u64 v = 0ull;
+    if (w < nsl) {
+        v = warp_sort_desc(s_keys[w * 32 + lane]);
+        s_sl[w][lane] = v;
     }
-#else
-    if (b < nb) ((float*)scratch)[((u64)i * KV_HEADS + kvh) * max_blocks + b] = m;
+    __syncthreads();
+    for (u32 s = 1; s < nsl; s <<= 1) {
+        if ((w & (2 * s - 1)) == 0 && w + s < nsl) {
+            v = warp_merge_desc(v, s_sl[w + s][31 - lane]);
+            s_sl[w][lane] = v;
+        }
+        __syncthreads();
+    }
+    const u32 nlists = SCORE_LISTS(nb, nbo);
+    u64* lists = (u64*)scratch + ((u64)i * KV_HEADS + kvh) * SCORE_LISTS(max_blocks, 1) * 32;
+    if (w == 0) {
+        lists[(u64)blockIdx.x * 32 + lane] = v;
+        // Publish the list device-wide before it is counted (threadFenceReduction pattern).
+        __threadfence();
+    }
+    __syncthreads();
+    if (tid == 0) {
+        const u32 prev = atomicAdd(&done[i * KV_HEADS + kvh], 1u);
+        s_last = prev == nlists - 1;
+        if (s_last) done[i * KV_HEADS + kvh] = 0;  // every list is in; ready for the next launch
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    u32* row = table + ((u64)i * KV_HEADS + kvh) * KSEL;
+    select_distant_merge(lists, nlists, row);
+    __syncthreads();
+    plan_tile_cache(i, kvh, row, SINK, TOPK, 0, 0, DISTANT_SLOT0, CACHE_SLOTS - DISTANT_SLOT0, sess, ntok, layer,
+                    max_blocks, tags, stamps, pages, slot_of, miss_src, stats, stamp);
+#undef NSL
 #endif
 }
 
@@ -349,39 +451,10 @@ __device__ __forceinline__ void select_distant(const float* __restrict__ sc, u32
         if (selmask & (1u << u)) out[SINK + pos++] = lo + c0 + u;
 }
 
-// Top-k of the distant blocks, ascending, into out[SINK, SINK + TOPK), from the candidate lists
-// select_score wrote for this (batch item, kv head) (TOPK <= 32). Each warp merges lists
-// w, w + 32, ...; a barrier-separated tree merges the warps' lists; warp 0 then sorts the
-// TOPK winners' block ids ascending.
-__device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lists, u32 nb, u32* out) {
-    __shared__ u64 s_top[TOPK_THREADS / 32][32];
-    const u32 lane = threadIdx.x & 31u;
-    const u32 w = threadIdx.x >> 5;
-    const u32 nw = blockDim.x >> 5;
-    const u32 nlists = SCORE_LISTS(nb);
-    u64 v = w < nlists ? lists[(u64)w * 32 + lane] : 0ull;
-    for (u32 x = w + nw; x < nlists; x += nw) v = warp_merge_desc(v, lists[(u64)x * 32 + 31 - lane]);
-    s_top[w][lane] = v;
-    __syncthreads();
-    // Level s: warp w (a multiple of 2s) takes in warp w + s's list (written at level s / 2).
-    for (u32 s = 1; s < nw; s <<= 1) {
-        if ((w & (2 * s - 1)) == 0 && w + s < nw && w + s < nlists) {
-            v = warp_merge_desc(v, s_top[w + s][31 - lane]);
-            s_top[w][lane] = v;
-        }
-        __syncthreads();
-    }
-    if (w == 0) {
-        // Winners' complemented ids (the low key word) sorted descending = ids ascending.
-        u64 id = lane < TOPK ? (u64)(u32)v : 0ull;
-        id = warp_sort_desc(id);
-        if (lane < TOPK) out[SINK + lane] = ~(u32)id;
-    }
-}
-
-// grid (KV_HEADS, batch), block TOPK_THREADS. For a layer longer than KSEL blocks, writes the
-// TOPK distant blocks of each keep-set row (positions [SINK, SINK + TOPK) of
-// table[batch][KV_HEADS][KSEL]; plan_fixed wrote the rest and the counts) and plans them.
+// grid (KV_HEADS, batch), block TOPK_THREADS; launched only when TOPK > 32 (no TOPK_MERGE).
+// For a layer longer than KSEL blocks, writes the TOPK distant blocks of each keep-set row
+// (positions [SINK, SINK + TOPK) of table[batch][KV_HEADS][KSEL]; plan_fixed wrote the rest
+// and the counts) and plans them in the distant cache region.
 // Thread t owns the TOPK_KPT consecutive distant candidates starting at t * TOPK_KPT, kept in
 // registers as order-preserving u32 keys. Radix select (4 passes of 8 bits, MSB first) finds
 // T = the TOPK-th largest key and how many blocks equal to T are taken; two block-wide
@@ -392,17 +465,15 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(
     const u32* __restrict__ sess, u32 layer, u32* __restrict__ tags, u32* __restrict__ stamps,
     const u64* __restrict__ pages, u32* __restrict__ slot_of, u64* __restrict__ miss_src,
     unsigned long long* __restrict__ stats, u32 stamp) {
+#if !TOPK_MERGE
     const u32 i = blockIdx.y;
     const u32 kvh = blockIdx.x;
     const u32 nb = n_blocks_of(ntok[i]);
     if (SHORT_LAYER(nb)) return;
     u32* row = table + ((u64)i * KV_HEADS + kvh) * KSEL;
-#if TOPK_MERGE
-    select_distant_merge((const u64*)scratch + ((u64)i * KV_HEADS + kvh) * SCORE_LISTS(max_blocks) * 32, nb, row);
-#else
     select_distant((const float*)scratch + ((u64)i * KV_HEADS + kvh) * max_blocks, nb, row);
-#endif
     __syncthreads();
-    plan_tile_cache(i, kvh, row, SINK, TOPK, 0, 0, true, sess, ntok, layer, max_blocks, tags, stamps, pages,
-                    slot_of, miss_src, stats, stamp);
+    plan_tile_cache(i, kvh, row, SINK, TOPK, 0, 0, DISTANT_SLOT0, CACHE_SLOTS - DISTANT_SLOT0, sess, ntok, layer,
+                    max_blocks, tags, stamps, pages, slot_of, miss_src, stats, stamp);
+#endif
 }

@@ -7,7 +7,7 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 
-use super::config::{bf16_outward, CudaConfig, Derived, SCORE_THREADS};
+use super::config::{bf16_outward, CudaConfig, Derived, SCORE_NB, SCORE_THREADS};
 use super::error::{CudaError, Result};
 use super::module::{compile, Kernels};
 use super::pinned::PinnedRegion;
@@ -142,15 +142,16 @@ pub struct CudaBackend {
     derived: Derived,
     ctx: Arc<CudaContext>,
     /// Everything is ordered on `stream` except the fixed part of a layer's keep-set (sink and
-    /// local window), which `side` plans, fetches and attends while `stream` scores: `fork`
-    /// (recorded on `stream` at the layer's start) starts it, `planned` (after plan_fixed) is
-    /// waited for before the distant plan, `join` before the merge. Both streams are drained
-    /// before any result is read.
+    /// local window), which `side` plans, fetches and attends while `stream` selects: `fork`
+    /// (recorded on `stream` at the layer's start) starts it, `join` is waited for before the
+    /// merge. The two parts use disjoint cache regions (gather.cu), so nothing else orders
+    /// them. Both streams are drained before any result is read.
     stream: Arc<CudaStream>,
     side: Arc<CudaStream>,
     fork: CudaEvent,
-    planned: CudaEvent,
     join: CudaEvent,
+    /// Multiprocessors of the device: select_score's blocks per octet are chosen to fill them.
+    sms: u32,
     k: Kernels,
     /// Shared so that several backends (one per geometry) can map the same registered arena.
     host: Option<Arc<PinnedRegion>>,
@@ -169,8 +170,10 @@ pub struct CudaBackend {
     q: DevBuf<f32>,
     sess: DevBuf<u32>,
     ntok: DevBuf<u32>,
-    /// Selector scratch between select_score and select_topk ([`Derived::score_scratch`]).
+    /// Selector scratch: candidate lists or scores ([`Derived::score_scratch`]).
     scores: DevBuf<u8>,
+    /// Per (batch item, kv head): select_score thread blocks done (zero between launches).
+    done: DevBuf<u32>,
     table: DevBuf<u32>,
     counts: DevBuf<u32>,
     slot_of: DevBuf<u32>,
@@ -179,6 +182,23 @@ pub struct CudaBackend {
     part_ml: DevBuf<f32>,
     out: DevBuf<f32>,
     stats: DevBuf<u64>,
+}
+
+/// The device order of one (block, kv head) summary record (select.cu, "Device summary
+/// layout"): entry e is the index into the CPU's [max; D] ++ [min; D] record. Thread j of a
+/// scoring octet owns the CPU's SIMD lane j (dims j + 8s); its (max, min) pairs for increasing
+/// s fill 16-byte vectors of `p` pairs, and its vector u is the record's vector u * 8 + j.
+fn summary_order(d: usize, bf16: bool) -> Vec<usize> {
+    let p = if bf16 { 4 } else { 2 };
+    let mut order = vec![0; 2 * d];
+    for dim in 0..d {
+        let (j, s) = (dim % 8, dim / 8);
+        let (u, w) = (s / p, s % p);
+        let at = (u * 8 + j) * 2 * p + 2 * w;
+        order[at] = dim;
+        order[at + 1] = d + dim;
+    }
+    order
 }
 
 impl CudaBackend {
@@ -215,8 +235,12 @@ impl CudaBackend {
             ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
                 .map_err(CudaError::driver("cuEventCreate"))
         };
-        let (fork, planned, join) = (new_event()?, new_event()?, new_event()?);
+        let (fork, join) = (new_event()?, new_event()?);
         let k = compile(&ctx, &cfg, &derived)?;
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(CudaError::driver("cuDeviceGetAttribute"))?
+            .max(1) as u32;
 
         let g = &cfg.geometry;
         let (s, l, mb) = (
@@ -245,6 +269,7 @@ impl CudaBackend {
             sess: z32(bmax)?,
             ntok: z32(l * bmax)?,
             scores: z8(bmax * hkv * derived.score_scratch)?,
+            done: z32(bmax * hkv)?,
             table: z32(l * bmax * hkv * ks)?,
             counts: z32(l * bmax * hkv)?,
             slot_of: z32(bmax * hkv * ks)?,
@@ -259,8 +284,8 @@ impl CudaBackend {
             stream,
             side,
             fork,
-            planned,
             join,
+            sms,
             k,
             host: None,
             sessions: (0..s).map(|_| None).collect(),
@@ -501,17 +526,26 @@ impl CudaBackend {
         self.session_mut(slot)?;
         let mb = self.cfg.max_blocks as usize;
         let elem0 = ((s * self.cfg.geometry.layers as usize + l) * mb + first_block as usize) * per;
-        if self.cfg.summaries_bf16() {
+        let bf16 = self.cfg.summaries_bf16();
+        let order = summary_order(self.cfg.geometry.head_dim as usize, bf16);
+        let rec = order.len();
+        if bf16 {
             // Outward rounding: exact for the bounds of bf16 keys (see summaries_bf16).
-            let d = self.cfg.geometry.head_dim as usize;
-            let rounded: Vec<u16> = summaries
-                .iter()
-                .enumerate()
-                .map(|(i, &x)| bf16_outward(x, (i / d).is_multiple_of(2)))
-                .collect();
-            self.htod(self.sums.at(elem0 * 2), &rounded)?;
+            let mut dev = vec![0u16; summaries.len()];
+            for (r, src) in summaries.chunks_exact(rec).enumerate() {
+                for (x, &o) in dev[r * rec..(r + 1) * rec].iter_mut().zip(&order) {
+                    *x = bf16_outward(src[o], o < rec / 2);
+                }
+            }
+            self.htod(self.sums.at(elem0 * 2), &dev)?;
         } else {
-            self.htod(self.sums.at(elem0 * 4), summaries)?;
+            let mut dev = vec![0f32; summaries.len()];
+            for (r, src) in summaries.chunks_exact(rec).enumerate() {
+                for (x, &o) in dev[r * rec..(r + 1) * rec].iter_mut().zip(&order) {
+                    *x = src[o];
+                }
+            }
+            self.htod(self.sums.at(elem0 * 4), &dev)?;
         }
         let sess = self.session_mut(slot)?;
         for f in &mut sess.flags[l][first_block as usize..first_block as usize + n] {
@@ -760,7 +794,8 @@ impl CudaBackend {
 
     /// Enqueues one layer: in parallel, the fixed part of the keep-set (sink and local window:
     /// known before any scoring; planned, fetched and attended) on the side stream and the
-    /// selector on the main one; then the distant tiles and, once both are done, the merge.
+    /// selector (scoring, top-k and the distant plan: one launch for top_k <= 32) on the main
+    /// one; then the distant tiles and, once both are done, the merge.
     /// `max_nb`: most blocks of any batch session. `l`: model layer; `li`: its index within
     /// this call (offset into the dense q/out).
     fn run_layer(&mut self, l: usize, li: usize, b: usize, max_nb: u32) -> Result<()> {
@@ -846,7 +881,7 @@ impl CudaBackend {
         let wait = |st: &Arc<CudaStream>, e: &CudaEvent| {
             st.wait(e).map_err(CudaError::driver("cuStreamWaitEvent"))
         };
-        // Side: plan the fixed part, then fetch + attend it, while main scores.
+        // Side: plan the fixed part, then fetch + attend it, while main selects.
         rec(&self.fork, main)?;
         wait(side, &self.fork)?;
         let mut args = vec![P(ntok), U(mb), P(table), P(counts)];
@@ -858,36 +893,42 @@ impl CudaBackend {
             cfg((hkv, bu, 1), 128),
             &args,
         )?;
-        rec(&self.planned, side)?;
         attend(side, 0, ks)?;
         rec(&self.join, side)?;
 
+        let nbo = self.score_blocks_per_octet(max_nb, hkv * bu);
+        let mut args = vec![
+            P(q),
+            P(self.sums.ptr),
+            P(sess),
+            P(ntok),
+            U(layer),
+            U(mb),
+            U(nbo),
+            P(self.scores.ptr),
+            P(self.done.ptr),
+            P(table),
+        ];
+        args.extend_from_slice(&plan_args[2..]);
+        let octets = SCORE_THREADS / 8;
         self.launch(
             main,
             &k.select_score,
             "select_score",
-            cfg((max_nb.div_ceil(SCORE_THREADS), hkv, bu), SCORE_THREADS),
-            &[
-                P(q),
-                P(self.sums.ptr),
-                P(sess),
-                P(ntok),
-                U(layer),
-                U(mb),
-                P(self.scores.ptr),
-            ],
-        )?;
-        // The distant plan must see the fixed plan's slot stamps.
-        wait(main, &self.planned)?;
-        let mut args = vec![P(self.scores.ptr), P(ntok), U(mb), P(table)];
-        args.extend_from_slice(&plan_args);
-        self.launch(
-            main,
-            &k.select_topk,
-            "select_topk",
-            cfg((hkv, bu, 1), 1024),
+            cfg((max_nb.div_ceil(nbo * octets), hkv, bu), SCORE_THREADS),
             &args,
         )?;
+        if !self.derived.topk_merge {
+            let mut args = vec![P(self.scores.ptr), P(ntok), U(mb), P(table)];
+            args.extend_from_slice(&plan_args);
+            self.launch(
+                main,
+                &k.select_topk,
+                "select_topk",
+                cfg((hkv, bu, 1), 1024),
+                &args,
+            )?;
+        }
         self.record(l, 1)?;
         attend(main, 1, p.top_k.max(1))?;
         wait(main, &self.join)?;
@@ -900,6 +941,17 @@ impl CudaBackend {
         )?;
         self.record(l, 2)?;
         Ok(())
+    }
+
+    /// Blocks each select_score octet scores: the most (fewest candidate lists to merge, the
+    /// query loaded once per more blocks) that still gives every multiprocessor a thread block.
+    fn score_blocks_per_octet(&self, max_nb: u32, heads: u32) -> u32 {
+        let octets = SCORE_THREADS / 8;
+        let mut nbo = SCORE_NB;
+        while nbo > 1 && max_nb.div_ceil(nbo * octets) * heads < self.sms {
+            nbo /= 2;
+        }
+        nbo
     }
 
     /// Waits for the enqueued layers and reads outputs, statistics and timings.
@@ -992,4 +1044,46 @@ enum Arg {
     P(u64),
     U(u32),
     F(f32),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::summary_order;
+
+    /// Every CPU value lands once, and the values a scoring thread reads (16-byte vectors
+    /// u * 8 + j of its record) are lane j's (max, min) pairs for dims j, j + 8, ... in order.
+    #[test]
+    fn summary_order_gives_each_lane_its_dims_in_order() {
+        for (d, bf16) in [
+            (32, true),
+            (32, false),
+            (64, true),
+            (128, true),
+            (128, false),
+            (256, false),
+        ] {
+            let order = summary_order(d, bf16);
+            let mut seen = order.clone();
+            seen.sort_unstable();
+            assert_eq!(
+                seen,
+                (0..2 * d).collect::<Vec<_>>(),
+                "d {d}: not a permutation"
+            );
+            let per_vec = if bf16 { 8 } else { 4 };
+            let vecs = 2 * d / per_vec / 8;
+            for j in 0..8 {
+                let lane: Vec<usize> = (0..vecs)
+                    .flat_map(|u| {
+                        let v = u * 8 + j;
+                        order[v * per_vec..(v + 1) * per_vec].to_vec()
+                    })
+                    .collect();
+                let want: Vec<usize> = (0..d / 8)
+                    .flat_map(|s| [j + 8 * s, d + j + 8 * s])
+                    .collect();
+                assert_eq!(lane, want, "d {d} bf16 {bf16} lane {j}");
+            }
+        }
+    }
 }

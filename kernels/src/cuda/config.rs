@@ -115,8 +115,11 @@ pub struct CudaConfig {
 }
 
 const SMEM_LIMIT: usize = 48 * 1024;
-/// Threads (= blocks scored) per select_score thread block (kernels/cuda/select.cu).
-pub(crate) const SCORE_THREADS: u32 = 128;
+/// Threads per select_score thread block: 32 octets, one octet per scored block
+/// (kernels/cuda/select.cu).
+pub(crate) const SCORE_THREADS: u32 = 256;
+/// Most blocks each select_score octet scores in one launch (the launch picks 1, 2, 4 or 8).
+pub(crate) const SCORE_NB: u32 = 8;
 /// Largest opt-in shared memory per block on compute capability 8.0 / 9.0 (checked against
 /// the device at backend creation too).
 const SMEM_OPTIN_LIMIT: usize = 227 * 1024;
@@ -210,15 +213,11 @@ impl CudaConfig {
                 self.max_blocks
             )));
         }
-        // select_score: s_q[G][D] + two [SCORE_THREADS][DCH+1] chunk buffers + the candidate
-        // lists of its warps (u64 [SCORE_THREADS / 32][32]).
+        // select_score: the query values, the thread block's keys and warp lists, the merge
+        // tree and the distant plan.
+        let q_smem = gs * d * 4;
         let st = SCORE_THREADS as usize;
-        let dch = [32usize, 16]
-            .into_iter()
-            .find(|c| {
-                (gs * d + 2 * st * (c + 1)) * 4 + st * 8 <= SMEM_LIMIT && d.is_multiple_of(*c)
-            })
-            .ok_or_else(|| invalid("selector shared memory exceeds 48 KiB"))?;
+        let lists_smem = (SCORE_NB as usize * 32 * 2 + st) * 8;
         // attend_tile: dynamic = tile (+ reduction buffer unless it fits in the dead K half).
         // Value-phase slices left after the in-warp shuffle reduction (attend.cu RSL).
         let slices = att_threads / cpr;
@@ -243,16 +242,22 @@ impl CudaConfig {
                 "gather plan needs {plan_smem} bytes of shared memory"
             )));
         }
+        if q_smem + lists_smem + plan_smem > SMEM_LIMIT {
+            return Err(invalid(format!(
+                "selector needs {} bytes of shared memory (> {SMEM_LIMIT}) for G={gs}, D={d}",
+                q_smem + lists_smem + plan_smem
+            )));
+        }
         // Top-k by merging per-thread-block candidate lists of 32 (select.cu) where the lists
-        // can hold it; the radix select over every score otherwise.
+        // can hold it; the radix select over every score otherwise. Lists: at most one per 32
+        // blocks (a launch scoring one block per octet).
         let topk_merge = p.top_k <= 32;
         let score_scratch = if topk_merge {
-            (self.max_blocks as usize).div_ceil(st) * 32 * 8
+            (self.max_blocks as usize).div_ceil(32) * 32 * 8
         } else {
             self.max_blocks as usize * 4
         };
         Ok(Derived {
-            score_chunk: dch as u32,
             topk_merge,
             score_scratch,
             keep_max: ksel,
@@ -291,10 +296,10 @@ impl CudaConfig {
             ("CACHE_SLOTS", self.cache_slots),
             ("TOPK_KPT", derived.topk_per_thread),
             ("TOPK_MERGE", u32::from(derived.topk_merge)),
-            ("DCH", derived.score_chunk),
             ("RED_IN_TILE", u32::from(derived.red_in_tile)),
             ("ATT_THREADS", derived.att_threads),
             ("SCORE_THREADS", SCORE_THREADS),
+            ("SCORE_NB", SCORE_NB),
         ]
         .iter()
         .map(|(k, v)| format!("-D{k}={v}"))
@@ -305,10 +310,8 @@ impl CudaConfig {
 /// Kernel constants derived from a validated config.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Derived {
-    /// Head dims per selector staging step.
-    pub score_chunk: u32,
-    /// Whether select_topk merges select_score's per-thread-block candidate lists (top_k <= 32)
-    /// instead of running a radix select over every score.
+    /// Whether select_score merges its per-thread-block candidate lists (top_k <= 32) instead
+    /// of select_topk running a radix select over every score.
     pub topk_merge: bool,
     /// Bytes of selector scratch per (batch item, kv head): the candidate lists or the scores.
     pub score_scratch: usize,
