@@ -19,6 +19,10 @@
 #endif
 
 #define STAGE_UNROLL 8
+// V_EARLY: each half of the tile is one round of loads per thread (8 x 16 bytes per half for
+// the Qwen tile), so both can be in flight in registers.
+#define V_EARLY_LOADS ((BLOCK_TOKENS * CPR + ATT_THREADS - 1) / ATT_THREADS)
+#define V_EARLY (V_EARLY_LOADS <= STAGE_UNROLL)
 
 // Copies rows [0, rows) of a [BLOCK_TOKENS][CPR] uint4 matrix into shared memory with plain
 // 16-byte loads, STAGE_UNROLL per thread in flight per round, a warp covering 512 contiguous
@@ -89,14 +93,46 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
     uint4* cslot = cache + slot * (TILE_BYTES / 16);
     const u64 src = miss_src[(u64)ih * KSEL + j];
     const uint4* from = src ? (const uint4*)src : cslot;
+    // Only full blocks are cached (gather_plan tags them); partial tails are refetched.
+    const bool fill = src && nvalid == BLOCK_TOKENS;
+#if V_EARLY
+    // Both halves' loads go out together (one 16-byte load per thread per chunk), K is stored
+    // once it lands, and V stays in registers while the scores and the softmax run on K: a tile
+    // read over PCIe no longer finishes its transfer before any arithmetic starts
+    // (bench/gpu/NOTES.md v19: hot fetch+attend at 128K 24.5 -> 18.8 us; the cold
+    // transfer itself did not change).
+    // K's loads are issued first (the empty asm keeps the two groups in order), so K lands first.
+    uint4 kr[V_EARLY_LOADS], vr[V_EARLY_LOADS];
+#pragma unroll
+    for (int u = 0; u < V_EARLY_LOADS; ++u) {
+        const u32 x = tid + u * ATT_THREADS;
+        if (x < nvalid * CPR) kr[u] = from[x];
+    }
+    asm volatile("" ::: "memory");
+#pragma unroll
+    for (int u = 0; u < V_EARLY_LOADS; ++u) {
+        const u32 x = tid + u * ATT_THREADS;
+        if (x < nvalid * CPR) vr[u] = from[BLOCK_TOKENS * CPR + x];
+    }
+#pragma unroll
+    for (int u = 0; u < V_EARLY_LOADS; ++u) {
+        const u32 x = tid + u * ATT_THREADS;
+        if (x < nvalid * CPR) s_tile[x] = kr[u];
+    }
+#else
     stage_rows(s_tile, from, nvalid);
     stage_rows(s_tile + BLOCK_TOKENS * CPR, from + BLOCK_TOKENS * CPR, nvalid);
+#endif
     const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
     for (u32 x = tid; x < GROUP * HEAD_DIM; x += ATT_THREADS) s_q[x / HEAD_DIM][x % HEAD_DIM] = qh[x];
     __syncthreads();
-    // Only full blocks are cached (gather_plan tags them); partial tails are refetched.
-    if (src && nvalid == BLOCK_TOKENS)
+#if V_EARLY
+    if (fill)
+        for (u32 v = tid; v < BLOCK_TOKENS * CPR; v += ATT_THREADS) cslot[v] = s_tile[v];
+#else
+    if (fill)
         for (u32 v = tid; v < 2 * BLOCK_TOKENS * CPR; v += ATT_THREADS) cslot[v] = s_tile[v];
+#endif
     const uint4* kt = s_tile;
     const uint4* vt = s_tile + BLOCK_TOKENS * CPR;
 
@@ -153,6 +189,20 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
     }
     __syncthreads();
 
+#if V_EARLY
+    {
+        uint4* vdst = s_tile + BLOCK_TOKENS * CPR;
+#pragma unroll
+        for (int u = 0; u < V_EARLY_LOADS; ++u) {
+            const u32 x = tid + u * ATT_THREADS;
+            if (x < nvalid * CPR) {
+                vdst[x] = vr[u];
+                if (fill) cslot[BLOCK_TOKENS * CPR + x] = vr[u];
+            }
+        }
+    }
+    __syncthreads();
+#endif
     // Values: thread owns chunk c of the row and every SLICES-th row.
     {
         const u32 c = tid % CPR;
