@@ -97,10 +97,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
     const bool fill = src && nvalid == BLOCK_TOKENS;
 #if V_EARLY
     // Both halves' loads go out together (one 16-byte load per thread per chunk), K is stored
-    // once it lands, and V stays in registers while the scores and the softmax run on K: a tile
-    // read over PCIe no longer finishes its transfer before any arithmetic starts
-    // (bench/gpu/NOTES.md v19: hot fetch+attend at 128K 24.5 -> 18.8 us; the cold
-    // transfer itself did not change).
+    // once it lands, and V stays in registers while the scores and the softmax run on K.
+    // Measured (bench/gpu/NOTES.md v19): hot fetch+attend at 128K 24.5 -> 18.8 us; a cold
+    // tile's transfer is unchanged (the gather is bound by the PCIe reads, not this tail).
     // K's loads are issued first (the empty asm keeps the two groups in order), so K lands first.
     uint4 kr[V_EARLY_LOADS], vr[V_EARLY_LOADS];
 #pragma unroll
