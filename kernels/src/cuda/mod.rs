@@ -9,24 +9,27 @@
 //! - [`config`]: geometry, policy and capacity, validated before any device work.
 //! - [`pinned`]: [`PinnedRegion`], the host arena registered with CUDA (mapped, pinned).
 //! - [`backend`]: [`CudaBackend`], device-side layer state (summaries, page table, tile cache)
-//!   and the per-layer pipeline of four launches: `select_score` -> `select_topk` (top-k,
-//!   then the block-cache plan) -> `attend_tile` (fetch fused with attention) -> `attend_merge`.
+//!   and the per-layer pipeline: `plan_fixed` + `attend_tile` (sink and local window) on a side
+//!   stream while `select_score` (scoring, top-k and the plan of the distant tiles; plus
+//!   `select_topk` when top_k > 32) runs, then `attend_tile` (distant tiles) -> `attend_merge`.
 //! - `module`: NVRTC compilation; [`error`]: [`CudaError`].
 //!
 //! # Per layer, per decode call
-//! 1. Selector: one thread per block keeps the G query heads' bound sums in registers, in the
-//!    CPU selector's order (8 lanes, d -> lane d % 8, then `simd::reduce`'s tree; no FMA), so
-//!    scores are bit-identical to `select::block_score`, reading the summaries in coalesced
-//!    chunks through shared memory. For top_k <= 32 each thread block also reduces its 128
-//!    blocks to a sorted list of its 32 best distant candidates and `select_topk` merges a kv
-//!    head's lists (warp bitonic networks); for larger top_k a radix select over every score.
-//!    Either way the top-k distant blocks, ties to the lower index, written ascending.
+//! 1. Selector: an octet of threads per block, thread j keeping lane j of the CPU's 8-lane bound
+//!    sums (dims j + 8s) for each query head, folded across the octet in `simd::reduce`'s order
+//!    (no FMA), so scores are bit-identical to `select::block_score`. For top_k <= 32 each thread
+//!    block reduces its blocks to a sorted list of its 32 best distant candidates and the kv
+//!    head's last thread block merges the lists (warp bitonic networks); for larger top_k a
+//!    radix select over every score. Either way the top-k distant blocks, ties to the lower
+//!    index, written ascending.
 //! 2. Cache plan (same thread block as the top-k): a per-(session, layer, kv head) LRU tile
-//!    cache on the GPU decides hits and victim slots; only misses are read from host memory.
-//! 3. Fetch + attention: one thread block per (session, kv head, tile) stages the tile in shared
-//!    memory (cp.async, 16 bytes per copy, all in flight: from the cache slot on a hit, over
-//!    PCIe from the host frame on a miss, then written back to the slot), attends it for its G
-//!    query heads (fp32 softmax), writes (m, l, acc); a merge kernel combines them (LSE).
+//!    cache on the GPU, with separate slot regions for the fixed and the distant part, decides
+//!    hits and victim slots; only misses are read from host memory.
+//! 3. Fetch + attention: one thread block per (session, kv head, tile) loads the tile with
+//!    16-byte loads, K and V all in flight (from the cache slot on a hit, over PCIe from the
+//!    mapped host frame on a miss, then written back to the slot); K is staged in shared memory
+//!    and scored while V is still arriving; the tile is attended for its G query heads (fp32
+//!    softmax) and writes (m, l, acc); a merge kernel combines them (LSE).
 //!    (Merging in the last thread block of each (session, kv head) was measured slower.)
 
 pub mod backend;
