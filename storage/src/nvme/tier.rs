@@ -284,14 +284,9 @@ impl NvmeTier {
                 .manifest
                 .session(session)
                 .ok_or_else(|| NvmeError::invalid(format!("no session {session} on NVMe")))?;
-            let device: HashMap<(u32, u32), u16> = s
-                .pages
-                .iter()
-                .map(|p| ((p.layer, p.block), p.device))
-                .collect();
             wanted
                 .iter()
-                .map(|k| (device.get(k).copied().unwrap_or(0) as usize, page))
+                .map(|&(l, b)| (s.page(l, b).map_or(0, |p| p.device as usize), page))
                 .collect()
         };
         plan::split_batches(&lanes, &reads, BULK_BATCH_SECONDS, BULK_BATCH_MAX_PAGES)
@@ -338,12 +333,12 @@ impl NvmeTier {
                 .manifest
                 .session(session)
                 .ok_or_else(|| NvmeError::invalid(format!("no session {session} on NVMe")))?;
-            let index: HashMap<(u32, u32), &PageRecord> =
-                s.pages.iter().map(|p| ((p.layer, p.block), p)).collect();
+            // Binary search per run: building an index of the whole session for every batch
+            // made a bulk read quadratic in the session's size.
             wanted
                 .iter()
-                .map(|k| {
-                    index.get(k).map(|p| PageRead {
+                .map(|&(l, b)| {
+                    s.page(l, b).map(|p| PageRead {
                         addr: p.addr(),
                         id: PageId {
                             session,
