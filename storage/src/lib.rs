@@ -27,5 +27,5 @@ pub use arena::{ArenaOptions, ArenaUsage, Frame, HostArena};
 pub use dtype::DType;
 pub use error::{Result, StorageError};
 pub use geometry::{Geometry, Policy};
-pub use kv::{ColdSource, KvCache, LayerView};
+pub use kv::{ColdSource, KvCache, LayerView, StoredBlock};
 pub use par::default_workers;
