@@ -233,6 +233,9 @@ pub struct NvmeConfig {
     pub low_water: f64,
     pub engine: IoEngineKind,
     pub queue_depth: u32,
+    /// Threads a bulk page-store batch (demotion, warm restart) and the warm restart's
+    /// rebuild of tiles and bounds may use, the caller's included (0: one per core, at most 8).
+    pub workers: usize,
     /// Speculative promotion: after a step that read cold blocks, bring in this many more
     /// candidates per kv-head (those ranked just below the cut) in the background (0: off).
     pub prefetch_blocks: u32,
@@ -273,6 +276,7 @@ impl Default for NvmeConfig {
             low_water: 0.75,
             engine: IoEngineKind::Auto,
             queue_depth: 64,
+            workers: 0,
             prefetch_blocks: 8,
         }
     }
@@ -577,6 +581,13 @@ impl Config {
                     format!("must be in 1..=4096, got {}", n.queue_depth),
                 );
             }
+            let most = kvtier_storage::nvme::store::MAX_WORKERS;
+            if n.workers > most {
+                return bad(
+                    "nvme.workers",
+                    format!("must be in 0..={most} (0: one per core), got {}", n.workers),
+                );
+            }
         }
         let c = &self.backend.cuda;
         for (field, v) in [
@@ -746,6 +757,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("capacty"), "{e}");
+        let e = load("[nvme]\nworkers = 65\n", &[], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("nvme.workers"), "{e}");
         let e = load("", &[("TIERD_LOG_LEVEL", "loud")], &[])
             .unwrap_err()
             .to_string();

@@ -26,7 +26,7 @@ use kvtier_protocol::{
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
 use kvtier_storage::nvme::{BlockRun, NvmeError, NvmeTier, TierSource};
 use kvtier_storage::ColdSource;
-use kvtier_storage::{DType, Geometry, HostArena, KvCache, Policy, StorageError};
+use kvtier_storage::{DType, Geometry, HostArena, KvCache, Policy, StorageError, StoredBlock};
 
 use crate::error::{storage_code, ServiceError, ServiceResult};
 use crate::metrics::{Metrics, Rejection};
@@ -113,6 +113,12 @@ fn nvme_error(e: NvmeError) -> ServiceError {
         _ => ErrorCode::Internal,
     };
     ServiceError::new(code, format!("NVMe tier: {e}"))
+}
+
+impl From<NvmeError> for ServiceError {
+    fn from(e: NvmeError) -> Self {
+        nvme_error(e)
+    }
 }
 
 /// Monotonic counters reported by STATS (relaxed atomics: read at scrape time).
@@ -1064,22 +1070,45 @@ impl Engine {
         let bt = geometry.block_tokens as u64;
         let tokens = |l: u32| *rec.layer_tokens.get(l as usize).unwrap_or(&0);
         // Every run in the order the cache is rebuilt (layer by layer, block by block), read
-        // in batches sized by the devices' tracked rates.
+        // in batches sized by the devices' tracked rates; the next batch is read and verified
+        // while this one is rebuilt (on the store's workers).
         let wanted: Vec<(u32, u32)> = (0..geometry.layers)
             .flat_map(|l| (0..geometry.blocks_for(tokens(l)) as u32).map(move |b| (l, b)))
             .collect();
-        for r in tier.plan_batches(rec.id, &wanted).map_err(nvme_error)? {
-            let pages = tier
-                .read_runs(rec.id, &wanted[r.clone()])
-                .map_err(nvme_error)?;
-            for (page, &(l, b)) in pages.into_iter().zip(&wanted[r]) {
-                let page = page.map_err(nvme_error)?;
-                let valid = (tokens(l) - b as u64 * bt).min(bt) as usize;
-                let u = self.arena.usage();
-                let keep = (u.frames_used as f64) < u.frames_total as f64 * t.low_water;
-                kv.restore_block(l, page.payload(), valid, keep)?;
+        let workers = tier.store().workers();
+        tier.read_runs_pipelined(rec.id, &wanted, |r, pages| -> ServiceResult<()> {
+            // Block by block, a block stays resident while the host tier is below low water
+            // (frames_used < frames_total * low_water) and each kept block takes a frame: so
+            // the first `room` blocks of the batch are kept, the same blocks as block by block.
+            // Nothing else allocates frames during recovery (it runs before the socket
+            // opens); if something did, the tier could pass low water by at most one batch
+            // (PIPELINE_BATCH_BYTES of pages, at most BULK_BATCH_MAX_PAGES blocks).
+            let u = self.arena.usage();
+            let low = (u.frames_total as f64 * t.low_water).ceil() as usize;
+            let mut room = low.saturating_sub(u.frames_used);
+            // The blocks before the first page that failed are restored first, so the error
+            // is the one block-by-block restoring would meet first.
+            let ok = pages.iter().position(Result::is_err).unwrap_or(pages.len());
+            let blocks: Vec<StoredBlock<'_>> = pages[..ok]
+                .iter()
+                .zip(&wanted[r.start..r.start + ok])
+                .map(|(page, &(l, b))| {
+                    let keep = room > 0;
+                    room -= keep as usize;
+                    StoredBlock {
+                        layer: l,
+                        run: page.as_ref().expect("before the first failure").payload(),
+                        valid: (tokens(l) - b as u64 * bt).min(bt) as usize,
+                        keep,
+                    }
+                })
+                .collect();
+            kv.restore_blocks(&blocks, workers)?;
+            match pages.into_iter().nth(ok) {
+                Some(Err(e)) => Err(nvme_error(e)),
+                _ => Ok(()),
             }
-        }
+        })?;
         let persisted = (0..geometry.layers)
             .map(|l| kv.tokens(l).expect("layer"))
             .collect();

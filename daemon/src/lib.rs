@@ -144,12 +144,16 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
         engine,
     )
     .map_err(|e| e.to_string())?;
+    if n.workers > 0 {
+        store.set_workers(n.workers).map_err(|e| e.to_string())?;
+    }
     let (tier, report) = NvmeTier::open(store, &n.dir).map_err(|e| e.to_string())?;
     for skipped in &report.skipped_manifests {
         tracing::warn!(manifest = %skipped, "skipped a damaged manifest; using an older one");
     }
     tracing::info!(
         engine = tier.store().engine_name(),
+        workers = tier.store().workers(),
         epoch = report.epoch,
         sessions = report.sessions,
         pages = report.pages,

@@ -462,6 +462,44 @@ fn pins_survive_a_clean_restart_and_kill_9_and_keep_the_session_in_ram_under_pre
     }
 }
 
+#[test]
+fn a_warm_restart_keeps_blocks_resident_exactly_up_to_low_water() {
+    // 96 frames of 4 KiB, low water 0.75: 72 frames. Two 40-frame sessions restore in
+    // batches, yet exactly as block by block: the first all resident, the second until the
+    // host tier reaches 72 frames, the rest cold.
+    let args = [
+        "--set",
+        "host.capacity=\"384KiB\"",
+        "--set",
+        "nvme.prefetch_blocks=0",
+        "--set",
+        "nvme.workers=2",
+    ];
+    let d = Daemon::start(&args);
+    let mut c = d.client();
+    let (first, _) = session_320(&mut c, "first", 1);
+    let (second, mut sh) = session_320(&mut c, "second", 2);
+    drop(c);
+    let d = Daemon::start_in(d.stop(false), &args);
+    let mut c = d.client();
+    assert_eq!(c.stats().unwrap().get("host_frames_used"), Some(72));
+    assert_eq!(c.session_info(first).unwrap().host_bytes, 40 * 4096);
+    assert_eq!(c.session_info(second).unwrap().host_bytes, 32 * 4096);
+    // The cold blocks come back when a keep-set needs them.
+    for layer in 0..2usize {
+        let pos = sh.tokens(layer);
+        let (q, k, v) = sh.step_input(layer);
+        let out = c
+            .decode(
+                layer as u32,
+                entry(second, pos, &f32_bytes(&q), &k, &v),
+                true,
+            )
+            .unwrap();
+        sh.check(layer, &q, &out);
+    }
+}
+
 /// Per-device lane estimates in STATS, from a daemon striping over two page files.
 fn lane_stat(c: &mut Client, dev: usize, what: &str) -> u64 {
     let key = format!("nvme_dev{dev}_{what}");

@@ -175,6 +175,18 @@ impl HostArena {
 
     /// Takes `n` frames or none: on failure the frames already taken go back to the pool.
     pub fn alloc_many(&self, n: usize) -> Result<Vec<Frame>> {
+        let mut frames = self.alloc_many_unzeroed(n)?;
+        for f in &mut frames {
+            f.as_mut_slice().fill(0);
+        }
+        Ok(frames)
+    }
+
+    /// [`HostArena::alloc_many`] without zeroing: the frames hold whatever their last owner
+    /// left. For callers that overwrite every byte before anyone reads the frame (a bulk
+    /// restore copies the run and zeroes the rest on its worker threads, instead of zeroing
+    /// on one thread and then copying over it).
+    pub(crate) fn alloc_many_unzeroed(&self, n: usize) -> Result<Vec<Frame>> {
         let ids = {
             let mut free = self.inner.free.lock();
             if free.len() < n {
@@ -190,15 +202,16 @@ impl HostArena {
         Ok(ids
             .into_iter()
             .rev()
-            .map(|id| {
-                let mut frame = Frame {
-                    arena: self.inner.clone(),
-                    id,
-                };
-                frame.as_mut_slice().fill(0);
-                frame
+            .map(|id| Frame {
+                arena: self.inner.clone(),
+                id,
             })
             .collect())
+    }
+
+    /// Frames free right now.
+    pub fn free_frames(&self) -> usize {
+        self.inner.free.lock().len()
     }
 
     /// Start address and length of the whole mapping, for registering it with a device driver

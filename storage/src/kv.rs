@@ -1,9 +1,29 @@
 //! The KV cache of one session: per layer, a block table of arena frames and the blocks'
 //! key-bound summaries, grown by appends that never reorder or rewrite positions.
 
+use parking_lot::Mutex;
+
 use crate::arena::{Frame, HostArena};
 use crate::error::{Result, StorageError};
 use crate::geometry::{Geometry, MAX_HEAD_DIM};
+use crate::par;
+
+/// Fewest blocks per thread before [`KvCache::restore_blocks`] fans out (a block's bound
+/// rebuild is tens of microseconds, about what a thread spawn costs).
+pub const RESTORE_MIN_BLOCKS_PER_THREAD: usize = 4;
+
+/// One stored block for [`KvCache::restore_blocks`]: the arguments of one
+/// [`KvCache::restore_block`] call.
+#[derive(Debug, Clone, Copy)]
+pub struct StoredBlock<'a> {
+    pub layer: u32,
+    /// The block run as stored (exactly `block_bytes`).
+    pub run: &'a [u8],
+    /// Tokens of the block that are present (B except for a layer's tail block).
+    pub valid: usize,
+    /// Keep the run resident in a fresh frame (else the block is restored cold).
+    pub keep: bool,
+}
 
 /// Where a block's bytes are: in an arena frame, or only in a colder tier (its summary always
 /// stays in RAM, so selection never waits for a cold tier).
@@ -269,6 +289,168 @@ impl KvCache {
         Ok(())
     }
 
+    /// [`KvCache::restore_block`] for many blocks at once, in order, on up to `threads`
+    /// threads (the caller's included; small batches stay on the caller). All-or-nothing: on
+    /// error the cache is unchanged, and the error is the one the first failing block would
+    /// have given restoring block by block. On success tiles, bounds and lengths are
+    /// bit-identical to restoring block by block.
+    pub fn restore_blocks(&mut self, blocks: &[StoredBlock<'_>], threads: usize) -> Result<()> {
+        let geo = self.geo;
+        let bt = geo.block_tokens as u64;
+        let threads = threads
+            .min(blocks.len() / RESTORE_MIN_BLOCKS_PER_THREAD)
+            .max(1);
+        // The cheap checks, in order, against the layer lengths the blocks before each one
+        // leave behind; `limit` is the first block that fails one.
+        let mut tokens: Vec<u64> = self.layers.iter().map(|l| l.tokens).collect();
+        let mut bad = None;
+        for (i, b) in blocks.iter().enumerate() {
+            let Some(t) = tokens.get_mut(b.layer as usize) else {
+                bad = Some((
+                    i,
+                    StorageError::LayerOutOfRange {
+                        layer: b.layer,
+                        layers: geo.layers,
+                    },
+                ));
+                break;
+            };
+            if *t % bt != 0 || b.valid == 0 || b.valid as u64 > bt {
+                bad = Some((
+                    i,
+                    StorageError::PositionMismatch {
+                        layer: b.layer,
+                        expected: t.next_multiple_of(bt),
+                        got: *t,
+                    },
+                ));
+                break;
+            }
+            if b.run.len() != geo.block_bytes() {
+                bad = Some((
+                    i,
+                    StorageError::PayloadSize {
+                        what: "stored block run",
+                        expected: geo.block_bytes(),
+                        got: b.run.len(),
+                    },
+                ));
+                break;
+            }
+            *t += b.valid as u64;
+        }
+        if let Some((limit, err)) = bad {
+            return Err(self.fails_before(blocks, limit, threads).unwrap_or(err));
+        }
+        let kept = blocks.iter().filter(|b| b.keep).count();
+        let mut frames = match self.arena.alloc_many_unzeroed(kept) {
+            Ok(f) => f,
+            Err(full) => {
+                return Err(self
+                    .fails_before(blocks, blocks.len(), threads)
+                    .unwrap_or(full))
+            }
+        };
+
+        // Summaries go where block-by-block appends would put them: after the layer's
+        // current ones, in block order.
+        let spb = geo.summary_floats_per_block();
+        let old_lens: Vec<usize> = self.layers.iter().map(|l| l.summaries.len()).collect();
+        let mut added = vec![0usize; self.layers.len()];
+        for b in blocks {
+            added[b.layer as usize] += 1;
+        }
+        let non_finite = {
+            let mut tails: Vec<_> = self
+                .layers
+                .iter_mut()
+                .zip(&added)
+                .map(|(l, &n)| {
+                    let at = l.summaries.len();
+                    l.summaries.resize(at + n * spb, 0.0);
+                    l.summaries[at..].chunks_exact_mut(spb)
+                })
+                .collect();
+            let mut free_frames = frames.iter_mut();
+            let work: Vec<Mutex<RestoreWork<'_, '_>>> = blocks
+                .iter()
+                .map(|b| {
+                    Mutex::new(RestoreWork {
+                        block: b,
+                        summary: tails[b.layer as usize].next().expect("sized above"),
+                        frame: if b.keep { free_frames.next() } else { None },
+                    })
+                })
+                .collect();
+            par::map_indexed(work.len(), threads, "kvtier-restore", |i| {
+                let mut w = work[i].lock();
+                let w = &mut *w;
+                let run = w.block.run;
+                if let Some(index) = geo.dtype.first_non_finite(run) {
+                    return Some((i, index));
+                }
+                if let Some(f) = w.frame.as_mut() {
+                    let f = f.as_mut_slice();
+                    f[..run.len()].copy_from_slice(run);
+                    f[run.len()..].fill(0);
+                }
+                refold_bounds(&geo, run, w.block.valid, w.summary);
+                None
+            })
+            .into_iter()
+            .flatten()
+            .next()
+        };
+        if let Some((_, index)) = non_finite {
+            for (l, len) in self.layers.iter_mut().zip(old_lens) {
+                l.summaries.truncate(len);
+            }
+            return Err(StorageError::NonFinite {
+                what: "stored block run",
+                index,
+            });
+        }
+        let mut frames = frames.drain(..);
+        for b in blocks {
+            let l = &mut self.layers[b.layer as usize];
+            l.slots.push(if b.keep {
+                Slot::Hot(frames.next().expect("one frame per kept block"))
+            } else {
+                Slot::Cold
+            });
+            l.tokens += b.valid as u64;
+        }
+        Ok(())
+    }
+
+    /// The error restoring `blocks[..limit]` block by block would stop at, if any, beyond the
+    /// position and size checks (which pass there): a non-finite run, or a kept block that
+    /// finds the arena full.
+    fn fails_before(
+        &self,
+        blocks: &[StoredBlock<'_>],
+        limit: usize,
+        threads: usize,
+    ) -> Option<StorageError> {
+        let free = self.arena.free_frames();
+        let upto = blocks[..limit]
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.keep)
+            .nth(free)
+            .map_or(limit, |(i, _)| i);
+        first_non_finite_block(&self.geo, &blocks[..upto], threads)
+            .or_else(|| (upto < limit).then(|| self.arena_full()))
+    }
+
+    fn arena_full(&self) -> StorageError {
+        let u = self.arena.usage();
+        StorageError::ArenaFull {
+            frames: u.frames_total,
+            frame_bytes: u.frame_bytes,
+        }
+    }
+
     /// Host bytes held (whole frames).
     pub fn host_bytes(&self) -> usize {
         self.frames() * self.arena.frame_bytes()
@@ -471,6 +653,32 @@ impl KvCache {
             l.tokens += 1;
         }
     }
+}
+
+/// One block's share of a bulk restore: where its bounds and (if kept) its tiles go.
+struct RestoreWork<'b, 'k> {
+    block: &'b StoredBlock<'b>,
+    summary: &'k mut [f32],
+    frame: Option<&'k mut Frame>,
+}
+
+/// The first of `blocks` (in order) holding a NaN or infinity, as the error restoring it
+/// gives.
+fn first_non_finite_block(
+    geo: &Geometry,
+    blocks: &[StoredBlock<'_>],
+    threads: usize,
+) -> Option<StorageError> {
+    par::map_indexed(blocks.len(), threads, "kvtier-restore", |i| {
+        geo.dtype.first_non_finite(blocks[i].run)
+    })
+    .into_iter()
+    .flatten()
+    .next()
+    .map(|index| StorageError::NonFinite {
+        what: "stored block run",
+        index,
+    })
 }
 
 /// Recomputes one block's `[kv_head][max|min][D]` bounds from the first `valid` stored keys of

@@ -6,6 +6,7 @@
 //! - [`geometry`]: session [`Geometry`] and the tile layout it implies; the selection [`Policy`].
 //! - [`arena`]: [`HostArena`], fixed-size block frames in one anonymous mapping (the host tier).
 //! - [`kv`]: [`KvCache`], one session's per-layer block tables and incremental block summaries.
+//! - `par`: the scoped-thread fan-out of the bulk paths (page store batches, block restores).
 //! - [`nvme`]: the NVMe tier: io engines (io_uring, pread), checksummed page store, crash-safe
 //!   manifest, lane model and fetch planner.
 //!
@@ -19,10 +20,12 @@ pub mod error;
 pub mod geometry;
 pub mod kv;
 pub mod nvme;
+mod par;
 pub mod testing;
 
 pub use arena::{ArenaOptions, ArenaUsage, Frame, HostArena};
 pub use dtype::DType;
 pub use error::{Result, StorageError};
 pub use geometry::{Geometry, Policy};
-pub use kv::{ColdSource, KvCache, LayerView};
+pub use kv::{ColdSource, KvCache, LayerView, StoredBlock};
+pub use par::default_workers;

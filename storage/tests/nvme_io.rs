@@ -905,3 +905,440 @@ fn tracked_read_rates_set_the_stripe_weights_of_new_sessions_and_the_bulk_batche
     }
     assert_eq!(batches.last().unwrap().end, 100);
 }
+
+// ---- Multi-threaded batches: faults pinned to chosen pages ----
+
+/// A page whose payload fills it (3 x 4 KiB minus the header): the checksum covers every
+/// byte, so a flipped bit anywhere is caught.
+const FULL_PAYLOAD: usize = 3 * 4096 - 64;
+/// Pages per test batch: several chunks (64 pages of 12 KiB each), so several workers.
+const PAGES: usize = 300;
+
+fn full_page_store(dir: &std::path::Path, engine: Arc<dyn IoEngine>, workers: usize) -> PageStore {
+    let store = PageStore::open(
+        &PageStoreConfig {
+            devices: vec![DeviceConfig {
+                path: dir.join("dev0"),
+                capacity_bytes: (PAGES as u64 + 8) * 12288,
+                bandwidth_bytes_per_s: 1.0,
+            }],
+            max_payload: FULL_PAYLOAD,
+        },
+        engine,
+    )
+    .unwrap();
+    assert_eq!(store.page_size(), 12288);
+    assert!(
+        PAGES > 2 * store.chunk_pages(),
+        "the batch spans several chunks"
+    );
+    store.set_workers(workers).unwrap();
+    store
+}
+
+fn full_payloads() -> Vec<Vec<u8>> {
+    (0..PAGES as u64)
+        .map(|i| pattern(i + 100, FULL_PAYLOAD))
+        .collect()
+}
+
+fn writes_of<'a>(
+    addrs: &[PageAddr],
+    payloads: &'a [Vec<u8>],
+    only: &[usize],
+) -> Vec<PageWrite<'a>> {
+    only.iter()
+        .map(|&i| PageWrite {
+            addr: addrs[i],
+            id: id(i as u32, 1),
+            payload: &payloads[i],
+        })
+        .collect()
+}
+
+fn reads_of(addrs: &[PageAddr], crcs: Option<&[u32]>, only: &[usize]) -> Vec<PageRead> {
+    only.iter()
+        .map(|&i| PageRead {
+            addr: addrs[i],
+            id: id(i as u32, 1),
+            expected_crc: crcs.map(|c| c[i]),
+        })
+        .collect()
+}
+
+fn pinned(kind: OpKind, fault: Fault, store_page: usize) -> FaultRule {
+    FaultRule {
+        kind: Some(kind),
+        fault,
+        trigger: Trigger::AtOffset(store_page as u64 * 12288),
+    }
+}
+
+fn both_engines() -> Vec<(&'static str, fn() -> Box<dyn IoEngine>)> {
+    vec![
+        ("io_uring", || {
+            Box::new(UringEngine::new(UringConfig { queue_depth: 16 }).unwrap())
+        }),
+        ("pread", || Box::new(PreadEngine::new())),
+    ]
+}
+
+#[test]
+fn eio_short_read_and_a_bit_flip_on_chosen_pages_through_the_multi_threaded_read_path() {
+    let dir = test_dir("mt-read-faults");
+    let payloads = full_payloads();
+    let all: Vec<usize> = (0..PAGES).collect();
+    // A fresh single-device store hands out pages 0, 1, 2, ... in order.
+    let (eio, flip, short) = (10, 150, 299);
+    for (name, inner) in both_engines() {
+        for workers in [1, 2, 4] {
+            let rules = vec![
+                pinned(OpKind::Read, Fault::Eio, eio),
+                pinned(OpKind::Read, Fault::BitFlip, flip),
+                pinned(OpKind::Read, Fault::ShortTransfer, short),
+            ];
+            let engine = Arc::new(FaultyEngine::new(inner(), rules, 3).unwrap());
+            let store = full_page_store(&dir, engine, workers);
+            let addrs = store.alloc(9, PAGES).unwrap();
+            assert!(addrs.iter().enumerate().all(|(i, a)| a.page == i as u64));
+            let crcs = store
+                .write_pages(&writes_of(&addrs, &payloads, &all))
+                .unwrap();
+            let got = store
+                .read_pages(&reads_of(&addrs, Some(&crcs), &all))
+                .unwrap();
+            assert_eq!(got.len(), PAGES);
+            for (i, r) in got.into_iter().enumerate() {
+                let ctx = format!("{name}, {workers} workers, page {i}");
+                match (i, r) {
+                    (
+                        i,
+                        Err(NvmeError::Io {
+                            kind: OpKind::Read,
+                            offset,
+                            source,
+                            ..
+                        }),
+                    ) if i == eio => {
+                        assert_eq!(offset, eio as u64 * 12288, "{ctx}");
+                        assert_eq!(source.raw_os_error(), Some(libc::EIO), "{ctx}");
+                    }
+                    (i, Err(e @ NvmeError::Corrupt { page, .. })) if i == flip => {
+                        assert_eq!(page, flip as u64, "{ctx}");
+                        assert!(e.is_data_loss(), "{ctx}");
+                    }
+                    (i, Err(e @ NvmeError::ShortRead { offset, .. })) if i == short => {
+                        assert_eq!(offset, short as u64 * 12288, "{ctx}");
+                        assert!(e.is_data_loss(), "{ctx}");
+                    }
+                    (_, Ok(d)) => assert_eq!(d.payload(), &payloads[i][..], "{ctx}"),
+                    (_, Err(e)) => panic!("{ctx}: {e}"),
+                }
+            }
+            let u = store.usage();
+            assert_eq!(
+                (u.io_errors, u.corrupt_pages),
+                (2, 1),
+                "{name}, {workers} workers"
+            );
+        }
+    }
+}
+
+#[test]
+fn enospc_short_write_eio_and_a_bit_flip_on_chosen_pages_through_the_multi_threaded_write_path() {
+    let dir = test_dir("mt-write-faults");
+    let payloads = full_payloads();
+    let (enospc, flip, short, eio) = (70, 130, 200, 250);
+    for (name, inner) in both_engines() {
+        for workers in [1, 4] {
+            let rules = vec![
+                pinned(OpKind::Write, Fault::Enospc, enospc),
+                pinned(OpKind::Write, Fault::BitFlip, flip),
+                pinned(OpKind::Write, Fault::ShortTransfer, short),
+                pinned(OpKind::Write, Fault::Eio, eio),
+            ];
+            let engine = Arc::new(FaultyEngine::new(inner(), rules, 5).unwrap());
+            let store = full_page_store(&dir, engine, workers);
+            let addrs = store.alloc(9, PAGES).unwrap();
+            let ctx = format!("{name}, {workers} workers");
+            let except = |skip: &[usize]| -> Vec<usize> {
+                (0..PAGES).filter(|i| !skip.contains(i)).collect()
+            };
+            // Every failing page is attempted and counted; the error is the first in batch
+            // order, whichever worker met it first.
+            let e = store
+                .write_pages(&writes_of(&addrs, &payloads, &except(&[])))
+                .unwrap_err();
+            assert!(
+                matches!(e, NvmeError::NoSpace { offset, .. } if offset == enospc as u64 * 12288),
+                "{ctx}: {e:?}"
+            );
+            assert_eq!(store.usage().io_errors, 3, "{ctx}");
+            let e = store
+                .write_pages(&writes_of(&addrs, &payloads, &except(&[enospc])))
+                .unwrap_err();
+            assert!(
+                matches!(e, NvmeError::ShortWrite { offset, expected: 12288, .. } if offset == short as u64 * 12288),
+                "{ctx}: {e:?}"
+            );
+            let e = store
+                .write_pages(&writes_of(&addrs, &payloads, &except(&[enospc, short])))
+                .unwrap_err();
+            assert!(
+                matches!(&e, NvmeError::Io { kind: OpKind::Write, offset, source, .. }
+                    if *offset == eio as u64 * 12288 && source.raw_os_error() == Some(libc::EIO)),
+                "{ctx}: {e:?}"
+            );
+            assert_eq!(store.usage().io_errors, 3 + 2 + 1, "{ctx}");
+            // The rest writes "successfully", one page silently damaged on the way.
+            let ok = except(&[enospc, short, eio]);
+            let crcs = store
+                .write_pages(&writes_of(&addrs, &payloads, &ok))
+                .unwrap();
+            store.sync().unwrap();
+            let got = store.read_pages(&reads_of(&addrs, None, &ok)).unwrap();
+            for ((&i, r), crc) in ok.iter().zip(got).zip(&crcs) {
+                match r {
+                    Err(NvmeError::Corrupt { page, .. }) if i == flip => {
+                        assert_eq!(page, flip as u64)
+                    }
+                    Ok(d) => {
+                        assert_ne!(i, flip, "{ctx}: damaged page returned as data");
+                        assert_eq!(d.payload(), &payloads[i][..], "{ctx}");
+                        assert_eq!(d.crc(), *crc, "{ctx}");
+                    }
+                    Err(e) => panic!("{ctx}, page {i}: {e}"),
+                }
+            }
+            assert_eq!(store.usage().corrupt_pages, 1, "{ctx}");
+        }
+    }
+}
+
+/// Records which threads submit to the engine.
+struct Recording<E> {
+    inner: E,
+    threads: parking_lot::Mutex<Vec<std::thread::ThreadId>>,
+}
+
+impl<E: IoEngine> IoEngine for Recording<E> {
+    fn submit(
+        &self,
+        reqs: Vec<IoRequest>,
+    ) -> Result<Vec<kvtier_storage::nvme::io::IoCompletion>, NvmeError> {
+        self.threads.lock().push(std::thread::current().id());
+        self.inner.submit(reqs)
+    }
+
+    fn name(&self) -> &'static str {
+        "recording"
+    }
+}
+
+#[test]
+fn one_worker_runs_every_batch_on_the_caller_with_the_same_bytes_as_several() {
+    let payloads = full_payloads();
+    let all: Vec<usize> = (0..PAGES).collect();
+    let me = std::thread::current().id();
+    let mut outcomes = Vec::new();
+    for workers in [1, 4] {
+        let dir = test_dir(&format!("workers-{workers}"));
+        // Each operation holds the device 0.3 ms (a chunk about 20 ms), so while the caller
+        // waits on its chunk the other workers take theirs.
+        let stall = FaultRule {
+            kind: None,
+            fault: Fault::Stall(std::time::Duration::from_micros(300)),
+            trigger: Trigger::Always,
+        };
+        let engine = Arc::new(Recording {
+            inner: FaultyEngine::new(PreadEngine::new(), vec![stall], 0).unwrap(),
+            threads: Default::default(),
+        });
+        let store = full_page_store(&dir, engine.clone(), workers);
+        let chunks = PAGES.div_ceil(store.chunk_pages());
+        let addrs = store.alloc(9, PAGES).unwrap();
+        let crcs = store
+            .write_pages(&writes_of(&addrs, &payloads, &all))
+            .unwrap();
+        let read: Vec<Vec<u8>> = store
+            .read_pages(&reads_of(&addrs, Some(&crcs), &all))
+            .unwrap()
+            .into_iter()
+            .map(|r| r.unwrap().payload().to_vec())
+            .collect();
+        assert_eq!(read, payloads);
+        let threads = std::mem::take(&mut *engine.threads.lock());
+        assert_eq!(threads.len(), 2 * chunks, "one submission per chunk");
+        let distinct: std::collections::HashSet<_> = threads.iter().collect();
+        if workers == 1 {
+            assert!(
+                threads.iter().all(|&t| t == me),
+                "set_workers(1): all on the caller"
+            );
+        } else {
+            assert!(
+                distinct.len() > 1,
+                "several workers: {} threads",
+                distinct.len()
+            );
+        }
+        // A batch of one chunk never fans out.
+        store
+            .read_pages(&reads_of(&addrs, Some(&crcs), &all[..store.chunk_pages()]))
+            .unwrap();
+        assert_eq!(*engine.threads.lock(), vec![me]);
+        let u = store.usage();
+        assert_eq!(
+            (u.devices[0].read_samples, u.devices[0].write_samples),
+            (2, 1),
+            "one sample per batch"
+        );
+        drop(store);
+        outcomes.push((crcs, std::fs::read(dir.join("dev0")).unwrap()));
+    }
+    assert!(
+        outcomes[0] == outcomes[1],
+        "the same checksums and the same bytes on the device"
+    );
+}
+
+#[test]
+fn workers_are_validated() {
+    let dir = test_dir("workers-bad");
+    let store = full_page_store(&dir, Arc::new(PreadEngine::new()), 1);
+    use kvtier_storage::nvme::store::MAX_WORKERS;
+    assert!((1..=8).contains(&kvtier_storage::default_workers()));
+    for bad in [0, MAX_WORKERS + 1] {
+        assert!(matches!(
+            store.set_workers(bad),
+            Err(NvmeError::InvalidArgument { .. })
+        ));
+    }
+    assert_eq!(store.workers(), 1, "a rejected value changes nothing");
+    store.set_workers(MAX_WORKERS).unwrap();
+    assert_eq!(store.workers(), MAX_WORKERS);
+}
+
+#[test]
+fn read_runs_pipelined_delivers_every_batch_in_order_and_stops_at_the_first_error() {
+    use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
+    use kvtier_storage::nvme::tier::BULK_BATCH_UNMEASURED_PAGES;
+    use kvtier_storage::nvme::{BlockRun, NvmeTier};
+
+    let dir = test_dir("pipelined");
+    let n = 200usize;
+    let eio_run = 77;
+    let engine = Arc::new(
+        FaultyEngine::new(
+            UringEngine::new(UringConfig::default()).unwrap(),
+            vec![pinned(OpKind::Read, Fault::Eio, eio_run)],
+            0,
+        )
+        .unwrap(),
+    );
+    let store = full_page_store(&dir, engine, 4);
+    let (tier, _) = NvmeTier::open(store, &dir.join("manifest")).unwrap();
+    let payloads: Vec<Vec<u8>> = (0..n as u64).map(|i| pattern(i, 9000)).collect();
+    let runs: Vec<BlockRun> = payloads
+        .iter()
+        .enumerate()
+        .map(|(b, p)| BlockRun {
+            layer: 0,
+            block: b as u32,
+            bytes: p,
+        })
+        .collect();
+    let record = SessionRecord {
+        id: 1,
+        owner_uid: 0,
+        label: String::new(),
+        geometry: GeometryRecord {
+            layers: 1,
+            q_heads: 1,
+            kv_heads: 1,
+            head_dim: 8,
+            dtype: 0,
+            block_tokens: 16,
+        },
+        policy: PolicyRecord {
+            sink_blocks: 1,
+            local_blocks: 1,
+            top_k: 1,
+        },
+        layer_tokens: vec![16 * n as u64],
+        pages: Vec::new(),
+        pinned: false,
+    };
+    tier.put_session(&record, &runs).unwrap();
+    let s = tier.session(1).unwrap();
+    assert_eq!(
+        s.page(0, eio_run as u32).unwrap().page,
+        eio_run as u64,
+        "pages in order"
+    );
+    // Block n is not stored: its own error, the others unaffected.
+    let wanted: Vec<(u32, u32)> = (0..=n as u32).map(|b| (0, b)).collect();
+
+    // Before any read is timed, batches go by count: several of them. The consumer's error
+    // stops the read; no later batch is consumed.
+    assert!(tier.store().read_lanes().is_none());
+    let mut calls = 0;
+    let e = tier
+        .read_runs_pipelined(1, &wanted, |_, _| {
+            calls += 1;
+            if calls == 2 {
+                Err(NvmeError::ShortRead {
+                    offset: 0,
+                    expected: 1,
+                    got: 0,
+                })
+            } else {
+                Ok(())
+            }
+        })
+        .unwrap_err();
+    assert!(matches!(e, NvmeError::ShortRead { .. }), "{e:?}");
+    assert_eq!(calls, 2, "batches of {BULK_BATCH_UNMEASURED_PAGES}");
+
+    // Every run once, in order, in the batches the planner makes (by the tracked rates now).
+    let expected = tier.plan_batches(1, &wanted).unwrap();
+    let mut seen = Vec::new();
+    tier.read_runs_pipelined(1, &wanted, |r, pages| {
+        assert_eq!(pages.len(), r.len());
+        for (i, p) in r.clone().zip(pages) {
+            match p {
+                Ok(d) => assert_eq!(d.payload(), &payloads[i][..], "run {i}"),
+                Err(NvmeError::Io { source, .. }) if i == eio_run => {
+                    assert_eq!(source.raw_os_error(), Some(libc::EIO))
+                }
+                Err(NvmeError::InvalidArgument { .. }) if i == n => {}
+                Err(e) => panic!("run {i}: {e}"),
+            }
+        }
+        seen.push(r);
+        Ok::<(), NvmeError>(())
+    })
+    .unwrap();
+    assert_eq!(seen, expected);
+    assert_eq!((seen[0].start, seen.last().unwrap().end), (0, n + 1));
+
+    // A whole-batch error (unknown session) comes back as such, nothing consumed.
+    let e = tier
+        .read_runs_pipelined(7, &wanted, |_, _| -> Result<(), NvmeError> {
+            panic!("nothing to consume")
+        })
+        .unwrap_err();
+    assert!(matches!(e, NvmeError::InvalidArgument { .. }), "{e:?}");
+
+    // One batch: read inline, same results.
+    let mut one = 0;
+    tier.read_runs_pipelined(1, &wanted[..5], |r, pages| {
+        one += 1;
+        assert_eq!(r, 0..5);
+        assert!(pages.iter().all(|p| p.is_ok()));
+        Ok::<(), NvmeError>(())
+    })
+    .unwrap();
+    assert_eq!(one, 1);
+}

@@ -3,10 +3,16 @@
 //! step whose keep-set is cold on NVMe vs the same step all in RAM.
 //!
 //! cargo run --release -p kvtier-bench --bin tier_bench -- [--tokens 69760]
-//!     [--dir target/tier-bench] [--fast-dir /dev/shm/kvtier-bench] [--steps 3]
+//!     [--dir target/tier-bench] [--fast-dir /dev/shm/kvtier-bench] [--steps 3] [--workers N]
+//!     [--engine auto|pread]
 //!
 //! `--dir` should be on the NVMe (or whatever disk) under test; `--fast-dir` on a faster lane
-//! (tmpfs stands in for a second, faster device on a machine with one disk).
+//! (tmpfs stands in for a second, faster device on a machine with one disk). `--workers` sets
+//! the page store's and the restore's threads (default: one per core, at most 8).
+//!
+//! The store and restore floors are the session's bytes over the slow lane's bandwidth as a
+//! plain O_DIRECT reader (writer) measures it: 1 MiB preads (pwrites) of a scratch file on
+//! the same number of threads, best of three passes.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -16,17 +22,21 @@ use kvtier_bench::{cpu_description, decode_step, fill_bf16, gbps, median};
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
 use kvtier_storage::nvme::plan::{probe_device, Lane};
 use kvtier_storage::nvme::{
-    open_best_engine, BlockRun, DeviceConfig, DirectFile, IoEngine, NvmeTier, PageStore,
-    PageStoreConfig, TierSource,
+    open_best_engine, AlignedBuf, BlockRun, DeviceConfig, DirectFile, IoEngine, NvmeError,
+    NvmeTier, PageStore, PageStoreConfig, PreadEngine, TierSource,
 };
 use kvtier_storage::testing::Rng;
-use kvtier_storage::{ArenaOptions, ColdSource, Geometry, HostArena, KvCache, Policy};
+use kvtier_storage::{
+    ArenaOptions, ColdSource, Geometry, HostArena, KvCache, Policy, StorageError, StoredBlock,
+};
 
 struct Args {
     tokens: u64,
     dir: PathBuf,
     fast_dir: PathBuf,
     steps: usize,
+    workers: usize,
+    engine: String,
 }
 
 fn parse_args() -> Args {
@@ -35,6 +45,8 @@ fn parse_args() -> Args {
         dir: PathBuf::from("target/tier-bench"),
         fast_dir: PathBuf::from("/dev/shm/kvtier-bench"),
         steps: 3,
+        workers: kvtier_storage::default_workers(),
+        engine: "auto".into(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -44,6 +56,8 @@ fn parse_args() -> Args {
             "--dir" => a.dir = val().into(),
             "--fast-dir" => a.fast_dir = val().into(),
             "--steps" => a.steps = val().parse().expect("--steps"),
+            "--workers" => a.workers = val().parse().expect("--workers"),
+            "--engine" => a.engine = val(),
             other => panic!("unknown flag {other}"),
         }
     }
@@ -86,7 +100,12 @@ fn arena(blocks: usize) -> HostArena {
 }
 
 /// A fresh tier on `devices` (path, capacity, bandwidth weight) in `dir`.
-fn tier(dir: &Path, devices: &[(PathBuf, u64, f64)], engine: Arc<dyn IoEngine>) -> NvmeTier {
+fn tier(
+    dir: &Path,
+    devices: &[(PathBuf, u64, f64)],
+    engine: Arc<dyn IoEngine>,
+    workers: usize,
+) -> NvmeTier {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir).unwrap();
     for (p, _, _) in devices {
@@ -107,6 +126,7 @@ fn tier(dir: &Path, devices: &[(PathBuf, u64, f64)], engine: Arc<dyn IoEngine>) 
         engine,
     )
     .expect("page store");
+    store.set_workers(workers).expect("--workers");
     NvmeTier::open(store, dir).expect("tier").0
 }
 
@@ -127,28 +147,99 @@ fn store_all(tier: &NvmeTier, kv: &KvCache) -> Duration {
     t0.elapsed()
 }
 
-/// Reads the whole session back into a fresh cache (warm restart); returns the time.
+/// Reads the whole session back into a fresh cache (warm restart, as tierd does it: the next
+/// batch is read and verified while this one's tiles and bounds are rebuilt); returns the time.
 fn restore_all(tier: &NvmeTier, tokens: u64, keep: bool) -> (Duration, KvCache) {
     let blocks = G.blocks_for(tokens) as usize * G.layers as usize;
     let mut kv = KvCache::new(G, arena(blocks + 64)).unwrap();
     let bt = G.block_tokens as u64;
+    let workers = tier.store().workers();
+    let wanted: Vec<(u32, u32)> = (0..G.layers)
+        .flat_map(|l| (0..G.blocks_for(tokens) as u32).map(move |b| (l, b)))
+        .collect();
     let t0 = Instant::now();
-    for l in 0..G.layers {
-        let ids: Vec<(u32, u32)> = (0..G.blocks_for(tokens) as u32).map(|b| (l, b)).collect();
-        for chunk in ids.chunks(64) {
-            for (page, &(_, b)) in tier
-                .read_runs(SESSION, chunk)
-                .unwrap()
-                .into_iter()
-                .zip(chunk)
-            {
-                let page = page.expect("verified page");
-                let valid = (tokens - b as u64 * bt).min(bt) as usize;
-                kv.restore_block(l, page.payload(), valid, keep).unwrap();
-            }
-        }
-    }
+    tier.read_runs_pipelined(SESSION, &wanted, |r, pages| -> Result<(), Failed> {
+        let pages = pages.into_iter().collect::<Result<Vec<_>, _>>()?;
+        let runs: Vec<StoredBlock> = pages
+            .iter()
+            .zip(&wanted[r])
+            .map(|(page, &(layer, b))| StoredBlock {
+                layer,
+                run: page.payload(),
+                valid: (tokens - b as u64 * bt).min(bt) as usize,
+                keep,
+            })
+            .collect();
+        Ok(kv.restore_blocks(&runs, workers)?)
+    })
+    .expect("restore");
     (t0.elapsed(), kv)
+}
+
+/// A failed restore: a page or the rebuild.
+#[derive(Debug)]
+#[allow(dead_code)] // read through Debug
+enum Failed {
+    Nvme(NvmeError),
+    Storage(StorageError),
+}
+
+impl From<NvmeError> for Failed {
+    fn from(e: NvmeError) -> Self {
+        Failed::Nvme(e)
+    }
+}
+
+impl From<StorageError> for Failed {
+    fn from(e: StorageError) -> Self {
+        Failed::Storage(e)
+    }
+}
+
+/// The lane as a plain O_DIRECT reader or writer sees it: 1 MiB preads (pwrites) covering
+/// `span` bytes of a scratch file at `path`, split over `threads` threads, each cycling through
+/// 32 MiB of buffers (so the data lands in memory, as a page store's does, not in one
+/// cache-resident buffer). A write pass writes a fresh file, as storing a session does (on a
+/// VM, first writes to fresh tmpfs pages cost several times what rewrites do). Bytes/s,
+/// best of three passes. Read passes read what the write passes left.
+fn plain_rate(path: &Path, span: u64, threads: usize, write: bool) -> f64 {
+    use std::os::unix::fs::FileExt;
+    const IO: u64 = 1 << 20;
+    const RING: usize = 32;
+    let n = span / IO;
+    let pass = || {
+        if write {
+            let _ = std::fs::remove_file(path);
+        }
+        let f = DirectFile::open(path).expect("open scratch");
+        f.ensure_len(n * IO).expect("allocate scratch");
+        let t0 = Instant::now();
+        std::thread::scope(|s| {
+            for t in 0..threads as u64 {
+                let f = &f;
+                s.spawn(move || {
+                    let mut ring: Vec<AlignedBuf> = (0..RING)
+                        .map(|_| {
+                            let mut b = AlignedBuf::new(IO as usize, f.mem_align()).unwrap();
+                            b.fill(0x5A);
+                            b
+                        })
+                        .collect();
+                    let (a, b) = (t * n / threads as u64, (t + 1) * n / threads as u64);
+                    for (k, i) in (a..b).enumerate() {
+                        let buf = &mut ring[k % RING];
+                        if write {
+                            f.file().write_all_at(buf, i * IO).expect("pwrite");
+                        } else {
+                            f.file().read_exact_at(buf, i * IO).expect("pread");
+                        }
+                    }
+                });
+            }
+        });
+        (n * IO) as f64 / t0.elapsed().as_secs_f64()
+    };
+    (0..3).map(|_| pass()).fold(0.0, f64::max)
 }
 
 fn probe(engine: &dyn IoEngine, path: &Path, cap: u64) -> Lane {
@@ -159,7 +250,11 @@ fn probe(engine: &dyn IoEngine, path: &Path, cap: u64) -> Lane {
 
 fn main() {
     let args = parse_args();
-    let engine = open_best_engine(Default::default());
+    let engine: Arc<dyn IoEngine> = match args.engine.as_str() {
+        "auto" => open_best_engine(Default::default()),
+        "pread" => Arc::new(PreadEngine::new()),
+        other => panic!("--engine {other}: auto or pread"),
+    };
     println!(
         "kvtier tier_bench: Qwen2.5-7B geometry, {} tokens",
         args.tokens
@@ -170,9 +265,10 @@ fn main() {
         engine.name()
     );
     println!(
-        "lanes: slow = {}, fast = {}",
+        "lanes: slow = {}, fast = {}; page store and restore workers: {}",
         args.dir.display(),
-        args.fast_dir.display()
+        args.fast_dir.display(),
+        args.workers
     );
     println!(
         "command: cargo run --release -p kvtier-bench --bin tier_bench -- {}",
@@ -216,11 +312,26 @@ fn main() {
         fast.latency_s * 1e6
     );
 
+    // The slow lane as a plain reader and writer see it (1 GiB of a scratch file).
+    let scratch = args.dir.join("plain-scratch");
+    let plain_span = bytes.min(1 << 30);
+    let plain_write = plain_rate(&scratch, plain_span, args.workers, true);
+    let plain_read = plain_rate(&scratch, plain_span, args.workers, false);
+    let _ = std::fs::remove_file(&scratch);
+    println!(
+        "plain O_DIRECT on the slow lane, 1 MiB, {} threads: write {:.2} GB/s, read {:.2} GB/s",
+        args.workers,
+        plain_write / 1e9,
+        plain_read / 1e9
+    );
+    let floor = |rate: f64| Duration::from_secs_f64(bytes as f64 / rate);
+
     // 1. Restore of the whole session from one device.
     let t = tier(
         &args.dir.join("one"),
         &[(slow_path.clone(), cap, 1.0)],
         engine.clone(),
+        args.workers,
     );
     let w = store_all(&t, &kv);
     let (r, _) = restore_all(&t, args.tokens, false);
@@ -231,14 +342,16 @@ fn main() {
         args.dir.display()
     );
     println!(
-        "  write (pages + fdatasync + manifest): {:>8.2?}  {:.2} GB/s",
+        "  write (pages + fdatasync + manifest): {:>8.2?}  {:.2} GB/s   floor {:.2?} (plain writer)",
         w,
-        gbps(bytes, w)
+        gbps(bytes, w),
+        floor(plain_write)
     );
     println!(
-        "  read + verify + rebuild bounds:       {:>8.2?}  {:.2} GB/s   floor {:.2?} at the probed {:.2} GB/s",
+        "  read + verify + rebuild bounds:       {:>8.2?}  {:.2} GB/s   floor {:.2?} (plain reader), {:.2?} at the probed {:.2} GB/s",
         r,
         gbps(bytes, r),
+        floor(plain_read),
         Duration::from_secs_f64(bytes as f64 / slow.bandwidth_bytes_per_s),
         slow.bandwidth_bytes_per_s / 1e9
     );
@@ -262,8 +375,10 @@ fn main() {
             &args.dir.join(mode),
             &[(slow_path.clone(), cap, ws), (fast_path.clone(), cap, wf)],
             engine.clone(),
+            args.workers,
         );
-        store_all(&t, &kv);
+        let w = store_all(&t, &kv);
+        println!("  ({mode}: stored in {w:.2?})");
         let u = t.store().usage();
         let (bs, bf) = (u.devices[0].bytes_used, u.devices[1].bytes_used);
         let mut times = Vec::new();

@@ -92,9 +92,27 @@ pub struct SessionRecord {
     pub policy: PolicyRecord,
     /// Tokens per layer.
     pub layer_tokens: Vec<u64>,
+    /// Sorted by (layer, block), one record per run: [`SessionRecord::page`] binary-searches
+    /// it. The tier writes it sorted; [`load_file`] sorts a file that is not.
     pub pages: Vec<PageRecord>,
     /// PIN: never demoted; restored as pinned after a restart (version 2).
     pub pinned: bool,
+}
+
+impl SessionRecord {
+    /// The page holding `(layer, block)` (binary search; `pages` is sorted).
+    pub fn page(&self, layer: u32, block: u32) -> Option<&PageRecord> {
+        self.pages
+            .binary_search_by_key(&(layer, block), |p| (p.layer, p.block))
+            .ok()
+            .map(|i| &self.pages[i])
+    }
+
+    fn sort_pages(&mut self) {
+        if !self.pages.is_sorted_by_key(|p| (p.layer, p.block)) {
+            self.pages.sort_by_key(|p| (p.layer, p.block));
+        }
+    }
 }
 
 /// A backing device as the manifest last saw it.
@@ -461,7 +479,7 @@ pub fn load_file(path: &Path) -> Result<Manifest, NvmeError> {
     // damaged file is reported as corrupt and an intact one of a newer format as such.
     // The mapping is page aligned and the header is 48 bytes, so the payload is 16-aligned.
     let body = &map[HEADER..];
-    let m: Manifest = match version {
+    let mut m: Manifest = match version {
         VERSION => {
             let archived = rkyv::access::<ArchivedManifest, rancor::Error>(body)
                 .map_err(|e| corrupt(format!("rkyv validation: {e}")))?;
@@ -489,6 +507,11 @@ pub fn load_file(path: &Path) -> Result<Manifest, NvmeError> {
             "header epoch {epoch}, body epoch {}",
             m.epoch
         )));
+    }
+    // Lookups binary-search the page records; every tierd writes them sorted, but the file
+    // format does not promise it.
+    for s in &mut m.sessions {
+        s.sort_pages();
     }
     Ok(m)
 }

@@ -11,10 +11,23 @@
 //! operations were in flight) and folded into that device's read or write [`LaneTracker`].
 //! Once every device has [`STRIPE_MIN_SAMPLES`] timed reads, new pages are striped by the
 //! tracked read bandwidth instead of the configured one.
+//!
+//! # Batches, workers and buffers
+//!
+//! A batch is cut into chunks of about [`CHUNK_BYTES`]; up to [`PageStore::workers`] threads
+//! (the caller is one) each take a chunk at a time, encode it into page buffers (or verify
+//! what was read), submit it to the engine and wait. So checksums and copies run on several
+//! cores while the engine has other chunks in flight, and a batch of one chunk runs inline
+//! with no thread at all. Page buffers come from a pool of recycled aligned buffers (a fresh
+//! one costs an allocation, page faults and zeroing) whose idle part is capped at
+//! [`POOL_BYTES`]; a write batch holds at most `workers` chunks of buffers at once, whatever
+//! its size. Results, errors and the per-device timing are exactly those of one batch: every
+//! page is attempted, every failure counted, and a failed write batch returns the error of its
+//! first failed page.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -25,6 +38,16 @@ use super::io::{IoCompletion, IoEngine, IoRequest, OpKind};
 use super::page::{self, PageId, HEADER_LEN};
 use super::plan::{Lane, LaneTracker};
 use super::NvmeError;
+use crate::par;
+
+/// Bytes of pages one worker encodes or verifies and hands the engine as one submission.
+pub const CHUNK_BYTES: usize = 4 << 20;
+/// Most pages in one chunk (small pages).
+pub const CHUNK_MAX_PAGES: usize = 64;
+/// Bytes of idle page buffers the pool keeps for the next batch (at least one buffer).
+pub const POOL_BYTES: usize = 128 << 20;
+/// Most threads [`PageStore::set_workers`] accepts.
+pub const MAX_WORKERS: usize = 64;
 
 /// Timed reads every device needs before the tracked read bandwidth replaces the configured
 /// stripe weights (a few batches, so one early outlier cannot set the weights).
@@ -140,6 +163,34 @@ pub struct StoreUsage {
     /// Page reads and writes that failed (an errno, or a short transfer that retries could
     /// not finish), and failed fdatasyncs.
     pub io_errors: u64,
+}
+
+/// What the lane trackers need of one finished operation (its buffer is already recycled).
+struct OpTiming {
+    device: u16,
+    bytes: u64,
+    started: Instant,
+    finished: Instant,
+    ok: bool,
+}
+
+impl OpTiming {
+    fn of(c: &IoCompletion, device: u16) -> Self {
+        Self {
+            device,
+            bytes: c.buf.len() as u64,
+            started: c.started,
+            finished: c.finished,
+            ok: c.result.is_ok(),
+        }
+    }
+}
+
+/// One written chunk: its pages' checksums, timings and first failure.
+struct ChunkWritten {
+    crcs: Vec<u32>,
+    timings: Vec<OpTiming>,
+    first_err: Option<NvmeError>,
 }
 
 struct Bitmap {
@@ -262,6 +313,8 @@ pub struct PageStore {
     page_size: usize,
     max_payload: usize,
     pool: Arc<BufPool>,
+    workers: AtomicUsize,
+    chunk_pages: usize,
     stripe: Mutex<HashMap<u64, Vec<f64>>>,
     bytes_read: AtomicU64,
     bytes_written: AtomicU64,
@@ -339,14 +392,19 @@ impl PageStore {
             .map(|d| d.file.mem_align())
             .max()
             .expect("non-empty");
-        // Enough idle buffers for a few keep-set batches in flight.
-        let pool = Arc::new(BufPool::new(page_size, mem_align, 512)?);
+        let pool = Arc::new(BufPool::new(
+            page_size,
+            mem_align,
+            (POOL_BYTES / page_size).max(1),
+        )?);
         Ok(Self {
             engine,
             devices,
             page_size,
             max_payload: cfg.max_payload,
             pool,
+            workers: AtomicUsize::new(par::default_workers()),
+            chunk_pages: (CHUNK_BYTES / page_size).clamp(1, CHUNK_MAX_PAGES),
             stripe: Mutex::new(HashMap::new()),
             bytes_read: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),
@@ -405,20 +463,17 @@ impl PageStore {
 
     /// Folds a finished batch's timings into the devices' trackers and counts its failures:
     /// per device, the bytes of its successful operations over the time any of them was in
-    /// flight. `devs[i]` is the device of `done[i]`.
-    fn account(&self, kind: OpKind, devs: &[u16], done: &[IoCompletion]) {
+    /// flight.
+    fn account(&self, kind: OpKind, ops: &[OpTiming]) {
         let mut per: Vec<(u64, Vec<(Instant, Instant)>)> =
             vec![(0, Vec::new()); self.devices.len()];
-        for (c, &d) in done.iter().zip(devs) {
-            match &c.result {
-                Ok(()) => {
-                    let p = &mut per[d as usize];
-                    p.0 += c.buf.len() as u64;
-                    p.1.push((c.started, c.finished));
-                }
-                Err(_) => {
-                    self.io_errors.fetch_add(1, Ordering::Relaxed);
-                }
+        for op in ops {
+            if op.ok {
+                let p = &mut per[op.device as usize];
+                p.0 += op.bytes;
+                p.1.push((op.started, op.finished));
+            } else {
+                self.io_errors.fetch_add(1, Ordering::Relaxed);
             }
         }
         for (dev, (bytes, mut spans)) in self.devices.iter().zip(per) {
@@ -427,6 +482,41 @@ impl PageStore {
                 dev.tracker(kind).lock().observe(bytes, secs);
             }
         }
+    }
+
+    /// Threads a bulk batch may use (the caller's included).
+    pub fn workers(&self) -> usize {
+        self.workers.load(Ordering::Relaxed)
+    }
+
+    /// Sets the threads a bulk batch may use, the caller's included; 1 runs every batch on
+    /// the calling thread. The default is one per core, at most 8.
+    pub fn set_workers(&self, n: usize) -> Result<(), NvmeError> {
+        if n == 0 || n > MAX_WORKERS {
+            return Err(NvmeError::invalid(format!(
+                "page store workers {n} must be in 1..={MAX_WORKERS}"
+            )));
+        }
+        self.workers.store(n, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Pages per chunk: the unit one worker encodes or verifies and submits.
+    pub fn chunk_pages(&self) -> usize {
+        self.chunk_pages
+    }
+
+    /// Runs `f` over the chunks of a batch of `n` pages on the store's workers; results in
+    /// chunk order.
+    fn per_chunk<T: Send>(
+        &self,
+        n: usize,
+        f: impl Fn(std::ops::Range<usize>) -> T + Sync,
+    ) -> Vec<T> {
+        let c = self.chunk_pages;
+        par::map_indexed(n.div_ceil(c), self.workers(), "kvtier-pstore", |i| {
+            f(i * c..((i + 1) * c).min(n))
+        })
     }
 
     /// Allocates `n` pages for `session`, striped over devices in proportion to bandwidth
@@ -527,11 +617,10 @@ impl PageStore {
 
     /// Writes pages (to allocated addresses) in one batch. Returns each page's checksum, for
     /// the manifest. Not durable until [`PageStore::sync`] returns. On error, pages of the
-    /// batch may be partially written: the caller must not reference them.
+    /// batch may be partially written: the caller must not reference them. Every page is
+    /// attempted; the error is that of the first page (in batch order) that failed.
     pub fn write_pages(&self, writes: &[PageWrite<'_>]) -> Result<Vec<u32>, NvmeError> {
-        let mut reqs = Vec::with_capacity(writes.len());
-        let mut crcs = Vec::with_capacity(writes.len());
-        let devs: Vec<u16> = writes.iter().map(|w| w.addr.device).collect();
+        // Arguments first: a bad one fails the batch before any I/O.
         for w in writes {
             let dev = self.device(w.addr)?;
             if !dev.alloc.lock().is_set(w.addr.page) {
@@ -547,18 +636,48 @@ impl PageStore {
                     self.max_payload
                 )));
             }
+        }
+        let parts = self.per_chunk(writes.len(), |r| self.write_chunk(&writes[r]));
+        let mut crcs = Vec::with_capacity(writes.len());
+        let mut timings = Vec::with_capacity(writes.len());
+        let mut first_err = None;
+        for part in parts {
+            match part {
+                Ok(p) => {
+                    crcs.extend(p.crcs);
+                    timings.extend(p.timings);
+                    if let Some(e) = p.first_err {
+                        first_err.get_or_insert(e);
+                    }
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        self.account(OpKind::Write, &timings);
+        match first_err {
+            None => Ok(crcs),
+            Some(e) => Err(e),
+        }
+    }
+
+    /// Encodes one chunk of validated writes into pooled buffers and submits it. The outer
+    /// error is a dead engine.
+    fn write_chunk(&self, writes: &[PageWrite<'_>]) -> Result<ChunkWritten, NvmeError> {
+        let mut reqs = Vec::with_capacity(writes.len());
+        let mut crcs = Vec::with_capacity(writes.len());
+        for w in writes {
+            let file = &self.devices[w.addr.device as usize].file;
             let mut buf = self.pool.get();
             crcs.push(page::encode(&mut buf, w.id, w.payload));
-            reqs.push(IoRequest::write(
-                dev.file.clone(),
-                self.offset(w.addr),
-                buf,
-            )?);
+            reqs.push(IoRequest::write(file.clone(), self.offset(w.addr), buf)?);
         }
         let done = self.engine.submit(reqs)?;
-        self.account(OpKind::Write, &devs, &done);
+        let mut timings = Vec::with_capacity(done.len());
         let mut first_err = None;
-        for c in done {
+        for (c, w) in done.into_iter().zip(writes) {
+            timings.push(OpTiming::of(&c, w.addr.device));
             match c.result {
                 Ok(()) => {
                     self.bytes_written
@@ -570,10 +689,11 @@ impl PageStore {
             }
             self.pool.put(c.buf);
         }
-        match first_err {
-            None => Ok(crcs),
-            Some(e) => Err(e),
-        }
+        Ok(ChunkWritten {
+            crcs,
+            timings,
+            first_err,
+        })
     }
 
     /// Reads and verifies pages in one batch. The outer error is for bad arguments or a dead
@@ -583,57 +703,93 @@ impl PageStore {
         &self,
         reads: &[PageRead],
     ) -> Result<Vec<Result<PageData, NvmeError>>, NvmeError> {
+        for r in reads {
+            self.device(r.addr)?;
+        }
+        let parts = self.per_chunk(reads.len(), |r| self.read_chunk(&reads[r]));
+        let mut out = Vec::with_capacity(reads.len());
+        let mut timings = Vec::with_capacity(reads.len());
+        let mut outer = None;
+        for part in parts {
+            match part {
+                Ok((pages, t)) => {
+                    out.extend(pages);
+                    timings.extend(t);
+                }
+                Err(e) => {
+                    outer.get_or_insert(e);
+                }
+            }
+        }
+        self.account(OpKind::Read, &timings);
+        match outer {
+            None => Ok(out),
+            Some(e) => Err(e),
+        }
+    }
+
+    /// Reads and verifies one chunk. The outer error is a dead engine.
+    #[allow(clippy::type_complexity)]
+    fn read_chunk(
+        &self,
+        reads: &[PageRead],
+    ) -> Result<(Vec<Result<PageData, NvmeError>>, Vec<OpTiming>), NvmeError> {
         let mut reqs = Vec::with_capacity(reads.len());
         for r in reads {
-            let dev = self.device(r.addr)?;
-            let buf = self.pool.get();
-            reqs.push(IoRequest::read(dev.file.clone(), self.offset(r.addr), buf)?);
+            let file = &self.devices[r.addr.device as usize].file;
+            reqs.push(IoRequest::read(
+                file.clone(),
+                self.offset(r.addr),
+                self.pool.get(),
+            )?);
         }
         let done = self.engine.submit(reqs)?;
-        let devs: Vec<u16> = reads.iter().map(|r| r.addr.device).collect();
-        self.account(OpKind::Read, &devs, &done);
-        Ok(done
+        let timings = done
+            .iter()
+            .zip(reads)
+            .map(|(c, r)| OpTiming::of(c, r.addr.device))
+            .collect();
+        let pages = done
             .into_iter()
             .zip(reads)
-            .map(|(c, r)| {
-                if let Err(e) = c.result {
-                    self.pool.put(c.buf);
-                    return Err(e);
-                }
-                self.bytes_read
-                    .fetch_add(c.buf.len() as u64, Ordering::Relaxed);
-                let corrupt = |reason| {
-                    self.corrupt_pages.fetch_add(1, Ordering::Relaxed);
-                    NvmeError::Corrupt {
-                        device: r.addr.device,
-                        page: r.addr.page,
-                        reason,
-                    }
-                };
-                let checked =
-                    page::verify(&c.buf, r.id).and_then(|(len, crc)| match r.expected_crc {
-                        Some(expected) if expected != crc => {
-                            Err(super::CorruptReason::UnexpectedChecksum {
-                                expected,
-                                found: crc,
-                            })
-                        }
-                        _ => Ok((len, crc)),
-                    });
-                match checked {
-                    Ok((len, crc)) => Ok(PageData {
-                        buf: Some(c.buf),
-                        pool: self.pool.clone(),
-                        len,
-                        crc,
-                    }),
-                    Err(reason) => {
-                        self.pool.put(c.buf);
-                        Err(corrupt(reason))
-                    }
-                }
-            })
-            .collect())
+            .map(|(c, r)| self.verify(c, r))
+            .collect();
+        Ok((pages, timings))
+    }
+
+    /// Turns a read completion into verified page data (or the typed error), recycling the
+    /// buffer of a failed one.
+    fn verify(&self, c: IoCompletion, r: &PageRead) -> Result<PageData, NvmeError> {
+        if let Err(e) = c.result {
+            self.pool.put(c.buf);
+            return Err(e);
+        }
+        self.bytes_read
+            .fetch_add(c.buf.len() as u64, Ordering::Relaxed);
+        let checked = page::verify(&c.buf, r.id).and_then(|(len, crc)| match r.expected_crc {
+            Some(expected) if expected != crc => Err(super::CorruptReason::UnexpectedChecksum {
+                expected,
+                found: crc,
+            }),
+            _ => Ok((len, crc)),
+        });
+        match checked {
+            Ok((len, crc)) => Ok(PageData {
+                buf: Some(c.buf),
+                pool: self.pool.clone(),
+                len,
+                crc,
+            }),
+            Err(reason) => {
+                self.pool.put(c.buf);
+                self.corrupt_pages.fetch_add(1, Ordering::Relaxed);
+                Err(NvmeError::Corrupt {
+                    device: r.addr.device,
+                    page: r.addr.page,
+                    reason,
+                })
+            }
+        }
     }
 
     /// fdatasync every device: after this, completed page writes survive power loss.

@@ -35,6 +35,10 @@ pub const BULK_BATCH_SECONDS: f64 = 0.008;
 pub const BULK_BATCH_MAX_PAGES: usize = 256;
 /// Pages per batch before every device has a tracked read rate.
 pub const BULK_BATCH_UNMEASURED_PAGES: usize = 64;
+/// Most page bytes one batch of [`NvmeTier::read_runs_pipelined`] holds: with the batch
+/// being consumed and the one read ahead, a pipelined read holds at most twice this (well
+/// inside the page store's buffer pool, so its buffers are recycled, not allocated).
+pub const PIPELINE_BATCH_BYTES: usize = 32 << 20;
 
 /// What recovery found at open.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -284,14 +288,9 @@ impl NvmeTier {
                 .manifest
                 .session(session)
                 .ok_or_else(|| NvmeError::invalid(format!("no session {session} on NVMe")))?;
-            let device: HashMap<(u32, u32), u16> = s
-                .pages
-                .iter()
-                .map(|p| ((p.layer, p.block), p.device))
-                .collect();
             wanted
                 .iter()
-                .map(|k| (device.get(k).copied().unwrap_or(0) as usize, page))
+                .map(|&(l, b)| (s.page(l, b).map_or(0, |p| p.device as usize), page))
                 .collect()
         };
         plan::split_batches(&lanes, &reads, BULK_BATCH_SECONDS, BULK_BATCH_MAX_PAGES)
@@ -338,12 +337,12 @@ impl NvmeTier {
                 .manifest
                 .session(session)
                 .ok_or_else(|| NvmeError::invalid(format!("no session {session} on NVMe")))?;
-            let index: HashMap<(u32, u32), &PageRecord> =
-                s.pages.iter().map(|p| ((p.layer, p.block), p)).collect();
+            // Binary search per run: building an index of the whole session for every batch
+            // made a bulk read quadratic in the session's size.
             wanted
                 .iter()
-                .map(|k| {
-                    index.get(k).map(|p| PageRead {
+                .map(|&(l, b)| {
+                    s.page(l, b).map(|p| PageRead {
                         addr: p.addr(),
                         id: PageId {
                             session,
@@ -368,6 +367,71 @@ impl NvmeTier {
                 ))),
             })
             .collect())
+    }
+
+    /// Reads `wanted` runs of a session (a bulk read: warm restart, PROMOTE) in consecutive
+    /// batches ([`NvmeTier::plan_batches`], cut to at most [`PIPELINE_BATCH_BYTES`]) and hands
+    /// each batch to `consume`, in order, with its range in `wanted` and one result per run
+    /// (as [`NvmeTier::read_runs`] gives them: verified pages or typed errors). A reader
+    /// thread reads the next batch while `consume` works on the current one, so reading and
+    /// verifying overlap what the caller does with the pages; at most two batches of pages
+    /// are alive at once. Stops at the first error `consume` returns, or an error of a whole
+    /// batch (unknown session, dead engine), and returns it; no batch after it is consumed.
+    pub fn read_runs_pipelined<E: From<NvmeError>>(
+        &self,
+        session: u64,
+        wanted: &[(u32, u32)],
+        mut consume: impl FnMut(Range<usize>, Vec<Result<PageData, NvmeError>>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let most = (PIPELINE_BATCH_BYTES / self.store.page_size()).max(1);
+        let batches: Vec<Range<usize>> = self
+            .plan_batches(session, wanted)?
+            .into_iter()
+            .flat_map(|r| {
+                (r.start..r.end)
+                    .step_by(most)
+                    .map(move |a| a..(a + most).min(r.end))
+            })
+            .collect();
+        let sequential = |batches: &[Range<usize>],
+                          consume: &mut dyn FnMut(_, _) -> Result<(), E>| {
+            for r in batches {
+                let pages = self.read_runs(session, &wanted[r.clone()])?;
+                consume(r.clone(), pages)?;
+            }
+            Ok(())
+        };
+        if batches.len() <= 1 {
+            return sequential(&batches, &mut consume);
+        }
+        std::thread::scope(|s| {
+            // Rendezvous: the reader holds the batch it read until the consumer takes it, so
+            // it is never more than one batch ahead.
+            let (tx, rx) = std::sync::mpsc::sync_channel(0);
+            let reader = std::thread::Builder::new()
+                .name("kvtier-readahead".into())
+                .spawn_scoped(s, {
+                    let batches = &batches;
+                    move || {
+                        for r in batches {
+                            let pages = self.read_runs(session, &wanted[r.clone()]);
+                            let failed = pages.is_err();
+                            // A consumer that stopped drops the receiver: stop too.
+                            if tx.send((r.clone(), pages)).is_err() || failed {
+                                return;
+                            }
+                        }
+                    }
+                });
+            if reader.is_err() {
+                // No thread to spare: the same reads, one after another.
+                return sequential(&batches, &mut consume);
+            }
+            for (r, pages) in rx {
+                consume(r, pages?)?;
+            }
+            Ok(())
+        })
     }
 }
 

@@ -1,6 +1,6 @@
 //! A fault-injecting wrapper around any engine, for tests: short transfers, EIO, ENOSPC, bit
-//! flips and stalls, chosen per operation kind by probability or operation count,
-//! deterministic for a given seed and submission order.
+//! flips and stalls, chosen per operation kind by probability, operation count or file offset,
+//! deterministic for a given seed and submission order (offset rules for any order).
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,6 +42,9 @@ pub enum Trigger {
     Nth(u64),
     /// Every n-th matching operation.
     EveryNth(u64),
+    /// Every matching operation at this file offset (on any file): a fault pinned to one
+    /// page, whatever the order in which concurrent batches reach the engine.
+    AtOffset(u64),
 }
 
 /// One injection rule. The first rule that fires for an operation wins.
@@ -147,7 +150,7 @@ impl<E: IoEngine> IoEngine for FaultyEngine<E> {
         {
             let mut st = self.state.lock();
             for mut req in reqs {
-                let fault = self.decide(&mut st, req.kind());
+                let fault = self.decide(&mut st, req.kind(), req.offset());
                 let align = req.file().offset_align();
                 let len = req.len();
                 let plan = match (fault, req.kind()) {
@@ -277,7 +280,7 @@ impl<E: IoEngine> IoEngine for FaultyEngine<E> {
 }
 
 impl<E> FaultyEngine<E> {
-    fn decide(&self, st: &mut State, kind: OpKind) -> Option<Fault> {
+    fn decide(&self, st: &mut State, kind: OpKind, offset: u64) -> Option<Fault> {
         let mut chosen = None;
         for (i, r) in self.rules.iter().enumerate() {
             if r.kind.is_some_and(|k| k != kind) {
@@ -292,6 +295,7 @@ impl<E> FaultyEngine<E> {
                 Trigger::Probability(p) => st.rng.unit() < p,
                 Trigger::Nth(k) => n == k,
                 Trigger::EveryNth(k) => n.is_multiple_of(k),
+                Trigger::AtOffset(at) => offset == at,
             };
             if fire && chosen.is_none() {
                 chosen = Some(r.fault);
