@@ -974,7 +974,9 @@ fn pinned(kind: OpKind, fault: Fault, store_page: usize) -> FaultRule {
     }
 }
 
-fn both_engines() -> Vec<(&'static str, fn() -> Box<dyn IoEngine>)> {
+type MakeEngine = fn() -> Box<dyn IoEngine>;
+
+fn both_engines() -> Vec<(&'static str, MakeEngine)> {
     vec![
         ("io_uring", || {
             Box::new(UringEngine::new(UringConfig { queue_depth: 16 }).unwrap())

@@ -132,6 +132,9 @@ impl Drop for PageData {
     }
 }
 
+/// One result per page of a read batch.
+pub type PageResults = Vec<Result<PageData, NvmeError>>;
+
 /// Usage of one device.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeviceUsage {
@@ -699,10 +702,7 @@ impl PageStore {
     /// Reads and verifies pages in one batch. The outer error is for bad arguments or a dead
     /// engine; each page has its own result. A page that fails verification is
     /// `NvmeError::Corrupt`, never data.
-    pub fn read_pages(
-        &self,
-        reads: &[PageRead],
-    ) -> Result<Vec<Result<PageData, NvmeError>>, NvmeError> {
+    pub fn read_pages(&self, reads: &[PageRead]) -> Result<PageResults, NvmeError> {
         for r in reads {
             self.device(r.addr)?;
         }
@@ -729,11 +729,7 @@ impl PageStore {
     }
 
     /// Reads and verifies one chunk. The outer error is a dead engine.
-    #[allow(clippy::type_complexity)]
-    fn read_chunk(
-        &self,
-        reads: &[PageRead],
-    ) -> Result<(Vec<Result<PageData, NvmeError>>, Vec<OpTiming>), NvmeError> {
+    fn read_chunk(&self, reads: &[PageRead]) -> Result<(PageResults, Vec<OpTiming>), NvmeError> {
         let mut reqs = Vec::with_capacity(reads.len());
         for r in reads {
             let file = &self.devices[r.addr.device as usize].file;
