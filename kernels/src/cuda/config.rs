@@ -235,8 +235,9 @@ impl CudaConfig {
         }
         let k = ksel as usize;
         let c = self.cache_slots as usize;
-        // plan_tile_cache: ids and hits per keep-set entry; used, key and victim per slot.
-        let plan_smem = k * 8 + c * 13;
+        // plan_tile_cache: ids, hits and host addresses per keep-set entry; used, key and
+        // victim per slot; per-warp miss counts.
+        let plan_smem = k * 16 + c * 13 + 128;
         if plan_smem > SMEM_LIMIT {
             return Err(invalid(format!(
                 "gather plan needs {plan_smem} bytes of shared memory"
