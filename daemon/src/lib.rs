@@ -120,10 +120,11 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
     for (path, capacity) in &devices {
         // One device needs no weight; several are striped in proportion to measured bandwidth.
         let bandwidth = if devices.len() > 1 {
-            let file = Arc::new(nvme::DirectFile::open(path).map_err(|e| e.to_string())?);
+            let file = nvme::DirectFile::open(path).map_err(|e| e.to_string())?;
             file.ensure_len(*capacity).map_err(|e| e.to_string())?;
-            let span = (*capacity).min(256 << 20);
-            let lane = nvme::plan::probe_device(engine.as_ref(), &file, span, Default::default())
+            // Probed over a written scratch file beside it: a fresh device file's unwritten
+            // extents read back as zeros without I/O and would probe far too fast.
+            let lane = nvme::plan::probe_path(engine.as_ref(), path, Default::default())
                 .map_err(|e| e.to_string())?;
             tracing::info!(device = %path.display(), gbps = lane.bandwidth_bytes_per_s / 1e9, latency_us = lane.latency_s * 1e6, "probed NVMe device");
             lane.bandwidth_bytes_per_s

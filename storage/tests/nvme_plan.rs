@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use kvtier_storage::nvme::io::UringConfig;
 use kvtier_storage::nvme::plan::{
-    evaluate, plan, probe_device, proportional_split, split_batches, uniform, BlockCopies, Lane,
-    LaneTracker, Observed, ProbeConfig, TRACKER_OUTLIER_FACTOR, TRACKER_WARMUP,
+    evaluate, plan, probe_device, probe_path, proportional_split, split_batches, uniform,
+    BlockCopies, Lane, LaneTracker, Observed, ProbeConfig, TRACKER_OUTLIER_FACTOR, TRACKER_WARMUP,
 };
 use kvtier_storage::nvme::{open_best_engine, AlignedBuf, DirectFile, IoRequest, NvmeError};
 use proptest::prelude::*;
@@ -579,6 +579,61 @@ fn probe_measures_a_real_file() {
         probe_device(engine.as_ref(), &f, span, bad),
         Err(NvmeError::Misaligned { .. })
     ));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// The startup probe of a device file reads a scratch file it wrote beside it (a fresh device
+/// file's unwritten extents would read back as zeros without I/O), leaves the device file's
+/// bytes alone and removes the scratch file, also when the probe fails.
+#[test]
+fn probe_path_measures_written_bytes_beside_the_device_and_cleans_up() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("nvme-probe-path-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let engine = open_best_engine(UringConfig::default());
+    let dev = dir.join("pages-0");
+    let f = Arc::new(DirectFile::open(&dev).unwrap());
+    f.ensure_len(8 << 20).unwrap();
+    let mut buf = AlignedBuf::new(1 << 20, 4096).unwrap();
+    buf.fill(0xC3);
+    for c in engine
+        .submit(vec![IoRequest::write(f.clone(), 3 << 20, buf).unwrap()])
+        .unwrap()
+    {
+        c.result.unwrap();
+    }
+    let before = std::fs::read(&dev).unwrap();
+    let cfg = ProbeConfig {
+        latency_reads: 8,
+        block_bytes: 256 << 10,
+        depth: 8,
+        batches: 4,
+    };
+    let l = probe_path(engine.as_ref(), &dev, cfg).unwrap();
+    assert!(
+        l.bandwidth_bytes_per_s > 1e6 && l.bandwidth_bytes_per_s < 1e12,
+        "{l:?}"
+    );
+    assert!(l.latency_s > 0.0 && l.latency_s < 1.0, "{l:?}");
+    let scratch = dir.join("pages-0.probe");
+    assert!(!scratch.exists(), "scratch file removed");
+    assert_eq!(
+        std::fs::read(&dev).unwrap(),
+        before,
+        "device file untouched"
+    );
+    let bad = ProbeConfig {
+        block_bytes: 1000,
+        ..cfg
+    };
+    assert!(matches!(
+        probe_path(engine.as_ref(), &dev, bad),
+        Err(NvmeError::Misaligned { .. })
+    ));
+    assert!(
+        !scratch.exists(),
+        "scratch file removed after a failed probe"
+    );
     std::fs::remove_dir_all(dir).unwrap();
 }
 

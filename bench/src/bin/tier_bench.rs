@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_bench::{cpu_description, decode_step, fill_bf16, gbps, median};
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
-use kvtier_storage::nvme::plan::{probe_device, Lane};
+use kvtier_storage::nvme::plan::{probe_path, Lane};
 use kvtier_storage::nvme::{
     open_best_engine, AlignedBuf, BlockRun, DeviceConfig, DirectFile, IoEngine, NvmeError,
     NvmeTier, PageStore, PageStoreConfig, PreadEngine, TierSource,
@@ -243,9 +243,11 @@ fn plain_rate(path: &Path, span: u64, threads: usize, write: bool) -> f64 {
 }
 
 fn probe(engine: &dyn IoEngine, path: &Path, cap: u64) -> Lane {
-    let f = Arc::new(DirectFile::open(path).expect("open"));
+    let f = DirectFile::open(path).expect("open");
     f.ensure_len(cap).expect("allocate");
-    probe_device(engine, &f, cap.min(1 << 30), Default::default()).expect("probe")
+    // Over written bytes (probe_path): the fresh file's unwritten extents would read as zeros
+    // without device I/O.
+    probe_path(engine, path, Default::default()).expect("probe")
 }
 
 fn main() {
