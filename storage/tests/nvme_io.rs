@@ -339,6 +339,31 @@ fn faulty_engine_triggers_are_deterministic() {
     .is_err());
 }
 
+/// A one-layer session record of `blocks` full 16-token blocks (head_dim 8), no pages yet.
+fn one_layer_record(id: u64, blocks: u32) -> SessionRecord {
+    SessionRecord {
+        id,
+        owner_uid: 0,
+        label: String::new(),
+        geometry: GeometryRecord {
+            layers: 1,
+            q_heads: 1,
+            kv_heads: 1,
+            head_dim: 8,
+            dtype: 0,
+            block_tokens: 16,
+        },
+        policy: PolicyRecord {
+            sink_blocks: 1,
+            local_blocks: 1,
+            top_k: 1,
+        },
+        layer_tokens: vec![16 * blocks as u64],
+        pages: Vec::new(),
+        pinned: false,
+    }
+}
+
 fn store_cfg(dir: &std::path::Path, bws: &[f64], capacity: u64) -> PageStoreConfig {
     PageStoreConfig {
         devices: bws
@@ -801,27 +826,7 @@ fn tracked_read_rates_set_the_stripe_weights_of_new_sessions_and_the_bulk_batche
     let store = PageStore::open(&cfg, Arc::new(engine)).unwrap();
     assert!(store.usage().devices.iter().all(|d| d.read_lane.is_none()));
     let (tier, _) = NvmeTier::open(store, &dir.join("manifest")).unwrap();
-    let record = |id: u64| SessionRecord {
-        id,
-        owner_uid: 0,
-        label: String::new(),
-        geometry: GeometryRecord {
-            layers: 1,
-            q_heads: 1,
-            kv_heads: 1,
-            head_dim: 8,
-            dtype: 0,
-            block_tokens: 16,
-        },
-        policy: PolicyRecord {
-            sink_blocks: 1,
-            local_blocks: 1,
-            top_k: 1,
-        },
-        layer_tokens: vec![16 * 100],
-        pages: Vec::new(),
-        pinned: false,
-    };
+    let record = |id: u64| one_layer_record(id, 100);
     let payloads: Vec<Vec<u8>> = (0..100).map(|i| pattern(i, 9000)).collect();
     let runs: Vec<BlockRun> = payloads
         .iter()
@@ -1251,27 +1256,7 @@ fn read_runs_pipelined_delivers_every_batch_in_order_and_stops_at_the_first_erro
             bytes: p,
         })
         .collect();
-    let record = SessionRecord {
-        id: 1,
-        owner_uid: 0,
-        label: String::new(),
-        geometry: GeometryRecord {
-            layers: 1,
-            q_heads: 1,
-            kv_heads: 1,
-            head_dim: 8,
-            dtype: 0,
-            block_tokens: 16,
-        },
-        policy: PolicyRecord {
-            sink_blocks: 1,
-            local_blocks: 1,
-            top_k: 1,
-        },
-        layer_tokens: vec![16 * n as u64],
-        pages: Vec::new(),
-        pinned: false,
-    };
+    let record = one_layer_record(1, n as u32);
     tier.put_session(&record, &runs).unwrap();
     let s = tier.session(1).unwrap();
     assert_eq!(
