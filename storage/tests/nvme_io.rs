@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyEngine, Trigger, UringConfig};
+use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
 use kvtier_storage::nvme::store::{PageRead, PageWrite};
 use kvtier_storage::nvme::{
     AlignedBuf, CorruptReason, DeviceConfig, DirectFile, IoEngine, IoRequest, NvmeError, OpKind,
@@ -800,7 +801,6 @@ impl IoEngine for SlowFirstDevice {
 
 #[test]
 fn tracked_read_rates_set_the_stripe_weights_of_new_sessions_and_the_bulk_batches() {
-    use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
     use kvtier_storage::nvme::store::STRIPE_MIN_SAMPLES;
     use kvtier_storage::nvme::tier::{BULK_BATCH_SECONDS, BULK_BATCH_UNMEASURED_PAGES};
     use kvtier_storage::nvme::{BlockRun, NvmeTier};
@@ -1229,7 +1229,6 @@ fn workers_are_validated() {
 
 #[test]
 fn read_runs_pipelined_delivers_every_batch_in_order_and_stops_at_the_first_error() {
-    use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
     use kvtier_storage::nvme::tier::BULK_BATCH_UNMEASURED_PAGES;
     use kvtier_storage::nvme::{BlockRun, NvmeTier};
 
