@@ -159,6 +159,8 @@ pub struct CudaBackend {
     stamp: u32,
     timers: Option<Timers>,
     poison: bool,
+    /// [`summary_order`] for this geometry, used by every summary upload.
+    sum_order: Vec<usize>,
     last_batch: usize,
     // Device state.
     sums: DevBuf<u8>,
@@ -199,6 +201,25 @@ fn summary_order(d: usize, bf16: bool) -> Vec<usize> {
         order[at + 1] = d + dim;
     }
     order
+}
+
+/// CPU summary records (each [max; D] ++ [min; D]) in the device order `order`
+/// ([`summary_order`]), each value passed through `conv` with its CPU index in the record.
+fn device_records<T: Copy + Default>(
+    summaries: &[f32],
+    order: &[usize],
+    conv: impl Fn(f32, usize) -> T,
+) -> Vec<T> {
+    let mut dev = vec![T::default(); summaries.len()];
+    for (dst, src) in dev
+        .chunks_exact_mut(order.len())
+        .zip(summaries.chunks_exact(order.len()))
+    {
+        for (x, &o) in dst.iter_mut().zip(order) {
+            *x = conv(src[o], o);
+        }
+    }
+    dev
 }
 
 impl CudaBackend {
@@ -292,6 +313,7 @@ impl CudaBackend {
             stamp: 0,
             timers: None,
             poison: false,
+            sum_order: summary_order(g.head_dim as usize, cfg.summaries_bf16()),
             last_batch: 0,
         };
         backend.sync()?;
@@ -526,25 +548,13 @@ impl CudaBackend {
         self.session_mut(slot)?;
         let mb = self.cfg.max_blocks as usize;
         let elem0 = ((s * self.cfg.geometry.layers as usize + l) * mb + first_block as usize) * per;
-        let bf16 = self.cfg.summaries_bf16();
-        let order = summary_order(self.cfg.geometry.head_dim as usize, bf16);
-        let rec = order.len();
-        if bf16 {
+        if self.cfg.summaries_bf16() {
             // Outward rounding: exact for the bounds of bf16 keys (see summaries_bf16).
-            let mut dev = vec![0u16; summaries.len()];
-            for (r, src) in summaries.chunks_exact(rec).enumerate() {
-                for (x, &o) in dev[r * rec..(r + 1) * rec].iter_mut().zip(&order) {
-                    *x = bf16_outward(src[o], o < rec / 2);
-                }
-            }
+            let half = self.sum_order.len() / 2;
+            let dev = device_records(summaries, &self.sum_order, |x, o| bf16_outward(x, o < half));
             self.htod(self.sums.at(elem0 * 2), &dev)?;
         } else {
-            let mut dev = vec![0f32; summaries.len()];
-            for (r, src) in summaries.chunks_exact(rec).enumerate() {
-                for (x, &o) in dev[r * rec..(r + 1) * rec].iter_mut().zip(&order) {
-                    *x = src[o];
-                }
-            }
+            let dev = device_records(summaries, &self.sum_order, |x, _| x);
             self.htod(self.sums.at(elem0 * 4), &dev)?;
         }
         let sess = self.session_mut(slot)?;
@@ -1048,7 +1058,8 @@ enum Arg {
 
 #[cfg(test)]
 mod tests {
-    use super::summary_order;
+    use super::{device_records, summary_order};
+    use crate::cuda::bf16_outward;
 
     /// Every CPU value lands once, and the values a scoring thread reads (16-byte vectors
     /// u * 8 + j of its record) are lane j's (max, min) pairs for dims j, j + 8, ... in order.
@@ -1085,5 +1096,23 @@ mod tests {
                 assert_eq!(lane, want, "d {d} bf16 {bf16} lane {j}");
             }
         }
+    }
+
+    /// Each record is permuted on its own, and the conversion sees the CPU index (bf16: max
+    /// rounded up, min rounded down).
+    #[test]
+    fn device_records_permute_each_record_and_round_outward() {
+        let d = 32;
+        let order = summary_order(d, true);
+        let cpu: Vec<f32> = (0..3 * 2 * d).map(|i| 1.0 + i as f32 * 1e-3).collect();
+        let dev = device_records(&cpu, &order, |x, o| bf16_outward(x, o < d));
+        for r in 0..3 {
+            for (e, &o) in order.iter().enumerate() {
+                assert_eq!(dev[r * 2 * d + e], bf16_outward(cpu[r * 2 * d + o], o < d));
+            }
+        }
+        let same = device_records(&cpu, &summary_order(d, false), |x, _| x);
+        assert_eq!(same.len(), cpu.len());
+        assert_eq!(same[1], cpu[d], "entry 1 is lane 0's first min");
     }
 }
