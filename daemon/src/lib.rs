@@ -120,10 +120,9 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
     for (path, capacity) in &devices {
         // One device needs no weight; several are striped in proportion to measured bandwidth.
         let bandwidth = if devices.len() > 1 {
-            let file = nvme::DirectFile::open(path).map_err(|e| e.to_string())?;
-            file.ensure_len(*capacity).map_err(|e| e.to_string())?;
             // Probed over a written scratch file beside it: a fresh device file's unwritten
-            // extents read back as zeros without I/O and would probe far too fast.
+            // extents read back as zeros without I/O and would probe far too fast. (The page
+            // store sizes the device file when it opens.)
             let lane = nvme::plan::probe_path(engine.as_ref(), path, Default::default())
                 .map_err(|e| e.to_string())?;
             tracing::info!(device = %path.display(), gbps = lane.bandwidth_bytes_per_s / 1e9, latency_us = lane.latency_s * 1e6, "probed NVMe device");

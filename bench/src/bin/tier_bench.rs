@@ -242,11 +242,8 @@ fn plain_rate(path: &Path, span: u64, threads: usize, write: bool) -> f64 {
     (0..3).map(|_| pass()).fold(0.0, f64::max)
 }
 
-fn probe(engine: &dyn IoEngine, path: &Path, cap: u64) -> Lane {
-    let f = DirectFile::open(path).expect("open");
-    f.ensure_len(cap).expect("allocate");
-    // Over written bytes (probe_path): the fresh file's unwritten extents would read as zeros
-    // without device I/O.
+/// The lane as tierd probes it at startup (over written bytes, see `probe_path`).
+fn probe(engine: &dyn IoEngine, path: &Path) -> Lane {
     probe_path(engine, path, Default::default()).expect("probe")
 }
 
@@ -304,8 +301,8 @@ fn main() {
     // Lane bandwidths, probed the way tierd does at startup.
     let slow_path = args.dir.join("pages-slow");
     let fast_path = args.fast_dir.join("pages-fast");
-    let slow = probe(engine.as_ref(), &slow_path, cap);
-    let fast = probe(engine.as_ref(), &fast_path, cap);
+    let slow = probe(engine.as_ref(), &slow_path);
+    let fast = probe(engine.as_ref(), &fast_path);
     println!(
         "probe: slow {:.2} GB/s ({:.0} us), fast {:.2} GB/s ({:.0} us)",
         slow.bandwidth_bytes_per_s / 1e9,
