@@ -6,6 +6,7 @@ use std::sync::Arc;
 use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyEngine, Trigger, UringConfig};
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
 use kvtier_storage::nvme::store::{PageRead, PageWrite};
+use kvtier_storage::nvme::BlockRun;
 use kvtier_storage::nvme::{
     AlignedBuf, CorruptReason, DeviceConfig, DirectFile, IoEngine, IoRequest, NvmeError, OpKind,
     PageAddr, PageId, PageStore, PageStoreConfig, PreadEngine, UringEngine,
@@ -363,6 +364,19 @@ fn one_layer_record(id: u64, blocks: u32) -> SessionRecord {
         pages: Vec::new(),
         pinned: false,
     }
+}
+
+/// `payloads` as the runs of layer 0, block i = payload i.
+fn layer0_runs(payloads: &[Vec<u8>]) -> Vec<BlockRun<'_>> {
+    payloads
+        .iter()
+        .enumerate()
+        .map(|(b, p)| BlockRun {
+            layer: 0,
+            block: b as u32,
+            bytes: p,
+        })
+        .collect()
 }
 
 fn store_cfg(dir: &std::path::Path, bws: &[f64], capacity: u64) -> PageStoreConfig {
@@ -803,7 +817,7 @@ impl IoEngine for SlowFirstDevice {
 fn tracked_read_rates_set_the_stripe_weights_of_new_sessions_and_the_bulk_batches() {
     use kvtier_storage::nvme::store::STRIPE_MIN_SAMPLES;
     use kvtier_storage::nvme::tier::{BULK_BATCH_SECONDS, BULK_BATCH_UNMEASURED_PAGES};
-    use kvtier_storage::nvme::{BlockRun, NvmeTier};
+    use kvtier_storage::nvme::NvmeTier;
 
     let dir = test_dir("store-tracked");
     // Configured as equals; device 0 really holds every operation 5 ms longer (a margin
@@ -828,15 +842,7 @@ fn tracked_read_rates_set_the_stripe_weights_of_new_sessions_and_the_bulk_batche
     let (tier, _) = NvmeTier::open(store, &dir.join("manifest")).unwrap();
     let record = |id: u64| one_layer_record(id, 100);
     let payloads: Vec<Vec<u8>> = (0..100).map(|i| pattern(i, 9000)).collect();
-    let runs: Vec<BlockRun> = payloads
-        .iter()
-        .enumerate()
-        .map(|(b, p)| BlockRun {
-            layer: 0,
-            block: b as u32,
-            bytes: p,
-        })
-        .collect();
+    let runs = layer0_runs(&payloads);
     let per_device = |id: u64| {
         let mut n = [0usize; 2];
         for p in tier.session(id).unwrap().pages {
@@ -1230,7 +1236,7 @@ fn workers_are_validated() {
 #[test]
 fn read_runs_pipelined_delivers_every_batch_in_order_and_stops_at_the_first_error() {
     use kvtier_storage::nvme::tier::BULK_BATCH_UNMEASURED_PAGES;
-    use kvtier_storage::nvme::{BlockRun, NvmeTier};
+    use kvtier_storage::nvme::NvmeTier;
 
     let dir = test_dir("pipelined");
     let n = 200usize;
@@ -1246,15 +1252,7 @@ fn read_runs_pipelined_delivers_every_batch_in_order_and_stops_at_the_first_erro
     let store = full_page_store(&dir, engine, 4);
     let (tier, _) = NvmeTier::open(store, &dir.join("manifest")).unwrap();
     let payloads: Vec<Vec<u8>> = (0..n as u64).map(|i| pattern(i, 9000)).collect();
-    let runs: Vec<BlockRun> = payloads
-        .iter()
-        .enumerate()
-        .map(|(b, p)| BlockRun {
-            layer: 0,
-            block: b as u32,
-            bytes: p,
-        })
-        .collect();
+    let runs = layer0_runs(&payloads);
     let record = one_layer_record(1, n as u32);
     tier.put_session(&record, &runs).unwrap();
     let s = tier.session(1).unwrap();
