@@ -1040,7 +1040,7 @@ mod tests {
                     reason: "not saved".into(),
                     corrupt: false,
                 })?;
-                f.as_mut_slice()[..run.len()].copy_from_slice(run);
+                f.put_run(run);
             }
             Ok(())
         }

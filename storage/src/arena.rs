@@ -273,6 +273,15 @@ impl Frame {
             )
         }
     }
+
+    /// Makes the frame hold exactly `run`: copied to the front, every byte after it zeroed
+    /// (a frame from [`HostArena::alloc_many_unzeroed`] holds its last owner's bytes). Panics
+    /// if `run` is longer than the frame.
+    pub fn put_run(&mut self, run: &[u8]) {
+        let f = self.as_mut_slice();
+        f[..run.len()].copy_from_slice(run);
+        f[run.len()..].fill(0);
+    }
 }
 
 impl std::fmt::Debug for Frame {

@@ -43,7 +43,9 @@ impl Slot {
 
 /// Reads stored block runs back from a colder tier (the NVMe page store).
 pub trait ColdSource: Send + Sync {
-    /// Fills `frames[i]` (zeroed, frame-sized) with the stored run of `(layer, blocks[i])`.
+    /// Fills `frames[i]` with the stored run of `(layer, blocks[i])` and zeroes the rest of the
+    /// frame ([`Frame::put_run`]): the frames come unzeroed (holding a previous owner's bytes),
+    /// because zeroing a frame only to copy over it doubled the memory traffic of a promotion.
     /// Must verify what it returns: wrong bytes must be an error, never data.
     fn read_runs(&self, layer: u32, blocks: &[u32], frames: &mut [Frame]) -> Result<()>;
 }
@@ -182,7 +184,8 @@ impl KvCache {
         if cold.is_empty() {
             return Ok(0);
         }
-        let mut frames = self.arena.alloc_many(cold.len())?;
+        // Unzeroed: the source writes every byte (`ColdSource::read_runs`).
+        let mut frames = self.arena.alloc_many_unzeroed(cold.len())?;
         source.read_runs(layer, &cold, &mut frames)?;
         let slots = &mut self.layers[layer as usize].slots;
         for (b, f) in cold.iter().zip(frames) {

@@ -247,7 +247,7 @@ impl kvtier_storage::ColdSource for Saved {
                 reason: "not saved".into(),
                 corrupt: false,
             })?;
-            f.as_mut_slice()[..run.len()].copy_from_slice(run);
+            f.put_run(run);
         }
         Ok(())
     }
@@ -316,6 +316,39 @@ fn evicted_blocks_come_back_bit_identical_and_free_their_frames() {
         7,
         "the failed promotion's frame was returned"
     );
+}
+
+/// Promotion takes frames without zeroing them (the source overwrites every byte): a frame
+/// that held another session's bytes must come back as exactly the run followed by zeros.
+#[test]
+fn a_promoted_frame_holds_the_run_and_zeros_whatever_it_held_before() {
+    let g = geo(DType::Bf16, 4);
+    let a = arena(16);
+    let mut kv = KvCache::new(g, a.clone()).unwrap();
+    kv.append(0, 8, &payload(&g, 8, 5)).unwrap();
+    let saved = save_all(&kv);
+    for b in 0..2 {
+        assert!(kv.evict(0, b));
+    }
+    // Every free frame now holds 0xA5 bytes.
+    let mut dirty = a
+        .alloc_many(a.usage().frames_total - a.usage().frames_used)
+        .unwrap();
+    for f in &mut dirty {
+        f.as_mut_slice().fill(0xA5);
+    }
+    drop(dirty);
+    assert_eq!(kv.promote(0, &[0, 1], &saved).unwrap(), 2);
+    let view = kv.layer(0).unwrap();
+    for b in 0..2u32 {
+        let frame = view.frame(b as usize).unwrap().as_slice();
+        let run = &saved.0[&(0, b)];
+        assert_eq!(&frame[..run.len()], &run[..]);
+        assert!(
+            frame[run.len()..].iter().all(|&x| x == 0),
+            "block {b}: the frame past the run is zeroed"
+        );
+    }
 }
 
 #[test]

@@ -475,9 +475,7 @@ impl crate::ColdSource for TierSource<'_> {
                 .zip(&mut frames[r.clone()])
                 .zip(&blocks[r])
             {
-                let page = page.map_err(|e| fail(b, &e))?;
-                let bytes = page.payload();
-                frame.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
+                frame.put_run(page.map_err(|e| fail(b, &e))?.payload());
             }
         }
         Ok(())
