@@ -1,10 +1,12 @@
 //! The NVMe tier, measured: restore of a ~4 GB session, striping over two lanes of different
-//! bandwidth (bandwidth-proportional vs uniform, against the predicted makespan), and a decode
-//! step whose keep-set is cold on NVMe vs the same step all in RAM.
+//! bandwidth (bandwidth-proportional vs uniform, against the predicted makespan), a decode
+//! step whose keep-set is cold on NVMe vs the same step all in RAM, and decode steps whose
+//! keep-set is split across RAM and both NVMe lanes (proportional vs uniform striping, against
+//! the predicted max over lanes).
 //!
 //! cargo run --release -p kvtier-bench --bin tier_bench -- [--tokens 69760]
 //!     [--dir target/tier-bench] [--fast-dir /dev/shm/kvtier-bench] [--steps 3] [--workers N]
-//!     [--engine auto|pread]
+//!     [--engine auto|pread] [--cold-frac 0.5] [--mixed-steps 9] [--only restore|stripe|mixed|cold]
 //!
 //! `--dir` should be on the NVMe (or whatever disk) under test; `--fast-dir` on a faster lane
 //! (tmpfs stands in for a second, faster device on a machine with one disk). `--workers` sets
@@ -19,6 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_bench::{cpu_description, decode_step, fill_bf16, gbps, median};
+use kvtier_kernels::{decode_layer_timed, DecodeEntry, StageTimings};
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
 use kvtier_storage::nvme::plan::{probe_path, Lane};
 use kvtier_storage::nvme::{
@@ -37,6 +40,15 @@ struct Args {
     steps: usize,
     workers: usize,
     engine: String,
+    cold_frac: f64,
+    mixed_steps: usize,
+    only: Option<String>,
+}
+
+impl Args {
+    fn runs(&self, section: &str) -> bool {
+        self.only.as_deref().is_none_or(|o| o == section)
+    }
 }
 
 fn parse_args() -> Args {
@@ -47,6 +59,9 @@ fn parse_args() -> Args {
         steps: 3,
         workers: kvtier_storage::default_workers(),
         engine: "auto".into(),
+        cold_frac: 0.5,
+        mixed_steps: 9,
+        only: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -58,6 +73,9 @@ fn parse_args() -> Args {
             "--steps" => a.steps = val().parse().expect("--steps"),
             "--workers" => a.workers = val().parse().expect("--workers"),
             "--engine" => a.engine = val(),
+            "--cold-frac" => a.cold_frac = val().parse().expect("--cold-frac"),
+            "--mixed-steps" => a.mixed_steps = val().parse().expect("--mixed-steps"),
+            "--only" => a.only = Some(val()),
             other => panic!("unknown flag {other}"),
         }
     }
@@ -326,42 +344,52 @@ fn main() {
     let floor = |rate: f64| Duration::from_secs_f64(bytes as f64 / rate);
 
     // 1. Restore of the whole session from one device.
-    let t = tier(
-        &args.dir.join("one"),
-        &[(slow_path.clone(), cap, 1.0)],
-        engine.clone(),
-        args.workers,
-    );
-    let w = store_all(&t, &kv);
-    let (r, _) = restore_all(&t, args.tokens, false);
-    println!();
-    println!(
-        "restore ({:.2} GB, one device: {}):",
-        bytes as f64 / 1e9,
-        args.dir.display()
-    );
-    println!(
-        "  write (pages + fdatasync + manifest): {:>8.2?}  {:.2} GB/s   floor {:.2?} (plain writer)",
-        w,
-        gbps(bytes, w),
-        floor(plain_write)
-    );
-    println!(
-        "  read + verify + rebuild bounds:       {:>8.2?}  {:.2} GB/s   floor {:.2?} (plain reader), {:.2?} at the probed {:.2} GB/s",
-        r,
-        gbps(bytes, r),
-        floor(plain_read),
-        Duration::from_secs_f64(bytes as f64 / slow.bandwidth_bytes_per_s),
-        slow.bandwidth_bytes_per_s / 1e9
-    );
+    let one = || {
+        tier(
+            &args.dir.join("one"),
+            &[(slow_path.clone(), cap, 1.0)],
+            engine.clone(),
+            args.workers,
+        )
+    };
+    if args.runs("restore") {
+        let t = one();
+        let w = store_all(&t, &kv);
+        let (r, _) = restore_all(&t, args.tokens, false);
+        println!();
+        println!(
+            "restore ({:.2} GB, one device: {}):",
+            bytes as f64 / 1e9,
+            args.dir.display()
+        );
+        println!(
+            "  write (pages + fdatasync + manifest): {:>8.2?}  {:.2} GB/s   floor {:.2?} (plain writer)",
+            w,
+            gbps(bytes, w),
+            floor(plain_write)
+        );
+        println!(
+            "  read + verify + rebuild bounds:       {:>8.2?}  {:.2} GB/s   floor {:.2?} (plain reader), {:.2?} at the probed {:.2} GB/s",
+            r,
+            gbps(bytes, r),
+            floor(plain_read),
+            Duration::from_secs_f64(bytes as f64 / slow.bandwidth_bytes_per_s),
+            slow.bandwidth_bytes_per_s / 1e9
+        );
+    }
 
-    // 2. Striping over two lanes: proportional to probed bandwidth vs uniform.
-    println!();
-    println!("striping over two lanes (read all pages back):");
-    println!(
-        "  {:<13} {:>10} {:>10} {:>10} {:>11} {:>8}",
-        "mode", "slow GB", "fast GB", "read", "predicted", "ratio"
-    );
+    // 2. Striping over two lanes: proportional to probed bandwidth vs uniform. Both tiers stay
+    // for the mixed decode steps (4).
+    let lanes = [slow, fast];
+    let mut striped = Vec::new();
+    if args.runs("stripe") || args.runs("mixed") {
+        println!();
+        println!("striping over two lanes (read all pages back):");
+        println!(
+            "  {:<13} {:>10} {:>10} {:>10} {:>11} {:>8}",
+            "mode", "slow GB", "fast GB", "read", "predicted", "ratio"
+        );
+    }
     for (mode, ws, wf) in [
         (
             "proportional",
@@ -370,6 +398,9 @@ fn main() {
         ),
         ("uniform", 1.0, 1.0),
     ] {
+        if !(args.runs("stripe") || args.runs("mixed")) {
+            break;
+        }
         let t = tier(
             &args.dir.join(mode),
             &[(slow_path.clone(), cap, ws), (fast_path.clone(), cap, wf)],
@@ -380,54 +411,226 @@ fn main() {
         println!("  ({mode}: stored in {w:.2?})");
         let u = t.store().usage();
         let (bs, bf) = (u.devices[0].bytes_used, u.devices[1].bytes_used);
-        let mut times = Vec::new();
-        for _ in 0..3 {
-            times.push(restore_all(&t, args.tokens, false).0);
+        if args.runs("stripe") {
+            let mut times = Vec::new();
+            for _ in 0..3 {
+                times.push(restore_all(&t, args.tokens, false).0);
+            }
+            let r = median(&mut times);
+            let predicted = (slow.latency_s + bs as f64 / slow.bandwidth_bytes_per_s)
+                .max(fast.latency_s + bf as f64 / fast.bandwidth_bytes_per_s);
+            println!(
+                "  {:<13} {:>10.2} {:>10.2} {:>10.2?} {:>11.2?} {:>7.2}x",
+                mode,
+                bs as f64 / 1e9,
+                bf as f64 / 1e9,
+                r,
+                Duration::from_secs_f64(predicted),
+                r.as_secs_f64() / predicted
+            );
         }
-        let r = median(&mut times);
-        let predicted = (slow.latency_s + bs as f64 / slow.bandwidth_bytes_per_s)
-            .max(fast.latency_s + bf as f64 / fast.bandwidth_bytes_per_s);
-        println!(
-            "  {:<13} {:>10.2} {:>10.2} {:>10.2?} {:>11.2?} {:>7.2}x",
-            mode,
-            bs as f64 / 1e9,
-            bf as f64 / 1e9,
-            r,
-            Duration::from_secs_f64(predicted),
-            r.as_secs_f64() / predicted
-        );
+        striped.push((mode, t));
     }
 
     // 3. A decode step whose keep-set is cold on NVMe vs the same step in RAM.
-    let (_, mut cold) = restore_all(&t, args.tokens, false);
-    let src = TierSource {
-        tier: &t,
-        session: SESSION,
+    if args.runs("cold") {
+        let t = one();
+        store_all(&t, &kv);
+        let (_, mut cold) = restore_all(&t, args.tokens, false);
+        let src = TierSource {
+            tier: &t,
+            session: SESSION,
+        };
+        let policy = Policy::default();
+        let step = |kv: &mut KvCache, cold: Option<&dyn ColdSource>, rng: &mut Rng| {
+            let t0 = Instant::now();
+            let stats = decode_step(kv, policy, cold, rng);
+            let promoted: u64 = stats.iter().map(|s| s.bytes_promoted).sum();
+            (t0.elapsed(), promoted)
+        };
+        println!();
+        println!(
+            "decode step, 28 layers, k=32 (first step: keep-set cold on {}):",
+            args.dir.display()
+        );
+        let (tc, moved) = step(&mut cold, Some(&src), &mut rng);
+        drop(cold);
+        let mut warm = Vec::new();
+        for _ in 0..args.steps {
+            warm.push(step(&mut kv, None, &mut rng).0);
+        }
+        kv.truncate(args.tokens);
+        let tw = median(&mut warm);
+        println!(
+            "  cold keep-set: {:>8.2?}  ({:.1} MB read from NVMe; floor {:.2?} at the probed bandwidth)",
+            tc,
+            moved as f64 / 1e6,
+            Duration::from_secs_f64(moved as f64 / slow.bandwidth_bytes_per_s)
+        );
+        println!("  all in RAM:    {:>8.2?}  (median of {})", tw, args.steps);
+    }
+
+    // 4. Decode steps whose keep-set spans RAM and both NVMe lanes.
+    if args.runs("mixed") {
+        mixed_steps(&args, &mut kv, &striped, &lanes);
+    }
+    let _ = std::fs::remove_dir_all(&args.fast_dir);
+}
+
+/// One mode's timings of one mixed step.
+#[derive(Default, Clone, Copy)]
+struct MixedStep {
+    total: Duration,
+    fetch: Duration,
+    /// Sum over layers of the max over lanes of latency + bytes / bandwidth: the layers
+    /// promote one after another, each layer's lanes in parallel.
+    predicted: Duration,
+    lane_bytes: [u64; 2],
+}
+
+/// Decode steps (28 layers, k=32) whose keep-set is split across RAM and the two NVMe lanes:
+/// a seeded `--cold-frac` of each layer's full blocks is evicted (their durable copies are the
+/// pages each tier striped over the lanes), then each step runs once per striping mode on the
+/// same cache state and query, the modes alternating step by step. After each run the step's
+/// token is truncated away and the promoted blocks evicted again, so every run starts from the
+/// same state. The fetch stage (promotion: read, verify, copy into frames) is compared with the
+/// lane model's prediction from the probed lanes.
+fn mixed_steps(args: &Args, kv: &mut KvCache, tiers: &[(&str, NvmeTier)], lanes: &[Lane; 2]) {
+    let mut pick = Rng::new(11);
+    let mut cold: Vec<Vec<u32>> = Vec::new();
+    for l in 0..G.layers {
+        // The tail block stays: each step appends to it, so its stored page goes stale.
+        let full = kv.layer(l).unwrap().blocks() as u32 - 1;
+        cold.push(
+            (0..full)
+                .filter(|_| (pick.uniform() as f64) < args.cold_frac)
+                .collect(),
+        );
+    }
+    let evict = |kv: &mut KvCache| {
+        for (l, blocks) in cold.iter().enumerate() {
+            for &b in blocks {
+                kv.evict(l as u32, b);
+            }
+        }
     };
+    evict(kv);
+    let cold_bytes: u64 = cold.iter().map(|c| c.len() as u64).sum::<u64>() * G.block_bytes() as u64;
+    let device: Vec<std::collections::HashMap<(u32, u32), usize>> = tiers
+        .iter()
+        .map(|(_, t)| {
+            t.session(SESSION)
+                .expect("stored session")
+                .pages
+                .iter()
+                .map(|p| ((p.layer, p.block), p.device as usize))
+                .collect()
+        })
+        .collect();
     let policy = Policy::default();
-    let step = |kv: &mut KvCache, cold: Option<&dyn ColdSource>, rng: &mut Rng| {
-        let t0 = Instant::now();
-        let stats = decode_step(kv, policy, cold, rng);
-        let promoted: u64 = stats.iter().map(|s| s.bytes_promoted).sum();
-        (t0.elapsed(), promoted)
-    };
+    let mut rng = Rng::new(23);
+    let mut runs: Vec<Vec<MixedStep>> = vec![Vec::new(); tiers.len()];
+    let g = G;
+    let mut kvb = vec![0u8; 2 * g.token_bytes()];
+    let mut out = vec![0f32; (g.q_heads * g.head_dim) as usize];
+    for step in 0..args.mixed_steps + 1 {
+        let q = rng.normals((g.q_heads * g.head_dim) as usize);
+        fill_bf16(&mut rng, &mut kvb);
+        let (k, v) = kvb.split_at(g.token_bytes());
+        for (m, (_, t)) in tiers.iter().enumerate() {
+            let src = TierSource {
+                tier: t,
+                session: SESSION,
+            };
+            let mut timings = StageTimings::default();
+            let mut r = MixedStep::default();
+            let mut fetch_ns = 0;
+            let t0 = Instant::now();
+            for layer in 0..g.layers {
+                let entry = DecodeEntry {
+                    kv: &mut *kv,
+                    policy,
+                    position: args.tokens,
+                    q: &q,
+                    k,
+                    v,
+                    cold: Some(&src),
+                };
+                decode_layer_timed(layer, &mut [entry], &mut out, &mut timings).expect("decode");
+                fetch_ns += timings.fetch_ns;
+            }
+            r.total = t0.elapsed();
+            r.fetch = Duration::from_nanos(fetch_ns);
+            // What came from which lane: the designated cold blocks now resident.
+            let mut predicted = 0.0;
+            for (l, blocks) in cold.iter().enumerate() {
+                let mut per = [0u64; 2];
+                for &b in blocks {
+                    if kv.is_resident(l as u32, b) {
+                        per[device[m][&(l as u32, b)]] += G.block_bytes() as u64;
+                    }
+                }
+                predicted += lanes[0].time(per[0]).max(lanes[1].time(per[1]));
+                r.lane_bytes[0] += per[0];
+                r.lane_bytes[1] += per[1];
+            }
+            r.predicted = Duration::from_secs_f64(predicted);
+            kv.truncate(args.tokens);
+            evict(kv);
+            // Step 0 warms the page store's buffer pool and the arena's frames.
+            if step > 0 {
+                runs[m].push(r);
+            }
+        }
+    }
+    // Both modes ran the same steps from the same state, so they promoted the same blocks;
+    // only where those blocks' pages lie differs.
+    for (i, p) in runs[0].iter().enumerate() {
+        for r in &runs[1..] {
+            assert_eq!(
+                p.lane_bytes.iter().sum::<u64>(),
+                r[i].lane_bytes.iter().sum::<u64>(),
+                "step {i}: the striping modes promoted different keep-sets"
+            );
+        }
+    }
     println!();
     println!(
-        "decode step, 28 layers, k=32 (first step: keep-set cold on {}):",
-        args.dir.display()
+        "decode steps, 28 layers, k=32, keep-set split across RAM and two NVMe lanes ({:.0}% of blocks cold, {:.2} GB on NVMe only; median of {} steps per mode, modes alternating):",
+        args.cold_frac * 100.0,
+        cold_bytes as f64 / 1e9,
+        args.mixed_steps
     );
-    let (tc, moved) = step(&mut cold, Some(&src), &mut rng);
-    let mut warm = Vec::new();
-    for _ in 0..args.steps {
-        warm.push(step(&mut kv, None, &mut rng).0);
-    }
-    let tw = median(&mut warm);
     println!(
-        "  cold keep-set: {:>8.2?}  ({:.1} MB read from NVMe; floor {:.2?} at the probed bandwidth)",
-        tc,
-        moved as f64 / 1e6,
-        Duration::from_secs_f64(moved as f64 / slow.bandwidth_bytes_per_s)
+        "  {:<13} {:>9} {:>9} {:>10} {:>10} {:>8} {:>10}",
+        "mode", "slow MB", "fast MB", "fetch", "predicted", "ratio", "step"
     );
-    println!("  all in RAM:    {:>8.2?}  (median of {})", tw, args.steps);
-    let _ = std::fs::remove_dir_all(&args.fast_dir);
+    let mut fetch_medians = Vec::new();
+    for ((mode, _), r) in tiers.iter().zip(&mut runs) {
+        let med = |f: &dyn Fn(&MixedStep) -> Duration| {
+            let mut xs: Vec<Duration> = r.iter().map(f).collect();
+            median(&mut xs)
+        };
+        let (fetch, predicted, total) =
+            (med(&|s| s.fetch), med(&|s| s.predicted), med(&|s| s.total));
+        let n = r.len().max(1) as f64;
+        let mb = |i: usize| r.iter().map(|s| s.lane_bytes[i]).sum::<u64>() as f64 / n / 1e6;
+        println!(
+            "  {:<13} {:>9.1} {:>9.1} {:>10.2?} {:>10.2?} {:>7.2}x {:>10.2?}",
+            mode,
+            mb(0),
+            mb(1),
+            fetch,
+            predicted,
+            fetch.as_secs_f64() / predicted.as_secs_f64(),
+            total
+        );
+        fetch_medians.push(fetch);
+    }
+    if let [p, u] = fetch_medians[..] {
+        println!(
+            "  proportional fetch vs uniform: {:.2}x",
+            u.as_secs_f64() / p.as_secs_f64()
+        );
+    }
 }
