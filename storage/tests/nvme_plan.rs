@@ -328,6 +328,41 @@ fn tracker_decision_table_converges() {
     }
 }
 
+/// Transfers of nearly one size with a little timing noise: the least-squares fit puts almost
+/// all of the time into the latency and reads a near-infinite bandwidth (a decode step's
+/// batches look like this). The throughput, mean bytes over mean seconds, stays the rate the
+/// lane delivers at those sizes, which is what stripe weights need.
+#[test]
+fn tracker_throughput_is_the_rate_at_the_observed_sizes_when_the_fit_is_ill_conditioned() {
+    let mut t = LaneTracker::new(lane(1.0, 0.0), 0.1).unwrap();
+    for i in 0..200 {
+        // 1.00 or 1.01 MB; 1.0000 or 1.0001 ms: ~1 GB/s, with the size and time barely related.
+        let (b, s) = if i % 2 == 0 {
+            (1_000_000, 1.0e-3)
+        } else {
+            (1_010_000, 1.0001e-3)
+        };
+        t.observe(b, s);
+    }
+    let e = t.estimate();
+    assert!(
+        e.bandwidth_bytes_per_s > 50e9,
+        "the fit extrapolates wildly here: {e:?}"
+    );
+    let tp = t.throughput().unwrap();
+    assert!((tp / 1.005e9 - 1.0).abs() < 0.01, "throughput {tp}");
+    // Where the fit is well conditioned, the throughput is the true lane's rate at a size
+    // within the observed ones (an EWMA of them).
+    let truth = lane(2e9, 50e-6);
+    let tp = settled(truth).throughput().unwrap();
+    let rate = |b: u64| b as f64 / truth.time(b);
+    assert!(rate(64 * KIB) < tp && tp < rate(1024 * KIB), "{tp}");
+    assert_eq!(
+        LaneTracker::new(lane(1.0, 0.0), 0.1).unwrap().throughput(),
+        None
+    );
+}
+
 /// A tracker settled on `truth` with mixed sizes.
 fn settled(truth: Lane) -> LaneTracker {
     let mut t = LaneTracker::new(lane(1.0, 0.0), 0.1).unwrap();

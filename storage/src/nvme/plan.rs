@@ -355,6 +355,16 @@ impl LaneTracker {
         self.samples
     }
 
+    /// The rate at the typical observed transfer: the weighted mean of the bytes over the
+    /// weighted mean of the seconds (None before the first observation). Unlike the fitted
+    /// bandwidth, which extrapolates to infinitely large transfers and is ill-conditioned when
+    /// the transfers are of similar size (then noise can put almost all of the time into the
+    /// latency and leave a near-infinite bandwidth), this is what the lane delivers for the
+    /// transfers it actually gets: the right weight for striping.
+    pub fn throughput(&self) -> Option<f64> {
+        (self.samples > 0 && self.my > 0.0).then(|| self.mx / self.my)
+    }
+
     /// Folds in one transfer of `bytes` that took `seconds`.
     pub fn observe(&mut self, bytes: u64, seconds: f64) -> Observed {
         if bytes == 0 || !(seconds.is_finite() && seconds > 0.0) {

@@ -10,7 +10,8 @@
 //! Every batch of reads and writes is timed per device (the union of the intervals its
 //! operations were in flight) and folded into that device's read or write [`LaneTracker`].
 //! Once every device has [`STRIPE_MIN_SAMPLES`] timed reads, new pages are striped by the
-//! tracked read bandwidth instead of the configured one.
+//! tracked read throughput ([`LaneTracker::throughput`]: the rate at the transfers the device
+//! actually gets) instead of the configured bandwidth.
 //!
 //! # Batches, workers and buffers
 //!
@@ -143,11 +144,13 @@ pub struct DeviceUsage {
     pub pages_used: u64,
     pub bytes_total: u64,
     pub bytes_used: u64,
-    /// The stripe weight new pages get now: the tracked read bandwidth once every device has
+    /// The stripe weight new pages get now: the tracked read throughput once every device has
     /// [`STRIPE_MIN_SAMPLES`] timed reads, else the configured bandwidth.
     pub bandwidth_bytes_per_s: f64,
     /// Online estimate from this device's timed page reads (None before the first).
     pub read_lane: Option<Lane>,
+    /// Tracked read rate at the typical transfer ([`LaneTracker::throughput`]).
+    pub read_throughput: Option<f64>,
     pub read_samples: u64,
     /// Online estimate from this device's timed page writes (None before the first).
     pub write_lane: Option<Lane>,
@@ -441,16 +444,20 @@ impl PageStore {
         self.devices.iter().map(|d| d.alloc.lock().free()).sum()
     }
 
-    /// The stripe weight of every device: the tracked read bandwidth once every device has
+    /// The stripe weight of every device: the tracked read throughput once every device has
     /// [`STRIPE_MIN_SAMPLES`] timed reads (so measured and configured figures, which may be
-    /// in different units, are never mixed), else the configured bandwidth.
+    /// in different units, are never mixed), else the configured bandwidth. Throughput, not
+    /// the fitted bandwidth: decode-step batches are of similar sizes, where the fit can give
+    /// a lane a near-infinite bandwidth and all but every new page.
     pub fn stripe_weights(&self) -> Vec<f64> {
         let tracked: Option<Vec<f64>> = self
             .devices
             .iter()
             .map(|d| {
                 let t = d.read.lock();
-                (t.samples() >= STRIPE_MIN_SAMPLES).then(|| t.estimate().bandwidth_bytes_per_s)
+                (t.samples() >= STRIPE_MIN_SAMPLES)
+                    .then(|| t.throughput())
+                    .flatten()
             })
             .collect();
         tracked.unwrap_or_else(|| self.devices.iter().map(|d| d.bandwidth).collect())
@@ -823,6 +830,7 @@ impl PageStore {
                         bytes_used: used * self.page_size as u64,
                         bandwidth_bytes_per_s: weight,
                         read_lane: measured(&read),
+                        read_throughput: read.throughput(),
                         read_samples: read.samples(),
                         write_lane: measured(&write),
                         write_samples: write.samples(),
