@@ -26,7 +26,7 @@ fn mixed_decode_section_runs_both_striping_modes() {
     let rows: Vec<Vec<&str>> = out
         .lines()
         .map(|l| l.split_whitespace().collect::<Vec<_>>())
-        .filter(|w| w.len() == 7 && (w[0] == "proportional" || w[0] == "uniform"))
+        .filter(|w| w.len() == 9 && (w[0] == "proportional" || w[0] == "uniform"))
         .collect();
     assert_eq!(rows.len(), 2, "one row per mode:\n{out}");
     for w in &rows {

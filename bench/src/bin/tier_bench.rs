@@ -478,7 +478,7 @@ fn main() {
 }
 
 /// One mode's timings of one mixed step.
-#[derive(Default, Clone, Copy)]
+#[derive(Default, Clone)]
 struct MixedStep {
     total: Duration,
     fetch: Duration,
@@ -486,6 +486,8 @@ struct MixedStep {
     /// promote one after another, each layer's lanes in parallel.
     predicted: Duration,
     lane_bytes: [u64; 2],
+    /// Bytes each layer promoted from each lane (to re-predict with the tracked lanes).
+    per_layer: Vec<[u64; 2]>,
 }
 
 /// Decode steps (28 layers, k=32) whose keep-set is split across RAM and the two NVMe lanes:
@@ -573,6 +575,7 @@ fn mixed_steps(args: &Args, kv: &mut KvCache, tiers: &[(&str, NvmeTier)], lanes:
                 predicted += lanes[0].time(per[0]).max(lanes[1].time(per[1]));
                 r.lane_bytes[0] += per[0];
                 r.lane_bytes[1] += per[1];
+                r.per_layer.push(per);
             }
             r.predicted = Duration::from_secs_f64(predicted);
             kv.truncate(args.tokens);
@@ -602,30 +605,70 @@ fn mixed_steps(args: &Args, kv: &mut KvCache, tiers: &[(&str, NvmeTier)], lanes:
         args.mixed_steps
     );
     println!(
-        "  {:<13} {:>9} {:>9} {:>10} {:>10} {:>8} {:>10}",
-        "mode", "slow MB", "fast MB", "fetch", "predicted", "ratio", "step"
+        "  {:<13} {:>9} {:>9} {:>10} {:>10} {:>8} {:>10} {:>10} {:>8}",
+        "mode", "slow MB", "fast MB", "fetch", "predicted", "ratio", "step", "tracked", "ratio"
     );
     let mut fetch_medians = Vec::new();
-    for ((mode, _), r) in tiers.iter().zip(&mut runs) {
+    let mut tracked_rates = Vec::new();
+    for ((mode, t), r) in tiers.iter().zip(&mut runs) {
         let med = |f: &dyn Fn(&MixedStep) -> Duration| {
             let mut xs: Vec<Duration> = r.iter().map(f).collect();
             median(&mut xs)
         };
         let (fetch, predicted, total) =
             (med(&|s| s.fetch), med(&|s| s.predicted), med(&|s| s.total));
+        // The same model with the lanes as the page store tracked them over these reads
+        // (whole pages at a decode step's queue depth) instead of as probed at startup.
+        let tracked = t.store().read_lanes();
+        let (tp, tr) = match &tracked {
+            Some(l) => {
+                let d = med(&|s| {
+                    Duration::from_secs_f64(
+                        s.per_layer
+                            .iter()
+                            .map(|b| l[0].time(b[0]).max(l[1].time(b[1])))
+                            .sum(),
+                    )
+                });
+                tracked_rates.push(format!(
+                    "{mode}: slow {:.2} GB/s ({:.0} us), fast {:.2} GB/s ({:.0} us)",
+                    l[0].bandwidth_bytes_per_s / 1e9,
+                    l[0].latency_s * 1e6,
+                    l[1].bandwidth_bytes_per_s / 1e9,
+                    l[1].latency_s * 1e6
+                ));
+                (
+                    format!("{d:.2?}"),
+                    format!("{:.2}x", fetch.as_secs_f64() / d.as_secs_f64()),
+                )
+            }
+            None => ("-".into(), "-".into()),
+        };
         let n = r.len().max(1) as f64;
         let mb = |i: usize| r.iter().map(|s| s.lane_bytes[i]).sum::<u64>() as f64 / n / 1e6;
         println!(
-            "  {:<13} {:>9.1} {:>9.1} {:>10.2?} {:>10.2?} {:>7.2}x {:>10.2?}",
+            "  {:<13} {:>9.1} {:>9.1} {:>10.2?} {:>10.2?} {:>7.2}x {:>10.2?} {:>10} {:>8}",
             mode,
             mb(0),
             mb(1),
             fetch,
             predicted,
             fetch.as_secs_f64() / predicted.as_secs_f64(),
-            total
+            total,
+            tp,
+            tr
         );
         fetch_medians.push(fetch);
+    }
+    println!(
+        "  lanes as probed at startup: slow {:.2} GB/s ({:.0} us), fast {:.2} GB/s ({:.0} us)",
+        lanes[0].bandwidth_bytes_per_s / 1e9,
+        lanes[0].latency_s * 1e6,
+        lanes[1].bandwidth_bytes_per_s / 1e9,
+        lanes[1].latency_s * 1e6
+    );
+    for line in tracked_rates {
+        println!("  lanes as tracked after the steps, {line}");
     }
     if let [p, u] = fetch_medians[..] {
         println!(
