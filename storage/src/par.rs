@@ -61,9 +61,72 @@ pub(crate) fn map_indexed<T: Send>(
     all.into_iter().map(|(_, t)| t).collect()
 }
 
+/// Runs `f(&mut dst[i], &src[i])` for every `i` on up to `threads` threads (the calling thread
+/// is one of them), the pairs cut into `threads` contiguous shares handed out one at a time.
+/// With `threads <= 1` everything runs inline. If the OS refuses a thread, the others (and the
+/// caller) take its share. A panic in `f` is re-raised on the calling thread. Panics if the
+/// slices differ in length.
+pub(crate) fn zip_mut<T: Send, U: Sync>(
+    dst: &mut [T],
+    src: &[U],
+    threads: usize,
+    name: &str,
+    f: impl Fn(&mut T, &U) + Sync,
+) {
+    assert_eq!(dst.len(), src.len(), "zip_mut: slices of different lengths");
+    let threads = threads.min(dst.len()).max(1);
+    if threads <= 1 {
+        return dst.iter_mut().zip(src).for_each(|(d, s)| f(d, s));
+    }
+    let share = dst.len().div_ceil(threads);
+    let parts = parking_lot::Mutex::new(
+        dst.chunks_mut(share)
+            .zip(src.chunks(share))
+            .collect::<Vec<_>>(),
+    );
+    let work = || loop {
+        let Some((d, s)) = parts.lock().pop() else {
+            return;
+        };
+        d.iter_mut().zip(s).for_each(|(d, s)| f(d, s));
+    };
+    std::thread::scope(|sc| {
+        let helpers: Vec<_> = (1..threads)
+            .filter_map(|_| {
+                std::thread::Builder::new()
+                    .name(name.to_string())
+                    .spawn_scoped(sc, work)
+                    .ok()
+            })
+            .collect();
+        work();
+        for h in helpers {
+            if let Err(panic) = h.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zip_mut_visits_every_pair_once_for_any_thread_count() {
+        for threads in [0, 1, 2, 3, 8, 100] {
+            for n in [0, 1, 2, 7, 64] {
+                let src: Vec<usize> = (0..n).collect();
+                let mut dst = vec![0usize; n];
+                zip_mut(&mut dst, &src, threads, "t", |d, s| *d += s * s + 1);
+                assert_eq!(
+                    dst,
+                    (0..n).map(|i| i * i + 1).collect::<Vec<_>>(),
+                    "{threads} {n}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn results_come_back_in_order_for_any_thread_count() {
