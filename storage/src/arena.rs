@@ -184,8 +184,8 @@ impl HostArena {
 
     /// [`HostArena::alloc_many`] without zeroing: the frames hold whatever their last owner
     /// left. For callers that overwrite every byte before anyone reads the frame (a bulk
-    /// restore copies the run and zeroes the rest on its worker threads, instead of zeroing
-    /// on one thread and then copying over it).
+    /// restore or a promotion writes the run and zeroes the rest, [`Frame::put_run`], instead
+    /// of zeroing the whole frame first and then copying over it).
     pub(crate) fn alloc_many_unzeroed(&self, n: usize) -> Result<Vec<Frame>> {
         let ids = {
             let mut free = self.inner.free.lock();

@@ -84,27 +84,13 @@ pub(crate) fn zip_mut<T: Send, U: Sync>(
             .zip(src.chunks(share))
             .collect::<Vec<_>>(),
     );
-    let work = || loop {
+    // One job per thread, each draining shares until none is left.
+    map_indexed(threads, threads, name, |_| loop {
+        // Its own statement, so the lock is released before the share is worked on.
         let Some((d, s)) = parts.lock().pop() else {
             return;
         };
         d.iter_mut().zip(s).for_each(|(d, s)| f(d, s));
-    };
-    std::thread::scope(|sc| {
-        let helpers: Vec<_> = (1..threads)
-            .filter_map(|_| {
-                std::thread::Builder::new()
-                    .name(name.to_string())
-                    .spawn_scoped(sc, work)
-                    .ok()
-            })
-            .collect();
-        work();
-        for h in helpers {
-            if let Err(panic) = h.join() {
-                std::panic::resume_unwind(panic);
-            }
-        }
     });
 }
 
