@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use kvtier_kernels::{decode_layer, DecodeEntry, StepStats};
+use kvtier_kernels::{decode_layer_timed, DecodeEntry, StageTimings, StepStats};
 use kvtier_storage::testing::Rng;
 use kvtier_storage::{ColdSource, KvCache, Policy};
 
@@ -76,11 +76,22 @@ pub fn decode_step(
     cold: Option<&dyn ColdSource>,
     rng: &mut Rng,
 ) -> Vec<StepStats> {
+    decode_step_timed(kv, policy, cold, rng).0
+}
+
+/// [`decode_step`], also returning its stage timings summed over the layers.
+pub fn decode_step_timed(
+    kv: &mut KvCache,
+    policy: Policy,
+    cold: Option<&dyn ColdSource>,
+    rng: &mut Rng,
+) -> (Vec<StepStats>, StageTimings) {
     let g = *kv.geometry();
     let q = rng.normals((g.q_heads * g.head_dim) as usize);
     let mut out = vec![0f32; q.len()];
     let mut kvb = vec![0u8; 2 * g.token_bytes()];
-    (0..g.layers)
+    let mut sum = StageTimings::default();
+    let stats = (0..g.layers)
         .map(|layer| {
             fill_bf16(rng, &mut kvb);
             let (k, v) = kvb.split_at(g.token_bytes());
@@ -94,11 +105,18 @@ pub fn decode_step(
                 v,
                 cold,
             };
-            decode_layer(layer, &mut [entry], &mut out)
+            let mut t = StageTimings::default();
+            let st = decode_layer_timed(layer, &mut [entry], &mut out, &mut t)
                 .expect("decode")
-                .remove(0)
+                .remove(0);
+            sum.append_ns += t.append_ns;
+            sum.select_ns += t.select_ns;
+            sum.fetch_ns += t.fetch_ns;
+            sum.attend_ns += t.attend_ns;
+            st
         })
-        .collect()
+        .collect();
+    (stats, sum)
 }
 
 #[cfg(test)]

@@ -20,8 +20,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_bench::{cpu_description, decode_step, fill_bf16, gbps, median};
-use kvtier_kernels::{decode_layer_timed, DecodeEntry, StageTimings};
+use kvtier_bench::{cpu_description, decode_step, decode_step_timed, fill_bf16, gbps, median};
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
 use kvtier_storage::nvme::plan::{probe_path, Lane};
 use kvtier_storage::nvme::{
@@ -532,37 +531,20 @@ fn mixed_steps(args: &Args, kv: &mut KvCache, tiers: &[(&str, NvmeTier)], lanes:
     let policy = Policy::default();
     let mut rng = Rng::new(23);
     let mut runs: Vec<Vec<MixedStep>> = vec![Vec::new(); tiers.len()];
-    let g = G;
-    let mut kvb = vec![0u8; 2 * g.token_bytes()];
-    let mut out = vec![0f32; (g.q_heads * g.head_dim) as usize];
     for step in 0..args.mixed_steps + 1 {
-        let q = rng.normals((g.q_heads * g.head_dim) as usize);
-        fill_bf16(&mut rng, &mut kvb);
-        let (k, v) = kvb.split_at(g.token_bytes());
+        // Every mode gets the same query and new tokens: the same generator state.
+        let start = rng.clone();
         for (m, (_, t)) in tiers.iter().enumerate() {
             let src = TierSource {
                 tier: t,
                 session: SESSION,
             };
-            let mut timings = StageTimings::default();
             let mut r = MixedStep::default();
-            let mut fetch_ns = 0;
+            rng = start.clone();
             let t0 = Instant::now();
-            for layer in 0..g.layers {
-                let entry = DecodeEntry {
-                    kv: &mut *kv,
-                    policy,
-                    position: args.tokens,
-                    q: &q,
-                    k,
-                    v,
-                    cold: Some(&src),
-                };
-                decode_layer_timed(layer, &mut [entry], &mut out, &mut timings).expect("decode");
-                fetch_ns += timings.fetch_ns;
-            }
+            let (_, timings) = decode_step_timed(kv, policy, Some(&src), &mut rng);
             r.total = t0.elapsed();
-            r.fetch = Duration::from_nanos(fetch_ns);
+            r.fetch = Duration::from_nanos(timings.fetch_ns);
             // What came from which lane: the designated cold blocks now resident.
             let mut predicted = 0.0;
             for (l, blocks) in cold.iter().enumerate() {
