@@ -1,6 +1,7 @@
 // Split-k gather-decode attention over the staged keep-set, then a log-sum-exp merge.
 //
-// attend_tile: one thread block per (session, kv head, selected tile). The tile's K and V
+// attend_tile (and the tile role of layer_fused, select.cu): one thread block per (session,
+// kv head, selected tile). The tile's K and V
 // are fetched once into shared memory and serve all GROUP query heads of the kv head. Writes the
 // partial (m, l, acc) with acc unnormalised: acc = sum_t exp(s_t - m) v_t, l = sum_t exp(s_t - m).
 // attend_merge: one thread block per (session, query head) combines the partials.
@@ -46,35 +47,20 @@ __device__ __forceinline__ void stage_rows(uint4* dst, const uint4* src, u32 row
     }
 }
 
-// grid (KSEL or TOPK, KV_HEADS, batch), block ATT_THREADS, dynamic shared memory ATT_DYN_SMEM
-// bytes. `part` 0 attends the fixed part of each keep-set (plan_fixed: sink and local, or all
-// of a short layer; grid.x = KSEL) and runs on a second stream while the selector scores;
-// `part` 1 attends the TOPK distant tiles (grid.x = TOPK). Fetch and attend in one kernel: the tile comes from its cache slot (hit) or straight from
-// mapped pinned host memory (miss, miss_src != 0), is staged in shared memory, written back
-// to its cache slot if it is a miss of a full block, and attended from shared memory. Misses
-// of different tiles and the attention of hits overlap across thread blocks.
+// Fetch and attend of one tile by the whole thread block (ATT_THREADS threads): the tile at
+// table position j of (batch item i, kv head kvh), block b, in cache slot `slot_idx` of its
+// (session, layer, kv head), fetched from mapped host memory at `src` when that is not 0 (a
+// miss) or else read from the slot (a hit). The tile is staged in shared memory, written back
+// to its cache slot if it is a miss of a full block, and attended from shared memory; the
+// partial goes to part_acc/part_ml at position j. Misses of different tiles and the attention
+// of hits overlap across thread blocks.
 // q: [batch][HQ][HEAD_DIM] f32. part_acc: [batch][KV_HEADS][KSEL][GROUP][HEAD_DIM].
 // part_ml: [batch][KV_HEADS][KSEL][GROUP][2].
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
+__device__ __forceinline__ void attend_one(
     const float* __restrict__ q, const u32* __restrict__ sess, const u32* __restrict__ ntok, u32 layer,
-    const u32* __restrict__ table, const u32* __restrict__ counts, const u32* __restrict__ slot_of,
-    const u64* __restrict__ miss_src, uint4* __restrict__ cache, float scale, float* __restrict__ part_acc,
-    float* __restrict__ part_ml, u32 part) {
-    const u32 kvh = blockIdx.y;
-    const u32 i = blockIdx.z;
+    uint4* __restrict__ cache, float scale, float* __restrict__ part_acc, float* __restrict__ part_ml, u32 i,
+    u32 kvh, u32 j, u32 b, u32 slot_idx, u64 src) {
     const u32 ih = i * KV_HEADS + kvh;
-    // Table position of this thread block's tile (layout in gather.cu).
-    u32 j;
-    if (SHORT_LAYER(n_blocks_of(ntok[i]))) {
-        j = blockIdx.x;
-        if (part != 0 || j >= counts[ih]) return;
-    } else if (part == 0) {
-        if (blockIdx.x >= SINK + LOCAL) return;
-        j = blockIdx.x < SINK ? blockIdx.x : blockIdx.x + TOPK;
-    } else {
-        if (blockIdx.x >= TOPK) return;  // grid.x is at least 1
-        j = SINK + blockIdx.x;
-    }
     const u32 tid = threadIdx.x;
     const u32 lane = tid & 31u;
     const u32 warp = tid >> 5;
@@ -91,12 +77,10 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
     float* s_red = (float*)(s_tile + 2 * BLOCK_TOKENS * CPR);
 #endif
 
-    const u32 b = table[(u64)ih * KSEL + j];
     const u32 nt = ntok[i];
     const u32 nvalid = min((u32)BLOCK_TOKENS, nt - b * BLOCK_TOKENS);
-    const u64 slot = (((u64)sess[i] * NUM_LAYERS + layer) * KV_HEADS + kvh) * CACHE_SLOTS + slot_of[(u64)ih * KSEL + j];
+    const u64 slot = (((u64)sess[i] * NUM_LAYERS + layer) * KV_HEADS + kvh) * CACHE_SLOTS + slot_idx;
     uint4* cslot = cache + slot * (TILE_BYTES / 16);
-    const u64 src = miss_src[(u64)ih * KSEL + j];
     const uint4* from = src ? (const uint4*)src : cslot;
     // Only full blocks are cached (gather_plan tags them); partial tails are refetched.
     const bool fill = src && nvalid == BLOCK_TOKENS;
@@ -268,12 +252,43 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
     }
 }
 
+// grid (KSEL or TOPK, KV_HEADS, batch), block ATT_THREADS, dynamic shared memory ATT_DYN_SMEM
+// bytes. `part` 0 attends the fixed part of each keep-set (plan_fixed: sink and local, or all
+// of a short layer; grid.x = KSEL) and runs on a second stream while the selector scores;
+// `part` 1 attends the TOPK distant tiles (grid.x = TOPK) after select_score, when the
+// selector is not fused with it (layer_fused, select.cu).
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
+    const float* __restrict__ q, const u32* __restrict__ sess, const u32* __restrict__ ntok, u32 layer,
+    const u32* __restrict__ table, const u32* __restrict__ counts, const u32* __restrict__ slot_of,
+    const u64* __restrict__ miss_src, uint4* __restrict__ cache, float scale, float* __restrict__ part_acc,
+    float* __restrict__ part_ml, u32 part) {
+    K_TRACE(1 + 2 * part);
+    const u32 kvh = blockIdx.y;
+    const u32 i = blockIdx.z;
+    const u32 ih = i * KV_HEADS + kvh;
+    // Table position of this thread block's tile (layout in gather.cu).
+    u32 j;
+    if (SHORT_LAYER(n_blocks_of(ntok[i]))) {
+        j = blockIdx.x;
+        if (part != 0 || j >= counts[ih]) return;
+    } else if (part == 0) {
+        if (blockIdx.x >= SINK + LOCAL) return;
+        j = blockIdx.x < SINK ? blockIdx.x : blockIdx.x + TOPK;
+    } else {
+        if (blockIdx.x >= TOPK) return;  // grid.x is at least 1
+        j = SINK + blockIdx.x;
+    }
+    const u64 e = (u64)ih * KSEL + j;
+    attend_one(q, sess, ntok, layer, cache, scale, part_acc, part_ml, i, kvh, j, table[e], slot_of[e], miss_src[e]);
+}
+
 // grid (HQ, batch), block HEAD_DIM threads. out: [batch][HQ][HEAD_DIM] f32.
 // The (m, l) pairs are loaded in parallel into shared memory first: a serial chain of
 // dependent global loads made this kernel 12 us long.
 extern "C" __global__ void attend_merge(
     const u32* __restrict__ counts, const float* __restrict__ part_acc, const float* __restrict__ part_ml,
     float* __restrict__ out) {
+    K_TRACE(4);
     const u32 h = blockIdx.x;
     const u32 i = blockIdx.y;
     const u32 kvh = h / GROUP;

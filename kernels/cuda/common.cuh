@@ -59,6 +59,61 @@ __device__ __forceinline__ void unpack16(const uint4 v, float* out) {
 #endif
 }
 
+// gpu-scope release store and acquire load (select_attend's keep-set handoff, select.cu).
+__device__ __forceinline__ void st_release(u32* p, u32 v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ u32 n_blocks_of(u32 n_tokens) {
     return (n_tokens + BLOCK_TOKENS - 1) / BLOCK_TOKENS;
 }
+
+// Diagnostics (bench/gpu/NOTES.md v24): with -DSEL_TRACE=1 (KVTIER_NVRTC_DEFINES) thread 0 of
+// every select_score (select.cu) thread block stamps %globaltimer and clock64 at its phase boundaries
+// into sel_trace[block][16] (slots 0-7 the global time in ns, 8-15 the SM clock; slots 6-7,
+// the merge and the plan, are zero except in a kv head's last thread block).
+#ifndef SEL_TRACE
+#define SEL_TRACE 0
+#endif
+#if SEL_TRACE
+#define SEL_TRACE_BLOCKS 4096
+__device__ unsigned long long sel_trace[SEL_TRACE_BLOCKS * 16];
+__device__ __forceinline__ u64 gtime() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void sel_stamp(u32 k, bool clear) {
+    if (threadIdx.x != 0) return;
+    const u32 cta = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    if (cta >= SEL_TRACE_BLOCKS) return;
+    sel_trace[cta * 16 + k] = clear ? 0ull : gtime();
+    sel_trace[cta * 16 + 8 + k] = clear ? 0ull : clock64();
+}
+#define SEL_STAMP(k) sel_stamp(k, false)
+#define SEL_CLEAR(k) sel_stamp(k, true)
+// Every kernel's thread 0 also raises k_trace[kind][0] to its thread block's start time and
+// k_trace[kind][1] to its end (kinds: 0 plan_fixed, 1 attend_tile fixed part, 2 select_score,
+// 3 attend_tile distant part, 4 attend_merge): after a step, the last layer's latest starts
+// and ends, the timeline of one layer across both streams.
+__device__ unsigned long long k_trace[5 * 2];
+struct KTrace {
+    u32 kind;
+    __device__ __forceinline__ explicit KTrace(u32 k) : kind(k) {
+        if (threadIdx.x == 0) atomicMax(&k_trace[kind * 2], gtime());
+    }
+    __device__ __forceinline__ ~KTrace() {
+        if (threadIdx.x == 0) atomicMax(&k_trace[kind * 2 + 1], gtime());
+    }
+};
+#define K_TRACE(kind) const KTrace k_trace_scope_(kind)
+#else
+#define SEL_STAMP(k)
+#define SEL_CLEAR(k)
+#define K_TRACE(kind)
+#endif

@@ -145,17 +145,14 @@ __device__ __forceinline__ void plan_tile_cache(
     }
 }
 
-// grid (KV_HEADS, batch), block PLAN_THREADS. Writes the fixed part of each keep-set row of
+// Writes the fixed part of the keep-set row of (batch item i, kv head kvh) in
 // table[batch][KV_HEADS][KSEL] (sink and local, or every block of a short layer), the row's
-// size into counts[batch][KV_HEADS], and plans those tiles.
-#define PLAN_THREADS 128
-extern "C" __global__ void __launch_bounds__(PLAN_THREADS) plan_fixed(
-    const u32* __restrict__ ntok, u32 max_blocks, u32* table, u32* __restrict__ counts,
-    const u32* __restrict__ sess, u32 layer, u32* __restrict__ tags, u32* __restrict__ stamps,
-    const u64* __restrict__ pages, u32* __restrict__ slot_of, u64* __restrict__ miss_src,
-    unsigned long long* __restrict__ stats, u32 stamp) {
-    const u32 i = blockIdx.y;
-    const u32 kvh = blockIdx.x;
+// size into counts[batch][KV_HEADS], and plans those tiles; a whole thread block calls it.
+__device__ __forceinline__ void plan_fixed_role(
+    const u32* __restrict__ ntok, u32 max_blocks, u32* table, u32* counts, const u32* __restrict__ sess, u32 layer,
+    u32* __restrict__ tags, u32* __restrict__ stamps, const u64* __restrict__ pages, u32* slot_of, u64* miss_src,
+    unsigned long long* __restrict__ stats, u32 stamp, u32 kvh, u32 i) {
+    K_TRACE(0);
     const u32 tid = threadIdx.x;
     const u32 nb = n_blocks_of(ntok[i]);
     u32* row = table + ((u64)i * KV_HEADS + kvh) * KSEL;
@@ -173,4 +170,15 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS) plan_fixed(
         plan_tile_cache(i, kvh, row, 0, SINK, SINK + TOPK, LOCAL, 0, DISTANT_SLOT0, sess, ntok, layer, max_blocks,
                         tags, stamps, pages, slot_of, miss_src, stats, stamp);
     }
+}
+
+// grid (KV_HEADS, batch), block PLAN_THREADS: plan_fixed_role for every (kv head, batch item).
+#define PLAN_THREADS 128
+extern "C" __global__ void __launch_bounds__(PLAN_THREADS) plan_fixed(
+    const u32* __restrict__ ntok, u32 max_blocks, u32* table, u32* __restrict__ counts,
+    const u32* __restrict__ sess, u32 layer, u32* __restrict__ tags, u32* __restrict__ stamps,
+    const u64* __restrict__ pages, u32* __restrict__ slot_of, u64* __restrict__ miss_src,
+    unsigned long long* __restrict__ stats, u32 stamp) {
+    plan_fixed_role(ntok, max_blocks, table, counts, sess, layer, tags, stamps, pages, slot_of, miss_src, stats, stamp,
+                    blockIdx.x, blockIdx.y);
 }

@@ -181,16 +181,19 @@ __device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lis
 // thread block of a (batch item, kv head) to finish merges that head's lists into the TOPK
 // distant blocks of its keep-set row and plans their tiles (the done[] counters return to 0).
 // Otherwise every score goes to scratch (f32 [batch][KV_HEADS][max_blocks]) for select_topk.
-extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
+// score_role is one such thread block, (bx, kvh, i) its grid position. When `ready` is not null
+// (layer_fused), the last thread block of the kv head publishes its finished keep-set row and
+// plan by storing `stamp` there (a release store).
+__device__ __forceinline__ void score_role(
     const float* __restrict__ q, const sum_t* __restrict__ sums, const u32* __restrict__ sess,
     const u32* __restrict__ ntok, u32 layer, u32 max_blocks, u32 nbo, void* __restrict__ scratch,
     u32* __restrict__ done, u32* table, u32* __restrict__ tags, u32* __restrict__ stamps,
-    const u64* __restrict__ pages, u32* __restrict__ slot_of, u64* __restrict__ miss_src,
-    unsigned long long* __restrict__ stats, u32 stamp) {
-    const u32 i = blockIdx.z;
-    const u32 kvh = blockIdx.y;
+    const u64* __restrict__ pages, u32* slot_of, u64* miss_src, unsigned long long* __restrict__ stats,
+    u32 stamp, u32* ready, u32 bx, u32 kvh, u32 i) {
+    SEL_STAMP(0);
+    K_TRACE(2);
     const u32 nb = n_blocks_of(ntok[i]);
-    const u32 b0 = blockIdx.x * nbo * SCORE_OCTETS;
+    const u32 b0 = bx * nbo * SCORE_OCTETS;
     // A short layer keeps every block (plan_fixed): nothing to score.
     if (b0 >= nb || SHORT_LAYER(nb)) return;
     const u32 tid = threadIdx.x;
@@ -206,6 +209,7 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
         s_q[d / 8][x / HEAD_DIM][d % 8] = qh[x];
     }
     __syncthreads();
+    SEL_STAMP(1);
     const uint4* recs = (const uint4*)sums + ((u64)sess[i] * NUM_LAYERS + layer) * (u64)max_blocks * KV_HEADS * REC_VECS;
     // Loads octet row n's record, zeros past the layer or past this launch's nbo rows. The
     // loads are predicated, not branched over: under a branch the compiler sank the next
@@ -265,6 +269,7 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
         if (n + 1 < SCORE_NB) load(n + 1, cur);
 #endif
     }
+    SEL_STAMP(2);
 #if TOPK_MERGE
     // This thread block's best 32: each warp sorts 32 keys, then a tree of warp merges.
 #define NSL (SCORE_OCTETS * SCORE_NB / 32)
@@ -292,30 +297,146 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
         }
         __syncthreads();
     }
+    SEL_STAMP(3);
     const u32 nlists = SCORE_LISTS(nb, nbo);
     u64* lists = (u64*)scratch + ((u64)i * KV_HEADS + kvh) * SCORE_LISTS(max_blocks, 1) * 32;
     if (w == 0) {
-        lists[(u64)blockIdx.x * 32 + lane] = v;
+        lists[(u64)bx * 32 + lane] = v;
         // Publish the list device-wide before it is counted (threadFenceReduction pattern).
         __threadfence();
     }
     __syncthreads();
+    SEL_STAMP(4);
     if (tid == 0) {
         const u32 prev = atomicAdd(&done[i * KV_HEADS + kvh], 1u);
         s_last = prev == nlists - 1;
         if (s_last) done[i * KV_HEADS + kvh] = 0;  // every list is in; ready for the next launch
     }
     __syncthreads();
-    if (!s_last) return;
+    SEL_STAMP(5);
+    if (!s_last) {
+        SEL_CLEAR(6);
+        SEL_CLEAR(7);
+        return;
+    }
     __threadfence();
     u32* row = table + ((u64)i * KV_HEADS + kvh) * KSEL;
     select_distant_merge(lists, nlists, row);
     __syncthreads();
+    SEL_STAMP(6);
     plan_tile_cache(i, kvh, row, SINK, TOPK, 0, 0, DISTANT_SLOT0, CACHE_SLOTS - DISTANT_SLOT0, sess, ntok, layer,
                     max_blocks, tags, stamps, pages, slot_of, miss_src, stats, stamp);
+    SEL_STAMP(7);
+    if (ready != nullptr) {
+        // Every thread's row, slot and source writes are made visible before the release.
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) st_release(ready, stamp);
+    }
 #undef NSL
 #endif
 }
+
+// grid (lists of the longest session, KV_HEADS, batch), block SCORE_THREADS: the selector
+// alone, followed by attend_tile's distant part (when layer_fused is not used).
+extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
+    const float* __restrict__ q, const sum_t* __restrict__ sums, const u32* __restrict__ sess,
+    const u32* __restrict__ ntok, u32 layer, u32 max_blocks, u32 nbo, void* __restrict__ scratch,
+    u32* __restrict__ done, u32* table, u32* __restrict__ tags, u32* __restrict__ stamps,
+    const u64* __restrict__ pages, u32* __restrict__ slot_of, u64* __restrict__ miss_src,
+    unsigned long long* __restrict__ stats, u32 stamp) {
+    score_role(q, sums, sess, ntok, layer, max_blocks, nbo, scratch, done, table, tags, stamps, pages, slot_of,
+               miss_src, stats, stamp, nullptr, blockIdx.x, blockIdx.y, blockIdx.z);
+}
+
+#if TOPK_MERGE && ATT_THREADS == SCORE_THREADS
+// Waits (thread 0 spinning, then the whole thread block) until `flag` holds `stamp`.
+__device__ __forceinline__ void wait_ready(const u32* flag, u32 stamp) {
+    if (threadIdx.x == 0)
+        while (ld_acquire(flag) != stamp) __nanosleep(32);
+    __syncthreads();
+}
+
+// Publishes a role's global writes: every thread's writes are visible before the release.
+__device__ __forceinline__ void signal_ready(u32* flag, u32 stamp) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) st_release(flag, stamp);
+}
+
+// layer_fused: a whole layer but the merge in one launch (everything plan_fixed, attend_tile
+// and select_score do in split launches), so that no kernel boundary sits between the
+// selector and the distant gather: between two kernels the gather waited for the selector's
+// completion, which the fixed part's zero-copy reads in flight delayed by ~25 us per layer
+// (bench/gpu/NOTES.md v24), and the side stream's kernels competed with it for SM slots.
+// 1-D grid of roles, block SCORE_THREADS (= ATT_THREADS), dynamic shared memory ATT_DYN_SMEM,
+// H = KV_HEADS * batch heads, in ticket order:
+//   [0, H)                       plan the fixed part of head h (plan_fixed_role), then ready[h][0];
+//   next nfixed * H              fixed tile x of head h: waits ready[h][0], attends table
+//                                position x (short layer) or the x-th sink/local tile;
+//   next lists * H               score roles (score_role); the head's last sets ready[h][1];
+//   next TOPK * H                distant tile x of head h: waits ready[h][1].
+// A thread block takes its role from a ticket (atomicAdd on tickets[0], minus ticket0: the
+// tickets of earlier launches), not from blockIdx: every role waits only for roles with lower
+// tickets, which are running or done whatever order the hardware starts thread blocks in (the
+// dynamic tile numbering of single-pass scans), so the spins cannot deadlock. Entries written
+// during this launch (table, counts, slots, sources) are read through L2 after the wait.
+extern "C" __global__ void __launch_bounds__(SCORE_THREADS) layer_fused(
+    const float* __restrict__ q, const sum_t* __restrict__ sums, const u32* __restrict__ sess,
+    const u32* __restrict__ ntok, u32 layer, u32 max_blocks, u32 nbo, void* __restrict__ scratch,
+    u32* __restrict__ done, u32* table, u32* counts, u32* __restrict__ tags, u32* __restrict__ stamps,
+    const u64* __restrict__ pages, u32* slot_of, u64* miss_src, unsigned long long* __restrict__ stats,
+    u32 stamp, uint4* __restrict__ cache, float scale, float* __restrict__ part_acc,
+    float* __restrict__ part_ml, u32* ready, u32* __restrict__ tickets, u32 ticket0, u32 lists, u32 nfixed,
+    u32 batch) {
+    __shared__ u32 s_ticket;
+    if (threadIdx.x == 0) s_ticket = atomicAdd(tickets, 1u) - ticket0;
+    __syncthreads();
+    const u32 heads = KV_HEADS * batch;
+    u32 t = s_ticket;
+    if (t < heads) {
+        plan_fixed_role(ntok, max_blocks, table, counts, sess, layer, tags, stamps, pages, slot_of, miss_src, stats,
+                        stamp, t % KV_HEADS, t / KV_HEADS);
+        signal_ready(ready + 2 * t, stamp);
+        return;
+    }
+    t -= heads;
+    u32 x, h, j, part;
+    if (t < nfixed * heads) {
+        x = t % nfixed;
+        h = t / nfixed;
+        const u32 nb = n_blocks_of(ntok[h / KV_HEADS]);
+        if (SHORT_LAYER(nb)) {
+            if (x >= nb) return;
+            j = x;
+        } else {
+            if (x >= SINK + LOCAL) return;
+            j = x < SINK ? x : x + TOPK;
+        }
+        part = 0;
+    } else {
+        t -= nfixed * heads;
+        if (t < lists * heads) {
+            const u32 hs = t / lists;
+            score_role(q, sums, sess, ntok, layer, max_blocks, nbo, scratch, done, table, tags, stamps, pages,
+                       slot_of, miss_src, stats, stamp, ready + 2 * hs + 1, t % lists, hs % KV_HEADS, hs / KV_HEADS);
+            return;
+        }
+        t -= lists * heads;
+        x = t % TOPK;
+        h = t / TOPK;
+        // A short layer has no distant part (its fixed part is every block).
+        if (h >= heads || SHORT_LAYER(n_blocks_of(ntok[h / KV_HEADS]))) return;
+        j = SINK + x;
+        part = 1;
+    }
+    K_TRACE(1 + 2 * part);
+    wait_ready(ready + 2 * h + part, stamp);
+    const u64 e = (u64)h * KSEL + j;
+    attend_one(q, sess, ntok, layer, cache, scale, part_acc, part_ml, h / KV_HEADS, h % KV_HEADS, j, __ldcg(table + e),
+               __ldcg(slot_of + e), __ldcg(miss_src + e));
+}
+#endif
 
 #define TOPK_THREADS 1024
 

@@ -12,13 +12,16 @@
 //! values, and its exactness is covered by the GPU tests.
 //!
 //! Usage: gpu_bench [--host-gb 60] [--steps 20] [--warmup 3] [--rho 0.9] [--contexts 131072,1048576]
-//!                  [--ks 8,32] [--batches 1,8] [--json PATH]
+//!                  [--ks 8,32] [--batches 1,8] [--json PATH] [--summaries-bf16] [--trace]
+//!
+//! `--trace` with `KVTIER_NVRTC_DEFINES=-DSEL_TRACE=1` prints the phase breakdown of the last
+//! layer's select_score in every measured step (diagnostics; bench/gpu/NOTES.md v24).
 
 use std::time::Instant;
 
 use kvtier_kernels::cuda::{
-    AnonMapping, CudaBackend, CudaConfig, CudaGeometry, KvDtype, PinnedRegion, SelectPolicy,
-    StepItem, SummaryDtype,
+    AnonMapping, CudaBackend, CudaConfig, CudaGeometry, KvDtype, LaunchMode, PinnedRegion,
+    SelectPolicy, StepItem, SummaryDtype,
 };
 
 const PCIE_GBPS: f64 = 55.3;
@@ -38,6 +41,8 @@ struct Args {
     batches: Vec<u32>,
     json: Option<String>,
     sum_bf16: bool,
+    /// Print select_score's phase breakdown (needs KVTIER_NVRTC_DEFINES=-DSEL_TRACE=1).
+    trace: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -51,6 +56,7 @@ fn parse() -> Result<Args, String> {
         batches: vec![1, 8],
         json: None,
         sum_bf16: false,
+        trace: false,
     };
     let mut it = std::env::args().skip(1);
     let list = |s: String| -> Result<Vec<u32>, String> {
@@ -70,6 +76,7 @@ fn parse() -> Result<Args, String> {
             "--batches" => a.batches = list(v()?)?,
             "--json" => a.json = Some(v()?),
             "--summaries-bf16" => a.sum_bf16 = true,
+            "--trace" => a.trace = true,
             _ => return Err(format!("unknown argument {k}")),
         }
     }
@@ -182,6 +189,8 @@ struct Row {
     batch: u32,
     mode: &'static str,
     step_ms: f64,
+    /// The same mode with split select and distant-tile launches (run_both).
+    split_ms: f64,
     wall_ms: f64,
     bytes: f64,
     keep_bytes: f64,
@@ -253,6 +262,45 @@ fn overlap(
     (inter as f64 / total.max(1) as f64, total)
 }
 
+/// One select_score launch's phases from its trace (select.cu, SEL_TRACE), in ns:
+/// [span, start spread, q staged, scored, block top-32, list published, counted (median
+/// over thread blocks), last arrival, merge, plan (median over the kv heads' last blocks)].
+fn trace_phases(t: &[u64]) -> Option<[f64; 16]> {
+    let recs: Vec<&[u64]> = t.chunks_exact(16).filter(|r| r[0] != 0).collect();
+    if recs.is_empty() {
+        return None;
+    }
+    let t0 = recs.iter().map(|r| r[0]).min()? as f64;
+    let ph = |a: usize, b: usize, last: bool| {
+        let mut v: Vec<f64> = recs
+            .iter()
+            .filter(|r| !last || r[7] != 0)
+            .map(|r| r[b] as f64 - r[a] as f64)
+            .collect();
+        median(&mut v)
+    };
+    let mut out = [0f64; 16];
+    out[1] = recs.iter().map(|r| r[0]).max()? as f64 - t0;
+    for k in 0..5 {
+        out[2 + k] = ph(k, k + 1, false);
+    }
+    let mut arrive: Vec<f64> = recs
+        .iter()
+        .filter(|r| r[7] != 0)
+        .map(|r| r[5] as f64 - t0)
+        .collect();
+    out[7] = median(&mut arrive);
+    out[8] = ph(5, 6, true);
+    out[9] = ph(6, 7, true);
+    out[0] = recs.iter().map(|r| r[5].max(r[7])).max()? as f64 - t0;
+    // The same intra-block phases from the SM clock (cycles), against a coarse global timer.
+    for k in 0..5 {
+        out[10 + k] = ph(8 + k, 9 + k, false);
+    }
+    out[15] = ph(13, 15, true);
+    Some(out)
+}
+
 /// Cold: cache flushed before every step. Warm: consecutive AR(1) queries. Hot: the same
 /// query every step, so the keep-set is (nearly) all cache hits: attention over staged tiles.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -260,6 +308,35 @@ enum Mode {
     Cold,
     Warm,
     Hot,
+}
+
+/// A mode measured twice in a row: with the backend's default launch mode (LaunchMode::Auto:
+/// one fused launch per layer while the layer's tiles mostly miss the block cache, split
+/// launches once they mostly hit; the row's step time) and with split launches throughout
+/// (select_score then attend_tile: the row's split step time and its per-kernel selector and
+/// attention times, which only split launches can time).
+#[allow(clippy::too_many_arguments)]
+fn run_both(
+    be: &mut CudaBackend,
+    args: &Args,
+    ctx: u32,
+    k: u32,
+    batch: u32,
+    mode: Mode,
+    rho: f64,
+    steps: usize,
+) -> Result<Row, Box<dyn std::error::Error>> {
+    be.set_launch_mode(LaunchMode::Auto);
+    let mut row = run_mode(be, args, ctx, k, batch, mode, rho, steps)?;
+    be.set_launch_mode(LaunchMode::Split);
+    let split = run_mode(be, args, ctx, k, batch, mode, rho, steps);
+    be.set_launch_mode(LaunchMode::Auto);
+    let split = split?;
+    row.split_ms = split.step_ms;
+    row.sel_us = split.sel_us;
+    row.att_us = split.att_us;
+    row.fetch_ms = split.fetch_ms;
+    Ok(row)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -285,6 +362,8 @@ fn run_mode(
         (vec![], vec![], vec![], vec![], vec![]);
     let (mut bytes, mut tiles, mut hits, mut ov, mut ovn) = (0f64, 0f64, 0f64, 0f64, 0usize);
     let mut prev_keep: Option<Vec<Vec<Vec<u32>>>> = None;
+    let mut traces: Vec<[f64; 16]> = Vec::new();
+    let mut ktraces: Vec<[f64; 10]> = Vec::new();
     let sample_layer = LAYERS - 1;
     for step in 0..args.warmup + steps {
         if cold {
@@ -305,21 +384,30 @@ fn run_mode(
             return Err("non-finite attention output".into());
         }
         let keep = be.last_keep_sets(sample_layer)?;
+        if args.trace && step >= args.warmup {
+            let (Some(t), Some(k)) = (be.trace("sel_trace")?, be.trace("k_trace")?) else {
+                return Err("--trace needs KVTIER_NVRTC_DEFINES=-DSEL_TRACE=1".into());
+            };
+            traces.extend(trace_phases(&t));
+            // The last layer's kernels, relative to plan_fixed's start (its layer's first).
+            ktraces.push(std::array::from_fn(|x| k[x] as f64 - k[0] as f64));
+        }
         if step >= args.warmup {
             step_ms.push(out.step_ms.unwrap_or(f32::NAN) as f64);
             wall_ms.push(wall);
-            for t in out.timing.as_ref().unwrap() {
-                sel.push(t.select_ms as f64 * 1e3);
-                att.push(t.fetch_attend_ms as f64 * 1e3);
+            // Per-kernel times exist only with split launches (see run_both).
+            let timing = out.timing.as_ref().unwrap();
+            for t in timing {
+                sel.extend(t.select_ms.map(|x| x as f64 * 1e3));
+                att.extend(t.fetch_attend_ms.map(|x| x as f64 * 1e3));
             }
-            gat.push(
-                out.timing
-                    .as_ref()
-                    .unwrap()
-                    .iter()
-                    .map(|t| t.fetch_attend_ms as f64)
-                    .sum::<f64>(),
-            );
+            if let Some(f) = timing
+                .iter()
+                .map(|t| t.fetch_attend_ms.map(f64::from))
+                .sum::<Option<f64>>()
+            {
+                gat.push(f);
+            }
             for s in &out.stats {
                 bytes += s.bytes_moved as f64;
                 tiles += s.tiles as f64;
@@ -332,6 +420,64 @@ fn run_mode(
             }
         }
         prev_keep = Some(keep);
+    }
+    if !traces.is_empty() {
+        let names = [
+            "span",
+            "start spread",
+            "q staged",
+            "scored",
+            "block top-32",
+            "list published",
+            "counted",
+            "last arrival",
+            "merge",
+            "plan",
+            "cyc q",
+            "cyc scored",
+            "cyc top-32",
+            "cyc published",
+            "cyc counted",
+            "cyc merge+plan",
+        ];
+        let cols: Vec<String> = (0..16)
+            .map(|c| {
+                let mut v: Vec<f64> = traces.iter().map(|t| t[c]).collect();
+                let m = median(&mut v);
+                if c < 10 {
+                    format!("{} {:.2}", names[c], m / 1e3)
+                } else {
+                    format!("{} {:.0}", names[c], m)
+                }
+            })
+            .collect();
+        println!(
+            "    select_score trace (us, layer {sample_layer}, median of {} steps): {}",
+            traces.len(),
+            cols.join(", ")
+        );
+    }
+    if !ktraces.is_empty() {
+        let names = [
+            "plan_fixed",
+            "attend fixed",
+            "select_score",
+            "attend distant",
+            "attend_merge",
+        ];
+        let cols: Vec<String> = (0..5)
+            .map(|c| {
+                let mut a: Vec<f64> = ktraces.iter().map(|t| t[2 * c]).collect();
+                let mut z: Vec<f64> = ktraces.iter().map(|t| t[2 * c + 1]).collect();
+                format!(
+                    "{} {:.2}-{:.2}",
+                    names[c],
+                    median(&mut a) / 1e3,
+                    median(&mut z) / 1e3
+                )
+            })
+            .collect();
+        println!("    kernels of layer {sample_layer} (us from plan_fixed's start; latest block start-end): {}", cols.join(", "));
     }
     let n = steps as f64;
     let tile = (2 * BT * D * 2) as f64;
@@ -346,6 +492,7 @@ fn run_mode(
             Mode::Hot => "hot",
         },
         step_ms: median(&mut step_ms),
+        split_ms: f64::NAN,
         wall_ms: median(&mut wall_ms),
         bytes: bytes / n,
         keep_bytes: tiles * tile / n,
@@ -427,10 +574,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             );
             for &batch in &args.batches {
                 for mode in [Mode::Cold, Mode::Warm, Mode::Hot] {
-                    let row = run_mode(&mut be, &args, ctx, k, batch, mode, args.rho, args.steps)?;
+                    let row = run_both(&mut be, &args, ctx, k, batch, mode, args.rho, args.steps)?;
                     println!(
-                        "  ctx={} k={} batch={} {}: step {:.3} ms, floor {:.3} ms, sel {:.1} us, fetch+att {:.1} us",
-                        ctx, k, batch, row.mode, row.step_ms, row.floor_ms(), row.sel_us, row.att_us
+                        "  ctx={} k={} batch={} {}: step {:.3} ms (split launches {:.3} ms), floor {:.3} ms, sel {:.1} us, fetch+att {:.1} us",
+                        ctx, k, batch, row.mode, row.step_ms, row.split_ms, row.floor_ms(), row.sel_us, row.att_us
                     );
                     rows.push(row);
                 }
@@ -457,22 +604,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if args.sum_bf16 { "bf16 outward" } else { "exact (bf16: lossless for bf16 keys)" }
     );
     println!("step = 28 x (select + plan + fetch/attend), device time by CUDA events (median of {} steps); wall includes uploads, sync, readback", args.steps);
+    println!("step_ms: LaunchMode::Auto (a layer is one launch, layer_fused, while its tiles mostly miss the block cache); split_ms: the same mode run next with split launches (plan_fixed + fixed tiles beside select_score, then the distant tiles), whose per-kernel times give sel_us, f+att_us and fetchGB/s");
     println!(
         "floor = bytes moved / {PCIE_GBPS} GB/s; warm = consecutive steps, AR(1) queries rho={}",
         args.rho
     );
     println!(
-        "{:>8} {:>3} {:>5} {:>5} | {:>8} {:>8} {:>8} {:>6} | {:>9} {:>9} {:>6} {:>6} | {:>7} {:>8} {:>7} | {:>7} {:>7}",
-        "ctx", "k", "batch", "cache", "step_ms", "wall_ms", "floor_ms", "ratio", "moved_MB", "keep_MB", "GB/s", "hit%", "sel_us", "f+att_us", "fetchGB/s", "overlap", "chance"
+        "{:>8} {:>3} {:>5} {:>5} | {:>8} {:>8} {:>8} {:>8} {:>6} | {:>9} {:>9} {:>6} {:>6} | {:>7} {:>8} {:>7} | {:>7} {:>7}",
+        "ctx", "k", "batch", "cache", "step_ms", "split_ms", "wall_ms", "floor_ms", "ratio", "moved_MB", "keep_MB", "GB/s", "hit%", "sel_us", "f+att_us", "fetchGB/s", "overlap", "chance"
     );
     for r in &rows {
         println!(
-            "{:>8} {:>3} {:>5} {:>5} | {:>8.3} {:>8.3} {:>8.3} {:>6.2} | {:>9.1} {:>9.1} {:>6.1} {:>6.1} | {:>7.1} {:>8.1} {:>7.1} | {:>7.3} {:>7.4}",
+            "{:>8} {:>3} {:>5} {:>5} | {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>6.2} | {:>9.1} {:>9.1} {:>6.1} {:>6.1} | {:>7.1} {:>8.1} {:>7.1} | {:>7.3} {:>7.4}",
             r.ctx,
             r.k,
             r.batch,
             r.mode,
             r.step_ms,
+            r.split_ms,
             r.wall_ms,
             r.floor_ms(),
             r.step_ms / r.floor_ms(),
@@ -510,8 +659,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut s = String::from("[\n");
         for (i, r) in rows.iter().enumerate() {
             s += &format!(
-                "  {{\"ctx\":{},\"k\":{},\"batch\":{},\"cache\":\"{}\",\"step_ms\":{:.4},\"wall_ms\":{:.4},\"floor_ms\":{:.4},\"bytes\":{:.0},\"keep_bytes\":{:.0},\"hit_rate\":{:.4},\"select_us\":{:.2},\"fetch_ms_step\":{:.4},\"attend_us\":{:.2},\"overlap\":{:.4},\"chance\":{:.5}}}{}\n",
-                r.ctx, r.k, r.batch, r.mode, r.step_ms, r.wall_ms, r.floor_ms(), r.bytes, r.keep_bytes, r.hit_rate, r.sel_us, r.fetch_ms, r.att_us, r.overlap, r.chance,
+                "  {{\"ctx\":{},\"k\":{},\"batch\":{},\"cache\":\"{}\",\"step_ms\":{:.4},\"split_step_ms\":{:.4},\"wall_ms\":{:.4},\"floor_ms\":{:.4},\"bytes\":{:.0},\"keep_bytes\":{:.0},\"hit_rate\":{:.4},\"select_us\":{:.2},\"fetch_ms_step\":{:.4},\"attend_us\":{:.2},\"overlap\":{:.4},\"chance\":{:.5}}}{}\n",
+                r.ctx, r.k, r.batch, r.mode, r.step_ms, r.split_ms, r.wall_ms, r.floor_ms(), r.bytes, r.keep_bytes, r.hit_rate, r.sel_us, r.fetch_ms, r.att_us, r.overlap, r.chance,
                 if i + 1 < rows.len() { "," } else { "" }
             );
         }

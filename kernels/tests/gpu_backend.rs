@@ -6,7 +6,8 @@
 use half::{bf16, f16};
 use kvtier_kernels::cuda::{
     bf16_outward, device_available, AnonMapping, CudaBackend, CudaConfig, CudaError, CudaGeometry,
-    DecodeItem, KvDtype, LayerStats, PinnedRegion, SelectPolicy, StepItem, SummaryDtype,
+    DecodeItem, KvDtype, LaunchMode, LayerStats, PinnedRegion, SelectPolicy, StepItem,
+    SummaryDtype,
 };
 use kvtier_kernels::select::{block_score, partition};
 use kvtier_storage::Policy;
@@ -721,6 +722,111 @@ fn decode_step_matches_layers() {
             let e = rel_err(got, &r);
             assert!(e < 2e-3, "slot {slot} layer {l}: {e}");
         }
+    }
+}
+
+/// layer_fused (the selector and the distant tiles in one launch, the default for the Qwen
+/// geometry) against split launches (select_score, then attend_tile): the same keep-sets,
+/// cache decisions and bit-identical outputs, cold and warm, at batch 1 and 3, over several
+/// steps (the ticket count carries across launches), and exact against the CPU.
+#[test]
+fn fused_layer_fused_matches_split_launches() {
+    if !gpu() {
+        return;
+    }
+    let policy = SelectPolicy {
+        sink_blocks: 1,
+        local_blocks: 4,
+        top_k: 32,
+    };
+    let cfg = config(
+        geom(28, 4, 128, 128, KvDtype::Bf16),
+        policy,
+        300,
+        3,
+        SummaryDtype::F32,
+    );
+    let mut h = Harness::new(cfg, 90);
+
+    let slots: Vec<u32> = [300 * 128, 211 * 128 + 17, 20 * 128]
+        .iter()
+        .map(|&n| h.add_session(n, KeyGen { templates: 0 }))
+        .collect();
+    let hqd = 28 * 128;
+    h.be.set_timing(true).unwrap();
+    for batch in [1, 3] {
+        let qs: Vec<Vec<f32>> = slots[..batch]
+            .iter()
+            .map(|_| [h.query(), h.query()].concat())
+            .collect();
+        let items: Vec<StepItem> = slots[..batch]
+            .iter()
+            .zip(&qs)
+            .map(|(&slot, q)| StepItem { slot, q })
+            .collect();
+        for warm in [false, true] {
+            let mut runs = Vec::new();
+            for fused in [true, false, true] {
+                h.be.set_launch_mode(if fused {
+                    LaunchMode::Fused
+                } else {
+                    LaunchMode::Split
+                });
+                if !warm {
+                    h.be.flush_cache().unwrap();
+                }
+                let step = h.be.decode_step(&items).unwrap();
+                let t = &step.timing.as_ref().unwrap()[0];
+                assert_eq!(
+                    t.select_ms.is_none(),
+                    fused,
+                    "per-kernel times only when split"
+                );
+                assert!(t.layer_ms > 0.0);
+                let keeps: Vec<_> = (0..2).map(|l| h.be.last_keep_sets(l).unwrap()).collect();
+                runs.push((step.out, step.stats, keeps));
+            }
+            for r in &runs[1..] {
+                assert_eq!(r.0, runs[0].0, "outputs (batch {batch}, warm {warm})");
+                assert_eq!(r.2, runs[0].2, "keep-sets (batch {batch}, warm {warm})");
+                if !warm {
+                    assert_eq!(r.1, runs[0].1, "cold cache statistics");
+                }
+            }
+            if warm {
+                // The repeated query hits every full tile it fetched before.
+                let last = &runs[2].1;
+                assert!(last.iter().all(|s| s.hits + s.misses == s.tiles));
+                assert!(last.iter().all(|s| s.misses <= 4 * batch as u64));
+            }
+            for (i, &slot) in slots[..batch].iter().enumerate() {
+                for l in 0..2 {
+                    let q = &qs[i][l * hqd..(l + 1) * hqd];
+                    let want = h.cpu_select(slot as usize, l, q);
+                    assert_eq!(runs[0].2[l][i], want, "slot {slot} layer {l}");
+                    let r = h.cpu_attend(slot as usize, l, q, &want);
+                    let got = &runs[0].0[(i * 2 + l) * hqd..(i * 2 + l + 1) * hqd];
+                    let e = rel_err(got, &r);
+                    assert!(e < 2e-3, "slot {slot} layer {l}: {e}");
+                }
+            }
+        }
+        // Auto decides from each layer's previous call: after a flush the call runs fused, and
+        // so does its repeat (the call before it missed); once a call has hit (all tiles but
+        // partial tails), the next runs split. The output never changes.
+        h.be.set_launch_mode(LaunchMode::Auto);
+        h.be.flush_cache().unwrap();
+        let mut outs = Vec::new();
+        for want_split in [false, false, true, true] {
+            let step = h.be.decode_step(&items).unwrap();
+            let t = step.timing.as_ref().unwrap();
+            assert!(
+                t.iter().all(|t| t.select_ms.is_some() == want_split),
+                "split {want_split}"
+            );
+            outs.push(step.out);
+        }
+        assert!(outs.iter().all(|o| *o == outs[0]));
     }
 }
 

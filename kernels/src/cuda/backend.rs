@@ -94,11 +94,37 @@ pub struct LayerStats {
 /// Per-layer device time (CUDA events), when timing is enabled.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LayerTiming {
-    /// Scoring, top-k and the block-cache plan (hits, victims, miss addresses).
-    pub select_ms: f32,
-    /// Fetching misses from host memory fused with attention, then the LSE merge kernel.
-    pub fetch_attend_ms: f32,
+    /// Scoring, top-k and the block-cache plan (hits, victims, miss addresses). `None` when
+    /// the layer ran as one launch (layer_fused), which leaves no kernel boundary after the
+    /// selector to time ([`LaunchMode`]).
+    pub select_ms: Option<f32>,
+    /// Fetching misses from host memory fused with attention, then the LSE merge kernel;
+    /// `None` when the layer ran as one launch.
+    pub fetch_attend_ms: Option<f32>,
+    /// The whole layer.
+    pub layer_ms: f32,
 }
+
+/// How a layer's kernels are launched.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LaunchMode {
+    /// Fused while the layer's last call found fewer than [`FUSE_BELOW_HIT_SHARE`] of its
+    /// tiles in the block cache, split otherwise (and always split where fusing is
+    /// unavailable). On an H200 (bench/gpu/NOTES.md v24) fusing saved 3-4% of a cold step at
+    /// batch 1 and cost 7-9% of a step whose tiles all hit; at a 69% hit share they were even.
+    #[default]
+    Auto,
+    /// One launch for everything but the merge (layer_fused: planning, selector and every
+    /// tile's fetch + attend; no kernel boundary between the selector and the distant gather),
+    /// where the geometry allows it.
+    Fused,
+    /// plan_fixed and the fixed tiles on a second stream beside select_score, then the
+    /// distant tiles: the per-kernel selector and attention times of [`LayerTiming`].
+    Split,
+}
+
+/// [`LaunchMode::Auto`] fuses a layer whose last call hit fewer than this share of its tiles.
+pub const FUSE_BELOW_HIT_SHARE: f32 = 0.75;
 
 /// Result of [`CudaBackend::decode_layer`].
 #[derive(Clone, Debug)]
@@ -152,6 +178,15 @@ pub struct CudaBackend {
     join: CudaEvent,
     /// Multiprocessors of the device: select_score's blocks per octet are chosen to fill them.
     sms: u32,
+    /// How layers are launched; see [`LaunchMode`].
+    mode: LaunchMode,
+    /// Per layer: whether its last run was fused (how its timing reads).
+    fused: Vec<bool>,
+    /// Per layer: the share of its last call's tiles found in the block cache (0 before any).
+    hit_share: Vec<f32>,
+    /// Tickets layer_fused launches have taken from `tickets` (wrapping): the next launch's
+    /// ticket0.
+    tickets_issued: u32,
     k: Kernels,
     /// Shared so that several backends (one per geometry) can map the same registered arena.
     host: Option<Arc<PinnedRegion>>,
@@ -176,6 +211,11 @@ pub struct CudaBackend {
     scores: DevBuf<u8>,
     /// Per (batch item, kv head): select_score thread blocks done (zero between launches).
     done: DevBuf<u32>,
+    /// Per (batch item, kv head): the stamps of the layer whose fixed part and distant part are
+    /// planned (layer_fused's handoffs from planning roles to tile roles).
+    ready: DevBuf<u32>,
+    /// layer_fused's ticket counter (one u32).
+    tickets: DevBuf<u32>,
     table: DevBuf<u32>,
     counts: DevBuf<u32>,
     slot_of: DevBuf<u32>,
@@ -291,6 +331,8 @@ impl CudaBackend {
             ntok: z32(l * bmax)?,
             scores: z8(bmax * hkv * derived.score_scratch)?,
             done: z32(bmax * hkv)?,
+            ready: z32(bmax * hkv * 2)?,
+            tickets: z32(1)?,
             table: z32(l * bmax * hkv * ks)?,
             counts: z32(l * bmax * hkv)?,
             slot_of: z32(bmax * hkv * ks)?,
@@ -307,6 +349,10 @@ impl CudaBackend {
             fork,
             join,
             sms,
+            mode: LaunchMode::Auto,
+            fused: vec![false; l],
+            hit_share: vec![0.0; l],
+            tickets_issued: 0,
             k,
             host: None,
             sessions: (0..s).map(|_| None).collect(),
@@ -391,6 +437,21 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Chooses how layers are launched ([`LaunchMode`]; `Auto` by default).
+    pub fn set_launch_mode(&mut self, mode: LaunchMode) {
+        self.mode = mode;
+    }
+
+    /// Whether layer `l` runs as one launch (layer_fused) under the current mode.
+    fn fuse_layer(&self, l: usize) -> bool {
+        self.k.layer_fused.is_some()
+            && match self.mode {
+                LaunchMode::Fused => true,
+                LaunchMode::Split => false,
+                LaunchMode::Auto => self.hit_share[l] < FUSE_BELOW_HIT_SHARE,
+            }
+    }
+
     /// Test aid: fill outputs and partials with NaN before every call so unwritten elements show.
     pub fn set_poison_outputs(&mut self, on: bool) {
         self.poison = on;
@@ -453,7 +514,10 @@ impl CudaBackend {
     /// Empties the GPU block cache of every session (the next call runs cold).
     pub fn flush_cache(&mut self) -> Result<()> {
         let n = self.tags.slice.len();
-        self.memset_u32(self.tags.ptr, 0, n)
+        self.memset_u32(self.tags.ptr, 0, n)?;
+        // Nothing will hit: LaunchMode::Auto fuses the next call of every layer.
+        self.hit_share.fill(0.0);
+        Ok(())
     }
 
     fn memset_u32(&self, ptr: u64, value: u32, n: usize) -> Result<()> {
@@ -692,8 +756,8 @@ impl CudaBackend {
         }
         let q: Vec<f32> = items.iter().flat_map(|it| it.q.iter().copied()).collect();
         self.prepare(&slots, &[(l, &ntok, &q)])?;
-        let max_nb = self.max_blocks_of(&ntok);
-        self.run_layer(l, 0, items.len(), max_nb)?;
+        let nb = self.blocks_of(&ntok);
+        self.run_layer(l, 0, items.len(), nb)?;
         self.finish(&[l], items.len()).map(|mut s| LayerOutput {
             out: std::mem::take(&mut s.out),
             stats: s.stats[0],
@@ -724,18 +788,18 @@ impl CudaBackend {
             .collect();
         self.prepare(&slots, &refs)?;
         for (li, (l, ntok, _)) in per_layer.iter().enumerate() {
-            let max_nb = self.max_blocks_of(ntok);
-            self.run_layer(*l, li, items.len(), max_nb)?;
+            let nb = self.blocks_of(ntok);
+            self.run_layer(*l, li, items.len(), nb)?;
         }
         let all: Vec<usize> = (0..layers).collect();
         self.finish(&all, items.len())
     }
 
-    fn max_blocks_of(&self, ntok: &[u32]) -> u32 {
-        ntok.iter()
-            .map(|n| n.div_ceil(self.cfg.geometry.block_tokens))
-            .max()
-            .unwrap_or(1)
+    /// Fewest and most blocks of the batch sessions.
+    fn blocks_of(&self, ntok: &[u32]) -> (u32, u32) {
+        let bt = self.cfg.geometry.block_tokens;
+        let nb = ntok.iter().map(|n| n.div_ceil(bt));
+        (nb.clone().min().unwrap_or(1), nb.max().unwrap_or(1))
     }
 
     /// Uploads the batch description and zeroes the statistics.
@@ -808,18 +872,38 @@ impl CudaBackend {
     /// one; then the distant tiles and, once both are done, the merge.
     /// `max_nb`: most blocks of any batch session. `l`: model layer; `li`: its index within
     /// this call (offset into the dense q/out).
-    fn run_layer(&mut self, l: usize, li: usize, b: usize, max_nb: u32) -> Result<()> {
-        self.stamp = self.stamp.wrapping_add(1);
-        let r = self.enqueue_layer(l, li, b, max_nb);
-        if r.is_err() {
-            // Something was refused mid-layer: drain the side stream so that no later use of
-            // the shared scratch races tiles still in flight there.
-            let _ = self.side.synchronize();
+    /// `nb`: fewest and most blocks of any batch session at layer `l`.
+    fn run_layer(&mut self, l: usize, li: usize, b: usize, nb: (u32, u32)) -> Result<()> {
+        // Never 0: layer_fused's ready flags start at 0 and must not match a fresh layer.
+        self.stamp = self.stamp.wrapping_add(1).max(1);
+        self.fused[l] = self.fuse_layer(l);
+        match self.enqueue_layer(l, li, b, nb) {
+            Ok(tickets) => {
+                self.tickets_issued = self.tickets_issued.wrapping_add(tickets);
+                Ok(())
+            }
+            Err(e) => {
+                // Something was refused mid-layer: drain both streams so that no later use of
+                // the shared scratch races tiles still in flight, and restart the ticket count
+                // (a launch may or may not have taken its tickets).
+                let _ = self.side.synchronize();
+                let _ = self.stream.synchronize();
+                if self.memset_u32(self.tickets.ptr, 0, 1).is_ok() {
+                    self.tickets_issued = 0;
+                }
+                Err(e)
+            }
         }
-        r
     }
 
-    fn enqueue_layer(&self, l: usize, li: usize, b: usize, max_nb: u32) -> Result<()> {
+    /// Enqueues layer `l`; returns the tickets its layer_fused launch takes (0 unfused).
+    fn enqueue_layer(
+        &self,
+        l: usize,
+        li: usize,
+        b: usize,
+        (min_nb, max_nb): (u32, u32),
+    ) -> Result<u32> {
         use Arg::{F, P, U};
         let g = self.cfg.geometry;
         let p = self.cfg.policy;
@@ -885,6 +969,58 @@ impl CudaBackend {
         };
 
         self.record(l, 0)?;
+        if let (true, Some(fused)) = (self.fused[l], &k.layer_fused) {
+            // Everything but the merge in one launch on the main stream (select.cu).
+            let nbo = self.score_blocks_per_octet(max_nb, hkv * bu);
+            let lists = max_nb.div_ceil(nbo * (SCORE_THREADS / 8));
+            // A short layer's fixed part is all its blocks, up to KSEL tiles.
+            let nfixed = if min_nb <= ks {
+                ks
+            } else {
+                p.sink_blocks + p.local_blocks
+            };
+            let ctas = (1 + nfixed + lists + p.top_k) * hkv * bu;
+            let mut args = vec![
+                P(q),
+                P(self.sums.ptr),
+                P(sess),
+                P(ntok),
+                U(layer),
+                U(mb),
+                U(nbo),
+                P(self.scores.ptr),
+                P(self.done.ptr),
+                P(table),
+                P(counts),
+            ];
+            args.extend_from_slice(&plan_args[2..]);
+            args.extend_from_slice(&[
+                P(self.cache.ptr),
+                F(scale),
+                P(self.part_acc.ptr),
+                P(self.part_ml.ptr),
+                P(self.ready.ptr),
+                P(self.tickets.ptr),
+                U(self.tickets_issued),
+                U(lists),
+                U(nfixed),
+                U(bu),
+            ]);
+            self.launch(
+                main,
+                fused,
+                "layer_fused",
+                LaunchConfig {
+                    grid_dim: (ctas, 1, 1),
+                    block_dim: (SCORE_THREADS, 1, 1),
+                    shared_mem_bytes: self.derived.att_dyn_smem,
+                },
+                &args,
+            )?;
+            self.record(l, 1)?;
+            self.merge(l, bu, counts, out)?;
+            return Ok(ctas);
+        }
         let rec = |e: &CudaEvent, st: &Arc<CudaStream>| {
             e.record(st).map_err(CudaError::driver("cuEventRecord"))
         };
@@ -942,15 +1078,30 @@ impl CudaBackend {
         self.record(l, 1)?;
         attend(main, 1, p.top_k.max(1))?;
         wait(main, &self.join)?;
+        self.merge(l, bu, counts, out)?;
+        Ok(0)
+    }
+
+    /// The layer's last launch: the log-sum-exp merge of its partials into `out`.
+    fn merge(&self, l: usize, bu: u32, counts: u64, out: u64) -> Result<()> {
+        let g = self.cfg.geometry;
         self.launch(
-            main,
-            &k.attend_merge,
+            &self.stream,
+            &self.k.attend_merge,
             "attend_merge",
-            cfg((g.q_heads, bu, 1), g.head_dim),
-            &[P(counts), P(self.part_acc.ptr), P(self.part_ml.ptr), P(out)],
+            LaunchConfig {
+                grid_dim: (g.q_heads, bu, 1),
+                block_dim: (g.head_dim, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::P(counts),
+                Arg::P(self.part_acc.ptr),
+                Arg::P(self.part_ml.ptr),
+                Arg::P(out),
+            ],
         )?;
-        self.record(l, 2)?;
-        Ok(())
+        self.record(l, 2)
     }
 
     /// Blocks each select_score octet scores: the most (fewest candidate lists to merge, the
@@ -962,6 +1113,32 @@ impl CudaBackend {
             nbo /= 2;
         }
         nbo
+    }
+
+    /// A diagnostic global of the kernels compiled with `-DSEL_TRACE=1` (see
+    /// [`super::module::EXTRA_OPTIONS_ENV`] and kernels/cuda/common.cuh), zeroed after reading
+    /// so that the next read holds only later launches: `sel_trace` (select_score's phase
+    /// stamps, 16 values per thread block) or `k_trace` (each kernel's latest start and end).
+    /// `None` when the kernels were compiled without it. Diagnostics only.
+    pub fn trace(&self, name: &str) -> Result<Option<Vec<u64>>> {
+        let Ok(mut view) = self.k.module.get_global(name, &self.stream) else {
+            return Ok(None);
+        };
+        self.sync()?;
+        let mut bytes = vec![0u8; view.len()];
+        self.stream
+            .memcpy_dtoh(&view, &mut bytes)
+            .map_err(CudaError::driver("cuMemcpyDtoHAsync"))?;
+        self.stream
+            .memcpy_htod(&vec![0u8; bytes.len()], &mut view)
+            .map_err(CudaError::driver("cuMemcpyHtoDAsync"))?;
+        self.sync()?;
+        Ok(Some(
+            bytes
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8-byte chunk")))
+                .collect(),
+        ))
     }
 
     /// Waits for the enqueued layers and reads outputs, statistics and timings.
@@ -989,7 +1166,10 @@ impl CudaBackend {
                 bytes_moved: raw[l * 4 + 2],
                 tiles: raw[l * 4 + 3],
             })
-            .collect();
+            .collect::<Vec<LayerStats>>();
+        for (&l, st) in layers.iter().zip(&stats) {
+            self.hit_share[l] = st.hits as f32 / st.tiles.max(1) as f32;
+        }
         let (timing, step_ms) = match &self.timers {
             None => (None, None),
             Some(t) => {
@@ -1000,9 +1180,12 @@ impl CudaBackend {
                 let mut v = Vec::with_capacity(nl);
                 for &l in layers {
                     let m = &t.marks[l];
+                    let (sel, rest) = (ms(&m[0], &m[1])?, ms(&m[1], &m[2])?);
+                    let split = !self.fused[l];
                     v.push(LayerTiming {
-                        select_ms: ms(&m[0], &m[1])?,
-                        fetch_attend_ms: ms(&m[1], &m[2])?,
+                        select_ms: split.then_some(sel),
+                        fetch_attend_ms: split.then_some(rest),
+                        layer_ms: ms(&m[0], &m[2])?,
                     });
                 }
                 let first = &t.marks[layers[0]][0];

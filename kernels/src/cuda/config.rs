@@ -267,6 +267,7 @@ impl CudaConfig {
             att_dyn_smem: dyn_smem as u32,
             att_total_smem: (dyn_smem + static_smem) as u32,
             red_in_tile,
+            fused: topk_merge && att_threads as u32 == SCORE_THREADS,
         })
     }
 
@@ -328,6 +329,9 @@ pub struct Derived {
     pub att_total_smem: u32,
     /// Whether the value-phase reduction reuses the tile's K half.
     pub red_in_tile: bool,
+    /// Whether layer_fused can run a layer (but its merge) in one launch: the list-merge
+    /// top-k, and as many attention threads as scoring threads.
+    pub fused: bool,
 }
 
 /// Rounds an fp32 bound to bf16 bits away from the interior: `up` rounds toward +inf (for

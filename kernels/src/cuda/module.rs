@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaFunction};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 
 use super::config::{CudaConfig, Derived};
@@ -14,16 +14,24 @@ pub const KERNEL_SOURCE: &str = concat!(
     "\n",
     include_str!("../../cuda/gather.cu"),
     "\n",
-    include_str!("../../cuda/select.cu"),
-    "\n",
     include_str!("../../cuda/attend.cu"),
+    "\n",
+    include_str!("../../cuda/select.cu"),
 );
+
+/// Extra NVRTC options for diagnostics and experiments, whitespace-separated (for example
+/// `-DSEL_TRACE=1`, read by `gpu_bench --trace`; bench/gpu/NOTES.md). Never needed in service.
+pub const EXTRA_OPTIONS_ENV: &str = "KVTIER_NVRTC_DEFINES";
 
 /// Loaded kernel functions.
 pub(crate) struct Kernels {
+    /// Kept for its diagnostic globals (`sel_trace`).
+    pub module: Arc<CudaModule>,
     pub plan_fixed: CudaFunction,
     pub select_score: CudaFunction,
     pub select_topk: CudaFunction,
+    /// Present when [`Derived::fused`].
+    pub layer_fused: Option<CudaFunction>,
     pub attend_tile: CudaFunction,
     pub attend_merge: CudaFunction,
 }
@@ -47,9 +55,13 @@ fn nvrtc(cfg: &CudaConfig, derived: &Derived, arch: Option<&'static str>) -> Res
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(CudaError::NoNvrtc);
     }
+    let mut options = cfg.defines(derived);
+    if let Ok(extra) = std::env::var(EXTRA_OPTIONS_ENV) {
+        options.extend(extra.split_whitespace().map(str::to_owned));
+    }
     let opts = CompileOptions {
         arch,
-        options: cfg.defines(derived),
+        options,
         name: Some("kvtier.cu".into()),
         ..Default::default()
     };
@@ -99,17 +111,39 @@ pub(crate) fn compile(
             ),
         });
     }
-    attend_tile
-        .set_attribute(
+    let allow_tile_smem = |f: &CudaFunction| {
+        f.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             derived.att_dyn_smem as i32,
         )
-        .map_err(CudaError::driver("cuFuncSetAttribute"))?;
+        .map_err(CudaError::driver("cuFuncSetAttribute"))
+    };
+    allow_tile_smem(&attend_tile)?;
+    // The fused kernel also holds the selector's static shared memory: used only where the
+    // device allows the sum (otherwise the selector and the distant tiles launch apart).
+    let layer_fused = if derived.fused {
+        let f = f("layer_fused")?;
+        let stat = f
+            .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            .map_err(CudaError::driver("cuFuncGetAttribute"))?;
+        if stat + derived.att_dyn_smem as i32 <= optin {
+            allow_tile_smem(&f)?;
+            Some(f)
+        } else {
+            None
+        }
+    } else {
+        None
+    };
+    let (attend_merge, plan_fixed) = (f("attend_merge")?, f("plan_fixed")?);
+    let (select_score, select_topk) = (f("select_score")?, f("select_topk")?);
     Ok(Kernels {
+        module,
         attend_tile,
-        attend_merge: f("attend_merge")?,
-        plan_fixed: f("plan_fixed")?,
-        select_score: f("select_score")?,
-        select_topk: f("select_topk")?,
+        attend_merge,
+        plan_fixed,
+        select_score,
+        select_topk,
+        layer_fused,
     })
 }
