@@ -364,7 +364,7 @@ __device__ __forceinline__ void signal_ready(u32* flag, u32 stamp) {
     if (threadIdx.x == 0) st_release(flag, stamp);
 }
 
-// layer_fused: a whole layer but the merge in one launch (everything plan_fixed, attend_tile
+// layer_fused (select_score's parameters, then the attention's): a whole layer but the merge in one launch (everything plan_fixed, attend_tile
 // and select_score do in split launches), so that no kernel boundary sits between the
 // selector and the distant gather: between two kernels the gather waited for the selector's
 // completion, which the fixed part's zero-copy reads in flight delayed by ~25 us per layer
@@ -384,9 +384,9 @@ __device__ __forceinline__ void signal_ready(u32* flag, u32 stamp) {
 extern "C" __global__ void __launch_bounds__(SCORE_THREADS) layer_fused(
     const float* __restrict__ q, const sum_t* __restrict__ sums, const u32* __restrict__ sess,
     const u32* __restrict__ ntok, u32 layer, u32 max_blocks, u32 nbo, void* __restrict__ scratch,
-    u32* __restrict__ done, u32* table, u32* counts, u32* __restrict__ tags, u32* __restrict__ stamps,
+    u32* __restrict__ done, u32* table, u32* __restrict__ tags, u32* __restrict__ stamps,
     const u64* __restrict__ pages, u32* slot_of, u64* miss_src, unsigned long long* __restrict__ stats,
-    u32 stamp, uint4* __restrict__ cache, float scale, float* __restrict__ part_acc,
+    u32 stamp, u32* counts, uint4* __restrict__ cache, float scale, float* __restrict__ part_acc,
     float* __restrict__ part_ml, u32* ready, u32* __restrict__ tickets, u32 ticket0, u32 lists, u32 nfixed,
     u32 batch) {
     __shared__ u32 s_ticket;

@@ -968,6 +968,24 @@ impl CudaBackend {
             )
         };
 
+        // select_score's arguments, which layer_fused's begin with.
+        let score_args = |nbo: u32| {
+            let mut a = vec![
+                P(q),
+                P(self.sums.ptr),
+                P(sess),
+                P(ntok),
+                U(layer),
+                U(mb),
+                U(nbo),
+                P(self.scores.ptr),
+                P(self.done.ptr),
+                P(table),
+            ];
+            a.extend_from_slice(&plan_args[2..]);
+            a
+        };
+
         self.record(l, 0)?;
         if let (true, Some(fused)) = (self.fused[l], &k.layer_fused) {
             // Everything but the merge in one launch on the main stream (select.cu).
@@ -980,21 +998,9 @@ impl CudaBackend {
                 p.sink_blocks + p.local_blocks
             };
             let ctas = (1 + nfixed + lists + p.top_k) * hkv * bu;
-            let mut args = vec![
-                P(q),
-                P(self.sums.ptr),
-                P(sess),
-                P(ntok),
-                U(layer),
-                U(mb),
-                U(nbo),
-                P(self.scores.ptr),
-                P(self.done.ptr),
-                P(table),
-                P(counts),
-            ];
-            args.extend_from_slice(&plan_args[2..]);
+            let mut args = score_args(nbo);
             args.extend_from_slice(&[
+                P(counts),
                 P(self.cache.ptr),
                 F(scale),
                 P(self.part_acc.ptr),
@@ -1043,19 +1049,7 @@ impl CudaBackend {
         rec(&self.join, side)?;
 
         let nbo = self.score_blocks_per_octet(max_nb, hkv * bu);
-        let mut args = vec![
-            P(q),
-            P(self.sums.ptr),
-            P(sess),
-            P(ntok),
-            U(layer),
-            U(mb),
-            U(nbo),
-            P(self.scores.ptr),
-            P(self.done.ptr),
-            P(table),
-        ];
-        args.extend_from_slice(&plan_args[2..]);
+        let args = score_args(nbo);
         let octets = SCORE_THREADS / 8;
         self.launch(
             main,
