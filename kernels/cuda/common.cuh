@@ -74,9 +74,9 @@ __device__ __forceinline__ u32 n_blocks_of(u32 n_tokens) {
 }
 
 // Diagnostics (bench/gpu/NOTES.md v24): with -DSEL_TRACE=1 (KVTIER_NVRTC_DEFINES) thread 0 of
-// every select_score (select.cu) thread block stamps %globaltimer and clock64 at its phase boundaries
-// into sel_trace[block][16] (slots 0-7 the global time in ns, 8-15 the SM clock; slots 6-7,
-// the merge and the plan, are zero except in a kv head's last thread block).
+// every score role (select.cu) stamps %globaltimer and clock64 at its phase boundaries into
+// sel_trace[role][16] (slots 0-7 the global time in ns, 8-15 the SM clock; slots 6-7, the
+// merge and the plan, are zero except in a kv head's last thread block).
 #ifndef SEL_TRACE
 #define SEL_TRACE 0
 #endif
@@ -88,15 +88,14 @@ __device__ __forceinline__ u64 gtime() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
-__device__ __forceinline__ void sel_stamp(u32 k, bool clear) {
-    if (threadIdx.x != 0) return;
-    const u32 cta = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    if (cta >= SEL_TRACE_BLOCKS) return;
+__device__ __forceinline__ void sel_stamp(u32 cta, u32 k, bool clear) {
+    if (threadIdx.x != 0 || cta >= SEL_TRACE_BLOCKS) return;
     sel_trace[cta * 16 + k] = clear ? 0ull : gtime();
     sel_trace[cta * 16 + 8 + k] = clear ? 0ull : clock64();
 }
-#define SEL_STAMP(k) sel_stamp(k, false)
-#define SEL_CLEAR(k) sel_stamp(k, true)
+// Uses the caller's `sel_cta`: its score role's index (the same in split and fused launches).
+#define SEL_STAMP(k) sel_stamp(sel_cta, k, false)
+#define SEL_CLEAR(k) sel_stamp(sel_cta, k, true)
 // Every kernel's thread 0 also raises k_trace[kind][0] to its thread block's start time and
 // k_trace[kind][1] to its end (kinds: 0 plan_fixed, 1 attend_tile fixed part, 2 select_score,
 // 3 attend_tile distant part, 4 attend_merge): after a step, the last layer's latest starts

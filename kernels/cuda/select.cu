@@ -190,6 +190,9 @@ __device__ __forceinline__ void score_role(
     u32* __restrict__ done, u32* table, u32* __restrict__ tags, u32* __restrict__ stamps,
     const u64* __restrict__ pages, u32* slot_of, u64* miss_src, unsigned long long* __restrict__ stats,
     u32 stamp, u32* ready, u32 bx, u32 kvh, u32 i) {
+#if SEL_TRACE
+    const u32 sel_cta = (i * KV_HEADS + kvh) * SCORE_LISTS(max_blocks, 1) + bx;
+#endif
     SEL_STAMP(0);
     K_TRACE(2);
     const u32 nb = n_blocks_of(ntok[i]);
