@@ -1,9 +1,8 @@
 // Split-k gather-decode attention over the staged keep-set, then a log-sum-exp merge.
 //
-// attend_tile (and the tile role of layer_fused, select.cu): one thread block per (session,
-// kv head, selected tile). The tile's K and V
-// are fetched once into shared memory and serve all GROUP query heads of the kv head. Writes the
-// partial (m, l, acc) with acc unnormalised: acc = sum_t exp(s_t - m) v_t, l = sum_t exp(s_t - m).
+// attend_tile (and the tile roles of layer_fused, select.cu): one thread block per (session,
+// kv head, selected tile). The tile's K and V are fetched once into shared memory and serve all
+// GROUP query heads of the kv head. Writes the partial (m, l, acc) with acc unnormalised: acc = sum_t exp(s_t - m) v_t, l = sum_t exp(s_t - m).
 // attend_merge: one thread block per (session, query head) combines the partials.
 
 // ATT_THREADS arrives as a define (config.rs).

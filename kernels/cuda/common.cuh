@@ -59,7 +59,8 @@ __device__ __forceinline__ void unpack16(const uint4 v, float* out) {
 #endif
 }
 
-// gpu-scope release store and acquire load (select_attend's keep-set handoff, select.cu).
+// Ready flags of layer_fused's handoffs between roles (select.cu): gpu-scope release store and
+// acquire load of a u32 stamp.
 __device__ __forceinline__ void st_release(u32* p, u32 v) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -67,6 +68,21 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     u32 v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
+}
+
+// Waits (thread 0 spinning, then the whole thread block) until `flag` holds `stamp`.
+__device__ __forceinline__ void wait_ready(const u32* flag, u32 stamp) {
+    if (threadIdx.x == 0)
+        while (ld_acquire(flag) != stamp) __nanosleep(32);
+    __syncthreads();
+}
+
+// Publishes a thread block's global writes: every thread's are visible before `flag` holds
+// `stamp`.
+__device__ __forceinline__ void signal_ready(u32* flag, u32 stamp) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) st_release(flag, stamp);
 }
 
 __device__ __forceinline__ u32 n_blocks_of(u32 n_tokens) {

@@ -330,12 +330,7 @@ __device__ __forceinline__ void score_role(
     plan_tile_cache(i, kvh, row, SINK, TOPK, 0, 0, DISTANT_SLOT0, CACHE_SLOTS - DISTANT_SLOT0, sess, ntok, layer,
                     max_blocks, tags, stamps, pages, slot_of, miss_src, stats, stamp);
     SEL_STAMP(7);
-    if (ready != nullptr) {
-        // Every thread's row, slot and source writes are made visible before the release.
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) st_release(ready, stamp);
-    }
+    if (ready != nullptr) signal_ready(ready, stamp);
 #undef NSL
 #endif
 }
@@ -353,23 +348,9 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
 }
 
 #if TOPK_MERGE && ATT_THREADS == SCORE_THREADS
-// Waits (thread 0 spinning, then the whole thread block) until `flag` holds `stamp`.
-__device__ __forceinline__ void wait_ready(const u32* flag, u32 stamp) {
-    if (threadIdx.x == 0)
-        while (ld_acquire(flag) != stamp) __nanosleep(32);
-    __syncthreads();
-}
-
-// Publishes a role's global writes: every thread's writes are visible before the release.
-__device__ __forceinline__ void signal_ready(u32* flag, u32 stamp) {
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) st_release(flag, stamp);
-}
-
-// layer_fused (select_score's parameters, then the attention's): a whole layer but the merge in one launch (everything plan_fixed, attend_tile
-// and select_score do in split launches), so that no kernel boundary sits between the
-// selector and the distant gather: between two kernels the gather waited for the selector's
+// layer_fused (select_score's parameters, then the attention's): a whole layer but the merge
+// in one launch (everything plan_fixed, attend_tile and select_score do in split launches), so
+// that no kernel boundary sits between the selector and the distant gather: between two kernels the gather waited for the selector's
 // completion, which the fixed part's zero-copy reads in flight delayed by ~25 us per layer
 // (bench/gpu/NOTES.md v24), and the side stream's kernels competed with it for SM slots.
 // 1-D grid of roles, block SCORE_THREADS (= ATT_THREADS), dynamic shared memory ATT_DYN_SMEM,

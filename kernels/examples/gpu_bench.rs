@@ -189,7 +189,7 @@ struct Row {
     batch: u32,
     mode: &'static str,
     step_ms: f64,
-    /// The same mode with split select and distant-tile launches (run_both).
+    /// The same mode with split launches (main measures both).
     split_ms: f64,
     wall_ms: f64,
     bytes: f64,
@@ -310,35 +310,6 @@ enum Mode {
     Hot,
 }
 
-/// A mode measured twice in a row: with the backend's default launch mode (LaunchMode::Auto:
-/// one fused launch per layer while the layer's tiles mostly miss the block cache, split
-/// launches once they mostly hit; the row's step time) and with split launches throughout
-/// (select_score then attend_tile: the row's split step time and its per-kernel selector and
-/// attention times, which only split launches can time).
-#[allow(clippy::too_many_arguments)]
-fn run_both(
-    be: &mut CudaBackend,
-    args: &Args,
-    ctx: u32,
-    k: u32,
-    batch: u32,
-    mode: Mode,
-    rho: f64,
-    steps: usize,
-) -> Result<Row, Box<dyn std::error::Error>> {
-    be.set_launch_mode(LaunchMode::Auto);
-    let mut row = run_mode(be, args, ctx, k, batch, mode, rho, steps)?;
-    be.set_launch_mode(LaunchMode::Split);
-    let split = run_mode(be, args, ctx, k, batch, mode, rho, steps);
-    be.set_launch_mode(LaunchMode::Auto);
-    let split = split?;
-    row.split_ms = split.step_ms;
-    row.sel_us = split.sel_us;
-    row.att_us = split.att_us;
-    row.fetch_ms = split.fetch_ms;
-    Ok(row)
-}
-
 #[allow(clippy::too_many_arguments)]
 fn run_mode(
     be: &mut CudaBackend,
@@ -395,7 +366,7 @@ fn run_mode(
         if step >= args.warmup {
             step_ms.push(out.step_ms.unwrap_or(f32::NAN) as f64);
             wall_ms.push(wall);
-            // Per-kernel times exist only with split launches (see run_both).
+            // Per-kernel times exist only with split launches (see main).
             let timing = out.timing.as_ref().unwrap();
             for t in timing {
                 sel.extend(t.select_ms.map(|x| x as f64 * 1e3));
@@ -574,7 +545,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             );
             for &batch in &args.batches {
                 for mode in [Mode::Cold, Mode::Warm, Mode::Hot] {
-                    let row = run_both(&mut be, &args, ctx, k, batch, mode, args.rho, args.steps)?;
+                    // Measured twice in a row: in the default launch mode (Auto: a layer is
+                    // one launch while its tiles mostly miss the block cache; the row's step
+                    // time), then with split launches throughout (the split step time and the
+                    // per-kernel selector and attention times only split launches can time).
+                    let mut row =
+                        run_mode(&mut be, &args, ctx, k, batch, mode, args.rho, args.steps)?;
+                    be.set_launch_mode(LaunchMode::Split);
+                    let split = run_mode(&mut be, &args, ctx, k, batch, mode, args.rho, args.steps);
+                    be.set_launch_mode(LaunchMode::Auto);
+                    let split = split?;
+                    row.split_ms = split.step_ms;
+                    row.sel_us = split.sel_us;
+                    row.att_us = split.att_us;
+                    row.fetch_ms = split.fetch_ms;
                     println!(
                         "  ctx={} k={} batch={} {}: step {:.3} ms (split launches {:.3} ms), floor {:.3} ms, sel {:.1} us, fetch+att {:.1} us",
                         ctx, k, batch, row.mode, row.step_ms, row.split_ms, row.floor_ms(), row.sel_us, row.att_us

@@ -380,6 +380,17 @@ const POLICY: SelectPolicy = SelectPolicy {
     top_k: 8,
 };
 
+/// Qwen2.5-7B attention (28/4 heads, D=128, B=128, bf16), sink 1, local 4, top-k 32.
+fn qwen_config(max_blocks: u32, sessions: u32) -> CudaConfig {
+    let policy = SelectPolicy {
+        sink_blocks: 1,
+        local_blocks: 4,
+        top_k: 32,
+    };
+    let g = geom(28, 4, 128, 128, KvDtype::Bf16);
+    config(g, policy, max_blocks, sessions, SummaryDtype::F32)
+}
+
 #[test]
 fn smoke_device_and_one_layer() {
     if !gpu() {
@@ -405,18 +416,7 @@ fn qwen_geometry_batch_1_and_8() {
     if !gpu() {
         return;
     }
-    let policy = SelectPolicy {
-        sink_blocks: 1,
-        local_blocks: 4,
-        top_k: 32,
-    };
-    let cfg = config(
-        geom(28, 4, 128, 128, KvDtype::Bf16),
-        policy,
-        64,
-        8,
-        SummaryDtype::F32,
-    );
+    let cfg = qwen_config(64, 8);
     let mut h = Harness::new(cfg, 2);
     let lens = [
         64 * 128,
@@ -725,27 +725,17 @@ fn decode_step_matches_layers() {
     }
 }
 
-/// layer_fused (the selector and the distant tiles in one launch, the default for the Qwen
-/// geometry) against split launches (select_score, then attend_tile): the same keep-sets,
-/// cache decisions and bit-identical outputs, cold and warm, at batch 1 and 3, over several
-/// steps (the ticket count carries across launches), and exact against the CPU.
+/// layer_fused (a layer but its merge in one launch, available for the Qwen geometry) against
+/// split launches (plan_fixed and the fixed tiles beside select_score, then the distant tiles):
+/// the same keep-sets, cache decisions and bit-identical outputs, cold and warm, at batch 1 and
+/// 3 (with a short layer), over several steps (the ticket count carries across launches), and
+/// exact against the CPU.
 #[test]
-fn fused_layer_fused_matches_split_launches() {
+fn fused_launch_matches_split_launches() {
     if !gpu() {
         return;
     }
-    let policy = SelectPolicy {
-        sink_blocks: 1,
-        local_blocks: 4,
-        top_k: 32,
-    };
-    let cfg = config(
-        geom(28, 4, 128, 128, KvDtype::Bf16),
-        policy,
-        300,
-        3,
-        SummaryDtype::F32,
-    );
+    let cfg = qwen_config(300, 3);
     let mut h = Harness::new(cfg, 90);
 
     let slots: Vec<u32> = [300 * 128, 211 * 128 + 17, 20 * 128]

@@ -968,8 +968,11 @@ impl CudaBackend {
             )
         };
 
+        // Score roles: blocks per octet and thread blocks (candidate lists) per kv head.
+        let nbo = self.score_blocks_per_octet(max_nb, hkv * bu);
+        let lists = max_nb.div_ceil(nbo * (SCORE_THREADS / 8));
         // select_score's arguments, which layer_fused's begin with.
-        let score_args = |nbo: u32| {
+        let score_args = || {
             let mut a = vec![
                 P(q),
                 P(self.sums.ptr),
@@ -989,8 +992,6 @@ impl CudaBackend {
         self.record(l, 0)?;
         if let (true, Some(fused)) = (self.fused[l], &k.layer_fused) {
             // Everything but the merge in one launch on the main stream (select.cu).
-            let nbo = self.score_blocks_per_octet(max_nb, hkv * bu);
-            let lists = max_nb.div_ceil(nbo * (SCORE_THREADS / 8));
             // A short layer's fixed part is all its blocks, up to KSEL tiles.
             let nfixed = if min_nb <= ks {
                 ks
@@ -998,7 +999,7 @@ impl CudaBackend {
                 p.sink_blocks + p.local_blocks
             };
             let ctas = (1 + nfixed + lists + p.top_k) * hkv * bu;
-            let mut args = score_args(nbo);
+            let mut args = score_args();
             args.extend_from_slice(&[
                 P(counts),
                 P(self.cache.ptr),
@@ -1048,15 +1049,12 @@ impl CudaBackend {
         attend(side, 0, ks)?;
         rec(&self.join, side)?;
 
-        let nbo = self.score_blocks_per_octet(max_nb, hkv * bu);
-        let args = score_args(nbo);
-        let octets = SCORE_THREADS / 8;
         self.launch(
             main,
             &k.select_score,
             "select_score",
-            cfg((max_nb.div_ceil(nbo * octets), hkv, bu), SCORE_THREADS),
-            &args,
+            cfg((lists, hkv, bu), SCORE_THREADS),
+            &score_args(),
         )?;
         if !self.derived.topk_merge {
             let mut args = vec![P(self.scores.ptr), P(ntok), U(mb), P(table)];

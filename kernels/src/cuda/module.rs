@@ -25,7 +25,7 @@ pub const EXTRA_OPTIONS_ENV: &str = "KVTIER_NVRTC_DEFINES";
 
 /// Loaded kernel functions.
 pub(crate) struct Kernels {
-    /// Kept for its diagnostic globals (`sel_trace`).
+    /// Kept for its diagnostic globals (`sel_trace`, `k_trace`).
     pub module: Arc<CudaModule>,
     pub plan_fixed: CudaFunction,
     pub select_score: CudaFunction,
@@ -120,7 +120,7 @@ pub(crate) fn compile(
     };
     allow_tile_smem(&attend_tile)?;
     // The fused kernel also holds the selector's static shared memory: used only where the
-    // device allows the sum (otherwise the selector and the distant tiles launch apart).
+    // device allows the sum (otherwise layers run as split launches).
     let layer_fused = if derived.fused {
         let f = f("layer_fused")?;
         let stat = f
