@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use kvtier_kernels::cuda::{
     AnonMapping, CudaBackend, CudaConfig, CudaGeometry, KvDtype, LaunchMode, PinnedRegion,
-    SelectPolicy, StepItem, SummaryDtype,
+    SelectPolicy, StepItem, SummaryDtype, Timing,
 };
 
 const PCIE_GBPS: f64 = 55.3;
@@ -366,18 +366,19 @@ fn run_mode(
         if step >= args.warmup {
             step_ms.push(out.step_ms.unwrap_or(f32::NAN) as f64);
             wall_ms.push(wall);
-            // Per-kernel times exist only with split launches (see main).
-            let timing = out.timing.as_ref().unwrap();
-            for t in timing {
-                sel.extend(t.select_ms.map(|x| x as f64 * 1e3));
-                att.extend(t.fetch_attend_ms.map(|x| x as f64 * 1e3));
-            }
-            if let Some(f) = timing
-                .iter()
-                .map(|t| t.fetch_attend_ms.map(f64::from))
-                .sum::<Option<f64>>()
-            {
-                gat.push(f);
+            // Per-kernel times exist only with split launches and per-layer timing (see main).
+            if let Some(timing) = &out.timing {
+                for t in timing {
+                    sel.extend(t.select_ms.map(|x| x as f64 * 1e3));
+                    att.extend(t.fetch_attend_ms.map(|x| x as f64 * 1e3));
+                }
+                if let Some(f) = timing
+                    .iter()
+                    .map(|t| t.fetch_attend_ms.map(f64::from))
+                    .sum::<Option<f64>>()
+                {
+                    gat.push(f);
+                }
             }
             for s in &out.stats {
                 bytes += s.bytes_moved as f64;
@@ -502,7 +503,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             };
             let n_frames = (r.len() / frame) as u64;
             be.attach_host(r)?;
-            be.set_timing(true)?;
             // Sessions: summaries (4 synthetic variants), frames, token counts.
             let t1 = Instant::now();
             let per = cfg.geometry.summary_len_per_block();
@@ -546,12 +546,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             for &batch in &args.batches {
                 for mode in [Mode::Cold, Mode::Warm, Mode::Hot] {
                     // Measured twice in a row: in the default launch mode (Auto: a layer is
-                    // one launch while its tiles mostly miss the block cache; the row's step
-                    // time), then with split launches throughout (the split step time and the
-                    // per-kernel selector and attention times only split launches can time).
+                    // one launch while its tiles mostly miss the block cache) timing only the
+                    // step, as the decode path runs (the row's step time); then with split
+                    // launches throughout and every layer timed (the split step time and the
+                    // per-kernel selector and attention times only split launches can time;
+                    // the events between kernels make that step slower, NOTES.md v25).
+                    be.set_timing(Timing::Step)?;
                     let mut row =
                         run_mode(&mut be, &args, ctx, k, batch, mode, args.rho, args.steps)?;
                     be.set_launch_mode(LaunchMode::Split);
+                    be.set_timing(Timing::Layers)?;
                     let split = run_mode(&mut be, &args, ctx, k, batch, mode, args.rho, args.steps);
                     be.set_launch_mode(LaunchMode::Auto);
                     let split = split?;
@@ -566,8 +570,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     rows.push(row);
                 }
             }
-            // Overlap of consecutive keep-sets vs query correlation (batch 1, warm).
+            // Overlap of consecutive keep-sets vs query correlation (batch 1, warm; Auto, the
+            // step alone timed).
             if ctx == *args.contexts.last().unwrap() && k == *args.ks.last().unwrap() {
+                be.set_timing(Timing::Step)?;
                 for rho in [0.0, 0.5, 0.9, 0.99] {
                     let row = run_mode(&mut be, &args, ctx, k, 1, Mode::Warm, rho, args.steps)?;
                     overlap_rows.push((rho, row));
@@ -588,7 +594,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if args.sum_bf16 { "bf16 outward" } else { "exact (bf16: lossless for bf16 keys)" }
     );
     println!("step = 28 x (select + plan + fetch/attend), device time by CUDA events (median of {} steps); wall includes uploads, sync, readback", args.steps);
-    println!("step_ms: LaunchMode::Auto (a layer is one launch, layer_fused, while its tiles mostly miss the block cache); split_ms: the same mode run next with split launches (plan_fixed + fixed tiles beside select_score, then the distant tiles), whose per-kernel times give sel_us, f+att_us and fetchGB/s");
+    println!("step_ms: LaunchMode::Auto (a layer is one launch, layer_fused, while its tiles mostly miss the block cache), the step alone timed (Timing::Step, as the decode path runs); split_ms: the same mode run next with split launches (plan_fixed + fixed tiles beside select_score, then the distant tiles) and every layer timed (Timing::Layers: 3 events per layer, which slow the step), whose per-kernel times give sel_us, f+att_us and fetchGB/s");
     println!(
         "floor = bytes moved / {PCIE_GBPS} GB/s; warm = consecutive steps, AR(1) queries rho={}",
         args.rho

@@ -7,7 +7,7 @@ use half::{bf16, f16};
 use kvtier_kernels::cuda::{
     bf16_outward, device_available, AnonMapping, CudaBackend, CudaConfig, CudaError, CudaGeometry,
     DecodeItem, KvDtype, LaunchMode, LayerStats, PinnedRegion, SelectPolicy, StepItem,
-    SummaryDtype,
+    SummaryDtype, Timing,
 };
 use kvtier_kernels::select::{block_score, partition};
 use kvtier_storage::Policy;
@@ -704,7 +704,7 @@ fn decode_step_matches_layers() {
         .iter()
         .map(|_| [h.query(), h.query()].concat())
         .collect();
-    h.be.set_timing(true).unwrap();
+    h.be.set_timing(Timing::Layers).unwrap();
     let items: Vec<StepItem> = slots
         .iter()
         .zip(&qs)
@@ -723,6 +723,15 @@ fn decode_step_matches_layers() {
             assert!(e < 2e-3, "slot {slot} layer {l}: {e}");
         }
     }
+    // Step timing: the step's time only, the same outputs; then none.
+    h.be.set_timing(Timing::Step).unwrap();
+    let coarse = h.be.decode_step(&items).unwrap();
+    assert!(coarse.step_ms.unwrap() > 0.0 && coarse.timing.is_none());
+    assert_eq!(coarse.out, step.out);
+    h.be.set_timing(Timing::Off).unwrap();
+    let untimed = h.be.decode_step(&items).unwrap();
+    assert!(untimed.step_ms.is_none() && untimed.timing.is_none());
+    assert_eq!(untimed.out, step.out);
 }
 
 /// layer_fused (a layer but its merge in one launch, available for the Qwen geometry) against
@@ -743,7 +752,7 @@ fn fused_launch_matches_split_launches() {
         .map(|&n| h.add_session(n, KeyGen { templates: 0 }))
         .collect();
     let hqd = 28 * 128;
-    h.be.set_timing(true).unwrap();
+    h.be.set_timing(Timing::Layers).unwrap();
     for batch in [1, 3] {
         let qs: Vec<Vec<f32>> = slots[..batch]
             .iter()

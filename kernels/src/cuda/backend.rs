@@ -105,6 +105,21 @@ pub struct LayerTiming {
     pub layer_ms: f32,
 }
 
+/// What [`CudaBackend`] times with CUDA events ([`CudaBackend::set_timing`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Timing {
+    /// Nothing (the decode path's setting).
+    #[default]
+    Off,
+    /// The step only ([`StepOutput::step_ms`]): one event before the first launch and one
+    /// after the last, so the step runs as it does untimed.
+    Step,
+    /// The step and each layer ([`LayerTiming`]): three events per layer on the main stream.
+    /// Each event between two kernels delays the second (by ~1-2 us on an H200,
+    /// bench/gpu/NOTES.md v25), so a step timed this way is slower than it runs untimed.
+    Layers,
+}
+
 /// How a layer's kernels are launched.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum LaunchMode {
@@ -132,6 +147,7 @@ pub struct LayerOutput {
     /// [batch x Hq x D] f32.
     pub out: Vec<f32>,
     pub stats: LayerStats,
+    /// With [`Timing::Layers`].
     pub timing: Option<LayerTiming>,
 }
 
@@ -142,9 +158,10 @@ pub struct StepOutput {
     pub out: Vec<f32>,
     /// Per layer.
     pub stats: Vec<LayerStats>,
-    /// Per layer, when timing is enabled.
+    /// Per layer, with [`Timing::Layers`].
     pub timing: Option<Vec<LayerTiming>>,
-    /// Device time of the whole step (first launch to last), when timing is enabled.
+    /// Device time of the whole step (first launch to last), with [`Timing::Step`] or
+    /// [`Timing::Layers`].
     pub step_ms: Option<f32>,
 }
 
@@ -157,8 +174,11 @@ struct Session {
 }
 
 struct Timers {
-    // Per layer: before select, after select + plan, after fetch + attend.
-    marks: Vec<[CudaEvent; 3]>,
+    /// Before the first launch of a call and after its last.
+    step: [CudaEvent; 2],
+    /// Per layer, with [`Timing::Layers`]: before select, after select + plan, after fetch +
+    /// attend.
+    marks: Option<Vec<[CudaEvent; 3]>>,
 }
 
 /// CUDA backend for one model geometry: owns the device state of up to `max_sessions`
@@ -418,9 +438,9 @@ impl CudaBackend {
         self.host.as_mut().and_then(Arc::get_mut)
     }
 
-    /// Enables per-layer CUDA-event timing in outputs.
-    pub fn set_timing(&mut self, on: bool) -> Result<()> {
-        if !on {
+    /// Chooses what outputs report of device time ([`Timing`]).
+    pub fn set_timing(&mut self, timing: Timing) -> Result<()> {
+        if timing == Timing::Off {
             self.timers = None;
             return Ok(());
         }
@@ -429,11 +449,19 @@ impl CudaBackend {
                 .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
                 .map_err(CudaError::driver("cuEventCreate"))
         };
-        let mut marks = Vec::with_capacity(self.cfg.geometry.layers as usize);
-        for _ in 0..self.cfg.geometry.layers {
-            marks.push([mk()?, mk()?, mk()?]);
-        }
-        self.timers = Some(Timers { marks });
+        let marks = if timing == Timing::Layers {
+            let mut marks = Vec::with_capacity(self.cfg.geometry.layers as usize);
+            for _ in 0..self.cfg.geometry.layers {
+                marks.push([mk()?, mk()?, mk()?]);
+            }
+            Some(marks)
+        } else {
+            None
+        };
+        self.timers = Some(Timers {
+            step: [mk()?, mk()?],
+            marks,
+        });
         Ok(())
     }
 
@@ -757,7 +785,9 @@ impl CudaBackend {
         let q: Vec<f32> = items.iter().flat_map(|it| it.q.iter().copied()).collect();
         self.prepare(&slots, &[(l, &ntok, &q)])?;
         let nb = self.blocks_of(&ntok);
+        self.record_step(0)?;
         self.run_layer(l, 0, items.len(), nb)?;
+        self.record_step(1)?;
         self.finish(&[l], items.len()).map(|mut s| LayerOutput {
             out: std::mem::take(&mut s.out),
             stats: s.stats[0],
@@ -787,10 +817,12 @@ impl CudaBackend {
             .map(|(l, n, q)| (*l, n.as_slice(), q.as_slice()))
             .collect();
         self.prepare(&slots, &refs)?;
+        self.record_step(0)?;
         for (li, (l, ntok, _)) in per_layer.iter().enumerate() {
             let nb = self.blocks_of(ntok);
             self.run_layer(*l, li, items.len(), nb)?;
         }
+        self.record_step(1)?;
         let all: Vec<usize> = (0..layers).collect();
         self.finish(&all, items.len())
     }
@@ -857,9 +889,20 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Records layer `l`'s mark `i` (with [`Timing::Layers`]).
     fn record(&self, l: usize, i: usize) -> Result<()> {
+        if let Some(m) = self.timers.as_ref().and_then(|t| t.marks.as_ref()) {
+            m[l][i]
+                .record(&self.stream)
+                .map_err(CudaError::driver("cuEventRecord"))?;
+        }
+        Ok(())
+    }
+
+    /// Records the call's start (`i` = 0) or end (1) when timing.
+    fn record_step(&self, i: usize) -> Result<()> {
         if let Some(t) = &self.timers {
-            t.marks[l][i]
+            t.step[i]
                 .record(&self.stream)
                 .map_err(CudaError::driver("cuEventRecord"))?;
         }
@@ -1162,27 +1205,31 @@ impl CudaBackend {
         for (&l, st) in layers.iter().zip(&stats) {
             self.hit_share[l] = st.hits as f32 / st.tiles.max(1) as f32;
         }
+        let ms = |a: &CudaEvent, z: &CudaEvent| {
+            a.elapsed_ms(z)
+                .map_err(CudaError::driver("cuEventElapsedTime"))
+        };
         let (timing, step_ms) = match &self.timers {
             None => (None, None),
             Some(t) => {
-                let ms = |a: &CudaEvent, z: &CudaEvent| {
-                    a.elapsed_ms(z)
-                        .map_err(CudaError::driver("cuEventElapsedTime"))
+                let timing = match &t.marks {
+                    None => None,
+                    Some(marks) => {
+                        let mut v = Vec::with_capacity(nl);
+                        for &l in layers {
+                            let m = &marks[l];
+                            let (sel, rest) = (ms(&m[0], &m[1])?, ms(&m[1], &m[2])?);
+                            let split = !self.fused[l];
+                            v.push(LayerTiming {
+                                select_ms: split.then_some(sel),
+                                fetch_attend_ms: split.then_some(rest),
+                                layer_ms: ms(&m[0], &m[2])?,
+                            });
+                        }
+                        Some(v)
+                    }
                 };
-                let mut v = Vec::with_capacity(nl);
-                for &l in layers {
-                    let m = &t.marks[l];
-                    let (sel, rest) = (ms(&m[0], &m[1])?, ms(&m[1], &m[2])?);
-                    let split = !self.fused[l];
-                    v.push(LayerTiming {
-                        select_ms: split.then_some(sel),
-                        fetch_attend_ms: split.then_some(rest),
-                        layer_ms: ms(&m[0], &m[2])?,
-                    });
-                }
-                let first = &t.marks[layers[0]][0];
-                let last = &t.marks[layers[nl - 1]][2];
-                (Some(v), Some(ms(first, last)?))
+                (timing, Some(ms(&t.step[0], &t.step[1])?))
             }
         };
         Ok(StepOutput {

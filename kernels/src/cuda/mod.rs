@@ -41,7 +41,7 @@ pub mod pinned;
 
 pub use backend::{
     device_available, device_context, CudaBackend, DecodeItem, LaunchMode, LayerOutput, LayerStats,
-    LayerTiming, StepItem, StepOutput, FUSE_BELOW_HIT_SHARE,
+    LayerTiming, StepItem, StepOutput, Timing, FUSE_BELOW_HIT_SHARE,
 };
 pub use config::{bf16_outward, CudaConfig, CudaGeometry, KvDtype, SelectPolicy, SummaryDtype};
 pub use cudarc::driver::CudaContext;
