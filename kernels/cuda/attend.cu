@@ -49,16 +49,18 @@ __device__ __forceinline__ void stage_rows(uint4* dst, const uint4* src, u32 row
 // Fetch and attend of one tile by the whole thread block (ATT_THREADS threads): the tile at
 // table position j of (batch item i, kv head kvh), block b, in cache slot `slot_idx` of its
 // (session, layer, kv head), fetched from mapped host memory at `src` when that is not 0 (a
-// miss) or else read from the slot (a hit). The tile is staged in shared memory, written back
+// miss) or else read from the slot (a hit). `nt` and `sslot` are the batch item's token count
+// and session slot (ntok[i], sess[i]): callers load them beside the table entry, so the tile's
+// load waits on one round trip to memory rather than a chain of them. The tile is staged in shared memory, written back
 // to its cache slot if it is a miss of a full block, and attended from shared memory; the
 // partial goes to part_acc/part_ml at position j. Misses of different tiles and the attention
 // of hits overlap across thread blocks.
 // q: [batch][HQ][HEAD_DIM] f32. part_acc: [batch][KV_HEADS][KSEL][GROUP][HEAD_DIM].
 // part_ml: [batch][KV_HEADS][KSEL][GROUP][2].
 __device__ __forceinline__ void attend_one(
-    const float* __restrict__ q, const u32* __restrict__ sess, const u32* __restrict__ ntok, u32 layer,
-    uint4* __restrict__ cache, float scale, float* __restrict__ part_acc, float* __restrict__ part_ml, u32 i,
-    u32 kvh, u32 j, u32 b, u32 slot_idx, u64 src) {
+    const float* __restrict__ q, u32 nt, u32 sslot, u32 layer, uint4* __restrict__ cache, float scale,
+    float* __restrict__ part_acc, float* __restrict__ part_ml, u32 i, u32 kvh, u32 j, u32 b, u32 slot_idx,
+    u64 src) {
     const u32 ih = i * KV_HEADS + kvh;
     const u32 tid = threadIdx.x;
     const u32 lane = tid & 31u;
@@ -76,9 +78,8 @@ __device__ __forceinline__ void attend_one(
     float* s_red = (float*)(s_tile + 2 * BLOCK_TOKENS * CPR);
 #endif
 
-    const u32 nt = ntok[i];
     const u32 nvalid = min((u32)BLOCK_TOKENS, nt - b * BLOCK_TOKENS);
-    const u64 slot = (((u64)sess[i] * NUM_LAYERS + layer) * KV_HEADS + kvh) * CACHE_SLOTS + slot_idx;
+    const u64 slot = (((u64)sslot * NUM_LAYERS + layer) * KV_HEADS + kvh) * CACHE_SLOTS + slot_idx;
     uint4* cslot = cache + slot * (TILE_BYTES / 16);
     const uint4* from = src ? (const uint4*)src : cslot;
     // Only full blocks are cached (gather_plan tags them); partial tails are refetched.
@@ -258,27 +259,35 @@ __device__ __forceinline__ void attend_one(
 // selector is not fused with it (layer_fused, select.cu).
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
     const float* __restrict__ q, const u32* __restrict__ sess, const u32* __restrict__ ntok, u32 layer,
-    const u32* __restrict__ table, const u32* __restrict__ counts, const u32* __restrict__ slot_of,
-    const u64* __restrict__ miss_src, uint4* __restrict__ cache, float scale, float* __restrict__ part_acc,
-    float* __restrict__ part_ml, u32 part) {
+    const u32* __restrict__ table, const u32* __restrict__ slot_of, const u64* __restrict__ miss_src,
+    uint4* __restrict__ cache, float scale, float* __restrict__ part_acc, float* __restrict__ part_ml, u32 part) {
     K_TRACE(1 + 2 * part);
     const u32 kvh = blockIdx.y;
     const u32 i = blockIdx.z;
-    const u32 ih = i * KV_HEADS + kvh;
-    // Table position of this thread block's tile (layout in gather.cu).
-    u32 j;
-    if (SHORT_LAYER(n_blocks_of(ntok[i]))) {
-        j = blockIdx.x;
-        if (part != 0 || j >= counts[ih]) return;
-    } else if (part == 0) {
-        if (blockIdx.x >= SINK + LOCAL) return;
-        j = blockIdx.x < SINK ? blockIdx.x : blockIdx.x + TOPK;
+    const u32 x = blockIdx.x;
+    // Table position of this thread block's tile (layout in gather.cu) in a long layer (jl,
+    // when x is in range) and in a short one (x: the fixed part is all nb blocks). Which
+    // applies is known once ntok[i] arrives, but both entries are requested beside it (in
+    // bounds either way: grid.x <= KSEL): waiting for the count first, then the entry, then
+    // the session slot put three memory round trips before every tile's load.
+    const bool in_long = part == 0 ? x < SINK + LOCAL : x < TOPK;  // grid.x is at least 1
+    const u32 jl = in_long ? (part == 0 ? (x < SINK ? x : x + TOPK) : SINK + x) : 0;
+    const u64 el = (u64)(i * KV_HEADS + kvh) * KSEL + jl;
+    const u64 es = (u64)(i * KV_HEADS + kvh) * KSEL + x;
+    const u32 nt = ntok[i];
+    const u32 sslot = sess[i];
+    const u32 bl = table[el], bs = table[es];
+    const u32 cl = slot_of[el], cs = slot_of[es];
+    const u64 ml = miss_src[el], ms = miss_src[es];
+    const u32 nb = n_blocks_of(nt);
+    if (SHORT_LAYER(nb)) {
+        // plan_fixed's count for a short layer is nb.
+        if (part != 0 || x >= nb) return;
+        attend_one(q, nt, sslot, layer, cache, scale, part_acc, part_ml, i, kvh, x, bs, cs, ms);
     } else {
-        if (blockIdx.x >= TOPK) return;  // grid.x is at least 1
-        j = SINK + blockIdx.x;
+        if (!in_long) return;
+        attend_one(q, nt, sslot, layer, cache, scale, part_acc, part_ml, i, kvh, jl, bl, cl, ml);
     }
-    const u64 e = (u64)ih * KSEL + j;
-    attend_one(q, sess, ntok, layer, cache, scale, part_acc, part_ml, i, kvh, j, table[e], slot_of[e], miss_src[e]);
 }
 
 // grid (HQ, batch), block HEAD_DIM threads. out: [batch][HQ][HEAD_DIM] f32.

@@ -385,11 +385,12 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) layer_fused(
         return;
     }
     t -= heads;
-    u32 x, h, j, part;
+    u32 x, h, j, part, nt;
     if (t < nfixed * heads) {
         x = t % nfixed;
         h = t / nfixed;
-        const u32 nb = n_blocks_of(ntok[h / KV_HEADS]);
+        nt = ntok[h / KV_HEADS];
+        const u32 nb = n_blocks_of(nt);
         if (SHORT_LAYER(nb)) {
             if (x >= nb) return;
             j = x;
@@ -410,14 +411,18 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) layer_fused(
         x = t % TOPK;
         h = t / TOPK;
         // A short layer has no distant part (its fixed part is every block).
-        if (h >= heads || SHORT_LAYER(n_blocks_of(ntok[h / KV_HEADS]))) return;
+        if (h >= heads) return;
+        nt = ntok[h / KV_HEADS];
+        if (SHORT_LAYER(n_blocks_of(nt))) return;
         j = SINK + x;
         part = 1;
     }
     K_TRACE(1 + 2 * part);
+    // The session slot is an input of the launch: loaded before the wait, not after it.
+    const u32 sslot = sess[h / KV_HEADS];
     wait_ready(ready + 2 * h + part, stamp);
     const u64 e = (u64)h * KSEL + j;
-    attend_one(q, sess, ntok, layer, cache, scale, part_acc, part_ml, h / KV_HEADS, h % KV_HEADS, j, __ldcg(table + e),
+    attend_one(q, nt, sslot, layer, cache, scale, part_acc, part_ml, h / KV_HEADS, h % KV_HEADS, j, __ldcg(table + e),
                __ldcg(slot_of + e), __ldcg(miss_src + e));
 }
 #endif

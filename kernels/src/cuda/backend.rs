@@ -999,7 +999,6 @@ impl CudaBackend {
                     P(ntok),
                     U(layer),
                     P(table),
-                    P(counts),
                     P(self.slot_of.ptr),
                     P(self.miss_src.ptr),
                     P(self.cache.ptr),
