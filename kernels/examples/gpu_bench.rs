@@ -13,9 +13,12 @@
 //!
 //! Usage: gpu_bench [--host-gb 60] [--steps 20] [--warmup 3] [--rho 0.9] [--contexts 131072,1048576]
 //!                  [--ks 8,32] [--batches 1,8] [--json PATH] [--summaries-bf16] [--trace]
+//!                  [--split-step]
 //!
 //! `--trace` with `KVTIER_NVRTC_DEFINES=-DSEL_TRACE=1` prints the phase breakdown of the last
 //! layer's select_score in every measured step (diagnostics; bench/gpu/NOTES.md v24).
+//! `--split-step` times the split pass by step only, like the Auto pass (a like-for-like
+//! split_ms; no per-kernel columns).
 
 use std::time::Instant;
 
@@ -43,6 +46,8 @@ struct Args {
     sum_bf16: bool,
     /// Print select_score's phase breakdown (needs KVTIER_NVRTC_DEFINES=-DSEL_TRACE=1).
     trace: bool,
+    /// Time the split pass by step only.
+    split_step: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -57,6 +62,7 @@ fn parse() -> Result<Args, String> {
         json: None,
         sum_bf16: false,
         trace: false,
+        split_step: false,
     };
     let mut it = std::env::args().skip(1);
     let list = |s: String| -> Result<Vec<u32>, String> {
@@ -77,6 +83,7 @@ fn parse() -> Result<Args, String> {
             "--json" => a.json = Some(v()?),
             "--summaries-bf16" => a.sum_bf16 = true,
             "--trace" => a.trace = true,
+            "--split-step" => a.split_step = true,
             _ => return Err(format!("unknown argument {k}")),
         }
     }
@@ -555,7 +562,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     let mut row =
                         run_mode(&mut be, &args, ctx, k, batch, mode, args.rho, args.steps)?;
                     be.set_launch_mode(LaunchMode::Split);
-                    be.set_timing(Timing::Layers)?;
+                    be.set_timing(if args.split_step {
+                        Timing::Step
+                    } else {
+                        Timing::Layers
+                    })?;
                     let split = run_mode(&mut be, &args, ctx, k, batch, mode, args.rho, args.steps);
                     be.set_launch_mode(LaunchMode::Auto);
                     let split = split?;
