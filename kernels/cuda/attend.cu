@@ -266,27 +266,22 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
     const u32 i = blockIdx.z;
     const u32 x = blockIdx.x;
     // Table position of this thread block's tile (layout in gather.cu) in a long layer (jl,
-    // when x is in range) and, for the fixed part, in a short one (x: the fixed part is all nb
-    // blocks). Which applies is known once ntok[i] arrives, but both entries are requested
-    // beside it (in bounds either way: grid.x <= KSEL): waiting for the count first, then the
-    // entry, then the session slot put three memory round trips before every tile's load. The
-    // distant part reads only its own positions: the fixed part's are being written on the
-    // other stream meanwhile.
+    // when x is in range) and in a short one (x: the fixed part is all nb blocks). Which
+    // applies is known once ntok[i] arrives, but both entries are requested beside it (in
+    // bounds either way: grid.x <= KSEL): waiting for the count first, then the entry, then
+    // the session slot put three memory round trips before every tile's load. The entry that
+    // does not apply is discarded unread; it may be one the other stream's kernel is writing
+    // (the selector's distant positions, or a short layer's plan), which is harmless for a
+    // value never used.
     const bool in_long = part == 0 ? x < SINK + LOCAL : x < TOPK;  // grid.x is at least 1
     const u32 jl = in_long ? (part == 0 ? (x < SINK ? x : x + TOPK) : SINK + x) : 0;
     const u64 el = (u64)(i * KV_HEADS + kvh) * KSEL + jl;
     const u64 es = (u64)(i * KV_HEADS + kvh) * KSEL + x;
     const u32 nt = ntok[i];
     const u32 sslot = sess[i];
-    const u32 bl = table[el], cl = slot_of[el];
-    const u64 ml = miss_src[el];
-    u32 bs = 0, cs = 0;
-    u64 ms = 0;
-    if (part == 0) {
-        bs = table[es];
-        cs = slot_of[es];
-        ms = miss_src[es];
-    }
+    const u32 bl = table[el], bs = table[es];
+    const u32 cl = slot_of[el], cs = slot_of[es];
+    const u64 ml = miss_src[el], ms = miss_src[es];
     const u32 nb = n_blocks_of(nt);
     if (SHORT_LAYER(nb)) {
         // plan_fixed's count for a short layer is nb.

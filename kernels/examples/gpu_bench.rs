@@ -605,7 +605,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if args.sum_bf16 { "bf16 outward" } else { "exact (bf16: lossless for bf16 keys)" }
     );
     println!("step = 28 x (select + plan + fetch/attend), device time by CUDA events (median of {} steps); wall includes uploads, sync, readback", args.steps);
-    println!("step_ms: LaunchMode::Auto (a layer is one launch, layer_fused, while its tiles mostly miss the block cache), the step alone timed (Timing::Step, as the decode path runs); split_ms: the same mode run next with split launches (plan_fixed + fixed tiles beside select_score, then the distant tiles) and every layer timed (Timing::Layers: 3 events per layer, which slow the step), whose per-kernel times give sel_us, f+att_us and fetchGB/s");
+    println!("step_ms: LaunchMode::Auto (a layer is one launch, layer_fused, while its tiles mostly miss the block cache), the step alone timed (Timing::Step, as the decode path runs); split_ms: the same mode run next with split launches (plan_fixed + fixed tiles beside select_score, then the distant tiles), {}",
+        if args.split_step {
+            "also timed by step only (--split-step: no per-kernel columns)"
+        } else {
+            "every layer timed (Timing::Layers: 3 events per layer, which slow the step), whose per-kernel times give sel_us, f+att_us and fetchGB/s"
+        });
     println!(
         "floor = bytes moved / {PCIE_GBPS} GB/s; warm = consecutive steps, AR(1) queries rho={}",
         args.rho

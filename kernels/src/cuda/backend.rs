@@ -913,9 +913,8 @@ impl CudaBackend {
     /// known before any scoring; planned, fetched and attended) on the side stream and the
     /// selector (scoring, top-k and the distant plan: one launch for top_k <= 32) on the main
     /// one; then the distant tiles and, once both are done, the merge.
-    /// `max_nb`: most blocks of any batch session. `l`: model layer; `li`: its index within
-    /// this call (offset into the dense q/out).
-    /// `nb`: fewest and most blocks of any batch session at layer `l`.
+    /// `l`: model layer; `li`: its index within this call (offset into the dense q/out); `nb`:
+    /// fewest and most blocks of any batch session at layer `l`.
     fn run_layer(&mut self, l: usize, li: usize, b: usize, nb: (u32, u32)) -> Result<()> {
         // Never 0: layer_fused's ready flags start at 0 and must not match a fresh layer.
         self.stamp = self.stamp.wrapping_add(1).max(1);
