@@ -29,6 +29,10 @@
 // distant part and plans in the whole cache.
 #define DISTANT_SLOT0 (SINK + LOCAL)
 
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 #define SHORT_LAYER(nb) ((nb) <= (u32)KSEL)
 
 // Plans the keep-set entries at table positions [pos0, pos0 + n0) then [pos1, pos1 + n1) of
@@ -52,7 +56,6 @@ __device__ __forceinline__ void plan_tile_cache(
     __shared__ u32 s_ids[KSEL];
     __shared__ int s_hit[KSEL];
     __shared__ u64 s_src[KSEL];
-    __shared__ unsigned char s_used[CACHE_SLOTS];
     __shared__ u64 s_key[CACHE_SLOTS];
     __shared__ u32 s_victim[CACHE_SLOTS];
     __shared__ u32 s_wmiss[32];
@@ -83,17 +86,26 @@ __device__ __forceinline__ void plan_tile_cache(
                 used = true;
             }
         }
-        s_used[c] = used;
-        // Victim order: empty slots first, then least recently used; slot index breaks ties.
-        s_key[c] = ((t == 0 ? 0ull : (u64)last + 1ull) << 32) | c;
+        // Victim order: empty slots first, then least recently used (stamp), slot index
+        // breaking ties (unique keys); a slot in use gets the largest key, below no other.
+        s_key[c] = used ? ~0ull : ((u64)(t != 0) << 62) | ((u64)last << 24) | c;
     }
     __syncthreads();
-    for (u32 c = tid; c < ns; c += blockDim.x) {
-        if (s_used[c]) continue;
-        const u64 k = s_key[c];
-        u32 rank = 0;
-        for (u32 x = 0; x < ns; ++x) rank += (!s_used[x] && s_key[x] < k);
-        s_victim[rank] = c;
+    // A free slot's victim rank is the number of free slots with smaller keys: one warp per
+    // slot counts them 32 at a time with ballots. (A thread per slot walking all ns keys was
+    // ~1 us of the distant plan, bench/gpu/NOTES.md v26.)
+    {
+        const u32 lane = tid & 31u;
+        for (u32 c = tid >> 5; c < ns; c += blockDim.x >> 5) {
+            const u64 k = s_key[c];
+            if (k == ~0ull) continue;  // uniform across the warp
+            u32 rank = 0;
+            for (u32 x0 = 0; x0 < ns; x0 += 32) {
+                const u32 x = x0 + lane;
+                rank += __popc(__ballot_sync(FULL_MASK, x < ns && s_key[x] < k));
+            }
+            if (lane == 0) s_victim[rank] = c;
+        }
     }
     // The r-th miss (in keep-set order) takes the r-th victim.
     auto assign = [&](u32 j, u32 r) {

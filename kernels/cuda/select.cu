@@ -202,6 +202,23 @@ __device__ __forceinline__ void score_role(
     const u32 tid = threadIdx.x;
     const u32 j = tid & 7u;    // the CPU lane this thread sums
     const u32 oct = tid >> 3;  // its octet
+#if TOPK_MERGE
+    // The kv head's last thread block plans the winners: the host address of each (a page
+    // table entry, a dependent load once the winners are known) and the distant slots' tags
+    // and stamps. Each thread block pulls the entries of its own blocks and those slot lines
+    // into L2 while it scores, so that the plan's loads hit L2 (bench/gpu/NOTES.md v26).
+    {
+        const u64 srow = (u64)sess[i] * NUM_LAYERS + layer;
+        const u32 nent = min(nbo * SCORE_OCTETS, nb - b0);
+        if (tid * 16 < nent) prefetch_l2(pages + srow * max_blocks + b0 + tid * 16);
+        const u64 cb = (srow * KV_HEADS + kvh) * CACHE_SLOTS + DISTANT_SLOT0;
+        const u32 x = tid - 32;
+        if (tid >= 32 && x * 32 < CACHE_SLOTS - DISTANT_SLOT0) {
+            prefetch_l2(tags + cb + x * 32);
+            prefetch_l2(stamps + cb + x * 32);
+        }
+    }
+#endif
     const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
     // q in lane-major order, so that the octets of a warp read one broadcast word per
     // (head, dim): q held in registers (G x D/8 per thread) took 176 registers, one thread
