@@ -212,10 +212,10 @@ __device__ __forceinline__ void score_role(
         const u32 nent = min(nbo * SCORE_OCTETS, nb - b0);
         if (tid * 16 < nent) prefetch_l2(pages + srow * max_blocks + b0 + tid * 16);
         const u64 cb = (srow * KV_HEADS + kvh) * CACHE_SLOTS + DISTANT_SLOT0;
-        const u32 x = tid - 32;
-        if (tid >= 32 && x * 32 < CACHE_SLOTS - DISTANT_SLOT0) {
-            prefetch_l2(tags + cb + x * 32);
-            prefetch_l2(stamps + cb + x * 32);
+        // Threads 32, 33, ... take one 128-byte line (32 slots) of each array.
+        if (tid >= 32 && (tid - 32) * 32 < CACHE_SLOTS - DISTANT_SLOT0) {
+            prefetch_l2(tags + cb + (tid - 32) * 32);
+            prefetch_l2(stamps + cb + (tid - 32) * 32);
         }
     }
 #endif
