@@ -61,8 +61,8 @@ use rayon::prelude::*;
 
 use kvtier_kernels::attention::attend_keep_sets;
 use kvtier_kernels::cuda::{
-    device_context, CudaBackend, CudaConfig, CudaError, CudaGeometry, DecodeItem, KvDtype,
-    PinnedRegion, SelectPolicy, SummaryDtype,
+    device_context, AttentionMath, CudaBackend, CudaConfig, CudaError, CudaGeometry, DecodeItem,
+    KvDtype, PinnedRegion, SelectPolicy, SummaryDtype,
 };
 use kvtier_kernels::select::{check_query, select, select_head, KeepSet, SelectScratch};
 use kvtier_kernels::KernelError;
@@ -446,6 +446,7 @@ impl GpuDecoder {
             // f32: selection bit-identical to the CPU selector (bf16 summaries would select
             // differently from the CPU path, and are slower on the GPU today: bench/gpu/NOTES).
             summary_dtype: SummaryDtype::F32,
+            attention: AttentionMath::TensorCores,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -29,6 +29,19 @@
 #define V_EARLY_LOADS ((BLOCK_TOKENS * CPR + ATT_THREADS - 1) / ATT_THREADS)
 #define V_EARLY (V_EARLY_LOADS <= STAGE_UNROLL)
 
+// Tensor-core tiles (config.rs sets ATT_MMA for bf16, GROUP <= 8, HEAD_DIM and BLOCK_TOKENS
+// multiples of 16, V_EARLY); compute capability < 8.0 has no bf16 MMA and takes the fp32 path.
+#if ATT_MMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#undef ATT_MMA
+#define ATT_MMA 0
+#endif
+#if ATT_MMA && (ELEM_KIND != 0 || GROUP > 8 || HEAD_DIM % 16 != 0 || BLOCK_TOKENS % 16 != 0 || !V_EARLY)
+#error "ATT_MMA needs bf16, GROUP <= 8, HEAD_DIM and BLOCK_TOKENS multiples of 16 and V_EARLY"
+#endif
+// Score rows: padded by 8 floats on the MMA path so that the value phase's fragment loads (8
+// rows, 8 consecutive floats each) fall in distinct banks.
+#define SP_STRIDE (ATT_MMA ? BLOCK_TOKENS + 8 : BLOCK_TOKENS)
+
 // Copies rows [0, rows) of a [BLOCK_TOKENS][CPR] uint4 matrix into shared memory with plain
 // 16-byte loads, STAGE_UNROLL per thread in flight per round, a warp covering 512 contiguous
 // bytes per load. (cp.async from mapped host memory was measured slower on an H200: 35 vs
@@ -46,17 +59,246 @@ __device__ __forceinline__ void stage_rows(uint4* dst, const uint4* src, u32 row
     }
 }
 
+// Where one tile comes from and whether it goes back to its cache slot: the tile of block b in
+// cache slot `slot_idx` of (session slot sslot, layer, kv head kvh), fetched from mapped host
+// memory at `src` when that is not 0 (a miss) or else read from the slot (a hit).
+struct TileRef {
+    u32 nvalid;          // tokens of the block present (the tail block may be partial)
+    uint4* cslot;        // its cache slot
+    const uint4* from;   // where the tile is read
+    bool fill;           // a miss of a full block: written back to the slot
+    __device__ __forceinline__ TileRef(u32 nt, u32 sslot, u32 layer, uint4* cache, u32 kvh, u32 b, u32 slot_idx,
+                                       u64 src) {
+        nvalid = min((u32)BLOCK_TOKENS, nt - b * BLOCK_TOKENS);
+        const u64 slot = (((u64)sslot * NUM_LAYERS + layer) * KV_HEADS + kvh) * CACHE_SLOTS + slot_idx;
+        cslot = cache + slot * (TILE_BYTES / 16);
+        from = src ? (const uint4*)src : cslot;
+        // Only full blocks are cached (gather_plan tags them); partial tails are refetched.
+        fill = src && nvalid == BLOCK_TOKENS;
+    }
+};
+
+#if V_EARLY
+// Both halves' loads go out together (one 16-byte load per thread per chunk), K first (the
+// empty asm keeps the two groups in order, so K lands first); V stays in registers while the
+// scores and the softmax run on K. Measured (bench/gpu/NOTES.md v19): hot fetch+attend at 128K
+// 24.5 -> 18.8 us; a cold tile's transfer is unchanged (the gather is bound by the PCIe reads).
+// Chunks of rows >= nvalid are zero.
+__device__ __forceinline__ void load_tile_regs(const TileRef& t, uint4* kr, uint4* vr) {
+#pragma unroll
+    for (int u = 0; u < V_EARLY_LOADS; ++u) {
+        const u32 x = threadIdx.x + u * ATT_THREADS;
+        kr[u] = x < t.nvalid * CPR ? t.from[x] : make_uint4(0, 0, 0, 0);
+    }
+    asm volatile("" ::: "memory");
+#pragma unroll
+    for (int u = 0; u < V_EARLY_LOADS; ++u) {
+        const u32 x = threadIdx.x + u * ATT_THREADS;
+        vr[u] = x < t.nvalid * CPR ? t.from[BLOCK_TOKENS * CPR + x] : make_uint4(0, 0, 0, 0);
+    }
+}
+#endif
+
+// Per-head max and exp-sum of the scores s_p[g][0, nvalid), one warp per head; s_p[g][r]
+// becomes exp(s - m) for r < nexp (entries past nvalid must hold -inf, which gives 0).
+__device__ __forceinline__ void tile_softmax(float (*s_p)[SP_STRIDE], float* s_m, float* s_l, u32 nvalid, u32 nexp) {
+    const u32 lane = threadIdx.x & 31u;
+    for (u32 g = threadIdx.x >> 5; g < GROUP; g += ATT_WARPS) {
+        float m = NEG_INF;
+        for (u32 r = lane; r < nvalid; r += 32) m = fmaxf(m, s_p[g][r]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+        float l = 0.0f;
+        for (u32 r = lane; r < nexp; r += 32) {
+            const float p = expf(s_p[g][r] - m);
+            s_p[g][r] = p;
+            l += p;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(FULL_MASK, l, o);
+        if (lane == 0) {
+            s_m[g] = m;
+            s_l[g] = l;
+        }
+    }
+}
+
+// The partial's (m, l) per query head (after a barrier that follows tile_softmax).
+__device__ __forceinline__ void tile_write_ml(float* __restrict__ part_ml, u64 pbase, const float* s_m,
+                                              const float* s_l) {
+    for (u32 g = threadIdx.x; g < GROUP; g += ATT_THREADS) {
+        part_ml[(pbase + g) * 2] = s_m[g];
+        part_ml[(pbase + g) * 2 + 1] = s_l[g];
+    }
+}
+
 // Fetch and attend of one tile by the whole thread block (ATT_THREADS threads): the tile at
-// table position j of (batch item i, kv head kvh), block b, in cache slot `slot_idx` of its
-// (session, layer, kv head), fetched from mapped host memory at `src` when that is not 0 (a
-// miss) or else read from the slot (a hit). `nt` and `sslot` are the batch item's token count
-// and session slot (ntok[i], sess[i]): callers load them beside the table entry, so the tile's
-// load waits on one round trip to memory rather than a chain of them. The tile is staged in shared memory, written back
-// to its cache slot if it is a miss of a full block, and attended from shared memory; the
-// partial goes to part_acc/part_ml at position j. Misses of different tiles and the attention
-// of hits overlap across thread blocks.
+// table position j of (batch item i, kv head kvh), block b, in cache slot `slot_idx` (see
+// TileRef). `nt` and `sslot` are the batch item's token count and session slot (ntok[i],
+// sess[i]): callers load them beside the table entry, so the tile's load waits on one round
+// trip to memory rather than a chain of them. The tile is staged in shared memory, written back
+// to its cache slot if it is a miss of a full block, and attended; the partial goes to
+// part_acc/part_ml at position j. Misses of different tiles and the attention of hits overlap
+// across thread blocks.
 // q: [batch][HQ][HEAD_DIM] f32. part_acc: [batch][KV_HEADS][KSEL][GROUP][HEAD_DIM].
 // part_ml: [batch][KV_HEADS][KSEL][GROUP][2].
+#if ATT_MMA
+// Tensor cores (m16n8k16 bf16 MMAs, fp32 accumulation), one warp per 16 rows of the output:
+// scores S^T [tokens x 8 heads] = K q^T, 16 tokens per warp (K fragments by ldmatrix); values
+// O^T [HEAD_DIM x 8 heads] = V^T P^T, 16 dims per warp over all the tile's tokens (V fragments
+// by ldmatrix.trans), so no cross-warp reduction. The fp32 factors (q, and the softmax weights
+// p) are split into bf16 hi = rn(x) and lo = rn(x - hi), one MMA each into separate
+// accumulators: x - hi - lo is below 2^-17 |x|, and K, V are exact bf16, so the products are
+// about as exact as fp32 FMAs. The tile's 16-byte chunks sit in shared memory swizzled by row
+// (chunk c of row r at c ^ (r & SWZ)), so the 8 rows of an 8x8 ldmatrix hit distinct banks.
+#define SWZ (CPR >= 8 ? 7 : CPR - 1)
+__device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * CPR + (c ^ (r & SWZ)); }
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Four 8x8 bf16 matrices; lane l gives the row address of matrix l / 8, row l % 8.
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// c += a b: a 16x16 bf16 (row major), b 16x8 bf16 (column major), c 16x8 fp32.
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// (x0, x1) as packed bf16 pairs (x0 in the low half): hi = rn(x), lo = rn(x - hi).
+__device__ __forceinline__ void split_bf16(float x0, float x1, u32& hi, u32& lo) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(x1), "f"(x0));
+    const float h0 = __uint_as_float(hi << 16), h1 = __uint_as_float(hi & 0xffff0000u);
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(x1 - h1), "f"(x0 - h0));
+}
+
+__device__ __forceinline__ void attend_one(
+    const float* __restrict__ q, u32 nt, u32 sslot, u32 layer, uint4* __restrict__ cache, float scale,
+    float* __restrict__ part_acc, float* __restrict__ part_ml, u32 i, u32 kvh, u32 j, u32 b, u32 slot_idx,
+    u64 src) {
+    const u32 ih = i * KV_HEADS + kvh;
+    const u32 tid = threadIdx.x;
+    const u32 lane = tid & 31u;
+    const u32 warp = tid >> 5;
+    const u32 g8 = lane >> 2, tig = lane & 3u;  // the MMA fragments' row group and column pair
+    const u32 mi = lane >> 3;                    // the ldmatrix matrix this lane addresses
+
+    extern __shared__ uint4 s_tile[];  // K rows, V rows (swizzled)
+    // q's B fragments per 16 dims and lane: {lo dims hi part, +8 dims hi, lo dims lo part, +8 lo}.
+    __shared__ uint4 s_qf[HEAD_DIM / 16 * 32];
+    __shared__ __align__(16) float s_p[GROUP][SP_STRIDE];
+    __shared__ float s_m[GROUP];
+    __shared__ float s_l[GROUP];
+
+    const TileRef t(nt, sslot, layer, cache, kvh, b, slot_idx, src);
+    uint4 kr[V_EARLY_LOADS], vr[V_EARLY_LOADS];
+    load_tile_regs(t, kr, vr);
+    const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
+    for (u32 x = tid; x < HEAD_DIM / 16 * 32; x += ATT_THREADS) {
+        const u32 h = (x & 31u) >> 2;
+        const u32 d = (x >> 5) * 16 + (x & 3u) * 2;
+        uint4 f = make_uint4(0, 0, 0, 0);
+        if (h < GROUP) {
+            const float2 a = *(const float2*)(qh + h * HEAD_DIM + d);
+            const float2 c = *(const float2*)(qh + h * HEAD_DIM + d + 8);
+            split_bf16(a.x, a.y, f.x, f.z);
+            split_bf16(c.x, c.y, f.y, f.w);
+        }
+        s_qf[x] = f;
+    }
+#pragma unroll
+    for (int u = 0; u < V_EARLY_LOADS; ++u) {
+        const u32 x = tid + u * ATT_THREADS;
+        if (x < BLOCK_TOKENS * CPR) {
+            s_tile[swz(x / CPR, x % CPR)] = kr[u];
+            if (t.fill) t.cslot[x] = kr[u];
+        }
+    }
+    __syncthreads();
+
+    // Scores: warp w takes tokens [16 m, 16 m + 16) for m = w, w + ATT_WARPS, ...
+    const u32 sk = smem_addr(s_tile);
+    for (u32 m = warp; m < BLOCK_TOKENS / 16; m += ATT_WARPS) {
+        float ch[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const u32 r = m * 16 + (lane & 7u) + (mi & 1u) * 8;
+#pragma unroll
+        for (u32 ks = 0; ks < HEAD_DIM / 16; ++ks) {
+            u32 a[4];
+            ldsm_x4(sk + swz(r, 2 * ks + (mi >> 1)) * 16, a);
+            const uint4 f = s_qf[ks * 32 + lane];
+            mma_bf16(ch, a, f.x, f.y);
+            mma_bf16(cl, a, f.z, f.w);
+        }
+        // Accumulator e: token 16 m + g8 (+ 8 for e >= 2), head 2 tig + (e & 1).
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const u32 h = 2 * tig + (e & 1);
+            const u32 tok = m * 16 + g8 + (e >> 1) * 8;
+            if (h < GROUP) s_p[h][tok] = tok < t.nvalid ? (ch[e] + cl[e]) * scale : NEG_INF;
+        }
+    }
+    __syncthreads();
+
+    // Softmax over every row (those past nvalid give p = 0), and V into shared memory meanwhile.
+    tile_softmax(s_p, s_m, s_l, t.nvalid, BLOCK_TOKENS);
+    uint4* vdst = s_tile + BLOCK_TOKENS * CPR;
+#pragma unroll
+    for (int u = 0; u < V_EARLY_LOADS; ++u) {
+        const u32 x = tid + u * ATT_THREADS;
+        if (x < BLOCK_TOKENS * CPR) {
+            vdst[swz(x / CPR, x % CPR)] = vr[u];
+            if (t.fill) t.cslot[BLOCK_TOKENS * CPR + x] = vr[u];
+        }
+    }
+    __syncthreads();
+
+    // Values: warp w takes dims [16 m, 16 m + 16) for m = w, w + ATT_WARPS, ...
+    const u64 pbase = ((u64)ih * KSEL + j) * GROUP;
+    const u32 sv = sk + BLOCK_TOKENS * CPR * 16;
+    for (u32 m = warp; m < HEAD_DIM / 16; m += ATT_WARPS) {
+        float ch[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+        for (u32 ks = 0; ks < BLOCK_TOKENS / 16; ++ks) {
+            u32 a[4];
+            ldsm_x4_t(sv + swz(ks * 16 + (lane & 7u) + (mi >> 1) * 8, 2 * m + (mi & 1u)) * 16, a);
+            u32 b0h = 0, b0l = 0, b1h = 0, b1l = 0;
+            if (g8 < GROUP) {
+                const float2 p0 = *(const float2*)&s_p[g8][ks * 16 + 2 * tig];
+                const float2 p1 = *(const float2*)&s_p[g8][ks * 16 + 8 + 2 * tig];
+                split_bf16(p0.x, p0.y, b0h, b0l);
+                split_bf16(p1.x, p1.y, b1h, b1l);
+            }
+            mma_bf16(ch, a, b0h, b1h);
+            mma_bf16(cl, a, b0l, b1l);
+        }
+        // Accumulator e: dim 16 m + g8 (+ 8 for e >= 2), head 2 tig + (e & 1).
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const u32 h = 2 * tig + (e & 1);
+            if (h < GROUP) part_acc[(pbase + h) * HEAD_DIM + m * 16 + g8 + (e >> 1) * 8] = ch[e] + cl[e];
+        }
+    }
+    tile_write_ml(part_ml, pbase, s_m, s_l);
+}
+#else
+// fp32 FMAs on the CUDA cores: every geometry and dtype.
 __device__ __forceinline__ void attend_one(
     const float* __restrict__ q, u32 nt, u32 sslot, u32 layer, uint4* __restrict__ cache, float scale,
     float* __restrict__ part_acc, float* __restrict__ part_ml, u32 i, u32 kvh, u32 j, u32 b, u32 slot_idx,
@@ -68,7 +310,7 @@ __device__ __forceinline__ void attend_one(
 
     extern __shared__ uint4 s_tile[];  // K rows, V rows, then (unless aliased) s_red
     __shared__ float s_q[GROUP][HEAD_DIM];
-    __shared__ float s_p[GROUP][BLOCK_TOKENS];
+    __shared__ __align__(16) float s_p[GROUP][SP_STRIDE];
     __shared__ float s_m[GROUP];
     __shared__ float s_l[GROUP];
 #if RED_IN_TILE
@@ -78,48 +320,29 @@ __device__ __forceinline__ void attend_one(
     float* s_red = (float*)(s_tile + 2 * BLOCK_TOKENS * CPR);
 #endif
 
-    const u32 nvalid = min((u32)BLOCK_TOKENS, nt - b * BLOCK_TOKENS);
-    const u64 slot = (((u64)sslot * NUM_LAYERS + layer) * KV_HEADS + kvh) * CACHE_SLOTS + slot_idx;
-    uint4* cslot = cache + slot * (TILE_BYTES / 16);
-    const uint4* from = src ? (const uint4*)src : cslot;
-    // Only full blocks are cached (gather_plan tags them); partial tails are refetched.
-    const bool fill = src && nvalid == BLOCK_TOKENS;
+    const TileRef t(nt, sslot, layer, cache, kvh, b, slot_idx, src);
+    const u32 nvalid = t.nvalid;
 #if V_EARLY
-    // Both halves' loads go out together (one 16-byte load per thread per chunk), K is stored
-    // once it lands, and V stays in registers while the scores and the softmax run on K.
-    // Measured (bench/gpu/NOTES.md v19): hot fetch+attend at 128K 24.5 -> 18.8 us; a cold
-    // tile's transfer is unchanged (the gather is bound by the PCIe reads, not this tail).
-    // K's loads are issued first (the empty asm keeps the two groups in order), so K lands first.
     uint4 kr[V_EARLY_LOADS], vr[V_EARLY_LOADS];
-#pragma unroll
-    for (int u = 0; u < V_EARLY_LOADS; ++u) {
-        const u32 x = tid + u * ATT_THREADS;
-        if (x < nvalid * CPR) kr[u] = from[x];
-    }
-    asm volatile("" ::: "memory");
-#pragma unroll
-    for (int u = 0; u < V_EARLY_LOADS; ++u) {
-        const u32 x = tid + u * ATT_THREADS;
-        if (x < nvalid * CPR) vr[u] = from[BLOCK_TOKENS * CPR + x];
-    }
+    load_tile_regs(t, kr, vr);
 #pragma unroll
     for (int u = 0; u < V_EARLY_LOADS; ++u) {
         const u32 x = tid + u * ATT_THREADS;
         if (x < nvalid * CPR) s_tile[x] = kr[u];
     }
 #else
-    stage_rows(s_tile, from, nvalid);
-    stage_rows(s_tile + BLOCK_TOKENS * CPR, from + BLOCK_TOKENS * CPR, nvalid);
+    stage_rows(s_tile, t.from, nvalid);
+    stage_rows(s_tile + BLOCK_TOKENS * CPR, t.from + BLOCK_TOKENS * CPR, nvalid);
 #endif
     const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
     for (u32 x = tid; x < GROUP * HEAD_DIM; x += ATT_THREADS) s_q[x / HEAD_DIM][x % HEAD_DIM] = qh[x];
     __syncthreads();
 #if V_EARLY
-    if (fill)
-        for (u32 v = tid; v < BLOCK_TOKENS * CPR; v += ATT_THREADS) cslot[v] = s_tile[v];
+    if (t.fill)
+        for (u32 v = tid; v < BLOCK_TOKENS * CPR; v += ATT_THREADS) t.cslot[v] = s_tile[v];
 #else
-    if (fill)
-        for (u32 v = tid; v < 2 * BLOCK_TOKENS * CPR; v += ATT_THREADS) cslot[v] = s_tile[v];
+    if (t.fill)
+        for (u32 v = tid; v < 2 * BLOCK_TOKENS * CPR; v += ATT_THREADS) t.cslot[v] = s_tile[v];
 #endif
     const uint4* kt = s_tile;
     const uint4* vt = s_tile + BLOCK_TOKENS * CPR;
@@ -169,25 +392,7 @@ __device__ __forceinline__ void attend_one(
 #undef QV
     __syncthreads();
 
-    // Per-head max and exp-sum; one warp per head.
-    for (u32 g = warp; g < GROUP; g += ATT_WARPS) {
-        float m = NEG_INF;
-        for (u32 r = lane; r < nvalid; r += 32) m = fmaxf(m, s_p[g][r]);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
-        float l = 0.0f;
-        for (u32 r = lane; r < nvalid; r += 32) {
-            const float p = expf(s_p[g][r] - m);
-            s_p[g][r] = p;
-            l += p;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(FULL_MASK, l, o);
-        if (lane == 0) {
-            s_m[g] = m;
-            s_l[g] = l;
-        }
-    }
+    tile_softmax(s_p, s_m, s_l, nvalid, nvalid);
     __syncthreads();
 
 #if V_EARLY
@@ -198,7 +403,7 @@ __device__ __forceinline__ void attend_one(
             const u32 x = tid + u * ATT_THREADS;
             if (x < nvalid * CPR) {
                 vdst[x] = vr[u];
-                if (fill) cslot[BLOCK_TOKENS * CPR + x] = vr[u];
+                if (t.fill) t.cslot[BLOCK_TOKENS * CPR + x] = vr[u];
             }
         }
     }
@@ -246,11 +451,9 @@ __device__ __forceinline__ void attend_one(
         for (int sl = 0; sl < RSL; ++sl) s += s_red[sl * GROUP * HEAD_DIM + x];
         part_acc[pbase * HEAD_DIM + x] = s;
     }
-    for (u32 g = tid; g < GROUP; g += ATT_THREADS) {
-        part_ml[(pbase + g) * 2] = s_m[g];
-        part_ml[(pbase + g) * 2 + 1] = s_l[g];
-    }
+    tile_write_ml(part_ml, pbase, s_m, s_l);
 }
+#endif
 
 // grid (KSEL or TOPK, KV_HEADS, batch), block ATT_THREADS, dynamic shared memory ATT_DYN_SMEM
 // bytes. `part` 0 attends the fixed part of each keep-set (plan_fixed: sink and local, or all

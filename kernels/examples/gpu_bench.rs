@@ -13,18 +13,19 @@
 //!
 //! Usage: gpu_bench [--host-gb 60] [--steps 20] [--warmup 3] [--rho 0.9] [--contexts 131072,1048576]
 //!                  [--ks 8,32] [--batches 1,8] [--json PATH] [--summaries-bf16] [--trace]
-//!                  [--split-step]
+//!                  [--split-step] [--simt-attention]
 //!
 //! `--trace` with `KVTIER_NVRTC_DEFINES=-DSEL_TRACE=1` prints the phase breakdown of the last
 //! layer's select_score in every measured step (diagnostics; bench/gpu/NOTES.md v24).
 //! `--split-step` times the split pass by step only, like the Auto pass (a like-for-like
-//! split_ms; no per-kernel columns).
+//! split_ms; no per-kernel columns). `--simt-attention` attends tiles with fp32 FMAs instead of
+//! tensor cores (the A/B of bench/gpu/NOTES.md v27).
 
 use std::time::Instant;
 
 use kvtier_kernels::cuda::{
-    AnonMapping, CudaBackend, CudaConfig, CudaGeometry, KvDtype, LaunchMode, PinnedRegion,
-    SelectPolicy, StepItem, SummaryDtype, Timing,
+    AnonMapping, AttentionMath, CudaBackend, CudaConfig, CudaGeometry, KvDtype, LaunchMode,
+    PinnedRegion, SelectPolicy, StepItem, SummaryDtype, Timing,
 };
 
 const PCIE_GBPS: f64 = 55.3;
@@ -48,6 +49,8 @@ struct Args {
     trace: bool,
     /// Time the split pass by step only.
     split_step: bool,
+    /// fp32 attention on the CUDA cores instead of tensor cores.
+    simt: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -63,6 +66,7 @@ fn parse() -> Result<Args, String> {
         sum_bf16: false,
         trace: false,
         split_step: false,
+        simt: false,
     };
     let mut it = std::env::args().skip(1);
     let list = |s: String| -> Result<Vec<u32>, String> {
@@ -84,6 +88,7 @@ fn parse() -> Result<Args, String> {
             "--summaries-bf16" => a.sum_bf16 = true,
             "--trace" => a.trace = true,
             "--split-step" => a.split_step = true,
+            "--simt-attention" => a.simt = true,
             _ => return Err(format!("unknown argument {k}")),
         }
     }
@@ -161,7 +166,7 @@ fn host_region(be: &CudaBackend, mut bytes: usize, frame: usize) -> Result<Pinne
     }
 }
 
-fn config(n_blocks: u32, k: u32, batch: u32, sum_bf16: bool) -> CudaConfig {
+fn config(n_blocks: u32, k: u32, batch: u32, sum_bf16: bool, simt: bool) -> CudaConfig {
     let policy = SelectPolicy {
         sink_blocks: 1,
         local_blocks: 4,
@@ -185,6 +190,11 @@ fn config(n_blocks: u32, k: u32, batch: u32, sum_bf16: bool) -> CudaConfig {
             SummaryDtype::Bf16Outward
         } else {
             SummaryDtype::F32
+        },
+        attention: if simt {
+            AttentionMath::Simt
+        } else {
+            AttentionMath::TensorCores
         },
     }
 }
@@ -496,7 +506,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let n_blocks = ctx / BT;
         for &k in &args.ks {
             let max_batch = *args.batches.iter().max().unwrap_or(&1);
-            let cfg = config(n_blocks, k, max_batch, args.sum_bf16);
+            let cfg = config(n_blocks, k, max_batch, args.sum_bf16, args.simt);
             let t0 = Instant::now();
             let mut be = CudaBackend::new(0, cfg)?;
             device = be.device_name()?;
@@ -601,8 +611,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("device: {device}");
     println!("command: {}", cmd.join(" "));
     println!(
-        "geometry: Qwen2.5-7B attention (28 layers, 28/4 heads, D=128, bf16, B=128), sink 1, local 4; summaries {} on the device",
-        if args.sum_bf16 { "bf16 outward" } else { "exact (bf16: lossless for bf16 keys)" }
+        "geometry: Qwen2.5-7B attention (28 layers, 28/4 heads, D=128, bf16, B=128), sink 1, local 4; summaries {} on the device; tile attention on {}",
+        if args.sum_bf16 { "bf16 outward" } else { "exact (bf16: lossless for bf16 keys)" },
+        if args.simt { "CUDA cores (fp32 FMA)" } else { "tensor cores (bf16 MMA, fp32 factors split hi + lo)" }
     );
     println!("step = 28 x (select + plan + fetch/attend), device time by CUDA events (median of {} steps); wall includes uploads, sync, readback", args.steps);
     println!("step_ms: LaunchMode::Auto (a layer is one launch, layer_fused, while its tiles mostly miss the block cache), the step alone timed (Timing::Step, as the decode path runs); split_ms: the same mode run next with split launches (plan_fixed + fixed tiles beside select_score, then the distant tiles), {}",

@@ -2,7 +2,7 @@
 //! path given as the first argument, for `ptxas -v` resource reports. Needs libnvrtc, no GPU.
 
 use kvtier_kernels::cuda::{
-    compile_check, CudaConfig, CudaGeometry, KvDtype, SelectPolicy, SummaryDtype,
+    compile_check, AttentionMath, CudaConfig, CudaGeometry, KvDtype, SelectPolicy, SummaryDtype,
 };
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -26,6 +26,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_batch: 8,
         cache_slots: 74,
         summary_dtype: SummaryDtype::F32,
+        attention: AttentionMath::TensorCores,
     };
     std::fs::write(&path, compile_check(&cfg)?)?;
     println!("wrote {path}");

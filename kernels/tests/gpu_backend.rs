@@ -5,9 +5,9 @@
 
 use half::{bf16, f16};
 use kvtier_kernels::cuda::{
-    bf16_outward, device_available, AnonMapping, CudaBackend, CudaConfig, CudaError, CudaGeometry,
-    DecodeItem, KvDtype, LaunchMode, LayerStats, PinnedRegion, SelectPolicy, StepItem,
-    SummaryDtype, Timing,
+    bf16_outward, device_available, AnonMapping, AttentionMath, CudaBackend, CudaConfig, CudaError,
+    CudaGeometry, DecodeItem, KvDtype, LaunchMode, LayerStats, PinnedRegion, SelectPolicy,
+    StepItem, SummaryDtype, Timing,
 };
 use kvtier_kernels::select::{block_score, partition};
 use kvtier_storage::Policy;
@@ -93,6 +93,7 @@ fn config(
         max_batch: sessions,
         cache_slots: policy.keep_max() * 2,
         summary_dtype: sum,
+        attention: AttentionMath::TensorCores,
     }
 }
 
@@ -347,8 +348,9 @@ fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     (num / den).sqrt()
 }
 
-/// Runs one layer for the given slots and checks selection (exact) and attention (2e-3).
-fn check_layer(h: &mut Harness, layer: u32, slots: &[u32]) {
+/// Runs one layer for the given slots and checks selection (exact) and attention (2e-3);
+/// returns the outputs.
+fn check_layer(h: &mut Harness, layer: u32, slots: &[u32]) -> Vec<f32> {
     let qs: Vec<Vec<f32>> = slots.iter().map(|_| h.query()).collect();
     let items: Vec<DecodeItem> = slots
         .iter()
@@ -372,6 +374,7 @@ fn check_layer(h: &mut Harness, layer: u32, slots: &[u32]) {
         out.stats.bytes_moved,
         out.stats.misses * h.cfg.geometry.tile_bytes() as u64
     );
+    out.out
 }
 
 const POLICY: SelectPolicy = SelectPolicy {
@@ -498,6 +501,47 @@ fn other_geometries_and_dtypes() {
             .collect();
         check_layer(&mut h, 1, &slots[..1]);
         check_layer(&mut h, 0, &slots);
+    }
+}
+
+/// Tensor-core tiles against fp32 ones on the same inputs: both within 2e-3 of the f64
+/// reference (check_layer), and within 2e-5 of each other, which bf16-rounded factors would
+/// not be (q and the softmax weights are split into bf16 high and low parts).
+#[test]
+fn tensor_core_attention_matches_fp32() {
+    if !gpu() {
+        return;
+    }
+    for g in [
+        geom(28, 4, 128, 128, KvDtype::Bf16),
+        geom(8, 2, 64, 16, KvDtype::Bf16),
+        geom(12, 4, 64, 128, KvDtype::Bf16),
+    ] {
+        let b = g.block_tokens;
+        let run = |attention: AttentionMath| {
+            let cfg = CudaConfig {
+                attention,
+                ..config(g, POLICY, 40, 3, SummaryDtype::F32)
+            };
+            assert_eq!(
+                cfg.validate().unwrap().att_mma,
+                attention == AttentionMath::TensorCores
+            );
+            let mut h = Harness::new(cfg, 31);
+            let slots: Vec<u32> = [40 * b, 17 * b + b / 2, 3]
+                .iter()
+                .map(|&n| h.add_session(n, KeyGen { templates: 0 }))
+                .collect();
+            // Cold, then the same sessions again (cache hits) with fresh queries.
+            let mut outs = check_layer(&mut h, 0, &slots);
+            outs.extend(check_layer(&mut h, 0, &slots));
+            outs
+        };
+        let mma = run(AttentionMath::TensorCores);
+        let simt: Vec<f64> = run(AttentionMath::Simt).iter().map(|&x| x as f64).collect();
+        let e = rel_err(&mma, &simt);
+        println!("{g:?}: tensor cores vs fp32 rel diff {e:.3e}");
+        assert!(e < 2e-5, "{g:?}: tensor cores vs fp32 rel diff {e}");
     }
 }
 

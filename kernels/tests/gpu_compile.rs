@@ -3,7 +3,8 @@
 #![cfg(feature = "cuda")]
 
 use kvtier_kernels::cuda::{
-    compile_check, CudaConfig, CudaError, CudaGeometry, KvDtype, SelectPolicy, SummaryDtype,
+    compile_check, AttentionMath, CudaConfig, CudaError, CudaGeometry, KvDtype, SelectPolicy,
+    SummaryDtype,
 };
 
 fn cfg(hq: u32, hkv: u32, d: u32, b: u32, dtype: KvDtype, sum: SummaryDtype) -> CudaConfig {
@@ -26,6 +27,7 @@ fn cfg(hq: u32, hkv: u32, d: u32, b: u32, dtype: KvDtype, sum: SummaryDtype) -> 
         max_batch: 4,
         cache_slots: 16,
         summary_dtype: sum,
+        attention: AttentionMath::TensorCores,
     }
 }
 
@@ -46,6 +48,11 @@ fn kernels_compile_for_supported_geometries() {
                 top_k: 40,
             },
             cache_slots: 48,
+            ..cfg(28, 4, 128, 128, KvDtype::Bf16, SummaryDtype::F32)
+        },
+        // The fp32 attention path for a geometry that would take tensor cores.
+        CudaConfig {
+            attention: AttentionMath::Simt,
             ..cfg(28, 4, 128, 128, KvDtype::Bf16, SummaryDtype::F32)
         },
     ];

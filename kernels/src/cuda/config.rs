@@ -40,6 +40,18 @@ pub enum SummaryDtype {
     Bf16Outward,
 }
 
+/// How attend_tile multiplies: the scores (q K^T) and the values (P V) of a tile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionMath {
+    /// bf16 tensor-core MMAs (m16n8k16, fp32 accumulation) where the geometry allows it: bf16
+    /// KV, GQA group <= 8, head_dim and block_tokens multiples of 16, compute capability >= 8.0.
+    /// The fp32 factors (q, softmax weights) are split into bf16 high and low parts, two MMAs
+    /// each, so they keep ~16 bits of mantissa; elsewhere this falls back to [`Self::Simt`].
+    TensorCores,
+    /// fp32 FMAs on the CUDA cores, every geometry and dtype.
+    Simt,
+}
+
 /// Attention geometry shared by every session of a backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CudaGeometry {
@@ -112,6 +124,7 @@ pub struct CudaConfig {
     /// Tile-cache slots per (session, layer, kv head); at least the keep-set size.
     pub cache_slots: u32,
     pub summary_dtype: SummaryDtype,
+    pub attention: AttentionMath,
 }
 
 const SMEM_LIMIT: usize = 48 * 1024;
@@ -225,8 +238,25 @@ impl CudaConfig {
         let red = slices / per_warp * gs * d * 4;
         let k_half = b * d * g.dtype.size();
         let red_in_tile = red <= k_half;
-        let dyn_smem = g.tile_bytes() + if red_in_tile { 0 } else { red };
-        let static_smem = (gs * d + gs * b + 2 * gs) * 4;
+        let simt_dyn = g.tile_bytes() + if red_in_tile { 0 } else { red };
+        let simt_static = (gs * d + gs * b + 2 * gs) * 4;
+        // Tensor-core tiles (attend.cu ATT_MMA): both halves of the tile loaded in one round
+        // of registers (V_EARLY), q as bf16 fragments ([D/16][32 lanes] x 16 bytes), scores in
+        // rows padded by 8 floats. Devices below compute capability 8.0 compile the fp32 path
+        // instead, so the shared memory asked for covers both.
+        let v_early = (b * cpr).div_ceil(att_threads) <= 8;
+        let att_mma = self.attention == AttentionMath::TensorCores
+            && g.dtype == KvDtype::Bf16
+            && gs <= 8
+            && d.is_multiple_of(16)
+            && b.is_multiple_of(16)
+            && v_early;
+        let (dyn_smem, static_smem) = if att_mma {
+            let mma_static = d / 16 * 32 * 16 + (gs * (b + 8) + 2 * gs) * 4;
+            (simt_dyn, simt_static.max(mma_static))
+        } else {
+            (simt_dyn, simt_static)
+        };
         if static_smem > SMEM_LIMIT || dyn_smem + static_smem > SMEM_OPTIN_LIMIT {
             return Err(invalid(format!(
                 "attention needs {} bytes of shared memory (> {SMEM_OPTIN_LIMIT}) for G={gs}, D={d}, B={b}",
@@ -267,6 +297,7 @@ impl CudaConfig {
             att_dyn_smem: dyn_smem as u32,
             att_total_smem: (dyn_smem + static_smem) as u32,
             red_in_tile,
+            att_mma,
             fused: topk_merge && att_threads as u32 == SCORE_THREADS,
         })
     }
@@ -299,6 +330,7 @@ impl CudaConfig {
             ("TOPK_KPT", derived.topk_per_thread),
             ("TOPK_MERGE", u32::from(derived.topk_merge)),
             ("RED_IN_TILE", u32::from(derived.red_in_tile)),
+            ("ATT_MMA", u32::from(derived.att_mma)),
             ("ATT_THREADS", derived.att_threads),
             ("SCORE_THREADS", SCORE_THREADS),
             ("SCORE_NB", SCORE_NB),
@@ -329,6 +361,9 @@ pub struct Derived {
     pub att_total_smem: u32,
     /// Whether the value-phase reduction reuses the tile's K half.
     pub red_in_tile: bool,
+    /// Whether attend_tile uses tensor cores ([`AttentionMath::TensorCores`] and a geometry
+    /// that allows them).
+    pub att_mma: bool,
     /// Whether layer_fused can run a layer (but its merge) in one launch: the list-merge
     /// top-k, and as many attention threads as scoring threads.
     pub fused: bool,
@@ -372,6 +407,7 @@ mod tests {
             max_batch: 8,
             cache_slots: 74,
             summary_dtype: SummaryDtype::F32,
+            attention: AttentionMath::TensorCores,
         }
     }
 
@@ -381,8 +417,42 @@ mod tests {
         assert_eq!(d.keep_max, 37);
         assert_eq!(d.topk_per_thread, 8);
         assert!(d.red_in_tile);
+        assert!(d.att_mma);
         assert_eq!(d.att_dyn_smem, 64 * 1024);
+        let mut c = qwen();
+        c.attention = AttentionMath::Simt;
+        assert!(!c.validate().unwrap().att_mma);
         assert_eq!(qwen().geometry.block_run_bytes(), 256 * 1024);
+    }
+
+    /// Tensor cores only where attend.cu's fragments fit; every other geometry takes fp32.
+    #[test]
+    fn tensor_core_attention_falls_back_outside_its_geometry() {
+        let mma = |f: &dyn Fn(&mut CudaConfig)| {
+            let mut c = qwen();
+            f(&mut c);
+            c.validate().map(|d| d.att_mma).map_err(|e| e.to_string())
+        };
+        assert_eq!(mma(&|c| c.geometry.block_tokens = 16), Ok(true));
+        assert_eq!(mma(&|c| c.geometry.q_heads = 32), Ok(true)); // group 8
+        assert_eq!(mma(&|c| c.geometry.q_heads = 36), Ok(false)); // group 9
+        assert_eq!(mma(&|c| c.geometry.dtype = KvDtype::F16), Ok(false));
+        assert_eq!(mma(&|c| c.geometry.dtype = KvDtype::F32), Ok(false));
+        assert_eq!(mma(&|c| c.geometry.block_tokens = 24), Ok(false));
+        // 512 rows x 8 chunks are 16 loads per thread per half: not V_EARLY.
+        let long_rows = |c: &mut CudaConfig| {
+            c.geometry.block_tokens = 512;
+            c.geometry.head_dim = 64;
+        };
+        assert_eq!(mma(&long_rows), Ok(false));
+        let mut c = qwen();
+        c.geometry.q_heads = 32;
+        let d = c.validate().unwrap();
+        // q fragments (4 KiB) outgrow the fp32 q (4 KiB at group 8) plus padded score rows.
+        assert_eq!(
+            d.att_total_smem as usize,
+            64 * 1024 + 128 * 32 + (8 * 136 + 16) * 4
+        );
     }
 
     #[test]
