@@ -446,6 +446,8 @@ impl GpuDecoder {
             // f32: selection bit-identical to the CPU selector (bf16 summaries would select
             // differently from the CPU path, and are slower on the GPU today: bench/gpu/NOTES).
             summary_dtype: SummaryDtype::F32,
+            // Tensor cores where the geometry allows (outputs within ~2e-6 of the fp32 path,
+            // hot steps ~20% faster: bench/gpu/NOTES.md v27); fp32 FMAs elsewhere.
             attention: AttentionMath::TensorCores,
         };
         cfg.validate()?;

@@ -28,9 +28,11 @@
 //! 3. Fetch + attention: one thread block per (session, kv head, tile) loads the tile with
 //!    16-byte loads, K and V all in flight (from the cache slot on a hit, over PCIe from the
 //!    mapped host frame on a miss, then written back to the slot); K is staged in shared memory
-//!    and scored while V is still arriving (each lane holding its slice of the G query heads
-//!    in registers); the tile is attended for its G query heads (fp32 softmax) and writes
-//!    (m, l, acc); a merge kernel combines them (LSE).
+//!    and scored while V is still arriving; the tile is attended for its G query heads (fp32
+//!    softmax) and writes (m, l, acc); a merge kernel combines them (LSE). For bf16 KV the
+//!    products run on tensor cores (bf16 MMAs, the fp32 factors split into bf16 high and low
+//!    parts: [`AttentionMath`]); otherwise fp32 FMAs, each lane holding its slice of the G
+//!    query heads in registers.
 //!    (Merging in the last thread block of each (session, kv head) was measured slower.)
 
 pub mod backend;
