@@ -132,24 +132,8 @@ __device__ __forceinline__ void tile_write_ml(float* __restrict__ part_ml, u64 p
     }
 }
 
-// Fetch and attend of one tile by the whole thread block (ATT_THREADS threads): the tile at
-// table position j of (batch item i, kv head kvh), block b, in cache slot `slot_idx` (see
-// TileRef). `nt` and `sslot` are the batch item's token count and session slot (ntok[i],
-// sess[i]): callers load them beside the table entry, so the tile's load waits on one round
-// trip to memory rather than a chain of them. The tile is staged in shared memory, written back
-// to its cache slot if it is a miss of a full block, and attended; the partial goes to
-// part_acc/part_ml at position j. Misses of different tiles and the attention of hits overlap
-// across thread blocks.
-// q: [batch][HQ][HEAD_DIM] f32. part_acc: [batch][KV_HEADS][KSEL][GROUP][HEAD_DIM].
-// part_ml: [batch][KV_HEADS][KSEL][GROUP][2].
 #if ATT_MMA
-// Tensor cores (m16n8k16 bf16 MMAs, fp32 accumulation), one warp per 16 rows of the output:
-// scores S^T [tokens x 8 heads] = K q^T, 16 tokens per warp (K fragments by ldmatrix); values
-// O^T [HEAD_DIM x 8 heads] = V^T P^T, 16 dims per warp over all the tile's tokens (V fragments
-// by ldmatrix.trans), so no cross-warp reduction. The fp32 factors (q, and the softmax weights
-// p) are split into bf16 hi = rn(x) and lo = rn(x - hi), one MMA each into separate
-// accumulators: x - hi - lo is below 2^-17 |x|, and K, V are exact bf16, so the products are
-// about as exact as fp32 FMAs. The tile's 16-byte chunks sit in shared memory swizzled by row
+// Tensor-core helpers. The tile's 16-byte chunks sit in shared memory swizzled by row
 // (chunk c of row r at c ^ (r & SWZ)), so the 8 rows of an 8x8 ldmatrix hit distinct banks.
 #define SWZ (CPR >= 8 ? 7 : CPR - 1)
 __device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * CPR + (c ^ (r & SWZ)); }
@@ -188,29 +172,47 @@ __device__ __forceinline__ void split_bf16(float x0, float x1, u32& hi, u32& lo)
     const float h0 = __uint_as_float(hi << 16), h1 = __uint_as_float(hi & 0xffff0000u);
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(x1 - h1), "f"(x0 - h0));
 }
+#endif
 
+// Fetch and attend of one tile by the whole thread block (ATT_THREADS threads): the tile at
+// table position j of (batch item i, kv head kvh), block b, in cache slot `slot_idx` (see
+// TileRef). `nt` and `sslot` are the batch item's token count and session slot (ntok[i],
+// sess[i]): callers load them beside the table entry, so the tile's load waits on one round
+// trip to memory rather than a chain of them. The tile is staged in shared memory, written back
+// to its cache slot if it is a miss of a full block, and attended; the partial goes to
+// part_acc/part_ml at position j. Misses of different tiles and the attention of hits overlap
+// across thread blocks.
+// q: [batch][HQ][HEAD_DIM] f32. part_acc: [batch][KV_HEADS][KSEL][GROUP][HEAD_DIM].
+// part_ml: [batch][KV_HEADS][KSEL][GROUP][2].
+// With ATT_MMA, tensor cores (m16n8k16 bf16 MMAs, fp32 accumulation), one warp per 16 rows of the output:
+// scores S^T [tokens x 8 heads] = K q^T, 16 tokens per warp (K fragments by ldmatrix); values
+// O^T [HEAD_DIM x 8 heads] = V^T P^T, 16 dims per warp over all the tile's tokens (V fragments
+// by ldmatrix.trans), so no cross-warp reduction. The fp32 factors (q, and the softmax weights
+// p) are split into bf16 hi = rn(x) and lo = rn(x - hi), one MMA each into separate
+// accumulators: x - hi - lo is below 2^-17 |x|, and K, V are exact bf16, so the products are
+// about as exact as fp32 FMAs. Otherwise fp32 FMAs on the CUDA cores (every geometry and dtype).
 __device__ __forceinline__ void attend_one(
     const float* __restrict__ q, u32 nt, u32 sslot, u32 layer, uint4* __restrict__ cache, float scale,
     float* __restrict__ part_acc, float* __restrict__ part_ml, u32 i, u32 kvh, u32 j, u32 b, u32 slot_idx,
     u64 src) {
-    const u32 ih = i * KV_HEADS + kvh;
     const u32 tid = threadIdx.x;
     const u32 lane = tid & 31u;
     const u32 warp = tid >> 5;
-    const u32 g8 = lane >> 2, tig = lane & 3u;  // the MMA fragments' row group and column pair
-    const u32 mi = lane >> 3;                    // the ldmatrix matrix this lane addresses
-
-    extern __shared__ uint4 s_tile[];  // K rows, V rows (swizzled)
-    // q's B fragments per 16 dims and lane: {lo dims hi part, +8 dims hi, lo dims lo part, +8 lo}.
-    __shared__ uint4 s_qf[HEAD_DIM / 16 * 32];
+    extern __shared__ uint4 s_tile[];  // K rows, V rows (swizzled on the MMA path), fp32: s_red
     __shared__ __align__(16) float s_p[GROUP][SP_STRIDE];
     __shared__ float s_m[GROUP];
     __shared__ float s_l[GROUP];
-
     const TileRef t(nt, sslot, layer, cache, kvh, b, slot_idx, src);
+    const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
+    const u64 pbase = ((u64)(i * KV_HEADS + kvh) * KSEL + j) * GROUP;
+#if ATT_MMA
+    const u32 g8 = lane >> 2, tig = lane & 3u;  // the MMA fragments' row group and column pair
+    const u32 mi = lane >> 3;                    // the ldmatrix matrix this lane addresses
+
+    // q's B fragments per 16 dims and lane: {lo dims hi part, +8 dims hi, lo dims lo part, +8 lo}.
+    __shared__ uint4 s_qf[HEAD_DIM / 16 * 32];
     uint4 kr[V_EARLY_LOADS], vr[V_EARLY_LOADS];
     load_tile_regs(t, kr, vr);
-    const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
     for (u32 x = tid; x < HEAD_DIM / 16 * 32; x += ATT_THREADS) {
         const u32 h = (x & 31u) >> 2;
         const u32 d = (x >> 5) * 16 + (x & 3u) * 2;
@@ -270,7 +272,6 @@ __device__ __forceinline__ void attend_one(
     __syncthreads();
 
     // Values: warp w takes dims [16 m, 16 m + 16) for m = w, w + ATT_WARPS, ...
-    const u64 pbase = ((u64)ih * KSEL + j) * GROUP;
     const u32 sv = sk + BLOCK_TOKENS * CPR * 16;
     for (u32 m = warp; m < HEAD_DIM / 16; m += ATT_WARPS) {
         float ch[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -295,24 +296,8 @@ __device__ __forceinline__ void attend_one(
             if (h < GROUP) part_acc[(pbase + h) * HEAD_DIM + m * 16 + g8 + (e >> 1) * 8] = ch[e] + cl[e];
         }
     }
-    tile_write_ml(part_ml, pbase, s_m, s_l);
-}
 #else
-// fp32 FMAs on the CUDA cores: every geometry and dtype.
-__device__ __forceinline__ void attend_one(
-    const float* __restrict__ q, u32 nt, u32 sslot, u32 layer, uint4* __restrict__ cache, float scale,
-    float* __restrict__ part_acc, float* __restrict__ part_ml, u32 i, u32 kvh, u32 j, u32 b, u32 slot_idx,
-    u64 src) {
-    const u32 ih = i * KV_HEADS + kvh;
-    const u32 tid = threadIdx.x;
-    const u32 lane = tid & 31u;
-    const u32 warp = tid >> 5;
-
-    extern __shared__ uint4 s_tile[];  // K rows, V rows, then (unless aliased) s_red
     __shared__ float s_q[GROUP][HEAD_DIM];
-    __shared__ __align__(16) float s_p[GROUP][SP_STRIDE];
-    __shared__ float s_m[GROUP];
-    __shared__ float s_l[GROUP];
 #if RED_IN_TILE
     // The K half of the tile is dead once scores are computed; the value phase reduces there.
     float* s_red = (float*)s_tile;
@@ -320,7 +305,6 @@ __device__ __forceinline__ void attend_one(
     float* s_red = (float*)(s_tile + 2 * BLOCK_TOKENS * CPR);
 #endif
 
-    const TileRef t(nt, sslot, layer, cache, kvh, b, slot_idx, src);
     const u32 nvalid = t.nvalid;
 #if V_EARLY
     uint4 kr[V_EARLY_LOADS], vr[V_EARLY_LOADS];
@@ -334,7 +318,6 @@ __device__ __forceinline__ void attend_one(
     stage_rows(s_tile, t.from, nvalid);
     stage_rows(s_tile + BLOCK_TOKENS * CPR, t.from + BLOCK_TOKENS * CPR, nvalid);
 #endif
-    const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
     for (u32 x = tid; x < GROUP * HEAD_DIM; x += ATT_THREADS) s_q[x / HEAD_DIM][x % HEAD_DIM] = qh[x];
     __syncthreads();
 #if V_EARLY
@@ -444,16 +427,15 @@ __device__ __forceinline__ void attend_one(
         }
     }
     __syncthreads();
-    const u64 pbase = ((u64)ih * KSEL + j) * GROUP;
     for (u32 x = tid; x < GROUP * HEAD_DIM; x += ATT_THREADS) {
         float s = 0.0f;
 #pragma unroll
         for (int sl = 0; sl < RSL; ++sl) s += s_red[sl * GROUP * HEAD_DIM + x];
         part_acc[pbase * HEAD_DIM + x] = s;
     }
+#endif
     tile_write_ml(part_ml, pbase, s_m, s_l);
 }
-#endif
 
 // grid (KSEL or TOPK, KV_HEADS, batch), block ATT_THREADS, dynamic shared memory ATT_DYN_SMEM
 // bytes. `part` 0 attends the fixed part of each keep-set (plan_fixed: sink and local, or all

@@ -238,7 +238,7 @@ impl CudaConfig {
         let red = slices / per_warp * gs * d * 4;
         let k_half = b * d * g.dtype.size();
         let red_in_tile = red <= k_half;
-        let simt_dyn = g.tile_bytes() + if red_in_tile { 0 } else { red };
+        let dyn_smem = g.tile_bytes() + if red_in_tile { 0 } else { red };
         let simt_static = (gs * d + gs * b + 2 * gs) * 4;
         // Tensor-core tiles (attend.cu ATT_MMA): both halves of the tile loaded in one round
         // of registers (V_EARLY), q as bf16 fragments ([D/16][32 lanes] x 16 bytes), scores in
@@ -251,11 +251,11 @@ impl CudaConfig {
             && d.is_multiple_of(16)
             && b.is_multiple_of(16)
             && v_early;
-        let (dyn_smem, static_smem) = if att_mma {
+        let static_smem = if att_mma {
             let mma_static = d / 16 * 32 * 16 + (gs * (b + 8) + 2 * gs) * 4;
-            (simt_dyn, simt_static.max(mma_static))
+            simt_static.max(mma_static)
         } else {
-            (simt_dyn, simt_static)
+            simt_static
         };
         if static_smem > SMEM_LIMIT || dyn_smem + static_smem > SMEM_OPTIN_LIMIT {
             return Err(invalid(format!(
