@@ -14,13 +14,10 @@
 //! single launches (as gpu_bench's sel_us); `back to back` is the median of 28 launches between
 //! two events, divided by 28 (no event between kernels).
 
-use std::sync::Arc;
-
 use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::compile_ptx;
+use kvtier_kernels::cuda::device_context;
 
 const SRC: &str = r#"
 typedef unsigned long long u64;
@@ -65,37 +62,30 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-struct Gpu {
-    stream: Arc<CudaStream>,
-    ctx: Arc<CudaContext>,
-}
-
-impl Gpu {
-    /// Median microseconds of `reps` event pairs around `launch` (called `per` times between
-    /// the events; the result is divided by `per`).
-    fn time(
-        &self,
-        reps: usize,
-        per: usize,
-        mut launch: impl FnMut(usize) -> Result<(), Box<dyn std::error::Error>>,
-    ) -> Result<f64, Box<dyn std::error::Error>> {
-        let ev = || self.ctx.new_event(Some(CU_EVENT_DEFAULT));
-        let (a, b) = (ev()?, ev()?);
-        let mut t = Vec::with_capacity(reps);
-        let mut k = 0;
-        for _ in 0..reps + 2 {
-            a.record(&self.stream)?;
-            for _ in 0..per {
-                launch(k)?;
-                k += 1;
-            }
-            b.record(&self.stream)?;
-            b.synchronize()?;
-            t.push(a.elapsed_ms(&b)? as f64 * 1e3 / per as f64);
+/// Median microseconds of `reps` event pairs around `launch` on `stream` (called `per` times
+/// between the events; the result is divided by `per`).
+fn time(
+    stream: &CudaStream,
+    reps: usize,
+    per: usize,
+    mut launch: impl FnMut(usize) -> Result<(), Box<dyn std::error::Error>>,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let ev = || stream.context().new_event(Some(CU_EVENT_DEFAULT));
+    let (a, b) = (ev()?, ev()?);
+    let mut t = Vec::with_capacity(reps);
+    let mut k = 0;
+    for _ in 0..reps + 2 {
+        a.record(stream)?;
+        for _ in 0..per {
+            launch(k)?;
+            k += 1;
         }
-        // The first two warm up.
-        Ok(median(&mut t[2..]))
+        b.record(stream)?;
+        b.synchronize()?;
+        t.push(a.elapsed_ms(&b)? as f64 * 1e3 / per as f64);
     }
+    // The first two warm up.
+    Ok(median(&mut t[2..]))
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -110,7 +100,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             _ => return Err(format!("unknown argument {k}").into()),
         }
     }
-    let ctx = CudaContext::new(0)?;
+    let ctx = device_context(0)?;
     let stream = ctx.default_stream();
     let module = ctx.load_module(compile_ptx(SRC)?)?;
     let read: CudaFunction = module.load_function("read_floor")?;
@@ -123,10 +113,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let sms = ctx.attribute(
         cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
     )? as u32;
-    let gpu = Gpu {
-        stream: stream.clone(),
-        ctx: ctx.clone(),
-    };
     println!("device: {} ({sms} SMs)", ctx.name()?);
     println!(
         "command: {}",
@@ -148,8 +134,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         unsafe { lb.launch(one(1)) }?;
         Ok(())
     };
-    let e1 = gpu.time(reps * layers, 1, launch_empty)?;
-    let e28 = gpu.time(reps, layers, launch_empty)?;
+    let e1 = time(&stream, reps * layers, 1, launch_empty)?;
+    let e28 = time(&stream, reps, layers, launch_empty)?;
     println!(
         "{:>22} {:>6} {:>14} {:>14}",
         "kernel", "grid", "per launch us", "back to back us"
@@ -165,8 +151,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 unsafe { lb.launch(one(grid)) }?;
                 Ok(())
             };
-            let t1 = gpu.time(reps * layers, 1, launch)?;
-            let t28 = gpu.time(reps, layers, launch)?;
+            let t1 = time(&stream, reps * layers, 1, launch)?;
+            let t28 = time(&stream, reps, layers, launch)?;
             let gbs = |us: f64| vecs as f64 * 16.0 / us / 1e3;
             println!(
                 "{:>22} {:>6} {:>8.2} ({:>4.0} GB/s) {:>8.2} ({:>4.0} GB/s)",
