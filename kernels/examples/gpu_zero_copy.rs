@@ -93,7 +93,10 @@ fn main() -> Res<()> {
             _ => return Err(format!("unknown argument {k}").into()),
         }
     }
-    if splits.iter().any(|&s| s == 0 || TILE / 16 % s != 0 || TILE / 16 / s > 16 * THREADS as usize) {
+    if splits
+        .iter()
+        .any(|&s| s == 0 || !(TILE / 16).is_multiple_of(s) || TILE / 16 / s > 16 * THREADS as usize)
+    {
         return Err("each split must divide 4096 and be at least 1".into());
     }
     let ctx = device_context(0)?;
@@ -104,7 +107,10 @@ fn main() -> Res<()> {
         cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
     )?;
     println!("device: {} ({sms} SMs)", ctx.name()?);
-    println!("command: {}", std::env::args().collect::<Vec<_>>().join(" "));
+    println!(
+        "command: {}",
+        std::env::args().collect::<Vec<_>>().join(" ")
+    );
 
     let len = host_gb << 30;
     let region = PinnedRegion::register_owned(&ctx, AnonMapping::new(len)?)?;
