@@ -14,8 +14,10 @@
 //! single launches (as gpu_bench's sel_us); `back to back` is the median of 28 launches between
 //! two events, divided by 28 (no event between kernels).
 
-use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+mod common;
+
+use common::{time, Res};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::compile_ptx;
 use kvtier_kernels::cuda::device_context;
 
@@ -57,38 +59,7 @@ extern "C" __global__ void read_floor(const uint4* __restrict__ p, u64 n, unsign
 }
 "#;
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-/// Median microseconds of `reps` event pairs around `launch` on `stream` (called `per` times
-/// between the events; the result is divided by `per`).
-fn time(
-    stream: &CudaStream,
-    reps: usize,
-    per: usize,
-    mut launch: impl FnMut(usize) -> Result<(), Box<dyn std::error::Error>>,
-) -> Result<f64, Box<dyn std::error::Error>> {
-    let ev = || stream.context().new_event(Some(CU_EVENT_DEFAULT));
-    let (a, b) = (ev()?, ev()?);
-    let mut t = Vec::with_capacity(reps);
-    let mut k = 0;
-    for _ in 0..reps + 2 {
-        a.record(stream)?;
-        for _ in 0..per {
-            launch(k)?;
-            k += 1;
-        }
-        b.record(stream)?;
-        b.synchronize()?;
-        t.push(a.elapsed_ms(&b)? as f64 * 1e3 / per as f64);
-    }
-    // The first two warm up.
-    Ok(median(&mut t[2..]))
-}
-
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> Res<()> {
     let (mut mb, mut layers, mut reps) = (16.777_216f64, 28usize, 20usize);
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -127,7 +98,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let launch_empty = |_: usize| -> Result<(), Box<dyn std::error::Error>> {
+    let launch_empty = |_: usize| -> Res<()> {
         let mut lb = stream.launch_builder(&empty);
         lb.arg(&out);
         // SAFETY: `empty` takes one device pointer, which `out` is.
@@ -143,7 +114,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("{:>22} {:>6} {:>14.2} {:>14.2}", "empty", 1, e1, e28);
     for mode in [0u32, 1] {
         for grid in [sms, 256, 2 * sms, 4 * sms, 8 * sms] {
-            let launch = |k: usize| -> Result<(), Box<dyn std::error::Error>> {
+            let launch = |k: usize| -> Res<()> {
                 let mut lb = stream.launch_builder(&read);
                 lb.arg(&bufs[k % layers]).arg(&vecs).arg(&mode).arg(&out);
                 // SAFETY: read_floor takes (const uint4*, u64 n, u32 mode, u32*): the buffer

@@ -16,8 +16,10 @@
 //! around single launches (as gpu_bench times a step); the floor is bytes / 55.3 GB/s. The DMA
 //! row copies the same bytes (one contiguous range) with one cuMemcpyHtoDAsync.
 
-use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+mod common;
+
+use common::{time, Res};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::compile_ptx;
 use kvtier_kernels::cuda::{device_context, AnonMapping, PinnedRegion};
 
@@ -25,6 +27,8 @@ const TILE: usize = 64 << 10;
 const THREADS: u32 = 256;
 /// The measured bulk host -> GPU rate (../shared/DESIGN.md, "Measured physical limits").
 const FLOOR_GBS: f64 = 55.3;
+// A whole tile fits read_tiles's MAXL (16) loads per thread, so every split reads it all.
+const _: () = assert!(TILE / 16 <= 16 * THREADS as usize);
 
 const SRC: &str = r#"
 typedef unsigned long long u64;
@@ -49,30 +53,6 @@ extern "C" __global__ void read_tiles(const u64* __restrict__ tiles, u32 tile_ve
 }
 "#;
 
-type Res<T> = Result<T, Box<dyn std::error::Error>>;
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-/// Median microseconds of event pairs around `launch(k)` for k in 0..n (two warm-up first).
-fn time_each(stream: &CudaStream, n: usize, mut launch: impl FnMut(usize) -> Res<()>) -> Res<f64> {
-    let ev = || stream.context().new_event(Some(CU_EVENT_DEFAULT));
-    let (a, b) = (ev()?, ev()?);
-    let mut t = Vec::with_capacity(n);
-    for k in 0..n + 2 {
-        a.record(stream)?;
-        launch(k % n)?;
-        b.record(stream)?;
-        b.synchronize()?;
-        if k >= 2 {
-            t.push(a.elapsed_ms(&b)? as f64 * 1e3);
-        }
-    }
-    Ok(median(&mut t))
-}
-
 fn list(v: &str) -> Res<Vec<usize>> {
     Ok(v.split(',').map(str::parse).collect::<Result<_, _>>()?)
 }
@@ -95,7 +75,7 @@ fn main() -> Res<()> {
     }
     if splits
         .iter()
-        .any(|&s| s == 0 || !(TILE / 16).is_multiple_of(s) || TILE / 16 / s > 16 * THREADS as usize)
+        .any(|&s| s == 0 || !(TILE / 16).is_multiple_of(s))
     {
         return Err("each split must divide 4096 and be at least 1".into());
     }
@@ -167,7 +147,8 @@ fn main() -> Res<()> {
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let us = time_each(&stream, launches, |k| {
+            let us = time(&stream, launches, 1, |k| {
+                let k = k % launches;
                 let view = addrs_dev.slice(k * max_tiles..k * max_tiles + tiles);
                 let mut lb = stream.launch_builder(&read);
                 lb.arg(&view).arg(&vecs).arg(&sp).arg(&out);
@@ -180,11 +161,12 @@ fn main() -> Res<()> {
             row(&split.to_string(), grid.to_string(), us);
         }
         let (dptr, _sync) = dst.device_ptr(&stream);
-        let us = time_each(&stream, launches, |k| {
+        let us = time(&stream, launches, 1, |k| {
+            let k = k % launches;
             let off = offs[k * max_tiles].min(len - tiles * TILE);
             // SAFETY: dst holds max_tiles * TILE >= tiles * TILE bytes; the source range lies in
             // the pinned region's owned mapping, which outlives the copy (synchronized by the
-            // event in time_each before the next iteration).
+            // event in time before the next iteration).
             unsafe {
                 cudarc::driver::result::memcpy_htod_async(
                     dptr,
