@@ -213,6 +213,7 @@ __device__ __forceinline__ void attend_one(
     __shared__ uint4 s_qf[HEAD_DIM / 16 * 32];
     uint4 kr[V_EARLY_LOADS], vr[V_EARLY_LOADS];
     load_tile_regs(t, kr, vr);
+    pdl_wait();  // the tile's loads are in flight; q and the partials wait for the previous kernel
     for (u32 x = tid; x < HEAD_DIM / 16 * 32; x += ATT_THREADS) {
         const u32 h = (x & 31u) >> 2;
         const u32 d = (x >> 5) * 16 + (x & 3u) * 2;
@@ -270,6 +271,9 @@ __device__ __forceinline__ void attend_one(
         }
     }
     __syncthreads();
+    // Every byte of the tile has arrived and the rest is arithmetic: once all of this grid's
+    // thread blocks are here, the next kernel may start its reads (common.cuh).
+    pdl_trigger();
 
     // Values: warp w takes dims [16 m, 16 m + 16) for m = w, w + ATT_WARPS, ...
     const u32 sv = sk + BLOCK_TOKENS * CPR * 16;
@@ -318,6 +322,7 @@ __device__ __forceinline__ void attend_one(
     stage_rows(s_tile, t.from, nvalid);
     stage_rows(s_tile + BLOCK_TOKENS * CPR, t.from + BLOCK_TOKENS * CPR, nvalid);
 #endif
+    pdl_wait();
     for (u32 x = tid; x < GROUP * HEAD_DIM; x += ATT_THREADS) s_q[x / HEAD_DIM][x % HEAD_DIM] = qh[x];
     __syncthreads();
 #if V_EARLY
@@ -392,6 +397,7 @@ __device__ __forceinline__ void attend_one(
     }
     __syncthreads();
 #endif
+    pdl_trigger();
     // Values: thread owns chunk c of the row and every SLICES-th row.
     {
         const u32 c = tid % CPR;
@@ -485,6 +491,10 @@ extern "C" __global__ void attend_merge(
     const u32* __restrict__ counts, const float* __restrict__ part_acc, const float* __restrict__ part_ml,
     float* __restrict__ out) {
     K_TRACE(4);
+    // The next layer's first kernel may start now (its reads of host frames overlap this
+    // merge); this one's inputs are complete once the previous kernel is.
+    pdl_trigger();
+    pdl_wait();
     const u32 h = blockIdx.x;
     const u32 i = blockIdx.y;
     const u32 kvh = h / GROUP;

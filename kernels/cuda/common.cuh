@@ -85,6 +85,30 @@ __device__ __forceinline__ void signal_ready(u32* flag, u32 stamp) {
     if (threadIdx.x == 0) st_release(flag, stamp);
 }
 
+// Programmatic dependent launch (compute capability 9.0+; no-ops below it and in a grid
+// launched without the attribute). Within a call the host launches each layer's merge, and the
+// next layer's layer_fused, with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+// (CudaBackend::launch_after): such a grid may start once every thread block of the kernel
+// before it has called pdl_trigger or exited. Tile roles trigger once their tile's bytes have
+// arrived, the merge at its start, so the next layer's plan and host-frame reads start as the
+// link frees up (bench/gpu/NOTES.md v30). Until pdl_wait returns (the kernel before complete,
+// its writes visible) a thread block may only touch what no unfinished kernel still uses:
+// host frames, block summaries, its own layer's table, counts, cache tags and slots, and the
+// shared slot_of/miss_src entries and ready flags (stamped per layer), which every thread
+// block of the previous layer has read or waited on before it triggered. q, the partials and
+// the selector's scratch come after the wait: in an engine the next layer's query is
+// computed from this layer's output.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ u32 n_blocks_of(u32 n_tokens) {
     return (n_tokens + BLOCK_TOKENS - 1) / BLOCK_TOKENS;
 }

@@ -219,17 +219,6 @@ __device__ __forceinline__ void score_role(
         }
     }
 #endif
-    const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
-    // q in lane-major order, so that the octets of a warp read one broadcast word per
-    // (head, dim): q held in registers (G x D/8 per thread) took 176 registers, one thread
-    // block per SM, and measured slower (bench/gpu/NOTES.md v17).
-    __shared__ float s_q[SEL_S][GROUP][8];
-    for (u32 x = tid; x < GROUP * HEAD_DIM; x += SCORE_THREADS) {
-        const u32 d = x % HEAD_DIM;
-        s_q[d / 8][x / HEAD_DIM][d % 8] = qh[x];
-    }
-    __syncthreads();
-    SEL_STAMP(1);
     const uint4* recs = (const uint4*)sums + ((u64)sess[i] * NUM_LAYERS + layer) * (u64)max_blocks * KV_HEADS * REC_VECS;
     // Loads octet row n's record, zeros past the layer or past this launch's nbo rows. The
     // loads are predicated, not branched over: under a branch the compiler sank the next
@@ -244,6 +233,19 @@ __device__ __forceinline__ void score_role(
     };
     uint4 cur[SEL_V];
     load(0, cur);
+    // The first records are in flight; q waits for the previous kernel (common.cuh).
+    pdl_wait();
+    const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
+    // q in lane-major order, so that the octets of a warp read one broadcast word per
+    // (head, dim): q held in registers (G x D/8 per thread) took 176 registers, one thread
+    // block per SM, and measured slower (bench/gpu/NOTES.md v17).
+    __shared__ float s_q[SEL_S][GROUP][8];
+    for (u32 x = tid; x < GROUP * HEAD_DIM; x += SCORE_THREADS) {
+        const u32 d = x % HEAD_DIM;
+        s_q[d / 8][x / HEAD_DIM][d % 8] = qh[x];
+    }
+    __syncthreads();
+    SEL_STAMP(1);
     u64 key[SCORE_NB];
 #pragma unroll
     for (int n = 0; n < SCORE_NB; ++n) key[n] = 0ull;

@@ -13,13 +13,14 @@
 //!
 //! Usage: gpu_bench [--host-gb 60] [--steps 20] [--warmup 3] [--rho 0.9] [--contexts 131072,1048576]
 //!                  [--ks 8,32] [--batches 1,8] [--json PATH] [--summaries-bf16] [--trace]
-//!                  [--split-step] [--simt-attention]
+//!                  [--split-step] [--simt-attention] [--no-pdl]
 //!
 //! `--trace` with `KVTIER_NVRTC_DEFINES=-DSEL_TRACE=1` prints the phase breakdown of the last
 //! layer's select_score in every measured step (diagnostics; bench/gpu/NOTES.md v24).
 //! `--split-step` times the split pass by step only, like the Auto pass (a like-for-like
 //! split_ms; no per-kernel columns). `--simt-attention` attends tiles with fp32 FMAs instead of
-//! tensor cores (the A/B of bench/gpu/NOTES.md v27).
+//! tensor cores (the A/B of bench/gpu/NOTES.md v27). `--no-pdl` launches every layer after
+//! the previous layer's merge has ended (no programmatic dependent launch; the A/B of v30).
 
 use std::time::Instant;
 
@@ -51,6 +52,8 @@ struct Args {
     split_step: bool,
     /// fp32 attention on the CUDA cores instead of tensor cores.
     simt: bool,
+    /// No programmatic dependent launch between layers.
+    no_pdl: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -67,6 +70,7 @@ fn parse() -> Result<Args, String> {
         trace: false,
         split_step: false,
         simt: false,
+        no_pdl: false,
     };
     let mut it = std::env::args().skip(1);
     let list = |s: String| -> Result<Vec<u32>, String> {
@@ -89,6 +93,7 @@ fn parse() -> Result<Args, String> {
             "--trace" => a.trace = true,
             "--split-step" => a.split_step = true,
             "--simt-attention" => a.simt = true,
+            "--no-pdl" => a.no_pdl = true,
             _ => return Err(format!("unknown argument {k}")),
         }
     }
@@ -502,6 +507,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut overlap_rows = Vec::new();
     let mut region: Option<std::sync::Arc<PinnedRegion>> = None;
     let mut device = String::new();
+    let mut pdl = false;
     for &ctx in &args.contexts {
         let n_blocks = ctx / BT;
         for &k in &args.ks {
@@ -509,6 +515,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let cfg = config(n_blocks, k, max_batch, args.sum_bf16, args.simt);
             let t0 = Instant::now();
             let mut be = CudaBackend::new(0, cfg)?;
+            be.set_dependent_launch(!args.no_pdl);
+            pdl = be.dependent_launch();
             device = be.device_name()?;
             println!(
                 "backend ctx={ctx} k={k}: created (NVRTC + device alloc) in {:.2} s",
@@ -614,6 +622,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "geometry: Qwen2.5-7B attention (28 layers, 28/4 heads, D=128, bf16, B=128), sink 1, local 4; summaries {} on the device; tile attention on {}",
         if args.sum_bf16 { "bf16 outward" } else { "exact (bf16: lossless for bf16 keys)" },
         if args.simt { "CUDA cores (fp32 FMA)" } else { "tensor cores (bf16 MMA, fp32 factors split hi + lo)" }
+    );
+    println!(
+        "dependent launch (a layer's first kernel starts during the previous layer's merge; step-timed runs only): {}",
+        if pdl { "on" } else { "off" }
     );
     println!("step = 28 x (select + plan + fetch/attend), device time by CUDA events (median of {} steps); wall includes uploads, sync, readback", args.steps);
     println!("step_ms: LaunchMode::Auto (a layer is one launch, layer_fused, while its tiles mostly miss the block cache), the step alone timed (Timing::Step, as the decode path runs); split_ms: the same mode run next with split launches (plan_fixed + fixed tiles beside select_score, then the distant tiles), {}",

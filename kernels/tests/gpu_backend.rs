@@ -873,6 +873,111 @@ fn fused_launch_matches_split_launches() {
     }
 }
 
+/// Dependent launch (a layer's layer_fused starting while the previous layer's merge runs,
+/// its reads of host frames overlapping it) changes nothing but timing: over 4 layers, with
+/// fused, Auto and split launches, cold and warm, batch 1 and 3 (with a short layer), the
+/// outputs, keep-sets and cold cache statistics are bit-identical with it off, exact against
+/// the CPU, and per-layer calls give the same outputs.
+#[test]
+fn dependent_launch_changes_only_timing() {
+    if !gpu() {
+        return;
+    }
+    let mut cfg = qwen_config(120, 3);
+    cfg.geometry.layers = 4;
+    let mut h = Harness::new(cfg, 91);
+    let (major, _) = h.be.context().compute_capability().unwrap();
+    let slots: Vec<u32> = [120 * 128, 90 * 128 + 5, 20 * 128]
+        .iter()
+        .map(|&n| h.add_session(n, KeyGen { templates: 0 }))
+        .collect();
+    let hqd = 28 * 128;
+    // Per-layer events would sit between the kernels and turn it off.
+    h.be.set_timing(Timing::Layers).unwrap();
+    assert!(!h.be.dependent_launch());
+    h.be.set_timing(Timing::Step).unwrap();
+    assert_eq!(
+        h.be.dependent_launch(),
+        major >= 9,
+        "on where the device has it"
+    );
+    for batch in [1, 3] {
+        let qs: Vec<Vec<f32>> = slots[..batch]
+            .iter()
+            .map(|_| (0..4).flat_map(|_| h.query()).collect())
+            .collect();
+        let items: Vec<StepItem> = slots[..batch]
+            .iter()
+            .zip(&qs)
+            .map(|(&slot, q)| StepItem { slot, q })
+            .collect();
+        for mode in [LaunchMode::Fused, LaunchMode::Auto, LaunchMode::Split] {
+            h.be.set_launch_mode(mode);
+            for warm in [false, true] {
+                let mut runs = Vec::new();
+                for pdl in [true, false, true] {
+                    h.be.set_dependent_launch(pdl);
+                    if !warm {
+                        h.be.flush_cache().unwrap();
+                    }
+                    let step = h.be.decode_step(&items).unwrap();
+                    assert!(
+                        step.out.iter().all(|x| x.is_finite()),
+                        "every output written"
+                    );
+                    let keeps: Vec<_> = (0..4).map(|l| h.be.last_keep_sets(l).unwrap()).collect();
+                    runs.push((step.out, step.stats, keeps));
+                }
+                for r in &runs[1..] {
+                    let what = format!("batch {batch}, {mode:?}, warm {warm}");
+                    assert_eq!(r.0, runs[0].0, "outputs ({what})");
+                    assert_eq!(r.2, runs[0].2, "keep-sets ({what})");
+                    if !warm {
+                        assert_eq!(r.1, runs[0].1, "cold cache statistics ({what})");
+                    }
+                }
+                for (i, &slot) in slots[..batch].iter().enumerate() {
+                    for l in 0..4 {
+                        let q = &qs[i][l * hqd..(l + 1) * hqd];
+                        let want = h.cpu_select(slot as usize, l, q);
+                        assert_eq!(runs[0].2[l][i], want, "slot {slot} layer {l}");
+                        let r = h.cpu_attend(slot as usize, l, q, &want);
+                        let got = &runs[0].0[(i * 4 + l) * hqd..(i * 4 + l + 1) * hqd];
+                        let e = rel_err(got, &r);
+                        assert!(e < 2e-3, "slot {slot} layer {l}: {e}");
+                    }
+                }
+            }
+        }
+        // Per-layer calls (the daemon's path: each call's first launch follows uploads, not a
+        // kernel) give the step's outputs.
+        h.be.set_dependent_launch(true);
+        h.be.set_launch_mode(LaunchMode::Auto);
+        h.be.flush_cache().unwrap();
+        let step = h.be.decode_step(&items).unwrap();
+        h.be.flush_cache().unwrap();
+        for l in 0..4u32 {
+            let layer_items: Vec<DecodeItem> = slots[..batch]
+                .iter()
+                .zip(&qs)
+                .map(|(&slot, q)| DecodeItem {
+                    slot,
+                    q: &q[l as usize * hqd..(l as usize + 1) * hqd],
+                })
+                .collect();
+            let out = h.be.decode_layer(l, &layer_items).unwrap().out;
+            for i in 0..batch {
+                let l = l as usize;
+                assert_eq!(
+                    &out[i * hqd..(i + 1) * hqd],
+                    &step.out[(i * 4 + l) * hqd..(i * 4 + l + 1) * hqd],
+                    "layer {l} item {i}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn bad_inputs_get_typed_errors() {
     if !gpu() {

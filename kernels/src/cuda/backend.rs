@@ -1,5 +1,7 @@
 //! The CUDA backend: device-side layer state and the select -> gather -> attend pipeline.
 
+use std::ffi::c_void;
+use std::ptr::null_mut;
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -200,6 +202,8 @@ pub struct CudaBackend {
     sms: u32,
     /// How layers are launched; see [`LaunchMode`].
     mode: LaunchMode,
+    /// Dependent launch requested ([`Self::set_dependent_launch`]).
+    pdl: bool,
     /// Per layer: whether its last run was fused (how its timing reads).
     fused: Vec<bool>,
     /// Per layer: the share of its last call's tiles found in the block cache (0 before any).
@@ -370,6 +374,7 @@ impl CudaBackend {
             join,
             sms,
             mode: LaunchMode::Auto,
+            pdl: true,
             fused: vec![false; l],
             hit_share: vec![0.0; l],
             tickets_issued: 0,
@@ -478,6 +483,25 @@ impl CudaBackend {
                 LaunchMode::Split => false,
                 LaunchMode::Auto => self.hit_share[l] < FUSE_BELOW_HIT_SHARE,
             }
+    }
+
+    /// Chooses whether, within a call, a layer's merge and the next layer's layer_fused may
+    /// start before the kernel ahead of them ends (programmatic dependent launch; on by
+    /// default where the device has it, compute capability 9.0+): once the previous layer's
+    /// last tile has arrived, the next layer plans and reads host frames while that tile is
+    /// attended and merged; everything that depends on the previous layer waits for it inside
+    /// the kernels (kernels/cuda/common.cuh). On an H200 a cold k=8 batch-1 step is 5% faster
+    /// (bench/gpu/NOTES.md v30).
+    pub fn set_dependent_launch(&mut self, on: bool) {
+        self.pdl = on;
+    }
+
+    /// Whether a layer's first kernel is launched dependent on the previous layer's merge now:
+    /// where the device has it (compute capability 9.0+), unless turned off
+    /// ([`Self::set_dependent_launch`]) or per-layer events sit between the kernels
+    /// ([`Timing::Layers`]).
+    pub fn dependent_launch(&self) -> bool {
+        self.pdl && self.k.pdl && self.timers.as_ref().is_none_or(|t| t.marks.is_none())
     }
 
     /// Test aid: fill outputs and partials with NaN before every call so unwritten elements show.
@@ -872,6 +896,61 @@ impl CudaBackend {
         cfg: LaunchConfig,
         args: &[Arg],
     ) -> Result<()> {
+        self.launch_after(stream, f, name, cfg, args, false)
+    }
+
+    /// [`Self::launch`]; `after_kernel`: the stream's previous operation is a kernel of this
+    /// call (nothing between them), so with dependent launch on this launch may start before
+    /// that kernel ends (programmatic stream serialization: the kernels' `pdl_wait` keeps
+    /// their dependent reads and writes behind it, kernels/cuda/common.cuh).
+    fn launch_after(
+        &self,
+        stream: &Arc<CudaStream>,
+        f: &CudaFunction,
+        name: &'static str,
+        cfg: LaunchConfig,
+        args: &[Arg],
+        after_kernel: bool,
+    ) -> Result<()> {
+        if after_kernel && self.dependent_launch() {
+            let mut params: Vec<*mut c_void> = args
+                .iter()
+                .map(|a| match a {
+                    Arg::P(v) => v as *const u64 as *mut c_void,
+                    Arg::U(v) => v as *const u32 as *mut c_void,
+                    Arg::F(v) => v as *const f32 as *mut c_void,
+                })
+                .collect();
+            // SAFETY: a plain-old-data C struct (ids and a union of integers) for which all
+            // zero bytes is a valid value; both fields used are set below.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let lc = sys::CUlaunchConfig {
+                gridDimX: cfg.grid_dim.0,
+                gridDimY: cfg.grid_dim.1,
+                gridDimZ: cfg.grid_dim.2,
+                blockDimX: cfg.block_dim.0,
+                blockDimY: cfg.block_dim.1,
+                blockDimZ: cfg.block_dim.2,
+                sharedMemBytes: cfg.shared_mem_bytes,
+                hStream: stream.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            self.ctx
+                .bind_to_thread()
+                .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+            // SAFETY: as for `launch` below (same argument lists and grids); `params` points
+            // into `args`, and `lc` and `attr` live until the call returns (the driver copies
+            // the parameters at launch). The attribute is set only on compute capability 9.0+
+            // ([`Self::dependent_launch`]).
+            unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), null_mut()) }
+                .result()
+                .map_err(|source| CudaError::Driver { call: name, source })?;
+            return Ok(());
+        }
         let mut lb = stream.launch_builder(f);
         for a in args {
             match a {
@@ -1054,7 +1133,9 @@ impl CudaBackend {
                 U(nfixed),
                 U(bu),
             ]);
-            self.launch(
+            // Within a call every layer ends with its merge on the main stream, and with
+            // dependent launch no event sits between (dependent_launch).
+            self.launch_after(
                 main,
                 fused,
                 "layer_fused",
@@ -1064,9 +1145,10 @@ impl CudaBackend {
                     shared_mem_bytes: self.derived.att_dyn_smem,
                 },
                 &args,
+                li > 0,
             )?;
             self.record(l, 1)?;
-            self.merge(l, bu, counts, out)?;
+            self.merge(l, bu, counts, out, true)?;
             return Ok(ctas);
         }
         let rec = |e: &CudaEvent, st: &Arc<CudaStream>| {
@@ -1111,14 +1193,15 @@ impl CudaBackend {
         self.record(l, 1)?;
         attend(main, 1, p.top_k.max(1))?;
         wait(main, &self.join)?;
-        self.merge(l, bu, counts, out)?;
+        self.merge(l, bu, counts, out, false)?;
         Ok(0)
     }
 
-    /// The layer's last launch: the log-sum-exp merge of its partials into `out`.
-    fn merge(&self, l: usize, bu: u32, counts: u64, out: u64) -> Result<()> {
+    /// The layer's last launch: the log-sum-exp merge of its partials into `out`;
+    /// `after_kernel` as in [`Self::launch_after`].
+    fn merge(&self, l: usize, bu: u32, counts: u64, out: u64, after_kernel: bool) -> Result<()> {
         let g = self.cfg.geometry;
-        self.launch(
+        self.launch_after(
             &self.stream,
             &self.k.attend_merge,
             "attend_merge",
@@ -1133,6 +1216,7 @@ impl CudaBackend {
                 Arg::P(self.part_ml.ptr),
                 Arg::P(out),
             ],
+            after_kernel,
         )?;
         self.record(l, 2)
     }

@@ -34,6 +34,9 @@ pub(crate) struct Kernels {
     pub layer_fused: Option<CudaFunction>,
     pub attend_tile: CudaFunction,
     pub attend_merge: CudaFunction,
+    /// Compiled for compute capability 9.0 or later: the kernels' griddepcontrol
+    /// instructions are present, so programmatic dependent launch may be used.
+    pub pdl: bool,
 }
 
 fn arch_for(cc: (i32, i32)) -> Option<&'static str> {
@@ -89,7 +92,8 @@ pub(crate) fn compile(
     let cc = ctx
         .compute_capability()
         .map_err(CudaError::driver("cuDeviceGetAttribute"))?;
-    let ptx = nvrtc(cfg, derived, arch_for(cc))?;
+    let arch = arch_for(cc);
+    let ptx = nvrtc(cfg, derived, arch)?;
     let module = ctx
         .load_module(ptx)
         .map_err(CudaError::driver("cuModuleLoadData"))?;
@@ -145,5 +149,6 @@ pub(crate) fn compile(
         select_score,
         select_topk,
         layer_fused,
+        pdl: arch.is_some() && cc.0 >= 9,
     })
 }
