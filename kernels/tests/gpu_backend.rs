@@ -377,6 +377,32 @@ fn check_layer(h: &mut Harness, layer: u32, slots: &[u32]) -> Vec<f32> {
     out.out
 }
 
+/// Checks a decode_step's outputs and keep-sets (`keeps[layer]`, as `last_keep_sets` gives them)
+/// against the CPU selector and the f64 reference, for the first `layers` layers of `slots` with
+/// queries `qs` (each [step layers x Hq x D]).
+fn check_step(
+    h: &Harness,
+    slots: &[u32],
+    qs: &[Vec<f32>],
+    layers: usize,
+    out: &[f32],
+    keeps: &[Vec<Vec<Vec<u32>>>],
+) {
+    let hqd = (h.cfg.geometry.q_heads * h.cfg.geometry.head_dim) as usize;
+    let n = qs[0].len() / hqd;
+    for (i, &slot) in slots.iter().enumerate() {
+        for l in 0..layers {
+            let q = &qs[i][l * hqd..(l + 1) * hqd];
+            let want = h.cpu_select(slot as usize, l, q);
+            assert_eq!(keeps[l][i], want, "keep-set of slot {slot} layer {l}");
+            let r = h.cpu_attend(slot as usize, l, q, &want);
+            let got = &out[(i * n + l) * hqd..(i * n + l + 1) * hqd];
+            let e = rel_err(got, &r);
+            assert!(e < 2e-3, "slot {slot} layer {l}: rel err {e}");
+        }
+    }
+}
+
 const POLICY: SelectPolicy = SelectPolicy {
     sink_blocks: 1,
     local_blocks: 4,
@@ -795,7 +821,6 @@ fn fused_launch_matches_split_launches() {
         .iter()
         .map(|&n| h.add_session(n, KeyGen { templates: 0 }))
         .collect();
-    let hqd = 28 * 128;
     h.be.set_timing(Timing::Layers).unwrap();
     for batch in [1, 3] {
         let qs: Vec<Vec<f32>> = slots[..batch]
@@ -842,17 +867,7 @@ fn fused_launch_matches_split_launches() {
                 assert!(last.iter().all(|s| s.hits + s.misses == s.tiles));
                 assert!(last.iter().all(|s| s.misses <= 4 * batch as u64));
             }
-            for (i, &slot) in slots[..batch].iter().enumerate() {
-                for l in 0..2 {
-                    let q = &qs[i][l * hqd..(l + 1) * hqd];
-                    let want = h.cpu_select(slot as usize, l, q);
-                    assert_eq!(runs[0].2[l][i], want, "slot {slot} layer {l}");
-                    let r = h.cpu_attend(slot as usize, l, q, &want);
-                    let got = &runs[0].0[(i * 2 + l) * hqd..(i * 2 + l + 1) * hqd];
-                    let e = rel_err(got, &r);
-                    assert!(e < 2e-3, "slot {slot} layer {l}: {e}");
-                }
-            }
+            check_step(&h, &slots[..batch], &qs, 2, &runs[0].0, &runs[0].2);
         }
         // Auto decides from each layer's previous call: after a flush the call runs fused, and
         // so does its repeat (the call before it missed); once a call has hit (all tiles but
@@ -936,17 +951,7 @@ fn dependent_launch_changes_only_timing() {
                         assert_eq!(r.1, runs[0].1, "cold cache statistics ({what})");
                     }
                 }
-                for (i, &slot) in slots[..batch].iter().enumerate() {
-                    for l in 0..4 {
-                        let q = &qs[i][l * hqd..(l + 1) * hqd];
-                        let want = h.cpu_select(slot as usize, l, q);
-                        assert_eq!(runs[0].2[l][i], want, "slot {slot} layer {l}");
-                        let r = h.cpu_attend(slot as usize, l, q, &want);
-                        let got = &runs[0].0[(i * 4 + l) * hqd..(i * 4 + l + 1) * hqd];
-                        let e = rel_err(got, &r);
-                        assert!(e < 2e-3, "slot {slot} layer {l}: {e}");
-                    }
-                }
+                check_step(&h, &slots[..batch], &qs, 4, &runs[0].0, &runs[0].2);
             }
         }
         // Per-layer calls (the daemon's path: each call's first launch follows uploads, not a
