@@ -61,7 +61,8 @@ __device__ __forceinline__ void stage_rows(uint4* dst, const uint4* src, u32 row
 
 // Where one tile comes from and whether it goes back to its cache slot: the tile of block b in
 // cache slot `slot_idx` of (session slot sslot, layer, kv head kvh), fetched from mapped host
-// memory at `src` when that is not 0 (a miss) or else read from the slot (a hit).
+// memory at `src` when that is not 0 (a miss) or else read from the slot (a hit). Without a
+// cache (null: dense attention) the tile is read from `src` and goes nowhere.
 struct TileRef {
     u32 nvalid;          // tokens of the block present (the tail block may be partial)
     uint4* cslot;        // its cache slot
@@ -71,10 +72,10 @@ struct TileRef {
                                        u64 src) {
         nvalid = min((u32)BLOCK_TOKENS, nt - b * BLOCK_TOKENS);
         const u64 slot = (((u64)sslot * NUM_LAYERS + layer) * KV_HEADS + kvh) * CACHE_SLOTS + slot_idx;
-        cslot = cache + slot * (TILE_BYTES / 16);
+        cslot = cache ? cache + slot * (TILE_BYTES / 16) : nullptr;
         from = src ? (const uint4*)src : cslot;
         // Only full blocks are cached (gather_plan tags them); partial tails are refetched.
-        fill = src && nvalid == BLOCK_TOKENS;
+        fill = src && cache && nvalid == BLOCK_TOKENS;
     }
 };
 
@@ -180,7 +181,7 @@ __device__ __forceinline__ void split_bf16(float x0, float x1, u32& hi, u32& lo)
 // sess[i]): callers load them beside the table entry, so the tile's load waits on one round
 // trip to memory rather than a chain of them. The tile is staged in shared memory, written back
 // to its cache slot if it is a miss of a full block, and attended; the partial goes to
-// part_acc/part_ml at position j. Misses of different tiles and the attention of hits overlap
+// part_acc/part_ml at position j of a row of `row` entries (KSEL; max_blocks for dense). Misses of different tiles and the attention of hits overlap
 // across thread blocks.
 // q: [batch][HQ][HEAD_DIM] f32. part_acc: [batch][KV_HEADS][KSEL][GROUP][HEAD_DIM].
 // part_ml: [batch][KV_HEADS][KSEL][GROUP][2].
@@ -194,7 +195,7 @@ __device__ __forceinline__ void split_bf16(float x0, float x1, u32& hi, u32& lo)
 __device__ __forceinline__ void attend_one(
     const float* __restrict__ q, u32 nt, u32 sslot, u32 layer, uint4* __restrict__ cache, float scale,
     float* __restrict__ part_acc, float* __restrict__ part_ml, u32 i, u32 kvh, u32 j, u32 b, u32 slot_idx,
-    u64 src) {
+    u64 src, u32 row = KSEL) {
     const u32 tid = threadIdx.x;
     const u32 lane = tid & 31u;
     const u32 warp = tid >> 5;
@@ -204,7 +205,7 @@ __device__ __forceinline__ void attend_one(
     __shared__ float s_l[GROUP];
     const TileRef t(nt, sslot, layer, cache, kvh, b, slot_idx, src);
     const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
-    const u64 pbase = ((u64)(i * KV_HEADS + kvh) * KSEL + j) * GROUP;
+    const u64 pbase = ((u64)(i * KV_HEADS + kvh) * row + j) * GROUP;
 #if ATT_MMA
     const u32 g8 = lane >> 2, tig = lane & 3u;  // the MMA fragments' row group and column pair
     const u32 mi = lane >> 3;                    // the ldmatrix matrix this lane addresses
@@ -481,6 +482,100 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
     } else {
         if (!in_long) return;
         attend_one(q, nt, sslot, layer, cache, scale, part_acc, part_ml, i, kvh, jl, bl, cl, ml);
+    }
+}
+
+// Dense attention, the baseline the sparse path is measured against (gpu_bench): every block of
+// the layer, no selector and no block cache. attend_dense: grid (max_nb, KV_HEADS, batch), block
+// ATT_THREADS, dynamic shared memory ATT_DYN_SMEM; the tile of block b is read at
+// pages[sess][layer][b] + kvh * TILE_BYTES, a device address of GPU memory or of mapped host
+// memory, and its partial goes to row entry b (rows of max_blocks entries).
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_dense(
+    const float* __restrict__ q, const u32* __restrict__ sess, const u32* __restrict__ ntok, u32 layer,
+    u32 max_blocks, const u64* __restrict__ pages, float scale, float* __restrict__ part_acc,
+    float* __restrict__ part_ml) {
+    const u32 b = blockIdx.x, kvh = blockIdx.y, i = blockIdx.z;
+    const u32 nt = ntok[i];
+    if (b >= n_blocks_of(nt)) return;
+    const u64 src = pages[((u64)sess[i] * NUM_LAYERS + layer) * max_blocks + b] + (u64)kvh * TILE_BYTES;
+    attend_one(q, nt, 0, layer, nullptr, scale, part_acc, part_ml, i, kvh, b, b, 0, src, max_blocks);
+}
+
+// Online log-sum-exp fold of partial (m, l, acc) into (M, L, A); an empty partial (l = 0) is
+// skipped, so -inf maxima never meet.
+__device__ __forceinline__ void fold_partial(float m, float l, float acc, float& M, float& L, float& A) {
+    if (l == 0.0f) return;
+    const float nm = fmaxf(M, m);
+    const float a = L == 0.0f ? 0.0f : expf(M - nm), c = expf(m - nm);
+    L = L * a + l * c;
+    A = A * a + acc * c;
+    M = nm;
+}
+
+// attend_dense's merge in two steps (one thread block per query head would walk up to max_blocks
+// partials alone). dense_merge_part: grid (HQ, batch, splits), block HEAD_DIM; folds the
+// partials of blocks [z * per, (z + 1) * per) into stage (m, l) [batch][HQ][splits][2] and
+// stage acc [batch][HQ][splits][HEAD_DIM].
+extern "C" __global__ void dense_merge_part(
+    const u32* __restrict__ ntok, u32 max_blocks, const float* __restrict__ part_acc,
+    const float* __restrict__ part_ml, float* __restrict__ st_acc, float* __restrict__ st_ml) {
+    const u32 h = blockIdx.x, i = blockIdx.y, z = blockIdx.z, splits = gridDim.z;
+    const u32 kvh = h / GROUP, g = h % GROUP, d = threadIdx.x;
+    const u32 n = n_blocks_of(ntok[i]);
+    const u32 per = (n + splits - 1) / splits;
+    const u32 j0 = min(n, z * per), j1 = min(n, j0 + per);
+    const u64 row = (u64)(i * KV_HEADS + kvh) * max_blocks;
+    float M = NEG_INF, L = 0.0f, A = 0.0f;
+    for (u32 j = j0; j < j1; ++j) {
+        const u64 e = (row + j) * GROUP + g;
+        const float2 ml = *(const float2*)&part_ml[e * 2];
+        fold_partial(ml.x, ml.y, part_acc[e * HEAD_DIM + d], M, L, A);
+    }
+    const u64 o = ((u64)i * HQ + h) * splits + z;
+    st_acc[o * HEAD_DIM + d] = A;
+    if (d == 0) {
+        st_ml[o * 2] = M;
+        st_ml[o * 2 + 1] = L;
+    }
+}
+
+// dense_merge_out: grid (HQ, batch), block HEAD_DIM; folds the `splits` stage partials into out
+// [batch][HQ][HEAD_DIM].
+extern "C" __global__ void dense_merge_out(
+    u32 splits, const float* __restrict__ st_acc, const float* __restrict__ st_ml, float* __restrict__ out) {
+    const u32 h = blockIdx.x, i = blockIdx.y, d = threadIdx.x;
+    float M = NEG_INF, L = 0.0f, A = 0.0f;
+    for (u32 z = 0; z < splits; ++z) {
+        const u64 o = ((u64)i * HQ + h) * splits + z;
+        fold_partial(st_ml[o * 2], st_ml[o * 2 + 1], st_acc[o * HEAD_DIM + d], M, L, A);
+    }
+    out[((u64)i * HQ + h) * HEAD_DIM + d] = A / L;
+}
+
+// copy_runs: grid (blocks, layers), block 256; copies block run (layer, b) of a session, its
+// KV_HEADS tiles (run_vecs 16-byte vectors), from from[layer][b] to to[layer][b] (device
+// addresses: the page-table rows of one session slot; a 0 in `to` skips the block).
+extern "C" __global__ void __launch_bounds__(256) copy_runs(
+    const u64* __restrict__ from, const u64* __restrict__ to, u32 max_blocks, u32 n_blocks, u64 run_vecs) {
+    const u32 b = blockIdx.x, l = blockIdx.y;
+    if (b >= n_blocks) return;
+    const u64 e = (u64)l * max_blocks + b;
+    if (to[e] == 0) return;  // past this layer's blocks
+    const uint4* __restrict__ src = (const uint4*)from[e];
+    uint4* __restrict__ dst = (uint4*)to[e];
+    // Eight loads in flight per thread before their stores: host reads are ~2 us round trips.
+    for (u64 v0 = threadIdx.x; v0 < run_vecs; v0 += 256 * 8) {
+        uint4 r[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const u64 v = v0 + u * 256;
+            r[u] = v < run_vecs ? src[v] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const u64 v = v0 + u * 256;
+            if (v < run_vecs) dst[v] = r[u];
+        }
     }
 }
 

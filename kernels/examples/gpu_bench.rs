@@ -13,7 +13,7 @@
 //!
 //! Usage: gpu_bench [--host-gb 60] [--steps 20] [--warmup 3] [--rho 0.9] [--contexts 131072,1048576]
 //!                  [--ks 8,32] [--batches 1,8] [--json PATH] [--summaries-bf16] [--trace]
-//!                  [--split-step] [--simt-attention] [--no-pdl]
+//!                  [--split-step] [--simt-attention] [--no-pdl] [--no-dense]
 //!
 //! `--trace` with `KVTIER_NVRTC_DEFINES=-DSEL_TRACE=1` prints the phase breakdown of the last
 //! layer's select_score in every measured step (diagnostics; bench/gpu/NOTES.md v24).
@@ -21,15 +21,24 @@
 //! split_ms; no per-kernel columns). `--simt-attention` attends tiles with fp32 FMAs instead of
 //! tensor cores (the A/B of bench/gpu/NOTES.md v27). `--no-pdl` launches every layer after
 //! the previous layer's merge has ended (no programmatic dependent launch; the A/B of v30).
+//!
+//! Beside the sparse path, for each context and batch: dense attention over every block with the
+//! KV in GPU memory (where it fits in free device memory) and with the KV read from host memory
+//! over PCIe (`CudaBackend::dense_step`); `--no-dense` skips it.
 
 use std::time::Instant;
 
 use kvtier_kernels::cuda::{
-    AnonMapping, AttentionMath, CudaBackend, CudaConfig, CudaGeometry, KvDtype, LaunchMode,
-    PinnedRegion, SelectPolicy, StepItem, SummaryDtype, Timing,
+    AnonMapping, AttentionMath, CudaBackend, CudaConfig, CudaGeometry, DenseKv, KvDtype,
+    LaunchMode, PinnedRegion, SelectPolicy, StepItem, SummaryDtype, Timing,
 };
 
 const PCIE_GBPS: f64 = 55.3;
+/// GPU memory copy bandwidth measured on the H200 (read + write counted; DESIGN.md): the floor
+/// quoted for dense attention over KV in GPU memory.
+const HBM_GBPS: f64 = 4240.0;
+/// Steps timed for dense from host (each reads the whole context over PCIe).
+const DENSE_HOST_STEPS: usize = 3;
 const LAYERS: u32 = 28;
 const HQ: u32 = 28;
 const HKV: u32 = 4;
@@ -54,6 +63,8 @@ struct Args {
     simt: bool,
     /// No programmatic dependent launch between layers.
     no_pdl: bool,
+    /// Skip the dense baselines.
+    no_dense: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -71,6 +82,7 @@ fn parse() -> Result<Args, String> {
         split_step: false,
         simt: false,
         no_pdl: false,
+        no_dense: false,
     };
     let mut it = std::env::args().skip(1);
     let list = |s: String| -> Result<Vec<u32>, String> {
@@ -94,6 +106,7 @@ fn parse() -> Result<Args, String> {
             "--split-step" => a.split_step = true,
             "--simt-attention" => a.simt = true,
             "--no-pdl" => a.no_pdl = true,
+            "--no-dense" => a.no_dense = true,
             _ => return Err(format!("unknown argument {k}")),
         }
     }
@@ -332,6 +345,67 @@ enum Mode {
     Hot,
 }
 
+/// Dense attention over every block (no selection), the baseline: KV in GPU memory (where it
+/// fits) and read from host memory over PCIe. Medians of step device time.
+struct DenseRow {
+    ctx: u32,
+    batch: u32,
+    bytes: f64,
+    /// None when the context does not fit in free GPU memory.
+    gpu_ms: Option<f64>,
+    host_ms: f64,
+}
+
+fn run_dense(
+    be: &mut CudaBackend,
+    args: &Args,
+    ctx: u32,
+    batch: u32,
+) -> Result<DenseRow, Box<dyn std::error::Error>> {
+    let qs = Queries::new(batch, 0.0, 0xde45 + ctx as u64 + batch as u64);
+    let items: Vec<StepItem> =
+        qs.q.iter()
+            .enumerate()
+            .map(|(i, q)| StepItem { slot: i as u32, q })
+            .collect();
+    let slots: Vec<u32> = (0..batch).collect();
+    let timed = |be: &mut CudaBackend,
+                 kv: DenseKv,
+                 steps: usize|
+     -> Result<(f64, f64), Box<dyn std::error::Error>> {
+        let mut ms = Vec::new();
+        let mut bytes = 0.0;
+        for step in 0..1 + steps {
+            let out = be.dense_step(&items, kv)?;
+            if !out.out.iter().all(|x| x.is_finite()) {
+                return Err("non-finite dense output".into());
+            }
+            if step >= 1 {
+                ms.push(out.step_ms.unwrap_or(f32::NAN) as f64);
+            }
+            bytes = out.stats.iter().map(|s| s.tiles as f64).sum::<f64>() * (2 * BT * D * 2) as f64;
+        }
+        Ok((median(&mut ms), bytes))
+    };
+    be.set_timing(Timing::Step)?;
+    let (host_ms, bytes) = timed(be, DenseKv::Host, DENSE_HOST_STEPS)?;
+    // In GPU memory where it fits, leaving 2 GB of headroom.
+    let (free, _) = be.device_memory()?;
+    let gpu_ms = if bytes + 2e9 < free as f64 {
+        let kv = be.copy_kv_to_device(&slots)?;
+        Some(timed(be, DenseKv::Device(&kv), args.steps)?.0)
+    } else {
+        None
+    };
+    Ok(DenseRow {
+        ctx,
+        batch,
+        bytes,
+        gpu_ms,
+        host_ms,
+    })
+}
+
 #[allow(clippy::too_many_arguments)]
 fn run_mode(
     be: &mut CudaBackend,
@@ -505,6 +579,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let frame = (HKV * 2 * BT * D * 2) as usize;
     let mut rows = Vec::new();
     let mut overlap_rows = Vec::new();
+    let mut dense_rows = Vec::new();
     let mut region: Option<std::sync::Arc<PinnedRegion>> = None;
     let mut device = String::new();
     let mut pdl = false;
@@ -598,6 +673,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     );
                     rows.push(row);
                 }
+                // Dense does not depend on k: measured with the first k's backend.
+                if !args.no_dense && k == args.ks[0] {
+                    let d = run_dense(&mut be, &args, ctx, batch)?;
+                    println!(
+                        "  ctx={ctx} batch={batch} dense: {:.1} GB per step, GPU memory {}, from host {:.1} ms",
+                        d.bytes / 1e9,
+                        d.gpu_ms.map_or("does not fit".into(), |m| format!("{m:.3} ms")),
+                        d.host_ms
+                    );
+                    dense_rows.push(d);
+                }
             }
             // Overlap of consecutive keep-sets vs query correlation (batch 1, warm; Auto, the
             // step alone timed).
@@ -683,6 +769,58 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 r.step_ms
             );
         }
+    }
+    if !dense_rows.is_empty() {
+        println!();
+        println!("dense attention (every block, no selection; step = 28 layers, median; device time) beside the sparse path's cold and hot steps (k {} and {}):", args.ks[0], args.ks.last().unwrap());
+        println!("floors: in GPU memory bytes / {HBM_GBPS} GB/s (measured device copy), from host bytes / {PCIE_GBPS} GB/s");
+        println!(
+            "{:>8} {:>5} | {:>9} | {:>10} {:>8} {:>6} | {:>11} {:>9} {:>6} | {:>13} {:>13}",
+            "ctx",
+            "batch",
+            "KV_GB",
+            "gpu_ms",
+            "floor",
+            "ratio",
+            "host_ms",
+            "floor",
+            "ratio",
+            "x sparse cold",
+            "x sparse hot"
+        );
+        for d in &dense_rows {
+            let sparse = |mode: &str| -> Vec<f64> {
+                rows.iter()
+                    .filter(|r| r.ctx == d.ctx && r.batch == d.batch && r.mode == mode)
+                    .map(|r| r.step_ms)
+                    .collect()
+            };
+            let (cold, hot) = (sparse("cold"), sparse("hot"));
+            let best = d.gpu_ms.unwrap_or(d.host_ms);
+            let xs = |v: &[f64]| {
+                v.iter()
+                    .map(|s| format!("{:.1}", best / s))
+                    .collect::<Vec<_>>()
+                    .join("/")
+            };
+            let gpu_floor = d.bytes / (HBM_GBPS * 1e9) * 1e3;
+            let host_floor = d.bytes / (PCIE_GBPS * 1e9) * 1e3;
+            println!(
+                "{:>8} {:>5} | {:>9.1} | {:>10} {:>8.3} {:>6} | {:>11.1} {:>9.1} {:>6.2} | {:>13} {:>13}",
+                d.ctx,
+                d.batch,
+                d.bytes / 1e9,
+                d.gpu_ms.map_or("no fit".into(), |m| format!("{m:.3}")),
+                gpu_floor,
+                d.gpu_ms.map_or("-".into(), |m| format!("{:.2}", m / gpu_floor)),
+                d.host_ms,
+                host_floor,
+                d.host_ms / host_floor,
+                xs(&cold),
+                xs(&hot)
+            );
+        }
+        println!("x sparse: the fastest dense (GPU memory where it fits, else from host) over the sparse step, per k");
     }
     if let Some(path) = &args.json {
         let mut s = String::from("[\n");

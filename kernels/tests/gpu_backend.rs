@@ -6,7 +6,7 @@
 use half::{bf16, f16};
 use kvtier_kernels::cuda::{
     bf16_outward, device_available, AnonMapping, AttentionMath, CudaBackend, CudaConfig, CudaError,
-    CudaGeometry, DecodeItem, KvDtype, LaunchMode, LayerStats, PinnedRegion, SelectPolicy,
+    CudaGeometry, DecodeItem, DenseKv, KvDtype, LaunchMode, LayerStats, PinnedRegion, SelectPolicy,
     StepItem, SummaryDtype, Timing,
 };
 use kvtier_kernels::select::{block_score, partition};
@@ -981,6 +981,90 @@ fn dependent_launch_changes_only_timing() {
             }
         }
     }
+}
+
+/// Dense attention (the benchmark's baseline): every block, from host frames and from a copy in
+/// GPU memory, equals the f64 reference over all blocks (batch 2, one session with a partial
+/// tail, one short); both sources give bit-identical outputs; the statistics count every tile;
+/// the sparse path gives the same output before and after; a session whose copy is missing or
+/// stale is refused with a typed error.
+#[test]
+fn dense_attention_matches_reference() {
+    if !gpu() {
+        return;
+    }
+    let cfg = qwen_config(60, 3);
+    let mut h = Harness::new(cfg, 92);
+    let slots: Vec<u32> = [60 * 128 - 37, 9 * 128]
+        .iter()
+        .map(|&n| h.add_session(n, KeyGen { templates: 0 }))
+        .collect();
+    let other = h.add_session(128, KeyGen { templates: 0 });
+    let hqd = 28 * 128;
+    let qs: Vec<Vec<f32>> = slots
+        .iter()
+        .map(|_| [h.query(), h.query()].concat())
+        .collect();
+    let items: Vec<StepItem> = slots
+        .iter()
+        .zip(&qs)
+        .map(|(&slot, q)| StepItem { slot, q })
+        .collect();
+    let sparse = h.be.decode_step(&items).unwrap().out;
+    let host = h.be.dense_step(&items, DenseKv::Host).unwrap();
+    let kv = h.be.copy_kv_to_device(&slots).unwrap();
+    assert_eq!(
+        kv.bytes(),
+        (60 + 9) * 2 * cfg.geometry.block_run_bytes() as u64
+    );
+    let dev = h.be.dense_step(&items, DenseKv::Device(&kv)).unwrap();
+    assert_eq!(host.out, dev.out, "same tiles, same arithmetic");
+    for (i, &slot) in slots.iter().enumerate() {
+        let nb = h.sessions[slot as usize].n_tokens.div_ceil(128);
+        let all: Vec<Vec<u32>> = (0..4).map(|_| (0..nb).collect()).collect();
+        for l in 0..2 {
+            let q = &qs[i][l * hqd..(l + 1) * hqd];
+            let r = h.cpu_attend(slot as usize, l, q, &all);
+            let e = rel_err(&host.out[(i * 2 + l) * hqd..(i * 2 + l + 1) * hqd], &r);
+            assert!(e < 2e-3, "slot {slot} layer {l}: rel err {e}");
+        }
+    }
+    let tiles = (60 + 9) * 4;
+    for (hs, ds) in host.stats.iter().zip(&dev.stats) {
+        assert_eq!((hs.tiles, hs.misses, hs.hits), (tiles, tiles, 0));
+        assert_eq!(hs.bytes_moved, tiles * cfg.geometry.tile_bytes() as u64);
+        assert_eq!((ds.tiles, ds.hits, ds.bytes_moved), (tiles, tiles, 0));
+    }
+    // The sparse path gives the same output after the dense calls.
+    assert_eq!(h.be.decode_step(&items).unwrap().out, sparse);
+    // A session not copied, then one grown since its copy.
+    let q2 = [h.query(), h.query()].concat();
+    let err =
+        h.be.dense_step(
+            &[StepItem {
+                slot: other,
+                q: &q2,
+            }],
+            DenseKv::Device(&kv),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, CudaError::KvNotOnDevice { copied: 0, .. }),
+        "{err}"
+    );
+    h.append(slots[1], 1);
+    let err = h.be.dense_step(&items, DenseKv::Device(&kv)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            CudaError::KvNotOnDevice {
+                n_blocks: 10,
+                copied: 9,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]

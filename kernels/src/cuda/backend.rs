@@ -14,6 +14,9 @@ use super::error::{CudaError, Result};
 use super::module::{compile, Kernels};
 use super::pinned::PinnedRegion;
 
+mod dense;
+pub use dense::{DenseKv, DeviceKv};
+
 /// Is a CUDA driver with at least one device present? Never panics.
 pub fn device_available() -> bool {
     // SAFETY: only probes whether the shared library can be loaded.
@@ -204,6 +207,8 @@ pub struct CudaBackend {
     mode: LaunchMode,
     /// Dependent launch requested ([`Self::set_dependent_launch`]).
     pdl: bool,
+    /// Dense attention's partials, allocated by its first call (dense.rs).
+    dense: Option<dense::DenseScratch>,
     /// Per layer: whether its last run was fused (how its timing reads).
     fused: Vec<bool>,
     /// Per layer: the share of its last call's tiles found in the block cache (0 before any).
@@ -375,6 +380,7 @@ impl CudaBackend {
             sms,
             mode: LaunchMode::Auto,
             pdl: true,
+            dense: None,
             fused: vec![false; l],
             hit_share: vec![0.0; l],
             tickets_issued: 0,
@@ -394,6 +400,14 @@ impl CudaBackend {
     /// The validated configuration.
     pub fn config(&self) -> &CudaConfig {
         &self.cfg
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn device_memory(&self) -> Result<(usize, usize)> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        cudarc::driver::result::mem_get_info().map_err(CudaError::driver("cuMemGetInfo"))
     }
 
     /// The CUDA context (for registering host memory).

@@ -133,6 +133,15 @@ pub enum CudaError {
     /// A session appears twice in one batch (its cache bookkeeping would race).
     #[error("session slot {slot} appears twice in one decode batch")]
     DuplicateSession { slot: u32 },
+    /// Dense attention from GPU memory over a session whose KV copy does not cover the call
+    /// (never copied, or blocks appended since).
+    #[error("session {slot} layer {layer}: {n_blocks} blocks needed but the GPU copy of its KV holds {copied}")]
+    KvNotOnDevice {
+        slot: u32,
+        layer: u32,
+        n_blocks: u32,
+        copied: u32,
+    },
 }
 
 impl CudaError {

@@ -42,8 +42,8 @@ mod module;
 pub mod pinned;
 
 pub use backend::{
-    device_available, device_context, CudaBackend, DecodeItem, LaunchMode, LayerOutput, LayerStats,
-    LayerTiming, StepItem, StepOutput, Timing, FUSE_BELOW_HIT_SHARE,
+    device_available, device_context, CudaBackend, DecodeItem, DenseKv, DeviceKv, LaunchMode,
+    LayerOutput, LayerStats, LayerTiming, StepItem, StepOutput, Timing, FUSE_BELOW_HIT_SHARE,
 };
 pub use config::{
     bf16_outward, AttentionMath, CudaConfig, CudaGeometry, KvDtype, SelectPolicy, SummaryDtype,

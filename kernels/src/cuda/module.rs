@@ -34,6 +34,12 @@ pub(crate) struct Kernels {
     pub layer_fused: Option<CudaFunction>,
     pub attend_tile: CudaFunction,
     pub attend_merge: CudaFunction,
+    /// Dense attention (the benchmark's baseline) and its two-step merge; copy_runs stages a
+    /// session's KV in GPU memory for it.
+    pub attend_dense: CudaFunction,
+    pub dense_merge_part: CudaFunction,
+    pub dense_merge_out: CudaFunction,
+    pub copy_runs: CudaFunction,
     /// Compiled for compute capability 9.0 or later: the kernels' griddepcontrol
     /// instructions are present, so programmatic dependent launch may be used.
     pub pdl: bool,
@@ -140,11 +146,19 @@ pub(crate) fn compile(
         None
     };
     let (attend_merge, plan_fixed) = (f("attend_merge")?, f("plan_fixed")?);
+    let attend_dense = f("attend_dense")?;
+    allow_tile_smem(&attend_dense)?;
+    let (dense_merge_part, dense_merge_out) = (f("dense_merge_part")?, f("dense_merge_out")?);
+    let copy_runs = f("copy_runs")?;
     let (select_score, select_topk) = (f("select_score")?, f("select_topk")?);
     Ok(Kernels {
         module,
         attend_tile,
         attend_merge,
+        attend_dense,
+        dense_merge_part,
+        dense_merge_out,
+        copy_runs,
         plan_fixed,
         select_score,
         select_topk,
