@@ -250,6 +250,14 @@ impl Harness {
         }
     }
 
+    /// Sessions of these token counts (independent random keys), their slots in order.
+    fn add_sessions(&mut self, n_tokens: &[u32]) -> Vec<u32> {
+        n_tokens
+            .iter()
+            .map(|&n| self.add_session(n, KeyGen { templates: 0 }))
+            .collect()
+    }
+
     fn query(&mut self) -> Vec<f32> {
         let g = self.cfg.geometry;
         (0..g.q_heads * g.head_dim)
@@ -377,6 +385,15 @@ fn check_layer(h: &mut Harness, layer: u32, slots: &[u32]) -> Vec<f32> {
     out.out
 }
 
+/// decode_step items: slot `slots[i]` with queries `qs[i]`.
+fn step_items<'a>(slots: &[u32], qs: &'a [Vec<f32>]) -> Vec<StepItem<'a>> {
+    slots
+        .iter()
+        .zip(qs)
+        .map(|(&slot, q)| StepItem { slot, q })
+        .collect()
+}
+
 /// Checks a decode_step's outputs and keep-sets (`keeps[layer]`, as `last_keep_sets` gives them)
 /// against the CPU selector and the f64 reference, for the first `layers` layers of `slots` with
 /// queries `qs` (each [step layers x Hq x D]).
@@ -457,10 +474,7 @@ fn qwen_geometry_batch_1_and_8() {
         129,
         63 * 128 + 64,
     ];
-    let slots: Vec<u32> = lens
-        .iter()
-        .map(|&n| h.add_session(n, KeyGen { templates: 0 }))
-        .collect();
+    let slots = h.add_sessions(&lens);
     check_layer(&mut h, 0, &slots[..1]);
     check_layer(&mut h, 1, &slots[..1]);
     check_layer(&mut h, 1, &slots);
@@ -521,10 +535,7 @@ fn other_geometries_and_dtypes() {
             25 * b,
             12 * b,
         ];
-        let slots: Vec<u32> = lens
-            .iter()
-            .map(|&n| h.add_session(n, KeyGen { templates: 0 }))
-            .collect();
+        let slots = h.add_sessions(&lens);
         check_layer(&mut h, 1, &slots[..1]);
         check_layer(&mut h, 0, &slots);
     }
@@ -554,10 +565,7 @@ fn tensor_core_attention_matches_fp32() {
                 attention == AttentionMath::TensorCores
             );
             let mut h = Harness::new(cfg, 31);
-            let slots: Vec<u32> = [40 * b, 17 * b + b / 2, 3]
-                .iter()
-                .map(|&n| h.add_session(n, KeyGen { templates: 0 }))
-                .collect();
+            let slots = h.add_sessions(&[40 * b, 17 * b + b / 2, 3]);
             // Cold, then the same sessions again (cache hits) with fresh queries.
             let mut outs = check_layer(&mut h, 0, &slots);
             outs.extend(check_layer(&mut h, 0, &slots));
@@ -765,21 +773,14 @@ fn decode_step_matches_layers() {
         SummaryDtype::F32,
     );
     let mut h = Harness::new(cfg, 50);
-    let slots: Vec<u32> = [40 * 32, 25 * 32 + 9, 7]
-        .iter()
-        .map(|&n| h.add_session(n, KeyGen { templates: 0 }))
-        .collect();
+    let slots = h.add_sessions(&[40 * 32, 25 * 32 + 9, 7]);
     let hqd = 28 * 128;
     let qs: Vec<Vec<f32>> = slots
         .iter()
         .map(|_| [h.query(), h.query()].concat())
         .collect();
     h.be.set_timing(Timing::Layers).unwrap();
-    let items: Vec<StepItem> = slots
-        .iter()
-        .zip(&qs)
-        .map(|(&slot, q)| StepItem { slot, q })
-        .collect();
+    let items = step_items(&slots, &qs);
     let step = h.be.decode_step(&items).unwrap();
     assert!(step.step_ms.unwrap() > 0.0);
     assert_eq!(step.timing.as_ref().unwrap().len(), 2);
@@ -817,21 +818,14 @@ fn fused_launch_matches_split_launches() {
     let cfg = qwen_config(300, 3);
     let mut h = Harness::new(cfg, 90);
 
-    let slots: Vec<u32> = [300 * 128, 211 * 128 + 17, 20 * 128]
-        .iter()
-        .map(|&n| h.add_session(n, KeyGen { templates: 0 }))
-        .collect();
+    let slots = h.add_sessions(&[300 * 128, 211 * 128 + 17, 20 * 128]);
     h.be.set_timing(Timing::Layers).unwrap();
     for batch in [1, 3] {
         let qs: Vec<Vec<f32>> = slots[..batch]
             .iter()
             .map(|_| [h.query(), h.query()].concat())
             .collect();
-        let items: Vec<StepItem> = slots[..batch]
-            .iter()
-            .zip(&qs)
-            .map(|(&slot, q)| StepItem { slot, q })
-            .collect();
+        let items = step_items(&slots[..batch], &qs);
         for warm in [false, true] {
             let mut runs = Vec::new();
             for fused in [true, false, true] {
@@ -902,10 +896,7 @@ fn dependent_launch_changes_only_timing() {
     cfg.geometry.layers = 4;
     let mut h = Harness::new(cfg, 91);
     let (major, _) = h.be.context().compute_capability().unwrap();
-    let slots: Vec<u32> = [120 * 128, 90 * 128 + 5, 20 * 128]
-        .iter()
-        .map(|&n| h.add_session(n, KeyGen { templates: 0 }))
-        .collect();
+    let slots = h.add_sessions(&[120 * 128, 90 * 128 + 5, 20 * 128]);
     let hqd = 28 * 128;
     // Per-layer events would sit between the kernels and turn it off.
     h.be.set_timing(Timing::Layers).unwrap();
@@ -921,11 +912,7 @@ fn dependent_launch_changes_only_timing() {
             .iter()
             .map(|_| (0..4).flat_map(|_| h.query()).collect())
             .collect();
-        let items: Vec<StepItem> = slots[..batch]
-            .iter()
-            .zip(&qs)
-            .map(|(&slot, q)| StepItem { slot, q })
-            .collect();
+        let items = step_items(&slots[..batch], &qs);
         for mode in [LaunchMode::Fused, LaunchMode::Auto, LaunchMode::Split] {
             h.be.set_launch_mode(mode);
             for warm in [false, true] {
@@ -995,21 +982,14 @@ fn dense_attention_matches_reference() {
     }
     let cfg = qwen_config(60, 3);
     let mut h = Harness::new(cfg, 92);
-    let slots: Vec<u32> = [60 * 128 - 37, 9 * 128]
-        .iter()
-        .map(|&n| h.add_session(n, KeyGen { templates: 0 }))
-        .collect();
+    let slots = h.add_sessions(&[60 * 128 - 37, 9 * 128]);
     let other = h.add_session(128, KeyGen { templates: 0 });
     let hqd = 28 * 128;
     let qs: Vec<Vec<f32>> = slots
         .iter()
         .map(|_| [h.query(), h.query()].concat())
         .collect();
-    let items: Vec<StepItem> = slots
-        .iter()
-        .zip(&qs)
-        .map(|(&slot, q)| StepItem { slot, q })
-        .collect();
+    let items = step_items(&slots, &qs);
     let sparse = h.be.decode_step(&items).unwrap().out;
     let host = h.be.dense_step(&items, DenseKv::Host).unwrap();
     let kv = h.be.copy_kv_to_device(&slots).unwrap();

@@ -178,6 +178,23 @@ struct Session {
     ready: Vec<u32>,
 }
 
+impl Session {
+    /// The blocks of layer `l` up to its token count, or [`CudaError::NotReady`] when some lack
+    /// a summary or a host frame.
+    fn blocks_ready(&self, slot: u32, l: usize, block_tokens: u32) -> Result<u32> {
+        let nb = self.n_tokens[l].div_ceil(block_tokens);
+        if nb > self.ready[l] {
+            return Err(CudaError::NotReady {
+                slot,
+                layer: l as u32,
+                n_blocks: nb,
+                ready: self.ready[l],
+            });
+        }
+        Ok(nb)
+    }
+}
+
 struct Timers {
     /// Before the first launch of a call and after its last.
     step: [CudaEvent; 2],
@@ -783,15 +800,7 @@ impl CudaBackend {
                     layer: layer as u32,
                 });
             }
-            let nb = n.div_ceil(bt);
-            if nb > sess.ready[layer] {
-                return Err(CudaError::NotReady {
-                    slot,
-                    layer: layer as u32,
-                    n_blocks: nb,
-                    ready: sess.ready[layer],
-                });
-            }
+            sess.blocks_ready(slot, layer, bt)?;
             ntok.push(n);
         }
         Ok(ntok)
@@ -821,8 +830,8 @@ impl CudaBackend {
             self.check_q(it.q, hqd)?;
         }
         let q: Vec<f32> = items.iter().flat_map(|it| it.q.iter().copied()).collect();
-        self.prepare(&slots, &[(l, &ntok, &q)])?;
         let nb = self.blocks_of(&ntok);
+        self.prepare(&slots, &[(l, ntok, q)])?;
         self.record_step(0)?;
         self.run_layer(l, 0, items.len(), nb)?;
         self.record_step(1)?;
@@ -836,25 +845,9 @@ impl CudaBackend {
     /// Runs all layers (in order) for a batch of sessions with one synchronization at the end.
     pub fn decode_step(&mut self, items: &[StepItem<'_>]) -> Result<StepOutput> {
         let layers = self.cfg.geometry.layers as usize;
-        let hqd = (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize;
         let slots: Vec<u32> = items.iter().map(|it| it.slot).collect();
-        for it in items {
-            self.check_q(it.q, layers * hqd)?;
-        }
-        let mut per_layer = Vec::with_capacity(layers);
-        for l in 0..layers {
-            let ntok = self.check_batch(l, &slots)?;
-            let q: Vec<f32> = items
-                .iter()
-                .flat_map(|it| it.q[l * hqd..(l + 1) * hqd].iter().copied())
-                .collect();
-            per_layer.push((l, ntok, q));
-        }
-        let refs: Vec<(usize, &[u32], &[f32])> = per_layer
-            .iter()
-            .map(|(l, n, q)| (*l, n.as_slice(), q.as_slice()))
-            .collect();
-        self.prepare(&slots, &refs)?;
+        let per_layer = self.step_inputs(items)?;
+        self.prepare(&slots, &per_layer)?;
         self.record_step(0)?;
         for (li, (l, ntok, _)) in per_layer.iter().enumerate() {
             let nb = self.blocks_of(ntok);
@@ -865,6 +858,28 @@ impl CudaBackend {
         self.finish(&all, items.len())
     }
 
+    /// Checks a step's batch and queries and splits them by layer: per layer, its index, the
+    /// batch's token counts and the batch's queries ([batch][Hq x D]), as [`Self::prepare`]
+    /// takes them.
+    fn step_inputs(&self, items: &[StepItem<'_>]) -> Result<Vec<LayerInput>> {
+        let layers = self.cfg.geometry.layers as usize;
+        let hqd = (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize;
+        let slots: Vec<u32> = items.iter().map(|it| it.slot).collect();
+        for it in items {
+            self.check_q(it.q, layers * hqd)?;
+        }
+        (0..layers)
+            .map(|l| {
+                let ntok = self.check_batch(l, &slots)?;
+                let q: Vec<f32> = items
+                    .iter()
+                    .flat_map(|it| it.q[l * hqd..(l + 1) * hqd].iter().copied())
+                    .collect();
+                Ok((l, ntok, q))
+            })
+            .collect()
+    }
+
     /// Fewest and most blocks of the batch sessions.
     fn blocks_of(&self, ntok: &[u32]) -> (u32, u32) {
         let bt = self.cfg.geometry.block_tokens;
@@ -873,7 +888,7 @@ impl CudaBackend {
     }
 
     /// Uploads the batch description and zeroes the statistics.
-    fn prepare(&mut self, slots: &[u32], layers: &[(usize, &[u32], &[f32])]) -> Result<()> {
+    fn prepare(&mut self, slots: &[u32], layers: &[LayerInput]) -> Result<()> {
         let b = slots.len();
         let g = &self.cfg.geometry;
         let hqd = (g.q_heads * g.head_dim) as usize;
@@ -882,7 +897,7 @@ impl CudaBackend {
         // Dense per-call layout [call layer][batch][..]: one upload each for q and counts.
         let mut q_all = Vec::with_capacity(layers.len() * b * hqd);
         let mut n_all = Vec::with_capacity(layers.len() * b);
-        for &(_, ntok, q) in layers {
+        for (_, ntok, q) in layers {
             debug_assert!(q.len() == b * hqd && ntok.len() == b);
             q_all.extend_from_slice(q);
             n_all.extend_from_slice(ntok);
@@ -1365,6 +1380,10 @@ impl CudaBackend {
             .collect())
     }
 }
+
+/// One layer of a call's inputs: the model layer, the batch's token counts there and the batch's
+/// queries ([batch][Hq x D]).
+type LayerInput = (usize, Vec<u32>, Vec<f32>);
 
 /// A kernel argument: device pointer, u32 or f32.
 #[derive(Clone, Copy)]

@@ -66,18 +66,7 @@ impl CudaBackend {
                 return Err(CudaError::DuplicateSession { slot });
             }
             copied[s] = (0..nl)
-                .map(|l| {
-                    let nb = sess.n_tokens[l].div_ceil(g.block_tokens);
-                    if nb > sess.ready[l] {
-                        return Err(CudaError::NotReady {
-                            slot,
-                            layer: l as u32,
-                            n_blocks: nb,
-                            ready: sess.ready[l],
-                        });
-                    }
-                    Ok(nb)
-                })
+                .map(|l| sess.blocks_ready(slot, l, g.block_tokens))
                 .collect::<Result<Vec<u32>>>()?;
             runs += copied[s].iter().map(|&n| n as u64).sum::<u64>();
         }
@@ -141,24 +130,20 @@ impl CudaBackend {
     pub fn dense_step(&mut self, items: &[StepItem<'_>], kv: DenseKv<'_>) -> Result<StepOutput> {
         let g = self.cfg.geometry;
         let (layers, hkv) = (g.layers as usize, g.kv_heads);
-        let hqd = (g.q_heads * g.head_dim) as usize;
         let slots: Vec<u32> = items.iter().map(|it| it.slot).collect();
-        for it in items {
-            self.check_q(it.q, layers * hqd)?;
-        }
-        let mut per_layer = Vec::with_capacity(layers);
+        let per_layer = self.step_inputs(items)?;
+        let host = matches!(kv, DenseKv::Host);
         let mut stats = Vec::with_capacity(layers);
-        for l in 0..layers {
-            let ntok = self.check_batch(l, &slots)?;
+        for (l, ntok, _) in &per_layer {
             let mut tiles = 0u64;
-            for (&slot, &n) in slots.iter().zip(&ntok) {
+            for (&slot, &n) in slots.iter().zip(ntok) {
                 let nb = n.div_ceil(g.block_tokens);
                 if let DenseKv::Device(d) = kv {
-                    let copied = d.copied[slot as usize].get(l).copied().unwrap_or(0);
+                    let copied = d.copied[slot as usize].get(*l).copied().unwrap_or(0);
                     if nb > copied {
                         return Err(CudaError::KvNotOnDevice {
                             slot,
-                            layer: l as u32,
+                            layer: *l as u32,
                             n_blocks: nb,
                             copied,
                         });
@@ -166,7 +151,6 @@ impl CudaBackend {
                 }
                 tiles += (nb * hkv) as u64;
             }
-            let host = matches!(kv, DenseKv::Host);
             stats.push(LayerStats {
                 tiles,
                 hits: if host { 0 } else { tiles },
@@ -177,17 +161,8 @@ impl CudaBackend {
                     0
                 },
             });
-            let q: Vec<f32> = items
-                .iter()
-                .flat_map(|it| it.q[l * hqd..(l + 1) * hqd].iter().copied())
-                .collect();
-            per_layer.push((l, ntok, q));
         }
-        let refs: Vec<(usize, &[u32], &[f32])> = per_layer
-            .iter()
-            .map(|(l, n, q)| (*l, n.as_slice(), q.as_slice()))
-            .collect();
-        self.prepare(&slots, &refs)?;
+        self.prepare(&slots, &per_layer)?;
         if self.dense.is_none() {
             let rows = (self.cfg.max_batch * hkv * self.cfg.max_blocks * g.group()) as usize;
             let stage = (self.cfg.max_batch * g.q_heads * MERGE_SPLITS) as usize;
@@ -210,11 +185,7 @@ impl CudaBackend {
         self.record_step(0)?;
         for (li, (l, ntok, _)) in per_layer.iter().enumerate() {
             let l = *l;
-            let max_nb = ntok
-                .iter()
-                .map(|n| n.div_ceil(g.block_tokens))
-                .max()
-                .unwrap_or(1);
+            let (_, max_nb) = self.blocks_of(ntok);
             self.enqueue_dense(l, li, bu, max_nb, pages, scale)?;
             self.fused[l] = true; // one kernel sequence: only layer_ms is timed
         }
