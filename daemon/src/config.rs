@@ -69,6 +69,7 @@ pub struct Config {
     pub server: ServerConfig,
     pub host: HostConfig,
     pub admission: AdmissionConfig,
+    pub quota: QuotaConfig,
     pub auth: AuthConfig,
     pub backend: BackendConfig,
     pub nvme: NvmeConfig,
@@ -91,6 +92,11 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// How long shutdown waits for in-flight requests before dropping them.
     pub shutdown_grace_ms: u64,
+    /// A new connection that has not completed HELLO within this is closed (0: never).
+    pub handshake_timeout_ms: u64,
+    /// A connection that sends no request (nor the rest of one) for this long is closed
+    /// (0: never), so idle connections cannot hold every `max_connections` slot.
+    pub idle_timeout_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -114,6 +120,13 @@ pub struct AdmissionConfig {
     pub max_concurrent_requests: usize,
     /// Requests waiting for an execution slot; beyond this, RESOURCE_EXHAUSTED.
     pub max_queued_requests: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct QuotaConfig {
+    /// Sessions one uid may hold at once (admins exempt; 0: only admission.max_sessions).
+    pub max_sessions_per_uid: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -239,6 +252,18 @@ pub struct NvmeConfig {
     /// Speculative promotion: after a step that read cold blocks, bring in this many more
     /// candidates per kv-head (those ranked just below the cut) in the background (0: off).
     pub prefetch_blocks: u32,
+    /// When manifest files exist but none verifies: `refuse` to start (the default: nothing
+    /// is touched) or `quarantine` them and the page files into `dir/quarantine-<ms>/` and
+    /// start empty.
+    pub damaged_manifests: DamagedManifests,
+}
+
+/// `nvme.damaged_manifests`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DamagedManifests {
+    Refuse,
+    Quarantine,
 }
 
 /// `$STATE_DIRECTORY` (systemd StateDirectory=), else `/var/lib/kvtier` for root, else
@@ -278,6 +303,7 @@ impl Default for NvmeConfig {
             queue_depth: 64,
             workers: 0,
             prefetch_blocks: 8,
+            damaged_manifests: DamagedManifests::Refuse,
         }
     }
 }
@@ -330,6 +356,8 @@ impl Default for ServerConfig {
             max_frame_bytes: ByteSize(16 << 20),
             max_connections: 1024,
             shutdown_grace_ms: 10_000,
+            handshake_timeout_ms: 10_000,
+            idle_timeout_ms: 600_000,
         }
     }
 }
@@ -369,6 +397,14 @@ impl Default for AdmissionConfig {
             max_sessions: 4096,
             max_concurrent_requests: 64,
             max_queued_requests: 4096,
+        }
+    }
+}
+
+impl Default for QuotaConfig {
+    fn default() -> Self {
+        QuotaConfig {
+            max_sessions_per_uid: 1024,
         }
     }
 }
@@ -417,10 +453,11 @@ pub enum ConfigError {
     Invalid { field: &'static str, reason: String },
 }
 
-const SECTIONS: [&str; 8] = [
+const SECTIONS: [&str; 9] = [
     "server",
     "host",
     "admission",
+    "quota",
     "auth",
     "backend",
     "nvme",

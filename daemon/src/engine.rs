@@ -70,6 +70,11 @@ pub struct Peer {
 #[derive(Debug, Clone)]
 pub struct EngineLimits {
     pub max_sessions: usize,
+    /// Sessions one uid may hold (admins exempt; 0: no limit beyond `max_sessions`).
+    pub max_sessions_per_uid: usize,
+    /// Largest reply body (`server.max_frame_bytes`): a DECODE whose reply could not fit is
+    /// refused before it appends anything.
+    pub max_reply_bytes: usize,
     pub admin_uids: Vec<u32>,
     pub admin_gids: Vec<u32>,
 }
@@ -94,7 +99,19 @@ pub struct Session {
     pub created_unix_ms: u64,
     last_access_unix_ms: AtomicU64,
     pinned: std::sync::atomic::AtomicBool,
+    /// Set at startup when its stored data could not be read back (see [`Damage`]).
+    damaged: Option<Damage>,
     state: Mutex<SessionState>,
+}
+
+/// Why a stored session could not be restored. It stays listed (SESSION_INFO, LIST) so the
+/// loss is visible; every use answers DATA_LOSS; CLOSE deletes its NVMe record and pages.
+/// Until then its record and pages stay untouched on NVMe.
+#[derive(Debug, Clone)]
+pub struct Damage {
+    pub reason: String,
+    /// Tokens per layer the manifest recorded.
+    pub layer_tokens: Vec<u64>,
 }
 
 struct SessionState {
@@ -104,6 +121,8 @@ struct SessionState {
     persisted: Vec<u64>,
     /// The NVMe manifest holds a record of this session.
     stored: bool,
+    /// Removed by CLOSE/EVICT; a request that looked it up before must not write it back.
+    closed: bool,
 }
 
 fn nvme_error(e: NvmeError) -> ServiceError {
@@ -155,6 +174,26 @@ struct GpuBatch<'a> {
     entries: &'a [DecodeEntryRef<'a>],
     queries: &'a [Vec<f32>],
     sources: &'a [Option<TierSource<'a>>],
+}
+
+/// The most bytes a DECODE reply body for these entries can take (docs/protocol.md §5.3):
+/// the output count, then per entry its outputs and, with stats, the counters and every kv
+/// head's keep-set (at most the policy's budget of the blocks the layer will have).
+fn reply_bound(sessions: &[Arc<Session>], entries: &[DecodeEntryRef<'_>], stats: bool) -> u64 {
+    let per_entry = |(s, e): (&Arc<Session>, &DecodeEntryRef<'_>)| -> u64 {
+        let g = &s.geometry;
+        let out = 4 + 4 * g.q_heads as u64 * g.head_dim as u64 + 1;
+        if !stats {
+            return out;
+        }
+        let kept = s
+            .policy
+            .budget()
+            .min(g.blocks_for(e.position.saturating_add(1)));
+        let heads = g.kv_heads as u64;
+        out + DecodeStats::MIN_WIRE_LEN as u64 + heads * (4 + 4 * kept)
+    };
+    4 + sessions.iter().zip(entries).map(per_entry).sum::<u64>()
 }
 
 /// Frames a decode step may need at most, for making room when the host tier is full: every
@@ -239,6 +278,27 @@ fn to_geometry(g: &kvtier_protocol::Geometry) -> Geometry {
         head_dim: g.head_dim,
         dtype: DType::from_code(g.dtype.as_u8()).expect("protocol dtypes are storage dtypes"),
         block_tokens: g.block_tokens,
+    }
+}
+
+/// The geometry a manifest record stores.
+fn geometry_of(g: &GeometryRecord) -> ServiceResult<Geometry> {
+    Ok(Geometry {
+        layers: g.layers,
+        q_heads: g.q_heads,
+        kv_heads: g.kv_heads,
+        head_dim: g.head_dim,
+        dtype: DType::from_code(g.dtype)
+            .ok_or_else(|| ServiceError::internal(format!("unknown dtype {}", g.dtype)))?,
+        block_tokens: g.block_tokens,
+    })
+}
+
+fn policy_of(p: &PolicyRecord) -> Policy {
+    Policy {
+        sink_blocks: p.sink_blocks,
+        local_blocks: p.local_blocks,
+        top_k: p.top_k,
     }
 }
 
@@ -347,22 +407,57 @@ impl Engine {
         self.sessions.read().len()
     }
 
-    /// Looks a session up for `peer`: NOT_FOUND if absent, PERMISSION_DENIED if another uid's
-    /// (admins may read any session, `admin_ok`).
+    /// Looks a session up for `peer`: NOT_FOUND if absent or another uid's, the same answer
+    /// for both, so ids cannot be probed (admins may read any session, `admin_ok`).
     fn lookup(&self, peer: &Peer, id: u64, admin_ok: bool) -> ServiceResult<Arc<Session>> {
         let s = self
             .sessions
             .read()
             .get(&id)
+            .filter(|s| s.owner_uid == peer.uid || (admin_ok && self.is_admin(peer)))
             .cloned()
             .ok_or_else(|| ServiceError::not_found(id))?;
-        if s.owner_uid != peer.uid && !(admin_ok && self.is_admin(peer)) {
-            return Err(ServiceError::denied(format!(
-                "session {id} belongs to another user"
-            )));
-        }
         s.last_access_unix_ms.store(now_ms(), Ordering::Relaxed);
         Ok(s)
+    }
+
+    /// [`Engine::lookup`] for an operation on the session's data: DATA_LOSS for a session
+    /// whose stored data failed verification at startup.
+    fn lookup_live(&self, peer: &Peer, id: u64) -> ServiceResult<Arc<Session>> {
+        let s = self.lookup(peer, id, false)?;
+        if let Some(d) = &s.damaged {
+            return Err(ServiceError::new(
+                ErrorCode::DataLoss,
+                format!(
+                    "session {id} is damaged ({}); CLOSE it to delete what remains",
+                    d.reason
+                ),
+            ));
+        }
+        Ok(s)
+    }
+
+    /// A fresh session id: random (ids say nothing about other sessions), never 0, never one
+    /// in use or on NVMe.
+    fn fresh_id(&self, table: &HashMap<u64, Arc<Session>>) -> u64 {
+        loop {
+            let mut b = [0u8; 8];
+            // SAFETY: getrandom writes at most b.len() bytes into the buffer it is given.
+            let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+            let id = if n == 8 {
+                u64::from_le_bytes(b) >> 1
+            } else {
+                // No getrandom (very old kernels): unique, if predictable.
+                self.next_id.fetch_add(1, Ordering::Relaxed)
+            };
+            let on_nvme = self
+                .tier
+                .as_ref()
+                .is_some_and(|(t, _)| t.session(id).is_some());
+            if id != 0 && !table.contains_key(&id) && !on_nvme {
+                return id;
+            }
+        }
     }
 
     pub fn create(&self, peer: &Peer, req: &CreateSessionRequest) -> ServiceResult<u64> {
@@ -375,6 +470,21 @@ impl Engine {
         policy.validate()?;
         let kv = KvCache::new(geometry, self.arena.clone())?;
         let mut sessions = self.sessions.write();
+        let per_uid = self.limits.max_sessions_per_uid;
+        if per_uid > 0
+            && !self.is_admin(peer)
+            && sessions
+                .values()
+                .filter(|s| s.owner_uid == peer.uid)
+                .count()
+                >= per_uid
+        {
+            self.record_rejection(Rejection::SessionLimit);
+            return Err(ServiceError::exhausted(format!(
+                "uid {} holds {per_uid} sessions, its quota (quota.max_sessions_per_uid)",
+                peer.uid
+            )));
+        }
         if sessions.len() >= self.limits.max_sessions {
             self.record_rejection(Rejection::SessionLimit);
             return Err(ServiceError::exhausted(format!(
@@ -382,7 +492,7 @@ impl Engine {
                 self.limits.max_sessions
             )));
         }
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = self.fresh_id(&sessions);
         let session = Arc::new(Session::new(
             id,
             peer.uid,
@@ -414,7 +524,7 @@ impl Engine {
         n_tokens: u32,
         payload: &[u8],
     ) -> ServiceResult<u64> {
-        let s = self.lookup(peer, id, false)?;
+        let s = self.lookup_live(peer, id)?;
         let mut st = s.state.lock();
         let need = st.kv.geometry().blocks_for(start + n_tokens as u64) as usize
             * st.kv.geometry().layers as usize;
@@ -467,10 +577,20 @@ impl Engine {
         }
         let mut sessions = Vec::with_capacity(entries.len());
         for (i, e) in entries.iter().enumerate() {
-            let s = self.lookup(peer, e.session, false).map_err(|err| {
+            let s = self.lookup_live(peer, e.session).map_err(|err| {
                 ServiceError::new(err.code, format!("batch entry {i}: {}", err.message))
             })?;
             sessions.push(s);
+        }
+        // Refused now if the reply could not be sent, before anything is appended
+        // (protocol.md §5.3: nothing is appended on error).
+        let bound = reply_bound(&sessions, entries, want_stats);
+        if bound > self.limits.max_reply_bytes as u64 {
+            return Err(ServiceError::exhausted(format!(
+                "the reply could take {bound} bytes, more than max_frame_bytes {}: split the batch{}",
+                self.limits.max_reply_bytes,
+                if want_stats { " or ask for no stats" } else { "" }
+            )));
         }
         // Lock in ascending id order (deadlock freedom); a duplicate would self-deadlock.
         let mut order: Vec<usize> = (0..entries.len()).collect();
@@ -832,6 +952,9 @@ impl Engine {
     /// Writes the session's dirty blocks (those at or past the durable watermark) to NVMe and
     /// commits its record; returns the blocks written.
     fn persist_locked(&self, s: &Session, st: &mut SessionState) -> ServiceResult<usize> {
+        if st.closed {
+            return Err(ServiceError::not_found(s.id));
+        }
         let (tier, _) = self.tier.as_ref().ok_or_else(|| {
             ServiceError::new(
                 ErrorCode::FailedPrecondition,
@@ -842,10 +965,25 @@ impl Engine {
         let bt = geo.block_tokens as u64;
         let mut runs = Vec::new();
         for l in 0..geo.layers {
-            let from = (st.persisted[l as usize] / bt) as u32;
+            // Dirty: the blocks holding tokens past the durable watermark. A layer with none
+            // has nothing to write, though its partial tail block (durable, and perhaps
+            // demoted since) starts at or after `persisted / bt`.
+            let persisted = st.persisted[l as usize];
+            if st.kv.tokens(l)? == persisted {
+                continue;
+            }
             let blocks = st.kv.layer(l)?.blocks() as u32;
-            for b in from..blocks {
-                let bytes = st.kv.run(l, b).expect("dirty blocks are never evicted");
+            for b in (persisted / bt) as u32..blocks {
+                // Appends promote a cold tail before writing into it, so a block with
+                // undurable tokens is resident; a cold one here is a bookkeeping bug, answered
+                // as an error rather than a panic that would lose every session not yet
+                // written.
+                let bytes = st.kv.run(l, b).ok_or_else(|| {
+                    ServiceError::internal(format!(
+                        "session {}: layer {l} block {b} has undurable tokens but is not resident",
+                        s.id
+                    ))
+                })?;
                 runs.push(BlockRun {
                     layer: l,
                     block: b,
@@ -904,7 +1042,7 @@ impl Engine {
 
     /// DEMOTE: write the session to NVMe and free its host frames.
     pub fn demote(&self, peer: &Peer, id: u64) -> ServiceResult<u64> {
-        let s = self.lookup(peer, id, false)?;
+        let s = self.lookup_live(peer, id)?;
         if s.pinned.load(Ordering::Relaxed) {
             return Err(ServiceError::precondition(format!(
                 "session {id} is pinned; UNPIN it first"
@@ -918,7 +1056,7 @@ impl Engine {
 
     /// PROMOTE: read every cold block of the session back into the host tier.
     pub fn promote(&self, peer: &Peer, id: u64) -> ServiceResult<u64> {
-        let s = self.lookup(peer, id, false)?;
+        let s = self.lookup_live(peer, id)?;
         let Some((tier, _)) = &self.tier else {
             return Ok(0);
         };
@@ -939,7 +1077,7 @@ impl Engine {
     /// the flag is committed to the NVMe manifest before the reply, so it survives a restart
     /// (a session not yet on NVMe records it when it is first written).
     pub fn pin(&self, peer: &Peer, id: u64, pinned: bool) -> ServiceResult<()> {
-        let s = self.lookup(peer, id, false)?;
+        let s = self.lookup_live(peer, id)?;
         // Under the session lock, so a concurrent persist writes the same flag.
         let st = s.state.lock();
         if let (Some((tier, _)), true) = (&self.tier, st.stored) {
@@ -1000,7 +1138,8 @@ impl Engine {
         }
         let all: Vec<Arc<Session>> = self.sessions.read().values().cloned().collect();
         let (mut ok, mut failed) = (0, 0);
-        for s in all {
+        // A damaged session's record stays on NVMe as it was.
+        for s in all.into_iter().filter(|s| s.damaged.is_none()) {
             let mut st = s.state.lock();
             match self.persist_locked(&s, &mut st) {
                 Ok(_) => ok += 1,
@@ -1039,10 +1178,39 @@ impl Engine {
                     self.next_id.fetch_max(id + 1, Ordering::Relaxed);
                     loaded += 1;
                 }
-                Err(e) => problems.push(format!("session {id}: {e}")),
+                Err(e) => {
+                    // Listed as damaged, its record and pages left as they are on NVMe.
+                    problems.push(format!("session {id}: {e} (listed as damaged)"));
+                    match self.damaged_session(&rec, e.to_string()) {
+                        Ok(s) => {
+                            self.sessions.write().insert(id, Arc::new(s));
+                        }
+                        Err(e) => problems.push(format!("session {id}: not listed: {e}")),
+                    }
+                }
             }
         }
         (loaded, problems)
+    }
+
+    /// The table entry of a stored session that could not be restored.
+    fn damaged_session(&self, rec: &SessionRecord, reason: String) -> ServiceResult<Session> {
+        let kv = KvCache::new(geometry_of(&rec.geometry)?, self.arena.clone())?;
+        let mut s = Session::new(
+            rec.id,
+            rec.owner_uid,
+            rec.label.clone(),
+            policy_of(&rec.policy),
+            kv,
+            true,
+        );
+        s.state.get_mut().persisted = rec.layer_tokens.clone();
+        s.pinned.store(rec.pinned, Ordering::Relaxed);
+        s.damaged = Some(Damage {
+            reason,
+            layer_tokens: rec.layer_tokens.clone(),
+        });
+        Ok(s)
     }
 
     fn restore(
@@ -1051,21 +1219,8 @@ impl Engine {
         t: &TierSettings,
         rec: &SessionRecord,
     ) -> ServiceResult<Session> {
-        let g = &rec.geometry;
-        let geometry = Geometry {
-            layers: g.layers,
-            q_heads: g.q_heads,
-            kv_heads: g.kv_heads,
-            head_dim: g.head_dim,
-            dtype: DType::from_code(g.dtype)
-                .ok_or_else(|| ServiceError::internal(format!("unknown dtype {}", g.dtype)))?,
-            block_tokens: g.block_tokens,
-        };
-        let policy = Policy {
-            sink_blocks: rec.policy.sink_blocks,
-            local_blocks: rec.policy.local_blocks,
-            top_k: rec.policy.top_k,
-        };
+        let geometry = geometry_of(&rec.geometry)?;
+        let policy = policy_of(&rec.policy);
         let mut kv = KvCache::new(geometry, self.arena.clone())?;
         let bt = geometry.block_tokens as u64;
         let tokens = |l: u32| *rec.layer_tokens.get(l as usize).unwrap_or(&0);
@@ -1139,12 +1294,17 @@ impl Engine {
                 local_blocks: s.policy.local_blocks,
                 top_k: s.policy.top_k,
             },
-            tokens_min: st.kv.min_tokens(),
-            tokens_max: st.kv.max_tokens_stored(),
+            tokens_min: s.damaged.as_ref().map_or(st.kv.min_tokens(), |d| {
+                d.layer_tokens.iter().copied().min().unwrap_or(0)
+            }),
+            tokens_max: s.damaged.as_ref().map_or(st.kv.max_tokens_stored(), |d| {
+                d.layer_tokens.iter().copied().max().unwrap_or(0)
+            }),
             blocks: st.kv.blocks() as u64,
             host_bytes: st.kv.host_bytes() as u64,
             nvme_bytes: nvme_pages * page,
             pinned: s.pinned.load(Ordering::Relaxed),
+            damaged: s.damaged.is_some(),
             created_unix_ms: s.created_unix_ms,
             last_access_unix_ms: s.last_access_unix_ms.load(Ordering::Relaxed),
         }
@@ -1189,20 +1349,35 @@ impl Engine {
     }
 
     /// Drops a session and its NVMe copy; its frames return to the arena once in-flight
-    /// requests release it.
+    /// requests release it. The durable copy goes first: if deleting it fails (a full
+    /// filesystem cannot commit the manifest), the session stays, served as before, rather
+    /// than vanishing now and coming back after a restart.
     fn remove(&self, id: u64) -> ServiceResult<()> {
-        let Some(s) = self.sessions.write().remove(&id) else {
-            return Err(ServiceError::not_found(id));
-        };
+        let s = self
+            .sessions
+            .read()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| ServiceError::not_found(id))?;
+        {
+            // Held across the table removal, so no request persists the session again in
+            // between (the table lock is never held while waiting for a session's).
+            let mut st = s.state.lock();
+            if st.closed {
+                return Err(ServiceError::not_found(id));
+            }
+            if let (Some((tier, _)), true) = (&self.tier, st.stored) {
+                tier.delete_session(id).map_err(nvme_error)?;
+                st.stored = false;
+            }
+            st.closed = true;
+            self.sessions.write().remove(&id);
+        }
         if let Some(gpu) = &self.gpu {
             let mut g = gpu.lock();
             if g.is_open(id) {
                 let _ = g.close(id);
             }
-        }
-        let stored = s.state.lock().stored;
-        if let (Some((tier, _)), true) = (&self.tier, stored) {
-            tier.delete_session(id).map_err(nvme_error)?;
         }
         Ok(())
     }
@@ -1368,10 +1543,12 @@ impl Session {
             created_unix_ms: now,
             last_access_unix_ms: AtomicU64::new(now),
             pinned: std::sync::atomic::AtomicBool::new(false),
+            damaged: None,
             state: Mutex::new(SessionState {
                 kv,
                 persisted: vec![0; layers],
                 stored,
+                closed: false,
             }),
         }
     }
@@ -1387,6 +1564,8 @@ mod tests {
             arena,
             EngineLimits {
                 max_sessions: 4,
+                max_sessions_per_uid: 0,
+                max_reply_bytes: 1 << 20,
                 admin_uids: vec![],
                 admin_gids: vec![],
             },

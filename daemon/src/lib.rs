@@ -65,6 +65,8 @@ pub fn build_engine(
         arena,
         EngineLimits {
             max_sessions: cfg.admission.max_sessions,
+            max_sessions_per_uid: cfg.quota.max_sessions_per_uid,
+            max_reply_bytes: cfg.server.max_frame_bytes.0 as usize,
             admin_uids: cfg.auth.admin_uids.clone(),
             admin_gids: cfg.auth.admin_gids.clone(),
         },
@@ -116,6 +118,7 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
             .map(|d| (d.path.clone(), d.capacity.0))
             .collect()
     };
+    check_manifests(cfg, &devices)?;
     let mut configs = Vec::new();
     for (path, capacity) in &devices {
         // One device needs no weight; several are striped in proportion to measured bandwidth.
@@ -170,6 +173,29 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
     )))
 }
 
+/// Before any page file is opened: when manifest files exist but none verifies, refuse to
+/// start (`nvme.damaged_manifests = "refuse"`), or move them and the page files aside
+/// (`"quarantine"`), so that starting empty never reuses the pages they describe.
+fn check_manifests(cfg: &Config, devices: &[(std::path::PathBuf, u64)]) -> Result<(), String> {
+    use kvtier_storage::nvme::{manifest, NvmeError};
+    let dir = &cfg.nvme.dir;
+    match manifest::ManifestStore::open(dir) {
+        Err(NvmeError::DamagedManifests { .. })
+            if cfg.nvme.damaged_manifests == config::DamagedManifests::Quarantine =>
+        {
+            let files: Vec<_> = devices.iter().map(|(p, _)| p.clone()).collect();
+            let q = manifest::quarantine(dir, &files).map_err(|e| e.to_string())?;
+            tracing::warn!(
+                quarantine = %q.display(),
+                "no manifest verifies: moved the manifests and page files aside, starting empty"
+            );
+            Ok(())
+        }
+        Err(e) => Err(e.to_string()),
+        Ok(_) => Ok(()),
+    }
+}
+
 /// Takes an exclusive lock on `dir/lock` for the life of the process: two daemons on the same
 /// page files would overwrite each other's pages.
 fn lock_state_dir(dir: &std::path::Path) -> Result<(), String> {
@@ -193,6 +219,11 @@ fn lock_state_dir(dir: &std::path::Path) -> Result<(), String> {
     Ok(())
 }
 
+/// A timeout in ms, 0 meaning none.
+fn millis(ms: u64) -> Option<Duration> {
+    (ms > 0).then(|| Duration::from_millis(ms))
+}
+
 /// The socket settings a config describes.
 pub fn server_settings(cfg: &Config) -> ServerSettings {
     ServerSettings {
@@ -201,6 +232,8 @@ pub fn server_settings(cfg: &Config) -> ServerSettings {
         max_concurrent_requests: cfg.admission.max_concurrent_requests,
         max_queued_requests: cfg.admission.max_queued_requests,
         shutdown_grace: Duration::from_millis(cfg.server.shutdown_grace_ms),
+        handshake_timeout: millis(cfg.server.handshake_timeout_ms),
+        idle_timeout: millis(cfg.server.idle_timeout_ms),
         socket_path: Some(cfg.server.socket_path.clone()),
         notifier: None,
         watchdog: None,

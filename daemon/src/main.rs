@@ -244,6 +244,14 @@ fn serve(cfg: Config) -> Result<(), String> {
         if ok + failed > 0 {
             tracing::info!(persisted = ok, failed, "sessions written to the NVMe tier");
         }
+        if failed > 0 {
+            // The exit status says so: a service manager (or an operator's script) must not
+            // take a shutdown that lost sessions for a clean one.
+            return Err(format!(
+                "shutdown could not write {failed} of {} session(s) to the NVMe tier; they are lost",
+                ok + failed
+            ));
+        }
         Ok::<(), String>(())
     })?;
     tracing::info!("tierd stopped");

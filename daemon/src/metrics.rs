@@ -83,14 +83,20 @@ pub enum Rejection {
     ConnectionLimit,
     /// The host tier had no free frame.
     HostFull,
+    /// A malformed frame or request body.
+    Malformed,
+    /// The peer may not do this (EVICT without being an admin).
+    Permission,
 }
 
 impl Rejection {
-    pub const ALL: [Rejection; 4] = [
+    pub const ALL: [Rejection; 6] = [
         Rejection::SessionLimit,
         Rejection::QueueFull,
         Rejection::ConnectionLimit,
         Rejection::HostFull,
+        Rejection::Malformed,
+        Rejection::Permission,
     ];
 
     pub fn label(self) -> &'static str {
@@ -99,6 +105,8 @@ impl Rejection {
             Rejection::QueueFull => "queue_full",
             Rejection::ConnectionLimit => "max_connections",
             Rejection::HostFull => "host_full",
+            Rejection::Malformed => "malformed",
+            Rejection::Permission => "permission",
         }
     }
 }
@@ -173,7 +181,7 @@ pub struct Metrics {
     touched_bytes: Counter,
     selected_tiles: Counter,
     errors: Vec<(ErrorCode, Counter)>,
-    rejections: [Counter; 4],
+    rejections: [Counter; Rejection::ALL.len()],
     stages: [Histogram; 3],
     decode_seconds: Histogram,
     keep_set_blocks: Histogram,

@@ -39,6 +39,11 @@ pub struct ServerSettings {
     pub max_concurrent_requests: usize,
     pub max_queued_requests: usize,
     pub shutdown_grace: Duration,
+    /// Close a connection that has not completed HELLO within this (None: never).
+    pub handshake_timeout: Option<Duration>,
+    /// Close a connection that sends nothing for this long, between requests or inside one
+    /// (None: never).
+    pub idle_timeout: Option<Duration>,
     /// Removed when the server stops accepting.
     pub socket_path: Option<PathBuf>,
     /// The service manager to tell READY=1 / STATUS= / STOPPING=1 (sd_notify), if any.
@@ -344,8 +349,23 @@ fn reply_frame(
         Ok(buf)
     });
     r.unwrap_or_else(|e| {
+        if e.code == ErrorCode::PermissionDenied {
+            engine.record_rejection(Rejection::Permission);
+        }
         engine.record_error(e.code);
         error_frame(request_id, &e)
+    })
+}
+
+/// Decodes a request body; a malformed one is a rejection (protocol.md §5.7).
+fn decode_request<'b>(
+    engine: &Engine,
+    header: &Header,
+    body: &'b [u8],
+) -> ServiceResult<Request<'b>> {
+    Request::decode(header, body).map_err(|e| {
+        engine.record_rejection(Rejection::Malformed);
+        ServiceError::from(e)
     })
 }
 
@@ -372,6 +392,19 @@ async fn recv_exact(
     Ok(true)
 }
 
+/// `io` bounded by `limit` (a timeout is an error of kind TimedOut).
+async fn within<T>(
+    limit: Option<Duration>,
+    io: impl Future<Output = io::Result<T>>,
+) -> io::Result<T> {
+    match limit {
+        None => io.await,
+        Some(d) => tokio::time::timeout(d, io)
+            .await
+            .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "timed out"))),
+    }
+}
+
 struct Connection {
     stream: UnixStream,
     peer: Peer,
@@ -392,15 +425,22 @@ impl Connection {
                 break;
             }
             fds.clear();
+            // Until HELLO the handshake limit, after it the idle limit: a connection that
+            // only holds a slot is closed.
+            let limit = if self.hello {
+                self.shared.settings.idle_timeout
+            } else {
+                self.shared.settings.handshake_timeout
+            };
             let got = tokio::select! {
                 _ = self.stop.changed() => break,
-                r = recv_exact(&self.stream, &mut head, &mut fds) => r,
+                r = within(limit, recv_exact(&self.stream, &mut head, &mut fds)) => r,
             };
             match got {
                 Ok(true) => {}
                 Ok(false) => break,
                 Err(e) => {
-                    tracing::debug!(error = %e, "connection read failed");
+                    tracing::debug!(uid = self.peer.uid, error = %e, "closing the connection");
                     break;
                 }
             }
@@ -410,13 +450,15 @@ impl Connection {
                 Ok(h) => h,
                 Err(e) => {
                     let e = ServiceError::from(e);
+                    self.shared.engine.record_rejection(Rejection::Malformed);
                     self.shared.engine.record_error(e.code);
                     let _ = self.stream.write_all(&error_frame(0, &e)).await;
                     break;
                 }
             };
             body.resize(header.body_len as usize, 0);
-            match recv_exact(&self.stream, &mut body, &mut fds).await {
+            let idle = self.shared.settings.idle_timeout;
+            match within(idle, recv_exact(&self.stream, &mut body, &mut fds)).await {
                 Ok(true) => {}
                 Ok(false) if body.is_empty() => {}
                 _ => break,
@@ -499,8 +541,7 @@ impl Connection {
                 }
             }
             _ => {
-                let result = Request::decode(header, body)
-                    .map_err(ServiceError::from)
+                let result = decode_request(&engine, header, body)
                     .and_then(|req| self.execute_light(&engine, req));
                 reply_frame(rid, result, max, &engine)
             }
@@ -571,7 +612,7 @@ fn execute_heavy(
     body: &[u8],
     fd: Option<OwnedFd>,
 ) -> ServiceResult<Response> {
-    match Request::decode(header, body)? {
+    match decode_request(engine, header, body)? {
         Request::AppendKv(a) => {
             let tokens = match a.data {
                 AppendData::Inline(payload) => {

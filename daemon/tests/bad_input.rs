@@ -399,9 +399,11 @@ fn another_uid_cannot_touch_a_session() {
     let id = c.create_session(g, policy(), "root's").unwrap();
     c.append_kv(id, 0, 16, &Shadow::new(g, 1).payload(16))
         .unwrap();
-    // Re-run this test binary as uid/gid 65534 (nobody), executing only `foreign_client`.
+    // Re-run this test binary as uid/gid 65534 (nobody), executing only `foreign_client`
+    // (from a copy nobody can reach, wherever the checkout sits).
     use std::os::unix::process::CommandExt;
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
+    let exe = common::reachable_copy(&std::env::current_exe().unwrap());
+    let out = std::process::Command::new(&exe)
         .args([
             "--exact",
             "foreign_client",
@@ -442,18 +444,30 @@ fn foreign_client() {
     let mut c = Client::connect(&path).unwrap();
     let g = small_geometry();
     let mut sh = Shadow::new(g, 2);
-    assert_eq!(code(c.session_info(id)), ErrorCode::PermissionDenied);
+    // Another uid's session answers exactly as a missing one: ids cannot be probed.
+    let missing = id ^ 1;
+    let answer = |r: Result<kvtier_protocol::SessionInfo, ClientError>, id: u64| match r {
+        Err(ClientError::Server { code, message }) => {
+            (code, message.replace(&id.to_string(), "ID"))
+        }
+        other => panic!("expected a server error, got {other:?}"),
+    };
+    let theirs = answer(c.session_info(id), id);
+    assert_eq!(theirs.0, ErrorCode::NotFound);
+    assert_eq!(theirs, answer(c.session_info(missing), missing));
     assert_eq!(
         code(c.append_kv(id, 16, 16, &sh.payload(16))),
-        ErrorCode::PermissionDenied
+        ErrorCode::NotFound
     );
     let (q, k, v) = sh.step_input(0);
     let qb = f32_bytes(&q);
     assert_eq!(
         code(c.decode(0, entry(id, 16, &qb, &k, &v), false)),
-        ErrorCode::PermissionDenied
+        ErrorCode::NotFound
     );
-    assert_eq!(code(c.close(id)), ErrorCode::PermissionDenied);
+    assert_eq!(code(c.close(id)), ErrorCode::NotFound);
+    assert_eq!(code(c.demote(id)), ErrorCode::NotFound);
+    assert_eq!(code(c.pin(id, true)), ErrorCode::NotFound);
     assert_eq!(code(c.evict(id)), ErrorCode::PermissionDenied);
     assert!(
         c.list_sessions().unwrap().is_empty(),

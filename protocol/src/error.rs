@@ -108,6 +108,8 @@ pub enum ProtoError {
     InvalidUtf8 { what: &'static str },
     #[error("{what} must be 0 or 1, got {value}")]
     BadBool { what: &'static str, value: u8 },
+    #[error("{what} has unknown bits set: {value:#04x}")]
+    BadFlagBits { what: &'static str, value: u8 },
     #[error("unknown dtype {value} (0 bf16, 1 f16, 2 f32)")]
     BadDtype { value: u8 },
     #[error("unknown error code {code}")]

@@ -147,6 +147,9 @@ pub struct SessionInfo {
     pub host_bytes: u64,
     pub nvme_bytes: u64,
     pub pinned: bool,
+    /// Its stored data failed verification at startup: listed so an operator sees it, every
+    /// use answers DATA_LOSS, CLOSE deletes what remains (wire: bit 1 of the state byte).
+    pub damaged: bool,
     pub created_unix_ms: u64,
     pub last_access_unix_ms: u64,
 }
@@ -167,25 +170,33 @@ impl SessionInfo {
         put_u64(buf, self.blocks);
         put_u64(buf, self.host_bytes);
         put_u64(buf, self.nvme_bytes);
-        put_u8(buf, u8::from(self.pinned));
+        put_u8(buf, u8::from(self.pinned) | u8::from(self.damaged) << 1);
         put_u64(buf, self.created_unix_ms);
         put_u64(buf, self.last_access_unix_ms);
         Ok(())
     }
 
     pub(crate) fn get(r: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        let (session, owner_uid) = (r.u64("session")?, r.u32("owner_uid")?);
+        let label = r.str("session label")?.to_owned();
+        let (geometry, policy) = (Geometry::get(r)?, Policy::get(r)?);
+        let (tokens_min, tokens_max) = (r.u64("tokens_min")?, r.u64("tokens_max")?);
+        let (blocks, host_bytes, nvme_bytes) =
+            (r.u64("blocks")?, r.u64("host_bytes")?, r.u64("nvme_bytes")?);
+        let state = r.flags("session state", 0b11)?;
         Ok(Self {
-            session: r.u64("session")?,
-            owner_uid: r.u32("owner_uid")?,
-            label: r.str("session label")?.to_owned(),
-            geometry: Geometry::get(r)?,
-            policy: Policy::get(r)?,
-            tokens_min: r.u64("tokens_min")?,
-            tokens_max: r.u64("tokens_max")?,
-            blocks: r.u64("blocks")?,
-            host_bytes: r.u64("host_bytes")?,
-            nvme_bytes: r.u64("nvme_bytes")?,
-            pinned: r.bool("pinned")?,
+            session,
+            owner_uid,
+            label,
+            geometry,
+            policy,
+            tokens_min,
+            tokens_max,
+            blocks,
+            host_bytes,
+            nvme_bytes,
+            pinned: state & 1 != 0,
+            damaged: state & 2 != 0,
             created_unix_ms: r.u64("created_unix_ms")?,
             last_access_unix_ms: r.u64("last_access_unix_ms")?,
         })

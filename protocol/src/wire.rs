@@ -61,6 +61,15 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// A u8 of flag bits; a bit outside `known` is refused.
+    pub(crate) fn flags(&mut self, what: &'static str, known: u8) -> Result<u8, ProtoError> {
+        let value = self.u8(what)?;
+        if value & !known != 0 {
+            return Err(ProtoError::BadFlagBits { what, value });
+        }
+        Ok(value)
+    }
+
     /// u32 byte length + UTF-8 bytes.
     pub(crate) fn str(&mut self, what: &'static str) -> Result<&'a str, ProtoError> {
         let len = self.u32(what)? as usize;

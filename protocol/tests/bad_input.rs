@@ -406,18 +406,30 @@ fn unknown_error_code_and_bad_bool_in_replies() {
         host_bytes: 0,
         nvme_bytes: 0,
         pinned: true,
+        damaged: true,
         created_unix_ms: 0,
         last_access_unix_ms: 0,
     };
     let mut body = Vec::new();
-    Response::SessionInfo(info).encode(&mut body).unwrap();
+    Response::SessionInfo(info.clone())
+        .encode(&mut body)
+        .unwrap();
     assert_eq!(body.len(), SessionInfo::MIN_WIRE_LEN);
-    body[SessionInfo::MIN_WIRE_LEN - 17] = 2; // pinned
+    assert_eq!(
+        body[SessionInfo::MIN_WIRE_LEN - 17],
+        3,
+        "pinned | damaged << 1"
+    );
     assert_eq!(
         Response::decode(&hdr(Opcode::SessionInfo.reply(), 0, &body), &body),
-        Err(ProtoError::BadBool {
-            what: "pinned",
-            value: 2
+        Ok(Response::SessionInfo(info))
+    );
+    body[SessionInfo::MIN_WIRE_LEN - 17] = 4; // an unknown state bit
+    assert_eq!(
+        Response::decode(&hdr(Opcode::SessionInfo.reply(), 0, &body), &body),
+        Err(ProtoError::BadFlagBits {
+            what: "session state",
+            value: 4
         })
     );
 }

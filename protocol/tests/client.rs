@@ -238,6 +238,7 @@ fn info(session: u64, s: &Session) -> SessionInfo {
         host_bytes: 0,
         nvme_bytes: 0,
         pinned: false,
+        damaged: false,
         created_unix_ms: 1,
         last_access_unix_ms: 2,
     }

@@ -45,6 +45,7 @@ fn info(session: u64, label: &str, pinned: bool) -> SessionInfo {
         host_bytes: 4096,
         nvme_bytes: 0,
         pinned,
+        damaged: false,
         created_unix_ms: 1_763_800_000_000,
         last_access_unix_ms: 1_763_800_000_500,
     }

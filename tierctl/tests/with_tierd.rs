@@ -99,12 +99,32 @@ impl Drop for Daemon {
 }
 
 fn ctl_at(sock: &Path, args: &[&str], uid: Option<u32>) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tierctl"));
+    let exe = Path::new(env!("CARGO_BIN_EXE_tierctl"));
+    let mut cmd = match uid {
+        // Another uid runs a copy it can reach, wherever the checkout sits.
+        Some(uid) => {
+            let mut c = Command::new(reachable_copy(exe));
+            c.uid(uid).gid(uid);
+            c
+        }
+        None => Command::new(exe),
+    };
     cmd.arg("--socket").arg(sock).args(args);
-    if let Some(uid) = uid {
-        cmd.uid(uid).gid(uid);
-    }
     cmd.output().expect("run tierctl")
+}
+
+/// A copy of `exe` in a fresh 0755 directory under /tmp, executable by every uid.
+fn reachable_copy(exe: &Path) -> PathBuf {
+    let dir = tempfile::Builder::new()
+        .prefix("kvtier-exe")
+        .tempdir_in("/tmp")
+        .unwrap()
+        .keep();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let to = dir.join(exe.file_name().unwrap());
+    std::fs::copy(exe, &to).unwrap();
+    std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o755)).unwrap();
+    to
 }
 
 fn ok(o: &Output) -> String {
@@ -188,7 +208,11 @@ fn sessions_info_stats_tier_close() {
     let v = json(&d.ctl(&["--json", "sessions"]));
     let list = v["sessions"].as_array().unwrap();
     assert_eq!(list.len(), 2);
-    let s = &list[0];
+    assert!(
+        list[0]["id"].as_u64() < list[1]["id"].as_u64(),
+        "sorted by id"
+    );
+    let s = list.iter().find(|s| s["id"] == a).unwrap();
     assert_eq!(s["id"], a);
     assert_eq!(s["owner_uid"], uid);
     assert_eq!(s["label"], "alpha");
@@ -212,21 +236,30 @@ fn sessions_info_stats_tier_close() {
     assert_eq!(s["nvme_bytes"], 0);
     assert_eq!(s["pinned"], false);
     assert!(s["last_access_unix_ms"].as_u64().unwrap() >= s["created_unix_ms"].as_u64().unwrap());
-    assert_eq!(list[1]["id"], b);
-    assert_eq!(list[1]["tokens_max"], 16);
-    assert_eq!(list[1]["blocks"], 2);
+    let sb = list.iter().find(|s| s["id"] == b).unwrap();
+    assert_eq!(sb["tokens_max"], 16);
+    assert_eq!(sb["blocks"], 2);
 
-    // Human table: a header and one aligned row per session.
+    // Human table: a header and one aligned row per session (ids are random: rows are found
+    // by their id).
     let out = ok(&d.ctl(&["sessions"]));
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines.len(), 3, "{out}");
     assert!(lines[0].contains("L/Hq/Hkv/D/dtype/B") && lines[0].contains("LAST ACCESS"));
+    let row = |id: &Value| {
+        let id = id.to_string();
+        *lines[1..]
+            .iter()
+            .find(|l| l.split_whitespace().next() == Some(id.as_str()))
+            .unwrap()
+    };
+    let (ra, rb) = (row(&a.into()), row(&b.into()));
     assert!(
-        lines[1].contains("alpha") && lines[1].contains("2/4/2/16/bf16/16"),
+        ra.contains("alpha") && ra.contains("2/4/2/16/bf16/16"),
         "{out}"
     );
-    assert!(lines[1].contains(&human_bytes(6 * frame)), "{out}");
-    assert!(lines[2].contains(" - "), "empty label shows as -: {out}");
+    assert!(ra.contains(&human_bytes(6 * frame)), "{out}");
+    assert!(rb.contains(" - "), "empty label shows as -: {out}");
 
     // session info, JSON and human.
     let v = json(&d.ctl(&["--json", "session", "info", &a.to_string()]));
@@ -387,16 +420,17 @@ fn permission_denied_for_another_uid() {
         0,
         "nobody sees only own"
     );
+    // Another uid's session reads as missing (ids cannot be probed).
     let e = err(
         &ctl_at(&d.sock, &["session", "info", &id.to_string()], Some(NOBODY)),
-        4,
+        5,
     );
-    assert!(e.contains("PERMISSION_DENIED"), "{e}");
+    assert!(e.contains("not found"), "{e}");
     let e = err(
         &ctl_at(&d.sock, &["close", &id.to_string()], Some(NOBODY)),
-        4,
+        5,
     );
-    assert!(e.contains("PERMISSION_DENIED"), "{e}");
+    assert!(e.contains("not found"), "{e}");
     let o = ctl_at(&d.sock, &["--json", "evict", &id.to_string()], Some(NOBODY));
     let e = err(&o, 4);
     assert!(e.contains("EVICT needs an admin"), "{e}");

@@ -297,3 +297,18 @@ pub fn entry<'a>(
 pub fn f32_bytes(x: &[f32]) -> Vec<u8> {
     x.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
+
+/// A copy of the executable `exe` in a fresh directory every uid may enter and execute from,
+/// for running it as another uid wherever the checkout sits (a 0700 home or mktemp dir).
+pub fn reachable_copy(exe: &Path) -> PathBuf {
+    let dir = tempfile::Builder::new()
+        .prefix("kvtier-exe")
+        .tempdir_in("/tmp")
+        .unwrap()
+        .keep();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let to = dir.join(exe.file_name().unwrap());
+    std::fs::copy(exe, &to).unwrap();
+    std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o755)).unwrap();
+    to
+}

@@ -63,6 +63,7 @@ pub fn session_info() -> impl Strategy<Value = SessionInfo> {
                     host_bytes: n[3],
                     nvme_bytes: n[4],
                     pinned,
+                    damaged: false,
                     created_unix_ms: created,
                     last_access_unix_ms: last,
                 }

@@ -101,6 +101,13 @@ pub enum NvmeError {
         newest: u32,
     },
 
+    /// Manifest files exist but none verifies (every copy of every epoch is damaged).
+    /// Starting empty would reuse, and so overwrite, the pages of the sessions they describe:
+    /// the tier refuses to open until an operator quarantines them (see
+    /// [`super::manifest::quarantine`]).
+    #[error("no manifest in {dir:?} verifies ({files} file(s) damaged): refusing to start empty over their pages; set nvme.damaged_manifests = \"quarantine\" to move them and the page files aside and start empty")]
+    DamagedManifests { dir: PathBuf, files: usize },
+
     /// The manifest and the devices disagree (page size, device count, page out of range).
     #[error("manifest does not match the page store: {what}")]
     ManifestMismatch { what: String },

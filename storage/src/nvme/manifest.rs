@@ -4,19 +4,28 @@
 //!
 //! # Files and crash safety
 //!
-//! Each commit writes a new file `manifest-<epoch>` (20 decimal digits): written to
-//! `manifest-<epoch>.tmp`, fsync'd, renamed, then the directory is fsync'd. A file is
-//! `magic | version | crc32c | epoch | len | reserved` (48 bytes) + the rkyv bytes; the crc
-//! covers bytes 16..48 and the payload. Loading takes the newest file that verifies and
-//! reports the others it skipped; the previous good manifest is kept until the next commit,
-//! so a corrupt or truncated newest file falls back to it.
+//! Each commit writes a new epoch as two files, `manifest-<epoch>` (20 decimal digits) and its
+//! copy `manifest-<epoch>.copy`: each written to `<name>.tmp`, fsync'd and renamed, then the
+//! directory is fsync'd. A file is `magic | version | crc32c | epoch | len | reserved` (48
+//! bytes) + the rkyv bytes; from version 3 the crc covers the version field, bytes 16..48 and
+//! the payload (versions 1 and 2: bytes 16..48 and the payload), so a damaged version field
+//! reads as corruption, not as a newer format. Loading takes the newest epoch with a file that
+//! verifies (the primary, else its copy) and reports the files it skipped; the previous good
+//! epoch is kept until the next commit, so even losing both copies of the newest epoch falls
+//! back to it. A commit that fails (a full filesystem) removes its temporary file and never
+//! reuses its epoch, so the next commit after space is freed succeeds.
+//!
+//! If manifest files exist but none verifies, [`ManifestStore::open`] refuses
+//! ([`NvmeError::DamagedManifests`]): starting empty would reuse the pages those files
+//! describe. [`quarantine`] moves them aside for an operator who chooses to start empty.
 //!
 //! # Versions
 //!
-//! Version 2 added [`SessionRecord::pinned`]. Version 1 files still load (sessions come back
-//! unpinned); the next commit writes version 2. A file of a version this build does not know
-//! is [`NvmeError::UnsupportedManifestVersion`] and stops [`ManifestStore::open`], rather than
-//! being skipped for an older manifest.
+//! Version 2 added [`SessionRecord::pinned`]; version 3 (same layout) puts the version field
+//! under the checksum. Versions 1 and 2 still load (version 1 sessions come back unpinned); the
+//! next commit writes version 3. A file that verifies but is of a version this build does not
+//! know is [`NvmeError::UnsupportedManifestVersion`] and stops [`ManifestStore::open`], rather
+//! than being skipped for an older manifest.
 //!
 //! # Page reuse rule
 //!
@@ -35,11 +44,15 @@ use super::NvmeError;
 
 const MAGIC: &[u8; 8] = b"KVTMANI1";
 /// The format version commits write.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
+/// The first version whose checksum covers the version field.
+const VERSION_CHECKSUMMED: u32 = 3;
 /// The oldest format version that still loads.
 pub const OLDEST_VERSION: u32 = 1;
 const HEADER: usize = 48;
 const PREFIX: &str = "manifest-";
+/// Suffix of the second copy of each epoch.
+const COPY_SUFFIX: &str = ".copy";
 
 /// Model geometry of a session (the fields of the lead's `Geometry`, as plain numbers).
 #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
@@ -289,7 +302,13 @@ fn file_name(epoch: u64) -> String {
     format!("{PREFIX}{epoch:020}")
 }
 
+fn copy_name(epoch: u64) -> String {
+    format!("{}{COPY_SUFFIX}", file_name(epoch))
+}
+
+/// The epoch of a manifest file name, primary or copy.
 fn parse_epoch(name: &str) -> Option<u64> {
+    let name = name.strip_suffix(COPY_SUFFIX).unwrap_or(name);
     let digits = name.strip_prefix(PREFIX)?;
     if digits.len() == 20 && digits.bytes().all(|b| b.is_ascii_digit()) {
         digits.parse().ok()
@@ -300,10 +319,12 @@ fn parse_epoch(name: &str) -> Option<u64> {
 
 impl ManifestStore {
     /// Opens (creating) the directory, removes leftover temporary files, and loads the newest
-    /// manifest that verifies. `None` when there is no valid manifest at all.
+    /// manifest that verifies. `None` when there is no manifest file at all;
+    /// [`NvmeError::DamagedManifests`] when there are some but none verifies.
     pub fn open(dir: &Path) -> Result<(Self, Option<Loaded>), NvmeError> {
         fs::create_dir_all(dir).map_err(|e| NvmeError::os("mkdir", dir, e))?;
         let mut epochs = Vec::new();
+        let mut files = 0;
         for entry in fs::read_dir(dir).map_err(|e| NvmeError::os("readdir", dir, e))? {
             let entry = entry.map_err(|e| NvmeError::os("readdir", dir, e))?;
             let name = entry.file_name();
@@ -313,39 +334,53 @@ impl ManifestStore {
                 let p = entry.path();
                 fs::remove_file(&p).map_err(|e| NvmeError::os("unlink", &p, e))?;
             } else if let Some(e) = parse_epoch(name) {
+                files += 1;
                 epochs.push(e);
             }
         }
         epochs.sort_unstable_by(|a, b| b.cmp(a));
+        epochs.dedup();
         let next_epoch = epochs.first().map_or(1, |e| e + 1);
         let mut skipped = Vec::new();
         let mut good: Vec<Manifest> = Vec::new();
         for &e in &epochs {
-            let path = dir.join(file_name(e));
-            match load_file(&path) {
-                Ok(m) if m.epoch == e => {
-                    good.push(m);
-                    if good.len() == 2 {
+            // The primary, else its copy: one damaged file loses nothing.
+            for path in [dir.join(file_name(e)), dir.join(copy_name(e))] {
+                if !path.exists() {
+                    continue;
+                }
+                match load_file(&path) {
+                    Ok(m) if m.epoch == e => {
+                        good.push(m);
                         break;
                     }
-                }
-                Ok(m) => skipped.push((
-                    path.clone(),
-                    NvmeError::CorruptManifest {
-                        path,
-                        reason: format!("file name says epoch {e}, contents {}", m.epoch),
-                    },
-                )),
-                Err(err @ NvmeError::UnsupportedManifestVersion { .. }) if good.is_empty() => {
-                    return Err(err);
-                }
-                Err(err) => {
-                    if good.is_empty() {
-                        tracing::warn!(path = %path.display(), error = %err, "skipping bad manifest");
+                    Ok(m) => skipped.push((
+                        path.clone(),
+                        NvmeError::CorruptManifest {
+                            path,
+                            reason: format!("file name says epoch {e}, contents {}", m.epoch),
+                        },
+                    )),
+                    Err(err @ NvmeError::UnsupportedManifestVersion { .. }) if good.is_empty() => {
+                        return Err(err);
                     }
-                    skipped.push((path, err));
+                    Err(err) => {
+                        if good.is_empty() {
+                            tracing::warn!(path = %path.display(), error = %err, "skipping bad manifest");
+                        }
+                        skipped.push((path, err));
+                    }
                 }
             }
+            if good.len() == 2 {
+                break;
+            }
+        }
+        if good.is_empty() && files > 0 {
+            return Err(NvmeError::DamagedManifests {
+                dir: dir.to_path_buf(),
+                files,
+            });
         }
         let mut good = good.into_iter();
         let loaded = good.next().map(|current| Loaded {
@@ -371,26 +406,49 @@ impl ManifestStore {
     }
 
     /// Durably replaces the manifest: when this returns `Ok(epoch)`, a restart loads this
-    /// manifest (or, if its file is later damaged, the previous one). Sets `m.epoch`.
+    /// manifest (from either of its two files; or, if both are later damaged, the previous
+    /// one). Sets `m.epoch`. On error nothing is left behind but the used-up epoch number.
     pub fn commit(&mut self, m: &mut Manifest) -> Result<u64, NvmeError> {
         let epoch = self.next_epoch;
+        // Used up even if the commit fails, so a retry never meets a name of this one.
+        self.next_epoch += 1;
         m.epoch = epoch;
         let payload = rkyv::to_bytes::<rancor::Error>(m)
             .map_err(|e| NvmeError::invalid(format!("manifest does not serialize: {e}")))?;
-        let final_path = self.dir.join(file_name(epoch));
-        let tmp = self.dir.join(format!("{}.tmp", file_name(epoch)));
-        write_file(&tmp, VERSION, epoch, &payload)?;
-        // The epoch is used up even if the rename fails, so a retry never reuses a name.
-        self.next_epoch += 1;
-        fs::rename(&tmp, &final_path).map_err(|e| NvmeError::os("rename", &tmp, e))?;
-        File::open(&self.dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| NvmeError::os("fsync(dir)", &self.dir, e))?;
+        let written = [file_name(epoch), copy_name(epoch)]
+            .iter()
+            .try_for_each(|name| self.write_renamed(name, epoch, &payload))
+            .and_then(|()| {
+                File::open(&self.dir)
+                    .and_then(|d| d.sync_all())
+                    .map_err(|e| map_os("fsync(dir)", &self.dir, e))
+            });
+        if let Err(e) = written {
+            // Not acknowledged: a primary that made it would be a newer epoch than the one
+            // the caller keeps serving, so it goes too.
+            for name in [file_name(epoch), copy_name(epoch)] {
+                let _ = fs::remove_file(self.dir.join(name));
+            }
+            return Err(e);
+        }
         // Keep the previous good manifest as the fallback; everything older goes.
         let keep_from = self.last_good.unwrap_or(epoch);
         self.last_good = Some(epoch);
         self.remove_older_than(keep_from);
         Ok(epoch)
+    }
+
+    /// Writes one file of an epoch through `<name>.tmp` and a rename; removes the temporary
+    /// file on failure.
+    fn write_renamed(&self, name: &str, epoch: u64, payload: &[u8]) -> Result<(), NvmeError> {
+        let tmp = self.dir.join(format!("{name}.tmp"));
+        let r = write_file(&tmp, VERSION, epoch, payload).and_then(|()| {
+            fs::rename(&tmp, self.dir.join(name)).map_err(|e| map_os("rename", &tmp, e))
+        });
+        if r.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        r
     }
 
     fn remove_older_than(&self, epoch: u64) {
@@ -417,25 +475,79 @@ fn write_file(path: &Path, version: u32, epoch: u64, payload: &[u8]) -> Result<(
     header[8..12].copy_from_slice(&version.to_le_bytes());
     header[16..24].copy_from_slice(&epoch.to_le_bytes());
     header[24..32].copy_from_slice(&(payload.len() as u64).to_le_bytes());
-    let crc = crc32c::crc32c_append(crc32c::crc32c(&header[16..]), payload);
+    let crc = checksum(version, &header, payload);
     header[12..16].copy_from_slice(&crc.to_le_bytes());
     let mut f = OpenOptions::new()
         .write(true)
         .create_new(true)
         .open(path)
-        .map_err(|e| NvmeError::os("create", path, e))?;
+        .map_err(|e| map_os("create", path, e))?;
     f.write_all(&header)
         .and_then(|_| f.write_all(payload))
-        .map_err(|e| map_write_err(path, e))?;
-    f.sync_all().map_err(|e| NvmeError::os("fsync", path, e))
+        .map_err(|e| map_os("write", path, e))?;
+    f.sync_all().map_err(|e| map_os("fsync", path, e))
 }
 
-fn map_write_err(path: &Path, e: std::io::Error) -> NvmeError {
+/// The crc32c of a file of format `version` (`header` as stored; its crc field is not read).
+fn checksum(version: u32, header: &[u8], payload: &[u8]) -> u32 {
+    let head = if version >= VERSION_CHECKSUMMED {
+        crc32c::crc32c_append(crc32c::crc32c(&header[8..12]), &header[16..HEADER])
+    } else {
+        crc32c::crc32c(&header[16..HEADER])
+    };
+    crc32c::crc32c_append(head, payload)
+}
+
+/// An OS error of a manifest file operation; ENOSPC (also from create, fsync or rename on a
+/// full filesystem) is [`NvmeError::NoSpace`], which the daemon answers RESOURCE_EXHAUSTED.
+fn map_os(op: &'static str, path: &Path, e: std::io::Error) -> NvmeError {
     if e.raw_os_error() == Some(libc::ENOSPC) {
         NvmeError::NoSpace { offset: 0, len: 0 }
     } else {
-        NvmeError::os("write", path, e)
+        NvmeError::os(op, path, e)
     }
+}
+
+/// Moves every manifest file of `dir` and the given page files into a new directory
+/// `dir/quarantine-<unix ms>` (returned), so a tier can start empty without reusing the pages
+/// the damaged manifests describe. Page files must be regular files on the same filesystem
+/// (a rename); anything else is refused before anything moves.
+pub fn quarantine(dir: &Path, page_files: &[PathBuf]) -> Result<PathBuf, NvmeError> {
+    use std::os::unix::fs::FileTypeExt;
+    for p in page_files {
+        match fs::metadata(p) {
+            Ok(md) if md.file_type().is_block_device() => {
+                return Err(NvmeError::invalid(format!(
+                    "{} is a block device: it cannot be moved aside; recover or wipe it by hand",
+                    p.display()
+                )))
+            }
+            _ => {}
+        }
+    }
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    let q = dir.join(format!("quarantine-{ms}"));
+    fs::create_dir(&q).map_err(|e| NvmeError::os("mkdir", &q, e))?;
+    let mut moving: Vec<PathBuf> = page_files.iter().filter(|p| p.exists()).cloned().collect();
+    for entry in fs::read_dir(dir).map_err(|e| NvmeError::os("readdir", dir, e))? {
+        let entry = entry.map_err(|e| NvmeError::os("readdir", dir, e))?;
+        if entry.file_name().to_str().and_then(parse_epoch).is_some() {
+            moving.push(entry.path());
+        }
+    }
+    for (i, p) in moving.iter().enumerate() {
+        let name = p
+            .file_name()
+            .map_or_else(|| format!("file-{i}").into(), |n| n.to_owned());
+        let to = q.join(name);
+        fs::rename(p, &to).map_err(|e| NvmeError::os("rename", p, e))?;
+    }
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| NvmeError::os("fsync(dir)", dir, e))?;
+    Ok(q)
 }
 
 /// Reads and fully verifies one manifest file (header, length, crc32c, rkyv validation).
@@ -469,18 +581,19 @@ pub fn load_file(path: &Path) -> Result<Manifest, NvmeError> {
             "length {len} + header does not match file size {size} (truncated or padded)"
         )));
     }
-    let computed = crc32c::crc32c_append(crc32c::crc32c(&map[16..HEADER]), &map[HEADER..]);
+    // Versions 1 and 2 keep the version out of the checksum; later ones cover it, so a file
+    // that verifies under neither rule is corrupt, and one of an unknown version that
+    // verifies is a newer format.
+    let computed = checksum(version, &map[..HEADER], &map[HEADER..]);
     if stored != computed {
         return Err(corrupt(format!(
             "crc32c stored {stored:#010x}, computed {computed:#010x}"
         )));
     }
-    // The version is checked only after the checksum (which does not cover it), so a
-    // damaged file is reported as corrupt and an intact one of a newer format as such.
     // The mapping is page aligned and the header is 48 bytes, so the payload is 16-aligned.
     let body = &map[HEADER..];
     let mut m: Manifest = match version {
-        VERSION => {
+        2 | VERSION => {
             let archived = rkyv::access::<ArchivedManifest, rancor::Error>(body)
                 .map_err(|e| corrupt(format!("rkyv validation: {e}")))?;
             rkyv::deserialize::<Manifest, rancor::Error>(archived)
@@ -636,7 +749,7 @@ mod tests {
         assert_eq!(s.pages, old.sessions[0].pages);
         assert_eq!((&s.geometry, &s.policy), (&geometry(), &policy()));
 
-        // The next commit is version 2 and carries the flag.
+        // The next commit is the current version and carries the flag.
         m.sessions[0].pinned = true;
         let epoch = store.commit(&mut m).unwrap();
         let path = dir.path().join(file_name(epoch));
@@ -690,5 +803,112 @@ mod tests {
             loaded.skipped[0].1,
             NvmeError::CorruptManifest { .. }
         ));
+    }
+
+    fn committed(dir: &Path, n: usize) -> ManifestStore {
+        let mut store = ManifestStore::open(dir).unwrap().0;
+        for i in 0..n {
+            let mut m = Manifest {
+                page_size: 8192 + i as u64,
+                ..Default::default()
+            };
+            store.commit(&mut m).unwrap();
+        }
+        store
+    }
+
+    fn flip(path: &Path, at: usize) {
+        let mut raw = fs::read(path).unwrap();
+        raw[at] ^= 0x10;
+        fs::write(path, raw).unwrap();
+    }
+
+    /// A commit that fails (here: its temporary name is taken by something it cannot
+    /// remove, as a full filesystem leaves a commit unfinished) leaves nothing behind and
+    /// does not stop the next one, which used to fail with EEXIST forever.
+    #[test]
+    fn a_failed_commit_does_not_wedge_the_next_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = committed(dir.path(), 1);
+        let blocked = dir.path().join(format!("{}.tmp", file_name(2)));
+        fs::create_dir(&blocked).unwrap();
+        let mut m = Manifest::default();
+        assert!(store.commit(&mut m).is_err());
+        fs::remove_dir(&blocked).unwrap();
+        let epoch = store.commit(&mut m).unwrap();
+        assert_eq!(epoch, 3, "the failed commit's epoch is never reused");
+        let (_, loaded) = ManifestStore::open(dir.path()).unwrap();
+        assert_eq!(loaded.unwrap().current.epoch, 3);
+        let names: Vec<String> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert!(!names.iter().any(|n| n.ends_with(".tmp")), "{names:?}");
+    }
+
+    /// Each epoch is two files: damaging one loses nothing (the newest commit is still the
+    /// one loaded); a flipped bit in the version field is corruption, not a newer format.
+    #[test]
+    fn one_damaged_file_of_the_newest_epoch_loses_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        committed(dir.path(), 2);
+        let primary = dir.path().join(file_name(2));
+        let copy = dir.path().join(copy_name(2));
+        flip(&primary, HEADER + 3);
+        let (_, loaded) = ManifestStore::open(dir.path()).unwrap();
+        let loaded = loaded.unwrap();
+        assert_eq!(loaded.current.epoch, 2, "loaded from the copy");
+        assert_eq!(loaded.current.page_size, 8193);
+        assert_eq!(loaded.previous.unwrap().epoch, 1);
+        assert_eq!(loaded.skipped.len(), 1);
+        // The copy's version field damaged too: both files of epoch 2 are corrupt (not an
+        // unsupported version that would refuse startup), so epoch 1 serves.
+        flip(&copy, 9);
+        let e = load_file(&copy).unwrap_err();
+        assert!(matches!(e, NvmeError::CorruptManifest { .. }), "{e:?}");
+        let (_, loaded) = ManifestStore::open(dir.path()).unwrap();
+        assert_eq!(loaded.unwrap().current.epoch, 1);
+    }
+
+    /// A version 2 file (checksum without the version field) still loads.
+    #[test]
+    fn a_version_2_file_still_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Manifest {
+            epoch: 5,
+            page_size: 4096,
+            ..Default::default()
+        };
+        let bytes = rkyv::to_bytes::<rancor::Error>(&m).unwrap();
+        write_as(dir.path(), 2, 5, &bytes);
+        let (_, loaded) = ManifestStore::open(dir.path()).unwrap();
+        assert_eq!(loaded.unwrap().current, m);
+    }
+
+    /// Every manifest damaged: open refuses (starting empty would reuse their pages) until the
+    /// files are quarantined, which moves them and the page files aside, intact.
+    #[test]
+    fn all_manifests_damaged_refuses_until_quarantined() {
+        let dir = tempfile::tempdir().unwrap();
+        committed(dir.path(), 2);
+        let pages = dir.path().join("pages-0");
+        fs::write(&pages, b"old pages").unwrap();
+        for e in 1..=2 {
+            for name in [file_name(e), copy_name(e)] {
+                flip(&dir.path().join(name), HEADER);
+            }
+        }
+        let e = ManifestStore::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(e, NvmeError::DamagedManifests { files: 4, .. }),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("quarantine"), "{e}");
+        let q = quarantine(dir.path(), std::slice::from_ref(&pages)).unwrap();
+        assert!(!pages.exists());
+        assert_eq!(fs::read(q.join("pages-0")).unwrap(), b"old pages");
+        assert!(q.join(file_name(2)).exists() && q.join(copy_name(1)).exists());
+        let (_, loaded) = ManifestStore::open(dir.path()).unwrap();
+        assert!(loaded.is_none(), "a clean start once they are aside");
     }
 }

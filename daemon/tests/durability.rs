@@ -1,0 +1,476 @@
+//! Durability under shutdown, demotion, full disks and damaged files, and the limits a local
+//! user cannot defeat: one regression test per fault that once lost sessions or answered
+//! INTERNAL (docs/operations.md, "Failure model").
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvtier_protocol::client::Client;
+use kvtier_protocol::{stats_keys, ErrorCode, Geometry, Policy};
+
+/// A session of `n` tokens and its shadow.
+fn session(c: &mut Client, n: u32, seed: u64) -> (u64, Shadow) {
+    let g = small_geometry();
+    let id = c.create_session(g, policy(), "").unwrap();
+    let mut sh = Shadow::new(g, seed);
+    c.append_kv(id, 0, n, &sh.payload(n as usize)).unwrap();
+    (id, sh)
+}
+
+/// One decode step over every layer, each output checked against the dense oracle.
+fn step(c: &mut Client, id: u64, sh: &mut Shadow) {
+    for layer in 0..sh.g.layers as usize {
+        let pos = sh.tokens(layer);
+        let (q, k, v) = sh.step_input(layer);
+        let qb = f32_bytes(&q);
+        let out = c
+            .decode(layer as u32, entry(id, pos, &qb, &k, &v), true)
+            .unwrap_or_else(|e| panic!("session {id} layer {layer}: {e}"));
+        sh.check(layer, &q, &out);
+    }
+}
+
+/// The session is there with exactly the shadow's tokens, and decodes correctly.
+fn intact(c: &mut Client, id: u64, sh: &mut Shadow) {
+    let info = c.session_info(id).unwrap();
+    assert!(!info.damaged, "session {id} damaged");
+    assert_eq!(
+        (info.tokens_min, info.tokens_max),
+        (sh.tokens(0), sh.tokens(0)),
+        "session {id}"
+    );
+    step(c, id, sh);
+}
+
+fn stop_status(d: &mut Daemon) -> std::process::ExitStatus {
+    d.signal(libc::SIGTERM);
+    d.wait(Duration::from_secs(20))
+}
+
+/// The newest manifest file of a daemon's state directory (the primary, not its copy).
+fn newest_manifest(state: &Path) -> PathBuf {
+    let mut m: Vec<PathBuf> = std::fs::read_dir(state)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let n = p.file_name().unwrap().to_str().unwrap();
+            n.starts_with("manifest-") && !n.contains('.')
+        })
+        .collect();
+    m.sort();
+    m.pop().expect("a manifest")
+}
+
+fn flip_byte(path: &Path, at: u64) {
+    let mut bytes = std::fs::read(path).unwrap();
+    bytes[at as usize] ^= 0x20;
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// A session whose last block is partial, once demoted, could not be demoted again, made
+/// SIGTERM panic half-way through writing every session (sessions lost, exit 101), and made
+/// ordinary DECODEs answer INTERNAL after a restart under memory pressure.
+#[test]
+fn a_demoted_partial_tail_is_demoted_again_and_shutdown_writes_every_session() {
+    let d = Daemon::start(&["--set", "nvme.write_through=false"]);
+    let mut c = d.client();
+    // 1000 tokens: 62 full blocks of 16 and a partial one.
+    let (demoted, mut dsh) = session(&mut c, 1000, 1);
+    assert!(c.demote(demoted).unwrap() > 0);
+    assert_eq!(c.demote(demoted).unwrap(), 0, "nothing left to free");
+    let mut others: Vec<(u64, Shadow)> = (0..6)
+        .map(|i| session(&mut c, 100 + i, 10 + i as u64))
+        .collect();
+    drop(c);
+    // SIGTERM writes every session and exits 0 (Daemon::stop checks).
+    let dir = d.stop(false);
+
+    // Restart under memory pressure: 64 frames of 4 KiB for 7 sessions of 2 layers.
+    let d = Daemon::start_in(dir, &["--set", "host.capacity=\"256KiB\""]);
+    let mut c = d.client();
+    intact(&mut c, demoted, &mut dsh);
+    for (id, sh) in &mut others {
+        intact(&mut c, *id, sh);
+    }
+    for _ in 0..3 {
+        step(&mut c, demoted, &mut dsh);
+        for (id, sh) in &mut others {
+            step(&mut c, *id, sh);
+        }
+    }
+    // Demoted twice again, partial tail and all (memory pressure may have demoted it
+    // already), and still decoding.
+    c.demote(demoted).unwrap();
+    assert_eq!(c.demote(demoted).unwrap(), 0);
+    step(&mut c, demoted, &mut dsh);
+}
+
+/// A shutdown that cannot write every session says so in its exit status, and a full NVMe
+/// tier does not stop sessions that live in RAM from decoding.
+#[test]
+fn a_shutdown_that_loses_sessions_exits_nonzero() {
+    // 12 pages of 8 KiB: no room for these sessions.
+    let mut d = Daemon::start(&["--set", "nvme.capacity=\"96KiB\""]);
+    let mut c = d.client();
+    let mut a = session(&mut c, 400, 2);
+    let mut b = session(&mut c, 400, 3);
+    assert_eq!(
+        c.demote(a.0).unwrap_err().code(),
+        Some(ErrorCode::ResourceExhausted)
+    );
+    step(&mut c, a.0, &mut a.1);
+    step(&mut c, b.0, &mut b.1);
+    drop(c);
+    let status = stop_status(&mut d);
+    assert!(
+        !status.success(),
+        "sessions could not be written, yet exit status {status}"
+    );
+}
+
+/// Write-through appends survive the newest manifest file being damaged (each epoch has two
+/// files), and a flipped bit in a manifest's version field is corruption (fall back), not a
+/// newer format that refuses startup.
+#[test]
+fn write_through_survives_a_damaged_newest_manifest() {
+    for (what, at) in [("payload", 60u64), ("version field", 9)] {
+        let d = Daemon::start(&["--set", "nvme.write_through=true"]);
+        let mut c = d.client();
+        let (id, mut sh) = session(&mut c, 40, 4);
+        c.append_kv(id, 40, 8, &sh.payload(8)).unwrap();
+        drop(c);
+        let dir = d.stop(true);
+        flip_byte(&newest_manifest(&dir.path().join("state")), at);
+        let d = Daemon::start_in(dir, &[]);
+        let mut c = d.client();
+        assert_eq!(c.session_info(id).unwrap().tokens_max, 48, "{what}");
+        intact(&mut c, id, &mut sh);
+    }
+}
+
+/// Every manifest damaged: tierd refuses to start (naming the option) and touches nothing;
+/// with quarantine it moves them and the page file aside, intact, and starts empty.
+#[test]
+fn all_manifests_damaged_refuses_to_start_or_quarantines() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let (id, _) = session(&mut c, 64, 5);
+    c.demote(id).unwrap();
+    drop(c);
+    let pages = d.page_file();
+    let dir = d.stop(false);
+    let state = dir.path().join("state");
+    for e in std::fs::read_dir(&state).unwrap() {
+        let p = e.unwrap().path();
+        if p.file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("manifest-")
+        {
+            flip_byte(&p, 50);
+        }
+    }
+    let page_bytes = std::fs::read(&pages).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tierd"))
+        .arg("--socket")
+        .arg(dir.path().join("refused.sock"))
+        .arg("--set")
+        .arg(format!("nvme.dir={:?}", state.to_str().unwrap()))
+        .args([
+            "--set",
+            "host.frame_bytes=\"4KiB\"",
+            "--host-capacity",
+            "64MiB",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "started over damaged manifests");
+    assert!(err.contains("nvme.damaged_manifests"), "{err}");
+    assert_eq!(
+        std::fs::read(&pages).unwrap(),
+        page_bytes,
+        "pages untouched"
+    );
+
+    let d = Daemon::start_in(dir, &["--set", "nvme.damaged_manifests=\"quarantine\""]);
+    let mut c = d.client();
+    assert!(c.list_sessions().unwrap().is_empty());
+    let q = std::fs::read_dir(&state)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("quarantine-")
+        })
+        .expect("a quarantine directory");
+    assert_eq!(std::fs::read(q.join("pages-0")).unwrap(), page_bytes);
+    // The new tier works.
+    let (id, mut sh) = session(&mut c, 40, 6);
+    c.demote(id).unwrap();
+    step(&mut c, id, &mut sh);
+}
+
+/// A page that fails verification at startup: its session stays listed as damaged (DATA_LOSS
+/// on use, CLOSE deletes it) while the other sessions serve.
+#[test]
+fn a_corrupt_page_at_startup_leaves_the_session_listed_as_damaged() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let (bad, _) = session(&mut c, 64, 7);
+    let (good, mut gsh) = session(&mut c, 64, 8);
+    c.demote(bad).unwrap();
+    drop(c);
+    let pages = d.page_file();
+    let dir = d.stop(false);
+    // Pages of `bad` were written first, by DEMOTE: its first page is page 0 (8 KiB pages).
+    flip_byte(&pages, 100);
+    let d = Daemon::start_in(dir, &[]);
+    let mut c = d.client();
+    let info = c.session_info(bad).unwrap();
+    assert!(info.damaged, "{info:?}");
+    assert_eq!(info.tokens_max, 64);
+    assert_eq!(c.list_sessions().unwrap().len(), 2);
+    let mut sh = Shadow::new(small_geometry(), 9);
+    let (q, k, v) = sh.step_input(0);
+    let qb = f32_bytes(&q);
+    let e = c.decode(0, entry(bad, 64, &qb, &k, &v), false).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::DataLoss), "{e}");
+    let e = c.append_kv(bad, 64, 1, &sh.payload(1)).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::DataLoss), "{e}");
+    intact(&mut c, good, &mut gsh);
+    c.close(bad).unwrap();
+    assert_eq!(
+        c.session_info(bad).unwrap_err().code(),
+        Some(ErrorCode::NotFound)
+    );
+}
+
+/// A DECODE whose reply could not be sent is refused before it appends anything.
+#[test]
+fn a_decode_whose_reply_exceeds_the_frame_limit_appends_nothing() {
+    let d = Daemon::start(&["--set", "server.max_frame_bytes=\"4KiB\""]);
+    let mut c = d.client();
+    let g = small_geometry();
+    let wide = Policy {
+        sink_blocks: 1,
+        local_blocks: 1,
+        top_k: 500,
+    };
+    let id = c.create_session(g, wide, "").unwrap();
+    let mut sh = Shadow::new(g, 11);
+    // 502 blocks: stats list 502 ids per kv head, more than 4 KiB of reply.
+    let n = 502 * 16;
+    let payload = sh.payload(n);
+    c.append_kv_shm(id, 0, n as u32, &payload).unwrap();
+    let (q, k, v) = sh.step_input(0);
+    let qb = f32_bytes(&q);
+    let e = c
+        .decode(0, entry(id, n as u64, &qb, &k, &v), true)
+        .unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
+    assert_eq!(
+        c.session_info(id).unwrap().tokens_max,
+        n as u64,
+        "nothing appended"
+    );
+    // Without stats the reply fits: the same step goes through at the same position.
+    c.decode(0, entry(id, n as u64, &qb, &k, &v), false)
+        .unwrap();
+    assert_eq!(c.session_info(id).unwrap().tokens_max, n as u64 + 1);
+}
+
+/// Idle and half-open connections are closed, so they cannot hold every connection slot.
+#[test]
+fn idle_connections_time_out_and_free_their_slots() {
+    let d = Daemon::start(&[
+        "--set",
+        "server.max_connections=4",
+        "--set",
+        "server.handshake_timeout_ms=300",
+        "--set",
+        "server.idle_timeout_ms=600",
+    ]);
+    // Four connections that never say HELLO take every slot ...
+    let idle: Vec<UnixStream> = (0..4)
+        .map(|_| UnixStream::connect(d.path()).unwrap())
+        .collect();
+    // ... until the handshake limit closes them.
+    for mut s in idle {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let t0 = Instant::now();
+        // EOF (one may first get a "too many connections" frame, if the startup probe's
+        // connection still held its slot).
+        let mut rest = Vec::new();
+        s.read_to_end(&mut rest)
+            .expect("closed by the server, not timed out here");
+        assert!(t0.elapsed() < Duration::from_secs(5));
+    }
+    // A client that said HELLO and then idles is closed after the idle limit.
+    let mut c = d.client();
+    c.stats().unwrap();
+    std::thread::sleep(Duration::from_millis(1200));
+    assert!(c.stats().is_err(), "an idle connection is closed");
+    // Slots are free again.
+    let mut c = d.client();
+    c.stats().unwrap();
+}
+
+/// Per-uid session quota (admins exempt; here nobody is an admin).
+#[test]
+fn a_uid_cannot_hold_more_sessions_than_its_quota() {
+    let d = Daemon::start(&[
+        "--set",
+        "quota.max_sessions_per_uid=2",
+        "--set",
+        "auth.admin_uids=[]",
+    ]);
+    let mut c = d.client();
+    let g: Geometry = small_geometry();
+    let a = c.create_session(g, policy(), "").unwrap();
+    c.create_session(g, policy(), "").unwrap();
+    let e = c.create_session(g, policy(), "").unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
+    assert!(e.to_string().contains("max_sessions_per_uid"), "{e}");
+    c.close(a).unwrap();
+    c.create_session(g, policy(), "").unwrap();
+}
+
+/// rejected_total counts what protocol.md §5.7 says: limits, permissions, malformed requests.
+#[test]
+fn rejections_count_limits_permissions_and_malformed_requests() {
+    let d = Daemon::start(&["--set", "auth.admin_uids=[]"]);
+    let mut c = d.client();
+    let (id, _) = session(&mut c, 16, 12);
+    let before = c.stats().unwrap().get(stats_keys::REJECTED_TOTAL).unwrap();
+    assert_eq!(
+        c.evict(id).unwrap_err().code(),
+        Some(ErrorCode::PermissionDenied)
+    );
+    // A CLOSE_SESSION whose body is 3 bytes instead of 8.
+    let mut s = UnixStream::connect(d.path()).unwrap();
+    let hello = kvtier_protocol::Request::Hello(kvtier_protocol::HelloRequest {
+        min_version: 1,
+        max_version: 1,
+        client_name: "raw".into(),
+    });
+    let mut frame = Vec::new();
+    hello.encode_frame(1, &mut frame).unwrap();
+    s.write_all(&frame).unwrap();
+    let mut head = [0u8; 24];
+    s.read_exact(&mut head).unwrap();
+    let len = u32::from_le_bytes(head[4..8].try_into().unwrap()) as usize;
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).unwrap();
+    let mut bad = Vec::new();
+    kvtier_protocol::Request::CloseSession { session: id }
+        .encode_frame(2, &mut bad)
+        .unwrap();
+    bad.truncate(24 + 3);
+    bad[4..8].copy_from_slice(&3u32.to_le_bytes());
+    s.write_all(&bad).unwrap();
+    s.read_exact(&mut head).unwrap();
+    let after = c.stats().unwrap().get(stats_keys::REJECTED_TOTAL).unwrap();
+    assert_eq!(after, before + 2);
+}
+
+/// A tmpfs of `bytes` mounted at a fresh directory (root only), unmounted when dropped.
+struct SmallFs {
+    dir: tempfile::TempDir,
+}
+
+impl SmallFs {
+    fn mount(bytes: u64) -> Option<SmallFs> {
+        let dir = tempfile::tempdir().ok()?;
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then_some(SmallFs { dir })
+    }
+
+    /// Fills the filesystem with one file; returns its path.
+    fn fill(&self) -> PathBuf {
+        let p = self.dir.path().join("filler");
+        let mut f = std::fs::File::create(&p).unwrap();
+        let chunk = vec![0xA5u8; 4096];
+        while f.write_all(&chunk).is_ok() {}
+        let _ = f.sync_all();
+        p
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(self.dir.path())
+            .status();
+    }
+}
+
+/// A full filesystem under the manifest: commits fail with RESOURCE_EXHAUSTED and change
+/// nothing (a CLOSE that could not delete the durable copy leaves the session), sessions in
+/// RAM keep decoding, and once space is freed every operation works again without a restart
+/// (a failed commit used to leave a temporary file that wedged every later one).
+#[test]
+fn a_full_filesystem_fails_commits_cleanly_and_recovers_when_space_is_freed() {
+    let Some(fs) = SmallFs::mount(256 << 10) else {
+        eprintln!("cannot mount a tmpfs here (needs root): full-filesystem test not applicable");
+        return;
+    };
+    let pages = tempfile::tempdir().unwrap();
+    let devices = format!(
+        "nvme.devices=[{{path={:?}, capacity=\"1MiB\"}}]",
+        pages.path().join("pages-0").to_str().unwrap()
+    );
+    let state = format!("nvme.dir={:?}", fs.dir.path().to_str().unwrap());
+    let d = Daemon::start(&["--set", &devices, "--set", &state]);
+    let mut c = d.client();
+    let (stored, mut ssh) = session(&mut c, 40, 20);
+    c.demote(stored).unwrap();
+    let (ram, mut rsh) = session(&mut c, 40, 21);
+
+    let filler = fs.fill();
+    let full = |r: Result<(), kvtier_protocol::client::ClientError>, what: &str| {
+        let e = r.expect_err(what);
+        assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{what}: {e}");
+    };
+    full(c.pin(stored, true), "PIN");
+    full(c.close(stored), "CLOSE");
+    full(c.demote(ram).map(|_| ()), "DEMOTE");
+    assert!(
+        c.session_info(stored).is_ok(),
+        "a failed CLOSE leaves the session"
+    );
+    step(&mut c, ram, &mut rsh);
+    step(&mut c, stored, &mut ssh);
+
+    std::fs::remove_file(filler).unwrap();
+    c.pin(stored, true).unwrap();
+    c.pin(stored, false).unwrap();
+    c.demote(ram).unwrap();
+    c.close(stored).unwrap();
+    drop(c);
+    let dir = d.stop(false);
+    let d = Daemon::start_in(dir, &["--set", &devices, "--set", &state]);
+    let mut c = d.client();
+    assert_eq!(
+        c.session_info(stored).unwrap_err().code(),
+        Some(ErrorCode::NotFound),
+        "closed stays closed"
+    );
+    intact(&mut c, ram, &mut rsh);
+    drop(c);
+    drop(d);
+}
