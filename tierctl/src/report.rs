@@ -213,6 +213,8 @@ pub struct Session {
     pub host_bytes: u64,
     pub nvme_bytes: u64,
     pub pinned: bool,
+    /// Its stored data failed verification at startup (DATA_LOSS on use; `close` deletes it).
+    pub damaged: bool,
     pub created_unix_ms: u64,
     pub last_access_unix_ms: u64,
 }
@@ -251,6 +253,7 @@ impl From<&SessionInfo> for Session {
             host_bytes: s.host_bytes,
             nvme_bytes: s.nvme_bytes,
             pinned: s.pinned,
+            damaged: s.damaged,
             created_unix_ms: s.created_unix_ms,
             last_access_unix_ms: s.last_access_unix_ms,
         }
@@ -258,6 +261,15 @@ impl From<&SessionInfo> for Session {
 }
 
 impl Session {
+    /// The sessions table's STATE column: damaged, pinned, or `-`.
+    fn state_cell(&self) -> String {
+        match (self.damaged, self.pinned) {
+            (true, _) => "DAMAGED".into(),
+            (false, true) => "pinned".into(),
+            (false, false) => "-".into(),
+        }
+    }
+
     fn geometry_cell(&self) -> String {
         let g = &self.geometry;
         format!(
@@ -304,6 +316,12 @@ impl Session {
         kv("host bytes", human::bytes(self.host_bytes));
         kv("nvme bytes", human::bytes(self.nvme_bytes));
         kv("pinned", if self.pinned { "yes" } else { "no" }.into());
+        if self.damaged {
+            kv(
+                "state",
+                "DAMAGED: stored data failed verification; close it to delete".into(),
+            );
+        }
         kv(
             "created",
             format!("{} ago", human::age(self.created_unix_ms, now_unix_ms)),
@@ -337,7 +355,7 @@ impl Sessions {
             ("TOKENS", Align::Right),
             ("BLOCKS", Align::Right),
             ("HOST", Align::Right),
-            ("PINNED", Align::Left),
+            ("STATE", Align::Left),
             ("LAST ACCESS", Align::Right),
         ]);
         for s in &self.sessions {
@@ -349,7 +367,7 @@ impl Sessions {
                 s.tokens_cell(),
                 s.blocks.to_string(),
                 human::bytes(s.host_bytes),
-                if s.pinned { "yes" } else { "-" }.into(),
+                s.state_cell(),
                 human::age(s.last_access_unix_ms, now_unix_ms),
             ]);
         }

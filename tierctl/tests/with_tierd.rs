@@ -352,7 +352,7 @@ fn sessions_info_stats_tier_close() {
         .lines()
         .find(|l| l.trim_start().starts_with(&bs))
         .unwrap();
-    assert!(out.contains("PINNED") && row.contains(" yes "), "{out}");
+    assert!(out.contains("STATE") && row.contains(" pinned "), "{out}");
     assert_eq!(
         json(&d.ctl(&["--json", "session", "info", &bs]))["pinned"],
         true

@@ -177,6 +177,9 @@ class SessionInfo:
     pinned: bool
     created_unix_ms: int
     last_access_unix_ms: int
+    #: Its stored data failed verification at startup: every use raises DATA_LOSS, close()
+    #: deletes what remains (wire: bit 1 of the state byte).
+    damaged: bool = False
 
 
 @dataclass
@@ -440,10 +443,17 @@ def _session_info(r: _Reader) -> SessionInfo:
         blocks=r.u64("blocks"),
         host_bytes=r.u64("host_bytes"),
         nvme_bytes=r.u64("nvme_bytes"),
-        pinned=r.bool("pinned"),
+        **_session_state(r.u8("session state")),
         created_unix_ms=r.u64("created_unix_ms"),
         last_access_unix_ms=r.u64("last_access_unix_ms"),
     )
+
+
+def _session_state(v: int) -> dict:
+    """The SessionInfo state byte: bit 0 pinned, bit 1 damaged; other bits are refused."""
+    if v & ~0b11:
+        raise ProtocolError(f"session state has unknown bits set: {v:#04x}")
+    return {"pinned": bool(v & 1), "damaged": bool(v & 2)}
 
 
 def _dtype(v: int) -> Dtype:

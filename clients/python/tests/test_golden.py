@@ -96,8 +96,11 @@ def test_truncated_and_trailing_replies_rejected():
 def test_bad_reply_fields():
     _, opcode, flags, body = split(load("session_info_reply"))
     bad = bytearray(body)
-    bad[len(bad) - 17] = 2  # pinned
-    with pytest.raises(p.ProtocolError, match="pinned"):
+    bad[len(bad) - 17] = 3  # pinned and damaged
+    info = p.decode_reply(opcode, flags, bytes(bad))
+    assert info.pinned and info.damaged
+    bad[len(bad) - 17] = 4  # an unknown state bit
+    with pytest.raises(p.ProtocolError, match="session state"):
         p.decode_reply(opcode, flags, bytes(bad))
     with pytest.raises(p.ProtocolError, match="error code"):
         p.decode_reply(p.ERROR_OPCODE, 0, b"\x63\x00\x00\x00\x00\x00")

@@ -243,6 +243,15 @@ impl Shadow {
         (q, k, v)
     }
 
+    /// Forgets every token past `n` in every layer (what a server that lost them holds).
+    pub fn truncate(&mut self, n: u64) {
+        let keep = n as usize * self.row_elems();
+        for l in 0..self.g.layers as usize {
+            self.k[l].truncate(keep);
+            self.v[l].truncate(keep);
+        }
+    }
+
     pub fn tokens(&self, layer: usize) -> u64 {
         (self.k[layer].len() / self.row_elems()) as u64
     }

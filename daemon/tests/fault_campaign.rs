@@ -1,0 +1,414 @@
+//! A randomized fault campaign against real tierd processes, reproducible from its seed (in
+//! the spirit of TigerBeetle's VOPR and RocksDB's crash tests).
+//!
+//! Each cycle runs a random mix of CREATE, APPEND_KV (inline and shared memory), DECODE
+//! steps, DEMOTE, PROMOTE, PIN/UNPIN and CLOSE on up to six sessions, under memory pressure
+//! (a 1 MiB host tier) and a small NVMe tier that fills up, then stops the daemon with
+//! kill -9 or SIGTERM and, while it is down, may flip a bit in a page or in one manifest file.
+//! After every restart an oracle of acknowledged state checks:
+//! - every session acknowledged and not closed is listed, nothing else is;
+//! - its token count is between what was durable (write-through appends, DEMOTE, a clean
+//!   shutdown) and what was acknowledged (a clean shutdown keeps everything);
+//! - every token present is bit-correct: a decode step over every layer matches the f64
+//!   dense oracle over the restored tokens;
+//! - a session reported damaged appears only after a page was corrupted, and answers
+//!   DATA_LOSS;
+//! - the daemon never panics (exit 101) and a clean shutdown exits 0 unless it reports that
+//!   sessions could not be written (then only non-durable tokens may be missing).
+//!
+//! CI runs a short seed set. The long campaign is a benchmark (docs/benchmarks.md):
+//! `KVTIER_CAMPAIGN_SEEDS=1-20 KVTIER_CAMPAIGN_CYCLES=100 cargo test --release -p tierd --test fault_campaign -- --nocapture`
+//! A failure prints its seed and cycle; `KVTIER_CAMPAIGN_SEEDS=<seed>` replays it.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+use kvtier_protocol::client::{Client, ClientError};
+use kvtier_protocol::ErrorCode;
+use kvtier_storage::testing::Rng;
+
+const ARGS: &[&str] = &[
+    "--set",
+    "nvme.write_through=true",
+    "--set",
+    "host.capacity=\"1MiB\"",
+    "--set",
+    "nvme.capacity=\"8MiB\"",
+];
+
+/// Most tokens a session grows to: six of them overflow the 256-frame host tier (memory
+/// pressure demotes) but fit the NVMe tier, so a decode always finds room.
+const MAX_TOKENS: u64 = 400;
+
+struct Model {
+    shadow: Shadow,
+    /// Tokens (every layer) a crash cannot lose.
+    durable: u64,
+    /// Tokens acknowledged.
+    acked: u64,
+}
+
+#[derive(Default)]
+struct Counts {
+    cycles: u64,
+    ops: u64,
+    acked_tokens: u64,
+    kills: u64,
+    terms: u64,
+    page_flips: u64,
+    manifest_flips: u64,
+    damaged: u64,
+    refused: u64,
+}
+
+fn code<T>(r: &Result<T, ClientError>) -> Option<ErrorCode> {
+    r.as_ref().err().and_then(ClientError::code)
+}
+
+/// Errors an operation may answer here without anything being wrong: a full tier, a pinned
+/// session that cannot be demoted. Anything else fails the campaign.
+fn tolerated(r: &Result<impl std::fmt::Debug, ClientError>, what: &str, at: &str) -> bool {
+    match code(r) {
+        None => false,
+        Some(ErrorCode::ResourceExhausted | ErrorCode::FailedPrecondition) => true,
+        Some(c) => panic!("{at}: {what} answered {c:?}: {r:?}"),
+    }
+}
+
+fn seeds() -> Vec<u64> {
+    let spec = std::env::var("KVTIER_CAMPAIGN_SEEDS").unwrap_or_else(|_| "1-3".into());
+    spec.split(',')
+        .flat_map(|part| match part.split_once('-') {
+            Some((a, b)) => (a.parse::<u64>().unwrap()..=b.parse().unwrap()).collect::<Vec<_>>(),
+            None => vec![part.parse().unwrap()],
+        })
+        .collect()
+}
+
+#[test]
+fn fault_campaign() {
+    let cycles: u64 = std::env::var("KVTIER_CAMPAIGN_CYCLES")
+        .map_or(6, |c| c.parse().expect("KVTIER_CAMPAIGN_CYCLES"));
+    let mut total = Counts::default();
+    for seed in seeds() {
+        let c = run(seed, cycles);
+        total.cycles += c.cycles;
+        total.ops += c.ops;
+        total.acked_tokens += c.acked_tokens;
+        total.kills += c.kills;
+        total.terms += c.terms;
+        total.page_flips += c.page_flips;
+        total.manifest_flips += c.manifest_flips;
+        total.damaged += c.damaged;
+        total.refused += c.refused;
+    }
+    println!(
+        "fault campaign: {} cycles, {} operations, {} acknowledged tokens, {} kill -9, {} SIGTERM, \
+         {} page bit flips, {} manifest bit flips, {} sessions reported damaged, {} operations \
+         refused (full tiers); lost 0, wrong 0, panics 0",
+        total.cycles,
+        total.ops,
+        total.acked_tokens,
+        total.kills,
+        total.terms,
+        total.page_flips,
+        total.manifest_flips,
+        total.damaged,
+        total.refused
+    );
+}
+
+fn run(seed: u64, cycles: u64) -> Counts {
+    let mut rng = Rng::new(seed);
+    let mut n = Counts::default();
+    let mut models: BTreeMap<u64, Model> = BTreeMap::new();
+    let mut page_flipped = false;
+    let mut d = Daemon::start(ARGS);
+    for cycle in 0..cycles {
+        let at = format!("seed {seed} cycle {cycle}");
+        let mut c = d.client();
+        for _ in 0..5 + rng.below(20) {
+            n.ops += 1;
+            operate(&mut c, &mut rng, &mut models, &mut n, &at);
+        }
+        drop(c);
+        // Stop: kill -9, or SIGTERM (which writes every session).
+        let dir = if rng.below(2) == 0 {
+            n.kills += 1;
+            d.stop(true)
+        } else {
+            n.terms += 1;
+            d.signal(libc::SIGTERM);
+            let status = d.wait(Duration::from_secs(30));
+            assert_ne!(status.code(), Some(101), "{at}: tierd panicked");
+            if status.success() {
+                for m in models.values_mut() {
+                    m.durable = m.acked;
+                }
+            }
+            let _ = std::fs::remove_file(&d.socket);
+            std::mem::replace(&mut d.dir, tempfile::tempdir().unwrap())
+        };
+        let state = dir.path().join("state");
+        match rng.below(6) {
+            0 => {
+                page_flipped |= flip_page(&state.join("pages-0"), &mut rng);
+                n.page_flips += 1;
+            }
+            1 if flip_manifest(&state, &mut rng) => n.manifest_flips += 1,
+            _ => {}
+        }
+        d = Daemon::start_in(dir, ARGS);
+        let mut c = d.client();
+        check(&mut c, &mut models, page_flipped, &mut n, &at);
+        n.cycles += 1;
+    }
+    n
+}
+
+/// One random operation, the model updated with what was acknowledged.
+fn operate(
+    c: &mut Client,
+    rng: &mut Rng,
+    models: &mut BTreeMap<u64, Model>,
+    n: &mut Counts,
+    at: &str,
+) {
+    let pick = |rng: &mut Rng, models: &BTreeMap<u64, Model>| {
+        (!models.is_empty()).then(|| {
+            *models
+                .keys()
+                .nth(rng.below(models.len() as u64) as usize)
+                .unwrap()
+        })
+    };
+    match rng.below(10) {
+        0 | 1 if models.len() < 6 => {
+            let g = small_geometry();
+            let r = c.create_session(g, policy(), "campaign");
+            if !tolerated(&r, "CREATE", at) {
+                let seed = rng.next_u64();
+                let m = Model {
+                    shadow: Shadow::new(g, seed),
+                    durable: 0,
+                    acked: 0,
+                };
+                models.insert(r.unwrap(), m);
+            } else {
+                n.refused += 1;
+            }
+        }
+        0..=3 => {
+            let Some(id) = pick(rng, models) else { return };
+            let m = models.get_mut(&id).unwrap();
+            let k = 1 + rng.below(60);
+            if m.acked + k > MAX_TOKENS {
+                return;
+            }
+            let payload = m.shadow.payload(k as usize);
+            let r = if rng.below(2) == 0 {
+                c.append_kv(id, m.acked, k as u32, &payload)
+            } else {
+                c.append_kv_shm(id, m.acked, k as u32, &payload)
+            };
+            if tolerated(&r, "APPEND_KV", at) {
+                n.refused += 1;
+                m.shadow.truncate(m.acked);
+            } else {
+                assert_eq!(r.unwrap(), m.acked + k, "{at}: APPEND_KV length");
+                m.acked += k;
+                m.durable = m.acked; // write-through
+                n.acked_tokens += k;
+            }
+        }
+        4..=6 => {
+            let Some(id) = pick(rng, models) else { return };
+            let m = models.get_mut(&id).unwrap();
+            if m.acked == 0 || m.acked >= MAX_TOKENS + 50 {
+                return;
+            }
+            for layer in 0..m.shadow.g.layers as usize {
+                let pos = m.shadow.tokens(layer);
+                let (q, k, v) = m.shadow.step_input(layer);
+                let qb = f32_bytes(&q);
+                let out = c
+                    .decode(layer as u32, entry(id, pos, &qb, &k, &v), true)
+                    .unwrap_or_else(|e| panic!("{at}: DECODE session {id} layer {layer}: {e}"));
+                m.shadow.check(layer, &q, &out);
+            }
+            m.acked += 1;
+            n.acked_tokens += 1;
+        }
+        7 => {
+            let Some(id) = pick(rng, models) else { return };
+            let r = c.demote(id);
+            if tolerated(&r, "DEMOTE", at) {
+                n.refused += 1;
+            } else {
+                let m = models.get_mut(&id).unwrap();
+                m.durable = m.acked;
+            }
+        }
+        8 => {
+            let Some(id) = pick(rng, models) else { return };
+            let r = if rng.below(2) == 0 {
+                c.promote(id).map(|_| ())
+            } else {
+                c.pin(id, rng.below(2) == 0)
+            };
+            if tolerated(&r, "PROMOTE/PIN", at) {
+                n.refused += 1;
+            }
+        }
+        _ => {
+            let Some(id) = pick(rng, models) else { return };
+            let r = c.close(id);
+            if tolerated(&r, "CLOSE", at) {
+                n.refused += 1;
+            } else {
+                models.remove(&id);
+            }
+        }
+    }
+}
+
+/// The oracle after a restart (see the module docs).
+fn check(
+    c: &mut Client,
+    models: &mut BTreeMap<u64, Model>,
+    page_flipped: bool,
+    n: &mut Counts,
+    at: &str,
+) {
+    let listed: BTreeSet<u64> = c
+        .list_sessions()
+        .unwrap()
+        .iter()
+        .map(|s| s.session)
+        .collect();
+    let known: BTreeSet<u64> = models.keys().copied().collect();
+    assert_eq!(listed, known, "{at}: sessions after restart");
+    let ids: Vec<u64> = models.keys().copied().collect();
+    for id in ids {
+        let info = c.session_info(id).unwrap();
+        if info.damaged {
+            assert!(
+                page_flipped,
+                "{at}: session {id} damaged, yet no page was corrupted"
+            );
+            let m = &models[&id];
+            let e = c.append_kv(
+                id,
+                info.tokens_max,
+                1,
+                &Shadow::new(m.shadow.g, 0).payload(1),
+            );
+            assert_eq!(
+                code(&e),
+                Some(ErrorCode::DataLoss),
+                "{at}: damaged session {id}"
+            );
+            c.close(id).unwrap();
+            models.remove(&id);
+            n.damaged += 1;
+            continue;
+        }
+        let m = models.get_mut(&id).unwrap();
+        assert_eq!(
+            info.tokens_min, info.tokens_max,
+            "{at}: session {id} layers differ"
+        );
+        let have = info.tokens_max;
+        assert!(
+            (m.durable..=m.acked).contains(&have),
+            "{at}: session {id} has {have} tokens; durable {}, acknowledged {}",
+            m.durable,
+            m.acked
+        );
+        m.shadow.truncate(have);
+        m.acked = have;
+        m.durable = have;
+        if have == 0 {
+            continue;
+        }
+        for layer in 0..m.shadow.g.layers as usize {
+            let (q, k, v) = m.shadow.step_input(layer);
+            let qb = f32_bytes(&q);
+            let out = c
+                .decode(layer as u32, entry(id, have, &qb, &k, &v), true)
+                .unwrap_or_else(|e| panic!("{at}: DECODE after restart, session {id}: {e}"));
+            m.shadow.check(layer, &q, &out);
+        }
+        m.acked += 1;
+    }
+}
+
+/// Flips one bit somewhere in the page file's written part; whether it hit a live page.
+fn flip_page(pages: &Path, rng: &mut Rng) -> bool {
+    let Ok(mut bytes) = std::fs::read(pages) else {
+        return false;
+    };
+    let used = bytes.iter().rposition(|&b| b != 0).map_or(0, |p| p + 1);
+    if used == 0 {
+        return false;
+    }
+    let at = rng.below(used as u64) as usize;
+    bytes[at] ^= 1 << rng.below(8);
+    std::fs::write(pages, bytes).unwrap();
+    true
+}
+
+/// Flips one bit of one manifest file, never a second file of the same epoch (both copies of
+/// the newest epoch damaged is a double fault the failure model does not promise to survive
+/// without losing that epoch). Returns whether it flipped.
+fn flip_manifest(state: &Path, rng: &mut Rng) -> bool {
+    let mut files: Vec<_> = std::fs::read_dir(state)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_str().unwrap();
+            name.starts_with("manifest-") && !name.ends_with(".flipped-by-campaign")
+        })
+        .collect();
+    files.sort();
+    let mut by_epoch: BTreeMap<String, Vec<std::path::PathBuf>> = BTreeMap::new();
+    for f in files {
+        let name = f.file_name().unwrap().to_str().unwrap().to_owned();
+        let epoch = name.split('.').next().unwrap().to_owned();
+        by_epoch.entry(epoch).or_default().push(f);
+    }
+    // Only an epoch whose files are all intact (a flipped one is left alone from then on:
+    // it is rewritten under a new epoch by the next commit).
+    let intact: Vec<_> = by_epoch
+        .values()
+        .filter(|v| v.len() == 2 && !v.iter().any(|p| is_flipped(p)))
+        .collect();
+    let Some(files) = intact.get(rng.below(intact.len().max(1) as u64) as usize) else {
+        return false;
+    };
+    let f = &files[rng.below(2) as usize];
+    let mut bytes = std::fs::read(f).unwrap();
+    let at = rng.below(bytes.len() as u64) as usize;
+    bytes[at] ^= 1 << rng.below(8);
+    std::fs::write(f, bytes).unwrap();
+    mark_flipped(f);
+    true
+}
+
+fn marker(p: &Path) -> std::path::PathBuf {
+    let mut m = p.as_os_str().to_owned();
+    m.push(".flipped-by-campaign");
+    std::path::PathBuf::from(m)
+}
+
+fn is_flipped(p: &Path) -> bool {
+    marker(p).exists()
+}
+
+fn mark_flipped(p: &Path) {
+    std::fs::write(marker(p), b"").unwrap();
+}
