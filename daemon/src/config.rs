@@ -127,6 +127,13 @@ pub struct AdmissionConfig {
 pub struct QuotaConfig {
     /// Sessions one uid may hold at once (admins exempt; 0: only admission.max_sessions).
     pub max_sessions_per_uid: usize,
+    /// Share of the host tier's frames one uid's sessions may hold (admin uids exempt; 1.0:
+    /// no quota). Beyond it that uid's appends and decodes answer RESOURCE_EXHAUSTED; other
+    /// users' sessions are not demoted to make room for it.
+    pub host_share_per_uid: f64,
+    /// Share of the NVMe tier's pages one uid's sessions may reference (admin uids exempt;
+    /// 1.0: no quota). A write past it (DEMOTE, write-through, shutdown) is refused.
+    pub nvme_share_per_uid: f64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -405,6 +412,10 @@ impl Default for QuotaConfig {
     fn default() -> Self {
         QuotaConfig {
             max_sessions_per_uid: 1024,
+            // Off by default: the usual deployment is one engine uid that should have the
+            // whole tier. Hosts shared by several users set them (configs/tierd.toml).
+            host_share_per_uid: 1.0,
+            nvme_share_per_uid: 1.0,
         }
     }
 }
@@ -540,6 +551,14 @@ impl Config {
                     self.host.frame_bytes, self.host.capacity
                 ),
             );
+        }
+        for (field, v) in [
+            ("quota.host_share_per_uid", self.quota.host_share_per_uid),
+            ("quota.nvme_share_per_uid", self.quota.nvme_share_per_uid),
+        ] {
+            if !(v > 0.0 && v <= 1.0) {
+                return bad(field, format!("must be in (0, 1], got {v}"));
+            }
         }
         let mfb = self.server.max_frame_bytes.0;
         if !(4096..=(1 << 30)).contains(&mfb) {

@@ -26,7 +26,9 @@ use kvtier_protocol::{
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
 use kvtier_storage::nvme::{BlockRun, NvmeError, NvmeTier, TierSource};
 use kvtier_storage::ColdSource;
-use kvtier_storage::{DType, Geometry, HostArena, KvCache, Policy, StorageError, StoredBlock};
+use kvtier_storage::{
+    DType, FrameQuota, Geometry, HostArena, KvCache, Policy, StorageError, StoredBlock,
+};
 
 use crate::error::{storage_code, ServiceError, ServiceResult};
 use crate::metrics::{Metrics, Rejection};
@@ -72,6 +74,10 @@ pub struct EngineLimits {
     pub max_sessions: usize,
     /// Sessions one uid may hold (admins exempt; 0: no limit beyond `max_sessions`).
     pub max_sessions_per_uid: usize,
+    /// Share of the host tier's frames one uid may hold (admin uids exempt; 1.0: none).
+    pub host_share_per_uid: f64,
+    /// Share of the NVMe tier's pages one uid may reference (admin uids exempt; 1.0: none).
+    pub nvme_share_per_uid: f64,
     /// Largest reply body (`server.max_frame_bytes`): a DECODE whose reply could not fit is
     /// refused before it appends anything.
     pub max_reply_bytes: usize,
@@ -252,6 +258,8 @@ pub struct Engine {
     gpu: Option<Mutex<GpuDecoder>>,
     prefetcher: Option<crate::prefetch::Prefetcher>,
     sessions: RwLock<HashMap<u64, Arc<Session>>>,
+    /// Each uid's share of the host tier (`host_share_per_uid`), shared by its sessions.
+    host_quotas: Mutex<HashMap<u32, Arc<FrameQuota>>>,
     next_id: AtomicU64,
     pub counters: Counters,
     metrics: Metrics,
@@ -340,6 +348,7 @@ impl Engine {
             gpu: gpu.map(Mutex::new),
             prefetcher,
             sessions: RwLock::new(HashMap::new()),
+            host_quotas: Mutex::new(HashMap::new()),
             // Ids never repeat across restarts: they start from the clock (4096 per ms), and
             // recovery moves past every restored id.
             next_id: AtomicU64::new(now_ms() << 12),
@@ -401,6 +410,52 @@ impl Engine {
 
     pub fn is_admin(&self, peer: &Peer) -> bool {
         self.limits.admin_uids.contains(&peer.uid) || self.limits.admin_gids.contains(&peer.gid)
+    }
+
+    /// The arena handle a session of `uid` allocates through: charged to the uid's share of
+    /// the host tier, unless the uid is an admin or there is no quota.
+    fn arena_for(&self, uid: u32) -> HostArena {
+        let share = self.limits.host_share_per_uid;
+        if share >= 1.0 || self.limits.admin_uids.contains(&uid) {
+            return self.arena.clone();
+        }
+        let limit = (self.arena.usage().frames_total as f64 * share).floor() as usize;
+        let q = self
+            .host_quotas
+            .lock()
+            .entry(uid)
+            .or_insert_with(|| FrameQuota::new(limit.max(1)))
+            .clone();
+        self.arena.with_quota(q)
+    }
+
+    /// Refuses a write that would take `s`'s owner past its share of the NVMe tier.
+    fn check_nvme_quota(
+        &self,
+        tier: &NvmeTier,
+        s: &Session,
+        runs: &[BlockRun<'_>],
+    ) -> ServiceResult<()> {
+        let share = self.limits.nvme_share_per_uid;
+        if share >= 1.0 || self.limits.admin_uids.contains(&s.owner_uid) {
+            return Ok(());
+        }
+        let total: u64 = tier
+            .store()
+            .usage()
+            .devices
+            .iter()
+            .map(|d| d.pages_total)
+            .sum();
+        let limit = (total as f64 * share).floor() as u64;
+        let after = tier.owner_pages_after(s.owner_uid, s.id, runs);
+        if after > limit {
+            return Err(ServiceError::exhausted(format!(
+                "uid {} would reference {after} NVMe pages, more than its quota of {limit} (quota.nvme_share_per_uid)",
+                s.owner_uid
+            )));
+        }
+        Ok(())
     }
 
     pub fn session_count(&self) -> usize {
@@ -468,7 +523,7 @@ impl Engine {
             top_k: req.policy.top_k,
         };
         policy.validate()?;
-        let kv = KvCache::new(geometry, self.arena.clone())?;
+        let kv = KvCache::new(geometry, self.arena_for(peer.uid))?;
         let mut sessions = self.sessions.write();
         let per_uid = self.limits.max_sessions_per_uid;
         if per_uid > 0
@@ -1018,6 +1073,7 @@ impl Engine {
             pages: Vec::new(),
             pinned: s.pinned.load(Ordering::Relaxed),
         };
+        self.check_nvme_quota(tier, s, &runs)?;
         tier.put_session(&record, &runs).map_err(nvme_error)?;
         st.persisted = tokens;
         st.stored = true;
@@ -1221,7 +1277,7 @@ impl Engine {
     ) -> ServiceResult<Session> {
         let geometry = geometry_of(&rec.geometry)?;
         let policy = policy_of(&rec.policy);
-        let mut kv = KvCache::new(geometry, self.arena.clone())?;
+        let mut kv = KvCache::new(geometry, self.arena_for(rec.owner_uid))?;
         let bt = geometry.block_tokens as u64;
         let tokens = |l: u32| *rec.layer_tokens.get(l as usize).unwrap_or(&0);
         // Every run in the order the cache is rebuilt (layer by layer, block by block), read
@@ -1565,6 +1621,8 @@ mod tests {
             EngineLimits {
                 max_sessions: 4,
                 max_sessions_per_uid: 0,
+                host_share_per_uid: 1.0,
+                nvme_share_per_uid: 1.0,
                 max_reply_bytes: 1 << 20,
                 admin_uids: vec![],
                 admin_gids: vec![],

@@ -48,9 +48,9 @@ impl From<ProtoError> for ServiceError {
 /// The wire code of a storage failure.
 pub fn storage_code(e: &StorageError) -> ErrorCode {
     match e {
-        StorageError::ArenaFull { .. } | StorageError::TooManyTokens { .. } => {
-            ErrorCode::ResourceExhausted
-        }
+        StorageError::ArenaFull { .. }
+        | StorageError::QuotaExceeded { .. }
+        | StorageError::TooManyTokens { .. } => ErrorCode::ResourceExhausted,
         StorageError::PositionMismatch { .. } => ErrorCode::FailedPrecondition,
         StorageError::InvalidGeometry { .. }
         | StorageError::InvalidPolicy { .. }

@@ -66,6 +66,8 @@ pub fn build_engine(
         EngineLimits {
             max_sessions: cfg.admission.max_sessions,
             max_sessions_per_uid: cfg.quota.max_sessions_per_uid,
+            host_share_per_uid: cfg.quota.host_share_per_uid,
+            nvme_share_per_uid: cfg.quota.nvme_share_per_uid,
             max_reply_bytes: cfg.server.max_frame_bytes.0 as usize,
             admin_uids: cfg.auth.admin_uids.clone(),
             admin_gids: cfg.auth.admin_gids.clone(),
@@ -152,7 +154,7 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
     }
     let (tier, report) = NvmeTier::open(store, &n.dir).map_err(|e| e.to_string())?;
     for skipped in &report.skipped_manifests {
-        tracing::warn!(manifest = %skipped, "skipped a damaged manifest; using an older one");
+        tracing::warn!(manifest = %skipped, "skipped a damaged manifest file");
     }
     tracing::info!(
         engine = tier.store().engine_name(),

@@ -474,3 +474,50 @@ fn a_full_filesystem_fails_commits_cleanly_and_recovers_when_space_is_freed() {
     drop(c);
     drop(d);
 }
+
+/// Per-uid shares of the host and NVMe tiers (admin uids exempt; here nobody is an admin): a
+/// user filling its share gets RESOURCE_EXHAUSTED, others' room is untouched, and closing a
+/// session gives its share back.
+#[test]
+fn a_uid_cannot_take_more_than_its_share_of_the_tiers() {
+    // 256 host frames of 4 KiB: a quarter is 64 frames, 32 blocks per layer here.
+    let d = Daemon::start(&[
+        "--set",
+        "host.capacity=\"1MiB\"",
+        "--set",
+        "quota.host_share_per_uid=0.25",
+        "--set",
+        "auth.admin_uids=[]",
+    ]);
+    let mut c = d.client();
+    let (id, mut sh) = session(&mut c, 400, 30);
+    let e = c.append_kv(id, 400, 200, &sh.payload(200)).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
+    assert!(e.to_string().contains("host_share_per_uid"), "{e}");
+    sh.truncate(400);
+    intact(&mut c, id, &mut sh);
+    let used = c.stats().unwrap().get("host_frames_used").unwrap();
+    assert!(used <= 64, "{used} frames");
+    c.close(id).unwrap();
+    let (id, _) = session(&mut c, 500, 31);
+    assert_eq!(c.session_info(id).unwrap().tokens_max, 500);
+    drop((c, d));
+
+    // 12 NVMe pages of 8 KiB: half is 6 pages, fewer than the session's 2 x 4 runs.
+    let d = Daemon::start(&[
+        "--set",
+        "nvme.capacity=\"96KiB\"",
+        "--set",
+        "quota.nvme_share_per_uid=0.5",
+        "--set",
+        "auth.admin_uids=[]",
+    ]);
+    let mut c = d.client();
+    let (id, mut sh) = session(&mut c, 64, 32);
+    let e = c.demote(id).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
+    assert!(e.to_string().contains("nvme_share_per_uid"), "{e}");
+    intact(&mut c, id, &mut sh);
+    let (small, _) = session(&mut c, 40, 33);
+    c.demote(small).unwrap();
+}

@@ -79,10 +79,52 @@ unsafe impl Send for Inner {}
 // SAFETY: see `Send` above; all shared mutable state is behind `free`'s mutex or atomics.
 unsafe impl Sync for Inner {}
 
+/// A per-owner cap on frames held at once: every frame taken through an arena handle that
+/// carries it ([`HostArena::with_quota`]) counts until it is dropped.
+#[derive(Debug)]
+pub struct FrameQuota {
+    limit: usize,
+    used: AtomicUsize,
+}
+
+impl FrameQuota {
+    pub fn new(limit_frames: usize) -> Arc<Self> {
+        Arc::new(FrameQuota {
+            limit: limit_frames,
+            used: AtomicUsize::new(0),
+        })
+    }
+
+    /// Frames held now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Charges `n` frames, or fails without charging anything.
+    fn charge(&self, n: usize) -> Result<()> {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+                (u + n <= self.limit).then_some(u + n)
+            })
+            .map(|_| ())
+            .map_err(|used| StorageError::QuotaExceeded {
+                frames_used: used,
+                wanted: n,
+                limit: self.limit,
+            })
+    }
+}
+
 /// A pool of fixed-size frames in one anonymous memory mapping. Cloning shares the pool.
 #[derive(Clone)]
 pub struct HostArena {
     inner: Arc<Inner>,
+    /// Charged for every frame taken through this handle (see [`HostArena::with_quota`]).
+    quota: Option<Arc<FrameQuota>>,
 }
 
 impl std::fmt::Debug for HostArena {
@@ -128,6 +170,7 @@ impl HostArena {
         // Highest index on top so the first allocations walk the mapping in address order.
         let free: Vec<u32> = (0..frames_total as u32).rev().collect();
         Ok(HostArena {
+            quota: None,
             inner: Arc::new(Inner {
                 _map: map,
                 base,
@@ -143,6 +186,16 @@ impl HostArena {
         self.inner.frame_bytes
     }
 
+    /// The same pool, with every frame taken through the returned handle charged to `quota`
+    /// (and refunded when the frame is dropped): one owner's share of the tier. A frame the
+    /// quota cannot take is [`StorageError::QuotaExceeded`], not [`StorageError::ArenaFull`].
+    pub fn with_quota(&self, quota: Arc<FrameQuota>) -> HostArena {
+        HostArena {
+            inner: self.inner.clone(),
+            quota: Some(quota),
+        }
+    }
+
     pub fn usage(&self) -> ArenaUsage {
         ArenaUsage {
             frame_bytes: self.inner.frame_bytes,
@@ -151,20 +204,25 @@ impl HostArena {
         }
     }
 
-    /// Takes a free frame, zeroed, or fails with [`StorageError::ArenaFull`].
+    /// Takes a free frame, zeroed, or fails with [`StorageError::ArenaFull`] (or
+    /// [`StorageError::QuotaExceeded`]).
     pub fn alloc(&self) -> Result<Frame> {
-        let id = self
-            .inner
-            .free
-            .lock()
-            .pop()
-            .ok_or(StorageError::ArenaFull {
+        if let Some(q) = &self.quota {
+            q.charge(1)?;
+        }
+        let Some(id) = self.inner.free.lock().pop() else {
+            if let Some(q) = &self.quota {
+                q.used.fetch_sub(1, Ordering::AcqRel);
+            }
+            return Err(StorageError::ArenaFull {
                 frames: self.inner.frames_total,
                 frame_bytes: self.inner.frame_bytes,
-            })?;
+            });
+        };
         self.inner.used.fetch_add(1, Ordering::Relaxed);
         let mut frame = Frame {
             arena: self.inner.clone(),
+            quota: self.quota.clone(),
             id,
         };
         // Zeroed so a partially filled tail block has defined (zero) padding and identical
@@ -187,9 +245,15 @@ impl HostArena {
     /// restore or a promotion writes the run and zeroes the rest, [`Frame::put_run`], instead
     /// of zeroing the whole frame first and then copying over it).
     pub(crate) fn alloc_many_unzeroed(&self, n: usize) -> Result<Vec<Frame>> {
+        if let Some(q) = &self.quota {
+            q.charge(n)?;
+        }
         let ids = {
             let mut free = self.inner.free.lock();
             if free.len() < n {
+                if let Some(q) = &self.quota {
+                    q.used.fetch_sub(n, Ordering::AcqRel);
+                }
                 return Err(StorageError::ArenaFull {
                     frames: self.inner.frames_total,
                     frame_bytes: self.inner.frame_bytes,
@@ -204,6 +268,7 @@ impl HostArena {
             .rev()
             .map(|id| Frame {
                 arena: self.inner.clone(),
+                quota: self.quota.clone(),
                 id,
             })
             .collect())
@@ -229,9 +294,11 @@ impl HostArena {
     }
 }
 
-/// Exclusive ownership of one arena frame; returns the frame to its arena when dropped.
+/// Exclusive ownership of one arena frame; returns the frame to its arena (and refunds its
+/// owner's quota) when dropped.
 pub struct Frame {
     arena: Arc<Inner>,
+    quota: Option<Arc<FrameQuota>>,
     id: u32,
 }
 
@@ -294,6 +361,9 @@ impl Drop for Frame {
     fn drop(&mut self) {
         self.arena.free.lock().push(self.id);
         self.arena.used.fetch_sub(1, Ordering::Relaxed);
+        if let Some(q) = &self.quota {
+            q.used.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -357,6 +427,39 @@ mod tests {
         let three = a.alloc_many(3).unwrap();
         assert_eq!(three.len(), 3);
         assert_eq!(a.usage().frames_used, 4);
+    }
+
+    #[test]
+    fn a_quota_caps_one_owners_frames_and_is_refunded_on_drop() {
+        let a = arena(8);
+        let q = FrameQuota::new(3);
+        let mine = a.with_quota(q.clone());
+        let two = mine.alloc_many(2).unwrap();
+        let one = mine.alloc().unwrap();
+        assert!(matches!(
+            mine.alloc(),
+            Err(StorageError::QuotaExceeded {
+                frames_used: 3,
+                limit: 3,
+                ..
+            })
+        ));
+        assert!(mine.alloc_many(1).is_err());
+        assert_eq!(q.used(), 3);
+        // Others are not charged and not limited by it.
+        let theirs = a.alloc_many(5).unwrap();
+        drop(one);
+        assert_eq!(q.used(), 2);
+        let last = a.alloc().unwrap();
+        // A full arena refunds what the quota had charged.
+        assert!(matches!(mine.alloc(), Err(StorageError::ArenaFull { .. })));
+        assert!(matches!(
+            mine.alloc_many(1),
+            Err(StorageError::ArenaFull { .. })
+        ));
+        assert_eq!(q.used(), 2);
+        drop((two, theirs, last));
+        assert_eq!((q.used(), a.usage().frames_used), (0, 0));
     }
 
     #[test]

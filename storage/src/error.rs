@@ -16,6 +16,13 @@ pub enum StorageError {
     #[error("host arena full: all {frames} frames of {frame_bytes} bytes are in use")]
     ArenaFull { frames: usize, frame_bytes: usize },
 
+    #[error("host quota: {frames_used} of {limit} frames in use, {wanted} more wanted (quota.host_share_per_uid)")]
+    QuotaExceeded {
+        frames_used: usize,
+        wanted: usize,
+        limit: usize,
+    },
+
     #[error("a block run of {block_bytes} bytes does not fit a {frame_bytes}-byte arena frame")]
     BlockTooLarge {
         block_bytes: usize,

@@ -23,7 +23,7 @@ pub mod nvme;
 mod par;
 pub mod testing;
 
-pub use arena::{ArenaOptions, ArenaUsage, Frame, HostArena};
+pub use arena::{ArenaOptions, ArenaUsage, Frame, FrameQuota, HostArena};
 pub use dtype::DType;
 pub use error::{Result, StorageError};
 pub use geometry::{Geometry, Policy};

@@ -252,6 +252,28 @@ impl NvmeTier {
         Ok(epoch)
     }
 
+    /// Pages the sessions of `owner` would reference once `runs` of `session` are written:
+    /// what they reference now plus the runs that are new (a rewritten run replaces its page).
+    /// For per-owner quotas.
+    pub fn owner_pages_after(&self, owner: u32, session: u64, runs: &[BlockRun<'_>]) -> u64 {
+        let st = self.state.lock();
+        let now: u64 = st
+            .manifest
+            .sessions
+            .iter()
+            .filter(|s| s.owner_uid == owner)
+            .map(|s| s.pages.len() as u64)
+            .sum();
+        let added = match st.manifest.session(session) {
+            Some(rec) => runs
+                .iter()
+                .filter(|r| rec.page(r.layer, r.block).is_none())
+                .count(),
+            None => runs.len(),
+        };
+        now + added as u64
+    }
+
     /// Records PIN/UNPIN of a stored session durably (a manifest commit; no page changes).
     /// Returns the committed epoch, or None when the record already says so.
     pub fn set_pinned(&self, id: u64, pinned: bool) -> Result<Option<u64>, NvmeError> {
