@@ -112,6 +112,7 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
         }
         config::IoEngineKind::Pread => Arc::new(nvme::PreadEngine::new()),
     };
+    let engine = with_test_faults(engine)?;
     let devices: Vec<(std::path::PathBuf, u64)> = if n.devices.is_empty() {
         vec![(n.dir.join("pages-0"), n.capacity.0)]
     } else {
@@ -173,6 +174,39 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
             prefetch_blocks: n.prefetch_blocks,
         },
     )))
+}
+
+/// The environment variable that turns on write-fault injection, for the fault campaign
+/// (daemon/tests/fault_campaign.rs) only: `<seed>,<probability>`. Each page write then fails
+/// with that probability, as EIO, ENOSPC or a torn (short) write. Never set in production.
+pub const TEST_IO_FAULTS_ENV: &str = "KVTIER_TEST_IO_FAULTS";
+
+fn with_test_faults(
+    engine: Arc<dyn kvtier_storage::nvme::IoEngine>,
+) -> Result<Arc<dyn kvtier_storage::nvme::IoEngine>, String> {
+    use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyEngine, Trigger};
+    use kvtier_storage::nvme::OpKind;
+    let Ok(spec) = std::env::var(TEST_IO_FAULTS_ENV) else {
+        return Ok(engine);
+    };
+    let bad = || format!("{TEST_IO_FAULTS_ENV}={spec:?}: expected <seed>,<probability>");
+    let (seed, p) = spec.split_once(',').ok_or_else(bad)?;
+    let seed: u64 = seed.trim().parse().map_err(|_| bad())?;
+    let p: f64 = p.trim().parse().map_err(|_| bad())?;
+    tracing::warn!(
+        seed,
+        probability = p,
+        "TEST ONLY: injecting page write faults"
+    );
+    let rules = [Fault::Eio, Fault::Enospc, Fault::ShortTransfer]
+        .map(|fault| FaultRule {
+            kind: Some(OpKind::Write),
+            fault,
+            trigger: Trigger::Probability(p / 3.0),
+        })
+        .to_vec();
+    let faulty = FaultyEngine::new(engine, rules, seed).map_err(|e| e.to_string())?;
+    Ok(Arc::new(faulty))
 }
 
 /// Before any page file is opened: when manifest files exist but none verifies, refuse to

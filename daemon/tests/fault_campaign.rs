@@ -2,9 +2,10 @@
 //! the spirit of TigerBeetle's VOPR and RocksDB's crash tests).
 //!
 //! Each cycle runs a random mix of CREATE, APPEND_KV (inline and shared memory), DECODE
-//! steps, DEMOTE, PROMOTE, PIN/UNPIN and CLOSE on up to six sessions, under memory pressure
-//! (a 1 MiB host tier) and a small NVMe tier that fills up, then stops the daemon with
-//! kill -9 or SIGTERM and, while it is down, may flip a bit in a page or in one manifest file.
+//! steps, DEMOTE, PROMOTE, PIN/UNPIN and CLOSE on up to six sessions under memory pressure (a
+//! 1 MiB host tier), in a third of the cycles with page writes failing at random (EIO, ENOSPC,
+//! torn writes: `tierd::TEST_IO_FAULTS_ENV`), then stops the daemon with kill -9 or SIGTERM
+//! and, while it is down, may flip a bit in a page or in one manifest file.
 //! After every restart an oracle of acknowledged state checks:
 //! - every session acknowledged and not closed is listed, nothing else is;
 //! - its token count is between what was durable (write-through appends, DEMOTE, a clean
@@ -63,6 +64,7 @@ struct Counts {
     manifest_flips: u64,
     damaged: u64,
     refused: u64,
+    fault_cycles: u64,
 }
 
 fn code<T>(r: &Result<T, ClientError>) -> Option<ErrorCode> {
@@ -70,11 +72,19 @@ fn code<T>(r: &Result<T, ClientError>) -> Option<ErrorCode> {
 }
 
 /// Errors an operation may answer here without anything being wrong: a full tier, a pinned
-/// session that cannot be demoted. Anything else fails the campaign.
-fn tolerated(r: &Result<impl std::fmt::Debug, ClientError>, what: &str, at: &str) -> bool {
+/// session that cannot be demoted, and in a cycle with injected write faults (`faults`) a
+/// failed write (INTERNAL). Anything else fails the campaign. A tolerated error must have
+/// changed nothing, which the oracle checks after the next restart.
+fn tolerated(
+    r: &Result<impl std::fmt::Debug, ClientError>,
+    faults: bool,
+    what: &str,
+    at: &str,
+) -> bool {
     match code(r) {
         None => false,
         Some(ErrorCode::ResourceExhausted | ErrorCode::FailedPrecondition) => true,
+        Some(ErrorCode::Internal) if faults => true,
         Some(c) => panic!("{at}: {what} answered {c:?}: {r:?}"),
     }
 }
@@ -105,12 +115,14 @@ fn fault_campaign() {
         total.manifest_flips += c.manifest_flips;
         total.damaged += c.damaged;
         total.refused += c.refused;
+        total.fault_cycles += c.fault_cycles;
     }
     println!(
-        "fault campaign: {} cycles, {} operations, {} acknowledged tokens, {} kill -9, {} SIGTERM, \
-         {} page bit flips, {} manifest bit flips, {} sessions reported damaged, {} operations \
-         refused (full tiers); lost 0, wrong 0, panics 0",
+        "fault campaign: {} cycles ({} with write faults), {} operations, {} acknowledged tokens, \
+         {} kill -9, {} SIGTERM, {} page bit flips, {} manifest bit flips, {} sessions reported \
+         damaged, {} operations refused (full tiers, failed writes); lost 0, wrong 0, panics 0",
         total.cycles,
+        total.fault_cycles,
         total.ops,
         total.acked_tokens,
         total.kills,
@@ -128,12 +140,14 @@ fn run(seed: u64, cycles: u64) -> Counts {
     let mut models: BTreeMap<u64, Model> = BTreeMap::new();
     let mut page_flipped = false;
     let mut d = Daemon::start(ARGS);
+    // Whether the running daemon injects write faults.
+    let mut faults = false;
     for cycle in 0..cycles {
         let at = format!("seed {seed} cycle {cycle}");
         let mut c = d.client();
         for _ in 0..5 + rng.below(20) {
             n.ops += 1;
-            operate(&mut c, &mut rng, &mut models, &mut n, &at);
+            operate(&mut c, &mut rng, &mut models, faults, &mut n, &at);
         }
         drop(c);
         // Stop: kill -9, or SIGTERM (which writes every session).
@@ -162,9 +176,18 @@ fn run(seed: u64, cycles: u64) -> Counts {
             1 if flip_manifest(&state, &mut rng) => n.manifest_flips += 1,
             _ => {}
         }
+        // The oracle runs without faults; the cycle after it may have them.
         d = Daemon::start_in(dir, ARGS);
         let mut c = d.client();
         check(&mut c, &mut models, page_flipped, &mut n, &at);
+        drop(c);
+        faults = rng.below(3) == 0;
+        if faults {
+            n.fault_cycles += 1;
+            let spec = format!("{},0.05", rng.next_u64());
+            let dir = d.stop(false);
+            d = Daemon::start_env(dir, ARGS, &[(tierd::TEST_IO_FAULTS_ENV, spec.as_str())]);
+        }
         n.cycles += 1;
     }
     n
@@ -175,6 +198,7 @@ fn operate(
     c: &mut Client,
     rng: &mut Rng,
     models: &mut BTreeMap<u64, Model>,
+    faults: bool,
     n: &mut Counts,
     at: &str,
 ) {
@@ -190,7 +214,7 @@ fn operate(
         0 | 1 if models.len() < 6 => {
             let g = small_geometry();
             let r = c.create_session(g, policy(), "campaign");
-            if !tolerated(&r, "CREATE", at) {
+            if !tolerated(&r, faults, "CREATE", at) {
                 let seed = rng.next_u64();
                 let m = Model {
                     shadow: Shadow::new(g, seed),
@@ -215,7 +239,7 @@ fn operate(
             } else {
                 c.append_kv_shm(id, m.acked, k as u32, &payload)
             };
-            if tolerated(&r, "APPEND_KV", at) {
+            if tolerated(&r, faults, "APPEND_KV", at) {
                 n.refused += 1;
                 m.shadow.truncate(m.acked);
             } else {
@@ -246,7 +270,7 @@ fn operate(
         7 => {
             let Some(id) = pick(rng, models) else { return };
             let r = c.demote(id);
-            if tolerated(&r, "DEMOTE", at) {
+            if tolerated(&r, faults, "DEMOTE", at) {
                 n.refused += 1;
             } else {
                 let m = models.get_mut(&id).unwrap();
@@ -260,14 +284,14 @@ fn operate(
             } else {
                 c.pin(id, rng.below(2) == 0)
             };
-            if tolerated(&r, "PROMOTE/PIN", at) {
+            if tolerated(&r, faults, "PROMOTE/PIN", at) {
                 n.refused += 1;
             }
         }
         _ => {
             let Some(id) = pick(rng, models) else { return };
             let r = c.close(id);
-            if tolerated(&r, "CLOSE", at) {
+            if tolerated(&r, faults, "CLOSE", at) {
                 n.refused += 1;
             } else {
                 models.remove(&id);

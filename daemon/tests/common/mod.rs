@@ -31,6 +31,11 @@ impl Daemon {
 
     /// Starts tierd on the socket and NVMe state of `dir` (a restart when a daemon ran there).
     pub fn start_in(dir: tempfile::TempDir, extra: &[&str]) -> Daemon {
+        Self::start_env(dir, extra, &[])
+    }
+
+    /// [`Daemon::start_in`] with extra environment variables.
+    pub fn start_env(dir: tempfile::TempDir, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
         let socket = dir.path().join("tierd.sock");
         let state = dir.path().join("state");
         let child = Command::new(env!("CARGO_BIN_EXE_tierd"))
@@ -47,6 +52,7 @@ impl Daemon {
             .arg(format!("nvme.dir={:?}", state.to_str().unwrap()))
             .args(["--set", "nvme.capacity=\"64MiB\""])
             .args(extra)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .spawn()
             .expect("spawn tierd");
