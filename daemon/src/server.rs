@@ -513,10 +513,31 @@ impl Connection {
             return reply_frame(rid, Err(e), max, &engine);
         }
         match opcode {
-            Some(Opcode::AppendKv | Opcode::Decode | Opcode::Demote | Opcode::Promote) => {
-                let permit = match self.shared.admission.enter(&engine).await {
-                    Ok(p) => p,
-                    Err(e) => return reply_frame(rid, Err(e), max, &engine),
+            // Off the event loop: compute (under an admission slot), and anything that may
+            // write to the NVMe tier and fsync (a slow or full disk must not stall every
+            // connection).
+            Some(
+                op @ (Opcode::AppendKv
+                | Opcode::Decode
+                | Opcode::Demote
+                | Opcode::Promote
+                | Opcode::CreateSession
+                | Opcode::CloseSession
+                | Opcode::Evict
+                | Opcode::Pin
+                | Opcode::Unpin),
+            ) => {
+                let compute = matches!(
+                    op,
+                    Opcode::AppendKv | Opcode::Decode | Opcode::Demote | Opcode::Promote
+                );
+                let permit = if compute {
+                    match self.shared.admission.enter(&engine).await {
+                        Ok(p) => Some(p),
+                        Err(e) => return reply_frame(rid, Err(e), max, &engine),
+                    }
+                } else {
+                    None
                 };
                 let (peer, header, owned) = (self.peer, *header, std::mem::take(body));
                 let eng = engine.clone();
@@ -572,39 +593,15 @@ impl Connection {
                     server_version: env!("CARGO_PKG_VERSION").into(),
                 })
             }
-            Request::CreateSession(c) => Response::CreateSession {
-                session: engine.create(peer, &c)?,
-            },
             Request::SessionInfo { session } => Response::SessionInfo(engine.info(peer, session)?),
-            Request::CloseSession { session } => {
-                engine.close(peer, session)?;
-                Response::CloseSession
-            }
             Request::ListSessions => Response::ListSessions(engine.list(peer)),
             Request::Stats => Response::Stats(engine.stats()),
-            Request::Evict { session } => {
-                engine.evict(peer, session)?;
-                Response::Evict
-            }
-            Request::Pin { session } => {
-                engine.pin(peer, session, true)?;
-                Response::Pin
-            }
-            Request::Unpin { session } => {
-                engine.pin(peer, session, false)?;
-                Response::Unpin
-            }
-            Request::AppendKv(_)
-            | Request::Decode(_)
-            | Request::Demote { .. }
-            | Request::Promote { .. } => {
-                unreachable!("heavy requests run on the blocking pool")
-            }
+            _ => unreachable!("requests that may block run on the blocking pool"),
         })
     }
 }
 
-/// APPEND_KV and DECODE, on a blocking thread.
+/// Requests that compute or may write to the NVMe tier, on a blocking thread.
 fn execute_heavy(
     engine: &Engine,
     peer: &Peer,
@@ -645,7 +642,26 @@ fn execute_heavy(
         Request::Promote { session } => Ok(Response::Promote {
             blocks: engine.promote(peer, session)?,
         }),
-        _ => unreachable!("only APPEND_KV, DECODE, DEMOTE and PROMOTE are heavy"),
+        Request::CreateSession(c) => Ok(Response::CreateSession {
+            session: engine.create(peer, &c)?,
+        }),
+        Request::CloseSession { session } => {
+            engine.close(peer, session)?;
+            Ok(Response::CloseSession)
+        }
+        Request::Evict { session } => {
+            engine.evict(peer, session)?;
+            Ok(Response::Evict)
+        }
+        Request::Pin { session } => {
+            engine.pin(peer, session, true)?;
+            Ok(Response::Pin)
+        }
+        Request::Unpin { session } => {
+            engine.pin(peer, session, false)?;
+            Ok(Response::Unpin)
+        }
+        _ => unreachable!("HELLO, SESSION_INFO, LIST_SESSIONS and STATS run on the event loop"),
     }
 }
 
