@@ -1,0 +1,592 @@
+//! The daemon's state and the semantics of every operation, independent of the socket: sessions
+//! (ownership, admission), appends, batched decode steps, and the counters behind STATS.
+//!
+//! Locking: the session table is a read-write lock held only to look sessions up; each session's
+//! state (KV cache, NVMe watermark) has its own mutex, held for the duration of one operation. A
+//! batch decode locks its sessions in ascending id order, so two batches can never deadlock;
+//! demotion under memory pressure only `try_lock`s other sessions, so it never waits on them.
+//!
+//! Tiering: with the NVMe tier enabled, a session's blocks are written to it (copy-on-write
+//! pages + manifest commit) on demotion, on write-through appends and at clean shutdown. A
+//! demoted block keeps its summary in RAM, so selection never touches NVMe; blocks a keep-set
+//! needs are promoted back (read, verified) before attention.
+//!
+//! # Layout
+//!
+//! - this file: the session table, ownership and quotas (lookup, CREATE, INFO, LIST, CLOSE,
+//!   EVICT);
+//! - `decode`: the data path, APPEND_KV and DECODE (CPU or the CUDA decoder);
+//! - `tiering`: NVMe policy: persistence, DEMOTE, PROMOTE, PIN, memory pressure, shutdown;
+//! - `recovery`: warm restart from the manifest, damaged sessions;
+//! - `stats`: counters, STATS and the metric series' refresh.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use parking_lot::{Mutex, MutexGuard, RwLock};
+
+use kvtier_kernels::{decode_layer_timed, DecodeEntry, StageTimings};
+use kvtier_protocol::{
+    stats_keys, CreateSessionRequest, DecodeEntryRef, DecodeOutput, DecodeReply, DecodeStats,
+    SessionInfo, StatsReply,
+};
+use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
+use kvtier_storage::nvme::{BlockRun, NvmeError, NvmeTier, TierSource};
+use kvtier_storage::ColdSource;
+use kvtier_storage::{
+    DType, FrameQuota, Geometry, HostArena, KvCache, Policy, StorageError, StoredBlock,
+};
+
+use crate::error::{storage_code, ServiceError, ServiceResult};
+use crate::gpu::{GpuDecoder, GpuEntry, GpuError};
+use crate::metrics::{Metrics, Rejection};
+use kvtier_protocol::ErrorCode;
+
+mod decode;
+mod recovery;
+mod stats;
+mod tiering;
+
+use stats::NvmeSeries;
+pub use stats::{extra_stats_keys, Counters, Snapshot};
+use tiering::nvme_error;
+
+/// Who is asking, from SO_PEERCRED.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
+    pub uid: u32,
+    pub gid: u32,
+    pub pid: Option<i32>,
+}
+
+/// Limits and identity the engine enforces.
+#[derive(Debug, Clone)]
+pub struct EngineLimits {
+    pub max_sessions: usize,
+    /// Sessions one uid may hold (admins exempt; 0: no limit beyond `max_sessions`).
+    pub max_sessions_per_uid: usize,
+    /// Share of the host tier's frames one uid may hold (admin uids exempt; 1.0: none).
+    pub host_share_per_uid: f64,
+    /// Share of the NVMe tier's pages one uid may reference (admin uids exempt; 1.0: none).
+    pub nvme_share_per_uid: f64,
+    /// Largest reply body (`server.max_frame_bytes`): a DECODE whose reply could not fit is
+    /// refused before it appends anything.
+    pub max_reply_bytes: usize,
+    pub admin_uids: Vec<u32>,
+    pub admin_gids: Vec<u32>,
+}
+
+/// How the engine uses the NVMe tier.
+#[derive(Debug, Clone)]
+pub struct TierSettings {
+    pub write_through: bool,
+    pub high_water: f64,
+    pub low_water: f64,
+    /// Candidates per kv-head beyond the keep-set promoted ahead of need (0: no prefetch).
+    pub prefetch_blocks: u32,
+}
+
+/// One session: its identity, policy and state.
+pub struct Session {
+    pub id: u64,
+    pub owner_uid: u32,
+    pub label: String,
+    pub geometry: Geometry,
+    pub policy: Policy,
+    pub created_unix_ms: u64,
+    last_access_unix_ms: AtomicU64,
+    pinned: std::sync::atomic::AtomicBool,
+    /// Set at startup when its stored data could not be read back (see [`Damage`]).
+    damaged: Option<Damage>,
+    state: Mutex<SessionState>,
+}
+
+/// Why a stored session could not be restored. It stays listed (SESSION_INFO, LIST) so the
+/// loss is visible; every use answers DATA_LOSS; CLOSE deletes its NVMe record and pages.
+/// Until then its record and pages stay untouched on NVMe.
+#[derive(Debug, Clone)]
+pub struct Damage {
+    pub reason: String,
+    /// Tokens per layer the manifest recorded.
+    pub layer_tokens: Vec<u64>,
+}
+
+struct SessionState {
+    kv: KvCache,
+    /// Tokens per layer whose blocks are durable on NVMe (blocks at or past
+    /// `persisted / block_tokens` are dirty and never evicted).
+    persisted: Vec<u64>,
+    /// The NVMe manifest holds a record of this session.
+    stored: bool,
+    /// Removed by CLOSE/EVICT; a request that looked it up before must not write it back.
+    closed: bool,
+}
+
+pub struct Engine {
+    limits: EngineLimits,
+    arena: HostArena,
+    tier: Option<(Arc<NvmeTier>, TierSettings)>,
+    /// The CUDA decode path, for the sessions it supports (cold blocks a step needs are
+    /// promoted first); everything else (and any GPU failure, which happens before the step
+    /// changes anything) runs on the CPU backend.
+    gpu: Option<Mutex<GpuDecoder>>,
+    prefetcher: Option<crate::prefetch::Prefetcher>,
+    sessions: RwLock<HashMap<u64, Arc<Session>>>,
+    /// Each uid's share of the host tier (`host_share_per_uid`), shared by its sessions.
+    host_quotas: Mutex<HashMap<u32, Arc<FrameQuota>>>,
+    next_id: AtomicU64,
+    pub counters: Counters,
+    metrics: Metrics,
+    /// The fetch-stage histogram, registered only when a colder tier exists to fetch from.
+    fetch_seconds: Option<metrics::Histogram>,
+    /// NVMe tier series, registered only when the tier exists; refreshed at scrape time.
+    nvme_metrics: Option<NvmeSeries>,
+    ready: AtomicBool,
+    started: Instant,
+    started_unix_ms: u64,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn to_geometry(g: &kvtier_protocol::Geometry) -> Geometry {
+    Geometry {
+        layers: g.layers,
+        q_heads: g.q_heads,
+        kv_heads: g.kv_heads,
+        head_dim: g.head_dim,
+        dtype: DType::from_code(g.dtype.as_u8()).expect("protocol dtypes are storage dtypes"),
+        block_tokens: g.block_tokens,
+    }
+}
+
+fn to_wire_geometry(g: &Geometry) -> kvtier_protocol::Geometry {
+    kvtier_protocol::Geometry {
+        layers: g.layers,
+        q_heads: g.q_heads,
+        kv_heads: g.kv_heads,
+        head_dim: g.head_dim,
+        dtype: kvtier_protocol::Dtype::from_u8(g.dtype.code()).expect("same codes"),
+        block_tokens: g.block_tokens,
+    }
+}
+
+impl Engine {
+    pub fn new(arena: HostArena, limits: EngineLimits) -> Self {
+        Self::with_tier(arena, limits, None, None)
+    }
+
+    /// An engine whose sessions tier to `tier`.
+    pub fn with_tier(
+        arena: HostArena,
+        limits: EngineLimits,
+        tier: Option<(Arc<NvmeTier>, TierSettings)>,
+        gpu: Option<GpuDecoder>,
+    ) -> Self {
+        let prefetcher = tier.as_ref().and_then(|(t, s)| {
+            (s.prefetch_blocks > 0)
+                .then(|| crate::prefetch::Prefetcher::start(t.clone(), s.prefetch_blocks))
+                .and_then(|r| {
+                    r.map_err(|e| tracing::warn!(error = %e, "no prefetch thread"))
+                        .ok()
+                })
+        });
+        Engine {
+            limits,
+            arena,
+            tier,
+            gpu: gpu.map(Mutex::new),
+            prefetcher,
+            sessions: RwLock::new(HashMap::new()),
+            host_quotas: Mutex::new(HashMap::new()),
+            // Ids never repeat across restarts: they start from the clock (4096 per ms), and
+            // recovery moves past every restored id.
+            next_id: AtomicU64::new(now_ms() << 12),
+            counters: Counters::default(),
+            metrics: Metrics::disabled(),
+            fetch_seconds: None,
+            nvme_metrics: None,
+            ready: AtomicBool::new(false),
+            started: Instant::now(),
+            started_unix_ms: now_ms(),
+        }
+    }
+
+    /// Records into `metrics` from now on.
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.fetch_seconds = self.tier.is_some().then(|| metrics.register_fetch_stage());
+        self.nvme_metrics = self.tier.is_some().then(|| NvmeSeries {
+            usage: metrics.register_tier("nvme"),
+            read: metrics.register_lane("nvme_to_host"),
+            written: metrics.register_lane("host_to_nvme"),
+            counters: metrics.register_nvme(),
+        });
+        self.metrics = metrics;
+        self
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Marks the daemon as serving (true) or draining (false); reported by STATS and metrics.
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Relaxed);
+    }
+
+    /// An error reply is being sent.
+    pub fn record_error(&self, code: ErrorCode) {
+        self.counters.errors.fetch_add(1, Ordering::Relaxed);
+        self.metrics.error(code);
+    }
+
+    /// A request was refused by an admission limit.
+    pub fn record_rejection(&self, why: Rejection) {
+        self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+        self.metrics.rejection(why);
+    }
+
+    /// Whether the session table can be locked right now: the watchdog's liveness probe (a
+    /// writer stuck while holding it would wedge every request).
+    pub fn responsive(&self) -> bool {
+        self.sessions
+            .try_read_for(Duration::from_millis(50))
+            .is_some()
+    }
+
+    pub fn arena(&self) -> &HostArena {
+        &self.arena
+    }
+
+    pub fn is_admin(&self, peer: &Peer) -> bool {
+        self.limits.admin_uids.contains(&peer.uid) || self.limits.admin_gids.contains(&peer.gid)
+    }
+
+    /// The arena handle a session of `uid` allocates through: charged to the uid's share of
+    /// the host tier, unless the uid is an admin or there is no quota.
+    fn arena_for(&self, uid: u32) -> HostArena {
+        let share = self.limits.host_share_per_uid;
+        if share >= 1.0 || self.limits.admin_uids.contains(&uid) {
+            return self.arena.clone();
+        }
+        let limit = (self.arena.usage().frames_total as f64 * share).floor() as usize;
+        let q = self
+            .host_quotas
+            .lock()
+            .entry(uid)
+            .or_insert_with(|| FrameQuota::new(limit.max(1)))
+            .clone();
+        self.arena.with_quota(q)
+    }
+
+    pub fn session_count(&self) -> usize {
+        self.sessions.read().len()
+    }
+
+    /// Looks a session up for `peer`: NOT_FOUND if absent or another uid's, the same answer
+    /// for both, so ids cannot be probed (admins may read any session, `admin_ok`).
+    fn lookup(&self, peer: &Peer, id: u64, admin_ok: bool) -> ServiceResult<Arc<Session>> {
+        let s = self
+            .sessions
+            .read()
+            .get(&id)
+            .filter(|s| s.owner_uid == peer.uid || (admin_ok && self.is_admin(peer)))
+            .cloned()
+            .ok_or_else(|| ServiceError::not_found(id))?;
+        s.last_access_unix_ms.store(now_ms(), Ordering::Relaxed);
+        Ok(s)
+    }
+
+    /// [`Engine::lookup`] for an operation on the session's data: DATA_LOSS for a session
+    /// whose stored data failed verification at startup.
+    fn lookup_live(&self, peer: &Peer, id: u64) -> ServiceResult<Arc<Session>> {
+        let s = self.lookup(peer, id, false)?;
+        if let Some(d) = &s.damaged {
+            return Err(ServiceError::new(
+                ErrorCode::DataLoss,
+                format!(
+                    "session {id} is damaged ({}); CLOSE it to delete what remains",
+                    d.reason
+                ),
+            ));
+        }
+        Ok(s)
+    }
+
+    /// A fresh session id: random (ids say nothing about other sessions), never 0, never one
+    /// in use or on NVMe.
+    fn fresh_id(&self, table: &HashMap<u64, Arc<Session>>) -> u64 {
+        loop {
+            let mut b = [0u8; 8];
+            // SAFETY: getrandom writes at most b.len() bytes into the buffer it is given.
+            let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+            let id = if n == 8 {
+                u64::from_le_bytes(b) >> 1
+            } else {
+                // No getrandom (very old kernels): unique, if predictable.
+                self.next_id.fetch_add(1, Ordering::Relaxed)
+            };
+            let on_nvme = self
+                .tier
+                .as_ref()
+                .is_some_and(|(t, _)| t.session(id).is_some());
+            if id != 0 && !table.contains_key(&id) && !on_nvme {
+                return id;
+            }
+        }
+    }
+
+    pub fn create(&self, peer: &Peer, req: &CreateSessionRequest) -> ServiceResult<u64> {
+        let geometry = to_geometry(&req.geometry);
+        let policy = Policy {
+            sink_blocks: req.policy.sink_blocks,
+            local_blocks: req.policy.local_blocks,
+            top_k: req.policy.top_k,
+        };
+        policy.validate()?;
+        let kv = KvCache::new(geometry, self.arena_for(peer.uid))?;
+        let mut sessions = self.sessions.write();
+        let per_uid = self.limits.max_sessions_per_uid;
+        if per_uid > 0
+            && !self.is_admin(peer)
+            && sessions
+                .values()
+                .filter(|s| s.owner_uid == peer.uid)
+                .count()
+                >= per_uid
+        {
+            self.record_rejection(Rejection::SessionLimit);
+            return Err(ServiceError::exhausted(format!(
+                "uid {} holds {per_uid} sessions, its quota (quota.max_sessions_per_uid)",
+                peer.uid
+            )));
+        }
+        if sessions.len() >= self.limits.max_sessions {
+            self.record_rejection(Rejection::SessionLimit);
+            return Err(ServiceError::exhausted(format!(
+                "session limit reached ({} sessions; admission.max_sessions)",
+                self.limits.max_sessions
+            )));
+        }
+        let id = self.fresh_id(&sessions);
+        let session = Arc::new(Session::new(
+            id,
+            peer.uid,
+            req.label.clone(),
+            policy,
+            kv,
+            false,
+        ));
+        if self.tier.as_ref().is_some_and(|(_, t)| t.write_through) {
+            // Write-through: an acknowledged session survives a crash even before its first
+            // append.
+            let mut st = session.state.lock();
+            self.persist_locked(&session, &mut st)?;
+        }
+        sessions.insert(id, session);
+        self.gpu_open(id, &geometry, &policy);
+        tracing::info!(session = id, uid = peer.uid, label = %req.label, ?geometry, ?policy, "session created");
+        Ok(id)
+    }
+
+    fn info_of(&self, s: &Session) -> SessionInfo {
+        let st = s.state.lock();
+        let page = self
+            .tier
+            .as_ref()
+            .map_or(0, |(t, _)| t.store().page_size() as u64);
+        let nvme_pages: u64 = if st.stored {
+            st.persisted.iter().map(|&t| s.geometry.blocks_for(t)).sum()
+        } else {
+            0
+        };
+        SessionInfo {
+            session: s.id,
+            owner_uid: s.owner_uid,
+            label: s.label.clone(),
+            geometry: to_wire_geometry(&s.geometry),
+            policy: kvtier_protocol::Policy {
+                sink_blocks: s.policy.sink_blocks,
+                local_blocks: s.policy.local_blocks,
+                top_k: s.policy.top_k,
+            },
+            tokens_min: s.damaged.as_ref().map_or(st.kv.min_tokens(), |d| {
+                d.layer_tokens.iter().copied().min().unwrap_or(0)
+            }),
+            tokens_max: s.damaged.as_ref().map_or(st.kv.max_tokens_stored(), |d| {
+                d.layer_tokens.iter().copied().max().unwrap_or(0)
+            }),
+            blocks: st.kv.blocks() as u64,
+            host_bytes: st.kv.host_bytes() as u64,
+            nvme_bytes: nvme_pages * page,
+            pinned: s.pinned.load(Ordering::Relaxed),
+            damaged: s.damaged.is_some(),
+            created_unix_ms: s.created_unix_ms,
+            last_access_unix_ms: s.last_access_unix_ms.load(Ordering::Relaxed),
+        }
+    }
+
+    pub fn info(&self, peer: &Peer, id: u64) -> ServiceResult<SessionInfo> {
+        let s = self.lookup(peer, id, true)?;
+        Ok(self.info_of(&s))
+    }
+
+    /// Every session for admins, the caller's own otherwise; ascending ids.
+    pub fn list(&self, peer: &Peer) -> Vec<SessionInfo> {
+        let admin = self.is_admin(peer);
+        let mut v: Vec<Arc<Session>> = self
+            .sessions
+            .read()
+            .values()
+            .filter(|s| admin || s.owner_uid == peer.uid)
+            .cloned()
+            .collect();
+        v.sort_by_key(|s| s.id);
+        v.iter().map(|s| self.info_of(s)).collect()
+    }
+
+    pub fn close(&self, peer: &Peer, id: u64) -> ServiceResult<()> {
+        self.lookup(peer, id, false)?;
+        self.remove(id)?;
+        tracing::info!(session = id, uid = peer.uid, "session closed");
+        Ok(())
+    }
+
+    pub fn evict(&self, peer: &Peer, id: u64) -> ServiceResult<()> {
+        if !self.is_admin(peer) {
+            return Err(ServiceError::denied(
+                "EVICT needs an admin peer (auth.admin_uids / auth.admin_gids)",
+            ));
+        }
+        self.lookup(peer, id, true)?;
+        self.remove(id)?;
+        tracing::info!(session = id, uid = peer.uid, "session evicted");
+        Ok(())
+    }
+
+    /// Drops a session and its NVMe copy; its frames return to the arena once in-flight
+    /// requests release it. The durable copy goes first: if deleting it fails (a full
+    /// filesystem cannot commit the manifest), the session stays, served as before, rather
+    /// than vanishing now and coming back after a restart.
+    fn remove(&self, id: u64) -> ServiceResult<()> {
+        let s = self
+            .sessions
+            .read()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| ServiceError::not_found(id))?;
+        {
+            // Held across the table removal, so no request persists the session again in
+            // between (the table lock is never held while waiting for a session's).
+            let mut st = s.state.lock();
+            if st.closed {
+                return Err(ServiceError::not_found(id));
+            }
+            if let (Some((tier, _)), true) = (&self.tier, st.stored) {
+                tier.delete_session(id).map_err(nvme_error)?;
+                st.stored = false;
+            }
+            st.closed = true;
+            self.sessions.write().remove(&id);
+        }
+        if let Some(gpu) = &self.gpu {
+            let mut g = gpu.lock();
+            if g.is_open(id) {
+                let _ = g.close(id);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Session {
+    /// Runs `f` on the session's KV cache under its lock.
+    pub(crate) fn with_kv<R>(&self, f: impl FnOnce(&mut KvCache) -> R) -> R {
+        f(&mut self.state.lock().kv)
+    }
+
+    fn new(
+        id: u64,
+        owner_uid: u32,
+        label: String,
+        policy: Policy,
+        kv: KvCache,
+        stored: bool,
+    ) -> Self {
+        let now = now_ms();
+        let layers = kv.geometry().layers as usize;
+        Session {
+            id,
+            owner_uid,
+            label,
+            geometry: *kv.geometry(),
+            policy,
+            created_unix_ms: now,
+            last_access_unix_ms: AtomicU64::new(now),
+            pinned: std::sync::atomic::AtomicBool::new(false),
+            damaged: None,
+            state: Mutex::new(SessionState {
+                kv,
+                persisted: vec![0; layers],
+                stored,
+                closed: false,
+            }),
+        }
+    }
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvtier_storage::ArenaOptions;
+
+    fn engine() -> Engine {
+        let arena = HostArena::new(&ArenaOptions::new(1 << 20, 4096)).unwrap();
+        Engine::new(
+            arena,
+            EngineLimits {
+                max_sessions: 4,
+                max_sessions_per_uid: 0,
+                host_share_per_uid: 1.0,
+                nvme_share_per_uid: 1.0,
+                max_reply_bytes: 1 << 20,
+                admin_uids: vec![],
+                admin_gids: vec![],
+            },
+        )
+    }
+
+    #[test]
+    fn a_stuck_session_table_is_not_responsive() {
+        let e = engine();
+        assert!(e.responsive());
+        let held = e.sessions.write();
+        assert!(
+            !e.responsive(),
+            "the watchdog probe must notice a held table lock"
+        );
+        drop(held);
+        assert!(e.responsive());
+    }
+
+    #[test]
+    fn readiness_and_recorded_failures_reach_stats() {
+        let e = engine();
+        let get = |k| e.stats().get(k).unwrap();
+        assert_eq!(get(extra_stats_keys::READY), 0, "not ready before serving");
+        e.set_ready(true);
+        assert_eq!(get(extra_stats_keys::READY), 1);
+        e.record_error(ErrorCode::NotFound);
+        e.record_rejection(Rejection::QueueFull);
+        assert_eq!(get(stats_keys::ERRORS_TOTAL), 1);
+        assert_eq!(get(stats_keys::REJECTED_TOTAL), 1);
+        assert!(get(extra_stats_keys::STARTED_UNIX_MS) > 1_700_000_000_000);
+        for k in extra_stats_keys::ALL.iter().chain(&stats_keys::ALL) {
+            assert!(e.stats().get(k).is_some(), "STATS lacks {k}");
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! Warm restart: every session the NVMe manifest holds is read back, verified and rebuilt;
+//! one that cannot be is kept listed as damaged.
+
+use super::*;
+
+/// The geometry a manifest record stores.
+pub(super) fn geometry_of(g: &GeometryRecord) -> ServiceResult<Geometry> {
+    Ok(Geometry {
+        layers: g.layers,
+        q_heads: g.q_heads,
+        kv_heads: g.kv_heads,
+        head_dim: g.head_dim,
+        dtype: DType::from_code(g.dtype)
+            .ok_or_else(|| ServiceError::internal(format!("unknown dtype {}", g.dtype)))?,
+        block_tokens: g.block_tokens,
+    })
+}
+
+pub(super) fn policy_of(p: &PolicyRecord) -> Policy {
+    Policy {
+        sink_blocks: p.sink_blocks,
+        local_blocks: p.local_blocks,
+        top_k: p.top_k,
+    }
+}
+
+impl Engine {
+    /// Loads every session the NVMe manifest holds (warm restart): reads and verifies each
+    /// page, rebuilds tiles and bounds bit-identically, keeping blocks resident while the host
+    /// tier is below its low-water mark and cold after that. A session that cannot be read
+    /// back is left on NVMe, not served, and reported.
+    pub fn recover(&self) -> (usize, Vec<String>) {
+        let Some((tier, t)) = &self.tier else {
+            return (0, Vec::new());
+        };
+        let mut problems = Vec::new();
+        let mut loaded = 0;
+        // Pinned sessions first: they get host frames while the tier is below low water.
+        let mut records: Vec<SessionRecord> = tier
+            .session_ids()
+            .into_iter()
+            .filter_map(|id| tier.session(id))
+            .collect();
+        records.sort_by_key(|r| (!r.pinned, r.id));
+        for rec in records {
+            let id = rec.id;
+            match self.restore(tier, t, &rec) {
+                Ok(session) => {
+                    self.gpu_open(id, &session.geometry, &session.policy);
+                    self.sessions.write().insert(id, Arc::new(session));
+                    self.next_id.fetch_max(id + 1, Ordering::Relaxed);
+                    loaded += 1;
+                }
+                Err(e) => {
+                    // Listed as damaged, its record and pages left as they are on NVMe.
+                    problems.push(format!("session {id}: {e} (listed as damaged)"));
+                    match self.damaged_session(&rec, e.to_string()) {
+                        Ok(s) => {
+                            self.sessions.write().insert(id, Arc::new(s));
+                        }
+                        Err(e) => problems.push(format!("session {id}: not listed: {e}")),
+                    }
+                }
+            }
+        }
+        (loaded, problems)
+    }
+
+    /// The table entry of a stored session that could not be restored.
+    pub(super) fn damaged_session(
+        &self,
+        rec: &SessionRecord,
+        reason: String,
+    ) -> ServiceResult<Session> {
+        let kv = KvCache::new(geometry_of(&rec.geometry)?, self.arena.clone())?;
+        let mut s = Session::new(
+            rec.id,
+            rec.owner_uid,
+            rec.label.clone(),
+            policy_of(&rec.policy),
+            kv,
+            true,
+        );
+        s.state.get_mut().persisted = rec.layer_tokens.clone();
+        s.pinned.store(rec.pinned, Ordering::Relaxed);
+        s.damaged = Some(Damage {
+            reason,
+            layer_tokens: rec.layer_tokens.clone(),
+        });
+        Ok(s)
+    }
+
+    pub(super) fn restore(
+        &self,
+        tier: &NvmeTier,
+        t: &TierSettings,
+        rec: &SessionRecord,
+    ) -> ServiceResult<Session> {
+        let geometry = geometry_of(&rec.geometry)?;
+        let policy = policy_of(&rec.policy);
+        let mut kv = KvCache::new(geometry, self.arena_for(rec.owner_uid))?;
+        let bt = geometry.block_tokens as u64;
+        let tokens = |l: u32| *rec.layer_tokens.get(l as usize).unwrap_or(&0);
+        // Every run in the order the cache is rebuilt (layer by layer, block by block), read
+        // in batches sized by the devices' tracked rates; the next batch is read and verified
+        // while this one is rebuilt (on the store's workers).
+        let wanted: Vec<(u32, u32)> = (0..geometry.layers)
+            .flat_map(|l| (0..geometry.blocks_for(tokens(l)) as u32).map(move |b| (l, b)))
+            .collect();
+        let workers = tier.store().workers();
+        tier.read_runs_pipelined(rec.id, &wanted, |r, pages| -> ServiceResult<()> {
+            // Block by block, a block stays resident while the host tier is below low water
+            // (frames_used < frames_total * low_water) and each kept block takes a frame: so
+            // the first `room` blocks of the batch are kept, the same blocks as block by block.
+            // Nothing else allocates frames during recovery (it runs before the socket
+            // opens); if something did, the tier could pass low water by at most one batch
+            // (PIPELINE_BATCH_BYTES of pages, at most BULK_BATCH_MAX_PAGES blocks).
+            let u = self.arena.usage();
+            let low = (u.frames_total as f64 * t.low_water).ceil() as usize;
+            let mut room = low.saturating_sub(u.frames_used);
+            // The blocks before the first page that failed are restored first, so the error
+            // is the one block-by-block restoring would meet first.
+            let ok = pages.iter().position(Result::is_err).unwrap_or(pages.len());
+            let blocks: Vec<StoredBlock<'_>> = pages[..ok]
+                .iter()
+                .zip(&wanted[r.start..r.start + ok])
+                .map(|(page, &(l, b))| {
+                    let keep = room > 0;
+                    room -= keep as usize;
+                    StoredBlock {
+                        layer: l,
+                        run: page.as_ref().expect("before the first failure").payload(),
+                        valid: (tokens(l) - b as u64 * bt).min(bt) as usize,
+                        keep,
+                    }
+                })
+                .collect();
+            kv.restore_blocks(&blocks, workers)?;
+            match pages.into_iter().nth(ok) {
+                Some(Err(e)) => Err(nvme_error(e)),
+                _ => Ok(()),
+            }
+        })?;
+        let persisted = (0..geometry.layers)
+            .map(|l| kv.tokens(l).expect("layer"))
+            .collect();
+        let mut s = Session::new(rec.id, rec.owner_uid, rec.label.clone(), policy, kv, true);
+        s.state.get_mut().persisted = persisted;
+        s.pinned.store(rec.pinned, Ordering::Relaxed);
+        Ok(s)
+    }
+}

@@ -1,0 +1,223 @@
+//! The counters, STATS and metrics of the engine: what it reports, read at scrape time.
+
+use super::*;
+
+/// STATS keys tierd reports beyond the protocol's initial set (docs/protocol.md §5.7).
+pub mod extra_stats_keys {
+    /// 1 while the daemon accepts requests, 0 once shutdown has begun (draining).
+    pub const READY: &str = "ready";
+    /// Wall-clock start time, ms since the Unix epoch.
+    pub const STARTED_UNIX_MS: &str = "started_unix_ms";
+    /// Selected (block, kv-head) tiles over all decode entries.
+    pub const SELECTED_TILES_TOTAL: &str = "selected_tiles_total";
+    /// Summed wall time of the stages of CPU-path DECODE requests, ns.
+    pub const DECODE_APPEND_NS_TOTAL: &str = "decode_append_ns_total";
+    pub const DECODE_SELECT_NS_TOTAL: &str = "decode_select_ns_total";
+    pub const DECODE_FETCH_NS_TOTAL: &str = "decode_fetch_ns_total";
+    pub const DECODE_ATTEND_NS_TOTAL: &str = "decode_attend_ns_total";
+
+    pub const ALL: [&str; 7] = [
+        READY,
+        STARTED_UNIX_MS,
+        SELECTED_TILES_TOTAL,
+        DECODE_APPEND_NS_TOTAL,
+        DECODE_SELECT_NS_TOTAL,
+        DECODE_FETCH_NS_TOTAL,
+        DECODE_ATTEND_NS_TOTAL,
+    ];
+}
+
+/// Monotonic counters reported by STATS (relaxed atomics: read at scrape time).
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub decode_requests: AtomicU64,
+    pub decode_entries: AtomicU64,
+    pub append_tokens: AtomicU64,
+    pub errors: AtomicU64,
+    pub rejected: AtomicU64,
+    pub bytes_touched: AtomicU64,
+    pub demotions: AtomicU64,
+    pub blocks_demoted: AtomicU64,
+    pub blocks_promoted: AtomicU64,
+    pub selected_tiles: AtomicU64,
+    pub append_ns: AtomicU64,
+    pub select_ns: AtomicU64,
+    pub fetch_ns: AtomicU64,
+    pub attend_ns: AtomicU64,
+    /// Decode entries the CUDA device answered.
+    pub gpu_entries: AtomicU64,
+    /// GPU decode calls answered on the CPU after the appends (a device failure, or a device
+    /// keep-set naming a block still on NVMe).
+    pub gpu_cpu_fallbacks: AtomicU64,
+    /// Entries whose device keep-set named a block still on NVMe (should stay 0).
+    pub gpu_cold_divergences: AtomicU64,
+}
+
+/// The NVMe tier's metric series.
+pub(super) struct NvmeSeries {
+    pub(super) usage: crate::metrics::TierGauges,
+    pub(super) read: metrics::Counter,
+    pub(super) written: metrics::Counter,
+    pub(super) counters: crate::metrics::NvmeMetrics,
+}
+
+/// The engine's state at one instant: what STATS and a metrics scrape report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    pub ready: bool,
+    pub uptime: Duration,
+    pub started_unix_ms: u64,
+    pub sessions: u64,
+    pub host_bytes_used: u64,
+    pub host_bytes_capacity: u64,
+    pub host_frames_used: u64,
+    pub host_frames_capacity: u64,
+    pub decode_requests: u64,
+    pub decode_entries: u64,
+    pub append_tokens: u64,
+    pub errors: u64,
+    pub rejected: u64,
+    pub bytes_touched: u64,
+    pub selected_tiles: u64,
+    pub append_ns: u64,
+    pub select_ns: u64,
+    pub fetch_ns: u64,
+    pub attend_ns: u64,
+}
+
+impl Engine {
+    /// Copies the NVMe tier's usage and traffic into its metric series (scrape time).
+    pub fn refresh_tier_metrics(&self) {
+        let (Some(m), Some((tier, _))) = (&self.nvme_metrics, &self.tier) else {
+            return;
+        };
+        let su = tier.store().usage();
+        let sum = |f: fn(&kvtier_storage::nvme::store::DeviceUsage) -> u64| -> f64 {
+            su.devices.iter().map(f).sum::<u64>() as f64
+        };
+        m.usage.used_bytes.set(sum(|d| d.bytes_used));
+        m.usage.capacity_bytes.set(sum(|d| d.bytes_total));
+        m.usage.used_blocks.set(sum(|d| d.pages_used));
+        m.usage.capacity_blocks.set(sum(|d| d.pages_total));
+        m.read.absolute(su.bytes_read);
+        m.written.absolute(su.bytes_written);
+        m.counters.checksum_errors.absolute(su.corrupt_pages);
+        m.counters.io_errors.absolute(su.io_errors);
+    }
+
+    /// The counters and usage STATS and metrics report.
+    pub fn snapshot(&self) -> Snapshot {
+        let u = self.arena.usage();
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Snapshot {
+            ready: self.ready.load(Ordering::Relaxed),
+            uptime: self.started.elapsed(),
+            started_unix_ms: self.started_unix_ms,
+            sessions: self.session_count() as u64,
+            host_bytes_used: u.bytes_used() as u64,
+            host_bytes_capacity: u.bytes_total() as u64,
+            host_frames_used: u.frames_used as u64,
+            host_frames_capacity: u.frames_total as u64,
+            decode_requests: get(&c.decode_requests),
+            decode_entries: get(&c.decode_entries),
+            append_tokens: get(&c.append_tokens),
+            errors: get(&c.errors),
+            rejected: get(&c.rejected),
+            bytes_touched: get(&c.bytes_touched),
+            selected_tiles: get(&c.selected_tiles),
+            append_ns: get(&c.append_ns),
+            select_ns: get(&c.select_ns),
+            fetch_ns: get(&c.fetch_ns),
+            attend_ns: get(&c.attend_ns),
+        }
+    }
+
+    pub fn stats(&self) -> StatsReply {
+        let s = self.snapshot();
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        use extra_stats_keys as x;
+        let mut entries = vec![
+            (stats_keys::UPTIME_MS, s.uptime.as_millis() as u64),
+            (stats_keys::SESSIONS, s.sessions),
+            (stats_keys::HOST_BYTES_USED, s.host_bytes_used),
+            (stats_keys::HOST_BYTES_CAPACITY, s.host_bytes_capacity),
+            (stats_keys::HOST_FRAMES_USED, s.host_frames_used),
+            (stats_keys::HOST_FRAMES_CAPACITY, s.host_frames_capacity),
+            (stats_keys::DECODE_REQUESTS_TOTAL, s.decode_requests),
+            (stats_keys::DECODE_ENTRIES_TOTAL, s.decode_entries),
+            (stats_keys::APPEND_TOKENS_TOTAL, s.append_tokens),
+            (stats_keys::ERRORS_TOTAL, s.errors),
+            (stats_keys::REJECTED_TOTAL, s.rejected),
+            (stats_keys::BYTES_TOUCHED_TOTAL, s.bytes_touched),
+            (x::READY, s.ready as u64),
+            (x::STARTED_UNIX_MS, s.started_unix_ms),
+            (x::SELECTED_TILES_TOTAL, s.selected_tiles),
+            (x::DECODE_APPEND_NS_TOTAL, s.append_ns),
+            (x::DECODE_SELECT_NS_TOTAL, s.select_ns),
+            (x::DECODE_FETCH_NS_TOTAL, s.fetch_ns),
+            (x::DECODE_ATTEND_NS_TOTAL, s.attend_ns),
+        ];
+        let mut lanes = Vec::new();
+        if let Some((tier, _)) = &self.tier {
+            let su = tier.store().usage();
+            let used: u64 = su.devices.iter().map(|d| d.bytes_used).sum();
+            let total: u64 = su.devices.iter().map(|d| d.bytes_total).sum();
+            for (i, d) in su.devices.iter().enumerate() {
+                lanes.extend(nvme_lane_stats(i, "read", d.read_lane));
+                lanes.extend(nvme_lane_stats(i, "write", d.write_lane));
+            }
+            entries.extend([
+                ("nvme_bytes_used", used),
+                ("nvme_bytes_capacity", total),
+                ("nvme_devices", su.devices.len() as u64),
+                ("nvme_sessions", tier.session_ids().len() as u64),
+                ("nvme_read_bytes_total", su.bytes_read),
+                ("nvme_written_bytes_total", su.bytes_written),
+                ("nvme_checksum_errors_total", su.corrupt_pages),
+                ("nvme_io_errors_total", su.io_errors),
+                ("demotions_total", get(&c.demotions)),
+                ("blocks_demoted_total", get(&c.blocks_demoted)),
+                ("blocks_promoted_total", get(&c.blocks_promoted)),
+                (
+                    "blocks_prefetched_total",
+                    self.prefetcher.as_ref().map_or(0, |p| get(&p.promoted)),
+                ),
+            ]);
+        }
+        if self.gpu.is_some() {
+            entries.extend([
+                ("gpu_decode_entries_total", get(&c.gpu_entries)),
+                ("gpu_cpu_fallbacks_total", get(&c.gpu_cpu_fallbacks)),
+                ("gpu_cold_divergences_total", get(&c.gpu_cold_divergences)),
+            ]);
+        }
+        StatsReply {
+            entries: entries
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .chain(lanes)
+                .collect(),
+        }
+    }
+}
+
+/// STATS entries of one NVMe device lane's online estimate: `nvme_dev<i>_<op>_bytes_per_s`
+/// and `nvme_dev<i>_<op>_latency_ns`, 0 until the device has a timed transfer of that kind.
+pub(super) fn nvme_lane_stats(
+    device: usize,
+    op: &str,
+    lane: Option<kvtier_storage::nvme::plan::Lane>,
+) -> [(String, u64); 2] {
+    let (bw, lat) = lane.map_or((0, 0), |l| {
+        (
+            l.bandwidth_bytes_per_s.round() as u64,
+            (l.latency_s * 1e9).round() as u64,
+        )
+    });
+    [
+        (format!("nvme_dev{device}_{op}_bytes_per_s"), bw),
+        (format!("nvme_dev{device}_{op}_latency_ns"), lat),
+    ]
+}

@@ -1,0 +1,284 @@
+//! The NVMe tier's policy: what is written when (write-through, DEMOTE, memory pressure,
+//! shutdown), PROMOTE and PIN, the per-uid NVMe share, and the wire codes of its failures.
+
+use super::*;
+
+pub(super) fn nvme_error(e: NvmeError) -> ServiceError {
+    let code = match &e {
+        NvmeError::Full { .. } | NvmeError::NoSpace { .. } => ErrorCode::ResourceExhausted,
+        e if e.is_data_loss() => ErrorCode::DataLoss,
+        _ => ErrorCode::Internal,
+    };
+    ServiceError::new(code, format!("NVMe tier: {e}"))
+}
+
+impl From<NvmeError> for ServiceError {
+    fn from(e: NvmeError) -> Self {
+        nvme_error(e)
+    }
+}
+
+impl Engine {
+    /// Refuses a write that would take `s`'s owner past its share of the NVMe tier.
+    pub(super) fn check_nvme_quota(
+        &self,
+        tier: &NvmeTier,
+        s: &Session,
+        runs: &[BlockRun<'_>],
+    ) -> ServiceResult<()> {
+        let share = self.limits.nvme_share_per_uid;
+        if share >= 1.0 || self.limits.admin_uids.contains(&s.owner_uid) {
+            return Ok(());
+        }
+        let total: u64 = tier
+            .store()
+            .usage()
+            .devices
+            .iter()
+            .map(|d| d.pages_total)
+            .sum();
+        let limit = (total as f64 * share).floor() as u64;
+        let after = tier.owner_pages_after(s.owner_uid, s.id, runs);
+        if after > limit {
+            return Err(ServiceError::exhausted(format!(
+                "uid {} would reference {after} NVMe pages, more than its quota of {limit} (quota.nvme_share_per_uid)",
+                s.owner_uid
+            )));
+        }
+        Ok(())
+    }
+
+    pub(super) fn promote_tails(
+        &self,
+        s: &Session,
+        st: &mut SessionState,
+        tails: &[(u32, u32)],
+    ) -> ServiceResult<()> {
+        if tails.is_empty() {
+            return Ok(());
+        }
+        let (tier, _) = self
+            .tier
+            .as_ref()
+            .ok_or_else(|| ServiceError::internal("cold blocks without an NVMe tier"))?;
+        let src = TierSource {
+            tier,
+            session: s.id,
+        };
+        for &(layer, block) in tails {
+            let n = st.kv.promote(layer, &[block], &src)?;
+            self.counters
+                .blocks_promoted
+                .fetch_add(n as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Writes the session's dirty blocks (those at or past the durable watermark) to NVMe and
+    /// commits its record; returns the blocks written.
+    pub(super) fn persist_locked(
+        &self,
+        s: &Session,
+        st: &mut SessionState,
+    ) -> ServiceResult<usize> {
+        if st.closed {
+            return Err(ServiceError::not_found(s.id));
+        }
+        let (tier, _) = self.tier.as_ref().ok_or_else(|| {
+            ServiceError::new(
+                ErrorCode::FailedPrecondition,
+                "the NVMe tier is not enabled (nvme.enabled)",
+            )
+        })?;
+        let geo = s.geometry;
+        let bt = geo.block_tokens as u64;
+        let mut runs = Vec::new();
+        for l in 0..geo.layers {
+            // Dirty: the blocks holding tokens past the durable watermark. A layer with none
+            // has nothing to write, though its partial tail block (durable, and perhaps
+            // demoted since) starts at or after `persisted / bt`.
+            let persisted = st.persisted[l as usize];
+            if st.kv.tokens(l)? == persisted {
+                continue;
+            }
+            let blocks = st.kv.layer(l)?.blocks() as u32;
+            for b in (persisted / bt) as u32..blocks {
+                // Appends promote a cold tail before writing into it, so a block with
+                // undurable tokens is resident; a cold one here is a bookkeeping bug, answered
+                // as an error rather than a panic that would lose every session not yet
+                // written.
+                let bytes = st.kv.run(l, b).ok_or_else(|| {
+                    ServiceError::internal(format!(
+                        "session {}: layer {l} block {b} has undurable tokens but is not resident",
+                        s.id
+                    ))
+                })?;
+                runs.push(BlockRun {
+                    layer: l,
+                    block: b,
+                    bytes,
+                });
+            }
+        }
+        let tokens: Vec<u64> = (0..geo.layers)
+            .map(|l| st.kv.tokens(l).expect("layer exists"))
+            .collect();
+        if runs.is_empty() && st.stored {
+            return Ok(0);
+        }
+        let record = SessionRecord {
+            id: s.id,
+            owner_uid: s.owner_uid,
+            label: s.label.clone(),
+            geometry: GeometryRecord {
+                layers: geo.layers,
+                q_heads: geo.q_heads,
+                kv_heads: geo.kv_heads,
+                head_dim: geo.head_dim,
+                dtype: geo.dtype.code(),
+                block_tokens: geo.block_tokens,
+            },
+            policy: PolicyRecord {
+                sink_blocks: s.policy.sink_blocks,
+                local_blocks: s.policy.local_blocks,
+                top_k: s.policy.top_k,
+            },
+            layer_tokens: tokens.clone(),
+            pages: Vec::new(),
+            pinned: s.pinned.load(Ordering::Relaxed),
+        };
+        self.check_nvme_quota(tier, s, &runs)?;
+        tier.put_session(&record, &runs).map_err(nvme_error)?;
+        st.persisted = tokens;
+        st.stored = true;
+        Ok(runs.len())
+    }
+
+    /// Persists the session and frees every host frame it holds; returns the frames freed.
+    pub(super) fn demote_locked(&self, s: &Session, st: &mut SessionState) -> ServiceResult<usize> {
+        self.persist_locked(s, st)?;
+        let mut freed = 0;
+        for l in 0..s.geometry.layers {
+            for b in 0..st.kv.layer(l)?.blocks() as u32 {
+                freed += st.kv.evict(l, b) as usize;
+            }
+        }
+        self.counters.demotions.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .blocks_demoted
+            .fetch_add(freed as u64, Ordering::Relaxed);
+        Ok(freed)
+    }
+
+    /// DEMOTE: write the session to NVMe and free its host frames.
+    pub fn demote(&self, peer: &Peer, id: u64) -> ServiceResult<u64> {
+        let s = self.lookup_live(peer, id)?;
+        if s.pinned.load(Ordering::Relaxed) {
+            return Err(ServiceError::precondition(format!(
+                "session {id} is pinned; UNPIN it first"
+            )));
+        }
+        let mut st = s.state.lock();
+        let freed = self.demote_locked(&s, &mut st)?;
+        tracing::info!(session = id, frames = freed, "session demoted");
+        Ok(freed as u64)
+    }
+
+    /// PROMOTE: read every cold block of the session back into the host tier.
+    pub fn promote(&self, peer: &Peer, id: u64) -> ServiceResult<u64> {
+        let s = self.lookup_live(peer, id)?;
+        let Some((tier, _)) = &self.tier else {
+            return Ok(0);
+        };
+        let mut st = s.state.lock();
+        let src = TierSource { tier, session: id };
+        let mut n = 0;
+        for l in 0..s.geometry.layers {
+            let all: Vec<u32> = (0..st.kv.layer(l)?.blocks() as u32).collect();
+            n += st.kv.promote(l, &all, &src)?;
+        }
+        self.counters
+            .blocks_promoted
+            .fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n as u64)
+    }
+
+    /// PIN / UNPIN: a pinned session is never demoted. For a session with a durable copy
+    /// the flag is committed to the NVMe manifest before the reply, so it survives a restart
+    /// (a session not yet on NVMe records it when it is first written).
+    pub fn pin(&self, peer: &Peer, id: u64, pinned: bool) -> ServiceResult<()> {
+        let s = self.lookup_live(peer, id)?;
+        // Under the session lock, so a concurrent persist writes the same flag.
+        let st = s.state.lock();
+        if let (Some((tier, _)), true) = (&self.tier, st.stored) {
+            tier.set_pinned(id, pinned).map_err(nvme_error)?;
+        }
+        s.pinned.store(pinned, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Demotes least recently used, unpinned sessions not in `exclude` while the host tier is
+    /// above its high-water mark (down to the low-water mark) or fewer than `need` frames are
+    /// free. Only `try_lock`s sessions, so it never waits on a busy one. Returns whether the
+    /// goal was reached.
+    pub(super) fn make_room(&self, exclude: &[u64], need: usize) -> bool {
+        let Some((_, t)) = &self.tier else {
+            return false;
+        };
+        let u = self.arena.usage();
+        let total = u.frames_total as f64;
+        let goal_used =
+            |used: usize| (used as f64) <= total * t.low_water && u.frames_total - used >= need;
+        if (u.frames_used as f64) < total * t.high_water && u.frames_total - u.frames_used >= need {
+            return true;
+        }
+        let mut candidates: Vec<Arc<Session>> = self
+            .sessions
+            .read()
+            .values()
+            .filter(|s| !exclude.contains(&s.id) && !s.pinned.load(Ordering::Relaxed))
+            .cloned()
+            .collect();
+        candidates.sort_by_key(|s| s.last_access_unix_ms.load(Ordering::Relaxed));
+        for s in candidates {
+            if goal_used(self.arena.usage().frames_used) {
+                break;
+            }
+            let Some(mut st) = s.state.try_lock() else {
+                continue;
+            };
+            if st.kv.frames() == 0 {
+                continue;
+            }
+            match self.demote_locked(&s, &mut st) {
+                Ok(n) => {
+                    tracing::info!(session = s.id, frames = n, "demoted under memory pressure")
+                }
+                Err(e) => tracing::warn!(session = s.id, error = %e, "demotion failed"),
+            }
+        }
+        let used = self.arena.usage().frames_used;
+        u.frames_total - used >= need
+    }
+
+    /// Writes every session to NVMe (clean shutdown), so a restart finds them all.
+    pub fn persist_all(&self) -> (usize, usize) {
+        if self.tier.is_none() {
+            return (0, 0);
+        }
+        let all: Vec<Arc<Session>> = self.sessions.read().values().cloned().collect();
+        let (mut ok, mut failed) = (0, 0);
+        // A damaged session's record stays on NVMe as it was.
+        for s in all.into_iter().filter(|s| s.damaged.is_none()) {
+            let mut st = s.state.lock();
+            match self.persist_locked(&s, &mut st) {
+                Ok(_) => ok += 1,
+                Err(e) => {
+                    failed += 1;
+                    tracing::error!(session = s.id, error = %e, "could not persist session at shutdown");
+                }
+            }
+        }
+        (ok, failed)
+    }
+}
