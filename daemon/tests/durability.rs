@@ -383,42 +383,6 @@ fn rejections_count_limits_permissions_and_malformed_requests() {
     assert_eq!(after, before + 2);
 }
 
-/// A tmpfs of `bytes` mounted at a fresh directory (root only), unmounted when dropped.
-struct SmallFs {
-    dir: tempfile::TempDir,
-}
-
-impl SmallFs {
-    fn mount(bytes: u64) -> Option<SmallFs> {
-        let dir = tempfile::tempdir().ok()?;
-        let ok = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
-            .arg(dir.path())
-            .status()
-            .is_ok_and(|s| s.success());
-        ok.then_some(SmallFs { dir })
-    }
-
-    /// Fills the filesystem with one file; returns its path.
-    fn fill(&self) -> PathBuf {
-        let p = self.dir.path().join("filler");
-        let mut f = std::fs::File::create(&p).unwrap();
-        let chunk = vec![0xA5u8; 4096];
-        while f.write_all(&chunk).is_ok() {}
-        let _ = f.sync_all();
-        p
-    }
-}
-
-impl Drop for SmallFs {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(self.dir.path())
-            .status();
-    }
-}
-
 /// A full filesystem under the manifest: commits fail with RESOURCE_EXHAUSTED and change
 /// nothing (a CLOSE that could not delete the durable copy leaves the session), sessions in
 /// RAM keep decoding, and once space is freed every operation works again without a restart

@@ -4,8 +4,9 @@
 //! Each cycle runs a random mix of CREATE, APPEND_KV (inline and shared memory), DECODE
 //! steps, DEMOTE, PROMOTE, PIN/UNPIN and CLOSE on up to six sessions under memory pressure (a
 //! 1 MiB host tier), in a third of the cycles with page writes failing at random (EIO, ENOSPC,
-//! torn writes: `tierd::TEST_IO_FAULTS_ENV`), then stops the daemon with kill -9 or SIGTERM
-//! and, while it is down, may flip a bit in a page or in one manifest file.
+//! torn writes: `tierd::TEST_IO_FAULTS_ENV`) and, where a tmpfs can be mounted (root), with
+//! the manifest's filesystem filled and freed at random points; then it stops the daemon with
+//! kill -9 or SIGTERM and, while it is down, may flip a bit in a page or in one manifest file.
 //! After every restart an oracle of acknowledged state checks:
 //! - every session acknowledged and not closed is listed, nothing else is;
 //! - its token count is between what was durable (write-through appends, DEMOTE, a clean
@@ -65,6 +66,7 @@ struct Counts {
     damaged: u64,
     refused: u64,
     fault_cycles: u64,
+    fs_full: u64,
 }
 
 fn code<T>(r: &Result<T, ClientError>) -> Option<ErrorCode> {
@@ -116,11 +118,13 @@ fn fault_campaign() {
         total.damaged += c.damaged;
         total.refused += c.refused;
         total.fault_cycles += c.fault_cycles;
+        total.fs_full += c.fs_full;
     }
     println!(
         "fault campaign: {} cycles ({} with write faults), {} operations, {} acknowledged tokens, \
-         {} kill -9, {} SIGTERM, {} page bit flips, {} manifest bit flips, {} sessions reported \
-         damaged, {} operations refused (full tiers, failed writes); lost 0, wrong 0, panics 0",
+         {} kill -9, {} SIGTERM, {} page bit flips, {} manifest bit flips, {} times the \
+         manifest's filesystem filled, {} sessions reported damaged, {} operations refused \
+         (full tiers or filesystem, failed writes); lost 0, wrong 0, panics 0",
         total.cycles,
         total.fault_cycles,
         total.ops,
@@ -129,6 +133,7 @@ fn fault_campaign() {
         total.terms,
         total.page_flips,
         total.manifest_flips,
+        total.fs_full,
         total.damaged,
         total.refused
     );
@@ -139,15 +144,53 @@ fn run(seed: u64, cycles: u64) -> Counts {
     let mut n = Counts::default();
     let mut models: BTreeMap<u64, Model> = BTreeMap::new();
     let mut page_flipped = false;
-    let mut d = Daemon::start(ARGS);
+    // The manifest on a small filesystem the campaign can fill (root only), the pages beside
+    // the daemon's socket on the ordinary disk.
+    let fs = SmallFs::mount(4 << 20);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let pages = dir.path().join("pages-0");
+    let state = fs
+        .as_ref()
+        .map_or_else(|| dir.path().join("state"), |f| f.dir.path().to_path_buf());
+    let state_arg = format!("nvme.dir={:?}", state.to_str().unwrap());
+    let devices = format!(
+        "nvme.devices=[{{path={:?}, capacity=\"8MiB\"}}]",
+        pages.to_str().unwrap()
+    );
+    let mut args: Vec<&str> = ARGS.to_vec();
+    args.extend(["--set", &state_arg, "--set", &devices]);
+    let args = &args[..];
+    let mut d = Daemon::start_in(dir, args);
     // Whether the running daemon injects write faults.
     let mut faults = false;
     for cycle in 0..cycles {
         let at = format!("seed {seed} cycle {cycle}");
         let mut c = d.client();
+        let mut filler = None;
         for _ in 0..5 + rng.below(20) {
             n.ops += 1;
-            operate(&mut c, &mut rng, &mut models, faults, &mut n, &at);
+            operate(
+                &mut c,
+                &mut rng,
+                &mut models,
+                faults || filler.is_some(),
+                &mut n,
+                &at,
+            );
+            if let (Some(fs), 0) = (&fs, rng.below(8)) {
+                match filler.take() {
+                    None => {
+                        filler = Some(fs.fill());
+                        n.fs_full += 1;
+                    }
+                    Some(f) => std::fs::remove_file(f).unwrap(),
+                }
+            }
         }
         drop(c);
         // Stop: kill -9, or SIGTERM (which writes every session).
@@ -167,17 +210,19 @@ fn run(seed: u64, cycles: u64) -> Counts {
             let _ = std::fs::remove_file(&d.socket);
             std::mem::replace(&mut d.dir, tempfile::tempdir().unwrap())
         };
-        let state = dir.path().join("state");
+        if let Some(f) = filler {
+            std::fs::remove_file(f).unwrap();
+        }
         match rng.below(6) {
             0 => {
-                page_flipped |= flip_page(&state.join("pages-0"), &mut rng);
+                page_flipped |= flip_page(&pages, &mut rng);
                 n.page_flips += 1;
             }
             1 if flip_manifest(&state, &mut rng) => n.manifest_flips += 1,
             _ => {}
         }
         // The oracle runs without faults; the cycle after it may have them.
-        d = Daemon::start_in(dir, ARGS);
+        d = Daemon::start_in(dir, args);
         let mut c = d.client();
         check(&mut c, &mut models, page_flipped, &mut n, &at);
         drop(c);
@@ -186,7 +231,7 @@ fn run(seed: u64, cycles: u64) -> Counts {
             n.fault_cycles += 1;
             let spec = format!("{},0.05", rng.next_u64());
             let dir = d.stop(false);
-            d = Daemon::start_env(dir, ARGS, &[(tierd::TEST_IO_FAULTS_ENV, spec.as_str())]);
+            d = Daemon::start_env(dir, args, &[(tierd::TEST_IO_FAULTS_ENV, spec.as_str())]);
         }
         n.cycles += 1;
     }

@@ -327,3 +327,40 @@ pub fn reachable_copy(exe: &Path) -> PathBuf {
     std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o755)).unwrap();
     to
 }
+
+/// A tmpfs of `bytes` mounted at a fresh directory (root only), unmounted when dropped.
+pub struct SmallFs {
+    pub dir: tempfile::TempDir,
+}
+
+impl SmallFs {
+    pub fn mount(bytes: u64) -> Option<SmallFs> {
+        let dir = tempfile::tempdir().ok()?;
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then_some(SmallFs { dir })
+    }
+
+    /// Fills the filesystem with one file; returns its path.
+    pub fn fill(&self) -> PathBuf {
+        let p = self.dir.path().join("filler");
+        let mut f = std::fs::File::create(&p).unwrap();
+        use std::io::Write;
+        let chunk = vec![0xA5u8; 4096];
+        while f.write_all(&chunk).is_ok() {}
+        let _ = f.sync_all();
+        p
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(self.dir.path())
+            .status();
+    }
+}
