@@ -248,7 +248,7 @@ fn serve(cfg: Config) -> Result<(), String> {
             // The exit status says so: a service manager (or an operator's script) must not
             // take a shutdown that lost sessions for a clean one.
             return Err(format!(
-                "shutdown could not write {failed} of {} session(s) to the NVMe tier; they are lost",
+                "shutdown could not write {failed} of {} session(s) to the NVMe tier: what they held beyond their last durable write is lost",
                 ok + failed
             ));
         }
