@@ -8,6 +8,7 @@ use common::*;
 use kvtier_kernels::dense::max_rel_err;
 
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn the_cuda_daemon_answers_like_the_cpu_daemon() {
     if !kvtier_kernels::cuda::device_available() {
         eprintln!("skipped: no CUDA device");
@@ -61,6 +62,7 @@ fn the_cuda_daemon_answers_like_the_cpu_daemon() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn a_demoted_session_decodes_on_the_gpu_like_the_cpu_daemon_over_ram() {
     if !kvtier_kernels::cuda::device_available() {
         eprintln!("skipped: no CUDA device");

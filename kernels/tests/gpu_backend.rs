@@ -1,6 +1,8 @@
 //! CUDA backend against the CPU selector (`kvtier_kernels::select::{block_score, partition}`,
 //! bit for bit) and an f64 attention reference.
-//! Every test prints "skipped: no CUDA device" and passes where no driver/device is present.
+//! Every test is `#[ignore]`d with the reason, so a machine without a GPU reports it as ignored;
+//! bench/gpu/run.sh runs them with `--include-ignored`. Run anyway without a device, each prints
+//! "skipped: no CUDA device" and passes.
 #![cfg(feature = "cuda")]
 
 use half::{bf16, f16};
@@ -438,6 +440,7 @@ fn qwen_config(max_blocks: u32, sessions: u32) -> CudaConfig {
 }
 
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn smoke_device_and_one_layer() {
     if !gpu() {
         return;
@@ -458,6 +461,7 @@ fn smoke_device_and_one_layer() {
 /// Qwen2.5-7B geometry (B=128, bf16), batch 1 and 8, sessions of different lengths, both
 /// the top-k path and the all-blocks path.
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn qwen_geometry_batch_1_and_8() {
     if !gpu() {
         return;
@@ -482,6 +486,7 @@ fn qwen_geometry_batch_1_and_8() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn other_geometries_and_dtypes() {
     if !gpu() {
         return;
@@ -545,6 +550,7 @@ fn other_geometries_and_dtypes() {
 /// reference (check_layer), and within 2e-5 of each other, which bf16-rounded factors would
 /// not be (q and the softmax weights are split into bf16 high and low parts).
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn tensor_core_attention_matches_fp32() {
     if !gpu() {
         return;
@@ -581,6 +587,7 @@ fn tensor_core_attention_matches_fp32() {
 
 /// Many exactly equal scores: the lower block index must win, as on the CPU.
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn selector_ties_break_to_lower_block() {
     if !gpu() {
         return;
@@ -601,6 +608,7 @@ fn selector_ties_break_to_lower_block() {
 
 /// Dense mode (top_k covers every block) equals plain softmax attention over all tokens.
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn dense_mode_is_plain_attention() {
     if !gpu() {
         return;
@@ -648,6 +656,7 @@ fn repeat_refetches_only_partial_tails(h: &mut Harness, items: &[DecodeItem<'_>]
 /// Second identical call hits the cache except partial tail tiles, with identical output;
 /// appended tokens (tail refetched, new blocks) are attended correctly.
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn block_cache_hits_and_appends() {
     if !gpu() {
         return;
@@ -691,6 +700,7 @@ fn block_cache_hits_and_appends() {
 /// must still hit every full tile, a changed query must never evict a tile the same call uses,
 /// and every output stays exact against the CPU.
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn split_plan_keeps_cache_exact_at_ksel_slots() {
     if !gpu() {
         return;
@@ -729,6 +739,7 @@ fn split_plan_keeps_cache_exact_at_ksel_slots() {
 /// select_topk) equal the CPU selector for several top_k, ties included (templates make many
 /// scores exactly equal).
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn selector_long_layers_match_cpu() {
     if !gpu() {
         return;
@@ -761,6 +772,7 @@ fn check_two_sessions(cfg: CudaConfig, seed: u64, long: u32, short: u32, templat
 
 /// decode_step (all layers, one sync) equals per-layer calls.
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn decode_step_matches_layers() {
     if !gpu() {
         return;
@@ -811,6 +823,7 @@ fn decode_step_matches_layers() {
 /// 3 (with a short layer), over several steps (the ticket count carries across launches), and
 /// exact against the CPU.
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn fused_launch_matches_split_launches() {
     if !gpu() {
         return;
@@ -888,6 +901,7 @@ fn fused_launch_matches_split_launches() {
 /// outputs, keep-sets and cold cache statistics are bit-identical with it off, exact against
 /// the CPU, and per-layer calls give the same outputs.
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn dependent_launch_changes_only_timing() {
     if !gpu() {
         return;
@@ -976,6 +990,7 @@ fn dependent_launch_changes_only_timing() {
 /// the sparse path gives the same output before and after; a session whose copy is missing or
 /// stale is refused with a typed error.
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn dense_attention_matches_reference() {
     if !gpu() {
         return;
@@ -1048,6 +1063,7 @@ fn dense_attention_matches_reference() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn bad_inputs_get_typed_errors() {
     if !gpu() {
         return;
@@ -1190,6 +1206,7 @@ fn bad_inputs_get_typed_errors() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn pinned_region_chunks_and_cleanup() {
     if !gpu() {
         return;
@@ -1250,6 +1267,7 @@ fn pinned_region_chunks_and_cleanup() {
 
 /// Thousands of blocks: several candidates per top-k thread, full radix passes, exact match.
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn selector_large_context_exact() {
     if !gpu() {
         return;
@@ -1276,6 +1294,7 @@ fn selector_large_context_exact() {
 /// The largest supported context (32,768 blocks: 256 candidate lists per kv head, 8 merged per
 /// select_topk warp before the tree) and a mid-size one, ties included: exactly the CPU's.
 #[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn selector_max_blocks_list_merge_exact() {
     if !gpu() {
         return;
