@@ -300,16 +300,7 @@ fn operate(
             if m.acked == 0 || m.acked >= MAX_TOKENS + 50 {
                 return;
             }
-            for layer in 0..m.shadow.g.layers as usize {
-                let pos = m.shadow.tokens(layer);
-                let (q, k, v) = m.shadow.step_input(layer);
-                let qb = f32_bytes(&q);
-                let out = c
-                    .decode(layer as u32, entry(id, pos, &qb, &k, &v), true)
-                    .unwrap_or_else(|e| panic!("{at}: DECODE session {id} layer {layer}: {e}"));
-                m.shadow.check(layer, &q, &out);
-            }
-            m.acked += 1;
+            step(c, id, m, at);
             n.acked_tokens += 1;
         }
         7 => {
@@ -404,16 +395,23 @@ fn check(
         if have == 0 {
             continue;
         }
-        for layer in 0..m.shadow.g.layers as usize {
-            let (q, k, v) = m.shadow.step_input(layer);
-            let qb = f32_bytes(&q);
-            let out = c
-                .decode(layer as u32, entry(id, have, &qb, &k, &v), true)
-                .unwrap_or_else(|e| panic!("{at}: DECODE after restart, session {id}: {e}"));
-            m.shadow.check(layer, &q, &out);
-        }
-        m.acked += 1;
+        step(c, id, m, &format!("{at}, after the restart"));
     }
+}
+
+/// One decode step over every layer, each output checked against the dense oracle over the
+/// shadow's tokens (a step that fails fails the campaign: decodes never write to NVMe).
+fn step(c: &mut Client, id: u64, m: &mut Model, at: &str) {
+    for layer in 0..m.shadow.g.layers as usize {
+        let pos = m.shadow.tokens(layer);
+        let (q, k, v) = m.shadow.step_input(layer);
+        let qb = f32_bytes(&q);
+        let out = c
+            .decode(layer as u32, entry(id, pos, &qb, &k, &v), true)
+            .unwrap_or_else(|e| panic!("{at}: DECODE session {id} layer {layer}: {e}"));
+        m.shadow.check(layer, &q, &out);
+    }
+    m.acked += 1;
 }
 
 /// Flips one bit somewhere in the page file's written part; whether it hit a live page.
