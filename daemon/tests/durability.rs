@@ -318,7 +318,7 @@ fn idle_connections_time_out_and_free_their_slots() {
     // A client that said HELLO and then idles is closed after the idle limit.
     let mut c = d.client();
     c.stats().unwrap();
-    std::thread::sleep(Duration::from_millis(1200));
+    std::thread::sleep(Duration::from_millis(2500));
     assert!(c.stats().is_err(), "an idle connection is closed");
     // Slots are free again.
     let mut c = d.client();
