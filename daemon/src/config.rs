@@ -161,57 +161,44 @@ pub struct BackendConfig {
     /// Threads of the compute pool (0 = one per core).
     pub threads: usize,
     /// The CUDA path (used when `kind` resolves to cuda).
-    pub cuda: CudaSection,
+    pub cuda: GpuSettings,
 }
 
-/// `[backend.cuda]`: device and device-memory sizing. One backend is compiled per distinct
-/// (geometry, policy) of the sessions, lazily at session creation, up to `max_backends`;
-/// sessions beyond that, or of a geometry the kernels cannot run, use the CPU path.
+/// `[backend.cuda]`: device and device-memory sizing of the CUDA decode path. One backend is
+/// compiled per distinct (geometry, policy) of the sessions, lazily at session creation, up to
+/// `max_backends`; sessions beyond that, or of a geometry the kernels cannot run, use the CPU
+/// path.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
-pub struct CudaSection {
-    /// Device ordinal.
+pub struct GpuSettings {
+    /// CUDA device ordinal.
     pub device: usize,
-    /// Distinct (geometry, policy) backends.
+    /// Distinct (geometry, policy) backends at most; each holds its own device state.
     pub max_backends: usize,
-    /// Sessions with device state, per backend.
+    /// Sessions per backend with device state.
     pub max_sessions: u32,
-    /// Blocks per session layer (context capacity = max_blocks x block_tokens).
+    /// Blocks per session layer at most (context capacity = max_blocks x block_tokens).
     pub max_blocks: u32,
-    /// Sessions per device call.
+    /// Sessions per device call; larger batches are split.
     pub max_batch: u32,
     /// GPU tile-cache slots per (session, layer, kv head); 0 = twice the keep-set size.
     pub cache_slots: u32,
-    /// Bytes per pinning call when registering the arena (rounded to whole frames).
+    /// Bytes per cuMemHostRegister call when registering the arena (rounded down to whole
+    /// frames, at least one).
     pub register_chunk: ByteSize,
 }
 
-impl Default for CudaSection {
+impl Default for GpuSettings {
     fn default() -> Self {
-        let d = crate::gpu::GpuSettings::default();
-        CudaSection {
-            device: d.device,
-            max_backends: d.max_backends,
-            max_sessions: d.max_sessions,
-            max_blocks: d.max_blocks,
-            max_batch: d.max_batch,
-            cache_slots: d.cache_slots,
-            register_chunk: ByteSize(d.register_chunk as u64),
-        }
-    }
-}
-
-impl CudaSection {
-    /// The decoder settings this section describes.
-    pub fn settings(&self) -> crate::gpu::GpuSettings {
-        crate::gpu::GpuSettings {
-            device: self.device,
-            max_backends: self.max_backends,
-            max_sessions: self.max_sessions,
-            max_blocks: self.max_blocks,
-            max_batch: self.max_batch,
-            cache_slots: self.cache_slots,
-            register_chunk: self.register_chunk.0 as usize,
+        GpuSettings {
+            device: 0,
+            max_backends: 2,
+            max_sessions: 8,
+            // 1M tokens at B = 128.
+            max_blocks: 8192,
+            max_batch: 8,
+            cache_slots: 0,
+            register_chunk: ByteSize(1 << 30),
         }
     }
 }
@@ -434,7 +421,7 @@ impl Default for BackendConfig {
         BackendConfig {
             kind: BackendKind::Auto,
             threads: 0,
-            cuda: CudaSection::default(),
+            cuda: GpuSettings::default(),
         }
     }
 }
@@ -837,7 +824,7 @@ mod tests {
             &[("backend.cuda.max_batch", "2")],
         )
         .unwrap();
-        let s = cfg.backend.cuda.settings();
+        let s = &cfg.backend.cuda;
         assert_eq!((s.max_sessions, s.max_blocks, s.max_batch), (4, 1024, 2));
         assert_eq!(s.max_backends, 2, "default kept");
         let e = load("[backend.cuda]\nmax_batch = 0\n", &[], &[])

@@ -264,17 +264,17 @@ fn gpu_decoder(
     cfg: &Config,
     arena: &kvtier_storage::HostArena,
 ) -> Result<Option<tierd::GpuDecoder>, String> {
-    let settings = cfg.backend.cuda.settings();
+    let settings = &cfg.backend.cuda;
     match cfg.backend.kind {
         BackendKind::Cpu => {
             tracing::info!("backend: cpu (configured)");
             Ok(None)
         }
-        BackendKind::Auto if !kvtier_kernels::cuda::device_available() => {
+        BackendKind::Auto if !tierd::gpu::device_available() => {
             tracing::info!("backend: cpu (auto: no CUDA driver or device found)");
             Ok(None)
         }
-        BackendKind::Auto => match tierd::GpuDecoder::new(arena, &settings) {
+        BackendKind::Auto => match tierd::GpuDecoder::new(arena, settings) {
             Ok(g) => {
                 tracing::info!(device = g.device_name(), "backend: cuda (auto)");
                 Ok(Some(g))
@@ -285,12 +285,13 @@ fn gpu_decoder(
             }
         },
         BackendKind::Cuda => {
-            if !kvtier_kernels::cuda::device_available() {
-                return Err(
-                    "backend.kind = \"cuda\" but no CUDA driver or device was found; use \"cpu\" or \"auto\"".into(),
-                );
+            if !tierd::gpu::device_available() {
+                return Err(format!(
+                    "backend.kind = \"cuda\" but no CUDA driver or device was found{}; use \"cpu\" or \"auto\"",
+                    if cfg!(feature = "cuda") { "" } else { " (tierd was built without the cuda feature)" }
+                ));
             }
-            let g = tierd::GpuDecoder::new(arena, &settings)
+            let g = tierd::GpuDecoder::new(arena, settings)
                 .map_err(|e| format!("backend.kind = \"cuda\": {e}"))?;
             tracing::info!(device = g.device_name(), "backend: cuda");
             Ok(Some(g))

@@ -1,6 +1,7 @@
 //! tierd with `backend.kind = "cuda"` against tierd on the CPU backend, over real sockets:
 //! the same sessions and steps give identical keep-sets and outputs within bf16 tolerance.
 //! Skips (saying so) without a CUDA device.
+#![cfg(feature = "cuda")]
 
 mod common;
 

@@ -5,6 +5,7 @@
 //! Every test is `#[ignore]`d with the reason (a machine without a GPU reports it as ignored);
 //! bench/gpu/run.sh runs them with `--include-ignored`; without a device each prints "skipped: no
 //! CUDA device" and passes.
+#![cfg(feature = "cuda")]
 
 use std::path::Path;
 

@@ -404,11 +404,10 @@ impl Engine {
                     return Err(ServiceError::new(storage_code(s), e.to_string()));
                 }
                 _ => {
-                    match e.root() {
-                        GpuError::Cuda(_) => {
-                            tracing::warn!(error = %e, "GPU decode failed; answering on the CPU")
-                        }
-                        _ => tracing::debug!(error = %e, "GPU cannot take this step; CPU path"),
+                    if e.is_device_failure() {
+                        tracing::warn!(error = %e, "GPU decode failed; answering on the CPU")
+                    } else {
+                        tracing::debug!(error = %e, "GPU cannot take this step; CPU path")
                     }
                     return Ok(None);
                 }

@@ -40,7 +40,7 @@ use kvtier_storage::{
 };
 
 use crate::error::{storage_code, ServiceError, ServiceResult};
-use crate::gpu::{GpuDecoder, GpuEntry, GpuError};
+use crate::gpu::{GpuDecoder, GpuEntry};
 use crate::metrics::{Metrics, Rejection};
 use kvtier_protocol::ErrorCode;
 
