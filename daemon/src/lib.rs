@@ -10,7 +10,8 @@
 //! - [`prefetch`]: speculative promotion of blocks ranked just below the cut (NVMe tier).
 //! - [`gpu`]: the CUDA decode path ([`GpuDecoder`]) over the registered host arena.
 //! - [`notify`]: the systemd notification protocol (READY=1, WATCHDOG=1, STATUS=, STOPPING=1).
-//! - [`metrics`]: every Prometheus metric name, the recording handles, the scrape endpoint.
+//! - [`metrics`]: every Prometheus metric name, the recording handles, the scrape-time snapshot.
+//! - [`endpoint`]: the Prometheus scrape endpoint.
 //! - [`preflight`]: startup checks that fail fast naming the fix (memlock limit, permissions).
 //! - `main.rs`: a thin binary: parse flags, load config, build the arena, serve until SIGTERM.
 //!
@@ -20,6 +21,7 @@
 //! selection and attention over the compute pool (rayon).
 
 pub mod config;
+pub mod endpoint;
 pub mod engine;
 pub mod error;
 pub mod gpu;

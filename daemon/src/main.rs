@@ -223,13 +223,13 @@ fn serve(cfg: Config) -> Result<(), String> {
         let listener = tokio::net::UnixListener::from_std(std_listener)
             .map_err(|e| format!("registering the socket: {e}"))?;
         if let Some(addr) = cfg.metrics.listen {
-            let metrics = tierd::metrics::bind(addr)
+            let metrics = tierd::endpoint::bind(addr)
                 .await
                 .map_err(|e| e.to_string())?;
             let addr = metrics.local_addr().map_or(addr, |a| a);
             tracing::info!(%addr, "metrics endpoint at http://{addr}/metrics");
             // Scrapes keep working while connections drain; the runtime's end stops it.
-            tokio::spawn(tierd::metrics::serve(
+            tokio::spawn(tierd::endpoint::serve(
                 metrics,
                 engine.clone(),
                 std::future::pending(),

@@ -16,13 +16,17 @@ use kvtier_kernels::SelectScratch;
 use kvtier_storage::nvme::{NvmeTier, TierSource};
 use kvtier_storage::{KvCache, Policy};
 
-use crate::engine::Session;
+/// Runs a function on a session's KV cache under the session's lock.
+pub type WithKv = Box<dyn FnOnce(&mut dyn FnMut(&mut KvCache) -> usize) -> usize + Send>;
 
 /// Work for the prefetcher: one layer of one session, ranked by this query.
 pub struct Job {
-    pub session: Arc<Session>,
+    pub session: u64,
+    pub policy: Policy,
     pub layer: u32,
     pub q: Vec<f32>,
+    /// Access to the session's cache (the engine's session handle, locked when called).
+    pub with_kv: WithKv,
 }
 
 /// The queue and its worker thread (which ends when the queue is dropped).
@@ -45,10 +49,9 @@ impl Prefetcher {
             .name("tierd-prefetch".into())
             .spawn(move || {
                 let mut scratch = SelectScratch::default();
-                for job in rx {
-                    let n = job
-                        .session
-                        .with_kv(|kv| prefetch(kv, &tier, &job, extra, &mut scratch));
+                for mut job in rx {
+                    let with_kv = std::mem::replace(&mut job.with_kv, Box::new(|_| 0));
+                    let n = with_kv(&mut |kv| prefetch(kv, &tier, &job, extra, &mut scratch));
                     count.fetch_add(n as u64, Ordering::Relaxed);
                 }
             })?;
@@ -75,8 +78,8 @@ fn prefetch(
         return 0;
     };
     let wide = Policy {
-        top_k: job.session.policy.top_k.saturating_add(extra),
-        ..job.session.policy
+        top_k: job.policy.top_k.saturating_add(extra),
+        ..job.policy
     };
     let mut wanted = Vec::new();
     let mut head = Vec::new();
@@ -88,12 +91,12 @@ fn prefetch(
     wanted.dedup();
     let src = TierSource {
         tier,
-        session: job.session.id,
+        session: job.session,
     };
     match kv.promote(job.layer, &wanted, &src) {
         Ok(n) => n,
         Err(e) => {
-            tracing::debug!(session = job.session.id, error = %e, "prefetch skipped");
+            tracing::debug!(session = job.session, error = %e, "prefetch skipped");
             0
         }
     }

@@ -339,10 +339,13 @@ impl Engine {
         for ((g, s), q) in guards.iter().zip(sessions).zip(queries) {
             let st = g.as_ref().expect("locked");
             if st.kv.frames() < st.kv.blocks() {
+                let session = s.clone();
                 p.offer(crate::prefetch::Job {
-                    session: s.clone(),
+                    session: s.id,
+                    policy: s.policy,
                     layer,
                     q: q.clone(),
+                    with_kv: Box::new(move |f| session.with_kv(|kv| f(kv))),
                 });
             }
         }

@@ -49,8 +49,9 @@ mod recovery;
 mod stats;
 mod tiering;
 
+pub use crate::metrics::Snapshot;
 use stats::NvmeSeries;
-pub use stats::{extra_stats_keys, Counters, Snapshot};
+pub use stats::{extra_stats_keys, Counters};
 use tiering::nvme_error;
 
 /// Who is asking, from SO_PEERCRED.

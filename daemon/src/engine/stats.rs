@@ -61,30 +61,6 @@ pub(super) struct NvmeSeries {
     pub(super) counters: crate::metrics::NvmeMetrics,
 }
 
-/// The engine's state at one instant: what STATS and a metrics scrape report.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Snapshot {
-    pub ready: bool,
-    pub uptime: Duration,
-    pub started_unix_ms: u64,
-    pub sessions: u64,
-    pub host_bytes_used: u64,
-    pub host_bytes_capacity: u64,
-    pub host_frames_used: u64,
-    pub host_frames_capacity: u64,
-    pub decode_requests: u64,
-    pub decode_entries: u64,
-    pub append_tokens: u64,
-    pub errors: u64,
-    pub rejected: u64,
-    pub bytes_touched: u64,
-    pub selected_tiles: u64,
-    pub append_ns: u64,
-    pub select_ns: u64,
-    pub fetch_ns: u64,
-    pub attend_ns: u64,
-}
-
 impl Engine {
     /// Copies the NVMe tier's usage and traffic into its metric series (scrape time).
     pub fn refresh_tier_metrics(&self) {
@@ -103,6 +79,16 @@ impl Engine {
         m.written.absolute(su.bytes_written);
         m.counters.checksum_errors.absolute(su.corrupt_pages);
         m.counters.io_errors.absolute(su.io_errors);
+    }
+
+    /// The Prometheus exposition, every scrape-time value refreshed first (empty when metrics
+    /// are off).
+    pub fn render_metrics(&self) -> String {
+        if self.metrics.handle().is_none() {
+            return String::new();
+        }
+        self.refresh_tier_metrics();
+        self.metrics.render(&self.snapshot())
     }
 
     /// The counters and usage STATS and metrics report.
