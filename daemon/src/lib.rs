@@ -178,9 +178,10 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
     )))
 }
 
-/// The environment variable that turns on write-fault injection, for the fault campaign
-/// (daemon/tests/fault_campaign.rs) only: `<seed>,<probability>`. Each page write then fails
-/// with that probability, as EIO, ENOSPC or a torn (short) write. Never set in production.
+/// The environment variable that turns on I/O fault injection, for the fault campaign
+/// (daemon/tests/fault_campaign.rs) only: `<seed>,<write probability>[,<read probability>]`.
+/// Each page write then fails with that probability, as EIO, ENOSPC or a torn (short) write,
+/// and each page read as EIO or a short read. Never set in production.
 pub const TEST_IO_FAULTS_ENV: &str = "KVTIER_TEST_IO_FAULTS";
 
 fn with_test_faults(
@@ -191,22 +192,24 @@ fn with_test_faults(
     let Ok(spec) = std::env::var(TEST_IO_FAULTS_ENV) else {
         return Ok(engine);
     };
-    let bad = || format!("{TEST_IO_FAULTS_ENV}={spec:?}: expected <seed>,<probability>");
-    let (seed, p) = spec.split_once(',').ok_or_else(bad)?;
-    let seed: u64 = seed.trim().parse().map_err(|_| bad())?;
-    let p: f64 = p.trim().parse().map_err(|_| bad())?;
-    tracing::warn!(
-        seed,
-        probability = p,
-        "TEST ONLY: injecting page write faults"
-    );
-    let rules = [Fault::Eio, Fault::Enospc, Fault::ShortTransfer]
-        .map(|fault| FaultRule {
-            kind: Some(OpKind::Write),
-            fault,
-            trigger: Trigger::Probability(p / 3.0),
-        })
+    let bad = || format!("{TEST_IO_FAULTS_ENV}={spec:?}: expected <seed>,<write p>[,<read p>]");
+    let mut parts = spec.split(',').map(str::trim);
+    let seed: u64 = parts.next().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
+    let write: f64 = parts.next().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
+    let read: f64 = match parts.next() {
+        Some(p) => p.parse().map_err(|_| bad())?,
+        None => 0.0,
+    };
+    tracing::warn!(seed, write, read, "TEST ONLY: injecting page I/O faults");
+    let rule = |kind, fault, p| FaultRule {
+        kind: Some(kind),
+        fault,
+        trigger: Trigger::Probability(p),
+    };
+    let mut rules: Vec<FaultRule> = [Fault::Eio, Fault::Enospc, Fault::ShortTransfer]
+        .map(|f| rule(OpKind::Write, f, write / 3.0))
         .to_vec();
+    rules.extend([Fault::Eio, Fault::ShortTransfer].map(|f| rule(OpKind::Read, f, read / 2.0)));
     let faulty = FaultyEngine::new(engine, rules, seed).map_err(|e| e.to_string())?;
     Ok(Arc::new(faulty))
 }
