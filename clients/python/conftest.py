@@ -14,10 +14,10 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def tierd_path() -> str:
-    """$KVTIER_TIERD, else target/release/tierd, else target/debug/tierd."""
+    """$KVTIER_TIERD, else target/debug/tierd (what scripts/test.sh builds), else target/release/tierd."""
     if os.environ.get("KVTIER_TIERD"):
         return os.environ["KVTIER_TIERD"]
-    for kind in ("release", "debug"):
+    for kind in ("debug", "release"):
         p = os.path.join(REPO, "target", kind, "tierd")
         if os.path.exists(p):
             return p
