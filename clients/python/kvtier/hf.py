@@ -273,13 +273,17 @@ class KvtierCache(Cache):
     `model_or_config`: the model (or its config). `client`: a connected `kvtier.Client`, else
     one is opened on `socket` (default `default_socket_path()`). `policy`: the sessions'
     selection policy. `dtype`: session dtype (default: the model's — F32, F16 or BF16).
-    `block_tokens`: tokens per block. Close it (or use it as a context manager) to close the
+    `block_tokens`: tokens per block. Given a model, it switches the model to the ``"kvtier"``
+    attention (`enable`) if needed; given only a config, call `enable(model)` yourself. Close it (or use it as a context manager) to close the
     tierd sessions.
     """
 
     def __init__(self, model_or_config, client: Optional[Client] = None, socket: Optional[str] = None,
                  policy: Policy = Policy(), dtype: Optional[Dtype] = None, block_tokens: int = 128,
                  label: str = "hf"):
+        if hasattr(model_or_config, "set_attn_implementation"):
+            if getattr(model_or_config.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+                enable(model_or_config)  # the cache only works with the "kvtier" attention
         config = getattr(model_or_config, "config", model_or_config)
         config = config.get_text_config(decoder=True)
         if getattr(config, "attn_logit_softcapping", None) is not None:
@@ -314,6 +318,14 @@ class KvtierCache(Cache):
         self._staged: dict = {}
         self.last_stats = None
         self.want_stats = False
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if getattr(_handoff, "pending", None) is not None:
+            _handoff.pending = None
+            raise UnsupportedUse(
+                "the model's attention did not go through kvtier: call kvtier.hf.enable(model) (or "
+                "load it with attn_implementation='kvtier' after kvtier.hf.register())")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -105,3 +105,16 @@ def test_right_padding_is_refused(tierd_factory):
     with KvtierCache(m, socket=sock) as c:
         with pytest.raises(UnsupportedUse, match="left padding"):
             m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
+
+
+def test_model_without_kvtier_attention_is_caught(tierd_factory):
+    sock = tierd_factory()
+    m = tiny("qwen2")
+    m.set_attn_implementation("sdpa")
+    ids, am = batch(prompt_len=40, pad=0)
+    with KvtierCache(m.config, socket=sock) as c:  # a config: the model is not switched
+        with pytest.raises(UnsupportedUse, match="enable"):
+            m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
+    with KvtierCache(m, socket=sock) as c:  # a model: switched to "kvtier"
+        m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
+    assert m.config._attn_implementation == "kvtier"
