@@ -25,7 +25,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--socket", default=None, help=f"tierd socket (default {default_socket_path()})")
     ap.add_argument("--context", type=int, default=4096, help="prompt length in tokens")
-    ap.add_argument("--haystack", choices=["repeated", "prose"], default="prose")
+    ap.add_argument("--haystack", choices=["repeated", "prose"], default="repeated",
+                    help="prose: varied text, where small k misses more often (docs/fidelity.md)")
     ap.add_argument("--depth", type=float, default=0.3, help="needle position as a fraction of the haystack")
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--sink", type=int, default=1)
