@@ -198,11 +198,13 @@ def write_reports(results, a, meta):
         for ax, hay in zip(axes[0], hays):
             rows = [r for r in ntab if r["haystack"] == hay]
             xs = [r["ctx"] for r in rows]
-            for key in ["dense"] + [f"k{k}" for k in a.ks]:
+            keys = ["dense"] + [f"k{k}" for k in a.ks]
+            for j, key in enumerate(keys):
+                xj = [x * 2 ** (0.04 * (j - (len(keys) - 1) / 2)) for x in xs]  # spread overlapping points
                 ys = [r[key]["recall"] for r in rows]
                 lo = [r[key]["recall"] - r[key]["ci95"][0] for r in rows]
                 hi = [r[key]["ci95"][1] - r[key]["recall"] for r in rows]
-                ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3,
+                ax.errorbar(xj, ys, yerr=[lo, hi], marker="o", capsize=3,
                             label=key if key == "dense" else f"sparse {key[0]}={key[1:]}",
                             linestyle="--" if key == "dense" else "-", alpha=0.8)
             ax.set_xscale("log", base=2)
@@ -238,7 +240,14 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--deadline", type=float, default=0, help="stop starting trials after this many seconds")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--report-only", metavar="JSON", help="rewrite the reports (md, png) from a fidelity.json")
     a = ap.parse_args(argv)
+    if a.report_only:
+        d = json.load(open(a.report_only))
+        a.ks = d["meta"]["args"]["ks"]
+        a.sink, a.local = d["meta"]["args"]["sink"], d["meta"]["args"]["local"]
+        write_reports(d["trials"], a, d["meta"])
+        return
     if a.threads:
         torch.set_num_threads(a.threads)
     from tqdm import tqdm
