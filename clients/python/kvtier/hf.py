@@ -407,6 +407,8 @@ class KvtierCache(Cache):
         for r in range(b):
             try:
                 sid = client.create_session(g, self.policy, label=f"{self.label}-row{r}")
+            except (OSError, ConnectionError) as e:
+                raise TierdUnavailable(f"lost the connection to tierd: {e}") from e
             except ServerError as e:
                 if e.code == ErrorCode.INVALID_ARGUMENT:
                     raise GeometryRefused(g, self.policy, e.message) from e
@@ -416,7 +418,10 @@ class KvtierCache(Cache):
             s = starts[r]
             k = np.stack([_to_wire(kl[r, :, s:, :].transpose(0, 1), self.dtype) for kl in keys])
             v = np.stack([_to_wire(vl[r, :, s:, :].transpose(0, 1), self.dtype) for vl in values])
-            client.append_kv_shm(sid, 0, t - s, pack_append_payload(k, v))
+            try:
+                client.append_kv_shm(sid, 0, t - s, pack_append_payload(k, v))
+            except (OSError, ConnectionError) as e:
+                raise TierdUnavailable(f"lost the connection to tierd while appending the prefill: {e}") from e
         self.positions = np.array([[t - s for s in starts]] * len(self.full_layers), dtype=np.int64)
 
     def _q_heads(self) -> int:
@@ -466,7 +471,10 @@ class KvtierCache(Cache):
         vn = _to_wire(v, self.dtype)
         pos = self.positions[layer.slot]
         entries = [DecodeEntry(sid, int(pos[r]), qn[r], kn[r], vn[r]) for r, sid in enumerate(self.sessions)]
-        outs = self.client.decode_batch(layer.slot, entries, want_stats=self.want_stats)
+        try:
+            outs = self.client.decode_batch(layer.slot, entries, want_stats=self.want_stats)
+        except (OSError, ConnectionError) as e:
+            raise TierdUnavailable(f"lost the connection to tierd during a decode step: {e}") from e
         pos += 1
         if self.want_stats:
             self.last_stats = [o.stats for o in outs]

@@ -118,3 +118,14 @@ def test_model_without_kvtier_attention_is_caught(tierd_factory):
     with KvtierCache(m, socket=sock) as c:  # a model: switched to "kvtier"
         m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
     assert m.config._attn_implementation == "kvtier"
+
+
+def test_tierd_gone_mid_generation_is_a_typed_error(tierd_factory):
+    sock = tierd_factory()
+    m = tiny("llama")
+    ids, am = batch(prompt_len=40, pad=0)
+    with KvtierCache(m, socket=sock) as c:
+        m.generate(input_ids=ids, attention_mask=am, max_new_tokens=2, cache=c, pad_token_id=0)
+        c.client._sock.close()  # as if tierd had gone away
+        with pytest.raises(TierdUnavailable):
+            m(input_ids=ids[:, :1], cache=c)
