@@ -240,13 +240,23 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--deadline", type=float, default=0, help="stop starting trials after this many seconds")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--trial-offset", type=int, default=0,
+                    help="number trials (and teacher-forced documents) from here: a second run with "
+                         "another offset and --seed draws new prompts and documents, to pool with the first")
+    ap.add_argument("--pool", nargs="*", default=[], metavar="JSON",
+                    help="with --report-only: more fidelity.json files whose trials are pooled in")
     ap.add_argument("--report-only", metavar="JSON", help="rewrite the reports (md, png) from a fidelity.json")
     a = ap.parse_args(argv)
     if a.report_only:
         d = json.load(open(a.report_only))
         a.ks = d["meta"]["args"]["ks"]
         a.sink, a.local = d["meta"]["args"]["sink"], d["meta"]["args"]["local"]
-        write_reports(d["trials"], a, d["meta"])
+        trials, meta = d["trials"], d["meta"]
+        if a.pool:
+            meta = {**meta, "pooled_runs": [d["meta"]] + [json.load(open(x))["meta"] for x in a.pool]}
+            for x in a.pool:
+                trials = trials + json.load(open(x))["trials"]
+        write_reports(trials, a, meta)
         return
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -264,13 +274,14 @@ def main(argv=None):
 
     jobs = []
     trials = dict(zip(a.contexts, a.trials + [a.trials[-1]] * (len(a.contexts) - len(a.trials))))
+    o = a.trial_offset
     for t in range(max(trials.values())):
         for ctx in a.contexts:
             if t < trials[ctx]:
                 for hay in a.haystacks:
-                    jobs.append(("needle", ctx, hay, t))
+                    jobs.append(("needle", ctx, hay, o + t))
         if t < a.tf_docs:
-            jobs.append(("forced", t, None, t))
+            jobs.append(("forced", o + t, None, o + t))
     prose_tokens = None
     results = []
     bar = tqdm(jobs, desc="fidelity", unit="trial", file=sys.stdout, mininterval=5)
