@@ -70,6 +70,7 @@ __all__ = [
     "KvtierLayer",
     "TierdUnavailable",
     "UnsupportedUse",
+    "connect",
     "default_socket_path",
     "enable",
     "kvtier_attention_forward",
