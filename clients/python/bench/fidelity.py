@@ -1,0 +1,320 @@
+"""Fidelity of sparse decode through tierd against dense attention, on Gemma 3 270M.
+
+    python clients/python/bench/fidelity.py --socket /tmp/kvtier/tierd.sock --out bench-out
+
+Needs a running tierd (host capacity of a few GiB; see docs/fidelity.md for the command).
+For every prompt the dense prefill runs once in the engine; its KV then serves the dense
+continuation (a copy of the engine cache) and one tierd session per k (KvtierCache.from_dense),
+so each policy answers from the identical prefill.
+
+Writes <out>/fidelity.json (every trial), <out>/fidelity.md (tables) and <out>/recall.png.
+Trials are interleaved over the cells, and the JSON is rewritten after each one, so a run
+stopped early (--deadline) still reports every cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kvtier import Policy  # noqa: E402
+from kvtier.examples import gemma  # noqa: E402
+from kvtier.hf import KvtierCache, connect, enable  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+
+def wilson(s: int, n: int, z: float = 1.96):
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = s / n
+    den = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / den
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+@torch.inference_mode()
+def prefill(model, ids, chunk):
+    cache = DynamicCache(config=model.config)
+    x = torch.tensor([ids])
+    logits = None
+    for s in range(0, x.shape[1], chunk):
+        logits = model(input_ids=x[:, s:s + chunk], cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    return cache, logits
+
+
+@torch.inference_mode()
+def step(model, cache, token):
+    return model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[:, -1]
+
+
+@torch.inference_mode()
+def greedy_continue(model, cache, first, n):
+    out = [first]
+    for _ in range(n - 1):
+        out.append(int(step(model, cache, out[-1]).argmax(-1)))
+    return out
+
+
+def policy_for(k, a):
+    return Policy(sink_blocks=a.sink, local_blocks=a.local, top_k=k)
+
+
+def run_needle(model, tok, client, a, ctx, hay, trial, rng):
+    code = gemma.random_code(rng)
+    depth = rng.uniform(0.1, 0.6)
+    ids, npos = gemma.needle_prompt(tok, ctx, depth, code, hay, seed=trial * 1000 + ctx)
+    t0 = time.time()
+    cache, logits = prefill(model, ids, a.chunk)
+    t_pre = time.time() - t0
+    first = int(logits.argmax(-1))
+    res = {"kind": "needle", "ctx": ctx, "tokens": len(ids), "haystack": hay, "trial": trial,
+           "code": code, "depth": round(depth, 3), "needle_pos": npos, "prefill_s": round(t_pre, 2)}
+    dense = greedy_continue(model, copy.deepcopy(cache), first, a.answer_tokens)
+    res["dense"] = gemma.found(tok, dense, code)
+    res["dense_text"] = tok.decode(dense)
+    for k in a.ks:
+        with KvtierCache.from_dense(model, cache, client=client, policy=policy_for(k, a)) as kc:
+            sp = greedy_continue(model, kc, first, a.answer_tokens)
+        res[f"k{k}"] = gemma.found(tok, sp, code)
+        res[f"k{k}_text"] = tok.decode(sp)
+    res["total_s"] = round(time.time() - t0, 2)
+    return res
+
+
+@torch.inference_mode()
+def run_forced(model, tok, client, a, doc, tokens):
+    ctx, m = a.tf_context, a.tf_steps
+    ids = [tok.bos_token_id] + tokens[:ctx + m - 1]
+    prefix, forced = ids[:ctx], ids[ctx:]
+    t0 = time.time()
+    cache, logits0 = prefill(model, prefix, a.chunk)
+    dense_cache = copy.deepcopy(cache)
+    dl = [logits0[0]] + [step(model, dense_cache, t)[0] for t in forced[:m - 1]]
+    dense = torch.stack(dl).float()
+    res = {"kind": "forced", "doc": doc, "context": ctx, "steps": m}
+    top2 = dense.topk(2, -1).values
+    confident = (top2[:, 0] - top2[:, 1]) > 1.0
+    d_top = dense.argmax(-1)
+    d_logp = torch.log_softmax(dense, -1)
+    res["confident_steps"] = int(confident.sum())
+    for k in a.ks:
+        with KvtierCache.from_dense(model, cache, client=client, policy=policy_for(k, a)) as kc:
+            sl = [logits0[0]] + [step(model, kc, t)[0] for t in forced[:m - 1]]
+        sparse = torch.stack(sl).float()
+        agree = sparse.argmax(-1) == d_top
+        kl = (d_logp.exp() * (d_logp - torch.log_softmax(sparse, -1))).sum(-1)
+        res[f"k{k}"] = {"agree": int(agree.sum()), "agree_confident": int(agree[confident].sum()),
+                        "kl_mean": float(kl.mean()), "kl_max": float(kl.max())}
+    res["total_s"] = round(time.time() - t0, 2)
+    return res
+
+
+def summarize(results, a):
+    needle = [r for r in results if r["kind"] == "needle"]
+    forced = [r for r in results if r["kind"] == "forced"]
+    cells = {}
+    for r in needle:
+        cells.setdefault((r["haystack"], r["ctx"]), []).append(r)
+    ntab = []
+    for (hay, ctx), rs in sorted(cells.items()):
+        n = len(rs)
+        row = {"haystack": hay, "ctx": ctx, "n": n}
+        for key in ["dense"] + [f"k{k}" for k in a.ks]:
+            s = sum(r[key] for r in rs)
+            lo, hi = wilson(s, n)
+            row[key] = {"found": s, "recall": s / n, "ci95": [round(lo, 3), round(hi, 3)]}
+            if key != "dense":
+                row[key]["dense_only"] = sum(r["dense"] and not r[key] for r in rs)
+                row[key]["sparse_only"] = sum(r[key] and not r["dense"] for r in rs)
+        ntab.append(row)
+    ftab = []
+    if forced:
+        steps = sum(r["steps"] for r in forced)
+        conf = sum(r["confident_steps"] for r in forced)
+        for k in a.ks:
+            ag = sum(r[f"k{k}"]["agree"] for r in forced)
+            agc = sum(r[f"k{k}"]["agree_confident"] for r in forced)
+            kl = sum(r[f"k{k}"]["kl_mean"] * r["steps"] for r in forced) / steps
+            ftab.append({"k": k, "steps": steps, "agree": ag, "agree_rate": ag / steps,
+                         "agree_ci95": [round(x, 4) for x in wilson(ag, steps)],
+                         "confident_steps": conf, "agree_confident": agc,
+                         "agree_confident_rate": agc / conf if conf else float("nan"),
+                         "agree_confident_ci95": [round(x, 4) for x in wilson(agc, conf)],
+                         "kl_mean": kl, "kl_max": max(r[f"k{k}"]["kl_max"] for r in forced),
+                         "docs": len(forced), "context": forced[0]["context"]})
+    return ntab, ftab
+
+
+def write_reports(results, a, meta):
+    ntab, ftab = summarize(results, a)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "fidelity.json"), "w") as f:
+        json.dump({"meta": meta, "needle": ntab, "forced": ftab, "trials": results}, f, indent=1)
+    L = [f"# kvtier fidelity: sparse (tierd) vs dense, Gemma 3 270M Q4_K_M", "",
+         f"- policy: sink_blocks={a.sink}, local_blocks={a.local}, block_tokens=128, top_k in {a.ks}",
+         f"- started {meta['started']}, elapsed {meta.get('elapsed_s', 0):.0f} s, machine: {meta['machine']}", "",
+         "## Needle retrieval (greedy; found = the 5-digit code in the answer)", "",
+         "recall (found/n) [Wilson 95%]; for sparse: discordant pairs vs dense as -dense_only/+sparse_only", ""]
+    hdr = "| haystack | ctx | n | dense | " + " | ".join(f"k={k}" for k in a.ks) + " |"
+    L += [hdr, "|" + "---|" * (4 + len(a.ks))]
+    for r in ntab:
+        cellstr = []
+        for key in ["dense"] + [f"k{k}" for k in a.ks]:
+            c = r[key]
+            s = f"{c['recall']:.2f} ({c['found']}/{r['n']}) [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]"
+            if key != "dense":
+                s += f" -{c['dense_only']}/+{c['sparse_only']}"
+            cellstr.append(s)
+        L.append(f"| {r['haystack']} | {r['ctx']} | {r['n']} | " + " | ".join(cellstr) + " |")
+    if ftab:
+        L += ["", f"## Teacher-forced agreement with dense (prose, {ftab[0]['docs']} docs x "
+                  f"{ftab[0]['steps'] // ftab[0]['docs']} steps after {ftab[0]['context']} tokens)", "",
+              "| k | top-1 agree | [95%] | confident steps (margin > 1) agree | [95%] | mean KL(dense‖sparse) | max KL |",
+              "|---|---|---|---|---|---|---|"]
+        for r in ftab:
+            L.append(f"| {r['k']} | {r['agree_rate']:.4f} ({r['agree']}/{r['steps']}) | {r['agree_ci95']} | "
+                     f"{r['agree_confident_rate']:.4f} ({r['agree_confident']}/{r['confident_steps']}) | "
+                     f"{r['agree_confident_ci95']} | {r['kl_mean']:.5f} | {r['kl_max']:.4f} |")
+    with open(os.path.join(a.out, "fidelity.md"), "w") as f:
+        f.write("\n".join(L) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        hays = sorted({r["haystack"] for r in ntab})
+        fig, axes = plt.subplots(1, len(hays), figsize=(6 * len(hays), 4), squeeze=False)
+        for ax, hay in zip(axes[0], hays):
+            rows = [r for r in ntab if r["haystack"] == hay]
+            xs = [r["ctx"] for r in rows]
+            keys = ["dense"] + [f"k{k}" for k in a.ks]
+            for j, key in enumerate(keys):
+                xj = [x * 2 ** (0.04 * (j - (len(keys) - 1) / 2)) for x in xs]  # spread overlapping points
+                ys = [r[key]["recall"] for r in rows]
+                lo = [r[key]["recall"] - r[key]["ci95"][0] for r in rows]
+                hi = [r[key]["ci95"][1] - r[key]["recall"] for r in rows]
+                ax.errorbar(xj, ys, yerr=[lo, hi], marker="o", capsize=3,
+                            label=key if key == "dense" else f"sparse {key[0]}={key[1:]}",
+                            linestyle="--" if key == "dense" else "-", alpha=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [f"{x // 1024}K" for x in xs])
+            ax.set_ylim(-0.05, 1.05)
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel("needle recall")
+            ax.set_title(f"Gemma 3 270M, {hay} haystack (n per point: {', '.join(str(r['n']) for r in rows)})")
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(a.out, "recall.png"), dpi=90)
+        plt.close(fig)
+    except Exception as e:  # the report is still useful without the plot
+        print(f"plot failed: {e}", file=sys.stderr)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--socket", default=None)
+    ap.add_argument("--out", default="fidelity-out")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--trials", type=int, nargs="+", default=[10, 8, 5, 3],
+                    help="needle trials per haystack for each context")
+    ap.add_argument("--haystacks", nargs="+", default=["repeated", "prose"])
+    ap.add_argument("--ks", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--sink", type=int, default=1)
+    ap.add_argument("--local", type=int, default=4)
+    ap.add_argument("--answer-tokens", type=int, default=8)
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
+    ap.add_argument("--tf-docs", type=int, default=2)
+    ap.add_argument("--tf-context", type=int, default=8192)
+    ap.add_argument("--tf-steps", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--deadline", type=float, default=0, help="stop starting trials after this many seconds")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--trial-offset", type=int, default=0,
+                    help="number trials (and teacher-forced documents) from here: a second run with "
+                         "another offset and --seed draws new prompts and documents, to pool with the first")
+    ap.add_argument("--pool", nargs="*", default=[], metavar="JSON",
+                    help="with --report-only: more fidelity.json files whose trials are pooled in")
+    ap.add_argument("--report-only", metavar="JSON", help="rewrite the reports (md, png) from a fidelity.json")
+    a = ap.parse_args(argv)
+    if a.report_only:
+        d = json.load(open(a.report_only))
+        a.ks = d["meta"]["args"]["ks"]
+        a.sink, a.local = d["meta"]["args"]["sink"], d["meta"]["args"]["local"]
+        trials, meta = d["trials"], d["meta"]
+        if a.pool:
+            meta = {**meta, "pooled_runs": [d["meta"]] + [json.load(open(x))["meta"] for x in a.pool]}
+            for x in a.pool:
+                trials = trials + json.load(open(x))["trials"]
+        write_reports(trials, a, meta)
+        return
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from tqdm import tqdm
+
+    t_start = time.time()
+    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
+                       f"python {platform.python_version()}, torch {torch.__version__}",
+            "argv": sys.argv, "args": vars(a)}
+    model, tok = gemma.load()
+    enable(model)
+    client = connect(a.socket)
+    rng = random.Random(a.seed)
+
+    jobs = []
+    trials = dict(zip(a.contexts, a.trials + [a.trials[-1]] * (len(a.contexts) - len(a.trials))))
+    o = a.trial_offset
+    for t in range(max(trials.values())):
+        for ctx in a.contexts:
+            if t < trials[ctx]:
+                for hay in a.haystacks:
+                    jobs.append(("needle", ctx, hay, o + t))
+        if t < a.tf_docs:
+            jobs.append(("forced", o + t, None, o + t))
+    prose_tokens = None
+    results = []
+    bar = tqdm(jobs, desc="fidelity", unit="trial", file=sys.stdout, mininterval=5)
+    for job in bar:
+        if a.deadline and time.time() - t_start > a.deadline:
+            print(f"deadline reached: {len(results)}/{len(jobs)} trials done", flush=True)
+            break
+        if job[0] == "needle":
+            _, ctx, hay, t = job
+            r = run_needle(model, tok, client, a, ctx, hay, t, rng)
+        else:
+            if prose_tokens is None:
+                paras = gemma.prose_paragraphs()
+                prose_tokens = []
+            doc = job[1]
+            order = list(range(len(paras)))
+            random.Random(10_000 + doc).shuffle(order)
+            toks = []
+            for i in order:
+                toks += tok(" " + paras[i], add_special_tokens=False)["input_ids"]
+                if len(toks) > a.tf_context + a.tf_steps:
+                    break
+            r = run_forced(model, tok, client, a, doc, toks)
+        results.append(r)
+        bar.set_postfix_str(f"{r['kind']} {r.get('ctx', r.get('context'))} {r['total_s']}s")
+        meta["elapsed_s"] = time.time() - t_start
+        write_reports(results, a, meta)
+    meta["elapsed_s"] = time.time() - t_start
+    meta["completed_trials"] = len(results)
+    meta["planned_trials"] = len(jobs)
+    write_reports(results, a, meta)
+    print(open(os.path.join(a.out, "fidelity.md")).read())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,483 @@
+"""Hugging Face transformers adapter: decode with the KV of full-attention layers held in tierd.
+
+    from kvtier.hf import KvtierCache, enable
+    enable(model)                                   # registers and selects attn "kvtier"
+    with KvtierCache(model, socket="/tmp/kvtier/tierd.sock", policy=Policy(1, 4, 32)) as cache:
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+
+How it works:
+
+* `KvtierCache` is a transformers `Cache`. Its full-attention layers are `KvtierLayer`s that
+  keep nothing in the engine; sliding-window (and chunked) layers are the stock
+  `DynamicSlidingWindowLayer`, so they stay in the engine as usual.
+* The attention function registered as ``"kvtier"`` (through `AttentionInterface`; the mask
+  interface gets the same name with transformers' SDPA masks) runs every non-kvtier layer,
+  and every prefill, with transformers' SDPA attention. During prefill it hands each
+  full-attention layer's post-RoPE K/V to the cache; once the last one has arrived the cache
+  opens one tierd session per batch row (geometry: the full-attention layers only) and sends
+  each row's K/V in one shared-memory APPEND_KV (left padding is dropped: a row's session
+  holds only its real tokens).
+* Each decode step (one query token) sends one DECODE per full-attention layer, with one
+  entry per batch row: q (pre-multiplied by ``scaling * sqrt(D)`` because tierd's softmax
+  scale is fixed at ``1/sqrt(D)``), and the new token's k, v, which tierd appends. tierd's
+  output replaces the layer's attention output.
+* A model run with the ``"kvtier"`` implementation but an ordinary `DynamicCache` behaves
+  exactly like SDPA, so one loaded model serves both dense and sparse decoding.
+
+Errors are typed: `TierdUnavailable` (no daemon on the socket), `GeometryRefused` (tierd
+answered INVALID_ARGUMENT to CREATE_SESSION; the message names the geometry), and
+`UnsupportedUse` (a use the adapter does not support, such as right padding or beam search).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    get_layer_types_and_kwargs,
+)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .client import Client
+from .protocol import (
+    DecodeEntry,
+    Dtype,
+    ErrorCode,
+    Geometry,
+    KvtierError,
+    Policy,
+    ServerError,
+    f32_to_bf16,
+    pack_append_payload,
+)
+
+ATTN_IMPLEMENTATION = "kvtier"
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "GeometryRefused",
+    "KvtierCache",
+    "KvtierLayer",
+    "TierdUnavailable",
+    "UnsupportedUse",
+    "connect",
+    "default_socket_path",
+    "enable",
+    "kvtier_attention_forward",
+    "register",
+]
+
+
+class TierdUnavailable(KvtierError):
+    """tierd could not be reached on its socket."""
+
+
+class GeometryRefused(KvtierError):
+    """tierd refused the session geometry or policy (INVALID_ARGUMENT on CREATE_SESSION)."""
+
+    def __init__(self, geometry: Geometry, policy: Policy, message: str):
+        super().__init__(
+            f"tierd refused session geometry {_geometry_str(geometry)} with policy "
+            f"(sink_blocks={policy.sink_blocks}, local_blocks={policy.local_blocks}, "
+            f"top_k={policy.top_k}): {message}")
+        self.geometry = geometry
+        self.policy = policy
+        self.message = message
+
+
+class UnsupportedUse(KvtierError):
+    """The adapter does not support this use (e.g. right padding, beam search, softcapping)."""
+
+
+def _geometry_str(g: Geometry) -> str:
+    return (f"(layers={g.layers}, q_heads={g.q_heads}, kv_heads={g.kv_heads}, "
+            f"head_dim={g.head_dim}, dtype={Dtype(g.dtype).name}, block_tokens={g.block_tokens}; "
+            f"block run {g.kv_heads * 2 * g.block_tokens * g.head_dim * Dtype(g.dtype).elem_bytes} bytes)")
+
+
+def default_socket_path() -> str:
+    """tierd's default socket, by the same rule as the daemon: $KVTIER_SOCKET, else
+    $XDG_RUNTIME_DIR/kvtier/tierd.sock, else /run/kvtier/tierd.sock for root, else
+    /tmp/kvtier-<uid>/tierd.sock."""
+    if os.environ.get("KVTIER_SOCKET"):
+        return os.environ["KVTIER_SOCKET"]
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return os.path.join(os.environ["XDG_RUNTIME_DIR"], "kvtier", "tierd.sock")
+    if os.geteuid() == 0:
+        return "/run/kvtier/tierd.sock"
+    return f"/tmp/kvtier-{os.geteuid()}/tierd.sock"
+
+
+def connect(socket: Optional[str] = None, client_name: str = "kvtier-hf") -> Client:
+    """A `Client` on `socket` (default: `default_socket_path()`); `TierdUnavailable` if no
+    tierd answers there."""
+    path = socket or default_socket_path()
+    try:
+        return Client(path, client_name=client_name)
+    except (OSError, ConnectionError) as e:
+        raise TierdUnavailable(
+            f"cannot reach tierd at {path}: {e}. Start it (e.g. `tierd --socket {path}`) or pass "
+            f"socket=/ set KVTIER_SOCKET to where it listens") from e
+
+
+# --------------------------------------------------------------------------- registration
+
+_registered = False
+
+
+def register() -> str:
+    """Registers the ``"kvtier"`` attention function and mask (idempotent); returns the name."""
+    global _registered
+    if not _registered:
+        AttentionInterface.register(ATTN_IMPLEMENTATION, kvtier_attention_forward)
+        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+        _registered = True
+    return ATTN_IMPLEMENTATION
+
+
+def enable(model) -> None:
+    """Registers the attention function and switches `model` to it. With any cache other than
+    a `KvtierCache` the model then behaves exactly as with ``attn_implementation="sdpa"``."""
+    register()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+# Hand-off from KvtierLayer.update to the attention function that the same attention module
+# calls right after it (same thread, same layer): the tensors update returned and the layer.
+_handoff = threading.local()
+
+
+def kvtier_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: Optional[float] = None, **kwargs):
+    pending = getattr(_handoff, "pending", None)
+    _handoff.pending = None
+    if pending is None or pending[1] is not key or pending[0].layer_idx != getattr(module, "layer_idx", pending[0].layer_idx):
+        # Not a layer held in tierd: plain SDPA (sliding layers, or an ordinary cache).
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    layer: KvtierLayer = pending[0]
+    if kwargs.get("softcap") is not None or getattr(module, "attn_logit_softcapping", None) is not None:
+        raise UnsupportedUse("attention logit softcapping is not supported by tierd's attention")
+    if dropout:
+        raise UnsupportedUse("attention dropout (training mode) is not supported")
+    if query.shape[2] > 1:
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                     scaling=scaling, **kwargs)
+        layer.cache._stage_prefill(layer, key, value, _valid_from_mask(attention_mask, key.shape[0], key.shape[2]))
+        return out
+    d = query.shape[-1]
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or 1.0 / math.sqrt(d)
+    out = layer.cache._decode(layer, query[:, :, 0, :], key[:, :, 0, :], value[:, :, 0, :],
+                              float(scaling) * math.sqrt(d))
+    return out.to(query.dtype).unsqueeze(1), None  # [B, 1, Hq, D]
+
+
+def _valid_from_mask(mask, batch: int, kv_len: int) -> torch.Tensor:
+    """Which key positions hold real tokens, [B, T] bool, from the prefill's 4D mask (the last
+    query row sees every real token under a causal mask)."""
+    if mask is None:
+        return torch.ones(batch, kv_len, dtype=torch.bool)
+    row = mask[:, 0, -1, :]
+    if row.dtype != torch.bool:
+        row = row == 0  # additive float mask: 0 where attended
+    return row.to("cpu").expand(batch, kv_len)
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+class KvtierLayer(CacheLayerMixin):
+    """A full-attention layer whose KV lives in tierd. It keeps only the length bookkeeping the
+    masks need; `update` passes the new states through to the attention function."""
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, cache: "KvtierCache", layer_idx: int, slot: int):
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.slot = slot  # layer index inside the tierd session
+        self.cumulative_length = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        if n > 1 and self.cumulative_length > 0:
+            raise UnsupportedUse(
+                "a multi-token step after the prefill (chunked prefill, assisted decoding) is not "
+                "supported by the kvtier cache: prefill in one forward, then decode one token per step")
+        self.cumulative_length += n
+        _handoff.pending = (self, key_states)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int):
+        return self.cumulative_length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.cumulative_length = 0
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise UnsupportedUse("beam search is not supported by the kvtier cache (sessions are per row)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise UnsupportedUse("expanding the batch of a kvtier cache is not supported (num_return_sequences > 1?)")
+
+    def batch_select_indices(self, indices) -> None:
+        raise UnsupportedUse("selecting batch rows of a kvtier cache is not supported")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise UnsupportedUse("cropping a kvtier cache is not supported (tierd sessions are append-only)")
+
+
+_TORCH_TO_DTYPE = {torch.float32: Dtype.F32, torch.float16: Dtype.F16, torch.bfloat16: Dtype.BF16}
+
+
+def _to_wire(t: torch.Tensor, dtype: Dtype) -> np.ndarray:
+    """A torch tensor as a numpy array in the session dtype (bf16 as uint16 bit patterns)."""
+    t = t.detach().to("cpu")
+    if dtype == Dtype.BF16:
+        if t.dtype == torch.bfloat16:
+            return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+        return f32_to_bf16(t.float().numpy())
+    if dtype == Dtype.F16:
+        return t.to(torch.float16).contiguous().numpy()
+    return t.to(torch.float32).contiguous().numpy()
+
+
+class KvtierCache(Cache):
+    """A transformers `Cache` whose full-attention layers live in tierd.
+
+    `model_or_config`: the model (or its config). `client`: a connected `kvtier.Client`, else
+    one is opened on `socket` (default `default_socket_path()`). `policy`: the sessions'
+    selection policy. `dtype`: session dtype (default: the model's — F32, F16 or BF16).
+    `block_tokens`: tokens per block. Given a model, it switches the model to the ``"kvtier"``
+    attention (`enable`) if needed; given only a config, call `enable(model)` yourself. Close it (or use it as a context manager) to close the
+    tierd sessions.
+    """
+
+    def __init__(self, model_or_config, client: Optional[Client] = None, socket: Optional[str] = None,
+                 policy: Policy = Policy(), dtype: Optional[Dtype] = None, block_tokens: int = 128,
+                 label: str = "hf"):
+        if hasattr(model_or_config, "set_attn_implementation"):
+            if getattr(model_or_config.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+                enable(model_or_config)  # the cache only works with the "kvtier" attention
+        config = getattr(model_or_config, "config", model_or_config)
+        config = config.get_text_config(decoder=True)
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise UnsupportedUse("attention logit softcapping is not supported by tierd's attention")
+        if dtype is None:
+            mdtype = getattr(model_or_config, "dtype", None) or getattr(config, "dtype", None) or torch.float32
+            if isinstance(mdtype, str):
+                mdtype = getattr(torch, mdtype)
+            dtype = _TORCH_TO_DTYPE.get(mdtype, Dtype.F32)
+        layer_types, per_layer_kwargs = get_layer_types_and_kwargs(config)
+        layers: List[CacheLayerMixin] = []
+        self.full_layers: List[int] = []
+        for i, (lt, kw) in enumerate(zip(layer_types, per_layer_kwargs)):
+            if lt == "full_attention":
+                layers.append(KvtierLayer(self, i, len(self.full_layers)))
+                self.full_layers.append(i)
+            elif lt in ("sliding_attention", "chunked_attention"):
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[lt](**kw))
+            else:
+                raise UnsupportedUse(f"layer {i} has type {lt!r}; the kvtier cache supports full, sliding and chunked attention")
+        super().__init__(layers=layers)
+        self._n_q_heads = int(config.num_attention_heads)
+        self.policy = policy
+        self.dtype = Dtype(dtype)
+        self.block_tokens = block_tokens
+        self.label = label
+        self._own_client = client is None
+        self._client = client if client is not None else connect(socket)
+        self.sessions: List[int] = []
+        self.positions: Optional[np.ndarray] = None  # [n_full, B]: each session layer's length
+        self.geometry: Optional[Geometry] = None
+        self._staged: dict = {}
+        self.last_stats = None
+        self.want_stats = False
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if getattr(_handoff, "pending", None) is not None:
+            _handoff.pending = None
+            raise UnsupportedUse(
+                "the model's attention did not go through kvtier: call kvtier.hf.enable(model) (or "
+                "load it with attn_implementation='kvtier' after kvtier.hf.register())")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes the tierd sessions (and the connection if the cache opened it)."""
+        client, self._client = getattr(self, "_client", None), None
+        if client is None:
+            return
+        try:
+            for sid in self.sessions:
+                try:
+                    client.close(sid)
+                except (KvtierError, OSError):
+                    pass
+        finally:
+            self.sessions = []
+            if self._own_client:
+                client.disconnect()
+
+    def __enter__(self) -> "KvtierCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def reset(self) -> None:
+        client = self._client
+        for sid in self.sessions:
+            try:
+                client.close(sid)
+            except (KvtierError, OSError):
+                pass
+        self.sessions, self.positions, self.geometry, self._staged = [], None, None, {}
+        super().reset()
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            raise KvtierError("the kvtier cache is closed")
+        return self._client
+
+    # -- prefill ---------------------------------------------------------------------------
+
+    def _stage_prefill(self, layer: KvtierLayer, key, value, valid) -> None:
+        if self.sessions:
+            raise UnsupportedUse("the kvtier cache already holds a prefill; use a new cache per generate call")
+        self._staged[layer.slot] = (key.detach(), value.detach(), valid)
+        if len(self._staged) == len(self.full_layers):
+            staged, self._staged = self._staged, {}
+            self._open_sessions([staged[s][0] for s in range(len(self.full_layers))],
+                                [staged[s][1] for s in range(len(self.full_layers))],
+                                staged[len(self.full_layers) - 1][2])
+
+    def _open_sessions(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], valid) -> None:
+        """One session per batch row holding that row's real tokens of every full layer.
+        keys/values: per full layer [B, Hkv, T, D]; valid: [B, T] bool (False = padding)."""
+        b, hkv, t, d = keys[0].shape
+        q_heads = self._q_heads()
+        valid = torch.as_tensor(valid, dtype=torch.bool).to("cpu")
+        starts = []
+        for r in range(b):
+            row = valid[r]
+            n_real = int(row.sum())
+            start = t - n_real
+            if n_real == 0 or not bool(row[start:].all()):
+                raise UnsupportedUse(
+                    f"batch row {r}: padding is not on the left (or the row is empty); the kvtier "
+                    "cache needs left padding (tokenizer.padding_side = 'left')")
+            starts.append(start)
+        g = Geometry(len(self.full_layers), q_heads, hkv, d, self.dtype, self.block_tokens)
+        self.geometry = g
+        client = self.client
+        for r in range(b):
+            try:
+                sid = client.create_session(g, self.policy, label=f"{self.label}-row{r}")
+            except (OSError, ConnectionError) as e:
+                raise TierdUnavailable(f"lost the connection to tierd: {e}") from e
+            except ServerError as e:
+                if e.code == ErrorCode.INVALID_ARGUMENT:
+                    raise GeometryRefused(g, self.policy, e.message) from e
+                raise
+            self.sessions.append(sid)
+        for r, sid in enumerate(self.sessions):
+            s = starts[r]
+            k = np.stack([_to_wire(kl[r, :, s:, :].transpose(0, 1), self.dtype) for kl in keys])
+            v = np.stack([_to_wire(vl[r, :, s:, :].transpose(0, 1), self.dtype) for vl in values])
+            try:
+                client.append_kv_shm(sid, 0, t - s, pack_append_payload(k, v))
+            except (OSError, ConnectionError) as e:
+                raise TierdUnavailable(f"lost the connection to tierd while appending the prefill: {e}") from e
+        self.positions = np.array([[t - s for s in starts]] * len(self.full_layers), dtype=np.int64)
+
+    def _q_heads(self) -> int:
+        return self._n_q_heads
+
+    @classmethod
+    def from_dense(cls, model, dense_cache, attention_mask=None, **kwargs) -> "KvtierCache":
+        """A kvtier cache continuing from a prefilled `DynamicCache` (same model): the full
+        layers' K/V go to new tierd sessions, sliding layers are copied. `attention_mask` [B, T]
+        (1 = real token, left padding) or None. Lets one dense prefill serve several policies."""
+        import copy
+
+        cache = cls(model, **kwargs)
+        n = dense_cache.get_seq_length(cache.full_layers[0])
+        keys = [dense_cache.layers[i].keys for i in cache.full_layers]
+        values = [dense_cache.layers[i].values for i in cache.full_layers]
+        if attention_mask is None:
+            attention_mask = torch.ones(keys[0].shape[0], n, dtype=torch.bool)
+        try:
+            cache._open_sessions(keys, values, torch.as_tensor(attention_mask).bool())
+        except BaseException:
+            cache.close()
+            raise
+        for i, layer in enumerate(cache.layers):
+            if isinstance(layer, KvtierLayer):
+                layer.cumulative_length = n
+                layer.is_initialized = True
+                layer.device = keys[0].device
+            else:
+                cache.layers[i] = copy.deepcopy(dense_cache.layers[i])
+        return cache
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def _decode(self, layer: KvtierLayer, q, k, v, q_scale: float) -> torch.Tensor:
+        """One DECODE at `layer` for every batch row. q [B, Hq, D]; k, v [B, Hkv, D]."""
+        if not self.sessions:
+            raise UnsupportedUse("decode step before any prefill: run the prompt through the model first")
+        b = q.shape[0]
+        if b != len(self.sessions):
+            raise UnsupportedUse(f"batch of {b} rows but the cache holds {len(self.sessions)} sessions")
+        qn = q.detach().to("cpu", torch.float32)
+        if q_scale != 1.0:
+            qn = qn * q_scale
+        qn = qn.numpy()
+        kn = _to_wire(k, self.dtype)
+        vn = _to_wire(v, self.dtype)
+        pos = self.positions[layer.slot]
+        entries = [DecodeEntry(sid, int(pos[r]), qn[r], kn[r], vn[r]) for r, sid in enumerate(self.sessions)]
+        try:
+            outs = self.client.decode_batch(layer.slot, entries, want_stats=self.want_stats)
+        except (OSError, ConnectionError) as e:
+            raise TierdUnavailable(f"lost the connection to tierd during a decode step: {e}") from e
+        pos += 1
+        if self.want_stats:
+            self.last_stats = [o.stats for o in outs]
+        out = torch.from_numpy(np.stack([o.out.reshape(qn.shape[1], qn.shape[2]) for o in outs]))
+        return out.to(q.device)

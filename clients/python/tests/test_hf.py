@@ -1,0 +1,131 @@
+"""kvtier.hf against a real tierd: tiny randomly initialised Qwen2 and Llama models (built from
+config objects, nothing downloaded) generate exactly like dense when the policy covers every
+block, with batch 2 and left padding; sampling runs; typed errors for an unreachable tierd and
+a refused geometry."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from kvtier import Dtype, Policy  # noqa: E402
+from kvtier.hf import GeometryRefused, KvtierCache, TierdUnavailable, UnsupportedUse, enable  # noqa: E402
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+
+
+def tiny(kind):
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        m = Qwen2ForCausalLM(Qwen2Config(**SMALL))
+    else:
+        m = LlamaForCausalLM(LlamaConfig(**SMALL))
+    m.eval()
+    enable(m)
+    return m
+
+
+def batch(prompt_len=300, pad=37):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 256, (2, prompt_len), generator=g)
+    am = torch.ones_like(ids)
+    ids[1, :pad] = 0
+    am[1, :pad] = 0  # row 1 is left-padded
+    return ids, am
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("dtype", [Dtype.F32, Dtype.BF16])
+def test_generate_matches_dense_when_policy_covers_every_block(tierd_factory, kind, dtype):
+    sock = tierd_factory()
+    m = tiny(kind)
+    ids, am = batch()
+    kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    dense = m.generate(cache=DynamicCache(config=m.config), **kw)
+    # 300 prompt + 24 new tokens in blocks of 16: 21 blocks <= 1 + 4 + 16.
+    with KvtierCache(m, socket=sock, policy=Policy(1, 4, 16), block_tokens=16, dtype=dtype) as c:
+        sparse = m.generate(cache=c, **kw)
+        assert len(c.sessions) == 2
+        # Each row's session holds only its real tokens: row 1 lost its 37 pads.
+        assert c.positions[:, 0].tolist() == [300 + 23] * 3
+        assert c.positions[:, 1].tolist() == [300 - 37 + 23] * 3
+        assert c.geometry.layers == 3 and c.geometry.q_heads == 4 and c.geometry.kv_heads == 2
+    if dtype == Dtype.F32:
+        assert torch.equal(dense, sparse)
+    else:  # bf16 KV in tierd vs f32 in the engine: nearly always the same tokens
+        assert (dense[:, 300:] == sparse[:, 300:]).float().mean() >= 0.75
+
+
+def test_sparse_policy_and_sampling_run(tierd_factory):
+    sock = tierd_factory()
+    m = tiny("qwen2")
+    ids, am = batch(prompt_len=400)
+    with KvtierCache(m, socket=sock, policy=Policy(1, 2, 3), block_tokens=16) as c:
+        c.want_stats = True
+        out = m.generate(input_ids=ids, attention_mask=am, max_new_tokens=12, do_sample=True,
+                         top_k=20, temperature=0.9, pad_token_id=0, cache=c)
+        assert out.shape == (2, 412)
+        # Sparse: 1 sink + 2 local + 3 distant blocks of 16 tokens selected, per kv head.
+        assert all(s.blocks_selected == 2 * 6 for s in c.last_stats)
+        assert c.last_stats[0].blocks_total == 26
+
+
+def test_unreachable_tierd_is_a_typed_error(tmp_path):
+    m = tiny("llama")
+    with pytest.raises(TierdUnavailable, match="cannot reach tierd at .*nope.sock"):
+        KvtierCache(m, socket=str(tmp_path / "nope.sock"))
+
+
+def test_refused_geometry_names_the_geometry(tierd_factory):
+    # A block run of 2 kv heads x 2 x 128 tokens x 16 dims x 4 bytes = 32 KiB > 4 KiB frames.
+    sock = tierd_factory("--set", 'host.frame_bytes="4KiB"', capacity="64MiB")
+    m = tiny("llama")
+    ids, am = batch(prompt_len=20, pad=0)
+    with KvtierCache(m, socket=sock) as c:
+        with pytest.raises(GeometryRefused) as e:
+            m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
+    msg = str(e.value)
+    assert "layers=3, q_heads=4, kv_heads=2, head_dim=16, dtype=F32, block_tokens=128" in msg
+    assert "frame" in msg
+    # And a geometry no tierd accepts: block_tokens above 4096.
+    sock2 = tierd_factory()
+    with KvtierCache(m, socket=sock2, block_tokens=8192) as c:
+        with pytest.raises(GeometryRefused, match="block_tokens"):
+            m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
+
+
+def test_right_padding_is_refused(tierd_factory):
+    sock = tierd_factory()
+    m = tiny("qwen2")
+    ids, am = batch(prompt_len=40, pad=0)
+    am[1, -5:] = 0
+    with KvtierCache(m, socket=sock) as c:
+        with pytest.raises(UnsupportedUse, match="left padding"):
+            m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
+
+
+def test_model_without_kvtier_attention_is_caught(tierd_factory):
+    sock = tierd_factory()
+    m = tiny("qwen2")
+    m.set_attn_implementation("sdpa")
+    ids, am = batch(prompt_len=40, pad=0)
+    with KvtierCache(m.config, socket=sock) as c:  # a config: the model is not switched
+        with pytest.raises(UnsupportedUse, match="enable"):
+            m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
+    with KvtierCache(m, socket=sock) as c:  # a model: switched to "kvtier"
+        m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
+    assert m.config._attn_implementation == "kvtier"
+
+
+def test_tierd_gone_mid_generation_is_a_typed_error(tierd_factory):
+    sock = tierd_factory()
+    m = tiny("llama")
+    ids, am = batch(prompt_len=40, pad=0)
+    with KvtierCache(m, socket=sock) as c:
+        m.generate(input_ids=ids, attention_mask=am, max_new_tokens=2, cache=c, pad_token_id=0)
+        c.client._sock.close()  # as if tierd had gone away
+        with pytest.raises(TierdUnavailable):
+            m(input_ids=ids[:, :1], cache=c)
