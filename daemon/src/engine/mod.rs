@@ -135,7 +135,8 @@ pub struct Engine {
     gpu: Option<Mutex<GpuDecoder>>,
     prefetcher: Option<crate::prefetch::Prefetcher>,
     sessions: RwLock<HashMap<u64, Arc<Session>>>,
-    /// Each uid's share of the host tier (`host_share_per_uid`), shared by its sessions.
+    /// Each uid's frames in the host tier, capped by `host_share_per_uid`; shared by its
+    /// sessions.
     host_quotas: Mutex<HashMap<u32, Arc<FrameQuota>>>,
     next_id: AtomicU64,
     pub counters: Counters,
@@ -270,19 +271,39 @@ impl Engine {
 
     /// The arena handle a session of `uid` allocates through: charged to the uid's share of
     /// the host tier, unless the uid is an admin or there is no quota.
+    /// Every uid's frames are counted (memory pressure demotes by fair share, see
+    /// `make_room`); only the cap is waived.
     fn arena_for(&self, uid: u32) -> HostArena {
         let share = self.limits.host_share_per_uid;
-        if share >= 1.0 || self.limits.admin_uids.contains(&uid) {
-            return self.arena.clone();
-        }
-        let limit = (self.arena.usage().frames_total as f64 * share).floor() as usize;
+        let limit = if share >= 1.0 || self.limits.admin_uids.contains(&uid) {
+            usize::MAX
+        } else {
+            ((self.arena.usage().frames_total as f64 * share).floor() as usize).max(1)
+        };
         let q = self
             .host_quotas
             .lock()
             .entry(uid)
-            .or_insert_with(|| FrameQuota::new(limit.max(1)))
+            .or_insert_with(|| FrameQuota::new(limit))
             .clone();
         self.arena.with_quota(q)
+    }
+
+    /// The uids holding more than their fair share of the host tier: its frames divided
+    /// equally among the uids holding any.
+    pub(super) fn over_fair_share(&self) -> Vec<u32> {
+        let quotas = self.host_quotas.lock();
+        let holders: Vec<(u32, usize)> = quotas
+            .iter()
+            .map(|(uid, q)| (*uid, q.used()))
+            .filter(|&(_, used)| used > 0)
+            .collect();
+        let fair = self.arena.usage().frames_total / holders.len().max(1);
+        holders
+            .into_iter()
+            .filter(|&(_, used)| used > fair)
+            .map(|(uid, _)| uid)
+            .collect()
     }
 
     pub fn session_count(&self) -> usize {

@@ -219,8 +219,9 @@ impl Engine {
 
     /// Demotes least recently used, unpinned sessions not in `exclude` while the host tier is
     /// above its high-water mark (down to the low-water mark) or fewer than `need` frames are
-    /// free. Only `try_lock`s sessions, so it never waits on a busy one. Returns whether the
-    /// goal was reached.
+    /// free: sessions of uids over their fair share first, and only the requester's own when
+    /// the requester (the owner of `exclude`) is over its share. Only `try_lock`s sessions, so
+    /// it never waits on a busy one. Returns whether the goal was reached.
     pub(super) fn make_room(&self, exclude: &[u64], need: usize) -> bool {
         let Some((_, t)) = &self.tier else {
             return false;
@@ -232,14 +233,31 @@ impl Engine {
         if (u.frames_used as f64) < total * t.high_water && u.frames_total - u.frames_used >= need {
             return true;
         }
-        let mut candidates: Vec<Arc<Session>> = self
-            .sessions
-            .read()
-            .values()
-            .filter(|s| !exclude.contains(&s.id) && !s.pinned.load(Ordering::Relaxed))
-            .cloned()
-            .collect();
-        candidates.sort_by_key(|s| s.last_access_unix_ms.load(Ordering::Relaxed));
+        // Fair share: a request of a uid holding more than its share of the tier demotes only
+        // that uid's own sessions; otherwise sessions of uids over their share go first. So
+        // one user cannot push the others' sessions to NVMe, yet a lone user has the whole
+        // tier.
+        let over = self.over_fair_share();
+        let mut candidates: Vec<Arc<Session>> = {
+            let table = self.sessions.read();
+            let only = exclude
+                .first()
+                .and_then(|id| table.get(id))
+                .map(|s| s.owner_uid)
+                .filter(|r| over.contains(r));
+            table
+                .values()
+                .filter(|s| !exclude.contains(&s.id) && !s.pinned.load(Ordering::Relaxed))
+                .filter(|s| only.is_none_or(|r| s.owner_uid == r))
+                .cloned()
+                .collect()
+        };
+        candidates.sort_by_key(|s| {
+            (
+                !over.contains(&s.owner_uid),
+                s.last_access_unix_ms.load(Ordering::Relaxed),
+            )
+        });
         for s in candidates {
             if goal_used(self.arena.usage().frames_used) {
                 break;
