@@ -401,28 +401,14 @@ fn another_uid_cannot_touch_a_session() {
         .unwrap();
     // Re-run this test binary as uid/gid 65534 (nobody), executing only `foreign_client`
     // (from a copy nobody can reach, wherever the checkout sits).
-    use std::os::unix::process::CommandExt;
-    let exe = common::reachable_copy(&std::env::current_exe().unwrap());
-    let out = std::process::Command::new(&exe)
-        .args([
-            "--exact",
-            "foreign_client",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("KVTIER_FOREIGN_SESSION", id.to_string())
-        .env("KVTIER_FOREIGN_SOCKET", d.path())
-        .uid(65534)
-        .gid(65534)
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "foreign client failed:\n{text}");
-    assert!(
-        text.contains("foreign checks passed"),
-        "child did not run its checks:\n{text}"
+    let id_text = id.to_string();
+    run_as_nobody(
+        "foreign_client",
+        &[
+            ("KVTIER_FOREIGN_SESSION", id_text.as_str()),
+            ("KVTIER_FOREIGN_SOCKET", d.path().to_str().unwrap()),
+        ],
+        "foreign checks passed",
     );
     // The owner still has it, untouched.
     assert_eq!(c.session_info(id).unwrap().tokens_max, 16);

@@ -508,27 +508,10 @@ fn memory_pressure_from_one_uid_does_not_push_another_uids_sessions_out() {
     // Root's session: 38 blocks x 2 layers = 76 frames, then left idle (least recently used).
     let (mine, mut sh) = session(&mut c, 600, 40);
     let full = c.session_info(mine).unwrap().host_bytes;
-    use std::os::unix::process::CommandExt;
-    let exe = reachable_copy(&std::env::current_exe().unwrap());
-    let out = std::process::Command::new(&exe)
-        .args([
-            "--exact",
-            "fair_share_tenant",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("KVTIER_TENANT_SOCKET", d.path())
-        .uid(65534)
-        .gid(65534)
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "tenant failed:\n{text}");
-    assert!(
-        text.contains("tenant done"),
-        "the tenant did not run:\n{text}"
+    run_as_nobody(
+        "fair_share_tenant",
+        &[("KVTIER_TENANT_SOCKET", d.path().to_str().unwrap())],
+        "tenant done",
     );
     let stats = c.stats().unwrap();
     assert!(stats.get("demotions_total").unwrap() > 0, "{stats:?}");

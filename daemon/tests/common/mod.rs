@@ -364,3 +364,32 @@ impl Drop for SmallFs {
             .status();
     }
 }
+
+/// Runs the ignored test `name` of the calling test binary as uid/gid 65534 (nobody), with
+/// `env`, from a copy every uid can reach; returns its output once it has passed and printed
+/// `done` (so a child that skipped its checks fails the caller too).
+pub fn run_as_nobody(name: &str, env: &[(&str, &str)], done: &str) -> String {
+    use std::os::unix::process::CommandExt;
+    let exe = reachable_copy(&std::env::current_exe().unwrap());
+    let out = Command::new(&exe)
+        .args([
+            "--exact",
+            name,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .envs(env.iter().copied())
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{name} as nobody failed:\n{text}");
+    assert!(
+        text.contains(done),
+        "{name} did not run its checks:\n{text}"
+    );
+    text
+}
