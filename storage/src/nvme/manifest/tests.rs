@@ -1,0 +1,282 @@
+//! Unit tests of the manifest files: format versions, fallback, commits and quarantine.
+
+use super::*;
+
+fn geometry() -> GeometryRecord {
+    GeometryRecord {
+        layers: 2,
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        dtype: 0,
+        block_tokens: 16,
+    }
+}
+
+fn policy() -> PolicyRecord {
+    PolicyRecord {
+        sink_blocks: 1,
+        local_blocks: 1,
+        top_k: 2,
+    }
+}
+
+fn page(block: u32) -> PageRecord {
+    PageRecord {
+        layer: 1,
+        block,
+        device: 0,
+        page: block as u64 + 3,
+        generation: 7,
+        crc: 0xDEAD_BEEF,
+        payload_len: 4096,
+    }
+}
+
+/// Writes `payload` as manifest file `epoch` of format `version`, as a tierd of that
+/// version would have.
+fn write_as(dir: &Path, version: u32, epoch: u64, payload: &[u8]) {
+    write_file(&dir.join(file_name(epoch)), version, epoch, payload).unwrap();
+}
+
+/// Page lookups binary-search: a file whose page records are out of order (the format
+/// allows it) loads sorted, and every record is found.
+#[test]
+fn page_records_load_sorted_and_are_found_by_binary_search() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut pages: Vec<PageRecord> = (0..40).map(page).collect();
+    pages.extend((0..10).map(|b| PageRecord {
+        layer: 0,
+        ..page(b)
+    }));
+    pages.reverse();
+    pages.swap(3, 17);
+    let m = Manifest {
+        epoch: 2,
+        page_size: 8192,
+        devices: Vec::new(),
+        sessions: vec![SessionRecord {
+            id: 1,
+            owner_uid: 0,
+            label: String::new(),
+            geometry: geometry(),
+            policy: policy(),
+            layer_tokens: vec![160, 640],
+            pages: pages.clone(),
+            pinned: false,
+        }],
+    };
+    let bytes = rkyv::to_bytes::<rancor::Error>(&m).unwrap();
+    write_as(dir.path(), VERSION, 2, &bytes);
+    let loaded = load_file(&dir.path().join(file_name(2))).unwrap();
+    let s = &loaded.sessions[0];
+    assert!(s.pages.is_sorted_by_key(|p| (p.layer, p.block)));
+    for p in &pages {
+        assert_eq!(s.page(p.layer, p.block), Some(p));
+    }
+    assert_eq!(s.page(0, 10), None);
+    assert_eq!(s.page(2, 0), None);
+}
+
+#[test]
+fn a_version_1_manifest_loads_with_sessions_unpinned_and_is_upgraded_on_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let old = v1::Manifest {
+        epoch: 4,
+        page_size: 8192,
+        devices: vec![DeviceRecord {
+            path: "/x/pages-0".into(),
+            pages: 100,
+        }],
+        sessions: vec![v1::SessionRecord {
+            id: 42,
+            owner_uid: 1000,
+            label: "old".into(),
+            geometry: geometry(),
+            policy: policy(),
+            layer_tokens: vec![40, 40],
+            pages: vec![page(0), page(1)],
+        }],
+    };
+    let bytes = rkyv::to_bytes::<rancor::Error>(&old).unwrap();
+    write_as(dir.path(), 1, 4, &bytes);
+    let (mut store, loaded) = ManifestStore::open(dir.path()).unwrap();
+    let mut m = loaded.expect("a manifest").current;
+    assert_eq!(m.epoch, 4);
+    assert_eq!(m.devices, old.devices);
+    let s = &m.sessions[0];
+    assert_eq!(
+        (
+            s.id,
+            s.owner_uid,
+            s.label.as_str(),
+            &s.layer_tokens,
+            s.pinned
+        ),
+        (42, 1000, "old", &vec![40, 40], false)
+    );
+    assert_eq!(s.pages, old.sessions[0].pages);
+    assert_eq!((&s.geometry, &s.policy), (&geometry(), &policy()));
+
+    // The next commit is the current version and carries the flag.
+    m.sessions[0].pinned = true;
+    let epoch = store.commit(&mut m).unwrap();
+    let path = dir.path().join(file_name(epoch));
+    let raw = fs::read(&path).unwrap();
+    assert_eq!(u32::from_le_bytes(raw[8..12].try_into().unwrap()), VERSION);
+    assert!(load_file(&path).unwrap().sessions[0].pinned);
+}
+
+#[test]
+fn an_unknown_version_is_a_typed_error_naming_it_and_stops_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = ManifestStore::open(dir.path()).unwrap().0;
+    let mut m = Manifest {
+        page_size: 8192,
+        ..Default::default()
+    };
+    store.commit(&mut m).unwrap();
+    // A newer tierd's manifest after it: intact, but of format version 9.
+    let bytes = rkyv::to_bytes::<rancor::Error>(&m).unwrap();
+    write_as(dir.path(), 9, 2, &bytes);
+    let path = dir.path().join(file_name(2));
+    let e = load_file(&path).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            NvmeError::UnsupportedManifestVersion {
+                found: 9,
+                oldest: OLDEST_VERSION,
+                newest: VERSION,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("format version 9"), "{e}");
+    // Not skipped for the older epoch 1: that would serve stale data.
+    let e = ManifestStore::open(dir.path()).unwrap_err();
+    assert!(
+        matches!(e, NvmeError::UnsupportedManifestVersion { found: 9, .. }),
+        "{e:?}"
+    );
+    // The same file damaged (checksum fails) is corruption, skipped as before.
+    let mut raw = fs::read(&path).unwrap();
+    let last = raw.len() - 1;
+    raw[last] ^= 1;
+    fs::write(&path, raw).unwrap();
+    let (_, loaded) = ManifestStore::open(dir.path()).unwrap();
+    let loaded = loaded.unwrap();
+    assert_eq!(loaded.current.epoch, 1);
+    assert!(matches!(
+        loaded.skipped[0].1,
+        NvmeError::CorruptManifest { .. }
+    ));
+}
+
+fn committed(dir: &Path, n: usize) -> ManifestStore {
+    let mut store = ManifestStore::open(dir).unwrap().0;
+    for i in 0..n {
+        let mut m = Manifest {
+            page_size: 8192 + i as u64,
+            ..Default::default()
+        };
+        store.commit(&mut m).unwrap();
+    }
+    store
+}
+
+fn flip(path: &Path, at: usize) {
+    let mut raw = fs::read(path).unwrap();
+    raw[at] ^= 0x10;
+    fs::write(path, raw).unwrap();
+}
+
+/// A commit that fails (here: its temporary name is taken by something it cannot
+/// remove, as a full filesystem leaves a commit unfinished) leaves nothing behind and
+/// does not stop the next one, which used to fail with EEXIST forever.
+#[test]
+fn a_failed_commit_does_not_wedge_the_next_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = committed(dir.path(), 1);
+    let blocked = dir.path().join(format!("{}.tmp", file_name(2)));
+    fs::create_dir(&blocked).unwrap();
+    let mut m = Manifest::default();
+    assert!(store.commit(&mut m).is_err());
+    fs::remove_dir(&blocked).unwrap();
+    let epoch = store.commit(&mut m).unwrap();
+    assert_eq!(epoch, 3, "the failed commit's epoch is never reused");
+    let (_, loaded) = ManifestStore::open(dir.path()).unwrap();
+    assert_eq!(loaded.unwrap().current.epoch, 3);
+    let names: Vec<String> = fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(!names.iter().any(|n| n.ends_with(".tmp")), "{names:?}");
+}
+
+/// Each epoch is two files: damaging one loses nothing (the newest commit is still the
+/// one loaded); a flipped bit in the version field is corruption, not a newer format.
+#[test]
+fn one_damaged_file_of_the_newest_epoch_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    committed(dir.path(), 2);
+    let primary = dir.path().join(file_name(2));
+    let copy = dir.path().join(copy_name(2));
+    flip(&primary, HEADER + 3);
+    let (_, loaded) = ManifestStore::open(dir.path()).unwrap();
+    let loaded = loaded.unwrap();
+    assert_eq!(loaded.current.epoch, 2, "loaded from the copy");
+    assert_eq!(loaded.current.page_size, 8193);
+    assert_eq!(loaded.previous.unwrap().epoch, 1);
+    assert_eq!(loaded.skipped.len(), 1);
+    // The copy's version field damaged too: both files of epoch 2 are corrupt (not an
+    // unsupported version that would refuse startup), so epoch 1 serves.
+    flip(&copy, 9);
+    let e = load_file(&copy).unwrap_err();
+    assert!(matches!(e, NvmeError::CorruptManifest { .. }), "{e:?}");
+    let (_, loaded) = ManifestStore::open(dir.path()).unwrap();
+    assert_eq!(loaded.unwrap().current.epoch, 1);
+}
+
+/// A version 2 file (checksum without the version field) still loads.
+#[test]
+fn a_version_2_file_still_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Manifest {
+        epoch: 5,
+        page_size: 4096,
+        ..Default::default()
+    };
+    let bytes = rkyv::to_bytes::<rancor::Error>(&m).unwrap();
+    write_as(dir.path(), 2, 5, &bytes);
+    let (_, loaded) = ManifestStore::open(dir.path()).unwrap();
+    assert_eq!(loaded.unwrap().current, m);
+}
+
+/// Every manifest damaged: open refuses (starting empty would reuse their pages) until the
+/// files are quarantined, which moves them and the page files aside, intact.
+#[test]
+fn all_manifests_damaged_refuses_until_quarantined() {
+    let dir = tempfile::tempdir().unwrap();
+    committed(dir.path(), 2);
+    let pages = dir.path().join("pages-0");
+    fs::write(&pages, b"old pages").unwrap();
+    for e in 1..=2 {
+        for name in [file_name(e), copy_name(e)] {
+            flip(&dir.path().join(name), HEADER);
+        }
+    }
+    let e = ManifestStore::open(dir.path()).unwrap_err();
+    assert!(
+        matches!(e, NvmeError::DamagedManifests { files: 4, .. }),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("quarantine"), "{e}");
+    let q = quarantine(dir.path(), std::slice::from_ref(&pages)).unwrap();
+    assert!(!pages.exists());
+    assert_eq!(fs::read(q.join("pages-0")).unwrap(), b"old pages");
+    assert!(q.join(file_name(2)).exists() && q.join(copy_name(1)).exists());
+    let (_, loaded) = ManifestStore::open(dir.path()).unwrap();
+    assert!(loaded.is_none(), "a clean start once they are aside");
+}
