@@ -1,0 +1,171 @@
+//! Config layering (defaults, file, environment, flags) and validation messages.
+
+use super::*;
+
+fn load(
+    toml_text: &str,
+    env: &[(&str, &str)],
+    sets: &[(&str, &str)],
+) -> Result<Config, ConfigError> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tierd.toml");
+    std::fs::write(&path, toml_text).unwrap();
+    Config::load(
+        Some(&path),
+        env.iter().map(|(k, v)| (k.to_string(), v.to_string())),
+        &sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect::<Vec<_>>(),
+    )
+}
+
+#[test]
+fn layering_is_defaults_then_file_then_env_then_cli() {
+    let cfg = load(
+        "[host]\ncapacity = \"2GiB\"\nframe_bytes = 131072\n[admission]\nmax_sessions = 7\n",
+        &[
+            ("TIERD_HOST_CAPACITY", "3GiB"),
+            ("TIERD_LOG_LEVEL", "debug"),
+            ("OTHER", "x"),
+        ],
+        &[
+            ("host.capacity", "\"4GiB\""),
+            ("server.socket_mode", "0o600"),
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        cfg.host.capacity,
+        ByteSize(4 << 30),
+        "CLI beats env beats file"
+    );
+    assert_eq!(
+        cfg.host.frame_bytes,
+        ByteSize(128 << 10),
+        "file beats defaults"
+    );
+    assert_eq!(cfg.admission.max_sessions, 7);
+    assert_eq!(cfg.log.level, "debug");
+    assert_eq!(cfg.server.socket_mode, 0o600);
+    assert_eq!(
+        cfg.server.max_frame_bytes,
+        ByteSize(16 << 20),
+        "default kept"
+    );
+}
+
+#[test]
+fn errors_name_the_field() {
+    let e = load("[host]\nframe_bytes = 1000\n", &[], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("host.frame_bytes"), "{e}");
+    let e = load("[host]\ncapacity = \"1KiB\"\n", &[], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("host.capacity"), "{e}");
+    let e = load("[host]\ncapacity = \"12 parsecs\"\n", &[], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("parsecs"), "{e}");
+    let e = load("[hots]\ncapacity = 1\n", &[], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("hots"), "{e}");
+    let e = load("[host]\ncapacty = 1\n", &[], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("capacty"), "{e}");
+    let e = load("[nvme]\nworkers = 65\n", &[], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("nvme.workers"), "{e}");
+    let e = load("", &[("TIERD_LOG_LEVEL", "loud")], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("log.level"), "{e}");
+    let e = load("", &[], &[("nonsense", "1")]).unwrap_err().to_string();
+    assert!(e.contains("section.field"), "{e}");
+    let e = load("", &[], &[("admission.max_sessions", "0")])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("admission.max_sessions"), "{e}");
+}
+
+#[test]
+fn cuda_section_layers_and_validates() {
+    let cfg = load(
+        "[backend.cuda]\nmax_sessions = 4\n",
+        &[("TIERD_BACKEND_CUDA_MAX_BLOCKS", "1024")],
+        &[("backend.cuda.max_batch", "2")],
+    )
+    .unwrap();
+    let s = &cfg.backend.cuda;
+    assert_eq!((s.max_sessions, s.max_blocks, s.max_batch), (4, 1024, 2));
+    assert_eq!(s.max_backends, 2, "default kept");
+    let e = load("[backend.cuda]\nmax_batch = 0\n", &[], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("backend.cuda.max_batch"), "{e}");
+    let e = load("[backend.cuda]\nmax_batchez = 1\n", &[], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("max_batchez"), "{e}");
+}
+
+#[test]
+fn metrics_are_off_by_default_and_loopback_unless_allowed() {
+    let cfg = load("", &[], &[]).unwrap();
+    assert_eq!(cfg.metrics.listen, None);
+    assert_eq!(cfg.log.format, LogFormat::Auto);
+    let cfg = load("", &[("TIERD_METRICS_LISTEN", "127.0.0.1:9464")], &[]).unwrap();
+    assert_eq!(cfg.metrics.listen, Some("127.0.0.1:9464".parse().unwrap()));
+    let cfg = load("[metrics]\nlisten = \"[::1]:9464\"\n", &[], &[]).unwrap();
+    assert!(cfg.metrics.listen.unwrap().ip().is_loopback());
+    let e = load("[metrics]\nlisten = \"0.0.0.0:9464\"\n", &[], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("metrics.listen") && e.contains("allow_remote"),
+        "{e}"
+    );
+    let cfg = load(
+        "[metrics]\nlisten = \"0.0.0.0:9464\"\nallow_remote = true\n",
+        &[],
+        &[],
+    )
+    .unwrap();
+    assert!(cfg.metrics.allow_remote);
+    let e = load("[metrics]\nlisten = \"localhost\"\n", &[], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("metrics") || e.contains("listen"), "{e}");
+    let e = load("[log]\nformat = \"xml\"\n", &[], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("xml"), "{e}");
+}
+
+#[test]
+fn sizes_parse_and_print() {
+    assert_eq!("256KiB".parse::<ByteSize>().unwrap(), ByteSize(256 << 10));
+    assert_eq!(" 8 GiB ".parse::<ByteSize>().unwrap(), ByteSize(8 << 30));
+    assert_eq!("4096".parse::<ByteSize>().unwrap(), ByteSize(4096));
+    assert!("1.5GiB".parse::<ByteSize>().is_err());
+    assert_eq!(ByteSize(3 << 30).to_string(), "3GiB");
+    assert_eq!(ByteSize(1000).to_string(), "1000");
+}
+
+#[test]
+fn the_shipped_production_config_is_valid() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/tierd.toml");
+    let cfg = Config::load(Some(&path), std::iter::empty(), &[]).unwrap();
+    assert_eq!(
+        cfg.server.socket_path,
+        PathBuf::from("/run/kvtier/tierd.sock")
+    );
+    assert!(cfg.host.lock_memory, "production locks the host tier");
+    assert_eq!(cfg.log.format, LogFormat::Journald);
+    assert_eq!(cfg.metrics.listen, None, "metrics are opt-in");
+}
