@@ -25,13 +25,11 @@ pub struct Job {
     pub policy: Policy,
     pub layer: u32,
     pub q: Vec<f32>,
-    /// Access to the session's cache (the engine's session handle, locked when called).
-    pub with_kv: WithKv,
 }
 
 /// The queue and its worker thread (which ends when the queue is dropped).
 pub struct Prefetcher {
-    tx: Sender<Job>,
+    tx: Sender<(Job, WithKv)>,
     /// Blocks read ahead of need, for STATS.
     pub promoted: Arc<AtomicU64>,
 }
@@ -42,15 +40,14 @@ const QUEUE: usize = 64;
 impl Prefetcher {
     /// Starts the worker. `extra`: candidates per kv-head beyond the keep-set to bring in.
     pub fn start(tier: Arc<NvmeTier>, extra: u32) -> std::io::Result<Self> {
-        let (tx, rx) = bounded::<Job>(QUEUE);
+        let (tx, rx) = bounded::<(Job, WithKv)>(QUEUE);
         let promoted = Arc::new(AtomicU64::new(0));
         let count = promoted.clone();
         std::thread::Builder::new()
             .name("tierd-prefetch".into())
             .spawn(move || {
                 let mut scratch = SelectScratch::default();
-                for mut job in rx {
-                    let with_kv = std::mem::replace(&mut job.with_kv, Box::new(|_| 0));
+                for (job, with_kv) in rx {
                     let n = with_kv(&mut |kv| prefetch(kv, &tier, &job, extra, &mut scratch));
                     count.fetch_add(n as u64, Ordering::Relaxed);
                 }
@@ -58,9 +55,10 @@ impl Prefetcher {
         Ok(Prefetcher { tx, promoted })
     }
 
-    /// Queues a job unless the queue is full.
-    pub fn offer(&self, job: Job) {
-        if let Err(TrySendError::Full(_)) = self.tx.try_send(job) {
+    /// Queues a job unless the queue is full; `with_kv` reaches the session's cache (the
+    /// engine's session handle, locked when called).
+    pub fn offer(&self, job: Job, with_kv: WithKv) {
+        if let Err(TrySendError::Full(_)) = self.tx.try_send((job, with_kv)) {
             tracing::debug!("prefetch queue full; job dropped");
         }
     }

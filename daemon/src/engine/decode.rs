@@ -340,13 +340,15 @@ impl Engine {
             let st = g.as_ref().expect("locked");
             if st.kv.frames() < st.kv.blocks() {
                 let session = s.clone();
-                p.offer(crate::prefetch::Job {
-                    session: s.id,
-                    policy: s.policy,
-                    layer,
-                    q: q.clone(),
-                    with_kv: Box::new(move |f| session.with_kv(|kv| f(kv))),
-                });
+                p.offer(
+                    crate::prefetch::Job {
+                        session: s.id,
+                        policy: s.policy,
+                        layer,
+                        q: q.clone(),
+                    },
+                    Box::new(move |f| session.with_kv(|kv| f(kv))),
+                );
             }
         }
     }

@@ -99,19 +99,12 @@ pub struct Session {
     pub created_unix_ms: u64,
     last_access_unix_ms: AtomicU64,
     pinned: std::sync::atomic::AtomicBool,
-    /// Set at startup when its stored data could not be read back (see [`Damage`]).
-    damaged: Option<Damage>,
+    /// Why its stored data could not be read back at startup, if it could not. Such a session
+    /// stays listed (SESSION_INFO, LIST: its manifest token counts) so the loss is visible;
+    /// every use answers DATA_LOSS; CLOSE deletes its NVMe record and pages, which stay
+    /// untouched until then.
+    damaged: Option<String>,
     state: Mutex<SessionState>,
-}
-
-/// Why a stored session could not be restored. It stays listed (SESSION_INFO, LIST) so the
-/// loss is visible; every use answers DATA_LOSS; CLOSE deletes its NVMe record and pages.
-/// Until then its record and pages stay untouched on NVMe.
-#[derive(Debug, Clone)]
-pub struct Damage {
-    pub reason: String,
-    /// Tokens per layer the manifest recorded.
-    pub layer_tokens: Vec<u64>,
 }
 
 struct SessionState {
@@ -206,8 +199,7 @@ impl Engine {
             prefetcher,
             sessions: RwLock::new(HashMap::new()),
             host_quotas: Mutex::new(HashMap::new()),
-            // Ids never repeat across restarts: they start from the clock (4096 per ms), and
-            // recovery moves past every restored id.
+            // Only where getrandom is missing (`fresh_id`): unique, from the clock.
             next_id: AtomicU64::new(now_ms() << 12),
             counters: Counters::default(),
             metrics: Metrics::disabled(),
@@ -328,12 +320,12 @@ impl Engine {
     /// whose stored data failed verification at startup.
     fn lookup_live(&self, peer: &Peer, id: u64) -> ServiceResult<Arc<Session>> {
         let s = self.lookup(peer, id, false)?;
-        if let Some(d) = &s.damaged {
+        if let Some(reason) = &s.damaged {
             return Err(ServiceError::new(
                 ErrorCode::DataLoss,
                 format!(
                     "session {id} is damaged ({}); CLOSE it to delete what remains",
-                    d.reason
+                    reason
                 ),
             ));
         }
@@ -437,12 +429,15 @@ impl Engine {
                 local_blocks: s.policy.local_blocks,
                 top_k: s.policy.top_k,
             },
-            tokens_min: s.damaged.as_ref().map_or(st.kv.min_tokens(), |d| {
-                d.layer_tokens.iter().copied().min().unwrap_or(0)
-            }),
-            tokens_max: s.damaged.as_ref().map_or(st.kv.max_tokens_stored(), |d| {
-                d.layer_tokens.iter().copied().max().unwrap_or(0)
-            }),
+            // A damaged session's cache is empty: report what its manifest record holds.
+            tokens_min: match s.damaged {
+                Some(_) => st.persisted.iter().copied().min().unwrap_or(0),
+                None => st.kv.min_tokens(),
+            },
+            tokens_max: match s.damaged {
+                Some(_) => st.persisted.iter().copied().max().unwrap_or(0),
+                None => st.kv.max_tokens_stored(),
+            },
             blocks: st.kv.blocks() as u64,
             host_bytes: st.kv.host_bytes() as u64,
             nvme_bytes: nvme_pages * page,

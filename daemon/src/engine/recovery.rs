@@ -48,7 +48,6 @@ impl Engine {
                 Ok(session) => {
                     self.gpu_open(id, &session.geometry, &session.policy);
                     self.sessions.write().insert(id, Arc::new(session));
-                    self.next_id.fetch_max(id + 1, Ordering::Relaxed);
                     loaded += 1;
                 }
                 Err(e) => {
@@ -83,10 +82,7 @@ impl Engine {
         );
         s.state.get_mut().persisted = rec.layer_tokens.clone();
         s.pinned.store(rec.pinned, Ordering::Relaxed);
-        s.damaged = Some(Damage {
-            reason,
-            layer_tokens: rec.layer_tokens.clone(),
-        });
+        s.damaged = Some(reason);
         Ok(s)
     }
 
