@@ -52,8 +52,7 @@ pub fn storage_code(e: &StorageError) -> ErrorCode {
         | StorageError::QuotaExceeded { .. }
         | StorageError::TooManyTokens { .. } => ErrorCode::ResourceExhausted,
         StorageError::PositionMismatch { .. } => ErrorCode::FailedPrecondition,
-        StorageError::InvalidGeometry { .. }
-        | StorageError::InvalidPolicy { .. }
+        StorageError::Model(_)
         | StorageError::BlockTooLarge { .. }
         | StorageError::LayerOutOfRange { .. }
         | StorageError::PayloadSize { .. }

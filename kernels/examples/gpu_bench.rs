@@ -29,9 +29,10 @@
 use std::time::Instant;
 
 use kvtier_kernels::cuda::{
-    AnonMapping, AttentionMath, CudaBackend, CudaConfig, CudaGeometry, DenseKv, KvDtype,
-    LaunchMode, PinnedRegion, SelectPolicy, StepItem, SummaryDtype, Timing,
+    AnonMapping, AttentionMath, CudaBackend, CudaConfig, DenseKv, LaunchMode, PinnedRegion,
+    StepItem, SummaryDtype, Timing,
 };
+use kvtier_storage::{DType, Geometry, Policy};
 
 const PCIE_GBPS: f64 = 55.3;
 /// GPU memory copy bandwidth measured on the H200 (read + write counted; DESIGN.md): the floor
@@ -185,25 +186,25 @@ fn host_region(be: &CudaBackend, mut bytes: usize, frame: usize) -> Result<Pinne
 }
 
 fn config(n_blocks: u32, k: u32, batch: u32, sum_bf16: bool, simt: bool) -> CudaConfig {
-    let policy = SelectPolicy {
+    let policy = Policy {
         sink_blocks: 1,
         local_blocks: 4,
         top_k: k,
     };
     CudaConfig {
-        geometry: CudaGeometry {
+        geometry: Geometry {
             layers: LAYERS,
             q_heads: HQ,
             kv_heads: HKV,
             head_dim: D,
             block_tokens: BT,
-            dtype: KvDtype::Bf16,
+            dtype: DType::Bf16,
         },
         policy,
         max_sessions: batch,
         max_blocks: n_blocks,
         max_batch: batch,
-        cache_slots: 2 * policy.keep_max(),
+        cache_slots: 2 * policy.budget() as u32,
         summary_dtype: if sum_bf16 {
             SummaryDtype::Bf16Outward
         } else {
@@ -605,7 +606,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             be.attach_host(r)?;
             // Sessions: summaries (4 synthetic variants), frames, token counts.
             let t1 = Instant::now();
-            let per = cfg.geometry.summary_len_per_block();
+            let per = cfg.geometry.summary_floats_per_block();
             let mut rng = Rng(77);
             let variants: Vec<Vec<f32>> = (0..4)
                 .map(|_| {

@@ -8,11 +8,10 @@
 use half::{bf16, f16};
 use kvtier_kernels::cuda::{
     bf16_outward, device_available, AnonMapping, AttentionMath, CudaBackend, CudaConfig, CudaError,
-    CudaGeometry, DecodeItem, DenseKv, KvDtype, LaunchMode, LayerStats, PinnedRegion, SelectPolicy,
-    StepItem, SummaryDtype, Timing,
+    DecodeItem, DenseKv, LaunchMode, LayerStats, PinnedRegion, StepItem, SummaryDtype, Timing,
 };
 use kvtier_kernels::select::{block_score, partition};
-use kvtier_storage::Policy;
+use kvtier_storage::{DType, Geometry, Policy};
 
 fn gpu() -> bool {
     if device_available() {
@@ -38,17 +37,17 @@ impl Rng {
 }
 
 /// Rounds to the storage dtype and returns (stored value as f32, little-endian bytes).
-fn store(x: f32, dt: KvDtype) -> (f32, Vec<u8>) {
+fn store(x: f32, dt: DType) -> (f32, Vec<u8>) {
     match dt {
-        KvDtype::Bf16 => {
+        DType::Bf16 => {
             let h = bf16::from_f32(x);
             (h.to_f32(), h.to_bits().to_le_bytes().to_vec())
         }
-        KvDtype::F16 => {
+        DType::F16 => {
             let h = f16::from_f32(x);
             (h.to_f32(), h.to_bits().to_le_bytes().to_vec())
         }
-        KvDtype::F32 => (x, x.to_le_bytes().to_vec()),
+        DType::F32 => (x, x.to_le_bytes().to_vec()),
     }
 }
 
@@ -69,8 +68,8 @@ struct Harness {
     rng: Rng,
 }
 
-fn geom(hq: u32, hkv: u32, d: u32, b: u32, dtype: KvDtype) -> CudaGeometry {
-    CudaGeometry {
+fn geom(hq: u32, hkv: u32, d: u32, b: u32, dtype: DType) -> Geometry {
+    Geometry {
         layers: 2,
         q_heads: hq,
         kv_heads: hkv,
@@ -81,8 +80,8 @@ fn geom(hq: u32, hkv: u32, d: u32, b: u32, dtype: KvDtype) -> CudaGeometry {
 }
 
 fn config(
-    g: CudaGeometry,
-    policy: SelectPolicy,
+    g: Geometry,
+    policy: Policy,
     max_blocks: u32,
     sessions: u32,
     sum: SummaryDtype,
@@ -93,7 +92,7 @@ fn config(
         max_sessions: sessions,
         max_blocks,
         max_batch: sessions,
-        cache_slots: policy.keep_max() * 2,
+        cache_slots: policy.budget() as u32 * 2,
         summary_dtype: sum,
         attention: AttentionMath::TensorCores,
     }
@@ -112,7 +111,7 @@ impl Harness {
         be.set_poison_outputs(true);
         let g = cfg.geometry;
         let n_frames = cfg.max_sessions as u64 * g.layers as u64 * cfg.max_blocks as u64;
-        let map = AnonMapping::new((n_frames * g.block_run_bytes() as u64) as usize).expect("mmap");
+        let map = AnonMapping::new((n_frames * g.block_bytes() as u64) as usize).expect("mmap");
         let region = PinnedRegion::register_owned(be.context(), map).expect("pin");
         be.attach_host(region).expect("attach");
         Harness {
@@ -126,7 +125,7 @@ impl Harness {
     }
 
     fn frame_offset(&self, frame: u64) -> u64 {
-        frame * self.cfg.geometry.block_run_bytes() as u64
+        frame * self.cfg.geometry.block_bytes() as u64
     }
 
     /// Writes token t (all kv heads) of a session layer into its host frame.
@@ -422,7 +421,7 @@ fn check_step(
     }
 }
 
-const POLICY: SelectPolicy = SelectPolicy {
+const POLICY: Policy = Policy {
     sink_blocks: 1,
     local_blocks: 4,
     top_k: 8,
@@ -430,12 +429,12 @@ const POLICY: SelectPolicy = SelectPolicy {
 
 /// Qwen2.5-7B attention (28/4 heads, D=128, B=128, bf16), sink 1, local 4, top-k 32.
 fn qwen_config(max_blocks: u32, sessions: u32) -> CudaConfig {
-    let policy = SelectPolicy {
+    let policy = Policy {
         sink_blocks: 1,
         local_blocks: 4,
         top_k: 32,
     };
-    let g = geom(28, 4, 128, 128, KvDtype::Bf16);
+    let g = geom(28, 4, 128, 128, DType::Bf16);
     config(g, policy, max_blocks, sessions, SummaryDtype::F32)
 }
 
@@ -446,7 +445,7 @@ fn smoke_device_and_one_layer() {
         return;
     }
     let cfg = config(
-        geom(28, 4, 128, 128, KvDtype::Bf16),
+        geom(28, 4, 128, 128, DType::Bf16),
         POLICY,
         24,
         1,
@@ -493,27 +492,23 @@ fn other_geometries_and_dtypes() {
     }
     let cases = [
         (
-            geom(8, 8, 64, 16, KvDtype::F16),
-            SelectPolicy {
+            geom(8, 8, 64, 16, DType::F16),
+            Policy {
                 sink_blocks: 2,
                 local_blocks: 3,
                 top_k: 4,
             },
             SummaryDtype::F32,
         ),
+        (geom(16, 2, 128, 32, DType::F32), POLICY, SummaryDtype::F32),
         (
-            geom(16, 2, 128, 32, KvDtype::F32),
-            POLICY,
-            SummaryDtype::F32,
-        ),
-        (
-            geom(16, 4, 256, 64, KvDtype::Bf16),
+            geom(16, 4, 256, 64, DType::Bf16),
             POLICY,
             SummaryDtype::Bf16Outward,
         ),
         (
-            geom(32, 8, 32, 16, KvDtype::F32),
-            SelectPolicy {
+            geom(32, 8, 32, 16, DType::F32),
+            Policy {
                 sink_blocks: 0,
                 local_blocks: 1,
                 top_k: 3,
@@ -521,7 +516,7 @@ fn other_geometries_and_dtypes() {
             SummaryDtype::Bf16Outward,
         ),
         (
-            geom(12, 4, 64, 128, KvDtype::Bf16),
+            geom(12, 4, 64, 128, DType::Bf16),
             POLICY,
             SummaryDtype::Bf16Outward,
         ),
@@ -556,9 +551,9 @@ fn tensor_core_attention_matches_fp32() {
         return;
     }
     for g in [
-        geom(28, 4, 128, 128, KvDtype::Bf16),
-        geom(8, 2, 64, 16, KvDtype::Bf16),
-        geom(12, 4, 64, 128, KvDtype::Bf16),
+        geom(28, 4, 128, 128, DType::Bf16),
+        geom(8, 2, 64, 16, DType::Bf16),
+        geom(12, 4, 64, 128, DType::Bf16),
     ] {
         let b = g.block_tokens;
         let run = |attention: AttentionMath| {
@@ -597,7 +592,7 @@ fn selector_ties_break_to_lower_block() {
         (1, SummaryDtype::F32),
         (5, SummaryDtype::Bf16Outward),
     ] {
-        let cfg = config(geom(8, 2, 64, 16, KvDtype::Bf16), POLICY, 60, 2, sd);
+        let cfg = config(geom(8, 2, 64, 16, DType::Bf16), POLICY, 60, 2, sd);
         let mut h = Harness::new(cfg, 20 + templates as u64);
         let a = h.add_session(60 * 16, KeyGen { templates });
         let b = h.add_session(45 * 16 + 5, KeyGen { templates });
@@ -613,13 +608,13 @@ fn dense_mode_is_plain_attention() {
     if !gpu() {
         return;
     }
-    let p = SelectPolicy {
+    let p = Policy {
         sink_blocks: 1,
         local_blocks: 2,
         top_k: 40,
     };
     let cfg = config(
-        geom(28, 4, 128, 32, KvDtype::Bf16),
+        geom(28, 4, 128, 32, DType::Bf16),
         p,
         43,
         2,
@@ -662,7 +657,7 @@ fn block_cache_hits_and_appends() {
         return;
     }
     let cfg = config(
-        geom(28, 4, 128, 32, KvDtype::Bf16),
+        geom(28, 4, 128, 32, DType::Bf16),
         POLICY,
         40,
         2,
@@ -706,13 +701,13 @@ fn split_plan_keeps_cache_exact_at_ksel_slots() {
         return;
     }
     let mut cfg = config(
-        geom(28, 4, 128, 32, KvDtype::Bf16),
+        geom(28, 4, 128, 32, DType::Bf16),
         POLICY,
         200,
         2,
         SummaryDtype::F32,
     );
-    cfg.cache_slots = POLICY.keep_max();
+    cfg.cache_slots = POLICY.budget() as u32;
     let mut h = Harness::new(cfg, 41);
     let a = h.add_session(150 * 32 + 7, KeyGen { templates: 0 }); // partial tail
     let b = h.add_session(120 * 32, KeyGen { templates: 0 }); // full tail
@@ -722,7 +717,7 @@ fn split_plan_keeps_cache_exact_at_ksel_slots() {
         DecodeItem { slot: b, q: &qb },
     ];
     let first = repeat_refetches_only_partial_tails(&mut h, &items);
-    assert_eq!(first.tiles, 2 * 4 * POLICY.keep_max() as u64);
+    assert_eq!(first.tiles, 2 * 4 * POLICY.budget());
     // Changing queries: the keep-sets move, the cache turns over, results stay exact.
     for _ in 0..6 {
         check_layer(&mut h, 0, &[a, b]);
@@ -745,13 +740,13 @@ fn selector_long_layers_match_cpu() {
         return;
     }
     for (top_k, templates) in [(32, 0), (32, 7), (31, 3), (33, 0), (48, 5)] {
-        let policy = SelectPolicy {
+        let policy = Policy {
             sink_blocks: 2,
             local_blocks: 3,
             top_k,
         };
         let cfg = config(
-            geom(28, 4, 128, 16, KvDtype::Bf16),
+            geom(28, 4, 128, 16, DType::Bf16),
             policy,
             1100,
             2,
@@ -778,7 +773,7 @@ fn decode_step_matches_layers() {
         return;
     }
     let cfg = config(
-        geom(28, 4, 128, 32, KvDtype::Bf16),
+        geom(28, 4, 128, 32, DType::Bf16),
         POLICY,
         40,
         3,
@@ -1008,10 +1003,7 @@ fn dense_attention_matches_reference() {
     let sparse = h.be.decode_step(&items).unwrap().out;
     let host = h.be.dense_step(&items, DenseKv::Host).unwrap();
     let kv = h.be.copy_kv_to_device(&slots).unwrap();
-    assert_eq!(
-        kv.bytes(),
-        (60 + 9) * 2 * cfg.geometry.block_run_bytes() as u64
-    );
+    assert_eq!(kv.bytes(), (60 + 9) * 2 * cfg.geometry.block_bytes() as u64);
     let dev = h.be.dense_step(&items, DenseKv::Device(&kv)).unwrap();
     assert_eq!(host.out, dev.out, "same tiles, same arithmetic");
     for (i, &slot) in slots.iter().enumerate() {
@@ -1069,7 +1061,7 @@ fn bad_inputs_get_typed_errors() {
         return;
     }
     let cfg = config(
-        geom(8, 2, 64, 16, KvDtype::Bf16),
+        geom(8, 2, 64, 16, DType::Bf16),
         POLICY,
         20,
         2,
@@ -1212,7 +1204,7 @@ fn pinned_region_chunks_and_cleanup() {
         return;
     }
     let cfg = config(
-        geom(8, 2, 64, 16, KvDtype::Bf16),
+        geom(8, 2, 64, 16, DType::Bf16),
         POLICY,
         20,
         1,
@@ -1272,7 +1264,7 @@ fn selector_large_context_exact() {
     if !gpu() {
         return;
     }
-    let p = SelectPolicy {
+    let p = Policy {
         sink_blocks: 1,
         local_blocks: 4,
         top_k: 32,
@@ -1282,7 +1274,7 @@ fn selector_large_context_exact() {
         (7, SummaryDtype::F32),
         (0, SummaryDtype::Bf16Outward),
     ] {
-        let cfg = config(geom(8, 2, 32, 16, KvDtype::F32), p, 3000, 2, sd);
+        let cfg = config(geom(8, 2, 32, 16, DType::F32), p, 3000, 2, sd);
         let mut h = Harness::new(cfg, 70 + templates as u64);
         let a = h.add_session(3000 * 16, KeyGen { templates });
         let b = h.add_session(2111 * 16 + 9, KeyGen { templates });
@@ -1300,13 +1292,13 @@ fn selector_max_blocks_list_merge_exact() {
         return;
     }
     for (top_k, templates) in [(32, 0), (32, 5), (8, 3)] {
-        let p = SelectPolicy {
+        let p = Policy {
             sink_blocks: 1,
             local_blocks: 4,
             top_k,
         };
         let cfg = config(
-            geom(4, 1, 32, 16, KvDtype::Bf16),
+            geom(4, 1, 32, 16, DType::Bf16),
             p,
             32_768,
             2,

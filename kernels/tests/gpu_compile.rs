@@ -2,14 +2,12 @@
 //! skips (saying so) where libnvrtc is absent.
 #![cfg(feature = "cuda")]
 
-use kvtier_kernels::cuda::{
-    compile_check, AttentionMath, CudaConfig, CudaError, CudaGeometry, KvDtype, SelectPolicy,
-    SummaryDtype,
-};
+use kvtier_kernels::cuda::{compile_check, AttentionMath, CudaConfig, CudaError, SummaryDtype};
+use kvtier_storage::{DType, Geometry, Policy};
 
-fn cfg(hq: u32, hkv: u32, d: u32, b: u32, dtype: KvDtype, sum: SummaryDtype) -> CudaConfig {
+fn cfg(hq: u32, hkv: u32, d: u32, b: u32, dtype: DType, sum: SummaryDtype) -> CudaConfig {
     CudaConfig {
-        geometry: CudaGeometry {
+        geometry: Geometry {
             layers: 2,
             q_heads: hq,
             kv_heads: hkv,
@@ -17,7 +15,7 @@ fn cfg(hq: u32, hkv: u32, d: u32, b: u32, dtype: KvDtype, sum: SummaryDtype) -> 
             block_tokens: b,
             dtype,
         },
-        policy: SelectPolicy {
+        policy: Policy {
             sink_blocks: 1,
             local_blocks: 2,
             top_k: 5,
@@ -34,26 +32,26 @@ fn cfg(hq: u32, hkv: u32, d: u32, b: u32, dtype: KvDtype, sum: SummaryDtype) -> 
 #[test]
 fn kernels_compile_for_supported_geometries() {
     let cases = [
-        cfg(28, 4, 128, 128, KvDtype::Bf16, SummaryDtype::F32),
-        cfg(28, 4, 128, 128, KvDtype::Bf16, SummaryDtype::Bf16Outward),
-        cfg(8, 8, 64, 16, KvDtype::F16, SummaryDtype::F32),
-        cfg(16, 2, 128, 32, KvDtype::F32, SummaryDtype::F32),
-        cfg(16, 4, 256, 64, KvDtype::Bf16, SummaryDtype::F32),
-        cfg(32, 8, 32, 16, KvDtype::F32, SummaryDtype::Bf16Outward),
+        cfg(28, 4, 128, 128, DType::Bf16, SummaryDtype::F32),
+        cfg(28, 4, 128, 128, DType::Bf16, SummaryDtype::Bf16Outward),
+        cfg(8, 8, 64, 16, DType::F16, SummaryDtype::F32),
+        cfg(16, 2, 128, 32, DType::F32, SummaryDtype::F32),
+        cfg(16, 4, 256, 64, DType::Bf16, SummaryDtype::F32),
+        cfg(32, 8, 32, 16, DType::F32, SummaryDtype::Bf16Outward),
         // top_k > 32: the radix select over every score instead of the list merge.
         CudaConfig {
-            policy: SelectPolicy {
+            policy: Policy {
                 sink_blocks: 1,
                 local_blocks: 2,
                 top_k: 40,
             },
             cache_slots: 48,
-            ..cfg(28, 4, 128, 128, KvDtype::Bf16, SummaryDtype::F32)
+            ..cfg(28, 4, 128, 128, DType::Bf16, SummaryDtype::F32)
         },
         // The fp32 attention path for a geometry that would take tensor cores.
         CudaConfig {
             attention: AttentionMath::Simt,
-            ..cfg(28, 4, 128, 128, KvDtype::Bf16, SummaryDtype::F32)
+            ..cfg(28, 4, 128, 128, DType::Bf16, SummaryDtype::F32)
         },
     ];
     for c in cases {

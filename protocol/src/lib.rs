@@ -33,5 +33,5 @@ pub use request::{
     Request, DECODE_WANT_STATS,
 };
 pub use response::{DecodeOutput, DecodeReply, ErrorReply, HelloReply, Response, StatsReply};
-pub use types::{stats_keys, DecodeStats, Dtype, Geometry, Policy, SessionInfo};
+pub use types::{dtype_from_wire, stats_keys, DType, DecodeStats, Geometry, Policy, SessionInfo};
 pub use wire::{f32_le_bytes, f32s_le, read_f32s_into};

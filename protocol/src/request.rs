@@ -2,7 +2,7 @@
 
 use crate::error::ProtoError;
 use crate::header::{encode_frame, Header, Opcode, FLAG_APPEND_SHM, REPLY_BIT};
-use crate::types::{Geometry, Policy};
+use crate::types::{get_geometry, get_policy, put_geometry, put_policy, Geometry, Policy};
 use crate::wire::{f32s_le, put_len, put_str, put_u16, put_u32, put_u64, Reader};
 
 /// DECODE body flag: return per-entry [`crate::DecodeStats`].
@@ -46,16 +46,16 @@ pub struct CreateSessionRequest {
 
 impl CreateSessionRequest {
     pub fn encode(&self, buf: &mut Vec<u8>) -> Result<(), ProtoError> {
-        self.geometry.put(buf);
-        self.policy.put(buf);
+        put_geometry(&self.geometry, buf);
+        put_policy(&self.policy, buf);
         put_str(buf, &self.label, "session label")
     }
 
     pub fn decode(body: &[u8]) -> Result<Self, ProtoError> {
         let mut r = Reader::new(body);
         let out = Self {
-            geometry: Geometry::get(&mut r)?,
-            policy: Policy::get(&mut r)?,
+            geometry: get_geometry(&mut r)?,
+            policy: get_policy(&mut r)?,
             label: r.str("session label")?.to_owned(),
         };
         r.finish()?;

@@ -3,131 +3,51 @@
 use crate::error::ProtoError;
 use crate::wire::{put_len, put_str, put_u32, put_u64, put_u8, Reader};
 
-/// Element type of K and V. Queries and outputs are always f32.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Dtype {
-    Bf16 = 0,
-    F16 = 1,
-    F32 = 2,
+pub use kvtier_model::{DType, Geometry, Policy};
+
+/// Wire length of a geometry: layers u32, q_heads u32, kv_heads u32, head_dim u32, dtype u8,
+/// block_tokens u32.
+pub const GEOMETRY_WIRE_LEN: usize = 21;
+/// Wire length of a policy: sink_blocks u32, local_blocks u32, top_k u32.
+pub const POLICY_WIRE_LEN: usize = 12;
+
+/// The element type of a wire code (0 bf16, 1 f16, 2 f32); queries and outputs are always f32.
+pub fn dtype_from_wire(value: u8) -> Result<DType, ProtoError> {
+    DType::from_code(value).ok_or(ProtoError::BadDtype { value })
 }
 
-impl Dtype {
-    pub fn as_u8(self) -> u8 {
-        self as u8
-    }
-
-    pub fn from_u8(value: u8) -> Result<Self, ProtoError> {
-        match value {
-            0 => Ok(Dtype::Bf16),
-            1 => Ok(Dtype::F16),
-            2 => Ok(Dtype::F32),
-            value => Err(ProtoError::BadDtype { value }),
-        }
-    }
-
-    /// Bytes per element.
-    pub fn elem_bytes(self) -> usize {
-        match self {
-            Dtype::Bf16 | Dtype::F16 => 2,
-            Dtype::F32 => 4,
-        }
-    }
+pub(crate) fn put_geometry(g: &Geometry, buf: &mut Vec<u8>) {
+    put_u32(buf, g.layers);
+    put_u32(buf, g.q_heads);
+    put_u32(buf, g.kv_heads);
+    put_u32(buf, g.head_dim);
+    put_u8(buf, g.dtype.code());
+    put_u32(buf, g.block_tokens);
 }
 
-/// Attention geometry of a session. Wire: layers u32, q_heads u32, kv_heads u32,
-/// head_dim u32, dtype u8, block_tokens u32 (21 bytes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Geometry {
-    pub layers: u32,
-    pub q_heads: u32,
-    pub kv_heads: u32,
-    pub head_dim: u32,
-    pub dtype: Dtype,
-    pub block_tokens: u32,
+pub(crate) fn get_geometry(r: &mut Reader<'_>) -> Result<Geometry, ProtoError> {
+    Ok(Geometry {
+        layers: r.u32("geometry.layers")?,
+        q_heads: r.u32("geometry.q_heads")?,
+        kv_heads: r.u32("geometry.kv_heads")?,
+        head_dim: r.u32("geometry.head_dim")?,
+        dtype: dtype_from_wire(r.u8("geometry.dtype")?)?,
+        block_tokens: r.u32("geometry.block_tokens")?,
+    })
 }
 
-impl Geometry {
-    pub const WIRE_LEN: usize = 21;
-
-    pub(crate) fn put(&self, buf: &mut Vec<u8>) {
-        put_u32(buf, self.layers);
-        put_u32(buf, self.q_heads);
-        put_u32(buf, self.kv_heads);
-        put_u32(buf, self.head_dim);
-        put_u8(buf, self.dtype.as_u8());
-        put_u32(buf, self.block_tokens);
-    }
-
-    pub(crate) fn get(r: &mut Reader<'_>) -> Result<Self, ProtoError> {
-        Ok(Self {
-            layers: r.u32("geometry.layers")?,
-            q_heads: r.u32("geometry.q_heads")?,
-            kv_heads: r.u32("geometry.kv_heads")?,
-            head_dim: r.u32("geometry.head_dim")?,
-            dtype: Dtype::from_u8(r.u8("geometry.dtype")?)?,
-            block_tokens: r.u32("geometry.block_tokens")?,
-        })
-    }
-
-    /// Bytes of one query `[Hq][D]` f32 (also one decode output). None on overflow.
-    pub fn q_bytes(&self) -> Option<u64> {
-        u64::from(self.q_heads)
-            .checked_mul(u64::from(self.head_dim))?
-            .checked_mul(4)
-    }
-
-    /// Bytes of one token's K (or V) for one layer, `[Hkv][D]` in dtype.
-    pub fn kv_token_bytes(&self) -> Option<u64> {
-        u64::from(self.kv_heads)
-            .checked_mul(u64::from(self.head_dim))?
-            .checked_mul(self.dtype.elem_bytes() as u64)
-    }
-
-    /// Bytes of an APPEND_KV payload of `n_tokens`: for every layer K `[n][Hkv][D]` then
-    /// V `[n][Hkv][D]`.
-    pub fn append_payload_bytes(&self, n_tokens: u32) -> Option<u64> {
-        self.kv_token_bytes()?
-            .checked_mul(u64::from(n_tokens))?
-            .checked_mul(2)?
-            .checked_mul(u64::from(self.layers))
-    }
+pub(crate) fn put_policy(p: &Policy, buf: &mut Vec<u8>) {
+    put_u32(buf, p.sink_blocks);
+    put_u32(buf, p.local_blocks);
+    put_u32(buf, p.top_k);
 }
 
-/// Block selection policy. Wire: sink_blocks u32, local_blocks u32, top_k u32 (12 bytes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Policy {
-    pub sink_blocks: u32,
-    pub local_blocks: u32,
-    pub top_k: u32,
-}
-
-impl Default for Policy {
-    fn default() -> Self {
-        Self {
-            sink_blocks: 1,
-            local_blocks: 4,
-            top_k: 32,
-        }
-    }
-}
-
-impl Policy {
-    pub const WIRE_LEN: usize = 12;
-
-    pub(crate) fn put(&self, buf: &mut Vec<u8>) {
-        put_u32(buf, self.sink_blocks);
-        put_u32(buf, self.local_blocks);
-        put_u32(buf, self.top_k);
-    }
-
-    pub(crate) fn get(r: &mut Reader<'_>) -> Result<Self, ProtoError> {
-        Ok(Self {
-            sink_blocks: r.u32("policy.sink_blocks")?,
-            local_blocks: r.u32("policy.local_blocks")?,
-            top_k: r.u32("policy.top_k")?,
-        })
-    }
+pub(crate) fn get_policy(r: &mut Reader<'_>) -> Result<Policy, ProtoError> {
+    Ok(Policy {
+        sink_blocks: r.u32("policy.sink_blocks")?,
+        local_blocks: r.u32("policy.local_blocks")?,
+        top_k: r.u32("policy.top_k")?,
+    })
 }
 
 /// One session as reported by SESSION_INFO and LIST_SESSIONS.
@@ -157,14 +77,14 @@ pub struct SessionInfo {
 impl SessionInfo {
     /// Encoded size with an empty label; the minimum size of one list element.
     pub const MIN_WIRE_LEN: usize =
-        8 + 4 + 4 + Geometry::WIRE_LEN + Policy::WIRE_LEN + 8 * 5 + 1 + 8 * 2;
+        8 + 4 + 4 + GEOMETRY_WIRE_LEN + POLICY_WIRE_LEN + 8 * 5 + 1 + 8 * 2;
 
     pub(crate) fn put(&self, buf: &mut Vec<u8>) -> Result<(), ProtoError> {
         put_u64(buf, self.session);
         put_u32(buf, self.owner_uid);
         put_str(buf, &self.label, "session label")?;
-        self.geometry.put(buf);
-        self.policy.put(buf);
+        put_geometry(&self.geometry, buf);
+        put_policy(&self.policy, buf);
         put_u64(buf, self.tokens_min);
         put_u64(buf, self.tokens_max);
         put_u64(buf, self.blocks);
@@ -179,7 +99,7 @@ impl SessionInfo {
     pub(crate) fn get(r: &mut Reader<'_>) -> Result<Self, ProtoError> {
         let (session, owner_uid) = (r.u64("session")?, r.u32("owner_uid")?);
         let label = r.str("session label")?.to_owned();
-        let (geometry, policy) = (Geometry::get(r)?, Policy::get(r)?);
+        let (geometry, policy) = (get_geometry(r)?, get_policy(r)?);
         let (tokens_min, tokens_max) = (r.u64("tokens_min")?, r.u64("tokens_max")?);
         let (blocks, host_bytes, nvme_bytes) =
             (r.u64("blocks")?, r.u64("host_bytes")?, r.u64("nvme_bytes")?);

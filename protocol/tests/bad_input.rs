@@ -28,7 +28,7 @@ fn geometry() -> Geometry {
         q_heads: 4,
         kv_heads: 2,
         head_dim: 4,
-        dtype: Dtype::Bf16,
+        dtype: DType::Bf16,
         block_tokens: 16,
     }
 }
@@ -457,7 +457,7 @@ fn geometry_size_helpers() {
         q_heads: 28,
         kv_heads: 4,
         head_dim: 128,
-        dtype: Dtype::Bf16,
+        dtype: DType::Bf16,
         block_tokens: 128,
     };
     assert_eq!(g.q_bytes(), Some(28 * 128 * 4));

@@ -250,7 +250,7 @@ fn geometry() -> Geometry {
         q_heads: 4,
         kv_heads: 2,
         head_dim: 8,
-        dtype: Dtype::F16,
+        dtype: DType::F16,
         block_tokens: 4,
     }
 }

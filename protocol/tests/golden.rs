@@ -27,7 +27,7 @@ fn geometry() -> Geometry {
         q_heads: 4,
         kv_heads: 2,
         head_dim: 4,
-        dtype: Dtype::Bf16,
+        dtype: DType::Bf16,
         block_tokens: 16,
     }
 }

@@ -4,11 +4,9 @@ use std::io;
 /// failure without parsing the message.
 #[derive(Debug, thiserror::Error)]
 pub enum StorageError {
-    #[error("invalid geometry: {field} {reason}")]
-    InvalidGeometry { field: &'static str, reason: String },
-
-    #[error("invalid policy: {field} {reason}")]
-    InvalidPolicy { field: &'static str, reason: String },
+    /// A geometry or policy out of range.
+    #[error(transparent)]
+    Model(#[from] kvtier_model::ModelError),
 
     #[error("invalid arena configuration: {reason}")]
     InvalidArena { reason: String },

@@ -2,8 +2,8 @@
 //!
 //! # Layout
 //!
-//! - [`dtype`]: stored element types (bf16, f16, f32) and their conversions.
-//! - [`geometry`]: session [`Geometry`] and the tile layout it implies; the selection [`Policy`].
+//! - [`Geometry`], [`Policy`], [`DType`]: the data model, defined in kvtier-model and
+//!   re-exported here (with its modules, `geometry` and `dtype`) for the crates built on storage.
 //! - [`arena`]: [`HostArena`], fixed-size block frames in one anonymous mapping (the host tier).
 //! - [`kv`]: [`KvCache`], one session's per-layer block tables and incremental block summaries.
 //! - `par`: the scoped-thread fan-out of the bulk paths (page store batches, block restores).
@@ -15,17 +15,14 @@
 //! Nothing here depends on a GPU or on io_uring: policy code is testable anywhere.
 
 pub mod arena;
-pub mod dtype;
 pub mod error;
-pub mod geometry;
 pub mod kv;
 pub mod nvme;
 mod par;
 pub mod testing;
 
 pub use arena::{ArenaOptions, ArenaUsage, Frame, FrameQuota, HostArena};
-pub use dtype::DType;
 pub use error::{Result, StorageError};
-pub use geometry::{Geometry, Policy};
 pub use kv::{ColdSource, KvCache, LayerView, StoredBlock};
+pub use kvtier_model::{dtype, geometry, DType, Geometry, ModelError, Policy};
 pub use par::default_workers;

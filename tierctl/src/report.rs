@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use kvtier_protocol::{stats_keys as keys, Dtype, SessionInfo, StatsReply};
+use kvtier_model::{Geometry, Policy};
+use kvtier_protocol::{stats_keys as keys, SessionInfo, StatsReply};
 use serde::Serialize;
 
 use crate::human::{self, Align, Table};
@@ -182,31 +183,14 @@ impl Status {
     }
 }
 
-#[derive(Debug, Serialize)]
-pub struct GeometryJson {
-    pub layers: u32,
-    pub q_heads: u32,
-    pub kv_heads: u32,
-    pub head_dim: u32,
-    pub dtype: &'static str,
-    pub block_tokens: u32,
-}
-
-#[derive(Debug, Serialize)]
-pub struct PolicyJson {
-    pub sink_blocks: u32,
-    pub local_blocks: u32,
-    pub top_k: u32,
-}
-
 /// One session (`session info`, and each element of `sessions`).
 #[derive(Debug, Serialize)]
 pub struct Session {
     pub id: u64,
     pub owner_uid: u32,
     pub label: String,
-    pub geometry: GeometryJson,
-    pub policy: PolicyJson,
+    pub geometry: Geometry,
+    pub policy: Policy,
     pub tokens_min: u64,
     pub tokens_max: u64,
     pub blocks: u64,
@@ -219,34 +203,14 @@ pub struct Session {
     pub last_access_unix_ms: u64,
 }
 
-pub fn dtype_name(d: Dtype) -> &'static str {
-    match d {
-        Dtype::Bf16 => "bf16",
-        Dtype::F16 => "f16",
-        Dtype::F32 => "f32",
-    }
-}
-
 impl From<&SessionInfo> for Session {
     fn from(s: &SessionInfo) -> Self {
-        let g = &s.geometry;
         Self {
             id: s.session,
             owner_uid: s.owner_uid,
             label: s.label.clone(),
-            geometry: GeometryJson {
-                layers: g.layers,
-                q_heads: g.q_heads,
-                kv_heads: g.kv_heads,
-                head_dim: g.head_dim,
-                dtype: dtype_name(g.dtype),
-                block_tokens: g.block_tokens,
-            },
-            policy: PolicyJson {
-                sink_blocks: s.policy.sink_blocks,
-                local_blocks: s.policy.local_blocks,
-                top_k: s.policy.top_k,
-            },
+            geometry: s.geometry,
+            policy: s.policy,
             tokens_min: s.tokens_min,
             tokens_max: s.tokens_max,
             blocks: s.blocks,

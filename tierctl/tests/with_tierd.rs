@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use kvtier_protocol::client::Client;
-use kvtier_protocol::{Dtype, Geometry, Policy};
+use kvtier_protocol::{DType, Geometry, Policy};
 use serde_json::Value;
 
 /// Builds tierd once per test binary and returns its path; `KVTIER_TEST_TIERD` names a
@@ -153,7 +153,7 @@ const GEOM: Geometry = Geometry {
     q_heads: 4,
     kv_heads: 2,
     head_dim: 16,
-    dtype: Dtype::Bf16,
+    dtype: DType::Bf16,
     block_tokens: 16,
 };
 

@@ -13,9 +13,8 @@ use std::time::{Duration, Instant};
 
 use kvtier_bench::{cpu_description, fill_bf16};
 use kvtier_protocol::client::Client;
-use kvtier_protocol::{DecodeEntryRef, Dtype, Geometry, Policy};
+use kvtier_protocol::{DType, DecodeEntryRef, Geometry, Policy};
 use kvtier_storage::testing::Rng;
-use kvtier_storage::DType;
 
 struct Args {
     context: u64,
@@ -106,7 +105,7 @@ fn main() {
         q_heads: 28,
         kv_heads: 4,
         head_dim: 128,
-        dtype: Dtype::Bf16,
+        dtype: DType::Bf16,
         block_tokens: 128,
     };
     let sparse_policy = Policy {

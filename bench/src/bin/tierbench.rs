@@ -27,7 +27,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvtier_bench::{cpu_description, fill_bf16, percentile};
 use kvtier_protocol::client::{default_socket_path, Client};
 use kvtier_protocol::{
-    stats_keys, DecodeEntryRef, DecodeRequest, Dtype, Geometry, Policy, Request, HEADER_LEN,
+    stats_keys, DType, DecodeEntryRef, DecodeRequest, Geometry, Policy, Request, HEADER_LEN,
 };
 use kvtier_storage::testing::Rng;
 use serde::Serialize;
@@ -94,7 +94,7 @@ const SMALL: Geometry = Geometry {
     q_heads: 1,
     kv_heads: 1,
     head_dim: 8,
-    dtype: Dtype::Bf16,
+    dtype: DType::Bf16,
     block_tokens: 128,
 };
 const SMALL_CONTEXT: u64 = 128;
@@ -146,22 +146,12 @@ struct Rtt {
 }
 
 #[derive(Debug, Serialize)]
-struct GeometryJson {
-    layers: u32,
-    q_heads: u32,
-    kv_heads: u32,
-    head_dim: u32,
-    dtype: &'static str,
-    block_tokens: u32,
-}
-
-#[derive(Debug, Serialize)]
 struct Report {
     machine: String,
     command: String,
     unix_time: u64,
     server: String,
-    geometry: GeometryJson,
+    geometry: Geometry,
     steps: u64,
     max_seconds: f64,
     cells: Vec<Cell>,
@@ -260,7 +250,7 @@ fn session_host_bytes(g: &Geometry, tokens: u64, frame: u64) -> u64 {
         * 2
         * u64::from(g.block_tokens)
         * u64::from(g.head_dim)
-        * g.dtype.elem_bytes() as u64;
+        * g.dtype.size() as u64;
     blocks * u64::from(g.layers) * run.div_ceil(frame) * frame
 }
 
@@ -529,14 +519,6 @@ fn socket_ping_pong(req: usize, resp: usize, requests: u32) -> Result<Latency, B
     Ok(Latency::of(lat))
 }
 
-fn dtype_name(d: Dtype) -> &'static str {
-    match d {
-        Dtype::Bf16 => "bf16",
-        Dtype::F16 => "f16",
-        Dtype::F32 => "f32",
-    }
-}
-
 fn gib(b: u64) -> f64 {
     b as f64 / (1u64 << 30) as f64
 }
@@ -564,7 +546,7 @@ fn run(args: Args) -> Result<(), BoxError> {
             q_heads: args.q_heads,
             kv_heads: args.kv_heads,
             head_dim: args.head_dim,
-            dtype: Dtype::Bf16,
+            dtype: DType::Bf16,
             block_tokens: args.block_tokens,
         }
     };
@@ -656,7 +638,7 @@ fn run(args: Args) -> Result<(), BoxError> {
         g.q_heads,
         g.kv_heads,
         g.head_dim,
-        dtype_name(g.dtype),
+        g.dtype.name(),
         g.block_tokens,
         args.steps,
         args.max_seconds,
@@ -753,14 +735,7 @@ fn run(args: Args) -> Result<(), BoxError> {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
         server,
-        geometry: GeometryJson {
-            layers: g.layers,
-            q_heads: g.q_heads,
-            kv_heads: g.kv_heads,
-            head_dim: g.head_dim,
-            dtype: dtype_name(g.dtype),
-            block_tokens: g.block_tokens,
-        },
+        geometry: g,
         steps: args.steps,
         max_seconds: args.max_seconds,
         cells,

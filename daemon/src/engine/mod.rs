@@ -32,12 +32,10 @@ use kvtier_protocol::{
     stats_keys, CreateSessionRequest, DecodeEntryRef, DecodeOutput, DecodeReply, DecodeStats,
     SessionInfo, StatsReply,
 };
-use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
+use kvtier_storage::nvme::manifest::{GeometryRecord, SessionRecord};
 use kvtier_storage::nvme::{BlockRun, NvmeError, NvmeTier, TierSource};
 use kvtier_storage::ColdSource;
-use kvtier_storage::{
-    DType, FrameQuota, Geometry, HostArena, KvCache, Policy, StorageError, StoredBlock,
-};
+use kvtier_storage::{FrameQuota, Geometry, HostArena, KvCache, Policy, StorageError, StoredBlock};
 
 use crate::error::{storage_code, ServiceError, ServiceResult};
 use crate::gpu::{GpuDecoder, GpuEntry};
@@ -147,28 +145,6 @@ fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
-}
-
-fn to_geometry(g: &kvtier_protocol::Geometry) -> Geometry {
-    Geometry {
-        layers: g.layers,
-        q_heads: g.q_heads,
-        kv_heads: g.kv_heads,
-        head_dim: g.head_dim,
-        dtype: DType::from_code(g.dtype.as_u8()).expect("protocol dtypes are storage dtypes"),
-        block_tokens: g.block_tokens,
-    }
-}
-
-fn to_wire_geometry(g: &Geometry) -> kvtier_protocol::Geometry {
-    kvtier_protocol::Geometry {
-        layers: g.layers,
-        q_heads: g.q_heads,
-        kv_heads: g.kv_heads,
-        head_dim: g.head_dim,
-        dtype: kvtier_protocol::Dtype::from_u8(g.dtype.code()).expect("same codes"),
-        block_tokens: g.block_tokens,
-    }
 }
 
 impl Engine {
@@ -356,13 +332,8 @@ impl Engine {
     }
 
     pub fn create(&self, peer: &Peer, req: &CreateSessionRequest) -> ServiceResult<u64> {
-        let geometry = to_geometry(&req.geometry);
-        let policy = Policy {
-            sink_blocks: req.policy.sink_blocks,
-            local_blocks: req.policy.local_blocks,
-            top_k: req.policy.top_k,
-        };
-        policy.validate()?;
+        let (geometry, policy) = (req.geometry, req.policy);
+        policy.validate().map_err(StorageError::from)?;
         let kv = KvCache::new(geometry, self.arena_for(peer.uid))?;
         let mut sessions = self.sessions.write();
         let per_uid = self.limits.max_sessions_per_uid;
@@ -423,12 +394,8 @@ impl Engine {
             session: s.id,
             owner_uid: s.owner_uid,
             label: s.label.clone(),
-            geometry: to_wire_geometry(&s.geometry),
-            policy: kvtier_protocol::Policy {
-                sink_blocks: s.policy.sink_blocks,
-                local_blocks: s.policy.local_blocks,
-                top_k: s.policy.top_k,
-            },
+            geometry: s.geometry,
+            policy: s.policy,
             // A damaged session's cache is empty: report what its manifest record holds.
             tokens_min: match s.damaged {
                 Some(_) => st.persisted.iter().copied().min().unwrap_or(0),

@@ -5,23 +5,8 @@ use super::*;
 
 /// The geometry a manifest record stores.
 pub(super) fn geometry_of(g: &GeometryRecord) -> ServiceResult<Geometry> {
-    Ok(Geometry {
-        layers: g.layers,
-        q_heads: g.q_heads,
-        kv_heads: g.kv_heads,
-        head_dim: g.head_dim,
-        dtype: DType::from_code(g.dtype)
-            .ok_or_else(|| ServiceError::internal(format!("unknown dtype {}", g.dtype)))?,
-        block_tokens: g.block_tokens,
-    })
-}
-
-pub(super) fn policy_of(p: &PolicyRecord) -> Policy {
-    Policy {
-        sink_blocks: p.sink_blocks,
-        local_blocks: p.local_blocks,
-        top_k: p.top_k,
-    }
+    g.geometry()
+        .ok_or_else(|| ServiceError::internal(format!("unknown dtype {}", g.dtype)))
 }
 
 impl Engine {
@@ -76,7 +61,7 @@ impl Engine {
             rec.id,
             rec.owner_uid,
             rec.label.clone(),
-            policy_of(&rec.policy),
+            Policy::from(&rec.policy),
             kv,
             true,
         );
@@ -93,7 +78,7 @@ impl Engine {
         rec: &SessionRecord,
     ) -> ServiceResult<Session> {
         let geometry = geometry_of(&rec.geometry)?;
-        let policy = policy_of(&rec.policy);
+        let policy = Policy::from(&rec.policy);
         let mut kv = KvCache::new(geometry, self.arena_for(rec.owner_uid))?;
         let bt = geometry.block_tokens as u64;
         let tokens = |l: u32| *rec.layer_tokens.get(l as usize).unwrap_or(&0);

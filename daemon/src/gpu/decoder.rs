@@ -7,11 +7,11 @@ use std::sync::Arc;
 
 use kvtier_kernels::attention::attend_keep_sets;
 use kvtier_kernels::cuda::{
-    device_context, AttentionMath, CudaBackend, CudaConfig, CudaError, CudaGeometry, DecodeItem,
-    KvDtype, PinnedRegion, SelectPolicy, SummaryDtype,
+    device_context, AttentionMath, CudaBackend, CudaConfig, CudaError, DecodeItem, PinnedRegion,
+    SummaryDtype,
 };
 use kvtier_kernels::select::{check_query, select, KeepSet, SelectScratch};
-use kvtier_storage::{DType, Frame, Geometry, HostArena, LayerView, Policy, StorageError};
+use kvtier_storage::{Frame, Geometry, HostArena, LayerView, Policy, StorageError};
 
 pub use kvtier_kernels::cuda::device_available;
 
@@ -72,14 +72,6 @@ impl std::fmt::Debug for GpuDecoder {
             .field("backends", &self.backends.len())
             .field("sessions", &self.sessions.len())
             .finish()
-    }
-}
-
-fn kv_dtype(d: DType) -> KvDtype {
-    match d {
-        DType::Bf16 => KvDtype::Bf16,
-        DType::F16 => KvDtype::F16,
-        DType::F32 => KvDtype::F32,
     }
 }
 
@@ -148,26 +140,15 @@ impl GpuDecoder {
     /// The backend configuration a (geometry, policy) would run with, validated.
     fn config_for(&self, geo: &Geometry, policy: &Policy) -> Result<CudaConfig, GpuError> {
         let s = &self.settings;
-        let sp = SelectPolicy {
-            sink_blocks: policy.sink_blocks,
-            local_blocks: policy.local_blocks,
-            top_k: policy.top_k,
-        };
         let cfg = CudaConfig {
-            geometry: CudaGeometry {
-                layers: geo.layers,
-                q_heads: geo.q_heads,
-                kv_heads: geo.kv_heads,
-                head_dim: geo.head_dim,
-                block_tokens: geo.block_tokens,
-                dtype: kv_dtype(geo.dtype),
-            },
-            policy: sp,
+            geometry: *geo,
+            policy: *policy,
             max_sessions: s.max_sessions,
             max_blocks: s.max_blocks,
             max_batch: s.max_batch.min(s.max_sessions),
             cache_slots: if s.cache_slots == 0 {
-                2 * sp.keep_max()
+                // Validated policy fields are at most 2^20 each: no truncation.
+                (2 * policy.budget()) as u32
             } else {
                 s.cache_slots
             },

@@ -8,9 +8,8 @@ use std::time::{Duration, Instant};
 
 use kvtier_kernels::dense::{max_rel_err, reference_attention};
 use kvtier_protocol::client::Client;
-use kvtier_protocol::{DecodeEntryRef, DecodeOutput, Dtype, Geometry, Policy};
+use kvtier_protocol::{DType, DecodeEntryRef, DecodeOutput, Geometry, Policy};
 use kvtier_storage::testing::Rng;
-use kvtier_storage::DType;
 
 pub struct Daemon {
     pub child: Child,
@@ -175,7 +174,7 @@ pub fn small_geometry() -> Geometry {
         q_heads: 4,
         kv_heads: 2,
         head_dim: 32,
-        dtype: Dtype::Bf16,
+        dtype: DType::Bf16,
         block_tokens: 16,
     }
 }
@@ -186,10 +185,6 @@ pub fn policy() -> Policy {
         local_blocks: 1,
         top_k: 2,
     }
-}
-
-pub fn dtype(g: &Geometry) -> DType {
-    DType::from_code(g.dtype.as_u8()).unwrap()
 }
 
 /// The model side of a session: every layer's stored K/V (as f32 after dtype rounding), so
@@ -217,7 +212,7 @@ impl Shadow {
 
     /// A random APPEND_KV payload of `n` tokens (recorded in the shadow).
     pub fn payload(&mut self, n: usize) -> Vec<u8> {
-        let dt = dtype(&self.g);
+        let dt = self.g.dtype;
         let mut out = Vec::new();
         for l in 0..self.g.layers as usize {
             for kv in 0..2 {
@@ -237,7 +232,7 @@ impl Shadow {
 
     /// A random decode input for `layer` (recorded): (q f32 bytes, k, v).
     pub fn step_input(&mut self, layer: usize) -> (Vec<f32>, Vec<u8>, Vec<u8>) {
-        let dt = dtype(&self.g);
+        let dt = self.g.dtype;
         let q = self
             .rng
             .normals((self.g.q_heads * self.g.head_dim) as usize);
@@ -270,7 +265,7 @@ impl Shadow {
             q_heads: self.g.q_heads,
             kv_heads: self.g.kv_heads,
             head_dim: self.g.head_dim,
-            dtype: dtype(&self.g),
+            dtype: self.g.dtype,
             block_tokens: self.g.block_tokens,
         };
         let bt = self.g.block_tokens;

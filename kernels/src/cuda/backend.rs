@@ -367,7 +367,7 @@ impl CudaBackend {
         let zf = |n| DevBuf::<f32>::zeros(&stream, n);
         let z64 = |n| DevBuf::<u64>::zeros(&stream, n);
         let backend = CudaBackend {
-            sums: z8(s * l * mb * g.summary_len_per_block() * sum_elem)?,
+            sums: z8(s * l * mb * g.summary_floats_per_block() * sum_elem)?,
             pages: z64(s * l * mb)?,
             tags: z32(s * l * hkv * c)?,
             stamps: z32(s * l * hkv * c)?,
@@ -383,8 +383,8 @@ impl CudaBackend {
             counts: z32(l * bmax * hkv)?,
             slot_of: z32(bmax * hkv * ks)?,
             miss_src: z64(bmax * hkv * ks)?,
-            part_acc: zf(bmax * hkv * ks * g.group() as usize * d)?,
-            part_ml: zf(bmax * hkv * ks * g.group() as usize * 2)?,
+            part_acc: zf(bmax * hkv * ks * g.group() * d)?,
+            part_ml: zf(bmax * hkv * ks * g.group() * 2)?,
             out: zf(l * bmax * hq * d)?,
             stats: z64(l * 4)?,
             cfg,
@@ -676,7 +676,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let s = self.check_slot(slot)?;
         let l = self.check_layer(layer)?;
-        let per = self.cfg.geometry.summary_len_per_block();
+        let per = self.cfg.geometry.summary_floats_per_block();
         if summaries.is_empty() || !summaries.len().is_multiple_of(per) {
             return Err(CudaError::BadLength {
                 what: "summaries",
@@ -726,7 +726,7 @@ impl CudaBackend {
         self.block_range(first_block, host_offsets.len())?;
         self.session_mut(slot)?;
         let host = self.host.as_ref().ok_or(CudaError::NoHostRegion)?;
-        let run = self.cfg.geometry.block_run_bytes() as u64;
+        let run = self.cfg.geometry.block_bytes() as u64;
         let addrs = host_offsets
             .iter()
             .map(|&o| host.device_addr(o, run))

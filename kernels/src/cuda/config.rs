@@ -1,32 +1,8 @@
 //! Geometry, policy and capacity of a CUDA backend, validated before anything touches the GPU.
 
+use kvtier_storage::{DType, Geometry, Policy};
+
 use super::error::{CudaError, Result};
-
-/// Storage dtype of K and V (little-endian in memory).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KvDtype {
-    Bf16,
-    F16,
-    F32,
-}
-
-impl KvDtype {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            KvDtype::Bf16 | KvDtype::F16 => 2,
-            KvDtype::F32 => 4,
-        }
-    }
-
-    fn kind(self) -> u32 {
-        match self {
-            KvDtype::Bf16 => 0,
-            KvDtype::F16 => 1,
-            KvDtype::F32 => 2,
-        }
-    }
-}
 
 /// How block summaries are stored on the GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,69 +28,11 @@ pub enum AttentionMath {
     Simt,
 }
 
-/// Attention geometry shared by every session of a backend.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CudaGeometry {
-    pub layers: u32,
-    pub q_heads: u32,
-    pub kv_heads: u32,
-    pub head_dim: u32,
-    pub block_tokens: u32,
-    pub dtype: KvDtype,
-}
-
-impl CudaGeometry {
-    /// GQA group size G = Hq / Hkv.
-    pub fn group(&self) -> u32 {
-        self.q_heads / self.kv_heads
-    }
-
-    /// Bytes of one tile: K [B x D] then V [B x D].
-    pub fn tile_bytes(&self) -> usize {
-        2 * self.block_tokens as usize * self.head_dim as usize * self.dtype.size()
-    }
-
-    /// Bytes of one (layer, block) run: Hkv tiles back to back.
-    pub fn block_run_bytes(&self) -> usize {
-        self.kv_heads as usize * self.tile_bytes()
-    }
-
-    /// f32 values of one block's summaries: [kv_head][2][D].
-    pub fn summary_len_per_block(&self) -> usize {
-        self.kv_heads as usize * 2 * self.head_dim as usize
-    }
-}
-
-/// Selection policy (see the data model: sink, local window, top-k distant blocks).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SelectPolicy {
-    pub sink_blocks: u32,
-    pub local_blocks: u32,
-    pub top_k: u32,
-}
-
-impl SelectPolicy {
-    /// Largest keep-set per kv head.
-    pub fn keep_max(&self) -> u32 {
-        self.sink_blocks + self.local_blocks + self.top_k
-    }
-}
-
-impl Default for SelectPolicy {
-    fn default() -> Self {
-        SelectPolicy {
-            sink_blocks: 1,
-            local_blocks: 4,
-            top_k: 32,
-        }
-    }
-}
-
 /// Everything a [`super::CudaBackend`] is sized from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CudaConfig {
-    pub geometry: CudaGeometry,
-    pub policy: SelectPolicy,
+    pub geometry: Geometry,
+    pub policy: Policy,
     /// Session slots with device state (summaries, page table, tile cache).
     pub max_sessions: u32,
     /// Most blocks per session and layer (context capacity = max_blocks * block_tokens).
@@ -189,11 +107,12 @@ impl CudaConfig {
                 "local_blocks must be at least 1 (the tail block is always kept)",
             ));
         }
-        let ksel = p.keep_max();
+        // At most 65,535 (checked below): the u32 keep-set size the kernels are compiled with.
+        let ksel = p.budget();
         if ksel > 65_535 {
             return Err(invalid(format!("keep-set size {ksel} exceeds 65535")));
         }
-        if self.cache_slots < ksel {
+        if u64::from(self.cache_slots) < ksel {
             return Err(invalid(format!(
                 "cache_slots {} is smaller than the keep-set size {ksel}",
                 self.cache_slots
@@ -246,7 +165,7 @@ impl CudaConfig {
         // instead, so the shared memory asked for covers both.
         let v_early = (b * cpr).div_ceil(att_threads) <= 8;
         let att_mma = self.attention == AttentionMath::TensorCores
-            && g.dtype == KvDtype::Bf16
+            && g.dtype == DType::Bf16
             && gs <= 8
             && d.is_multiple_of(16)
             && b.is_multiple_of(16)
@@ -291,7 +210,7 @@ impl CudaConfig {
         Ok(Derived {
             topk_merge,
             score_scratch,
-            keep_max: ksel,
+            keep_max: ksel as u32,
             topk_per_thread: kpt.max(1) as u32,
             att_threads: att_threads as u32,
             att_dyn_smem: dyn_smem as u32,
@@ -307,7 +226,7 @@ impl CudaConfig {
     /// so storing them in bf16 rounds nothing (selection stays bit-identical to the CPU) and
     /// halves the selector's bytes.
     pub fn summaries_bf16(&self) -> bool {
-        self.summary_dtype == SummaryDtype::Bf16Outward || self.geometry.dtype == KvDtype::Bf16
+        self.summary_dtype == SummaryDtype::Bf16Outward || self.geometry.dtype == DType::Bf16
     }
 
     /// The -D defines the kernels are compiled with.
@@ -316,11 +235,11 @@ impl CudaConfig {
         let p = &self.policy;
         [
             ("HEAD_DIM", g.head_dim),
-            ("GROUP", g.group()),
+            ("GROUP", g.group() as u32),
             ("KV_HEADS", g.kv_heads),
             ("BLOCK_TOKENS", g.block_tokens),
             ("NUM_LAYERS", g.layers),
-            ("ELEM_KIND", g.dtype.kind()),
+            ("ELEM_KIND", u32::from(g.dtype.code())),
             ("SUM_BF16", u32::from(self.summaries_bf16())),
             ("SINK", p.sink_blocks),
             ("LOCAL", p.local_blocks),
@@ -393,15 +312,15 @@ mod tests {
 
     fn qwen() -> CudaConfig {
         CudaConfig {
-            geometry: CudaGeometry {
+            geometry: Geometry {
                 layers: 28,
                 q_heads: 28,
                 kv_heads: 4,
                 head_dim: 128,
                 block_tokens: 128,
-                dtype: KvDtype::Bf16,
+                dtype: DType::Bf16,
             },
-            policy: SelectPolicy::default(),
+            policy: Policy::default(),
             max_sessions: 8,
             max_blocks: 8192,
             max_batch: 8,
@@ -422,7 +341,7 @@ mod tests {
         let mut c = qwen();
         c.attention = AttentionMath::Simt;
         assert!(!c.validate().unwrap().att_mma);
-        assert_eq!(qwen().geometry.block_run_bytes(), 256 * 1024);
+        assert_eq!(qwen().geometry.block_bytes(), 256 * 1024);
     }
 
     /// Tensor cores only where attend.cu's fragments fit; every other geometry takes fp32.
@@ -436,8 +355,8 @@ mod tests {
         assert_eq!(mma(&|c| c.geometry.block_tokens = 16), Ok(true));
         assert_eq!(mma(&|c| c.geometry.q_heads = 32), Ok(true)); // group 8
         assert_eq!(mma(&|c| c.geometry.q_heads = 36), Ok(false)); // group 9
-        assert_eq!(mma(&|c| c.geometry.dtype = KvDtype::F16), Ok(false));
-        assert_eq!(mma(&|c| c.geometry.dtype = KvDtype::F32), Ok(false));
+        assert_eq!(mma(&|c| c.geometry.dtype = DType::F16), Ok(false));
+        assert_eq!(mma(&|c| c.geometry.dtype = DType::F32), Ok(false));
         assert_eq!(mma(&|c| c.geometry.block_tokens = 24), Ok(false));
         // 512 rows x 8 chunks are 16 loads per thread per half: not V_EARLY.
         let long_rows = |c: &mut CudaConfig| {
@@ -483,7 +402,7 @@ mod tests {
         assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
         let mut c = qwen();
         c.geometry.block_tokens = 1024;
-        c.geometry.dtype = KvDtype::F32;
+        c.geometry.dtype = DType::F32;
         assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
         let mut c = qwen();
         c.geometry.kv_heads = 0;

@@ -45,9 +45,7 @@ pub use backend::{
     device_available, device_context, CudaBackend, DecodeItem, DenseKv, DeviceKv, LaunchMode,
     LayerOutput, LayerStats, LayerTiming, StepItem, StepOutput, Timing, FUSE_BELOW_HIT_SHARE,
 };
-pub use config::{
-    bf16_outward, AttentionMath, CudaConfig, CudaGeometry, KvDtype, SelectPolicy, SummaryDtype,
-};
+pub use config::{bf16_outward, AttentionMath, CudaConfig, SummaryDtype};
 pub use cudarc::driver::CudaContext;
 pub use error::CudaError;
 pub use module::{compile_check, KERNEL_SOURCE};

@@ -5,8 +5,8 @@ use kvtier_protocol::*;
 use proptest::collection::vec;
 use proptest::prelude::*;
 
-pub fn dtype() -> impl Strategy<Value = Dtype> {
-    prop_oneof![Just(Dtype::Bf16), Just(Dtype::F16), Just(Dtype::F32)]
+pub fn dtype() -> impl Strategy<Value = DType> {
+    prop_oneof![Just(DType::Bf16), Just(DType::F16), Just(DType::F32)]
 }
 
 pub fn geometry() -> impl Strategy<Value = Geometry> {

@@ -54,7 +54,7 @@ impl CudaBackend {
     pub fn copy_kv_to_device(&self, slots: &[u32]) -> Result<DeviceKv> {
         let g = self.cfg.geometry;
         let (nl, mb) = (g.layers as usize, self.cfg.max_blocks as usize);
-        let run = g.block_run_bytes() as u64;
+        let run = g.block_bytes() as u64;
         let mut copied = vec![Vec::new(); self.cfg.max_sessions as usize];
         let mut runs = 0u64;
         for &slot in slots {
@@ -164,7 +164,7 @@ impl CudaBackend {
         }
         self.prepare(&slots, &per_layer)?;
         if self.dense.is_none() {
-            let rows = (self.cfg.max_batch * hkv * self.cfg.max_blocks * g.group()) as usize;
+            let rows = (self.cfg.max_batch * hkv * self.cfg.max_blocks * g.group() as u32) as usize;
             let stage = (self.cfg.max_batch * g.q_heads * MERGE_SPLITS) as usize;
             let d = g.head_dim as usize;
             self.dense = Some(DenseScratch {

@@ -41,6 +41,7 @@ use rkyv::rancor;
 
 use super::store::{PageAddr, PageStore};
 use super::NvmeError;
+use crate::{DType, Geometry, Policy};
 
 const MAGIC: &[u8; 8] = b"KVTMANI1";
 /// The format version commits write.
@@ -72,6 +73,55 @@ pub struct PolicyRecord {
     pub sink_blocks: u32,
     pub local_blocks: u32,
     pub top_k: u32,
+}
+
+// The manifest's records are the data model's boundary on disk: plain numbers, converted here.
+
+impl From<&Geometry> for GeometryRecord {
+    fn from(g: &Geometry) -> Self {
+        GeometryRecord {
+            layers: g.layers,
+            q_heads: g.q_heads,
+            kv_heads: g.kv_heads,
+            head_dim: g.head_dim,
+            dtype: g.dtype.code(),
+            block_tokens: g.block_tokens,
+        }
+    }
+}
+
+impl GeometryRecord {
+    /// The geometry this record stores; `None` for a dtype code this build does not know.
+    pub fn geometry(&self) -> Option<Geometry> {
+        Some(Geometry {
+            layers: self.layers,
+            q_heads: self.q_heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            dtype: DType::from_code(self.dtype)?,
+            block_tokens: self.block_tokens,
+        })
+    }
+}
+
+impl From<&Policy> for PolicyRecord {
+    fn from(p: &Policy) -> Self {
+        PolicyRecord {
+            sink_blocks: p.sink_blocks,
+            local_blocks: p.local_blocks,
+            top_k: p.top_k,
+        }
+    }
+}
+
+impl From<&PolicyRecord> for Policy {
+    fn from(p: &PolicyRecord) -> Self {
+        Policy {
+            sink_blocks: p.sink_blocks,
+            local_blocks: p.local_blocks,
+            top_k: p.top_k,
+        }
+    }
 }
 
 /// Where one (layer, block) run of a session lives and what it must verify as.

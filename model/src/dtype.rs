@@ -7,6 +7,11 @@ use half::{bf16, f16};
 
 /// Element type of stored keys and values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize),
+    serde(rename_all = "lowercase")
+)]
 pub enum DType {
     #[default]
     Bf16,

@@ -1,7 +1,9 @@
 //! Session geometry, the tile layout it implies, and the selection policy.
 
 use crate::dtype::DType;
-use crate::error::{Result, StorageError};
+use crate::ModelError;
+
+type Result<T> = std::result::Result<T, ModelError>;
 
 /// Largest values accepted; they bound every size computed from a geometry so none overflows.
 pub const MAX_LAYERS: u32 = 1024;
@@ -11,6 +13,7 @@ pub const MAX_BLOCK_TOKENS: u32 = 4096;
 
 /// Attention geometry of one session: the shape of its KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct Geometry {
     pub layers: u32,
     pub q_heads: u32,
@@ -35,7 +38,7 @@ impl Geometry {
     /// Checks every field; the error names the field and says what is wrong.
     pub fn validate(&self) -> Result<()> {
         fn bad(field: &'static str, reason: String) -> Result<()> {
-            Err(StorageError::InvalidGeometry { field, reason })
+            Err(ModelError::InvalidGeometry { field, reason })
         }
         let in_range = |field, v: u32, max: u32| {
             if v == 0 || v > max {
@@ -120,10 +123,36 @@ impl Geometry {
     pub fn blocks_for(&self, tokens: u64) -> u64 {
         tokens.div_ceil(self.block_tokens as u64)
     }
+
+    // Checked sizes for geometries not validated yet (a request straight off the wire).
+
+    /// Bytes of one query `[Hq][D]` f32 (also one decode output). None on overflow.
+    pub fn q_bytes(&self) -> Option<u64> {
+        u64::from(self.q_heads)
+            .checked_mul(u64::from(self.head_dim))?
+            .checked_mul(4)
+    }
+
+    /// Bytes of one token's K (or V) for one layer, `[Hkv][D]` in dtype. None on overflow.
+    pub fn kv_token_bytes(&self) -> Option<u64> {
+        u64::from(self.kv_heads)
+            .checked_mul(u64::from(self.head_dim))?
+            .checked_mul(self.dtype.size() as u64)
+    }
+
+    /// Bytes of an APPEND_KV payload of `n_tokens`: for every layer K `[n][Hkv][D]` then
+    /// V `[n][Hkv][D]`. None on overflow.
+    pub fn append_payload_bytes(&self, n_tokens: u32) -> Option<u64> {
+        self.kv_token_bytes()?
+            .checked_mul(u64::from(n_tokens))?
+            .checked_mul(2)?
+            .checked_mul(u64::from(self.layers))
+    }
 }
 
 /// Which blocks a decode step keeps: sink blocks, the local window, and the top-k distant blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct Policy {
     pub sink_blocks: u32,
     pub local_blocks: u32,
@@ -152,7 +181,7 @@ impl Policy {
             ("top_k", self.top_k),
         ] {
             if v > MAX_POLICY_BLOCKS {
-                return Err(StorageError::InvalidPolicy {
+                return Err(ModelError::InvalidPolicy {
                     field,
                     reason: format!("must be at most {MAX_POLICY_BLOCKS}, got {v}"),
                 });
@@ -160,7 +189,7 @@ impl Policy {
         }
         if self.local_blocks == 0 {
             // The newest token must always be attended to; it lives in the tail block.
-            return Err(StorageError::InvalidPolicy {
+            return Err(ModelError::InvalidPolicy {
                 field: "local_blocks",
                 reason: "must be at least 1 (the tail block holds the current token)".into(),
             });
