@@ -97,6 +97,7 @@ pub fn decode_step_timed(
             let (k, v) = kvb.split_at(g.token_bytes());
             let position = kv.tokens(layer).expect("layer");
             let entry = DecodeEntry {
+                session: 0,
                 kv: &mut *kv,
                 policy,
                 position,

@@ -79,6 +79,9 @@ impl From<KernelError> for ServiceError {
             KernelError::QuerySize { .. } | KernelError::NonFiniteQuery { .. } => {
                 ErrorCode::InvalidArgument
             }
+            KernelError::EmptyBatch | KernelError::OutputSize { .. } => ErrorCode::InvalidArgument,
+            // The engine answers on the CPU instead; reaching a client would be a bug.
+            KernelError::Unavailable { .. } => ErrorCode::Internal,
             KernelError::Entry { .. } => unreachable!("root() unwraps entries"),
         };
         ServiceError::new(code, e.to_string())

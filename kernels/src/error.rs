@@ -12,6 +12,17 @@ pub enum KernelError {
     #[error("query value {index} is not finite")]
     NonFiniteQuery { index: usize },
 
+    #[error("empty decode batch")]
+    EmptyBatch,
+
+    #[error("output buffer has {got} floats, the batch needs {expected}")]
+    OutputSize { expected: usize, got: usize },
+
+    /// The backend cannot take this batch (a session not open on the device, a capacity);
+    /// nothing has changed and another backend may answer it.
+    #[error("backend unavailable for this step: {reason}")]
+    Unavailable { reason: String },
+
     #[error("batch entry {entry}: {source}")]
     Entry {
         entry: usize,

@@ -6,7 +6,8 @@
 //! - [`select`]: key-bound block scoring and per-kv-head keep-sets ([`KeepSet`]).
 //! - [`attention`]: split-k gather-decode attention with an fp32 online softmax and a
 //!   log-sum-exp merge.
-//! - [`decode`]: one layer's decode step for a batch of sessions (append, select, attend).
+//! - [`decode`]: the decode step, once: one layer for a batch of sessions (validate, select,
+//!   promote, append, attend, count), with the CPU or a device behind [`Backend`].
 //! - [`dense`]: the f64 softmax-attention oracle every kernel is tested against.
 //! - [`simd`]: the vectorisable inner loops (dot products, bounds, exp).
 //! - `cuda` (feature `cuda`, on by default; needs no toolkit to build): the GPU backend —
@@ -22,7 +23,10 @@ pub mod error;
 pub mod select;
 pub mod simd;
 
-pub use decode::{decode_layer, decode_layer_timed, DecodeEntry, StageTimings, StepStats};
+pub use decode::{
+    decode_layer, decode_layer_timed, decode_step, Attended, Backend, Cpu, DecodeEntry,
+    StageTimings, StepReport, StepStats,
+};
 pub use error::{KernelError, Result};
 pub use select::{select, KeepSet, SelectScratch};
 

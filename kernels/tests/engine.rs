@@ -89,6 +89,7 @@ fn step(
     let stats = decode_layer(
         0,
         &mut [DecodeEntry {
+            session: 0,
             kv: &mut f.kv,
             policy,
             position,
@@ -120,13 +121,22 @@ fn sparse_equals_dense_masked_to_the_keep_set() {
                 top_k: k,
             };
             let (out, stats) = step(&mut f, policy, &q, &mut rng);
-            let want =
-                reference_attention(&g, &q, &f.k, &f.v, in_keep(&stats.keep, g.block_tokens));
+            let want = reference_attention(
+                &g,
+                &q,
+                &f.k,
+                &f.v,
+                in_keep(stats.keep.as_ref().unwrap(), g.block_tokens),
+            );
             let err = max_rel_err(&out, &want);
             assert!(err <= tolerance(g.dtype), "{g:?} n={n}: rel err {err}");
             let blocks = g.blocks_for(n as u64 + 1);
             let expect = (policy.budget()).min(blocks) as usize * g.kv_heads as usize;
-            assert_eq!(stats.keep.tiles(), expect, "{g:?} n={n}: keep-set size");
+            assert_eq!(
+                stats.keep.as_ref().unwrap().tiles(),
+                expect,
+                "{g:?} n={n}: keep-set size"
+            );
             assert_eq!(stats.blocks_total as u64, blocks);
         }
     }
@@ -150,7 +160,7 @@ fn covering_every_block_equals_full_dense_attention() {
         };
         let (out, stats) = step(&mut f, dense, &q, &mut rng);
         let blocks = g.blocks_for(n as u64 + 1) as usize;
-        assert_eq!(stats.keep, KeepSet::all(g.kv_heads as usize, blocks));
+        assert_eq!(stats.keep, Some(KeepSet::all(g.kv_heads as usize, blocks)));
         let want = reference_attention(&g, &q, &f.k, &f.v, |_, _| true);
         let err = max_rel_err(&out, &want);
         assert!(err <= tolerance(g.dtype), "{g:?}: rel err {err}");
@@ -181,6 +191,7 @@ fn a_batch_equals_its_entries_decoded_alone() {
         decode_layer(
             0,
             &mut [DecodeEntry {
+                session: 0,
                 kv: &mut a.kv,
                 policy,
                 position: n as u64,
@@ -200,6 +211,7 @@ fn a_batch_equals_its_entries_decoded_alone() {
         .iter_mut()
         .zip(&inputs)
         .map(|(f, (q, k, v, n))| DecodeEntry {
+            session: 0,
             kv: &mut f.kv,
             policy,
             position: *n,
@@ -283,6 +295,7 @@ fn bad_requests_are_typed_errors_and_change_nothing() {
         decode_layer(
             layer,
             &mut [DecodeEntry {
+                session: 0,
                 kv: &mut f.kv,
                 policy: Policy::default(),
                 position,
@@ -368,6 +381,7 @@ fn a_full_arena_fails_the_whole_batch_before_any_append() {
         0,
         &mut [
             DecodeEntry {
+                session: 0,
                 kv: &mut a,
                 policy: Policy::default(),
                 position: 2,
@@ -377,6 +391,7 @@ fn a_full_arena_fails_the_whole_batch_before_any_append() {
                 cold: None,
             },
             DecodeEntry {
+                session: 0,
                 kv: &mut b,
                 policy: Policy::default(),
                 position: 2,
@@ -496,12 +511,12 @@ proptest! {
         let mut stepwise = KvCache::new(g, arena(4096, 64)).unwrap();
         let mut out = vec![0f32; 64];
         for t in 0..n - 1 {
-            decode_layer(0, &mut [DecodeEntry { kv: &mut stepwise, policy, position: t as u64, q: &qs[t], k: &ks[t], v: &vs[t], cold: None }], &mut out).unwrap();
+            decode_layer(0, &mut [DecodeEntry { session: 0, kv: &mut stepwise, policy, position: t as u64, q: &qs[t], k: &ks[t], v: &vs[t], cold: None }], &mut out).unwrap();
         }
         let last = n - 1;
         let run = |kv: &mut KvCache| {
             let mut out = vec![0f32; 64];
-            let s = decode_layer(0, &mut [DecodeEntry { kv, policy, position: last as u64, q: &qs[last], k: &ks[last], v: &vs[last], cold: None }], &mut out).unwrap();
+            let s = decode_layer(0, &mut [DecodeEntry { session: 0, kv, policy, position: last as u64, q: &qs[last], k: &ks[last], v: &vs[last], cold: None }], &mut out).unwrap();
             (out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), s)
         };
         prop_assert_eq!(run(&mut bulk), run(&mut stepwise));
@@ -522,6 +537,7 @@ fn timed_decode_reports_every_stage_and_changes_nothing_else() {
     let (mut out_a, mut out_b) = (vec![0f32; n], vec![0f32; n]);
     fn entry<'a>(kv: &'a mut KvCache, q: &'a [f32], k: &'a [u8], v: &'a [u8]) -> DecodeEntry<'a> {
         DecodeEntry {
+            session: 0,
             kv,
             policy: Policy::default(),
             position: 4000,

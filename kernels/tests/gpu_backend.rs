@@ -277,7 +277,7 @@ impl Harness {
             local_blocks: p.local_blocks,
             top_k: p.top_k,
         };
-        let (d, grp) = (g.head_dim as usize, g.group() as usize);
+        let (d, grp) = (g.head_dim as usize, g.group());
         let n = self.sessions[s].n_tokens.div_ceil(g.block_tokens);
         let mut sums = self.summaries(s, l, 0, n);
         if self.cfg.summary_dtype == SummaryDtype::Bf16Outward {
@@ -310,7 +310,7 @@ impl Harness {
     /// f64 softmax attention over the given blocks per kv head: [Hq][D].
     fn cpu_attend(&self, s: usize, l: usize, q: &[f32], keep: &[Vec<u32>]) -> Vec<f64> {
         let g = self.cfg.geometry;
-        let (d, grp, bt) = (g.head_dim as usize, g.group() as usize, g.block_tokens);
+        let (d, grp, bt) = (g.head_dim as usize, g.group(), g.block_tokens);
         let kv = &self.sessions[s];
         let scale = 1.0 / (d as f64).sqrt();
         let mut out = vec![0f64; g.q_heads as usize * d];

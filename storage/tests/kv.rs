@@ -1,6 +1,6 @@
 //! KvCache behaviour: layout, incremental bounds, batching invariance, and bad appends.
 
-use kvtier_storage::testing::Rng;
+use kvtier_storage::testing::{Rng, SavedRuns};
 use kvtier_storage::{ArenaOptions, DType, Geometry, HostArena, KvCache, StorageError};
 use proptest::prelude::*;
 
@@ -229,38 +229,8 @@ proptest! {
     }
 }
 
-/// Saved runs of one session, standing in for the NVMe tier in these unit tests (the daemon's
-/// tests use the real page store).
-struct Saved(std::collections::HashMap<(u32, u32), Vec<u8>>);
-
-impl kvtier_storage::ColdSource for Saved {
-    fn read_runs(
-        &self,
-        layer: u32,
-        blocks: &[u32],
-        frames: &mut [kvtier_storage::Frame],
-    ) -> kvtier_storage::Result<()> {
-        for (b, f) in blocks.iter().zip(frames) {
-            let run = self.0.get(&(layer, *b)).ok_or(StorageError::ColdRead {
-                layer,
-                block: *b,
-                reason: "not saved".into(),
-                corrupt: false,
-            })?;
-            f.put_run(run);
-        }
-        Ok(())
-    }
-}
-
-fn save_all(kv: &KvCache) -> Saved {
-    let mut m = std::collections::HashMap::new();
-    for l in 0..kv.geometry().layers {
-        for b in 0..kv.layer(l).unwrap().blocks() as u32 {
-            m.insert((l, b), kv.run(l, b).unwrap().to_vec());
-        }
-    }
-    Saved(m)
+fn save_all(kv: &KvCache) -> SavedRuns {
+    SavedRuns::of(kv)
 }
 
 #[test]
@@ -305,7 +275,7 @@ fn evicted_blocks_come_back_bit_identical_and_free_their_frames() {
     assert_eq!(snapshot(&kv), before);
     // A failing source changes nothing.
     kv.evict(0, 1);
-    let empty = Saved(Default::default());
+    let empty = SavedRuns::default();
     assert!(matches!(
         kv.promote(0, &[1], &empty),
         Err(StorageError::ColdRead { .. })

@@ -1,17 +1,9 @@
-//! The data path: appends and decode steps (CPU, or the CUDA decoder when a batch's sessions
-//! are open on the GPU), with the reply bound and the retry after making room.
+//! The data path: appends and decode steps, with the reply bound and the retry after making
+//! room. A DECODE is: look up and lock the sessions, run the one decode step
+//! (`kvtier_kernels::decode_step`) on the CUDA decoder when every session of the batch is open
+//! on it (else, or when it cannot take the batch, on the CPU), reply.
 
 use super::*;
-
-/// One DECODE request as the GPU path sees it (the engine's per-entry views of it).
-pub(super) struct GpuBatch<'a> {
-    layer: u32,
-    want_stats: bool,
-    sessions: &'a [Arc<Session>],
-    entries: &'a [DecodeEntryRef<'a>],
-    queries: &'a [Vec<f32>],
-    sources: &'a [Option<TierSource<'a>>],
-}
 
 /// The most bytes a DECODE reply body for these entries can take (docs/protocol.md §5.3):
 /// the output count, then per entry its outputs and, with stats, the counters and every kv
@@ -169,36 +161,11 @@ impl Engine {
             .map(|s| (s.geometry.q_heads * s.geometry.head_dim) as usize)
             .sum();
         let mut out = vec![0f32; out_len];
-        let gpu = GpuBatch {
-            layer,
-            want_stats,
-            sessions: &sessions,
-            entries,
-            queries: &queries,
-            sources: &sources,
-        };
-        if let Some(stats) = self.decode_gpu(&gpu, &mut guards, &mut out)? {
-            self.offer_prefetch(layer, &guards, &sessions, &queries);
-            drop(guards);
-            return Ok(self.decode_reply(&sessions, &ids, out, stats, want_stats));
-        }
         let t0 = Instant::now();
         let mut timings = StageTimings::default();
-        let mut run = |guards: &mut Vec<Option<MutexGuard<'_, SessionState>>>| {
-            for (i, g) in guards.iter_mut().enumerate() {
-                let st = g.as_mut().expect("locked above");
-                // The tail block takes the new token: bring it back if it was demoted.
-                let tails: Vec<(u32, u32)> = st
-                    .kv
-                    .cold_tails()
-                    .into_iter()
-                    .filter(|t| t.0 == layer)
-                    .collect();
-                self.promote_tails(&sessions[i], st, &tails)
-                    .map_err(|err| {
-                        ServiceError::new(err.code, format!("batch entry {i}: {}", err.message))
-                    })?;
-            }
+        let mut on_gpu = self.gpu.is_some();
+        let mut made_room = false;
+        let report = loop {
             let mut batch: Vec<DecodeEntry<'_>> = guards
                 .iter_mut()
                 .zip(entries)
@@ -206,6 +173,7 @@ impl Engine {
                 .zip(&sessions)
                 .zip(&sources)
                 .map(|((((g, e), q), s), src)| DecodeEntry {
+                    session: s.id,
                     kv: &mut g.as_mut().expect("locked above").kv,
                     policy: s.policy,
                     position: e.position,
@@ -215,56 +183,93 @@ impl Engine {
                     cold: src.as_ref().map(|c| c as &dyn ColdSource),
                 })
                 .collect();
-            decode_layer_timed(layer, &mut batch, &mut out, &mut timings)
-                .map_err(ServiceError::from)
-        };
-        let stats = match run(&mut guards) {
-            Err(e) if e.code == ErrorCode::ResourceExhausted => {
-                // Make room by demoting other sessions, then try once more.
-                if !self.make_room(&ids, step_frames(&sessions, entries)) {
-                    self.record_rejection(Rejection::HostFull);
-                    return Err(e);
+            let r = match (&self.gpu, on_gpu) {
+                (Some(gpu), true) => decode_step(
+                    &mut *gpu.lock(),
+                    layer,
+                    &mut batch,
+                    &mut out,
+                    want_stats,
+                    &mut timings,
+                ),
+                _ => decode_step(&mut Cpu, layer, &mut batch, &mut out, false, &mut timings),
+            };
+            drop(batch);
+            let e = match r {
+                Ok(report) => break report,
+                Err(KernelError::Unavailable { reason }) => {
+                    tracing::debug!(%reason, "the GPU cannot take this step; CPU path");
+                    on_gpu = false;
+                    continue;
                 }
-                run(&mut guards)?
+                Err(e) => ServiceError::from(e),
+            };
+            // Make room by demoting other sessions (not under the device lock), then try once
+            // more.
+            if e.code != ErrorCode::ResourceExhausted || made_room {
+                return Err(e);
             }
-            other => other?,
+            made_room = true;
+            if !self.make_room(&ids, step_frames(&sessions, entries)) {
+                self.record_rejection(Rejection::HostFull);
+                return Err(e);
+            }
         };
         self.offer_prefetch(layer, &guards, &sessions, &queries);
         drop(guards);
-        let c = &self.counters;
-        c.append_ns.fetch_add(timings.append_ns, Ordering::Relaxed);
-        c.select_ns.fetch_add(timings.select_ns, Ordering::Relaxed);
-        c.fetch_ns.fetch_add(timings.fetch_ns, Ordering::Relaxed);
-        c.attend_ns.fetch_add(timings.attend_ns, Ordering::Relaxed);
-        self.metrics.decode_timings(&timings, t0.elapsed());
-        if let Some(h) = &self.fetch_seconds {
-            h.record(timings.fetch_ns as f64 * 1e-9);
-        }
-        let promoted: u64 = stats.iter().map(|s| s.blocks_promoted as u64).sum();
-        self.counters
-            .blocks_promoted
-            .fetch_add(promoted, Ordering::Relaxed);
+        self.count_step(&report, on_gpu, &timings, t0.elapsed());
+        let hits = report.cache_hits;
+        let moved = report.bytes_moved;
         let wire = sessions
             .iter()
-            .zip(stats)
-            .map(|(s, st)| {
-                let nvme_tiles = st.blocks_promoted * s.geometry.kv_heads;
+            .zip(report.entries)
+            .enumerate()
+            .map(|(i, (s, st))| {
+                // Device counters are per call: a batch reports them on its first entry.
+                let (hits, moved) = if i == 0 { (hits as u32, moved) } else { (0, 0) };
+                // Blocks promoted for this step, counted as tiles of every kv-head.
+                let nvme_tiles = (st.blocks_promoted * s.geometry.kv_heads).min(st.tiles_selected);
                 DecodeStats {
                     blocks_total: st.blocks_total,
                     blocks_selected: st.tiles_selected,
                     bytes_touched: st.bytes_touched,
-                    // The CPU backend attends in place; only NVMe reads move bytes.
-                    bytes_moved: st.bytes_promoted,
-                    cache_hits: 0,
-                    blocks_ram: st.tiles_selected.saturating_sub(nvme_tiles),
-                    blocks_nvme: nvme_tiles.min(st.tiles_selected),
-                    selected: (0..st.keep.heads())
-                        .map(|h| st.keep.head(h).to_vec())
-                        .collect(),
+                    bytes_moved: moved + st.bytes_promoted,
+                    cache_hits: hits,
+                    blocks_ram: st.tiles_selected.saturating_sub(hits + nvme_tiles),
+                    blocks_nvme: nvme_tiles,
+                    selected: st
+                        .keep
+                        .map(|k| (0..k.heads()).map(|h| k.head(h).to_vec()).collect())
+                        .unwrap_or_default(),
                 }
             })
             .collect();
         Ok(self.decode_reply(&sessions, &ids, out, wire, want_stats))
+    }
+
+    /// Counts a step in the engine's counters and latency metrics.
+    fn count_step(&self, r: &StepReport, on_gpu: bool, t: &StageTimings, total: Duration) {
+        let c = &self.counters;
+        c.append_ns.fetch_add(t.append_ns, Ordering::Relaxed);
+        c.select_ns.fetch_add(t.select_ns, Ordering::Relaxed);
+        c.fetch_ns.fetch_add(t.fetch_ns, Ordering::Relaxed);
+        c.attend_ns.fetch_add(t.attend_ns, Ordering::Relaxed);
+        self.metrics.decode_timings(t, total);
+        if let Some(h) = &self.fetch_seconds {
+            h.record(t.fetch_ns as f64 * 1e-9);
+        }
+        let promoted: u64 = r.entries.iter().map(|s| s.blocks_promoted as u64).sum();
+        c.blocks_promoted.fetch_add(promoted, Ordering::Relaxed);
+        if on_gpu {
+            if r.cpu_fallback {
+                c.gpu_cpu_fallbacks.fetch_add(1, Ordering::Relaxed);
+            } else {
+                c.gpu_entries
+                    .fetch_add(r.entries.len() as u64, Ordering::Relaxed);
+            }
+            c.gpu_cold_divergences
+                .fetch_add(r.cold_divergences as u64, Ordering::Relaxed);
+        }
     }
 
     /// Counts a finished step and splits its output per entry.
@@ -351,118 +356,5 @@ impl Engine {
                 );
             }
         }
-    }
-
-    /// The GPU step for a batch whose sessions are all open on the GPU; the decoder promotes
-    /// the cold blocks the step needs through the NVMe tier first. `Ok(None)`: the CPU path
-    /// answers (a session not open on the GPU, a request error the CPU path reports with its
-    /// proper code, a device error; all happen before the step changes anything). A full host
-    /// tier gets the CPU path's treatment (demote other sessions, try once more) and a failed
-    /// NVMe read is the request's error, as on the CPU path (reading it again would not help).
-    pub(super) fn decode_gpu(
-        &self,
-        b: &GpuBatch<'_>,
-        guards: &mut [Option<MutexGuard<'_, SessionState>>],
-        out: &mut [f32],
-    ) -> ServiceResult<Option<Vec<DecodeStats>>> {
-        let Some(gpu) = &self.gpu else {
-            return Ok(None);
-        };
-        let mut made_room = false;
-        let r = loop {
-            let mut g = gpu.lock();
-            if !b.entries.iter().all(|e| g.is_open(e.session)) {
-                return Ok(None);
-            }
-            let mut batch: Vec<GpuEntry<'_>> = guards
-                .iter_mut()
-                .zip(b.entries)
-                .zip(b.queries)
-                .zip(b.sources)
-                .map(|(((st, e), q), src)| GpuEntry {
-                    session: e.session,
-                    kv: &mut st.as_mut().expect("locked").kv,
-                    position: e.position,
-                    q,
-                    k: e.k,
-                    v: e.v,
-                    cold: src.as_ref().map(|c| c as &dyn ColdSource),
-                })
-                .collect();
-            let e = match g.decode(b.layer, &mut batch, out, b.want_stats) {
-                Ok(r) => break r,
-                Err(e) => e,
-            };
-            drop(batch);
-            // make_room writes other sessions to NVMe: not under the device lock.
-            drop(g);
-            match e.storage() {
-                Some(s @ StorageError::ArenaFull { .. }) if !made_room => {
-                    made_room = true;
-                    let ids: Vec<u64> = b.sessions.iter().map(|s| s.id).collect();
-                    if !self.make_room(&ids, step_frames(b.sessions, b.entries)) {
-                        self.record_rejection(Rejection::HostFull);
-                        return Err(ServiceError::new(storage_code(s), e.to_string()));
-                    }
-                }
-                Some(s @ (StorageError::ArenaFull { .. } | StorageError::ColdRead { .. })) => {
-                    return Err(ServiceError::new(storage_code(s), e.to_string()));
-                }
-                _ => {
-                    if e.is_device_failure() {
-                        tracing::warn!(error = %e, "GPU decode failed; answering on the CPU")
-                    } else {
-                        tracing::debug!(error = %e, "GPU cannot take this step; CPU path")
-                    }
-                    return Ok(None);
-                }
-            }
-        };
-        let c = &self.counters;
-        if r.cpu_fallback {
-            c.gpu_cpu_fallbacks.fetch_add(1, Ordering::Relaxed);
-        } else {
-            c.gpu_entries
-                .fetch_add(b.entries.len() as u64, Ordering::Relaxed);
-        }
-        c.gpu_cold_divergences
-            .fetch_add(r.cold_divergences as u64, Ordering::Relaxed);
-        let promoted: u64 = r.entries.iter().map(|s| s.blocks_promoted as u64).sum();
-        c.blocks_promoted.fetch_add(promoted, Ordering::Relaxed);
-        Ok(Some(
-            r.entries
-                .into_iter()
-                .zip(b.sessions)
-                .enumerate()
-                .map(|(i, (st, s))| {
-                    let geo = s.geometry;
-                    let blocks = st.blocks_total as u64;
-                    let summaries = blocks * geo.summary_floats_per_block() as u64 * 4;
-                    // Device counters are per call: a batch reports them on its first entry.
-                    let (hits, moved) = if i == 0 {
-                        (r.cache_hits as u32, r.bytes_moved)
-                    } else {
-                        (0, 0)
-                    };
-                    // Blocks promoted for this step, counted as tiles of every kv-head like
-                    // the CPU path does.
-                    let nvme_tiles = (st.blocks_promoted * geo.kv_heads).min(st.tiles_selected);
-                    DecodeStats {
-                        blocks_total: st.blocks_total,
-                        blocks_selected: st.tiles_selected,
-                        bytes_touched: summaries
-                            + st.tiles_selected as u64 * geo.tile_bytes() as u64,
-                        bytes_moved: moved + st.bytes_promoted,
-                        cache_hits: hits,
-                        blocks_ram: st.tiles_selected.saturating_sub(hits + nvme_tiles),
-                        blocks_nvme: nvme_tiles,
-                        selected: st
-                            .keep
-                            .map(|k| (0..k.heads()).map(|h| k.head(h).to_vec()).collect())
-                            .unwrap_or_default(),
-                    }
-                })
-                .collect(),
-        ))
     }
 }

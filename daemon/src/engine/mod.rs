@@ -27,7 +27,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
 
-use kvtier_kernels::{decode_layer_timed, DecodeEntry, StageTimings};
+use kvtier_kernels::{decode_step, Cpu, DecodeEntry, KernelError, StageTimings, StepReport};
 use kvtier_protocol::{
     stats_keys, CreateSessionRequest, DecodeEntryRef, DecodeOutput, DecodeReply, DecodeStats,
     SessionInfo, StatsReply,
@@ -37,8 +37,8 @@ use kvtier_storage::nvme::{BlockRun, NvmeError, NvmeTier, TierSource};
 use kvtier_storage::ColdSource;
 use kvtier_storage::{FrameQuota, Geometry, HostArena, KvCache, Policy, StorageError, StoredBlock};
 
-use crate::error::{storage_code, ServiceError, ServiceResult};
-use crate::gpu::{GpuDecoder, GpuEntry};
+use crate::error::{ServiceError, ServiceResult};
+use crate::gpu::GpuDecoder;
 use crate::metrics::{Metrics, Rejection};
 use kvtier_protocol::ErrorCode;
 

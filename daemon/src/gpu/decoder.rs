@@ -5,20 +5,17 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kvtier_kernels::attention::attend_keep_sets;
 use kvtier_kernels::cuda::{
     device_context, AttentionMath, CudaBackend, CudaConfig, CudaError, DecodeItem, PinnedRegion,
     SummaryDtype,
 };
-use kvtier_kernels::select::{check_query, select, KeepSet, SelectScratch};
-use kvtier_storage::{Frame, Geometry, HostArena, LayerView, Policy, StorageError};
+use kvtier_kernels::select::KeepSet;
+use kvtier_kernels::{Attended, Backend, DecodeEntry, KernelError};
+use kvtier_storage::{Frame, Geometry, HostArena, LayerView, Policy};
 
 pub use kvtier_kernels::cuda::device_available;
 
-use super::{
-    at, device_frames, plan_cold, promote, promote_tail, stale_runs, ColdPlan, GpuDecodeOutput,
-    GpuEntry, GpuEntryStats, GpuError, GpuSettings,
-};
+use super::{device_frames, stale_runs, GpuError, GpuSettings};
 
 /// Device-side bookkeeping of one session layer.
 #[derive(Debug, Clone, Default)]
@@ -39,7 +36,7 @@ struct GpuSession {
     layers: Vec<LayerSync>,
 }
 
-struct Backend {
+struct DeviceBackend {
     geometry: Geometry,
     policy: Policy,
     be: CudaBackend,
@@ -51,13 +48,11 @@ struct Backend {
 pub struct GpuDecoder {
     settings: GpuSettings,
     device_name: String,
-    backends: Vec<Backend>,
+    backends: Vec<DeviceBackend>,
     sessions: HashMap<u64, GpuSession>,
     /// Zero-filled frame every cold block is mapped to on the device; never written, held for
     /// the decoder's life so its address is never reused while the device may read it.
     zero: Frame,
-    /// Steps whose device keep-set named a block that was still cold.
-    cold_divergences: u64,
     /// Testing aid ([`GpuDecoder::fault_leave_cold`]): keep-set blocks to leave unpromoted.
     leave_cold: u32,
     region: Arc<PinnedRegion>,
@@ -110,7 +105,6 @@ impl GpuDecoder {
             backends: Vec::new(),
             sessions: HashMap::new(),
             zero,
-            cold_divergences: 0,
             leave_cold: 0,
             region: Arc::new(region),
             arena: arena.clone(),
@@ -120,12 +114,6 @@ impl GpuDecoder {
     /// e.g. "NVIDIA H100 80GB HBM3".
     pub fn device_name(&self) -> &str {
         &self.device_name
-    }
-
-    /// Steps so far whose device keep-set named a block that was still cold (each was answered
-    /// on the CPU; see the module docs). Nonzero means the selectors diverged.
-    pub fn cold_divergences(&self) -> u64 {
-        self.cold_divergences
     }
 
     /// Testing aid, the only way to reach the divergence check: on the next step with cold
@@ -170,7 +158,7 @@ impl GpuDecoder {
     }
 
     /// Why sessions of this (geometry, policy) cannot run on the GPU, if they cannot.
-    pub fn check(&self, geo: &Geometry, policy: &Policy) -> Result<(), GpuError> {
+    pub fn check_support(&self, geo: &Geometry, policy: &Policy) -> Result<(), GpuError> {
         self.config_for(geo, policy)
             .map_err(|e| GpuError::Unsupported {
                 reason: e.to_string(),
@@ -190,7 +178,7 @@ impl GpuDecoder {
 
     /// Whether sessions of this (geometry, policy) can run on the GPU.
     pub fn supports(&self, geo: &Geometry, policy: &Policy) -> bool {
-        self.check(geo, policy).is_ok()
+        self.check_support(geo, policy).is_ok()
     }
 
     /// Gives session `session` device state (creating its backend on first use). On error the
@@ -212,7 +200,7 @@ impl GpuDecoder {
         if self.sessions.contains_key(&session) {
             return Err(GpuError::AlreadyOpen { session });
         }
-        self.check(geo, policy)?;
+        self.check_support(geo, policy)?;
         let bi = match self.backend_of(geo, policy) {
             Some(i) => i,
             None => {
@@ -220,7 +208,7 @@ impl GpuDecoder {
                 let mut be = CudaBackend::new(self.settings.device, cfg)?;
                 be.attach_host(self.region.clone())?;
                 tracing::info!(?geo, ?policy, "cuda: backend compiled");
-                self.backends.push(Backend {
+                self.backends.push(DeviceBackend {
                     geometry: *geo,
                     policy: *policy,
                     be,
@@ -277,115 +265,6 @@ impl GpuDecoder {
         reset(&mut self.backends[s.backend].be, s)
     }
 
-    /// One decode step of `layer` for every entry; `out` receives `[entry][q_heads][head_dim]`.
-    /// Validates like `decode_layer`, promotes what the step needs from each entry's colder
-    /// tier, and fails before any append (see the module docs); `want_keep` also reads the
-    /// keep-sets back.
-    pub fn decode(
-        &mut self,
-        layer: u32,
-        entries: &mut [GpuEntry<'_>],
-        out: &mut [f32],
-        want_keep: bool,
-    ) -> Result<GpuDecodeOutput, GpuError> {
-        if entries.is_empty() {
-            return Err(GpuError::EmptyBatch);
-        }
-        let mut offsets = Vec::with_capacity(entries.len() + 1);
-        offsets.push(0usize);
-        for (i, e) in entries.iter().enumerate() {
-            self.check_entry(layer, e, &entries[..i]).map_err(at(i))?;
-            let geo = e.kv.geometry();
-            offsets.push(offsets[i] + (geo.q_heads * geo.head_dim) as usize);
-        }
-        let expected = offsets[entries.len()];
-        if out.len() != expected {
-            return Err(GpuError::OutputSize {
-                expected,
-                got: out.len(),
-            });
-        }
-        let mut promoted = vec![0u32; entries.len()];
-        for (i, e) in entries.iter_mut().enumerate() {
-            promoted[i] = promote_tail(layer, e).map_err(at(i))?;
-        }
-        let mut needs = Vec::with_capacity(entries.len());
-        for (i, e) in entries.iter().enumerate() {
-            needs.push(
-                e.kv.check_layer_append(layer, e.position, e.k, e.v)
-                    .map_err(|s| at(i)(s.into()))?,
-            );
-        }
-        let mut reserved = Vec::with_capacity(entries.len());
-        for (i, (e, &n)) in entries.iter().zip(&needs).enumerate() {
-            reserved.push(e.kv.arena().alloc_many(n).map_err(|s| at(i)(s.into()))?);
-        }
-        // Layers with cold blocks: the keep-set the device will select, its cold blocks read
-        // back now, before the append, so a failed read still changes nothing.
-        let mut plans: Vec<Option<ColdPlan>> = Vec::with_capacity(entries.len());
-        for (i, e) in entries.iter_mut().enumerate() {
-            let policy = self.sessions[&e.session].policy;
-            let plan = plan_cold(e.kv, layer, e.position, e.q, &policy).map_err(at(i))?;
-            if let Some(p) = &plan {
-                let leave = (self.leave_cold as usize).min(p.promote.len());
-                let wanted = &p.promote[..p.promote.len() - leave];
-                promoted[i] += promote(layer, e, wanted).map_err(at(i))?;
-            }
-            plans.push(plan);
-        }
-        if plans.iter().any(Option::is_some) {
-            self.leave_cold = 0;
-        }
-        // Nothing has changed so far (a promoted block is only a cache fill). From here on the
-        // call succeeds.
-        for (e, frames) in entries.iter_mut().zip(&mut reserved) {
-            e.kv.append_layer_reserved(layer, e.position, e.k, e.v, frames)
-                .expect("validated append cannot fail");
-        }
-        let checked: Vec<bool> = plans.iter().map(Option::is_some).collect();
-        let mut result = match self.run_device(layer, entries, &offsets, out, want_keep, &checked) {
-            Ok(o) => {
-                let diverged: Vec<usize> = (0..entries.len())
-                    .filter(|&i| {
-                        checked[i] && {
-                            let keep = o.entries[i].keep.as_ref().expect("read back when checked");
-                            !entries[i].kv.cold_among(layer, &keep.union()).is_empty()
-                        }
-                    })
-                    .collect();
-                if diverged.is_empty() {
-                    o
-                } else {
-                    self.cold_divergences += diverged.len() as u64;
-                    tracing::warn!(
-                        layer,
-                        entries = ?diverged,
-                        "cuda: the device selected blocks that are still on NVMe; its output is discarded and the CPU answers"
-                    );
-                    // Their tile caches may now hold tiles read from the zero frame.
-                    for &i in &diverged {
-                        self.reset_session(entries[i].session);
-                    }
-                    let mut f = self.cpu_fallback(layer, entries, out, &plans)?;
-                    f.cold_divergences = diverged.len() as u32;
-                    f
-                }
-            }
-            Err(err) => {
-                tracing::warn!(layer, error = %err, "cuda: device step failed after the appends; answering on the CPU");
-                for e in entries.iter() {
-                    self.reset_session(e.session);
-                }
-                self.cpu_fallback(layer, entries, out, &plans)?
-            }
-        };
-        for ((st, e), p) in result.entries.iter_mut().zip(entries.iter()).zip(promoted) {
-            st.blocks_promoted += p;
-            st.bytes_promoted = st.blocks_promoted as u64 * e.kv.geometry().block_bytes() as u64;
-        }
-        Ok(result)
-    }
-
     /// Drops the device state of `session` (re-uploaded on its next call), logging a failure.
     fn reset_session(&mut self, session: u64) {
         if let Some(s) = self.sessions.get_mut(&session) {
@@ -394,74 +273,26 @@ impl GpuDecoder {
             }
         }
     }
-
-    /// Every check of one entry that needs no device and reads nothing: session, geometry,
-    /// query, payload sizes and capacity.
-    fn check_entry(
-        &self,
-        layer: u32,
-        e: &GpuEntry<'_>,
-        before: &[GpuEntry<'_>],
-    ) -> Result<(), GpuError> {
-        let s = self
-            .sessions
-            .get(&e.session)
-            .ok_or(GpuError::UnknownSession { session: e.session })?;
-        if before.iter().any(|b| b.session == e.session) {
-            return Err(GpuError::DuplicateSession { session: e.session });
-        }
-        let geo = e.kv.geometry();
-        if *geo != s.geometry {
-            return Err(GpuError::GeometryMismatch { session: e.session });
-        }
-        check_query(geo, e.q)?;
-        let one = geo.token_bytes();
-        for (what, bytes) in [("k", e.k), ("v", e.v)] {
-            if bytes.len() != one {
-                return Err(StorageError::PayloadSize {
-                    what,
-                    expected: one,
-                    got: bytes.len(),
-                }
-                .into());
-            }
-        }
-        e.kv.layer(layer)?;
-        let after = geo.blocks_for(e.position + 1);
-        if after > self.settings.max_blocks as u64 {
-            return Err(GpuError::TooManyBlocks {
-                layer,
-                blocks: after,
-                max: self.settings.max_blocks,
-            });
-        }
-        Ok(())
-    }
-
     /// Syncs the batch's layer state to the device and runs it, one device call per (backend,
     /// max_batch chunk). Keep-sets are read back for every chunk when `want_keep`, else for
     /// chunks holding an entry marked in `checked`.
     fn run_device(
         &mut self,
         layer: u32,
-        entries: &[GpuEntry<'_>],
-        offsets: &[usize],
+        entries: &[DecodeEntry<'_>],
         out: &mut [f32],
         want_keep: bool,
         checked: &[bool],
-    ) -> Result<GpuDecodeOutput, GpuError> {
-        let mut result = GpuDecodeOutput {
-            entries: vec![
-                GpuEntryStats {
-                    blocks_total: 0,
-                    tiles_selected: 0,
-                    keep: None,
-                    blocks_promoted: 0,
-                    bytes_promoted: 0,
-                };
-                entries.len()
-            ],
-            ..Default::default()
+    ) -> Result<Attended, GpuError> {
+        let mut offsets = Vec::with_capacity(entries.len() + 1);
+        offsets.push(0usize);
+        for (i, e) in entries.iter().enumerate() {
+            let geo = e.kv.geometry();
+            offsets.push(offsets[i] + (geo.q_heads * geo.head_dim) as usize);
+        }
+        let mut result = Attended {
+            keeps: vec![None; entries.len()],
+            ..Attended::default()
         };
         let zero = self.zero.id();
         // Entry indices per backend, in batch order.
@@ -506,23 +337,12 @@ impl GpuDecoder {
                     let n = offsets[i + 1] - offsets[i];
                     out[offsets[i]..offsets[i + 1]].copy_from_slice(&lo.out[at..at + n]);
                     at += n;
-                    let geo = entries[i].kv.geometry();
-                    let policy = self.sessions[&entries[i].session].policy;
-                    let blocks = entries[i].kv.layer(layer)?.blocks() as u64;
-                    let per_head = if blocks <= policy.budget() {
-                        blocks
-                    } else {
-                        policy.budget()
-                    };
-                    let st = &mut result.entries[i];
-                    st.blocks_total = blocks as u32;
-                    st.tiles_selected = (per_head * geo.kv_heads as u64) as u32;
                     if let Some(k) = &keeps {
                         let mut ks = KeepSet::new();
                         for head in &k[ci] {
                             ks.push_head(head.iter().copied());
                         }
-                        st.keep = Some(ks);
+                        result.keeps[i] = Some(ks);
                     }
                 }
                 result.cache_hits += lo.stats.hits;
@@ -532,62 +352,77 @@ impl GpuDecoder {
         }
         Ok(result)
     }
+}
 
-    /// Answers an appended batch on the CPU: the keep-set of an entry that had cold blocks is
-    /// its [`ColdPlan`]'s (what `decode_layer` selected before the append); any other entry
-    /// selects over the appended layer (the tail block is in the local window, so that is the
-    /// same keep-set). Cold blocks among a keep-set are promoted through the entry's source
-    /// before attending. The plans' blocks were promoted before the append, so this reads
-    /// only what the device step left cold on purpose (the testing aid); should a read fail
-    /// here, the error is returned with the layer already appended, and logged.
-    fn cpu_fallback(
-        &self,
-        layer: u32,
-        entries: &mut [GpuEntry<'_>],
-        out: &mut [f32],
-        plans: &[Option<ColdPlan>],
-    ) -> Result<GpuDecodeOutput, GpuError> {
-        let mut scratch = SelectScratch::default();
-        let mut keeps = Vec::with_capacity(entries.len());
-        let mut promoted = vec![0u32; entries.len()];
-        for (i, (e, plan)) in entries.iter_mut().zip(plans).enumerate() {
-            let keep = match plan {
-                Some(p) => p.keep.clone(),
-                None => {
-                    let policy = self.sessions[&e.session].policy;
-                    let mut keep = KeepSet::new();
-                    select(e.q, &e.kv.layer(layer)?, &policy, &mut scratch, &mut keep)?;
-                    keep
-                }
-            };
-            let cold = e.kv.cold_among(layer, &keep.union());
-            promoted[i] = promote(layer, e, &cold).map_err(|err| {
-                tracing::error!(layer, entry = i, error = %err, "cuda: CPU answer could not read a keep-set block after the append");
-                at(i)(err)
-            })?;
-            keeps.push(keep);
+/// The device behind the one decode step (`kvtier_kernels::decode_step`): it selects by itself,
+/// so the step selects on the CPU only for layers with cold blocks (see the module docs).
+impl Backend for GpuDecoder {
+    fn selects_itself(&self) -> bool {
+        true
+    }
+
+    /// Every session open here, each once, with the geometry it was opened with, and the
+    /// layers within the device capacity.
+    fn check(&self, layer: u32, entries: &[DecodeEntry<'_>]) -> kvtier_kernels::Result<()> {
+        let unavailable = |i: usize, e: GpuError| KernelError::Unavailable {
+            reason: format!("batch entry {i}: {e}"),
+        };
+        for (i, e) in entries.iter().enumerate() {
+            let s = self
+                .sessions
+                .get(&e.session)
+                .ok_or(GpuError::UnknownSession { session: e.session })
+                .map_err(|err| unavailable(i, err))?;
+            if entries[..i].iter().any(|b| b.session == e.session) {
+                return Err(unavailable(
+                    i,
+                    GpuError::DuplicateSession { session: e.session },
+                ));
+            }
+            if *e.kv.geometry() != s.geometry || e.policy != s.policy {
+                return Err(unavailable(
+                    i,
+                    GpuError::GeometryMismatch { session: e.session },
+                ));
+            }
+            let after = e.kv.geometry().blocks_for(e.position + 1);
+            if after > self.settings.max_blocks as u64 {
+                return Err(unavailable(
+                    i,
+                    GpuError::TooManyBlocks {
+                        layer,
+                        blocks: after,
+                        max: self.settings.max_blocks,
+                    },
+                ));
+            }
         }
-        let views: Vec<_> = entries
-            .iter()
-            .map(|e| e.kv.layer(layer).expect("layer was validated"))
-            .collect();
-        attend_keep_sets(entries.iter().map(|e| e.q), &views, &keeps, out);
-        Ok(GpuDecodeOutput {
-            entries: views
-                .iter()
-                .zip(keeps)
-                .zip(promoted)
-                .map(|((v, keep), blocks_promoted)| GpuEntryStats {
-                    blocks_total: v.blocks() as u32,
-                    tiles_selected: keep.tiles() as u32,
-                    keep: Some(keep),
-                    blocks_promoted,
-                    bytes_promoted: 0,
-                })
-                .collect(),
-            cpu_fallback: true,
-            ..Default::default()
-        })
+        Ok(())
+    }
+
+    fn attend(
+        &mut self,
+        layer: u32,
+        entries: &[DecodeEntry<'_>],
+        planned: &[Option<KeepSet>],
+        out: &mut [f32],
+        want_keep: bool,
+    ) -> kvtier_kernels::Result<Attended> {
+        let checked: Vec<bool> = planned.iter().map(Option::is_some).collect();
+        self.run_device(layer, entries, out, want_keep, &checked)
+            .map_err(|e| KernelError::Unavailable {
+                reason: format!("device step failed after the appends: {e}"),
+            })
+    }
+
+    fn discard(&mut self, sessions: &[u64]) {
+        for &s in sessions {
+            self.reset_session(s);
+        }
+    }
+
+    fn take_leave_cold(&mut self) -> u32 {
+        std::mem::take(&mut self.leave_cold)
     }
 }
 

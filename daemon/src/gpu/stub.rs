@@ -2,9 +2,10 @@
 //! value (the engine's `Option<GpuDecoder>` is always `None`), so every decode runs on the CPU
 //! backend; `backend.kind = "cuda"` is refused at startup because no device is available.
 
+use kvtier_kernels::{Attended, Backend, DecodeEntry, KeepSet};
 use kvtier_storage::{Geometry, HostArena, Policy};
 
-use super::{GpuDecodeOutput, GpuEntry, GpuError, GpuSettings};
+use super::{GpuError, GpuSettings};
 
 /// Never present in a build without CUDA.
 pub fn device_available() -> bool {
@@ -50,14 +51,21 @@ impl GpuDecoder {
     pub fn invalidate(&mut self, _session: u64) -> Result<(), GpuError> {
         match *self {}
     }
+}
 
-    pub fn decode(
+impl Backend for GpuDecoder {
+    fn selects_itself(&self) -> bool {
+        match *self {}
+    }
+
+    fn attend(
         &mut self,
         _layer: u32,
-        _entries: &mut [GpuEntry<'_>],
+        _entries: &[DecodeEntry<'_>],
+        _planned: &[Option<KeepSet>],
         _out: &mut [f32],
         _want_keep: bool,
-    ) -> Result<GpuDecodeOutput, GpuError> {
+    ) -> kvtier_kernels::Result<Attended> {
         match *self {}
     }
 }

@@ -135,7 +135,7 @@ impl CudaConfig {
             ));
         }
         let d = g.head_dim as usize;
-        let gs = group as usize;
+        let gs = group;
         let b = g.block_tokens as usize;
         // select_topk keeps ceil(max_blocks / 1024) keys per thread in registers.
         let kpt = (self.max_blocks as usize).div_ceil(1024);
