@@ -23,7 +23,7 @@
 //!   it happens at session creation, not in a decode.
 //! - Per (session, layer) the decoder remembers what the device has: the token count, how many
 //!   leading blocks have final (full-block) summaries uploaded, and the arena frame each block
-//!   is mapped to. Each [`GpuDecoder::decode`] uploads only the delta: summaries of new blocks
+//!   is mapped to. Each step ([`kvtier_kernels::Backend::attend`]) uploads only the delta: summaries of new blocks
 //!   and of the tail block (it changes with every token), page-table entries of new blocks or of
 //!   blocks whose frame changed (a cold block promoted, or a block demoted), the token count.
 //!
