@@ -211,8 +211,7 @@ fn run(seed: u64, cycles: u64) -> Counts {
                     m.durable = m.acked;
                 }
             }
-            let _ = std::fs::remove_file(&d.socket);
-            std::mem::replace(&mut d.dir, tempfile::tempdir().unwrap())
+            d.into_dir()
         };
         if let Some(f) = filler {
             std::fs::remove_file(f).unwrap();
@@ -235,7 +234,11 @@ fn run(seed: u64, cycles: u64) -> Counts {
             n.fault_cycles += 1;
             let spec = format!("{},0.05,0.02", rng.next_u64());
             let dir = d.stop(false);
-            d = Daemon::start_env(dir, args, &[(tierd::TEST_IO_FAULTS_ENV, spec.as_str())]);
+            d = harness()
+                .dir(dir)
+                .args(args)
+                .env(tierd::TEST_IO_FAULTS_ENV, spec)
+                .start();
         }
         n.cycles += 1;
     }
