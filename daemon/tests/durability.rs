@@ -28,16 +28,9 @@ fn intact(c: &mut Client, id: u64, sh: &mut Shadow) {
 
 /// The newest manifest file of a daemon's state directory (the primary, not its copy).
 fn newest_manifest(state: &Path) -> PathBuf {
-    let mut m: Vec<PathBuf> = std::fs::read_dir(state)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| {
-            let n = p.file_name().unwrap().to_str().unwrap();
-            n.starts_with("manifest-") && !n.contains('.')
-        })
-        .collect();
-    m.sort();
-    m.pop().expect("a manifest")
+    entries(state, |n| n.starts_with("manifest-") && !n.contains('.'))
+        .pop()
+        .expect("a manifest")
 }
 
 fn flip_byte(path: &Path, at: u64) {
@@ -139,16 +132,8 @@ fn all_manifests_damaged_refuses_to_start_or_quarantines() {
     let pages = d.page_file();
     let dir = d.stop(false);
     let state = dir.path().join("state");
-    for e in std::fs::read_dir(&state).unwrap() {
-        let p = e.unwrap().path();
-        if p.file_name()
-            .unwrap()
-            .to_str()
-            .unwrap()
-            .starts_with("manifest-")
-        {
-            flip_byte(&p, 50);
-        }
+    for p in entries(&state, |n| n.starts_with("manifest-")) {
+        flip_byte(&p, 50);
     }
     let page_bytes = std::fs::read(&pages).unwrap();
     let out = tierd()
@@ -168,16 +153,8 @@ fn all_manifests_damaged_refuses_to_start_or_quarantines() {
     let d = Daemon::start_in(dir, &["--set", "nvme.damaged_manifests=\"quarantine\""]);
     let mut c = d.client();
     assert!(c.list_sessions().unwrap().is_empty());
-    let q = std::fs::read_dir(&state)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .starts_with("quarantine-")
-        })
+    let q = entries(&state, |n| n.starts_with("quarantine-"))
+        .pop()
         .expect("a quarantine directory");
     assert_eq!(std::fs::read(q.join("pages-0")).unwrap(), page_bytes);
     // The new tier works.

@@ -465,15 +465,9 @@ fn flip_page(pages: &Path, rng: &mut Rng) -> bool {
 /// the newest epoch damaged is a double fault the failure model does not promise to survive
 /// without losing that epoch). Returns whether it flipped.
 fn flip_manifest(state: &Path, rng: &mut Rng) -> bool {
-    let mut files: Vec<_> = std::fs::read_dir(state)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| {
-            let name = p.file_name().unwrap().to_str().unwrap();
-            name.starts_with("manifest-") && !name.ends_with(".flipped-by-campaign")
-        })
-        .collect();
-    files.sort();
+    let files = entries(state, |name| {
+        name.starts_with("manifest-") && !name.ends_with(".flipped-by-campaign")
+    });
     let mut by_epoch: BTreeMap<String, Vec<std::path::PathBuf>> = BTreeMap::new();
     for f in files {
         let name = f.file_name().unwrap().to_str().unwrap().to_owned();

@@ -14,6 +14,13 @@ use kvtier_protocol::{stats_keys, ErrorCode, StatsReply};
 use tierd::engine::extra_stats_keys as x;
 use tierd::metrics::names;
 
+/// The harness daemon serving metrics on a free local port, plus `extra`; and the port.
+fn with_metrics(extra: &[&str]) -> (Tierd, u16) {
+    let port = free_port();
+    let listen = format!("metrics.listen=\"127.0.0.1:{port}\"");
+    (harness().set(&listen).args(extra).start(), port)
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -89,9 +96,7 @@ const MIRRORED: [(&str, &str); 10] = [
 
 #[test]
 fn a_scrape_during_a_decode_run_shows_every_metric_matching_stats() {
-    let port = free_port();
-    let listen = format!("metrics.listen=\"127.0.0.1:{port}\"");
-    let d = Daemon::start(&["--set", &listen, "--set", "admission.max_sessions=3"]);
+    let (d, port) = with_metrics(&["--set", "admission.max_sessions=3"]);
     let g = small_geometry();
 
     // Some failures and one admission rejection, so those series carry real counts.
@@ -306,9 +311,7 @@ fn damage(path: &std::path::Path, at: u64) {
 
 #[test]
 fn a_corrupted_page_counts_one_checksum_error_in_stats_and_metrics() {
-    let port = free_port();
-    let listen = format!("metrics.listen=\"127.0.0.1:{port}\"");
-    let d = Daemon::start(&["--set", &listen, "--set", "nvme.prefetch_blocks=0"]);
+    let (d, port) = with_metrics(&["--set", "nvme.prefetch_blocks=0"]);
     let mut c = d.client();
     let (id, mut sh) = open(&mut c, "victim", 200, 8);
     c.demote(id).unwrap();
@@ -348,9 +351,7 @@ fn a_corrupted_page_counts_one_checksum_error_in_stats_and_metrics() {
 
 #[test]
 fn failed_nvme_reads_count_as_io_errors_in_stats_and_metrics() {
-    let port = free_port();
-    let listen = format!("metrics.listen=\"127.0.0.1:{port}\"");
-    let d = Daemon::start(&["--set", &listen, "--set", "nvme.prefetch_blocks=0"]);
+    let (d, port) = with_metrics(&["--set", "nvme.prefetch_blocks=0"]);
     let mut c = d.client();
     let (id, _) = open(&mut c, "cut short", 64, 9); // 4 blocks per layer
     assert_eq!(c.demote(id).unwrap(), 8);

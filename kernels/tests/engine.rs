@@ -77,6 +77,18 @@ fn geometries() -> Vec<Geometry> {
     ]
 }
 
+/// One layer, two query heads on one KV head, D = 8, f32: small enough to reason about by hand.
+fn tiny(block_tokens: u32) -> Geometry {
+    Geometry {
+        layers: 1,
+        q_heads: 2,
+        kv_heads: 1,
+        head_dim: 8,
+        dtype: DType::F32,
+        block_tokens,
+    }
+}
+
 fn tolerance(dt: DType) -> f64 {
     match dt {
         DType::F32 => 1e-5,
@@ -200,14 +212,7 @@ fn a_batch_equals_its_entries_decoded_alone() {
 
 #[test]
 fn short_contexts_select_everything_and_ties_prefer_lower_blocks() {
-    let g = Geometry {
-        layers: 1,
-        q_heads: 2,
-        kv_heads: 1,
-        head_dim: 8,
-        dtype: DType::F32,
-        block_tokens: 4,
-    };
+    let g = tiny(4);
     let policy = Policy {
         sink_blocks: 1,
         local_blocks: 1,
@@ -314,14 +319,7 @@ fn bad_requests_are_typed_errors_and_change_nothing() {
 
 #[test]
 fn a_full_arena_fails_the_whole_batch_before_any_append() {
-    let g = Geometry {
-        layers: 1,
-        q_heads: 2,
-        kv_heads: 1,
-        head_dim: 8,
-        dtype: DType::F32,
-        block_tokens: 2,
-    };
+    let g = tiny(2);
     let shared = arena(4096, 3);
     let mut a = KvCache::new(g, shared.clone()).unwrap();
     let mut b = KvCache::new(g, shared.clone()).unwrap();

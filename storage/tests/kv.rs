@@ -21,6 +21,13 @@ fn arena(frames: usize) -> HostArena {
     HostArena::new(&ArenaOptions::new(frames * 4096, 4096)).unwrap()
 }
 
+/// A cache in arena `a` holding `n` random tokens (the payload of `seed`).
+fn cache(g: Geometry, a: &HostArena, n: usize, seed: u64) -> KvCache {
+    let mut kv = KvCache::new(g, a.clone()).unwrap();
+    kv.append(0, n as u64, &payload(&g, n, seed)).unwrap();
+    kv
+}
+
 fn snapshot(kv: &KvCache) -> Vec<(u64, Vec<u8>, Vec<u32>)> {
     (0..kv.geometry().layers)
         .map(|l| {
@@ -76,8 +83,7 @@ fn tiles_hold_rows_where_the_layout_says() {
 fn bounds_are_exact_max_and_min_of_stored_keys() {
     for dtype in [DType::Bf16, DType::F16, DType::F32] {
         let g = geo(dtype, 8);
-        let mut kv = KvCache::new(g, arena(16)).unwrap();
-        kv.append(0, 21, &payload(&g, 21, 7)).unwrap();
+        let kv = cache(g, &arena(16), 21, 7);
         let v = kv.layer(0).unwrap();
         let d = g.head_dim as usize;
         for b in 0..v.blocks() {
@@ -98,8 +104,7 @@ fn bounds_are_exact_max_and_min_of_stored_keys() {
 #[test]
 fn bad_appends_are_typed_errors_and_change_nothing() {
     let g = geo(DType::Bf16, 4);
-    let mut kv = KvCache::new(g, arena(4)).unwrap();
-    kv.append(0, 3, &payload(&g, 3, 1)).unwrap();
+    let mut kv = cache(g, &arena(4), 3, 1);
     let before = snapshot(&kv);
     let one = payload(&g, 1, 2);
     // Backwards, gap, wrong size, bad layer, NaN.
@@ -172,8 +177,7 @@ fn a_block_run_larger_than_a_frame_is_refused() {
 fn dropping_a_cache_returns_its_frames() {
     let g = geo(DType::Bf16, 4);
     let a = arena(8);
-    let mut kv = KvCache::new(g, a.clone()).unwrap();
-    kv.append(0, 9, &payload(&g, 9, 5)).unwrap();
+    let kv = cache(g, &a, 9, 5);
     assert_eq!(a.usage().frames_used, 6);
     assert_eq!(kv.host_bytes(), 6 * 4096);
     drop(kv);
@@ -211,8 +215,7 @@ proptest! {
 fn evicted_blocks_come_back_bit_identical_and_free_their_frames() {
     let g = geo(DType::Bf16, 4);
     let a = arena(32);
-    let mut kv = KvCache::new(g, a.clone()).unwrap();
-    kv.append(0, 14, &payload(&g, 14, 9)).unwrap();
+    let mut kv = cache(g, &a, 14, 9);
     let before = snapshot(&kv);
     let saved = SavedRuns::of(&kv);
     for l in 0..2 {
@@ -268,8 +271,7 @@ fn evicted_blocks_come_back_bit_identical_and_free_their_frames() {
 fn a_promoted_frame_holds_the_run_and_zeros_whatever_it_held_before() {
     let g = geo(DType::Bf16, 4);
     let a = arena(16);
-    let mut kv = KvCache::new(g, a.clone()).unwrap();
-    kv.append(0, 8, &payload(&g, 8, 5)).unwrap();
+    let mut kv = cache(g, &a, 8, 5);
     let saved = SavedRuns::of(&kv);
     for b in 0..2 {
         assert!(kv.evict(0, b));
@@ -299,8 +301,7 @@ fn a_promoted_frame_holds_the_run_and_zeros_whatever_it_held_before() {
 fn restoring_stored_blocks_rebuilds_identical_tiles_and_bounds() {
     for n in [1usize, 4, 13, 16] {
         let g = geo(DType::F16, 4);
-        let mut kv = KvCache::new(g, arena(32)).unwrap();
-        kv.append(0, n as u64, &payload(&g, n, 21)).unwrap();
+        let kv = cache(g, &arena(32), n, 21);
         let saved = SavedRuns::of(&kv);
         let mut back = KvCache::new(g, arena(32)).unwrap();
         for l in 0..2 {

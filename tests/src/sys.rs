@@ -56,6 +56,17 @@ pub fn scratch_dir(base: impl AsRef<Path>, name: &str) -> PathBuf {
     d
 }
 
+/// The entries of `dir` whose file name passes `keep`, sorted by path.
+pub fn entries(dir: &Path, keep: impl Fn(&str) -> bool) -> Vec<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(&keep))
+        .collect();
+    found.sort();
+    found
+}
+
 /// A tmpfs of `bytes` mounted at a fresh directory (root only), unmounted when dropped.
 pub struct SmallFs {
     pub dir: tempfile::TempDir,

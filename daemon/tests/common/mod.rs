@@ -4,7 +4,7 @@
 
 pub use kvtier_tests::kv::f32_bytes;
 pub use kvtier_tests::session::{entry, open, policy, small_geometry, Shadow};
-pub use kvtier_tests::sys::{Reaped, SmallFs};
+pub use kvtier_tests::sys::{entries, Reaped, SmallFs};
 pub use kvtier_tests::uid::{is_root, run_as_nobody};
 pub use kvtier_tests::wire::code;
 pub use kvtier_tests::{Tierd, TierdBuilder};
