@@ -262,13 +262,8 @@ fn wrong_geometry_sizes_layers_positions_and_sessions() {
 fn a_failed_batch_entry_leaves_every_session_unchanged() {
     let d = Daemon::start(&[]);
     let mut c = d.client();
-    let g = small_geometry();
-    let a = c.create_session(g, policy(), "").unwrap();
-    let b = c.create_session(g, policy(), "").unwrap();
-    let mut sa = Shadow::new(g, 1);
-    let mut sb = Shadow::new(g, 2);
-    c.append_kv(a, 0, 20, &sa.payload(20)).unwrap();
-    c.append_kv(b, 0, 20, &sb.payload(20)).unwrap();
+    let (a, mut sa) = open(&mut c, "", 20, 1);
+    let (b, _) = open(&mut c, "", 20, 2);
     let (q, k, v) = sa.step_input(0);
     let qb = f32_bytes(&q);
     // Entry 1 has a stale position: the whole batch fails, entry 0's k/v are not appended.
