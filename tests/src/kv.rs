@@ -76,3 +76,46 @@ pub fn xorshift_bytes(state: u64, len: usize) -> Vec<u8> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::session::{small_geometry, storage_geometry};
+
+    fn geometry() -> Geometry {
+        Geometry {
+            layers: 3,
+            ..storage_geometry(&small_geometry())
+        }
+    }
+
+    #[test]
+    fn payloads_are_reproducible_and_cut_along_tokens() {
+        let g = geometry();
+        let p = payload(&g, 7, 3);
+        assert_eq!(p, payload(&g, 7, 3));
+        assert_ne!(p, payload(&g, 7, 4));
+        assert_eq!(p.len(), 7 * 2 * g.layers as usize * g.token_bytes());
+        assert_eq!(sub_payload(&g, &p, 7, 0..7), p);
+        // Layer 2's V rows of tokens 2..5 come from the right place.
+        let (_, v) = layer_rows(&g, &p, 7, 2, 2..5);
+        let tb = g.token_bytes();
+        let at = (2 * 2 + 1) * 7 * tb + 2 * tb;
+        assert_eq!(v, &p[at..at + 3 * tb]);
+        // Cutting and gluing back along tokens gives the same per-layer rows.
+        let (a, b) = (sub_payload(&g, &p, 7, 0..3), sub_payload(&g, &p, 7, 3..7));
+        for l in 0..g.layers as usize {
+            let (k, v) = layer_rows(&g, &p, 7, l, 0..7);
+            let (ka, va) = layer_rows(&g, &a, 3, l, 0..3);
+            let (kb, vb) = layer_rows(&g, &b, 4, l, 0..4);
+            assert_eq!((k, v), (&[ka, kb].concat()[..], &[va, vb].concat()[..]));
+        }
+    }
+
+    #[test]
+    fn xorshift_bytes_depend_on_the_state() {
+        assert_eq!(xorshift_bytes(5, 64), xorshift_bytes(5, 64));
+        assert_ne!(xorshift_bytes(5, 64), xorshift_bytes(6, 64));
+        assert!(xorshift_bytes(0, 64).iter().any(|&b| b != 0), "never stuck");
+    }
+}

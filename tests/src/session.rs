@@ -182,3 +182,21 @@ pub fn open(c: &mut Client, label: &str, n: u32, seed: u64) -> (u64, Shadow) {
     c.append_kv(id, 0, n, &sh.payload(n as usize)).unwrap();
     (id, sh)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shadow_draws_the_payload_kv_payload_draws_and_records_it() {
+        let g = small_geometry();
+        let mut sh = Shadow::new(g, 9);
+        let p = sh.payload(20);
+        assert_eq!(p, crate::kv::payload(&storage_geometry(&g), 20, 9));
+        assert_eq!((sh.tokens(0), sh.tokens(1)), (20, 20));
+        sh.step_input(1);
+        assert_eq!((sh.tokens(0), sh.tokens(1)), (20, 21));
+        sh.truncate(20);
+        assert_eq!(sh.tokens(1), 20);
+    }
+}
