@@ -1,96 +1,15 @@
-//! The real `tierbench` binary with `--spawn` against a real `tierd` (built with
-//! `cargo build -p tierd`, or `KVTIER_TEST_TIERD`): small geometry, few steps, JSON checked.
+//! The real `tierbench` binary on bad command lines (its runs against a real `tierd` are in
+//! the workspace's end-to-end tests, tests/tests/tierbench.rs).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 
-use serde_json::Value;
-
-fn tierd_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("KVTIER_TEST_TIERD") {
-        return PathBuf::from(p);
-    }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let st = Command::new(cargo)
-        .args(["build", "--quiet", "-p", "tierd"])
-        .current_dir(root)
-        .status()
-        .expect("run cargo build -p tierd");
-    assert!(st.success(), "cargo build -p tierd failed");
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target"));
-    target.join("debug").join("tierd")
-}
-
-#[test]
-fn spawn_small_matrix_writes_json_and_skips_what_does_not_fit() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("out.json");
-    let o = Command::new(env!("CARGO_BIN_EXE_tierbench"))
-        .arg("--spawn")
-        .arg("--tierd")
-        .arg(tierd_bin())
-        .args([
-            "--small",
-            "--sessions",
-            "1,3",
-            "--contexts",
-            "128,100000000",
-        ])
-        .args([
-            "--steps",
-            "5",
-            "--max-seconds",
-            "60",
-            "--rtt-requests",
-            "50",
-        ])
-        .args(["--host-budget-mib", "32", "--json"])
-        .arg(&json)
+/// tierbench with `args`, pointed at a socket nobody serves.
+fn tierbench(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tierbench"))
+        .args(args)
+        .args(["--socket", "/nonexistent/tierd.sock"])
         .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        o.status.success(),
-        "stdout: {stdout}\nstderr: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(stdout.contains("machine: ") && stdout.contains("command: "));
-    assert!(stdout.contains("tierd stopped: exit status: 0"), "{stdout}");
-
-    let v: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
-    assert!(v["server"].as_str().unwrap().starts_with("tierd "));
-    assert_eq!(v["geometry"]["layers"], 1);
-    assert_eq!(v["geometry"]["head_dim"], 8);
-    let cells = v["cells"].as_array().unwrap();
-    assert_eq!(cells.len(), 4);
-    for c in cells {
-        let sessions = c["sessions"].as_u64().unwrap();
-        if c["context"] == 128 {
-            assert!(c["skipped"].is_null(), "{c}");
-            // L=1: one request per step per session, every step completed.
-            assert_eq!(c["steps_completed"], 5 * sessions, "{c}");
-            assert_eq!(c["layer_decodes"], 5 * sessions, "{c}");
-            let l = &c["latency"];
-            let (p50, p99, max) = (
-                l["p50_us"].as_f64().unwrap(),
-                l["p99_us"].as_f64().unwrap(),
-                l["max_us"].as_f64().unwrap(),
-            );
-            assert!(0.0 < p50 && p50 <= p99 && p99 <= max, "{c}");
-            assert!(c["tokens_per_s"].as_f64().unwrap() > 0.0);
-        } else {
-            // 100M tokens cannot fit 32 MiB: reported as skipped, never run.
-            assert!(c["skipped"].as_str().unwrap().contains("needs"), "{c}");
-            assert_eq!(c["layer_decodes"], 0);
-            assert!(c["latency"].is_null());
-        }
-    }
-    assert_eq!(v["rtt"]["requests"], 50);
-    assert_eq!(v["rtt"]["target_p50_us"], 50.0);
-    assert!(v["rtt"]["latency"]["p50_us"].as_f64().unwrap() > 0.0);
+        .unwrap()
 }
 
 #[test]
@@ -101,18 +20,11 @@ fn bad_options_fail_cleanly() {
         &["--contexts", "0"],
         &["--prefill-chunk", "0"],
     ] {
-        let o = Command::new(env!("CARGO_BIN_EXE_tierbench"))
-            .args(args)
-            .args(["--socket", "/nonexistent/tierd.sock"])
-            .output()
-            .unwrap();
+        let o = tierbench(args);
         assert_eq!(o.status.code(), Some(1), "{args:?}");
         assert!(String::from_utf8_lossy(&o.stderr).contains("must be positive"));
     }
-    let o = Command::new(env!("CARGO_BIN_EXE_tierbench"))
-        .args(["--socket", "/nonexistent/tierd.sock", "--small"])
-        .output()
-        .unwrap();
+    let o = tierbench(&["--small"]);
     assert_eq!(o.status.code(), Some(1));
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(

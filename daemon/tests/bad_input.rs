@@ -8,37 +8,8 @@ use std::time::Duration;
 
 use common::*;
 use kvtier_protocol::client::{Client, ClientError};
-use kvtier_protocol::{
-    ErrorCode, Geometry, Header, HelloRequest, Opcode, Policy, Request, Response, HEADER_LEN, MAGIC,
-};
-
-fn code<T: std::fmt::Debug>(r: Result<T, ClientError>) -> ErrorCode {
-    match r {
-        Err(e) => e
-            .code()
-            .unwrap_or_else(|| panic!("not a server error: {e}")),
-        Ok(v) => panic!("expected an error, got {v:?}"),
-    }
-}
-
-/// Reads one reply frame from a raw stream; None when the server closed the connection.
-fn read_reply(s: &mut UnixStream) -> Option<(Header, Response)> {
-    let mut head = [0u8; HEADER_LEN];
-    if s.read_exact(&mut head).is_err() {
-        return None;
-    }
-    let h = Header::decode(&head).unwrap();
-    let mut body = vec![0u8; h.body_len as usize];
-    s.read_exact(&mut body).unwrap();
-    Some((h, Response::decode(&h, &body).unwrap()))
-}
-
-fn error_code(r: &Response) -> ErrorCode {
-    match r {
-        Response::Error(e) => e.code,
-        other => panic!("expected an error reply, got {other:?}"),
-    }
-}
+use kvtier_protocol::{ErrorCode, Geometry, Header, Opcode, Policy, Request, Response, MAGIC};
+use kvtier_tests::wire::{error_code, frame, hello_frame, read_reply, server_error};
 
 fn raw(d: &Daemon) -> UnixStream {
     let s = UnixStream::connect(d.path()).unwrap();
@@ -47,15 +18,7 @@ fn raw(d: &Daemon) -> UnixStream {
 }
 
 fn hello(s: &mut UnixStream) {
-    let mut buf = Vec::new();
-    Request::Hello(HelloRequest {
-        min_version: 1,
-        max_version: 1,
-        client_name: "raw".into(),
-    })
-    .encode_frame(7, &mut buf)
-    .unwrap();
-    s.write_all(&buf).unwrap();
+    s.write_all(&hello_frame(7, 1, 1, "raw")).unwrap();
     let (h, r) = read_reply(s).unwrap();
     assert_eq!(h.request_id, 7);
     assert!(matches!(r, Response::Hello(_)));
@@ -119,9 +82,7 @@ fn protocol_misuse_gets_typed_errors_and_the_connection_survives() {
     let d = Daemon::start(&[]);
     let mut s = raw(&d);
     // Anything before HELLO.
-    let mut buf = Vec::new();
-    Request::Stats.encode_frame(11, &mut buf).unwrap();
-    s.write_all(&buf).unwrap();
+    s.write_all(&frame(&Request::Stats, 11)).unwrap();
     let (h, r) = read_reply(&mut s).unwrap();
     assert_eq!(
         (h.request_id, error_code(&r)),
@@ -148,33 +109,15 @@ fn protocol_misuse_gets_typed_errors_and_the_connection_survives() {
         (13, ErrorCode::InvalidArgument)
     );
     // Second HELLO.
-    let mut buf = Vec::new();
-    Request::Hello(HelloRequest {
-        min_version: 1,
-        max_version: 1,
-        client_name: String::new(),
-    })
-    .encode_frame(14, &mut buf)
-    .unwrap();
-    s.write_all(&buf).unwrap();
+    s.write_all(&hello_frame(14, 1, 1, "")).unwrap();
     let (_, r) = read_reply(&mut s).unwrap();
     assert_eq!(error_code(&r), ErrorCode::FailedPrecondition);
     // Still fine for real work.
-    let mut buf = Vec::new();
-    Request::Stats.encode_frame(15, &mut buf).unwrap();
-    s.write_all(&buf).unwrap();
+    s.write_all(&frame(&Request::Stats, 15)).unwrap();
     assert!(matches!(read_reply(&mut s).unwrap().1, Response::Stats(_)));
     // No common version.
     let mut s = raw(&d);
-    let mut buf = Vec::new();
-    Request::Hello(HelloRequest {
-        min_version: 2,
-        max_version: 9,
-        client_name: String::new(),
-    })
-    .encode_frame(1, &mut buf)
-    .unwrap();
-    s.write_all(&buf).unwrap();
+    s.write_all(&hello_frame(1, 2, 9, "")).unwrap();
     assert_eq!(
         error_code(&read_reply(&mut s).unwrap().1),
         ErrorCode::FailedPrecondition
@@ -191,87 +134,113 @@ fn wrong_geometry_sizes_layers_positions_and_sessions() {
         f(&mut x);
         x
     };
-    assert_eq!(
-        code(c.create_session(bad(|g| g.q_heads = 3), policy(), "")),
-        ErrorCode::InvalidArgument
-    );
-    assert_eq!(
-        code(c.create_session(bad(|g| g.head_dim = 0), policy(), "")),
-        ErrorCode::InvalidArgument
-    );
-    // A block run larger than the 4 KiB frames this daemon was configured with.
-    assert_eq!(
-        code(c.create_session(bad(|g| g.head_dim = 64), policy(), "")),
-        ErrorCode::InvalidArgument
-    );
     let p0 = Policy {
         local_blocks: 0,
         ..policy()
     };
-    assert_eq!(
-        code(c.create_session(g, p0, "")),
-        ErrorCode::InvalidArgument
-    );
+    for (what, g, p) in [
+        ("q_heads", bad(|g| g.q_heads = 3), policy()),
+        ("head_dim 0", bad(|g| g.head_dim = 0), policy()),
+        // A block run larger than the 4 KiB frames this daemon was configured with.
+        ("head_dim 64", bad(|g| g.head_dim = 64), policy()),
+        ("local_blocks 0", g, p0),
+    ] {
+        assert_eq!(
+            code(c.create_session(g, p, "")),
+            ErrorCode::InvalidArgument,
+            "{what}"
+        );
+    }
 
     let id = c.create_session(g, policy(), "").unwrap();
     let mut sh = Shadow::new(g, 3);
     let p = sh.payload(40);
-    assert_eq!(
-        code(c.append_kv(id, 0, 40, &p[1..])),
-        ErrorCode::InvalidArgument,
-        "payload size"
-    );
-    assert_eq!(
-        code(c.append_kv(id, 0, 41, &p)),
-        ErrorCode::InvalidArgument,
-        "n_tokens vs payload"
+    type Append<'a> = (&'a str, u64, u64, u32, &'a [u8], ErrorCode);
+    let refused = |c: &mut Client, cases: &[Append<'_>]| {
+        for &(what, session, start, n, payload, want) in cases {
+            assert_eq!(
+                code(c.append_kv(session, start, n, payload)),
+                want,
+                "{what}"
+            );
+        }
+    };
+    refused(
+        &mut c,
+        &[
+            (
+                "payload size",
+                id,
+                0,
+                40,
+                &p[1..],
+                ErrorCode::InvalidArgument,
+            ),
+            (
+                "n_tokens vs payload",
+                id,
+                0,
+                41,
+                &p,
+                ErrorCode::InvalidArgument,
+            ),
+        ],
     );
     c.append_kv(id, 0, 40, &p).unwrap();
-    assert_eq!(
-        code(c.append_kv(id, 20, 40, &p)),
-        ErrorCode::FailedPrecondition,
-        "backwards"
+    refused(
+        &mut c,
+        &[
+            ("backwards", id, 20, 40, &p, ErrorCode::FailedPrecondition),
+            ("gap", id, 41, 40, &p, ErrorCode::FailedPrecondition),
+            ("session", 999, 40, 40, &p, ErrorCode::NotFound),
+        ],
     );
-    assert_eq!(
-        code(c.append_kv(id, 41, 40, &p)),
-        ErrorCode::FailedPrecondition,
-        "gap"
-    );
-    assert_eq!(code(c.append_kv(999, 40, 40, &p)), ErrorCode::NotFound);
 
     let (q, k, v) = sh.step_input(0);
     let qb = f32_bytes(&q);
-    assert_eq!(
-        code(c.decode(0, entry(id, 39, &qb, &k, &v), false)),
-        ErrorCode::FailedPrecondition
-    );
-    assert_eq!(
-        code(c.decode(2, entry(id, 40, &qb, &k, &v), false)),
-        ErrorCode::InvalidArgument,
-        "layer"
-    );
-    assert_eq!(
-        code(c.decode(0, entry(id, 40, &qb[4..], &k, &v), false)),
-        ErrorCode::InvalidArgument,
-        "q size"
-    );
-    assert_eq!(
-        code(c.decode(0, entry(id, 40, &qb, &k[2..], &v[2..]), false)),
-        ErrorCode::InvalidArgument,
-        "k size"
-    );
-    assert_eq!(
-        code(c.decode(0, entry(12345, 40, &qb, &k, &v), false)),
-        ErrorCode::NotFound
-    );
     let mut nan = q.clone();
     nan[3] = f32::NAN;
     let nb = f32_bytes(&nan);
-    assert_eq!(
-        code(c.decode(0, entry(id, 40, &nb, &k, &v), false)),
-        ErrorCode::InvalidArgument,
-        "NaN q"
-    );
+    for (what, layer, e, want) in [
+        (
+            "stale position",
+            0,
+            entry(id, 39, &qb, &k, &v),
+            ErrorCode::FailedPrecondition,
+        ),
+        (
+            "layer",
+            2,
+            entry(id, 40, &qb, &k, &v),
+            ErrorCode::InvalidArgument,
+        ),
+        (
+            "q size",
+            0,
+            entry(id, 40, &qb[4..], &k, &v),
+            ErrorCode::InvalidArgument,
+        ),
+        (
+            "k size",
+            0,
+            entry(id, 40, &qb, &k[2..], &v[2..]),
+            ErrorCode::InvalidArgument,
+        ),
+        (
+            "session",
+            0,
+            entry(12345, 40, &qb, &k, &v),
+            ErrorCode::NotFound,
+        ),
+        (
+            "NaN q",
+            0,
+            entry(id, 40, &nb, &k, &v),
+            ErrorCode::InvalidArgument,
+        ),
+    ] {
+        assert_eq!(code(c.decode(layer, e, false)), want, "{what}");
+    }
     let e = [entry(id, 40, &qb, &k, &v), entry(id, 40, &qb, &k, &v)];
     assert_eq!(
         code(c.decode_batch(0, &e, false)),
@@ -293,13 +262,8 @@ fn wrong_geometry_sizes_layers_positions_and_sessions() {
 fn a_failed_batch_entry_leaves_every_session_unchanged() {
     let d = Daemon::start(&[]);
     let mut c = d.client();
-    let g = small_geometry();
-    let a = c.create_session(g, policy(), "").unwrap();
-    let b = c.create_session(g, policy(), "").unwrap();
-    let mut sa = Shadow::new(g, 1);
-    let mut sb = Shadow::new(g, 2);
-    c.append_kv(a, 0, 20, &sa.payload(20)).unwrap();
-    c.append_kv(b, 0, 20, &sb.payload(20)).unwrap();
+    let (a, mut sa) = open(&mut c, "", 20, 1);
+    let (b, _) = open(&mut c, "", 20, 2);
     let (q, k, v) = sa.step_input(0);
     let qb = f32_bytes(&q);
     // Entry 1 has a stale position: the whole batch fails, entry 0's k/v are not appended.
@@ -372,8 +336,7 @@ fn shared_memory_descriptors_are_checked() {
     let s = UnixStream::connect(d.path()).unwrap();
     let mut s2 = s.try_clone().unwrap();
     hello(&mut s2);
-    let mut buf = Vec::new();
-    Request::Stats.encode_frame(5, &mut buf).unwrap();
+    let buf = frame(&Request::Stats, 5);
     kvtier_protocol::fdpass::send_with_fd(s.as_fd(), &[&buf], f.as_fd()).unwrap();
     s2.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let (h, r) = read_reply(&mut s2).unwrap();
@@ -385,8 +348,7 @@ fn shared_memory_descriptors_are_checked() {
 
 #[test]
 fn another_uid_cannot_touch_a_session() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !is_root() {
         eprintln!("skipped: needs root to run a client under a second uid");
         return;
     }
@@ -432,11 +394,9 @@ fn foreign_client() {
     let mut sh = Shadow::new(g, 2);
     // Another uid's session answers exactly as a missing one: ids cannot be probed.
     let missing = id ^ 1;
-    let answer = |r: Result<kvtier_protocol::SessionInfo, ClientError>, id: u64| match r {
-        Err(ClientError::Server { code, message }) => {
-            (code, message.replace(&id.to_string(), "ID"))
-        }
-        other => panic!("expected a server error, got {other:?}"),
+    let answer = |r: Result<kvtier_protocol::SessionInfo, ClientError>, id: u64| {
+        let (code, message) = server_error(r);
+        (code, message.replace(&id.to_string(), "ID"))
     };
     let theirs = answer(c.session_info(id), id);
     assert_eq!(theirs.0, ErrorCode::NotFound);
@@ -471,8 +431,7 @@ fn admins_can_evict_and_see_everything() {
     let d = Daemon::start(&[]);
     let mut c = d.client();
     let id = c.create_session(small_geometry(), policy(), "").unwrap();
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
+    if is_root() {
         c.evict(id).unwrap();
         assert_eq!(code(c.session_info(id)), ErrorCode::NotFound);
     } else {

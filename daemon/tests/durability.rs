@@ -11,29 +11,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvtier_protocol::client::Client;
-use kvtier_protocol::{stats_keys, ErrorCode, Geometry, Policy};
-
-/// A session of `n` tokens and its shadow.
-fn session(c: &mut Client, n: u32, seed: u64) -> (u64, Shadow) {
-    let g = small_geometry();
-    let id = c.create_session(g, policy(), "").unwrap();
-    let mut sh = Shadow::new(g, seed);
-    c.append_kv(id, 0, n, &sh.payload(n as usize)).unwrap();
-    (id, sh)
-}
-
-/// One decode step over every layer, each output checked against the dense oracle.
-fn step(c: &mut Client, id: u64, sh: &mut Shadow) {
-    for layer in 0..sh.g.layers as usize {
-        let pos = sh.tokens(layer);
-        let (q, k, v) = sh.step_input(layer);
-        let qb = f32_bytes(&q);
-        let out = c
-            .decode(layer as u32, entry(id, pos, &qb, &k, &v), true)
-            .unwrap_or_else(|e| panic!("session {id} layer {layer}: {e}"));
-        sh.check(layer, &q, &out);
-    }
-}
+use kvtier_protocol::{stats_keys, ErrorCode, Geometry, Policy, Request, HEADER_LEN};
+use kvtier_tests::wire::{frame, hello_frame, read_reply};
 
 /// The session is there with exactly the shadow's tokens, and decodes correctly.
 fn intact(c: &mut Client, id: u64, sh: &mut Shadow) {
@@ -44,26 +23,14 @@ fn intact(c: &mut Client, id: u64, sh: &mut Shadow) {
         (sh.tokens(0), sh.tokens(0)),
         "session {id}"
     );
-    step(c, id, sh);
-}
-
-fn stop_status(d: &mut Daemon) -> std::process::ExitStatus {
-    d.signal(libc::SIGTERM);
-    d.wait(Duration::from_secs(20))
+    sh.step(c, id);
 }
 
 /// The newest manifest file of a daemon's state directory (the primary, not its copy).
 fn newest_manifest(state: &Path) -> PathBuf {
-    let mut m: Vec<PathBuf> = std::fs::read_dir(state)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| {
-            let n = p.file_name().unwrap().to_str().unwrap();
-            n.starts_with("manifest-") && !n.contains('.')
-        })
-        .collect();
-    m.sort();
-    m.pop().expect("a manifest")
+    entries(state, |n| n.starts_with("manifest-") && !n.contains('.'))
+        .pop()
+        .expect("a manifest")
 }
 
 fn flip_byte(path: &Path, at: u64) {
@@ -80,11 +47,11 @@ fn a_demoted_partial_tail_is_demoted_again_and_shutdown_writes_every_session() {
     let d = Daemon::start(&["--set", "nvme.write_through=false"]);
     let mut c = d.client();
     // 1000 tokens: 62 full blocks of 16 and a partial one.
-    let (demoted, mut dsh) = session(&mut c, 1000, 1);
+    let (demoted, mut dsh) = open(&mut c, "", 1000, 1);
     assert!(c.demote(demoted).unwrap() > 0);
     assert_eq!(c.demote(demoted).unwrap(), 0, "nothing left to free");
     let mut others: Vec<(u64, Shadow)> = (0..6)
-        .map(|i| session(&mut c, 100 + i, 10 + i as u64))
+        .map(|i| open(&mut c, "", 100 + i, 10 + i as u64))
         .collect();
     drop(c);
     // SIGTERM writes every session and exits 0 (Daemon::stop checks).
@@ -98,16 +65,16 @@ fn a_demoted_partial_tail_is_demoted_again_and_shutdown_writes_every_session() {
         intact(&mut c, *id, sh);
     }
     for _ in 0..3 {
-        step(&mut c, demoted, &mut dsh);
+        dsh.step(&mut c, demoted);
         for (id, sh) in &mut others {
-            step(&mut c, *id, sh);
+            sh.step(&mut c, *id);
         }
     }
     // Demoted twice again, partial tail and all (memory pressure may have demoted it
     // already), and still decoding.
     c.demote(demoted).unwrap();
     assert_eq!(c.demote(demoted).unwrap(), 0);
-    step(&mut c, demoted, &mut dsh);
+    dsh.step(&mut c, demoted);
 }
 
 /// A shutdown that cannot write every session says so in its exit status, and a full NVMe
@@ -117,16 +84,16 @@ fn a_shutdown_that_loses_sessions_exits_nonzero() {
     // 12 pages of 8 KiB: no room for these sessions.
     let mut d = Daemon::start(&["--set", "nvme.capacity=\"96KiB\""]);
     let mut c = d.client();
-    let mut a = session(&mut c, 400, 2);
-    let mut b = session(&mut c, 400, 3);
+    let mut a = open(&mut c, "", 400, 2);
+    let mut b = open(&mut c, "", 400, 3);
     assert_eq!(
         c.demote(a.0).unwrap_err().code(),
         Some(ErrorCode::ResourceExhausted)
     );
-    step(&mut c, a.0, &mut a.1);
-    step(&mut c, b.0, &mut b.1);
+    a.1.step(&mut c, a.0);
+    b.1.step(&mut c, b.0);
     drop(c);
-    let status = stop_status(&mut d);
+    let status = d.terminate();
     assert!(
         !status.success(),
         "sessions could not be written, yet exit status {status}"
@@ -141,7 +108,7 @@ fn write_through_survives_a_damaged_newest_manifest() {
     for (what, at) in [("payload", 60u64), ("version field", 9)] {
         let d = Daemon::start(&["--set", "nvme.write_through=true"]);
         let mut c = d.client();
-        let (id, mut sh) = session(&mut c, 40, 4);
+        let (id, mut sh) = open(&mut c, "", 40, 4);
         c.append_kv(id, 40, 8, &sh.payload(8)).unwrap();
         drop(c);
         let dir = d.stop(true);
@@ -159,37 +126,21 @@ fn write_through_survives_a_damaged_newest_manifest() {
 fn all_manifests_damaged_refuses_to_start_or_quarantines() {
     let d = Daemon::start(&[]);
     let mut c = d.client();
-    let (id, _) = session(&mut c, 64, 5);
+    let (id, _) = open(&mut c, "", 64, 5);
     c.demote(id).unwrap();
     drop(c);
     let pages = d.page_file();
     let dir = d.stop(false);
     let state = dir.path().join("state");
-    for e in std::fs::read_dir(&state).unwrap() {
-        let p = e.unwrap().path();
-        if p.file_name()
-            .unwrap()
-            .to_str()
-            .unwrap()
-            .starts_with("manifest-")
-        {
-            flip_byte(&p, 50);
-        }
+    for p in entries(&state, |n| n.starts_with("manifest-")) {
+        flip_byte(&p, 50);
     }
     let page_bytes = std::fs::read(&pages).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tierd"))
-        .arg("--socket")
-        .arg(dir.path().join("refused.sock"))
-        .arg("--set")
-        .arg(format!("nvme.dir={:?}", state.to_str().unwrap()))
-        .args([
-            "--set",
-            "host.frame_bytes=\"4KiB\"",
-            "--host-capacity",
-            "64MiB",
-        ])
-        .output()
-        .unwrap();
+    let out = tierd()
+        .socket(dir.path().join("refused.sock"))
+        .nvme_dir(&state)
+        .set("host.frame_bytes=\"4KiB\"")
+        .output();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "started over damaged manifests");
     assert!(err.contains("nvme.damaged_manifests"), "{err}");
@@ -202,22 +153,14 @@ fn all_manifests_damaged_refuses_to_start_or_quarantines() {
     let d = Daemon::start_in(dir, &["--set", "nvme.damaged_manifests=\"quarantine\""]);
     let mut c = d.client();
     assert!(c.list_sessions().unwrap().is_empty());
-    let q = std::fs::read_dir(&state)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .starts_with("quarantine-")
-        })
+    let q = entries(&state, |n| n.starts_with("quarantine-"))
+        .pop()
         .expect("a quarantine directory");
     assert_eq!(std::fs::read(q.join("pages-0")).unwrap(), page_bytes);
     // The new tier works.
-    let (id, mut sh) = session(&mut c, 40, 6);
+    let (id, mut sh) = open(&mut c, "", 40, 6);
     c.demote(id).unwrap();
-    step(&mut c, id, &mut sh);
+    sh.step(&mut c, id);
 }
 
 /// A page that fails verification at startup: its session stays listed as damaged (DATA_LOSS
@@ -226,8 +169,8 @@ fn all_manifests_damaged_refuses_to_start_or_quarantines() {
 fn a_corrupt_page_at_startup_leaves_the_session_listed_as_damaged() {
     let d = Daemon::start(&[]);
     let mut c = d.client();
-    let (bad, _) = session(&mut c, 64, 7);
-    let (good, mut gsh) = session(&mut c, 64, 8);
+    let (bad, _) = open(&mut c, "", 64, 7);
+    let (good, mut gsh) = open(&mut c, "", 64, 8);
     c.demote(bad).unwrap();
     drop(c);
     let pages = d.page_file();
@@ -350,7 +293,7 @@ fn a_uid_cannot_hold_more_sessions_than_its_quota() {
 fn rejections_count_limits_permissions_and_malformed_requests() {
     let d = Daemon::start(&["--set", "auth.admin_uids=[]"]);
     let mut c = d.client();
-    let (id, _) = session(&mut c, 16, 12);
+    let (id, _) = open(&mut c, "", 16, 12);
     let before = c.stats().unwrap().get(stats_keys::REJECTED_TOTAL).unwrap();
     assert_eq!(
         c.evict(id).unwrap_err().code(),
@@ -358,27 +301,13 @@ fn rejections_count_limits_permissions_and_malformed_requests() {
     );
     // A CLOSE_SESSION whose body is 3 bytes instead of 8.
     let mut s = UnixStream::connect(d.path()).unwrap();
-    let hello = kvtier_protocol::Request::Hello(kvtier_protocol::HelloRequest {
-        min_version: 1,
-        max_version: 1,
-        client_name: "raw".into(),
-    });
-    let mut frame = Vec::new();
-    hello.encode_frame(1, &mut frame).unwrap();
-    s.write_all(&frame).unwrap();
-    let mut head = [0u8; 24];
-    s.read_exact(&mut head).unwrap();
-    let len = u32::from_le_bytes(head[4..8].try_into().unwrap()) as usize;
-    let mut body = vec![0u8; len];
-    s.read_exact(&mut body).unwrap();
-    let mut bad = Vec::new();
-    kvtier_protocol::Request::CloseSession { session: id }
-        .encode_frame(2, &mut bad)
-        .unwrap();
-    bad.truncate(24 + 3);
+    s.write_all(&hello_frame(1, 1, 1, "raw")).unwrap();
+    read_reply(&mut s).unwrap();
+    let mut bad = frame(&Request::CloseSession { session: id }, 2);
+    bad.truncate(HEADER_LEN + 3);
     bad[4..8].copy_from_slice(&3u32.to_le_bytes());
     s.write_all(&bad).unwrap();
-    s.read_exact(&mut head).unwrap();
+    read_reply(&mut s).unwrap();
     let after = c.stats().unwrap().get(stats_keys::REJECTED_TOTAL).unwrap();
     assert_eq!(after, before + 2);
 }
@@ -401,9 +330,9 @@ fn a_full_filesystem_fails_commits_cleanly_and_recovers_when_space_is_freed() {
     let state = format!("nvme.dir={:?}", fs.dir.path().to_str().unwrap());
     let d = Daemon::start(&["--set", &devices, "--set", &state]);
     let mut c = d.client();
-    let (stored, mut ssh) = session(&mut c, 40, 20);
+    let (stored, mut ssh) = open(&mut c, "", 40, 20);
     c.demote(stored).unwrap();
-    let (ram, mut rsh) = session(&mut c, 40, 21);
+    let (ram, mut rsh) = open(&mut c, "", 40, 21);
 
     let filler = fs.fill();
     let full = |r: Result<(), kvtier_protocol::client::ClientError>, what: &str| {
@@ -417,8 +346,8 @@ fn a_full_filesystem_fails_commits_cleanly_and_recovers_when_space_is_freed() {
         c.session_info(stored).is_ok(),
         "a failed CLOSE leaves the session"
     );
-    step(&mut c, ram, &mut rsh);
-    step(&mut c, stored, &mut ssh);
+    rsh.step(&mut c, ram);
+    ssh.step(&mut c, stored);
 
     std::fs::remove_file(filler).unwrap();
     c.pin(stored, true).unwrap();
@@ -454,7 +383,7 @@ fn a_uid_cannot_take_more_than_its_share_of_the_tiers() {
         "auth.admin_uids=[]",
     ]);
     let mut c = d.client();
-    let (id, mut sh) = session(&mut c, 400, 30);
+    let (id, mut sh) = open(&mut c, "", 400, 30);
     let e = c.append_kv(id, 400, 200, &sh.payload(200)).unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
     assert!(e.to_string().contains("host_share_per_uid"), "{e}");
@@ -463,7 +392,7 @@ fn a_uid_cannot_take_more_than_its_share_of_the_tiers() {
     let used = c.stats().unwrap().get("host_frames_used").unwrap();
     assert!(used <= 64, "{used} frames");
     c.close(id).unwrap();
-    let (id, _) = session(&mut c, 500, 31);
+    let (id, _) = open(&mut c, "", 500, 31);
     assert_eq!(c.session_info(id).unwrap().tokens_max, 500);
     drop((c, d));
 
@@ -477,12 +406,12 @@ fn a_uid_cannot_take_more_than_its_share_of_the_tiers() {
         "auth.admin_uids=[]",
     ]);
     let mut c = d.client();
-    let (id, mut sh) = session(&mut c, 64, 32);
+    let (id, mut sh) = open(&mut c, "", 64, 32);
     let e = c.demote(id).unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
     assert!(e.to_string().contains("nvme_share_per_uid"), "{e}");
     intact(&mut c, id, &mut sh);
-    let (small, _) = session(&mut c, 40, 33);
+    let (small, _) = open(&mut c, "", 40, 33);
     c.demote(small).unwrap();
 }
 
@@ -492,8 +421,7 @@ fn a_uid_cannot_take_more_than_its_share_of_the_tiers() {
 /// only, as CI runs).
 #[test]
 fn memory_pressure_from_one_uid_does_not_push_another_uids_sessions_out() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !is_root() {
         eprintln!("not root: cannot run a second uid, test not applicable");
         return;
     }
@@ -506,7 +434,7 @@ fn memory_pressure_from_one_uid_does_not_push_another_uids_sessions_out() {
     ]);
     let mut c = d.client();
     // Root's session: 38 blocks x 2 layers = 76 frames, then left idle (least recently used).
-    let (mine, mut sh) = session(&mut c, 600, 40);
+    let (mine, mut sh) = open(&mut c, "", 600, 40);
     let full = c.session_info(mine).unwrap().host_bytes;
     run_as_nobody(
         "fair_share_tenant",
@@ -534,8 +462,8 @@ fn fair_share_tenant() {
     // Six sessions of 50 frames: more than the 180 frames left; over its fair share (128)
     // this uid's own older sessions are demoted to make room.
     for i in 0..6 {
-        let (id, mut sh) = session(&mut c, 400, 50 + i);
-        step(&mut c, id, &mut sh);
+        let (id, mut sh) = open(&mut c, "", 400, 50 + i);
+        sh.step(&mut c, id);
     }
     println!("tenant done");
 }

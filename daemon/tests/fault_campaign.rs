@@ -211,8 +211,7 @@ fn run(seed: u64, cycles: u64) -> Counts {
                     m.durable = m.acked;
                 }
             }
-            let _ = std::fs::remove_file(&d.socket);
-            std::mem::replace(&mut d.dir, tempfile::tempdir().unwrap())
+            d.into_dir()
         };
         if let Some(f) = filler {
             std::fs::remove_file(f).unwrap();
@@ -235,7 +234,11 @@ fn run(seed: u64, cycles: u64) -> Counts {
             n.fault_cycles += 1;
             let spec = format!("{},0.05,0.02", rng.next_u64());
             let dir = d.stop(false);
-            d = Daemon::start_env(dir, args, &[(tierd::TEST_IO_FAULTS_ENV, spec.as_str())]);
+            d = harness()
+                .dir(dir)
+                .args(args)
+                .env(tierd::TEST_IO_FAULTS_ENV, spec)
+                .start();
         }
         n.cycles += 1;
     }
@@ -462,15 +465,9 @@ fn flip_page(pages: &Path, rng: &mut Rng) -> bool {
 /// the newest epoch damaged is a double fault the failure model does not promise to survive
 /// without losing that epoch). Returns whether it flipped.
 fn flip_manifest(state: &Path, rng: &mut Rng) -> bool {
-    let mut files: Vec<_> = std::fs::read_dir(state)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| {
-            let name = p.file_name().unwrap().to_str().unwrap();
-            name.starts_with("manifest-") && !name.ends_with(".flipped-by-campaign")
-        })
-        .collect();
-    files.sort();
+    let files = entries(state, |name| {
+        name.starts_with("manifest-") && !name.ends_with(".flipped-by-campaign")
+    });
     let mut by_epoch: BTreeMap<String, Vec<std::path::PathBuf>> = BTreeMap::new();
     for f in files {
         let name = f.file_name().unwrap().to_str().unwrap().to_owned();

@@ -24,14 +24,7 @@ fn full_session_lifecycle_matches_the_dense_oracle() {
     assert_eq!(c.append_kv_shm(id, 100, 57, &p).unwrap(), 157);
     for step in 0..40 {
         for layer in 0..g.layers as usize {
-            let pos = sh.tokens(layer);
-            let (q, k, v) = sh.step_input(layer);
-            let qb = f32_bytes(&q);
-            let out = c
-                .decode(layer as u32, entry(id, pos, &qb, &k, &v), true)
-                .unwrap();
-            sh.check(layer, &q, &out);
-            let stats = out.stats.unwrap();
+            let stats = sh.decode(&mut c, id, layer).stats.unwrap();
             assert!(
                 stats.bytes_touched > 0 && stats.blocks_ram == stats.blocks_selected,
                 "step {step}"
@@ -63,15 +56,8 @@ fn full_session_lifecycle_matches_the_dense_oracle() {
 fn batch_decode_of_several_sessions_matches_single_decodes() {
     let d = Daemon::start(&[]);
     let mut c = d.client();
-    let g = small_geometry();
     let mut shadows: Vec<(u64, Shadow)> = (0..3)
-        .map(|i| {
-            let id = c.create_session(g, policy(), "").unwrap();
-            let mut sh = Shadow::new(g, 10 + i);
-            let p = sh.payload(70 + 20 * i as usize);
-            c.append_kv(id, 0, 70 + 20 * i as u32, &p).unwrap();
-            (id, sh)
-        })
+        .map(|i| open(&mut c, "", 70 + 20 * i as u32, 10 + i))
         .collect();
     for layer in 0..2usize {
         let inputs: Vec<_> = shadows
@@ -79,14 +65,14 @@ fn batch_decode_of_several_sessions_matches_single_decodes() {
             .map(|(id, sh)| {
                 let pos = sh.tokens(layer);
                 let (q, k, v) = sh.step_input(layer);
-                (*id, pos, q, f32_bytes(&[]), k, v)
+                (*id, pos, q, k, v)
             })
             .collect();
         let qbs: Vec<Vec<u8>> = inputs.iter().map(|i| f32_bytes(&i.2)).collect();
         let entries: Vec<_> = inputs
             .iter()
             .zip(&qbs)
-            .map(|(i, qb)| entry(i.0, i.1, qb, &i.4, &i.5))
+            .map(|(i, qb)| entry(i.0, i.1, qb, &i.3, &i.4))
             .collect();
         let outs = c.decode_batch(layer as u32, &entries, true).unwrap();
         assert_eq!(outs.len(), 3);
@@ -107,25 +93,10 @@ fn sixty_four_concurrent_clients_all_get_correct_answers() {
             let barrier = barrier.clone();
             std::thread::spawn(move || {
                 let mut c = Client::connect(&path).unwrap();
-                let g = small_geometry();
-                let id = c
-                    .create_session(g, policy(), &format!("client-{i}"))
-                    .unwrap();
-                let mut sh = Shadow::new(g, 1000 + i);
-                let n = 50 + i as u32;
-                let p = sh.payload(n as usize);
-                c.append_kv(id, 0, n, &p).unwrap();
+                let (id, mut sh) = open(&mut c, &format!("client-{i}"), 50 + i as u32, 1000 + i);
                 barrier.wait();
                 for _ in 0..10 {
-                    for layer in 0..2usize {
-                        let pos = sh.tokens(layer);
-                        let (q, k, v) = sh.step_input(layer);
-                        let qb = f32_bytes(&q);
-                        let out = c
-                            .decode(layer as u32, entry(id, pos, &qb, &k, &v), true)
-                            .unwrap();
-                        sh.check(layer, &q, &out);
-                    }
+                    sh.step(&mut c, id);
                 }
                 id
             })
@@ -159,11 +130,7 @@ fn sigterm_under_load_finishes_in_flight_requests_and_exits_cleanly() {
             let stop = stop.clone();
             std::thread::spawn(move || {
                 let mut c = Client::connect(&path).unwrap();
-                let g = small_geometry();
-                let id = c.create_session(g, policy(), "").unwrap();
-                let mut sh = Shadow::new(g, 77 + i);
-                let p = sh.payload(300);
-                c.append_kv(id, 0, 300, &p).unwrap();
+                let (id, mut sh) = open(&mut c, "", 300, 77 + i);
                 let mut ok = 0u32;
                 loop {
                     let pos = sh.tokens(0);

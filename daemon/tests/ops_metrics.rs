@@ -14,6 +14,13 @@ use kvtier_protocol::{stats_keys, ErrorCode, StatsReply};
 use tierd::engine::extra_stats_keys as x;
 use tierd::metrics::names;
 
+/// The harness daemon serving metrics on a free local port, plus `extra`; and the port.
+fn with_metrics(extra: &[&str]) -> (Tierd, u16) {
+    let port = free_port();
+    let listen = format!("metrics.listen=\"127.0.0.1:{port}\"");
+    (harness().set(&listen).args(extra).start(), port)
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -89,9 +96,7 @@ const MIRRORED: [(&str, &str); 10] = [
 
 #[test]
 fn a_scrape_during_a_decode_run_shows_every_metric_matching_stats() {
-    let port = free_port();
-    let listen = format!("metrics.listen=\"127.0.0.1:{port}\"");
-    let d = Daemon::start(&["--set", &listen, "--set", "admission.max_sessions=3"]);
+    let (d, port) = with_metrics(&["--set", "admission.max_sessions=3"]);
     let g = small_geometry();
 
     // Some failures and one admission rejection, so those series carry real counts.
@@ -120,15 +125,7 @@ fn a_scrape_during_a_decode_run_shows_every_metric_matching_stats() {
                 c.append_kv(id, 0, 300, &p).unwrap();
                 let mut steps = 0;
                 while !stop.load(Ordering::Relaxed) || steps < 20 {
-                    for layer in 0..g.layers as usize {
-                        let pos = sh.tokens(layer);
-                        let (q, k, v) = sh.step_input(layer);
-                        let qb = f32_bytes(&q);
-                        let out = c
-                            .decode(layer as u32, entry(id, pos, &qb, &k, &v), true)
-                            .unwrap();
-                        sh.check(layer, &q, &out);
-                    }
+                    sh.step(&mut c, id);
                     steps += 1;
                 }
             })
@@ -291,15 +288,10 @@ fn a_scrape_during_a_decode_run_shows_every_metric_matching_stats() {
 fn an_unusable_metrics_address_fails_startup_naming_it() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port();
-    let dir = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tierd"))
-        .arg("--socket")
-        .arg(dir.path().join("s.sock"))
-        .args(["--host-capacity", "64MiB", "--set"])
-        .arg(format!("metrics.listen=\"127.0.0.1:{port}\""))
-        .args(["--set", "nvme.enabled=false"])
-        .output()
-        .unwrap();
+    let out = tierd()
+        .no_nvme()
+        .set(&format!("metrics.listen=\"127.0.0.1:{port}\""))
+        .output();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -319,14 +311,9 @@ fn damage(path: &std::path::Path, at: u64) {
 
 #[test]
 fn a_corrupted_page_counts_one_checksum_error_in_stats_and_metrics() {
-    let port = free_port();
-    let listen = format!("metrics.listen=\"127.0.0.1:{port}\"");
-    let d = Daemon::start(&["--set", &listen, "--set", "nvme.prefetch_blocks=0"]);
+    let (d, port) = with_metrics(&["--set", "nvme.prefetch_blocks=0"]);
     let mut c = d.client();
-    let g = small_geometry();
-    let id = c.create_session(g, policy(), "victim").unwrap();
-    let mut sh = Shadow::new(g, 8);
-    c.append_kv(id, 0, 200, &sh.payload(200)).unwrap();
+    let (id, mut sh) = open(&mut c, "victim", 200, 8);
     c.demote(id).unwrap();
     let counters = |c: &mut kvtier_protocol::client::Client| {
         let s = c.stats().unwrap();
@@ -355,10 +342,7 @@ fn a_corrupted_page_counts_one_checksum_error_in_stats_and_metrics() {
     assert_eq!(e.code(), Some(ErrorCode::DataLoss), "{e}");
     assert_eq!(counters(&mut c), (1.0, 0.0), "one bad page read once");
     // Layer 1 is intact and still decodes.
-    let (q1, k1, v1) = sh.step_input(1);
-    let qb1 = f32_bytes(&q1);
-    let out = c.decode(1, entry(id, 200, &qb1, &k1, &v1), true).unwrap();
-    sh.check(1, &q1, &out);
+    sh.decode(&mut c, id, 1);
     assert_eq!(counters(&mut c), (1.0, 0.0));
     // Each attempt that reads it counts again.
     assert_eq!(c.promote(id).unwrap_err().code(), Some(ErrorCode::DataLoss));
@@ -367,14 +351,9 @@ fn a_corrupted_page_counts_one_checksum_error_in_stats_and_metrics() {
 
 #[test]
 fn failed_nvme_reads_count_as_io_errors_in_stats_and_metrics() {
-    let port = free_port();
-    let listen = format!("metrics.listen=\"127.0.0.1:{port}\"");
-    let d = Daemon::start(&["--set", &listen, "--set", "nvme.prefetch_blocks=0"]);
+    let (d, port) = with_metrics(&["--set", "nvme.prefetch_blocks=0"]);
     let mut c = d.client();
-    let g = small_geometry();
-    let id = c.create_session(g, policy(), "cut short").unwrap();
-    let mut sh = Shadow::new(g, 9);
-    c.append_kv(id, 0, 64, &sh.payload(64)).unwrap(); // 4 blocks per layer
+    let (id, _) = open(&mut c, "cut short", 64, 9); // 4 blocks per layer
     assert_eq!(c.demote(id).unwrap(), 8);
     // The device shrinks under the daemon: every page read hits end of file and comes back
     // short, however often it is retried.

@@ -7,47 +7,27 @@ mod common;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::*;
 use kvtier_protocol::client::Client;
 use kvtier_protocol::stats_keys;
+use kvtier_tests::tierd::PATIENCE;
 
-/// Starts tierd through `sh`, so WATCHDOG_PID can be the daemon's own pid (`exec` keeps the
-/// shell's pid), as systemd sets it. `watchdog_pid` None: the daemon's pid; Some(p): p.
-fn spawn(
-    socket: &Path,
-    notify: &str,
-    watchdog_usec: u64,
-    watchdog_pid: Option<u32>,
-) -> common::Reaped {
+/// Starts the harness daemon through `sh`, so WATCHDOG_PID can be the daemon's own pid
+/// (`exec` keeps the shell's pid), as systemd sets it. `watchdog_pid` None: the daemon's pid;
+/// Some(p): p. Its NVMe tier is on: READY=1 also waits for its index.
+fn spawn(notify: &str, watchdog_usec: u64, watchdog_pid: Option<u32>) -> Tierd {
     let pid = watchdog_pid.map_or("$$".to_string(), |p| p.to_string());
-    Command::new("sh")
-        .arg("-c")
-        .arg(format!("WATCHDOG_PID={pid} exec \"$0\" \"$@\""))
-        .arg(env!("CARGO_BIN_EXE_tierd"))
-        .arg("--socket")
-        .arg(socket)
-        .args([
-            "--host-capacity",
-            "64MiB",
-            "--set",
-            "host.frame_bytes=\"4KiB\"",
+    harness()
+        .via([
+            "sh",
+            "-c",
+            &format!("WATCHDOG_PID={pid} exec \"$0\" \"$@\""),
         ])
-        .args(["--log-level", "warn"])
-        // The NVMe tier in the test's directory: READY=1 also waits for its index.
-        .arg("--set")
-        .arg(format!(
-            "nvme.dir={:?}",
-            socket.with_extension("state").to_str().unwrap()
-        ))
-        .args(["--set", "nvme.capacity=\"64MiB\""])
         .env("NOTIFY_SOCKET", notify)
         .env("WATCHDOG_USEC", watchdog_usec.to_string())
-        .stdin(Stdio::null())
         .spawn()
-        .map(common::Reaped)
-        .expect("spawn tierd")
 }
 
 /// The next notification datagram within `limit`, as text.
@@ -70,11 +50,6 @@ fn recv(sock: &UnixDatagram, limit: Duration) -> Option<String> {
 
 fn has(msg: &str, line: &str) -> bool {
     msg.lines().any(|l| l == line)
-}
-
-fn terminate(child: &mut Child) {
-    // SAFETY: kill has no memory-safety preconditions; the pid is our live child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
 }
 
 /// Waits for READY=1, checking that the daemon's socket accepts the moment it arrives.
@@ -102,11 +77,10 @@ fn ready_follows_the_socket_then_watchdog_keepalives_then_stopping() {
     let dir = tempfile::tempdir().unwrap();
     let notify_path = dir.path().join("notify");
     let notify = UnixDatagram::bind(&notify_path).unwrap();
-    let socket = dir.path().join("tierd.sock");
     // WatchdogSec=1 s: keep-alives every 500 ms.
-    let mut child = spawn(&socket, notify_path.to_str().unwrap(), 1_000_000, None);
+    let mut d = spawn(notify_path.to_str().unwrap(), 1_000_000, None);
 
-    let before = wait_ready(&notify, &socket);
+    let before = wait_ready(&notify, d.path());
     assert!(
         before
             .iter()
@@ -122,8 +96,8 @@ fn ready_follows_the_socket_then_watchdog_keepalives_then_stopping() {
     );
 
     // Keep-alives arrive at about half of WATCHDOG_USEC, never close to the full timeout.
-    let mut c = Client::connect(&socket).unwrap();
-    c.create_session(common::small_geometry(), common::policy(), "watched")
+    let mut c = d.client();
+    c.create_session(small_geometry(), policy(), "watched")
         .unwrap();
     let mut last = Instant::now();
     let mut pings = 0;
@@ -144,7 +118,7 @@ fn ready_follows_the_socket_then_watchdog_keepalives_then_stopping() {
     assert_eq!(c.stats().unwrap().get(stats_keys::SESSIONS), Some(1));
     drop(c);
 
-    terminate(&mut child);
+    d.signal(libc::SIGTERM);
     let mut stopping = false;
     while let Some(msg) = recv(&notify, Duration::from_secs(5)) {
         if has(&msg, "STOPPING=1") {
@@ -153,23 +127,19 @@ fn ready_follows_the_socket_then_watchdog_keepalives_then_stopping() {
         }
     }
     assert!(stopping, "STOPPING=1 at shutdown");
-    assert!(child.wait().unwrap().success());
+    assert!(d.wait(PATIENCE).success());
 }
 
 #[test]
 fn a_frozen_daemon_stops_its_keepalives_and_resumes_when_thawed() {
-    let dir = tempfile::tempdir().unwrap();
     // An abstract notify address, as systemd may hand out.
     let name = format!("kvtier-ops-notify-{}", std::process::id());
     let notify = UnixDatagram::bind_addr(&SocketAddr::from_abstract_name(&name).unwrap()).unwrap();
-    let socket = dir.path().join("tierd.sock");
-    let mut child = spawn(&socket, &format!("@{name}"), 200_000, None);
-    wait_ready(&notify, &socket);
+    let mut d = spawn(&format!("@{name}"), 200_000, None);
+    wait_ready(&notify, d.path());
     assert!(recv(&notify, Duration::from_secs(2)).is_some_and(|m| has(&m, "WATCHDOG=1")));
 
-    let pid = child.id() as i32;
-    // SAFETY: kill has no memory-safety preconditions; the pid is our live child.
-    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    d.signal(libc::SIGSTOP);
     // Drain a keep-alive that may already be in flight, then expect silence.
     std::thread::sleep(Duration::from_millis(50));
     while recv(&notify, Duration::from_millis(10)).is_some() {}
@@ -178,11 +148,9 @@ fn a_frozen_daemon_stops_its_keepalives_and_resumes_when_thawed() {
         None,
         "a stopped daemon must not look alive"
     );
-    // SAFETY: as above.
-    unsafe { libc::kill(pid, libc::SIGCONT) };
+    d.signal(libc::SIGCONT);
     assert!(recv(&notify, Duration::from_secs(2)).is_some_and(|m| has(&m, "WATCHDOG=1")));
-    terminate(&mut child);
-    assert!(child.wait().unwrap().success());
+    assert!(d.terminate().success());
 }
 
 #[test]
@@ -190,10 +158,9 @@ fn a_watchdog_meant_for_another_process_is_ignored() {
     let dir = tempfile::tempdir().unwrap();
     let notify_path = dir.path().join("notify");
     let notify = UnixDatagram::bind(&notify_path).unwrap();
-    let socket = dir.path().join("tierd.sock");
     // WATCHDOG_PID=1: the watchdog belongs to someone else, READY=1 still comes.
-    let mut child = spawn(&socket, notify_path.to_str().unwrap(), 100_000, Some(1));
-    wait_ready(&notify, &socket);
+    let mut d = spawn(notify_path.to_str().unwrap(), 100_000, Some(1));
+    wait_ready(&notify, d.path());
     let t0 = Instant::now();
     while let Some(msg) = recv(&notify, Duration::from_millis(500)) {
         assert!(
@@ -202,13 +169,12 @@ fn a_watchdog_meant_for_another_process_is_ignored() {
         );
         assert!(t0.elapsed() < Duration::from_secs(5));
     }
-    terminate(&mut child);
-    assert!(child.wait().unwrap().success());
+    assert!(d.terminate().success());
 }
 
 #[test]
 fn without_notify_socket_tierd_runs_as_before() {
     // No NOTIFY_SOCKET at all: nothing is sent and nothing fails (the common harness).
-    let d = common::Daemon::start(&[]);
+    let d = Daemon::start(&[]);
     assert_eq!(d.client().stats().unwrap().get("ready"), Some(1));
 }

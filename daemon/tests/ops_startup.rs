@@ -5,92 +5,73 @@ mod common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
-use kvtier_protocol::client::Client;
-
-/// These tests are about the host tier, the socket and logs; the NVMe tier (on by default,
-/// in a shared state directory) stays out of them.
-const NO_NVME: [&str; 2] = ["--set", "nvme.enabled=false"];
+use common::*;
+use kvtier_tests::uid::as_nobody;
 
 /// Root runs the daemon as nobody, so it has neither CAP_IPC_LOCK nor DAC override, as under
 /// the shipped unit's dedicated user.
-fn as_unprivileged(cmd: &mut Command) -> &mut Command {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        cmd.uid(65534).gid(65534);
+fn as_unprivileged(cmd: &mut Command) {
+    if is_root() {
+        as_nobody(cmd);
     }
-    cmd
 }
 
-/// A tierd command with RLIMIT_MEMLOCK set to `memlock` bytes (soft and hard), then (under
-/// root) dropped to nobody: the limit is set first, while raising it is still allowed.
-fn tierd_with_memlock(memlock: u64) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tierd"));
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    // SAFETY: the closure only makes async-signal-safe syscalls (setrlimit, setgroups, setgid,
-    // setuid) on stack values, as pre_exec requires.
-    unsafe {
-        cmd.pre_exec(move || {
-            let r = libc::rlimit {
-                rlim_cur: memlock,
-                rlim_max: memlock,
-            };
-            let fail = || Err(std::io::Error::last_os_error());
-            if libc::setrlimit(libc::RLIMIT_MEMLOCK, &r) != 0 {
-                return fail();
-            }
-            if root
-                && (libc::setgroups(0, std::ptr::null()) != 0
-                    || libc::setgid(65534) != 0
-                    || libc::setuid(65534) != 0)
-            {
-                return fail();
-            }
-            Ok(())
-        });
+/// Sets RLIMIT_MEMLOCK to `memlock` bytes (soft and hard) in the daemon, then (under root)
+/// drops it to nobody: the limit is set first, while raising it is still allowed.
+fn with_memlock(memlock: u64) -> impl FnOnce(&mut Command) {
+    let root = is_root();
+    move |cmd| {
+        // SAFETY: the closure only makes async-signal-safe syscalls (setrlimit, setgroups,
+        // setgid, setuid) on stack values, as pre_exec requires.
+        unsafe {
+            cmd.pre_exec(move || {
+                let r = libc::rlimit {
+                    rlim_cur: memlock,
+                    rlim_max: memlock,
+                };
+                let fail = || Err(std::io::Error::last_os_error());
+                if libc::setrlimit(libc::RLIMIT_MEMLOCK, &r) != 0 {
+                    return fail();
+                }
+                if root
+                    && (libc::setgroups(0, std::ptr::null()) != 0
+                        || libc::setgid(65534) != 0
+                        || libc::setuid(65534) != 0)
+                {
+                    return fail();
+                }
+                Ok(())
+            });
+        }
     }
-    cmd
 }
 
+/// A directory every uid may write to (the daemon runs as nobody).
 fn open_dir() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
     dir
 }
 
-fn wait_for_socket(path: &std::path::Path, child: &mut std::process::Child) {
-    let t0 = Instant::now();
-    while Client::connect(path).is_err() {
-        if let Some(s) = child.try_wait().unwrap() {
-            panic!("tierd exited: {s}");
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "tierd did not come up"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn stop(child: &mut std::process::Child) -> std::process::ExitStatus {
-    // SAFETY: kill has no memory-safety preconditions; the pid is our live child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    child.wait().unwrap()
+/// tierd with the host tier locked, as nobody with RLIMIT_MEMLOCK at `memlock`. These tests
+/// are about the host tier, the socket and logs; the NVMe tier (on by default, in a shared
+/// state directory) stays out of them.
+fn locked(host: &str, memlock: u64) -> TierdBuilder {
+    tierd()
+        .host_capacity(host)
+        .set("host.lock_memory=true")
+        .no_nvme()
+        .configure(with_memlock(memlock))
 }
 
 #[test]
 fn a_memlock_limit_below_the_host_tier_fails_fast_naming_the_fix() {
     let dir = open_dir();
-    let out: Output = tierd_with_memlock(8 << 20)
-        .arg("--socket")
-        .arg(dir.path().join("s.sock"))
-        .args(["--host-capacity", "64MiB", "--set", "host.lock_memory=true"])
-        .args(NO_NVME)
-        .output()
-        .unwrap();
+    let out = locked("64MiB", 8 << 20)
+        .socket(dir.path().join("s.sock"))
+        .output();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -106,31 +87,14 @@ fn a_memlock_limit_below_the_host_tier_fails_fast_naming_the_fix() {
 
 #[test]
 fn a_sufficient_memlock_limit_locks_the_host_tier_and_serves() {
-    let dir = open_dir();
-    let sock = dir.path().join("s.sock");
     // Below the 8 MiB hard limit containers commonly have (raising it needs CAP_SYS_RESOURCE).
-    let mut child = tierd_with_memlock(6 << 20)
-        .arg("--socket")
-        .arg(&sock)
-        .args(["--host-capacity", "4MiB", "--set", "host.lock_memory=true"])
-        .args(NO_NVME)
-        .args(["--log-level", "warn"])
-        .stdin(Stdio::null())
-        .spawn()
-        .map(common::Reaped)
-        .unwrap();
-    wait_for_socket(&sock, &mut child);
-    let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
-    let locked_kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmLck:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap();
+    let mut d = locked("4MiB", 6 << 20).dir(open_dir()).start();
+    let locked_kb = d.proc_status_kb("VmLck");
     assert!(
         locked_kb >= 4 << 10,
         "host tier locked: VmLck {locked_kb} kB"
     );
-    assert!(stop(&mut child).success());
+    assert!(d.terminate().success());
 }
 
 #[test]
@@ -140,14 +104,11 @@ fn an_unwritable_socket_directory_fails_fast_naming_the_fix() {
     std::fs::create_dir(&ro).unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tierd"));
-    let out = as_unprivileged(&mut cmd)
-        .arg("--socket")
-        .arg(ro.join("kvtier/tierd.sock"))
-        .args(["--host-capacity", "64MiB"])
-        .args(NO_NVME)
-        .output()
-        .unwrap();
+    let out = tierd()
+        .socket(ro.join("kvtier/tierd.sock"))
+        .no_nvme()
+        .configure(as_unprivileged)
+        .output();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -162,25 +123,23 @@ fn an_unwritable_socket_directory_fails_fast_naming_the_fix() {
 fn logs(extra: &[&str], journal_stream: bool) -> String {
     use std::os::unix::fs::MetadataExt;
     let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("s.sock");
     let log = dir.path().join("stderr");
     let file = std::fs::File::create(&log).unwrap();
     let meta = file.metadata().unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tierd"));
-    cmd.arg("--socket")
-        .arg(&sock)
-        .args(["--host-capacity", "64MiB", "--log-level", "info"])
-        .args(NO_NVME)
+    let mut daemon = tierd()
+        .log_level("info")
+        .no_nvme()
         .args(extra)
         .env_remove("JOURNAL_STREAM")
-        .stdin(Stdio::null())
-        .stderr(file);
+        .inherit_stderr()
+        .configure(|cmd| {
+            cmd.stderr(file);
+        });
     if journal_stream {
-        cmd.env("JOURNAL_STREAM", format!("{}:{}", meta.dev(), meta.ino()));
+        daemon = daemon.env("JOURNAL_STREAM", format!("{}:{}", meta.dev(), meta.ino()));
     }
-    let mut child = common::Reaped(cmd.spawn().unwrap());
-    wait_for_socket(&sock, &mut child);
-    assert!(stop(&mut child).success());
+    let mut d = daemon.start();
+    assert!(d.terminate().success());
     std::fs::read_to_string(&log).unwrap()
 }
 

@@ -3,9 +3,8 @@
 mod common;
 
 use std::process::Command;
-use std::time::Duration;
 
-use common::Daemon;
+use common::{Daemon, Harness};
 
 /// tierd with the NVMe tier off, so these tests never touch a default state directory.
 fn tierd(args: &[&str]) -> std::process::Output {
@@ -64,31 +63,13 @@ fn a_stale_socket_is_replaced_and_a_live_one_is_not() {
     let stale = dir.path().join("stale.sock");
     drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
     assert!(stale.exists());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tierd"))
-        .args([
-            "--socket",
-            stale.to_str().unwrap(),
-            "--host-capacity",
-            "64MiB",
-            "--log-level",
-            "error",
-            "--set",
-            "nvme.enabled=false",
-        ])
-        .spawn()
-        .unwrap();
-    let mut up = false;
-    for _ in 0..500 {
-        if kvtier_protocol::client::Client::connect(&stale).is_ok() {
-            up = true;
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    // SAFETY: kill has no memory-safety preconditions; the pid is our live child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    assert!(child.wait().unwrap().success());
-    assert!(up, "tierd did not take over the stale socket");
+    // Fails unless tierd takes over the stale socket.
+    let mut d = common::tierd()
+        .socket(&stale)
+        .no_nvme()
+        .log_level("error")
+        .start();
+    assert!(d.terminate().success());
 
     // A regular file at the socket path is never deleted.
     let file = dir.path().join("precious");

@@ -8,17 +8,11 @@ use std::time::Duration;
 
 use common::*;
 use kvtier_protocol::client::Client;
-use kvtier_protocol::{ErrorCode, Geometry};
+use kvtier_protocol::ErrorCode;
 
 /// Two sessions holding identical KV (same shadow seed).
-fn twins(c: &mut Client, g: Geometry, n: u32, seed: u64) -> ((u64, Shadow), (u64, Shadow)) {
-    let mut make = || {
-        let id = c.create_session(g, policy(), "twin").unwrap();
-        let mut sh = Shadow::new(g, seed);
-        c.append_kv(id, 0, n, &sh.payload(n as usize)).unwrap();
-        (id, sh)
-    };
-    (make(), make())
+fn twins(c: &mut Client, n: u32, seed: u64) -> ((u64, Shadow), (u64, Shadow)) {
+    (open(c, "twin", n, seed), open(c, "twin", n, seed))
 }
 
 /// Decodes the same step (same q, k, v) on both twins, every layer; returns the stats of `a`.
@@ -60,8 +54,7 @@ fn keep_sets_spanning_ram_and_nvme_equal_all_ram() {
     // On-demand promotion alone (the read-ahead has its own test below).
     let d = Daemon::start(&["--set", "nvme.prefetch_blocks=0"]);
     let mut c = d.client();
-    let g = small_geometry();
-    let (mut a, mut b) = twins(&mut c, g, 600, 42);
+    let (mut a, mut b) = twins(&mut c, 600, 42);
     let blocks = 2 * 38; // 600 tokens = 38 blocks of 16, two layers
     assert_eq!(c.demote(a.0).unwrap(), blocks);
     let info = c.session_info(a.0).unwrap();
@@ -103,8 +96,7 @@ fn keep_sets_spanning_ram_and_nvme_equal_all_ram() {
 fn pinned_sessions_are_not_demoted_and_an_append_to_a_demoted_session_works() {
     let d = Daemon::start(&[]);
     let mut c = d.client();
-    let g = small_geometry();
-    let (mut a, mut b) = twins(&mut c, g, 40, 7); // 40 tokens: a partial tail block
+    let (mut a, mut b) = twins(&mut c, 40, 7); // 40 tokens: a partial tail block
     c.pin(a.0, true).unwrap();
     assert!(c.session_info(a.0).unwrap().pinned);
     let e = c.demote(a.0).unwrap_err();
@@ -124,7 +116,7 @@ fn sessions_survive_a_clean_restart_and_decode_bit_identically() {
     let d = Daemon::start(&[]);
     let mut c = d.client();
     let g = small_geometry();
-    let (mut a, mut b) = twins(&mut c, g, 333, 99);
+    let (mut a, mut b) = twins(&mut c, 333, 99);
     step_both(&mut c, &mut a, &mut b);
     // Before the restart: one more step on b only, remembering its inputs and outputs.
     let mut before = Vec::new();
@@ -167,10 +159,7 @@ fn sessions_survive_a_clean_restart_and_decode_bit_identically() {
 fn a_corrupted_page_is_data_loss_never_data_and_others_keep_serving() {
     let d = Daemon::start(&[]);
     let mut c = d.client();
-    let g = small_geometry();
-    let victim = c.create_session(g, policy(), "victim").unwrap();
-    let mut vs = Shadow::new(g, 5);
-    c.append_kv(victim, 0, 200, &vs.payload(200)).unwrap();
+    let (victim, mut vs) = open(&mut c, "victim", 200, 5);
     c.demote(victim).unwrap();
     // Overwrite the first pages of the (only) page file: the victim's.
     let mut f = std::fs::OpenOptions::new()
@@ -181,9 +170,7 @@ fn a_corrupted_page_is_data_loss_never_data_and_others_keep_serving() {
     f.write_all(&vec![0xA5; 8 * 8192]).unwrap();
     f.sync_all().unwrap();
     drop(f);
-    let other = c.create_session(g, policy(), "bystander").unwrap();
-    let mut os = Shadow::new(g, 6);
-    c.append_kv(other, 0, 100, &os.payload(100)).unwrap();
+    let (other, mut os) = open(&mut c, "bystander", 100, 6);
     assert_eq!(
         c.promote(victim).unwrap_err().code(),
         Some(ErrorCode::DataLoss)
@@ -202,11 +189,7 @@ fn a_corrupted_page_is_data_loss_never_data_and_others_keep_serving() {
             > 0
     );
     // The bystander is untouched.
-    let pos = os.tokens(0);
-    let (q, k, v) = os.step_input(0);
-    let qb = f32_bytes(&q);
-    let out = c.decode(0, entry(other, pos, &qb, &k, &v), true).unwrap();
-    os.check(0, &q, &out);
+    os.decode(&mut c, other, 0);
     c.close(victim).unwrap();
 }
 
@@ -215,8 +198,7 @@ fn a_full_nvme_tier_is_resource_exhausted_and_the_session_stays_in_ram() {
     // 12 pages of 8 KiB: room for fewer blocks than the session has.
     let d = Daemon::start(&["--set", "nvme.capacity=\"96KiB\""]);
     let mut c = d.client();
-    let g = small_geometry();
-    let (mut a, mut b) = twins(&mut c, g, 200, 3);
+    let (mut a, mut b) = twins(&mut c, 200, 3);
     let e = c.demote(a.0).unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
     assert!(c.session_info(a.0).unwrap().host_bytes > 0, "still in RAM");
@@ -228,27 +210,12 @@ fn memory_pressure_demotes_idle_sessions_and_everything_still_decodes() {
     // 96 frames of 4 KiB; each session below holds 2 x 20 = 40 blocks.
     let d = Daemon::start(&["--set", "host.capacity=\"384KiB\""]);
     let mut c = d.client();
-    let g = small_geometry();
-    let mut sessions: Vec<(u64, Shadow)> = Vec::new();
-    for i in 0..4 {
-        let id = c.create_session(g, policy(), "").unwrap();
-        let mut sh = Shadow::new(g, 100 + i);
-        c.append_kv(id, 0, 320, &sh.payload(320)).unwrap();
-        sessions.push((id, sh));
-    }
+    let mut sessions: Vec<(u64, Shadow)> = (0..4).map(|i| open(&mut c, "", 320, 100 + i)).collect();
     let stats = c.stats().unwrap();
     assert!(stats.get("demotions_total").unwrap() >= 2, "{stats:?}");
     assert!(stats.get("host_frames_used").unwrap() <= 96);
     for (id, sh) in &mut sessions {
-        for layer in 0..2usize {
-            let pos = sh.tokens(layer);
-            let (q, k, v) = sh.step_input(layer);
-            let qb = f32_bytes(&q);
-            let out = c
-                .decode(layer as u32, entry(*id, pos, &qb, &k, &v), true)
-                .unwrap();
-            sh.check(layer, &q, &out);
-        }
+        sh.step(&mut c, *id);
     }
 }
 
@@ -283,12 +250,7 @@ fn crash_loop_write_through_loses_nothing_acknowledged() {
         let mut pending = None;
         if let Ok(mut c) = Client::connect(d.path()) {
             loop {
-                let mut trial = Shadow {
-                    g,
-                    k: sh.k.clone(),
-                    v: sh.v.clone(),
-                    rng: sh.rng.clone(),
-                };
+                let mut trial = sh.clone();
                 let p = trial.payload(8);
                 match c.append_kv(id, acked, 8, &p) {
                     Ok(t) => {
@@ -326,14 +288,7 @@ fn crash_loop_write_through_loses_nothing_acknowledged() {
         if cycle % 20 == 19 || cycle + 1 == cycles {
             // Full check of the data: one decode step per layer against the oracle, made
             // durable again with DEMOTE so later cycles keep an exact shadow.
-            for layer in 0..2usize {
-                let (q, k, v) = sh.step_input(layer);
-                let qb = f32_bytes(&q);
-                let out = c
-                    .decode(layer as u32, entry(id, acked, &qb, &k, &v), true)
-                    .unwrap();
-                sh.check(layer, &q, &out);
-            }
+            sh.step(&mut c, id);
             acked += 1;
             c.demote(id).unwrap();
         }
@@ -347,8 +302,7 @@ fn crash_loop_write_through_loses_nothing_acknowledged() {
 fn blocks_ranked_just_below_the_cut_are_promoted_ahead_of_need() {
     let d = Daemon::start(&["--set", "nvme.prefetch_blocks=3"]);
     let mut c = d.client();
-    let g = small_geometry();
-    let (mut a, mut b) = twins(&mut c, g, 800, 77); // 50 blocks per layer
+    let (mut a, mut b) = twins(&mut c, 800, 77); // 50 blocks per layer
     c.demote(a.0).unwrap();
     let stats = step_both(&mut c, &mut a, &mut b);
     let keep_frames: u64 = stats
@@ -383,11 +337,7 @@ fn blocks_ranked_just_below_the_cut_are_promoted_ahead_of_need() {
 
 /// A session of 320 tokens: 2 layers x 20 blocks of 4 KiB.
 fn session_320(c: &mut Client, label: &str, seed: u64) -> (u64, Shadow) {
-    let g = small_geometry();
-    let id = c.create_session(g, policy(), label).unwrap();
-    let mut sh = Shadow::new(g, seed);
-    c.append_kv(id, 0, 320, &sh.payload(320)).unwrap();
-    (id, sh)
+    open(c, label, 320, seed)
 }
 
 #[test]
@@ -450,15 +400,7 @@ fn pins_survive_a_clean_restart_and_kill_9_and_keep_the_session_in_ram_under_pre
             c.session_info(other).unwrap().host_bytes < full,
             "the unpinned one was"
         );
-        for layer in 0..2usize {
-            let pos = psh.tokens(layer);
-            let (q, k, v) = psh.step_input(layer);
-            let qb = f32_bytes(&q);
-            let out = c
-                .decode(layer as u32, entry(pinned, pos, &qb, &k, &v), true)
-                .unwrap();
-            psh.check(layer, &q, &out);
-        }
+        psh.step(&mut c, pinned);
     }
 }
 
@@ -495,18 +437,7 @@ fn a_warm_restart_keeps_blocks_resident_exactly_up_to_low_water() {
     assert_eq!(c.session_info(first).unwrap().host_bytes, 40 * 4096);
     assert_eq!(c.session_info(second).unwrap().host_bytes, 32 * 4096);
     // The cold blocks come back when a keep-set needs them.
-    for layer in 0..2usize {
-        let pos = sh.tokens(layer);
-        let (q, k, v) = sh.step_input(layer);
-        let out = c
-            .decode(
-                layer as u32,
-                entry(second, pos, &f32_bytes(&q), &k, &v),
-                true,
-            )
-            .unwrap();
-        sh.check(layer, &q, &out);
-    }
+    sh.step(&mut c, second);
 }
 
 /// Per-device lane estimates in STATS, from a daemon striping over two page files.

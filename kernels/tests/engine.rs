@@ -6,6 +6,7 @@ use kvtier_kernels::simd::dot;
 use kvtier_kernels::{decode_layer, select, DecodeEntry, KeepSet, KernelError, SelectScratch};
 use kvtier_storage::testing::Rng;
 use kvtier_storage::{ArenaOptions, DType, Geometry, HostArena, KvCache, Policy, StorageError};
+use kvtier_tests::kv::{layer_rows, payload, query, rows};
 use proptest::prelude::*;
 
 fn arena(frame_bytes: usize, frames: usize) -> HostArena {
@@ -25,24 +26,37 @@ struct Fixture {
 }
 
 fn fixture(g: Geometry, n: usize, seed: u64) -> Fixture {
-    let mut rng = Rng::new(seed);
-    let per = n * g.kv_heads as usize * g.head_dim as usize;
     let blocks = g.blocks_for(n as u64 + 64) as usize * g.layers as usize;
     let mut kv = KvCache::new(g, arena(frame_for(&g), blocks + 8)).unwrap();
-    let mut payload = Vec::new();
-    let (mut k0, mut v0) = (Vec::new(), Vec::new());
-    for l in 0..g.layers {
-        let k = g.dtype.encode_vec(&rng.normals(per));
-        let v = g.dtype.encode_vec(&rng.normals(per));
-        if l == 0 {
-            k0 = g.dtype.decode_vec(&k);
-            v0 = g.dtype.decode_vec(&v);
-        }
-        payload.extend_from_slice(&k);
-        payload.extend_from_slice(&v);
+    let p = payload(&g, n, seed);
+    kv.append(0, n as u64, &p).unwrap();
+    let (k0, v0) = layer_rows(&g, &p, n, 0, 0..n);
+    Fixture {
+        kv,
+        k: g.dtype.decode_vec(k0),
+        v: g.dtype.decode_vec(v0),
     }
-    kv.append(0, n as u64, &payload).unwrap();
-    Fixture { kv, k: k0, v: v0 }
+}
+
+/// A batch entry over `kv` with no cold source.
+fn entry<'a>(
+    kv: &'a mut KvCache,
+    policy: Policy,
+    position: u64,
+    q: &'a [f32],
+    k: &'a [u8],
+    v: &'a [u8],
+) -> DecodeEntry<'a> {
+    DecodeEntry {
+        session: 0,
+        kv,
+        policy,
+        position,
+        q,
+        k,
+        v,
+        cold: None,
+    }
 }
 
 fn geometries() -> Vec<Geometry> {
@@ -64,6 +78,18 @@ fn geometries() -> Vec<Geometry> {
     ]
 }
 
+/// One layer, two query heads on one KV head, D = 8, f32: small enough to reason about by hand.
+fn tiny(block_tokens: u32) -> Geometry {
+    Geometry {
+        layers: 1,
+        q_heads: 2,
+        kv_heads: 1,
+        head_dim: 8,
+        dtype: DType::F32,
+        block_tokens,
+    }
+}
+
 fn tolerance(dt: DType) -> f64 {
     match dt {
         DType::F32 => 1e-5,
@@ -79,25 +105,14 @@ fn step(
     rng: &mut Rng,
 ) -> (Vec<f32>, kvtier_kernels::StepStats) {
     let g = *f.kv.geometry();
-    let per = (g.kv_heads * g.head_dim) as usize;
-    let k = g.dtype.encode_vec(&rng.normals(per));
-    let v = g.dtype.encode_vec(&rng.normals(per));
+    let (k, v) = (rows(&g, 1, rng), rows(&g, 1, rng));
     f.k.extend(g.dtype.decode_vec(&k));
     f.v.extend(g.dtype.decode_vec(&v));
     let position = f.kv.tokens(0).unwrap();
     let mut out = vec![0f32; (g.q_heads * g.head_dim) as usize];
     let stats = decode_layer(
         0,
-        &mut [DecodeEntry {
-            session: 0,
-            kv: &mut f.kv,
-            policy,
-            position,
-            q,
-            k: &k,
-            v: &v,
-            cold: None,
-        }],
+        &mut [entry(&mut f.kv, policy, position, q, &k, &v)],
         &mut out,
     )
     .unwrap();
@@ -114,7 +129,7 @@ fn sparse_equals_dense_masked_to_the_keep_set() {
         for (n, k) in [(1usize, 2u32), (37, 1), (200, 3), (1000, 4)] {
             let mut rng = Rng::new(gi as u64 * 1000 + n as u64);
             let mut f = fixture(g, n, rng.next_u64());
-            let q = rng.normals((g.q_heads * g.head_dim) as usize);
+            let q = query(&g, &mut rng);
             let policy = Policy {
                 sink_blocks: 1,
                 local_blocks: 2,
@@ -148,11 +163,7 @@ fn covering_every_block_equals_full_dense_attention() {
         let mut rng = Rng::new(77 + gi as u64);
         let n = 3 * g.block_tokens as usize + 7;
         let mut f = fixture(g, n, rng.next_u64());
-        let q: Vec<f32> = rng
-            .normals((g.q_heads * g.head_dim) as usize)
-            .iter()
-            .map(|x| 2.0 * x)
-            .collect();
+        let q: Vec<f32> = query(&g, &mut rng).iter().map(|x| 2.0 * x).collect();
         let dense = Policy {
             sink_blocks: 0,
             local_blocks: 1,
@@ -183,23 +194,12 @@ fn a_batch_equals_its_entries_decoded_alone() {
         let n = 50 + 13 * i;
         let mut a = fixture(*g, n, i as u64);
         let b = fixture(*g, n, i as u64);
-        let q = rng.normals((g.q_heads * g.head_dim) as usize);
-        let per = (g.kv_heads * g.head_dim) as usize;
-        let k = g.dtype.encode_vec(&rng.normals(per));
-        let v = g.dtype.encode_vec(&rng.normals(per));
+        let q = query(g, &mut rng);
+        let (k, v) = (rows(g, 1, &mut rng), rows(g, 1, &mut rng));
         let mut out = vec![0f32; q.len()];
         decode_layer(
             0,
-            &mut [DecodeEntry {
-                session: 0,
-                kv: &mut a.kv,
-                policy,
-                position: n as u64,
-                q: &q,
-                k: &k,
-                v: &v,
-                cold: None,
-            }],
+            &mut [entry(&mut a.kv, policy, n as u64, &q, &k, &v)],
             &mut out,
         )
         .unwrap();
@@ -210,16 +210,7 @@ fn a_batch_equals_its_entries_decoded_alone() {
     let mut entries: Vec<DecodeEntry<'_>> = batch_fix
         .iter_mut()
         .zip(&inputs)
-        .map(|(f, (q, k, v, n))| DecodeEntry {
-            session: 0,
-            kv: &mut f.kv,
-            policy,
-            position: *n,
-            q,
-            k,
-            v,
-            cold: None,
-        })
+        .map(|(f, (q, k, v, n))| entry(&mut f.kv, policy, *n, q, k, v))
         .collect();
     let mut out = vec![0f32; alone.len()];
     decode_layer(0, &mut entries, &mut out).unwrap();
@@ -231,14 +222,7 @@ fn a_batch_equals_its_entries_decoded_alone() {
 
 #[test]
 fn short_contexts_select_everything_and_ties_prefer_lower_blocks() {
-    let g = Geometry {
-        layers: 1,
-        q_heads: 2,
-        kv_heads: 1,
-        head_dim: 8,
-        dtype: DType::F32,
-        block_tokens: 4,
-    };
+    let g = tiny(4);
     let policy = Policy {
         sink_blocks: 1,
         local_blocks: 1,
@@ -250,14 +234,17 @@ fn short_contexts_select_everything_and_ties_prefer_lower_blocks() {
     kv.append(0, 16, &[same.clone(), same].concat()).unwrap();
     let q = vec![1.0f32; 16];
     let mut keep = KeepSet::new();
-    select(
-        &q,
-        &kv.layer(0).unwrap(),
-        &policy,
-        &mut SelectScratch::default(),
-        &mut keep,
-    )
-    .unwrap();
+    let select_all = |kv: &KvCache, keep: &mut KeepSet| {
+        select(
+            &q,
+            &kv.layer(0).unwrap(),
+            &policy,
+            &mut SelectScratch::default(),
+            keep,
+        )
+        .unwrap()
+    };
+    select_all(&kv, &mut keep);
     assert_eq!(
         keep.head(0),
         &[0, 1, 2, 3],
@@ -265,14 +252,7 @@ fn short_contexts_select_everything_and_ties_prefer_lower_blocks() {
     );
     let more = g.dtype.encode_vec(&[0.5f32; 8].repeat(12));
     kv.append(16, 12, &[more.clone(), more].concat()).unwrap();
-    select(
-        &q,
-        &kv.layer(0).unwrap(),
-        &policy,
-        &mut SelectScratch::default(),
-        &mut keep,
-    )
-    .unwrap();
+    select_all(&kv, &mut keep);
     assert_eq!(
         keep.head(0),
         &[0, 1, 2, 6],
@@ -285,25 +265,15 @@ fn bad_requests_are_typed_errors_and_change_nothing() {
     let g = geometries()[1];
     let mut rng = Rng::new(9);
     let mut f = fixture(g, 40, 3);
-    let q = rng.normals((g.q_heads * g.head_dim) as usize);
-    let per = (g.kv_heads * g.head_dim) as usize;
-    let k = g.dtype.encode_vec(&rng.normals(per));
+    let q = query(&g, &mut rng);
+    let k = rows(&g, 1, &mut rng);
     let v = k.clone();
     let before = f.kv.tokens(0).unwrap();
     let mut out = vec![0f32; q.len()];
     let mut run = |layer: u32, position: u64, q: &[f32], k: &[u8]| {
         decode_layer(
             layer,
-            &mut [DecodeEntry {
-                session: 0,
-                kv: &mut f.kv,
-                policy: Policy::default(),
-                position,
-                q,
-                k,
-                v: &v,
-                cold: None,
-            }],
+            &mut [entry(&mut f.kv, Policy::default(), position, q, k, &v)],
             &mut out,
         )
         .unwrap_err()
@@ -359,14 +329,7 @@ fn bad_requests_are_typed_errors_and_change_nothing() {
 
 #[test]
 fn a_full_arena_fails_the_whole_batch_before_any_append() {
-    let g = Geometry {
-        layers: 1,
-        q_heads: 2,
-        kv_heads: 1,
-        head_dim: 8,
-        dtype: DType::F32,
-        block_tokens: 2,
-    };
+    let g = tiny(2);
     let shared = arena(4096, 3);
     let mut a = KvCache::new(g, shared.clone()).unwrap();
     let mut b = KvCache::new(g, shared.clone()).unwrap();
@@ -380,26 +343,8 @@ fn a_full_arena_fails_the_whole_batch_before_any_append() {
     let e = decode_layer(
         0,
         &mut [
-            DecodeEntry {
-                session: 0,
-                kv: &mut a,
-                policy: Policy::default(),
-                position: 2,
-                q: &q,
-                k: &row,
-                v: &row,
-                cold: None,
-            },
-            DecodeEntry {
-                session: 0,
-                kv: &mut b,
-                policy: Policy::default(),
-                position: 2,
-                q: &q,
-                k: &row,
-                v: &row,
-                cold: None,
-            },
+            entry(&mut a, Policy::default(), 2, &q, &row, &row),
+            entry(&mut b, Policy::default(), 2, &q, &row, &row),
         ],
         &mut out,
     )
@@ -502,21 +447,20 @@ proptest! {
         let g = Geometry { layers: 1, q_heads: 4, kv_heads: 2, head_dim: 16, dtype: DType::Bf16, block_tokens: 4 };
         let policy = Policy { sink_blocks: 1, local_blocks: 1, top_k: k };
         let mut rng = Rng::new(seed);
-        let per = 2 * 16;
-        let ks: Vec<Vec<u8>> = (0..n).map(|_| g.dtype.encode_vec(&rng.normals(per))).collect();
-        let vs: Vec<Vec<u8>> = (0..n).map(|_| g.dtype.encode_vec(&rng.normals(per))).collect();
-        let qs: Vec<Vec<f32>> = (0..n).map(|_| rng.normals(4 * 16)).collect();
+        let ks: Vec<Vec<u8>> = (0..n).map(|_| rows(&g, 1, &mut rng)).collect();
+        let vs: Vec<Vec<u8>> = (0..n).map(|_| rows(&g, 1, &mut rng)).collect();
+        let qs: Vec<Vec<f32>> = (0..n).map(|_| query(&g, &mut rng)).collect();
         let mut bulk = KvCache::new(g, arena(4096, 64)).unwrap();
         bulk.append(0, n as u64 - 1, &[ks[..n - 1].concat(), vs[..n - 1].concat()].concat()).unwrap();
         let mut stepwise = KvCache::new(g, arena(4096, 64)).unwrap();
         let mut out = vec![0f32; 64];
         for t in 0..n - 1 {
-            decode_layer(0, &mut [DecodeEntry { session: 0, kv: &mut stepwise, policy, position: t as u64, q: &qs[t], k: &ks[t], v: &vs[t], cold: None }], &mut out).unwrap();
+            decode_layer(0, &mut [entry(&mut stepwise, policy, t as u64, &qs[t], &ks[t], &vs[t])], &mut out).unwrap();
         }
         let last = n - 1;
         let run = |kv: &mut KvCache| {
             let mut out = vec![0f32; 64];
-            let s = decode_layer(0, &mut [DecodeEntry { session: 0, kv, policy, position: last as u64, q: &qs[last], k: &ks[last], v: &vs[last], cold: None }], &mut out).unwrap();
+            let s = decode_layer(0, &mut [entry(kv, policy, last as u64, &qs[last], &ks[last], &vs[last])], &mut out).unwrap();
             (out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), s)
         };
         prop_assert_eq!(run(&mut bulk), run(&mut stepwise));
@@ -529,28 +473,20 @@ fn timed_decode_reports_every_stage_and_changes_nothing_else() {
     let g = geometries()[3];
     let (mut a, mut b) = (fixture(g, 4000, 11), fixture(g, 4000, 11));
     let mut rng = Rng::new(12);
-    let q = rng.normals((g.q_heads * g.head_dim) as usize);
-    let per = (g.kv_heads * g.head_dim) as usize;
-    let k = g.dtype.encode_vec(&rng.normals(per));
-    let v = g.dtype.encode_vec(&rng.normals(per));
+    let q = query(&g, &mut rng);
+    let (k, v) = (rows(&g, 1, &mut rng), rows(&g, 1, &mut rng));
     let n = (g.q_heads * g.head_dim) as usize;
     let (mut out_a, mut out_b) = (vec![0f32; n], vec![0f32; n]);
-    fn entry<'a>(kv: &'a mut KvCache, q: &'a [f32], k: &'a [u8], v: &'a [u8]) -> DecodeEntry<'a> {
-        DecodeEntry {
-            session: 0,
-            kv,
-            policy: Policy::default(),
-            position: 4000,
-            q,
-            k,
-            v,
-            cold: None,
-        }
-    }
-    let plain = decode_layer(0, &mut [entry(&mut a.kv, &q, &k, &v)], &mut out_a).unwrap();
+    let p = Policy::default();
+    let plain = decode_layer(0, &mut [entry(&mut a.kv, p, 4000, &q, &k, &v)], &mut out_a).unwrap();
     let mut t = StageTimings::default();
-    let timed =
-        decode_layer_timed(0, &mut [entry(&mut b.kv, &q, &k, &v)], &mut out_b, &mut t).unwrap();
+    let timed = decode_layer_timed(
+        0,
+        &mut [entry(&mut b.kv, p, 4000, &q, &k, &v)],
+        &mut out_b,
+        &mut t,
+    )
+    .unwrap();
     assert_eq!(plain, timed);
     assert_eq!(out_a, out_b, "timing must not change the answer");
     assert!(
@@ -561,7 +497,7 @@ fn timed_decode_reports_every_stage_and_changes_nothing_else() {
     let before = t;
     let bad = DecodeEntry {
         position: 7,
-        ..entry(&mut b.kv, &q, &k, &v)
+        ..entry(&mut b.kv, p, 4000, &q, &k, &v)
     };
     decode_layer_timed(0, &mut [bad], &mut out_b, &mut t).unwrap_err();
     assert_eq!(t, before);

@@ -1,6 +1,9 @@
 //! Every kind of malformed input gets its specific typed error and the error code a server
 //! answers with.
 
+mod common;
+
+use common::tiny_geometry;
 use kvtier_protocol::*;
 
 fn hdr(opcode: u16, flags: u16, body: &[u8]) -> Header {
@@ -22,20 +25,9 @@ fn body_of(r: &Request<'_>) -> Vec<u8> {
     b
 }
 
-fn geometry() -> Geometry {
-    Geometry {
-        layers: 2,
-        q_heads: 4,
-        kv_heads: 2,
-        head_dim: 4,
-        dtype: DType::Bf16,
-        block_tokens: 16,
-    }
-}
-
 fn create_body() -> Vec<u8> {
     body_of(&Request::CreateSession(CreateSessionRequest {
-        geometry: geometry(),
+        geometry: tiny_geometry(),
         policy: Policy::default(),
         label: "abc".into(),
     }))
@@ -398,7 +390,7 @@ fn unknown_error_code_and_bad_bool_in_replies() {
         session: 1,
         owner_uid: 2,
         label: String::new(),
-        geometry: geometry(),
+        geometry: tiny_geometry(),
         policy: Policy::default(),
         tokens_min: 0,
         tokens_max: 0,

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use kvtier_protocol::client::{read_frame, Client, ClientError};
 use kvtier_protocol::*;
+use kvtier_tests::wire::{hello_frame, raw_frame, server_error};
 
 const MAX_FRAME: u32 = 1 << 16;
 
@@ -262,13 +263,6 @@ fn payload(n_tokens: u32, seed: u8) -> Vec<u8> {
         .collect()
 }
 
-fn server_code(r: Result<impl std::fmt::Debug, ClientError>) -> (ErrorCode, String) {
-    match r {
-        Err(ClientError::Server { code, message }) => (code, message),
-        other => panic!("expected a server error, got {other:?}"),
-    }
-}
-
 #[test]
 fn full_session_lifecycle() {
     let srv = spawn_server();
@@ -341,13 +335,13 @@ fn full_session_lifecycle() {
     assert_eq!(c.stats().unwrap().get(stats_keys::SESSIONS), Some(2));
 
     c.close(s).unwrap();
-    let (code, msg) = server_code(c.session_info(s));
+    let (code, msg) = server_error(c.session_info(s));
     assert_eq!(code, ErrorCode::NotFound);
     assert!(msg.contains(&s.to_string()));
     let e = c.close(s).unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::NotFound));
     assert_eq!(
-        server_code(c.evict(s2)),
+        server_error(c.evict(s2)),
         (ErrorCode::PermissionDenied, "admin only".into())
     );
     // Still usable after errors.
@@ -361,13 +355,13 @@ fn server_errors_keep_code_and_connection() {
     let s = c
         .create_session(geometry(), Policy::default(), "x")
         .unwrap();
-    let (code, _) = server_code(c.append_kv(s, 0, 2, &payload(1, 0)));
+    let (code, _) = server_error(c.append_kv(s, 0, 2, &payload(1, 0)));
     assert_eq!(code, ErrorCode::InvalidArgument);
-    let (code, _) = server_code(c.append_kv(s, 3, 1, &payload(1, 0)));
+    let (code, _) = server_error(c.append_kv(s, 3, 1, &payload(1, 0)));
     assert_eq!(code, ErrorCode::FailedPrecondition);
-    let (code, _) = server_code(c.append_kv_shm(s, 0, 2, &payload(1, 0)));
+    let (code, _) = server_error(c.append_kv_shm(s, 0, 2, &payload(1, 0)));
     assert_eq!(code, ErrorCode::InvalidArgument);
-    let (code, _) = server_code(c.append_kv(s + 100, 0, 1, &payload(1, 0)));
+    let (code, _) = server_error(c.append_kv(s + 100, 0, 1, &payload(1, 0)));
     assert_eq!(code, ErrorCode::NotFound);
     assert_eq!(c.append_kv(s, 0, 1, &payload(1, 0)).unwrap(), 1);
 }
@@ -404,7 +398,7 @@ fn append_from_a_regular_file_at_an_offset() {
             .unwrap(),
         2
     );
-    let (code, msg) = server_code(c.append_kv_fd(s, 2, 2, f.as_fd(), 101, p.len() as u64));
+    let (code, msg) = server_error(c.append_kv_fd(s, 2, 2, f.as_fd(), 101, p.len() as u64));
     assert_eq!(
         (code, msg.as_str()),
         (ErrorCode::InvalidArgument, "range beyond file")
@@ -417,18 +411,6 @@ fn raw_roundtrip(stream: &mut UnixStream, frame: &[u8]) -> Option<(Header, Vec<u
     let mut body = Vec::new();
     let h = read_frame(stream, u32::MAX, &mut body, &mut Vec::new()).unwrap()?;
     Some((h, body))
-}
-
-fn raw_frame(opcode: u16, id: u64, body: &[u8]) -> Vec<u8> {
-    let h = Header {
-        body_len: body.len() as u32,
-        request_id: id,
-        opcode,
-        flags: 0,
-    };
-    let mut f = h.encode().to_vec();
-    f.extend_from_slice(body);
-    f
 }
 
 fn error_of(h: &Header, body: &[u8]) -> ErrorReply {
@@ -448,15 +430,7 @@ fn raw_protocol_unknown_opcode_and_handshake_rules() {
     assert_eq!((h.opcode, h.request_id), (ERROR_OPCODE, 5));
     assert_eq!(error_of(&h, &b).code, ErrorCode::FailedPrecondition);
 
-    let mut hello = Vec::new();
-    Request::Hello(HelloRequest {
-        min_version: 1,
-        max_version: 3,
-        client_name: "raw".into(),
-    })
-    .encode_frame(6, &mut hello)
-    .unwrap();
-    let (h, _) = raw_roundtrip(&mut s, &hello).unwrap();
+    let (h, _) = raw_roundtrip(&mut s, &hello_frame(6, 1, 3, "raw")).unwrap();
     assert_eq!((h.opcode, h.request_id), (Opcode::Hello.reply(), 6));
 
     // Unknown and reserved opcodes: UNIMPLEMENTED, same id, connection stays usable.

@@ -2,8 +2,11 @@
 //! tests check its encoder and decoder against the same files. Regenerate after an intended
 //! wire change with `KVTIER_BLESS=1 cargo test -p kvtier-protocol --test golden`.
 
+mod common;
+
 use std::path::PathBuf;
 
+use common::tiny_geometry;
 use kvtier_protocol::*;
 
 fn bf16_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
@@ -21,23 +24,12 @@ fn f32_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
     values.into_iter().flat_map(f32::to_le_bytes).collect()
 }
 
-fn geometry() -> Geometry {
-    Geometry {
-        layers: 2,
-        q_heads: 4,
-        kv_heads: 2,
-        head_dim: 4,
-        dtype: DType::Bf16,
-        block_tokens: 16,
-    }
-}
-
 fn info(session: u64, label: &str, pinned: bool) -> SessionInfo {
     SessionInfo {
         session,
         owner_uid: 1000,
         label: label.into(),
-        geometry: geometry(),
+        geometry: tiny_geometry(),
         policy: Policy::default(),
         tokens_min: 2,
         tokens_max: 3,
@@ -74,7 +66,7 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         "create_session_request",
         2,
         Request::CreateSession(CreateSessionRequest {
-            geometry: geometry(),
+            geometry: tiny_geometry(),
             policy: Policy::default(),
             label: "golden".into(),
         }),

@@ -14,6 +14,32 @@ fn with_len(h: &Header, len: usize) -> Header {
     }
 }
 
+/// Every proper prefix of the body of `frame` fails to `decode` (the decoded value shown if
+/// not), and one extra byte is trailing garbage.
+fn truncations_fail(
+    frame: &[u8],
+    decode: impl Fn(&Header, &[u8]) -> Result<String, ProtoError>,
+) -> Result<(), TestCaseError> {
+    let (header, body) = split(frame);
+    for cut in 0..body.len() {
+        let err = decode(&with_len(&header, cut), &body[..cut]);
+        prop_assert!(
+            err.is_err(),
+            "prefix of {} / {} bytes decoded: {:?}",
+            cut,
+            body.len(),
+            err
+        );
+    }
+    let mut longer = body.to_vec();
+    longer.push(0);
+    prop_assert_eq!(
+        decode(&with_len(&header, longer.len()), &longer),
+        Err(ProtoError::TrailingBytes { extra: 1 })
+    );
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
@@ -44,35 +70,14 @@ proptest! {
         let req = owned.as_request();
         let mut frame = Vec::new();
         req.encode_frame(1, &mut frame).unwrap();
-        let (header, body) = split(&frame);
-        for cut in 0..body.len() {
-            let err = Request::decode(&with_len(&header, cut), &body[..cut]);
-            prop_assert!(err.is_err(), "prefix of {} / {} bytes decoded: {:?}", cut, body.len(), err);
-        }
-        // One extra byte is trailing garbage.
-        let mut longer = body.to_vec();
-        longer.push(0);
-        prop_assert_eq!(
-            Request::decode(&with_len(&header, longer.len()), &longer),
-            Err(ProtoError::TrailingBytes { extra: 1 })
-        );
+        truncations_fail(&frame, |h, b| Request::decode(h, b).map(|r| format!("{r:?}")))?;
     }
 
     #[test]
     fn truncated_response_bodies_error(resp in response()) {
         let mut frame = Vec::new();
         resp.encode_frame(1, &mut frame).unwrap();
-        let (header, body) = split(&frame);
-        for cut in 0..body.len() {
-            let err = Response::decode(&with_len(&header, cut), &body[..cut]);
-            prop_assert!(err.is_err(), "prefix of {} / {} bytes decoded: {:?}", cut, body.len(), err);
-        }
-        let mut longer = body.to_vec();
-        longer.push(0);
-        prop_assert_eq!(
-            Response::decode(&with_len(&header, longer.len()), &longer),
-            Err(ProtoError::TrailingBytes { extra: 1 })
-        );
+        truncations_fail(&frame, |h, b| Response::decode(h, b).map(|r| format!("{r:?}")))?;
     }
 
     #[test]

@@ -39,8 +39,10 @@ impl Rng {
     }
 }
 
-/// Copies of a session's block runs standing in for the NVMe tier where a test needs a colder
-/// tier without files (the daemon's tests use the real page store).
+/// A fake cold source: copies of a session's block runs standing in for the NVMe tier where a
+/// test needs a colder tier without files (the daemon's tests use the real page store). A block
+/// that was not saved fails its read with `StorageError::ColdRead`, so an empty source is a
+/// failing one.
 #[derive(Debug, Default, Clone)]
 pub struct SavedRuns(pub std::collections::HashMap<(u32, u32), Vec<u8>>);
 
@@ -56,6 +58,11 @@ impl SavedRuns {
             }
         }
         SavedRuns(m)
+    }
+
+    /// The saved run of (`layer`, `block`).
+    pub fn run(&self, layer: u32, block: u32) -> &[u8] {
+        &self.0[&(layer, block)]
     }
 }
 

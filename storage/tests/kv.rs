@@ -1,7 +1,9 @@
 //! KvCache behaviour: layout, incremental bounds, batching invariance, and bad appends.
 
-use kvtier_storage::testing::{Rng, SavedRuns};
+use kvtier_storage::testing::Rng;
+use kvtier_storage::testing::SavedRuns;
 use kvtier_storage::{ArenaOptions, DType, Geometry, HostArena, KvCache, StorageError};
+use kvtier_tests::kv::{layer_rows, payload, rows, sub_payload};
 use proptest::prelude::*;
 
 fn geo(dtype: DType, block_tokens: u32) -> Geometry {
@@ -19,18 +21,11 @@ fn arena(frames: usize) -> HostArena {
     HostArena::new(&ArenaOptions::new(frames * 4096, 4096)).unwrap()
 }
 
-/// `[n][kv_heads][head_dim]` random rows, encoded in the session dtype.
-fn rows(g: &Geometry, n: usize, rng: &mut Rng) -> Vec<u8> {
-    g.dtype
-        .encode_vec(&rng.normals(n * (g.kv_heads * g.head_dim) as usize))
-}
-
-/// The full append payload for all layers: per layer K then V.
-fn payload(g: &Geometry, n: usize, seed: u64) -> Vec<u8> {
-    let mut rng = Rng::new(seed);
-    (0..g.layers)
-        .flat_map(|_| [rows(g, n, &mut rng), rows(g, n, &mut rng)].concat())
-        .collect()
+/// A cache in arena `a` holding `n` random tokens (the payload of `seed`).
+fn cache(g: Geometry, a: &HostArena, n: usize, seed: u64) -> KvCache {
+    let mut kv = KvCache::new(g, a.clone()).unwrap();
+    kv.append(0, n as u64, &payload(&g, n, seed)).unwrap();
+    kv
 }
 
 fn snapshot(kv: &KvCache) -> Vec<(u64, Vec<u8>, Vec<u32>)> {
@@ -49,20 +44,12 @@ fn snapshot(kv: &KvCache) -> Vec<(u64, Vec<u8>, Vec<u32>)> {
 /// Appends `p` (all layers, `n` tokens) in the chunks given by `cuts`.
 fn append_in_chunks(kv: &mut KvCache, p: &[u8], n: usize, cuts: &[usize]) {
     let g = *kv.geometry();
-    let tb = g.token_bytes();
     let mut start = 0;
     for &end in cuts.iter().chain(std::iter::once(&n)) {
         if end <= start {
             continue;
         }
-        let chunk: Vec<u8> = (0..g.layers as usize)
-            .flat_map(|l| {
-                let base = 2 * l * n * tb;
-                let k = &p[base + start * tb..base + end * tb];
-                let v = &p[base + n * tb + start * tb..base + n * tb + end * tb];
-                [k, v].concat()
-            })
-            .collect();
+        let chunk = sub_payload(&g, p, n, start..end);
         kv.append(start as u64, (end - start) as u64, &chunk)
             .unwrap();
         start = end;
@@ -75,16 +62,14 @@ fn tiles_hold_rows_where_the_layout_says() {
     let mut kv = KvCache::new(g, arena(16)).unwrap();
     let p = payload(&g, 6, 1);
     kv.append(0, 6, &p).unwrap();
-    let tb = g.token_bytes();
     let row = g.row_bytes();
     let layer1 = kv.layer(1).unwrap();
     assert_eq!(layer1.blocks(), 2);
     assert_eq!(layer1.valid_tokens(0), 4);
     assert_eq!(layer1.valid_tokens(1), 2);
     // Token 5 of layer 1, kv head 1: block 1, slot 1.
-    let base = 2 * 6 * tb;
-    let k_src = &p[base + 5 * tb + row..base + 5 * tb + 2 * row];
-    let v_src = &p[base + 6 * tb + 5 * tb + row..base + 6 * tb + 5 * tb + 2 * row];
+    let (k5, v5) = layer_rows(&g, &p, 6, 1, 5..6);
+    let (k_src, v_src) = (&k5[row..2 * row], &v5[row..2 * row]);
     let (kt, vt) = layer1.tile(1, 1);
     assert_eq!(&kt[row..2 * row], k_src);
     assert_eq!(&vt[row..2 * row], v_src);
@@ -98,8 +83,7 @@ fn tiles_hold_rows_where_the_layout_says() {
 fn bounds_are_exact_max_and_min_of_stored_keys() {
     for dtype in [DType::Bf16, DType::F16, DType::F32] {
         let g = geo(dtype, 8);
-        let mut kv = KvCache::new(g, arena(16)).unwrap();
-        kv.append(0, 21, &payload(&g, 21, 7)).unwrap();
+        let kv = cache(g, &arena(16), 21, 7);
         let v = kv.layer(0).unwrap();
         let d = g.head_dim as usize;
         for b in 0..v.blocks() {
@@ -120,8 +104,7 @@ fn bounds_are_exact_max_and_min_of_stored_keys() {
 #[test]
 fn bad_appends_are_typed_errors_and_change_nothing() {
     let g = geo(DType::Bf16, 4);
-    let mut kv = KvCache::new(g, arena(4)).unwrap();
-    kv.append(0, 3, &payload(&g, 3, 1)).unwrap();
+    let mut kv = cache(g, &arena(4), 3, 1);
     let before = snapshot(&kv);
     let one = payload(&g, 1, 2);
     // Backwards, gap, wrong size, bad layer, NaN.
@@ -194,8 +177,7 @@ fn a_block_run_larger_than_a_frame_is_refused() {
 fn dropping_a_cache_returns_its_frames() {
     let g = geo(DType::Bf16, 4);
     let a = arena(8);
-    let mut kv = KvCache::new(g, a.clone()).unwrap();
-    kv.append(0, 9, &payload(&g, 9, 5)).unwrap();
+    let kv = cache(g, &a, 9, 5);
     assert_eq!(a.usage().frames_used, 6);
     assert_eq!(kv.host_bytes(), 6 * 4096);
     drop(kv);
@@ -229,18 +211,13 @@ proptest! {
     }
 }
 
-fn save_all(kv: &KvCache) -> SavedRuns {
-    SavedRuns::of(kv)
-}
-
 #[test]
 fn evicted_blocks_come_back_bit_identical_and_free_their_frames() {
     let g = geo(DType::Bf16, 4);
     let a = arena(32);
-    let mut kv = KvCache::new(g, a.clone()).unwrap();
-    kv.append(0, 14, &payload(&g, 14, 9)).unwrap();
+    let mut kv = cache(g, &a, 14, 9);
     let before = snapshot(&kv);
-    let saved = save_all(&kv);
+    let saved = SavedRuns::of(&kv);
     for l in 0..2 {
         for b in 0..4 {
             assert!(kv.evict(l, b));
@@ -294,9 +271,8 @@ fn evicted_blocks_come_back_bit_identical_and_free_their_frames() {
 fn a_promoted_frame_holds_the_run_and_zeros_whatever_it_held_before() {
     let g = geo(DType::Bf16, 4);
     let a = arena(16);
-    let mut kv = KvCache::new(g, a.clone()).unwrap();
-    kv.append(0, 8, &payload(&g, 8, 5)).unwrap();
-    let saved = save_all(&kv);
+    let mut kv = cache(g, &a, 8, 5);
+    let saved = SavedRuns::of(&kv);
     for b in 0..2 {
         assert!(kv.evict(0, b));
     }
@@ -312,8 +288,8 @@ fn a_promoted_frame_holds_the_run_and_zeros_whatever_it_held_before() {
     let view = kv.layer(0).unwrap();
     for b in 0..2u32 {
         let frame = view.frame(b as usize).unwrap().as_slice();
-        let run = &saved.0[&(0, b)];
-        assert_eq!(&frame[..run.len()], &run[..]);
+        let run = saved.run(0, b);
+        assert_eq!(&frame[..run.len()], run);
         assert!(
             frame[run.len()..].iter().all(|&x| x == 0),
             "block {b}: the frame past the run is zeroed"
@@ -325,15 +301,13 @@ fn a_promoted_frame_holds_the_run_and_zeros_whatever_it_held_before() {
 fn restoring_stored_blocks_rebuilds_identical_tiles_and_bounds() {
     for n in [1usize, 4, 13, 16] {
         let g = geo(DType::F16, 4);
-        let mut kv = KvCache::new(g, arena(32)).unwrap();
-        kv.append(0, n as u64, &payload(&g, n, 21)).unwrap();
-        let saved = save_all(&kv);
+        let kv = cache(g, &arena(32), n, 21);
+        let saved = SavedRuns::of(&kv);
         let mut back = KvCache::new(g, arena(32)).unwrap();
         for l in 0..2 {
             for b in 0..g.blocks_for(n as u64) as u32 {
                 let valid = (n - 4 * b as usize).min(4);
-                back.restore_block(l, &saved.0[&(l, b)], valid, true)
-                    .unwrap();
+                back.restore_block(l, saved.run(l, b), valid, true).unwrap();
             }
         }
         assert_eq!(snapshot(&back), snapshot(&kv), "n={n}");
@@ -342,7 +316,7 @@ fn restoring_stored_blocks_rebuilds_identical_tiles_and_bounds() {
         for l in 0..2 {
             for b in 0..g.blocks_for(n as u64) as u32 {
                 let valid = (n - 4 * b as usize).min(4);
-                cold.restore_block(l, &saved.0[&(l, b)], valid, false)
+                cold.restore_block(l, saved.run(l, b), valid, false)
                     .unwrap();
             }
             let all: Vec<u32> = (0..g.blocks_for(n as u64) as u32).collect();
@@ -365,12 +339,7 @@ proptest! {
         full.append(0, n as u64, &p).unwrap();
         full.truncate(cut as u64);
         let mut fresh = KvCache::new(g, arena(64)).unwrap();
-        let tb = g.token_bytes();
-        let prefix: Vec<u8> = (0..2).flat_map(|l| {
-            let base = 2 * l * n * tb;
-            [&p[base..base + cut * tb], &p[base + n * tb..base + n * tb + cut * tb]].concat()
-        }).collect();
-        fresh.append(0, cut as u64, &prefix).unwrap();
+        fresh.append(0, cut as u64, &sub_payload(&g, &p, n, 0..cut)).unwrap();
         prop_assert_eq!(snapshot(&full), snapshot(&fresh));
         prop_assert_eq!(full.frames(), fresh.frames());
     }

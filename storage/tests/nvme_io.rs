@@ -11,15 +11,11 @@ use kvtier_storage::nvme::{
     AlignedBuf, CorruptReason, DeviceConfig, DirectFile, IoEngine, IoRequest, NvmeError, OpKind,
     PageAddr, PageId, PageStore, PageStoreConfig, PreadEngine, UringEngine,
 };
+use kvtier_tests::kv::xorshift_bytes;
+use kvtier_tests::sys::scratch_dir;
 
 fn test_dir(name: &str) -> PathBuf {
-    let base = option_env!("CARGO_TARGET_TMPDIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    let d = base.join(format!("nvme-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    scratch_dir(env!("CARGO_TARGET_TMPDIR"), name)
 }
 
 fn engines() -> Vec<Box<dyn IoEngine>> {
@@ -30,15 +26,7 @@ fn engines() -> Vec<Box<dyn IoEngine>> {
 }
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    xorshift_bytes(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15), len)
 }
 
 fn filled(file: &DirectFile, data: &[u8]) -> AlignedBuf {
@@ -416,27 +404,12 @@ fn page_store_roundtrip_and_verification() {
         let payloads: Vec<Vec<u8>> = (0..20)
             .map(|i| pattern(i, 1000 + i as usize * 400))
             .collect();
-        let writes: Vec<PageWrite> = addrs
-            .iter()
-            .zip(&payloads)
-            .enumerate()
-            .map(|(i, (&addr, p))| PageWrite {
-                addr,
-                id: id(i as u32, 1),
-                payload: p,
-            })
-            .collect();
-        let crcs = store.write_pages(&writes).unwrap();
+        let all: Vec<usize> = (0..addrs.len()).collect();
+        let crcs = store
+            .write_pages(&writes_of(&addrs, &payloads, &all))
+            .unwrap();
         store.sync().unwrap();
-        let reads: Vec<PageRead> = addrs
-            .iter()
-            .enumerate()
-            .map(|(i, &addr)| PageRead {
-                addr,
-                id: id(i as u32, 1),
-                expected_crc: Some(crcs[i]),
-            })
-            .collect();
+        let reads = reads_of(&addrs, Some(&crcs), &all);
         for (i, r) in store.read_pages(&reads).unwrap().into_iter().enumerate() {
             assert_eq!(r.unwrap().payload(), &payloads[i][..]);
         }
@@ -653,28 +626,13 @@ fn page_store_under_injected_faults_never_returns_wrong_data() {
     let store = PageStore::open(&store_cfg(&dir, &[1.0, 2.0], 4 << 20), engine.clone()).unwrap();
     let addrs = store.alloc(9, 64).unwrap();
     let payloads: Vec<Vec<u8>> = (0..64).map(|i| pattern(i, 9000)).collect();
-    let writes: Vec<PageWrite> = addrs
-        .iter()
-        .zip(&payloads)
-        .enumerate()
-        .map(|(i, (&addr, p))| PageWrite {
-            addr,
-            id: id(i as u32, 1),
-            payload: p,
-        })
-        .collect();
-    store.write_pages(&writes).unwrap();
+    let all: Vec<usize> = (0..addrs.len()).collect();
+    store
+        .write_pages(&writes_of(&addrs, &payloads, &all))
+        .unwrap();
     let (mut ok, mut corrupt, mut io) = (0, 0, 0);
     for _round in 0..20 {
-        let reads: Vec<PageRead> = addrs
-            .iter()
-            .enumerate()
-            .map(|(i, &addr)| PageRead {
-                addr,
-                id: id(i as u32, 1),
-                expected_crc: None,
-            })
-            .collect();
+        let reads = reads_of(&addrs, None, &all);
         for (i, r) in store.read_pages(&reads).unwrap().into_iter().enumerate() {
             match r {
                 Ok(d) => {
@@ -719,16 +677,8 @@ fn io_errors_are_counted_per_failed_operation_apart_from_corruption() {
     let store = PageStore::open(&store_cfg(&dir, &[1.0], 1 << 20), engine).unwrap();
     let addrs = store.alloc(9, 5).unwrap();
     let payloads: Vec<Vec<u8>> = (0..5).map(|i| pattern(i, 4000)).collect();
-    let writes: Vec<PageWrite> = addrs
-        .iter()
-        .zip(&payloads)
-        .enumerate()
-        .map(|(i, (&addr, p))| PageWrite {
-            addr,
-            id: id(i as u32, 1),
-            payload: p,
-        })
-        .collect();
+    let all: Vec<usize> = (0..addrs.len()).collect();
+    let writes = writes_of(&addrs, &payloads, &all);
     // Writes 2 (EIO) and 4 (torn) fail: the batch fails, two errors counted.
     assert!(store.write_pages(&writes).is_err());
     let u = store.usage();
@@ -737,15 +687,7 @@ fn io_errors_are_counted_per_failed_operation_apart_from_corruption() {
     store.write_pages(&writes).unwrap();
     store.sync().unwrap();
     assert_eq!(store.usage().io_errors, 2);
-    let reads: Vec<PageRead> = addrs
-        .iter()
-        .enumerate()
-        .map(|(i, &addr)| PageRead {
-            addr,
-            id: id(i as u32, 1),
-            expected_crc: None,
-        })
-        .collect();
+    let reads = reads_of(&addrs, None, &all);
     // Reads 1 (EIO) and 3 (short) fail as I/O errors; all others verify.
     let r = store.read_pages(&reads).unwrap();
     assert!(matches!(r[0], Err(NvmeError::Io { .. })));

@@ -15,13 +15,16 @@ use kvtier_storage::nvme::{
     open_best_engine, BlockRun, DeviceConfig, NvmeError, NvmeTier, PageAddr, PageId, PageStore,
     PageStoreConfig, RecoveryReport,
 };
+use kvtier_tests::kv::xorshift_bytes;
+use kvtier_tests::sys::{scratch_dir, Reaped};
 
 fn test_dir(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("nvme-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    scratch_dir(env!("CARGO_TARGET_TMPDIR"), name)
+}
+
+/// Pages in use on every device of `store`.
+fn pages_used(store: &PageStore) -> u64 {
+    store.usage().devices.iter().map(|d| d.pages_used).sum()
 }
 
 const PAYLOAD: usize = 12_000;
@@ -49,20 +52,12 @@ fn store_cfg(dir: &Path) -> PageStoreConfig {
 
 /// The bytes of a page are a function of its identity, so a verifier can recompute them.
 fn content(id: PageId) -> Vec<u8> {
-    let mut x = id.session
+    let state = id.session
         ^ (u64::from(id.layer) << 20)
         ^ (u64::from(id.block) << 32)
-        ^ id.generation.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        | 1;
+        ^ id.generation.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     let len = PAYLOAD - (id.generation as usize % 7) * 100;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    xorshift_bytes(state, len)
 }
 
 fn session_record(id: u64) -> SessionRecord {
@@ -224,7 +219,7 @@ fn reopen_loop_sees_every_commit() {
         }
         expect_epoch = m.epoch;
         // Nothing leaks: used pages = referenced + kept for the fallback.
-        let used: u64 = store.usage().devices.iter().map(|d| d.pages_used).sum();
+        let used = pages_used(&store);
         assert_eq!(used as usize, m.page_addrs().count() + deferred.len());
         // At most two epochs on disk, two files each: the current one and its fallback.
         let files = std::fs::read_dir(dir.join("manifest")).unwrap().count();
@@ -464,25 +459,13 @@ fn tier_partial_updates_and_bad_input() {
             matches!(r[1], Err(NvmeError::InvalidArgument { .. })),
             "run not stored"
         );
-        let used_before = tier
-            .store()
-            .usage()
-            .devices
-            .iter()
-            .map(|d| d.pages_used)
-            .sum::<u64>();
+        let used_before = pages_used(tier.store());
         tier.delete_session(s0).unwrap();
         assert!(tier.session(s0).is_none());
         assert!(tier.delete_session(s0).is_err());
         // Its pages come back one commit later.
         tier_step(&tier, 5 << 33);
-        let used_after = tier
-            .store()
-            .usage()
-            .devices
-            .iter()
-            .map(|d| d.pages_used)
-            .sum::<u64>();
+        let used_after = pages_used(tier.store());
         assert!(used_after < used_before, "{used_after} < {used_before}");
     }
     // Reopen: same content, and page accounting matches references + fallback.
@@ -572,8 +555,9 @@ fn kill9_during_page_and_manifest_writes() {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let mut child = KillOnDrop(child);
-        let stdout = child.0.stdout.take().unwrap();
+        // Killed if this test fails, so no writer outlives it.
+        let mut child = Reaped(child);
+        let stdout = child.stdout.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel::<String>();
         let reader = std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
@@ -598,8 +582,8 @@ fn kill9_during_page_and_manifest_writes() {
             "cycle {cycle}: child recovered epoch {recovered} < acked {acked}"
         );
         std::thread::sleep(Duration::from_micros(2_000 + (cycle * 7919) % 48_000));
-        child.0.kill().unwrap(); // SIGKILL
-        child.0.wait().unwrap();
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
         reader.join().unwrap();
         for l in rx.try_iter() {
             if let Some(e) = l.strip_prefix("ACK ") {
@@ -632,14 +616,4 @@ fn kill9_during_page_and_manifest_writes() {
         "the children made too little progress between kills: {total_acks}"
     );
     assert!(started.elapsed() < Duration::from_secs(120));
-}
-
-/// Kills the child if the parent test fails, so no writer outlives it.
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }

@@ -1,9 +1,21 @@
-// Shared proptest strategies (included with `mod common;`).
+// Shared proptest strategies and fixtures (included with `mod common;`).
 #![allow(dead_code)]
 
 use kvtier_protocol::*;
 use proptest::collection::vec;
 use proptest::prelude::*;
+
+/// A small valid geometry (2 layers, GQA 4/2, head dim 4, bf16, blocks of 16).
+pub fn tiny_geometry() -> Geometry {
+    Geometry {
+        layers: 2,
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 4,
+        dtype: DType::Bf16,
+        block_tokens: 16,
+    }
+}
 
 pub fn dtype() -> impl Strategy<Value = DType> {
     prop_oneof![Just(DType::Bf16), Just(DType::F16), Just(DType::F32)]

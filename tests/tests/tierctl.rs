@@ -1,130 +1,45 @@
-//! The real `tierctl` binary against a real `tierd` process started by the test (built with
-//! `cargo build -p tierd`). Sessions are created with the protocol client; tierctl's output
-//! is checked against what the client created.
+//! The real `tierctl` binary against a real `tierd` process started by the test (both built
+//! with `cargo build`, or named by `KVTIER_TEST_TIERCTL` and `KVTIER_TEST_TIERD`). Sessions
+//! are created with the protocol client; tierctl's output is checked against what the client
+//! created.
 
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output};
-use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
 
 use kvtier_protocol::client::Client;
 use kvtier_protocol::{DType, Geometry, Policy};
+use kvtier_tests::uid::{as_nobody, euid, is_root, reachable_copy};
+use kvtier_tests::{bins, Tierd};
 use serde_json::Value;
 
-/// Builds tierd once per test binary and returns its path; `KVTIER_TEST_TIERD` names a
-/// prebuilt binary instead.
-fn tierd_bin() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        if let Some(p) = std::env::var_os("KVTIER_TEST_TIERD") {
-            return PathBuf::from(p);
-        }
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let st = Command::new(cargo)
-            .args(["build", "--quiet", "-p", "tierd"])
-            .current_dir(root)
-            .status()
-            .expect("run cargo build -p tierd");
-        assert!(st.success(), "cargo build -p tierd failed");
-        let target = std::env::var_os("CARGO_TARGET_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| root.join("target"));
-        let bin = target.join("debug").join("tierd");
-        assert!(bin.is_file(), "{} missing after build", bin.display());
-        bin
-    })
+/// A tierd on the CPU backend with a 64 MiB host tier and a 32 MiB NVMe tier in its private
+/// directory, plus `extra` arguments.
+fn start(extra: &[&str]) -> Tierd {
+    Tierd::builder(bins::tierd())
+        .backend("cpu")
+        .nvme_capacity("32MiB")
+        .args(extra)
+        .start()
 }
 
-/// A tierd on a private socket; killed (SIGTERM) and reaped on drop.
-struct Daemon {
-    child: Child,
-    sock: PathBuf,
-    dir: tempfile::TempDir,
+fn client(d: &Tierd) -> Client {
+    d.client_as("tierctl-test")
 }
 
-impl Daemon {
-    fn start(extra: &[&str]) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("tierd.sock");
-        // NVMe state in the temp dir: never the system default /var/lib/kvtier.
-        let state = dir.path().join("state");
-        let child = Command::new(tierd_bin())
-            .arg("--socket")
-            .arg(&sock)
-            .args([
-                "--host-capacity",
-                "64MiB",
-                "--backend",
-                "cpu",
-                "--log-level",
-                "warn",
-            ])
-            .arg("--set")
-            .arg(format!("nvme.dir={:?}", state.to_str().unwrap()))
-            .args(["--set", "nvme.capacity=\"32MiB\""])
-            .args(extra)
-            .spawn()
-            .expect("spawn tierd");
-        let mut d = Daemon { child, sock, dir };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while UnixStream::connect(&d.sock).is_err() {
-            if let Some(st) = d.child.try_wait().unwrap() {
-                panic!("tierd exited during startup: {st}");
-            }
-            assert!(Instant::now() < deadline, "tierd did not open its socket");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        d
-    }
-
-    fn client(&self) -> Client {
-        Client::connect_as(&self.sock, "tierctl-test").unwrap()
-    }
-
-    fn ctl(&self, args: &[&str]) -> Output {
-        ctl_at(&self.sock, args, None)
-    }
+fn ctl(d: &Tierd, args: &[&str]) -> Output {
+    run(Command::new(bins::tierctl()), d, args)
 }
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        // SAFETY: kill has no memory-safety preconditions; the pid is our unreaped child.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        let _ = self.child.wait();
-    }
+/// tierctl as `nobody`, from a copy it can reach wherever the checkout sits.
+fn ctl_as_nobody(d: &Tierd, args: &[&str]) -> Output {
+    let mut cmd = Command::new(reachable_copy(bins::tierctl()));
+    as_nobody(&mut cmd);
+    run(cmd, d, args)
 }
 
-fn ctl_at(sock: &Path, args: &[&str], uid: Option<u32>) -> Output {
-    let exe = Path::new(env!("CARGO_BIN_EXE_tierctl"));
-    let mut cmd = match uid {
-        // Another uid runs a copy it can reach, wherever the checkout sits.
-        Some(uid) => {
-            let mut c = Command::new(reachable_copy(exe));
-            c.uid(uid).gid(uid);
-            c
-        }
-        None => Command::new(exe),
-    };
-    cmd.arg("--socket").arg(sock).args(args);
-    cmd.output().expect("run tierctl")
-}
-
-/// A copy of `exe` in a fresh 0755 directory under /tmp, executable by every uid.
-fn reachable_copy(exe: &Path) -> PathBuf {
-    let dir = tempfile::Builder::new()
-        .prefix("kvtier-exe")
-        .tempdir_in("/tmp")
-        .unwrap()
-        .keep();
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let to = dir.join(exe.file_name().unwrap());
-    std::fs::copy(exe, &to).unwrap();
-    std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o755)).unwrap();
-    to
+fn run(mut tierctl: Command, d: &Tierd, args: &[&str]) -> Output {
+    tierctl.arg("--socket").arg(d.path()).args(args);
+    tierctl.output().expect("run tierctl")
 }
 
 fn ok(o: &Output) -> String {
@@ -169,11 +84,6 @@ fn human_bytes(n: u64) -> String {
     }
 }
 
-fn my_uid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
-}
-
 /// Create a session of `tokens` tokens (bf16 ones, inline append) and return its id.
 fn session(c: &mut Client, label: &str, tokens: u32) -> u64 {
     let policy = Policy {
@@ -194,18 +104,18 @@ fn session(c: &mut Client, label: &str, tokens: u32) -> u64 {
 
 #[test]
 fn sessions_info_stats_tier_close() {
-    let d = Daemon::start(&[]);
-    let uid = my_uid();
-    let mut c = d.client();
+    let d = start(&[]);
+    let uid = euid();
+    let mut c = client(&d);
 
-    let out = ok(&d.ctl(&["sessions"]));
+    let out = ok(&ctl(&d, &["sessions"]));
     assert_eq!(out, "no sessions\n");
 
     let a = session(&mut c, "alpha", 40);
     let b = session(&mut c, "", 16);
 
     // sessions --json: both, sorted by id, values as created.
-    let v = json(&d.ctl(&["--json", "sessions"]));
+    let v = json(&ctl(&d, &["--json", "sessions"]));
     let list = v["sessions"].as_array().unwrap();
     assert_eq!(list.len(), 2);
     assert!(
@@ -228,7 +138,7 @@ fn sessions_info_stats_tier_close() {
     // 40 tokens at B=16: 3 blocks per layer, 2 layers.
     assert_eq!(s["blocks"], 6);
     // Host bytes count whole frames (one run per frame); the frame size is the daemon's.
-    let st = json(&d.ctl(&["--json", "stats"]));
+    let st = json(&ctl(&d, &["--json", "stats"]));
     let frame = st["stats"]["host_bytes_capacity"].as_u64().unwrap()
         / st["stats"]["host_frames_capacity"].as_u64().unwrap();
     assert!(frame >= RUN_BYTES, "a frame holds a run");
@@ -242,7 +152,7 @@ fn sessions_info_stats_tier_close() {
 
     // Human table: a header and one aligned row per session (ids are random: rows are found
     // by their id).
-    let out = ok(&d.ctl(&["sessions"]));
+    let out = ok(&ctl(&d, &["sessions"]));
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines.len(), 3, "{out}");
     assert!(lines[0].contains("L/Hq/Hkv/D/dtype/B") && lines[0].contains("LAST ACCESS"));
@@ -262,22 +172,22 @@ fn sessions_info_stats_tier_close() {
     assert!(rb.contains(" - "), "empty label shows as -: {out}");
 
     // session info, JSON and human.
-    let v = json(&d.ctl(&["--json", "session", "info", &a.to_string()]));
+    let v = json(&ctl(&d, &["--json", "session", "info", &a.to_string()]));
     assert_eq!(v["id"], a);
     assert_eq!(v["tokens_max"], 40);
     assert_eq!(v["policy"]["local_blocks"], 2);
-    let out = ok(&d.ctl(&["session", "info", &a.to_string()]));
+    let out = ok(&ctl(&d, &["session", "info", &a.to_string()]));
     assert!(out.contains("label:") && out.contains("alpha"), "{out}");
     assert!(out.contains("sink 1, local 2, top-k 3"), "{out}");
 
     // stats and status agree with what we did.
-    let v = json(&d.ctl(&["--json", "stats"]));
+    let v = json(&ctl(&d, &["--json", "stats"]));
     let st = &v["stats"];
     assert_eq!(st["sessions"], 2);
     assert_eq!(st["append_tokens_total"], 56);
     assert_eq!(st["host_bytes_used"], 8 * frame);
     assert_eq!(st["host_bytes_capacity"], 64u64 << 20);
-    let v = json(&d.ctl(&["--json", "status"]));
+    let v = json(&ctl(&d, &["--json", "status"]));
     assert_eq!(v["server_name"], "tierd");
     assert_eq!(v["protocol_version"], 1);
     assert_eq!(v["sessions"], 2);
@@ -291,7 +201,7 @@ fn sessions_info_stats_tier_close() {
         rates["append_tokens_per_s"], 0.0,
         "nothing appended while sampling"
     );
-    let out = ok(&d.ctl(&["status"]));
+    let out = ok(&ctl(&d, &["status"]));
     assert!(out.contains("tierd") && out.contains("64.0 MiB"), "{out}");
     assert!(
         out.contains("ready:") && out.contains("yes") && out.contains("rates:"),
@@ -299,7 +209,7 @@ fn sessions_info_stats_tier_close() {
     );
 
     // tier: the host row and the NVMe row, as the daemon reports them.
-    let v = json(&d.ctl(&["--json", "tier"]));
+    let v = json(&ctl(&d, &["--json", "tier"]));
     let tiers = v["tiers"].as_array().unwrap();
     assert_eq!(tiers.len(), 2, "{v}");
     assert_eq!(tiers[0]["tier"], "host");
@@ -309,9 +219,9 @@ fn sessions_info_stats_tier_close() {
     // The daemon reserves a little of the page file; the row carries exactly what STATS says.
     let nvme_cap = tiers[1]["bytes_capacity"].as_u64().unwrap();
     assert!((31u64 << 20..=32 << 20).contains(&nvme_cap), "{v}");
-    let st = json(&d.ctl(&["--json", "stats"]));
+    let st = json(&ctl(&d, &["--json", "stats"]));
     assert_eq!(st["stats"]["nvme_bytes_capacity"], nvme_cap);
-    let out = ok(&d.ctl(&["tier"]));
+    let out = ok(&ctl(&d, &["tier"]));
     assert!(
         out.contains("host") && out.contains("nvme") && out.contains("32.0 MiB"),
         "{out}"
@@ -319,77 +229,77 @@ fn sessions_info_stats_tier_close() {
 
     // demote / promote / pin / unpin on b (16 tokens: one block in each of 2 layers).
     let bs = b.to_string();
-    let v = json(&d.ctl(&["--json", "demote", &bs]));
+    let v = json(&ctl(&d, &["--json", "demote", &bs]));
     assert_eq!(
         (v["action"].as_str(), v["blocks"].as_u64()),
         (Some("demoted"), Some(2))
     );
-    let v = json(&d.ctl(&["--json", "session", "info", &bs]));
+    let v = json(&ctl(&d, &["--json", "session", "info", &bs]));
     assert_eq!(v["host_bytes"], 0, "{v}");
     assert!(v["nvme_bytes"].as_u64().unwrap() > 0, "{v}");
-    let out = ok(&d.ctl(&["promote", &bs]));
+    let out = ok(&ctl(&d, &["promote", &bs]));
     assert_eq!(
         out,
         format!("promoted session {b}: 2 blocks read into host RAM\n")
     );
-    let v = json(&d.ctl(&["--json", "session", "info", &bs]));
+    let v = json(&ctl(&d, &["--json", "session", "info", &bs]));
     assert_eq!(v["host_bytes"], 2 * frame, "{v}");
     // The page reads and writes behind demote/promote gave the one device its estimates.
     for cmd in ["tier", "status"] {
-        let v = json(&d.ctl(&["--json", cmd]));
+        let v = json(&ctl(&d, &["--json", cmd]));
         let lanes = v["nvme_lanes"].as_array().unwrap();
         assert_eq!(lanes.len(), 1, "{v}");
         assert!(lanes[0]["read_bytes_per_s"].as_u64().unwrap() > 0, "{v}");
         assert!(lanes[0]["write_bytes_per_s"].as_u64().unwrap() > 0, "{v}");
     }
-    let out = ok(&d.ctl(&["tier"]));
+    let out = ok(&ctl(&d, &["tier"]));
     assert!(out.contains("dev0  read ") && out.contains("/s ("), "{out}");
-    let out = ok(&d.ctl(&["status"]));
+    let out = ok(&ctl(&d, &["status"]));
     assert!(out.contains("nvme dev0:"), "{out}");
-    assert_eq!(ok(&d.ctl(&["pin", &bs])), format!("pinned session {b}\n"));
-    let out = ok(&d.ctl(&["sessions"]));
+    assert_eq!(ok(&ctl(&d, &["pin", &bs])), format!("pinned session {b}\n"));
+    let out = ok(&ctl(&d, &["sessions"]));
     let row = out
         .lines()
         .find(|l| l.trim_start().starts_with(&bs))
         .unwrap();
     assert!(out.contains("STATE") && row.contains(" pinned "), "{out}");
     assert_eq!(
-        json(&d.ctl(&["--json", "session", "info", &bs]))["pinned"],
+        json(&ctl(&d, &["--json", "session", "info", &bs]))["pinned"],
         true
     );
-    let e = err(&d.ctl(&["demote", &bs]), 6);
+    let e = err(&ctl(&d, &["demote", &bs]), 6);
     assert!(e.contains("DEMOTE failed: FAILED_PRECONDITION"), "{e}");
-    let v = json(&d.ctl(&["--json", "unpin", &bs]));
+    let v = json(&ctl(&d, &["--json", "unpin", &bs]));
     assert_eq!(v["pinned"], false);
     assert_eq!(
-        json(&d.ctl(&["--json", "session", "info", &bs]))["pinned"],
+        json(&ctl(&d, &["--json", "session", "info", &bs]))["pinned"],
         false
     );
-    let e = err(&d.ctl(&["demote", "999999"]), 5);
+    let e = err(&ctl(&d, &["demote", "999999"]), 5);
     assert!(e.contains("session 999999 not found"), "{e}");
 
     // close: gone afterwards, and a second close is NOT_FOUND.
     assert_eq!(
-        ok(&d.ctl(&["close", &a.to_string()])),
+        ok(&ctl(&d, &["close", &a.to_string()])),
         format!("closed session {a}\n")
     );
-    let e = err(&d.ctl(&["session", "info", &a.to_string()]), 5);
+    let e = err(&ctl(&d, &["session", "info", &a.to_string()]), 5);
     assert!(e.contains(&format!("session {a} not found")), "{e}");
-    let e = err(&d.ctl(&["close", &a.to_string()]), 5);
+    let e = err(&ctl(&d, &["close", &a.to_string()]), 5);
     assert!(e.contains("NOT_FOUND"), "{e}");
-    let v = json(&d.ctl(&["--json", "sessions"]));
+    let v = json(&ctl(&d, &["--json", "sessions"]));
     assert_eq!(v["sessions"].as_array().unwrap().len(), 1);
 
     // evict (we started tierd ourselves; root is its default admin).
     if uid == 0 {
-        let v = json(&d.ctl(&["--json", "evict", &b.to_string()]));
+        let v = json(&ctl(&d, &["--json", "evict", &b.to_string()]));
         assert_eq!(v["session"], b);
         assert_eq!(v["action"], "evicted");
-        let v = json(&d.ctl(&["--json", "stats"]));
+        let v = json(&ctl(&d, &["--json", "stats"]));
         assert_eq!(v["stats"]["sessions"], 0);
         assert_eq!(v["stats"]["host_bytes_used"], 0);
     }
-    let e = err(&d.ctl(&["session", "info", "999999"]), 5);
+    let e = err(&ctl(&d, &["session", "info", "999999"]), 5);
     assert!(e.contains("session 999999 not found"), "{e}");
 }
 
@@ -397,23 +307,22 @@ fn sessions_info_stats_tier_close() {
 /// tierctl is run as `nobody`.
 #[test]
 fn permission_denied_for_another_uid() {
-    if my_uid() != 0 {
+    if !is_root() {
         eprintln!("not root: cannot run tierctl as another uid, test not applicable");
         return;
     }
-    const NOBODY: u32 = 65534;
-    let d = Daemon::start(&["--set", "server.socket_mode=0o666"]);
-    let mut c = d.client();
+    let d = start(&["--set", "server.socket_mode=0o666"]);
+    let mut c = client(&d);
     let id = session(&mut c, "root's", 16);
 
     // With the socket's directory at 0700, nobody cannot reach the socket at all.
-    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
-    let e = err(&ctl_at(&d.sock, &["status"], Some(NOBODY)), 4);
+    std::fs::set_permissions(d.dir(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let e = err(&ctl_as_nobody(&d, &["status"]), 4);
     assert!(e.contains("permission denied connecting to"), "{e}");
 
     // Open the directory: nobody connects, but the daemon refuses root's session and EVICT.
-    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let o = ctl_at(&d.sock, &["--json", "sessions"], Some(NOBODY));
+    std::fs::set_permissions(d.dir(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let o = ctl_as_nobody(&d, &["--json", "sessions"]);
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(
         v["sessions"].as_array().unwrap().len(),
@@ -421,17 +330,11 @@ fn permission_denied_for_another_uid() {
         "nobody sees only own"
     );
     // Another uid's session reads as missing (ids cannot be probed).
-    let e = err(
-        &ctl_at(&d.sock, &["session", "info", &id.to_string()], Some(NOBODY)),
-        5,
-    );
+    let e = err(&ctl_as_nobody(&d, &["session", "info", &id.to_string()]), 5);
     assert!(e.contains("not found"), "{e}");
-    let e = err(
-        &ctl_at(&d.sock, &["close", &id.to_string()], Some(NOBODY)),
-        5,
-    );
+    let e = err(&ctl_as_nobody(&d, &["close", &id.to_string()]), 5);
     assert!(e.contains("not found"), "{e}");
-    let o = ctl_at(&d.sock, &["--json", "evict", &id.to_string()], Some(NOBODY));
+    let o = ctl_as_nobody(&d, &["--json", "evict", &id.to_string()]);
     let e = err(&o, 4);
     assert!(e.contains("EVICT needs an admin"), "{e}");
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();

@@ -1,0 +1,105 @@
+//! Processes, `/proc`, and directories for tests.
+
+use std::path::{Path, PathBuf};
+use std::process::Child;
+
+/// A child process killed (and reaped) when dropped, so a failing test never leaves a process
+/// behind holding the test harness's output pipes open.
+pub struct Reaped(pub Child);
+
+impl std::ops::Deref for Reaped {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Reaped {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// Sends `sig` to `pid`, asserting that it was delivered.
+pub fn signal(pid: i32, sig: i32) {
+    // SAFETY: kill has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(pid, sig) }, 0, "kill({pid}, {sig})");
+}
+
+/// A `kB` field of `/proc/<pid>/status` (`VmRSS`, `VmLck`, ...), in kB.
+pub fn proc_status_kb(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+}
+
+/// A fresh, empty directory `<base>/nvme-<name>-<pid>` (pass `env!("CARGO_TARGET_TMPDIR")`:
+/// on the build's disk, where O_DIRECT works, unlike on a tmpfs /tmp).
+pub fn scratch_dir(base: impl AsRef<Path>, name: &str) -> PathBuf {
+    let d = base
+        .as_ref()
+        .join(format!("nvme-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The entries of `dir` whose file name passes `keep`, sorted by path.
+pub fn entries(dir: &Path, keep: impl Fn(&str) -> bool) -> Vec<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(&keep))
+        .collect();
+    found.sort();
+    found
+}
+
+/// A tmpfs of `bytes` mounted at a fresh directory (root only), unmounted when dropped.
+pub struct SmallFs {
+    pub dir: tempfile::TempDir,
+}
+
+impl SmallFs {
+    pub fn mount(bytes: u64) -> Option<SmallFs> {
+        let dir = tempfile::tempdir().ok()?;
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then_some(SmallFs { dir })
+    }
+
+    /// Fills the filesystem with one file; returns its path.
+    pub fn fill(&self) -> PathBuf {
+        let p = self.dir.path().join("filler");
+        let mut f = std::fs::File::create(&p).unwrap();
+        use std::io::Write;
+        let chunk = vec![0xA5u8; 4096];
+        while f.write_all(&chunk).is_ok() {}
+        let _ = f.sync_all();
+        p
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(self.dir.path())
+            .status();
+    }
+}

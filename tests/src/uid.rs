@@ -1,0 +1,66 @@
+//! Tests that need a second uid: only root can run one (as CI does); other runs say the test
+//! is not applicable.
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The uid (and gid) of `nobody`, the second user these tests run as.
+pub const NOBODY: u32 = 65534;
+
+/// The effective uid of this process.
+pub fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+pub fn is_root() -> bool {
+    euid() == 0
+}
+
+/// Runs `cmd` as uid/gid [`NOBODY`] (it must be started by root).
+pub fn as_nobody(cmd: &mut Command) -> &mut Command {
+    cmd.uid(NOBODY).gid(NOBODY)
+}
+
+/// A copy of the executable `exe` in a fresh directory every uid may enter and execute from,
+/// for running it as another uid wherever the checkout sits (a 0700 home or mktemp dir).
+pub fn reachable_copy(exe: &Path) -> PathBuf {
+    let dir = tempfile::Builder::new()
+        .prefix("kvtier-exe")
+        .tempdir_in("/tmp")
+        .unwrap()
+        .keep();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let to = dir.join(exe.file_name().unwrap());
+    std::fs::copy(exe, &to).unwrap();
+    std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o755)).unwrap();
+    to
+}
+
+/// Runs the ignored test `name` of the calling test binary as [`NOBODY`], with `env`, from a
+/// copy every uid can reach; returns its output once it has passed and printed `done` (so a
+/// child that skipped its checks fails the caller too).
+pub fn run_as_nobody(name: &str, env: &[(&str, &str)], done: &str) -> String {
+    let exe = reachable_copy(&std::env::current_exe().unwrap());
+    let out = as_nobody(&mut Command::new(&exe))
+        .args([
+            "--exact",
+            name,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{name} as nobody failed:\n{text}");
+    assert!(
+        text.contains(done),
+        "{name} did not run its checks:\n{text}"
+    );
+    text
+}
