@@ -112,6 +112,17 @@ pub struct Attended {
     pub bytes_moved: u64,
 }
 
+/// An appended batch, handed to [`Backend::attend`].
+pub struct Appended<'s, 'a> {
+    pub layer: u32,
+    pub entries: &'s [DecodeEntry<'a>],
+    /// The keep-set the step selected per entry: every entry when the backend does not select
+    /// itself, else those whose layer had cold blocks.
+    pub planned: &'s [Option<KeepSet>],
+    /// Report every entry's keep-set (else only the planned entries', which the step checks).
+    pub want_keep: bool,
+}
+
 /// Where keep-sets are attended: the CPU ([`Cpu`]) or a device. Entries reach a backend
 /// validated, with their layer appended and every block of their CPU keep-set resident.
 pub trait Backend {
@@ -126,18 +137,10 @@ pub trait Backend {
         Ok(())
     }
 
-    /// Attends the appended layer of every entry into `out` (`[entry][q_heads][head_dim]`).
-    /// `planned[i]`: the keep-set the step selected for entry i (every entry when the backend
-    /// does not select itself). The backend returns its keep-set for every planned entry (the
-    /// step checks it) and for all when `want_keep`.
-    fn attend(
-        &mut self,
-        layer: u32,
-        entries: &[DecodeEntry<'_>],
-        planned: &[Option<KeepSet>],
-        out: &mut [f32],
-        want_keep: bool,
-    ) -> Result<Attended>;
+    /// Attends the appended layer of every entry into `out` (`[entry][q_heads][head_dim]`),
+    /// returning its keep-set for every planned entry (the step checks it) and for all when
+    /// `want_keep`.
+    fn attend(&mut self, batch: &Appended<'_, '_>, out: &mut [f32]) -> Result<Attended>;
 
     /// Forgets any device state of these sessions (re-uploaded on their next step): after a
     /// failure or a divergence, their device caches may hold tiles that are not theirs.
@@ -161,19 +164,14 @@ impl Backend for Cpu {
         false
     }
 
-    fn attend(
-        &mut self,
-        layer: u32,
-        entries: &[DecodeEntry<'_>],
-        planned: &[Option<KeepSet>],
-        out: &mut [f32],
-        _want_keep: bool,
-    ) -> Result<Attended> {
+    fn attend(&mut self, batch: &Appended<'_, '_>, out: &mut [f32]) -> Result<Attended> {
+        let entries = batch.entries;
         let views = entries
             .iter()
-            .map(|e| e.kv.layer(layer))
+            .map(|e| e.kv.layer(batch.layer))
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        let keeps: Vec<KeepSet> = planned
+        let keeps: Vec<KeepSet> = batch
+            .planned
             .iter()
             .map(|k| k.clone().expect("the step selects for the CPU"))
             .collect();
@@ -279,7 +277,13 @@ pub fn decode_step(
     let t_appended = t0.elapsed();
 
     let mut report = StepReport::default();
-    let attended = match backend.attend(layer, entries, &planned, out, want_keep) {
+    let batch = Appended {
+        layer,
+        entries,
+        planned: &planned,
+        want_keep,
+    };
+    let attended = match backend.attend(&batch, out) {
         Ok(a) => {
             let diverged: Vec<usize> = (0..entries.len())
                 .filter(|&i| {
@@ -498,5 +502,11 @@ fn cpu_answer(
         })?;
         keeps.push(Some(keep));
     }
-    Cpu.attend(layer, entries, &keeps, out, true)
+    let batch = Appended {
+        layer,
+        entries,
+        planned: &keeps,
+        want_keep: true,
+    };
+    Cpu.attend(&batch, out)
 }

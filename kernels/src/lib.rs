@@ -24,7 +24,7 @@ pub mod select;
 pub mod simd;
 
 pub use decode::{
-    decode_layer, decode_layer_timed, decode_step, Attended, Backend, Cpu, DecodeEntry,
+    decode_layer, decode_layer_timed, decode_step, Appended, Attended, Backend, Cpu, DecodeEntry,
     StageTimings, StepReport, StepStats,
 };
 pub use error::{KernelError, Result};

@@ -5,8 +5,8 @@
 
 use kvtier_kernels::select::select;
 use kvtier_kernels::{
-    decode_layer, decode_step, Attended, Backend, DecodeEntry, KeepSet, KernelError, SelectScratch,
-    StageTimings,
+    decode_layer, decode_step, Appended, Attended, Backend, DecodeEntry, KeepSet, KernelError,
+    SelectScratch, StageTimings,
 };
 use kvtier_storage::testing::{Rng, SavedRuns};
 use kvtier_storage::{
@@ -68,13 +68,11 @@ impl Backend for SelfSelecting {
 
     fn attend(
         &mut self,
-        layer: u32,
-        entries: &[DecodeEntry<'_>],
-        planned: &[Option<KeepSet>],
+        b: &Appended<'_, '_>,
         out: &mut [f32],
-        _want_keep: bool,
     ) -> kvtier_kernels::Result<Attended> {
-        self.planned = planned.to_vec();
+        let (layer, entries) = (b.layer, b.entries);
+        self.planned = b.planned.to_vec();
         if self.fail {
             return Err(KernelError::Unavailable {
                 reason: "injected device failure".into(),

@@ -10,7 +10,7 @@ use kvtier_kernels::cuda::{
     SummaryDtype,
 };
 use kvtier_kernels::select::KeepSet;
-use kvtier_kernels::{Attended, Backend, DecodeEntry, KernelError};
+use kvtier_kernels::{Appended, Attended, Backend, DecodeEntry, KernelError};
 use kvtier_storage::{Frame, Geometry, HostArena, LayerView, Policy};
 
 pub use kvtier_kernels::cuda::device_available;
@@ -402,14 +402,11 @@ impl Backend for GpuDecoder {
 
     fn attend(
         &mut self,
-        layer: u32,
-        entries: &[DecodeEntry<'_>],
-        planned: &[Option<KeepSet>],
+        b: &Appended<'_, '_>,
         out: &mut [f32],
-        want_keep: bool,
     ) -> kvtier_kernels::Result<Attended> {
-        let checked: Vec<bool> = planned.iter().map(Option::is_some).collect();
-        self.run_device(layer, entries, out, want_keep, &checked)
+        let checked: Vec<bool> = b.planned.iter().map(Option::is_some).collect();
+        self.run_device(b.layer, b.entries, out, b.want_keep, &checked)
             .map_err(|e| KernelError::Unavailable {
                 reason: format!("device step failed after the appends: {e}"),
             })

@@ -2,7 +2,7 @@
 //! value (the engine's `Option<GpuDecoder>` is always `None`), so every decode runs on the CPU
 //! backend; `backend.kind = "cuda"` is refused at startup because no device is available.
 
-use kvtier_kernels::{Attended, Backend, DecodeEntry, KeepSet};
+use kvtier_kernels::{Appended, Attended, Backend};
 use kvtier_storage::{Geometry, HostArena, Policy};
 
 use super::{GpuError, GpuSettings};
@@ -58,14 +58,7 @@ impl Backend for GpuDecoder {
         match *self {}
     }
 
-    fn attend(
-        &mut self,
-        _layer: u32,
-        _entries: &[DecodeEntry<'_>],
-        _planned: &[Option<KeepSet>],
-        _out: &mut [f32],
-        _want_keep: bool,
-    ) -> kvtier_kernels::Result<Attended> {
+    fn attend(&mut self, _: &Appended<'_, '_>, _: &mut [f32]) -> kvtier_kernels::Result<Attended> {
         match *self {}
     }
 }
