@@ -1,49 +1,43 @@
 //! Kernel launches (plain, or dependent on the kernel ahead: programmatic dependent launch),
 //! the timing events, and the kernels' diagnostic globals.
 
-use std::ffi::c_void;
 use std::ptr::null_mut;
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaFunction, CudaStream, LaunchConfig};
 
-use super::{Arg, CudaBackend};
+use super::CudaBackend;
 use crate::cuda::error::{CudaError, Result};
+use crate::cuda::params::KernelParams;
 
 impl CudaBackend {
-    pub(super) fn launch(
+    /// Launches `f`, the kernel `P` belongs to, with `params`' fields as its parameters
+    /// (kernels/src/cuda/params).
+    pub(super) fn launch<P: KernelParams>(
         &self,
         stream: &Arc<CudaStream>,
         f: &CudaFunction,
-        name: &'static str,
         cfg: LaunchConfig,
-        args: &[Arg],
+        params: &P,
     ) -> Result<()> {
-        self.launch_after(stream, f, name, cfg, args, false)
+        self.launch_after(stream, f, cfg, params, false)
     }
 
     /// [`Self::launch`]; `after_kernel`: the stream's previous operation is a kernel of this
     /// call (nothing between them), so with dependent launch on this launch may start before
     /// that kernel ends (programmatic stream serialization: the kernels' `pdl_wait` keeps
     /// their dependent reads and writes behind it, kernels/cuda/common.cuh).
-    pub(super) fn launch_after(
+    pub(super) fn launch_after<P: KernelParams>(
         &self,
         stream: &Arc<CudaStream>,
         f: &CudaFunction,
-        name: &'static str,
         cfg: LaunchConfig,
-        args: &[Arg],
+        params: &P,
         after_kernel: bool,
     ) -> Result<()> {
+        let name = P::KERNEL;
         if after_kernel && self.dependent_launch() {
-            let mut params: Vec<*mut c_void> = args
-                .iter()
-                .map(|a| match a {
-                    Arg::P(v) => v as *const u64 as *mut c_void,
-                    Arg::U(v) => v as *const u32 as *mut c_void,
-                    Arg::F(v) => v as *const f32 as *mut c_void,
-                })
-                .collect();
+            let mut args = params.arg_ptrs();
             // SAFETY: a plain-old-data C struct (ids and a union of integers) for which all
             // zero bytes is a valid value; both fields used are set below.
             let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
@@ -65,33 +59,30 @@ impl CudaBackend {
             self.ctx
                 .bind_to_thread()
                 .map_err(CudaError::driver("cuCtxSetCurrent"))?;
-            // SAFETY: as for `launch` below (same argument lists and grids); `params` points
-            // into `args`, and `lc` and `attr` live until the call returns (the driver copies
-            // the parameters at launch). The attribute is set only on compute capability 9.0+
+            // SAFETY: as for `launch` below (same parameters and grids); `args` points into
+            // `params`, and `lc` and `attr` live until the call returns (the driver copies the
+            // parameters at launch). The attribute is set only on compute capability 9.0+
             // ([`Self::dependent_launch`]).
-            unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), null_mut()) }
+            unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), args.as_mut_ptr(), null_mut()) }
                 .result()
                 .map_err(|source| CudaError::Driver { call: name, source })?;
             return Ok(());
         }
         let mut lb = stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::P(v) => lb.arg(v),
-                Arg::U(v) => lb.arg(v),
-                Arg::F(v) => lb.arg(v),
-            };
-        }
-        // SAFETY: argument lists match the kernel signatures in kernels/cuda/*.cu (pointer
-        // arguments are device addresses of buffers this backend owns, sized from the same
-        // validated config the kernels were compiled with); grids are bounded by max_batch,
-        // kv_heads and the keep-set size, so every index a kernel forms is inside those sizes.
-        // Launch-configuration errors come back as the launch status.
+        params.push_args(&mut lb);
+        // SAFETY: each kernel in kernels/cuda/*.cu is declared with the C parameter list
+        // generated from its `P` (kernels/src/cuda/params; its tests check the lists against
+        // the Rust fields and the kernels' signatures), `P` pushes its fields in that order,
+        // and callers pass `f` the kernel `P` belongs to. Pointer fields are device addresses
+        // of buffers this backend owns, sized from the same validated config the kernels were
+        // compiled with; grids are bounded by max_batch, kv_heads and the keep-set size, so
+        // every index a kernel forms is inside those sizes. Launch-configuration errors come
+        // back as the launch status.
         unsafe { lb.launch(cfg) }.map_err(|source| CudaError::Driver { call: name, source })?;
         Ok(())
     }
 
-    /// Records layer `l`'s mark `i` (with [`Timing::Layers`]).
+    /// Records layer `l`'s mark `i` (with [`Timing::Layers`](super::Timing::Layers)).
     pub(super) fn record(&self, l: usize, i: usize) -> Result<()> {
         if let Some(m) = self.timers.as_ref().and_then(|t| t.marks.as_ref()) {
             m[l][i]

@@ -332,11 +332,3 @@ impl CudaBackend {
 /// One layer of a call's inputs: the model layer, the batch's token counts there and the batch's
 /// queries ([batch][Hq x D]).
 type LayerInput = (usize, Vec<u32>, Vec<f32>);
-
-/// A kernel argument: device pointer, u32 or f32.
-#[derive(Clone, Copy)]
-enum Arg {
-    P(u64),
-    U(u32),
-    F(f32),
-}

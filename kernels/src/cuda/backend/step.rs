@@ -6,11 +6,14 @@ use std::sync::Arc;
 use cudarc::driver::{CudaEvent, CudaStream, LaunchConfig};
 
 use super::{
-    Arg, CudaBackend, DecodeItem, LayerInput, LayerOutput, LayerStats, LayerTiming, StepItem,
-    StepOutput,
+    CudaBackend, DecodeItem, LayerInput, LayerOutput, LayerStats, LayerTiming, StepItem, StepOutput,
 };
 use crate::cuda::config::{SCORE_NB, SCORE_THREADS};
 use crate::cuda::error::{CudaError, Result};
+use crate::cuda::params::{
+    AttendMergeParams, AttendTileParams, LayerFusedParams, PlanFixedParams, SelectScoreParams,
+    SelectTopkParams,
+};
 
 impl CudaBackend {
     /// Validates a batch for `layer`; returns its token counts.
@@ -196,7 +199,6 @@ impl CudaBackend {
         b: usize,
         (min_nb, max_nb): (u32, u32),
     ) -> Result<u32> {
-        use Arg::{F, P, U};
         let g = self.cfg.geometry;
         let p = self.cfg.policy;
         let bmax = self.cfg.max_batch as usize;
@@ -219,65 +221,55 @@ impl CudaBackend {
         };
         let k = &self.k;
         let (main, side) = (&self.stream, &self.side);
-        // Cache bookkeeping arguments shared by both planning kernels.
-        let plan_args = [
-            P(sess),
-            U(layer),
-            P(self.tags.ptr),
-            P(self.stamps.ptr),
-            P(self.pages.ptr),
-            P(self.slot_of.ptr),
-            P(self.miss_src.ptr),
-            P(self.stats.ptr),
-            U(self.stamp),
-        ];
         let scale = (1.0 / (g.head_dim as f64).sqrt()) as f32;
         let attend = |stream: &Arc<CudaStream>, part: u32, tiles: u32| {
             self.launch(
                 stream,
                 &k.attend_tile,
-                "attend_tile",
                 LaunchConfig {
                     grid_dim: (tiles, hkv, bu),
                     block_dim: (self.derived.att_threads, 1, 1),
                     shared_mem_bytes: self.derived.att_dyn_smem,
                 },
-                &[
-                    P(q),
-                    P(sess),
-                    P(ntok),
-                    U(layer),
-                    P(table),
-                    P(self.slot_of.ptr),
-                    P(self.miss_src.ptr),
-                    P(self.cache.ptr),
-                    F(scale),
-                    P(self.part_acc.ptr),
-                    P(self.part_ml.ptr),
-                    U(part),
-                ],
+                &AttendTileParams {
+                    q,
+                    sess,
+                    ntok,
+                    table,
+                    slot_of: self.slot_of.ptr,
+                    miss_src: self.miss_src.ptr,
+                    cache: self.cache.ptr,
+                    part_acc: self.part_acc.ptr,
+                    part_ml: self.part_ml.ptr,
+                    layer,
+                    scale,
+                    part,
+                },
             )
         };
 
         // Score roles: blocks per octet and thread blocks (candidate lists) per kv head.
         let nbo = self.score_blocks_per_octet(max_nb, hkv * bu);
         let lists = max_nb.div_ceil(nbo * (SCORE_THREADS / 8));
-        // select_score's arguments, which layer_fused's begin with.
-        let score_args = || {
-            let mut a = vec![
-                P(q),
-                P(self.sums.ptr),
-                P(sess),
-                P(ntok),
-                U(layer),
-                U(mb),
-                U(nbo),
-                P(self.scores.ptr),
-                P(self.done.ptr),
-                P(table),
-            ];
-            a.extend_from_slice(&plan_args[2..]);
-            a
+        // select_score's parameters, which layer_fused's begin with.
+        let score = SelectScoreParams {
+            q,
+            sums: self.sums.ptr,
+            sess,
+            ntok,
+            scratch: self.scores.ptr,
+            done: self.done.ptr,
+            table,
+            tags: self.tags.ptr,
+            stamps: self.stamps.ptr,
+            pages: self.pages.ptr,
+            slot_of: self.slot_of.ptr,
+            miss_src: self.miss_src.ptr,
+            stats: self.stats.ptr,
+            layer,
+            max_blocks: mb,
+            nbo,
+            stamp: self.stamp,
         };
 
         self.record(l, 0)?;
@@ -290,32 +282,48 @@ impl CudaBackend {
                 p.sink_blocks + p.local_blocks
             };
             let ctas = (1 + nfixed + lists + p.top_k) * hkv * bu;
-            let mut args = score_args();
-            args.extend_from_slice(&[
-                P(counts),
-                P(self.cache.ptr),
-                F(scale),
-                P(self.part_acc.ptr),
-                P(self.part_ml.ptr),
-                P(self.ready.ptr),
-                P(self.tickets.ptr),
-                U(self.tickets_issued),
-                U(lists),
-                U(nfixed),
-                U(bu),
-            ]);
+            let s = score;
+            let params = LayerFusedParams {
+                q: s.q,
+                sums: s.sums,
+                sess: s.sess,
+                ntok: s.ntok,
+                scratch: s.scratch,
+                done: s.done,
+                table: s.table,
+                tags: s.tags,
+                stamps: s.stamps,
+                pages: s.pages,
+                slot_of: s.slot_of,
+                miss_src: s.miss_src,
+                stats: s.stats,
+                counts,
+                cache: self.cache.ptr,
+                part_acc: self.part_acc.ptr,
+                part_ml: self.part_ml.ptr,
+                ready: self.ready.ptr,
+                tickets: self.tickets.ptr,
+                layer: s.layer,
+                max_blocks: s.max_blocks,
+                nbo: s.nbo,
+                stamp: s.stamp,
+                scale,
+                ticket0: self.tickets_issued,
+                lists,
+                nfixed,
+                batch: bu,
+            };
             // Within a call every layer ends with its merge on the main stream, and with
             // dependent launch no event sits between (dependent_launch).
             self.launch_after(
                 main,
                 fused,
-                "layer_fused",
                 LaunchConfig {
                     grid_dim: (ctas, 1, 1),
                     block_dim: (SCORE_THREADS, 1, 1),
                     shared_mem_bytes: self.derived.att_dyn_smem,
                 },
-                &args,
+                &params,
                 li > 0,
             )?;
             self.record(l, 1)?;
@@ -331,14 +339,25 @@ impl CudaBackend {
         // Side: plan the fixed part, then fetch + attend it, while main selects.
         rec(&self.fork, main)?;
         wait(side, &self.fork)?;
-        let mut args = vec![P(ntok), U(mb), P(table), P(counts)];
-        args.extend_from_slice(&plan_args);
         self.launch(
             side,
             &k.plan_fixed,
-            "plan_fixed",
             cfg((hkv, bu, 1), 128),
-            &args,
+            &PlanFixedParams {
+                ntok,
+                table,
+                counts,
+                sess,
+                tags: self.tags.ptr,
+                stamps: self.stamps.ptr,
+                pages: self.pages.ptr,
+                slot_of: self.slot_of.ptr,
+                miss_src: self.miss_src.ptr,
+                stats: self.stats.ptr,
+                max_blocks: mb,
+                layer,
+                stamp: self.stamp,
+            },
         )?;
         attend(side, 0, ks)?;
         rec(&self.join, side)?;
@@ -346,19 +365,29 @@ impl CudaBackend {
         self.launch(
             main,
             &k.select_score,
-            "select_score",
             cfg((lists, hkv, bu), SCORE_THREADS),
-            &score_args(),
+            &score,
         )?;
         if !self.derived.topk_merge {
-            let mut args = vec![P(self.scores.ptr), P(ntok), U(mb), P(table)];
-            args.extend_from_slice(&plan_args);
             self.launch(
                 main,
                 &k.select_topk,
-                "select_topk",
                 cfg((hkv, bu, 1), 1024),
-                &args,
+                &SelectTopkParams {
+                    scratch: self.scores.ptr,
+                    ntok,
+                    table,
+                    sess,
+                    tags: self.tags.ptr,
+                    stamps: self.stamps.ptr,
+                    pages: self.pages.ptr,
+                    slot_of: self.slot_of.ptr,
+                    miss_src: self.miss_src.ptr,
+                    stats: self.stats.ptr,
+                    max_blocks: mb,
+                    layer,
+                    stamp: self.stamp,
+                },
             )?;
         }
         self.record(l, 1)?;
@@ -375,18 +404,17 @@ impl CudaBackend {
         self.launch_after(
             &self.stream,
             &self.k.attend_merge,
-            "attend_merge",
             LaunchConfig {
                 grid_dim: (g.q_heads, bu, 1),
                 block_dim: (g.head_dim, 1, 1),
                 shared_mem_bytes: 0,
             },
-            &[
-                Arg::P(counts),
-                Arg::P(self.part_acc.ptr),
-                Arg::P(self.part_ml.ptr),
-                Arg::P(out),
-            ],
+            &AttendMergeParams {
+                counts,
+                part_acc: self.part_acc.ptr,
+                part_ml: self.part_ml.ptr,
+                out,
+            },
             after_kernel,
         )?;
         self.record(l, 2)
