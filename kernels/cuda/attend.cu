@@ -449,10 +449,7 @@ __device__ __forceinline__ void attend_one(
 // of a short layer; grid.x = KSEL) and runs on a second stream while the selector scores;
 // `part` 1 attends the TOPK distant tiles (grid.x = TOPK) after select_score, when the
 // selector is not fused with it (layer_fused, select.cu).
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
-    const float* __restrict__ q, const u32* __restrict__ sess, const u32* __restrict__ ntok, u32 layer,
-    const u32* __restrict__ table, const u32* __restrict__ slot_of, const u64* __restrict__ miss_src,
-    uint4* __restrict__ cache, float scale, float* __restrict__ part_acc, float* __restrict__ part_ml, u32 part) {
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(AttendTileParams_FIELDS) {
     K_TRACE(1 + 2 * part);
     const u32 kvh = blockIdx.y;
     const u32 i = blockIdx.z;
@@ -490,10 +487,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_tile(
 // ATT_THREADS, dynamic shared memory ATT_DYN_SMEM; the tile of block b is read at
 // pages[sess][layer][b] + kvh * TILE_BYTES, a device address of GPU memory or of mapped host
 // memory, and its partial goes to row entry b (rows of max_blocks entries).
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_dense(
-    const float* __restrict__ q, const u32* __restrict__ sess, const u32* __restrict__ ntok, u32 layer,
-    u32 max_blocks, const u64* __restrict__ pages, float scale, float* __restrict__ part_acc,
-    float* __restrict__ part_ml) {
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attend_dense(AttendDenseParams_FIELDS) {
     const u32 b = blockIdx.x, kvh = blockIdx.y, i = blockIdx.z;
     const u32 nt = ntok[i];
     if (b >= n_blocks_of(nt)) return;
@@ -516,9 +510,7 @@ __device__ __forceinline__ void fold_partial(float m, float l, float acc, float&
 // partials alone). dense_merge_part: grid (HQ, batch, splits), block HEAD_DIM; folds the
 // partials of blocks [z * per, (z + 1) * per) into stage (m, l) [batch][HQ][splits][2] and
 // stage acc [batch][HQ][splits][HEAD_DIM].
-extern "C" __global__ void dense_merge_part(
-    const u32* __restrict__ ntok, u32 max_blocks, const float* __restrict__ part_acc,
-    const float* __restrict__ part_ml, float* __restrict__ st_acc, float* __restrict__ st_ml) {
+extern "C" __global__ void dense_merge_part(DenseMergePartParams_FIELDS) {
     const u32 h = blockIdx.x, i = blockIdx.y, z = blockIdx.z, splits = gridDim.z;
     const u32 kvh = h / GROUP, g = h % GROUP, d = threadIdx.x;
     const u32 n = n_blocks_of(ntok[i]);
@@ -541,8 +533,7 @@ extern "C" __global__ void dense_merge_part(
 
 // dense_merge_out: grid (HQ, batch), block HEAD_DIM; folds the `splits` stage partials into out
 // [batch][HQ][HEAD_DIM].
-extern "C" __global__ void dense_merge_out(
-    u32 splits, const float* __restrict__ st_acc, const float* __restrict__ st_ml, float* __restrict__ out) {
+extern "C" __global__ void dense_merge_out(DenseMergeOutParams_FIELDS) {
     const u32 h = blockIdx.x, i = blockIdx.y, d = threadIdx.x;
     float M = NEG_INF, L = 0.0f, A = 0.0f;
     for (u32 z = 0; z < splits; ++z) {
@@ -555,8 +546,7 @@ extern "C" __global__ void dense_merge_out(
 // copy_runs: grid (blocks, layers), block 256; copies block run (layer, b) of a session, its
 // KV_HEADS tiles (run_vecs 16-byte vectors), from from[layer][b] to to[layer][b] (device
 // addresses: the page-table rows of one session slot; a 0 in `to` skips the block).
-extern "C" __global__ void __launch_bounds__(256) copy_runs(
-    const u64* __restrict__ from, const u64* __restrict__ to, u32 max_blocks, u32 n_blocks, u64 run_vecs) {
+extern "C" __global__ void __launch_bounds__(256) copy_runs(CopyRunsParams_FIELDS) {
     const u32 b = blockIdx.x, l = blockIdx.y;
     if (b >= n_blocks) return;
     const u64 e = (u64)l * max_blocks + b;
@@ -582,9 +572,7 @@ extern "C" __global__ void __launch_bounds__(256) copy_runs(
 // grid (HQ, batch), block HEAD_DIM threads. out: [batch][HQ][HEAD_DIM] f32.
 // The (m, l) pairs are loaded in parallel into shared memory first: a serial chain of
 // dependent global loads made this kernel 12 us long.
-extern "C" __global__ void attend_merge(
-    const u32* __restrict__ counts, const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-    float* __restrict__ out) {
+extern "C" __global__ void attend_merge(AttendMergeParams_FIELDS) {
     K_TRACE(4);
     // The next layer's first kernel may start now (its reads of host frames overlap this
     // merge); this one's inputs are complete once the previous kernel is.

@@ -6,6 +6,11 @@
 // NUM_LAYERS, ELEM_KIND (0 bf16, 1 f16, 2 f32), SUM_BF16 (0 f32 summaries, 1 bf16),
 // SINK, LOCAL, TOPK, KSEL (= max keep-set size per kv head), CACHE_SLOTS, TOPK_KPT, SCORE_NB,
 // RED_IN_TILE, ATT_THREADS, SCORE_THREADS, TOPK_MERGE (see kernels/src/cuda/config.rs).
+//
+// Kernel parameters are declared once, in Rust (kernels/src/cuda/params/mod.rs): each kernel's
+// parameter list is generated from its struct there (`#define AttendTileParams_FIELDS const
+// float* __restrict__ q, ...`), inserted by module.rs between this file and the kernels, and
+// each kernel is declared with it: `attend_tile(AttendTileParams_FIELDS)`.
 
 #define HQ (KV_HEADS * GROUP)
 #if ELEM_KIND == 2

@@ -186,11 +186,7 @@ __device__ __forceinline__ void plan_fixed_role(
 
 // grid (KV_HEADS, batch), block PLAN_THREADS: plan_fixed_role for every (kv head, batch item).
 #define PLAN_THREADS 128
-extern "C" __global__ void __launch_bounds__(PLAN_THREADS) plan_fixed(
-    const u32* __restrict__ ntok, u32 max_blocks, u32* table, u32* __restrict__ counts,
-    const u32* __restrict__ sess, u32 layer, u32* __restrict__ tags, u32* __restrict__ stamps,
-    const u64* __restrict__ pages, u32* __restrict__ slot_of, u64* __restrict__ miss_src,
-    unsigned long long* __restrict__ stats, u32 stamp) {
+extern "C" __global__ void __launch_bounds__(PLAN_THREADS) plan_fixed(PlanFixedParams_FIELDS) {
     plan_fixed_role(ntok, max_blocks, table, counts, sess, layer, tags, stamps, pages, slot_of, miss_src, stats, stamp,
                     blockIdx.x, blockIdx.y);
 }

@@ -356,12 +356,7 @@ __device__ __forceinline__ void score_role(
 
 // grid (lists of the longest session, KV_HEADS, batch), block SCORE_THREADS: the selector
 // alone, followed by attend_tile's distant part (when layer_fused is not used).
-extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
-    const float* __restrict__ q, const sum_t* __restrict__ sums, const u32* __restrict__ sess,
-    const u32* __restrict__ ntok, u32 layer, u32 max_blocks, u32 nbo, void* __restrict__ scratch,
-    u32* __restrict__ done, u32* table, u32* __restrict__ tags, u32* __restrict__ stamps,
-    const u64* __restrict__ pages, u32* __restrict__ slot_of, u64* __restrict__ miss_src,
-    unsigned long long* __restrict__ stats, u32 stamp) {
+extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(SelectScoreParams_FIELDS) {
     score_role(q, sums, sess, ntok, layer, max_blocks, nbo, scratch, done, table, tags, stamps, pages, slot_of,
                miss_src, stats, stamp, nullptr, blockIdx.x, blockIdx.y, blockIdx.z);
 }
@@ -384,14 +379,7 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(
 // tickets, which are running or done whatever order the hardware starts thread blocks in (the
 // dynamic tile numbering of single-pass scans), so the spins cannot deadlock. Entries written
 // during this launch (table, counts, slots, sources) are read through L2 after the wait.
-extern "C" __global__ void __launch_bounds__(SCORE_THREADS) layer_fused(
-    const float* __restrict__ q, const sum_t* __restrict__ sums, const u32* __restrict__ sess,
-    const u32* __restrict__ ntok, u32 layer, u32 max_blocks, u32 nbo, void* __restrict__ scratch,
-    u32* __restrict__ done, u32* table, u32* __restrict__ tags, u32* __restrict__ stamps,
-    const u64* __restrict__ pages, u32* slot_of, u64* miss_src, unsigned long long* __restrict__ stats,
-    u32 stamp, u32* counts, uint4* __restrict__ cache, float scale, float* __restrict__ part_acc,
-    float* __restrict__ part_ml, u32* ready, u32* __restrict__ tickets, u32 ticket0, u32 lists, u32 nfixed,
-    u32 batch) {
+extern "C" __global__ void __launch_bounds__(SCORE_THREADS) layer_fused(LayerFusedParams_FIELDS) {
     __shared__ u32 s_ticket;
     if (threadIdx.x == 0) s_ticket = atomicAdd(tickets, 1u) - ticket0;
     __syncthreads();
@@ -589,11 +577,7 @@ __device__ __forceinline__ void select_distant(const float* __restrict__ sc, u32
 // T = the TOPK-th largest key and how many blocks equal to T are taken; two block-wide
 // prefix sums then emit key > T, plus the lowest-indexed blocks with key == T (the tie
 // rule), in ascending order.
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(
-    const void* __restrict__ scratch, const u32* __restrict__ ntok, u32 max_blocks, u32* table,
-    const u32* __restrict__ sess, u32 layer, u32* __restrict__ tags, u32* __restrict__ stamps,
-    const u64* __restrict__ pages, u32* __restrict__ slot_of, u64* __restrict__ miss_src,
-    unsigned long long* __restrict__ stats, u32 stamp) {
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(SelectTopkParams_FIELDS) {
 #if !TOPK_MERGE
     const u32 i = blockIdx.y;
     const u32 kvh = blockIdx.x;

@@ -13,6 +13,8 @@
 //!   stream while `select_score` (scoring, top-k and the plan of the distant tiles; plus
 //!   `select_topk` when top_k > 32) runs, then `attend_tile` (distant tiles) -> `attend_merge`.
 //! - `module`: NVRTC compilation; [`error`]: [`CudaError`].
+//! - `params`: each kernel's parameters as one `#[repr(C)]` struct, declared once for Rust and
+//!   CUDA (the kernels' C parameter lists are generated from it).
 //!
 //! # Per layer, per decode call
 //! 1. Selector: an octet of threads per block, thread j keeping lane j of the CPU's 8-lane bound
@@ -39,6 +41,7 @@ pub mod backend;
 pub mod config;
 pub mod error;
 mod module;
+mod params;
 pub mod pinned;
 
 pub use backend::{

@@ -7,10 +7,14 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 
 use super::config::{CudaConfig, Derived};
 use super::error::{CudaError, Result};
+use super::params::cuda_decls;
 
-/// All kernel sources, concatenated in dependency order.
+/// All kernel sources, concatenated in dependency order: common.cuh, the kernels' parameter
+/// lists (generated from their one declaration in `params`), then the kernels.
 pub const KERNEL_SOURCE: &str = concat!(
     include_str!("../../cuda/common.cuh"),
+    "\n// Kernel parameter lists, generated from kernels/src/cuda/params/mod.rs.\n",
+    cuda_decls!(),
     "\n",
     include_str!("../../cuda/gather.cu"),
     "\n",

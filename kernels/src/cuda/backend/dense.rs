@@ -6,8 +6,11 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
-use super::{Arg, CudaBackend, DevBuf, LayerStats, StepItem, StepOutput};
+use super::{CudaBackend, DevBuf, LayerStats, StepItem, StepOutput};
 use crate::cuda::error::{CudaError, Result};
+use crate::cuda::params::{
+    AttendDenseParams, CopyRunsParams, DenseMergeOutParams, DenseMergePartParams,
+};
 
 /// Thread blocks per query head in the merge's first step (each folds 1/64 of the partials).
 const MERGE_SPLITS: u32 = 64;
@@ -98,19 +101,18 @@ impl CudaBackend {
             self.launch(
                 &self.stream,
                 &self.k.copy_runs,
-                "copy_runs",
                 LaunchConfig {
                     grid_dim: (most.max(1), nl as u32, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 },
-                &[
-                    Arg::P(self.pages.at(row)),
-                    Arg::P(pages.at(row)),
-                    Arg::U(mb as u32),
-                    Arg::U(most),
-                    Arg::P(run / 16),
-                ],
+                &CopyRunsParams {
+                    from: self.pages.at(row),
+                    to: pages.at(row),
+                    max_blocks: mb as u32,
+                    n_blocks: most,
+                    run_vecs: run / 16,
+                },
             )?;
         }
         self.sync()?;
@@ -220,50 +222,47 @@ impl CudaBackend {
         self.launch(
             &self.stream,
             &self.k.attend_dense,
-            "attend_dense",
             grid(
                 (max_nb, g.kv_heads, bu),
                 self.derived.att_threads,
                 self.derived.att_dyn_smem,
             ),
-            &[
-                Arg::P(self.q.at(li * b * hqd)),
-                Arg::P(self.sess.ptr),
-                Arg::P(self.ntok.at(li * b)),
-                Arg::U(l as u32),
-                Arg::U(mb),
-                Arg::P(pages),
-                Arg::F(scale),
-                Arg::P(sc.acc.ptr),
-                Arg::P(sc.ml.ptr),
-            ],
+            &AttendDenseParams {
+                q: self.q.at(li * b * hqd),
+                sess: self.sess.ptr,
+                ntok: self.ntok.at(li * b),
+                pages,
+                part_acc: sc.acc.ptr,
+                part_ml: sc.ml.ptr,
+                layer: l as u32,
+                max_blocks: mb,
+                scale,
+            },
         )?;
         self.record(l, 1)?;
         self.launch(
             &self.stream,
             &self.k.dense_merge_part,
-            "dense_merge_part",
             grid((g.q_heads, bu, MERGE_SPLITS), d, 0),
-            &[
-                Arg::P(self.ntok.at(li * b)),
-                Arg::U(mb),
-                Arg::P(sc.acc.ptr),
-                Arg::P(sc.ml.ptr),
-                Arg::P(sc.st_acc.ptr),
-                Arg::P(sc.st_ml.ptr),
-            ],
+            &DenseMergePartParams {
+                ntok: self.ntok.at(li * b),
+                part_acc: sc.acc.ptr,
+                part_ml: sc.ml.ptr,
+                st_acc: sc.st_acc.ptr,
+                st_ml: sc.st_ml.ptr,
+                max_blocks: mb,
+            },
         )?;
         self.launch(
             &self.stream,
             &self.k.dense_merge_out,
-            "dense_merge_out",
             grid((g.q_heads, bu, 1), d, 0),
-            &[
-                Arg::U(MERGE_SPLITS),
-                Arg::P(sc.st_acc.ptr),
-                Arg::P(sc.st_ml.ptr),
-                Arg::P(self.out.at(li * b * hqd)),
-            ],
+            &DenseMergeOutParams {
+                st_acc: sc.st_acc.ptr,
+                st_ml: sc.st_ml.ptr,
+                out: self.out.at(li * b * hqd),
+                splits: MERGE_SPLITS,
+            },
         )?;
         self.record(l, 2)
     }

@@ -1,0 +1,526 @@
+//! One call: the batch checked and uploaded, each layer's kernels enqueued (fused, or split
+//! over two streams), then outputs, statistics and timings read back.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaEvent, CudaStream, LaunchConfig};
+
+use super::{
+    CudaBackend, DecodeItem, LayerInput, LayerOutput, LayerStats, LayerTiming, StepItem, StepOutput,
+};
+use crate::cuda::config::{SCORE_NB, SCORE_THREADS};
+use crate::cuda::error::{CudaError, Result};
+use crate::cuda::params::{
+    AttendMergeParams, AttendTileParams, LayerFusedParams, PlanFixedParams, SelectScoreParams,
+    SelectTopkParams,
+};
+
+impl CudaBackend {
+    /// Validates a batch for `layer`; returns its token counts.
+    fn check_batch(&self, layer: usize, slots: &[u32]) -> Result<Vec<u32>> {
+        if slots.is_empty() {
+            return Err(CudaError::EmptyBatch);
+        }
+        if slots.len() > self.cfg.max_batch as usize {
+            return Err(CudaError::BatchTooLarge {
+                got: slots.len(),
+                max: self.cfg.max_batch,
+            });
+        }
+        let bt = self.cfg.geometry.block_tokens;
+        let mut seen = vec![false; self.cfg.max_sessions as usize];
+        let mut ntok = Vec::with_capacity(slots.len());
+        for &slot in slots {
+            let s = self.check_slot(slot)?;
+            if std::mem::replace(&mut seen[s], true) {
+                return Err(CudaError::DuplicateSession { slot });
+            }
+            let sess = self.sessions[s]
+                .as_ref()
+                .ok_or(CudaError::SessionNotOpen { slot })?;
+            let n = sess.n_tokens[layer];
+            if n == 0 {
+                return Err(CudaError::EmptySession {
+                    slot,
+                    layer: layer as u32,
+                });
+            }
+            sess.blocks_ready(slot, layer, bt)?;
+            ntok.push(n);
+        }
+        Ok(ntok)
+    }
+
+    fn check_q(&self, q: &[f32], expected: usize) -> Result<()> {
+        if q.len() != expected {
+            return Err(CudaError::BadLength {
+                what: "q",
+                got: q.len(),
+                expected,
+            });
+        }
+        if let Some(index) = q.iter().position(|x| !x.is_finite()) {
+            return Err(CudaError::NonFinite { what: "q", index });
+        }
+        Ok(())
+    }
+
+    /// Runs select -> gather -> attend for one layer and a batch of sessions.
+    pub fn decode_layer(&mut self, layer: u32, items: &[DecodeItem<'_>]) -> Result<LayerOutput> {
+        let l = self.check_layer(layer)?;
+        let hqd = (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize;
+        let slots: Vec<u32> = items.iter().map(|it| it.slot).collect();
+        let ntok = self.check_batch(l, &slots)?;
+        for it in items {
+            self.check_q(it.q, hqd)?;
+        }
+        let q: Vec<f32> = items.iter().flat_map(|it| it.q.iter().copied()).collect();
+        let nb = self.blocks_of(&ntok);
+        self.prepare(&slots, &[(l, ntok, q)])?;
+        self.record_step(0)?;
+        self.run_layer(l, 0, items.len(), nb)?;
+        self.record_step(1)?;
+        self.finish(&[l], items.len()).map(|mut s| LayerOutput {
+            out: std::mem::take(&mut s.out),
+            stats: s.stats[0],
+            timing: s.timing.map(|t| t[0]),
+        })
+    }
+
+    /// Runs all layers (in order) for a batch of sessions with one synchronization at the end.
+    pub fn decode_step(&mut self, items: &[StepItem<'_>]) -> Result<StepOutput> {
+        let layers = self.cfg.geometry.layers as usize;
+        let slots: Vec<u32> = items.iter().map(|it| it.slot).collect();
+        let per_layer = self.step_inputs(items)?;
+        self.prepare(&slots, &per_layer)?;
+        self.record_step(0)?;
+        for (li, (l, ntok, _)) in per_layer.iter().enumerate() {
+            let nb = self.blocks_of(ntok);
+            self.run_layer(*l, li, items.len(), nb)?;
+        }
+        self.record_step(1)?;
+        let all: Vec<usize> = (0..layers).collect();
+        self.finish(&all, items.len())
+    }
+
+    /// Checks a step's batch and queries and splits them by layer: per layer, its index, the
+    /// batch's token counts and the batch's queries ([batch][Hq x D]), as [`Self::prepare`]
+    /// takes them.
+    pub(super) fn step_inputs(&self, items: &[StepItem<'_>]) -> Result<Vec<LayerInput>> {
+        let layers = self.cfg.geometry.layers as usize;
+        let hqd = (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize;
+        let slots: Vec<u32> = items.iter().map(|it| it.slot).collect();
+        for it in items {
+            self.check_q(it.q, layers * hqd)?;
+        }
+        (0..layers)
+            .map(|l| {
+                let ntok = self.check_batch(l, &slots)?;
+                let q: Vec<f32> = items
+                    .iter()
+                    .flat_map(|it| it.q[l * hqd..(l + 1) * hqd].iter().copied())
+                    .collect();
+                Ok((l, ntok, q))
+            })
+            .collect()
+    }
+
+    /// Fewest and most blocks of the batch sessions.
+    pub(super) fn blocks_of(&self, ntok: &[u32]) -> (u32, u32) {
+        let bt = self.cfg.geometry.block_tokens;
+        let nb = ntok.iter().map(|n| n.div_ceil(bt));
+        (nb.clone().min().unwrap_or(1), nb.max().unwrap_or(1))
+    }
+
+    /// Uploads the batch description and zeroes the statistics.
+    pub(super) fn prepare(&mut self, slots: &[u32], layers: &[LayerInput]) -> Result<()> {
+        let b = slots.len();
+        let g = &self.cfg.geometry;
+        let hqd = (g.q_heads * g.head_dim) as usize;
+        let bmax = self.cfg.max_batch as usize;
+        debug_assert!(layers.len() * b <= self.cfg.geometry.layers as usize * bmax);
+        // Dense per-call layout [call layer][batch][..]: one upload each for q and counts.
+        let mut q_all = Vec::with_capacity(layers.len() * b * hqd);
+        let mut n_all = Vec::with_capacity(layers.len() * b);
+        for (_, ntok, q) in layers {
+            debug_assert!(q.len() == b * hqd && ntok.len() == b);
+            q_all.extend_from_slice(q);
+            n_all.extend_from_slice(ntok);
+        }
+        self.htod(self.sess.ptr, slots)?;
+        self.htod(self.ntok.ptr, &n_all)?;
+        self.htod(self.q.ptr, &q_all)?;
+        self.memset_u32(self.stats.ptr, 0, self.stats.slice.len() * 2)?;
+        if self.poison {
+            let nan = 0x7fc0_0000;
+            self.memset_u32(self.out.ptr, nan, self.out.slice.len())?;
+            self.memset_u32(self.part_acc.ptr, nan, self.part_acc.slice.len())?;
+            self.memset_u32(self.part_ml.ptr, nan, self.part_ml.slice.len())?;
+            self.memset_u32(self.table.ptr, u32::MAX, self.table.slice.len())?;
+        }
+        self.last_batch = b;
+        Ok(())
+    }
+
+    /// Enqueues one layer: in parallel, the fixed part of the keep-set (sink and local window:
+    /// known before any scoring; planned, fetched and attended) on the side stream and the
+    /// selector (scoring, top-k and the distant plan: one launch for top_k <= 32) on the main
+    /// one; then the distant tiles and, once both are done, the merge.
+    /// `l`: model layer; `li`: its index within this call (offset into the dense q/out); `nb`:
+    /// fewest and most blocks of any batch session at layer `l`.
+    fn run_layer(&mut self, l: usize, li: usize, b: usize, nb: (u32, u32)) -> Result<()> {
+        // Never 0: layer_fused's ready flags start at 0 and must not match a fresh layer.
+        self.stamp = self.stamp.wrapping_add(1).max(1);
+        self.fused[l] = self.fuse_layer(l);
+        match self.enqueue_layer(l, li, b, nb) {
+            Ok(tickets) => {
+                self.tickets_issued = self.tickets_issued.wrapping_add(tickets);
+                Ok(())
+            }
+            Err(e) => {
+                // Something was refused mid-layer: drain both streams so that no later use of
+                // the shared scratch races tiles still in flight, and restart the ticket count
+                // (a launch may or may not have taken its tickets).
+                let _ = self.side.synchronize();
+                let _ = self.stream.synchronize();
+                if self.memset_u32(self.tickets.ptr, 0, 1).is_ok() {
+                    self.tickets_issued = 0;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Enqueues layer `l`; returns the tickets its layer_fused launch takes (0 unfused).
+    fn enqueue_layer(
+        &self,
+        l: usize,
+        li: usize,
+        b: usize,
+        (min_nb, max_nb): (u32, u32),
+    ) -> Result<u32> {
+        let g = self.cfg.geometry;
+        let p = self.cfg.policy;
+        let bmax = self.cfg.max_batch as usize;
+        let ks = self.derived.keep_max;
+        let hkv = g.kv_heads;
+        let hqd = (g.q_heads * g.head_dim) as usize;
+        let bu = b as u32;
+        let layer = l as u32;
+        let mb = self.cfg.max_blocks;
+        let q = self.q.at(li * b * hqd);
+        let ntok = self.ntok.at(li * b);
+        let table = self.table.at(l * bmax * (hkv * ks) as usize);
+        let counts = self.counts.at(l * bmax * hkv as usize);
+        let out = self.out.at(li * b * hqd);
+        let sess = self.sess.ptr;
+        let cfg = |grid: (u32, u32, u32), threads: u32| LaunchConfig {
+            grid_dim: grid,
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let k = &self.k;
+        let (main, side) = (&self.stream, &self.side);
+        let scale = (1.0 / (g.head_dim as f64).sqrt()) as f32;
+        let attend = |stream: &Arc<CudaStream>, part: u32, tiles: u32| {
+            self.launch(
+                stream,
+                &k.attend_tile,
+                LaunchConfig {
+                    grid_dim: (tiles, hkv, bu),
+                    block_dim: (self.derived.att_threads, 1, 1),
+                    shared_mem_bytes: self.derived.att_dyn_smem,
+                },
+                &AttendTileParams {
+                    q,
+                    sess,
+                    ntok,
+                    table,
+                    slot_of: self.slot_of.ptr,
+                    miss_src: self.miss_src.ptr,
+                    cache: self.cache.ptr,
+                    part_acc: self.part_acc.ptr,
+                    part_ml: self.part_ml.ptr,
+                    layer,
+                    scale,
+                    part,
+                },
+            )
+        };
+
+        // Score roles: blocks per octet and thread blocks (candidate lists) per kv head.
+        let nbo = self.score_blocks_per_octet(max_nb, hkv * bu);
+        let lists = max_nb.div_ceil(nbo * (SCORE_THREADS / 8));
+        // select_score's parameters, which layer_fused's begin with.
+        let score = SelectScoreParams {
+            q,
+            sums: self.sums.ptr,
+            sess,
+            ntok,
+            scratch: self.scores.ptr,
+            done: self.done.ptr,
+            table,
+            tags: self.tags.ptr,
+            stamps: self.stamps.ptr,
+            pages: self.pages.ptr,
+            slot_of: self.slot_of.ptr,
+            miss_src: self.miss_src.ptr,
+            stats: self.stats.ptr,
+            layer,
+            max_blocks: mb,
+            nbo,
+            stamp: self.stamp,
+        };
+
+        self.record(l, 0)?;
+        if let (true, Some(fused)) = (self.fused[l], &k.layer_fused) {
+            // Everything but the merge in one launch on the main stream (select.cu).
+            // A short layer's fixed part is all its blocks, up to KSEL tiles.
+            let nfixed = if min_nb <= ks {
+                ks
+            } else {
+                p.sink_blocks + p.local_blocks
+            };
+            let ctas = (1 + nfixed + lists + p.top_k) * hkv * bu;
+            let s = score;
+            let params = LayerFusedParams {
+                q: s.q,
+                sums: s.sums,
+                sess: s.sess,
+                ntok: s.ntok,
+                scratch: s.scratch,
+                done: s.done,
+                table: s.table,
+                tags: s.tags,
+                stamps: s.stamps,
+                pages: s.pages,
+                slot_of: s.slot_of,
+                miss_src: s.miss_src,
+                stats: s.stats,
+                counts,
+                cache: self.cache.ptr,
+                part_acc: self.part_acc.ptr,
+                part_ml: self.part_ml.ptr,
+                ready: self.ready.ptr,
+                tickets: self.tickets.ptr,
+                layer: s.layer,
+                max_blocks: s.max_blocks,
+                nbo: s.nbo,
+                stamp: s.stamp,
+                scale,
+                ticket0: self.tickets_issued,
+                lists,
+                nfixed,
+                batch: bu,
+            };
+            // Within a call every layer ends with its merge on the main stream, and with
+            // dependent launch no event sits between (dependent_launch).
+            self.launch_after(
+                main,
+                fused,
+                LaunchConfig {
+                    grid_dim: (ctas, 1, 1),
+                    block_dim: (SCORE_THREADS, 1, 1),
+                    shared_mem_bytes: self.derived.att_dyn_smem,
+                },
+                &params,
+                li > 0,
+            )?;
+            self.record(l, 1)?;
+            self.merge(l, bu, counts, out, true)?;
+            return Ok(ctas);
+        }
+        let rec = |e: &CudaEvent, st: &Arc<CudaStream>| {
+            e.record(st).map_err(CudaError::driver("cuEventRecord"))
+        };
+        let wait = |st: &Arc<CudaStream>, e: &CudaEvent| {
+            st.wait(e).map_err(CudaError::driver("cuStreamWaitEvent"))
+        };
+        // Side: plan the fixed part, then fetch + attend it, while main selects.
+        rec(&self.fork, main)?;
+        wait(side, &self.fork)?;
+        self.launch(
+            side,
+            &k.plan_fixed,
+            cfg((hkv, bu, 1), 128),
+            &PlanFixedParams {
+                ntok,
+                table,
+                counts,
+                sess,
+                tags: self.tags.ptr,
+                stamps: self.stamps.ptr,
+                pages: self.pages.ptr,
+                slot_of: self.slot_of.ptr,
+                miss_src: self.miss_src.ptr,
+                stats: self.stats.ptr,
+                max_blocks: mb,
+                layer,
+                stamp: self.stamp,
+            },
+        )?;
+        attend(side, 0, ks)?;
+        rec(&self.join, side)?;
+
+        self.launch(
+            main,
+            &k.select_score,
+            cfg((lists, hkv, bu), SCORE_THREADS),
+            &score,
+        )?;
+        if !self.derived.topk_merge {
+            self.launch(
+                main,
+                &k.select_topk,
+                cfg((hkv, bu, 1), 1024),
+                &SelectTopkParams {
+                    scratch: self.scores.ptr,
+                    ntok,
+                    table,
+                    sess,
+                    tags: self.tags.ptr,
+                    stamps: self.stamps.ptr,
+                    pages: self.pages.ptr,
+                    slot_of: self.slot_of.ptr,
+                    miss_src: self.miss_src.ptr,
+                    stats: self.stats.ptr,
+                    max_blocks: mb,
+                    layer,
+                    stamp: self.stamp,
+                },
+            )?;
+        }
+        self.record(l, 1)?;
+        attend(main, 1, p.top_k.max(1))?;
+        wait(main, &self.join)?;
+        self.merge(l, bu, counts, out, false)?;
+        Ok(0)
+    }
+
+    /// The layer's last launch: the log-sum-exp merge of its partials into `out`;
+    /// `after_kernel` as in [`Self::launch_after`].
+    fn merge(&self, l: usize, bu: u32, counts: u64, out: u64, after_kernel: bool) -> Result<()> {
+        let g = self.cfg.geometry;
+        self.launch_after(
+            &self.stream,
+            &self.k.attend_merge,
+            LaunchConfig {
+                grid_dim: (g.q_heads, bu, 1),
+                block_dim: (g.head_dim, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &AttendMergeParams {
+                counts,
+                part_acc: self.part_acc.ptr,
+                part_ml: self.part_ml.ptr,
+                out,
+            },
+            after_kernel,
+        )?;
+        self.record(l, 2)
+    }
+
+    /// Blocks each select_score octet scores: the most (fewest candidate lists to merge, the
+    /// query loaded once per more blocks) that still gives every multiprocessor a thread block.
+    fn score_blocks_per_octet(&self, max_nb: u32, heads: u32) -> u32 {
+        let octets = SCORE_THREADS / 8;
+        let mut nbo = SCORE_NB;
+        while nbo > 1 && max_nb.div_ceil(nbo * octets) * heads < self.sms {
+            nbo /= 2;
+        }
+        nbo
+    }
+
+    /// Waits for the enqueued layers and reads outputs, statistics and timings.
+    pub(super) fn finish(&mut self, layers: &[usize], b: usize) -> Result<StepOutput> {
+        let g = self.cfg.geometry;
+        let hqd = (g.q_heads * g.head_dim) as usize;
+        let nl = layers.len();
+        // One readback for every layer of the call ([call layer][batch][Hq x D] on the device).
+        let mut rows = vec![0f32; nl * b * hqd];
+        self.dtoh(&mut rows, self.out.ptr)?;
+        let mut out = vec![0f32; b * nl * hqd];
+        for li in 0..nl {
+            for i in 0..b {
+                out[(i * nl + li) * hqd..(i * nl + li + 1) * hqd]
+                    .copy_from_slice(&rows[(li * b + i) * hqd..(li * b + i + 1) * hqd]);
+            }
+        }
+        let mut raw = vec![0u64; g.layers as usize * 4];
+        self.dtoh(&mut raw, self.stats.ptr)?;
+        let stats = layers
+            .iter()
+            .map(|&l| LayerStats {
+                hits: raw[l * 4],
+                misses: raw[l * 4 + 1],
+                bytes_moved: raw[l * 4 + 2],
+                tiles: raw[l * 4 + 3],
+            })
+            .collect::<Vec<LayerStats>>();
+        for (&l, st) in layers.iter().zip(&stats) {
+            self.hit_share[l] = st.hits as f32 / st.tiles.max(1) as f32;
+        }
+        let ms = |a: &CudaEvent, z: &CudaEvent| {
+            a.elapsed_ms(z)
+                .map_err(CudaError::driver("cuEventElapsedTime"))
+        };
+        let (timing, step_ms) = match &self.timers {
+            None => (None, None),
+            Some(t) => {
+                let timing = match &t.marks {
+                    None => None,
+                    Some(marks) => {
+                        let mut v = Vec::with_capacity(nl);
+                        for &l in layers {
+                            let m = &marks[l];
+                            let (sel, rest) = (ms(&m[0], &m[1])?, ms(&m[1], &m[2])?);
+                            let split = !self.fused[l];
+                            v.push(LayerTiming {
+                                select_ms: split.then_some(sel),
+                                fetch_attend_ms: split.then_some(rest),
+                                layer_ms: ms(&m[0], &m[2])?,
+                            });
+                        }
+                        Some(v)
+                    }
+                };
+                (timing, Some(ms(&t.step[0], &t.step[1])?))
+            }
+        };
+        Ok(StepOutput {
+            out,
+            stats,
+            timing,
+            step_ms,
+        })
+    }
+
+    /// Keep-sets of the last call at `layer`: [batch][kv_head] -> ascending block ids.
+    pub fn last_keep_sets(&self, layer: u32) -> Result<Vec<Vec<Vec<u32>>>> {
+        let l = self.check_layer(layer)?;
+        let g = self.cfg.geometry;
+        let (bmax, hkv, ks) = (
+            self.cfg.max_batch as usize,
+            g.kv_heads as usize,
+            self.derived.keep_max as usize,
+        );
+        let b = self.last_batch;
+        let mut counts = vec![0u32; b * hkv];
+        let mut table = vec![0u32; b * hkv * ks];
+        if b == 0 {
+            return Ok(Vec::new());
+        }
+        self.dtoh(&mut counts, self.counts.at(l * bmax * hkv))?;
+        self.dtoh(&mut table, self.table.at(l * bmax * hkv * ks))?;
+        Ok((0..b)
+            .map(|i| {
+                (0..hkv)
+                    .map(|h| {
+                        let ih = i * hkv + h;
+                        table[ih * ks..ih * ks + counts[ih] as usize].to_vec()
+                    })
+                    .collect()
+            })
+            .collect())
+    }
+}
