@@ -71,6 +71,11 @@ pub fn build_engine(
             host_share_per_uid: cfg.quota.host_share_per_uid,
             nvme_share_per_uid: cfg.quota.nvme_share_per_uid,
             max_reply_bytes: cfg.server.max_frame_bytes.0 as usize,
+            coalesce: match cfg.backend.coalesce {
+                config::Coalesce::Auto => gpu.is_some(),
+                config::Coalesce::Always => true,
+                config::Coalesce::Never => false,
+            },
             admin_uids: cfg.auth.admin_uids.clone(),
             admin_gids: cfg.auth.admin_gids.clone(),
         },

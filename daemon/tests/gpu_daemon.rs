@@ -159,3 +159,24 @@ fn a_demoted_session_decodes_on_the_gpu_like_the_cpu_daemon_over_ram() {
         "demoted session on the cuda daemon == cpu daemon over RAM: {entries} entries, {nvme_steps} read NVMe, {hits} GPU cache hits"
     );
 }
+
+#[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
+fn concurrent_decodes_share_device_calls_and_match_the_oracle() {
+    if !kvtier_kernels::cuda::device_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    // backend.coalesce = "auto": on with the CUDA backend.
+    let gpu = Daemon::start(&["--backend", "cuda"]);
+    let (coalesced, requests) = concurrent_steps(&gpu, 8, 16);
+    let coalesced = coalesced.expect("coalescing is on with CUDA");
+    let stats = gpu.client().stats().unwrap();
+    assert_eq!(stats.get("gpu_cpu_fallbacks_total"), Some(0));
+    assert!(stats.get("gpu_decode_entries_total").unwrap() > 0);
+    assert!(
+        coalesced > 0,
+        "no request shared a device call in {requests}"
+    );
+    eprintln!("{coalesced} of {requests} requests shared a device call");
+}

@@ -154,10 +154,24 @@ pub enum BackendKind {
     Cuda,
 }
 
+/// `backend.coalesce`: whether concurrent DECODEs of one layer from different connections run
+/// as one step.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Coalesce {
+    /// With the CUDA backend (one device call for many requests); CPU steps of different
+    /// requests already run in parallel.
+    Auto,
+    Always,
+    Never,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct BackendConfig {
     pub kind: BackendKind,
+    /// Concurrent DECODEs of one layer as one step.
+    pub coalesce: Coalesce,
     /// Threads of the compute pool (0 = one per core).
     pub threads: usize,
     /// The CUDA path (used when `kind` resolves to cuda).
@@ -420,6 +434,7 @@ impl Default for BackendConfig {
     fn default() -> Self {
         BackendConfig {
             kind: BackendKind::Auto,
+            coalesce: Coalesce::Auto,
             threads: 0,
             cuda: GpuSettings::default(),
         }

@@ -31,16 +31,27 @@ pub(super) fn reply_bound(
 
 /// Frames a decode step may need at most, for making room when the host tier is full: every
 /// entry's keep-set (distinct blocks over its kv-heads) and a new block.
-pub(super) fn step_frames(sessions: &[Arc<Session>], entries: &[DecodeEntryRef<'_>]) -> usize {
+pub(super) fn step_frames(sessions: &[Arc<Session>], positions: &[u64]) -> usize {
     sessions
         .iter()
-        .zip(entries)
-        .map(|(s, e)| {
+        .zip(positions)
+        .map(|(s, &position)| {
             let keep = s.policy.budget() as usize * s.geometry.kv_heads as usize;
-            let blocks = s.geometry.blocks_for(e.position + 1) as usize;
+            let blocks = s.geometry.blocks_for(position + 1) as usize;
             keep.min(blocks) + 1
         })
         .sum()
+}
+
+/// One validated DECODE request, its data owned so that it can join a batch run by another
+/// request's thread (see [`super::coalesce`]).
+pub(super) struct Job {
+    sessions: Vec<Arc<Session>>,
+    positions: Vec<u64>,
+    queries: Vec<Vec<f32>>,
+    ks: Vec<Vec<u8>>,
+    vs: Vec<Vec<u8>>,
+    want_stats: bool,
 }
 
 impl Engine {
@@ -96,6 +107,8 @@ impl Engine {
     }
 
     /// One decode step of `layer` for every entry (a batch when several). All-or-nothing.
+    /// With `backend.coalesce` (on with a GPU), concurrent requests of the same layer run as
+    /// one step, one device call.
     pub fn decode(
         &self,
         peer: &Peer,
@@ -103,6 +116,23 @@ impl Engine {
         want_stats: bool,
         entries: &[DecodeEntryRef<'_>],
     ) -> ServiceResult<DecodeReply> {
+        let job = self.prepare(peer, want_stats, entries)?;
+        if !self.limits.coalesce {
+            return self.run_jobs(layer, &[&job]).map(|mut r| r.remove(0));
+        }
+        self.coalescer
+            .submit(layer, job, &|jobs| self.run_coalesced(layer, jobs), &|| {
+                Err(ServiceError::internal("the coalesced decode call failed"))
+            })
+    }
+
+    /// Checks a request (sessions, reply bound, duplicates) and takes its data.
+    fn prepare(
+        &self,
+        peer: &Peer,
+        want_stats: bool,
+        entries: &[DecodeEntryRef<'_>],
+    ) -> ServiceResult<Job> {
         if entries.is_empty() {
             return Err(ServiceError::invalid("DECODE with no entries"));
         }
@@ -123,7 +153,6 @@ impl Engine {
                 if want_stats { " or ask for no stats" } else { "" }
             )));
         }
-        // Lock in ascending id order (deadlock freedom); a duplicate would self-deadlock.
         let mut order: Vec<usize> = (0..entries.len()).collect();
         order.sort_by_key(|&i| sessions[i].id);
         if let Some(w) = order
@@ -137,15 +166,88 @@ impl Engine {
                 w[0].max(w[1])
             )));
         }
+        Ok(Job {
+            sessions,
+            positions: entries.iter().map(|e| e.position).collect(),
+            queries: entries
+                .iter()
+                .map(|e| kvtier_protocol::f32s_le(e.q).collect())
+                .collect(),
+            ks: entries.iter().map(|e| e.k.to_vec()).collect(),
+            vs: entries.iter().map(|e| e.v.to_vec()).collect(),
+            want_stats,
+        })
+    }
+
+    /// Answers coalesced requests of one layer: as one step where their sessions are distinct
+    /// (a session in two requests waits for the next group), and each on its own when the
+    /// joint step fails, so that one request's error is its own.
+    fn run_coalesced(&self, layer: u32, jobs: Vec<Job>) -> Vec<ServiceResult<DecodeReply>> {
+        let mut results: Vec<Option<ServiceResult<DecodeReply>>> =
+            (0..jobs.len()).map(|_| None).collect();
+        let mut pending: Vec<usize> = (0..jobs.len()).collect();
+        while !pending.is_empty() {
+            let mut seen = std::collections::HashSet::new();
+            let (group, rest): (Vec<usize>, Vec<usize>) = pending.into_iter().partition(|&i| {
+                let ids: Vec<u64> = jobs[i].sessions.iter().map(|s| s.id).collect();
+                ids.iter().all(|id| !seen.contains(id)) && {
+                    seen.extend(ids);
+                    true
+                }
+            });
+            let refs: Vec<&Job> = group.iter().map(|&i| &jobs[i]).collect();
+            match self.run_jobs(layer, &refs) {
+                Ok(replies) => {
+                    if group.len() > 1 {
+                        self.counters
+                            .decode_coalesced
+                            .fetch_add(group.len() as u64, Ordering::Relaxed);
+                    }
+                    for (&i, r) in group.iter().zip(replies) {
+                        results[i] = Some(Ok(r));
+                    }
+                }
+                Err(e) if group.len() == 1 => results[group[0]] = Some(Err(e)),
+                // Nothing changed (the step is all-or-nothing): each on its own.
+                Err(_) => {
+                    for &i in &group {
+                        results[i] =
+                            Some(self.run_jobs(layer, &[&jobs[i]]).map(|mut r| r.remove(0)));
+                    }
+                }
+            }
+            pending = rest;
+        }
+        results
+            .into_iter()
+            .map(|r| r.expect("every request answered"))
+            .collect()
+    }
+
+    /// One decode step of `layer` over every entry of `jobs` (their sessions distinct): lock
+    /// the sessions, step on the CUDA decoder when it takes the batch (else on the CPU), reply
+    /// to each request.
+    fn run_jobs(&self, layer: u32, jobs: &[&Job]) -> ServiceResult<Vec<DecodeReply>> {
+        let sessions: Vec<Arc<Session>> = jobs
+            .iter()
+            .flat_map(|j| j.sessions.iter().cloned())
+            .collect();
+        let positions: Vec<u64> = jobs
+            .iter()
+            .flat_map(|j| j.positions.iter().copied())
+            .collect();
+        let queries: Vec<&Vec<f32>> = jobs.iter().flat_map(|j| &j.queries).collect();
+        let ks: Vec<&Vec<u8>> = jobs.iter().flat_map(|j| &j.ks).collect();
+        let vs: Vec<&Vec<u8>> = jobs.iter().flat_map(|j| &j.vs).collect();
+        let want_stats = jobs.iter().any(|j| j.want_stats);
+        // Lock in ascending id order (deadlock freedom).
+        let mut order: Vec<usize> = (0..sessions.len()).collect();
+        order.sort_by_key(|&i| sessions[i].id);
         let mut guards: Vec<Option<MutexGuard<'_, SessionState>>> =
-            (0..entries.len()).map(|_| None).collect();
+            (0..sessions.len()).map(|_| None).collect();
         for &i in &order {
             guards[i] = Some(sessions[i].state.lock());
         }
-        let queries: Vec<Vec<f32>> = entries
-            .iter()
-            .map(|e| kvtier_protocol::f32s_le(e.q).collect())
-            .collect();
         let ids: Vec<u64> = sessions.iter().map(|s| s.id).collect();
         let sources: Vec<Option<TierSource<'_>>> = ids
             .iter()
@@ -168,18 +270,17 @@ impl Engine {
         let report = loop {
             let mut batch: Vec<DecodeEntry<'_>> = guards
                 .iter_mut()
-                .zip(entries)
-                .zip(&queries)
                 .zip(&sessions)
                 .zip(&sources)
-                .map(|((((g, e), q), s), src)| DecodeEntry {
+                .enumerate()
+                .map(|(i, ((g, s), src))| DecodeEntry {
                     session: s.id,
                     kv: &mut g.as_mut().expect("locked above").kv,
                     policy: s.policy,
-                    position: e.position,
-                    q,
-                    k: e.k,
-                    v: e.v,
+                    position: positions[i],
+                    q: queries[i],
+                    k: ks[i],
+                    v: vs[i],
                     cold: src.as_ref().map(|c| c as &dyn ColdSource),
                 })
                 .collect();
@@ -210,7 +311,7 @@ impl Engine {
                 return Err(e);
             }
             made_room = true;
-            if !self.make_room(&ids, step_frames(&sessions, entries)) {
+            if !self.make_room(&ids, step_frames(&sessions, &positions)) {
                 self.record_rejection(Rejection::HostFull);
                 return Err(e);
             }
@@ -218,14 +319,14 @@ impl Engine {
         self.offer_prefetch(layer, &guards, &sessions, &queries);
         drop(guards);
         self.count_step(&report, on_gpu, &timings, t0.elapsed());
+        // Device counters are per call: they go to the call's first entry.
         let hits = report.cache_hits;
         let moved = report.bytes_moved;
-        let wire = sessions
+        let mut wire = sessions
             .iter()
             .zip(report.entries)
             .enumerate()
             .map(|(i, (s, st))| {
-                // Device counters are per call: a batch reports them on its first entry.
                 let (hits, moved) = if i == 0 { (hits as u32, moved) } else { (0, 0) };
                 // Blocks promoted for this step, counted as tiles of every kv-head.
                 let nvme_tiles = (st.blocks_promoted * s.geometry.kv_heads).min(st.tiles_selected);
@@ -242,9 +343,23 @@ impl Engine {
                         .map(|k| (0..k.heads()).map(|h| k.head(h).to_vec()).collect())
                         .unwrap_or_default(),
                 }
-            })
-            .collect();
-        Ok(self.decode_reply(&sessions, &ids, out, wire, want_stats))
+            });
+        // Each request its own outputs and stats, in order.
+        let mut at = 0;
+        let mut replies = Vec::with_capacity(jobs.len());
+        for j in jobs {
+            let n = j.sessions.len();
+            let len: usize = j
+                .sessions
+                .iter()
+                .map(|s| (s.geometry.q_heads * s.geometry.head_dim) as usize)
+                .sum();
+            let stats: Vec<DecodeStats> = wire.by_ref().take(n).collect();
+            let o: Vec<f32> = out.drain(..len).collect();
+            replies.push(self.decode_reply(&j.sessions, &ids[at..at + n], o, stats, j.want_stats));
+            at += n;
+        }
+        Ok(replies)
     }
 
     /// Counts a step in the engine's counters and latency metrics.
@@ -336,7 +451,7 @@ impl Engine {
         layer: u32,
         guards: &[Option<MutexGuard<'_, SessionState>>],
         sessions: &[Arc<Session>],
-        queries: &[Vec<f32>],
+        queries: &[&Vec<f32>],
     ) {
         let Some(p) = &self.prefetcher else {
             return;
@@ -350,11 +465,201 @@ impl Engine {
                         session: s.id,
                         policy: s.policy,
                         layer,
-                        q: q.clone(),
+                        q: q.to_vec(),
                     },
                     Box::new(move |f| session.with_kv(|kv| f(kv))),
                 );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Coalesced requests on the CPU backend: one step for many requests answers each exactly
+    //! as it would alone, and one request's error stays its own.
+
+    use kvtier_protocol::{CreateSessionRequest, DType, Geometry, Policy};
+    use kvtier_storage::testing::Rng;
+    use kvtier_storage::ArenaOptions;
+
+    use super::*;
+
+    const GEO: Geometry = Geometry {
+        layers: 2,
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        dtype: DType::Bf16,
+        block_tokens: 16,
+    };
+    const PEER: Peer = Peer {
+        uid: 1000,
+        gid: 1000,
+        pid: None,
+    };
+
+    fn engine() -> Engine {
+        let arena = HostArena::new(&ArenaOptions::new(16 << 20, 16 << 10)).unwrap();
+        Engine::new(
+            arena,
+            EngineLimits {
+                max_sessions: 16,
+                max_sessions_per_uid: 0,
+                host_share_per_uid: 1.0,
+                nvme_share_per_uid: 1.0,
+                max_reply_bytes: 1 << 20,
+                coalesce: true,
+                admin_uids: vec![],
+                admin_gids: vec![],
+            },
+        )
+    }
+
+    /// `n` sessions of 40 + i tokens each, in two engines with identical contents.
+    fn twins(n: usize, rng: &mut Rng) -> (Engine, Engine, Vec<u64>) {
+        let (a, b) = (engine(), engine());
+        let mut ids = Vec::new();
+        for i in 0..n {
+            let req = CreateSessionRequest {
+                geometry: GEO,
+                policy: Policy {
+                    sink_blocks: 1,
+                    local_blocks: 1,
+                    top_k: 1,
+                },
+                label: String::new(),
+            };
+            let (ia, ib) = (
+                a.create(&PEER, &req).unwrap(),
+                b.create(&PEER, &req).unwrap(),
+            );
+            let tokens = 40 + i as u32;
+            let n = (tokens * GEO.layers * 2 * GEO.kv_heads * GEO.head_dim) as usize;
+            let payload = GEO.dtype.encode_vec(&rng.normals(n));
+            a.append(&PEER, ia, 0, tokens, &payload).unwrap();
+            b.append(&PEER, ib, 0, tokens, &payload).unwrap();
+            ids.push((ia, ib));
+        }
+        let (ida, idb): (Vec<u64>, Vec<u64>) = ids.into_iter().unzip();
+        (a, b, [ida, idb].concat())
+    }
+
+    struct Step {
+        q: Vec<u8>,
+        k: Vec<u8>,
+        v: Vec<u8>,
+    }
+
+    fn step(rng: &mut Rng) -> Step {
+        let row = (GEO.kv_heads * GEO.head_dim) as usize;
+        Step {
+            q: kvtier_protocol::f32_le_bytes(&rng.normals((GEO.q_heads * GEO.head_dim) as usize))
+                .into_owned(),
+            k: GEO.dtype.encode_vec(&rng.normals(row)),
+            v: GEO.dtype.encode_vec(&rng.normals(row)),
+        }
+    }
+
+    fn entry(session: u64, position: u64, s: &Step) -> DecodeEntryRef<'_> {
+        DecodeEntryRef {
+            session,
+            position,
+            q: &s.q,
+            k: &s.k,
+            v: &s.v,
+        }
+    }
+
+    #[test]
+    fn coalesced_requests_are_answered_as_alone_and_an_error_stays_its_own() {
+        let mut rng = Rng::new(21);
+        let n = 4;
+        let (a, b, ids) = twins(n, &mut rng);
+        let (ida, idb) = ids.split_at(n);
+        let steps: Vec<Step> = (0..n).map(|_| step(&mut rng)).collect();
+        // Request 2 is wrong (position one past the end); the others are right.
+        let pos = |i: usize| 40 + i as u64 + u64::from(i == 2);
+        let jobs: Vec<Job> = (0..n)
+            .map(|i| {
+                a.prepare(&PEER, true, &[entry(ida[i], pos(i), &steps[i])])
+                    .unwrap()
+            })
+            .collect();
+        let coalesced = a.run_coalesced(0, jobs);
+        for i in 0..n {
+            let alone = b.decode(&PEER, 0, true, &[entry(idb[i], pos(i), &steps[i])]);
+            match (&coalesced[i], &alone) {
+                (Ok(c), Ok(s)) => assert_eq!(c, s, "request {i}: as alone"),
+                (Err(c), Err(s)) => assert_eq!(c.code, s.code, "request {i}: its own error"),
+                _ => panic!("request {i}: {:?} vs {:?}", coalesced[i], alone),
+            }
+        }
+        assert!(coalesced[2].is_err() && coalesced.iter().filter(|r| r.is_ok()).count() == 3);
+        assert_eq!(
+            a.counters.decode_coalesced.load(Ordering::Relaxed),
+            0,
+            "each alone"
+        );
+        // All right: one step for all four, each answered as alone.
+        let steps: Vec<Step> = (0..n).map(|_| step(&mut rng)).collect();
+        let pos = |e: &Engine, id| e.info(&PEER, id).unwrap().tokens_max;
+        let jobs: Vec<Job> = (0..n)
+            .map(|i| {
+                a.prepare(
+                    &PEER,
+                    i % 2 == 0,
+                    &[entry(ida[i], pos(&a, ida[i]), &steps[i])],
+                )
+                .unwrap()
+            })
+            .collect();
+        let coalesced = a.run_coalesced(0, jobs);
+        assert_eq!(
+            a.counters.decode_coalesced.load(Ordering::Relaxed),
+            n as u64
+        );
+        for i in 0..n {
+            let alone = b
+                .decode(
+                    &PEER,
+                    0,
+                    i % 2 == 0,
+                    &[entry(idb[i], pos(&b, idb[i]), &steps[i])],
+                )
+                .unwrap();
+            assert_eq!(
+                coalesced[i].as_ref().unwrap(),
+                &alone,
+                "request {i}: as alone"
+            );
+        }
+        // Layer 0 of the failed request's session moved on once (the second round), the
+        // others' twice.
+        for i in 0..n {
+            assert_eq!(pos(&a, ida[i]), pos(&b, idb[i]), "session {i}");
+            assert_eq!(pos(&a, ida[i]), 41 + i as u64 + u64::from(i != 2));
+        }
+    }
+
+    #[test]
+    fn two_requests_for_one_session_run_one_after_the_other() {
+        let mut rng = Rng::new(22);
+        let (a, b, ids) = twins(1, &mut rng);
+        let (s1, s2) = (step(&mut rng), step(&mut rng));
+        let jobs = vec![
+            a.prepare(&PEER, false, &[entry(ids[0], 40, &s1)]).unwrap(),
+            a.prepare(&PEER, false, &[entry(ids[0], 41, &s2)]).unwrap(),
+        ];
+        // Layer 0 twice: the second request continues where the first ended.
+        let r = a.run_coalesced(0, jobs);
+        let first = b
+            .decode(&PEER, 0, false, &[entry(ids[1], 40, &s1)])
+            .unwrap();
+        let second = b
+            .decode(&PEER, 0, false, &[entry(ids[1], 41, &s2)])
+            .unwrap();
+        assert_eq!(r[0].as_ref().unwrap(), &first);
+        assert_eq!(r[1].as_ref().unwrap(), &second);
     }
 }

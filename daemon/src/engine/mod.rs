@@ -42,6 +42,7 @@ use crate::gpu::GpuDecoder;
 use crate::metrics::{Metrics, Rejection};
 use kvtier_protocol::ErrorCode;
 
+mod coalesce;
 mod decode;
 mod recovery;
 mod stats;
@@ -73,6 +74,8 @@ pub struct EngineLimits {
     /// Largest reply body (`server.max_frame_bytes`): a DECODE whose reply could not fit is
     /// refused before it appends anything.
     pub max_reply_bytes: usize,
+    /// Run concurrent DECODEs of one layer as one step (`backend.coalesce`, resolved).
+    pub coalesce: bool,
     pub admin_uids: Vec<u32>,
     pub admin_gids: Vec<u32>,
 }
@@ -124,6 +127,8 @@ pub struct Engine {
     /// promoted first); everything else (and any GPU failure, which happens before the step
     /// changes anything) runs on the CPU backend.
     gpu: Option<Mutex<GpuDecoder>>,
+    /// Concurrent DECODEs of one layer, run as one device call.
+    coalescer: coalesce::Coalescer<decode::Job, ServiceResult<DecodeReply>>,
     prefetcher: Option<crate::prefetch::Prefetcher>,
     sessions: RwLock<HashMap<u64, Arc<Session>>>,
     /// Each uid's frames in the host tier, capped by `host_share_per_uid`; shared by its
@@ -172,6 +177,7 @@ impl Engine {
             arena,
             tier,
             gpu: gpu.map(Mutex::new),
+            coalescer: Default::default(),
             prefetcher,
             sessions: RwLock::new(HashMap::new()),
             host_quotas: Mutex::new(HashMap::new()),
@@ -538,6 +544,7 @@ mod tests {
                 host_share_per_uid: 1.0,
                 nvme_share_per_uid: 1.0,
                 max_reply_bytes: 1 << 20,
+                coalesce: false,
                 admin_uids: vec![],
                 admin_gids: vec![],
             },

@@ -51,6 +51,8 @@ pub struct Counters {
     pub gpu_cpu_fallbacks: AtomicU64,
     /// Entries whose device keep-set named a block still on NVMe (should stay 0).
     pub gpu_cold_divergences: AtomicU64,
+    /// DECODE requests answered by a step shared with other requests (`backend.coalesce`).
+    pub decode_coalesced: AtomicU64,
 }
 
 /// The NVMe tier's metric series.
@@ -171,6 +173,9 @@ impl Engine {
                     self.prefetcher.as_ref().map_or(0, |p| get(&p.promoted)),
                 ),
             ]);
+        }
+        if self.limits.coalesce {
+            entries.push(("decode_coalesced_total", get(&c.decode_coalesced)));
         }
         if self.gpu.is_some() {
             entries.extend([

@@ -46,3 +46,30 @@ impl Harness for Tierd {
         harness().dir(dir).args(extra).start()
     }
 }
+
+/// `sessions` connections stepping `steps` tokens each, all at once; returns STATS'
+/// `decode_coalesced_total` (None when the key is absent) and `decode_requests_total`.
+pub fn concurrent_steps(d: &Daemon, sessions: usize, steps: usize) -> (Option<u64>, u64) {
+    let start = std::sync::Arc::new(std::sync::Barrier::new(sessions));
+    let threads: Vec<_> = (0..sessions)
+        .map(|i| {
+            let mut c = d.client();
+            let start = start.clone();
+            std::thread::spawn(move || {
+                let (id, mut shadow) = open(&mut c, &format!("s{i}"), 40 + i as u32, i as u64);
+                start.wait();
+                for _ in 0..steps {
+                    shadow.step(&mut c, id);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("every output matched the oracle");
+    }
+    let stats = d.client().stats().unwrap();
+    (
+        stats.get("decode_coalesced_total"),
+        stats.get("decode_requests_total").unwrap(),
+    )
+}
