@@ -191,30 +191,19 @@ fn config(n_blocks: u32, k: u32, batch: u32, sum_bf16: bool, simt: bool) -> Cuda
         local_blocks: 4,
         top_k: k,
     };
+    let geometry = Geometry::new(LAYERS, HQ, HKV, D, DType::Bf16, BT);
+    let summaries = if sum_bf16 {
+        SummaryDtype::Bf16Outward
+    } else {
+        SummaryDtype::F32
+    };
     CudaConfig {
-        geometry: Geometry {
-            layers: LAYERS,
-            q_heads: HQ,
-            kv_heads: HKV,
-            head_dim: D,
-            block_tokens: BT,
-            dtype: DType::Bf16,
-        },
-        policy,
-        max_sessions: batch,
-        max_blocks: n_blocks,
-        max_batch: batch,
-        cache_slots: 2 * policy.budget() as u32,
-        summary_dtype: if sum_bf16 {
-            SummaryDtype::Bf16Outward
-        } else {
-            SummaryDtype::F32
-        },
         attention: if simt {
             AttentionMath::Simt
         } else {
             AttentionMath::TensorCores
         },
+        ..CudaConfig::new(geometry, policy, n_blocks, batch, summaries)
     }
 }
 

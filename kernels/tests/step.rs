@@ -10,17 +10,11 @@ use kvtier_kernels::{
 };
 use kvtier_storage::testing::{Rng, SavedRuns};
 use kvtier_storage::{
-    ArenaOptions, ColdSource, DType, Geometry, HostArena, KvCache, Policy, StorageError,
+    ArenaOptions, ColdSource, Geometry, HostArena, KvCache, Policy, StorageError,
 };
 
-const GEO: Geometry = Geometry {
-    layers: 2,
-    q_heads: 4,
-    kv_heads: 2,
-    head_dim: 32,
-    dtype: DType::Bf16,
-    block_tokens: 16,
-};
+/// One (layer, block) run fills a 4 KiB frame.
+const GEO: Geometry = kvtier_tests::session::SMALL_GEOMETRY;
 
 const POLICY: Policy = Policy {
     sink_blocks: 1,

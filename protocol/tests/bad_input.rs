@@ -444,14 +444,7 @@ fn error_reply_from_proto_error() {
 
 #[test]
 fn geometry_size_helpers() {
-    let g = Geometry {
-        layers: 28,
-        q_heads: 28,
-        kv_heads: 4,
-        head_dim: 128,
-        dtype: DType::Bf16,
-        block_tokens: 128,
-    };
+    let g = Geometry::QWEN2_5_7B;
     assert_eq!(g.q_bytes(), Some(28 * 128 * 4));
     assert_eq!(g.kv_token_bytes(), Some(4 * 128 * 2));
     // 57,344 bytes of KV per token over all layers (DESIGN.md).
