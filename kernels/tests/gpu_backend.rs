@@ -11,6 +11,7 @@ use kvtier_kernels::cuda::{
     DecodeItem, DenseKv, LaunchMode, LayerStats, PinnedRegion, StepItem, SummaryDtype, Timing,
 };
 use kvtier_kernels::select::{block_score, partition};
+use kvtier_storage::testing::XorShift64 as Rng;
 use kvtier_storage::{DType, Geometry, Policy};
 
 fn gpu() -> bool {
@@ -22,18 +23,9 @@ fn gpu() -> bool {
     }
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
+/// Uniform in [-1, 1).
+fn uniform_pm1(rng: &mut Rng) -> f32 {
+    ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
 /// Rounds to the storage dtype and returns (stored value as f32, little-endian bytes).
@@ -172,10 +164,10 @@ impl Harness {
                         let kx = if src_t < t {
                             k[l][h][src_t * d + dd]
                         } else {
-                            store(self.rng.f(), g.dtype).0
+                            store(uniform_pm1(&mut self.rng), g.dtype).0
                         };
                         k[l][h][t * d + dd] = kx;
-                        v[l][h][t * d + dd] = store(self.rng.f(), g.dtype).0;
+                        v[l][h][t * d + dd] = store(uniform_pm1(&mut self.rng), g.dtype).0;
                     }
                 }
             }
@@ -236,7 +228,7 @@ impl Harness {
     fn query(&mut self) -> Vec<f32> {
         let g = self.cfg.geometry;
         (0..g.q_heads * g.head_dim)
-            .map(|_| self.rng.f() * 2.0)
+            .map(|_| uniform_pm1(&mut self.rng) * 2.0)
             .collect()
     }
 
