@@ -21,6 +21,17 @@ pub fn fill_bf16(rng: &mut Rng, bytes: &mut [u8]) {
     }
 }
 
+/// Walks the command line as `--flag VALUE` pairs and bare flags: `flag` gets each flag's name
+/// and `val`, which takes the next argument as its value (panicking, naming the flag, where
+/// there is none).
+pub fn each_flag(mut flag: impl FnMut(&str, &mut dyn FnMut() -> String)) {
+    let mut it = std::env::args().skip(1);
+    while let Some(name) = it.next() {
+        let mut val = || it.next().unwrap_or_else(|| panic!("{name} needs a value"));
+        flag(&name, &mut val);
+    }
+}
+
 /// Nearest-rank percentile `p` (0..=100) of an ascending slice; zero for an empty one.
 pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {

@@ -37,7 +37,7 @@ fn still_serving(d: &Daemon) {
 
 #[test]
 fn oversized_frames_are_refused_from_the_header_alone() {
-    let d = Daemon::start(&["--set", "server.max_frame_bytes=65536"]);
+    let d = Daemon::with(&["server.max_frame_bytes=65536"]);
     let mut s = raw(&d);
     hello(&mut s);
     // Announce 1 GiB and send nothing more: the refusal must not wait for the body.
@@ -277,12 +277,7 @@ fn a_failed_batch_entry_leaves_every_session_unchanged() {
 
 #[test]
 fn admission_limits_answer_resource_exhausted() {
-    let d = Daemon::start(&[
-        "--set",
-        "admission.max_sessions=2",
-        "--set",
-        "host.capacity=\"64KiB\"",
-    ]);
+    let d = Daemon::with(&["admission.max_sessions=2", "host.capacity=\"64KiB\""]);
     let mut c = d.client();
     let g = small_geometry();
     let a = c.create_session(g, policy(), "").unwrap();

@@ -44,7 +44,7 @@ fn flip_byte(path: &Path, at: u64) {
 /// ordinary DECODEs answer INTERNAL after a restart under memory pressure.
 #[test]
 fn a_demoted_partial_tail_is_demoted_again_and_shutdown_writes_every_session() {
-    let d = Daemon::start(&["--set", "nvme.write_through=false"]);
+    let d = Daemon::with(&["nvme.write_through=false"]);
     let mut c = d.client();
     // 1000 tokens: 62 full blocks of 16 and a partial one.
     let (demoted, mut dsh) = open(&mut c, "", 1000, 1);
@@ -82,7 +82,7 @@ fn a_demoted_partial_tail_is_demoted_again_and_shutdown_writes_every_session() {
 #[test]
 fn a_shutdown_that_loses_sessions_exits_nonzero() {
     // 12 pages of 8 KiB: no room for these sessions.
-    let mut d = Daemon::start(&["--set", "nvme.capacity=\"96KiB\""]);
+    let mut d = Daemon::with(&["nvme.capacity=\"96KiB\""]);
     let mut c = d.client();
     let mut a = open(&mut c, "", 400, 2);
     let mut b = open(&mut c, "", 400, 3);
@@ -106,7 +106,7 @@ fn a_shutdown_that_loses_sessions_exits_nonzero() {
 #[test]
 fn write_through_survives_a_damaged_newest_manifest() {
     for (what, at) in [("payload", 60u64), ("version field", 9)] {
-        let d = Daemon::start(&["--set", "nvme.write_through=true"]);
+        let d = Daemon::with(&["nvme.write_through=true"]);
         let mut c = d.client();
         let (id, mut sh) = open(&mut c, "", 40, 4);
         c.append_kv(id, 40, 8, &sh.payload(8)).unwrap();
@@ -201,7 +201,7 @@ fn a_corrupt_page_at_startup_leaves_the_session_listed_as_damaged() {
 /// A DECODE whose reply could not be sent is refused before it appends anything.
 #[test]
 fn a_decode_whose_reply_exceeds_the_frame_limit_appends_nothing() {
-    let d = Daemon::start(&["--set", "server.max_frame_bytes=\"4KiB\""]);
+    let d = Daemon::with(&["server.max_frame_bytes=\"4KiB\""]);
     let mut c = d.client();
     let g = small_geometry();
     let wide = Policy {
@@ -235,12 +235,9 @@ fn a_decode_whose_reply_exceeds_the_frame_limit_appends_nothing() {
 /// Idle and half-open connections are closed, so they cannot hold every connection slot.
 #[test]
 fn idle_connections_time_out_and_free_their_slots() {
-    let d = Daemon::start(&[
-        "--set",
+    let d = Daemon::with(&[
         "server.max_connections=4",
-        "--set",
         "server.handshake_timeout_ms=300",
-        "--set",
         "server.idle_timeout_ms=600",
     ]);
     // Four connections that never say HELLO take every slot ...
@@ -271,12 +268,7 @@ fn idle_connections_time_out_and_free_their_slots() {
 /// Per-uid session quota (admins exempt; here nobody is an admin).
 #[test]
 fn a_uid_cannot_hold_more_sessions_than_its_quota() {
-    let d = Daemon::start(&[
-        "--set",
-        "quota.max_sessions_per_uid=2",
-        "--set",
-        "auth.admin_uids=[]",
-    ]);
+    let d = Daemon::with(&["quota.max_sessions_per_uid=2", "auth.admin_uids=[]"]);
     let mut c = d.client();
     let g: Geometry = small_geometry();
     let a = c.create_session(g, policy(), "").unwrap();
@@ -291,7 +283,7 @@ fn a_uid_cannot_hold_more_sessions_than_its_quota() {
 /// rejected_total counts what protocol.md §5.7 says: limits, permissions, malformed requests.
 #[test]
 fn rejections_count_limits_permissions_and_malformed_requests() {
-    let d = Daemon::start(&["--set", "auth.admin_uids=[]"]);
+    let d = Daemon::with(&["auth.admin_uids=[]"]);
     let mut c = d.client();
     let (id, _) = open(&mut c, "", 16, 12);
     let before = c.stats().unwrap().get(stats_keys::REJECTED_TOTAL).unwrap();
@@ -328,7 +320,7 @@ fn a_full_filesystem_fails_commits_cleanly_and_recovers_when_space_is_freed() {
         pages.path().join("pages-0").to_str().unwrap()
     );
     let state = format!("nvme.dir={:?}", fs.dir.path().to_str().unwrap());
-    let d = Daemon::start(&["--set", &devices, "--set", &state]);
+    let d = Daemon::with(&[&devices, &state]);
     let mut c = d.client();
     let (stored, mut ssh) = open(&mut c, "", 40, 20);
     c.demote(stored).unwrap();
@@ -374,12 +366,9 @@ fn a_full_filesystem_fails_commits_cleanly_and_recovers_when_space_is_freed() {
 #[test]
 fn a_uid_cannot_take_more_than_its_share_of_the_tiers() {
     // 256 host frames of 4 KiB: a quarter is 64 frames, 32 blocks per layer here.
-    let d = Daemon::start(&[
-        "--set",
+    let d = Daemon::with(&[
         "host.capacity=\"1MiB\"",
-        "--set",
         "quota.host_share_per_uid=0.25",
-        "--set",
         "auth.admin_uids=[]",
     ]);
     let mut c = d.client();
@@ -397,12 +386,9 @@ fn a_uid_cannot_take_more_than_its_share_of_the_tiers() {
     drop((c, d));
 
     // 12 NVMe pages of 8 KiB: half is 6 pages, fewer than the session's 2 x 4 runs.
-    let d = Daemon::start(&[
-        "--set",
+    let d = Daemon::with(&[
         "nvme.capacity=\"96KiB\"",
-        "--set",
         "quota.nvme_share_per_uid=0.5",
-        "--set",
         "auth.admin_uids=[]",
     ]);
     let mut c = d.client();
@@ -426,12 +412,7 @@ fn memory_pressure_from_one_uid_does_not_push_another_uids_sessions_out() {
         return;
     }
     // 256 frames of 4 KiB; high water 0.9.
-    let d = Daemon::start(&[
-        "--set",
-        "host.capacity=\"1MiB\"",
-        "--set",
-        "nvme.prefetch_blocks=0",
-    ]);
+    let d = Daemon::with(&["host.capacity=\"1MiB\"", "nvme.prefetch_blocks=0"]);
     let mut c = d.client();
     // Root's session: 38 blocks x 2 layers = 76 frames, then left idle (least recently used).
     let (mine, mut sh) = open(&mut c, "", 600, 40);

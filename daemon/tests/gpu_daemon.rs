@@ -7,6 +7,38 @@ mod common;
 
 use common::*;
 use kvtier_kernels::dense::max_rel_err;
+use kvtier_protocol::client::Client;
+use kvtier_protocol::DecodeOutput;
+
+/// One decode of `layer` at the shadow's next position, on the GPU daemon's session `a` and on
+/// the CPU daemon's `b`: the same keep-sets, outputs within bf16 tolerance, the GPU's output
+/// checked against the oracle and returned. `what` starts the assertion messages.
+fn decode_both(
+    (cg, a): (&mut Client, u64),
+    (cc, b): (&mut Client, u64),
+    sh: &mut Shadow,
+    layer: usize,
+    what: &str,
+) -> DecodeOutput {
+    let pos = sh.tokens(layer);
+    let (q, k, v) = sh.step_input(layer);
+    let qb = f32_bytes(&q);
+    let og = cg
+        .decode(layer as u32, entry(a, pos, &qb, &k, &v), true)
+        .unwrap();
+    let oc = cc
+        .decode(layer as u32, entry(b, pos, &qb, &k, &v), true)
+        .unwrap();
+    let (sg, sc) = (og.stats.as_ref().unwrap(), oc.stats.as_ref().unwrap());
+    assert_eq!(
+        sg.selected, sc.selected,
+        "{what}layer {layer} at {pos}: keep-sets"
+    );
+    let err = max_rel_err(&og.out, &oc.out);
+    assert!(err <= 2e-3, "{what}layer {layer} at {pos}: rel err {err}");
+    sh.check(layer, &q, &og);
+    og
+}
 
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
@@ -34,24 +66,9 @@ fn the_cuda_daemon_answers_like_the_cpu_daemon() {
     for step in 0..24 {
         for (a, b, sh) in &mut sessions {
             for layer in 0..2usize {
-                let pos = sh.tokens(layer);
-                let (q, k, v) = sh.step_input(layer);
-                let qb = f32_bytes(&q);
-                let og = cg
-                    .decode(layer as u32, entry(*a, pos, &qb, &k, &v), true)
-                    .unwrap();
-                let oc = cc
-                    .decode(layer as u32, entry(*b, pos, &qb, &k, &v), true)
-                    .unwrap();
-                let (sg, sc) = (og.stats.as_ref().unwrap(), oc.stats.as_ref().unwrap());
-                assert_eq!(
-                    sg.selected, sc.selected,
-                    "step {step} layer {layer}: keep-sets"
-                );
-                let err = max_rel_err(&og.out, &oc.out);
-                assert!(err <= 2e-3, "step {step} layer {layer}: rel err {err}");
-                sh.check(layer, &q, &og);
-                hits += sg.cache_hits;
+                let what = format!("step {step} ");
+                let og = decode_both((&mut cg, *a), (&mut cc, *b), sh, layer, &what);
+                hits += og.stats.unwrap().cache_hits;
             }
         }
     }
@@ -83,28 +100,11 @@ fn a_demoted_session_decodes_on_the_gpu_like_the_cpu_daemon_over_ram() {
     cc.append_kv(b, 0, n as u32, &p).unwrap();
     // Warm the GPU's tile cache, then move every block to NVMe.
     let (mut entries, mut nvme_steps, mut hits) = (0u64, 0, 0u64);
-    let mut step = |cg: &mut kvtier_protocol::client::Client,
-                    cc: &mut kvtier_protocol::client::Client,
-                    sh: &mut Shadow| {
+    let mut step = |cg: &mut Client, cc: &mut Client, sh: &mut Shadow| {
         let mut nvme = 0;
         for layer in 0..2usize {
-            let pos = sh.tokens(layer);
-            let (q, k, v) = sh.step_input(layer);
-            let qb = f32_bytes(&q);
-            let og = cg
-                .decode(layer as u32, entry(a, pos, &qb, &k, &v), true)
-                .unwrap();
-            let oc = cc
-                .decode(layer as u32, entry(b, pos, &qb, &k, &v), true)
-                .unwrap();
-            let (sg, sc) = (og.stats.as_ref().unwrap(), oc.stats.as_ref().unwrap());
-            assert_eq!(
-                sg.selected, sc.selected,
-                "layer {layer} at {pos}: keep-sets"
-            );
-            let err = max_rel_err(&og.out, &oc.out);
-            assert!(err <= 2e-3, "layer {layer} at {pos}: rel err {err}");
-            sh.check(layer, &q, &og);
+            let og = decode_both((cg, a), (cc, b), sh, layer, "");
+            let sg = og.stats.as_ref().unwrap();
             if sg.blocks_nvme > 0 {
                 nvme += 1;
                 assert!(

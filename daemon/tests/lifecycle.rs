@@ -84,7 +84,7 @@ fn batch_decode_of_several_sessions_matches_single_decodes() {
 
 #[test]
 fn sixty_four_concurrent_clients_all_get_correct_answers() {
-    let d = Daemon::start(&["--set", "admission.max_concurrent_requests=8"]);
+    let d = Daemon::with(&["admission.max_concurrent_requests=8"]);
     let rss_before = d.rss();
     let barrier = Arc::new(Barrier::new(64));
     let threads: Vec<_> = (0..64)

@@ -52,7 +52,7 @@ fn step_both(
 #[test]
 fn keep_sets_spanning_ram_and_nvme_equal_all_ram() {
     // On-demand promotion alone (the read-ahead has its own test below).
-    let d = Daemon::start(&["--set", "nvme.prefetch_blocks=0"]);
+    let d = Daemon::with(&["nvme.prefetch_blocks=0"]);
     let mut c = d.client();
     let (mut a, mut b) = twins(&mut c, 600, 42);
     let blocks = 2 * 38; // 600 tokens = 38 blocks of 16, two layers
@@ -196,7 +196,7 @@ fn a_corrupted_page_is_data_loss_never_data_and_others_keep_serving() {
 #[test]
 fn a_full_nvme_tier_is_resource_exhausted_and_the_session_stays_in_ram() {
     // 12 pages of 8 KiB: room for fewer blocks than the session has.
-    let d = Daemon::start(&["--set", "nvme.capacity=\"96KiB\""]);
+    let d = Daemon::with(&["nvme.capacity=\"96KiB\""]);
     let mut c = d.client();
     let (mut a, mut b) = twins(&mut c, 200, 3);
     let e = c.demote(a.0).unwrap_err();
@@ -208,7 +208,7 @@ fn a_full_nvme_tier_is_resource_exhausted_and_the_session_stays_in_ram() {
 #[test]
 fn memory_pressure_demotes_idle_sessions_and_everything_still_decodes() {
     // 96 frames of 4 KiB; each session below holds 2 x 20 = 40 blocks.
-    let d = Daemon::start(&["--set", "host.capacity=\"384KiB\""]);
+    let d = Daemon::with(&["host.capacity=\"384KiB\""]);
     let mut c = d.client();
     let mut sessions: Vec<(u64, Shadow)> = (0..4).map(|i| open(&mut c, "", 320, 100 + i)).collect();
     let stats = c.stats().unwrap();
@@ -300,7 +300,7 @@ fn crash_loop_write_through_loses_nothing_acknowledged() {
 /// background: a later step whose ranking shifts finds them resident.
 #[test]
 fn blocks_ranked_just_below_the_cut_are_promoted_ahead_of_need() {
-    let d = Daemon::start(&["--set", "nvme.prefetch_blocks=3"]);
+    let d = Daemon::with(&["nvme.prefetch_blocks=3"]);
     let mut c = d.client();
     let (mut a, mut b) = twins(&mut c, 800, 77); // 50 blocks per layer
     c.demote(a.0).unwrap();

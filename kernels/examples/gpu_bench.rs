@@ -32,6 +32,7 @@ use kvtier_kernels::cuda::{
     AnonMapping, AttentionMath, CudaBackend, CudaConfig, DenseKv, LaunchMode, PinnedRegion,
     StepItem, SummaryDtype, Timing,
 };
+use kvtier_storage::testing::XorShift64 as Rng;
 use kvtier_storage::{DType, Geometry, Policy};
 
 const PCIE_GBPS: f64 = 55.3;
@@ -114,20 +115,14 @@ fn parse() -> Result<Args, String> {
     Ok(a)
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn unif(&mut self) -> f64 {
-        ((self.next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-    fn normal(&mut self) -> f64 {
-        (-2.0 * self.unif().ln()).sqrt() * (std::f64::consts::TAU * self.unif()).cos()
-    }
+/// Uniform in (0, 1).
+fn unif(rng: &mut Rng) -> f64 {
+    ((rng.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+}
+
+/// Standard normal (Box-Muller).
+fn normal(rng: &mut Rng) -> f64 {
+    (-2.0 * unif(rng).ln()).sqrt() * (std::f64::consts::TAU * unif(rng)).cos()
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -153,7 +148,7 @@ fn host_region(be: &CudaBackend, mut bytes: usize, frame: usize) -> Result<Pinne
                     s.spawn(move || {
                         let mut r = Rng(0x9e37_79b9_7f4a_7c15 ^ ((i as u64 + 1) * 0x1234_5678_9abc_def1));
                         for w in c.chunks_exact_mut(8) {
-                            let x = (r.next() & 0x807f_807f_807f_807f) | 0x3f00_3f00_3f00_3f00;
+                            let x = (r.next_u64() & 0x807f_807f_807f_807f) | 0x3f00_3f00_3f00_3f00;
                             w.copy_from_slice(&x.to_le_bytes());
                         }
                     });
@@ -191,30 +186,19 @@ fn config(n_blocks: u32, k: u32, batch: u32, sum_bf16: bool, simt: bool) -> Cuda
         local_blocks: 4,
         top_k: k,
     };
+    let geometry = Geometry::new(LAYERS, HQ, HKV, D, DType::Bf16, BT);
+    let summaries = if sum_bf16 {
+        SummaryDtype::Bf16Outward
+    } else {
+        SummaryDtype::F32
+    };
     CudaConfig {
-        geometry: Geometry {
-            layers: LAYERS,
-            q_heads: HQ,
-            kv_heads: HKV,
-            head_dim: D,
-            block_tokens: BT,
-            dtype: DType::Bf16,
-        },
-        policy,
-        max_sessions: batch,
-        max_blocks: n_blocks,
-        max_batch: batch,
-        cache_slots: 2 * policy.budget() as u32,
-        summary_dtype: if sum_bf16 {
-            SummaryDtype::Bf16Outward
-        } else {
-            SummaryDtype::F32
-        },
         attention: if simt {
             AttentionMath::Simt
         } else {
             AttentionMath::TensorCores
         },
+        ..CudaConfig::new(geometry, policy, n_blocks, batch, summaries)
     }
 }
 
@@ -260,7 +244,7 @@ impl Queries {
         let mut rng = Rng(seed);
         let n = (LAYERS * HQ * D) as usize;
         let q = (0..batch)
-            .map(|_| (0..n).map(|_| rng.normal() as f32).collect())
+            .map(|_| (0..n).map(|_| normal(&mut rng) as f32).collect())
             .collect();
         Queries { q, rho, rng }
     }
@@ -268,7 +252,7 @@ impl Queries {
         let s = (1.0 - self.rho * self.rho).sqrt();
         for qs in &mut self.q {
             for x in qs.iter_mut() {
-                *x = (self.rho * *x as f64 + s * self.rng.normal()) as f32;
+                *x = (self.rho * *x as f64 + s * normal(&mut self.rng)) as f32;
             }
         }
     }
@@ -613,8 +597,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     let mut v = vec![0f32; n_blocks as usize * per];
                     for row in v.chunks_mut(2 * D as usize) {
                         for d in 0..D as usize {
-                            let a = rng.normal() as f32;
-                            let b = rng.normal() as f32;
+                            let a = normal(&mut rng) as f32;
+                            let b = normal(&mut rng) as f32;
                             row[d] = a.max(b);
                             row[D as usize + d] = a.min(b);
                         }

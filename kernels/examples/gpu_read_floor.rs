@@ -16,7 +16,7 @@
 
 mod common;
 
-use common::{time, Res};
+use common::{each_flag, time, Res};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::compile_ptx;
 use kvtier_kernels::cuda::device_context;
@@ -61,16 +61,15 @@ extern "C" __global__ void read_floor(const uint4* __restrict__ p, u64 n, unsign
 
 fn main() -> Res<()> {
     let (mut mb, mut layers, mut reps) = (16.777_216f64, 28usize, 20usize);
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        let v = it.next().ok_or(format!("{k} needs a value"))?;
-        match k.as_str() {
+    each_flag(|k, v| {
+        match k {
             "--mb" => mb = v.parse()?,
             "--layers" => layers = v.parse()?,
             "--reps" => reps = v.parse()?,
             _ => return Err(format!("unknown argument {k}").into()),
         }
-    }
+        Ok(())
+    })?;
     let ctx = device_context(0)?;
     let stream = ctx.default_stream();
     let module = ctx.load_module(compile_ptx(SRC)?)?;

@@ -18,7 +18,7 @@
 
 mod common;
 
-use common::{time, Res};
+use common::{each_flag, time, Res};
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::compile_ptx;
 use kvtier_kernels::cuda::{device_context, AnonMapping, PinnedRegion};
@@ -61,10 +61,8 @@ fn main() -> Res<()> {
     let (mut host_gb, mut layers, mut reps) = (8usize, 28usize, 20usize);
     let mut tiles_list = vec![20, 32, 52, 148, 416];
     let mut splits = vec![1, 2, 4, 8];
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        let v = it.next().ok_or(format!("{k} needs a value"))?;
-        match k.as_str() {
+    each_flag(|k, v| {
+        match k {
             "--host-gb" => host_gb = v.parse()?,
             "--layers" => layers = v.parse()?,
             "--reps" => reps = v.parse()?,
@@ -72,7 +70,8 @@ fn main() -> Res<()> {
             "--splits" => splits = list(&v)?,
             _ => return Err(format!("unknown argument {k}").into()),
         }
-    }
+        Ok(())
+    })?;
     if splits
         .iter()
         .any(|&s| s == 0 || !(TILE / 16).is_multiple_of(s))

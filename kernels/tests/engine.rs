@@ -60,13 +60,8 @@ fn entry<'a>(
 }
 
 fn geometries() -> Vec<Geometry> {
-    let g = |layers, q_heads, kv_heads, head_dim, block_tokens, dtype| Geometry {
-        layers,
-        q_heads,
-        kv_heads,
-        head_dim,
-        dtype,
-        block_tokens,
+    let g = |layers, q_heads, kv_heads, head_dim, block_tokens, dtype| {
+        Geometry::new(layers, q_heads, kv_heads, head_dim, dtype, block_tokens)
     };
     vec![
         g(1, 4, 4, 16, 8, DType::F32),      // MHA

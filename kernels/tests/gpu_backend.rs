@@ -11,6 +11,7 @@ use kvtier_kernels::cuda::{
     DecodeItem, DenseKv, LaunchMode, LayerStats, PinnedRegion, StepItem, SummaryDtype, Timing,
 };
 use kvtier_kernels::select::{block_score, partition};
+use kvtier_storage::testing::XorShift64 as Rng;
 use kvtier_storage::{DType, Geometry, Policy};
 
 fn gpu() -> bool {
@@ -22,18 +23,9 @@ fn gpu() -> bool {
     }
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
+/// Uniform in [-1, 1).
+fn uniform_pm1(rng: &mut Rng) -> f32 {
+    ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
 /// Rounds to the storage dtype and returns (stored value as f32, little-endian bytes).
@@ -69,33 +61,7 @@ struct Harness {
 }
 
 fn geom(hq: u32, hkv: u32, d: u32, b: u32, dtype: DType) -> Geometry {
-    Geometry {
-        layers: 2,
-        q_heads: hq,
-        kv_heads: hkv,
-        head_dim: d,
-        block_tokens: b,
-        dtype,
-    }
-}
-
-fn config(
-    g: Geometry,
-    policy: Policy,
-    max_blocks: u32,
-    sessions: u32,
-    sum: SummaryDtype,
-) -> CudaConfig {
-    CudaConfig {
-        geometry: g,
-        policy,
-        max_sessions: sessions,
-        max_blocks,
-        max_batch: sessions,
-        cache_slots: policy.budget() as u32 * 2,
-        summary_dtype: sum,
-        attention: AttentionMath::TensorCores,
-    }
+    Geometry::new(2, hq, hkv, d, dtype, b)
 }
 
 /// How keys are drawn: `templates` > 0 makes block b reuse the keys of block b % templates
@@ -198,10 +164,10 @@ impl Harness {
                         let kx = if src_t < t {
                             k[l][h][src_t * d + dd]
                         } else {
-                            store(self.rng.f(), g.dtype).0
+                            store(uniform_pm1(&mut self.rng), g.dtype).0
                         };
                         k[l][h][t * d + dd] = kx;
-                        v[l][h][t * d + dd] = store(self.rng.f(), g.dtype).0;
+                        v[l][h][t * d + dd] = store(uniform_pm1(&mut self.rng), g.dtype).0;
                     }
                 }
             }
@@ -262,7 +228,7 @@ impl Harness {
     fn query(&mut self) -> Vec<f32> {
         let g = self.cfg.geometry;
         (0..g.q_heads * g.head_dim)
-            .map(|_| self.rng.f() * 2.0)
+            .map(|_| uniform_pm1(&mut self.rng) * 2.0)
             .collect()
     }
 
@@ -435,7 +401,7 @@ fn qwen_config(max_blocks: u32, sessions: u32) -> CudaConfig {
         top_k: 32,
     };
     let g = geom(28, 4, 128, 128, DType::Bf16);
-    config(g, policy, max_blocks, sessions, SummaryDtype::F32)
+    CudaConfig::new(g, policy, max_blocks, sessions, SummaryDtype::F32)
 }
 
 #[test]
@@ -444,7 +410,7 @@ fn smoke_device_and_one_layer() {
     if !gpu() {
         return;
     }
-    let cfg = config(
+    let cfg = CudaConfig::new(
         geom(28, 4, 128, 128, DType::Bf16),
         POLICY,
         24,
@@ -522,7 +488,7 @@ fn other_geometries_and_dtypes() {
         ),
     ];
     for (ci, (g, p, sd)) in cases.into_iter().enumerate() {
-        let cfg = config(g, p, 40, 8, sd);
+        let cfg = CudaConfig::new(g, p, 40, 8, sd);
         let mut h = Harness::new(cfg, 10 + ci as u64);
         let b = g.block_tokens;
         let lens = [
@@ -559,7 +525,7 @@ fn tensor_core_attention_matches_fp32() {
         let run = |attention: AttentionMath| {
             let cfg = CudaConfig {
                 attention,
-                ..config(g, POLICY, 40, 3, SummaryDtype::F32)
+                ..CudaConfig::new(g, POLICY, 40, 3, SummaryDtype::F32)
             };
             assert_eq!(
                 cfg.validate().unwrap().att_mma,
@@ -592,7 +558,7 @@ fn selector_ties_break_to_lower_block() {
         (1, SummaryDtype::F32),
         (5, SummaryDtype::Bf16Outward),
     ] {
-        let cfg = config(geom(8, 2, 64, 16, DType::Bf16), POLICY, 60, 2, sd);
+        let cfg = CudaConfig::new(geom(8, 2, 64, 16, DType::Bf16), POLICY, 60, 2, sd);
         let mut h = Harness::new(cfg, 20 + templates as u64);
         let a = h.add_session(60 * 16, KeyGen { templates });
         let b = h.add_session(45 * 16 + 5, KeyGen { templates });
@@ -613,7 +579,7 @@ fn dense_mode_is_plain_attention() {
         local_blocks: 2,
         top_k: 40,
     };
-    let cfg = config(
+    let cfg = CudaConfig::new(
         geom(28, 4, 128, 32, DType::Bf16),
         p,
         43,
@@ -656,7 +622,7 @@ fn block_cache_hits_and_appends() {
     if !gpu() {
         return;
     }
-    let cfg = config(
+    let cfg = CudaConfig::new(
         geom(28, 4, 128, 32, DType::Bf16),
         POLICY,
         40,
@@ -700,7 +666,7 @@ fn split_plan_keeps_cache_exact_at_ksel_slots() {
     if !gpu() {
         return;
     }
-    let mut cfg = config(
+    let mut cfg = CudaConfig::new(
         geom(28, 4, 128, 32, DType::Bf16),
         POLICY,
         200,
@@ -745,7 +711,7 @@ fn selector_long_layers_match_cpu() {
             local_blocks: 3,
             top_k,
         };
-        let cfg = config(
+        let cfg = CudaConfig::new(
             geom(28, 4, 128, 16, DType::Bf16),
             policy,
             1100,
@@ -772,7 +738,7 @@ fn decode_step_matches_layers() {
     if !gpu() {
         return;
     }
-    let cfg = config(
+    let cfg = CudaConfig::new(
         geom(28, 4, 128, 32, DType::Bf16),
         POLICY,
         40,
@@ -1060,7 +1026,7 @@ fn bad_inputs_get_typed_errors() {
     if !gpu() {
         return;
     }
-    let cfg = config(
+    let cfg = CudaConfig::new(
         geom(8, 2, 64, 16, DType::Bf16),
         POLICY,
         20,
@@ -1203,7 +1169,7 @@ fn pinned_region_chunks_and_cleanup() {
     if !gpu() {
         return;
     }
-    let cfg = config(
+    let cfg = CudaConfig::new(
         geom(8, 2, 64, 16, DType::Bf16),
         POLICY,
         20,
@@ -1274,7 +1240,7 @@ fn selector_large_context_exact() {
         (7, SummaryDtype::F32),
         (0, SummaryDtype::Bf16Outward),
     ] {
-        let cfg = config(geom(8, 2, 32, 16, DType::F32), p, 3000, 2, sd);
+        let cfg = CudaConfig::new(geom(8, 2, 32, 16, DType::F32), p, 3000, 2, sd);
         let mut h = Harness::new(cfg, 70 + templates as u64);
         let a = h.add_session(3000 * 16, KeyGen { templates });
         let b = h.add_session(2111 * 16 + 9, KeyGen { templates });
@@ -1297,7 +1263,7 @@ fn selector_max_blocks_list_merge_exact() {
             local_blocks: 4,
             top_k,
         };
-        let cfg = config(
+        let cfg = CudaConfig::new(
             geom(4, 1, 32, 16, DType::Bf16),
             p,
             32_768,

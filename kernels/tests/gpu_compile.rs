@@ -6,27 +6,12 @@ use kvtier_kernels::cuda::{compile_check, AttentionMath, CudaConfig, CudaError, 
 use kvtier_storage::{DType, Geometry, Policy};
 
 fn cfg(hq: u32, hkv: u32, d: u32, b: u32, dtype: DType, sum: SummaryDtype) -> CudaConfig {
-    CudaConfig {
-        geometry: Geometry {
-            layers: 2,
-            q_heads: hq,
-            kv_heads: hkv,
-            head_dim: d,
-            block_tokens: b,
-            dtype,
-        },
-        policy: Policy {
-            sink_blocks: 1,
-            local_blocks: 2,
-            top_k: 5,
-        },
-        max_sessions: 4,
-        max_blocks: 64,
-        max_batch: 4,
-        cache_slots: 16,
-        summary_dtype: sum,
-        attention: AttentionMath::TensorCores,
-    }
+    let policy = Policy {
+        sink_blocks: 1,
+        local_blocks: 2,
+        top_k: 5,
+    };
+    CudaConfig::new(Geometry::new(2, hq, hkv, d, dtype, b), policy, 64, 4, sum)
 }
 
 #[test]

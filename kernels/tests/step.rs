@@ -6,21 +6,15 @@
 use kvtier_kernels::select::select;
 use kvtier_kernels::{
     decode_layer, decode_step, Appended, Attended, Backend, DecodeEntry, KeepSet, KernelError,
-    SelectScratch, StageTimings,
+    SelectScratch, StageTimings, StepReport,
 };
 use kvtier_storage::testing::{Rng, SavedRuns};
 use kvtier_storage::{
-    ArenaOptions, ColdSource, DType, Geometry, HostArena, KvCache, Policy, StorageError,
+    ArenaOptions, ColdSource, Geometry, HostArena, KvCache, Policy, StorageError,
 };
 
-const GEO: Geometry = Geometry {
-    layers: 2,
-    q_heads: 4,
-    kv_heads: 2,
-    head_dim: 32,
-    dtype: DType::Bf16,
-    block_tokens: 16,
-};
+/// One (layer, block) run fills a 4 KiB frame.
+const GEO: Geometry = kvtier_tests::session::SMALL_GEOMETRY;
 
 const POLICY: Policy = Policy {
     sink_blocks: 1,
@@ -139,6 +133,23 @@ fn entry<'a>(
     }
 }
 
+/// The decode step of layer 0 over the one entry `e`, its output in `out`.
+fn step_one(
+    be: &mut dyn Backend,
+    e: DecodeEntry<'_>,
+    out: &mut [f32],
+    want_keep: bool,
+) -> Result<StepReport, KernelError> {
+    decode_step(
+        be,
+        0,
+        &mut [e],
+        out,
+        want_keep,
+        &mut StageTimings::default(),
+    )
+}
+
 #[test]
 fn a_self_selecting_backend_gets_the_cpu_keep_set_of_cold_layers_promoted_first() {
     let mut rng = Rng::new(11);
@@ -169,15 +180,8 @@ fn a_self_selecting_backend_gets_the_cpu_keep_set_of_cold_layers_promoted_first(
             let before: Vec<u32> = (0..blocks).filter(|&b| !cold.is_resident(0, b)).collect();
             let mut be = SelfSelecting::default();
             let mut out = vec![0f32; q.len()];
-            let rep = decode_step(
-                &mut be,
-                0,
-                &mut [entry(&mut cold, pos, &q, &r, Some(&saved))],
-                &mut out,
-                false,
-                &mut StageTimings::default(),
-            )
-            .unwrap();
+            let e = entry(&mut cold, pos, &q, &r, Some(&saved));
+            let rep = step_one(&mut be, e, &mut out, false).unwrap();
             let plan = be.planned[0].as_ref().expect("the layer had cold blocks");
             assert_eq!(
                 Some(plan),
@@ -215,15 +219,7 @@ fn a_resident_layer_is_not_selected_on_the_cpu_for_a_self_selecting_backend() {
     let mut be = SelfSelecting::default();
     let mut out = vec![0f32; q.len()];
     kv.evict(1, 0); // another layer's cold block does not matter
-    decode_step(
-        &mut be,
-        0,
-        &mut [entry(&mut kv, 50, &q, &r, None)],
-        &mut out,
-        true,
-        &mut StageTimings::default(),
-    )
-    .unwrap();
+    step_one(&mut be, entry(&mut kv, 50, &q, &r, None), &mut out, true).unwrap();
     assert_eq!(be.planned, vec![None]);
 }
 
@@ -236,13 +232,11 @@ fn a_cold_partial_tail_is_promoted_before_the_append_or_refused_with_nothing_cha
     let r = row(&mut rng);
     let mut out = vec![0f32; q.len()];
     let mut step = |kv: &mut KvCache, pos: u64, cold: Option<&dyn ColdSource>| {
-        decode_step(
+        step_one(
             &mut SelfSelecting::default(),
-            0,
-            &mut [entry(kv, pos, &q, &r, cold)],
+            entry(kv, pos, &q, &r, cold),
             &mut out,
             false,
-            &mut StageTimings::default(),
         )
     };
     assert!(kv.evict(0, 2));
@@ -304,15 +298,8 @@ fn after_a_failure_or_a_divergence_the_cpu_answers_and_the_device_state_is_disca
             ..SelfSelecting::default()
         };
         let mut out = vec![0f32; q.len()];
-        let rep = decode_step(
-            &mut be,
-            0,
-            &mut [entry(&mut cold, pos, &q, &r, Some(&saved))],
-            &mut out,
-            true,
-            &mut StageTimings::default(),
-        )
-        .unwrap();
+        let e = entry(&mut cold, pos, &q, &r, Some(&saved));
+        let rep = step_one(&mut be, e, &mut out, true).unwrap();
         assert!(rep.cpu_fallback, "diverge {diverge}");
         assert_eq!(rep.cold_divergences, u32::from(diverge));
         assert_eq!(be.discarded, vec![1]);

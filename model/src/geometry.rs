@@ -26,14 +26,26 @@ pub struct Geometry {
 
 impl Geometry {
     /// Qwen2.5-7B attention geometry, the reference model of the design brief.
-    pub const QWEN2_5_7B: Geometry = Geometry {
-        layers: 28,
-        q_heads: 28,
-        kv_heads: 4,
-        head_dim: 128,
-        dtype: DType::Bf16,
-        block_tokens: 128,
-    };
+    pub const QWEN2_5_7B: Geometry = Geometry::new(28, 28, 4, 128, DType::Bf16, 128);
+
+    /// A geometry from its fields, in declaration order (not validated: see [`Self::validate`]).
+    pub const fn new(
+        layers: u32,
+        q_heads: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        dtype: DType,
+        block_tokens: u32,
+    ) -> Geometry {
+        Geometry {
+            layers,
+            q_heads,
+            kv_heads,
+            head_dim,
+            dtype,
+            block_tokens,
+        }
+    }
 
     /// Checks every field; the error names the field and says what is wrong.
     pub fn validate(&self) -> Result<()> {

@@ -1,72 +1,36 @@
 //! The crate's error type and the wire error codes.
 
-/// Error codes carried in an error reply (opcode 0xFFFF). Numbering is part of the wire
-/// format; docs/protocol.md says when each one is used.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u16)]
-pub enum ErrorCode {
-    /// The session id does not exist (never created, closed or evicted).
-    NotFound = 1,
-    /// Malformed frame or body, or arguments that can never be valid (bad geometry, sizes
-    /// that do not match the session, layer out of range).
-    InvalidArgument = 2,
-    /// A limit was hit: frame larger than max_frame_bytes, tiers full, too many sessions.
-    ResourceExhausted = 3,
-    /// The request is well formed but the state does not allow it (no HELLO yet, append at a
-    /// position other than the layer's current length, no common protocol version).
-    FailedPrecondition = 4,
-    /// The session belongs to another uid, or an admin operation from a non-admin peer.
-    PermissionDenied = 5,
-    /// Temporarily unable to serve (shutting down, a tier offline); retrying may succeed.
-    Unavailable = 6,
-    /// A server bug or an I/O failure that is not the client's fault.
-    Internal = 7,
-    /// Unknown or reserved opcode. The connection stays usable.
-    Unimplemented = 8,
-    /// Stored data failed verification (checksum mismatch, corrupt page).
-    DataLoss = 9,
+wire_enum! {
+    /// Error codes carried in an error reply (opcode 0xFFFF). Numbering is part of the wire
+    /// format; docs/protocol.md says when each one is used.
+    pub enum ErrorCode {
+        /// The session id does not exist (never created, closed or evicted).
+        NotFound = 1 => "NOT_FOUND",
+        /// Malformed frame or body, or arguments that can never be valid (bad geometry, sizes
+        /// that do not match the session, layer out of range).
+        InvalidArgument = 2 => "INVALID_ARGUMENT",
+        /// A limit was hit: frame larger than max_frame_bytes, tiers full, too many sessions.
+        ResourceExhausted = 3 => "RESOURCE_EXHAUSTED",
+        /// The request is well formed but the state does not allow it (no HELLO yet, append at
+        /// a position other than the layer's current length, no common protocol version).
+        FailedPrecondition = 4 => "FAILED_PRECONDITION",
+        /// The session belongs to another uid, or an admin operation from a non-admin peer.
+        PermissionDenied = 5 => "PERMISSION_DENIED",
+        /// Temporarily unable to serve (shutting down, a tier offline); retrying may succeed.
+        Unavailable = 6 => "UNAVAILABLE",
+        /// A server bug or an I/O failure that is not the client's fault.
+        Internal = 7 => "INTERNAL",
+        /// Unknown or reserved opcode. The connection stays usable.
+        Unimplemented = 8 => "UNIMPLEMENTED",
+        /// Stored data failed verification (checksum mismatch, corrupt page).
+        DataLoss = 9 => "DATA_LOSS",
+    }
 }
 
 impl ErrorCode {
-    /// Every code, in wire order.
-    pub const ALL: [ErrorCode; 9] = [
-        ErrorCode::NotFound,
-        ErrorCode::InvalidArgument,
-        ErrorCode::ResourceExhausted,
-        ErrorCode::FailedPrecondition,
-        ErrorCode::PermissionDenied,
-        ErrorCode::Unavailable,
-        ErrorCode::Internal,
-        ErrorCode::Unimplemented,
-        ErrorCode::DataLoss,
-    ];
-
-    /// The code's wire value.
-    pub fn as_u16(self) -> u16 {
-        self as u16
-    }
-
     /// Parse a wire value.
     pub fn from_u16(code: u16) -> Result<Self, ProtoError> {
-        Self::ALL
-            .into_iter()
-            .find(|c| c.as_u16() == code)
-            .ok_or(ProtoError::UnknownErrorCode { code })
-    }
-
-    /// Upper-snake name as used in the documentation (`NOT_FOUND`, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            ErrorCode::NotFound => "NOT_FOUND",
-            ErrorCode::InvalidArgument => "INVALID_ARGUMENT",
-            ErrorCode::ResourceExhausted => "RESOURCE_EXHAUSTED",
-            ErrorCode::FailedPrecondition => "FAILED_PRECONDITION",
-            ErrorCode::PermissionDenied => "PERMISSION_DENIED",
-            ErrorCode::Unavailable => "UNAVAILABLE",
-            ErrorCode::Internal => "INTERNAL",
-            ErrorCode::Unimplemented => "UNIMPLEMENTED",
-            ErrorCode::DataLoss => "DATA_LOSS",
-        }
+        Self::from_wire(code).ok_or(ProtoError::UnknownErrorCode { code })
     }
 }
 

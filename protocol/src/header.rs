@@ -19,48 +19,27 @@ pub const FLAG_APPEND_SHM: u16 = 0x0001;
 /// 0x0014..=0x001F are reserved (answered with UNIMPLEMENTED).
 pub const RESERVED_TIER_OPCODES: std::ops::RangeInclusive<u16> = 0x0014..=0x001F;
 
-/// Request opcodes. A success reply's opcode is `opcode | 0x8000`; an error reply's is 0xFFFF.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u16)]
-pub enum Opcode {
-    Hello = 0x0001,
-    CreateSession = 0x0002,
-    AppendKv = 0x0003,
-    Decode = 0x0004,
-    SessionInfo = 0x0005,
-    CloseSession = 0x0006,
-    ListSessions = 0x0007,
-    Stats = 0x0008,
-    Evict = 0x0009,
-    Demote = 0x0010,
-    Promote = 0x0011,
-    Pin = 0x0012,
-    Unpin = 0x0013,
+wire_enum! {
+    /// Request opcodes. A success reply's opcode is `opcode | 0x8000`; an error reply's is
+    /// 0xFFFF.
+    pub enum Opcode {
+        Hello = 0x0001 => "HELLO",
+        CreateSession = 0x0002 => "CREATE_SESSION",
+        AppendKv = 0x0003 => "APPEND_KV",
+        Decode = 0x0004 => "DECODE",
+        SessionInfo = 0x0005 => "SESSION_INFO",
+        CloseSession = 0x0006 => "CLOSE_SESSION",
+        ListSessions = 0x0007 => "LIST_SESSIONS",
+        Stats = 0x0008 => "STATS",
+        Evict = 0x0009 => "EVICT",
+        Demote = 0x0010 => "DEMOTE",
+        Promote = 0x0011 => "PROMOTE",
+        Pin = 0x0012 => "PIN",
+        Unpin = 0x0013 => "UNPIN",
+    }
 }
 
 impl Opcode {
-    /// Every implemented opcode.
-    pub const ALL: [Opcode; 13] = [
-        Opcode::Hello,
-        Opcode::CreateSession,
-        Opcode::AppendKv,
-        Opcode::Decode,
-        Opcode::SessionInfo,
-        Opcode::CloseSession,
-        Opcode::ListSessions,
-        Opcode::Stats,
-        Opcode::Evict,
-        Opcode::Demote,
-        Opcode::Promote,
-        Opcode::Pin,
-        Opcode::Unpin,
-    ];
-
-    /// The request opcode's wire value.
-    pub fn as_u16(self) -> u16 {
-        self as u16
-    }
-
     /// The success reply's wire opcode.
     pub fn reply(self) -> u16 {
         self as u16 | REPLY_BIT
@@ -69,10 +48,7 @@ impl Opcode {
     /// Parse a request opcode; unknown and reserved values are `UnknownOpcode`
     /// (answered with UNIMPLEMENTED).
     pub fn from_u16(opcode: u16) -> Result<Self, ProtoError> {
-        Self::ALL
-            .into_iter()
-            .find(|o| o.as_u16() == opcode)
-            .ok_or(ProtoError::UnknownOpcode { opcode })
+        Self::from_wire(opcode).ok_or(ProtoError::UnknownOpcode { opcode })
     }
 
     /// Header flag bits this request may carry.
@@ -80,25 +56,6 @@ impl Opcode {
         match self {
             Opcode::AppendKv => FLAG_APPEND_SHM,
             _ => 0,
-        }
-    }
-
-    /// Upper-snake name as in the documentation.
-    pub fn name(self) -> &'static str {
-        match self {
-            Opcode::Hello => "HELLO",
-            Opcode::CreateSession => "CREATE_SESSION",
-            Opcode::AppendKv => "APPEND_KV",
-            Opcode::Decode => "DECODE",
-            Opcode::SessionInfo => "SESSION_INFO",
-            Opcode::CloseSession => "CLOSE_SESSION",
-            Opcode::ListSessions => "LIST_SESSIONS",
-            Opcode::Stats => "STATS",
-            Opcode::Evict => "EVICT",
-            Opcode::Demote => "DEMOTE",
-            Opcode::Promote => "PROMOTE",
-            Opcode::Pin => "PIN",
-            Opcode::Unpin => "UNPIN",
         }
     }
 }

@@ -14,6 +14,46 @@
 //! - [`fdpass`]: `sendmsg`/`recvmsg` with SCM_RIGHTS, the one unsafe FFI corner.
 //! - [`client`]: blocking [`client::Client`] used by tierctl, tests and the load generator.
 
+/// A `#[repr(u16)]` wire enum: each variant with its wire value and its upper-snake name as in
+/// the documentation. Generates `ALL` (declaration order), `as_u16`, `name`, and `from_wire`
+/// (the variant of a wire value).
+macro_rules! wire_enum {
+    (
+        $(#[$meta:meta])*
+        pub enum $name:ident {
+            $( $(#[$vmeta:meta])* $variant:ident = $value:literal => $text:literal, )*
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[repr(u16)]
+        pub enum $name {
+            $( $(#[$vmeta])* $variant = $value, )*
+        }
+
+        impl $name {
+            /// Every variant, in declaration order.
+            pub const ALL: [$name; [$($value),*].len()] = [$($name::$variant),*];
+
+            /// The wire value.
+            pub fn as_u16(self) -> u16 {
+                self as u16
+            }
+
+            /// Upper-snake name as in the documentation.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $( $name::$variant => $text, )*
+                }
+            }
+
+            fn from_wire(value: u16) -> Option<Self> {
+                Self::ALL.into_iter().find(|v| v.as_u16() == value)
+            }
+        }
+    };
+}
+
 pub mod client;
 pub mod error;
 pub mod fdpass;

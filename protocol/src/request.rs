@@ -402,27 +402,6 @@ impl<'a> Request<'a> {
             Opcode::CreateSession => Request::CreateSession(CreateSessionRequest::decode(body)?),
             Opcode::AppendKv => Request::AppendKv(AppendKvRequest::decode(header.flags, body)?),
             Opcode::Decode => Request::Decode(DecodeRequest::decode(body)?),
-            Opcode::SessionInfo => Request::SessionInfo {
-                session: session_only(body)?,
-            },
-            Opcode::CloseSession => Request::CloseSession {
-                session: session_only(body)?,
-            },
-            Opcode::Evict => Request::Evict {
-                session: session_only(body)?,
-            },
-            Opcode::Demote => Request::Demote {
-                session: session_only(body)?,
-            },
-            Opcode::Promote => Request::Promote {
-                session: session_only(body)?,
-            },
-            Opcode::Pin => Request::Pin {
-                session: session_only(body)?,
-            },
-            Opcode::Unpin => Request::Unpin {
-                session: session_only(body)?,
-            },
             Opcode::ListSessions => {
                 Reader::new(body).finish()?;
                 Request::ListSessions
@@ -431,6 +410,34 @@ impl<'a> Request<'a> {
                 Reader::new(body).finish()?;
                 Request::Stats
             }
+            Opcode::SessionInfo
+            | Opcode::CloseSession
+            | Opcode::Evict
+            | Opcode::Demote
+            | Opcode::Promote
+            | Opcode::Pin
+            | Opcode::Unpin => {
+                Request::for_session(op, session_only(body)?).expect("a session-only opcode")
+            }
+        })
+    }
+
+    /// The request of a session-only opcode (its body is the session id); None for the others.
+    pub fn for_session(op: Opcode, session: u64) -> Option<Self> {
+        Some(match op {
+            Opcode::SessionInfo => Request::SessionInfo { session },
+            Opcode::CloseSession => Request::CloseSession { session },
+            Opcode::Evict => Request::Evict { session },
+            Opcode::Demote => Request::Demote { session },
+            Opcode::Promote => Request::Promote { session },
+            Opcode::Pin => Request::Pin { session },
+            Opcode::Unpin => Request::Unpin { session },
+            Opcode::Hello
+            | Opcode::CreateSession
+            | Opcode::AppendKv
+            | Opcode::Decode
+            | Opcode::ListSessions
+            | Opcode::Stats => return None,
         })
     }
 }

@@ -52,7 +52,9 @@ pub(crate) fn get_policy(r: &mut Reader<'_>) -> Result<Policy, ProtoError> {
 
 /// One session as reported by SESSION_INFO and LIST_SESSIONS.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct SessionInfo {
+    #[cfg_attr(feature = "serde", serde(rename = "id"))]
     pub session: u64,
     pub owner_uid: u32,
     pub label: String,

@@ -274,29 +274,31 @@ fn decode_entries_borrow_from_body() {
     assert!(e.read_q_into(&mut [0f32; 3]).is_err());
 }
 
+/// Ragged q bytes; unknown body flags.
 #[test]
-fn decode_q_must_be_whole_f32s() {
-    let body = decode_body(1, 6, 4, 0);
-    assert_eq!(
-        req(Opcode::Decode, 0, &body),
-        Err(ProtoError::Misaligned {
-            what: "decode q",
-            len: 6,
-            multiple: 4
-        })
-    );
-}
-
-#[test]
-fn decode_unknown_body_flags() {
-    let body = decode_body(1, 4, 4, 0x2);
-    assert_eq!(
-        req(Opcode::Decode, 0, &body),
-        Err(ProtoError::BadFlags {
-            opcode: 4,
-            flags: 2
-        })
-    );
+fn decode_q_must_be_whole_f32s_and_body_flags_known() {
+    for (q_len, flags, want) in [
+        (
+            6,
+            0,
+            ProtoError::Misaligned {
+                what: "decode q",
+                len: 6,
+                multiple: 4,
+            },
+        ),
+        (
+            4,
+            0x2,
+            ProtoError::BadFlags {
+                opcode: 4,
+                flags: 2,
+            },
+        ),
+    ] {
+        let body = decode_body(1, q_len, 4, flags);
+        assert_eq!(req(Opcode::Decode, 0, &body), Err(want));
+    }
 }
 
 #[test]
@@ -343,33 +345,26 @@ fn decode_kv_lengths_checked() {
 
 #[test]
 fn encoder_rejects_mismatched_k_and_v() {
+    let one = |q, k, v| {
+        Request::Decode(DecodeRequest {
+            layer: 0,
+            want_stats: false,
+            entries: vec![DecodeEntryRef {
+                session: 1,
+                position: 0,
+                q,
+                k,
+                v,
+            }],
+        })
+    };
     let q = [0u8; 4];
-    let r = Request::Decode(DecodeRequest {
-        layer: 0,
-        want_stats: false,
-        entries: vec![DecodeEntryRef {
-            session: 1,
-            position: 0,
-            q: &q,
-            k: &[0; 4],
-            v: &[0; 2],
-        }],
-    });
+    let r = one(&q, &[0; 4], &[0; 2]);
     let mut buf = vec![0xAA];
     assert!(r.encode_frame(1, &mut buf).is_err());
     // A failed frame encode leaves the buffer as it was.
     assert_eq!(buf, vec![0xAA]);
-    let r = Request::Decode(DecodeRequest {
-        layer: 0,
-        want_stats: false,
-        entries: vec![DecodeEntryRef {
-            session: 1,
-            position: 0,
-            q: &q[..3],
-            k: &[],
-            v: &[],
-        }],
-    });
+    let r = one(&q[..3], &[], &[]);
     assert!(matches!(
         r.encode(&mut Vec::new()),
         Err(ProtoError::Misaligned { .. })
@@ -444,14 +439,7 @@ fn error_reply_from_proto_error() {
 
 #[test]
 fn geometry_size_helpers() {
-    let g = Geometry {
-        layers: 28,
-        q_heads: 28,
-        kv_heads: 4,
-        head_dim: 128,
-        dtype: DType::Bf16,
-        block_tokens: 128,
-    };
+    let g = Geometry::QWEN2_5_7B;
     assert_eq!(g.q_bytes(), Some(28 * 128 * 4));
     assert_eq!(g.kv_token_bytes(), Some(4 * 128 * 2));
     // 57,344 bytes of KV per token over all layers (DESIGN.md).

@@ -43,13 +43,25 @@ fn info(session: u64, label: &str, pinned: bool) -> SessionInfo {
     }
 }
 
+/// The frame `encode_frame` (a request's or a response's) writes for request id `id`.
+fn frame<E: std::fmt::Debug>(
+    id: u64,
+    encode_frame: impl FnOnce(u64, &mut Vec<u8>) -> Result<(), E>,
+) -> Vec<u8> {
+    let mut f = Vec::new();
+    encode_frame(id, &mut f).unwrap();
+    f
+}
+
 /// (file stem, description, frame bytes)
 fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
     let mut out = Vec::new();
     let mut req = |name: &'static str, id: u64, r: Request<'_>, what: &str| {
-        let mut f = Vec::new();
-        r.encode_frame(id, &mut f).unwrap();
-        out.push((name, what.to_string(), f));
+        out.push((
+            name,
+            what.to_string(),
+            frame(id, |id, f| r.encode_frame(id, f)),
+        ));
     };
 
     req(
@@ -158,9 +170,11 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
     );
 
     let mut resp = |name: &'static str, id: u64, r: Response, what: &str| {
-        let mut f = Vec::new();
-        r.encode_frame(id, &mut f).unwrap();
-        out.push((name, what.to_string(), f));
+        out.push((
+            name,
+            what.to_string(),
+            frame(id, |id, f| r.encode_frame(id, f)),
+        ));
     };
     resp(
         "hello_reply",

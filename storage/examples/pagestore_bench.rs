@@ -71,6 +71,16 @@ struct Row {
 }
 
 impl Row {
+    /// (GB/s, pages of `page` bytes per second, p50 us, p99 us).
+    fn rates(&self, page: usize) -> (f64, f64, f64, f64) {
+        (
+            self.bytes as f64 / self.secs / 1e9,
+            self.bytes as f64 / page as f64 / self.secs,
+            self.pct(0.5),
+            self.pct(0.99),
+        )
+    }
+
     fn pct(&self, p: f64) -> f64 {
         if self.lat_us.is_empty() {
             return f64::NAN;
@@ -306,30 +316,20 @@ fn main() {
         } else {
             "one read"
         };
+        let (gb, iops, p50, p99) = r.rates(page);
         println!(
-            "| {} | {} | {:.3} | {:.0} | {:.0} | {:.0} | {} |",
-            r.mode,
-            r.qd,
-            r.bytes as f64 / r.secs / 1e9,
-            r.bytes as f64 / page as f64 / r.secs,
-            r.pct(0.5),
-            r.pct(0.99),
-            per
+            "| {} | {} | {gb:.3} | {iops:.0} | {p50:.0} | {p99:.0} | {per} |",
+            r.mode, r.qd
         );
     }
     if let Some(path) = &a.json {
         let items: Vec<String> = rows
             .iter()
             .map(|r| {
+                let (gb, iops, p50, p99) = r.rates(page);
                 format!(
-                    "{{\"mode\":\"{}\",\"qd\":{},\"gb_per_s\":{:.4},\"pages_per_s\":{:.1},\"p50_us\":{:.1},\"p99_us\":{:.1},\"ops\":{}}}",
-                    r.mode,
-                    r.qd,
-                    r.bytes as f64 / r.secs / 1e9,
-                    r.bytes as f64 / page as f64 / r.secs,
-                    r.pct(0.5),
-                    r.pct(0.99),
-                    r.ops
+                    "{{\"mode\":\"{}\",\"qd\":{},\"gb_per_s\":{gb:.4},\"pages_per_s\":{iops:.1},\"p50_us\":{p50:.1},\"p99_us\":{p99:.1},\"ops\":{}}}",
+                    r.mode, r.qd, r.ops
                 )
             })
             .collect();

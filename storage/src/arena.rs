@@ -316,29 +316,26 @@ impl Frame {
         false
     }
 
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: the range [id*fb, (id+1)*fb) lies inside the live mapping (id < frames_total)
-        // and is reachable only through this handle, which we borrow shared.
+    /// The frame's first byte: `[id*fb, (id+1)*fb)` lies inside the live mapping
+    /// (id < frames_total) and is reachable only through this handle.
+    fn start(&self) -> *mut u8 {
+        // SAFETY: id < frames_total, so the offset stays inside the mapping.
         unsafe {
-            std::slice::from_raw_parts(
-                self.arena
-                    .base
-                    .add(self.id as usize * self.arena.frame_bytes),
-                self.arena.frame_bytes,
-            )
+            self.arena
+                .base
+                .add(self.id as usize * self.arena.frame_bytes)
         }
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the frame's range (see `start`), reachable only through this handle, which
+        // we borrow shared.
+        unsafe { std::slice::from_raw_parts(self.start(), self.arena.frame_bytes) }
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`; `&mut self` makes this the only live reference to the range.
-        unsafe {
-            std::slice::from_raw_parts_mut(
-                self.arena
-                    .base
-                    .add(self.id as usize * self.arena.frame_bytes),
-                self.arena.frame_bytes,
-            )
-        }
+        unsafe { std::slice::from_raw_parts_mut(self.start(), self.arena.frame_bytes) }
     }
 
     /// Makes the frame hold exactly `run`: copied to the front, every byte after it zeroed

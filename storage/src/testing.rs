@@ -1,5 +1,19 @@
 //! Deterministic random data for tests, benchmarks and the demo (not a cryptographic RNG).
 
+/// Marsaglia's xorshift64 (shifts 13, 7, 17), the generator of the CUDA backend's tests and
+/// benchmark; the seed must be non-zero.
+#[derive(Debug, Clone)]
+pub struct XorShift64(pub u64);
+
+impl XorShift64 {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
 /// SplitMix64: tiny, fast, and reproducible from a seed across platforms.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);

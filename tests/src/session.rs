@@ -10,15 +10,11 @@ use crate::kv::{f32_bytes, query, rows};
 
 /// A small GQA geometry whose (layer, block) run exactly fills a 4 KiB frame: 2 KV heads x
 /// (K, V) x 16 tokens x 32 dims x 2 bytes.
+pub const SMALL_GEOMETRY: Geometry = Geometry::new(2, 4, 2, 32, DType::Bf16, 16);
+
+/// [`SMALL_GEOMETRY`].
 pub fn small_geometry() -> Geometry {
-    Geometry {
-        layers: 2,
-        q_heads: 4,
-        kv_heads: 2,
-        head_dim: 32,
-        dtype: DType::Bf16,
-        block_tokens: 16,
-    }
+    SMALL_GEOMETRY
 }
 
 /// Sink 1, local 1, top-k 2: a keep-set of 4 blocks once past 4 blocks.

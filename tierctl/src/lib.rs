@@ -175,7 +175,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), CtlError> {
                 .list_sessions()
                 .map_err(fail("LIST_SESSIONS", None))?;
             let mut sessions: Vec<report::Session> = list.iter().map(Into::into).collect();
-            sessions.sort_by_key(|s| s.id);
+            sessions.sort_by_key(|s| s.session);
             let r = report::Sessions { sessions };
             emit(cli, out, &r, || r.render(now_unix_ms()))
         }
@@ -206,26 +206,26 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), CtlError> {
             };
             emit(cli, out, &r, || format!("evicted session {id}\n"))
         }
-        Command::Demote { id } => {
-            let blocks = client.demote(*id).map_err(fail("DEMOTE", Some(*id)))?;
+        Command::Demote { id } | Command::Promote { id } => {
+            let demote = matches!(cli.command, Command::Demote { .. });
+            let (op, action, moved) = if demote {
+                ("DEMOTE", "demoted", "moved to NVMe")
+            } else {
+                ("PROMOTE", "promoted", "read into host RAM")
+            };
+            let blocks = if demote {
+                client.demote(*id)
+            } else {
+                client.promote(*id)
+            }
+            .map_err(fail(op, Some(*id)))?;
             let r = report::TierMove {
                 session: *id,
-                action: "demoted",
+                action,
                 blocks,
             };
             emit(cli, out, &r, || {
-                format!("demoted session {id}: {blocks} blocks moved to NVMe\n")
-            })
-        }
-        Command::Promote { id } => {
-            let blocks = client.promote(*id).map_err(fail("PROMOTE", Some(*id)))?;
-            let r = report::TierMove {
-                session: *id,
-                action: "promoted",
-                blocks,
-            };
-            emit(cli, out, &r, || {
-                format!("promoted session {id}: {blocks} blocks read into host RAM\n")
+                format!("{action} session {id}: {blocks} blocks {moved}\n")
             })
         }
         Command::Pin { id } | Command::Unpin { id } => {

@@ -5,7 +5,6 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use kvtier_model::{Geometry, Policy};
 use kvtier_protocol::{stats_keys as keys, SessionInfo, StatsReply};
 use serde::Serialize;
 
@@ -183,44 +182,22 @@ impl Status {
     }
 }
 
-/// One session (`session info`, and each element of `sessions`).
+/// One session (`session info`, and each element of `sessions`): the protocol's
+/// [`SessionInfo`], its `session` field named `id`.
 #[derive(Debug, Serialize)]
-pub struct Session {
-    pub id: u64,
-    pub owner_uid: u32,
-    pub label: String,
-    pub geometry: Geometry,
-    pub policy: Policy,
-    pub tokens_min: u64,
-    pub tokens_max: u64,
-    pub blocks: u64,
-    pub host_bytes: u64,
-    pub nvme_bytes: u64,
-    pub pinned: bool,
-    /// Its stored data failed verification at startup (DATA_LOSS on use; `close` deletes it).
-    pub damaged: bool,
-    pub created_unix_ms: u64,
-    pub last_access_unix_ms: u64,
-}
+#[serde(transparent)]
+pub struct Session(pub SessionInfo);
 
 impl From<&SessionInfo> for Session {
     fn from(s: &SessionInfo) -> Self {
-        Self {
-            id: s.session,
-            owner_uid: s.owner_uid,
-            label: s.label.clone(),
-            geometry: s.geometry,
-            policy: s.policy,
-            tokens_min: s.tokens_min,
-            tokens_max: s.tokens_max,
-            blocks: s.blocks,
-            host_bytes: s.host_bytes,
-            nvme_bytes: s.nvme_bytes,
-            pinned: s.pinned,
-            damaged: s.damaged,
-            created_unix_ms: s.created_unix_ms,
-            last_access_unix_ms: s.last_access_unix_ms,
-        }
+        Self(s.clone())
+    }
+}
+
+impl std::ops::Deref for Session {
+    type Target = SessionInfo;
+    fn deref(&self) -> &SessionInfo {
+        &self.0
     }
 }
 
@@ -264,7 +241,7 @@ impl Session {
         let p = &self.policy;
         let mut t = Table::new(&[("", Align::Left), ("", Align::Left)]);
         let mut kv = |k: &str, v: String| t.row(vec![format!("{k}:"), v]);
-        kv("session", self.id.to_string());
+        kv("session", self.session.to_string());
         kv("owner uid", self.owner_uid.to_string());
         kv("label", self.label_cell());
         kv("geometry (L/Hq/Hkv/D/dtype/B)", self.geometry_cell());
@@ -324,7 +301,7 @@ impl Sessions {
         ]);
         for s in &self.sessions {
             t.row(vec![
-                s.id.to_string(),
+                s.session.to_string(),
                 s.owner_uid.to_string(),
                 s.label_cell(),
                 s.geometry_cell(),

@@ -10,7 +10,9 @@
 
 use std::time::{Duration, Instant};
 
-use kvtier_bench::{cpu_description, decode_step, fill_bf16, gbps, median, process_cpu_time};
+use kvtier_bench::{
+    cpu_description, decode_step, each_flag, fill_bf16, gbps, median, process_cpu_time,
+};
 use kvtier_storage::testing::Rng;
 use kvtier_storage::{ArenaOptions, Geometry, HostArena, KvCache, Policy};
 
@@ -28,22 +30,18 @@ fn parse_args() -> Args {
         dense_steps: 3,
         json: None,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut val = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
-        match flag.as_str() {
-            "--contexts" => {
-                a.contexts = val()
-                    .split(',')
-                    .map(|s| s.parse().expect("--contexts: integers"))
-                    .collect()
-            }
-            "--steps" => a.steps = val().parse().expect("--steps: integer"),
-            "--dense-steps" => a.dense_steps = val().parse().expect("--dense-steps: integer"),
-            "--json" => a.json = Some(val()),
-            other => panic!("unknown flag {other}"),
+    each_flag(|flag, val| match flag {
+        "--contexts" => {
+            a.contexts = val()
+                .split(',')
+                .map(|s| s.parse().expect("--contexts: integers"))
+                .collect()
         }
-    }
+        "--steps" => a.steps = val().parse().expect("--steps: integer"),
+        "--dense-steps" => a.dense_steps = val().parse().expect("--dense-steps: integer"),
+        "--json" => a.json = Some(val()),
+        other => panic!("unknown flag {other}"),
+    });
     a
 }
 
@@ -81,11 +79,8 @@ fn run_steps(
 fn main() {
     let args = parse_args();
     let g = Geometry::QWEN2_5_7B;
-    let sparse = Policy {
-        sink_blocks: 1,
-        local_blocks: 4,
-        top_k: 32,
-    };
+    // Sink 1, local 4, top-32.
+    let sparse = Policy::default();
     let dense = Policy {
         sink_blocks: 0,
         local_blocks: 1,
@@ -152,32 +147,25 @@ fn main() {
     for pair in rows.chunks(2) {
         let speedup = pair[1].step.as_secs_f64() / pair[0].step.as_secs_f64();
         for r in pair {
-            let ms = r.step.as_secs_f64() * 1e3;
-            let s = if r.mode == "dense" {
+            let &Row {
+                context,
+                mode,
+                tiles,
+                bytes,
+                ..
+            } = r;
+            let (ms, cpu_ms) = (r.step.as_secs_f64() * 1e3, r.cpu.as_secs_f64() * 1e3);
+            let gb = gbps(bytes, r.step);
+            let s = if mode == "dense" {
                 String::from("1.0x")
             } else {
                 format!("{speedup:.1}x")
             };
             println!(
-                "{:>8}  {:<12} {:>10.2} {:>10.2} {:>8} {:>12} {:>7.2} {:>8}",
-                r.context,
-                r.mode,
-                ms,
-                r.cpu.as_secs_f64() * 1e3,
-                r.tiles,
-                r.bytes,
-                gbps(r.bytes, r.step),
-                s
+                "{context:>8}  {mode:<12} {ms:>10.2} {cpu_ms:>10.2} {tiles:>8} {bytes:>12} {gb:>7.2} {s:>8}"
             );
             json.push(format!(
-                "{{\"context\":{},\"mode\":\"{}\",\"step_ms\":{:.3},\"cpu_ms\":{:.3},\"tiles\":{},\"bytes_read\":{},\"gbps\":{:.3}}}",
-                r.context,
-                r.mode,
-                ms,
-                r.cpu.as_secs_f64() * 1e3,
-                r.tiles,
-                r.bytes,
-                gbps(r.bytes, r.step)
+                "{{\"context\":{context},\"mode\":\"{mode}\",\"step_ms\":{ms:.3},\"cpu_ms\":{cpu_ms:.3},\"tiles\":{tiles},\"bytes_read\":{bytes},\"gbps\":{gb:.3}}}"
             ));
         }
     }

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvtier_bench::{cpu_description, fill_bf16};
+use kvtier_bench::{cpu_description, each_flag, fill_bf16};
 use kvtier_protocol::client::Client;
 use kvtier_protocol::{DType, DecodeEntryRef, Geometry, Policy};
 use kvtier_storage::testing::Rng;
@@ -30,23 +30,19 @@ fn parse_args() -> Args {
         layers: 28,
         tierd: None,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut val = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
-        match flag.as_str() {
-            "--context" => a.context = val().parse().expect("--context: tokens"),
-            "--steps" => a.steps = val().parse().expect("--steps: count"),
-            "--layers" => a.layers = val().parse().expect("--layers: count"),
-            "--tierd" => a.tierd = Some(val().into()),
-            "-h" | "--help" => {
-                println!(
-                    "usage: kvtier-demo [--context TOKENS] [--steps N] [--layers L] [--tierd PATH]"
-                );
-                std::process::exit(0);
-            }
-            other => panic!("unknown flag {other} (try --help)"),
+    each_flag(|flag, val| match flag {
+        "--context" => a.context = val().parse().expect("--context: tokens"),
+        "--steps" => a.steps = val().parse().expect("--steps: count"),
+        "--layers" => a.layers = val().parse().expect("--layers: count"),
+        "--tierd" => a.tierd = Some(val().into()),
+        "-h" | "--help" => {
+            println!(
+                "usage: kvtier-demo [--context TOKENS] [--steps N] [--layers L] [--tierd PATH]"
+            );
+            std::process::exit(0);
         }
-    }
+        other => panic!("unknown flag {other} (try --help)"),
+    });
     a
 }
 
@@ -102,17 +98,10 @@ fn main() {
         .unwrap_or_else(|| std::env::current_exe().unwrap().with_file_name("tierd"));
     let g = Geometry {
         layers: args.layers,
-        q_heads: 28,
-        kv_heads: 4,
-        head_dim: 128,
-        dtype: DType::Bf16,
-        block_tokens: 128,
+        ..Geometry::QWEN2_5_7B
     };
-    let sparse_policy = Policy {
-        sink_blocks: 1,
-        local_blocks: 4,
-        top_k: 32,
-    };
+    // Sink 1, local 4, top-32.
+    let sparse_policy = Policy::default();
     let dense_policy = Policy {
         sink_blocks: 0,
         local_blocks: 1,
@@ -211,36 +200,24 @@ fn main() {
         for layer in 0..g.layers {
             fill_bf16(&mut rng, &mut kv);
             let (k, v) = kv.split_at(row);
-            let t = Instant::now();
-            let s = c
-                .decode(
-                    layer,
-                    DecodeEntryRef {
-                        session: sparse,
-                        position: pos,
-                        q: &qb,
-                        k,
-                        v,
-                    },
-                    true,
-                )
-                .expect("sparse decode");
-            t_sparse += t.elapsed();
-            let t = Instant::now();
-            let o = c
-                .decode(
-                    layer,
-                    DecodeEntryRef {
-                        session: dense,
-                        position: pos,
-                        q: &qb,
-                        k,
-                        v,
-                    },
-                    false,
-                )
-                .expect("dense decode");
-            t_dense += t.elapsed();
+            // One session's decode of this layer's token, its wall time added to `total`.
+            let mut timed = |session, want_stats, total: &mut Duration, what: &str| {
+                let t = Instant::now();
+                let entry = DecodeEntryRef {
+                    session,
+                    position: pos,
+                    q: &qb,
+                    k,
+                    v,
+                };
+                let out = c
+                    .decode(layer, entry, want_stats)
+                    .unwrap_or_else(|e| panic!("{what} decode: {e:?}"));
+                *total += t.elapsed();
+                out
+            };
+            let s = timed(sparse, true, &mut t_sparse, "sparse");
+            let o = timed(dense, false, &mut t_dense, "dense");
             let st = s.stats.expect("stats");
             tiles += st.blocks_selected as u64;
             touched += st.bytes_touched;

@@ -20,7 +20,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_bench::{cpu_description, decode_step, decode_step_timed, fill_bf16, gbps, median};
+use kvtier_bench::{
+    cpu_description, decode_step, decode_step_timed, each_flag, fill_bf16, gbps, median,
+};
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
 use kvtier_storage::nvme::plan::{probe_path, Lane};
 use kvtier_storage::nvme::{
@@ -62,22 +64,18 @@ fn parse_args() -> Args {
         mixed_steps: 9,
         only: None,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut val = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
-        match flag.as_str() {
-            "--tokens" => a.tokens = val().parse().expect("--tokens"),
-            "--dir" => a.dir = val().into(),
-            "--fast-dir" => a.fast_dir = val().into(),
-            "--steps" => a.steps = val().parse().expect("--steps"),
-            "--workers" => a.workers = val().parse().expect("--workers"),
-            "--engine" => a.engine = val(),
-            "--cold-frac" => a.cold_frac = val().parse().expect("--cold-frac"),
-            "--mixed-steps" => a.mixed_steps = val().parse().expect("--mixed-steps"),
-            "--only" => a.only = Some(val()),
-            other => panic!("unknown flag {other}"),
-        }
-    }
+    each_flag(|flag, val| match flag {
+        "--tokens" => a.tokens = val().parse().expect("--tokens"),
+        "--dir" => a.dir = val().into(),
+        "--fast-dir" => a.fast_dir = val().into(),
+        "--steps" => a.steps = val().parse().expect("--steps"),
+        "--workers" => a.workers = val().parse().expect("--workers"),
+        "--engine" => a.engine = val(),
+        "--cold-frac" => a.cold_frac = val().parse().expect("--cold-frac"),
+        "--mixed-steps" => a.mixed_steps = val().parse().expect("--mixed-steps"),
+        "--only" => a.only = Some(val()),
+        other => panic!("unknown flag {other}"),
+    });
     a
 }
 

@@ -20,6 +20,11 @@ fn load(
     )
 }
 
+/// The message of a configuration that must not load.
+fn load_err(toml_text: &str, env: &[(&str, &str)], sets: &[(&str, &str)]) -> String {
+    load(toml_text, env, sets).unwrap_err().to_string()
+}
+
 #[test]
 fn layering_is_defaults_then_file_then_env_then_cli() {
     let cfg = load(
@@ -57,40 +62,31 @@ fn layering_is_defaults_then_file_then_env_then_cli() {
 
 #[test]
 fn errors_name_the_field() {
-    let e = load("[host]\nframe_bytes = 1000\n", &[], &[])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("host.frame_bytes"), "{e}");
-    let e = load("[host]\ncapacity = \"1KiB\"\n", &[], &[])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("host.capacity"), "{e}");
-    let e = load("[host]\ncapacity = \"12 parsecs\"\n", &[], &[])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("parsecs"), "{e}");
-    let e = load("[hots]\ncapacity = 1\n", &[], &[])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("hots"), "{e}");
-    let e = load("[host]\ncapacty = 1\n", &[], &[])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("capacty"), "{e}");
-    let e = load("[nvme]\nworkers = 65\n", &[], &[])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("nvme.workers"), "{e}");
-    let e = load("", &[("TIERD_LOG_LEVEL", "loud")], &[])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("log.level"), "{e}");
-    let e = load("", &[], &[("nonsense", "1")]).unwrap_err().to_string();
-    assert!(e.contains("section.field"), "{e}");
-    let e = load("", &[], &[("admission.max_sessions", "0")])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("admission.max_sessions"), "{e}");
+    let none: &[(&str, &str)] = &[];
+    for (toml_text, env, sets, named) in [
+        (
+            "[host]\nframe_bytes = 1000\n",
+            none,
+            none,
+            "host.frame_bytes",
+        ),
+        ("[host]\ncapacity = \"1KiB\"\n", none, none, "host.capacity"),
+        ("[host]\ncapacity = \"12 parsecs\"\n", none, none, "parsecs"),
+        ("[hots]\ncapacity = 1\n", none, none, "hots"),
+        ("[host]\ncapacty = 1\n", none, none, "capacty"),
+        ("[nvme]\nworkers = 65\n", none, none, "nvme.workers"),
+        ("", &[("TIERD_LOG_LEVEL", "loud")], none, "log.level"),
+        ("", none, &[("nonsense", "1")], "section.field"),
+        (
+            "",
+            none,
+            &[("admission.max_sessions", "0")],
+            "admission.max_sessions",
+        ),
+    ] {
+        let e = load_err(toml_text, env, sets);
+        assert!(e.contains(named), "{e}");
+    }
 }
 
 #[test]
@@ -104,13 +100,9 @@ fn cuda_section_layers_and_validates() {
     let s = &cfg.backend.cuda;
     assert_eq!((s.max_sessions, s.max_blocks, s.max_batch), (4, 1024, 2));
     assert_eq!(s.max_backends, 2, "default kept");
-    let e = load("[backend.cuda]\nmax_batch = 0\n", &[], &[])
-        .unwrap_err()
-        .to_string();
+    let e = load_err("[backend.cuda]\nmax_batch = 0\n", &[], &[]);
     assert!(e.contains("backend.cuda.max_batch"), "{e}");
-    let e = load("[backend.cuda]\nmax_batchez = 1\n", &[], &[])
-        .unwrap_err()
-        .to_string();
+    let e = load_err("[backend.cuda]\nmax_batchez = 1\n", &[], &[]);
     assert!(e.contains("max_batchez"), "{e}");
 }
 
@@ -123,9 +115,7 @@ fn metrics_are_off_by_default_and_loopback_unless_allowed() {
     assert_eq!(cfg.metrics.listen, Some("127.0.0.1:9464".parse().unwrap()));
     let cfg = load("[metrics]\nlisten = \"[::1]:9464\"\n", &[], &[]).unwrap();
     assert!(cfg.metrics.listen.unwrap().ip().is_loopback());
-    let e = load("[metrics]\nlisten = \"0.0.0.0:9464\"\n", &[], &[])
-        .unwrap_err()
-        .to_string();
+    let e = load_err("[metrics]\nlisten = \"0.0.0.0:9464\"\n", &[], &[]);
     assert!(
         e.contains("metrics.listen") && e.contains("allow_remote"),
         "{e}"
@@ -137,13 +127,9 @@ fn metrics_are_off_by_default_and_loopback_unless_allowed() {
     )
     .unwrap();
     assert!(cfg.metrics.allow_remote);
-    let e = load("[metrics]\nlisten = \"localhost\"\n", &[], &[])
-        .unwrap_err()
-        .to_string();
+    let e = load_err("[metrics]\nlisten = \"localhost\"\n", &[], &[]);
     assert!(e.contains("metrics") || e.contains("listen"), "{e}");
-    let e = load("[log]\nformat = \"xml\"\n", &[], &[])
-        .unwrap_err()
-        .to_string();
+    let e = load_err("[log]\nformat = \"xml\"\n", &[], &[]);
     assert!(e.contains("xml"), "{e}");
 }
 

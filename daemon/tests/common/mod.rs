@@ -27,11 +27,13 @@ pub fn harness() -> TierdBuilder {
 
 pub type Daemon = Tierd;
 
-/// `Daemon::start(extra)` and `Daemon::start_in(dir, extra)`: the [`harness`] daemon, plus
-/// `extra` arguments, up and answering.
+/// `Daemon::start(extra)`, `Daemon::start_in(dir, extra)` and `Daemon::with(settings)`: the
+/// [`harness`] daemon, plus `extra` arguments, up and answering.
 pub trait Harness {
     /// In a fresh directory.
     fn start(extra: &[&str]) -> Tierd;
+    /// In a fresh directory, with `--set` of each `section.field=value` of `settings`.
+    fn with(settings: &[&str]) -> Tierd;
     /// On the socket and NVMe state of `dir` (a restart when a daemon ran there: see
     /// [`Tierd::stop`]).
     fn start_in(dir: tempfile::TempDir, extra: &[&str]) -> Tierd;
@@ -44,6 +46,10 @@ impl Harness for Tierd {
 
     fn start_in(dir: tempfile::TempDir, extra: &[&str]) -> Tierd {
         harness().dir(dir).args(extra).start()
+    }
+
+    fn with(settings: &[&str]) -> Tierd {
+        settings.iter().fold(harness(), |b, s| b.set(s)).start()
     }
 }
 

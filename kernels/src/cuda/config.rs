@@ -66,6 +66,39 @@ fn invalid(reason: impl Into<String>) -> CudaError {
 }
 
 impl CudaConfig {
+    /// `sessions` slots of up to `max_blocks` blocks each, batches of up to `sessions`, a tile
+    /// cache of twice the keep-set budget, tensor-core attention.
+    pub fn new(
+        geometry: Geometry,
+        policy: Policy,
+        max_blocks: u32,
+        sessions: u32,
+        summary_dtype: SummaryDtype,
+    ) -> CudaConfig {
+        CudaConfig {
+            geometry,
+            policy,
+            max_sessions: sessions,
+            max_blocks,
+            max_batch: sessions,
+            cache_slots: 2 * policy.budget() as u32,
+            summary_dtype,
+            attention: AttentionMath::TensorCores,
+        }
+    }
+
+    /// Qwen2.5-7B ([`Geometry::QWEN2_5_7B`], the default policy): 8 sessions of up to 8192
+    /// blocks (1M tokens), fp32 summaries.
+    pub fn qwen2_5_7b() -> CudaConfig {
+        CudaConfig::new(
+            Geometry::QWEN2_5_7B,
+            Policy::default(),
+            8192,
+            8,
+            SummaryDtype::F32,
+        )
+    }
+
     /// Checks every limit the kernels rely on; returns the derived kernel constants.
     pub fn validate(&self) -> Result<Derived> {
         let g = &self.geometry;
@@ -311,27 +344,12 @@ mod tests {
     use super::*;
 
     fn qwen() -> CudaConfig {
-        CudaConfig {
-            geometry: Geometry {
-                layers: 28,
-                q_heads: 28,
-                kv_heads: 4,
-                head_dim: 128,
-                block_tokens: 128,
-                dtype: DType::Bf16,
-            },
-            policy: Policy::default(),
-            max_sessions: 8,
-            max_blocks: 8192,
-            max_batch: 8,
-            cache_slots: 74,
-            summary_dtype: SummaryDtype::F32,
-            attention: AttentionMath::TensorCores,
-        }
+        CudaConfig::qwen2_5_7b()
     }
 
     #[test]
     fn qwen_geometry_is_valid() {
+        assert_eq!(qwen().cache_slots, 74);
         let d = qwen().validate().unwrap();
         assert_eq!(d.keep_max, 37);
         assert_eq!(d.topk_per_thread, 8);
@@ -376,37 +394,29 @@ mod tests {
 
     #[test]
     fn bad_configs_are_rejected() {
-        let mut c = qwen();
-        c.geometry.q_heads = 30;
-        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
-        let mut c = qwen();
-        c.geometry.head_dim = 96;
-        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
-        let mut c = qwen();
-        c.cache_slots = 36;
-        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
-        let mut c = qwen();
-        c.policy.top_k = 0;
-        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
-        let mut c = qwen();
-        c.policy.local_blocks = 0;
-        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
-        let mut c = qwen();
-        c.max_batch = 9;
-        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
-        let mut c = qwen();
-        c.geometry.q_heads = 4 * 33;
-        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
-        let mut c = qwen();
-        c.max_blocks = 40_000;
-        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
-        let mut c = qwen();
-        c.geometry.block_tokens = 1024;
-        c.geometry.dtype = DType::F32;
-        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
-        let mut c = qwen();
-        c.geometry.kv_heads = 0;
-        assert!(matches!(c.validate(), Err(CudaError::InvalidConfig { .. })));
+        let bad: [fn(&mut CudaConfig); 10] = [
+            |c| c.geometry.q_heads = 30,
+            |c| c.geometry.head_dim = 96,
+            |c| c.cache_slots = 36,
+            |c| c.policy.top_k = 0,
+            |c| c.policy.local_blocks = 0,
+            |c| c.max_batch = 9,
+            |c| c.geometry.q_heads = 4 * 33,
+            |c| c.max_blocks = 40_000,
+            |c| {
+                c.geometry.block_tokens = 1024;
+                c.geometry.dtype = DType::F32;
+            },
+            |c| c.geometry.kv_heads = 0,
+        ];
+        for (i, f) in bad.iter().enumerate() {
+            let mut c = qwen();
+            f(&mut c);
+            assert!(
+                matches!(c.validate(), Err(CudaError::InvalidConfig { .. })),
+                "case {i}"
+            );
+        }
     }
 
     #[test]

@@ -31,13 +31,8 @@ pub fn geometry() -> impl Strategy<Value = Geometry> {
         any::<u32>(),
     )
         .prop_map(
-            |(layers, q_heads, kv_heads, head_dim, dtype, block_tokens)| Geometry {
-                layers,
-                q_heads,
-                kv_heads,
-                head_dim,
-                dtype,
-                block_tokens,
+            |(layers, q_heads, kv_heads, head_dim, dtype, block_tokens)| {
+                Geometry::new(layers, q_heads, kv_heads, head_dim, dtype, block_tokens)
             },
         )
 }

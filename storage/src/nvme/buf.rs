@@ -304,18 +304,15 @@ mod tests {
             AlignedBuf::new(4097, 4096),
             Err(NvmeError::Misaligned { .. })
         ));
-        assert!(matches!(
-            AlignedBuf::new(0, 4096),
-            Err(NvmeError::InvalidArgument { .. })
-        ));
-        assert!(matches!(
-            AlignedBuf::new(4096, 3000),
-            Err(NvmeError::InvalidArgument { .. })
-        ));
-        assert!(matches!(
-            AlignedBuf::new(4096, 256),
-            Err(NvmeError::InvalidArgument { .. })
-        ));
+        for (len, align) in [(0, 4096), (4096, 3000), (4096, 256)] {
+            assert!(
+                matches!(
+                    AlignedBuf::new(len, align),
+                    Err(NvmeError::InvalidArgument { .. })
+                ),
+                "len {len} align {align}"
+            );
+        }
     }
 
     #[test]

@@ -308,18 +308,27 @@ impl NvmeTier {
                 .collect());
         };
         let page = self.store.page_size() as u64;
-        let reads: Vec<(usize, u64)> = {
-            let st = self.state.lock();
-            let s = st
-                .manifest
-                .session(session)
-                .ok_or_else(|| NvmeError::invalid(format!("no session {session} on NVMe")))?;
-            wanted
-                .iter()
-                .map(|&(l, b)| (s.page(l, b).map_or(0, |p| p.device as usize), page))
-                .collect()
-        };
+        let reads = self.per_run(session, wanted, |p| {
+            (p.map_or(0, |p| p.device as usize), page)
+        })?;
         plan::split_batches(&lanes, &reads, BULK_BATCH_SECONDS, BULK_BATCH_MAX_PAGES)
+    }
+
+    /// `f` of each wanted (layer, block) run's page record (None: the session does not have it),
+    /// under the lock; an error for a session not on NVMe. Binary search per run: building an
+    /// index of the whole session for every batch made a bulk read quadratic in its size.
+    fn per_run<T>(
+        &self,
+        session: u64,
+        wanted: &[(u32, u32)],
+        f: impl Fn(Option<&PageRecord>) -> T,
+    ) -> Result<Vec<T>, NvmeError> {
+        let st = self.state.lock();
+        let s = st
+            .manifest
+            .session(session)
+            .ok_or_else(|| NvmeError::invalid(format!("no session {session} on NVMe")))?;
+        Ok(wanted.iter().map(|&(l, b)| f(s.page(l, b))).collect())
     }
 
     /// Removes a session durably; its pages are reused after the next commit.
@@ -357,30 +366,18 @@ impl NvmeTier {
         session: u64,
         wanted: &[(u32, u32)],
     ) -> Result<Vec<Result<PageData, NvmeError>>, NvmeError> {
-        let plan: Vec<Option<PageRead>> = {
-            let st = self.state.lock();
-            let s = st
-                .manifest
-                .session(session)
-                .ok_or_else(|| NvmeError::invalid(format!("no session {session} on NVMe")))?;
-            // Binary search per run: building an index of the whole session for every batch
-            // made a bulk read quadratic in the session's size.
-            wanted
-                .iter()
-                .map(|&(l, b)| {
-                    s.page(l, b).map(|p| PageRead {
-                        addr: p.addr(),
-                        id: PageId {
-                            session,
-                            layer: p.layer,
-                            block: p.block,
-                            generation: p.generation,
-                        },
-                        expected_crc: Some(p.crc),
-                    })
-                })
-                .collect()
-        };
+        let plan: Vec<Option<PageRead>> = self.per_run(session, wanted, |p| {
+            p.map(|p| PageRead {
+                addr: p.addr(),
+                id: PageId {
+                    session,
+                    layer: p.layer,
+                    block: p.block,
+                    generation: p.generation,
+                },
+                expected_crc: Some(p.crc),
+            })
+        })?;
         let reads: Vec<PageRead> = plan.iter().flatten().copied().collect();
         let mut done = self.store.read_pages(&reads)?.into_iter();
         Ok(plan

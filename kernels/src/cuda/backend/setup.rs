@@ -5,7 +5,9 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext};
 
 use super::sessions::summary_order;
-use super::{CudaBackend, DevBuf, LaunchMode, Timers, Timing, FUSE_BELOW_HIT_SHARE};
+use super::{
+    device_context, CudaBackend, DevBuf, LaunchMode, Timers, Timing, FUSE_BELOW_HIT_SHARE,
+};
 use crate::cuda::config::CudaConfig;
 use crate::cuda::error::{CudaError, Result};
 use crate::cuda::module::compile;
@@ -15,17 +17,7 @@ impl CudaBackend {
     /// Opens device `ordinal`, compiles the kernels for `cfg` and allocates all device state.
     pub fn new(ordinal: usize, cfg: CudaConfig) -> Result<Self> {
         let derived = cfg.validate()?;
-        // SAFETY: only probes whether the shared library can be loaded.
-        if !unsafe { sys::is_culib_present() } {
-            return Err(CudaError::NoDriver);
-        }
-        let count =
-            CudaContext::device_count().map_err(CudaError::driver("cuDeviceGetCount"))? as usize;
-        if ordinal >= count {
-            return Err(CudaError::NoDevice { ordinal, count });
-        }
-        let ctx =
-            CudaContext::new(ordinal).map_err(CudaError::driver("cuDevicePrimaryCtxRetain"))?;
+        let ctx = device_context(ordinal)?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(CudaError::driver("cuDeviceGetAttribute"))?;
