@@ -7,6 +7,16 @@ mod common;
 
 use common::*;
 use kvtier_kernels::dense::max_rel_err;
+
+/// The harness daemon plus `args` (with `--backend cuda`), or None (the test passes, saying
+/// so) without a CUDA device.
+fn cuda_daemon(args: &[&str]) -> Option<Daemon> {
+    if !kvtier_kernels::cuda::device_available() {
+        eprintln!("skipped: no CUDA device");
+        return None;
+    }
+    Some(Daemon::start(args))
+}
 use kvtier_protocol::client::Client;
 use kvtier_protocol::DecodeOutput;
 
@@ -43,11 +53,9 @@ fn decode_both(
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn the_cuda_daemon_answers_like_the_cpu_daemon() {
-    if !kvtier_kernels::cuda::device_available() {
-        eprintln!("skipped: no CUDA device");
+    let Some(gpu) = cuda_daemon(&["--backend", "cuda"]) else {
         return;
-    }
-    let gpu = Daemon::start(&["--backend", "cuda"]);
+    };
     let cpu = Daemon::start(&["--backend", "cpu"]);
     let (mut cg, mut cc) = (gpu.client(), cpu.client());
     let g = small_geometry();
@@ -82,12 +90,10 @@ fn the_cuda_daemon_answers_like_the_cpu_daemon() {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn a_demoted_session_decodes_on_the_gpu_like_the_cpu_daemon_over_ram() {
-    if !kvtier_kernels::cuda::device_available() {
-        eprintln!("skipped: no CUDA device");
-        return;
-    }
     // On-demand promotion only, so every read is the decode step's own.
-    let gpu = Daemon::start(&["--backend", "cuda", "--set", "nvme.prefetch_blocks=0"]);
+    let Some(gpu) = cuda_daemon(&["--backend", "cuda", "--set", "nvme.prefetch_blocks=0"]) else {
+        return;
+    };
     let cpu = Daemon::start(&["--backend", "cpu"]);
     let (mut cg, mut cc) = (gpu.client(), cpu.client());
     let g = small_geometry();
@@ -163,12 +169,10 @@ fn a_demoted_session_decodes_on_the_gpu_like_the_cpu_daemon_over_ram() {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn concurrent_decodes_share_device_calls_and_match_the_oracle() {
-    if !kvtier_kernels::cuda::device_available() {
-        eprintln!("skipped: no CUDA device");
-        return;
-    }
     // backend.coalesce = "auto": on with the CUDA backend.
-    let gpu = Daemon::start(&["--backend", "cuda"]);
+    let Some(gpu) = cuda_daemon(&["--backend", "cuda"]) else {
+        return;
+    };
     let (coalesced, requests) = concurrent_steps(&gpu, 8, 16);
     let coalesced = coalesced.expect("coalescing is on with CUDA");
     let stats = gpu.client().stats().unwrap();

@@ -73,6 +73,34 @@ const POLICY: Policy = Policy {
     top_k: 8,
 };
 
+/// Two arenas of `mib` MiB (the GPU copy's and the CPU copy's) and a decoder over the first;
+/// None (the test passes, saying so) without a CUDA device.
+fn start(mib: usize) -> Option<(HostArena, HostArena, GpuDecoder)> {
+    if !gpu() {
+        return None;
+    }
+    let (ga, ca) = (arena(mib), arena(mib));
+    let dec = GpuDecoder::new(&ga, &settings()).unwrap();
+    Some((ga, ca, dec))
+}
+
+/// [`start`], and an NVMe tier on a page file in a temporary directory (returned first, so it
+/// is removed last).
+fn start_with_tier(
+    mib: usize,
+) -> Option<(
+    tempfile::TempDir,
+    NvmeTier,
+    HostArena,
+    HostArena,
+    GpuDecoder,
+)> {
+    let (ga, ca, dec) = start(mib)?;
+    let dir = tempfile::tempdir().unwrap();
+    let tier = nvme_tier(dir.path());
+    Some((dir, tier, ga, ca, dec))
+}
+
 fn arena(mib: usize) -> HostArena {
     HostArena::new(&ArenaOptions::new(mib << 20, GEO.block_bytes())).unwrap()
 }
@@ -132,6 +160,25 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
     (num / den).sqrt()
 }
 
+/// One entry of a step: session `id`'s copy `kv` at the position, with the query and new K/V.
+fn batch_entry<'a>(
+    id: u64,
+    kv: &'a mut KvCache,
+    (position, q, k, v): (u64, &'a [f32], &'a [u8], &'a [u8]),
+    cold: Option<&'a dyn ColdSource>,
+) -> DecodeEntry<'a> {
+    DecodeEntry {
+        session: id,
+        kv,
+        policy: POLICY,
+        position,
+        q,
+        k,
+        v,
+        cold,
+    }
+}
+
 /// One decode step of every layer for `twins` through both paths, the GPU entries reading
 /// cold blocks from `tier` when given: identical keep-sets, outputs within 2e-3, every
 /// keep-set block resident afterwards. Returns the GPU outputs, one per layer.
@@ -157,20 +204,12 @@ fn step_both_cold(
         let positions: Vec<u64> = twins.iter().map(|t| t.cpu.tokens(layer).unwrap()).collect();
         let mut cpu_out = vec![0f32; twins.len() * hqd];
         let mut gpu_out = vec![f32::NAN; twins.len() * hqd];
+        let input = |i: usize| (positions[i], &qs[i][..], &ks[i][..], &vs[i][..]);
         let cpu_stats = {
             let mut entries: Vec<DecodeEntry<'_>> = twins
                 .iter_mut()
                 .enumerate()
-                .map(|(i, t)| DecodeEntry {
-                    session: t.id,
-                    kv: &mut t.cpu,
-                    policy: POLICY,
-                    position: positions[i],
-                    q: &qs[i],
-                    k: &ks[i],
-                    v: &vs[i],
-                    cold: None,
-                })
+                .map(|(i, t)| batch_entry(t.id, &mut t.cpu, input(i), None))
                 .collect();
             decode_layer(layer, &mut entries, &mut cpu_out).unwrap()
         };
@@ -188,15 +227,9 @@ fn step_both_cold(
                 .iter_mut()
                 .zip(&sources)
                 .enumerate()
-                .map(|(i, (t, src))| DecodeEntry {
-                    session: t.id,
-                    kv: &mut t.gpu,
-                    policy: POLICY,
-                    position: positions[i],
-                    q: &qs[i],
-                    k: &ks[i],
-                    v: &vs[i],
-                    cold: src.as_ref().map(|c| c as &dyn ColdSource),
+                .map(|(i, (t, src))| {
+                    let cold = src.as_ref().map(|c| c as &dyn ColdSource);
+                    batch_entry(t.id, &mut t.gpu, input(i), cold)
                 })
                 .collect();
             gpu_step(dec, layer, &mut entries, &mut gpu_out, true).unwrap()
@@ -256,11 +289,9 @@ fn step_both(dec: &mut GpuDecoder, twins: &mut [Twin], rng: &mut Rng) -> u64 {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn batch_1_many_steps_match_the_cpu() {
-    if !gpu() {
+    let Some((ga, ca, mut dec)) = start(64) else {
         return;
-    }
-    let (ga, ca) = (arena(64), arena(64));
-    let mut dec = GpuDecoder::new(&ga, &settings()).unwrap();
+    };
     println!("device: {}", dec.device_name());
     let mut rng = Rng::new(1);
     // 20 blocks + 9 tokens: 40 steps cross two block boundaries (top-k path throughout).
@@ -280,11 +311,9 @@ fn batch_1_many_steps_match_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn batch_8_mixed_lengths_match_the_cpu() {
-    if !gpu() {
+    let Some((ga, ca, mut dec)) = start(128) else {
         return;
-    }
-    let (ga, ca) = (arena(128), arena(128));
-    let mut dec = GpuDecoder::new(&ga, &settings()).unwrap();
+    };
     let mut rng = Rng::new(2);
     // Short (dense path), exactly at the budget, full tails, partial tails, long.
     let lens = [
@@ -323,11 +352,9 @@ fn batch_8_mixed_lengths_match_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn refusals_leave_sessions_unchanged() {
-    if !gpu() {
+    let Some((ga, ca, mut dec)) = start(64) else {
         return;
-    }
-    let (ga, ca) = (arena(64), arena(64));
-    let mut dec = GpuDecoder::new(&ga, &settings()).unwrap();
+    };
     let mut rng = Rng::new(3);
 
     // Geometry the kernels cannot run (head_dim not a power of two): refused, CPU path.
@@ -505,13 +532,9 @@ fn demote(tier: &NvmeTier, t: &mut Twin) -> usize {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn sessions_on_nvme_decode_on_the_gpu_like_the_cpu_over_ram() {
-    if !gpu() {
+    let Some((_dir, tier, ga, ca, mut dec)) = start_with_tier(128) else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let tier = nvme_tier(dir.path());
-    let (ga, ca) = (arena(128), arena(128));
-    let mut dec = GpuDecoder::new(&ga, &settings()).unwrap();
+    };
     let mut rng = Rng::new(4);
     // Partial tail (promoted before the first append), full tail, a long one, and a session
     // that stays in RAM in the same batches; 5 entries = two device calls at max_batch 4.
@@ -567,13 +590,9 @@ fn sessions_on_nvme_decode_on_the_gpu_like_the_cpu_over_ram() {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn a_device_selection_of_a_cold_block_is_answered_on_the_cpu() {
-    if !gpu() {
+    let Some((_dir, tier, ga, ca, mut dec)) = start_with_tier(64) else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let tier = nvme_tier(dir.path());
-    let (ga, ca) = (arena(64), arena(64));
-    let mut dec = GpuDecoder::new(&ga, &settings()).unwrap();
+    };
     let mut rng = Rng::new(5);
     let mut twins = vec![
         twin(&mut dec, &ga, &ca, 40, 35 * 16 + 5, &mut rng),
@@ -601,13 +620,9 @@ fn a_device_selection_of_a_cold_block_is_answered_on_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn a_failed_nvme_read_refuses_the_step_and_changes_nothing() {
-    if !gpu() {
+    let Some((_dir, tier, ga, ca, mut dec)) = start_with_tier(64) else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let tier = nvme_tier(dir.path());
-    let (ga, ca) = (arena(64), arena(64));
-    let mut dec = GpuDecoder::new(&ga, &settings()).unwrap();
+    };
     let mut rng = Rng::new(6);
     let mut t = twin(&mut dec, &ga, &ca, 50, 30 * 16 + 4, &mut rng);
     demote(&tier, &mut t);

@@ -114,6 +114,14 @@ impl Backend for SelfSelecting {
     }
 }
 
+/// The storage error at the root of a step's error.
+fn storage(e: &KernelError) -> &StorageError {
+    match e.root() {
+        KernelError::Storage(s) => s,
+        other => panic!("not a storage error: {other}"),
+    }
+}
+
 fn entry<'a>(
     kv: &'a mut KvCache,
     position: u64,
@@ -243,20 +251,14 @@ fn a_cold_partial_tail_is_promoted_before_the_append_or_refused_with_nothing_cha
     // No colder tier: a typed refusal, nothing appended.
     let e = step(&mut kv, 40, None).unwrap_err();
     assert!(
-        matches!(
-            e.root(),
-            KernelError::Storage(StorageError::NotResident { layer: 0, .. })
-        ),
+        matches!(storage(&e), StorageError::NotResident { layer: 0, .. }),
         "{e}"
     );
     assert_eq!((kv.tokens(0).unwrap(), kv.is_resident(0, 2)), (40, false));
     // A wrong position reads nothing (the append check reports it).
     let e = step(&mut kv, 39, Some(&saved)).unwrap_err();
     assert!(
-        matches!(
-            e.root(),
-            KernelError::Storage(StorageError::PositionMismatch { .. })
-        ),
+        matches!(storage(&e), StorageError::PositionMismatch { .. }),
         "{e}"
     );
     assert!(!kv.is_resident(0, 2));
@@ -264,10 +266,7 @@ fn a_cold_partial_tail_is_promoted_before_the_append_or_refused_with_nothing_cha
     let empty = SavedRuns::default();
     let e = step(&mut kv, 40, Some(&empty)).unwrap_err();
     assert!(
-        matches!(
-            e.root(),
-            KernelError::Storage(StorageError::ColdRead { block: 2, .. })
-        ),
+        matches!(storage(&e), StorageError::ColdRead { block: 2, .. }),
         "{e}"
     );
     assert_eq!((kv.tokens(0).unwrap(), kv.is_resident(0, 2)), (40, false));
