@@ -152,8 +152,7 @@ fn wrong_geometry_sizes_layers_positions_and_sessions() {
         );
     }
 
-    let id = c.create_session(g, policy(), "").unwrap();
-    let mut sh = Shadow::new(g, 3);
+    let (id, mut sh) = create(&mut c, "", 3);
     let p = sh.payload(40);
     type Append<'a> = (&'a str, u64, u64, u32, &'a [u8], ErrorCode);
     let refused = |c: &mut Client, cases: &[Append<'_>]| {
@@ -310,9 +309,7 @@ fn shared_memory_descriptors_are_checked() {
     use std::os::fd::AsFd;
     let d = Daemon::start(&[]);
     let mut c = d.client();
-    let g = small_geometry();
-    let id = c.create_session(g, policy(), "").unwrap();
-    let mut sh = Shadow::new(g, 8);
+    let (id, mut sh) = create(&mut c, "", 8);
     let p = sh.payload(16);
     // A regular (unsealed) file works, read rather than mapped.
     let mut f = tempfile::tempfile().unwrap();

@@ -14,16 +14,14 @@ use kvtier_protocol::{stats_keys, ErrorCode};
 fn full_session_lifecycle_matches_the_dense_oracle() {
     let d = Daemon::start(&[]);
     let mut c = d.client();
-    let g = small_geometry();
-    let id = c.create_session(g, policy(), "lifecycle").unwrap();
-    let mut sh = Shadow::new(g, 1);
+    let (id, mut sh) = create(&mut c, "lifecycle", 1);
     // Inline append, then a shared-memory append continuing it.
     let p = sh.payload(100);
     assert_eq!(c.append_kv(id, 0, 100, &p).unwrap(), 100);
     let p = sh.payload(57);
     assert_eq!(c.append_kv_shm(id, 100, 57, &p).unwrap(), 157);
     for step in 0..40 {
-        for layer in 0..g.layers as usize {
+        for layer in 0..small_geometry().layers as usize {
             let stats = sh.decode(&mut c, id, layer).stats.unwrap();
             assert!(
                 stats.bytes_touched > 0 && stats.blocks_ram == stats.blocks_selected,

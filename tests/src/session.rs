@@ -152,12 +152,17 @@ impl Shadow {
     }
 }
 
-/// A new session of [`small_geometry`] and [`policy`] labelled `label`, holding `n` tokens drawn
-/// by its shadow (seeded with `seed`).
-pub fn open(c: &mut Client, label: &str, n: u32, seed: u64) -> (u64, Shadow) {
+/// A new, empty session of [`small_geometry`] and [`policy`] labelled `label`, and its shadow
+/// (seeded with `seed`).
+pub fn create(c: &mut Client, label: &str, seed: u64) -> (u64, Shadow) {
     let g = small_geometry();
     let id = c.create_session(g, policy(), label).unwrap();
-    let mut sh = Shadow::new(g, seed);
+    (id, Shadow::new(g, seed))
+}
+
+/// [`create`], then `n` tokens drawn by the shadow appended.
+pub fn open(c: &mut Client, label: &str, n: u32, seed: u64) -> (u64, Shadow) {
+    let (id, mut sh) = create(c, label, seed);
     c.append_kv(id, 0, n, &sh.payload(n as usize)).unwrap();
     (id, sh)
 }

@@ -3,7 +3,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub use kvtier_tests::kv::f32_bytes;
-pub use kvtier_tests::session::{entry, open, policy, small_geometry, Shadow};
+pub use kvtier_tests::session::{create, entry, open, policy, small_geometry, Shadow};
 pub use kvtier_tests::sys::{entries, Reaped, SmallFs};
 pub use kvtier_tests::uid::{is_root, run_as_nobody};
 pub use kvtier_tests::wire::code;
