@@ -366,16 +366,10 @@ fn a_full_filesystem_fails_commits_cleanly_and_recovers_when_space_is_freed() {
 #[test]
 fn a_uid_cannot_take_more_than_its_share_of_the_tiers() {
     // 256 host frames of 4 KiB: a quarter is 64 frames, 32 blocks per layer here.
-    let d = Daemon::with(&[
-        "host.capacity=\"1MiB\"",
-        "quota.host_share_per_uid=0.25",
-        "auth.admin_uids=[]",
-    ]);
-    let mut c = d.client();
-    let (id, mut sh) = open(&mut c, "", 400, 30);
+    let settings = ["host.capacity=\"1MiB\"", "quota.host_share_per_uid=0.25"];
+    let (d, mut c, id, mut sh) = quota_daemon(&settings, 400, 30);
     let e = c.append_kv(id, 400, 200, &sh.payload(200)).unwrap_err();
-    assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
-    assert!(e.to_string().contains("host_share_per_uid"), "{e}");
+    refused_by(&e, "host_share_per_uid");
     sh.truncate(400);
     intact(&mut c, id, &mut sh);
     let used = c.stats().unwrap().get("host_frames_used").unwrap();
@@ -386,19 +380,27 @@ fn a_uid_cannot_take_more_than_its_share_of_the_tiers() {
     drop((c, d));
 
     // 12 NVMe pages of 8 KiB: half is 6 pages, fewer than the session's 2 x 4 runs.
-    let d = Daemon::with(&[
-        "nvme.capacity=\"96KiB\"",
-        "quota.nvme_share_per_uid=0.5",
-        "auth.admin_uids=[]",
-    ]);
-    let mut c = d.client();
-    let (id, mut sh) = open(&mut c, "", 64, 32);
-    let e = c.demote(id).unwrap_err();
-    assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
-    assert!(e.to_string().contains("nvme_share_per_uid"), "{e}");
+    let settings = ["nvme.capacity=\"96KiB\"", "quota.nvme_share_per_uid=0.5"];
+    let (_d, mut c, id, mut sh) = quota_daemon(&settings, 64, 32);
+    refused_by(&c.demote(id).unwrap_err(), "nvme_share_per_uid");
     intact(&mut c, id, &mut sh);
     let (small, _) = open(&mut c, "", 40, 33);
     c.demote(small).unwrap();
+}
+
+/// A daemon with `settings` and no admin uid (so root's quotas apply), a client, and a session
+/// of `n` tokens on it.
+fn quota_daemon(settings: &[&str], n: u32, seed: u64) -> (Daemon, Client, u64, Shadow) {
+    let d = Daemon::with(&[settings, &["auth.admin_uids=[]"]].concat());
+    let mut c = d.client();
+    let (id, sh) = open(&mut c, "", n, seed);
+    (d, c, id, sh)
+}
+
+/// A RESOURCE_EXHAUSTED refusal that names the quota `setting`.
+fn refused_by(e: &kvtier_protocol::client::ClientError, setting: &str) {
+    assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
+    assert!(e.to_string().contains(setting), "{e}");
 }
 
 /// Memory pressure by one uid demotes that uid's own sessions, never another uid's that is
