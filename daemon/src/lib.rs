@@ -17,8 +17,8 @@
 //!
 //! The request path: a connection task reads one frame exactly (header, then body), decodes it
 //! with `kvtier-protocol` (KV payloads stay borrowed from the body buffer), and runs it. APPEND_KV
-//! and DECODE take an admission slot and run on the blocking pool, where `kvtier-kernels` splits
-//! selection and attention over the compute pool (rayon).
+//! and DECODE take an admission slot and run in place off the event loop (`block_in_place`),
+//! where `kvtier-kernels` splits selection and attention over the compute pool (rayon).
 
 pub mod config;
 pub mod endpoint;
