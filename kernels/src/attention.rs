@@ -48,7 +48,7 @@ struct Partial {
 pub fn attend_keep_sets<'a>(
     qs: impl IntoIterator<Item = &'a [f32]>,
     views: &[LayerView<'a>],
-    keeps: &'a [KeepSet],
+    keeps: impl IntoIterator<Item = &'a KeepSet>,
     out: &mut [f32],
 ) {
     let items: Vec<AttendItem<'_>> = qs

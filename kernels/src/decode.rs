@@ -105,7 +105,8 @@ pub struct StageTimings {
 /// What [`Backend::attend`] returns.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Attended {
-    /// Per entry, the keep-set the backend attended, when it has it (see [`Backend::attend`]).
+    /// Per entry, the keep-set the backend selected by itself, when it read it back; None where
+    /// it attended the step's planned keep-set, which then stands (see [`Backend::attend`]).
     pub keeps: Vec<Option<KeepSet>>,
     pub cache_hits: u64,
     pub cache_misses: u64,
@@ -137,9 +138,10 @@ pub trait Backend {
         Ok(())
     }
 
-    /// Attends the appended layer of every entry into `out` (`[entry][q_heads][head_dim]`),
-    /// returning its keep-set for every planned entry (the step checks it) and for all when
-    /// `want_keep`.
+    /// Attends the appended layer of every entry into `out` (`[entry][q_heads][head_dim]`).
+    /// A backend that selects by itself returns the keep-set it selected for every planned
+    /// entry (the step checks it against what is resident) and, with `want_keep`, for every
+    /// entry; None where it attended the planned keep-set.
     fn attend(&mut self, batch: &Appended<'_, '_>, out: &mut [f32]) -> Result<Attended>;
 
     /// Forgets any device state of these sessions (re-uploaded on their next step): after a
@@ -170,14 +172,14 @@ impl Backend for Cpu {
             .iter()
             .map(|e| e.kv.layer(batch.layer))
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        let keeps: Vec<KeepSet> = batch
+        let keeps = batch
             .planned
             .iter()
-            .map(|k| k.clone().expect("the step selects for the CPU"))
-            .collect();
-        attend_keep_sets(entries.iter().map(|e| e.q), &views, &keeps, out);
+            .map(|k| k.as_ref().expect("the step selects for the CPU"));
+        attend_keep_sets(entries.iter().map(|e| e.q), &views, keeps, out);
+        // The planned keep-sets stand: nothing to hand back.
         Ok(Attended {
-            keeps: keeps.into_iter().map(Some).collect(),
+            keeps: vec![None; entries.len()],
             ..Attended::default()
         })
     }
@@ -252,7 +254,7 @@ pub fn decode_step(
         .iter()
         .map(|e| !selects_itself || has_cold(e.kv, layer))
         .collect();
-    let planned = select_all(layer, entries, &plan);
+    let mut planned = select_all(layer, entries, &plan);
     let t_selected = t0.elapsed();
 
     let leave = if plan.iter().any(|&p| p) && selects_itself {
@@ -315,6 +317,7 @@ pub fn decode_step(
         Err(why) => {
             tracing::warn!(layer, %why, "decode step: the backend's answer is discarded; the CPU answers");
             report.cpu_fallback = true;
+            let planned = std::mem::replace(&mut planned, vec![None; entries.len()]);
             cpu_answer(layer, entries, planned, out, &mut promoted)?
         }
     };
@@ -325,9 +328,10 @@ pub fn decode_step(
     report.bytes_moved = attended.bytes_moved;
     report.entries = entries
         .iter()
-        .zip(attended.keeps)
+        .zip(attended.keeps.into_iter().zip(planned))
         .zip(promoted)
-        .map(|((e, keep), blocks_promoted)| {
+        .map(|((e, (own, planned)), blocks_promoted)| {
+            let keep = own.or(planned);
             let geo = e.kv.geometry();
             let tokens = e.position + 1;
             let mut st = stats(geo, &e.policy, tokens);
@@ -500,13 +504,15 @@ fn cpu_answer(
             tracing::error!(layer, entry = i, error = %err, "decode step: the CPU answer could not read a keep-set block after the append");
             at(i)(err)
         })?;
-        keeps.push(Some(keep));
+        keeps.push(keep);
     }
-    let batch = Appended {
-        layer,
-        entries,
-        planned: &keeps,
-        want_keep: true,
-    };
-    Cpu.attend(&batch, out)
+    let views = entries
+        .iter()
+        .map(|e| e.kv.layer(layer))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    attend_keep_sets(entries.iter().map(|e| e.q), &views, &keeps, out);
+    Ok(Attended {
+        keeps: keeps.into_iter().map(Some).collect(),
+        ..Attended::default()
+    })
 }
