@@ -3,6 +3,8 @@
 //! (`kvtier_kernels::decode_step`) on the CUDA decoder when every session of the batch is open
 //! on it (else, or when it cannot take the batch, on the CPU), reply.
 
+use std::borrow::Cow;
+
 use super::*;
 
 /// The most bytes a DECODE reply body for these entries can take (docs/protocol.md §5.3):
@@ -43,15 +45,34 @@ pub(super) fn step_frames(sessions: &[Arc<Session>], positions: &[u64]) -> usize
         .sum()
 }
 
-/// One validated DECODE request, its data owned so that it can join a batch run by another
-/// request's thread (see [`super::coalesce`]).
-pub(super) struct Job {
+/// One validated DECODE request. Its K/V rows are borrowed from the request body, and owned
+/// ([`Job::into_owned`]) only when the request joins a batch run by another request's thread
+/// (see [`super::coalesce`]).
+pub(super) struct Job<'a> {
     sessions: Vec<Arc<Session>>,
     positions: Vec<u64>,
     queries: Vec<Vec<f32>>,
-    ks: Vec<Vec<u8>>,
-    vs: Vec<Vec<u8>>,
+    ks: Vec<Cow<'a, [u8]>>,
+    vs: Vec<Cow<'a, [u8]>>,
     want_stats: bool,
+}
+
+impl Job<'_> {
+    pub(super) fn into_owned(self) -> Job<'static> {
+        let own = |rows: Vec<Cow<'_, [u8]>>| -> Vec<Cow<'static, [u8]>> {
+            rows.into_iter()
+                .map(|r| Cow::Owned(r.into_owned()))
+                .collect()
+        };
+        Job {
+            sessions: self.sessions,
+            positions: self.positions,
+            queries: self.queries,
+            ks: own(self.ks),
+            vs: own(self.vs),
+            want_stats: self.want_stats,
+        }
+    }
 }
 
 impl Engine {
@@ -120,19 +141,21 @@ impl Engine {
         if !self.limits.coalesce {
             return self.run_jobs(layer, &[&job]).map(|mut r| r.remove(0));
         }
-        self.coalescer
-            .submit(layer, job, &|jobs| self.run_coalesced(layer, jobs), &|| {
-                Err(ServiceError::internal("the coalesced decode call failed"))
-            })
+        self.coalescer.submit(
+            layer,
+            job.into_owned(),
+            &|jobs| self.run_coalesced(layer, jobs),
+            &|| Err(ServiceError::internal("the coalesced decode call failed")),
+        )
     }
 
     /// Checks a request (sessions, reply bound, duplicates) and takes its data.
-    fn prepare(
+    fn prepare<'a>(
         &self,
         peer: &Peer,
         want_stats: bool,
-        entries: &[DecodeEntryRef<'_>],
-    ) -> ServiceResult<Job> {
+        entries: &[DecodeEntryRef<'a>],
+    ) -> ServiceResult<Job<'a>> {
         if entries.is_empty() {
             return Err(ServiceError::invalid("DECODE with no entries"));
         }
@@ -173,8 +196,8 @@ impl Engine {
                 .iter()
                 .map(|e| kvtier_protocol::f32s_le(e.q).collect())
                 .collect(),
-            ks: entries.iter().map(|e| e.k.to_vec()).collect(),
-            vs: entries.iter().map(|e| e.v.to_vec()).collect(),
+            ks: entries.iter().map(|e| Cow::Borrowed(e.k)).collect(),
+            vs: entries.iter().map(|e| Cow::Borrowed(e.v)).collect(),
             want_stats,
         })
     }
@@ -182,7 +205,7 @@ impl Engine {
     /// Answers coalesced requests of one layer: as one step where their sessions are distinct
     /// (a session in two requests waits for the next group), and each on its own when the
     /// joint step fails, so that one request's error is its own.
-    fn run_coalesced(&self, layer: u32, jobs: Vec<Job>) -> Vec<ServiceResult<DecodeReply>> {
+    fn run_coalesced(&self, layer: u32, jobs: Vec<Job<'_>>) -> Vec<ServiceResult<DecodeReply>> {
         let mut results: Vec<Option<ServiceResult<DecodeReply>>> =
             (0..jobs.len()).map(|_| None).collect();
         let mut pending: Vec<usize> = (0..jobs.len()).collect();
@@ -195,7 +218,7 @@ impl Engine {
                     true
                 }
             });
-            let refs: Vec<&Job> = group.iter().map(|&i| &jobs[i]).collect();
+            let refs: Vec<&Job<'_>> = group.iter().map(|&i| &jobs[i]).collect();
             match self.run_jobs(layer, &refs) {
                 Ok(replies) => {
                     if group.len() > 1 {
@@ -227,7 +250,7 @@ impl Engine {
     /// One decode step of `layer` over every entry of `jobs` (their sessions distinct): lock
     /// the sessions, step on the CUDA decoder when it takes the batch (else on the CPU), reply
     /// to each request.
-    fn run_jobs(&self, layer: u32, jobs: &[&Job]) -> ServiceResult<Vec<DecodeReply>> {
+    fn run_jobs(&self, layer: u32, jobs: &[&Job<'_>]) -> ServiceResult<Vec<DecodeReply>> {
         let sessions: Vec<Arc<Session>> = jobs
             .iter()
             .flat_map(|j| j.sessions.iter().cloned())
@@ -237,8 +260,14 @@ impl Engine {
             .flat_map(|j| j.positions.iter().copied())
             .collect();
         let queries: Vec<&Vec<f32>> = jobs.iter().flat_map(|j| &j.queries).collect();
-        let ks: Vec<&Vec<u8>> = jobs.iter().flat_map(|j| &j.ks).collect();
-        let vs: Vec<&Vec<u8>> = jobs.iter().flat_map(|j| &j.vs).collect();
+        let ks: Vec<&[u8]> = jobs
+            .iter()
+            .flat_map(|j| j.ks.iter().map(|k| &**k))
+            .collect();
+        let vs: Vec<&[u8]> = jobs
+            .iter()
+            .flat_map(|j| j.vs.iter().map(|v| &**v))
+            .collect();
         let want_stats = jobs.iter().any(|j| j.want_stats);
         // Lock in ascending id order (deadlock freedom).
         let mut order: Vec<usize> = (0..sessions.len()).collect();
@@ -580,7 +609,7 @@ mod tests {
         let steps: Vec<Step> = (0..n).map(|_| step(&mut rng)).collect();
         // Request 2 is wrong (position one past the end); the others are right.
         let pos = |i: usize| 40 + i as u64 + u64::from(i == 2);
-        let jobs: Vec<Job> = (0..n)
+        let jobs: Vec<Job<'_>> = (0..n)
             .map(|i| {
                 a.prepare(&PEER, true, &[entry(ida[i], pos(i), &steps[i])])
                     .unwrap()
@@ -604,7 +633,7 @@ mod tests {
         // All right: one step for all four, each answered as alone.
         let steps: Vec<Step> = (0..n).map(|_| step(&mut rng)).collect();
         let pos = |e: &Engine, id| e.info(&PEER, id).unwrap().tokens_max;
-        let jobs: Vec<Job> = (0..n)
+        let jobs: Vec<Job<'_>> = (0..n)
             .map(|i| {
                 a.prepare(
                     &PEER,

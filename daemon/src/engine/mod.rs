@@ -128,7 +128,7 @@ pub struct Engine {
     /// changes anything) runs on the CPU backend.
     gpu: Option<Mutex<GpuDecoder>>,
     /// Concurrent DECODEs of one layer, run as one device call.
-    coalescer: coalesce::Coalescer<decode::Job, ServiceResult<DecodeReply>>,
+    coalescer: coalesce::Coalescer<decode::Job<'static>, ServiceResult<DecodeReply>>,
     prefetcher: Option<crate::prefetch::Prefetcher>,
     sessions: RwLock<HashMap<u64, Arc<Session>>>,
     /// Each uid's frames in the host tier, capped by `host_share_per_uid`; shared by its
