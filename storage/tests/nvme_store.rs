@@ -1,0 +1,366 @@
+//! The page store on real O_DIRECT files: pages and their verification (identity,
+//! checksums), bad input and allocation, striping by bandwidth, and the tracked read
+//! rates that set the stripe weights and the bulk batches.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyEngine, Trigger, UringConfig};
+use kvtier_storage::nvme::store::{PageRead, PageWrite};
+use kvtier_storage::nvme::{
+    CorruptReason, IoEngine, IoRequest, NvmeError, PageAddr, PageStore, PreadEngine, UringEngine,
+};
+
+use common::{
+    id, layer0_runs, one_layer_record, pattern, reads_of, store_cfg, test_dir, writes_of,
+};
+
+#[test]
+fn page_store_roundtrip_and_verification() {
+    let dir = test_dir("store");
+    for engine in [
+        Arc::new(UringEngine::new(UringConfig::default()).unwrap()) as Arc<dyn IoEngine>,
+        Arc::new(PreadEngine::new()),
+    ] {
+        let store = PageStore::open(&store_cfg(&dir, &[1.0, 1.0], 1 << 20), engine).unwrap();
+        assert_eq!(store.page_size(), 12288);
+        let addrs = store.alloc(9, 20).unwrap();
+        let payloads: Vec<Vec<u8>> = (0..20)
+            .map(|i| pattern(i, 1000 + i as usize * 400))
+            .collect();
+        let all: Vec<usize> = (0..addrs.len()).collect();
+        let crcs = store
+            .write_pages(&writes_of(&addrs, &payloads, &all))
+            .unwrap();
+        store.sync().unwrap();
+        let reads = reads_of(&addrs, Some(&crcs), &all);
+        for (i, r) in store.read_pages(&reads).unwrap().into_iter().enumerate() {
+            assert_eq!(r.unwrap().payload(), &payloads[i][..]);
+        }
+        // Asking for another generation or block: Corrupt(WrongIdentity), no data.
+        let wrong = [PageRead {
+            addr: addrs[0],
+            id: id(0, 2),
+            expected_crc: None,
+        }];
+        let r = store.read_pages(&wrong).unwrap().pop().unwrap();
+        assert!(matches!(
+            r,
+            Err(NvmeError::Corrupt {
+                reason: CorruptReason::WrongIdentity { .. },
+                ..
+            })
+        ));
+        // Wrong recorded checksum.
+        let wrong = [PageRead {
+            addr: addrs[0],
+            id: id(0, 1),
+            expected_crc: Some(crcs[0] ^ 1),
+        }];
+        let r = store.read_pages(&wrong).unwrap().pop().unwrap();
+        assert!(matches!(
+            r,
+            Err(NvmeError::Corrupt {
+                reason: CorruptReason::UnexpectedChecksum { .. },
+                ..
+            })
+        ));
+        // A never-written page.
+        let fresh = store.alloc(9, 1).unwrap()[0];
+        let r = store
+            .read_pages(&[PageRead {
+                addr: fresh,
+                id: id(0, 1),
+                expected_crc: None,
+            }])
+            .unwrap()
+            .pop()
+            .unwrap();
+        assert!(matches!(r, Err(e @ NvmeError::Corrupt { .. }) if e.is_data_loss()));
+        store.free(&[fresh]).unwrap();
+        store.free(&addrs).unwrap();
+        assert_eq!(
+            store
+                .usage()
+                .devices
+                .iter()
+                .map(|d| d.pages_used)
+                .sum::<u64>(),
+            0
+        );
+        assert!(store.usage().corrupt_pages >= 3);
+    }
+}
+
+#[test]
+fn page_store_bad_input_is_typed() {
+    let dir = test_dir("store-bad");
+    let engine: Arc<dyn IoEngine> = Arc::new(PreadEngine::new());
+    let store = PageStore::open(&store_cfg(&dir, &[1.0], 10 * 12288), engine.clone()).unwrap();
+    let a = store.alloc(1, 1).unwrap()[0];
+    let big = vec![0u8; 10_001];
+    assert!(matches!(
+        store.write_pages(&[PageWrite {
+            addr: a,
+            id: id(0, 1),
+            payload: &big
+        }]),
+        Err(NvmeError::InvalidArgument { .. })
+    ));
+    let unalloc = PageAddr {
+        device: 0,
+        page: (a.page + 1) % 10,
+    };
+    assert!(matches!(
+        store.write_pages(&[PageWrite {
+            addr: unalloc,
+            id: id(0, 1),
+            payload: &[1]
+        }]),
+        Err(NvmeError::InvalidArgument { .. })
+    ));
+    let out = PageAddr { device: 3, page: 0 };
+    assert!(store
+        .read_pages(&[PageRead {
+            addr: out,
+            id: id(0, 1),
+            expected_crc: None
+        }])
+        .is_err());
+    assert!(matches!(
+        store.free(&[PageAddr {
+            device: 0,
+            page: 10
+        }]),
+        Err(NvmeError::InvalidArgument { .. })
+    ));
+    store.free(&[a]).unwrap();
+    assert!(
+        matches!(store.free(&[a]), Err(NvmeError::InvalidArgument { .. })),
+        "double free"
+    );
+    // Full: all or nothing.
+    let all = store.alloc(1, 10).unwrap();
+    assert!(matches!(
+        store.alloc(1, 1),
+        Err(NvmeError::Full {
+            requested: 1,
+            free: 0
+        })
+    ));
+    store.free(&all[..3]).unwrap();
+    assert!(matches!(
+        store.alloc(1, 4),
+        Err(NvmeError::Full {
+            requested: 4,
+            free: 3
+        })
+    ));
+    assert_eq!(store.free_pages(), 3, "a failed alloc takes nothing");
+    // Recovery marks.
+    store.mark_allocated(all[0]).unwrap();
+    assert!(matches!(
+        store.mark_allocated(all[0]),
+        Err(NvmeError::ManifestMismatch { .. })
+    ));
+    assert!(matches!(
+        store.mark_allocated(PageAddr { device: 1, page: 0 }),
+        Err(NvmeError::ManifestMismatch { .. })
+    ));
+    // Config errors.
+    let mut cfg = store_cfg(&dir, &[1.0], 4096);
+    assert!(
+        matches!(
+            PageStore::open(&cfg, engine.clone()),
+            Err(NvmeError::InvalidArgument { .. })
+        ),
+        "no whole page"
+    );
+    cfg.devices.clear();
+    assert!(PageStore::open(&cfg, engine.clone()).is_err());
+    let cfg = store_cfg(&dir, &[0.0], 1 << 20);
+    assert!(PageStore::open(&cfg, engine.clone()).is_err());
+    let mut cfg = store_cfg(&dir, &[1.0], 1 << 20);
+    cfg.max_payload = 0;
+    assert!(PageStore::open(&cfg, engine).is_err());
+}
+
+#[test]
+fn striping_follows_bandwidth() {
+    let dir = test_dir("stripe");
+    let store = PageStore::open(
+        &store_cfg(&dir, &[3.0e9, 1.0e9, 2.0e9], 1 << 22),
+        Arc::new(PreadEngine::new()),
+    )
+    .unwrap();
+    let mut per_dev = [0usize; 3];
+    // Many small allocations of one session still interleave (the cursor persists).
+    for _ in 0..60 {
+        for a in store.alloc(5, 1).unwrap() {
+            per_dev[a.device as usize] += 1;
+        }
+    }
+    assert_eq!(per_dev, [30, 10, 20]);
+    // Smooth: within any window of 6 consecutive pages the split is exactly 3:1:2.
+    let addrs = store.alloc(6, 12).unwrap();
+    for w in addrs.chunks(6) {
+        let mut c = [0; 3];
+        for a in w {
+            c[a.device as usize] += 1;
+        }
+        assert_eq!(c, [3, 1, 2]);
+    }
+    // A full device is skipped, the rest still serve.
+    let pages = store.device_pages();
+    let mut total = 72usize;
+    while let Ok(a) = store.alloc(7, 1) {
+        total += a.len();
+    }
+    assert_eq!(total as u64, pages.iter().sum::<u64>());
+}
+
+/// An engine for a store of two devices whose first is slow: its operations go through a
+/// stalling [`FaultyEngine`], the other device's straight to pread.
+struct SlowFirstDevice {
+    slow: PathBuf,
+    stalled: FaultyEngine<PreadEngine>,
+    fast: PreadEngine,
+}
+
+impl IoEngine for SlowFirstDevice {
+    fn submit(
+        &self,
+        reqs: Vec<IoRequest>,
+    ) -> Result<Vec<kvtier_storage::nvme::io::IoCompletion>, NvmeError> {
+        let (mut slow, mut fast, mut order) = (Vec::new(), Vec::new(), Vec::new());
+        for r in reqs {
+            let is_slow = r.file().path() == self.slow;
+            order.push(is_slow);
+            if is_slow {
+                slow.push(r)
+            } else {
+                fast.push(r)
+            }
+        }
+        let mut slow = self.stalled.submit(slow)?.into_iter();
+        let mut fast = self.fast.submit(fast)?.into_iter();
+        Ok(order
+            .into_iter()
+            .map(|s| if s { slow.next() } else { fast.next() }.expect("one per request"))
+            .collect())
+    }
+
+    fn name(&self) -> &'static str {
+        "slow-first-device"
+    }
+}
+
+#[test]
+fn tracked_read_rates_set_the_stripe_weights_of_new_sessions_and_the_bulk_batches() {
+    use kvtier_storage::nvme::store::STRIPE_MIN_SAMPLES;
+    use kvtier_storage::nvme::tier::{BULK_BATCH_SECONDS, BULK_BATCH_UNMEASURED_PAGES};
+    use kvtier_storage::nvme::NvmeTier;
+
+    let dir = test_dir("store-tracked");
+    // Configured as equals; device 0 really holds every operation 5 ms longer (a margin
+    // that CPU contention on the fast device's reads cannot eat).
+    let cfg = store_cfg(&dir, &[1.0, 1.0], 4 << 20);
+    let engine = SlowFirstDevice {
+        slow: cfg.devices[0].path.clone(),
+        stalled: FaultyEngine::new(
+            PreadEngine::new(),
+            vec![FaultRule {
+                kind: None,
+                fault: Fault::Stall(std::time::Duration::from_millis(5)),
+                trigger: Trigger::Always,
+            }],
+            0,
+        )
+        .unwrap(),
+        fast: PreadEngine::new(),
+    };
+    let store = PageStore::open(&cfg, Arc::new(engine)).unwrap();
+    assert!(store.usage().devices.iter().all(|d| d.read_lane.is_none()));
+    let (tier, _) = NvmeTier::open(store, &dir.join("manifest")).unwrap();
+    let record = |id: u64| one_layer_record(id, 100);
+    let payloads: Vec<Vec<u8>> = (0..100).map(|i| pattern(i, 9000)).collect();
+    let runs = layer0_runs(&payloads);
+    let per_device = |id: u64| {
+        let mut n = [0usize; 2];
+        for p in tier.session(id).unwrap().pages {
+            n[p.device as usize] += 1;
+        }
+        n
+    };
+    tier.put_session(&record(1), &runs).unwrap();
+    assert_eq!(per_device(1), [50, 50], "configured weights: an even split");
+    let wanted: Vec<(u32, u32)> = (0..100).map(|b| (0, b)).collect();
+    let lens = |r: &[std::ops::Range<usize>]| r.iter().map(|r| r.len()).collect::<Vec<_>>();
+    assert_eq!(
+        lens(&tier.plan_batches(1, &wanted).unwrap()),
+        [
+            BULK_BATCH_UNMEASURED_PAGES,
+            100 - BULK_BATCH_UNMEASURED_PAGES
+        ],
+        "by count before any rate is known"
+    );
+    // Writes were timed too.
+    let u = tier.store().usage();
+    assert!(u
+        .devices
+        .iter()
+        .all(|d| d.write_samples == 1 && d.write_lane.is_some()));
+
+    // Read the session back, one batch of 10 at a time.
+    for k in 0..STRIPE_MIN_SAMPLES as u32 {
+        let want: Vec<(u32, u32)> = (0..10).map(|b| (0, (k * 10 + b) % 100)).collect();
+        for r in tier.read_runs(1, &want).unwrap() {
+            r.unwrap();
+        }
+        if k + 1 < STRIPE_MIN_SAMPLES as u32 {
+            assert_eq!(tier.store().stripe_weights(), [1.0, 1.0], "not settled yet");
+        }
+    }
+    let u = tier.store().usage();
+    let (slow, fast) = (
+        u.devices[0].read_lane.unwrap(),
+        u.devices[1].read_lane.unwrap(),
+    );
+    assert_eq!(u.devices[0].read_samples, STRIPE_MIN_SAMPLES);
+    assert!(
+        fast.bandwidth_bytes_per_s > 4.0 * slow.bandwidth_bytes_per_s,
+        "slow {slow:?} fast {fast:?}"
+    );
+    // A 12 KiB page per 5 ms stall: the slow device's rate is at most ~2.5 MB/s.
+    assert!(slow.bandwidth_bytes_per_s < 2.5e6, "{slow:?}");
+    // Striping follows the tracked throughput (the rate at the transfers seen), which puts the
+    // slow device below ~2.5 MB/s as well.
+    let w = tier.store().stripe_weights();
+    let tp = |d: usize| u.devices[d].read_throughput.unwrap();
+    assert_eq!(w, [tp(0), tp(1)]);
+    assert!(tp(0) < 2.5e6 && tp(1) > 4.0 * tp(0), "{w:?}");
+    assert_eq!(u.devices[0].bandwidth_bytes_per_s, w[0]);
+
+    // A session persisted now is striped by the tracked rates: most pages on the fast device.
+    tier.put_session(&record(2), &runs).unwrap();
+    let n = per_device(2);
+    assert!(n[1] >= 80, "new session split {n:?}");
+    assert_eq!(per_device(1), [50, 50], "the old one stays where it is");
+
+    // A bulk read of the old session goes in batches of about BULK_BATCH_SECONDS at the
+    // tracked rates: each batch holds the few slow-device pages that fit.
+    let batches = tier.plan_batches(1, &wanted).unwrap();
+    assert!(batches.len() > 2, "{:?}", lens(&batches));
+    let s = tier.session(1).unwrap();
+    let page = tier.store().page_size() as u64;
+    for r in &batches {
+        let slow_pages = s.pages[r.clone()].iter().filter(|p| p.device == 0).count() as u64;
+        assert!(
+            r.len() == 1 || slow.time(slow_pages * page) <= BULK_BATCH_SECONDS,
+            "{r:?}"
+        );
+    }
+    assert_eq!(batches.last().unwrap().end, 100);
+}
