@@ -15,7 +15,8 @@ if [ -f $D/kvtier.ptx ] && command -v ptxas >/dev/null; then
   ptxas -arch=sm_90 -v $D/kvtier.ptx -o /tmp/k.cubin 2>&1 | grep -E "Compiling|registers|spill|stack" | tee "$OUT/ptxas.txt"
 fi
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-  for t in $D/gpu_compile $D/gpu_backend $D/kvtier_kernels $D/gpu_decode $D/gpu_daemon; do
+  for t in $D/gpu_compile $D/gpu_attention $D/gpu_selector $D/gpu_cache_and_launch $D/gpu_errors \
+    $D/kvtier_kernels $D/gpu_decode $D/gpu_daemon; do
     [ -x "$t" ] || continue
     log "test $t"
     # GPU tests are #[ignore]d (with the reason) so machines without a device report them
@@ -31,7 +32,7 @@ if [ -x $D/gpu_bench ] && [ "${RUN_BENCH:-0}" = 1 ]; then
     $D/gpu_bench --summaries-bf16 --contexts 1048576 --json "$OUT/bench_bf16.json" 2>&1 | tee "$OUT/bench_bf16.txt"
   fi
 fi
-grep -E "test result|FAILED|panicked" "$OUT/tests.txt" 2>/dev/null | tail -n 12
+grep -E "test result|FAILED|panicked" "$OUT/tests.txt" 2>/dev/null | tail -n 16
 if [ -x $D/gpu_bench ] && [ "${RUN_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
   log "ncu kernel durations (1M tokens, k=32, batch 1 and 8; 8 GB host buffer, frames wrap)"
   for b in ${NCU_BATCHES:-1 8}; do

@@ -1,0 +1,126 @@
+//! CUDA backend, selector: tied scores, long layers, thousands of blocks and the largest
+//! supported context, exactly the CPU selector's keep-sets (and attention within the f64
+//! reference's tolerance).
+//! Every test is `#[ignore]`d with the reason, so a machine without a GPU reports it as ignored;
+//! bench/gpu/run.sh runs them with `--include-ignored`. Run anyway without a device, each prints
+//! "skipped: no CUDA device" and passes.
+#![cfg(feature = "cuda")]
+
+mod gpu_common;
+
+use gpu_common::{check_layer, geom, gpu, Harness, KeyGen, POLICY};
+use kvtier_kernels::cuda::{CudaConfig, SummaryDtype};
+use kvtier_storage::{DType, Policy};
+
+/// Many exactly equal scores: the lower block index must win, as on the CPU.
+#[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
+fn selector_ties_break_to_lower_block() {
+    if !gpu() {
+        return;
+    }
+    for (templates, sd) in [
+        (3, SummaryDtype::F32),
+        (1, SummaryDtype::F32),
+        (5, SummaryDtype::Bf16Outward),
+    ] {
+        let cfg = CudaConfig::new(geom(8, 2, 64, 16, DType::Bf16), POLICY, 60, 2, sd);
+        let mut h = Harness::new(cfg, 20 + templates as u64);
+        let a = h.add_session(60 * 16, KeyGen { templates });
+        let b = h.add_session(45 * 16 + 5, KeyGen { templates });
+        check_layer(&mut h, 0, &[a, b]);
+        check_layer(&mut h, 1, &[b]);
+    }
+}
+
+/// Long layers (radix top-k over up to 1,095 distant blocks, plans split between plan_fixed and
+/// select_topk) equal the CPU selector for several top_k, ties included (templates make many
+/// scores exactly equal).
+#[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
+fn selector_long_layers_match_cpu() {
+    if !gpu() {
+        return;
+    }
+    for (top_k, templates) in [(32, 0), (32, 7), (31, 3), (33, 0), (48, 5)] {
+        let policy = Policy {
+            sink_blocks: 2,
+            local_blocks: 3,
+            top_k,
+        };
+        let cfg = CudaConfig::new(
+            geom(28, 4, 128, 16, DType::Bf16),
+            policy,
+            1100,
+            2,
+            SummaryDtype::F32,
+        );
+        check_two_sessions(cfg, 60 + top_k as u64, 1100 * 16, 70 * 16 + 3, templates);
+    }
+}
+
+/// A session of `long` tokens and one of `short` tokens, batched both ways round on two layers.
+fn check_two_sessions(cfg: CudaConfig, seed: u64, long: u32, short: u32, templates: u32) {
+    let mut h = Harness::new(cfg, seed);
+    let a = h.add_session(long, KeyGen { templates });
+    let b = h.add_session(short, KeyGen { templates });
+    check_layer(&mut h, 0, &[a, b]);
+    check_layer(&mut h, 1, &[b, a]);
+}
+
+/// Thousands of blocks: several candidates per top-k thread, full radix passes, exact match.
+#[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
+fn selector_large_context_exact() {
+    if !gpu() {
+        return;
+    }
+    let p = Policy {
+        sink_blocks: 1,
+        local_blocks: 4,
+        top_k: 32,
+    };
+    for (templates, sd) in [
+        (0, SummaryDtype::F32),
+        (7, SummaryDtype::F32),
+        (0, SummaryDtype::Bf16Outward),
+    ] {
+        let cfg = CudaConfig::new(geom(8, 2, 32, 16, DType::F32), p, 3000, 2, sd);
+        let mut h = Harness::new(cfg, 70 + templates as u64);
+        let a = h.add_session(3000 * 16, KeyGen { templates });
+        let b = h.add_session(2111 * 16 + 9, KeyGen { templates });
+        check_layer(&mut h, 0, &[a, b]);
+        check_layer(&mut h, 1, &[b, a]);
+    }
+}
+
+/// The largest supported context (32,768 blocks: 256 candidate lists per kv head, 8 merged per
+/// select_topk warp before the tree) and a mid-size one, ties included: exactly the CPU's.
+#[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
+fn selector_max_blocks_list_merge_exact() {
+    if !gpu() {
+        return;
+    }
+    for (top_k, templates) in [(32, 0), (32, 5), (8, 3)] {
+        let p = Policy {
+            sink_blocks: 1,
+            local_blocks: 4,
+            top_k,
+        };
+        let cfg = CudaConfig::new(
+            geom(4, 1, 32, 16, DType::Bf16),
+            p,
+            32_768,
+            2,
+            SummaryDtype::F32,
+        );
+        check_two_sessions(
+            cfg,
+            80 + templates as u64,
+            32_768 * 16,
+            9_000 * 16 + 7,
+            templates,
+        );
+    }
+}
