@@ -19,9 +19,6 @@ use kvtier_storage::{DType, Policy};
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn smoke_device_and_one_layer() {
-    if !gpu() {
-        return;
-    }
     let cfg = CudaConfig::new(
         geom(28, 4, 128, 128, DType::Bf16),
         POLICY,
@@ -29,7 +26,9 @@ fn smoke_device_and_one_layer() {
         1,
         SummaryDtype::F32,
     );
-    let mut h = Harness::new(cfg, 1);
+    let Some(mut h) = Harness::start(cfg, 1) else {
+        return;
+    };
     println!("device: {}", h.be.device_name().unwrap());
     let s = h.add_session(20 * 128 + 77, KeyGen { templates: 0 });
     check_layer(&mut h, 0, &[s]);
@@ -40,11 +39,9 @@ fn smoke_device_and_one_layer() {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn qwen_geometry_batch_1_and_8() {
-    if !gpu() {
+    let Some(mut h) = Harness::start(qwen_config(64, 8), 2) else {
         return;
-    }
-    let cfg = qwen_config(64, 8);
-    let mut h = Harness::new(cfg, 2);
+    };
     let lens = [
         64 * 128,
         50 * 128 + 3,
@@ -198,11 +195,9 @@ fn dense_mode_is_plain_attention() {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn dense_attention_matches_reference() {
-    if !gpu() {
+    let Some(mut h) = Harness::start(qwen_config(60, 3), 92) else {
         return;
-    }
-    let cfg = qwen_config(60, 3);
-    let mut h = Harness::new(cfg, 92);
+    };
     let slots = h.add_sessions(&[60 * 128 - 37, 9 * 128]);
     let other = h.add_session(128, KeyGen { templates: 0 });
     let hqd = 28 * 128;
@@ -214,7 +209,10 @@ fn dense_attention_matches_reference() {
     let sparse = h.be.decode_step(&items).unwrap().out;
     let host = h.be.dense_step(&items, DenseKv::Host).unwrap();
     let kv = h.be.copy_kv_to_device(&slots).unwrap();
-    assert_eq!(kv.bytes(), (60 + 9) * 2 * cfg.geometry.block_bytes() as u64);
+    assert_eq!(
+        kv.bytes(),
+        (60 + 9) * 2 * h.cfg.geometry.block_bytes() as u64
+    );
     let dev = h.be.dense_step(&items, DenseKv::Device(&kv)).unwrap();
     assert_eq!(host.out, dev.out, "same tiles, same arithmetic");
     for (i, &slot) in slots.iter().enumerate() {
@@ -230,7 +228,7 @@ fn dense_attention_matches_reference() {
     let tiles = (60 + 9) * 4;
     for (hs, ds) in host.stats.iter().zip(&dev.stats) {
         assert_eq!((hs.tiles, hs.misses, hs.hits), (tiles, tiles, 0));
-        assert_eq!(hs.bytes_moved, tiles * cfg.geometry.tile_bytes() as u64);
+        assert_eq!(hs.bytes_moved, tiles * h.cfg.geometry.tile_bytes() as u64);
         assert_eq!((ds.tiles, ds.hits, ds.bytes_moved), (tiles, tiles, 0));
     }
     // The sparse path gives the same output after the dense calls.

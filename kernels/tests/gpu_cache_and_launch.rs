@@ -9,10 +9,10 @@
 mod gpu_common;
 
 use gpu_common::{
-    check_layer, check_step, geom, gpu, qwen_config, rel_err, step_items, Harness, KeyGen, POLICY,
+    check_layer, check_step, gpu, qwen_b32_config, qwen_config, rel_err, step_items, Harness,
+    KeyGen, POLICY,
 };
-use kvtier_kernels::cuda::{CudaConfig, DecodeItem, LaunchMode, LayerStats, SummaryDtype, Timing};
-use kvtier_storage::DType;
+use kvtier_kernels::cuda::{DecodeItem, LaunchMode, LayerStats, Timing};
 
 /// On a flushed layer-0 cache, `items` (two sessions, 4 kv heads, the first with a partial
 /// tail) run twice: the first call misses everything, the second refetches only the 4 partial
@@ -34,17 +34,9 @@ fn repeat_refetches_only_partial_tails(h: &mut Harness, items: &[DecodeItem<'_>]
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn block_cache_hits_and_appends() {
-    if !gpu() {
+    let Some(mut h) = Harness::start(qwen_b32_config(40, 2), 40) else {
         return;
-    }
-    let cfg = CudaConfig::new(
-        geom(28, 4, 128, 32, DType::Bf16),
-        POLICY,
-        40,
-        2,
-        SummaryDtype::F32,
-    );
-    let mut h = Harness::new(cfg, 40);
+    };
     let a = h.add_session(30 * 32 + 5, KeyGen { templates: 0 }); // partial tail
     let b = h.add_session(30 * 32, KeyGen { templates: 0 }); // full tail
     let (qa, qb) = (h.query(), h.query());
@@ -81,13 +73,7 @@ fn split_plan_keeps_cache_exact_at_ksel_slots() {
     if !gpu() {
         return;
     }
-    let mut cfg = CudaConfig::new(
-        geom(28, 4, 128, 32, DType::Bf16),
-        POLICY,
-        200,
-        2,
-        SummaryDtype::F32,
-    );
+    let mut cfg = qwen_b32_config(200, 2);
     cfg.cache_slots = POLICY.budget() as u32;
     let mut h = Harness::new(cfg, 41);
     let a = h.add_session(150 * 32 + 7, KeyGen { templates: 0 }); // partial tail
@@ -115,17 +101,9 @@ fn split_plan_keeps_cache_exact_at_ksel_slots() {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn decode_step_matches_layers() {
-    if !gpu() {
+    let Some(mut h) = Harness::start(qwen_b32_config(40, 3), 50) else {
         return;
-    }
-    let cfg = CudaConfig::new(
-        geom(28, 4, 128, 32, DType::Bf16),
-        POLICY,
-        40,
-        3,
-        SummaryDtype::F32,
-    );
-    let mut h = Harness::new(cfg, 50);
+    };
     let slots = h.add_sessions(&[40 * 32, 25 * 32 + 9, 7]);
     let hqd = 28 * 128;
     let qs: Vec<Vec<f32>> = slots
@@ -166,11 +144,9 @@ fn decode_step_matches_layers() {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn fused_launch_matches_split_launches() {
-    if !gpu() {
+    let Some(mut h) = Harness::start(qwen_config(300, 3), 90) else {
         return;
-    }
-    let cfg = qwen_config(300, 3);
-    let mut h = Harness::new(cfg, 90);
+    };
 
     let slots = h.add_sessions(&[300 * 128, 211 * 128 + 17, 20 * 128]);
     h.be.set_timing(Timing::Layers).unwrap();

@@ -16,9 +16,6 @@ use kvtier_storage::DType;
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn bad_inputs_get_typed_errors() {
-    if !gpu() {
-        return;
-    }
     let cfg = CudaConfig::new(
         geom(8, 2, 64, 16, DType::Bf16),
         POLICY,
@@ -26,7 +23,9 @@ fn bad_inputs_get_typed_errors() {
         2,
         SummaryDtype::F32,
     );
-    let mut h = Harness::new(cfg, 60);
+    let Some(mut h) = Harness::start(cfg, 60) else {
+        return;
+    };
     let s = h.add_session(100, KeyGen { templates: 0 });
     let q = h.query();
     let be = &mut h.be;

@@ -72,6 +72,12 @@ pub struct KeyGen {
 }
 
 impl Harness {
+    /// A harness for `cfg` seeded with `seed`, or None (the test passes, saying so) without a
+    /// CUDA device.
+    pub fn start(cfg: CudaConfig, seed: u64) -> Option<Harness> {
+        gpu().then(|| Harness::new(cfg, seed))
+    }
+
     pub fn new(cfg: CudaConfig, seed: u64) -> Harness {
         let mut be = CudaBackend::new(0, cfg).expect("backend");
         be.set_poison_outputs(true);
@@ -392,6 +398,12 @@ pub const POLICY: Policy = Policy {
     local_blocks: 4,
     top_k: 8,
 };
+
+/// Qwen2.5-7B heads (28/4, D=128, bf16) in blocks of 32 tokens, [`POLICY`], fp32 summaries.
+pub fn qwen_b32_config(max_blocks: u32, sessions: u32) -> CudaConfig {
+    let g = geom(28, 4, 128, 32, DType::Bf16);
+    CudaConfig::new(g, POLICY, max_blocks, sessions, SummaryDtype::F32)
+}
 
 /// Qwen2.5-7B attention (28/4 heads, D=128, B=128, bf16), sink 1, local 4, top-k 32.
 pub fn qwen_config(max_blocks: u32, sessions: u32) -> CudaConfig {
