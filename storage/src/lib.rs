@@ -16,6 +16,7 @@
 
 pub mod arena;
 pub mod error;
+pub mod extents;
 pub mod kv;
 pub mod nvme;
 mod par;
