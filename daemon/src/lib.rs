@@ -46,7 +46,7 @@ use kvtier_storage::{ArenaOptions, HostArena};
 pub fn build_arena(cfg: &Config) -> Result<HostArena, kvtier_storage::StorageError> {
     let mut opts = ArenaOptions::new(
         cfg.host.capacity.0 as usize,
-        cfg.host.frame_bytes.0 as usize,
+        cfg.host.max_run_bytes.0 as usize,
     );
     opts.huge_pages = cfg.host.huge_pages;
     opts.lock = cfg.host.lock_memory;
@@ -152,7 +152,7 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
     let store = PageStore::open(
         &PageStoreConfig {
             devices: configs,
-            max_payload: cfg.host.frame_bytes.0 as usize,
+            max_payload: cfg.host.max_run_bytes.0 as usize,
         },
         engine,
     )

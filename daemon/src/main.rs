@@ -211,9 +211,8 @@ fn serve(cfg: Config) -> Result<(), String> {
     let engine = Arc::new(tierd::build_engine(&cfg, arena, gpu)?);
     let usage = engine.arena().usage();
     tracing::info!(
-        capacity = %tierd::config::ByteSize(usage.bytes_total() as u64),
-        frame = %cfg.host.frame_bytes,
-        frames = usage.frames_total,
+        capacity = %tierd::config::ByteSize(usage.bytes_total as u64),
+        max_run = %cfg.host.max_run_bytes,
         "host tier ready"
     );
     let mut settings = tierd::server_settings(&cfg);

@@ -38,7 +38,6 @@ pub struct Snapshot {
     pub host_bytes_used: u64,
     pub host_bytes_capacity: u64,
     pub host_frames_used: u64,
-    pub host_frames_capacity: u64,
     pub decode_requests: u64,
     pub decode_entries: u64,
     pub append_tokens: u64,
@@ -63,7 +62,6 @@ pub mod names {
     pub const TIER_USED_BYTES: &str = "kvtier_tier_used_bytes";
     pub const TIER_CAPACITY_BYTES: &str = "kvtier_tier_capacity_bytes";
     pub const TIER_USED_BLOCKS: &str = "kvtier_tier_used_blocks";
-    pub const TIER_CAPACITY_BLOCKS: &str = "kvtier_tier_capacity_blocks";
 
     // Scrape-time counters (the same numbers STATS reports).
     pub const DECODE_REQUESTS: &str = "kvtier_decode_requests_total";
@@ -166,7 +164,6 @@ pub struct TierGauges {
     pub used_bytes: Gauge,
     pub capacity_bytes: Gauge,
     pub used_blocks: Gauge,
-    pub capacity_blocks: Gauge,
 }
 
 /// NVMe tier counters, registered when the NVMe tier is enabled.
@@ -326,7 +323,6 @@ impl Metrics {
         self.host.used_bytes.set(s.host_bytes_used as f64);
         self.host.capacity_bytes.set(s.host_bytes_capacity as f64);
         self.host.used_blocks.set(s.host_frames_used as f64);
-        self.host.capacity_blocks.set(s.host_frames_capacity as f64);
         self.decode_requests.absolute(s.decode_requests);
         self.decode_entries.absolute(s.decode_entries);
         self.append_tokens.absolute(s.append_tokens);
@@ -384,7 +380,6 @@ impl Registrar<'_> {
             used_bytes: self.gauge(names::TIER_USED_BYTES, &l),
             capacity_bytes: self.gauge(names::TIER_CAPACITY_BYTES, &l),
             used_blocks: self.gauge(names::TIER_USED_BLOCKS, &l),
-            capacity_blocks: self.gauge(names::TIER_CAPACITY_BLOCKS, &l),
         }
     }
 
@@ -412,7 +407,6 @@ impl Registrar<'_> {
         g(TIER_USED_BYTES, b, "Bytes of the tier holding KV blocks");
         g(TIER_CAPACITY_BYTES, b, "Configured bytes of the tier");
         g(TIER_USED_BLOCKS, None, "Block frames of the tier in use");
-        g(TIER_CAPACITY_BLOCKS, None, "Block frames the tier can hold");
         c(DECODE_REQUESTS, None, "DECODE requests served");
         c(
             DECODE_ENTRIES,
@@ -511,7 +505,6 @@ mod tests {
             TIER_USED_BYTES,
             TIER_CAPACITY_BYTES,
             TIER_USED_BLOCKS,
-            TIER_CAPACITY_BLOCKS,
             DECODE_STAGE_SECONDS,
             DECODE_SECONDS,
             DECODE_KEEP_SET_BLOCKS,

@@ -27,6 +27,7 @@ use kvtier_protocol::{
     PROTOCOL_VERSION,
 };
 
+use crate::config::ByteSize;
 use crate::engine::{Engine, Peer};
 use crate::error::{ServiceError, ServiceResult};
 use crate::metrics::Rejection;
@@ -190,8 +191,10 @@ struct Shared {
 fn status_line(engine: &Engine) -> String {
     let s = engine.snapshot();
     Notifier::status_line(&format!(
-        "serving: {} sessions, host tier {} of {} frames in use",
-        s.sessions, s.host_frames_used, s.host_frames_capacity
+        "serving: {} sessions, host tier {} of {} in use",
+        s.sessions,
+        ByteSize(s.host_bytes_used),
+        ByteSize(s.host_bytes_capacity)
     ))
 }
 
@@ -625,7 +628,7 @@ fn execute_heavy(
                         fd,
                         offset,
                         len,
-                        engine.arena().usage().bytes_total() as u64,
+                        engine.arena().usage().bytes_total as u64,
                     )?;
                     engine.append(peer, a.session, a.start_pos, a.n_tokens, payload.bytes())?
                 }

@@ -139,7 +139,7 @@ fn all_manifests_damaged_refuses_to_start_or_quarantines() {
     let out = tierd()
         .socket(dir.path().join("refused.sock"))
         .nvme_dir(&state)
-        .set("host.frame_bytes=\"4KiB\"")
+        .set("host.max_run_bytes=\"4KiB\"")
         .output();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "started over damaged manifests");

@@ -184,3 +184,53 @@ fn concurrent_decodes_share_device_calls_and_match_the_oracle() {
     );
     eprintln!("{coalesced} of {requests} requests shared a device call");
 }
+
+#[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
+fn open_model_geometries_on_default_extents_decode_on_the_gpu_like_the_cpu_daemon() {
+    use kvtier_protocol::{DType, Geometry};
+    if !kvtier_kernels::cuda::device_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    // Embedded defaults (not the harness's 4 KiB runs): runs of 32 KiB to 1 MiB share the
+    // arena the GPU has registered, with a zero extent as large as host.max_run_bytes.
+    let daemon = |backend: &str| {
+        tierd()
+            .host_capacity("512MiB")
+            .no_nvme()
+            .args(["--backend", backend, "--set", "backend.cuda.max_backends=4"])
+            .start()
+    };
+    let (gpu, cpu) = (daemon("cuda"), daemon("cpu"));
+    let (mut cg, mut cc) = (gpu.client(), cpu.client());
+    let models = [
+        Geometry::new(2, 4, 1, 256, DType::Bf16, 32), // Gemma 3 270M: 32 KiB runs
+        Geometry::new(2, 32, 8, 128, DType::Bf16, 128), // Llama-3-8B: 512 KiB
+        Geometry::new(2, 28, 4, 128, DType::F32, 128), // Qwen2.5-7B f32: 512 KiB
+        Geometry::new(2, 40, 10, 128, DType::Bf16, 64), // Phi-4 14B: 160 KiB, no power of two
+    ];
+    let mut sessions = Vec::new();
+    for (i, g) in models.into_iter().enumerate() {
+        let a = cg.create_session(g, policy(), "gpu").unwrap();
+        let b = cc.create_session(g, policy(), "cpu").unwrap();
+        let mut sh = Shadow::new(g, 900 + i as u64);
+        let n = g.block_tokens * 6 + 5;
+        let p = sh.payload(n as usize);
+        cg.append_kv(a, 0, n, &p).unwrap();
+        cc.append_kv(b, 0, n, &p).unwrap();
+        sessions.push((a, b, sh, 0u64));
+    }
+    for step in 0..6 {
+        for (a, b, sh, hits) in &mut sessions {
+            for layer in 0..2usize {
+                let what = format!("{:?} step {step} ", sh.g);
+                let og = decode_both((&mut cg, *a), (&mut cc, *b), sh, layer, &what);
+                *hits += u64::from(og.stats.unwrap().cache_hits);
+            }
+        }
+    }
+    for (_, _, sh, hits) in &sessions {
+        assert!(*hits > 0, "{:?}: the GPU path served the steps", sh.g);
+    }
+}

@@ -69,7 +69,7 @@ fn stat(s: &StatsReply, key: &str) -> f64 {
 }
 
 /// Scrape-time series and the STATS key each one mirrors.
-const MIRRORED: [(&str, &str); 10] = [
+const MIRRORED: [(&str, &str); 9] = [
     (names::SESSIONS, stats_keys::SESSIONS),
     (
         "kvtier_tier_used_bytes{tier=\"host\"}",
@@ -82,10 +82,6 @@ const MIRRORED: [(&str, &str); 10] = [
     (
         "kvtier_tier_used_blocks{tier=\"host\"}",
         stats_keys::HOST_FRAMES_USED,
-    ),
-    (
-        "kvtier_tier_capacity_blocks{tier=\"host\"}",
-        stats_keys::HOST_FRAMES_CAPACITY,
     ),
     (names::DECODE_REQUESTS, stats_keys::DECODE_REQUESTS_TOTAL),
     (names::DECODE_ENTRIES, stats_keys::DECODE_ENTRIES_TOTAL),

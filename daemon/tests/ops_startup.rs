@@ -62,6 +62,7 @@ fn locked(host: &str, memlock: u64) -> TierdBuilder {
     tierd()
         .host_capacity(host)
         .set("host.lock_memory=true")
+        .set("host.max_run_bytes=\"1MiB\"")
         .no_nvme()
         .configure(with_memlock(memlock))
 }

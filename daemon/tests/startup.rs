@@ -20,10 +20,15 @@ fn invalid_config_fails_with_exit_code_2_naming_the_field() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("s.sock");
     let sock = sock.to_str().unwrap();
+    let out = tierd(&["--socket", sock, "--set", "host.max_run_bytes=1000"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("host.max_run_bytes"), "{err}");
+    // The old name still sets it.
     let out = tierd(&["--socket", sock, "--set", "host.frame_bytes=1000"]);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("host.frame_bytes"), "{err}");
+    assert!(err.contains("host.max_run_bytes"), "{err}");
     let cfg = dir.path().join("bad.toml");
     std::fs::write(&cfg, "[server]\nsocket_mode = \"rw\"\n").unwrap();
     let out = tierd(&["--config", cfg.to_str().unwrap()]);

@@ -245,7 +245,11 @@ pub fn decode_step(
         let need =
             e.kv.check_layer_append(layer, e.position, e.k, e.v)
                 .map_err(|s| at(i)(s.into()))?;
-        reserved.push(e.kv.arena().alloc_many(need).map_err(|s| at(i)(s.into()))?);
+        reserved.push(
+            e.kv.arena()
+                .alloc_many(need, e.kv.geometry().block_bytes())
+                .map_err(|s| at(i)(s.into()))?,
+        );
     }
 
     let t_reserved = t0.elapsed();

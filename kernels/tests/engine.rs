@@ -332,7 +332,7 @@ fn a_full_arena_fails_the_whole_batch_before_any_append() {
     let two = [row.clone(), row.clone(), row.clone(), row.clone()].concat();
     a.append(0, 2, &two).unwrap(); // 1 frame, full block
     b.append(0, 2, &two).unwrap(); // 1 frame, full block
-    let _hog = shared.alloc().unwrap(); // the last frame
+    let _hog = shared.alloc(4096).unwrap(); // the last frame
     let q = vec![0.5f32; 16];
     let mut out = vec![0f32; 32];
     let e = decode_layer(

@@ -201,7 +201,6 @@ pub mod stats_keys {
     pub const HOST_BYTES_USED: &str = "host_bytes_used";
     pub const HOST_BYTES_CAPACITY: &str = "host_bytes_capacity";
     pub const HOST_FRAMES_USED: &str = "host_frames_used";
-    pub const HOST_FRAMES_CAPACITY: &str = "host_frames_capacity";
     pub const DECODE_REQUESTS_TOTAL: &str = "decode_requests_total";
     pub const DECODE_ENTRIES_TOTAL: &str = "decode_entries_total";
     pub const APPEND_TOKENS_TOTAL: &str = "append_tokens_total";
@@ -210,13 +209,12 @@ pub mod stats_keys {
     pub const BYTES_TOUCHED_TOTAL: &str = "bytes_touched_total";
 
     /// Every initial key, in documentation order.
-    pub const ALL: [&str; 12] = [
+    pub const ALL: [&str; 11] = [
         UPTIME_MS,
         SESSIONS,
         HOST_BYTES_USED,
         HOST_BYTES_CAPACITY,
         HOST_FRAMES_USED,
-        HOST_FRAMES_CAPACITY,
         DECODE_REQUESTS_TOTAL,
         DECODE_ENTRIES_TOTAL,
         APPEND_TOKENS_TOTAL,

@@ -1,12 +1,19 @@
-//! The host-RAM tier: an arena of fixed-size block frames in one anonymous mapping.
+//! The host-RAM tier: an arena of variable-size block-run extents in one anonymous mapping.
 //!
 //! One mapping (rather than one allocation per block) is what lets a GPU backend register the
 //! whole tier with the driver once — pinned and mapped for zero-copy reads — and what keeps the
-//! decode path free of heap traffic: a frame is taken from a free list when a block is opened and
-//! returned when its owner drops it.
+//! decode path free of heap traffic: an extent is carved when a block is opened and returned
+//! when its owner drops it.
 //!
-//! Frames are handed out as owned [`Frame`] handles. A handle is the only way to reach its bytes,
-//! so two handles never alias and the frame is freed exactly once, in `Drop`.
+//! Each block run takes an extent of exactly its size rounded up to [`FRAME_ALIGN`] (see
+//! [`crate::extents`]), so every geometry from a 270M model's 32 KiB runs to a 64-head f32
+//! model's 8 MiB runs shares one arena without resizing anything and without wasting a
+//! fixed-size frame per small run. Extents never cross a multiple of `max_run_bytes` (a
+//! *segment*), so a GPU backend that registers the arena in chunks of whole segments always
+//! finds a run inside one chunk.
+//!
+//! Extents are handed out as owned [`Frame`] handles. A handle is the only way to reach its
+//! bytes, so two handles never alias and the extent is freed exactly once, in `Drop`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -15,18 +22,24 @@ use memmap2::{MmapMut, MmapOptions};
 use parking_lot::Mutex;
 
 use crate::error::{Result, StorageError};
+use crate::extents::Extents;
 
-/// Frame sizes are multiples of this so frames can be written to NVMe with O_DIRECT and
-/// registered with CUDA without straddling pages.
+/// Extents are multiples of this (and start at multiples of it) so runs can be written to NVMe
+/// with O_DIRECT and registered with CUDA without straddling pages.
 pub const FRAME_ALIGN: usize = 4096;
+
+/// Default largest block run (`host.max_run_bytes`): a 64-KV-head, D=128 model in f32 at
+/// 128-token blocks is 8 MiB; this leaves room for twice that.
+pub const DEFAULT_MAX_RUN_BYTES: usize = 16 << 20;
 
 /// How to build a [`HostArena`].
 #[derive(Debug, Clone)]
 pub struct ArenaOptions {
-    /// Total bytes of frames; rounded down to a whole number of frames.
+    /// Total bytes; rounded down to a multiple of [`FRAME_ALIGN`].
     pub capacity_bytes: usize,
-    /// Bytes per frame; one frame holds one (layer, block) run.
-    pub frame_bytes: usize,
+    /// Largest block run (extent) the arena hands out, a positive multiple of [`FRAME_ALIGN`]
+    /// and at most the capacity. Also the segment no extent crosses (see the module docs).
+    pub max_run_bytes: usize,
     /// Advise transparent huge pages (fewer TLB misses and faster pinning).
     pub huge_pages: bool,
     /// mlock the whole arena up front (needs RLIMIT_MEMLOCK >= capacity).
@@ -34,68 +47,73 @@ pub struct ArenaOptions {
 }
 
 impl ArenaOptions {
-    pub fn new(capacity_bytes: usize, frame_bytes: usize) -> Self {
+    pub fn new(capacity_bytes: usize, max_run_bytes: usize) -> Self {
         ArenaOptions {
             capacity_bytes,
-            frame_bytes,
+            max_run_bytes,
             huge_pages: true,
             lock: false,
         }
     }
 }
 
-/// Usage counters of an arena, read without locking.
+/// Usage counters of an arena.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ArenaUsage {
-    pub frame_bytes: usize,
-    pub frames_total: usize,
+    pub bytes_total: usize,
+    pub bytes_used: usize,
+    /// Extents (resident block runs) held.
     pub frames_used: usize,
+    pub max_run_bytes: usize,
 }
 
-impl ArenaUsage {
-    pub fn bytes_used(&self) -> usize {
-        self.frames_used * self.frame_bytes
-    }
-    pub fn bytes_total(&self) -> usize {
-        self.frames_total * self.frame_bytes
-    }
+/// Bytes an extent holding `bytes` takes.
+pub fn extent_bytes(bytes: usize) -> usize {
+    bytes.div_ceil(FRAME_ALIGN) * FRAME_ALIGN
 }
 
 struct Inner {
     /// Keeps the mapping alive; its bytes are only reached through `base`.
     _map: MmapMut,
     base: *mut u8,
-    frame_bytes: usize,
-    frames_total: usize,
-    /// Free frame indices, used LIFO so recently freed (cache-warm) frames are reused first.
-    free: Mutex<Vec<u32>>,
-    used: AtomicUsize,
+    bytes_total: usize,
+    max_run_bytes: usize,
+    /// Free space, in FRAME_ALIGN units.
+    space: Mutex<Extents>,
 }
 
-// SAFETY: `base` points into `_map`, which lives as long as `Inner`. Distinct frames are disjoint
-// byte ranges and each is reachable only through its unique `Frame` handle (or `&self` methods
-// that read nothing but the pointer), so sharing `Inner` between threads creates no data race.
+// SAFETY: `base` points into `_map`, which lives as long as `Inner`. Distinct extents are
+// disjoint byte ranges and each is reachable only through its unique `Frame` handle (or `&self`
+// methods that read nothing but the pointer), so sharing `Inner` between threads creates no
+// data race.
 unsafe impl Send for Inner {}
-// SAFETY: see `Send` above; all shared mutable state is behind `free`'s mutex or atomics.
+// SAFETY: see `Send` above; all shared mutable state is behind `space`'s mutex.
 unsafe impl Sync for Inner {}
 
-/// A per-owner cap on frames held at once: every frame taken through an arena handle that
+impl Inner {
+    fn release(&self, unit: u64, units: u64) {
+        let ok = self.space.lock().release(unit, units);
+        debug_assert!(ok, "an extent is freed once, by its only handle");
+    }
+}
+
+/// A per-owner cap on host bytes held at once: every extent taken through an arena handle that
 /// carries it ([`HostArena::with_quota`]) counts until it is dropped.
 #[derive(Debug)]
-pub struct FrameQuota {
+pub struct HostQuota {
     limit: usize,
     used: AtomicUsize,
 }
 
-impl FrameQuota {
-    pub fn new(limit_frames: usize) -> Arc<Self> {
-        Arc::new(FrameQuota {
-            limit: limit_frames,
+impl HostQuota {
+    pub fn new(limit_bytes: usize) -> Arc<Self> {
+        Arc::new(HostQuota {
+            limit: limit_bytes,
             used: AtomicUsize::new(0),
         })
     }
 
-    /// Frames held now.
+    /// Bytes held now.
     pub fn used(&self) -> usize {
         self.used.load(Ordering::Relaxed)
     }
@@ -104,7 +122,7 @@ impl FrameQuota {
         self.limit
     }
 
-    /// Charges `n` frames, or fails without charging anything.
+    /// Charges `n` bytes, or fails without charging anything.
     fn charge(&self, n: usize) -> Result<()> {
         self.used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
@@ -112,19 +130,23 @@ impl FrameQuota {
             })
             .map(|_| ())
             .map_err(|used| StorageError::QuotaExceeded {
-                frames_used: used,
+                bytes_used: used,
                 wanted: n,
                 limit: self.limit,
             })
     }
+
+    fn refund(&self, n: usize) {
+        self.used.fetch_sub(n, Ordering::AcqRel);
+    }
 }
 
-/// A pool of fixed-size frames in one anonymous memory mapping. Cloning shares the pool.
+/// A pool of variable-size extents in one anonymous memory mapping. Cloning shares the pool.
 #[derive(Clone)]
 pub struct HostArena {
     inner: Arc<Inner>,
-    /// Charged for every frame taken through this handle (see [`HostArena::with_quota`]).
-    quota: Option<Arc<FrameQuota>>,
+    /// Charged for every extent taken through this handle (see [`HostArena::with_quota`]).
+    quota: Option<Arc<HostQuota>>,
 }
 
 impl std::fmt::Debug for HostArena {
@@ -138,23 +160,19 @@ impl std::fmt::Debug for HostArena {
 impl HostArena {
     pub fn new(opts: &ArenaOptions) -> Result<Self> {
         let invalid = |reason: String| Err(StorageError::InvalidArena { reason });
-        if opts.frame_bytes == 0 || !opts.frame_bytes.is_multiple_of(FRAME_ALIGN) {
+        let bytes = opts.capacity_bytes / FRAME_ALIGN * FRAME_ALIGN;
+        let max_run = opts.max_run_bytes;
+        if max_run == 0 || !max_run.is_multiple_of(FRAME_ALIGN) {
             return invalid(format!(
-                "frame_bytes must be a positive multiple of {FRAME_ALIGN}, got {}",
-                opts.frame_bytes
+                "max_run_bytes must be a positive multiple of {FRAME_ALIGN}, got {max_run}"
             ));
         }
-        let frames_total = opts.capacity_bytes / opts.frame_bytes;
-        if frames_total == 0 {
+        if bytes < max_run {
             return invalid(format!(
-                "capacity of {} bytes holds no {}-byte frame",
-                opts.capacity_bytes, opts.frame_bytes
+                "capacity of {} bytes is less than max_run_bytes {max_run}",
+                opts.capacity_bytes
             ));
         }
-        if frames_total > u32::MAX as usize {
-            return invalid(format!("{frames_total} frames exceed the u32 frame index"));
-        }
-        let bytes = frames_total * opts.frame_bytes;
         let mut map = MmapOptions::new()
             .len(bytes)
             .map_anon()
@@ -167,29 +185,29 @@ impl HostArena {
             map.lock().map_err(|source| StorageError::Lock { source })?;
         }
         let base = map.as_mut_ptr();
-        // Highest index on top so the first allocations walk the mapping in address order.
-        let free: Vec<u32> = (0..frames_total as u32).rev().collect();
+        let unit = FRAME_ALIGN as u64;
+        let space = Extents::new(bytes as u64 / unit, max_run as u64 / unit);
         Ok(HostArena {
             quota: None,
             inner: Arc::new(Inner {
                 _map: map,
                 base,
-                frame_bytes: opts.frame_bytes,
-                frames_total,
-                free: Mutex::new(free),
-                used: AtomicUsize::new(0),
+                bytes_total: bytes,
+                max_run_bytes: max_run,
+                space: Mutex::new(space),
             }),
         })
     }
 
-    pub fn frame_bytes(&self) -> usize {
-        self.inner.frame_bytes
+    /// The largest extent (block run) the arena hands out.
+    pub fn max_run_bytes(&self) -> usize {
+        self.inner.max_run_bytes
     }
 
-    /// The same pool, with every frame taken through the returned handle charged to `quota`
-    /// (and refunded when the frame is dropped): one owner's share of the tier. A frame the
-    /// quota cannot take is [`StorageError::QuotaExceeded`], not [`StorageError::ArenaFull`].
-    pub fn with_quota(&self, quota: Arc<FrameQuota>) -> HostArena {
+    /// The same pool, with every extent taken through the returned handle charged to `quota`
+    /// (and refunded when it is dropped): one owner's share of the tier. An extent the quota
+    /// cannot take is [`StorageError::QuotaExceeded`], not [`StorageError::ArenaFull`].
+    pub fn with_quota(&self, quota: Arc<HostQuota>) -> HostArena {
         HostArena {
             inner: self.inner.clone(),
             quota: Some(quota),
@@ -197,150 +215,154 @@ impl HostArena {
     }
 
     pub fn usage(&self) -> ArenaUsage {
+        let space = self.inner.space.lock();
         ArenaUsage {
-            frame_bytes: self.inner.frame_bytes,
-            frames_total: self.inner.frames_total,
-            frames_used: self.inner.used.load(Ordering::Relaxed),
+            bytes_total: self.inner.bytes_total,
+            bytes_used: space.used() as usize * FRAME_ALIGN,
+            frames_used: space.extents() as usize,
+            max_run_bytes: self.inner.max_run_bytes,
         }
     }
 
-    /// Takes a free frame, zeroed, or fails with [`StorageError::ArenaFull`] (or
-    /// [`StorageError::QuotaExceeded`]).
-    pub fn alloc(&self) -> Result<Frame> {
-        if let Some(q) = &self.quota {
-            q.charge(1)?;
-        }
-        let Some(id) = self.inner.free.lock().pop() else {
-            if let Some(q) = &self.quota {
-                q.used.fetch_sub(1, Ordering::AcqRel);
-            }
-            return Err(StorageError::ArenaFull {
-                frames: self.inner.frames_total,
-                frame_bytes: self.inner.frame_bytes,
-            });
-        };
-        self.inner.used.fetch_add(1, Ordering::Relaxed);
-        let mut frame = Frame {
-            arena: self.inner.clone(),
-            quota: self.quota.clone(),
-            id,
-        };
+    /// How many extents of `bytes` could be taken now (at most `cap`), ignoring quotas.
+    pub fn fits(&self, bytes: usize, cap: usize) -> usize {
+        let units = (extent_bytes(bytes) / FRAME_ALIGN) as u64;
+        self.inner.space.lock().fits(units, cap as u64) as usize
+    }
+
+    /// Takes a zeroed extent for a run of `bytes`, or fails with [`StorageError::ArenaFull`]
+    /// (or [`StorageError::QuotaExceeded`], or [`StorageError::BlockTooLarge`]).
+    pub fn alloc(&self, bytes: usize) -> Result<Frame> {
+        Ok(self.alloc_many(1, bytes)?.pop().expect("one frame"))
+    }
+
+    /// Takes `n` zeroed extents for runs of `bytes`, or none: on failure the extents already
+    /// taken go back to the pool.
+    pub fn alloc_many(&self, n: usize, bytes: usize) -> Result<Vec<Frame>> {
+        let mut frames = self.alloc_many_unzeroed(n, bytes)?;
         // Zeroed so a partially filled tail block has defined (zero) padding and identical
         // bytes however it was filled.
-        frame.as_mut_slice().fill(0);
-        Ok(frame)
-    }
-
-    /// Takes `n` frames or none: on failure the frames already taken go back to the pool.
-    pub fn alloc_many(&self, n: usize) -> Result<Vec<Frame>> {
-        let mut frames = self.alloc_many_unzeroed(n)?;
         for f in &mut frames {
             f.as_mut_slice().fill(0);
         }
         Ok(frames)
     }
 
-    /// [`HostArena::alloc_many`] without zeroing: the frames hold whatever their last owner
-    /// left. For callers that overwrite every byte before anyone reads the frame (a bulk
+    /// [`HostArena::alloc_many`] without zeroing: the extents hold whatever their last owner
+    /// left. For callers that overwrite every byte before anyone reads the extent (a bulk
     /// restore or a promotion writes the run and zeroes the rest, [`Frame::put_run`], instead
-    /// of zeroing the whole frame first and then copying over it).
-    pub(crate) fn alloc_many_unzeroed(&self, n: usize) -> Result<Vec<Frame>> {
-        if let Some(q) = &self.quota {
-            q.charge(n)?;
+    /// of zeroing the whole extent first and then copying over it).
+    pub(crate) fn alloc_many_unzeroed(&self, n: usize, bytes: usize) -> Result<Vec<Frame>> {
+        let max = self.inner.max_run_bytes;
+        if bytes == 0 || bytes > max {
+            return Err(StorageError::BlockTooLarge {
+                block_bytes: bytes,
+                max_run_bytes: max,
+            });
         }
-        let ids = {
-            let mut free = self.inner.free.lock();
-            if free.len() < n {
-                if let Some(q) = &self.quota {
-                    q.used.fetch_sub(n, Ordering::AcqRel);
+        let len = extent_bytes(bytes);
+        let units = (len / FRAME_ALIGN) as u64;
+        let charged = n * len;
+        if let Some(q) = &self.quota {
+            q.charge(charged)?;
+        }
+        let starts = {
+            let mut space = self.inner.space.lock();
+            let mut starts = Vec::with_capacity(n);
+            while starts.len() < n {
+                match space.alloc(units) {
+                    Some(s) => starts.push(s),
+                    None => break,
                 }
-                return Err(StorageError::ArenaFull {
-                    frames: self.inner.frames_total,
-                    frame_bytes: self.inner.frame_bytes,
-                });
             }
-            let at = free.len() - n;
-            free.split_off(at)
+            if starts.len() < n {
+                for &s in &starts {
+                    space.release(s, units);
+                }
+                drop(space);
+                if let Some(q) = &self.quota {
+                    q.refund(charged);
+                }
+                return Err(self.full(n, len));
+            }
+            starts
         };
-        self.inner.used.fetch_add(n, Ordering::Relaxed);
-        Ok(ids
+        Ok(starts
             .into_iter()
-            .rev()
-            .map(|id| Frame {
+            .map(|unit| Frame {
                 arena: self.inner.clone(),
                 quota: self.quota.clone(),
-                id,
+                unit: unit as u32,
+                units: units as u32,
             })
             .collect())
     }
 
-    /// Frames free right now.
-    pub fn free_frames(&self) -> usize {
-        self.inner.free.lock().len()
+    /// The [`StorageError::ArenaFull`] of `wanted` runs of `bytes` not fitting now.
+    pub(crate) fn full(&self, wanted: usize, bytes: usize) -> StorageError {
+        let space = self.inner.space.lock();
+        StorageError::ArenaFull {
+            wanted,
+            run_bytes: extent_bytes(bytes),
+            bytes_free: space.free() as usize * FRAME_ALIGN,
+            largest_free: space.largest_free() as usize * FRAME_ALIGN,
+            bytes_total: self.inner.bytes_total,
+        }
     }
 
     /// Start address and length of the whole mapping, for registering it with a device driver
     /// (cuMemHostRegister). The caller must not write through it.
     pub fn region(&self) -> (*const u8, usize) {
-        (
-            self.inner.base as *const u8,
-            self.inner.frames_total * self.inner.frame_bytes,
-        )
-    }
-
-    /// Byte offset of frame `id` from the start of [`HostArena::region`].
-    pub fn frame_offset(&self, id: u32) -> usize {
-        id as usize * self.inner.frame_bytes
+        (self.inner.base as *const u8, self.inner.bytes_total)
     }
 }
 
-/// Exclusive ownership of one arena frame; returns the frame to its arena (and refunds its
-/// owner's quota) when dropped.
+/// Exclusive ownership of one arena extent (one block run); returns it to its arena (and
+/// refunds its owner's quota) when dropped.
 pub struct Frame {
     arena: Arc<Inner>,
-    quota: Option<Arc<FrameQuota>>,
-    id: u32,
+    quota: Option<Arc<HostQuota>>,
+    /// First FRAME_ALIGN unit and length in units (u32: an arena of up to 16 TiB).
+    unit: u32,
+    units: u32,
 }
 
 impl Frame {
-    /// Index of the frame in its arena (its byte offset is `id * frame_bytes`).
-    pub fn id(&self) -> u32 {
-        self.id
+    /// Byte offset of the extent from the start of [`HostArena::region`].
+    pub fn offset(&self) -> usize {
+        self.unit as usize * FRAME_ALIGN
     }
 
+    /// Bytes of the extent (the run's size rounded up to [`FRAME_ALIGN`]).
     pub fn len(&self) -> usize {
-        self.arena.frame_bytes
+        self.units as usize * FRAME_ALIGN
     }
 
     pub fn is_empty(&self) -> bool {
         false
     }
 
-    /// The frame's first byte: `[id*fb, (id+1)*fb)` lies inside the live mapping
-    /// (id < frames_total) and is reachable only through this handle.
+    /// The extent's first byte: `[offset, offset + len)` lies inside the live mapping (the
+    /// allocator only hands out ranges of it) and is reachable only through this handle.
     fn start(&self) -> *mut u8 {
-        // SAFETY: id < frames_total, so the offset stays inside the mapping.
-        unsafe {
-            self.arena
-                .base
-                .add(self.id as usize * self.arena.frame_bytes)
-        }
+        // SAFETY: offset + len <= bytes_total, so the offset stays inside the mapping.
+        unsafe { self.arena.base.add(self.offset()) }
     }
 
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: the frame's range (see `start`), reachable only through this handle, which
+        // SAFETY: the extent's range (see `start`), reachable only through this handle, which
         // we borrow shared.
-        unsafe { std::slice::from_raw_parts(self.start(), self.arena.frame_bytes) }
+        unsafe { std::slice::from_raw_parts(self.start(), self.len()) }
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`; `&mut self` makes this the only live reference to the range.
-        unsafe { std::slice::from_raw_parts_mut(self.start(), self.arena.frame_bytes) }
+        unsafe { std::slice::from_raw_parts_mut(self.start(), self.len()) }
     }
 
-    /// Makes the frame hold exactly `run`: copied to the front, every byte after it zeroed
-    /// (a frame from [`HostArena::alloc_many_unzeroed`] holds its last owner's bytes). Panics
-    /// if `run` is longer than the frame.
+    /// Makes the extent hold exactly `run`: copied to the front, every byte after it zeroed
+    /// (an extent from [`HostArena::alloc_many_unzeroed`] holds its last owner's bytes). Panics
+    /// if `run` is longer than the extent.
     pub fn put_run(&mut self, run: &[u8]) {
         let f = self.as_mut_slice();
         f[..run.len()].copy_from_slice(run);
@@ -350,16 +372,15 @@ impl Frame {
 
 impl std::fmt::Debug for Frame {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Frame({})", self.id)
+        write!(f, "Frame({}+{})", self.offset(), self.len())
     }
 }
 
 impl Drop for Frame {
     fn drop(&mut self) {
-        self.arena.free.lock().push(self.id);
-        self.arena.used.fetch_sub(1, Ordering::Relaxed);
+        self.arena.release(self.unit as u64, self.units as u64);
         if let Some(q) = &self.quota {
-            q.used.fetch_sub(1, Ordering::AcqRel);
+            q.refund(self.len());
         }
     }
 }
@@ -369,114 +390,142 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn arena(frames: usize) -> HostArena {
-        HostArena::new(&ArenaOptions::new(frames * FRAME_ALIGN, FRAME_ALIGN)).unwrap()
+    const U: usize = FRAME_ALIGN;
+
+    fn arena(units: usize, max_run_units: usize) -> HostArena {
+        HostArena::new(&ArenaOptions::new(units * U, max_run_units * U)).unwrap()
     }
 
     #[test]
-    fn full_arena_is_a_typed_error_and_freed_frames_are_reused() {
-        let a = arena(3);
-        let f: Vec<_> = (0..3).map(|_| a.alloc().unwrap()).collect();
-        assert!(matches!(
-            a.alloc(),
-            Err(StorageError::ArenaFull { frames: 3, .. })
-        ));
-        let freed = f[1].id();
-        drop(f);
-        assert_eq!(a.usage().frames_used, 0);
-        let again = a.alloc().unwrap();
-        assert!(again.id() < 3);
-        let _ = freed;
-    }
-
-    #[test]
-    fn frames_are_zeroed_and_disjoint() {
-        let a = arena(4);
-        let mut x = a.alloc().unwrap();
-        let mut y = a.alloc().unwrap();
-        x.as_mut_slice().fill(0xAB);
-        y.as_mut_slice().fill(0xCD);
-        assert!(x.as_slice().iter().all(|&b| b == 0xAB));
-        assert!(y.as_slice().iter().all(|&b| b == 0xCD));
-        let id = x.id();
-        drop(x);
-        let z = a.alloc().unwrap();
-        assert_eq!(z.id(), id, "LIFO reuse");
+    fn full_arena_is_a_typed_error_and_freed_extents_are_reused() {
+        let a = arena(3, 1);
+        let f: Vec<_> = (0..3).map(|_| a.alloc(U).unwrap()).collect();
+        let e = a.alloc(U).unwrap_err();
         assert!(
-            z.as_slice().iter().all(|&b| b == 0),
-            "reused frame is zeroed"
+            matches!(
+                e,
+                StorageError::ArenaFull {
+                    wanted: 1,
+                    run_bytes: U,
+                    bytes_free: 0,
+                    bytes_total,
+                    ..
+                } if bytes_total == 3 * U
+            ),
+            "{e}"
+        );
+        drop(f);
+        assert_eq!(a.usage().bytes_used, 0);
+        assert!(a.alloc(U).unwrap().offset() < 3 * U);
+    }
+
+    #[test]
+    fn extents_take_their_run_size_rounded_to_a_page_and_are_zeroed_and_disjoint() {
+        let a = arena(64, 16);
+        let mut small = a.alloc(100).unwrap();
+        let mut big = a.alloc(9 * U + 1).unwrap();
+        assert_eq!((small.len(), big.len()), (U, 10 * U));
+        small.as_mut_slice().fill(0xAB);
+        big.as_mut_slice().fill(0xCD);
+        assert!(small.as_slice().iter().all(|&b| b == 0xAB));
+        assert!(big.as_slice().iter().all(|&b| b == 0xCD));
+        let u = a.usage();
+        assert_eq!((u.bytes_used, u.frames_used), (11 * U, 2));
+        let at = small.offset();
+        drop(small);
+        let again = a.alloc(U).unwrap();
+        assert_eq!(again.offset(), at, "best fit reuses the hole");
+        assert!(
+            again.as_slice().iter().all(|&b| b == 0),
+            "reused extent is zeroed"
         );
     }
 
     #[test]
-    fn alloc_many_is_all_or_nothing() {
-        let a = arena(4);
-        let _one = a.alloc().unwrap();
+    fn runs_over_max_run_bytes_are_refused_and_extents_stay_inside_segments() {
+        let a = arena(10, 4);
         assert!(matches!(
-            a.alloc_many(4),
-            Err(StorageError::ArenaFull { .. })
+            a.alloc(4 * U + 1),
+            Err(StorageError::BlockTooLarge { max_run_bytes, .. }) if max_run_bytes == 4 * U
+        ));
+        assert!(a.alloc(0).is_err());
+        // Segments of 4, 4 and 2 units: two 3-unit runs fit, a third does not though 4 units
+        // are free (1 + 1 + 2), and the error says so.
+        let held: Vec<_> = (0..2).map(|_| a.alloc(3 * U).unwrap()).collect();
+        for f in &held {
+            assert_eq!(f.offset() / (4 * U), (f.offset() + f.len() - 1) / (4 * U));
+        }
+        assert!(matches!(
+            a.alloc(3 * U),
+            Err(StorageError::ArenaFull { bytes_free, largest_free, .. })
+                if bytes_free == 4 * U && largest_free == 2 * U
+        ));
+    }
+
+    #[test]
+    fn alloc_many_is_all_or_nothing() {
+        let a = arena(4, 1);
+        let _one = a.alloc(U).unwrap();
+        assert!(matches!(
+            a.alloc_many(4, U),
+            Err(StorageError::ArenaFull { wanted: 4, .. })
         ));
         assert_eq!(
             a.usage().frames_used,
             1,
             "a failed alloc_many takes nothing"
         );
-        let three = a.alloc_many(3).unwrap();
+        assert_eq!(a.fits(U, 10), 3);
+        let three = a.alloc_many(3, U).unwrap();
         assert_eq!(three.len(), 3);
-        assert_eq!(a.usage().frames_used, 4);
+        assert_eq!(a.usage().bytes_used, 4 * U);
     }
 
     #[test]
-    fn a_quota_caps_one_owners_frames_and_is_refunded_on_drop() {
-        let a = arena(8);
-        let q = FrameQuota::new(3);
+    fn a_quota_caps_one_owners_bytes_and_is_refunded_on_drop() {
+        let a = arena(16, 2);
+        let q = HostQuota::new(4 * U);
         let mine = a.with_quota(q.clone());
-        let two = mine.alloc_many(2).unwrap();
-        let one = mine.alloc().unwrap();
+        let two = mine.alloc(2 * U).unwrap();
+        let one = mine.alloc_many(2, U).unwrap();
         assert!(matches!(
-            mine.alloc(),
-            Err(StorageError::QuotaExceeded {
-                frames_used: 3,
-                limit: 3,
-                ..
-            })
+            mine.alloc(U),
+            Err(StorageError::QuotaExceeded { bytes_used, limit, .. })
+                if bytes_used == 4 * U && limit == 4 * U
         ));
-        assert!(mine.alloc_many(1).is_err());
-        assert_eq!(q.used(), 3);
+        assert_eq!(q.used(), 4 * U);
         // Others are not charged and not limited by it.
-        let theirs = a.alloc_many(5).unwrap();
+        let theirs = a.alloc_many(10, U).unwrap();
         drop(one);
-        assert_eq!(q.used(), 2);
-        let last = a.alloc().unwrap();
+        assert_eq!(q.used(), 2 * U);
+        let last = a.alloc_many(4, U).unwrap();
         // A full arena refunds what the quota had charged.
-        assert!(matches!(mine.alloc(), Err(StorageError::ArenaFull { .. })));
-        assert!(matches!(
-            mine.alloc_many(1),
-            Err(StorageError::ArenaFull { .. })
-        ));
-        assert_eq!(q.used(), 2);
+        assert!(matches!(mine.alloc(U), Err(StorageError::ArenaFull { .. })));
+        assert_eq!(q.used(), 2 * U);
         drop((two, theirs, last));
-        assert_eq!((q.used(), a.usage().frames_used), (0, 0));
+        assert_eq!((q.used(), a.usage().bytes_used), (0, 0));
     }
 
     #[test]
     fn bad_options_are_rejected() {
         assert!(HostArena::new(&ArenaOptions::new(1 << 20, 1000)).is_err());
         assert!(HostArena::new(&ArenaOptions::new(100, FRAME_ALIGN)).is_err());
+        assert!(HostArena::new(&ArenaOptions::new(8 * U, 16 * U)).is_err());
     }
 
     proptest! {
-        /// Random alloc/free sequences: the accounting equals a model, ids are unique, and
-        /// allocation fails exactly when the model says the arena is full.
+        /// Random alloc/free sequences of mixed sizes: the accounting equals a model, extents
+        /// never overlap, and a failed allocation takes nothing.
         #[test]
-        fn accounting_matches_a_model(ops in proptest::collection::vec(any::<(bool, u8)>(), 1..200)) {
-            let a = arena(8);
+        fn accounting_matches_a_model(ops in proptest::collection::vec((any::<bool>(), 1usize..5, any::<u8>()), 1..200)) {
+            let a = arena(32, 8);
             let mut held: Vec<Frame> = Vec::new();
-            for (alloc, pick) in ops {
+            for (alloc, units, pick) in ops {
                 if alloc {
-                    match a.alloc() {
+                    let before = a.usage();
+                    match a.alloc(units * U - pick as usize % U) {
                         Ok(f) => held.push(f),
-                        Err(StorageError::ArenaFull { .. }) => prop_assert_eq!(held.len(), 8),
+                        Err(StorageError::ArenaFull { .. }) => prop_assert_eq!(a.usage(), before),
                         Err(e) => return Err(TestCaseError::fail(e.to_string())),
                     }
                 } else if !held.is_empty() {
@@ -485,11 +534,12 @@ mod tests {
                 }
                 let u = a.usage();
                 prop_assert_eq!(u.frames_used, held.len());
-                prop_assert_eq!(u.bytes_used(), held.len() * FRAME_ALIGN);
-                let mut ids: Vec<u32> = held.iter().map(Frame::id).collect();
-                ids.sort_unstable();
-                ids.dedup();
-                prop_assert_eq!(ids.len(), held.len());
+                prop_assert_eq!(u.bytes_used, held.iter().map(Frame::len).sum::<usize>());
+                let mut ranges: Vec<(usize, usize)> = held.iter().map(|f| (f.offset(), f.len())).collect();
+                ranges.sort_unstable();
+                for w in ranges.windows(2) {
+                    prop_assert!(w[0].0 + w[0].1 <= w[1].0, "overlap");
+                }
             }
         }
     }

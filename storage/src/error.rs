@@ -11,20 +11,26 @@ pub enum StorageError {
     #[error("invalid arena configuration: {reason}")]
     InvalidArena { reason: String },
 
-    #[error("host arena full: all {frames} frames of {frame_bytes} bytes are in use")]
-    ArenaFull { frames: usize, frame_bytes: usize },
+    #[error("host arena full: {wanted} runs of {run_bytes} bytes do not fit ({bytes_free} of {bytes_total} bytes free, largest free extent {largest_free})")]
+    ArenaFull {
+        wanted: usize,
+        run_bytes: usize,
+        bytes_free: usize,
+        largest_free: usize,
+        bytes_total: usize,
+    },
 
-    #[error("host quota: {frames_used} of {limit} frames in use, {wanted} more wanted (quota.host_share_per_uid)")]
+    #[error("host quota: {bytes_used} of {limit} bytes in use, {wanted} more wanted (quota.host_share_per_uid)")]
     QuotaExceeded {
-        frames_used: usize,
+        bytes_used: usize,
         wanted: usize,
         limit: usize,
     },
 
-    #[error("a block run of {block_bytes} bytes does not fit a {frame_bytes}-byte arena frame")]
+    #[error("a block run of {block_bytes} bytes exceeds the largest the host arena takes, host.max_run_bytes = {max_run_bytes}")]
     BlockTooLarge {
         block_bytes: usize,
-        frame_bytes: usize,
+        max_run_bytes: usize,
     },
 
     #[error("layer {layer} out of range (session has {layers} layers)")]

@@ -251,7 +251,11 @@ mod tests {
         assert_eq!(e.alloc(3), Some(0));
         assert_eq!(e.alloc(3), Some(4));
         assert_eq!(e.alloc(2), Some(8), "the short last segment");
-        assert_eq!(e.alloc(2), None, "units 3 and 7 are free but in different segments");
+        assert_eq!(
+            e.alloc(2),
+            None,
+            "units 3 and 7 are free but in different segments"
+        );
         assert_eq!(e.fits(1, 9), 2);
         assert!(e.release(0, 3));
         assert!(e.release(4, 3));

@@ -76,13 +76,14 @@ impl std::fmt::Debug for KvCache {
 }
 
 impl KvCache {
-    /// An empty cache. Fails if the geometry is invalid or a block run does not fit a frame.
+    /// An empty cache. Fails if the geometry is invalid or a block run is larger than the
+    /// arena's largest extent.
     pub fn new(geo: Geometry, arena: HostArena) -> Result<Self> {
         geo.validate()?;
-        if geo.block_bytes() > arena.frame_bytes() {
+        if geo.block_bytes() > arena.max_run_bytes() {
             return Err(StorageError::BlockTooLarge {
                 block_bytes: geo.block_bytes(),
-                frame_bytes: arena.frame_bytes(),
+                max_run_bytes: arena.max_run_bytes(),
             });
         }
         let layers = (0..geo.layers)
@@ -185,7 +186,9 @@ impl KvCache {
             return Ok(0);
         }
         // Unzeroed: the source writes every byte (`ColdSource::read_runs`).
-        let mut frames = self.arena.alloc_many_unzeroed(cold.len())?;
+        let mut frames = self
+            .arena
+            .alloc_many_unzeroed(cold.len(), self.geo.block_bytes())?;
         source.read_runs(layer, &cold, &mut frames)?;
         let slots = &mut self.layers[layer as usize].slots;
         for (b, f) in cold.iter().zip(frames) {
@@ -277,7 +280,7 @@ impl KvCache {
             });
         }
         let slot = if keep {
-            let mut f = self.arena.alloc()?;
+            let mut f = self.arena.alloc(self.geo.block_bytes())?;
             f.as_mut_slice()[..run.len()].copy_from_slice(run);
             Slot::Hot(f)
         } else {
@@ -346,7 +349,7 @@ impl KvCache {
             return Err(self.fails_before(blocks, limit, threads).unwrap_or(err));
         }
         let kept = blocks.iter().filter(|b| b.keep).count();
-        let mut frames = match self.arena.alloc_many_unzeroed(kept) {
+        let mut frames = match self.arena.alloc_many_unzeroed(kept, self.geo.block_bytes()) {
             Ok(f) => f,
             Err(full) => {
                 return Err(self
@@ -435,28 +438,32 @@ impl KvCache {
         limit: usize,
         threads: usize,
     ) -> Option<StorageError> {
-        let free = self.arena.free_frames();
+        let free = self.arena.fits(self.geo.block_bytes(), limit);
         let upto = blocks[..limit]
             .iter()
             .enumerate()
             .filter(|(_, b)| b.keep)
             .nth(free)
             .map_or(limit, |(i, _)| i);
-        first_non_finite_block(&self.geo, &blocks[..upto], threads)
-            .or_else(|| (upto < limit).then(|| self.arena_full()))
+        first_non_finite_block(&self.geo, &blocks[..upto], threads).or_else(|| {
+            (upto < limit).then(|| {
+                // Described as block by block meets it: with the blocks before it holding
+                // their extents (taken and returned here).
+                let bb = self.geo.block_bytes();
+                let _before = self.arena.alloc_many_unzeroed(free, bb);
+                self.arena.full(1, bb)
+            })
+        })
     }
 
-    fn arena_full(&self) -> StorageError {
-        let u = self.arena.usage();
-        StorageError::ArenaFull {
-            frames: u.frames_total,
-            frame_bytes: u.frame_bytes,
-        }
-    }
-
-    /// Host bytes held (whole frames).
+    /// Host bytes held (whole extents).
     pub fn host_bytes(&self) -> usize {
-        self.frames() * self.arena.frame_bytes()
+        self.frames() * crate::arena::extent_bytes(self.geo.block_bytes())
+    }
+
+    /// Bytes of the arena extent one block run of this session takes.
+    pub fn run_extent_bytes(&self) -> usize {
+        crate::arena::extent_bytes(self.geo.block_bytes())
     }
 
     fn layer_kv(&self, layer: u32) -> Result<&LayerKv> {
@@ -484,7 +491,7 @@ impl KvCache {
     /// All-or-nothing: on error nothing changed.
     pub fn append_layer(&mut self, layer: u32, start: u64, k: &[u8], v: &[u8]) -> Result<()> {
         let need = self.check_layer_append(layer, start, k, v)?;
-        let mut fresh = self.arena.alloc_many(need)?;
+        let mut fresh = self.arena.alloc_many(need, self.geo.block_bytes())?;
         self.append_layer_reserved(layer, start, k, v, &mut fresh)
     }
 
@@ -507,11 +514,9 @@ impl KvCache {
     ) -> Result<()> {
         let n = self.check_rows(layer, start, k, v)?;
         let need = self.frames_needed(start, n);
-        if reserved.len() < need {
-            return Err(StorageError::ArenaFull {
-                frames: self.arena.usage().frames_total,
-                frame_bytes: self.arena.frame_bytes(),
-            });
+        let bytes = self.run_extent_bytes();
+        if reserved.len() < need || reserved.iter().any(|f| f.len() != bytes) {
+            return Err(self.arena.full(need, bytes));
         }
         self.write_layer(layer, k, v, n, reserved);
         Ok(())
@@ -543,7 +548,7 @@ impl KvCache {
             let (k, v) = (&payload[at..at + half], &payload[at + half..at + 2 * half]);
             need += self.check_layer_append(layer, start, k, v)?;
         }
-        let mut fresh = self.arena.alloc_many(need)?;
+        let mut fresh = self.arena.alloc_many(need, self.geo.block_bytes())?;
         for layer in 0..self.geo.layers {
             let at = 2 * half * layer as usize;
             let (k, v) = (&payload[at..at + half], &payload[at + half..at + 2 * half]);

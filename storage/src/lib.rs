@@ -4,14 +4,15 @@
 //!
 //! - [`Geometry`], [`Policy`], [`DType`]: the data model, defined in kvtier-model and
 //!   re-exported here (with its modules, `geometry` and `dtype`) for the crates built on storage.
-//! - [`arena`]: [`HostArena`], fixed-size block frames in one anonymous mapping (the host tier).
+//! - [`arena`]: [`HostArena`], variable-size block-run extents in one anonymous mapping (the
+//!   host tier), carved by [`extents`].
 //! - [`kv`]: [`KvCache`], one session's per-layer block tables and incremental block summaries.
 //! - `par`: the scoped-thread fan-out of the bulk paths (page store batches, block restores).
 //! - [`nvme`]: the NVMe tier: io engines (io_uring, pread), checksummed page store, crash-safe
 //!   manifest, lane model and fetch planner.
 //!
 //! A tile is one (layer, block, kv-head): the K tile `[B x D]` followed by the V tile `[B x D]`.
-//! The tiles of one (layer, block) are adjacent, forming a block run that fills one arena frame.
+//! The tiles of one (layer, block) are adjacent, forming a block run that takes one arena extent of its size.
 //! Nothing here depends on a GPU or on io_uring: policy code is testable anywhere.
 
 pub mod arena;
@@ -22,7 +23,7 @@ pub mod nvme;
 mod par;
 pub mod testing;
 
-pub use arena::{ArenaOptions, ArenaUsage, Frame, FrameQuota, HostArena};
+pub use arena::{ArenaOptions, ArenaUsage, Frame, HostArena, HostQuota};
 pub use error::{Result, StorageError};
 pub use kv::{ColdSource, KvCache, LayerView, StoredBlock};
 pub use kvtier_model::{dtype, geometry, DType, Geometry, ModelError, Policy};

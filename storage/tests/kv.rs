@@ -277,9 +277,7 @@ fn a_promoted_frame_holds_the_run_and_zeros_whatever_it_held_before() {
         assert!(kv.evict(0, b));
     }
     // Every free frame now holds 0xA5 bytes.
-    let mut dirty = a
-        .alloc_many(a.usage().frames_total - a.usage().frames_used)
-        .unwrap();
+    let mut dirty = a.alloc_many(a.fits(4096, usize::MAX), 4096).unwrap();
     for f in &mut dirty {
         f.as_mut_slice().fill(0xA5);
     }
@@ -370,7 +368,7 @@ fn full_state(kv: &KvCache) -> FullState {
 /// padding shows up as a different frame.
 fn dirty_arena(frames: usize) -> HostArena {
     let a = arena(frames);
-    for mut f in a.alloc_many(frames).unwrap() {
+    for mut f in a.alloc_many(frames, 4096).unwrap() {
         f.as_mut_slice().fill(0xA5);
     }
     a

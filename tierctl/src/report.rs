@@ -367,8 +367,8 @@ pub struct TierRow {
     pub tier: String,
     pub bytes_used: Option<u64>,
     pub bytes_capacity: Option<u64>,
+    /// Block runs resident (extents of their run size, so no fixed capacity in runs).
     pub frames_used: Option<u64>,
-    pub frames_capacity: Option<u64>,
 }
 
 /// `tierctl tier`.
@@ -402,7 +402,6 @@ impl Tiers {
                 bytes_used: stats.get(&format!("{n}_bytes_used")),
                 bytes_capacity: stats.get(&format!("{n}_bytes_capacity")),
                 frames_used: stats.get(&format!("{n}_frames_used")),
-                frames_capacity: stats.get(&format!("{n}_frames_capacity")),
             })
             .collect();
         Self {
@@ -422,8 +421,7 @@ impl Tiers {
             ("USED", Align::Right),
             ("CAPACITY", Align::Right),
             ("USE%", Align::Right),
-            ("FRAMES USED", Align::Right),
-            ("FRAMES", Align::Right),
+            ("RUNS", Align::Right),
         ]);
         for r in &self.tiers {
             let pct = match (r.bytes_used, r.bytes_capacity) {
@@ -436,7 +434,6 @@ impl Tiers {
                 opt_bytes(r.bytes_capacity),
                 pct,
                 opt(r.frames_used),
-                opt(r.frames_capacity),
             ]);
         }
         let mut out = t.render();
@@ -520,7 +517,6 @@ mod tests {
             ("host_bytes_used", 10),
             ("host_bytes_capacity", 100),
             ("host_frames_used", 1),
-            ("host_frames_capacity", 10),
             ("bytes_touched_total", 7),
         ]);
         let t = Tiers::from_stats(&s);
@@ -531,7 +527,6 @@ mod tests {
                 bytes_used: Some(10),
                 bytes_capacity: Some(100),
                 frames_used: Some(1),
-                frames_capacity: Some(10),
             }]
         );
         // A daemon that adds an NVMe tier gets a second row, host still first.

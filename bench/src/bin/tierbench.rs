@@ -239,19 +239,12 @@ fn mem_available_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// tierd's default host frame size (host.frame_bytes), used to size a spawned daemon before
-/// it can be asked.
-const DEFAULT_FRAME_BYTES: u64 = 256 << 10;
-
-/// Host bytes a session of `tokens` occupies: every (layer, block) run takes whole frames.
-fn session_host_bytes(g: &Geometry, tokens: u64, frame: u64) -> u64 {
-    let blocks = tokens.div_ceil(u64::from(g.block_tokens));
-    let run = u64::from(g.kv_heads)
-        * 2
-        * u64::from(g.block_tokens)
-        * u64::from(g.head_dim)
-        * g.dtype.size() as u64;
-    blocks * u64::from(g.layers) * run.div_ceil(frame) * frame
+/// Host bytes a session of `tokens` occupies: every (layer, block) run takes an extent of its
+/// size rounded up to a 4 KiB page.
+fn session_host_bytes(g: &Geometry, tokens: u64) -> u64 {
+    let blocks = g.blocks_for(tokens);
+    let run = g.block_bytes() as u64;
+    blocks * u64::from(g.layers) * run.div_ceil(4096) * 4096
 }
 
 fn random_f32_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
@@ -569,17 +562,11 @@ fn run(args: Args) -> Result<(), BoxError> {
         .or_else(|| mem_available_bytes().map(|b| b / 2))
         .unwrap_or(4 << 30);
     // Decode steps add tokens too: size every cell for its final length.
-    let cell_bytes = |s: u32, ctx: u64, frame: u64| {
-        u64::from(s) * session_host_bytes(&g, ctx + args.steps, frame)
-    };
+    let cell_bytes = |s: u32, ctx: u64| u64::from(s) * session_host_bytes(&g, ctx + args.steps);
     let largest_fitting = args
         .sessions
         .iter()
-        .flat_map(|&s| {
-            contexts
-                .iter()
-                .map(move |&c| cell_bytes(s, c, DEFAULT_FRAME_BYTES))
-        })
+        .flat_map(|&s| contexts.iter().map(move |&c| cell_bytes(s, c)))
         .filter(|&b| b <= budget)
         .max()
         .unwrap_or(0);
@@ -601,8 +588,8 @@ fn run(args: Args) -> Result<(), BoxError> {
         args.socket.clone().unwrap_or_else(default_socket_path)
     };
 
-    // The daemon's own frame size and free host RAM decide which cells fit.
-    let (server, frame) = {
+    // The daemon's free host RAM decides which cells fit.
+    let server = {
         let mut c = Client::connect_as(&sock, "tierbench")
             .map_err(|e| format!("connecting to tierd at {}: {e}", sock.display()))?;
         let h = c.server();
@@ -611,20 +598,18 @@ fn run(args: Args) -> Result<(), BoxError> {
             h.server_name, h.server_version, h.version
         );
         let st = c.stats()?;
-        let (cap, frames, used) = (
+        let (cap, used) = (
             st.get(stats_keys::HOST_BYTES_CAPACITY),
-            st.get(stats_keys::HOST_FRAMES_CAPACITY),
             st.get(stats_keys::HOST_BYTES_USED),
         );
-        let frame = match (cap, frames) {
-            (Some(c), Some(f)) if f > 0 => c / f,
-            _ => DEFAULT_FRAME_BYTES,
-        };
         if let (Some(c), Some(u)) = (cap, used) {
-            // Leave room for the RTT session (a few frames).
-            budget = budget.min(c.saturating_sub(u).saturating_sub(64 * frame));
+            // Leave room for the RTT session (a few runs).
+            budget = budget.min(
+                c.saturating_sub(u)
+                    .saturating_sub(64 * g.block_bytes() as u64),
+            );
         }
-        (server, frame)
+        server
     };
 
     println!("kvtier tierbench: decode requests over the tierd Unix socket");
@@ -648,7 +633,7 @@ fn run(args: Args) -> Result<(), BoxError> {
     let mut cells = Vec::new();
     for &s in &args.sessions {
         for &ctx in &contexts {
-            let need = cell_bytes(s, ctx, frame);
+            let need = cell_bytes(s, ctx);
             if need > budget {
                 let why = format!(
                     "needs {:.1} GiB of host RAM, budget (free in tierd, at most --host-budget-mib) {:.1} GiB",

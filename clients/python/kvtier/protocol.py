@@ -78,7 +78,6 @@ STATS_KEYS = (
     "host_bytes_used",
     "host_bytes_capacity",
     "host_frames_used",
-    "host_frames_capacity",
     "decode_requests_total",
     "decode_entries_total",
     "append_tokens_total",

@@ -104,8 +104,12 @@ pub struct ServerConfig {
 pub struct HostConfig {
     /// Host-RAM tier size (anonymous memory, touched only as blocks fill).
     pub capacity: ByteSize,
-    /// Bytes per frame; one frame holds one (layer, block) run of a session.
-    pub frame_bytes: ByteSize,
+    /// The largest (layer, block) run a session may have: each run takes an extent of its own
+    /// size (rounded up to 4 KiB), so this only bounds geometries. The default, 16 MiB, takes
+    /// every open model up to 70B at 128-token blocks in f32 (a 64-KV-head MHA model's run
+    /// is 8 MiB). Also set by `frame_bytes`, its name before runs were variable-size (see
+    /// [`RENAMED`]).
+    pub max_run_bytes: ByteSize,
     /// Advise transparent huge pages for the arena.
     pub huge_pages: bool,
     /// mlock the arena (needs LimitMEMLOCK); pinned memory for the GPU backend implies it.
@@ -374,7 +378,7 @@ impl Default for HostConfig {
     fn default() -> Self {
         HostConfig {
             capacity: ByteSize(default_host_capacity()),
-            frame_bytes: ByteSize(256 << 10),
+            max_run_bytes: ByteSize(kvtier_storage::arena::DEFAULT_MAX_RUN_BYTES as u64),
             huge_pages: true,
             lock_memory: false,
         }
@@ -466,6 +470,30 @@ pub enum ConfigError {
     Invalid { field: &'static str, reason: String },
 }
 
+/// Settings read under an old name too: (section, old field, field). A config file, variable
+/// or `--set` written for an older tierd keeps working.
+const RENAMED: [(&str, &str, &str); 1] = [("host", "frame_bytes", "max_run_bytes")];
+
+/// `field` of `section` under its current name.
+fn current_name<'a>(section: &str, field: &'a str) -> &'a str {
+    RENAMED
+        .iter()
+        .find(|(s, old, _)| *s == section && *old == field)
+        .map_or(field, |(_, _, new)| new)
+}
+
+/// Renames old fields of a parsed file to their current names (the current name wins if a
+/// file has both).
+fn rename_old_fields(file: &mut toml::Table) {
+    for (section, old, new) in RENAMED {
+        if let Some(toml::Value::Table(t)) = file.get_mut(section) {
+            if let Some(v) = t.remove(old) {
+                t.entry(new).or_insert(v);
+            }
+        }
+    }
+}
+
 const SECTIONS: [&str; 9] = [
     "server",
     "host",
@@ -492,12 +520,13 @@ impl Config {
                 path: path.into(),
                 source,
             })?;
-            let parsed: toml::Table =
+            let mut parsed: toml::Table =
                 text.parse()
                     .map_err(|e: toml::de::Error| ConfigError::Parse {
                         path: path.into(),
                         message: e.to_string(),
                     })?;
+            rename_old_fields(&mut parsed);
             merge(&mut tree, parsed);
         }
         for (key, value) in env {
@@ -538,19 +567,19 @@ impl Config {
         fn bad(field: &'static str, reason: String) -> Result<(), ConfigError> {
             Err(ConfigError::Invalid { field, reason })
         }
-        let frame = self.host.frame_bytes.0;
-        if frame == 0 || !frame.is_multiple_of(4096) {
+        let run = self.host.max_run_bytes.0;
+        if run == 0 || !run.is_multiple_of(4096) {
             return bad(
-                "host.frame_bytes",
-                format!("must be a positive multiple of 4096, got {frame}"),
+                "host.max_run_bytes",
+                format!("must be a positive multiple of 4096, got {run}"),
             );
         }
-        if self.host.capacity.0 < frame {
+        if self.host.capacity.0 < run {
             return bad(
                 "host.capacity",
                 format!(
-                    "must hold at least one frame of {}, got {}",
-                    self.host.frame_bytes, self.host.capacity
+                    "must hold at least one run of host.max_run_bytes {}, got {}",
+                    self.host.max_run_bytes, self.host.capacity
                 ),
             );
         }
@@ -617,7 +646,8 @@ impl Config {
             );
         }
         if n.enabled {
-            let page = frame + 4096;
+            // A page of the largest run: header block + run.
+            let page = run + 4096;
             if n.devices.is_empty() && n.capacity.0 < page {
                 return bad(
                     "nvme.capacity",
@@ -714,7 +744,7 @@ fn set(tree: &mut toml::Table, section: &str, field: &str, raw: &str) -> Result<
         .or_insert_with(|| toml::Value::Table(Default::default()));
     // `backend.cuda.max_sessions`: walk sub-tables; `TIERD_BACKEND_CUDA_MAX_SESSIONS` names
     // the same field when its first word is a sub-table.
-    let mut field = field.to_string();
+    let mut field = current_name(section, field).to_string();
     loop {
         let toml::Value::Table(t) = table else {
             return Err(format!("{section} is not a table"));

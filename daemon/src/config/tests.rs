@@ -46,9 +46,9 @@ fn layering_is_defaults_then_file_then_env_then_cli() {
         "CLI beats env beats file"
     );
     assert_eq!(
-        cfg.host.frame_bytes,
+        cfg.host.max_run_bytes,
         ByteSize(128 << 10),
-        "file beats defaults"
+        "file beats defaults (under the old name, frame_bytes)"
     );
     assert_eq!(cfg.admission.max_sessions, 7);
     assert_eq!(cfg.log.level, "debug");
@@ -65,10 +65,10 @@ fn errors_name_the_field() {
     let none: &[(&str, &str)] = &[];
     for (toml_text, env, sets, named) in [
         (
-            "[host]\nframe_bytes = 1000\n",
+            "[host]\nmax_run_bytes = 1000\n",
             none,
             none,
-            "host.frame_bytes",
+            "host.max_run_bytes",
         ),
         ("[host]\ncapacity = \"1KiB\"\n", none, none, "host.capacity"),
         ("[host]\ncapacity = \"12 parsecs\"\n", none, none, "parsecs"),

@@ -5,6 +5,8 @@
 
 use std::borrow::Cow;
 
+use kvtier_storage::arena::extent_bytes;
+
 use super::*;
 
 /// The most bytes a DECODE reply body for these entries can take (docs/protocol.md §5.3):
@@ -33,14 +35,14 @@ pub(super) fn reply_bound(
 
 /// Frames a decode step may need at most, for making room when the host tier is full: every
 /// entry's keep-set (distinct blocks over its kv-heads) and a new block.
-pub(super) fn step_frames(sessions: &[Arc<Session>], positions: &[u64]) -> usize {
+pub(super) fn step_bytes(sessions: &[Arc<Session>], positions: &[u64]) -> usize {
     sessions
         .iter()
         .zip(positions)
         .map(|(s, &position)| {
             let keep = s.policy.budget() as usize * s.geometry.kv_heads as usize;
             let blocks = s.geometry.blocks_for(position + 1) as usize;
-            keep.min(blocks) + 1
+            (keep.min(blocks) + 1) * extent_bytes(s.geometry.block_bytes())
         })
         .sum()
 }
@@ -89,8 +91,10 @@ impl Engine {
     ) -> ServiceResult<u64> {
         let s = self.lookup_live(peer, id)?;
         let mut st = s.state.lock();
+        // Host bytes the whole session would hold: what demotion must make room for.
         let need = st.kv.geometry().blocks_for(start + n_tokens as u64) as usize
-            * st.kv.geometry().layers as usize;
+            * st.kv.geometry().layers as usize
+            * st.kv.run_extent_bytes();
         let tails = st.kv.cold_tails();
         let attempt = |st: &mut SessionState| -> ServiceResult<()> {
             self.promote_tails(&s, st, &tails)?;
@@ -340,7 +344,7 @@ impl Engine {
                 return Err(e);
             }
             made_room = true;
-            if !self.make_room(&ids, step_frames(&sessions, &positions)) {
+            if !self.make_room(&ids, step_bytes(&sessions, &positions)) {
                 self.record_rejection(Rejection::HostFull);
                 return Err(e);
             }

@@ -35,7 +35,7 @@ use kvtier_protocol::{
 use kvtier_storage::nvme::manifest::{GeometryRecord, SessionRecord};
 use kvtier_storage::nvme::{BlockRun, NvmeError, NvmeTier, TierSource};
 use kvtier_storage::ColdSource;
-use kvtier_storage::{FrameQuota, Geometry, HostArena, KvCache, Policy, StorageError, StoredBlock};
+use kvtier_storage::{Geometry, HostArena, HostQuota, KvCache, Policy, StorageError, StoredBlock};
 
 use crate::error::{ServiceError, ServiceResult};
 use crate::gpu::GpuDecoder;
@@ -133,7 +133,7 @@ pub struct Engine {
     sessions: RwLock<HashMap<u64, Arc<Session>>>,
     /// Each uid's frames in the host tier, capped by `host_share_per_uid`; shared by its
     /// sessions.
-    host_quotas: Mutex<HashMap<u32, Arc<FrameQuota>>>,
+    host_quotas: Mutex<HashMap<u32, Arc<HostQuota>>>,
     next_id: AtomicU64,
     pub counters: Counters,
     metrics: Metrics,
@@ -245,25 +245,25 @@ impl Engine {
 
     /// The arena handle a session of `uid` allocates through: charged to the uid's share of
     /// the host tier, unless the uid is an admin or there is no quota.
-    /// Every uid's frames are counted (memory pressure demotes by fair share, see
+    /// Every uid's bytes are counted (memory pressure demotes by fair share, see
     /// `make_room`); only the cap is waived.
     fn arena_for(&self, uid: u32) -> HostArena {
         let share = self.limits.host_share_per_uid;
         let limit = if share >= 1.0 || self.limits.admin_uids.contains(&uid) {
             usize::MAX
         } else {
-            ((self.arena.usage().frames_total as f64 * share).floor() as usize).max(1)
+            ((self.arena.usage().bytes_total as f64 * share).floor() as usize).max(1)
         };
         let q = self
             .host_quotas
             .lock()
             .entry(uid)
-            .or_insert_with(|| FrameQuota::new(limit))
+            .or_insert_with(|| HostQuota::new(limit))
             .clone();
         self.arena.with_quota(q)
     }
 
-    /// The uids holding more than their fair share of the host tier: its frames divided
+    /// The uids holding more than their fair share of the host tier: its bytes divided
     /// equally among the uids holding any.
     pub(super) fn over_fair_share(&self) -> Vec<u32> {
         let quotas = self.host_quotas.lock();
@@ -272,7 +272,7 @@ impl Engine {
             .map(|(uid, q)| (*uid, q.used()))
             .filter(|&(_, used)| used > 0)
             .collect();
-        let fair = self.arena.usage().frames_total / holders.len().max(1);
+        let fair = self.arena.usage().bytes_total / holders.len().max(1);
         holders
             .into_iter()
             .filter(|&(_, used)| used > fair)

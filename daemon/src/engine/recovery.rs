@@ -91,14 +91,17 @@ impl Engine {
         let workers = tier.store().workers();
         tier.read_runs_pipelined(rec.id, &wanted, |r, pages| -> ServiceResult<()> {
             // Block by block, a block stays resident while the host tier is below low water
-            // (frames_used < frames_total * low_water) and each kept block takes a frame: so
-            // the first `room` blocks of the batch are kept, the same blocks as block by block.
+            // (bytes_used < bytes_total * low_water) and each kept block takes one extent of
+            // the session's run size: so the first `room` blocks of the batch are kept, the
+            // same blocks as block by block.
             // Nothing else allocates frames during recovery (it runs before the socket
             // opens); if something did, the tier could pass low water by at most one batch
             // (PIPELINE_BATCH_BYTES of pages, at most BULK_BATCH_MAX_PAGES blocks).
             let u = self.arena.usage();
-            let low = (u.frames_total as f64 * t.low_water).ceil() as usize;
-            let mut room = low.saturating_sub(u.frames_used);
+            let low = (u.bytes_total as f64 * t.low_water).ceil() as usize;
+            let mut room = low
+                .saturating_sub(u.bytes_used)
+                .div_ceil(kv.run_extent_bytes());
             // The blocks before the first page that failed are restored first, so the error
             // is the one block-by-block restoring would meet first.
             let ok = pages.iter().position(Result::is_err).unwrap_or(pages.len());

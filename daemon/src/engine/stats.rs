@@ -76,7 +76,6 @@ impl Engine {
         m.usage.used_bytes.set(sum(|d| d.bytes_used));
         m.usage.capacity_bytes.set(sum(|d| d.bytes_total));
         m.usage.used_blocks.set(sum(|d| d.pages_used));
-        m.usage.capacity_blocks.set(sum(|d| d.pages_total));
         m.read.absolute(su.bytes_read);
         m.written.absolute(su.bytes_written);
         m.counters.checksum_errors.absolute(su.corrupt_pages);
@@ -103,10 +102,9 @@ impl Engine {
             uptime: self.started.elapsed(),
             started_unix_ms: self.started_unix_ms,
             sessions: self.session_count() as u64,
-            host_bytes_used: u.bytes_used() as u64,
-            host_bytes_capacity: u.bytes_total() as u64,
+            host_bytes_used: u.bytes_used as u64,
+            host_bytes_capacity: u.bytes_total as u64,
             host_frames_used: u.frames_used as u64,
-            host_frames_capacity: u.frames_total as u64,
             decode_requests: get(&c.decode_requests),
             decode_entries: get(&c.decode_entries),
             append_tokens: get(&c.append_tokens),
@@ -132,7 +130,6 @@ impl Engine {
             (stats_keys::HOST_BYTES_USED, s.host_bytes_used),
             (stats_keys::HOST_BYTES_CAPACITY, s.host_bytes_capacity),
             (stats_keys::HOST_FRAMES_USED, s.host_frames_used),
-            (stats_keys::HOST_FRAMES_CAPACITY, s.host_frames_capacity),
             (stats_keys::DECODE_REQUESTS_TOTAL, s.decode_requests),
             (stats_keys::DECODE_ENTRIES_TOTAL, s.decode_entries),
             (stats_keys::APPEND_TOKENS_TOTAL, s.append_tokens),

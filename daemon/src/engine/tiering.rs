@@ -207,7 +207,7 @@ impl Engine {
     }
 
     /// Demotes least recently used, unpinned sessions not in `exclude` while the host tier is
-    /// above its high-water mark (down to the low-water mark) or fewer than `need` frames are
+    /// above its high-water mark (down to the low-water mark) or fewer than `need` bytes are
     /// free: sessions of uids over their fair share first, and only the requester's own when
     /// the requester (the owner of `exclude`) is over its share. Only `try_lock`s sessions, so
     /// it never waits on a busy one. Returns whether the goal was reached.
@@ -216,10 +216,10 @@ impl Engine {
             return false;
         };
         let u = self.arena.usage();
-        let total = u.frames_total as f64;
+        let total = u.bytes_total as f64;
         let goal_used =
-            |used: usize| (used as f64) <= total * t.low_water && u.frames_total - used >= need;
-        if (u.frames_used as f64) < total * t.high_water && u.frames_total - u.frames_used >= need {
+            |used: usize| (used as f64) <= total * t.low_water && u.bytes_total - used >= need;
+        if (u.bytes_used as f64) < total * t.high_water && u.bytes_total - u.bytes_used >= need {
             return true;
         }
         // Fair share: a request of a uid holding more than its share of the tier demotes only
@@ -248,7 +248,7 @@ impl Engine {
             )
         });
         for s in candidates {
-            if goal_used(self.arena.usage().frames_used) {
+            if goal_used(self.arena.usage().bytes_used) {
                 break;
             }
             let Some(mut st) = s.state.try_lock() else {
@@ -264,8 +264,8 @@ impl Engine {
                 Err(e) => tracing::warn!(session = s.id, error = %e, "demotion failed"),
             }
         }
-        let used = self.arena.usage().frames_used;
-        u.frames_total - used >= need
+        let used = self.arena.usage().bytes_used;
+        u.bytes_total - used >= need
     }
 
     /// Writes every session to NVMe (clean shutdown), so a restart finds them all.

@@ -24,8 +24,8 @@ struct LayerSync {
     tokens: u64,
     /// Leading blocks whose (full, final) summaries are on the device.
     final_blocks: usize,
-    /// Arena frame each block is mapped to on the device.
-    frames: Vec<u32>,
+    /// Arena offset of the extent each block is mapped to on the device.
+    frames: Vec<u64>,
 }
 
 struct GpuSession {
@@ -57,7 +57,7 @@ pub struct GpuDecoder {
     leave_cold: u32,
     region: Arc<PinnedRegion>,
     /// Keeps the registered mapping alive until `region` (declared above) is unregistered.
-    arena: HostArena,
+    _arena: HostArena,
 }
 
 impl std::fmt::Debug for GpuDecoder {
@@ -84,15 +84,19 @@ impl GpuDecoder {
             source,
         })?;
         let (base, len) = arena.region();
-        let fb = arena.frame_bytes();
-        let chunk = (cfg.register_chunk.0 as usize / fb).max(1) * fb;
+        // Whole segments per chunk: an extent never crosses a segment, so every block run
+        // lies inside one registered chunk (one device mapping).
+        let seg = arena.max_run_bytes();
+        let chunk = (cfg.register_chunk.0 as usize / seg).max(1) * seg;
         // SAFETY: [base, base + len) is the arena's live anonymous mapping; `self.arena` (a
         // clone sharing it) is dropped after `self.region`, so the mapping outlives the
         // registration. The pointer is only used by the driver and the device, which read
         // frames while the decoder holds the owning sessions' `&mut KvCache`.
         let region = unsafe { PinnedRegion::register_chunked(&ctx, base.cast_mut(), len, chunk) }?;
         // Taken after the registration succeeded, so a failed start holds no frame.
-        let zero = arena.alloc()?;
+        // Cold blocks map here: as large as the largest run, so any session's read of a
+        // cold-mapped block stays inside it.
+        let zero = arena.alloc(arena.max_run_bytes())?;
         tracing::info!(
             device = %device_name,
             pinned = len,
@@ -107,7 +111,7 @@ impl GpuDecoder {
             zero,
             leave_cold: 0,
             region: Arc::new(region),
-            arena: arena.clone(),
+            _arena: arena.clone(),
         })
     }
 
@@ -294,7 +298,7 @@ impl GpuDecoder {
             keeps: vec![None; entries.len()],
             ..Attended::default()
         };
-        let zero = self.zero.id();
+        let zero = self.zero.offset() as u64;
         // Entry indices per backend, in batch order.
         let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
         for (i, e) in entries.iter().enumerate() {
@@ -312,14 +316,7 @@ impl GpuDecoder {
                     let e = &entries[i];
                     let s = self.sessions.get_mut(&e.session).expect("checked");
                     let view = e.kv.layer(layer)?;
-                    sync_layer(
-                        &mut self.backends[bi].be,
-                        &self.arena,
-                        zero,
-                        s,
-                        layer,
-                        &view,
-                    )?;
+                    sync_layer(&mut self.backends[bi].be, zero, s, layer, &view)?;
                     items.push(DecodeItem {
                         slot: s.slot,
                         q: e.q,
@@ -438,8 +435,7 @@ fn reset(be: &mut CudaBackend, s: &mut GpuSession) -> Result<(), GpuError> {
 /// block on, the token count.
 fn sync_layer(
     be: &mut CudaBackend,
-    arena: &HostArena,
-    zero: u32,
+    zero: u64,
     s: &mut GpuSession,
     layer: u32,
     view: &LayerView<'_>,
@@ -453,12 +449,8 @@ fn sync_layer(
     let nb = view.blocks();
     let want = device_frames(view, zero);
     for run in stale_runs(&ls.frames, &want) {
-        let offs: Vec<u64> = want[run.clone()]
-            .iter()
-            .map(|&f| arena.frame_offset(f) as u64)
-            .collect();
-        be.map_blocks(s.slot, layer, run.start as u32, &offs)?;
-        ls.frames.resize(ls.frames.len().max(run.end), u32::MAX);
+        be.map_blocks(s.slot, layer, run.start as u32, &want[run.clone()])?;
+        ls.frames.resize(ls.frames.len().max(run.end), u64::MAX);
         ls.frames[run.clone()].copy_from_slice(&want[run]);
     }
     let spb = geo.summary_floats_per_block();

@@ -46,7 +46,7 @@
 use std::ops::Range;
 
 use kvtier_kernels::KernelError;
-use kvtier_storage::{Frame, LayerView, StorageError};
+use kvtier_storage::{LayerView, StorageError};
 
 #[cfg(feature = "cuda")]
 mod decoder;
@@ -95,16 +95,16 @@ pub enum GpuError {
 /// The arena frame the device must map each block of `view` to: the block's own frame, or
 /// `zero` while it is cold.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the decoder's; tested here
-fn device_frames(view: &LayerView<'_>, zero: u32) -> Vec<u32> {
+fn device_frames(view: &LayerView<'_>, zero: u64) -> Vec<u64> {
     (0..view.blocks())
-        .map(|b| view.frame(b).map_or(zero, Frame::id))
+        .map(|b| view.frame(b).map_or(zero, |f| f.offset() as u64))
         .collect()
 }
 
 /// Maximal runs of blocks whose wanted frame differs from the mapped one (`have` is shorter
 /// than `want` when blocks are new).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the decoder's; tested here
-fn stale_runs(have: &[u32], want: &[u32]) -> Vec<Range<usize>> {
+fn stale_runs(have: &[u64], want: &[u64]) -> Vec<Range<usize>> {
     let mut runs = Vec::new();
     let mut b = 0;
     while b < want.len() {
@@ -157,7 +157,7 @@ mod tests {
         let mut kv = session(5 * 16 + 3, &mut rng);
         let saved = SavedRuns::of(&kv);
         let zero = 999_999;
-        let own: Vec<u32> = device_frames(&kv.layer(0).unwrap(), zero);
+        let own: Vec<u64> = device_frames(&kv.layer(0).unwrap(), zero);
         assert!(own.iter().all(|&f| f != zero));
         assert_eq!(
             stale_runs(&[], &own),

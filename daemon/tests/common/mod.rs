@@ -15,12 +15,12 @@ pub fn tierd() -> TierdBuilder {
     Tierd::builder(env!("CARGO_BIN_EXE_tierd"))
 }
 
-/// The harness daemon: a 64 MiB host tier of 4 KiB frames (one [`small_geometry`] block run
-/// each), a 64 MiB NVMe tier in its private directory, a socket every uid may use (mode 0666
+/// The harness daemon: a 64 MiB host tier taking block runs of at most 4 KiB (one
+/// [`small_geometry`] run exactly), a 64 MiB NVMe tier in its private directory, a socket every uid may use (mode 0666
 /// in a 0755 directory), warn logs.
 pub fn harness() -> TierdBuilder {
     tierd()
-        .set("host.frame_bytes=\"4KiB\"")
+        .set("host.max_run_bytes=\"4KiB\"")
         .set("server.socket_mode=0o666")
         .nvme_capacity("64MiB")
 }
