@@ -24,7 +24,7 @@ fn test_dir(name: &str) -> PathBuf {
 
 /// Pages in use on every device of `store`.
 fn pages_used(store: &PageStore) -> u64 {
-    store.usage().devices.iter().map(|d| d.pages_used).sum()
+    store.usage().devices.iter().map(|d| d.pages).sum()
 }
 
 const PAYLOAD: usize = 12_000;
@@ -97,7 +97,7 @@ fn verify_all(store: &PageStore, m: &Manifest) -> Result<usize, String> {
                 generation: p.generation,
             };
             reads.push(PageRead {
-                addr: p.addr(),
+                addr: p.addr(store.unit() as u64),
                 id,
                 expected_crc: Some(p.crc),
             });
@@ -124,7 +124,6 @@ fn rewrite_session(
 ) -> Result<Vec<PageAddr>, NvmeError> {
     let generation = ms.next_epoch();
     let n = (LAYERS * BLOCKS) as usize;
-    let addrs = store.alloc(session, n)?;
     let mut ids = Vec::with_capacity(n);
     for layer in 0..LAYERS {
         for block in 0..BLOCKS {
@@ -136,7 +135,9 @@ fn rewrite_session(
             });
         }
     }
+    // One generation, one payload length (see `content`).
     let payloads: Vec<Vec<u8>> = ids.iter().map(|&id| content(id)).collect();
+    let addrs = store.alloc(session, n, payloads[0].len())?;
     let writes: Vec<PageWrite> = addrs
         .iter()
         .zip(&ids)
@@ -176,7 +177,7 @@ fn rewrite_session(
     let retired = match next.sessions.iter_mut().find(|s| s.id == session) {
         Some(s) => std::mem::replace(&mut s.pages, pages)
             .iter()
-            .map(|p| p.addr())
+            .map(|p| p.addr(store.unit() as u64))
             .collect(),
         None => {
             let mut s = session_record(session);
@@ -313,7 +314,7 @@ fn manifest_from_other_devices_is_rejected() {
     let (store, mut ms, mut m, _) = open_all(&dir);
     rewrite_session(&store, &mut ms, &mut m, 1).unwrap();
     let mut cfg = store_cfg(&dir);
-    cfg.max_payload = 20_000; // another page size
+    cfg.devices[1].capacity_bytes += 4096; // a device of another size
     cfg.devices[0].path = dir.join("other0");
     cfg.devices[1].path = dir.join("other1");
     let other = PageStore::open(&cfg, open_best_engine(UringConfig::default())).unwrap();
@@ -321,9 +322,16 @@ fn manifest_from_other_devices_is_rejected() {
         m.recover_into(&other, None),
         Err(NvmeError::ManifestMismatch { .. })
     ));
-    // The same page referenced twice is a mismatch too.
+    // A manifest of another unit.
     let store2 =
         PageStore::open(&store_cfg(&dir), open_best_engine(UringConfig::default())).unwrap();
+    let mut other_unit = m.clone();
+    other_unit.page_size = 8192;
+    assert!(matches!(
+        other_unit.recover_into(&store2, None),
+        Err(NvmeError::ManifestMismatch { .. })
+    ));
+    // The same page referenced twice is a mismatch too.
     let mut dup = m.clone();
     let p = dup.sessions[0].pages[0].clone();
     dup.sessions[0].pages.push(p);

@@ -6,11 +6,13 @@ mod common;
 use std::sync::Arc;
 
 use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyEngine, Trigger, UringConfig};
-use kvtier_storage::nvme::{IoEngine, IoRequest, NvmeError, OpKind, PreadEngine, UringEngine};
+use kvtier_storage::nvme::{
+    IoEngine, IoRequest, NvmeError, OpKind, PageStore, PreadEngine, UringEngine,
+};
 
 use common::{
     full_page_store, full_payloads, layer0_runs, one_layer_record, pattern, pinned, reads_of,
-    test_dir, writes_of, PAGES,
+    test_dir, writes_of, FULL_PAGE, FULL_PAYLOAD, PAGES,
 };
 
 /// Records which threads submit to the engine.
@@ -53,8 +55,9 @@ fn one_worker_runs_every_batch_on_the_caller_with_the_same_bytes_as_several() {
             threads: Default::default(),
         });
         let store = full_page_store(&dir, engine.clone(), workers);
-        let chunks = PAGES.div_ceil(store.chunk_pages());
-        let addrs = store.alloc(9, PAGES).unwrap();
+        let chunk = PageStore::chunk_pages(FULL_PAGE);
+        let chunks = PAGES.div_ceil(chunk);
+        let addrs = store.alloc(9, PAGES, FULL_PAYLOAD).unwrap();
         let crcs = store
             .write_pages(&writes_of(&addrs, &payloads, &all))
             .unwrap();
@@ -82,7 +85,7 @@ fn one_worker_runs_every_batch_on_the_caller_with_the_same_bytes_as_several() {
         }
         // A batch of one chunk never fans out.
         store
-            .read_pages(&reads_of(&addrs, Some(&crcs), &all[..store.chunk_pages()]))
+            .read_pages(&reads_of(&addrs, Some(&crcs), &all[..chunk]))
             .unwrap();
         assert_eq!(*engine.threads.lock(), vec![me]);
         let u = store.usage();
@@ -142,8 +145,8 @@ fn read_runs_pipelined_delivers_every_batch_in_order_and_stops_at_the_first_erro
     let s = tier.session(1).unwrap();
     assert_eq!(
         s.page(0, eio_run as u32).unwrap().page,
-        eio_run as u64,
-        "pages in order"
+        eio_run as u64 * 3,
+        "pages in order, 3 units each"
     );
     // Block n is not stored: its own error, the others unaffected.
     let wanted: Vec<(u32, u32)> = (0..=n as u32).map(|b| (0, b)).collect();

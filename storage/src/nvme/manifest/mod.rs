@@ -39,7 +39,7 @@ use std::path::{Path, PathBuf};
 
 use rkyv::rancor;
 
-use super::store::{PageAddr, PageStore};
+use super::store::{page_units, PageAddr, PageStore};
 use super::NvmeError;
 use crate::{DType, Geometry, Policy};
 
@@ -137,10 +137,13 @@ pub struct PageRecord {
 }
 
 impl PageRecord {
-    pub fn addr(&self) -> PageAddr {
+    /// The page's address in a store of `unit`-byte units: its extent is exactly the units
+    /// that header and payload take (see [`page_units`]).
+    pub fn addr(&self, unit: u64) -> PageAddr {
         PageAddr {
             device: self.device,
             page: self.page,
+            units: page_units(u64::from(self.payload_len), unit),
         }
     }
 }
@@ -250,14 +253,14 @@ impl Manifest {
     pub fn for_store(store: &PageStore) -> Self {
         Self {
             epoch: 0,
-            page_size: store.page_size() as u64,
+            page_size: store.unit() as u64,
             devices: store
                 .usage()
                 .devices
                 .into_iter()
                 .map(|d| DeviceRecord {
                     path: d.path.display().to_string(),
-                    pages: d.pages_total,
+                    pages: d.units_total,
                 })
                 .collect(),
             sessions: Vec::new(),
@@ -268,11 +271,11 @@ impl Manifest {
         self.sessions.iter().find(|s| s.id == id)
     }
 
-    /// Every page the manifest references.
+    /// Every page the manifest references (extents in units of its `page_size`).
     pub fn page_addrs(&self) -> impl Iterator<Item = PageAddr> + '_ {
         self.sessions
             .iter()
-            .flat_map(|s| s.pages.iter().map(PageRecord::addr))
+            .flat_map(|s| s.pages.iter().map(|p| p.addr(self.page_size)))
     }
 
     /// Pages `older` references that `self` does not: free them once the manifest after
@@ -285,35 +288,35 @@ impl Manifest {
         out
     }
 
-    /// Checks the manifest against the open store (page size, device count and sizes) and
-    /// marks every page it references, and those of `previous` (kept for fallback), as
-    /// allocated. Returns the pages to free after the next commit.
+    /// Checks the manifest against the open store (unit, device count and sizes) and marks
+    /// every page it references, and those of `previous` (kept for fallback), as allocated.
+    /// Returns the pages to free after the next commit.
     pub fn recover_into(
         &self,
         store: &PageStore,
         previous: Option<&Manifest>,
     ) -> Result<Vec<PageAddr>, NvmeError> {
         for m in std::iter::once(self).chain(previous) {
-            if m.page_size != store.page_size() as u64 {
+            if m.page_size != store.unit() as u64 {
                 return Err(NvmeError::ManifestMismatch {
                     what: format!(
-                        "manifest epoch {} has page size {}, store {}",
+                        "manifest epoch {} has a unit of {} bytes, store {}",
                         m.epoch,
                         m.page_size,
-                        store.page_size()
+                        store.unit()
                     ),
                 });
             }
-            let pages = store.device_pages();
-            if m.devices.len() != pages.len()
-                || m.devices.iter().zip(&pages).any(|(d, &p)| d.pages != p)
+            let units = store.device_units();
+            if m.devices.len() != units.len()
+                || m.devices.iter().zip(&units).any(|(d, &u)| d.pages != u)
             {
                 return Err(NvmeError::ManifestMismatch {
                     what: format!(
-                        "manifest epoch {} describes devices {:?}, store has pages {:?}",
+                        "manifest epoch {} describes devices of {:?} units, store has {:?}",
                         m.epoch,
                         m.devices.iter().map(|d| d.pages).collect::<Vec<_>>(),
-                        pages
+                        units
                     ),
                 });
             }
