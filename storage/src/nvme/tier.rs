@@ -86,8 +86,9 @@ impl NvmeTier {
     ) -> Result<(Self, RecoveryReport), NvmeError> {
         let (manifests, loaded) = ManifestStore::open(manifest_dir)?;
         let (manifest, deferred, skipped) = match loaded {
-            Some(l) => {
-                let deferred = l.current.recover_into(&store, l.previous.as_ref())?;
+            Some(mut l) => {
+                // Manifests of fixed pages (before format version 4) come back in units.
+                let deferred = l.recover_into(&store)?;
                 let skipped = l
                     .skipped
                     .iter()
