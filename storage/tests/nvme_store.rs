@@ -502,3 +502,200 @@ fn tracked_read_rates_set_the_stripe_weights_of_new_sessions_and_the_bulk_batche
     }
     assert_eq!(batches.last().unwrap().end, 100);
 }
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+
+/// Pages of three sizes in one store (a small model's 20 KiB runs, Llama-3-8B's 512 KiB, a
+/// 3 MiB run) written in one batch and read back in one, each page exactly its extent; freed
+/// space is reused by pages of another size.
+#[test]
+fn pages_of_different_sizes_share_a_store_and_reuse_freed_space() {
+    let dir = test_dir("store-mixed");
+    let engine: Arc<dyn IoEngine> = Arc::new(UringEngine::new(UringConfig::default()).unwrap());
+    let mut cfg = store_cfg(&dir, &[1.0, 1.0], 16 * MIB as u64);
+    cfg.max_payload = 3 * MIB;
+    let store = PageStore::open(&cfg, engine).unwrap();
+    store.set_workers(4).unwrap();
+    let sizes = [(20 * KIB, 12), (512 * KIB, 6), (3 * MIB, 3)];
+    let mut addrs = Vec::new();
+    let mut payloads = Vec::new();
+    for (k, &(len, n)) in sizes.iter().enumerate() {
+        let got = store.alloc(k as u64, n, len).unwrap();
+        assert!(got.iter().all(|a| a.units == store.page_units(len)));
+        assert_eq!(
+            store.page_bytes(len),
+            (64 + len).div_ceil(4096) as u64 * 4096
+        );
+        for a in got {
+            addrs.push(a);
+            payloads.push(pattern(addrs.len() as u64, len));
+        }
+    }
+    // No two extents overlap, and usage counts exactly their units.
+    let mut sorted = addrs.clone();
+    sorted.sort();
+    for w in sorted.windows(2) {
+        assert!(
+            w[0].device != w[1].device || w[0].page + w[0].units as u64 <= w[1].page,
+            "{w:?}"
+        );
+    }
+    let units: u64 = addrs.iter().map(|a| a.units as u64).sum();
+    let u = store.usage();
+    assert_eq!(u.unit, 4096);
+    assert_eq!(u.devices.iter().map(|d| d.units_used).sum::<u64>(), units);
+    assert_eq!(
+        u.devices.iter().map(|d| d.bytes_used).sum::<u64>(),
+        units * 4096
+    );
+    assert_eq!(
+        u.devices.iter().map(|d| d.pages).sum::<u64>(),
+        addrs.len() as u64
+    );
+
+    // Striped over both devices whatever the size.
+    assert!(addrs.iter().any(|a| a.device == 0) && addrs.iter().any(|a| a.device == 1));
+    let all: Vec<usize> = (0..addrs.len()).collect();
+    let crcs = store
+        .write_pages(&writes_of(&addrs, &payloads, &all))
+        .unwrap();
+    store.sync().unwrap();
+    assert_eq!(
+        store.usage().bytes_written,
+        units * 4096,
+        "each write is its extent"
+    );
+    let got = store
+        .read_pages(&reads_of(&addrs, Some(&crcs), &all))
+        .unwrap();
+    for (i, r) in got.into_iter().enumerate() {
+        assert_eq!(r.unwrap().payload(), &payloads[i][..], "page {i}");
+    }
+    assert_eq!(
+        store.usage().bytes_read,
+        units * 4096,
+        "each read is its extent"
+    );
+
+    // Free the 512 KiB pages: their space takes 20 KiB pages (best fit puts them in the
+    // holes, the smallest free ranges that hold them), and a 3 MiB page still fits after.
+    let mid: Vec<usize> = (12..18).collect();
+    let freed: Vec<PageAddr> = mid.iter().map(|&i| addrs[i]).collect();
+    let free_before = store.free_bytes();
+    store.free(&freed).unwrap();
+    assert_eq!(
+        store.free_bytes(),
+        free_before + freed.iter().map(|a| a.units as u64 * 4096).sum::<u64>()
+    );
+    let small = store.alloc(7, 20, 20 * KIB).unwrap();
+    let in_holes = small
+        .iter()
+        .filter(|s| {
+            freed.iter().any(|f| {
+                f.device == s.device
+                    && f.page <= s.page
+                    && s.page + s.units as u64 <= f.page + f.units as u64
+            })
+        })
+        .count();
+    assert!(
+        in_holes >= 18,
+        "{in_holes} of 20 new pages in the freed space"
+    );
+    let small_payloads: Vec<Vec<u8>> = (0..20).map(|i| pattern(1000 + i, 20 * KIB)).collect();
+    let idx: Vec<usize> = (0..20).collect();
+    let small_crcs = store
+        .write_pages(&writes_of(&small, &small_payloads, &idx))
+        .unwrap();
+    // The pages around them are intact.
+    let rest: Vec<usize> = (0..addrs.len()).filter(|i| !mid.contains(i)).collect();
+    for (r, &i) in store
+        .read_pages(&reads_of(&addrs, Some(&crcs), &rest))
+        .unwrap()
+        .into_iter()
+        .zip(&rest)
+    {
+        assert_eq!(r.unwrap().payload(), &payloads[i][..], "page {i}");
+    }
+    for (i, r) in store
+        .read_pages(&reads_of(&small, Some(&small_crcs), &idx))
+        .unwrap()
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(r.unwrap().payload(), &small_payloads[i][..]);
+    }
+    let big = store.alloc(8, 1, 3 * MIB).unwrap();
+    // Everything back: the whole space is one free extent per device again.
+    store.free(&big).unwrap();
+    store.free(&small).unwrap();
+    let rest_addrs: Vec<PageAddr> = rest.iter().map(|&i| addrs[i]).collect();
+    store.free(&rest_addrs).unwrap();
+    let u = store.usage();
+    assert!(u.devices.iter().all(|d| d.units_used == 0 && d.pages == 0));
+    assert_eq!(store.largest_free_bytes(), 16 * MIB as u64);
+}
+
+/// A store with room for small pages but no extent long enough for a large one: `Full`,
+/// typed, with nothing allocated, on one device and across two (all or nothing).
+#[test]
+fn full_for_a_large_page_while_small_ones_still_fit() {
+    let dir = test_dir("store-full-large");
+    let engine: Arc<dyn IoEngine> = Arc::new(UringEngine::new(UringConfig::default()).unwrap());
+    // 64 units; a 100 KiB page takes 26.
+    let mut cfg = store_cfg(&dir, &[1.0], 64 * 4096);
+    cfg.max_payload = 100 * KIB;
+    let store = PageStore::open(&cfg, engine.clone()).unwrap();
+    assert_eq!(store.page_units(100 * KIB), 26);
+    let small = store.alloc(1, 64, 1000).unwrap();
+    // Every other page freed: 32 free units, none next to another.
+    let odd: Vec<PageAddr> = small.iter().skip(1).step_by(2).copied().collect();
+    store.free(&odd).unwrap();
+    let before = store.usage();
+    let e = store.alloc(1, 1, 100 * KIB).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            NvmeError::Full {
+                requested: 1,
+                page_bytes: 106_496,
+                free_bytes: 131_072,
+                largest_free_bytes: 4096,
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string().contains("largest free extent 4096 bytes"),
+        "{e}"
+    );
+    assert_eq!(store.usage(), before, "nothing allocated");
+    // Small pages still fit, in every hole.
+    store.alloc(1, 32, 1000).unwrap();
+    assert_eq!(store.free_bytes(), 0);
+
+    // Two devices, room for one large page each: three are refused as a whole.
+    let dir = test_dir("store-full-large-2");
+    let mut cfg = store_cfg(&dir, &[1.0, 1.0], 40 * 4096);
+    cfg.max_payload = 100 * KIB;
+    let store = PageStore::open(&cfg, engine).unwrap();
+    let before = store.usage();
+    let e = store.alloc(2, 3, 100 * KIB).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            NvmeError::Full {
+                requested: 3,
+                free_bytes: 327_680,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(store.usage(), before, "the two that fitted were given back");
+    let two = store.alloc(2, 2, 100 * KIB).unwrap();
+    assert_ne!(two[0].device, two[1].device);
+    // And the 14 units left on each still take small pages.
+    assert_eq!(store.alloc(2, 28, 1000).unwrap().len(), 28);
+}
