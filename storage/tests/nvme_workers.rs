@@ -213,3 +213,73 @@ fn read_runs_pipelined_delivers_every_batch_in_order_and_stops_at_the_first_erro
     .unwrap();
     assert_eq!(one, 1);
 }
+
+/// A pipelined read of large pages holds at most PIPELINE_BATCH_BYTES of them per batch,
+/// counting the bytes of the actual pages (3 MiB runs: ten to a batch).
+#[test]
+fn read_runs_pipelined_cuts_batches_by_the_bytes_of_the_pages() {
+    use kvtier_storage::nvme::tier::PIPELINE_BATCH_BYTES;
+    use kvtier_storage::nvme::{BlockRun, DeviceConfig, NvmeTier, PageStoreConfig};
+
+    let dir = test_dir("pipelined-large");
+    let run = 3 << 20;
+    let n = 12usize;
+    let store = PageStore::open(
+        &PageStoreConfig {
+            devices: vec![DeviceConfig {
+                path: dir.join("dev0"),
+                capacity_bytes: 40 << 20,
+                bandwidth_bytes_per_s: 1.0,
+            }],
+            max_payload: run,
+        },
+        Arc::new(UringEngine::new(UringConfig::default()).unwrap()),
+    )
+    .unwrap();
+    let page = store.page_bytes(run);
+    let per_batch = (PIPELINE_BATCH_BYTES as u64 / page) as usize;
+    assert_eq!(per_batch, 10);
+    let (tier, _) = NvmeTier::open(store, &dir.join("manifest")).unwrap();
+    let payloads: Vec<Vec<u8>> = (0..n as u64).map(|i| pattern(i, run)).collect();
+    tier.put_session(&one_layer_record(1, n as u32), &layer0_runs(&payloads))
+        .unwrap();
+    let wanted: Vec<(u32, u32)> = (0..n as u32).map(|b| (0, b)).collect();
+    let mut seen = Vec::new();
+    tier.read_runs_pipelined(1, &wanted, |r, pages| {
+        for (i, p) in r.clone().zip(pages) {
+            assert_eq!(p.unwrap().payload(), &payloads[i][..], "run {i}");
+        }
+        seen.push(r);
+        Ok::<(), NvmeError>(())
+    })
+    .unwrap();
+    assert_eq!(seen, [0..per_batch, per_batch..n]);
+
+    // Quotas count the bytes of pages: a rewritten run replaces its page, a new one adds its
+    // own, whatever their sizes.
+    let small = vec![1u8; 20 << 10];
+    let more = [
+        BlockRun {
+            layer: 0,
+            block: 0,
+            bytes: &small,
+        },
+        BlockRun {
+            layer: 0,
+            block: n as u32,
+            bytes: &payloads[0],
+        },
+    ];
+    let small_page = tier.store().page_bytes(small.len());
+    assert_eq!(small_page, 24 << 10);
+    assert_eq!(
+        tier.owner_bytes_after(0, 1, &more),
+        n as u64 * page - page + small_page + page
+    );
+    assert_eq!(tier.owner_bytes_after(0, 1, &[]), n as u64 * page);
+    assert_eq!(
+        tier.owner_bytes_after(7, 2, &more),
+        small_page + page,
+        "another owner's new session"
+    );
+}

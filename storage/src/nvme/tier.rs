@@ -573,3 +573,23 @@ impl crate::ColdSource for TierSource<'_> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::split_by_bytes;
+
+    #[test]
+    fn batches_are_cut_by_the_bytes_of_their_pages() {
+        let bytes = [3, 3, 3, 1, 1, 1, 5, 2, 0, 9];
+        assert_eq!(
+            split_by_bytes(0..10, &bytes, 6),
+            [0..2, 2..6, 6..7, 7..9, 9..10],
+            "a page over the limit is a batch of its own"
+        );
+        assert_eq!(split_by_bytes(3..7, &bytes, 100), vec![3..7]);
+        assert_eq!(
+            split_by_bytes(4..4, &bytes, 6),
+            Vec::<std::ops::Range<usize>>::new()
+        );
+    }
+}
