@@ -908,6 +908,12 @@ fn a_version_3_manifest_of_fixed_pages_is_converted_to_units_and_keeps_its_sessi
     let mut m = current.clone();
     m.sessions[1].pages[0].payload_len = (OLD_PAGE - 63) as u32;
     refused("payload-past-its-page", &m, 3);
+    // Device 0 holds 41 old pages and a unit more: a small page "at" old page 41 would fit
+    // in that unit, but there was never a page there.
+    let mut m = current.clone();
+    m.sessions[1].pages[0].page = 41;
+    m.sessions[1].pages[0].payload_len = 1000;
+    refused("past-the-last-old-page", &m, 3);
     // Version 4 is in units already: one of another unit is not converted.
     let mut m = current.clone();
     m.page_size = 8192;

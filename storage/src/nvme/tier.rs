@@ -78,8 +78,9 @@ impl std::fmt::Debug for NvmeTier {
 
 impl NvmeTier {
     /// Opens the tier: loads the newest valid manifest from `manifest_dir` (falling back to
-    /// the previous one if the newest is damaged), checks it matches the store, and marks its
-    /// pages (and the fallback's) allocated.
+    /// the previous one if the newest is damaged; one of fixed pages, format versions 1 to 3,
+    /// is converted to the store's units), checks it matches the store, and marks its pages
+    /// (and the fallback's) allocated.
     pub fn open(
         store: PageStore,
         manifest_dir: &Path,
@@ -87,7 +88,6 @@ impl NvmeTier {
         let (manifests, loaded) = ManifestStore::open(manifest_dir)?;
         let (manifest, deferred, skipped) = match loaded {
             Some(mut l) => {
-                // Manifests of fixed pages (before format version 4) come back in units.
                 let deferred = l.recover_into(&store)?;
                 let skipped = l
                     .skipped

@@ -339,10 +339,13 @@ impl Manifest {
                         self.epoch, s.id, p.layer, p.block, p.payload_len, self.page_size
                     ));
                 }
-                if p.page.checked_mul(per_page).is_none() {
+                // Against the old page count: the tail of a device past its last whole old
+                // page was never a page (and this bounds the multiplication below).
+                let dev = self.devices.get(p.device as usize);
+                if dev.is_none_or(|d| p.page >= d.pages) {
                     return mismatch(format!(
-                        "manifest epoch {}: page {} of session {} is outside the devices",
-                        self.epoch, p.page, s.id
+                        "manifest epoch {}: page {} of device {} (session {}) is outside the devices",
+                        self.epoch, p.page, p.device, s.id
                     ));
                 }
             }

@@ -5,10 +5,10 @@
 //! run and is one extent of exactly `round_up(HEADER_LEN + payload, unit)` bytes, so a store
 //! serves sessions of any geometry (32 KiB runs of a small model beside 8 MiB runs of a large
 //! one) without refusing big runs or wasting most of a fixed page on small ones. An extent
-//! allocator per device ([`crate::extents::Extents`], best fit) hands out pages; a session's pages are striped
-//! over devices in proportion to their bandwidth by smooth weighted round robin, so reading a
-//! session back keeps every device busy for about the same time. Reads verify magic, identity
-//! and crc32c: a page that fails is an error, never data.
+//! allocator per device ([`crate::extents::Extents`], best fit) hands out pages; a session's
+//! pages are striped over devices in proportion to their bandwidth by smooth weighted round
+//! robin, so reading a session back keeps every device busy for about the same time. Reads
+//! verify magic, identity and crc32c: a page that fails is an error, never data.
 //!
 //! Every batch of reads and writes is timed per device (the union of the intervals its
 //! operations were in flight) and folded into that device's read or write [`LaneTracker`].
@@ -19,9 +19,9 @@
 //! # Batches, workers and buffers
 //!
 //! A batch is cut into chunks of about [`CHUNK_BYTES`] of pages (at most [`CHUNK_MAX_PAGES`]
-//! pages, at least one whatever its size); up to [`PageStore::workers`] threads
-//! (the caller is one) each take a chunk at a time, encode it into page buffers (or verify
-//! what was read), submit it to the engine and wait. So checksums and copies run on several
+//! pages, at least one whatever its size); up to [`PageStore::workers`] threads (the caller is
+//! one) each take a chunk at a time, encode it into page buffers (or verify what was read),
+//! submit it to the engine and wait. So checksums and copies run on several
 //! cores while the engine has other chunks in flight, and a batch of one chunk runs inline
 //! with no thread at all. Page buffers come from a pool of recycled aligned buffers, kept by
 //! length (a fresh one costs an allocation, page faults and zeroing), whose idle part is capped
@@ -110,8 +110,8 @@ pub struct PageAddr {
 }
 
 /// Units of `unit` bytes that a page holding `payload_len` bytes takes (header, payload, zero
-/// padding). Saturates at `u32::MAX` (more than any device holds); 0 for a unit of 0, a page
-/// no store has.
+/// padding). Saturates at `u32::MAX` (far past any page a store accepts: `max_payload` is at
+/// most 1 GiB); 0 for a unit of 0 (no store has one: such an address is refused).
 pub fn page_units(payload_len: u64, unit: u64) -> u32 {
     if unit == 0 {
         return 0;
