@@ -176,10 +176,12 @@ fn main() {
         max_payload: a.payload,
     };
     let store = PageStore::open(&cfg, uring.clone()).unwrap();
-    let page = store.page_size();
-    let n = store.device_pages()[0];
+    let page = store.page_bytes(a.payload) as usize;
+    let units = store.page_units(a.payload);
+    let n = store.device_units()[0] / u64::from(units);
     eprintln!("filling {n} pages of {page} bytes ...");
-    let addrs: Vec<PageAddr> = store.alloc(1, n as usize).unwrap();
+    // A fresh store hands out the pages one after another: page k is at unit k * units.
+    let addrs: Vec<PageAddr> = store.alloc(1, n as usize, a.payload).unwrap();
     let payload: Vec<u8> = (0..a.payload).map(|i| (i * 31 + 7) as u8).collect();
     let id = |p: u64| PageId {
         session: 1,
@@ -203,7 +205,8 @@ fn main() {
     let read = |rng: &mut Rng| PageRead {
         addr: PageAddr {
             device: 0,
-            page: rng.below(n),
+            page: rng.below(n) * u64::from(units),
+            units,
         },
         id: PageId {
             session: 1,

@@ -13,7 +13,7 @@ use kvtier_storage::nvme::{
 
 use common::{
     full_page_store, full_payloads, pattern, pinned, reads_of, store_cfg, test_dir, writes_of,
-    PAGES,
+    FULL_PAGE, FULL_PAYLOAD, PAGES,
 };
 
 #[test]
@@ -45,7 +45,7 @@ fn page_store_under_injected_faults_never_returns_wrong_data() {
         FaultyEngine::new(UringEngine::new(UringConfig::default()).unwrap(), rules, 7).unwrap(),
     );
     let store = PageStore::open(&store_cfg(&dir, &[1.0, 2.0], 4 << 20), engine.clone()).unwrap();
-    let addrs = store.alloc(9, 64).unwrap();
+    let addrs = store.alloc(9, 64, 9000).unwrap();
     let payloads: Vec<Vec<u8>> = (0..64).map(|i| pattern(i, 9000)).collect();
     let all: Vec<usize> = (0..addrs.len()).collect();
     store
@@ -96,7 +96,7 @@ fn io_errors_are_counted_per_failed_operation_apart_from_corruption() {
     ];
     let engine = Arc::new(FaultyEngine::new(PreadEngine::new(), rules, 11).unwrap());
     let store = PageStore::open(&store_cfg(&dir, &[1.0], 1 << 20), engine).unwrap();
-    let addrs = store.alloc(9, 5).unwrap();
+    let addrs = store.alloc(9, 5, 4000).unwrap();
     let payloads: Vec<Vec<u8>> = (0..5).map(|i| pattern(i, 4000)).collect();
     let all: Vec<usize> = (0..addrs.len()).collect();
     let writes = writes_of(&addrs, &payloads, &all);
@@ -123,7 +123,7 @@ fn io_errors_are_counted_per_failed_operation_apart_from_corruption() {
             .write(true)
             .open(dir.join("dev0"))
             .unwrap();
-        let at = addrs[0].page * store.page_size() as u64 + 100;
+        let at = addrs[0].page * store.unit() as u64 + 100;
         f.seek(SeekFrom::Start(at)).unwrap();
         f.write_all(&[0xFF; 8]).unwrap();
         f.sync_all().unwrap();
@@ -169,8 +169,11 @@ fn eio_short_read_and_a_bit_flip_on_chosen_pages_through_the_multi_threaded_read
             ];
             let engine = Arc::new(FaultyEngine::new(inner(), rules, 3).unwrap());
             let store = full_page_store(&dir, engine, workers);
-            let addrs = store.alloc(9, PAGES).unwrap();
-            assert!(addrs.iter().enumerate().all(|(i, a)| a.page == i as u64));
+            let addrs = store.alloc(9, PAGES, FULL_PAYLOAD).unwrap();
+            assert!(addrs
+                .iter()
+                .enumerate()
+                .all(|(i, a)| a.page == 3 * i as u64 && a.units == 3));
             let crcs = store
                 .write_pages(&writes_of(&addrs, &payloads, &all))
                 .unwrap();
@@ -190,15 +193,15 @@ fn eio_short_read_and_a_bit_flip_on_chosen_pages_through_the_multi_threaded_read
                             ..
                         }),
                     ) if i == eio => {
-                        assert_eq!(offset, eio as u64 * 12288, "{ctx}");
+                        assert_eq!(offset, eio as u64 * FULL_PAGE, "{ctx}");
                         assert_eq!(source.raw_os_error(), Some(libc::EIO), "{ctx}");
                     }
                     (i, Err(e @ NvmeError::Corrupt { page, .. })) if i == flip => {
-                        assert_eq!(page, flip as u64, "{ctx}");
+                        assert_eq!(page, 3 * flip as u64, "{ctx}");
                         assert!(e.is_data_loss(), "{ctx}");
                     }
                     (i, Err(e @ NvmeError::ShortRead { offset, .. })) if i == short => {
-                        assert_eq!(offset, short as u64 * 12288, "{ctx}");
+                        assert_eq!(offset, short as u64 * FULL_PAGE, "{ctx}");
                         assert!(e.is_data_loss(), "{ctx}");
                     }
                     (_, Ok(d)) => assert_eq!(d.payload(), &payloads[i][..], "{ctx}"),
@@ -230,7 +233,7 @@ fn enospc_short_write_eio_and_a_bit_flip_on_chosen_pages_through_the_multi_threa
             ];
             let engine = Arc::new(FaultyEngine::new(inner(), rules, 5).unwrap());
             let store = full_page_store(&dir, engine, workers);
-            let addrs = store.alloc(9, PAGES).unwrap();
+            let addrs = store.alloc(9, PAGES, FULL_PAYLOAD).unwrap();
             let ctx = format!("{name}, {workers} workers");
             let except = |skip: &[usize]| -> Vec<usize> {
                 (0..PAGES).filter(|i| !skip.contains(i)).collect()
@@ -241,7 +244,7 @@ fn enospc_short_write_eio_and_a_bit_flip_on_chosen_pages_through_the_multi_threa
                 .write_pages(&writes_of(&addrs, &payloads, &except(&[])))
                 .unwrap_err();
             assert!(
-                matches!(e, NvmeError::NoSpace { offset, .. } if offset == enospc as u64 * 12288),
+                matches!(e, NvmeError::NoSpace { offset, .. } if offset == enospc as u64 * FULL_PAGE),
                 "{ctx}: {e:?}"
             );
             assert_eq!(store.usage().io_errors, 3, "{ctx}");
@@ -249,7 +252,7 @@ fn enospc_short_write_eio_and_a_bit_flip_on_chosen_pages_through_the_multi_threa
                 .write_pages(&writes_of(&addrs, &payloads, &except(&[enospc])))
                 .unwrap_err();
             assert!(
-                matches!(e, NvmeError::ShortWrite { offset, expected: 12288, .. } if offset == short as u64 * 12288),
+                matches!(e, NvmeError::ShortWrite { offset, expected: 12288, .. } if offset == short as u64 * FULL_PAGE),
                 "{ctx}: {e:?}"
             );
             let e = store
@@ -257,7 +260,7 @@ fn enospc_short_write_eio_and_a_bit_flip_on_chosen_pages_through_the_multi_threa
                 .unwrap_err();
             assert!(
                 matches!(&e, NvmeError::Io { kind: OpKind::Write, offset, source, .. }
-                    if *offset == eio as u64 * 12288 && source.raw_os_error() == Some(libc::EIO)),
+                    if *offset == eio as u64 * FULL_PAGE && source.raw_os_error() == Some(libc::EIO)),
                 "{ctx}: {e:?}"
             );
             assert_eq!(store.usage().io_errors, 3 + 2 + 1, "{ctx}");
@@ -271,7 +274,7 @@ fn enospc_short_write_eio_and_a_bit_flip_on_chosen_pages_through_the_multi_threa
             for ((&i, r), crc) in ok.iter().zip(got).zip(&crcs) {
                 match r {
                     Err(NvmeError::Corrupt { page, .. }) if i == flip => {
-                        assert_eq!(page, flip as u64)
+                        assert_eq!(page, 3 * flip as u64)
                     }
                     Ok(d) => {
                         assert_ne!(i, flip, "{ctx}: damaged page returned as data");

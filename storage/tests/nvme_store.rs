@@ -25,11 +25,18 @@ fn page_store_roundtrip_and_verification() {
         Arc::new(PreadEngine::new()),
     ] {
         let store = PageStore::open(&store_cfg(&dir, &[1.0, 1.0], 1 << 20), engine).unwrap();
-        assert_eq!(store.page_size(), 12288);
-        let addrs = store.alloc(9, 20).unwrap();
+        assert_eq!(store.unit(), 4096);
         let payloads: Vec<Vec<u8>> = (0..20)
             .map(|i| pattern(i, 1000 + i as usize * 400))
             .collect();
+        // Each page just the units its payload needs (1 to 3 here).
+        let addrs: Vec<PageAddr> = payloads
+            .iter()
+            .map(|p| store.alloc(9, 1, p.len()).unwrap()[0])
+            .collect();
+        for (a, p) in addrs.iter().zip(&payloads) {
+            assert_eq!(a.units, (64 + p.len()).div_ceil(4096) as u32);
+        }
         let all: Vec<usize> = (0..addrs.len()).collect();
         let crcs = store
             .write_pages(&writes_of(&addrs, &payloads, &all))
@@ -68,7 +75,7 @@ fn page_store_roundtrip_and_verification() {
             })
         ));
         // A never-written page.
-        let fresh = store.alloc(9, 1).unwrap()[0];
+        let fresh = store.alloc(9, 1, 10_000).unwrap()[0];
         let r = store
             .read_pages(&[PageRead {
                 addr: fresh,
@@ -81,14 +88,14 @@ fn page_store_roundtrip_and_verification() {
         assert!(matches!(r, Err(e @ NvmeError::Corrupt { .. }) if e.is_data_loss()));
         store.free(&[fresh]).unwrap();
         store.free(&addrs).unwrap();
+        let u = store.usage();
+        assert!(u
+            .devices
+            .iter()
+            .all(|d| (d.pages, d.units_used, d.bytes_used) == (0, 0, 0)));
         assert_eq!(
-            store
-                .usage()
-                .devices
-                .iter()
-                .map(|d| d.pages_used)
-                .sum::<u64>(),
-            0
+            u.devices.iter().map(|d| d.bytes_total).sum::<u64>(),
+            store.free_bytes()
         );
         assert!(store.usage().corrupt_pages >= 3);
     }
@@ -98,8 +105,25 @@ fn page_store_roundtrip_and_verification() {
 fn page_store_bad_input_is_typed() {
     let dir = test_dir("store-bad");
     let engine: Arc<dyn IoEngine> = Arc::new(PreadEngine::new());
+    // 30 units; the largest page (10_000 bytes of payload) takes 3.
     let store = PageStore::open(&store_cfg(&dir, &[1.0], 10 * 12288), engine.clone()).unwrap();
-    let a = store.alloc(1, 1).unwrap()[0];
+    assert_eq!((store.page_units(10_000), store.page_units(100)), (3, 1));
+    let a = store.alloc(1, 1, 10_000).unwrap()[0];
+    assert_eq!(
+        a,
+        PageAddr {
+            device: 0,
+            page: 0,
+            units: 3
+        }
+    );
+    assert!(
+        matches!(
+            store.alloc(1, 1, 10_001),
+            Err(NvmeError::InvalidArgument { .. })
+        ),
+        "over max_payload"
+    );
     let big = vec![0u8; 10_001];
     assert!(matches!(
         store.write_pages(&[PageWrite {
@@ -109,19 +133,73 @@ fn page_store_bad_input_is_typed() {
         }]),
         Err(NvmeError::InvalidArgument { .. })
     ));
-    let unalloc = PageAddr {
-        device: 0,
-        page: (a.page + 1) % 10,
-    };
+    // A payload within max_payload but bigger than its page.
+    let small = store.alloc(1, 1, 100).unwrap()[0];
+    assert_eq!(
+        small,
+        PageAddr {
+            device: 0,
+            page: 3,
+            units: 1
+        }
+    );
     assert!(matches!(
         store.write_pages(&[PageWrite {
-            addr: unalloc,
+            addr: small,
             id: id(0, 1),
-            payload: &[1]
+            payload: &[7; 5000]
         }]),
         Err(NvmeError::InvalidArgument { .. })
     ));
-    let out = PageAddr { device: 3, page: 0 };
+    store.free(&[small]).unwrap();
+    // Not exactly an allocated page: free units, the start of a page, the end of one.
+    for addr in [
+        PageAddr {
+            device: 0,
+            page: 3,
+            units: 3,
+        },
+        PageAddr {
+            device: 0,
+            page: 0,
+            units: 1,
+        },
+        PageAddr {
+            device: 0,
+            page: 1,
+            units: 2,
+        },
+    ] {
+        assert!(
+            matches!(
+                store.write_pages(&[PageWrite {
+                    addr,
+                    id: id(0, 1),
+                    payload: &[1]
+                }]),
+                Err(NvmeError::InvalidArgument { .. })
+            ),
+            "write to {addr:?}"
+        );
+        assert!(
+            matches!(store.free(&[addr]), Err(NvmeError::InvalidArgument { .. })),
+            "free of {addr:?}"
+        );
+    }
+    let other = store.alloc(1, 1, 100).unwrap()[0];
+    assert!(
+        matches!(
+            store.free(&[PageAddr { units: 4, ..a }]),
+            Err(NvmeError::InvalidArgument { .. })
+        ),
+        "a page and its neighbour are not one page"
+    );
+    store.free(&[other]).unwrap();
+    let out = PageAddr {
+        device: 3,
+        page: 0,
+        units: 1,
+    };
     assert!(store
         .read_pages(&[PageRead {
             addr: out,
@@ -129,54 +207,109 @@ fn page_store_bad_input_is_typed() {
             expected_crc: None
         }])
         .is_err());
-    assert!(matches!(
-        store.free(&[PageAddr {
+    for bad in [
+        PageAddr {
             device: 0,
-            page: 10
-        }]),
-        Err(NvmeError::InvalidArgument { .. })
-    ));
+            page: 30,
+            units: 1,
+        },
+        PageAddr {
+            device: 0,
+            page: 28,
+            units: 3,
+        },
+        PageAddr {
+            device: 0,
+            page: 0,
+            units: 0,
+        },
+        PageAddr {
+            device: 0,
+            page: u64::MAX,
+            units: 2,
+        },
+    ] {
+        assert!(
+            matches!(store.free(&[bad]), Err(NvmeError::InvalidArgument { .. })),
+            "{bad:?}"
+        );
+        assert!(store
+            .read_pages(&[PageRead {
+                addr: bad,
+                id: id(0, 1),
+                expected_crc: None
+            }])
+            .is_err());
+    }
     store.free(&[a]).unwrap();
     assert!(
         matches!(store.free(&[a]), Err(NvmeError::InvalidArgument { .. })),
         "double free"
     );
     // Full: all or nothing.
-    let all = store.alloc(1, 10).unwrap();
-    assert!(matches!(
-        store.alloc(1, 1),
-        Err(NvmeError::Full {
-            requested: 1,
-            free: 0
-        })
-    ));
+    let all = store.alloc(1, 10, 10_000).unwrap();
+    let e = store.alloc(1, 1, 10_000).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            NvmeError::Full {
+                requested: 1,
+                page_bytes: 12288,
+                free_bytes: 0,
+                largest_free_bytes: 0
+            }
+        ),
+        "{e:?}"
+    );
     store.free(&all[..3]).unwrap();
-    assert!(matches!(
-        store.alloc(1, 4),
-        Err(NvmeError::Full {
-            requested: 4,
-            free: 3
-        })
-    ));
-    assert_eq!(store.free_pages(), 3, "a failed alloc takes nothing");
+    let e = store.alloc(1, 4, 10_000).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            NvmeError::Full {
+                requested: 4,
+                page_bytes: 12288,
+                free_bytes: 36864,
+                largest_free_bytes: 36864
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("4 pages of 12288 bytes"), "{e}");
+    assert_eq!(store.free_bytes(), 9 * 4096, "a failed alloc takes nothing");
     // Recovery marks.
     store.mark_allocated(all[0]).unwrap();
     assert!(matches!(
         store.mark_allocated(all[0]),
         Err(NvmeError::ManifestMismatch { .. })
     ));
+    assert!(
+        matches!(
+            store.mark_allocated(PageAddr {
+                page: 2,
+                units: 2,
+                ..all[0]
+            }),
+            Err(NvmeError::ManifestMismatch { .. })
+        ),
+        "overlaps a marked page"
+    );
     assert!(matches!(
-        store.mark_allocated(PageAddr { device: 1, page: 0 }),
+        store.mark_allocated(PageAddr {
+            device: 1,
+            page: 0,
+            units: 1
+        }),
         Err(NvmeError::ManifestMismatch { .. })
     ));
     // Config errors.
-    let mut cfg = store_cfg(&dir, &[1.0], 4096);
+    let mut cfg = store_cfg(&dir, &[1.0], 8192);
     assert!(
         matches!(
             PageStore::open(&cfg, engine.clone()),
             Err(NvmeError::InvalidArgument { .. })
         ),
-        "no whole page"
+        "no room for the largest page"
     );
     cfg.devices.clear();
     assert!(PageStore::open(&cfg, engine.clone()).is_err());
@@ -198,13 +331,13 @@ fn striping_follows_bandwidth() {
     let mut per_dev = [0usize; 3];
     // Many small allocations of one session still interleave (the cursor persists).
     for _ in 0..60 {
-        for a in store.alloc(5, 1).unwrap() {
+        for a in store.alloc(5, 1, 10_000).unwrap() {
             per_dev[a.device as usize] += 1;
         }
     }
     assert_eq!(per_dev, [30, 10, 20]);
     // Smooth: within any window of 6 consecutive pages the split is exactly 3:1:2.
-    let addrs = store.alloc(6, 12).unwrap();
+    let addrs = store.alloc(6, 12, 10_000).unwrap();
     for w in addrs.chunks(6) {
         let mut c = [0; 3];
         for a in w {
@@ -212,13 +345,17 @@ fn striping_follows_bandwidth() {
         }
         assert_eq!(c, [3, 1, 2]);
     }
-    // A full device is skipped, the rest still serve.
-    let pages = store.device_pages();
-    let mut total = 72usize;
-    while let Ok(a) = store.alloc(7, 1) {
-        total += a.len();
+    // A full device is skipped, the rest still serve: every unit ends up used (3-unit pages
+    // on devices of 1024 units, a unit short of a whole number of them, then 1-unit pages).
+    let mut total = 72 * 3;
+    while let Ok(a) = store.alloc(7, 1, 10_000) {
+        total += a[0].units as u64;
     }
-    assert_eq!(total as u64, pages.iter().sum::<u64>());
+    while let Ok(a) = store.alloc(7, 1, 100) {
+        total += a[0].units as u64;
+    }
+    assert_eq!(total, store.device_units().iter().sum::<u64>());
+    assert_eq!(store.free_bytes(), 0);
 }
 
 /// An engine for a store of two devices whose first is slow: its operations go through a
@@ -354,7 +491,8 @@ fn tracked_read_rates_set_the_stripe_weights_of_new_sessions_and_the_bulk_batche
     let batches = tier.plan_batches(1, &wanted).unwrap();
     assert!(batches.len() > 2, "{:?}", lens(&batches));
     let s = tier.session(1).unwrap();
-    let page = tier.store().page_size() as u64;
+    let page = tier.store().page_bytes(9000);
+    assert_eq!(page, 12288);
     for r in &batches {
         let slow_pages = s.pages[r.clone()].iter().filter(|p| p.device == 0).count() as u64;
         assert!(
@@ -363,4 +501,201 @@ fn tracked_read_rates_set_the_stripe_weights_of_new_sessions_and_the_bulk_batche
         );
     }
     assert_eq!(batches.last().unwrap().end, 100);
+}
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+
+/// Pages of three sizes in one store (a small model's 20 KiB runs, Llama-3-8B's 512 KiB, a
+/// 3 MiB run) written in one batch and read back in one, each page exactly its extent; freed
+/// space is reused by pages of another size.
+#[test]
+fn pages_of_different_sizes_share_a_store_and_reuse_freed_space() {
+    let dir = test_dir("store-mixed");
+    let engine: Arc<dyn IoEngine> = Arc::new(UringEngine::new(UringConfig::default()).unwrap());
+    let mut cfg = store_cfg(&dir, &[1.0, 1.0], 16 * MIB as u64);
+    cfg.max_payload = 3 * MIB;
+    let store = PageStore::open(&cfg, engine).unwrap();
+    store.set_workers(4).unwrap();
+    let sizes = [(20 * KIB, 12), (512 * KIB, 6), (3 * MIB, 3)];
+    let mut addrs = Vec::new();
+    let mut payloads = Vec::new();
+    for (k, &(len, n)) in sizes.iter().enumerate() {
+        let got = store.alloc(k as u64, n, len).unwrap();
+        assert!(got.iter().all(|a| a.units == store.page_units(len)));
+        assert_eq!(
+            store.page_bytes(len),
+            (64 + len).div_ceil(4096) as u64 * 4096
+        );
+        for a in got {
+            addrs.push(a);
+            payloads.push(pattern(addrs.len() as u64, len));
+        }
+    }
+    // No two extents overlap, and usage counts exactly their units.
+    let mut sorted = addrs.clone();
+    sorted.sort();
+    for w in sorted.windows(2) {
+        assert!(
+            w[0].device != w[1].device || w[0].page + w[0].units as u64 <= w[1].page,
+            "{w:?}"
+        );
+    }
+    let units: u64 = addrs.iter().map(|a| a.units as u64).sum();
+    let u = store.usage();
+    assert_eq!(u.unit, 4096);
+    assert_eq!(u.devices.iter().map(|d| d.units_used).sum::<u64>(), units);
+    assert_eq!(
+        u.devices.iter().map(|d| d.bytes_used).sum::<u64>(),
+        units * 4096
+    );
+    assert_eq!(
+        u.devices.iter().map(|d| d.pages).sum::<u64>(),
+        addrs.len() as u64
+    );
+
+    // Striped over both devices whatever the size.
+    assert!(addrs.iter().any(|a| a.device == 0) && addrs.iter().any(|a| a.device == 1));
+    let all: Vec<usize> = (0..addrs.len()).collect();
+    let crcs = store
+        .write_pages(&writes_of(&addrs, &payloads, &all))
+        .unwrap();
+    store.sync().unwrap();
+    assert_eq!(
+        store.usage().bytes_written,
+        units * 4096,
+        "each write is its extent"
+    );
+    let got = store
+        .read_pages(&reads_of(&addrs, Some(&crcs), &all))
+        .unwrap();
+    for (i, r) in got.into_iter().enumerate() {
+        assert_eq!(r.unwrap().payload(), &payloads[i][..], "page {i}");
+    }
+    assert_eq!(
+        store.usage().bytes_read,
+        units * 4096,
+        "each read is its extent"
+    );
+
+    // Free the 512 KiB pages: their space takes 20 KiB pages (best fit puts them in the
+    // holes, the smallest free ranges that hold them), and a 3 MiB page still fits after.
+    let mid: Vec<usize> = (12..18).collect();
+    let freed: Vec<PageAddr> = mid.iter().map(|&i| addrs[i]).collect();
+    let free_before = store.free_bytes();
+    store.free(&freed).unwrap();
+    assert_eq!(
+        store.free_bytes(),
+        free_before + freed.iter().map(|a| a.units as u64 * 4096).sum::<u64>()
+    );
+    let small = store.alloc(7, 20, 20 * KIB).unwrap();
+    let in_holes = small
+        .iter()
+        .filter(|s| {
+            freed.iter().any(|f| {
+                f.device == s.device
+                    && f.page <= s.page
+                    && s.page + s.units as u64 <= f.page + f.units as u64
+            })
+        })
+        .count();
+    assert!(
+        in_holes >= 18,
+        "{in_holes} of 20 new pages in the freed space"
+    );
+    let small_payloads: Vec<Vec<u8>> = (0..20).map(|i| pattern(1000 + i, 20 * KIB)).collect();
+    let idx: Vec<usize> = (0..20).collect();
+    let small_crcs = store
+        .write_pages(&writes_of(&small, &small_payloads, &idx))
+        .unwrap();
+    // The pages around them are intact.
+    let rest: Vec<usize> = (0..addrs.len()).filter(|i| !mid.contains(i)).collect();
+    for (r, &i) in store
+        .read_pages(&reads_of(&addrs, Some(&crcs), &rest))
+        .unwrap()
+        .into_iter()
+        .zip(&rest)
+    {
+        assert_eq!(r.unwrap().payload(), &payloads[i][..], "page {i}");
+    }
+    for (i, r) in store
+        .read_pages(&reads_of(&small, Some(&small_crcs), &idx))
+        .unwrap()
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(r.unwrap().payload(), &small_payloads[i][..]);
+    }
+    let big = store.alloc(8, 1, 3 * MIB).unwrap();
+    // Everything back: the whole space is one free extent per device again.
+    store.free(&big).unwrap();
+    store.free(&small).unwrap();
+    let rest_addrs: Vec<PageAddr> = rest.iter().map(|&i| addrs[i]).collect();
+    store.free(&rest_addrs).unwrap();
+    let u = store.usage();
+    assert!(u.devices.iter().all(|d| d.units_used == 0 && d.pages == 0));
+    assert_eq!(store.largest_free_bytes(), 16 * MIB as u64);
+}
+
+/// A store with room for small pages but no extent long enough for a large one: `Full`,
+/// typed, with nothing allocated, on one device and across two (all or nothing).
+#[test]
+fn full_for_a_large_page_while_small_ones_still_fit() {
+    let dir = test_dir("store-full-large");
+    let engine: Arc<dyn IoEngine> = Arc::new(UringEngine::new(UringConfig::default()).unwrap());
+    // 64 units; a 100 KiB page takes 26.
+    let mut cfg = store_cfg(&dir, &[1.0], 64 * 4096);
+    cfg.max_payload = 100 * KIB;
+    let store = PageStore::open(&cfg, engine.clone()).unwrap();
+    assert_eq!(store.page_units(100 * KIB), 26);
+    let small = store.alloc(1, 64, 1000).unwrap();
+    // Every other page freed: 32 free units, none next to another.
+    let odd: Vec<PageAddr> = small.iter().skip(1).step_by(2).copied().collect();
+    store.free(&odd).unwrap();
+    let before = store.usage();
+    let e = store.alloc(1, 1, 100 * KIB).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            NvmeError::Full {
+                requested: 1,
+                page_bytes: 106_496,
+                free_bytes: 131_072,
+                largest_free_bytes: 4096,
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string().contains("largest free extent 4096 bytes"),
+        "{e}"
+    );
+    assert_eq!(store.usage(), before, "nothing allocated");
+    // Small pages still fit, in every hole.
+    store.alloc(1, 32, 1000).unwrap();
+    assert_eq!(store.free_bytes(), 0);
+
+    // Two devices, room for one large page each: three are refused as a whole.
+    let dir = test_dir("store-full-large-2");
+    let mut cfg = store_cfg(&dir, &[1.0, 1.0], 40 * 4096);
+    cfg.max_payload = 100 * KIB;
+    let store = PageStore::open(&cfg, engine).unwrap();
+    let before = store.usage();
+    let e = store.alloc(2, 3, 100 * KIB).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            NvmeError::Full {
+                requested: 3,
+                free_bytes: 327_680,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(store.usage(), before, "the two that fitted were given back");
+    let two = store.alloc(2, 2, 100 * KIB).unwrap();
+    assert_ne!(two[0].device, two[1].device);
+    // And the 14 units left on each still take small pages.
+    assert_eq!(store.alloc(2, 28, 1000).unwrap().len(), 28);
 }

@@ -6,11 +6,13 @@ mod common;
 use std::sync::Arc;
 
 use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyEngine, Trigger, UringConfig};
-use kvtier_storage::nvme::{IoEngine, IoRequest, NvmeError, OpKind, PreadEngine, UringEngine};
+use kvtier_storage::nvme::{
+    IoEngine, IoRequest, NvmeError, OpKind, PageStore, PreadEngine, UringEngine,
+};
 
 use common::{
     full_page_store, full_payloads, layer0_runs, one_layer_record, pattern, pinned, reads_of,
-    test_dir, writes_of, PAGES,
+    test_dir, writes_of, FULL_PAGE, FULL_PAYLOAD, PAGES,
 };
 
 /// Records which threads submit to the engine.
@@ -53,8 +55,9 @@ fn one_worker_runs_every_batch_on_the_caller_with_the_same_bytes_as_several() {
             threads: Default::default(),
         });
         let store = full_page_store(&dir, engine.clone(), workers);
-        let chunks = PAGES.div_ceil(store.chunk_pages());
-        let addrs = store.alloc(9, PAGES).unwrap();
+        let chunk = PageStore::chunk_pages(FULL_PAGE);
+        let chunks = PAGES.div_ceil(chunk);
+        let addrs = store.alloc(9, PAGES, FULL_PAYLOAD).unwrap();
         let crcs = store
             .write_pages(&writes_of(&addrs, &payloads, &all))
             .unwrap();
@@ -82,7 +85,7 @@ fn one_worker_runs_every_batch_on_the_caller_with_the_same_bytes_as_several() {
         }
         // A batch of one chunk never fans out.
         store
-            .read_pages(&reads_of(&addrs, Some(&crcs), &all[..store.chunk_pages()]))
+            .read_pages(&reads_of(&addrs, Some(&crcs), &all[..chunk]))
             .unwrap();
         assert_eq!(*engine.threads.lock(), vec![me]);
         let u = store.usage();
@@ -142,8 +145,8 @@ fn read_runs_pipelined_delivers_every_batch_in_order_and_stops_at_the_first_erro
     let s = tier.session(1).unwrap();
     assert_eq!(
         s.page(0, eio_run as u32).unwrap().page,
-        eio_run as u64,
-        "pages in order"
+        eio_run as u64 * 3,
+        "pages in order, 3 units each"
     );
     // Block n is not stored: its own error, the others unaffected.
     let wanted: Vec<(u32, u32)> = (0..=n as u32).map(|b| (0, b)).collect();
@@ -209,4 +212,74 @@ fn read_runs_pipelined_delivers_every_batch_in_order_and_stops_at_the_first_erro
     })
     .unwrap();
     assert_eq!(one, 1);
+}
+
+/// A pipelined read of large pages holds at most PIPELINE_BATCH_BYTES of them per batch,
+/// counting the bytes of the actual pages (3 MiB runs: ten to a batch).
+#[test]
+fn read_runs_pipelined_cuts_batches_by_the_bytes_of_the_pages() {
+    use kvtier_storage::nvme::tier::PIPELINE_BATCH_BYTES;
+    use kvtier_storage::nvme::{BlockRun, DeviceConfig, NvmeTier, PageStoreConfig};
+
+    let dir = test_dir("pipelined-large");
+    let run = 3 << 20;
+    let n = 12usize;
+    let store = PageStore::open(
+        &PageStoreConfig {
+            devices: vec![DeviceConfig {
+                path: dir.join("dev0"),
+                capacity_bytes: 40 << 20,
+                bandwidth_bytes_per_s: 1.0,
+            }],
+            max_payload: run,
+        },
+        Arc::new(UringEngine::new(UringConfig::default()).unwrap()),
+    )
+    .unwrap();
+    let page = store.page_bytes(run);
+    let per_batch = (PIPELINE_BATCH_BYTES as u64 / page) as usize;
+    assert_eq!(per_batch, 10);
+    let (tier, _) = NvmeTier::open(store, &dir.join("manifest")).unwrap();
+    let payloads: Vec<Vec<u8>> = (0..n as u64).map(|i| pattern(i, run)).collect();
+    tier.put_session(&one_layer_record(1, n as u32), &layer0_runs(&payloads))
+        .unwrap();
+    let wanted: Vec<(u32, u32)> = (0..n as u32).map(|b| (0, b)).collect();
+    let mut seen = Vec::new();
+    tier.read_runs_pipelined(1, &wanted, |r, pages| {
+        for (i, p) in r.clone().zip(pages) {
+            assert_eq!(p.unwrap().payload(), &payloads[i][..], "run {i}");
+        }
+        seen.push(r);
+        Ok::<(), NvmeError>(())
+    })
+    .unwrap();
+    assert_eq!(seen, [0..per_batch, per_batch..n]);
+
+    // Quotas count the bytes of pages: a rewritten run replaces its page, a new one adds its
+    // own, whatever their sizes.
+    let small = vec![1u8; 20 << 10];
+    let more = [
+        BlockRun {
+            layer: 0,
+            block: 0,
+            bytes: &small,
+        },
+        BlockRun {
+            layer: 0,
+            block: n as u32,
+            bytes: &payloads[0],
+        },
+    ];
+    let small_page = tier.store().page_bytes(small.len());
+    assert_eq!(small_page, 24 << 10);
+    assert_eq!(
+        tier.owner_bytes_after(0, 1, &more),
+        n as u64 * page - page + small_page + page
+    );
+    assert_eq!(tier.owner_bytes_after(0, 1, &[]), n as u64 * page);
+    assert_eq!(
+        tier.owner_bytes_after(7, 2, &more),
+        small_page + page,
+        "another owner's new session"
+    );
 }

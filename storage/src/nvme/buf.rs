@@ -316,20 +316,44 @@ mod tests {
     }
 
     #[test]
-    fn buf_pool_recycles_only_its_shape() {
-        assert!(BufPool::new(4097, 4096, 4).is_err());
-        let pool = BufPool::new(8192, 4096, 2).unwrap();
-        let a = pool.get();
+    fn buf_pool_recycles_by_length_under_a_byte_cap() {
+        assert!(BufPool::new(3000, 1 << 20).is_err());
+        let pool = BufPool::new(4096, 5 * 4096).unwrap();
+        assert!(matches!(pool.get(4097), Err(NvmeError::Misaligned { .. })));
+        assert!(pool.get(0).is_err());
+        let a = pool.get(8192).unwrap();
         let p = a.as_ptr();
         pool.put(a);
-        assert_eq!(pool.idle(), 1);
-        assert_eq!(pool.get().as_ptr(), p, "the idle buffer is reused");
+        assert_eq!((pool.idle(), pool.idle_bytes()), (1, 8192));
+        assert!(
+            pool.get(4096).unwrap().as_ptr() != p,
+            "another length is not served"
+        );
+        assert_eq!(
+            pool.get(8192).unwrap().as_ptr(),
+            p,
+            "the idle buffer is reused"
+        );
+        assert_eq!(pool.idle(), 0);
+        pool.put(AlignedBuf::new(8192, 8192).unwrap());
+        assert_eq!(pool.idle(), 0, "a buffer of another alignment is not kept");
+        pool.put(AlignedBuf::new(6 * 4096, 4096).unwrap());
+        assert_eq!(pool.idle(), 0, "longer than the cap");
+        // Two lengths side by side, the bytes capped.
+        pool.put(AlignedBuf::new(8192, 4096).unwrap());
         pool.put(AlignedBuf::new(4096, 4096).unwrap());
-        assert_eq!(pool.idle(), 0, "a buffer of another size is not kept");
-        for _ in 0..3 {
-            pool.put(AlignedBuf::new(8192, 4096).unwrap());
+        assert_eq!((pool.idle(), pool.idle_bytes()), (2, 3 * 4096));
+        // Room for a 12 KiB buffer is made by freeing idle buffers of other lengths (the
+        // length holding the most bytes first: the 8 KiB one).
+        pool.put(AlignedBuf::new(3 * 4096, 4096).unwrap());
+        assert_eq!((pool.idle(), pool.idle_bytes()), (2, 4 * 4096));
+        assert_eq!(pool.get(3 * 4096).unwrap().len(), 3 * 4096);
+        assert_eq!((pool.idle(), pool.idle_bytes()), (1, 4096));
+        // Full of one length: a further buffer of it is freed, not kept.
+        for _ in 0..6 {
+            pool.put(AlignedBuf::new(4096, 4096).unwrap());
         }
-        assert_eq!(pool.idle(), 2, "bounded");
+        assert_eq!((pool.idle(), pool.idle_bytes()), (5, 5 * 4096));
     }
 
     #[test]
@@ -340,56 +364,108 @@ mod tests {
     }
 }
 
-/// A bounded free list of equal-sized aligned buffers. Fresh page-sized buffers are costly
-/// (large allocations are mmap'd, page-faulted and zeroed on every use, which halved read
-/// bandwidth in the page store benchmark), so hot paths recycle them.
+/// A bounded free list of aligned buffers, kept per length. Fresh page-sized buffers are
+/// costly (large allocations are mmap'd, page-faulted and zeroed on every use, which halved read
+/// bandwidth in the page store benchmark), so hot paths recycle them. Pages differ in length
+/// (one per block-run size in use), so idle buffers are kept by length, their total bytes
+/// capped.
 #[derive(Debug)]
 pub struct BufPool {
-    len: usize,
     align: usize,
-    max: usize,
-    free: parking_lot::Mutex<Vec<AlignedBuf>>,
+    max_bytes: usize,
+    idle: parking_lot::Mutex<Idle>,
+}
+
+#[derive(Debug, Default)]
+struct Idle {
+    by_len: std::collections::HashMap<usize, Vec<AlignedBuf>>,
+    bytes: usize,
+}
+
+impl Idle {
+    /// Frees the idle buffers of the length (other than `keep`) holding the most bytes; false
+    /// when only buffers of length `keep` are idle.
+    fn evict_other_than(&mut self, keep: usize) -> bool {
+        let victim = self
+            .by_len
+            .iter()
+            .filter(|(&len, v)| len != keep && !v.is_empty())
+            .max_by_key(|(&len, v)| (len * v.len(), len))
+            .map(|(&len, _)| len);
+        let Some(len) = victim else {
+            return false;
+        };
+        let list = self.by_len.get_mut(&len).expect("just found");
+        list.pop();
+        if list.is_empty() {
+            self.by_len.remove(&len);
+        }
+        self.bytes -= len;
+        true
+    }
 }
 
 impl BufPool {
-    /// A pool of `len`-byte buffers aligned to `align`, keeping at most `max` idle ones.
-    pub fn new(len: usize, align: usize, max: usize) -> Result<Self, NvmeError> {
-        // Validate the shape once, so `get` cannot fail on arguments.
-        drop(AlignedBuf::new(len, align)?);
+    /// A pool of buffers aligned to `align`, keeping at most `max_bytes` of idle ones.
+    pub fn new(align: usize, max_bytes: usize) -> Result<Self, NvmeError> {
+        // Validate the alignment once, so `get` can only fail on its length.
+        drop(AlignedBuf::new(align, align)?);
         Ok(Self {
-            len,
             align,
-            max,
-            free: parking_lot::Mutex::new(Vec::new()),
+            max_bytes,
+            idle: parking_lot::Mutex::new(Idle::default()),
         })
     }
 
-    pub fn buf_len(&self) -> usize {
-        self.len
+    pub fn align(&self) -> usize {
+        self.align
     }
 
-    /// A buffer of the pool's shape. A recycled buffer holds old bytes: callers overwrite it
-    /// completely (a read is only `Ok` if every byte arrived; page encoding fills the page).
-    pub fn get(&self) -> AlignedBuf {
-        if let Some(b) = self.free.lock().pop() {
-            return b;
+    /// A buffer of `len` bytes (a non-zero multiple of the pool's alignment). A recycled
+    /// buffer holds old bytes: callers overwrite it completely (a read is only `Ok` if every
+    /// byte arrived; page encoding fills the page).
+    pub fn get(&self, len: usize) -> Result<AlignedBuf, NvmeError> {
+        {
+            let mut idle = self.idle.lock();
+            if let Some(list) = idle.by_len.get_mut(&len) {
+                if let Some(b) = list.pop() {
+                    if list.is_empty() {
+                        idle.by_len.remove(&len);
+                    }
+                    idle.bytes -= len;
+                    return Ok(b);
+                }
+            }
         }
-        AlignedBuf::new(self.len, self.align).expect("shape validated in BufPool::new")
+        AlignedBuf::new(len, self.align)
     }
 
-    /// Returns a buffer; one of another shape, or beyond `max`, is simply freed.
+    /// Returns a buffer. One of another alignment, or longer than the whole cap, is simply
+    /// freed; to stay under the cap, idle buffers of other lengths go first (the lengths in
+    /// use now are the ones worth keeping), and when only this length is idle the returned
+    /// buffer is freed.
     pub fn put(&self, buf: AlignedBuf) {
-        if buf.len() != self.len || buf.align() != self.align {
+        let len = buf.len();
+        if buf.align() != self.align || len > self.max_bytes {
             return;
         }
-        let mut free = self.free.lock();
-        if free.len() < self.max {
-            free.push(buf);
+        let mut idle = self.idle.lock();
+        while idle.bytes + len > self.max_bytes {
+            if !idle.evict_other_than(len) {
+                return;
+            }
         }
+        idle.bytes += len;
+        idle.by_len.entry(len).or_default().push(buf);
     }
 
     /// Idle buffers held.
     pub fn idle(&self) -> usize {
-        self.free.lock().len()
+        self.idle.lock().by_len.values().map(Vec::len).sum()
+    }
+
+    /// Bytes of the idle buffers held.
+    pub fn idle_bytes(&self) -> usize {
+        self.idle.lock().bytes
     }
 }

@@ -73,13 +73,20 @@ pub enum NvmeError {
     #[error("no space left writing {len} bytes at offset {offset}")]
     NoSpace { offset: u64, len: usize },
 
-    /// The page store has no free page for the request.
-    #[error("page store full: wanted {requested} pages, {free} free")]
-    Full { requested: usize, free: u64 },
+    /// The page store has no room for the request: `requested` pages of `page_bytes` bytes
+    /// each. Free space may be in pieces smaller than a page (`largest_free_bytes` is the
+    /// largest page that would fit on any device).
+    #[error("page store full: wanted {requested} pages of {page_bytes} bytes, {free_bytes} bytes free (largest free extent {largest_free_bytes} bytes)")]
+    Full {
+        requested: usize,
+        page_bytes: u64,
+        free_bytes: u64,
+        largest_free_bytes: u64,
+    },
 
     /// A page failed verification: the bytes on disk are not the page the caller asked for.
-    /// Never returned as data.
-    #[error("corrupt page {page} on device {device}: {reason}")]
+    /// Never returned as data. `page` is the page's first unit ([`super::PageAddr::page`]).
+    #[error("corrupt page at unit {page} of device {device}: {reason}")]
     Corrupt {
         device: u16,
         page: u64,
@@ -108,7 +115,8 @@ pub enum NvmeError {
     #[error("no manifest in {dir:?} verifies ({files} file(s) damaged): refusing to start empty over their pages; set nvme.damaged_manifests = \"quarantine\" to move them and the page files aside and start empty")]
     DamagedManifests { dir: PathBuf, files: usize },
 
-    /// The manifest and the devices disagree (page size, device count, page out of range).
+    /// The manifest and the devices disagree (unit, device count or sizes, a page out of range
+    /// or overlapping another).
     #[error("manifest does not match the page store: {what}")]
     ManifestMismatch { what: String },
 

@@ -78,16 +78,17 @@ impl std::fmt::Debug for NvmeTier {
 
 impl NvmeTier {
     /// Opens the tier: loads the newest valid manifest from `manifest_dir` (falling back to
-    /// the previous one if the newest is damaged), checks it matches the store, and marks its
-    /// pages (and the fallback's) allocated.
+    /// the previous one if the newest is damaged; one of fixed pages, format versions 1 to 3,
+    /// is converted to the store's units), checks it matches the store, and marks its pages
+    /// (and the fallback's) allocated.
     pub fn open(
         store: PageStore,
         manifest_dir: &Path,
     ) -> Result<(Self, RecoveryReport), NvmeError> {
         let (manifests, loaded) = ManifestStore::open(manifest_dir)?;
         let (manifest, deferred, skipped) = match loaded {
-            Some(l) => {
-                let deferred = l.current.recover_into(&store, l.previous.as_ref())?;
+            Some(mut l) => {
+                let deferred = l.recover_into(&store)?;
                 let skipped = l
                     .skipped
                     .iter()
@@ -178,7 +179,7 @@ impl NvmeTier {
         }
         let mut st = self.state.lock();
         let generation = st.manifests.next_epoch();
-        let addrs = self.store.alloc(meta.id, runs.len())?;
+        let addrs = self.alloc_runs(meta.id, runs)?;
         let ids: Vec<PageId> = runs
             .iter()
             .map(|r| PageId {
@@ -230,6 +231,7 @@ impl NvmeTier {
         let mut by_key: HashMap<(u32, u32), PageRecord> =
             pages.into_iter().map(|p| ((p.layer, p.block), p)).collect();
         let mut retired = Vec::new();
+        let unit = self.store.unit() as u64;
         for ((r, a), crc) in runs.iter().zip(&addrs).zip(crcs) {
             let rec = PageRecord {
                 layer: r.layer,
@@ -241,7 +243,7 @@ impl NvmeTier {
                 payload_len: r.bytes.len() as u32,
             };
             if let Some(old) = by_key.insert((r.layer, r.block), rec) {
-                retired.push(old.addr());
+                retired.push(old.addr(unit));
             }
         }
         let mut pages: Vec<PageRecord> = by_key.into_values().collect();
@@ -252,26 +254,63 @@ impl NvmeTier {
         Ok(epoch)
     }
 
-    /// Pages the sessions of `owner` would reference once `runs` of `session` are written:
-    /// what they reference now plus the runs that are new (a rewritten run replaces its page).
-    /// For per-owner quotas.
-    pub fn owner_pages_after(&self, owner: u32, session: u64, runs: &[BlockRun<'_>]) -> u64 {
+    /// One page per run, each the extent its payload needs. All runs of a session have one
+    /// size (its geometry's block run), so this is one allocation; runs of several sizes take
+    /// one per size, all freed again if any fails (all or nothing, like one).
+    fn alloc_runs(&self, session: u64, runs: &[BlockRun<'_>]) -> Result<Vec<PageAddr>, NvmeError> {
+        let mut lens: Vec<usize> = runs.iter().map(|r| r.bytes.len()).collect();
+        lens.sort_unstable();
+        lens.dedup();
+        let mut addrs: Vec<Option<PageAddr>> = vec![None; runs.len()];
+        let mut taken = Vec::with_capacity(runs.len());
+        for len in lens {
+            let of_len: Vec<usize> = (0..runs.len())
+                .filter(|&i| runs[i].bytes.len() == len)
+                .collect();
+            match self.store.alloc(session, of_len.len(), len) {
+                Ok(got) => {
+                    for (&i, &a) in of_len.iter().zip(&got) {
+                        addrs[i] = Some(a);
+                    }
+                    taken.extend(got);
+                }
+                Err(e) => {
+                    if let Err(fe) = self.store.free(&taken) {
+                        tracing::error!(error = %fe, "freeing pages of a failed allocation");
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(addrs
+            .into_iter()
+            .map(|a| a.expect("every run's length was allocated"))
+            .collect())
+    }
+
+    /// Bytes of the pages the sessions of `owner` would reference once `runs` of `session`
+    /// are written: what they reference now, with each run's page replaced by (or, for a new
+    /// run, added as) a page of its size. For per-owner quotas.
+    pub fn owner_bytes_after(&self, owner: u32, session: u64, runs: &[BlockRun<'_>]) -> u64 {
+        let unit = self.store.unit() as u64;
+        let bytes = |p: &PageRecord| self.store.addr_bytes(p.addr(unit));
         let st = self.state.lock();
         let now: u64 = st
             .manifest
             .sessions
             .iter()
             .filter(|s| s.owner_uid == owner)
-            .map(|s| s.pages.len() as u64)
+            .flat_map(|s| s.pages.iter().map(bytes))
             .sum();
-        let added = match st.manifest.session(session) {
-            Some(rec) => runs
-                .iter()
-                .filter(|r| rec.page(r.layer, r.block).is_none())
-                .count(),
-            None => runs.len(),
-        };
-        now + added as u64
+        let rec = st
+            .manifest
+            .session(session)
+            .filter(|s| s.owner_uid == owner);
+        let (added, replaced) = runs.iter().fold((0u64, 0u64), |(add, rep), r| {
+            let old = rec.and_then(|s| s.page(r.layer, r.block)).map_or(0, bytes);
+            (add + self.store.page_bytes(r.bytes.len()), rep + old)
+        });
+        (now + added).saturating_sub(replaced)
     }
 
     /// Records PIN/UNPIN of a stored session durably (a manifest commit; no page changes).
@@ -293,8 +332,9 @@ impl NvmeTier {
 
     /// Cuts a bulk read of `wanted` runs (in delivery order) into consecutive batches by the
     /// devices' tracked read rates ([`plan::split_batches`], [`BULK_BATCH_SECONDS`]); by count
-    /// ([`BULK_BATCH_UNMEASURED_PAGES`]) until every device has a tracked rate. Runs the
-    /// session does not have count as one page on device 0 (their read fails on its own).
+    /// ([`BULK_BATCH_UNMEASURED_PAGES`]) until every device has a tracked rate. Each run counts
+    /// its page's bytes; runs the session does not have count nothing (their read fails on its
+    /// own, without I/O).
     pub fn plan_batches(
         &self,
         session: u64,
@@ -307,11 +347,15 @@ impl NvmeTier {
                 .map(|a| a..(a + BULK_BATCH_UNMEASURED_PAGES).min(n))
                 .collect());
         };
-        let page = self.store.page_size() as u64;
         let reads = self.per_run(session, wanted, |p| {
-            (p.map_or(0, |p| p.device as usize), page)
+            p.map_or((0, 0), |p| (p.device as usize, self.page_bytes(p)))
         })?;
         plan::split_batches(&lanes, &reads, BULK_BATCH_SECONDS, BULK_BATCH_MAX_PAGES)
+    }
+
+    /// Bytes of a recorded page (its extent in the store).
+    fn page_bytes(&self, p: &PageRecord) -> u64 {
+        self.store.addr_bytes(p.addr(self.store.unit() as u64))
     }
 
     /// `f` of each wanted (layer, block) run's page record (None: the session does not have it),
@@ -340,10 +384,11 @@ impl NvmeTier {
         };
         let gone = next.sessions.remove(i);
         let epoch = st.manifests.commit(&mut next)?;
+        let unit = self.store.unit() as u64;
         self.after_commit(
             &mut st,
             next,
-            gone.pages.iter().map(PageRecord::addr).collect(),
+            gone.pages.iter().map(|p| p.addr(unit)).collect(),
         );
         self.store.forget_session(id);
         Ok(epoch)
@@ -366,9 +411,10 @@ impl NvmeTier {
         session: u64,
         wanted: &[(u32, u32)],
     ) -> Result<Vec<Result<PageData, NvmeError>>, NvmeError> {
+        let unit = self.store.unit() as u64;
         let plan: Vec<Option<PageRead>> = self.per_run(session, wanted, |p| {
             p.map(|p| PageRead {
-                addr: p.addr(),
+                addr: p.addr(unit),
                 id: PageId {
                     session,
                     layer: p.layer,
@@ -406,15 +452,11 @@ impl NvmeTier {
         wanted: &[(u32, u32)],
         mut consume: impl FnMut(Range<usize>, Vec<Result<PageData, NvmeError>>) -> Result<(), E>,
     ) -> Result<(), E> {
-        let most = (PIPELINE_BATCH_BYTES / self.store.page_size()).max(1);
+        let bytes = self.per_run(session, wanted, |p| p.map_or(0, |p| self.page_bytes(p)))?;
         let batches: Vec<Range<usize>> = self
             .plan_batches(session, wanted)?
             .into_iter()
-            .flat_map(|r| {
-                (r.start..r.end)
-                    .step_by(most)
-                    .map(move |a| a..(a + most).min(r.end))
-            })
+            .flat_map(|r| split_by_bytes(r, &bytes, PIPELINE_BATCH_BYTES as u64))
             .collect();
         let sequential = |batches: &[Range<usize>],
                           consume: &mut dyn FnMut(_, _) -> Result<(), E>| {
@@ -456,6 +498,25 @@ impl NvmeTier {
             Ok(())
         })
     }
+}
+
+/// Cuts `r` into consecutive ranges whose `bytes` sum to at most `most` (a run larger than
+/// that is a range of its own).
+fn split_by_bytes(r: Range<usize>, bytes: &[u64], most: u64) -> Vec<Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut acc) = (r.start, 0u64);
+    for i in r.clone() {
+        if i > start && acc + bytes[i] > most {
+            out.push(start..i);
+            start = i;
+            acc = 0;
+        }
+        acc += bytes[i];
+    }
+    if start < r.end {
+        out.push(start..r.end);
+    }
+    out
 }
 
 /// Reads one session's cold blocks back from the tier into host frames (the KV cache's
@@ -510,5 +571,25 @@ impl crate::ColdSource for TierSource<'_> {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_by_bytes;
+
+    #[test]
+    fn batches_are_cut_by_the_bytes_of_their_pages() {
+        let bytes = [3, 3, 3, 1, 1, 1, 5, 2, 0, 9];
+        assert_eq!(
+            split_by_bytes(0..10, &bytes, 6),
+            [0..2, 2..6, 6..7, 7..9, 9..10],
+            "a page over the limit is a batch of its own"
+        );
+        assert_eq!(split_by_bytes(3..7, &bytes, 100), vec![3..7]);
+        assert_eq!(
+            split_by_bytes(4..4, &bytes, 6),
+            Vec::<std::ops::Range<usize>>::new()
+        );
     }
 }

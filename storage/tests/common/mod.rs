@@ -92,6 +92,8 @@ pub fn id(block: u32, generation: u64) -> PageId {
 /// A page whose payload fills it (3 x 4 KiB minus the header): the checksum covers every
 /// byte, so a flipped bit anywhere is caught.
 pub const FULL_PAYLOAD: usize = 3 * 4096 - 64;
+/// Bytes of a page of [`FULL_PAYLOAD`].
+pub const FULL_PAGE: u64 = 3 * 4096;
 /// Pages per test batch: several chunks (64 pages of 12 KiB each), so several workers.
 pub const PAGES: usize = 300;
 
@@ -104,7 +106,7 @@ pub fn full_page_store(
         &PageStoreConfig {
             devices: vec![DeviceConfig {
                 path: dir.join("dev0"),
-                capacity_bytes: (PAGES as u64 + 8) * 12288,
+                capacity_bytes: (PAGES as u64 + 8) * FULL_PAGE,
                 bandwidth_bytes_per_s: 1.0,
             }],
             max_payload: FULL_PAYLOAD,
@@ -112,9 +114,12 @@ pub fn full_page_store(
         engine,
     )
     .unwrap();
-    assert_eq!(store.page_size(), 12288);
+    assert_eq!(
+        (store.unit(), store.page_bytes(FULL_PAYLOAD)),
+        (4096, FULL_PAGE)
+    );
     assert!(
-        PAGES > 2 * store.chunk_pages(),
+        PAGES > 2 * PageStore::chunk_pages(FULL_PAGE),
         "the batch spans several chunks"
     );
     store.set_workers(workers).unwrap();
@@ -151,10 +156,12 @@ pub fn reads_of(addrs: &[PageAddr], crcs: Option<&[u32]>, only: &[usize]) -> Vec
         .collect()
 }
 
+/// A fault on the `store_page`th page of a fresh [`full_page_store`] (which hands out its
+/// pages in order, one after another).
 pub fn pinned(kind: OpKind, fault: Fault, store_page: usize) -> FaultRule {
     FaultRule {
         kind: Some(kind),
         fault,
-        trigger: Trigger::AtOffset(store_page as u64 * 12288),
+        trigger: Trigger::AtOffset(store_page as u64 * FULL_PAGE),
     }
 }

@@ -22,10 +22,16 @@
 //! # Versions
 //!
 //! Version 2 added [`SessionRecord::pinned`]; version 3 (same layout) puts the version field
-//! under the checksum. Versions 1 and 2 still load (version 1 sessions come back unpinned); the
-//! next commit writes version 3. A file that verifies but is of a version this build does not
-//! know is [`NvmeError::UnsupportedManifestVersion`] and stops [`ManifestStore::open`], rather
-//! than being skipped for an older manifest.
+//! under the checksum; version 4 (same layout) is for variable-size pages: `page_size` records
+//! the store's unit and a page record's `page` is the first unit of its extent (whose length
+//! follows from `payload_len`, see [`PageRecord::addr`]), where versions 1 to 3 had fixed
+//! pages of `page_size` bytes and `page` counted them. Versions 1 to 3 still load (version 1
+//! sessions come back unpinned): [`Loaded::recover_into`] converts their fixed pages to units
+//! of the store (page `p` becomes unit `p * page_size / unit`, so the data stays where it is
+//! and a warm restart after the upgrade keeps its sessions), if the old page size is a whole
+//! number of units; the next commit writes version 4. A file that verifies but is of a version
+//! this build does not know is [`NvmeError::UnsupportedManifestVersion`] and stops
+//! [`ManifestStore::open`], rather than being skipped for an older manifest.
 //!
 //! # Page reuse rule
 //!
@@ -39,15 +45,17 @@ use std::path::{Path, PathBuf};
 
 use rkyv::rancor;
 
-use super::store::{PageAddr, PageStore};
+use super::store::{page_units, PageAddr, PageStore};
 use super::NvmeError;
 use crate::{DType, Geometry, Policy};
 
 const MAGIC: &[u8; 8] = b"KVTMANI1";
 /// The format version commits write.
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 /// The first version whose checksum covers the version field.
 const VERSION_CHECKSUMMED: u32 = 3;
+/// The first version of variable-size pages, addressed in units (before: fixed pages).
+pub const VERSION_UNITS: u32 = 4;
 /// The oldest format version that still loads.
 pub const OLDEST_VERSION: u32 = 1;
 const HEADER: usize = 48;
@@ -130,6 +138,7 @@ pub struct PageRecord {
     pub layer: u32,
     pub block: u32,
     pub device: u16,
+    /// The first unit of the page's extent (versions 1 to 3: the index of a fixed page).
     pub page: u64,
     pub generation: u64,
     pub crc: u32,
@@ -137,10 +146,13 @@ pub struct PageRecord {
 }
 
 impl PageRecord {
-    pub fn addr(&self) -> PageAddr {
+    /// The page's address in a store of `unit`-byte units: its extent is exactly the units
+    /// that header and payload take (see [`page_units`]).
+    pub fn addr(&self, unit: u64) -> PageAddr {
         PageAddr {
             device: self.device,
             page: self.page,
+            units: page_units(u64::from(self.payload_len), unit),
         }
     }
 }
@@ -182,6 +194,7 @@ impl SessionRecord {
 #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct DeviceRecord {
     pub path: String,
+    /// Units of the device (versions 1 to 3: fixed pages).
     pub pages: u64,
 }
 
@@ -192,6 +205,7 @@ pub struct DeviceRecord {
 pub struct Manifest {
     /// Set by [`ManifestStore::commit`].
     pub epoch: u64,
+    /// Bytes of the store's unit (versions 1 to 3: of its fixed pages).
     pub page_size: u64,
     pub devices: Vec<DeviceRecord>,
     pub sessions: Vec<SessionRecord>,
@@ -250,14 +264,14 @@ impl Manifest {
     pub fn for_store(store: &PageStore) -> Self {
         Self {
             epoch: 0,
-            page_size: store.page_size() as u64,
+            page_size: store.unit() as u64,
             devices: store
                 .usage()
                 .devices
                 .into_iter()
                 .map(|d| DeviceRecord {
                     path: d.path.display().to_string(),
-                    pages: d.pages_total,
+                    pages: d.units_total,
                 })
                 .collect(),
             sessions: Vec::new(),
@@ -268,11 +282,11 @@ impl Manifest {
         self.sessions.iter().find(|s| s.id == id)
     }
 
-    /// Every page the manifest references.
+    /// Every page the manifest references (extents in units of its `page_size`).
     pub fn page_addrs(&self) -> impl Iterator<Item = PageAddr> + '_ {
         self.sessions
             .iter()
-            .flat_map(|s| s.pages.iter().map(PageRecord::addr))
+            .flat_map(|s| s.pages.iter().map(|p| p.addr(self.page_size)))
     }
 
     /// Pages `older` references that `self` does not: free them once the manifest after
@@ -285,35 +299,99 @@ impl Manifest {
         out
     }
 
-    /// Checks the manifest against the open store (page size, device count and sizes) and
-    /// marks every page it references, and those of `previous` (kept for fallback), as
-    /// allocated. Returns the pages to free after the next commit.
+    /// Converts a manifest of fixed pages (format versions 1 to 3: `page_size` bytes each,
+    /// `page` and the device sizes counting them) to the store's units, in place: page `p`
+    /// becomes unit `p * page_size / unit`, so every page stays where it is on the devices.
+    /// The old page size must be a whole number of units and the devices the same (each
+    /// holds as many whole old pages as the manifest says), else `ManifestMismatch` and
+    /// nothing changes.
+    pub fn convert_fixed_pages(&mut self, store: &PageStore) -> Result<(), NvmeError> {
+        let unit = store.unit() as u64;
+        let mismatch = |what: String| Err(NvmeError::ManifestMismatch { what });
+        if self.page_size == 0 || !self.page_size.is_multiple_of(unit) {
+            return mismatch(format!(
+                "manifest epoch {} has fixed pages of {} bytes, not a whole number of the store's {unit}-byte units",
+                self.epoch, self.page_size
+            ));
+        }
+        let per_page = self.page_size / unit;
+        let units = store.device_units();
+        if self.devices.len() != units.len()
+            || self
+                .devices
+                .iter()
+                .zip(&units)
+                .any(|(d, &u)| d.pages != u / per_page)
+        {
+            return mismatch(format!(
+                "manifest epoch {} describes devices of {:?} pages of {} bytes, store has {:?} units of {unit}",
+                self.epoch,
+                self.devices.iter().map(|d| d.pages).collect::<Vec<_>>(),
+                self.page_size,
+                units
+            ));
+        }
+        for s in &self.sessions {
+            for p in &s.pages {
+                if u64::from(page_units(u64::from(p.payload_len), unit)) > per_page {
+                    return mismatch(format!(
+                        "manifest epoch {}: session {} (layer {}, block {}) has {} bytes, more than its {}-byte page holds",
+                        self.epoch, s.id, p.layer, p.block, p.payload_len, self.page_size
+                    ));
+                }
+                // Against the old page count: the tail of a device past its last whole old
+                // page was never a page (and this bounds the multiplication below).
+                let dev = self.devices.get(p.device as usize);
+                if dev.is_none_or(|d| p.page >= d.pages) {
+                    return mismatch(format!(
+                        "manifest epoch {}: page {} of device {} (session {}) is outside the devices",
+                        self.epoch, p.page, p.device, s.id
+                    ));
+                }
+            }
+        }
+        for s in &mut self.sessions {
+            for p in &mut s.pages {
+                p.page *= per_page;
+            }
+        }
+        for (d, &u) in self.devices.iter_mut().zip(&units) {
+            d.pages = u;
+        }
+        self.page_size = unit;
+        Ok(())
+    }
+
+    /// Checks the manifest against the open store (unit, device count and sizes) and marks
+    /// every page it references, and those of `previous` (kept for fallback), as allocated.
+    /// Returns the pages to free after the next commit. Both must be in units (format version
+    /// 4, or converted: [`Loaded::recover_into`] does both steps).
     pub fn recover_into(
         &self,
         store: &PageStore,
         previous: Option<&Manifest>,
     ) -> Result<Vec<PageAddr>, NvmeError> {
         for m in std::iter::once(self).chain(previous) {
-            if m.page_size != store.page_size() as u64 {
+            if m.page_size != store.unit() as u64 {
                 return Err(NvmeError::ManifestMismatch {
                     what: format!(
-                        "manifest epoch {} has page size {}, store {}",
+                        "manifest epoch {} has a unit of {} bytes, store {}",
                         m.epoch,
                         m.page_size,
-                        store.page_size()
+                        store.unit()
                     ),
                 });
             }
-            let pages = store.device_pages();
-            if m.devices.len() != pages.len()
-                || m.devices.iter().zip(&pages).any(|(d, &p)| d.pages != p)
+            let units = store.device_units();
+            if m.devices.len() != units.len()
+                || m.devices.iter().zip(&units).any(|(d, &u)| d.pages != u)
             {
                 return Err(NvmeError::ManifestMismatch {
                     what: format!(
-                        "manifest epoch {} describes devices {:?}, store has pages {:?}",
+                        "manifest epoch {} describes devices of {:?} units, store has {:?}",
                         m.epoch,
                         m.devices.iter().map(|d| d.pages).collect::<Vec<_>>(),
-                        pages
+                        units
                     ),
                 });
             }
@@ -337,6 +415,31 @@ pub struct Loaded {
     pub previous: Option<Manifest>,
     /// Files that failed verification (newer than `current` or between), with why.
     pub skipped: Vec<(PathBuf, NvmeError)>,
+    /// The format version `current` was read from (before [`VERSION_UNITS`]: fixed pages,
+    /// until [`Loaded::recover_into`] converts it).
+    pub current_version: u32,
+    /// The format version of `previous`.
+    pub previous_version: Option<u32>,
+}
+
+impl Loaded {
+    /// Recovery at open: converts `current` and `previous` to the store's units where they
+    /// are of the fixed-page formats ([`Manifest::convert_fixed_pages`]), then checks them
+    /// against the store and marks their pages ([`Manifest::recover_into`]). Returns the pages
+    /// to free after the next commit.
+    pub fn recover_into(&mut self, store: &PageStore) -> Result<Vec<PageAddr>, NvmeError> {
+        if self.current_version < VERSION_UNITS {
+            self.current.convert_fixed_pages(store)?;
+            self.current_version = VERSION;
+        }
+        if let (Some(p), Some(v)) = (&mut self.previous, &mut self.previous_version) {
+            if *v < VERSION_UNITS {
+                p.convert_fixed_pages(store)?;
+                *v = VERSION;
+            }
+        }
+        self.current.recover_into(store, self.previous.as_ref())
+    }
 }
 
 /// The manifest directory.
@@ -392,19 +495,19 @@ impl ManifestStore {
         epochs.dedup();
         let next_epoch = epochs.first().map_or(1, |e| e + 1);
         let mut skipped = Vec::new();
-        let mut good: Vec<Manifest> = Vec::new();
+        let mut good: Vec<(Manifest, u32)> = Vec::new();
         for &e in &epochs {
             // The primary, else its copy: one damaged file loses nothing.
             for path in [dir.join(file_name(e)), dir.join(copy_name(e))] {
                 if !path.exists() {
                     continue;
                 }
-                match load_file(&path) {
-                    Ok(m) if m.epoch == e => {
-                        good.push(m);
+                match load_versioned(&path) {
+                    Ok((m, version)) if m.epoch == e => {
+                        good.push((m, version));
                         break;
                     }
-                    Ok(m) => skipped.push((
+                    Ok((m, _)) => skipped.push((
                         path.clone(),
                         NvmeError::CorruptManifest {
                             path,
@@ -433,10 +536,15 @@ impl ManifestStore {
             });
         }
         let mut good = good.into_iter();
-        let loaded = good.next().map(|current| Loaded {
-            previous: good.next(),
-            current,
-            skipped,
+        let loaded = good.next().map(|(current, current_version)| {
+            let (previous, previous_version) = good.next().unzip();
+            Loaded {
+                current,
+                previous,
+                skipped,
+                current_version,
+                previous_version,
+            }
         });
         let store = Self {
             dir: dir.to_path_buf(),
@@ -600,8 +708,15 @@ pub fn quarantine(dir: &Path, page_files: &[PathBuf]) -> Result<PathBuf, NvmeErr
     Ok(q)
 }
 
-/// Reads and fully verifies one manifest file (header, length, crc32c, rkyv validation).
+/// Reads and fully verifies one manifest file (header, length, crc32c, rkyv validation). A
+/// file of format version 1 to 3 comes back as stored, in fixed pages (see
+/// [`Manifest::convert_fixed_pages`]).
 pub fn load_file(path: &Path) -> Result<Manifest, NvmeError> {
+    load_versioned(path).map(|(m, _)| m)
+}
+
+/// [`load_file`], with the file's format version.
+fn load_versioned(path: &Path) -> Result<(Manifest, u32), NvmeError> {
     let corrupt = |reason: String| NvmeError::CorruptManifest {
         path: path.to_path_buf(),
         reason,
@@ -643,7 +758,9 @@ pub fn load_file(path: &Path) -> Result<Manifest, NvmeError> {
     // The mapping is page aligned and the header is 48 bytes, so the payload is 16-aligned.
     let body = &map[HEADER..];
     let mut m: Manifest = match version {
-        2 | VERSION => {
+        // The same layout: 3 moved the version under the checksum, 4 changed what
+        // `page_size` and `page` count.
+        2 | 3 | VERSION => {
             let archived = rkyv::access::<ArchivedManifest, rancor::Error>(body)
                 .map_err(|e| corrupt(format!("rkyv validation: {e}")))?;
             rkyv::deserialize::<Manifest, rancor::Error>(archived)
@@ -676,7 +793,7 @@ pub fn load_file(path: &Path) -> Result<Manifest, NvmeError> {
     for s in &mut m.sessions {
         s.sort_pages();
     }
-    Ok(m)
+    Ok((m, version))
 }
 
 #[cfg(test)]

@@ -101,7 +101,9 @@ fn a_version_1_manifest_loads_with_sessions_unpinned_and_is_upgraded_on_commit()
     let bytes = rkyv::to_bytes::<rancor::Error>(&old).unwrap();
     write_as(dir.path(), 1, 4, &bytes);
     let (mut store, loaded) = ManifestStore::open(dir.path()).unwrap();
-    let mut m = loaded.expect("a manifest").current;
+    let loaded = loaded.expect("a manifest");
+    assert_eq!((loaded.current_version, loaded.previous_version), (1, None));
+    let mut m = loaded.current;
     assert_eq!(m.epoch, 4);
     assert_eq!(m.devices, old.devices);
     let s = &m.sessions[0];
@@ -251,7 +253,9 @@ fn a_version_2_file_still_loads() {
     let bytes = rkyv::to_bytes::<rancor::Error>(&m).unwrap();
     write_as(dir.path(), 2, 5, &bytes);
     let (_, loaded) = ManifestStore::open(dir.path()).unwrap();
-    assert_eq!(loaded.unwrap().current, m);
+    let loaded = loaded.unwrap();
+    assert_eq!(loaded.current_version, 2);
+    assert_eq!(loaded.current, m);
 }
 
 /// Every manifest damaged: open refuses (starting empty would reuse their pages) until the

@@ -1,85 +1,119 @@
-//! Page allocation: a bitmap per device, and new pages striped over the devices by their
-//! stripe weights (smooth weighted round robin per session).
+//! Page allocation: an extent per page from each device's [`Extents`], and new pages striped
+//! over the devices by their stripe weights (smooth weighted round robin per session).
+
+use std::collections::HashMap;
 
 use super::{NvmeError, PageAddr, PageStore};
+use crate::extents::Extents;
 
-pub(super) struct Bitmap {
-    words: Vec<u64>,
-    pages: u64,
-    pub(super) used: u64,
-    cursor: usize,
+/// A device's space: its free extents and every allocated page, by first unit. The page index
+/// makes free, mark and write exact: [`Extents`] knows which units are in use but not where
+/// one page ends and the next begins, so without it a free of the wrong length (a
+/// bookkeeping bug) could release a neighbour's units to a new owner.
+pub(super) struct Space {
+    free: Extents,
+    pages: HashMap<u64, u32>,
 }
 
-impl Bitmap {
-    pub(super) fn new(pages: u64) -> Self {
-        let mut words = vec![0u64; pages.div_ceil(64) as usize];
-        // Bits past the end are permanently "used".
-        let tail = pages % 64;
-        if tail != 0 {
-            *words.last_mut().expect("pages > 0") |= !0u64 << tail;
-        }
+impl Space {
+    pub(super) fn new(units: u64) -> Self {
         Self {
-            words,
-            pages,
-            used: 0,
-            cursor: 0,
+            free: Extents::new(units, 0),
+            pages: HashMap::new(),
         }
     }
 
+    /// Units allocated.
+    pub(super) fn used(&self) -> u64 {
+        self.free.used()
+    }
+
+    /// Units not allocated.
     pub(super) fn free(&self) -> u64 {
-        self.pages - self.used
+        self.free.free()
     }
 
-    pub(super) fn alloc(&mut self) -> Option<u64> {
-        if self.used == self.pages {
-            return None;
-        }
-        let n = self.words.len();
-        for k in 0..n {
-            let w = (self.cursor + k) % n;
-            if self.words[w] != !0 {
-                let bit = self.words[w].trailing_ones() as u64;
-                self.words[w] |= 1 << bit;
-                self.used += 1;
-                self.cursor = w;
-                return Some(w as u64 * 64 + bit);
-            }
-        }
-        None
+    /// Pages allocated.
+    pub(super) fn pages(&self) -> u64 {
+        self.pages.len() as u64
     }
 
-    pub(super) fn is_set(&self, page: u64) -> bool {
-        self.words[(page / 64) as usize] & (1 << (page % 64)) != 0
+    /// Units of the longest page that could be allocated now.
+    pub(super) fn largest_free(&self) -> u64 {
+        self.free.largest_free()
     }
 
-    pub(super) fn set(&mut self, page: u64) -> bool {
-        if self.is_set(page) {
+    pub(super) fn alloc(&mut self, units: u32) -> Option<u64> {
+        let start = self.free.alloc(u64::from(units))?;
+        self.pages.insert(start, units);
+        Some(start)
+    }
+
+    /// Whether `[start, start + units)` is exactly one allocated page.
+    pub(super) fn is_page(&self, start: u64, units: u32) -> bool {
+        self.pages.get(&start) == Some(&units)
+    }
+
+    /// Frees a page; false (nothing changes) unless it is exactly an allocated page.
+    pub(super) fn release(&mut self, start: u64, units: u32) -> bool {
+        if !self.is_page(start, units) {
             return false;
         }
-        self.words[(page / 64) as usize] |= 1 << (page % 64);
-        self.used += 1;
-        true
+        let released = self.free.release(start, u64::from(units));
+        debug_assert!(released, "the page index and the extents agree");
+        self.pages.remove(&start);
+        released
     }
 
-    pub(super) fn clear(&mut self, page: u64) -> bool {
-        if !self.is_set(page) {
+    /// Marks a known page allocated; false (nothing changes) unless all of it is free.
+    pub(super) fn mark(&mut self, start: u64, units: u32) -> bool {
+        if !self.free.mark(start, u64::from(units)) {
             return false;
         }
-        self.words[(page / 64) as usize] &= !(1 << (page % 64));
-        self.used -= 1;
+        self.pages.insert(start, units);
         true
     }
 }
 
 impl PageStore {
-    pub fn free_pages(&self) -> u64 {
-        self.devices.iter().map(|d| d.alloc.lock().free()).sum()
+    /// Bytes not allocated, over all devices (possibly in pieces too small for a page).
+    pub fn free_bytes(&self) -> u64 {
+        self.devices
+            .iter()
+            .map(|d| d.alloc.lock().free())
+            .sum::<u64>()
+            * self.unit as u64
     }
 
-    /// Allocates `n` pages for `session`, striped over devices in proportion to bandwidth
-    /// (smooth weighted round robin, continuing where this session's last allocation left
-    /// off). All or nothing: `Full` allocates nothing.
-    pub fn alloc(&self, session: u64, n: usize) -> Result<Vec<PageAddr>, NvmeError> {
+    /// Bytes of the longest extent any device could allocate now: the largest page that fits.
+    pub fn largest_free_bytes(&self) -> u64 {
+        self.devices
+            .iter()
+            .map(|d| d.alloc.lock().largest_free())
+            .max()
+            .unwrap_or(0)
+            * self.unit as u64
+    }
+
+    /// Allocates `n` pages for runs of `payload_len` bytes for `session`, each an extent of
+    /// [`PageStore::page_units`]`(payload_len)` units, striped over devices in proportion to
+    /// bandwidth (smooth weighted round robin, continuing where this session's last
+    /// allocation left off); a device with no room for the extent drops out. All or nothing:
+    /// `Full` allocates nothing. A payload over [`PageStore::max_payload`] is
+    /// `InvalidArgument`.
+    pub fn alloc(
+        &self,
+        session: u64,
+        n: usize,
+        payload_len: usize,
+    ) -> Result<Vec<PageAddr>, NvmeError> {
+        if payload_len > self.max_payload {
+            return Err(NvmeError::invalid(format!(
+                "payload of {payload_len} bytes exceeds the largest page payload {}",
+                self.max_payload
+            )));
+        }
+        let units = self.page_units(payload_len);
         let mut stripe = self.stripe.lock();
         let nd = self.devices.len();
         let cur = stripe.entry(session).or_insert_with(|| vec![0.0; nd]);
@@ -87,18 +121,19 @@ impl PageStore {
         let mut eligible: Vec<bool> = self
             .devices
             .iter()
-            .map(|d| d.alloc.lock().free() > 0)
+            .map(|d| d.alloc.lock().largest_free() >= u64::from(units))
             .collect();
         let mut out = Vec::with_capacity(n);
         while out.len() < n {
             let total: f64 = (0..nd).filter(|&i| eligible[i]).map(|i| weight[i]).sum();
             if total == 0.0 {
                 drop(stripe);
-                let requested = n;
                 self.free(&out)?;
                 return Err(NvmeError::Full {
-                    requested,
-                    free: self.free_pages(),
+                    requested: n,
+                    page_bytes: self.page_bytes(payload_len),
+                    free_bytes: self.free_bytes(),
+                    largest_free_bytes: self.largest_free_bytes(),
                 });
             }
             let mut best = usize::MAX;
@@ -109,10 +144,11 @@ impl PageStore {
                 }
             }
             cur[best] -= total;
-            match self.devices[best].alloc.lock().alloc() {
+            match self.devices[best].alloc.lock().alloc(units) {
                 Some(page) => out.push(PageAddr {
                     device: best as u16,
                     page,
+                    units,
                 }),
                 None => eligible[best] = false,
             }
@@ -120,27 +156,31 @@ impl PageStore {
         Ok(out)
     }
 
-    /// Returns pages to the free pool. Freeing a page that is not allocated is an error
-    /// (a double free would let two owners share a page).
+    /// Returns pages to the free space. Freeing an extent that is not wholly allocated is an
+    /// error (a double free would let two owners share the space); the pages before it in
+    /// `addrs` are freed.
     pub fn free(&self, addrs: &[PageAddr]) -> Result<(), NvmeError> {
         for a in addrs {
             let dev = self.device(*a)?;
-            if !dev.alloc.lock().clear(a.page) {
-                return Err(NvmeError::invalid(format!("double free of {a:?}")));
+            if !dev.alloc.lock().release(a.page, a.units) {
+                return Err(NvmeError::invalid(format!(
+                    "double free of {a:?} (or it is not exactly an allocated page)"
+                )));
             }
         }
         Ok(())
     }
 
-    /// Marks a page as in use (recovery from the manifest). A page referenced twice or out
-    /// of range means the manifest does not belong to these devices.
+    /// Marks a page's extent as in use (recovery from the manifest). An extent that overlaps
+    /// one already marked, or lies outside the devices, means the manifest does not belong to
+    /// these devices.
     pub fn mark_allocated(&self, addr: PageAddr) -> Result<(), NvmeError> {
         let dev = self.device(addr).map_err(|_| NvmeError::ManifestMismatch {
             what: format!("{addr:?} is outside the devices"),
         })?;
-        if !dev.alloc.lock().set(addr.page) {
+        if !dev.alloc.lock().mark(addr.page, addr.units) {
             return Err(NvmeError::ManifestMismatch {
-                what: format!("{addr:?} referenced twice"),
+                what: format!("{addr:?} overlaps another page (or is referenced twice)"),
             });
         }
         Ok(())

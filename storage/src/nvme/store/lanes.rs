@@ -13,8 +13,12 @@ use crate::nvme::plan::{Lane, LaneTracker};
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeviceUsage {
     pub path: PathBuf,
-    pub pages_total: u64,
-    pub pages_used: u64,
+    /// Units of the device ([`StoreUsage::unit`] bytes each).
+    pub units_total: u64,
+    pub units_used: u64,
+    /// Pages (extents) allocated.
+    pub pages: u64,
+    /// `units_total` and `units_used` in bytes.
     pub bytes_total: u64,
     pub bytes_used: u64,
     /// The stripe weight new pages get now: the tracked read throughput once every device has
@@ -33,7 +37,8 @@ pub struct DeviceUsage {
 /// Usage and traffic of the store.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoreUsage {
-    pub page_size: usize,
+    /// Bytes of one unit (see [`PageStore::unit`]).
+    pub unit: usize,
     pub devices: Vec<DeviceUsage>,
     pub bytes_read: u64,
     pub bytes_written: u64,
@@ -145,20 +150,24 @@ impl PageStore {
     pub fn usage(&self) -> StoreUsage {
         let weights = self.stripe_weights();
         StoreUsage {
-            page_size: self.page_size,
+            unit: self.unit,
             devices: self
                 .devices
                 .iter()
                 .zip(weights)
                 .map(|(d, weight)| {
-                    let used = d.alloc.lock().used;
+                    let (used, pages) = {
+                        let a = d.alloc.lock();
+                        (a.used(), a.pages())
+                    };
                     let (read, write) = (d.read.lock(), d.write.lock());
                     DeviceUsage {
                         path: d.file.path().to_path_buf(),
-                        pages_total: d.pages,
-                        pages_used: used,
-                        bytes_total: d.pages * self.page_size as u64,
-                        bytes_used: used * self.page_size as u64,
+                        units_total: d.units,
+                        units_used: used,
+                        pages,
+                        bytes_total: d.units * self.unit as u64,
+                        bytes_used: used * self.unit as u64,
                         bandwidth_bytes_per_s: weight,
                         read_lane: measured(&read),
                         read_throughput: read.throughput(),

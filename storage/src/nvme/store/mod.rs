@@ -1,11 +1,14 @@
-//! The page store: fixed-size checksummed pages on one or more O_DIRECT devices.
+//! The page store: variable-size checksummed pages on one or more O_DIRECT devices.
 //!
-//! Each device is a file or block device divided into pages of `page_size` bytes (header +
-//! largest payload, rounded up to the direct-I/O alignment). A bitmap allocator per device
-//! hands out pages; a session's pages are striped over devices in proportion to their
-//! bandwidth by smooth weighted round robin, so reading a session back keeps every device
-//! busy for about the same time. Reads verify magic, identity and crc32c: a page that fails
-//! is an error, never data.
+//! Each device is a file or block device divided into *units* of the direct-I/O alignment
+//! ([`PageStore::unit`], the largest of the devices', normally 4 KiB). A page holds one block
+//! run and is one extent of exactly `round_up(HEADER_LEN + payload, unit)` bytes, so a store
+//! serves sessions of any geometry (32 KiB runs of a small model beside 8 MiB runs of a large
+//! one) without refusing big runs or wasting most of a fixed page on small ones. An extent
+//! allocator per device ([`crate::extents::Extents`], best fit) hands out pages; a session's
+//! pages are striped over devices in proportion to their bandwidth by smooth weighted round
+//! robin, so reading a session back keeps every device busy for about the same time. Reads
+//! verify magic, identity and crc32c: a page that fails is an error, never data.
 //!
 //! Every batch of reads and writes is timed per device (the union of the intervals its
 //! operations were in flight) and folded into that device's read or write [`LaneTracker`].
@@ -15,13 +18,14 @@
 //!
 //! # Batches, workers and buffers
 //!
-//! A batch is cut into chunks of about [`CHUNK_BYTES`]; up to [`PageStore::workers`] threads
-//! (the caller is one) each take a chunk at a time, encode it into page buffers (or verify
-//! what was read), submit it to the engine and wait. So checksums and copies run on several
+//! A batch is cut into chunks of about [`CHUNK_BYTES`] of pages (at most [`CHUNK_MAX_PAGES`]
+//! pages, at least one whatever its size); up to [`PageStore::workers`] threads (the caller is
+//! one) each take a chunk at a time, encode it into page buffers (or verify what was read),
+//! submit it to the engine and wait. So checksums and copies run on several
 //! cores while the engine has other chunks in flight, and a batch of one chunk runs inline
-//! with no thread at all. Page buffers come from a pool of recycled aligned buffers (a fresh
-//! one costs an allocation, page faults and zeroing) whose idle part is capped at
-//! [`POOL_BYTES`]; a write batch holds at most `workers` chunks of buffers at once, whatever
+//! with no thread at all. Page buffers come from a pool of recycled aligned buffers, kept by
+//! length (a fresh one costs an allocation, page faults and zeroing), whose idle part is capped
+//! at [`POOL_BYTES`]; a write batch holds at most `workers` chunks of buffers at once, whatever
 //! its size. Results, errors and the per-device timing are exactly those of one batch: every
 //! page is attempted, every failure counted, and a failed write batch returns the error of its
 //! first failed page.
@@ -29,7 +33,7 @@
 //! # Files
 //!
 //! - `mod.rs`: configuration, addresses, opening the devices, chunking a batch over workers.
-//! - `alloc.rs`: the per-device bitmap allocator and bandwidth-weighted striping.
+//! - `alloc.rs`: extent allocation per device and bandwidth-weighted striping.
 //! - `write.rs` / `read.rs`: batches of page writes (and `sync`) / verified page reads.
 //! - `lanes.rs`: per-device timing folded into the lane trackers, stripe weights, usage.
 
@@ -40,7 +44,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::buf::{round_up, BufPool, DirectFile};
+use super::buf::{BufPool, DirectFile};
 use super::io::{IoEngine, OpKind};
 use super::page::{PageId, HEADER_LEN};
 use super::plan::{Lane, LaneTracker};
@@ -54,15 +58,15 @@ mod read;
 mod tests;
 mod write;
 
-use alloc::Bitmap;
 pub use lanes::{DeviceUsage, StoreUsage};
 pub use read::{PageData, PageResults};
 
-/// Bytes of pages one worker encodes or verifies and hands the engine as one submission.
+/// Bytes of pages one worker encodes or verifies and hands the engine as one submission (a
+/// page larger than this is a chunk of its own).
 pub const CHUNK_BYTES: usize = 4 << 20;
 /// Most pages in one chunk (small pages).
 pub const CHUNK_MAX_PAGES: usize = 64;
-/// Bytes of idle page buffers the pool keeps for the next batch (at least one buffer).
+/// Bytes of idle page buffers the pool keeps for the next batch.
 pub const POOL_BYTES: usize = 128 << 20;
 /// Most threads [`PageStore::set_workers`] accepts.
 pub const MAX_WORKERS: usize = 64;
@@ -78,7 +82,7 @@ pub const TRACKER_ALPHA: f64 = 0.1;
 pub struct DeviceConfig {
     /// A regular file (created and preallocated if needed) or a block device.
     pub path: PathBuf,
-    /// Bytes of the device the store may use (rounded down to whole pages).
+    /// Bytes of the device the store may use (rounded down to whole units).
     pub capacity_bytes: u64,
     /// Relative or measured read bandwidth, bytes/s; sets this device's share of pages until
     /// the online estimate takes over (see [`STRIPE_MIN_SAMPLES`]).
@@ -89,15 +93,31 @@ pub struct DeviceConfig {
 #[derive(Debug, Clone)]
 pub struct PageStoreConfig {
     pub devices: Vec<DeviceConfig>,
-    /// Largest payload a page holds (one block run: Hkv * 2 * B * D * elem bytes).
+    /// Largest payload a page may hold: the largest block run (Hkv * 2 * B * D * elem bytes)
+    /// of any session. Every device must hold at least one page of it.
     pub max_payload: usize,
 }
 
-/// Where a page lives.
+/// Where a page lives: an extent of `units` units starting at unit `page` of a device (byte
+/// offset `page * unit`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PageAddr {
     pub device: u16,
+    /// The extent's first unit.
     pub page: u64,
+    /// The extent's length in units.
+    pub units: u32,
+}
+
+/// Units of `unit` bytes that a page holding `payload_len` bytes takes (header, payload, zero
+/// padding). Saturates at `u32::MAX` (far past any page a store accepts: `max_payload` is at
+/// most 1 GiB); 0 for a unit of 0 (no store has one: such an address is refused).
+pub fn page_units(payload_len: u64, unit: u64) -> u32 {
+    if unit == 0 {
+        return 0;
+    }
+    let bytes = payload_len.saturating_add(HEADER_LEN as u64);
+    u32::try_from(bytes.div_ceil(unit)).unwrap_or(u32::MAX)
 }
 
 /// A page to write.
@@ -118,10 +138,10 @@ pub struct PageRead {
 
 struct Device {
     file: Arc<DirectFile>,
-    pages: u64,
+    units: u64,
     /// Configured stripe weight.
     bandwidth: f64,
-    alloc: Mutex<Bitmap>,
+    alloc: Mutex<alloc::Space>,
     read: Mutex<LaneTracker>,
     write: Mutex<LaneTracker>,
 }
@@ -139,11 +159,10 @@ impl Device {
 pub struct PageStore {
     engine: Arc<dyn IoEngine>,
     devices: Vec<Device>,
-    page_size: usize,
+    unit: usize,
     max_payload: usize,
     pool: Arc<BufPool>,
     workers: AtomicUsize,
-    chunk_pages: usize,
     stripe: Mutex<HashMap<u64, Vec<f64>>>,
     bytes_read: AtomicU64,
     bytes_written: AtomicU64,
@@ -156,14 +175,14 @@ impl std::fmt::Debug for PageStore {
         f.debug_struct("PageStore")
             .field("engine", &self.engine.name())
             .field("devices", &self.devices.len())
-            .field("page_size", &self.page_size)
+            .field("unit", &self.unit)
             .finish()
     }
 }
 
 impl PageStore {
-    /// Opens (creating and preallocating regular files as needed) every device. All pages
-    /// start free: after a restart, call [`PageStore::mark_allocated`] for every page the
+    /// Opens (creating and preallocating regular files as needed) every device. All space
+    /// starts free: after a restart, call [`PageStore::mark_allocated`] for every page the
     /// manifest references.
     pub fn open(cfg: &PageStoreConfig, engine: Arc<dyn IoEngine>) -> Result<Self, NvmeError> {
         if cfg.devices.is_empty() {
@@ -193,25 +212,28 @@ impl PageStore {
             }
             files.push(Arc::new(DirectFile::open(&d.path)?));
         }
-        let align = files.iter().map(|f| f.align()).max().expect("non-empty");
-        let page_size = round_up(HEADER_LEN + cfg.max_payload, align);
+        // Every offset and length is a whole number of units, so one unit fits every device.
+        let unit = files.iter().map(|f| f.align()).max().expect("non-empty");
+        let largest = u64::from(page_units(cfg.max_payload as u64, unit as u64));
         let mut devices = Vec::with_capacity(files.len());
         for (d, file) in cfg.devices.iter().zip(files) {
-            let pages = d.capacity_bytes / page_size as u64;
-            if pages == 0 {
+            let units = d.capacity_bytes / unit as u64;
+            if units < largest {
                 return Err(NvmeError::invalid(format!(
-                    "device {:?}: capacity {} bytes holds no {page_size}-byte page",
-                    d.path, d.capacity_bytes
+                    "device {:?}: capacity {} bytes holds no page of the largest payload ({} bytes)",
+                    d.path,
+                    d.capacity_bytes,
+                    largest * unit as u64
                 )));
             }
-            file.ensure_len(pages * page_size as u64)?;
+            file.ensure_len(units * unit as u64)?;
             // The prior only stands until the first timed transfer replaces it.
             let prior = Lane::new(d.bandwidth_bytes_per_s, 0.0)?;
             devices.push(Device {
                 file,
-                pages,
+                units,
                 bandwidth: d.bandwidth_bytes_per_s,
-                alloc: Mutex::new(Bitmap::new(pages)),
+                alloc: Mutex::new(alloc::Space::new(units)),
                 read: Mutex::new(LaneTracker::new(prior, TRACKER_ALPHA)?),
                 write: Mutex::new(LaneTracker::new(prior, TRACKER_ALPHA)?),
             });
@@ -221,19 +243,14 @@ impl PageStore {
             .map(|d| d.file.mem_align())
             .max()
             .expect("non-empty");
-        let pool = Arc::new(BufPool::new(
-            page_size,
-            mem_align,
-            (POOL_BYTES / page_size).max(1),
-        )?);
+        let pool = Arc::new(BufPool::new(mem_align, POOL_BYTES)?);
         Ok(Self {
             engine,
             devices,
-            page_size,
+            unit,
             max_payload: cfg.max_payload,
             pool,
             workers: AtomicUsize::new(par::default_workers()),
-            chunk_pages: (CHUNK_BYTES / page_size).clamp(1, CHUNK_MAX_PAGES),
             stripe: Mutex::new(HashMap::new()),
             bytes_read: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),
@@ -242,10 +259,28 @@ impl PageStore {
         })
     }
 
-    pub fn page_size(&self) -> usize {
-        self.page_size
+    /// Bytes of one unit: the direct-I/O alignment that page offsets and lengths are
+    /// multiples of.
+    pub fn unit(&self) -> usize {
+        self.unit
     }
 
+    /// Units of the page that holds a payload of `payload_len` bytes.
+    pub fn page_units(&self, payload_len: usize) -> u32 {
+        page_units(payload_len as u64, self.unit as u64)
+    }
+
+    /// Bytes of the page that holds a payload of `payload_len` bytes.
+    pub fn page_bytes(&self, payload_len: usize) -> u64 {
+        u64::from(self.page_units(payload_len)) * self.unit as u64
+    }
+
+    /// Bytes of the page at `addr` (the extent, header and padding included).
+    pub fn addr_bytes(&self, addr: PageAddr) -> u64 {
+        u64::from(addr.units) * self.unit as u64
+    }
+
+    /// The largest payload a page may hold.
     pub fn max_payload(&self) -> usize {
         self.max_payload
     }
@@ -258,9 +293,9 @@ impl PageStore {
         self.engine.name()
     }
 
-    /// Pages per device.
-    pub fn device_pages(&self) -> Vec<u64> {
-        self.devices.iter().map(|d| d.pages).collect()
+    /// Units per device.
+    pub fn device_units(&self) -> Vec<u64> {
+        self.devices.iter().map(|d| d.units).collect()
     }
 
     /// Threads a bulk batch may use (the caller's included).
@@ -280,24 +315,27 @@ impl PageStore {
         Ok(())
     }
 
-    /// Pages per chunk: the unit one worker encodes or verifies and submits.
-    pub fn chunk_pages(&self) -> usize {
-        self.chunk_pages
+    /// Pages per chunk in a batch of pages of `page_bytes` bytes each: what one worker
+    /// encodes or verifies and submits at a time.
+    pub fn chunk_pages(page_bytes: u64) -> usize {
+        let fit = CHUNK_BYTES as u64 / page_bytes.max(1);
+        usize::try_from(fit).map_or(CHUNK_MAX_PAGES, |f| f.clamp(1, CHUNK_MAX_PAGES))
     }
 
-    /// Runs `f` over the chunks of a batch of `n` pages on the store's workers; results in
-    /// chunk order.
+    /// Runs `f` over the chunks of a batch of pages (cut by their bytes, [`chunk_ranges`]) on
+    /// the store's workers; results in chunk order.
     fn per_chunk<T: Send>(
         &self,
-        n: usize,
+        addrs: impl Iterator<Item = PageAddr>,
         f: impl Fn(std::ops::Range<usize>) -> T + Sync,
     ) -> Vec<T> {
-        let c = self.chunk_pages;
-        par::map_indexed(n.div_ceil(c), self.workers(), "kvtier-pstore", |i| {
-            f(i * c..((i + 1) * c).min(n))
+        let chunks = chunk_ranges(addrs.map(|a| self.addr_bytes(a)));
+        par::map_indexed(chunks.len(), self.workers(), "kvtier-pstore", |i| {
+            f(chunks[i].clone())
         })
     }
 
+    /// The device of `a`, after checking that the extent is non-empty and inside it.
     fn device(&self, a: PageAddr) -> Result<&Device, NvmeError> {
         let dev = self.devices.get(a.device as usize).ok_or_else(|| {
             NvmeError::invalid(format!(
@@ -306,21 +344,44 @@ impl PageStore {
                 self.devices.len()
             ))
         })?;
-        if a.page >= dev.pages {
+        let end = a.page.checked_add(u64::from(a.units));
+        if a.units == 0 || end.is_none_or(|e| e > dev.units) {
             return Err(NvmeError::invalid(format!(
-                "page {} out of range (device {} has {})",
-                a.page, a.device, dev.pages
+                "{a:?} out of range (device {} has {} units)",
+                a.device, dev.units
             )));
         }
         Ok(dev)
     }
 
+    /// Byte offset of a page (in range once [`PageStore::device`] accepted it: no overflow).
     fn offset(&self, a: PageAddr) -> u64 {
-        a.page * self.page_size as u64
+        a.page * self.unit as u64
     }
 
     /// The files backing the devices (for probing).
     pub fn device_files(&self) -> Vec<Arc<DirectFile>> {
         self.devices.iter().map(|d| d.file.clone()).collect()
     }
+}
+
+/// Cuts a batch of pages of the given bytes into consecutive chunks: as many pages as fit in
+/// [`CHUNK_BYTES`], at most [`CHUNK_MAX_PAGES`], at least one.
+fn chunk_ranges(bytes: impl Iterator<Item = u64>) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut acc, mut n) = (0, 0u64, 0);
+    for (i, b) in bytes.enumerate() {
+        let count = i - start;
+        if count > 0 && (count == CHUNK_MAX_PAGES || acc + b > CHUNK_BYTES as u64) {
+            out.push(start..i);
+            start = i;
+            acc = 0;
+        }
+        acc += b;
+        n = i + 1;
+    }
+    if start < n {
+        out.push(start..n);
+    }
+    out
 }

@@ -48,14 +48,14 @@ impl Drop for PageData {
 pub type PageResults = Vec<Result<PageData, NvmeError>>;
 
 impl PageStore {
-    /// Reads and verifies pages in one batch. The outer error is for bad arguments or a dead
-    /// engine; each page has its own result. A page that fails verification is
-    /// `NvmeError::Corrupt`, never data.
+    /// Reads and verifies pages in one batch, each exactly its extent (`addr.units` units).
+    /// The outer error is for bad arguments or a dead engine; each page has its own result. A
+    /// page that fails verification is `NvmeError::Corrupt`, never data.
     pub fn read_pages(&self, reads: &[PageRead]) -> Result<PageResults, NvmeError> {
         for r in reads {
             self.device(r.addr)?;
         }
-        let parts = self.per_chunk(reads.len(), |r| self.read_chunk(&reads[r]));
+        let parts = self.per_chunk(reads.iter().map(|r| r.addr), |r| self.read_chunk(&reads[r]));
         let mut out = Vec::with_capacity(reads.len());
         let mut timings = Vec::with_capacity(reads.len());
         let mut outer = None;
@@ -82,11 +82,9 @@ impl PageStore {
         let mut reqs = Vec::with_capacity(reads.len());
         for r in reads {
             let file = &self.devices[r.addr.device as usize].file;
-            reqs.push(IoRequest::read(
-                file.clone(),
-                self.offset(r.addr),
-                self.pool.get(),
-            )?);
+            // Validated by read_pages: the length is a whole number of units.
+            let buf = self.pool.get(self.addr_bytes(r.addr) as usize)?;
+            reqs.push(IoRequest::read(file.clone(), self.offset(r.addr), buf)?);
         }
         let done = self.engine.submit(reqs)?;
         let timings = done

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use super::lanes::OpTiming;
 use super::{NvmeError, PageStore, PageWrite};
 use crate::nvme::io::{IoRequest, OpKind};
-use crate::nvme::page;
+use crate::nvme::page::{self, HEADER_LEN};
 
 /// One written chunk: its pages' checksums, timings and first failure.
 struct ChunkWritten {
@@ -16,29 +16,36 @@ struct ChunkWritten {
 }
 
 impl PageStore {
-    /// Writes pages (to allocated addresses) in one batch. Returns each page's checksum, for
-    /// the manifest. Not durable until [`PageStore::sync`] returns. On error, pages of the
-    /// batch may be partially written: the caller must not reference them. Every page is
-    /// attempted; the error is that of the first page (in batch order) that failed.
+    /// Writes pages (to allocated extents) in one batch, each write covering exactly its
+    /// extent (header, payload, zero padding). Returns each page's checksum, for the manifest.
+    /// Not durable until [`PageStore::sync`] returns. On error, pages of the batch may be
+    /// partially written: the caller must not reference them. Every page is attempted; the
+    /// error is that of the first page (in batch order) that failed.
     pub fn write_pages(&self, writes: &[PageWrite<'_>]) -> Result<Vec<u32>, NvmeError> {
         // Arguments first: a bad one fails the batch before any I/O.
         for w in writes {
             let dev = self.device(w.addr)?;
-            if !dev.alloc.lock().is_set(w.addr.page) {
+            if !dev.alloc.lock().is_page(w.addr.page, w.addr.units) {
                 return Err(NvmeError::invalid(format!(
                     "write to unallocated page {:?}",
                     w.addr
                 )));
             }
-            if w.payload.len() > self.max_payload {
+            if w.payload.len() > self.max_payload
+                || (HEADER_LEN + w.payload.len()) as u64 > self.addr_bytes(w.addr)
+            {
                 return Err(NvmeError::invalid(format!(
-                    "payload of {} bytes exceeds the page's {}",
+                    "payload of {} bytes does not fit the page {:?} ({} bytes with the header; largest payload {})",
                     w.payload.len(),
+                    w.addr,
+                    self.addr_bytes(w.addr),
                     self.max_payload
                 )));
             }
         }
-        let parts = self.per_chunk(writes.len(), |r| self.write_chunk(&writes[r]));
+        let parts = self.per_chunk(writes.iter().map(|w| w.addr), |r| {
+            self.write_chunk(&writes[r])
+        });
         let mut crcs = Vec::with_capacity(writes.len());
         let mut timings = Vec::with_capacity(writes.len());
         let mut first_err = None;
@@ -70,7 +77,8 @@ impl PageStore {
         let mut crcs = Vec::with_capacity(writes.len());
         for w in writes {
             let file = &self.devices[w.addr.device as usize].file;
-            let mut buf = self.pool.get();
+            // Validated by write_pages: a whole number of units that holds the payload.
+            let mut buf = self.pool.get(self.addr_bytes(w.addr) as usize)?;
             crcs.push(page::encode(&mut buf, w.id, w.payload));
             reqs.push(IoRequest::write(file.clone(), self.offset(w.addr), buf)?);
         }
