@@ -29,7 +29,7 @@ def daemon(tmp_path):
     sock = str(tmp_path / "tierd.sock")
     proc = subprocess.Popen(
         [tierd_binary(), "--socket", sock, "--host-capacity", "64MiB",
-         "--set", 'host.frame_bytes="4KiB"', "--log-level", "warn",
+         "--set", 'host.max_run_bytes="4KiB"', "--log-level", "warn",
          "--set", f'nvme.dir="{tmp_path / "state"}"', "--set", 'nvme.capacity="64MiB"'],
         stdin=subprocess.DEVNULL,
     )

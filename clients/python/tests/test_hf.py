@@ -81,7 +81,7 @@ def test_unreachable_tierd_is_a_typed_error(tmp_path):
 
 def test_refused_geometry_names_the_geometry(tierd_factory):
     # A block run of 2 kv heads x 2 x 128 tokens x 16 dims x 4 bytes = 32 KiB > 4 KiB frames.
-    sock = tierd_factory("--set", 'host.frame_bytes="4KiB"', capacity="64MiB")
+    sock = tierd_factory("--set", 'host.max_run_bytes="4KiB"', capacity="64MiB")
     m = tiny("llama")
     ids, am = batch(prompt_len=20, pad=0)
     with KvtierCache(m, socket=sock) as c:

@@ -390,7 +390,7 @@ impl Engine {
         let page = self
             .tier
             .as_ref()
-            .map_or(0, |(t, _)| t.store().page_size() as u64);
+            .map_or(0, |(t, _)| t.store().page_bytes(s.geometry.block_bytes()));
         let nvme_pages: u64 = if st.stored {
             st.persisted.iter().map(|&t| s.geometry.blocks_for(t)).sum()
         } else {

@@ -75,7 +75,7 @@ impl Engine {
         };
         m.usage.used_bytes.set(sum(|d| d.bytes_used));
         m.usage.capacity_bytes.set(sum(|d| d.bytes_total));
-        m.usage.used_blocks.set(sum(|d| d.pages_used));
+        m.usage.used_blocks.set(sum(|d| d.pages));
         m.read.absolute(su.bytes_read);
         m.written.absolute(su.bytes_written);
         m.counters.checksum_errors.absolute(su.corrupt_pages);

@@ -35,13 +35,13 @@ impl Engine {
             .usage()
             .devices
             .iter()
-            .map(|d| d.pages_total)
+            .map(|d| d.bytes_total)
             .sum();
         let limit = (total as f64 * share).floor() as u64;
-        let after = tier.owner_pages_after(s.owner_uid, s.id, runs);
+        let after = tier.owner_bytes_after(s.owner_uid, s.id, runs);
         if after > limit {
             return Err(ServiceError::exhausted(format!(
-                "uid {} would reference {after} NVMe pages, more than its quota of {limit} (quota.nvme_share_per_uid)",
+                "uid {} would reference {after} bytes of NVMe pages, more than its quota of {limit} (quota.nvme_share_per_uid)",
                 s.owner_uid
             )));
         }
