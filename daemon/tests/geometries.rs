@@ -94,11 +94,16 @@ fn open_model_geometries_work_on_the_defaults_and_survive_demotion_and_restart()
         .iter()
         .map(|(_, g)| resident_bytes(g, tokens(g) as u64 + 1))
         .sum();
+    // Plus, when tierd runs on a GPU, the decoder's zero extent: one run of max_run_bytes.
     let stats = c.stats().unwrap();
-    assert_eq!(stats.get("host_bytes_used"), Some(held));
-    assert_eq!(
-        stats.get("host_frames_used"),
-        Some(MODELS.iter().map(|(_, g)| 3 * g.layers as u64).sum())
+    let runs: u64 = MODELS.iter().map(|(_, g)| 3 * g.layers as u64).sum();
+    let (used, frames) = (
+        stats.get("host_bytes_used").unwrap(),
+        stats.get("host_frames_used").unwrap(),
+    );
+    assert!(
+        (used, frames) == (held, runs) || (used, frames) == (held + (16 << 20), runs + 1),
+        "host tier holds {used} bytes in {frames} runs, sessions {held} in {runs}"
     );
 
     // To NVMe and back: pages of every size are written, read, verified and promoted.
