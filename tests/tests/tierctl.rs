@@ -138,7 +138,6 @@ fn sessions_info_stats_tier_close() {
     // 40 tokens at B=16: 3 blocks per layer, 2 layers.
     assert_eq!(s["blocks"], 6);
     // Host bytes count each run's extent: its size rounded up to 4 KiB.
-    let st = json(&ctl(&d, &["--json", "stats"]));
     let frame = RUN_BYTES.next_multiple_of(4096);
     assert_eq!(s["host_bytes"], 6 * frame);
     assert_eq!(s["nvme_bytes"], 0);
