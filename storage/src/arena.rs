@@ -8,9 +8,10 @@
 //! Each block run takes an extent of exactly its size rounded up to [`FRAME_ALIGN`] (see
 //! [`crate::extents`]), so every geometry from a 270M model's 32 KiB runs to a 64-head f32
 //! model's 8 MiB runs shares one arena without resizing anything and without wasting a
-//! fixed-size frame per small run. Extents never cross a multiple of `max_run_bytes` (a
-//! *segment*), so a GPU backend that registers the arena in chunks of whole segments always
-//! finds a run inside one chunk.
+//! fixed-size frame per small run. Extents never cross a multiple of [`HostArena::segment_bytes`]
+//! (1 GiB, or `max_run_bytes` if larger), so a GPU backend that registers the arena in chunks of
+//! whole segments always finds a run inside one chunk; a segment that large wastes at most one
+//! run's tail per GiB (a 16 MiB segment would waste 1/16 of the tier on 5 MiB runs).
 //!
 //! Extents are handed out as owned [`Frame`] handles. A handle is the only way to reach its
 //! bytes, so two handles never alias and the extent is freed exactly once, in `Drop`.
@@ -28,6 +29,9 @@ use crate::extents::Extents;
 /// with O_DIRECT and registered with CUDA without straddling pages.
 pub const FRAME_ALIGN: usize = 4096;
 
+/// Extents never cross a multiple of this (or of `max_run_bytes`, if larger).
+pub const SEGMENT_BYTES: usize = 1 << 30;
+
 /// Default largest block run (`host.max_run_bytes`): a 64-KV-head, D=128 model in f32 at
 /// 128-token blocks is 8 MiB; this leaves room for twice that.
 pub const DEFAULT_MAX_RUN_BYTES: usize = 16 << 20;
@@ -38,7 +42,7 @@ pub struct ArenaOptions {
     /// Total bytes; rounded down to a multiple of [`FRAME_ALIGN`].
     pub capacity_bytes: usize,
     /// Largest block run (extent) the arena hands out, a positive multiple of [`FRAME_ALIGN`]
-    /// and at most the capacity. Also the segment no extent crosses (see the module docs).
+    /// and at most the capacity.
     pub max_run_bytes: usize,
     /// Advise transparent huge pages (fewer TLB misses and faster pinning).
     pub huge_pages: bool,
@@ -78,6 +82,7 @@ struct Inner {
     base: *mut u8,
     bytes_total: usize,
     max_run_bytes: usize,
+    segment_bytes: usize,
     /// Free space, in FRAME_ALIGN units.
     space: Mutex<Extents>,
 }
@@ -186,7 +191,8 @@ impl HostArena {
         }
         let base = map.as_mut_ptr();
         let unit = FRAME_ALIGN as u64;
-        let space = Extents::new(bytes as u64 / unit, max_run as u64 / unit);
+        let segment = max_run.max(SEGMENT_BYTES);
+        let space = Extents::new(bytes as u64 / unit, segment as u64 / unit);
         Ok(HostArena {
             quota: None,
             inner: Arc::new(Inner {
@@ -194,6 +200,7 @@ impl HostArena {
                 base,
                 bytes_total: bytes,
                 max_run_bytes: max_run,
+                segment_bytes: segment,
                 space: Mutex::new(space),
             }),
         })
@@ -202,6 +209,11 @@ impl HostArena {
     /// The largest extent (block run) the arena hands out.
     pub fn max_run_bytes(&self) -> usize {
         self.inner.max_run_bytes
+    }
+
+    /// No extent crosses a multiple of this many bytes from the start of the region.
+    pub fn segment_bytes(&self) -> usize {
+        self.inner.segment_bytes
     }
 
     /// The same pool, with every extent taken through the returned handle charged to `quota`
@@ -443,22 +455,25 @@ mod tests {
 
     #[test]
     fn runs_over_max_run_bytes_are_refused_and_extents_stay_inside_segments() {
-        let a = arena(10, 4);
+        const MIB: usize = 1 << 20;
+        let a = HostArena::new(&ArenaOptions::new(2 * SEGMENT_BYTES, 8 * MIB)).unwrap();
+        assert_eq!(a.segment_bytes(), SEGMENT_BYTES);
         assert!(matches!(
-            a.alloc(4 * U + 1),
-            Err(StorageError::BlockTooLarge { max_run_bytes, .. }) if max_run_bytes == 4 * U
+            a.alloc(8 * MIB + 1),
+            Err(StorageError::BlockTooLarge { max_run_bytes, .. }) if max_run_bytes == 8 * MIB
         ));
         assert!(a.alloc(0).is_err());
-        // Segments of 4, 4 and 2 units: two 3-unit runs fit, a third does not though 4 units
-        // are free (1 + 1 + 2), and the error says so.
-        let held: Vec<_> = (0..2).map(|_| a.alloc(3 * U).unwrap()).collect();
-        for f in &held {
-            assert_eq!(f.offset() / (4 * U), (f.offset() + f.len() - 1) / (4 * U));
-        }
+        // 341 runs of 3 MiB fill the first segment but its last 1 MiB; the next run starts
+        // the second segment rather than straddling the boundary (unzeroed: nothing touched).
+        let run = 3 * MIB;
+        let _first = a.alloc_many_unzeroed(341, run).unwrap();
+        let second = a.alloc_many_unzeroed(341, run).unwrap();
+        assert_eq!(second[0].offset(), SEGMENT_BYTES);
+        // 2 MiB are free (1 + 1) but in no piece of 3, and the error says so.
         assert!(matches!(
-            a.alloc(3 * U),
+            a.alloc(run),
             Err(StorageError::ArenaFull { bytes_free, largest_free, .. })
-                if bytes_free == 4 * U && largest_free == 2 * U
+                if bytes_free == 2 * MIB && largest_free == MIB
         ));
     }
 

@@ -86,7 +86,7 @@ impl GpuDecoder {
         let (base, len) = arena.region();
         // Whole segments per chunk: an extent never crosses a segment, so every block run
         // lies inside one registered chunk (one device mapping).
-        let seg = arena.max_run_bytes();
+        let seg = arena.segment_bytes();
         let chunk = (cfg.register_chunk.0 as usize / seg).max(1) * seg;
         // SAFETY: [base, base + len) is the arena's live anonymous mapping; `self.arena` (a
         // clone sharing it) is dropped after `self.region`, so the mapping outlives the
