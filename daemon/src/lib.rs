@@ -50,6 +50,7 @@ pub fn build_arena(cfg: &Config) -> Result<HostArena, kvtier_storage::StorageErr
     );
     opts.huge_pages = cfg.host.huge_pages;
     opts.lock = cfg.host.lock_memory;
+    opts.shared = cfg.host.shared;
     HostArena::new(&opts)
 }
 

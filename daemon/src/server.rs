@@ -7,9 +7,10 @@
 //! (`block_in_place`: the worker thread becomes a blocking one and its other tasks move to
 //! another worker), where the kernels use the compute pool's threads.
 
+use std::collections::HashSet;
 use std::future::Future;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -21,7 +22,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
-use kvtier_protocol::fdpass::recv_with_fds;
+use kvtier_protocol::fdpass::{recv_with_fds, send_with_fd};
 use kvtier_protocol::{
     AppendData, ErrorCode, ErrorReply, Header, HelloReply, Opcode, Request, Response, HEADER_LEN,
     PROTOCOL_VERSION,
@@ -274,7 +275,7 @@ pub async fn run(
                 };
                 match connections.clone().try_acquire_owned() {
                     Ok(permit) => {
-                        let conn = Connection { stream, peer, shared: shared.clone(), stop: stop_rx.clone(), hello: false };
+                        let conn = Connection { stream, peer, shared: shared.clone(), stop: stop_rx.clone(), hello: false, leases: HashSet::new() };
                         tasks.spawn(async move {
                             conn.serve().await;
                             drop(permit);
@@ -415,6 +416,43 @@ struct Connection {
     shared: Arc<Shared>,
     stop: watch::Receiver<bool>,
     hello: bool,
+    /// Sessions this connection holds a LEASE on; released when it closes (see `Drop`).
+    leases: HashSet<u64>,
+}
+
+impl Drop for Connection {
+    /// However the connection ends (the peer closed or was killed, a timeout, shutdown, a
+    /// panic in its task), its leases end with it: the daemon may free those extents again.
+    fn drop(&mut self) {
+        for id in self.leases.drain() {
+            self.shared.engine.release_lease(id);
+        }
+    }
+}
+
+/// Writes `frame` with the host arena's descriptor attached (SCM_RIGHTS, on the first
+/// bytes), the rest as plain bytes.
+async fn write_with_fd(stream: &UnixStream, frame: &[u8], fd: BorrowedFd<'_>) -> io::Result<()> {
+    let sent = loop {
+        stream.writable().await?;
+        match stream.try_io(Interest::WRITABLE, || {
+            send_with_fd(stream.as_fd(), &[frame], fd)
+        }) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    };
+    let mut rest = &frame[sent..];
+    while !rest.is_empty() {
+        stream.writable().await?;
+        match stream.try_write(rest) {
+            Ok(n) => rest = &rest[n..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 impl Connection {
@@ -467,8 +505,17 @@ impl Connection {
                 Ok(false) if body.is_empty() => {}
                 _ => break,
             }
-            let frame = self.handle(&header, &mut body, &mut fds).await;
-            if self.stream.write_all(&frame).await.is_err() {
+            let (frame, attach_arena) = match Opcode::from_u16(header.opcode) {
+                Ok(op @ (Opcode::Lease | Opcode::Release)) if self.hello && fds.is_empty() => {
+                    self.handle_lease(op, &header, &body)
+                }
+                _ => (self.handle(&header, &mut body, &mut fds).await, false),
+            };
+            let written = match self.shared.engine.arena().shared_fd() {
+                Some(fd) if attach_arena => write_with_fd(&self.stream, &frame, fd).await,
+                _ => self.stream.write_all(&frame).await,
+            };
+            if written.is_err() {
                 break;
             }
         }
@@ -572,6 +619,39 @@ impl Connection {
                 reply_frame(rid, result, max, &engine)
             }
         }
+    }
+
+    /// LEASE and RELEASE, which change this connection's leases. Returns the reply frame and
+    /// whether the arena's descriptor goes with it (a successful LEASE).
+    fn handle_lease(&mut self, op: Opcode, header: &Header, body: &[u8]) -> (Vec<u8>, bool) {
+        let engine = self.shared.engine.clone();
+        let max = self.shared.settings.max_frame_bytes;
+        let result = decode_request(&engine, header, body).and_then(|req| match req {
+            Request::Lease { session } => {
+                let new = !self.leases.contains(&session);
+                // Takes the session lock (a decode may hold it): off the event loop.
+                let reply = tokio::task::block_in_place(|| engine.lease(&self.peer, session, new))?;
+                self.leases.insert(session);
+                Ok(Response::Lease(reply))
+            }
+            Request::Release { session } => {
+                if !self.leases.remove(&session) {
+                    return Err(ServiceError::precondition(format!(
+                        "this connection holds no lease on session {session}"
+                    )));
+                }
+                engine.release_lease(session);
+                Ok(Response::Release)
+            }
+            _ => unreachable!("{op:?} is LEASE or RELEASE"),
+        });
+        let frame = reply_frame(header.request_id, result, max, &engine);
+        // Only with a LEASE reply (a table too large for max_frame_bytes became an error).
+        let lease = frame
+            .first_chunk::<HEADER_LEN>()
+            .and_then(|h| Header::decode(h).ok())
+            .is_some_and(|h| h.opcode == Opcode::Lease.reply());
+        (frame, lease)
     }
 
     fn execute_light(&mut self, engine: &Engine, req: Request<'_>) -> ServiceResult<Response> {

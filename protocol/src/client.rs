@@ -16,7 +16,7 @@ use crate::request::{
     Request,
 };
 use crate::response::{DecodeOutput, HelloReply, Response, StatsReply};
-use crate::types::{Geometry, Policy, SessionInfo};
+use crate::types::{Geometry, LeaseReply, Policy, SessionInfo};
 
 /// Largest HELLO reply accepted before the server has told us its limit.
 const HELLO_REPLY_MAX: u32 = 64 * 1024;
@@ -424,7 +424,44 @@ impl Client {
         }
     }
 
+    /// Leases session `session` for reading its block runs in place: the block table and the
+    /// daemon's shared host arena (map it read-only; see docs/protocol.md, LEASE). The lease
+    /// holds until [`Client::release`] or until this connection closes.
+    pub fn lease(&mut self, session: u64) -> Result<(LeaseReply, OwnedFd), ClientError> {
+        let id = self.take_id();
+        self.buf.clear();
+        Request::Lease { session }.encode_frame(id, &mut self.buf)?;
+        self.stream.write_all(&self.buf)?;
+        let (resp, mut fds) = self.read_reply_fds(id, Opcode::Lease)?;
+        match (resp, fds.len()) {
+            (Response::Lease(l), 1) => Ok((l, fds.pop().expect("one"))),
+            (Response::Lease(_), n) => Err(ClientError::UnexpectedFds { count: n }),
+            (other, _) => Err(unexpected(Opcode::Lease, &other)),
+        }
+    }
+
+    /// Ends this connection's lease of `session`.
+    pub fn release(&mut self, session: u64) -> Result<(), ClientError> {
+        match self.call(&Request::Release { session })? {
+            Response::Release => Ok(()),
+            other => Err(unexpected(Opcode::Release, &other)),
+        }
+    }
+
     fn read_reply(&mut self, id: u64, op: Opcode) -> Result<Response, ClientError> {
+        let (resp, fds) = self.read_reply_fds(id, op)?;
+        if !fds.is_empty() {
+            return Err(ClientError::UnexpectedFds { count: fds.len() });
+        }
+        Ok(resp)
+    }
+
+    /// The reply to request `id` and the descriptors that came with it.
+    fn read_reply_fds(
+        &mut self,
+        id: u64,
+        op: Opcode,
+    ) -> Result<(Response, Vec<OwnedFd>), ClientError> {
         let mut fds = Vec::new();
         let header = read_frame(
             &self.stream,
@@ -433,9 +470,6 @@ impl Client {
             &mut fds,
         )?
         .ok_or(ClientError::Closed)?;
-        if !fds.is_empty() {
-            return Err(ClientError::UnexpectedFds { count: fds.len() });
-        }
         let resp = Response::decode(&header, &self.body)?;
         // A server that cannot parse a header answers with request id 0 before closing.
         let id_ok = header.request_id == id || (header.request_id == 0 && header.is_error());
@@ -450,7 +484,7 @@ impl Client {
                 code: e.code,
                 message: e.message,
             }),
-            r if header.opcode == op.reply() => Ok(r),
+            r if header.opcode == op.reply() => Ok((r, fds)),
             _ => Err(ClientError::UnexpectedReply {
                 expected: op.name(),
                 got: header.opcode,

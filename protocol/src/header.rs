@@ -15,9 +15,9 @@ pub const ERROR_OPCODE: u16 = 0xFFFF;
 /// Header flag of APPEND_KV: the body names a range of a file descriptor passed with
 /// SCM_RIGHTS instead of carrying the payload inline.
 pub const FLAG_APPEND_SHM: u16 = 0x0001;
-/// The tier-operation opcode range: DEMOTE 0x0010, PROMOTE 0x0011, PIN 0x0012, UNPIN 0x0013;
-/// 0x0014..=0x001F are reserved (answered with UNIMPLEMENTED).
-pub const RESERVED_TIER_OPCODES: std::ops::RangeInclusive<u16> = 0x0014..=0x001F;
+/// The tier-operation opcode range: DEMOTE 0x0010, PROMOTE 0x0011, PIN 0x0012, UNPIN 0x0013,
+/// LEASE 0x0014, RELEASE 0x0015; 0x0016..=0x001F are reserved (answered with UNIMPLEMENTED).
+pub const RESERVED_TIER_OPCODES: std::ops::RangeInclusive<u16> = 0x0016..=0x001F;
 
 wire_enum! {
     /// Request opcodes. A success reply's opcode is `opcode | 0x8000`; an error reply's is
@@ -36,6 +36,8 @@ wire_enum! {
         Promote = 0x0011 => "PROMOTE",
         Pin = 0x0012 => "PIN",
         Unpin = 0x0013 => "UNPIN",
+        Lease = 0x0014 => "LEASE",
+        Release = 0x0015 => "RELEASE",
     }
 }
 
@@ -220,7 +222,7 @@ mod tests {
 
     #[test]
     fn unknown_and_reserved_opcodes() {
-        for op in [0u16, 0x000A, 0x0014, 0x0015, 0x001F, 0x7FFF, 0x8001, 0xFFFF] {
+        for op in [0u16, 0x000A, 0x0016, 0x0017, 0x001F, 0x7FFF, 0x8001, 0xFFFF] {
             let err = Opcode::from_u16(op).unwrap_err();
             assert_eq!(err, ProtoError::UnknownOpcode { opcode: op });
             assert_eq!(err.error_code(), crate::ErrorCode::Unimplemented);

@@ -12,6 +12,8 @@
 //! - [`types`]: geometry, policy, session info, decode stats, STATS key names.
 //! - [`error`]: [`ProtoError`] (codec failures) and [`ErrorCode`] (wire error codes).
 //! - [`fdpass`]: `sendmsg`/`recvmsg` with SCM_RIGHTS, the one unsafe FFI corner.
+//! - [`lease`]: [`lease::ArenaView`], the engine side of LEASE: the daemon's host arena mapped
+//!   read-only and a leased session's block runs read in place.
 //! - [`client`]: blocking [`client::Client`] used by tierctl, tests and the load generator.
 
 /// A `#[repr(u16)]` wire enum: each variant with its wire value and its upper-snake name as in
@@ -58,6 +60,7 @@ pub mod client;
 pub mod error;
 pub mod fdpass;
 pub mod header;
+pub mod lease;
 pub mod request;
 pub mod response;
 pub mod types;
@@ -73,5 +76,8 @@ pub use request::{
     Request, DECODE_WANT_STATS,
 };
 pub use response::{DecodeOutput, DecodeReply, ErrorReply, HelloReply, Response, StatsReply};
-pub use types::{dtype_from_wire, stats_keys, DType, DecodeStats, Geometry, Policy, SessionInfo};
+pub use types::{
+    dtype_from_wire, stats_keys, DType, DecodeStats, Geometry, LeaseLayer, LeaseReply, Policy,
+    SessionInfo,
+};
 pub use wire::{f32_le_bytes, f32s_le, read_f32s_into};

@@ -318,6 +318,15 @@ pub enum Request<'a> {
     Unpin {
         session: u64,
     },
+    /// Read a session's block runs in place: its block table and (SCM_RIGHTS) the shared
+    /// host arena; the daemon keeps the named extents where they are until RELEASE or the
+    /// connection closes.
+    Lease {
+        session: u64,
+    },
+    Release {
+        session: u64,
+    },
 }
 
 impl<'a> Request<'a> {
@@ -336,6 +345,8 @@ impl<'a> Request<'a> {
             Request::Promote { .. } => Opcode::Promote,
             Request::Pin { .. } => Opcode::Pin,
             Request::Unpin { .. } => Opcode::Unpin,
+            Request::Lease { .. } => Opcode::Lease,
+            Request::Release { .. } => Opcode::Release,
         }
     }
 
@@ -360,7 +371,9 @@ impl<'a> Request<'a> {
             | Request::Demote { session }
             | Request::Promote { session }
             | Request::Pin { session }
-            | Request::Unpin { session } => {
+            | Request::Unpin { session }
+            | Request::Lease { session }
+            | Request::Release { session } => {
                 put_u64(buf, *session);
                 Ok(())
             }
@@ -416,7 +429,9 @@ impl<'a> Request<'a> {
             | Opcode::Demote
             | Opcode::Promote
             | Opcode::Pin
-            | Opcode::Unpin => {
+            | Opcode::Unpin
+            | Opcode::Lease
+            | Opcode::Release => {
                 Request::for_session(op, session_only(body)?).expect("a session-only opcode")
             }
         })
@@ -432,6 +447,8 @@ impl<'a> Request<'a> {
             Opcode::Promote => Request::Promote { session },
             Opcode::Pin => Request::Pin { session },
             Opcode::Unpin => Request::Unpin { session },
+            Opcode::Lease => Request::Lease { session },
+            Opcode::Release => Request::Release { session },
             Opcode::Hello
             | Opcode::CreateSession
             | Opcode::AppendKv

@@ -2,7 +2,7 @@
 
 use crate::error::{ErrorCode, ProtoError};
 use crate::header::{encode_frame, Header, Opcode, ERROR_OPCODE, REPLY_BIT};
-use crate::types::{DecodeStats, SessionInfo};
+use crate::types::{DecodeStats, LeaseReply, SessionInfo};
 use crate::wire::{put_f32s, put_len, put_str, put_u16, put_u32, put_u64, put_u8, Reader};
 
 /// HELLO reply: `version u16, max_frame_bytes u32, server_name str, server_version str`.
@@ -148,6 +148,9 @@ pub enum Response {
     },
     Pin,
     Unpin,
+    /// The block table of a leased session; the arena's descriptor travels with the frame.
+    Lease(LeaseReply),
+    Release,
     Error(ErrorReply),
 }
 
@@ -176,6 +179,8 @@ impl Response {
             Response::Promote { .. } => Opcode::Promote,
             Response::Pin => Opcode::Pin,
             Response::Unpin => Opcode::Unpin,
+            Response::Lease(_) => Opcode::Lease,
+            Response::Release => Opcode::Release,
             Response::Error(_) => return None,
         })
     }
@@ -210,7 +215,12 @@ impl Response {
                 put_u64(buf, *blocks);
                 Ok(())
             }
-            Response::CloseSession | Response::Evict | Response::Pin | Response::Unpin => Ok(()),
+            Response::Lease(l) => l.put(buf),
+            Response::CloseSession
+            | Response::Evict
+            | Response::Pin
+            | Response::Unpin
+            | Response::Release => Ok(()),
             Response::Error(e) => {
                 put_u16(buf, e.code.as_u16());
                 put_str(buf, &e.message, "error message")
@@ -286,6 +296,8 @@ impl Response {
                 },
                 Opcode::Pin => Response::Pin,
                 Opcode::Unpin => Response::Unpin,
+                Opcode::Lease => Response::Lease(LeaseReply::get(&mut r)?),
+                Opcode::Release => Response::Release,
             }
         };
         r.finish()?;

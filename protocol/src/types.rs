@@ -223,3 +223,75 @@ pub mod stats_keys {
         BYTES_TOUCHED_TOTAL,
     ];
 }
+
+/// LEASE's reply: where a session's block runs are in the daemon's shared host arena (whose
+/// memfd comes with the frame, SCM_RIGHTS). Wire: `instance u64, arena_bytes u64,
+/// run_bytes u64, layers u32`, then per layer `tokens u64, blocks u32, offset u64 x blocks`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseReply {
+    /// Random per daemon start: a different value than a previous lease's means the daemon
+    /// restarted (and the arena is a different one).
+    pub instance: u64,
+    /// Length of the arena mapping.
+    pub arena_bytes: u64,
+    /// Bytes of one block run (`geometry.block_bytes()`; its extent is this rounded up to
+    /// 4 KiB).
+    pub run_bytes: u64,
+    pub layers: Vec<LeaseLayer>,
+}
+
+/// One layer of a [`LeaseReply`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseLayer {
+    /// Tokens stored: the last block holds `tokens - (blocks - 1) * block_tokens` rows, the
+    /// rest of its run is zero.
+    pub tokens: u64,
+    /// Per block, the byte offset of its run in the arena, or [`LeaseLayer::COLD`] for a block
+    /// only on NVMe (not in host RAM: PROMOTE it, then LEASE again).
+    pub offsets: Vec<u64>,
+}
+
+impl LeaseLayer {
+    /// The offset of a block that is not in host RAM.
+    pub const COLD: u64 = u64::MAX;
+}
+
+impl LeaseReply {
+    pub(crate) fn put(&self, buf: &mut Vec<u8>) -> Result<(), ProtoError> {
+        put_u64(buf, self.instance);
+        put_u64(buf, self.arena_bytes);
+        put_u64(buf, self.run_bytes);
+        put_len(buf, self.layers.len(), "lease layers")?;
+        for l in &self.layers {
+            put_u64(buf, l.tokens);
+            put_len(buf, l.offsets.len(), "lease blocks")?;
+            for &o in &l.offsets {
+                put_u64(buf, o);
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn get(r: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        let instance = r.u64("instance")?;
+        let arena_bytes = r.u64("arena_bytes")?;
+        let run_bytes = r.u64("run_bytes")?;
+        let n = r.count("lease layers", 12)?;
+        let mut layers = Vec::with_capacity(n);
+        for _ in 0..n {
+            let tokens = r.u64("tokens")?;
+            let blocks = r.count("lease blocks", 8)?;
+            let mut offsets = Vec::with_capacity(blocks);
+            for _ in 0..blocks {
+                offsets.push(r.u64("block offset")?);
+            }
+            layers.push(LeaseLayer { tokens, offsets });
+        }
+        Ok(LeaseReply {
+            instance,
+            arena_bytes,
+            run_bytes,
+            layers,
+        })
+    }
+}

@@ -56,7 +56,7 @@ fn run(capacity: u64, sizes: &[u64], steps: u64, seed: u64) -> (u64, u64, f64, f
     for _ in 0..steps {
         // Open a session now and then, more often while the tier has room.
         let fill = space.used() as f64 / space.total() as f64;
-        if live.is_empty() || rng.next_u64() % 16 == 0 {
+        if live.is_empty() || rng.next_u64().is_multiple_of(16) {
             let run = sizes[(rng.next_u64() % sizes.len() as u64) as usize];
             // Sessions of 1/64 .. 1/8 of the tier.
             let bytes = capacity / 64 + rng.next_u64() % (capacity / 8);
@@ -86,7 +86,7 @@ fn run(capacity: u64, sizes: &[u64], steps: u64, seed: u64) -> (u64, u64, f64, f
                     }
                 }
             }
-        } else if rng.next_u64() % 4 == 0 {
+        } else if rng.next_u64().is_multiple_of(4) {
             // A finished session closes.
             let done = live.swap_remove(i);
             for at in done.extents {

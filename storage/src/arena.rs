@@ -16,6 +16,8 @@
 //! Extents are handed out as owned [`Frame`] handles. A handle is the only way to reach its
 //! bytes, so two handles never alias and the extent is freed exactly once, in `Drop`.
 
+use std::fs::File;
+use std::os::fd::{AsFd, BorrowedFd, FromRawFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -48,6 +50,10 @@ pub struct ArenaOptions {
     pub huge_pages: bool,
     /// mlock the whole arena up front (needs RLIMIT_MEMLOCK >= capacity).
     pub lock: bool,
+    /// Back the arena with a memfd mapped shared, so engine processes can map the same bytes
+    /// ([`HostArena::shared_fd`]). Shared memory gets transparent huge pages only where the
+    /// kernel's `shmem_enabled` allows them.
+    pub shared: bool,
 }
 
 impl ArenaOptions {
@@ -57,8 +63,33 @@ impl ArenaOptions {
             max_run_bytes,
             huge_pages: true,
             lock: false,
+            shared: false,
         }
     }
+}
+
+/// A memfd of `bytes`, sealed against shrinking and growing (a second process may map it:
+/// it can never be cut short under either mapping).
+fn arena_memfd(bytes: usize) -> std::io::Result<File> {
+    // SAFETY: a valid NUL-terminated name; the flags are plain bits.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"kvtier-arena".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: memfd_create returned a fresh descriptor that nothing else owns.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(bytes as u64)?;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl on a descriptor we own.
+    if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, seals) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(file)
 }
 
 /// Usage counters of an arena.
@@ -79,6 +110,8 @@ pub fn extent_bytes(bytes: usize) -> usize {
 struct Inner {
     /// Keeps the mapping alive; its bytes are only reached through `base`.
     _map: MmapMut,
+    /// The memfd behind a shared arena.
+    memfd: Option<File>,
     base: *mut u8,
     bytes_total: usize,
     max_run_bytes: usize,
@@ -178,10 +211,20 @@ impl HostArena {
                 opts.capacity_bytes
             ));
         }
-        let mut map = MmapOptions::new()
-            .len(bytes)
-            .map_anon()
-            .map_err(|source| StorageError::Map { bytes, source })?;
+        let memfd = if opts.shared {
+            Some(arena_memfd(bytes).map_err(|source| StorageError::Map { bytes, source })?)
+        } else {
+            None
+        };
+        let mut map = match &memfd {
+            // SAFETY: the memfd is sealed against shrinking, so the mapping can never be cut
+            // short; its bytes are reached only through `Frame` handles (see `Inner`), and
+            // another process that maps it reads what frames hold (the lease rules of the
+            // daemon say when).
+            Some(f) => unsafe { MmapOptions::new().len(bytes).map_mut(f) },
+            None => MmapOptions::new().len(bytes).map_anon(),
+        }
+        .map_err(|source| StorageError::Map { bytes, source })?;
         if opts.huge_pages {
             // Advisory only: kernels without THP just keep 4 KiB pages.
             let _ = map.advise(memmap2::Advice::HugePage);
@@ -197,6 +240,7 @@ impl HostArena {
             quota: None,
             inner: Arc::new(Inner {
                 _map: map,
+                memfd,
                 base,
                 bytes_total: bytes,
                 max_run_bytes: max_run,
@@ -209,6 +253,12 @@ impl HostArena {
     /// The largest extent (block run) the arena hands out.
     pub fn max_run_bytes(&self) -> usize {
         self.inner.max_run_bytes
+    }
+
+    /// The memfd behind a shared arena ([`ArenaOptions::shared`]), to pass to an engine process
+    /// that maps the same bytes; None for a private arena.
+    pub fn shared_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.inner.memfd.as_ref().map(AsFd::as_fd)
     }
 
     /// No extent crosses a multiple of this many bytes from the start of the region.
@@ -519,6 +569,26 @@ mod tests {
         assert_eq!(q.used(), 2 * U);
         drop((two, theirs, last));
         assert_eq!((q.used(), a.usage().bytes_used), (0, 0));
+    }
+
+    #[test]
+    fn a_shared_arena_is_one_memfd_that_a_second_mapping_sees() {
+        let mut opts = ArenaOptions::new(16 * U, 4 * U);
+        opts.shared = true;
+        let a = HostArena::new(&opts).unwrap();
+        let mut f = a.alloc(2 * U).unwrap();
+        f.as_mut_slice()[..3].copy_from_slice(&[7, 8, 9]);
+        let fd = a.shared_fd().expect("shared").try_clone_to_owned().unwrap();
+        let file = File::from(fd);
+        assert_eq!(file.metadata().unwrap().len(), 16 * U as u64);
+        // SAFETY: a read-only view of a sealed memfd that outlives it.
+        let view = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+        assert_eq!(&view[f.offset()..f.offset() + 3], &[7, 8, 9]);
+        assert!(file.set_len(U as u64).is_err(), "sealed against shrinking");
+        assert!(HostArena::new(&ArenaOptions::new(16 * U, 4 * U))
+            .unwrap()
+            .shared_fd()
+            .is_none());
     }
 
     #[test]

@@ -22,7 +22,7 @@ ERROR_OPCODE = 0xFFFF
 FLAG_APPEND_SHM = 0x0001
 DECODE_WANT_STATS = 0x1
 #: Opcodes reserved for future tier operations; servers answer them with UNIMPLEMENTED.
-RESERVED_TIER_OPCODES = range(0x0014, 0x0020)
+RESERVED_TIER_OPCODES = range(0x0016, 0x0020)
 
 
 class Op(IntEnum):
@@ -39,6 +39,8 @@ class Op(IntEnum):
     PROMOTE = 0x0011
     PIN = 0x0012
     UNPIN = 0x0013
+    LEASE = 0x0014  # the in-engine data path (docs/protocol.md); not wrapped by this client yet
+    RELEASE = 0x0015
 
     @property
     def reply(self) -> int:

@@ -80,7 +80,7 @@ def test_unreachable_tierd_is_a_typed_error(tmp_path):
 
 
 def test_refused_geometry_names_the_geometry(tierd_factory):
-    # A block run of 2 kv heads x 2 x 128 tokens x 16 dims x 4 bytes = 32 KiB > 4 KiB frames.
+    # A block run of 2 kv heads x 2 x 128 tokens x 16 dims x 4 bytes = 32 KiB > 4 KiB runs.
     sock = tierd_factory("--set", 'host.max_run_bytes="4KiB"', capacity="64MiB")
     m = tiny("llama")
     ids, am = batch(prompt_len=20, pad=0)
@@ -89,7 +89,7 @@ def test_refused_geometry_names_the_geometry(tierd_factory):
             m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
     msg = str(e.value)
     assert "layers=3, q_heads=4, kv_heads=2, head_dim=16, dtype=F32, block_tokens=128" in msg
-    assert "frame" in msg
+    assert "host.max_run_bytes" in msg
     # And a geometry no tierd accepts: block_tokens above 4096.
     sock2 = tierd_factory()
     with KvtierCache(m, socket=sock2, block_tokens=8192) as c:

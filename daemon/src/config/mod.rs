@@ -114,6 +114,10 @@ pub struct HostConfig {
     pub huge_pages: bool,
     /// mlock the arena (needs LimitMEMLOCK); pinned memory for the GPU backend implies it.
     pub lock_memory: bool,
+    /// Back the arena with a memfd that engine processes may map (LEASE, the in-engine data
+    /// path). Off by default: shared memory gets transparent huge pages only where the
+    /// kernel's `shmem_enabled` allows them.
+    pub shared: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -381,6 +385,7 @@ impl Default for HostConfig {
             max_run_bytes: ByteSize(kvtier_storage::arena::DEFAULT_MAX_RUN_BYTES as u64),
             huge_pages: true,
             lock_memory: false,
+            shared: false,
         }
     }
 }

@@ -44,6 +44,7 @@ use kvtier_protocol::ErrorCode;
 
 mod coalesce;
 mod decode;
+mod lease;
 mod recovery;
 mod stats;
 mod tiering;
@@ -100,6 +101,8 @@ pub struct Session {
     pub created_unix_ms: u64,
     last_access_unix_ms: AtomicU64,
     pinned: std::sync::atomic::AtomicBool,
+    /// Connections holding a LEASE (see `lease.rs`): while any does, no extent is freed.
+    leases: std::sync::atomic::AtomicU32,
     /// Why its stored data could not be read back at startup, if it could not. Such a session
     /// stays listed (SESSION_INFO, LIST: its manifest token counts) so the loss is visible;
     /// every use answers DATA_LOSS; CLOSE deletes its NVMe record and pages, which stay
@@ -135,6 +138,8 @@ pub struct Engine {
     /// sessions.
     host_quotas: Mutex<HashMap<u32, Arc<HostQuota>>>,
     next_id: AtomicU64,
+    /// Random per start: LEASE reports it, so an engine can tell a restarted daemon.
+    instance: u64,
     pub counters: Counters,
     metrics: Metrics,
     /// The fetch-stage histogram, registered only when a colder tier exists to fetch from.
@@ -150,6 +155,21 @@ fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// 64 random bits from the kernel (the clock and pid, should getrandom fail).
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most `b.len()` bytes into `b`.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n == b.len() as isize {
+        u64::from_le_bytes(b)
+    } else {
+        let t = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        t ^ (u64::from(std::process::id()) << 40)
+    }
 }
 
 impl Engine {
@@ -183,6 +203,7 @@ impl Engine {
             host_quotas: Mutex::new(HashMap::new()),
             // Only where getrandom is missing (`fresh_id`): unique, from the clock.
             next_id: AtomicU64::new(now_ms() << 12),
+            instance: random_u64(),
             counters: Counters::default(),
             metrics: Metrics::disabled(),
             fetch_seconds: None,
@@ -477,6 +498,7 @@ impl Engine {
             if st.closed {
                 return Err(ServiceError::not_found(id));
             }
+            s.check_unleased("removing the session")?;
             if let (Some((tier, _)), true) = (&self.tier, st.stored) {
                 tier.delete_session(id).map_err(nvme_error)?;
                 st.stored = false;
@@ -519,6 +541,7 @@ impl Session {
             created_unix_ms: now,
             last_access_unix_ms: AtomicU64::new(now),
             pinned: std::sync::atomic::AtomicBool::new(false),
+            leases: std::sync::atomic::AtomicU32::new(0),
             damaged: None,
             state: Mutex::new(SessionState {
                 kv,

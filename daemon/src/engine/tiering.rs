@@ -145,6 +145,7 @@ impl Engine {
 
     /// Persists the session and frees every host frame it holds; returns the frames freed.
     pub(super) fn demote_locked(&self, s: &Session, st: &mut SessionState) -> ServiceResult<usize> {
+        s.check_unleased("demoting it")?;
         self.persist_locked(s, st)?;
         let mut freed = 0;
         for l in 0..s.geometry.layers {
@@ -236,7 +237,9 @@ impl Engine {
                 .filter(|r| over.contains(r));
             table
                 .values()
-                .filter(|s| !exclude.contains(&s.id) && !s.pinned.load(Ordering::Relaxed))
+                .filter(|s| {
+                    !exclude.contains(&s.id) && !s.pinned.load(Ordering::Relaxed) && s.leases() == 0
+                })
                 .filter(|s| only.is_none_or(|r| s.owner_uid == r))
                 .cloned()
                 .collect()
