@@ -141,6 +141,37 @@ fn lease_needs_the_shared_arena_and_release_needs_a_lease() {
     );
 }
 
+/// Only trusted engines may map the arena: a second uid, not an admin, is PERMISSION_DENIED
+/// even for its own session.
+#[test]
+fn a_non_admin_uid_cannot_lease() {
+    if !is_root() {
+        eprintln!("skipped: needs root to run a second uid");
+        return;
+    }
+    let d = shared_daemon(None);
+    run_as_nobody(
+        "lease_as_nobody",
+        &[("KVTIER_LEASE_SOCKET", d.path().to_str().unwrap())],
+        "lease refused",
+    );
+}
+
+/// The second-uid half of `a_non_admin_uid_cannot_lease`.
+#[test]
+#[ignore = "run as a second uid by a_non_admin_uid_cannot_lease"]
+fn lease_as_nobody() {
+    let Ok(path) = std::env::var("KVTIER_LEASE_SOCKET") else {
+        return;
+    };
+    let mut c = Client::connect(&path).unwrap();
+    let (id, _) = open(&mut c, "mine", 20, 5);
+    let e = c.lease(id).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::PermissionDenied), "{e}");
+    assert!(e.to_string().contains("admin"), "{e}");
+    println!("lease refused");
+}
+
 #[test]
 fn an_engine_reads_runs_in_place_and_holds_them_until_it_is_killed() {
     let d = shared_daemon(None);

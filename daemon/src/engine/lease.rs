@@ -19,13 +19,25 @@ use crate::error::{ServiceError, ServiceResult};
 impl Engine {
     /// The block table of session `id` for a lease; `new_lease` counts a lease the caller did
     /// not hold yet (a connection's repeated LEASE refreshes the table).
+    ///
+    /// The descriptor a lease hands out maps the whole arena, every session's runs: only
+    /// trusted engines may have it, admin peers and the daemon's own uid. They may lease any
+    /// session.
     pub fn lease(&self, peer: &Peer, id: u64, new_lease: bool) -> ServiceResult<LeaseReply> {
         if self.arena.shared_fd().is_none() {
             return Err(ServiceError::precondition(
                 "LEASE needs the host arena shared with engines: set host.shared = true",
             ));
         }
-        let s = self.lookup_live(peer, id)?;
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let own_uid = unsafe { libc::geteuid() };
+        if !self.is_admin(peer) && peer.uid != own_uid {
+            return Err(ServiceError::denied(
+                "LEASE maps the whole host arena (every session's KV): only admin peers \
+                 (auth.admin_uids / auth.admin_gids) and tierd's own uid may lease",
+            ));
+        }
+        let s = self.lookup_live_as(peer, id, true)?;
         let st = s.state.lock();
         if st.closed {
             return Err(ServiceError::not_found(id));

@@ -322,7 +322,12 @@ impl Engine {
     /// [`Engine::lookup`] for an operation on the session's data: DATA_LOSS for a session
     /// whose stored data failed verification at startup.
     fn lookup_live(&self, peer: &Peer, id: u64) -> ServiceResult<Arc<Session>> {
-        let s = self.lookup(peer, id, false)?;
+        self.lookup_live_as(peer, id, false)
+    }
+
+    /// [`Engine::lookup_live`], for any uid's session when `admin_ok` and `peer` is an admin.
+    fn lookup_live_as(&self, peer: &Peer, id: u64, admin_ok: bool) -> ServiceResult<Arc<Session>> {
+        let s = self.lookup(peer, id, admin_ok)?;
         if let Some(reason) = &s.damaged {
             return Err(ServiceError::new(
                 ErrorCode::DataLoss,
