@@ -8,13 +8,13 @@
 use std::io;
 use std::os::fd::OwnedFd;
 
-use memmap2::{Mmap, MmapOptions};
+use memmap2::{MmapOptions, MmapRaw};
 
 use crate::types::{LeaseLayer, LeaseReply};
 
-/// The daemon's host arena, mapped read-only.
+/// The daemon's host arena, mapped in this process; read only through it.
 pub struct ArenaView {
-    map: Mmap,
+    map: MmapRaw,
 }
 
 impl std::fmt::Debug for ArenaView {
@@ -26,9 +26,19 @@ impl std::fmt::Debug for ArenaView {
 }
 
 impl ArenaView {
-    /// Maps the arena descriptor a LEASE reply carried. Fails if the descriptor holds fewer
-    /// bytes than the lease says the arena has.
+    /// Maps the arena descriptor a LEASE reply carried, read-only. Fails if the descriptor
+    /// holds fewer bytes than the lease says the arena has.
     pub fn map(fd: OwnedFd, lease: &LeaseReply) -> io::Result<Self> {
+        Self::map_with(fd, lease, false)
+    }
+
+    /// As [`ArenaView::map`], but mapped read-write underneath, for a GPU driver that cannot
+    /// register read-only memory. This view still only reads; the engine must not write.
+    pub fn map_for_registration(fd: OwnedFd, lease: &LeaseReply) -> io::Result<Self> {
+        Self::map_with(fd, lease, true)
+    }
+
+    fn map_with(fd: OwnedFd, lease: &LeaseReply, writable: bool) -> io::Result<Self> {
         let file = std::fs::File::from(fd);
         let len = file.metadata()?.len();
         if len < lease.arena_bytes {
@@ -40,14 +50,12 @@ impl ArenaView {
                 ),
             ));
         }
-        // SAFETY: a read-only shared view of the daemon's memfd, which is sealed against
-        // shrinking (the mapping can never be cut short). Its bytes change under us only
-        // where the lease rules allow (extents not named by a held lease, rows past `tokens`);
-        // readers take them as plain bytes, never as references to typed data.
-        let map = unsafe {
-            MmapOptions::new()
-                .len(lease.arena_bytes as usize)
-                .map(&file)?
+        let mut opts = MmapOptions::new();
+        opts.len(lease.arena_bytes as usize);
+        let map = if writable {
+            opts.map_raw(&file)?
+        } else {
+            opts.map_raw_read_only(&file)?
         };
         Ok(ArenaView { map })
     }
@@ -57,7 +65,7 @@ impl ArenaView {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.map.len() == 0
     }
 
     /// Start address of the mapping (to register it with a GPU driver in this process).
@@ -72,7 +80,16 @@ impl ArenaView {
         if at == LeaseLayer::COLD {
             return None;
         }
-        let end = at.checked_add(lease.run_bytes)?;
-        self.map.get(at as usize..usize::try_from(end).ok()?)
+        let end = usize::try_from(at.checked_add(lease.run_bytes)?).ok()?;
+        if end > self.map.len() {
+            return None;
+        }
+        // SAFETY: [at, end) lies inside the live shared mapping of the daemon's memfd, which is
+        // sealed against shrinking (it can never be cut short). Its bytes change under us only
+        // where the lease rules allow (extents a held lease does not name, rows past
+        // `tokens`); they are read as plain bytes, never as typed data with invariants.
+        Some(unsafe {
+            std::slice::from_raw_parts(self.map.as_ptr().add(at as usize), end - at as usize)
+        })
     }
 }

@@ -690,8 +690,9 @@ fn first_non_finite_block(
 }
 
 /// Recomputes one block's `[kv_head][max|min][D]` bounds from the first `valid` stored keys of
-/// its run (exactly what folding them in one by one on append produces).
-fn refold_bounds(geo: &Geometry, run: &[u8], valid: usize, summ: &mut [f32]) {
+/// its run (exactly what folding them in one by one on append produces): the summary of
+/// [`LayerView::summaries`], for an engine that reads runs in place (LEASE).
+pub fn refold_bounds(geo: &Geometry, run: &[u8], valid: usize, summ: &mut [f32]) {
     let (d, row) = (geo.head_dim as usize, geo.row_bytes());
     let mut key = [0f32; MAX_HEAD_DIM as usize];
     let key = &mut key[..d];

@@ -155,6 +155,36 @@ impl PinnedRegion {
         len: usize,
         chunk_len: usize,
     ) -> Result<Self> {
+        // SAFETY: forwarded caller contract.
+        unsafe { Self::register_chunked_with(ctx, base, len, chunk_len, false) }
+    }
+
+    /// As [`PinnedRegion::register_chunked`] for a read-only mapping (another process's
+    /// memory, mapped `PROT_READ`): registered `CU_MEMHOSTREGISTER_READ_ONLY`, the device only
+    /// reads it. [`PinnedRegion::host_mut`] stays None.
+    ///
+    /// # Safety
+    /// The range must be a live (at least readable) mapping that stays mapped, and is not
+    /// registered elsewhere in this process, until the returned region is dropped.
+    pub unsafe fn register_chunked_read_only(
+        ctx: &Arc<CudaContext>,
+        base: *const u8,
+        len: usize,
+        chunk_len: usize,
+    ) -> Result<Self> {
+        // SAFETY: forwarded caller contract; with read_only the driver and device never write.
+        unsafe { Self::register_chunked_with(ctx, base.cast_mut(), len, chunk_len, true) }
+    }
+
+    /// # Safety
+    /// See the callers.
+    unsafe fn register_chunked_with(
+        ctx: &Arc<CudaContext>,
+        base: *mut u8,
+        len: usize,
+        chunk_len: usize,
+        read_only: bool,
+    ) -> Result<Self> {
         let base = NonNull::new(base).ok_or(CudaError::EmptyRegion)?;
         if len == 0 {
             return Err(CudaError::EmptyRegion);
@@ -183,7 +213,10 @@ impl PinnedRegion {
             ctx: ctx.clone(),
             owned: None,
         };
-        let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+        let mut flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+        if read_only {
+            flags |= sys::CU_MEMHOSTREGISTER_READ_ONLY;
+        }
         let mut offset = 0;
         while offset < len {
             let clen = chunk_len.min(len - offset);

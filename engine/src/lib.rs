@@ -1,0 +1,353 @@
+//! kvtier-engine: the in-engine data path. An engine process leases sessions from tierd
+//! (LEASE, docs/protocol.md §5.10), maps tierd's shared host arena, registers it with its own
+//! CUDA context and runs the selector, the gather and the attention on its own device over the
+//! leased block runs, read in place over PCIe. No tensor crosses the socket, which carries
+//! control (LEASE, PROMOTE) and appends (APPEND_KV).
+//!
+//! ```text
+//! engine process                                   tierd
+//!   InEngine ──LEASE(session)──────────────────▶  block table + arena memfd (SCM_RIGHTS)
+//!     ArenaView (read-only map) ── cuMemHostRegister(READ_ONLY) ── CudaBackend
+//!     sync: map new runs, bounds of new blocks (from the runs), token counts
+//!     decode_layer / decode_step: select, gather, attend on the engine's device
+//! ```
+//!
+//! The lease keeps every run the engine maps where it is (tierd refuses DEMOTE, CLOSE and
+//! EVICT of a leased session and passes over it under memory pressure) until the engine's
+//! connection closes. Block bounds (the selector's summaries) are recomputed here from the
+//! runs, with the daemon's own function, so selection is bit-identical to tierd's CUDA path.
+//!
+//! What is not here yet: taking q, k, v and the output as device pointers (today host slices,
+//! as `CudaBackend` takes them), CUDA graph capture, a Python binding, and appends written by
+//! the engine into the arena (they go through APPEND_KV).
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use kvtier_kernels::cuda::{
+    CudaBackend, CudaConfig, CudaError, DecodeItem, LayerOutput, PinnedRegion, StepItem, StepOutput,
+};
+use kvtier_protocol::client::{Client, ClientError};
+use kvtier_protocol::lease::ArenaView;
+use kvtier_protocol::{Geometry, LeaseLayer, LeaseReply};
+use kvtier_storage::kv::refold_bounds;
+
+/// Bytes per cuMemHostRegister call: tierd's arena segment (no block run crosses one).
+const REGISTER_CHUNK: usize = 1 << 30;
+
+/// Failures of the in-engine path.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A request to tierd failed (its error reply, or the connection).
+    #[error("tierd: {0}")]
+    Daemon(#[from] ClientError),
+    /// The device side.
+    #[error("cuda: {0}")]
+    Cuda(#[from] CudaError),
+    /// tierd restarted since this engine mapped its arena: every mapping and table is stale.
+    #[error("tierd restarted (instance {old:016x}, now {new:016x}): open a new engine")]
+    Restarted { old: u64, new: u64 },
+    /// A session of another geometry or policy than this engine's backend.
+    #[error("session {session}: {reason}")]
+    Session { session: u64, reason: String },
+    #[error("mapping the arena: {0}")]
+    Map(#[from] std::io::Error),
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;
+
+/// What the device holds of one session layer.
+#[derive(Debug, Clone, Default)]
+struct LayerSync {
+    tokens: u64,
+    /// Leading blocks whose (final) bounds are on the device.
+    final_blocks: usize,
+    /// Arena offset each block is mapped to.
+    offsets: Vec<u64>,
+}
+
+#[derive(Debug)]
+struct EngineSession {
+    slot: u32,
+    layers: Vec<LayerSync>,
+}
+
+/// The arena mapped and registered: dropped after the backend that reads it.
+struct Mapped {
+    instance: u64,
+    // Field order is drop order: the registration goes before the mapping it covers.
+    _region: Arc<PinnedRegion>,
+    view: ArenaView,
+}
+
+/// One engine's in-process decode path over tierd's arena, for sessions of one geometry and
+/// policy (`CudaConfig`), on one device.
+pub struct InEngine {
+    client: Client,
+    be: CudaBackend,
+    sessions: HashMap<u64, EngineSession>,
+    free_slots: Vec<u32>,
+    mapped: Option<Mapped>,
+}
+
+impl std::fmt::Debug for InEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InEngine")
+            .field("sessions", &self.sessions.len())
+            .field("mapped", &self.mapped.as_ref().map(|m| m.view.len()))
+            .finish()
+    }
+}
+
+impl InEngine {
+    /// Connects to tierd at `socket` (as an admin peer or tierd's own uid: LEASE maps the
+    /// whole arena) and creates the device backend on CUDA device `device`.
+    pub fn connect(socket: &Path, device: usize, cfg: CudaConfig) -> Result<Self> {
+        let client = Client::connect_as(socket, "kvtier-engine")?;
+        let be = CudaBackend::new(device, cfg)?;
+        let free_slots = (0..be.config().max_sessions).rev().collect();
+        Ok(InEngine {
+            client,
+            be,
+            sessions: HashMap::new(),
+            free_slots,
+            mapped: None,
+        })
+    }
+
+    /// The control connection, for appends (APPEND_KV) and the other requests.
+    pub fn client(&mut self) -> &mut Client {
+        &mut self.client
+    }
+
+    pub fn config(&self) -> &CudaConfig {
+        self.be.config()
+    }
+
+    /// Device slot of an attached session (for [`DecodeItem`]/[`StepItem`]).
+    pub fn slot(&self, session: u64) -> Option<u32> {
+        self.sessions.get(&session).map(|s| s.slot)
+    }
+
+    /// Leases `session` and gives it device state, synced ([`InEngine::sync`]).
+    pub fn attach(&mut self, session: u64) -> Result<u32> {
+        if let Some(s) = self.sessions.get(&session) {
+            return Ok(s.slot);
+        }
+        let info = self.client.session_info(session)?;
+        let cfg = self.be.config().clone();
+        if info.geometry != cfg.geometry || info.policy != cfg.policy {
+            return Err(EngineError::Session {
+                session,
+                reason: format!(
+                    "geometry {:?} / policy {:?} is not this engine's ({:?} / {:?})",
+                    info.geometry, info.policy, cfg.geometry, cfg.policy
+                ),
+            });
+        }
+        let slot = self.free_slots.pop().ok_or_else(|| EngineError::Session {
+            session,
+            reason: format!("all {} device slots are in use", cfg.max_sessions),
+        })?;
+        if let Err(e) = self.be.open_session(slot) {
+            self.free_slots.push(slot);
+            return Err(e.into());
+        }
+        let layers = vec![LayerSync::default(); cfg.geometry.layers as usize];
+        self.sessions
+            .insert(session, EngineSession { slot, layers });
+        if let Err(e) = self.sync(session) {
+            self.detach(session)?;
+            return Err(e);
+        }
+        Ok(slot)
+    }
+
+    /// Releases `session` and frees its device slot.
+    pub fn detach(&mut self, session: u64) -> Result<()> {
+        if let Some(s) = self.sessions.remove(&session) {
+            self.be.close_session(s.slot)?;
+            self.free_slots.push(s.slot);
+            self.client.release(session)?;
+        }
+        Ok(())
+    }
+
+    /// Brings the device up to date with `session` as tierd holds it now: one LEASE (the
+    /// table), then the runs of new or moved blocks mapped, bounds of blocks that grew
+    /// uploaded, token counts set. Blocks on NVMe are promoted first (one PROMOTE), since the
+    /// device may select any block.
+    pub fn sync(&mut self, session: u64) -> Result<()> {
+        let mut lease = self.lease(session)?;
+        if lease
+            .layers
+            .iter()
+            .any(|l| l.offsets.contains(&LeaseLayer::COLD))
+        {
+            self.client.promote(session)?;
+            lease = self.lease(session)?;
+        }
+        let view = &self.mapped.as_ref().expect("mapped by lease").view;
+        let s = self.sessions.get_mut(&session).expect("attached");
+        let geo = self.be.config().geometry;
+        for (l, (ls, want)) in s.layers.iter_mut().zip(&lease.layers).enumerate() {
+            sync_layer(&mut self.be, view, &lease, &geo, s.slot, l, ls, want)?;
+        }
+        Ok(())
+    }
+
+    /// One layer of attention for a batch of attached sessions, each `(session, q)` with q
+    /// `[q_heads x head_dim]`. Call [`InEngine::sync`] after appending.
+    pub fn decode_layer(&mut self, layer: u32, items: &[(u64, &[f32])]) -> Result<LayerOutput> {
+        let items = items
+            .iter()
+            .map(|&(session, q)| {
+                Ok(DecodeItem {
+                    slot: self.slot_of(session)?,
+                    q,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.be.decode_layer(layer, &items)?)
+    }
+
+    /// Every layer for a batch, `(session, q)` with q `[layers x q_heads x head_dim]`, with
+    /// one synchronization at the end.
+    pub fn decode_step(&mut self, items: &[(u64, &[f32])]) -> Result<StepOutput> {
+        let items = items
+            .iter()
+            .map(|&(session, q)| {
+                Ok(StepItem {
+                    slot: self.slot_of(session)?,
+                    q,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.be.decode_step(&items)?)
+    }
+
+    /// Keep-sets of the last call at `layer`: `[batch][kv_head]` ascending block ids.
+    pub fn last_keep_sets(&self, layer: u32) -> Result<Vec<Vec<Vec<u32>>>> {
+        Ok(self.be.last_keep_sets(layer)?)
+    }
+
+    fn slot_of(&self, session: u64) -> Result<u32> {
+        self.slot(session).ok_or_else(|| EngineError::Session {
+            session,
+            reason: "not attached to this engine".into(),
+        })
+    }
+
+    /// LEASE, mapping and registering the arena on the first one; a reply from another
+    /// daemon instance than the mapped one is [`EngineError::Restarted`].
+    fn lease(&mut self, session: u64) -> Result<LeaseReply> {
+        let (lease, fd) = self.client.lease(session)?;
+        match &self.mapped {
+            Some(m) if m.instance != lease.instance => Err(EngineError::Restarted {
+                old: m.instance,
+                new: lease.instance,
+            }),
+            Some(_) => Ok(lease),
+            None => {
+                let (view, region) = register(&self.be, fd, &lease)?;
+                self.be.attach_host(region.clone())?;
+                self.mapped = Some(Mapped {
+                    instance: lease.instance,
+                    _region: region,
+                    view,
+                });
+                Ok(lease)
+            }
+        }
+    }
+}
+
+/// Maps the arena and registers it with the backend's context: read-only where the driver
+/// supports it (`CU_MEMHOSTREGISTER_READ_ONLY`), else over a read-write mapping of the same
+/// memfd (the device still only reads it; this process never writes through it).
+fn register(
+    be: &CudaBackend,
+    fd: std::os::fd::OwnedFd,
+    lease: &LeaseReply,
+) -> Result<(ArenaView, Arc<PinnedRegion>)> {
+    let ctx = be.context().clone();
+    let second = fd.try_clone()?;
+    let view = ArenaView::map(fd, lease)?;
+    // SAFETY: `view` is a live mapping that the caller keeps (in `Mapped`) until after the
+    // registration (declared before it) is dropped; nothing else in this process registers it.
+    let ro = unsafe {
+        PinnedRegion::register_chunked_read_only(&ctx, view.as_ptr(), view.len(), REGISTER_CHUNK)
+    };
+    match ro {
+        Ok(region) => Ok((view, Arc::new(region))),
+        Err(CudaError::Pin { .. }) => {
+            drop(view);
+            let view = ArenaView::map_for_registration(second, lease)?;
+            // SAFETY: as above; the mapping is writable, so a plain registration pins it.
+            let region = unsafe {
+                PinnedRegion::register_chunked(
+                    &ctx,
+                    view.as_ptr().cast_mut(),
+                    view.len(),
+                    REGISTER_CHUNK,
+                )
+            }?;
+            Ok((view, Arc::new(region)))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Uploads what changed in one session layer: runs of new or moved blocks, bounds from the
+/// first non-final block on (recomputed from the runs with the daemon's function, so they are
+/// the daemon's bounds bit for bit), the token count.
+#[allow(clippy::too_many_arguments)]
+fn sync_layer(
+    be: &mut CudaBackend,
+    view: &ArenaView,
+    lease: &LeaseReply,
+    geo: &Geometry,
+    slot: u32,
+    layer: usize,
+    ls: &mut LayerSync,
+    want: &LeaseLayer,
+) -> Result<()> {
+    let l = layer as u32;
+    let nb = want.offsets.len();
+    let mut b = 0;
+    while b < nb {
+        if ls.offsets.get(b) == Some(&want.offsets[b]) {
+            b += 1;
+            continue;
+        }
+        let start = b;
+        while b < nb && ls.offsets.get(b) != Some(&want.offsets[b]) {
+            b += 1;
+        }
+        be.map_blocks(slot, l, start as u32, &want.offsets[start..b])?;
+    }
+    ls.offsets = want.offsets.clone();
+    let bt = geo.block_tokens as u64;
+    let spb = geo.summary_floats_per_block();
+    if ls.final_blocks < nb {
+        let mut sums = vec![0f32; (nb - ls.final_blocks) * spb];
+        for (i, blk) in (ls.final_blocks..nb).enumerate() {
+            let run = view
+                .run(lease, layer, blk)
+                .ok_or_else(|| EngineError::Session {
+                    session: 0,
+                    reason: format!("layer {layer} block {blk} is not in the mapped arena"),
+                })?;
+            let valid = (want.tokens - blk as u64 * bt).min(bt) as usize;
+            refold_bounds(geo, run, valid, &mut sums[i * spb..(i + 1) * spb]);
+        }
+        be.upload_summaries(slot, l, ls.final_blocks as u32, &sums)?;
+    }
+    ls.final_blocks = (want.tokens / bt) as usize;
+    if want.tokens != ls.tokens {
+        be.set_tokens(slot, l, want.tokens as u32)?;
+        ls.tokens = want.tokens;
+    }
+    Ok(())
+}

@@ -1,0 +1,126 @@
+//! The in-engine path on a GPU against tierd's own CUDA path, over a real tierd: the same
+//! appended data and queries give bit-identical keep-sets and outputs (and the outputs match
+//! the dense oracle over the keep-set), and a restarted tierd is a typed error for the engine.
+//! Skips (saying so) without a CUDA device.
+
+use kvtier_engine::{EngineError, InEngine};
+use kvtier_kernels::cuda::{AttentionMath, CudaConfig, SummaryDtype};
+use kvtier_protocol::client::ClientError;
+use kvtier_protocol::{DType, Geometry};
+use kvtier_tests::kv::f32_bytes;
+use kvtier_tests::session::{entry, policy, Shadow};
+use kvtier_tests::{bins, Tierd};
+
+/// Qwen2.5-7B's attention shape (28 query heads, 4 KV heads, D=128, bf16, 128-token blocks) on
+/// 3 layers.
+const GEO: Geometry = Geometry::new(3, 28, 4, 128, DType::Bf16, 128);
+
+/// The configuration tierd's CUDA decoder gives such sessions by default (gpu/decoder.rs).
+fn daemon_like_config() -> CudaConfig {
+    let p = policy();
+    CudaConfig {
+        geometry: GEO,
+        policy: p,
+        max_sessions: 8,
+        max_blocks: 8192,
+        max_batch: 8,
+        cache_slots: (2 * p.budget()) as u32,
+        summary_dtype: SummaryDtype::F32,
+        attention: AttentionMath::TensorCores,
+    }
+}
+
+fn cuda_tierd(dir: Option<tempfile::TempDir>) -> Tierd {
+    let b = Tierd::builder(bins::tierd())
+        .host_capacity("2GiB")
+        .args(["--backend", "cuda"])
+        .set("host.shared=true");
+    match dir {
+        Some(d) => b.dir(d).start(),
+        None => b.start(),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
+fn the_in_engine_path_answers_bit_identically_to_the_daemons_cuda_path() {
+    if !kvtier_kernels::cuda::device_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let d = cuda_tierd(None);
+    let mut c = d.client();
+    // Session a decodes through tierd (DECODE), b in this process; both hold the same KV.
+    let a = c.create_session(GEO, policy(), "daemon-path").unwrap();
+    let b = c.create_session(GEO, policy(), "in-engine").unwrap();
+    let mut sh = Shadow::new(GEO, 2024);
+    let prefill = 4000u32; // 32 blocks, the last partial
+    let chunk = 500u32;
+    let mut at = 0;
+    while at < prefill {
+        let p = sh.payload(chunk as usize);
+        c.append_kv(a, at as u64, chunk, &p).unwrap();
+        c.append_kv(b, at as u64, chunk, &p).unwrap();
+        at += chunk;
+    }
+    let mut engine = InEngine::connect(d.path(), 0, daemon_like_config()).unwrap();
+    engine.attach(b).unwrap();
+
+    let layers = GEO.layers as usize;
+    let mut compared = 0;
+    for step in 0..12 {
+        let pos = sh.tokens(0);
+        let inputs: Vec<_> = (0..layers).map(|l| sh.step_input(l)).collect();
+        // tierd's path: one DECODE per layer (append + attend), keep-sets in the stats.
+        let daemon: Vec<_> = inputs
+            .iter()
+            .enumerate()
+            .map(|(l, (q, k, v))| {
+                let out = c
+                    .decode(l as u32, entry(a, pos, &f32_bytes(q), k, v), true)
+                    .unwrap();
+                sh.check(l, q, &out);
+                out
+            })
+            .collect();
+        // The engine's: one APPEND_KV of the step's rows, one sync, then attention per layer.
+        let payload: Vec<u8> = inputs
+            .iter()
+            .flat_map(|(_, k, v)| k.iter().chain(v.iter()).copied())
+            .collect();
+        c.append_kv(b, pos, 1, &payload).unwrap();
+        engine.sync(b).unwrap();
+        for (l, (q, _, _)) in inputs.iter().enumerate() {
+            let got = engine.decode_layer(l as u32, &[(b, q)]).unwrap();
+            let keep = engine.last_keep_sets(l as u32).unwrap();
+            let want = &daemon[l];
+            assert_eq!(
+                keep[0],
+                want.stats.as_ref().unwrap().selected,
+                "step {step} layer {l}: keep-sets"
+            );
+            let same = got
+                .out
+                .iter()
+                .zip(&want.out)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "step {step} layer {l}: outputs differ");
+            compared += 1;
+        }
+    }
+    eprintln!("in-engine == tierd's CUDA path, bit for bit, over {compared} layer steps");
+
+    // tierd restarts: the engine's next sync is a typed error, not a hang or stale data.
+    let dir = d.stop(false);
+    let d = cuda_tierd(Some(dir));
+    match engine.sync(b) {
+        Err(EngineError::Daemon(ClientError::Closed | ClientError::Io(_))) => {}
+        other => panic!("expected a closed connection, got {other:?}"),
+    }
+    // A new engine over the restarted tierd serves the session again.
+    let mut again = InEngine::connect(d.path(), 0, daemon_like_config()).unwrap();
+    again.attach(b).unwrap();
+    let q = vec![0.25f32; (GEO.q_heads * GEO.head_dim) as usize];
+    let out = again.decode_layer(0, &[(b, &q)]).unwrap();
+    assert!(out.out.iter().all(|x| x.is_finite()));
+}
