@@ -136,7 +136,7 @@ impl InEngine {
             return Ok(s.slot);
         }
         let info = self.client.session_info(session)?;
-        let cfg = self.be.config().clone();
+        let cfg = *self.be.config();
         if info.geometry != cfg.geometry || info.policy != cfg.policy {
             return Err(EngineError::Session {
                 session,
