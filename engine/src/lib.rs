@@ -26,7 +26,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use kvtier_kernels::cuda::{
-    CudaBackend, CudaConfig, CudaError, DecodeItem, LayerOutput, PinnedRegion, StepItem, StepOutput,
+    CudaBackend, CudaConfig, CudaError, DecodeItem, LayerOutput, PinnedRegion, StepItem,
+    StepOutput, Timing,
 };
 use kvtier_protocol::client::{Client, ClientError};
 use kvtier_protocol::lease::ArenaView;
@@ -48,7 +49,7 @@ pub enum EngineError {
     /// tierd restarted since this engine mapped its arena: every mapping and table is stale.
     #[error("tierd restarted (instance {old:016x}, now {new:016x}): open a new engine")]
     Restarted { old: u64, new: u64 },
-    /// A session of another geometry or policy than this engine's backend.
+    /// A session of another geometry than this engine's backend, or no free device slot.
     #[error("session {session}: {reason}")]
     Session { session: u64, reason: String },
     #[error("mapping the arena: {0}")]
@@ -76,6 +77,7 @@ struct EngineSession {
 /// The arena mapped and registered: dropped after the backend that reads it.
 struct Mapped {
     instance: u64,
+    read_only: bool,
     // Field order is drop order: the registration goes before the mapping it covers.
     _region: Arc<PinnedRegion>,
     view: ArenaView,
@@ -137,12 +139,14 @@ impl InEngine {
         }
         let info = self.client.session_info(session)?;
         let cfg = *self.be.config();
-        if info.geometry != cfg.geometry || info.policy != cfg.policy {
+        // The keep-set policy is the engine's own (its CudaConfig); the session's is what
+        // tierd uses when it decodes the session itself.
+        if info.geometry != cfg.geometry {
             return Err(EngineError::Session {
                 session,
                 reason: format!(
-                    "geometry {:?} / policy {:?} is not this engine's ({:?} / {:?})",
-                    info.geometry, info.policy, cfg.geometry, cfg.policy
+                    "geometry {:?} is not this engine's ({:?})",
+                    info.geometry, cfg.geometry
                 ),
             });
         }
@@ -227,6 +231,22 @@ impl InEngine {
         Ok(self.be.decode_step(&items)?)
     }
 
+    /// Device timing of later calls (`Timing::Step`: `StepOutput::step_ms`).
+    pub fn set_timing(&mut self, timing: Timing) -> Result<()> {
+        Ok(self.be.set_timing(timing)?)
+    }
+
+    /// Empties the device's block cache (the next step reads every kept tile over PCIe).
+    pub fn flush_cache(&mut self) -> Result<()> {
+        Ok(self.be.flush_cache()?)
+    }
+
+    /// Whether the arena is registered read-only (`CU_MEMHOSTREGISTER_READ_ONLY`) rather than
+    /// over a read-write mapping; None before the first lease.
+    pub fn registered_read_only(&self) -> Option<bool> {
+        self.mapped.as_ref().map(|m| m.read_only)
+    }
+
     /// Keep-sets of the last call at `layer`: `[batch][kv_head]` ascending block ids.
     pub fn last_keep_sets(&self, layer: u32) -> Result<Vec<Vec<Vec<u32>>>> {
         Ok(self.be.last_keep_sets(layer)?)
@@ -250,10 +270,11 @@ impl InEngine {
             }),
             Some(_) => Ok(lease),
             None => {
-                let (view, region) = register(&self.be, fd, &lease)?;
+                let (view, region, read_only) = register(&self.be, fd, &lease)?;
                 self.be.attach_host(region.clone())?;
                 self.mapped = Some(Mapped {
                     instance: lease.instance,
+                    read_only,
                     _region: region,
                     view,
                 });
@@ -270,7 +291,7 @@ fn register(
     be: &CudaBackend,
     fd: std::os::fd::OwnedFd,
     lease: &LeaseReply,
-) -> Result<(ArenaView, Arc<PinnedRegion>)> {
+) -> Result<(ArenaView, Arc<PinnedRegion>, bool)> {
     let ctx = be.context().clone();
     let second = fd.try_clone()?;
     let view = ArenaView::map(fd, lease)?;
@@ -280,7 +301,7 @@ fn register(
         PinnedRegion::register_chunked_read_only(&ctx, view.as_ptr(), view.len(), REGISTER_CHUNK)
     };
     match ro {
-        Ok(region) => Ok((view, Arc::new(region))),
+        Ok(region) => Ok((view, Arc::new(region), true)),
         Err(CudaError::Pin { .. }) => {
             drop(view);
             let view = ArenaView::map_for_registration(second, lease)?;
@@ -293,7 +314,7 @@ fn register(
                     REGISTER_CHUNK,
                 )
             }?;
-            Ok((view, Arc::new(region)))
+            Ok((view, Arc::new(region), false))
         }
         Err(e) => Err(e.into()),
     }
@@ -331,18 +352,32 @@ fn sync_layer(
     let bt = geo.block_tokens as u64;
     let spb = geo.summary_floats_per_block();
     if ls.final_blocks < nb {
-        let mut sums = vec![0f32; (nb - ls.final_blocks) * spb];
-        for (i, blk) in (ls.final_blocks..nb).enumerate() {
-            let run = view
-                .run(lease, layer, blk)
-                .ok_or_else(|| EngineError::Session {
-                    session: 0,
-                    reason: format!("layer {layer} block {blk} is not in the mapped arena"),
-                })?;
-            let valid = (want.tokens - blk as u64 * bt).min(bt) as usize;
-            refold_bounds(geo, run, valid, &mut sums[i * spb..(i + 1) * spb]);
-        }
-        be.upload_summaries(slot, l, ls.final_blocks as u32, &sums)?;
+        let first = ls.final_blocks;
+        let mut sums = vec![0f32; (nb - first) * spb];
+        let runs = (first..nb)
+            .map(|blk| {
+                view.run(lease, layer, blk)
+                    .ok_or_else(|| EngineError::Session {
+                        session: 0,
+                        reason: format!("layer {layer} block {blk} is not in the mapped arena"),
+                    })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // A first sync of a long session recomputes every block's bounds: on every core.
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let per = runs.len().div_ceil(threads).max(1);
+        std::thread::scope(|sc| {
+            for (ci, (out, rs)) in sums.chunks_mut(per * spb).zip(runs.chunks(per)).enumerate() {
+                sc.spawn(move || {
+                    for (i, run) in rs.iter().enumerate() {
+                        let blk = (first + ci * per + i) as u64;
+                        let valid = (want.tokens - blk * bt).min(bt) as usize;
+                        refold_bounds(geo, run, valid, &mut out[i * spb..(i + 1) * spb]);
+                    }
+                });
+            }
+        });
+        be.upload_summaries(slot, l, first as u32, &sums)?;
     }
     ls.final_blocks = (want.tokens / bt) as usize;
     if want.tokens != ls.tokens {
