@@ -16,12 +16,13 @@ if [ -f $D/kvtier.ptx ] && command -v ptxas >/dev/null; then
 fi
 if [ "${RUN_TESTS:-1}" = 1 ]; then
   for t in $D/gpu_compile $D/gpu_attention $D/gpu_selector $D/gpu_cache_and_launch $D/gpu_errors \
-    $D/kvtier_kernels $D/gpu_decode $D/gpu_daemon; do
+    $D/kvtier_kernels $D/gpu_decode $D/gpu_daemon $D/gpu_engine; do
     [ -x "$t" ] || continue
     log "test $t"
     # GPU tests are #[ignore]d (with the reason) so machines without a device report them
-    # as ignored, not passed; here they run.
-    "$t" --include-ignored --nocapture --test-threads=4 2>&1 | tee -a "$OUT/tests.txt" | grep -vE "^$"
+    # as ignored, not passed; here they run. gpu_engine starts the prebuilt tierd.
+    KVTIER_TEST_TIERD="$PWD/$D/tierd" "$t" --include-ignored --nocapture --test-threads=4 2>&1 \
+      | tee -a "$OUT/tests.txt" | grep -vE "^$"
   done
 fi
 if [ -x $D/gpu_bench ] && [ "${RUN_BENCH:-0}" = 1 ]; then
