@@ -257,3 +257,37 @@ fn a_released_lease_frees_the_session_and_a_restart_is_a_typed_error() {
     assert_ne!(after.instance, before.instance);
     assert_eq!(after.layers.len(), before.layers.len());
 }
+
+#[test]
+fn memory_pressure_passes_over_a_leased_session() {
+    // 96 runs of 4 KiB; each session below holds 2 x 20 = 40 of them.
+    let d = harness()
+        .set("host.shared=true")
+        .set("host.capacity=\"384KiB\"")
+        .start();
+    let mut c = d.client();
+    let (leased, mut sh) = open(&mut c, "leased", 320, 11);
+    let mut engine = d.client_as("engine");
+    let (table, fd) = engine.lease(leased).unwrap();
+    let view = ArenaView::map(fd, &table).unwrap();
+    let before: Vec<u64> = (0..2)
+        .flat_map(|l| (0..20).map(move |b| (l, b)))
+        .map(|(l, b)| fnv1a(view.run(&table, l, b).unwrap()))
+        .collect();
+    // Three more sessions overflow the tier: pressure demotes the others, never the leased one.
+    let others: Vec<_> = (0..3).map(|i| open(&mut c, "", 320, 20 + i)).collect();
+    let stats = c.stats().unwrap();
+    assert!(stats.get("demotions_total").unwrap() >= 2, "{stats:?}");
+    assert_eq!(c.session_info(leased).unwrap().host_bytes, 40 * 4096);
+    let after: Vec<u64> = (0..2)
+        .flat_map(|l| (0..20).map(move |b| (l, b)))
+        .map(|(l, b)| fnv1a(view.run(&table, l, b).unwrap()))
+        .collect();
+    assert_eq!(after, before, "the runs the engine maps are untouched");
+    // Released, it is the least recently used again: the next pressure may demote it.
+    engine.release(leased).unwrap();
+    sh.step(&mut c, leased);
+    for (id, mut s) in others {
+        s.step(&mut c, id);
+    }
+}
