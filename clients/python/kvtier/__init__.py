@@ -1,6 +1,6 @@
 """Python client for kvtier's tierd daemon (protocol v1, see docs/protocol.md)."""
 
-from .client import Client, sealed_memfd
+from .client import ArenaLease, Client, sealed_memfd
 from .protocol import (
     PROTOCOL_VERSION,
     STATS_KEYS,
@@ -23,6 +23,7 @@ from .protocol import (
 )
 
 __all__ = [
+    "ArenaLease",
     "Client",
     "sealed_memfd",
     "PROTOCOL_VERSION",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import fcntl
+import mmap
 import os
 import socket
 from typing import List, Optional, Sequence
@@ -42,6 +43,42 @@ def sealed_memfd(payload, name: str = "kvtier-append") -> int:
         os.close(fd)
         raise
     return fd
+
+
+class ArenaLease:
+    """A LEASE (docs/protocol.md 5.10): the session's block table (`table`) and tierd's shared
+    host arena, mapped read-only. `run(layer, block)` reads a block run in place (uint8, no
+    copy). The runs stay where the table says until `Client.release` or until the connection
+    that leased closes; drop the arrays `run` returned before `close`."""
+
+    def __init__(self, table: p.LeaseReply, fd: int):
+        self.table = table
+        try:
+            size = os.fstat(fd).st_size
+            if size < table.arena_bytes:
+                raise ProtocolError(f"arena descriptor holds {size} bytes, the lease says {table.arena_bytes}")
+            self._map = mmap.mmap(fd, table.arena_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+
+    def run(self, layer: int, block: int) -> Optional[np.ndarray]:
+        """The run of (layer, block), or None for a block only on NVMe."""
+        at = int(self.table.layers[layer].offsets[block])
+        if at == p.LEASE_COLD:
+            return None
+        n = self.table.run_bytes
+        if at + n > len(self._map):
+            raise ProtocolError(f"run at {at} past the arena's {len(self._map)} bytes")
+        return np.frombuffer(self._map, dtype=np.uint8, count=n, offset=at)
+
+    def close(self) -> None:
+        self._map.close()
+
+    def __enter__(self) -> "ArenaLease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class Client:
@@ -154,10 +191,29 @@ class Client:
         """Pin (never demote) or unpin the session."""
         self._call(Op.PIN if pinned else Op.UNPIN, p.encode_session(session))
 
+    def lease(self, session: int) -> "ArenaLease":
+        """LEASE: the session's block table and tierd's shared host arena, mapped read-only
+        (docs/protocol.md 5.10). tierd keeps every run the table names in place until
+        `release` or until this connection closes. Needs tierd's `host.shared = true` and an
+        admin peer (or tierd's own uid)."""
+        fds: List[int] = []
+        reply = self._call(Op.LEASE, p.encode_session(session), fds=fds)
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"LEASE reply with {len(fds)} descriptors, expected 1")
+        return ArenaLease(reply, fds[0])
+
+    def release(self, session: int) -> None:
+        """RELEASE: end this connection's lease of the session."""
+        self._call(Op.RELEASE, p.encode_session(session))
+
     # -- plumbing -------------------------------------------------------------------------
 
     def _call(self, op: Op, body: bytes = b"", flags: int = 0, tail: bytes = b"",
-              fd: Optional[int] = None):
+              fd: Optional[int] = None, fds: Optional[List[int]] = None):
+        """Sends a request (with `fd` attached) and reads its reply; descriptors that come with
+        the reply are appended to `fds` (closed and refused when `fds` is None)."""
         rid = self._next_id
         self._next_id = (self._next_id + 1) % (1 << 64)
         body_len = len(body) + len(tail)
@@ -175,24 +231,43 @@ class Client:
             self._sock.sendall(head[sent:])
         if tail:
             self._sock.sendall(tail)
-        return self._read_reply(rid, op)
+        got: List[int] = []
+        try:
+            reply = self._read_reply(rid, op, got)
+        except BaseException:
+            for d in got:
+                os.close(d)
+            raise
+        if fds is None:
+            for d in got:
+                os.close(d)
+            if got:
+                raise ProtocolError(f"{len(got)} unexpected descriptors with the reply")
+        else:
+            fds.extend(got)
+        return reply
 
-    def _recv_exact(self, n: int) -> bytearray:
+    def _recv_exact(self, n: int, fds: List[int]) -> bytearray:
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
+        space = socket.CMSG_SPACE(4 * 4)
         while got < n:
-            k = self._sock.recv_into(view[got:])
+            k, anc, _, _ = self._sock.recvmsg_into([view[got:]], space)
+            for level, kind, data in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    usable = len(data) - len(data) % 4
+                    fds.extend(array.array("i", data[:usable]))
             if k == 0:
                 raise ConnectionError("server closed the connection")
             got += k
         return buf
 
-    def _read_reply(self, rid: int, op: Op):
-        body_len, reply_id, opcode, flags = p.decode_header(bytes(self._recv_exact(p.HEADER_LEN)))
+    def _read_reply(self, rid: int, op: Op, fds: List[int]):
+        body_len, reply_id, opcode, flags = p.decode_header(bytes(self._recv_exact(p.HEADER_LEN, fds)))
         if body_len > self.server.max_frame_bytes:
             raise ProtocolError(f"reply body of {body_len} bytes exceeds {self.server.max_frame_bytes}")
-        body = self._recv_exact(body_len) if body_len else b""
+        body = self._recv_exact(body_len, fds) if body_len else b""
         reply = p.decode_reply(opcode, flags, body)
         if isinstance(reply, p.ErrorReply):
             # id 0: the server could not parse our header and is closing the connection.

@@ -39,7 +39,7 @@ class Op(IntEnum):
     PROMOTE = 0x0011
     PIN = 0x0012
     UNPIN = 0x0013
-    LEASE = 0x0014  # the in-engine data path (docs/protocol.md); not wrapped by this client yet
+    LEASE = 0x0014  # reading block runs in place (docs/protocol.md 5.10)
     RELEASE = 0x0015
 
     @property
@@ -530,10 +530,40 @@ def decode_reply(opcode: int, flags: int, body) -> Reply:
                 k = r.str("stats key")
                 stats[k] = r.u64("stats value")
             out = stats
-        else:  # CLOSE_SESSION, EVICT, PIN, UNPIN
+        elif op is Op.LEASE:
+            instance, arena_bytes, run_bytes = r.u64("instance"), r.u64("arena_bytes"), r.u64("run_bytes")
+            layers = []
+            for _ in range(r.count("lease layers", 12)):
+                tokens = r.u64("tokens")
+                n = r.count("lease blocks", 8)
+                offsets = np.frombuffer(r.take(8 * n, "block offsets"), dtype="<u8").astype(np.uint64)
+                layers.append(LeaseLayer(tokens, offsets))
+            out = LeaseReply(instance, arena_bytes, run_bytes, layers)
+        else:  # CLOSE_SESSION, EVICT, PIN, UNPIN, RELEASE
             out = None
     r.finish()
     return out
+
+
+#: A LEASE offset of a block that is only on NVMe.
+LEASE_COLD = (1 << 64) - 1
+
+
+@dataclass
+class LeaseLayer:
+    """One layer of a LEASE reply: stored tokens and each block's run offset in the arena
+    (`LEASE_COLD` for a block only on NVMe)."""
+    tokens: int
+    offsets: np.ndarray
+
+
+@dataclass
+class LeaseReply:
+    """LEASE's reply (docs/protocol.md 5.10); the arena's memfd came with it."""
+    instance: int
+    arena_bytes: int
+    run_bytes: int
+    layers: List[LeaseLayer]
 
 
 def encode_reply_body(op: Op, value) -> bytes:
