@@ -124,3 +124,122 @@ fn the_in_engine_path_answers_bit_identically_to_the_daemons_cuda_path() {
     let out = again.decode_layer(0, &[(b, &q)]).unwrap();
     assert!(out.out.iter().all(|x| x.is_finite()));
 }
+
+/// Queries of the two-process test: layer `l` of session number `i`, deterministic.
+fn query(i: usize, l: usize) -> Vec<f32> {
+    let mut rng = kvtier_storage::testing::Rng::new(0x9e37 + (i * 31 + l) as u64);
+    rng.normals((GEO.q_heads * GEO.head_dim) as usize)
+}
+
+/// Output bits of `session` at every layer, hashed (FNV-1a over the f32 bits).
+fn output_hashes(e: &mut InEngine, i: usize, session: u64) -> Vec<u64> {
+    (0..GEO.layers as usize)
+        .map(|l| {
+            let q = query(i, l);
+            let out = e.decode_layer(l as u32, &[(session, &q)]).unwrap();
+            out.out.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+                (h ^ u64::from(x.to_bits())).wrapping_mul(0x100_0000_01b3)
+            })
+        })
+        .collect()
+}
+
+/// The engine-process half of `two_engine_processes_share_one_arena_on_one_gpu`: attaches the
+/// sessions named in `KVTIER_ENGINE_CHILD` (`socket i:session ...`) and prints their hashes.
+#[test]
+#[ignore = "run as a child process by two_engine_processes_share_one_arena_on_one_gpu"]
+fn engine_child() {
+    let Ok(spec) = std::env::var("KVTIER_ENGINE_CHILD") else {
+        return;
+    };
+    let mut words = spec.split_whitespace();
+    let socket = words.next().unwrap().to_owned();
+    let mut e = InEngine::connect(socket.as_ref(), 0, daemon_like_config()).unwrap();
+    for w in words {
+        let (i, s) = w.split_once(':').unwrap();
+        let (i, s): (usize, u64) = (i.parse().unwrap(), s.parse().unwrap());
+        e.attach(s).unwrap();
+        let h = output_hashes(&mut e, i, s);
+        println!("hashes {i} {h:?}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
+fn two_engine_processes_share_one_arena_on_one_gpu() {
+    if !kvtier_kernels::cuda::device_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    // tierd on the CPU: only the engines use the device.
+    let d = Tierd::builder(bins::tierd())
+        .host_capacity("2GiB")
+        .args(["--backend", "cpu"])
+        .set("host.shared=true")
+        .start();
+    let mut c = d.client();
+    let sessions: Vec<u64> = (0..4)
+        .map(|i| {
+            let s = c.create_session(GEO, policy(), "shared").unwrap();
+            let mut sh = Shadow::new(GEO, 77 + i);
+            for at in (0..2000).step_by(500) {
+                c.append_kv(s, at, 500, &sh.payload(500)).unwrap();
+            }
+            s
+        })
+        .collect();
+    // One engine serving all four: the reference.
+    let want: Vec<Vec<u64>> = {
+        let mut e = InEngine::connect(d.path(), 0, daemon_like_config()).unwrap();
+        sessions
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| {
+                e.attach(s).unwrap();
+                output_hashes(&mut e, i, s)
+            })
+            .collect()
+    };
+    // Two engine processes at once, two sessions each, over the same arena.
+    let spawn = |pairs: &[(usize, u64)]| {
+        let mut spec = d.path().to_str().unwrap().to_owned();
+        for (i, s) in pairs {
+            spec.push_str(&format!(" {i}:{s}"));
+        }
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "engine_child",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("KVTIER_ENGINE_CHILD", spec)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let children = [
+        spawn(&[(0, sessions[0]), (1, sessions[1])]),
+        spawn(&[(2, sessions[2]), (3, sessions[3])]),
+    ];
+    let mut seen = 0;
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "an engine process failed");
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let Some(at) = line.find("hashes ") else {
+                continue;
+            };
+            let rest = &line[at + 7..];
+            let (i, h) = rest.split_once(' ').unwrap();
+            let i: usize = i.parse().unwrap();
+            assert_eq!(h, format!("{:?}", want[i]), "session {i}: outputs differ");
+            seen += 1;
+        }
+    }
+    assert_eq!(
+        seen, 4,
+        "every session answered by one of the two processes"
+    );
+}
