@@ -9,5 +9,8 @@ source scripts/pyenv.sh
 # The binaries the end-to-end tests (tests/tests) run; they would build them themselves.
 cargo build --quiet -p tierd -p tierctl -p kvtier-bench --bin tierd --bin tierctl --bin tierbench
 cargo test --workspace
+# kvtier.engine's extension module (the in-engine path's Python binding), next to the package.
+cargo build --quiet -p kvtier-native
+cp target/debug/libkvtier_native.so clients/python/kvtier/_native.abi3.so
 kvtier_pyenv
 KVTIER_TIERD="$PWD/target/debug/tierd" "$PY" -m pytest -q clients/python

@@ -1,0 +1,120 @@
+//! `kvtier._native`: the Python binding of `kvtier-engine` (the in-engine data path). Thin on
+//! purpose: sessions by id, queries and outputs as little-endian f32 bytes; `kvtier.engine`
+//! wraps it with numpy shapes and the package's types.
+
+use kvtier_engine::InEngine;
+use kvtier_kernels::cuda::{AttentionMath, CudaConfig, SummaryDtype};
+use kvtier_protocol::{dtype_from_wire, Geometry, Policy};
+use pyo3::create_exception;
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+create_exception!(_native, EngineError, PyRuntimeError, "An in-engine path failure.");
+
+fn err(e: impl std::fmt::Display) -> PyErr {
+    EngineError::new_err(e.to_string())
+}
+
+/// One engine: tierd's sessions leased and decoded on CUDA device `device`.
+#[pyclass(unsendable)]
+struct Engine {
+    inner: InEngine,
+}
+
+#[pymethods]
+impl Engine {
+    /// `geometry` = (layers, q_heads, kv_heads, head_dim, dtype code, block_tokens),
+    /// `policy` = (sink_blocks, local_blocks, top_k).
+    #[new]
+    #[pyo3(signature = (socket, device, geometry, policy, max_sessions = 8, max_blocks = 8192))]
+    fn new(
+        socket: &str,
+        device: usize,
+        geometry: (u32, u32, u32, u32, u8, u32),
+        policy: (u32, u32, u32),
+        max_sessions: u32,
+        max_blocks: u32,
+    ) -> PyResult<Self> {
+        if !kvtier_kernels::cuda::device_available() {
+            return Err(err("no CUDA device (or no CUDA driver) on this machine"));
+        }
+        let (layers, q_heads, kv_heads, head_dim, dtype, block_tokens) = geometry;
+        let dtype = dtype_from_wire(dtype).map_err(err)?;
+        let geometry = Geometry::new(layers, q_heads, kv_heads, head_dim, dtype, block_tokens);
+        let policy = Policy {
+            sink_blocks: policy.0,
+            local_blocks: policy.1,
+            top_k: policy.2,
+        };
+        let cfg = CudaConfig {
+            max_batch: max_sessions,
+            cache_slots: (2 * policy.budget()).min(u64::from(u32::MAX)) as u32,
+            // As tierd's own CUDA decoder: f32 bounds (the CPU selector's keep-sets), tensor
+            // cores where the geometry allows.
+            attention: AttentionMath::TensorCores,
+            ..CudaConfig::new(geometry, policy, max_blocks, max_sessions, SummaryDtype::F32)
+        };
+        let inner = InEngine::connect(socket.as_ref(), device, cfg).map_err(err)?;
+        Ok(Engine { inner })
+    }
+
+    /// Leases the session and syncs it to the device; returns its device slot.
+    fn attach(&mut self, session: u64) -> PyResult<u32> {
+        self.inner.attach(session).map_err(err)
+    }
+
+    /// Brings the device up to date with what tierd holds now (after appends).
+    fn sync(&mut self, session: u64) -> PyResult<()> {
+        self.inner.sync(session).map_err(err)
+    }
+
+    /// Releases the session and frees its device slot.
+    fn detach(&mut self, session: u64) -> PyResult<()> {
+        self.inner.detach(session).map_err(err)
+    }
+
+    /// One layer for `sessions`, with `q` their `[n][q_heads * head_dim]` f32 queries as
+    /// little-endian bytes; returns the outputs the same way.
+    fn decode_layer<'py>(
+        &mut self,
+        py: Python<'py>,
+        layer: u32,
+        sessions: Vec<u64>,
+        q: &[u8],
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let g = self.inner.config().geometry;
+        let per = (g.q_heads * g.head_dim) as usize;
+        if q.len() != sessions.len() * per * 4 {
+            return Err(err(format!(
+                "q holds {} bytes, expected {} sessions x {per} f32",
+                q.len(),
+                sessions.len()
+            )));
+        }
+        let qf: Vec<f32> = q
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let items: Vec<(u64, &[f32])> = sessions
+            .iter()
+            .zip(qf.chunks_exact(per))
+            .map(|(&s, q)| (s, q))
+            .collect();
+        let out = self.inner.decode_layer(layer, &items).map_err(err)?;
+        let bytes: Vec<u8> = out.out.iter().flat_map(|x| x.to_le_bytes()).collect();
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Keep-sets of the last call at `layer`: [session][kv_head] ascending block ids.
+    fn keep_sets(&self, layer: u32) -> PyResult<Vec<Vec<Vec<u32>>>> {
+        self.inner.last_keep_sets(layer).map_err(err)
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Engine>()?;
+    m.add("EngineError", m.py().get_type::<EngineError>())?;
+    Ok(())
+}
