@@ -10,7 +10,12 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-create_exception!(_native, EngineError, PyRuntimeError, "An in-engine path failure.");
+create_exception!(
+    _native,
+    EngineError,
+    PyRuntimeError,
+    "An in-engine path failure."
+);
 
 fn err(e: impl std::fmt::Display) -> PyErr {
     EngineError::new_err(e.to_string())
@@ -53,7 +58,13 @@ impl Engine {
             // As tierd's own CUDA decoder: f32 bounds (the CPU selector's keep-sets), tensor
             // cores where the geometry allows.
             attention: AttentionMath::TensorCores,
-            ..CudaConfig::new(geometry, policy, max_blocks, max_sessions, SummaryDtype::F32)
+            ..CudaConfig::new(
+                geometry,
+                policy,
+                max_blocks,
+                max_sessions,
+                SummaryDtype::F32,
+            )
         };
         let inner = InEngine::connect(socket.as_ref(), device, cfg).map_err(err)?;
         Ok(Engine { inner })
