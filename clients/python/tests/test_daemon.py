@@ -180,53 +180,39 @@ def test_demote_promote_and_pin(daemon):
         assert c.stats()["demotions_total"] == 1
 
 
-def test_lease_reads_block_runs_in_place(tmp_path):
+def test_lease_reads_block_runs_in_place(tierd_factory):
     """LEASE with tierd's shared arena: the runs read in place are the appended rows laid out
     per KV head (K tile, then V tile); DEMOTE waits for RELEASE."""
-    sock = str(tmp_path / "s.sock")
-    proc = subprocess.Popen(
-        [tierd_binary(), "--socket", sock, "--host-capacity", "64MiB",
-         "--set", 'host.max_run_bytes="4KiB"', "--set", "host.shared=true", "--log-level", "warn",
-         "--set", f'nvme.dir="{tmp_path / "state"}"', "--set", 'nvme.capacity="64MiB"'],
-        stdin=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.time() + 20
-        while not os.path.exists(sock):
-            assert proc.poll() is None and time.time() < deadline, "tierd did not start"
-            time.sleep(0.02)
-        time.sleep(0.05)
-        c = Client(sock)
-        n = 40  # 3 blocks of 16, the last partial
-        rng = np.random.default_rng(5)
-        rows = [[f32_to_bf16(rng.standard_normal((n, G.kv_heads, G.head_dim), dtype=np.float32))
-                 for _ in range(2)] for _ in range(G.layers)]
-        s = c.create_session(G, POLICY, "leased")
-        payload = b"".join(kv.tobytes() for layer in rows for kv in layer)
-        c.append_kv(s, 0, n, payload)
-        lease = c.lease(s)
-        bt, d = G.block_tokens, G.head_dim
-        assert lease.table.run_bytes == 4096 and len(lease.table.layers) == G.layers
-        for l in range(G.layers):
-            assert lease.table.layers[l].tokens == n
-            for b in range(3):
-                run = lease.run(l, b).view("<u2").reshape(G.kv_heads, 2, bt, d)
-                want = np.zeros((G.kv_heads, 2, bt, d), dtype=np.uint16)
-                toks = rows[l][0][b * bt:(b + 1) * bt]
-                want[:, 0, :len(toks)] = toks.transpose(1, 0, 2)
-                want[:, 1, :len(toks)] = rows[l][1][b * bt:(b + 1) * bt].transpose(1, 0, 2)
-                assert np.array_equal(run, want), (l, b)
-                del run
-        with pytest.raises(ServerError) as e:
-            c.demote(s)
-        assert e.value.code == ErrorCode.FAILED_PRECONDITION and "leased" in str(e.value)
+    sock = tierd_factory("--set", 'host.max_run_bytes="4KiB"', "--set", "host.shared=true",
+                         capacity="64MiB")
+    c = Client(sock)
+    n = 40  # 3 blocks of 16, the last partial
+    rng = np.random.default_rng(5)
+    rows = [[f32_to_bf16(rng.standard_normal((n, G.kv_heads, G.head_dim), dtype=np.float32))
+             for _ in range(2)] for _ in range(G.layers)]
+    s = c.create_session(G, POLICY, "leased")
+    payload = b"".join(kv.tobytes() for layer in rows for kv in layer)
+    c.append_kv(s, 0, n, payload)
+    lease = c.lease(s)
+    bt, d = G.block_tokens, G.head_dim
+    assert lease.table.run_bytes == 4096 and len(lease.table.layers) == G.layers
+    for l in range(G.layers):
+        assert lease.table.layers[l].tokens == n
+        for b in range(3):
+            run = lease.run(l, b).view("<u2").reshape(G.kv_heads, 2, bt, d)
+            want = np.zeros((G.kv_heads, 2, bt, d), dtype=np.uint16)
+            for i in range(2):  # K, then V
+                toks = rows[l][i][b * bt:(b + 1) * bt]
+                want[:, i, :len(toks)] = toks.transpose(1, 0, 2)
+            assert np.array_equal(run, want), (l, b)
+            del run
+    with pytest.raises(ServerError) as e:
+        c.demote(s)
+    assert e.value.code == ErrorCode.FAILED_PRECONDITION and "leased" in str(e.value)
+    c.release(s)
+    assert c.demote(s) > 0
+    lease.close()
+    with pytest.raises(ServerError) as e:
         c.release(s)
-        assert c.demote(s) > 0
-        lease.close()
-        with pytest.raises(ServerError) as e:
-            c.release(s)
-        assert e.value.code == ErrorCode.FAILED_PRECONDITION
-        c.disconnect()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
+    assert e.value.code == ErrorCode.FAILED_PRECONDITION
+    c.disconnect()

@@ -3,8 +3,6 @@ missing device is a typed error. With one (the GPU host): decoding a session tie
 this process's device, matches dense attention over the reported keep-set."""
 
 import os
-import subprocess
-import time
 
 import numpy as np
 import pytest
@@ -12,7 +10,7 @@ import pytest
 from kvtier import Client, Dtype, Geometry, Policy, f32_to_bf16, bf16_to_f32
 from kvtier import engine
 
-from test_daemon import dense_on_keep_set, tierd_binary
+from test_daemon import dense_on_keep_set
 
 
 def has_gpu() -> bool:
@@ -29,39 +27,26 @@ def test_the_extension_is_built_and_a_missing_device_is_a_typed_error():
 
 
 @pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
-def test_in_engine_decode_matches_dense_attention_over_its_keep_set(tmp_path):
-    sock = str(tmp_path / "s.sock")
-    proc = subprocess.Popen(
-        [tierd_binary(), "--socket", sock, "--host-capacity", "1GiB", "--backend", "cpu",
-         "--set", "host.shared=true", "--set", "nvme.enabled=false", "--log-level", "warn"],
-        stdin=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 20
-        while not os.path.exists(sock):
-            assert proc.poll() is None and time.time() < deadline, "tierd did not start"
-            time.sleep(0.02)
-        time.sleep(0.05)
-        g = Geometry(2, 28, 4, 128, Dtype.BF16, 128)
-        pol = Policy(sink_blocks=1, local_blocks=2, top_k=3)
-        c = Client(sock)
-        s = c.create_session(g, pol, "py-engine")
-        n = 1500  # 12 blocks, the last partial
-        rng = np.random.default_rng(8)
-        kv = [[f32_to_bf16(rng.standard_normal((n, g.kv_heads, g.head_dim), dtype=np.float32))
-               for _ in range(2)] for _ in range(g.layers)]
-        c.append_kv_shm(s, 0, n, b"".join(x.tobytes() for layer in kv for x in layer))
-        e = engine.InEngine(sock, g, pol)
-        e.attach(s)
-        for layer in range(g.layers):
-            q = rng.standard_normal((1, g.q_heads, g.head_dim), dtype=np.float32)
-            out = e.decode_layer(layer, [s], q)
-            keep = e.keep_sets(layer)[0]
-            assert all(len(k) == 6 for k in keep)
-            k32, v32 = bf16_to_f32(kv[layer][0]), bf16_to_f32(kv[layer][1])
-            want = dense_on_keep_set(q[0], k32, v32, keep, g.block_tokens)
-            err = np.abs(out[0] - want).max() / np.abs(want).max()
-            assert err < 2e-3, (layer, err)
-        e.detach(s)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
+def test_in_engine_decode_matches_dense_attention_over_its_keep_set(tierd_factory):
+    sock = tierd_factory("--backend", "cpu", "--set", "host.shared=true")
+    g = Geometry(2, 28, 4, 128, Dtype.BF16, 128)
+    pol = Policy(sink_blocks=1, local_blocks=2, top_k=3)
+    c = Client(sock)
+    s = c.create_session(g, pol, "py-engine")
+    n = 1500  # 12 blocks, the last partial
+    rng = np.random.default_rng(8)
+    kv = [[f32_to_bf16(rng.standard_normal((n, g.kv_heads, g.head_dim), dtype=np.float32))
+           for _ in range(2)] for _ in range(g.layers)]
+    c.append_kv_shm(s, 0, n, b"".join(x.tobytes() for layer in kv for x in layer))
+    e = engine.InEngine(sock, g, pol)
+    e.attach(s)
+    for layer in range(g.layers):
+        q = rng.standard_normal((1, g.q_heads, g.head_dim), dtype=np.float32)
+        out = e.decode_layer(layer, [s], q)
+        keep = e.keep_sets(layer)[0]
+        assert all(len(k) == 6 for k in keep)
+        k32, v32 = bf16_to_f32(kv[layer][0]), bf16_to_f32(kv[layer][1])
+        want = dense_on_keep_set(q[0], k32, v32, keep, g.block_tokens)
+        err = np.abs(out[0] - want).max() / np.abs(want).max()
+        assert err < 2e-3, (layer, err)
+    e.detach(s)
