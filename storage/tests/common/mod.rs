@@ -1,6 +1,6 @@
 //! Helpers shared by the NVMe tier's integration tests (`nvme_engines`, `nvme_store`,
-//! `nvme_faults`, `nvme_workers`): scratch directories, payload patterns, page-store
-//! configurations and page batches.
+//! `nvme_faults`, `nvme_workers`, `nvme_pages_upgrade`): scratch directories, payload
+//! patterns, page-store configurations and page batches.
 
 #![allow(dead_code)]
 
