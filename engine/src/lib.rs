@@ -29,6 +29,7 @@ use kvtier_kernels::cuda::{
     CudaBackend, CudaConfig, CudaError, DecodeItem, LayerOutput, PinnedRegion, StepItem,
     StepOutput, Timing,
 };
+use kvtier_kernels::remap::stale_runs;
 use kvtier_protocol::client::{Client, ClientError};
 use kvtier_protocol::lease::ArenaView;
 use kvtier_protocol::{Geometry, LeaseLayer, LeaseReply};
@@ -336,17 +337,8 @@ fn sync_layer(
 ) -> Result<()> {
     let l = layer as u32;
     let nb = want.offsets.len();
-    let mut b = 0;
-    while b < nb {
-        if ls.offsets.get(b) == Some(&want.offsets[b]) {
-            b += 1;
-            continue;
-        }
-        let start = b;
-        while b < nb && ls.offsets.get(b) != Some(&want.offsets[b]) {
-            b += 1;
-        }
-        be.map_blocks(slot, l, start as u32, &want.offsets[start..b])?;
+    for run in stale_runs(&ls.offsets, &want.offsets) {
+        be.map_blocks(slot, l, run.start as u32, &want.offsets[run])?;
     }
     ls.offsets = want.offsets.clone();
     let bt = geo.block_tokens as u64;

@@ -20,6 +20,7 @@ pub mod cuda;
 pub mod decode;
 pub mod dense;
 pub mod error;
+pub mod remap;
 pub mod select;
 pub mod simd;
 

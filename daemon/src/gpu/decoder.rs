@@ -15,7 +15,9 @@ use kvtier_storage::{Frame, Geometry, HostArena, LayerView, Policy};
 
 pub use kvtier_kernels::cuda::device_available;
 
-use super::{device_frames, stale_runs, GpuError, GpuSettings};
+use kvtier_kernels::remap::stale_runs;
+
+use super::{device_frames, GpuError, GpuSettings};
 
 /// Device-side bookkeeping of one session layer.
 #[derive(Debug, Clone, Default)]

@@ -43,8 +43,6 @@
 //! invisible to the length bookkeeping when the length grows back: the engine calls
 //! [`GpuDecoder::invalidate`] after any truncation.
 
-use std::ops::Range;
-
 use kvtier_kernels::KernelError;
 use kvtier_storage::{LayerView, StorageError};
 
@@ -101,30 +99,11 @@ fn device_frames(view: &LayerView<'_>, zero: u64) -> Vec<u64> {
         .collect()
 }
 
-/// Maximal runs of blocks whose wanted frame differs from the mapped one (`have` is shorter
-/// than `want` when blocks are new).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the decoder's; tested here
-fn stale_runs(have: &[u64], want: &[u64]) -> Vec<Range<usize>> {
-    let mut runs = Vec::new();
-    let mut b = 0;
-    while b < want.len() {
-        if have.get(b) == Some(&want[b]) {
-            b += 1;
-            continue;
-        }
-        let start = b;
-        while b < want.len() && have.get(b) != Some(&want[b]) {
-            b += 1;
-        }
-        runs.push(start..b);
-    }
-    runs
-}
-
 #[cfg(test)]
 mod tests {
     //! How the device maps blocks: logic that needs no device.
 
+    use kvtier_kernels::remap::stale_runs;
     use kvtier_storage::testing::{Rng, SavedRuns};
     use kvtier_storage::{ArenaOptions, DType, Geometry, HostArena, KvCache};
 
