@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use kvtier_engine::InEngine;
-use kvtier_kernels::cuda::{AttentionMath, CudaConfig, SummaryDtype, Timing};
+use kvtier_kernels::cuda::{CudaConfig, SummaryDtype, Timing};
 use kvtier_protocol::client::Client;
 use kvtier_protocol::fdpass::sealed_memfd;
 use kvtier_protocol::{DType, Geometry, Policy};
@@ -113,10 +113,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             local_blocks: 4,
             top_k: k,
         };
-        let cfg = CudaConfig {
-            attention: AttentionMath::TensorCores,
-            ..CudaConfig::new(geo, policy, n_blocks + 8, max_batch, SummaryDtype::F32)
-        };
+        let cfg = CudaConfig::new(geo, policy, n_blocks + 8, max_batch, SummaryDtype::F32);
         let t1 = Instant::now();
         let mut e = InEngine::connect(&a.socket, 0, cfg)?;
         for &s in &sessions {

@@ -4,7 +4,7 @@
 //! Skips (saying so) without a CUDA device.
 
 use kvtier_engine::{EngineError, InEngine};
-use kvtier_kernels::cuda::{AttentionMath, CudaConfig, SummaryDtype};
+use kvtier_kernels::cuda::{CudaConfig, SummaryDtype};
 use kvtier_protocol::client::ClientError;
 use kvtier_protocol::{DType, Geometry};
 use kvtier_tests::kv::f32_bytes;
@@ -15,19 +15,10 @@ use kvtier_tests::{bins, Tierd};
 /// 3 layers.
 const GEO: Geometry = Geometry::new(3, 28, 4, 128, DType::Bf16, 128);
 
-/// The configuration tierd's CUDA decoder gives such sessions by default (gpu/decoder.rs).
+/// The configuration tierd's CUDA decoder gives such sessions by default (gpu/decoder.rs,
+/// backend.cuda defaults: 8 sessions of up to 8192 blocks).
 fn daemon_like_config() -> CudaConfig {
-    let p = policy();
-    CudaConfig {
-        geometry: GEO,
-        policy: p,
-        max_sessions: 8,
-        max_blocks: 8192,
-        max_batch: 8,
-        cache_slots: (2 * p.budget()) as u32,
-        summary_dtype: SummaryDtype::F32,
-        attention: AttentionMath::TensorCores,
-    }
+    CudaConfig::new(GEO, policy(), 8192, 8, SummaryDtype::F32)
 }
 
 fn cuda_tierd(dir: Option<tempfile::TempDir>) -> Tierd {

@@ -6,8 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvtier_kernels::cuda::{
-    device_context, AttentionMath, CudaBackend, CudaConfig, CudaError, DecodeItem, PinnedRegion,
-    SummaryDtype,
+    device_context, CudaBackend, CudaConfig, CudaError, DecodeItem, PinnedRegion, SummaryDtype,
 };
 use kvtier_kernels::select::KeepSet;
 use kvtier_kernels::{Appended, Attended, Backend, DecodeEntry, KernelError};
@@ -134,24 +133,25 @@ impl GpuDecoder {
     /// The backend configuration a (geometry, policy) would run with, validated.
     fn config_for(&self, geo: &Geometry, policy: &Policy) -> Result<CudaConfig, GpuError> {
         let s = &self.settings;
+        // CudaConfig::new's tile cache (twice the keep-set) unless configured, and its tensor
+        // cores where the geometry allows (outputs within ~2e-6 of the fp32 path, hot steps
+        // ~20% faster: bench/gpu/NOTES.md v27). f32 summaries: selection bit-identical to the
+        // CPU selector (bf16 would select differently, and is slower on the GPU today).
+        let base = CudaConfig::new(
+            *geo,
+            *policy,
+            s.max_blocks,
+            s.max_sessions,
+            SummaryDtype::F32,
+        );
         let cfg = CudaConfig {
-            geometry: *geo,
-            policy: *policy,
-            max_sessions: s.max_sessions,
-            max_blocks: s.max_blocks,
             max_batch: s.max_batch.min(s.max_sessions),
             cache_slots: if s.cache_slots == 0 {
-                // Validated policy fields are at most 2^20 each: no truncation.
-                (2 * policy.budget()) as u32
+                base.cache_slots
             } else {
                 s.cache_slots
             },
-            // f32: selection bit-identical to the CPU selector (bf16 summaries would select
-            // differently from the CPU path, and are slower on the GPU today: bench/gpu/NOTES).
-            summary_dtype: SummaryDtype::F32,
-            // Tensor cores where the geometry allows (outputs within ~2e-6 of the fp32 path,
-            // hot steps ~20% faster: bench/gpu/NOTES.md v27); fp32 FMAs elsewhere.
-            attention: AttentionMath::TensorCores,
+            ..base
         };
         cfg.validate()?;
         Ok(cfg)

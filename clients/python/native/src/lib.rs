@@ -3,7 +3,7 @@
 //! wraps it with numpy shapes and the package's types.
 
 use kvtier_engine::InEngine;
-use kvtier_kernels::cuda::{AttentionMath, CudaConfig, SummaryDtype};
+use kvtier_kernels::cuda::{CudaConfig, SummaryDtype};
 use kvtier_protocol::{dtype_from_wire, Geometry, Policy};
 use pyo3::create_exception;
 use pyo3::exceptions::PyRuntimeError;
@@ -52,20 +52,14 @@ impl Engine {
             local_blocks: policy.1,
             top_k: policy.2,
         };
-        let cfg = CudaConfig {
-            max_batch: max_sessions,
-            cache_slots: (2 * policy.budget()).min(u64::from(u32::MAX)) as u32,
-            // As tierd's own CUDA decoder: f32 bounds (the CPU selector's keep-sets), tensor
-            // cores where the geometry allows.
-            attention: AttentionMath::TensorCores,
-            ..CudaConfig::new(
-                geometry,
-                policy,
-                max_blocks,
-                max_sessions,
-                SummaryDtype::F32,
-            )
-        };
+        // As tierd's own CUDA decoder: f32 bounds (the CPU selector's keep-sets).
+        let cfg = CudaConfig::new(
+            geometry,
+            policy,
+            max_blocks,
+            max_sessions,
+            SummaryDtype::F32,
+        );
         let inner = InEngine::connect(socket.as_ref(), device, cfg).map_err(err)?;
         Ok(Engine { inner })
     }
