@@ -55,6 +55,9 @@ pub enum EngineError {
     Session { session: u64, reason: String },
     #[error("mapping the arena: {0}")]
     Map(#[from] std::io::Error),
+    /// A lease names a run outside the mapped arena (a table of another arena).
+    #[error("layer {layer} block {block}: the lease names a run outside the mapped arena")]
+    Unmapped { layer: usize, block: usize },
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;
@@ -349,10 +352,7 @@ fn sync_layer(
         let runs = (first..nb)
             .map(|blk| {
                 view.run(lease, layer, blk)
-                    .ok_or_else(|| EngineError::Session {
-                        session: 0,
-                        reason: format!("layer {layer} block {blk} is not in the mapped arena"),
-                    })
+                    .ok_or(EngineError::Unmapped { layer, block: blk })
             })
             .collect::<Result<Vec<_>>>()?;
         // A first sync of a long session recomputes every block's bounds: on every core.
