@@ -78,11 +78,6 @@ impl Extents {
         self.by_len.last().map_or(0, |&(len, _)| len)
     }
 
-    /// Most units one extent may have (a segment).
-    pub fn segment(&self) -> u64 {
-        self.segment
-    }
-
     /// How many extents of `len` units would fit now, without allocating (at most `cap`).
     pub fn fits(&self, len: u64, cap: u64) -> u64 {
         if len == 0 {
