@@ -17,17 +17,25 @@
 //! connection closes. Block bounds (the selector's summaries) are recomputed here from the
 //! runs, with the daemon's own function, so selection is bit-identical to tierd's CUDA path.
 //!
-//! What is not here yet: taking q, k, v and the output as device pointers (today host slices,
-//! as `CudaBackend` takes them), CUDA graph capture, a Python binding, and appends written by
-//! the engine into the arena (they go through APPEND_KV).
+//! Two ways to decode. With host slices (`decode_layer`, `decode_step`) each call uploads q and
+//! waits for the output. The device path takes the engine's own device buffers: `bind` fixes a
+//! batch (its token counts uploaded once), then `decode_layer_device` enqueues a layer behind
+//! the engine's stream and returns at once, writing the output and its log-sum-exp, so the
+//! engine can merge attention over tokens it still holds itself (the Python package's
+//! `kvtier.engine.DeviceBatch` keeps each session's newest tokens on the GPU that way and hands
+//! them to tierd a block at a time).
+//!
+//! What is not here yet: appends written by the engine into the arena (they go through
+//! APPEND_KV) and CUDA graph capture of the kvtier layer itself (its launch parameters change
+//! per call; the engine's own kernels around it can be captured).
 
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
 use kvtier_kernels::cuda::{
-    CudaBackend, CudaConfig, CudaError, DecodeItem, LayerOutput, PinnedRegion, StepItem,
-    StepOutput, Timing,
+    CUstream, CudaBackend, CudaConfig, CudaError, DecodeItem, DeviceIo, LayerOutput, LayerStats,
+    PinnedRegion, StepItem, StepOutput, Timing,
 };
 use kvtier_kernels::remap::stale_runs;
 use kvtier_protocol::client::{Client, ClientError};
@@ -233,6 +241,39 @@ impl InEngine {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(self.be.decode_step(&items)?)
+    }
+
+    /// Binds the batch of later [`InEngine::decode_layer_device`] calls: `sessions` (attached,
+    /// synced) in this order. Bind again after any [`InEngine::sync`], attach or detach.
+    pub fn bind(&mut self, sessions: &[u64]) -> Result<()> {
+        let slots = sessions
+            .iter()
+            .map(|&s| self.slot_of(s))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.be.bind_batch(&slots)?)
+    }
+
+    /// One layer for the bound batch on the engine's device buffers, enqueued behind `stream`'s
+    /// work so far and ahead of what `stream` gets next; returns without waiting. `io.q` and
+    /// `io.out` are `[batch][q_heads x head_dim]` f32, `io.lse` `[batch][q_heads]` f32 (or 0).
+    ///
+    /// # Safety
+    /// As [`CudaBackend::enqueue_layer_device`]: the addresses are live device buffers of the
+    /// device's primary context of at least those sizes, until `stream` has passed this work;
+    /// `stream` is a live stream of that context.
+    pub unsafe fn decode_layer_device(
+        &mut self,
+        layer: u32,
+        io: DeviceIo,
+        stream: CUstream,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        Ok(unsafe { self.be.enqueue_layer_device(layer, io, stream) }?)
+    }
+
+    /// Per-layer statistics of the device calls since [`InEngine::bind`] (waits for them).
+    pub fn bound_stats(&mut self) -> Result<Vec<LayerStats>> {
+        Ok(self.be.bound_stats()?)
     }
 
     /// Device timing of later calls (`Timing::Step`: `StepOutput::step_ms`).

@@ -100,6 +100,7 @@ fn the_in_engine_path_answers_bit_identically_to_the_daemons_cuda_path() {
         }
     }
     eprintln!("in-engine == tierd's CUDA path, bit for bit, over {compared} layer steps");
+    device_path_matches_the_host_path(&mut engine, b, &mut sh);
 
     // tierd restarts: the engine's next sync is a typed error, not a hang or stale data.
     let dir = d.stop(false);
@@ -114,6 +115,64 @@ fn the_in_engine_path_answers_bit_identically_to_the_daemons_cuda_path() {
     let q = vec![0.25f32; (GEO.q_heads * GEO.head_dim) as usize];
     let out = again.decode_layer(0, &[(b, &q)]).unwrap();
     assert!(out.out.iter().all(|x| x.is_finite()));
+}
+
+/// The device path (the engine's own device buffers, enqueued on its stream) gives the host
+/// path's outputs bit for bit, and a log-sum-exp per query head; without a bound batch, or after
+/// a sync, it is a typed error.
+fn device_path_matches_the_host_path(engine: &mut InEngine, b: u64, sh: &mut Shadow) {
+    use cudarc::driver::DevicePtr;
+    use kvtier_kernels::cuda::{device_context, CudaError, DeviceIo};
+
+    let hqd = (GEO.q_heads * GEO.head_dim) as usize;
+    let ctx = device_context(0).unwrap();
+    let st = ctx.new_stream().unwrap();
+    let od = st.alloc_zeros::<f32>(hqd).unwrap();
+    let lsed = st.alloc_zeros::<f32>(GEO.q_heads as usize).unwrap();
+    let not_bound = |r| matches!(r, Err(EngineError::Cuda(CudaError::NotBound)));
+    let qs: Vec<Vec<f32>> = (0..GEO.layers as usize)
+        .map(|l| sh.step_input(l).0)
+        .collect();
+    let qd: Vec<_> = qs.iter().map(|q| st.clone_htod(q).unwrap()).collect();
+    let ptr = |s: &cudarc::driver::CudaSlice<f32>| s.device_ptr(&st).0;
+    let io = |l: usize| DeviceIo {
+        q: ptr(&qd[l]),
+        out: ptr(&od),
+        lse: ptr(&lsed),
+    };
+    let enqueue = |e: &mut InEngine, l: usize, io: DeviceIo| {
+        // SAFETY: every address is 0 (refused) or a live allocation of device 0's primary
+        // context sized for a batch of one, read back on `st` before it is dropped at the end.
+        unsafe { e.decode_layer_device(l as u32, io, st.cu_stream()) }
+    };
+    assert!(not_bound(enqueue(engine, 0, io(0))));
+    engine.bind(&[b]).unwrap();
+    let null = DeviceIo { q: 0, ..io(0) };
+    assert!(matches!(
+        enqueue(engine, 0, null),
+        Err(EngineError::Cuda(CudaError::NullBuffer))
+    ));
+    for (l, q) in qs.iter().enumerate() {
+        enqueue(engine, l, io(l)).unwrap();
+        let got = st.clone_dtoh(&od).unwrap();
+        let lse = st.clone_dtoh(&lsed).unwrap();
+        let want = engine.decode_layer(l as u32, &[(b, q)]).unwrap();
+        assert!(
+            got.iter()
+                .zip(&want.out)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "layer {l}: device path differs from the host path"
+        );
+        assert!(lse.iter().all(|x| x.is_finite()), "layer {l}: lse {lse:?}");
+        // The host call unbound the batch (it reuses the batch buffers).
+        assert!(not_bound(enqueue(engine, l, io(l))));
+        engine.bind(&[b]).unwrap();
+    }
+    let stats = engine.bound_stats().unwrap();
+    assert_eq!(stats.len(), GEO.layers as usize);
+    engine.sync(b).unwrap();
+    engine.bind(&[b]).unwrap();
+    drop((od, lsed));
 }
 
 /// Queries of the two-process test: layer `l` of session number `i`, deterministic.

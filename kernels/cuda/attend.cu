@@ -588,6 +588,7 @@ extern "C" __global__ void attend_merge(AttendMergeParams_FIELDS) {
     __shared__ float s_w[KSEL];
     __shared__ float s_l[KSEL];
     __shared__ float s_L;
+    __shared__ float s_M;
     const float* acc_of = part_acc + ((u64)ih * KSEL * GROUP + g) * HEAD_DIM + d;  // + j * GROUP * HEAD_DIM
 #if KSEL <= 64
     // Every partial's value is loaded up front (independent loads in flight together): a
@@ -615,7 +616,10 @@ extern "C" __global__ void attend_merge(AttendMergeParams_FIELDS) {
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(FULL_MASK, L, o);
-        if (d == 0) s_L = L;
+        if (d == 0) {
+            s_L = L;
+            s_M = M;
+        }
     }
     __syncthreads();
     float acc = 0.0f;
@@ -628,4 +632,7 @@ extern "C" __global__ void attend_merge(AttendMergeParams_FIELDS) {
     for (u32 j = 0; j < n; ++j) acc += acc_of[(u64)j * GROUP * HEAD_DIM] * s_w[j];
 #endif
     out[((u64)i * HQ + h) * HEAD_DIM + d] = acc / s_L;
+    // The output's log-sum-exp (of the scaled scores), for an engine that merges this layer's
+    // attention with attention over tokens it holds itself (kvtier-engine's device path).
+    if (lse != nullptr && d == 0) lse[(u64)i * HQ + h] = s_M + logf(s_L);
 }

@@ -10,6 +10,16 @@ the Rust library `kvtier-engine` through the extension module `kvtier._native`, 
 
 (`scripts/test.sh` does this with the debug build). tierd must run with `host.shared = true`,
 and this process must be an admin peer of tierd (or run as tierd's uid).
+
+Two ways to decode:
+
+* `InEngine.decode_layer`: numpy in, numpy out (a host round trip per call).
+* `DeviceBatch`: torch tensors on the engine's GPU, no host synchronization per layer. tierd
+  holds each session's stored blocks; the tokens decoded since the last hand-off stay on the
+  GPU (a tail of at most one block per layer), attended densely and merged with kvtier's
+  output by log-sum-exp. Every `block_tokens` steps the tails go to tierd (one APPEND_KV per
+  session) and the engine syncs. Its `stage` and `finish` halves are plain torch ops that a
+  CUDA graph can capture; `launch` (kvtier's layer) runs between them, eagerly.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-from .protocol import Geometry, KvtierError, Policy
+from .protocol import Dtype, Geometry, KvtierError, Policy
 
 try:
     from . import _native
@@ -55,6 +65,7 @@ class InEngine:
         except _native.EngineError as e:
             raise EngineUnavailable(str(e)) from None
         self.geometry = geometry
+        self.device = device
 
     def attach(self, session: int) -> int:
         """Lease the session and give it device state (synced)."""
@@ -75,9 +86,170 @@ class InEngine:
         out = self._e.decode_layer(layer, list(sessions), q.tobytes())
         return np.frombuffer(out, dtype="<f4").reshape(q.shape).astype(np.float32)
 
+    def bind(self, sessions: Sequence[int]) -> None:
+        """Fix the batch of later `decode_layer_torch` calls (attached, synced sessions, in
+        order). Bind again after `sync`, `attach` or `detach`."""
+        self._e.bind(list(sessions))
+        self._bound = len(sessions)
+
+    def decode_layer_torch(self, layer: int, q, out, lse=None) -> None:
+        """Attention of `layer` for the bound batch on the GPU: q float32 [n, q_heads, head_dim]
+        (contiguous, on this engine's device) -> `out` (same shape and kind) and, if given,
+        `lse` float32 [n, q_heads], the log-sum-exp of each output's scaled scores. Enqueued on
+        torch's current stream; returns without waiting."""
+        import torch
+
+        g = self.geometry
+        n = getattr(self, "_bound", None)
+        if n is None:
+            raise EngineError("no bound batch: call bind() first")
+        want = {"q": (q, (n, g.q_heads, g.head_dim)), "out": (out, (n, g.q_heads, g.head_dim))}
+        if lse is not None:
+            want["lse"] = (lse, (n, g.q_heads))
+        for name, (t, shape) in want.items():
+            if not isinstance(t, torch.Tensor) or t.device.type != "cuda" or t.device.index != self.device:
+                raise ValueError(f"{name} must be a torch tensor on cuda:{self.device}")
+            if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous float32 {shape}, got {t.dtype} {tuple(t.shape)}")
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._e.decode_layer_ptr(layer, q.data_ptr(), out.data_ptr(),
+                                 0 if lse is None else lse.data_ptr(), stream)
+
+    def bound_stats(self) -> List[dict]:
+        """Per layer: hits, misses, bytes_moved and tiles of the device calls since `bind`."""
+        return [dict(hits=h, misses=m, bytes_moved=b, tiles=t) for h, m, b, t in self._e.bound_stats()]
+
     def keep_sets(self, layer: int) -> List[List[List[int]]]:
         """Keep-sets of the last call at `layer`: [session][kv_head] ascending block ids."""
         return self._e.keep_sets(layer)
 
 
 EngineError = _native.EngineError if _native is not None else EngineUnavailable
+
+
+class DeviceBatch:
+    """A batch of tierd sessions decoded through `engine` with torch tensors on its GPU.
+
+    Per layer and step: `attend(layer, q, k, v)`, with q [n, q_heads, head_dim] and the new
+    token's k, v [n, kv_heads, head_dim] (post-RoPE, any float dtype) -> the attention output
+    [n, q_heads, head_dim] in q's dtype, over the session's stored tokens (kvtier's keep-set)
+    and every token since the last hand-off (held here, on the GPU). `q_scale` multiplies q
+    first: kvtier's softmax scale is 1/sqrt(head_dim), so a model scaling by s passes
+    s * sqrt(head_dim).
+
+    For CUDA graphs, `attend` is `stage` (capturable), `launch` (eager: kvtier's layer) and
+    `finish` (capturable) on static buffers; after every layer of a step ran that way, call
+    `advance()` (it hands the tails to tierd when they are full). `attend` does that itself
+    after the last layer.
+    """
+
+    def __init__(self, engine: InEngine, client, sessions: Sequence[int], kv_dtype=None,
+                 q_scale: float = 1.0):
+        import torch
+
+        g = engine.geometry
+        self.engine, self.client, self.sessions = engine, client, list(sessions)
+        self.q_scale = q_scale
+        dev = torch.device("cuda", engine.device)
+        n, bt, nl = len(self.sessions), g.block_tokens, g.layers
+        wire = {Dtype.BF16: torch.bfloat16, Dtype.F16: torch.float16, Dtype.F32: torch.float32}[Dtype(g.dtype)]
+        if kv_dtype is not None and kv_dtype != wire:
+            raise ValueError(f"kv_dtype {kv_dtype} is not the sessions' ({wire})")
+        kv_dtype = wire
+        self.stored = []
+        for s in self.sessions:
+            engine.attach(s)
+            info = client.session_info(s)
+            if info.tokens_min != info.tokens_max or info.tokens_max == 0:
+                raise ValueError(f"session {s}: layers hold {info.tokens_min}..{info.tokens_max} "
+                                 "tokens; a device batch needs the same nonzero count in every layer")
+            self.stored.append(info.tokens_max)
+        engine.bind(self.sessions)
+        shape = (nl, n, g.kv_heads, bt, g.head_dim)
+        self.tail_k = torch.zeros(shape, dtype=kv_dtype, device=dev)
+        self.tail_v = torch.zeros(shape, dtype=kv_dtype, device=dev)
+        # Per layer: the tail slot of the next token (device, for capture) and its host copy.
+        self.pos = torch.zeros((nl, n), dtype=torch.int64, device=dev)
+        self.count = 0
+        self.q32 = torch.zeros((nl, n, g.q_heads, g.head_dim), dtype=torch.float32, device=dev)
+        self.o32 = torch.zeros_like(self.q32)
+        self.lse = torch.zeros((nl, n, g.q_heads), dtype=torch.float32, device=dev)
+        self._rows = torch.arange(n, device=dev)
+        self._slots = torch.arange(bt, device=dev)
+        self.g = g
+
+    def stage(self, layer: int, q, k, v) -> None:
+        """Store the new token's k, v in the layer's tail; q into the layer's query buffer."""
+        p = self.pos[layer]
+        self.tail_k[layer][self._rows, :, p] = k.to(self.tail_k.dtype)
+        self.tail_v[layer][self._rows, :, p] = v.to(self.tail_v.dtype)
+        self.q32[layer].copy_(q * self.q_scale if self.q_scale != 1.0 else q)
+
+    def launch(self, layer: int) -> None:
+        """kvtier's attention over the stored tokens, into the layer's output and lse."""
+        self.engine.decode_layer_torch(layer, self.q32[layer], self.o32[layer], self.lse[layer])
+
+    def finish(self, layer: int, dtype=None):
+        """Attention over the tail, merged with kvtier's by log-sum-exp; returns
+        [n, q_heads, head_dim] in `dtype` (default the tail's)."""
+        import torch
+
+        g = self.g
+        n, hkv, grp, d = len(self.sessions), g.kv_heads, g.q_heads // g.kv_heads, g.head_dim
+        q = self.q32[layer].view(n, hkv, grp, d)
+        s = torch.einsum("nhgd,nhtd->nhgt", q, self.tail_k[layer].float()) * (d ** -0.5)
+        valid = self._slots.view(1, 1, 1, -1) <= self.pos[layer].view(n, 1, 1, 1)
+        s = s.masked_fill(~valid, float("-inf"))
+        m = s.amax(dim=-1, keepdim=True)
+        p = torch.exp(s - m)
+        l = p.sum(dim=-1, keepdim=True)
+        o_tail = torch.einsum("nhgt,nhtd->nhgd", p, self.tail_v[layer].float()) / l
+        lse_tail = (m + torch.log(l)).view(n, g.q_heads)
+        lse_kv = self.lse[layer]
+        top = torch.maximum(lse_kv, lse_tail)
+        w_kv = torch.exp(lse_kv - top).unsqueeze(-1)
+        w_tail = torch.exp(lse_tail - top).unsqueeze(-1)
+        out = (self.o32[layer] * w_kv + o_tail.reshape(n, g.q_heads, d) * w_tail) / (w_kv + w_tail)
+        self.pos[layer] += 1
+        return out.to(dtype or self.tail_k.dtype)
+
+    def attend(self, layer: int, q, k, v):
+        self.stage(layer, q, k, v)
+        self.launch(layer)
+        out = self.finish(layer, q.dtype)
+        if layer == self.g.layers - 1:
+            self.advance()
+        return out
+
+    def advance(self) -> None:
+        """One step done in every layer: at a full tail, hand every tail to tierd."""
+        self.count += 1
+        if self.count == self.g.block_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        """Append each session's tail tokens to tierd (one APPEND_KV each), sync the engine,
+        bind again and empty the tails."""
+        import torch
+
+        c = self.count
+        if c == 0:
+            return
+        # [L, n, Hkv, c, D] -> per session [L, 2, c, Hkv, D], the APPEND_KV payload's order.
+        kv = torch.stack([self.tail_k[:, :, :, :c], self.tail_v[:, :, :, :c]], dim=2)
+        kv = kv.permute(1, 0, 2, 4, 3, 5).contiguous()
+        # Bit patterns as they are (numpy has no bf16).
+        host = kv.view(torch.int16 if kv.element_size() == 2 else torch.int32).cpu().numpy()
+        for i, s in enumerate(self.sessions):
+            self.client.append_kv_shm(s, self.stored[i], c, np.ascontiguousarray(host[i]).tobytes())
+            self.stored[i] += c
+            self.engine.sync(s)
+        self.engine.bind(self.sessions)
+        self.pos.zero_()
+        self.count = 0
+
+    def close(self) -> None:
+        """Hand the tails to tierd and detach the sessions."""
+        self.flush()
+        for s in self.sessions:
+            self.engine.detach(s)

@@ -50,3 +50,78 @@ def test_in_engine_decode_matches_dense_attention_over_its_keep_set(tierd_factor
         err = np.abs(out[0] - want).max() / np.abs(want).max()
         assert err < 2e-3, (layer, err)
     e.detach(s)
+
+
+def dense_on_keep_set_and_tail(q, k, v, keep, block_tokens, stored):
+    """Softmax attention in float64 over the kept blocks' stored tokens (before `stored`) and
+    every token from `stored` on. q [Hq, D]; k, v [T, Hkv, D]."""
+    hq, d = q.shape
+    g = hq // k.shape[1]
+    out = np.zeros((hq, d))
+    tail = np.arange(stored, k.shape[0])
+    for h in range(hq):
+        kv_h = h // g
+        kept = [np.arange(b * block_tokens, min((b + 1) * block_tokens, stored)) for b in keep[kv_h]]
+        toks = np.concatenate(kept + [tail])
+        s = k[toks, kv_h, :].astype(np.float64) @ q[h].astype(np.float64) / np.sqrt(d)
+        w = np.exp(s - s.max())
+        out[h] = (w / w.sum()) @ v[toks, kv_h, :].astype(np.float64)
+    return out
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
+def test_device_batch_matches_dense_attention_over_keep_set_and_gpu_tail(tierd_factory):
+    """Two sessions of different lengths decoded with torch tensors on the GPU through the
+    device path for 70 steps (two hand-offs of 32-token tails to tierd): every output is dense
+    attention over kvtier's keep-set of the stored tokens plus every token still on the GPU,
+    and tierd ends up holding every token."""
+    torch = pytest.importorskip("torch")
+    sock = tierd_factory("--backend", "cpu", "--set", "host.shared=true")
+    g = Geometry(2, 28, 4, 128, Dtype.BF16, 32)
+    pol = Policy(sink_blocks=1, local_blocks=2, top_k=3)
+    c = Client(sock)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    hist = []  # per session, per layer: [k, v] float32 [T, Hkv, D] of bf16 values
+    sessions = []
+    for i, n in enumerate([300, 333]):
+        s = c.create_session(g, pol, f"device-batch-{i}")
+        kv = torch.randn((g.layers, 2, n, g.kv_heads, g.head_dim), generator=gen, device="cuda")
+        kv = kv.to(torch.bfloat16)
+        c.append_kv_shm(s, 0, n, kv.view(torch.int16).cpu().numpy().tobytes())
+        hist.append([[kv[l, j].float().cpu().numpy() for j in range(2)] for l in range(g.layers)])
+        sessions.append(s)
+    e = engine.InEngine(sock, g, pol)
+    db = engine.DeviceBatch(e, c, sessions)
+    worst = 0.0
+    for step in range(70):
+        stored = list(db.stored)
+        for layer in range(g.layers):
+            q = torch.randn((2, g.q_heads, g.head_dim), generator=gen, device="cuda")
+            k = torch.randn((2, g.kv_heads, g.head_dim), generator=gen, device="cuda").to(torch.bfloat16)
+            v = torch.randn((2, g.kv_heads, g.head_dim), generator=gen, device="cuda").to(torch.bfloat16)
+            out = db.attend(layer, q, k, v)
+            keep = e.keep_sets(layer)
+            for i in range(2):
+                hk, hv = hist[i][layer]
+                hist[i][layer] = [np.concatenate([hk, k[i].float().cpu().numpy()[None]]),
+                                  np.concatenate([hv, v[i].float().cpu().numpy()[None]])]
+                want = dense_on_keep_set_and_tail(q[i].cpu().numpy(), *hist[i][layer], keep[i],
+                                                  g.block_tokens, stored[i])
+                err = np.abs(out[i].cpu().numpy() - want).max() / np.abs(want).max()
+                worst = max(worst, err)
+                assert err < 2e-3, (step, layer, i, err)
+    assert db.stored == [300 + 64, 333 + 64] and db.count == 6
+    db.close()
+    for i, s in enumerate(sessions):
+        assert c.session_info(s).tokens_max == [370, 403][i]
+        with c.lease(s) as lease:
+            # The hand-offs landed where they belong: the last full block tierd holds is the
+            # tokens decoded on the GPU, bit for bit.
+            bt = g.block_tokens
+            blk = (370 if i == 0 else 403) // bt - 1
+            run = lease.run(1, blk).view("<u2").reshape(g.kv_heads, 2, bt, g.head_dim)
+            for j in range(2):  # K, V: [Hkv, bt, D] in the run, [bt, Hkv, D] in the history
+                got = bf16_to_f32(run[:, j]).transpose(1, 0, 2)
+                assert np.array_equal(got, hist[i][1][j][blk * bt:(blk + 1) * bt]), (i, j)
+            del run
+    print(f"device batch: worst relative error {worst:.2e} over 140 layer steps x 2 sessions")

@@ -127,6 +127,12 @@ pub enum CudaError {
     /// Batch is empty.
     #[error("empty decode batch")]
     EmptyBatch,
+    /// A device call with no bound batch (never bound, or a session changed since).
+    #[error("no bound batch: bind_batch after the sessions' last change")]
+    NotBound,
+    /// A device call given a null q or output address.
+    #[error("a device call needs q and output buffers (got a null address)")]
+    NullBuffer,
     /// Batch larger than configured.
     #[error("decode batch of {got} sessions exceeds max_batch {max}")]
     BatchTooLarge { got: usize, max: u32 },

@@ -45,11 +45,12 @@ mod params;
 pub mod pinned;
 
 pub use backend::{
-    device_available, device_context, CudaBackend, DecodeItem, DenseKv, DeviceKv, LaunchMode,
-    LayerOutput, LayerStats, LayerTiming, StepItem, StepOutput, Timing, FUSE_BELOW_HIT_SHARE,
+    device_available, device_context, CudaBackend, DecodeItem, DenseKv, DeviceIo, DeviceKv,
+    LaunchMode, LayerOutput, LayerStats, LayerTiming, StepItem, StepOutput, Timing,
+    FUSE_BELOW_HIT_SHARE,
 };
 pub use config::{bf16_outward, AttentionMath, CudaConfig, SummaryDtype};
-pub use cudarc::driver::CudaContext;
+pub use cudarc::driver::{sys::CUstream, CudaContext};
 pub use error::CudaError;
 pub use module::{compile_check, KERNEL_SOURCE};
 pub use pinned::{AnonMapping, PinnedRegion, MAX_REGISTER_CHUNK};

@@ -3,7 +3,7 @@
 //! wraps it with numpy shapes and the package's types.
 
 use kvtier_engine::InEngine;
-use kvtier_kernels::cuda::{CudaConfig, SummaryDtype};
+use kvtier_kernels::cuda::{CUstream, CudaConfig, DeviceIo, SummaryDtype};
 use kvtier_protocol::{dtype_from_wire, Geometry, Policy};
 use pyo3::create_exception;
 use pyo3::exceptions::PyRuntimeError;
@@ -109,6 +109,44 @@ impl Engine {
         let out = self.inner.decode_layer(layer, &items).map_err(err)?;
         let bytes: Vec<u8> = out.out.iter().flat_map(|x| x.to_le_bytes()).collect();
         Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Fixes the batch of later `decode_layer_ptr` calls (attached, synced sessions, in order).
+    fn bind(&mut self, sessions: Vec<u64>) -> PyResult<()> {
+        self.inner.bind(&sessions).map_err(err)
+    }
+
+    /// One layer for the bound batch on device buffers, given as raw addresses: q and out
+    /// `[batch][q_heads * head_dim]` f32, lse `[batch][q_heads]` f32 or 0, enqueued behind the
+    /// CUDA stream `stream` (a raw `CUstream`, 0 = legacy default) without waiting. Raw on
+    /// purpose: only `kvtier.engine`, which checks the tensors' device, dtype, shape and
+    /// contiguity and keeps them alive, calls it.
+    fn decode_layer_ptr(
+        &mut self,
+        layer: u32,
+        q: u64,
+        out: u64,
+        lse: u64,
+        stream: u64,
+    ) -> PyResult<()> {
+        let io = DeviceIo { q, out, lse };
+        // SAFETY: kvtier.engine passes the addresses of live CUDA tensors of the engine's
+        // device with the bound batch's shapes, float32 and contiguous, and holds them until
+        // the stream has run this work; `stream` is torch's current stream on that device.
+        unsafe {
+            self.inner
+                .decode_layer_device(layer, io, stream as usize as CUstream)
+        }
+        .map_err(err)
+    }
+
+    /// Per-layer (hits, misses, bytes_moved, tiles) of the device calls since `bind`.
+    fn bound_stats(&mut self) -> PyResult<Vec<(u64, u64, u64, u64)>> {
+        let st = self.inner.bound_stats().map_err(err)?;
+        Ok(st
+            .iter()
+            .map(|s| (s.hits, s.misses, s.bytes_moved, s.tiles))
+            .collect())
     }
 
     /// Keep-sets of the last call at `layer`: [session][kv_head] ascending block ids.

@@ -25,6 +25,8 @@ use super::pinned::PinnedRegion;
 
 mod dense;
 pub use dense::{DenseKv, DeviceKv};
+mod device;
+pub use device::DeviceIo;
 mod launch;
 mod sessions;
 mod setup;
@@ -233,6 +235,12 @@ pub struct CudaBackend {
     side: Arc<CudaStream>,
     fork: CudaEvent,
     join: CudaEvent,
+    /// Device calls ([`Self::enqueue_layer_device`]): recorded on the caller's stream and
+    /// waited for by `stream`, then recorded on `stream` and waited for by the caller's.
+    handoff: [CudaEvent; 2],
+    /// The batch of device calls ([`Self::bind_batch`]); cleared by anything that changes a
+    /// session's device state or reuses the batch buffers.
+    bound: Option<device::BoundBatch>,
     /// Multiprocessors of the device: select_score's blocks per octet are chosen to fill them.
     sms: u32,
     /// How layers are launched; see [`LaunchMode`].

@@ -62,7 +62,9 @@ impl CudaBackend {
         Ok(layer as usize)
     }
 
+    /// A session to change: the bound batch (if any) no longer describes it.
     fn session_mut(&mut self, slot: u32) -> Result<&mut Session> {
+        self.bound = None;
         let s = self.check_slot(slot)?;
         self.sessions[s]
             .as_mut()
@@ -75,6 +77,7 @@ impl CudaBackend {
         if self.sessions[s].is_some() {
             return Err(CudaError::SessionAlreadyOpen { slot });
         }
+        self.bound = None;
         let l = self.cfg.geometry.layers as usize;
         let per = self.cfg.geometry.kv_heads as usize * self.cfg.cache_slots as usize;
         let (start, len) = (s * l * per, l * per);
@@ -90,6 +93,7 @@ impl CudaBackend {
     /// Closes a session slot; its device state is reused by the next open.
     pub fn close_session(&mut self, slot: u32) -> Result<()> {
         let s = self.check_slot(slot)?;
+        self.bound = None;
         if self.sessions[s].take().is_none() {
             return Err(CudaError::SessionNotOpen { slot });
         }

@@ -38,6 +38,7 @@ impl CudaBackend {
                 .map_err(CudaError::driver("cuEventCreate"))
         };
         let (fork, join) = (new_event()?, new_event()?);
+        let handoff = [new_event()?, new_event()?];
         let k = compile(&ctx, &cfg, &derived)?;
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -89,6 +90,8 @@ impl CudaBackend {
             side,
             fork,
             join,
+            handoff,
+            bound: None,
             sms,
             mode: LaunchMode::Auto,
             pdl: true,

@@ -15,9 +15,19 @@ use crate::cuda::params::{
     SelectTopkParams,
 };
 
+/// Device addresses of one layer call's buffers: q and out `[batch][Hq x D]` f32, the batch's
+/// token counts at the layer, lse `[batch][Hq]` f32 or 0.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct LayerIo {
+    pub q: u64,
+    pub ntok: u64,
+    pub out: u64,
+    pub lse: u64,
+}
+
 impl CudaBackend {
     /// Validates a batch for `layer`; returns its token counts.
-    fn check_batch(&self, layer: usize, slots: &[u32]) -> Result<Vec<u32>> {
+    pub(super) fn check_batch(&self, layer: usize, slots: &[u32]) -> Result<Vec<u32>> {
         if slots.is_empty() {
             return Err(CudaError::EmptyBatch);
         }
@@ -78,7 +88,8 @@ impl CudaBackend {
         let nb = self.blocks_of(&ntok);
         self.prepare(&slots, &[(l, ntok, q)])?;
         self.record_step(0)?;
-        self.run_layer(l, 0, items.len(), nb)?;
+        let io = self.host_io(0, items.len());
+        self.run_layer(l, io, items.len(), nb, false)?;
         self.record_step(1)?;
         self.finish(&[l], items.len()).map(|mut s| LayerOutput {
             out: std::mem::take(&mut s.out),
@@ -96,7 +107,9 @@ impl CudaBackend {
         self.record_step(0)?;
         for (li, (l, ntok, _)) in per_layer.iter().enumerate() {
             let nb = self.blocks_of(ntok);
-            self.run_layer(*l, li, items.len(), nb)?;
+            let io = self.host_io(li, items.len());
+            // Chained after the previous layer's merge on the main stream.
+            self.run_layer(*l, io, items.len(), nb, li > 0)?;
         }
         self.record_step(1)?;
         let all: Vec<usize> = (0..layers).collect();
@@ -132,8 +145,22 @@ impl CudaBackend {
         (nb.clone().min().unwrap_or(1), nb.max().unwrap_or(1))
     }
 
-    /// Uploads the batch description and zeroes the statistics.
+    /// The buffers of layer `li` of a host-slice call of batch `b` (the dense per-call layout
+    /// [`Self::prepare`] uploads).
+    fn host_io(&self, li: usize, b: usize) -> LayerIo {
+        let hqd = (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize;
+        LayerIo {
+            q: self.q.at(li * b * hqd),
+            ntok: self.ntok.at(li * b),
+            out: self.out.at(li * b * hqd),
+            lse: 0,
+        }
+    }
+
+    /// Uploads the batch description and zeroes the statistics (unbinding any bound batch:
+    /// the same buffers).
     pub(super) fn prepare(&mut self, slots: &[u32], layers: &[LayerInput]) -> Result<()> {
+        self.bound = None;
         let b = slots.len();
         let g = &self.cfg.geometry;
         let hqd = (g.q_heads * g.head_dim) as usize;
@@ -166,13 +193,21 @@ impl CudaBackend {
     /// known before any scoring; planned, fetched and attended) on the side stream and the
     /// selector (scoring, top-k and the distant plan: one launch for top_k <= 32) on the main
     /// one; then the distant tiles and, once both are done, the merge.
-    /// `l`: model layer; `li`: its index within this call (offset into the dense q/out); `nb`:
-    /// fewest and most blocks of any batch session at layer `l`.
-    fn run_layer(&mut self, l: usize, li: usize, b: usize, nb: (u32, u32)) -> Result<()> {
+    /// `l`: model layer; `io`: its buffers; `nb`: fewest and most blocks of any batch session
+    /// at layer `l`; `chained`: the main stream's previous operation is this call's previous
+    /// layer's merge (dependent launch may overlap it).
+    pub(super) fn run_layer(
+        &mut self,
+        l: usize,
+        io: LayerIo,
+        b: usize,
+        nb: (u32, u32),
+        chained: bool,
+    ) -> Result<()> {
         // Never 0: layer_fused's ready flags start at 0 and must not match a fresh layer.
         self.stamp = self.stamp.wrapping_add(1).max(1);
         self.fused[l] = self.fuse_layer(l);
-        match self.enqueue_layer(l, li, b, nb) {
+        match self.enqueue_layer(l, io, b, nb, chained) {
             Ok(tickets) => {
                 self.tickets_issued = self.tickets_issued.wrapping_add(tickets);
                 Ok(())
@@ -195,24 +230,22 @@ impl CudaBackend {
     fn enqueue_layer(
         &self,
         l: usize,
-        li: usize,
+        io: LayerIo,
         b: usize,
         (min_nb, max_nb): (u32, u32),
+        chained: bool,
     ) -> Result<u32> {
         let g = self.cfg.geometry;
         let p = self.cfg.policy;
         let bmax = self.cfg.max_batch as usize;
         let ks = self.derived.keep_max;
         let hkv = g.kv_heads;
-        let hqd = (g.q_heads * g.head_dim) as usize;
         let bu = b as u32;
         let layer = l as u32;
         let mb = self.cfg.max_blocks;
-        let q = self.q.at(li * b * hqd);
-        let ntok = self.ntok.at(li * b);
+        let LayerIo { q, ntok, out, lse } = io;
         let table = self.table.at(l * bmax * (hkv * ks) as usize);
         let counts = self.counts.at(l * bmax * hkv as usize);
-        let out = self.out.at(li * b * hqd);
         let sess = self.sess.ptr;
         let cfg = |grid: (u32, u32, u32), threads: u32| LaunchConfig {
             grid_dim: grid,
@@ -324,10 +357,10 @@ impl CudaBackend {
                     shared_mem_bytes: self.derived.att_dyn_smem,
                 },
                 &params,
-                li > 0,
+                chained,
             )?;
             self.record(l, 1)?;
-            self.merge(l, bu, counts, out, true)?;
+            self.merge(l, bu, counts, (out, lse), true)?;
             return Ok(ctas);
         }
         let rec = |e: &CudaEvent, st: &Arc<CudaStream>| {
@@ -393,13 +426,20 @@ impl CudaBackend {
         self.record(l, 1)?;
         attend(main, 1, p.top_k.max(1))?;
         wait(main, &self.join)?;
-        self.merge(l, bu, counts, out, false)?;
+        self.merge(l, bu, counts, (out, lse), false)?;
         Ok(0)
     }
 
-    /// The layer's last launch: the log-sum-exp merge of its partials into `out`;
-    /// `after_kernel` as in [`Self::launch_after`].
-    fn merge(&self, l: usize, bu: u32, counts: u64, out: u64, after_kernel: bool) -> Result<()> {
+    /// The layer's last launch: the log-sum-exp merge of its partials into `out` (and each
+    /// output's log-sum-exp into `lse` unless 0); `after_kernel` as in [`Self::launch_after`].
+    fn merge(
+        &self,
+        l: usize,
+        bu: u32,
+        counts: u64,
+        (out, lse): (u64, u64),
+        after_kernel: bool,
+    ) -> Result<()> {
         let g = self.cfg.geometry;
         self.launch_after(
             &self.stream,
@@ -414,6 +454,7 @@ impl CudaBackend {
                 part_acc: self.part_acc.ptr,
                 part_ml: self.part_ml.ptr,
                 out,
+                lse,
             },
             after_kernel,
         )?;

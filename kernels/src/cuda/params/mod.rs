@@ -252,6 +252,8 @@ kernel_params! {
         part_acc: u64 as "const float* __restrict__",
         part_ml: u64 as "const float* __restrict__",
         out: u64 as "float* __restrict__",
+        // [batch][Hq] log-sum-exp of each output, or 0 for none.
+        lse: u64 as "float*",
     }
 
     /// select_score (select.cu): the selector (scores, top-k for top_k <= 32, distant plan).

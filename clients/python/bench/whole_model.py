@@ -1,0 +1,372 @@
+"""Whole-model greedy decode with the KV in tierd's host tier (issue 24; the seed paper's
+section 10 on this hardware), against the same engine with dense attention.
+
+The model is a randomly initialised Qwen2.5-7B built from its configuration in transformers
+(the real architecture and sizes, bf16, nothing downloaded). The decode step is this script's
+own loop over the model's modules, so that every engine variant runs the same kernels around
+attention and can be captured in CUDA graphs:
+
+* ``dense-hbm``: the KV in GPU memory (a static cache sized for the context), dense attention;
+  the whole step is one CUDA graph.
+* ``dense-host``: the KV in pinned host memory, copied to the GPU layer by layer each step
+  (the dense-from-host floor is its bytes over PCIe); one CUDA graph.
+* ``kvtier``: the KV in tierd's shared host arena, decoded in this process through
+  ``kvtier.engine.DeviceBatch``: per layer the graph-captured projections, kvtier's layer
+  (select, gather over PCIe, attend; launched eagerly on the same stream), then the captured
+  tail attention, merge, output projection and MLP. So a step is 29 graph replays and 28 kvtier
+  launches, with no host synchronization until the step's end. Every 128 steps the tokens
+  decoded on the GPU go to tierd (one APPEND_KV per session) and the engine syncs.
+
+The stored context of every session is random bf16 KV (one random 1024-token chunk repeated,
+appended through the socket from a memfd), so the keep-sets are not those of a real model; the
+step's structure, sizes and transfers are.
+
+Usage (tierd running with host.shared = true and room for the sessions):
+    python whole_model.py --socket /tmp/t/tierd.sock --context 131072 --batches 1,8 \\
+        --modes kvtier,dense-hbm,dense-host --dense-contexts 8192,131072 --steps 160
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kvtier import Client, Dtype, Geometry, Policy  # noqa: E402
+from kvtier import engine as kv_engine  # noqa: E402
+
+HIDDEN, INTER, LAYERS, HQ, HKV, D = 3584, 18944, 28, 28, 4, 128
+VOCAB, THETA, EPS = 152064, 1_000_000.0, 1e-6
+GEO = Geometry(LAYERS, HQ, HKV, D, Dtype.BF16, 128)
+CHUNK = 1024
+
+
+def build_model(dev):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+                      num_attention_heads=HQ, num_key_value_heads=HKV, vocab_size=VOCAB,
+                      rope_theta=THETA, rms_norm_eps=EPS, max_position_embeddings=1 << 21,
+                      tie_word_embeddings=False, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    return model.eval()
+
+
+class Step:
+    """One decode step over the model's modules for a batch of `b`, on static buffers."""
+
+    def __init__(self, model, b, dev):
+        self.m, self.b, self.dev = model, b, dev
+        self.tok = torch.zeros(b, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(b, dtype=torch.long, device=dev)
+        self.h = torch.zeros(b, HIDDEN, dtype=torch.bfloat16, device=dev)
+        inv = 1.0 / (THETA ** (torch.arange(0, D, 2, device=dev, dtype=torch.float32) / D))
+        self.inv_freq = inv
+
+    def rope(self, x):
+        ang = self.pos.float().unsqueeze(-1) * self.inv_freq  # [b, D/2]
+        cos = torch.cat([ang.cos(), ang.cos()], -1).unsqueeze(1).to(x.dtype)
+        sin = torch.cat([ang.sin(), ang.sin()], -1).unsqueeze(1).to(x.dtype)
+        x1, x2 = x[..., : D // 2], x[..., D // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def embed(self):
+        self.h.copy_(self.m.model.embed_tokens(self.tok))
+
+    def pre(self, l):
+        """Layer l up to attention: q [b, Hq, D], k, v [b, Hkv, D] (post-RoPE)."""
+        a = self.m.model.layers[l]
+        x = a.input_layernorm(self.h)
+        sa = a.self_attn
+        q = self.rope(sa.q_proj(x).view(self.b, HQ, D))
+        k = self.rope(sa.k_proj(x).view(self.b, HKV, D))
+        v = sa.v_proj(x).view(self.b, HKV, D)
+        return q, k, v
+
+    def post(self, l, attn):
+        a = self.m.model.layers[l]
+        h = self.h + a.self_attn.o_proj(attn.reshape(self.b, HQ * D).to(torch.bfloat16))
+        self.h.copy_(h + a.mlp(a.post_attention_layernorm(h)))
+
+    def head(self):
+        logits = self.m.lm_head(self.m.model.norm(self.h))
+        self.tok.copy_(logits.argmax(-1))
+        self.pos += 1
+
+
+def dense_attend(q, kc, vc, length):
+    """q [b, Hq, D]; kc, vc [b, Hkv, L, D]; attends positions < length [b]."""
+    b, L = q.shape[0], kc.shape[2]
+    qg = q.view(b, HKV, HQ // HKV, D)
+    s = torch.matmul(qg, kc.transpose(-1, -2)).float() * (D ** -0.5)  # [b, Hkv, G, L]
+    mask = torch.arange(L, device=q.device).view(1, 1, 1, L) >= length.view(b, 1, 1, 1)
+    p = torch.softmax(s.masked_fill(mask, float("-inf")), -1).to(vc.dtype)
+    return torch.matmul(p, vc).view(b, HQ, D)
+
+
+class Dense:
+    """Dense attention over a static KV cache of `context + room` positions per layer, in GPU
+    memory or in pinned host memory (copied to one GPU buffer per layer each step)."""
+
+    def __init__(self, st: Step, context, room, host):
+        b, dev = st.b, st.dev
+        L = context + room
+        shape = (b, HKV, L, D)
+        self.st, self.host, self.L = st, host, L
+        if host:
+            self.kc = [torch.empty(shape, dtype=torch.bfloat16, pin_memory=True) for _ in range(LAYERS)]
+            self.vc = [torch.empty(shape, dtype=torch.bfloat16, pin_memory=True) for _ in range(LAYERS)]
+            for t in self.kc + self.vc:
+                t.fill_(0.01)  # the values do not change the time; a memset is fast
+            self.gk = torch.empty(shape, dtype=torch.bfloat16, device=dev)
+            self.gv = torch.empty(shape, dtype=torch.bfloat16, device=dev)
+        else:
+            self.kc = [torch.randn(shape, dtype=torch.bfloat16, device=dev) for _ in range(LAYERS)]
+            self.vc = [torch.randn(shape, dtype=torch.bfloat16, device=dev) for _ in range(LAYERS)]
+        st.pos.fill_(context)
+        self.rows = torch.arange(b, device=dev)
+
+    def bytes_per_step(self):
+        return 2 * LAYERS * self.kc[0].numel() * 2
+
+    def step(self):
+        st = self.st
+        st.embed()
+        for l in range(LAYERS):
+            q, k, v = st.pre(l)
+            if self.host:
+                # The new token goes to the GPU copy; the host cache is the context (a benchmark
+                # of reading it, not of keeping it).
+                self.gk.copy_(self.kc[l], non_blocking=True)
+                self.gv.copy_(self.vc[l], non_blocking=True)
+                kc, vc = self.gk, self.gv
+            else:
+                kc, vc = self.kc[l], self.vc[l]
+            kc[self.rows, :, st.pos] = k
+            vc[self.rows, :, st.pos] = v
+            st.post(l, dense_attend(q, kc, vc, st.pos + 1))
+        st.head()
+
+
+class Kvtier:
+    """Attention through kvtier.engine.DeviceBatch: graph segments around kvtier's layers."""
+
+    def __init__(self, st: Step, batch: kv_engine.DeviceBatch, context):
+        self.st, self.db = st, batch
+        st.pos.fill_(context)
+        self.graphs = None
+
+    def seg_first(self):
+        self.st.embed()
+        self._pre(0)
+
+    def _pre(self, l):
+        q, k, v = self.st.pre(l)
+        self.db.stage(l, q, k, v)
+
+    def seg_mid(self, l):
+        """After kvtier's layer l: finish l, then layer l + 1 up to its kvtier layer."""
+        self.st.post(l, self.db.finish(l, torch.float32))
+        if l + 1 < LAYERS:
+            self._pre(l + 1)
+        else:
+            self.st.head()
+
+    def capture(self):
+        segs = [self.seg_first] + [lambda l=l: self.seg_mid(l) for l in range(LAYERS)]
+        # Warm up on a side stream (as torch's graph docs ask), then capture each segment. The
+        # warm-up runs change the state (tails, positions); the caller resets what it needs.
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for f in segs:
+                f()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        pool = torch.cuda.graph_pool_handle()
+        self.graphs = []
+        for f in segs:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                f()
+            self.graphs.append(g)
+
+    def step(self):
+        g = self.graphs
+        g[0].replay()
+        for l in range(LAYERS):
+            self.db.launch(l)
+            g[l + 1].replay()
+        self.db.advance()
+
+
+def capture_whole(step_fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step_fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step_fn()
+    return g.replay
+
+
+def time_steps(run, steps, warmup, on_step=None):
+    """Per-step milliseconds (CUDA events on the current stream between steps, with the host
+    waiting at each step's end as a generate loop does to read the token)."""
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    walls = []
+    ev[0].record()
+    for i in range(steps):
+        t = time.perf_counter()
+        run()
+        ev[i + 1].record()
+        ev[i + 1].synchronize()
+        walls.append((time.perf_counter() - t) * 1e3)
+        if on_step:
+            on_step(i)
+    return [ev[i].elapsed_time(ev[i + 1]) for i in range(steps)], walls
+
+
+def fill_sessions(c: Client, n, context, policy):
+    import numpy as np
+
+    from kvtier.client import sealed_memfd
+
+    rng = np.random.default_rng(7)
+    elems = LAYERS * 2 * CHUNK * HKV * D
+    payload = (rng.standard_normal(elems, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    fd = sealed_memfd(payload.tobytes(), "whole-model")
+    ids = []
+    t = time.time()
+    try:
+        for i in range(n):
+            s = c.create_session(GEO, policy, f"whole-model-{i}")
+            for at in range(0, context, CHUNK):
+                c.append_kv_fd(s, at, CHUNK, fd, 0, payload.nbytes)
+            ids.append(s)
+    finally:
+        os.close(fd)
+    print(f"filled {n} sessions x {context} tokens in {time.time() - t:.1f} s", flush=True)
+    return ids
+
+
+def report(rows, name, context, b, ms, walls, extra=""):
+    med = statistics.median(ms)
+    row = dict(mode=name, context=context, batch=b, step_ms=med, wall_ms=statistics.median(walls),
+               tokens_per_s=b * 1e3 / med, mean_ms=statistics.fmean(ms), max_ms=max(ms), note=extra)
+    rows.append(row)
+    print(f"{name:>10} ctx={context:>8} b={b}: step p50 {med:7.2f} ms (wall {row['wall_ms']:7.2f}, "
+          f"mean {row['mean_ms']:7.2f}, max {row['max_ms']:7.2f}) {row['tokens_per_s']:8.1f} tok/s {extra}",
+          flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--dense-contexts", default="8192,CONTEXT",
+                    help="contexts of the dense-in-HBM runs (CONTEXT: --context)")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--modes", default="kvtier,dense-hbm,dense-host")
+    ap.add_argument("--dense-host-batches", default="1")
+    ap.add_argument("--top-k", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=160)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    dev = torch.device("cuda", 0)
+    batches = [int(x) for x in a.batches.split(",")]
+    modes = a.modes.split(",")
+    print(torch.cuda.get_device_name(0), torch.__version__, flush=True)
+    t = time.time()
+    model = build_model(dev)
+    print(f"random Qwen2.5-7B ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params) "
+          f"built in {time.time() - t:.1f} s", flush=True)
+    rows = []
+    policy = Policy(sink_blocks=1, local_blocks=4, top_k=a.top_k)
+    with torch.inference_mode():
+        # Dense baselines first (they need the memory that tierd's sessions take later).
+        for b in batches:
+            st = Step(model, b, dev)
+            dense = [int(x.replace("CONTEXT", str(a.context))) for x in a.dense_contexts.split(",") if x]
+            for name, ctx, host in [("dense-hbm", c, False) for c in dense] + [("dense-host", a.context, True)]:
+                if name not in modes or (host and str(b) not in a.dense_host_batches.split(",")):
+                    continue
+                try:
+                    dn = Dense(st, ctx, a.warmup + a.steps + 8, host)
+                except (torch.OutOfMemoryError, RuntimeError) as e:
+                    print(f"{name} ctx={ctx} b={b}: does not fit ({str(e).splitlines()[0][:120]})", flush=True)
+                    torch.cuda.empty_cache()
+                    continue
+                run = capture_whole(dn.step)
+                st.pos.fill_(ctx)
+                steps = a.steps if not host else min(a.steps, 12)
+                ms, walls = time_steps(run, steps, min(a.warmup, 2))
+                floor = ""
+                if host:
+                    floor = f"PCIe floor at 55.3 GB/s: {dn.bytes_per_step() / 55.3e6:.1f} ms"
+                report(rows, name, ctx, b, ms, walls, floor)
+                del dn, run
+                torch.cuda.empty_cache()
+                # Pinned buffers freed go to torch's host cache: give them back for tierd.
+                torch._C._host_emptyCache()
+        if "kvtier" in modes:
+            c = Client(a.socket, client_name="whole-model")
+            ids = fill_sessions(c, max(batches), a.context, policy)
+            for b in batches:
+                t = time.time()
+                e = kv_engine.InEngine(a.socket, GEO, policy, device=0, max_sessions=b,
+                                       max_blocks=(a.context + 4096) // 128)
+                db = kv_engine.DeviceBatch(e, c, ids[:b])
+                print(f"kvtier b={b}: leased, registered, synced in {time.time() - t:.1f} s", flush=True)
+                st = Step(model, b, dev)
+                kt = Kvtier(st, db, a.context)
+                kt.capture()
+                # Capture's warm-up ran two steps' worth of stage/finish: start clean.
+                db.pos.zero_()
+                st.pos.fill_(a.context)
+                flushes = []
+
+                def on_step(i, db=db):
+                    if db.count == 0:
+                        flushes.append(i)
+
+                ms, walls = time_steps(kt.step, a.steps, a.warmup, on_step)
+                stats = e.bound_stats()
+                tiles = sum(s["tiles"] for s in stats)
+                hits = sum(s["hits"] for s in stats)
+                moved = sum(s["bytes_moved"] for s in stats)
+                plain = [m for i, m in enumerate(ms) if i not in flushes]
+                note = (f"hit share since the last hand-off {hits / max(tiles, 1):.2f}, "
+                        f"{moved / max(tiles, 1) / 1e3:.1f} kB/tile moved; "
+                        f"hand-off steps {[round(ms[i], 1) for i in flushes]} ms")
+                report(rows, "kvtier", a.context, b, plain, [w for i, w in enumerate(walls) if i not in flushes], note)
+                rows[-1]["mean_with_handoffs_ms"] = statistics.fmean(ms)
+                db.close()
+                del kt, db, e
+                torch.cuda.empty_cache()
+            for s in ids:
+                c.close(s)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+//! The device-resident call, for an engine: q, the output and its log-sum-exp are the engine's
+//! device buffers, and a layer is enqueued behind the engine's own stream with no host
+//! synchronization, so an engine can interleave kvtier's layers with its own kernels.
+//!
+//! The batch is bound once ([`CudaBackend::bind_batch`]: slots and every layer's token counts
+//! uploaded, statistics zeroed) and stays bound until a session changes (tokens, maps,
+//! summaries, slots) or a host-slice call runs; each layer is then only launches and two event
+//! hand-offs ([`CudaBackend::enqueue_layer_device`]).
+
+use cudarc::driver::sys;
+
+use super::step::LayerIo;
+use super::{CudaBackend, LayerStats};
+use crate::cuda::error::{CudaError, Result};
+
+/// The batch later device calls run: its slots and, per layer, the fewest and most blocks of
+/// any of its sessions.
+pub(super) struct BoundBatch {
+    slots: Vec<u32>,
+    blocks: Vec<(u32, u32)>,
+}
+
+/// Device addresses of one layer call's buffers in the backend's context (an engine's tensors):
+/// `q` and `out` are `[batch][Hq x D]` f32, `lse` `[batch][Hq]` f32 (the log-sum-exp of each
+/// output's scaled scores, natural log) or 0 for none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceIo {
+    pub q: u64,
+    pub out: u64,
+    pub lse: u64,
+}
+
+impl CudaBackend {
+    /// Binds `slots` (in this order) for [`Self::enqueue_layer_device`]: checks every layer of
+    /// every session (open, tokens, every block ready), uploads the slots and token counts and
+    /// zeroes the statistics. Enqueued behind earlier work of the backend's stream.
+    pub fn bind_batch(&mut self, slots: &[u32]) -> Result<()> {
+        self.bound = None;
+        let layers = self.cfg.geometry.layers as usize;
+        let mut ntok = Vec::with_capacity(layers * slots.len());
+        let mut blocks = Vec::with_capacity(layers);
+        for l in 0..layers {
+            let n = self.check_batch(l, slots)?;
+            blocks.push(self.blocks_of(&n));
+            ntok.extend_from_slice(&n);
+        }
+        self.htod(self.sess.ptr, slots)?;
+        self.htod(self.ntok.ptr, &ntok)?;
+        self.memset_u32(self.stats.ptr, 0, self.stats.slice.len() * 2)?;
+        self.last_batch = slots.len();
+        self.bound = Some(BoundBatch {
+            slots: slots.to_vec(),
+            blocks,
+        });
+        Ok(())
+    }
+
+    /// The bound batch's slots (None when nothing is bound).
+    pub fn bound_slots(&self) -> Option<&[u32]> {
+        self.bound.as_ref().map(|b| b.slots.as_slice())
+    }
+
+    /// Enqueues `layer` for the bound batch: the backend's stream waits for the work `caller`
+    /// has enqueued so far, runs select, gather, attention and merge, and `caller` waits for
+    /// that before anything it enqueues next. Returns at once (no host synchronization).
+    ///
+    /// # Safety
+    /// `io`'s addresses must be device memory of this backend's context (the device's primary
+    /// context), `q` readable and `out` (and `lse` unless 0) writable for the bound batch's
+    /// sizes, and stay allocated until `caller` has passed this work. `caller` must be a live
+    /// stream of that context (0 is the legacy default stream).
+    pub unsafe fn enqueue_layer_device(
+        &mut self,
+        layer: u32,
+        io: DeviceIo,
+        caller: sys::CUstream,
+    ) -> Result<()> {
+        let l = self.check_layer(layer)?;
+        let bound = self.bound.as_ref().ok_or(CudaError::NotBound)?;
+        let (b, nb) = (bound.slots.len(), bound.blocks[l]);
+        if io.q == 0 || io.out == 0 {
+            return Err(CudaError::NullBuffer);
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        // Raw handles (the events live as long as the backend): run_layer borrows it mutably.
+        let (inbound, outbound) = (self.handoff[0].cu_event(), self.handoff[1].cu_event());
+        // SAFETY: the events are this backend's, `caller` is a live stream of its context (the
+        // caller's contract) and `self.stream` is the backend's own.
+        unsafe {
+            sys::cuEventRecord(inbound, caller)
+                .result()
+                .map_err(CudaError::driver("cuEventRecord"))?;
+            sys::cuStreamWaitEvent(self.stream.cu_stream(), inbound, 0)
+                .result()
+                .map_err(CudaError::driver("cuStreamWaitEvent"))?;
+        }
+        let io = LayerIo {
+            q: io.q,
+            ntok: self.ntok.at(l * b),
+            out: io.out,
+            lse: io.lse,
+        };
+        // Not chained: the stream's previous operation is the event wait, not this call's
+        // last kernel, so no dependent launch across it.
+        self.run_layer(l, io, b, nb, false)?;
+        // SAFETY: as above.
+        unsafe {
+            sys::cuEventRecord(outbound, self.stream.cu_stream())
+                .result()
+                .map_err(CudaError::driver("cuEventRecord"))?;
+            sys::cuStreamWaitEvent(caller, outbound, 0)
+                .result()
+                .map_err(CudaError::driver("cuStreamWaitEvent"))?;
+        }
+        Ok(())
+    }
+
+    /// Statistics of every device call since [`Self::bind_batch`], per layer (summed over
+    /// calls). Waits for the backend's work; the block-cache hit shares that
+    /// [`LaunchMode::Auto`](super::LaunchMode::Auto) reads are updated from them.
+    pub fn bound_stats(&mut self) -> Result<Vec<LayerStats>> {
+        let layers = self.cfg.geometry.layers as usize;
+        let mut raw = vec![0u64; layers * 4];
+        self.dtoh(&mut raw, self.stats.ptr)?;
+        let stats: Vec<LayerStats> = raw
+            .chunks_exact(4)
+            .map(|r| LayerStats {
+                hits: r[0],
+                misses: r[1],
+                bytes_moved: r[2],
+                tiles: r[3],
+            })
+            .collect();
+        for (share, st) in self.hit_share.iter_mut().zip(&stats) {
+            if st.tiles > 0 {
+                *share = st.hits as f32 / st.tiles as f32;
+            }
+        }
+        Ok(stats)
+    }
+}
