@@ -90,6 +90,8 @@ struct EngineSession {
 struct Mapped {
     instance: u64,
     read_only: bool,
+    /// Wall time of mapping and registering the arena (cuMemHostRegister pins every page).
+    register_time: std::time::Duration,
     // Field order is drop order: the registration goes before the mapping it covers.
     _region: Arc<PinnedRegion>,
     view: ArenaView,
@@ -292,6 +294,14 @@ impl InEngine {
         self.mapped.as_ref().map(|m| m.read_only)
     }
 
+    /// Bytes of tierd's arena mapped and registered, and how long that took; None before the
+    /// first lease.
+    pub fn registration(&self) -> Option<(usize, std::time::Duration)> {
+        self.mapped
+            .as_ref()
+            .map(|m| (m.view.len(), m.register_time))
+    }
+
     /// Keep-sets of the last call at `layer`: `[batch][kv_head]` ascending block ids.
     pub fn last_keep_sets(&self, layer: u32) -> Result<Vec<Vec<Vec<u32>>>> {
         Ok(self.be.last_keep_sets(layer)?)
@@ -315,11 +325,13 @@ impl InEngine {
             }),
             Some(_) => Ok(lease),
             None => {
+                let t = std::time::Instant::now();
                 let (view, region, read_only) = register(&self.be, fd, &lease)?;
                 self.be.attach_host(region.clone())?;
                 self.mapped = Some(Mapped {
                     instance: lease.instance,
                     read_only,
+                    register_time: t.elapsed(),
                     _region: region,
                     view,
                 });

@@ -165,6 +165,8 @@ class Kvtier:
         self.st, self.db = st, batch
         st.pos.fill_(context)
         self.graphs = None
+        # Breakdown only: leave kvtier's layers out (the step's other work, hand-offs included).
+        self.skip_kvtier = False
 
     def seg_first(self):
         self.st.embed()
@@ -205,7 +207,8 @@ class Kvtier:
         g = self.graphs
         g[0].replay()
         for l in range(LAYERS):
-            self.db.launch(l)
+            if not self.skip_kvtier:
+                self.db.launch(l)
             g[l + 1].replay()
         self.db.advance()
 
@@ -288,6 +291,8 @@ def main():
     ap.add_argument("--top-k", type=int, default=32)
     ap.add_argument("--steps", type=int, default=160)
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the kvtier step with kvtier's layers left out")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
@@ -334,7 +339,10 @@ def main():
                 e = kv_engine.InEngine(a.socket, GEO, policy, device=0, max_sessions=b,
                                        max_blocks=(a.context + 4096) // 128)
                 db = kv_engine.DeviceBatch(e, c, ids[:b])
-                print(f"kvtier b={b}: leased, registered, synced in {time.time() - t:.1f} s", flush=True)
+                reg_bytes, reg_s = e.registration()
+                print(f"kvtier b={b}: leased, registered, synced in {time.time() - t:.1f} s "
+                      f"(mapping and registering the {reg_bytes / 2**30:.1f} GiB arena: {reg_s:.1f} s)",
+                      flush=True)
                 st = Step(model, b, dev)
                 kt = Kvtier(st, db, a.context)
                 kt.capture()
@@ -358,6 +366,12 @@ def main():
                         f"hand-off steps {[round(ms[i], 1) for i in flushes]} ms")
                 report(rows, "kvtier", a.context, b, plain, [w for i, w in enumerate(walls) if i not in flushes], note)
                 rows[-1]["mean_with_handoffs_ms"] = statistics.fmean(ms)
+                rows[-1]["register_s"] = reg_s
+                if a.breakdown:
+                    kt.skip_kvtier = True
+                    ms2, walls2 = time_steps(kt.step, min(a.steps, 100), 2)
+                    report(rows, "no-kvtier", a.context, b, ms2, walls2,
+                           "the same step with kvtier's 28 layers left out (breakdown only)")
                 db.close()
                 del kt, db, e
                 torch.cuda.empty_cache()

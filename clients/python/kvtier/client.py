@@ -100,6 +100,7 @@ class Client:
         else:
             sock.settimeout(timeout)
         self._sock = sock
+        self.path = path  # None for a socket given connected
         self._next_id = 1
         self.server = HelloReply(0, HELLO_REPLY_MAX, "", "")
         reply = self._call(Op.HELLO, p.encode_hello(client_name))

@@ -119,6 +119,11 @@ class InEngine:
         """Per layer: hits, misses, bytes_moved and tiles of the device calls since `bind`."""
         return [dict(hits=h, misses=m, bytes_moved=b, tiles=t) for h, m, b, t in self._e.bound_stats()]
 
+    def registration(self):
+        """(bytes, seconds) of mapping and registering tierd's arena with this process's CUDA
+        context (every page is pinned), or None before the first attach."""
+        return self._e.registration()
+
     def keep_sets(self, layer: int) -> List[List[List[int]]]:
         """Keep-sets of the last call at `layer`: [session][kv_head] ascending block ids."""
         return self._e.keep_sets(layer)

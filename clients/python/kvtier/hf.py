@@ -21,6 +21,12 @@ How it works:
   entry per batch row: q (pre-multiplied by ``scaling * sqrt(D)`` because tierd's softmax
   scale is fixed at ``1/sqrt(D)``), and the new token's k, v, which tierd appends. tierd's
   output replaces the layer's attention output.
+* On a GPU, decode steps go through the in-engine path instead (`kvtier.engine.DeviceBatch`,
+  when its extension is built and tierd runs with ``host.shared = true`` and lets this process
+  LEASE): this process runs kvtier's selector and attention on its own GPU over tierd's arena,
+  the new tokens stay on the GPU and go to tierd a block at a time, and no tensor crosses the
+  socket per step. ``engine="auto"`` (the default) takes it when it can and otherwise uses the
+  DECODE path, saying why in `engine_error`; ``"on"`` requires it, ``"off"`` never uses it.
 * A model run with the ``"kvtier"`` implementation but an ordinary `DynamicCache` behaves
   exactly like SDPA, so one loaded model serves both dense and sparse decoding.
 
@@ -274,14 +280,18 @@ class KvtierCache(Cache):
     `model_or_config`: the model (or its config). `client`: a connected `kvtier.Client`, else
     one is opened on `socket` (default `default_socket_path()`). `policy`: the sessions'
     selection policy. `dtype`: session dtype (default: the model's — F32, F16 or BF16).
-    `block_tokens`: tokens per block. Given a model, it switches the model to the ``"kvtier"``
-    attention (`enable`) if needed; given only a config, call `enable(model)` yourself. Close it (or use it as a context manager) to close the
-    tierd sessions.
+    `block_tokens`: tokens per block. `engine`: "auto", "on" or "off", the in-engine path for a
+    model on a GPU (module docstring); `max_blocks`: its per-session capacity in blocks. Given a
+    model, it switches the model to the ``"kvtier"`` attention (`enable`) if needed; given only
+    a config, call `enable(model)` yourself. Close it (or use it as a context manager) to close
+    the tierd sessions.
     """
 
     def __init__(self, model_or_config, client: Optional[Client] = None, socket: Optional[str] = None,
                  policy: Policy = Policy(), dtype: Optional[Dtype] = None, block_tokens: int = 128,
-                 label: str = "hf"):
+                 label: str = "hf", engine: str = "auto", max_blocks: int = 8192):
+        if engine not in ("auto", "on", "off"):
+            raise ValueError(f"engine must be 'auto', 'on' or 'off', not {engine!r}")
         if hasattr(model_or_config, "set_attn_implementation"):
             if getattr(model_or_config.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
                 enable(model_or_config)  # the cache only works with the "kvtier" attention
@@ -295,6 +305,9 @@ class KvtierCache(Cache):
                 mdtype = getattr(torch, mdtype)
             dtype = _TORCH_TO_DTYPE.get(mdtype, Dtype.F32)
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(config)
+        if isinstance(per_layer_kwargs, dict):
+            # transformers before 5.2x returns one kwargs dict for every layer.
+            per_layer_kwargs = [per_layer_kwargs] * len(layer_types)
         layers: List[CacheLayerMixin] = []
         self.full_layers: List[int] = []
         for i, (lt, kw) in enumerate(zip(layer_types, per_layer_kwargs)):
@@ -319,6 +332,10 @@ class KvtierCache(Cache):
         self._staged: dict = {}
         self.last_stats = None
         self.want_stats = False
+        self.engine_mode, self.max_blocks = engine, max_blocks
+        self._socket_path = socket or getattr(self._client, "path", None) or default_socket_path()
+        self.device_batch = None  # kvtier.engine.DeviceBatch once decoding in-engine
+        self.engine_error: Optional[str] = None  # why "auto" fell back to the DECODE path
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if getattr(_handoff, "pending", None) is not None:
@@ -336,6 +353,7 @@ class KvtierCache(Cache):
         if client is None:
             return
         try:
+            self._close_device_batch()
             for sid in self.sessions:
                 try:
                     client.close(sid)
@@ -358,8 +376,18 @@ class KvtierCache(Cache):
         except Exception:
             pass
 
+    def _close_device_batch(self) -> None:
+        """Hands the GPU-held tokens to tierd and releases the engine's leases."""
+        db, self.device_batch = self.device_batch, None
+        if db is not None:
+            try:
+                db.close()
+            except (KvtierError, OSError) as e:
+                raise TierdUnavailable(f"handing the last tokens to tierd failed: {e}") from e
+
     def reset(self) -> None:
         client = self._client
+        self._close_device_batch()
         for sid in self.sessions:
             try:
                 client.close(sid)
@@ -425,6 +453,31 @@ class KvtierCache(Cache):
                 raise TierdUnavailable(f"lost the connection to tierd while appending the prefill: {e}") from e
         self.positions = np.array([[t - s for s in starts]] * len(self.full_layers), dtype=np.int64)
 
+    def _in_engine(self, q, q_scale: float):
+        """The device batch decoding this cache's sessions in this process, opened at the first
+        decode step on a GPU; None for the DECODE path."""
+        if self.device_batch is not None:
+            return self.device_batch
+        if self.engine_mode == "off" or self.engine_error is not None:
+            return None
+        if q.device.type != "cuda":
+            if self.engine_mode == "on":
+                raise UnsupportedUse("engine='on' needs the model on a CUDA device")
+            return None
+        from . import engine as kv_engine
+
+        try:
+            e = kv_engine.InEngine(self._socket_path, self.geometry, self.policy,
+                                   device=q.device.index or 0, max_sessions=len(self.sessions),
+                                   max_blocks=self.max_blocks)
+            self.device_batch = kv_engine.DeviceBatch(e, self.client, self.sessions, q_scale=q_scale)
+        except (KvtierError, OSError, ValueError, RuntimeError) as err:
+            if self.engine_mode == "on":
+                raise
+            self.engine_error = str(err)
+            return None
+        return self.device_batch
+
     def _q_heads(self) -> int:
         return self._n_q_heads
 
@@ -464,6 +517,15 @@ class KvtierCache(Cache):
         b = q.shape[0]
         if b != len(self.sessions):
             raise UnsupportedUse(f"batch of {b} rows but the cache holds {len(self.sessions)} sessions")
+        db = self._in_engine(q, q_scale)
+        if db is not None:
+            self.last_stats = None  # the in-engine path reports no per-step keep-sets
+            try:
+                out = db.attend(layer.slot, q.detach(), k.detach(), v.detach())
+            except (OSError, ConnectionError) as e:
+                raise TierdUnavailable(f"lost the connection to tierd during a decode step: {e}") from e
+            self.positions[layer.slot] += 1
+            return out
         qn = q.detach().to("cpu", torch.float32)
         if q_scale != 1.0:
             qn = qn * q_scale

@@ -125,3 +125,48 @@ def test_device_batch_matches_dense_attention_over_keep_set_and_gpu_tail(tierd_f
                 assert np.array_equal(got, hist[i][1][j][blk * bt:(blk + 1) * bt]), (i, j)
             del run
     print(f"device batch: worst relative error {worst:.2e} over 140 layer steps x 2 sessions")
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_hf_adapter_decodes_in_engine_on_a_gpu_like_dense(tierd_factory, dtype):
+    """kvtier.hf with the model on the GPU takes the in-engine path (no DECODE per step): with a
+    policy that covers every block, greedy generation equals dense generation (f32 KV: exactly;
+    bf16: nearly always), across hand-offs of the GPU-held tokens to tierd."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+    from kvtier import hf
+
+    sock = tierd_factory("--set", "host.shared=true")
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    m = Qwen2ForCausalLM(cfg).eval().to("cuda")
+    hf.enable(m)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 256, (2, 300), generator=g)
+    am = torch.ones_like(ids)
+    ids[1, :37], am[1, :37] = 0, 0  # left padding
+    kw = dict(input_ids=ids.cuda(), attention_mask=am.cuda(), max_new_tokens=40, do_sample=False,
+              pad_token_id=0)
+    # past_key_values: the keyword every transformers 5.x takes (later ones also say cache=).
+    dense = m.generate(past_key_values=DynamicCache(config=m.config), **kw)
+    wire = Dtype.F32 if dtype == "f32" else Dtype.BF16
+    # 340 tokens in blocks of 16: 22 blocks <= 1 + 4 + 32; 40 steps cross two hand-offs.
+    with hf.KvtierCache(m, socket=sock, policy=Policy(1, 4, 32), block_tokens=16, dtype=wire,
+                        engine="on") as c:
+        sparse = m.generate(past_key_values=c, **kw)
+        assert c.device_batch is not None and c.engine_error is None
+        assert c.device_batch.stored == [300 + 32, 263 + 32] and c.device_batch.count == 7
+        sessions = list(c.sessions)
+        client = Client(sock)
+        c._close_device_batch()
+        # Every token (39 decoded steps appended: the last step's token is never attended)
+        # is in tierd once the cache hands its tail over.
+        assert [client.session_info(s).tokens_max for s in sessions] == [339, 302]
+    if dtype == "f32":
+        assert torch.equal(dense, sparse)
+    else:
+        assert (dense[:, 300:] == sparse[:, 300:]).float().mean() >= 0.75

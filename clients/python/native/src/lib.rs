@@ -149,6 +149,11 @@ impl Engine {
             .collect())
     }
 
+    /// (bytes, seconds) of mapping and registering tierd's arena; None before the first lease.
+    fn registration(&self) -> Option<(usize, f64)> {
+        self.inner.registration().map(|(n, t)| (n, t.as_secs_f64()))
+    }
+
     /// Keep-sets of the last call at `layer`: [session][kv_head] ascending block ids.
     fn keep_sets(&self, layer: u32) -> PyResult<Vec<Vec<Vec<u32>>>> {
         self.inner.last_keep_sets(layer).map_err(err)
