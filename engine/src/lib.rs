@@ -66,6 +66,54 @@ pub enum EngineError {
     /// A lease names a run outside the mapped arena (a table of another arena).
     #[error("layer {layer} block {block}: the lease names a run outside the mapped arena")]
     Unmapped { layer: usize, block: usize },
+    /// A head shard that does not divide the geometry's KV heads.
+    #[error(
+        "head shard {rank} of {world}: needs rank < world and world dividing {kv_heads} KV heads"
+    )]
+    Shard {
+        rank: u32,
+        world: u32,
+        kv_heads: u32,
+    },
+}
+
+/// The KV heads an engine attends, for tensor parallelism: rank `rank` of `world` takes the
+/// session's KV heads `[rank * n, (rank + 1) * n)` with `n = kv_heads / world`, and their query
+/// heads (the same range times the GQA group: query head `i` reads KV head `i / group`). A block
+/// run holds its KV heads' tiles back to back, so a shard's part of every run is one contiguous
+/// range: the shard's backend maps that range and runs the session's geometry with its heads
+/// divided. Selection and attention are per KV head, so the shards' outputs, concatenated by
+/// head, are the whole engine's, bit for bit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadShard {
+    pub rank: u32,
+    pub world: u32,
+}
+
+impl HeadShard {
+    /// Every head: one engine per session.
+    pub const WHOLE: HeadShard = HeadShard { rank: 0, world: 1 };
+
+    /// The geometry this shard's backend runs for sessions of geometry `full`.
+    pub fn geometry(&self, full: &Geometry) -> Result<Geometry> {
+        let ok = self.world >= 1 && self.rank < self.world && full.kv_heads % self.world == 0;
+        if !ok {
+            return Err(EngineError::Shard {
+                rank: self.rank,
+                world: self.world,
+                kv_heads: full.kv_heads,
+            });
+        }
+        let mut g = *full;
+        g.kv_heads = full.kv_heads / self.world;
+        g.q_heads = full.q_heads / self.world;
+        Ok(g)
+    }
+
+    /// Byte offset of this shard's heads inside a block run of the full geometry.
+    fn run_offset(&self, shard: &Geometry) -> u64 {
+        u64::from(self.rank) * shard.block_bytes() as u64
+    }
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;
@@ -98,10 +146,13 @@ struct Mapped {
 }
 
 /// One engine's in-process decode path over tierd's arena, for sessions of one geometry and
-/// policy (`CudaConfig`), on one device.
+/// policy (`CudaConfig`), on one device; all of their KV heads or one shard of them.
 pub struct InEngine {
     client: Client,
     be: CudaBackend,
+    /// The sessions' geometry (the backend's is the shard's).
+    full: Geometry,
+    shard: HeadShard,
     sessions: HashMap<u64, EngineSession>,
     free_slots: Vec<u32>,
     mapped: Option<Mapped>,
@@ -120,12 +171,30 @@ impl InEngine {
     /// Connects to tierd at `socket` (as an admin peer or tierd's own uid: LEASE maps the
     /// whole arena) and creates the device backend on CUDA device `device`.
     pub fn connect(socket: &Path, device: usize, cfg: CudaConfig) -> Result<Self> {
+        Self::connect_shard(socket, device, cfg, HeadShard::WHOLE)
+    }
+
+    /// [`InEngine::connect`] for one head shard of sessions of geometry `cfg.geometry`: q and
+    /// the outputs are then the shard's query heads (`q_heads / world` per session).
+    pub fn connect_shard(
+        socket: &Path,
+        device: usize,
+        cfg: CudaConfig,
+        shard: HeadShard,
+    ) -> Result<Self> {
+        let full = cfg.geometry;
+        let cfg = CudaConfig {
+            geometry: shard.geometry(&full)?,
+            ..cfg
+        };
         let client = Client::connect_as(socket, "kvtier-engine")?;
         let be = CudaBackend::new(device, cfg)?;
         let free_slots = (0..be.config().max_sessions).rev().collect();
         Ok(InEngine {
             client,
             be,
+            full,
+            shard,
             sessions: HashMap::new(),
             free_slots,
             mapped: None,
@@ -137,8 +206,14 @@ impl InEngine {
         &mut self.client
     }
 
+    /// The backend's configuration: its geometry is this engine's shard of the sessions'.
     pub fn config(&self) -> &CudaConfig {
         self.be.config()
+    }
+
+    /// Which KV heads of its sessions this engine attends.
+    pub fn shard(&self) -> HeadShard {
+        self.shard
     }
 
     /// Device slot of an attached session (for [`DecodeItem`]/[`StepItem`]).
@@ -155,12 +230,12 @@ impl InEngine {
         let cfg = *self.be.config();
         // The keep-set policy is the engine's own (its CudaConfig); the session's is what
         // tierd uses when it decodes the session itself.
-        if info.geometry != cfg.geometry {
+        if info.geometry != self.full {
             return Err(EngineError::Session {
                 session,
                 reason: format!(
                     "geometry {:?} is not this engine's ({:?})",
-                    info.geometry, cfg.geometry
+                    info.geometry, self.full
                 ),
             });
         }
@@ -209,8 +284,12 @@ impl InEngine {
         let view = &self.mapped.as_ref().expect("mapped by lease").view;
         let s = self.sessions.get_mut(&session).expect("attached");
         let geo = self.be.config().geometry;
+        let part = Part {
+            offset: self.shard.run_offset(&geo),
+            geo,
+        };
         for (l, (ls, want)) in s.layers.iter_mut().zip(&lease.layers).enumerate() {
-            sync_layer(&mut self.be, view, &lease, &geo, s.slot, l, ls, want)?;
+            sync_layer(&mut self.be, view, &lease, &part, s.slot, l, ls, want)?;
         }
         Ok(())
     }
@@ -377,6 +456,13 @@ fn register(
     }
 }
 
+/// The part of every block run an engine reads: its shard's heads, `geo.block_bytes()` from
+/// `offset`.
+struct Part {
+    offset: u64,
+    geo: Geometry,
+}
+
 /// Uploads what changed in one session layer: runs of new or moved blocks, bounds from the
 /// first non-final block on (recomputed from the runs with the daemon's function, so they are
 /// the daemon's bounds bit for bit), the token count.
@@ -385,7 +471,7 @@ fn sync_layer(
     be: &mut CudaBackend,
     view: &ArenaView,
     lease: &LeaseReply,
-    geo: &Geometry,
+    part: &Part,
     slot: u32,
     layer: usize,
     ls: &mut LayerSync,
@@ -393,8 +479,14 @@ fn sync_layer(
 ) -> Result<()> {
     let l = layer as u32;
     let nb = want.offsets.len();
+    let geo = &part.geo;
+    let (at, len) = (part.offset as usize, geo.block_bytes());
     for run in stale_runs(&ls.offsets, &want.offsets) {
-        be.map_blocks(slot, l, run.start as u32, &want.offsets[run])?;
+        let offsets: Vec<u64> = want.offsets[run.clone()]
+            .iter()
+            .map(|&o| o + part.offset)
+            .collect();
+        be.map_blocks(slot, l, run.start as u32, &offsets)?;
     }
     ls.offsets = want.offsets.clone();
     let bt = geo.block_tokens as u64;
@@ -405,6 +497,7 @@ fn sync_layer(
         let runs = (first..nb)
             .map(|blk| {
                 view.run(lease, layer, blk)
+                    .and_then(|r| r.get(at..at + len))
                     .ok_or(EngineError::Unmapped { layer, block: blk })
             })
             .collect::<Result<Vec<_>>>()?;

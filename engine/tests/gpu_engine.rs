@@ -3,7 +3,7 @@
 //! the dense oracle over the keep-set), and a restarted tierd is a typed error for the engine.
 //! Skips (saying so) without a CUDA device.
 
-use kvtier_engine::{EngineError, InEngine};
+use kvtier_engine::{EngineError, HeadShard, InEngine};
 use kvtier_kernels::cuda::{CudaConfig, SummaryDtype};
 use kvtier_protocol::client::ClientError;
 use kvtier_protocol::{DType, Geometry};
@@ -186,10 +186,7 @@ fn output_hashes(e: &mut InEngine, i: usize, session: u64) -> Vec<u64> {
     (0..GEO.layers as usize)
         .map(|l| {
             let q = query(i, l);
-            let out = e.decode_layer(l as u32, &[(session, &q)]).unwrap();
-            out.out.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
-                (h ^ u64::from(x.to_bits())).wrapping_mul(0x100_0000_01b3)
-            })
+            hash_bits(&e.decode_layer(l as u32, &[(session, &q)]).unwrap().out)
         })
         .collect()
 }
@@ -292,4 +289,155 @@ fn two_engine_processes_share_one_arena_on_one_gpu() {
         seen, 4,
         "every session answered by one of the two processes"
     );
+}
+
+/// Layer `l` of session number `i` on engine `e`: the output bits hashed (FNV-1a) and the
+/// keep-sets, for the query heads of `e`'s shard (the whole query for a whole engine).
+fn shard_layer(e: &mut InEngine, i: usize, session: u64, l: usize) -> (u64, Vec<Vec<u32>>) {
+    let g = e.config().geometry;
+    let per = (g.q_heads * g.head_dim) as usize;
+    let rank = e.shard().rank as usize;
+    let q = query(i, l);
+    let out = e
+        .decode_layer(l as u32, &[(session, &q[rank * per..(rank + 1) * per])])
+        .unwrap();
+    let keep = e.last_keep_sets(l as u32).unwrap().remove(0);
+    (hash_bits(&out.out), keep)
+}
+
+fn hash_bits(v: &[f32]) -> u64 {
+    v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+        (h ^ u64::from(x.to_bits())).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// The engine-process half of `head_shards_in_separate_processes_equal_the_whole_engine`:
+/// `KVTIER_SHARD_CHILD` = `socket rank world i:session ...`; prints each layer's hash and
+/// keep-sets.
+#[test]
+#[ignore = "run as a child process by head_shards_in_separate_processes_equal_the_whole_engine"]
+fn shard_child() {
+    let Ok(spec) = std::env::var("KVTIER_SHARD_CHILD") else {
+        return;
+    };
+    let mut words = spec.split_whitespace();
+    let socket = words.next().unwrap().to_owned();
+    let rank: u32 = words.next().unwrap().parse().unwrap();
+    let world: u32 = words.next().unwrap().parse().unwrap();
+    let shard = HeadShard { rank, world };
+    let mut e = InEngine::connect_shard(socket.as_ref(), 0, daemon_like_config(), shard).unwrap();
+    for w in words {
+        let (i, s) = w.split_once(':').unwrap();
+        let (i, s): (usize, u64) = (i.parse().unwrap(), s.parse().unwrap());
+        e.attach(s).unwrap();
+        for l in 0..GEO.layers as usize {
+            let (h, keep) = shard_layer(&mut e, i, s, l);
+            println!("shard {i} {l} {h} {keep:?}");
+        }
+    }
+}
+
+/// Tensor parallelism over KV heads: engine processes that each attend a shard of every
+/// session's heads (2 and 4 shards of Qwen2.5-7B's 4 KV heads, all processes at once on one
+/// GPU, each with its own registration of the arena) give, per shard, the whole engine's
+/// keep-sets of those heads and its output for those query heads, bit for bit. A shard that
+/// does not divide the heads is a typed error.
+#[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
+fn head_shards_in_separate_processes_equal_the_whole_engine() {
+    if !kvtier_kernels::cuda::device_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let d = Tierd::builder(bins::tierd())
+        .host_capacity("2GiB")
+        .args(["--backend", "cpu"])
+        .set("host.shared=true")
+        .start();
+    let mut c = d.client();
+    let sessions: Vec<u64> = (0..2)
+        .map(|i| {
+            let s = c.create_session(GEO, policy(), "sharded").unwrap();
+            let mut sh = Shadow::new(GEO, 301 + i);
+            for at in (0..3000).step_by(500) {
+                c.append_kv(s, at, 500, &sh.payload(500)).unwrap();
+            }
+            s
+        })
+        .collect();
+    let bad = HeadShard { rank: 0, world: 3 };
+    assert!(matches!(
+        InEngine::connect_shard(d.path(), 0, daemon_like_config(), bad),
+        Err(EngineError::Shard {
+            world: 3,
+            kv_heads: 4,
+            ..
+        })
+    ));
+    // The whole engine: each layer's output split by shard of query heads, and keep-sets.
+    let hq = (GEO.q_heads * GEO.head_dim) as usize;
+    let mut whole = InEngine::connect(d.path(), 0, daemon_like_config()).unwrap();
+    let mut want = Vec::new(); // (i, l, out, keep)
+    for (i, &s) in sessions.iter().enumerate() {
+        whole.attach(s).unwrap();
+        for l in 0..GEO.layers as usize {
+            let out = whole
+                .decode_layer(l as u32, &[(s, &query(i, l))])
+                .unwrap()
+                .out;
+            assert_eq!(out.len(), hq);
+            let keep = whole.last_keep_sets(l as u32).unwrap().remove(0);
+            want.push((i, l, out, keep));
+        }
+    }
+    drop(whole);
+    for world in [2u32, 4] {
+        let children: Vec<_> = (0..world)
+            .map(|rank| {
+                let mut spec = format!("{} {rank} {world}", d.path().to_str().unwrap());
+                for (i, s) in sessions.iter().enumerate() {
+                    spec.push_str(&format!(" {i}:{s}"));
+                }
+                std::process::Command::new(std::env::current_exe().unwrap())
+                    .args(["--exact", "shard_child", "--ignored", "--nocapture"])
+                    .args(["--test-threads=1"])
+                    .env("KVTIER_SHARD_CHILD", spec)
+                    .stdout(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let mut seen = 0;
+        for (rank, child) in children.into_iter().enumerate() {
+            let out = child.wait_with_output().unwrap();
+            assert!(out.status.success(), "shard {rank} of {world} failed");
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                let Some(at) = line.find("shard ") else {
+                    continue;
+                };
+                let mut f = line[at + 6..].splitn(4, ' ');
+                let i: usize = f.next().unwrap().parse().unwrap();
+                let l: usize = f.next().unwrap().parse().unwrap();
+                let h: u64 = f.next().unwrap().parse().unwrap();
+                let keep = f.next().unwrap();
+                let (_, _, full, full_keep) = want.iter().find(|w| w.0 == i && w.1 == l).unwrap();
+                let (per_q, per_kv) = (hq / world as usize, (GEO.kv_heads / world) as usize);
+                let part = &full[rank * per_q..(rank + 1) * per_q];
+                assert_eq!(
+                    h,
+                    hash_bits(part),
+                    "world {world} rank {rank} session {i} layer {l}"
+                );
+                let kv = &full_keep[rank * per_kv..(rank + 1) * per_kv];
+                assert_eq!(
+                    keep,
+                    format!("{kv:?}"),
+                    "keep-sets, world {world} rank {rank}"
+                );
+                seen += 1;
+            }
+        }
+        assert_eq!(seen, world as usize * sessions.len() * GEO.layers as usize);
+        eprintln!("{world} head shards == the whole engine, bit for bit");
+    }
 }

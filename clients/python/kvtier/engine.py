@@ -48,10 +48,12 @@ def available() -> bool:
 
 class InEngine:
     """Sessions of one geometry decoded on CUDA device `device`; the keep-set policy is this
-    engine's own."""
+    engine's own. `rank`, `world`: attend only KV heads [rank * n, (rank + 1) * n) of each
+    session, n = kv_heads / world, and their query heads (tensor parallelism: q and the outputs
+    then have q_heads / world heads)."""
 
     def __init__(self, socket: str, geometry: Geometry, policy: Policy, device: int = 0,
-                 max_sessions: int = 8, max_blocks: int = 8192):
+                 max_sessions: int = 8, max_blocks: int = 8192, rank: int = 0, world: int = 1):
         if _native is None:
             raise EngineUnavailable(
                 f"kvtier._native is not built ({_IMPORT_ERROR}); see kvtier.engine's docstring")
@@ -61,11 +63,13 @@ class InEngine:
                 socket, device,
                 (g.layers, g.q_heads, g.kv_heads, g.head_dim, int(g.dtype), g.block_tokens),
                 (policy.sink_blocks, policy.local_blocks, policy.top_k),
-                max_sessions, max_blocks)
+                max_sessions, max_blocks, (rank, world))
         except _native.EngineError as e:
             raise EngineUnavailable(str(e)) from None
         self.geometry = geometry
         self.device = device
+        self.rank, self.world = rank, world
+        self.q_heads = g.q_heads // world  # this engine's query heads per session
 
     def attach(self, session: int) -> int:
         """Lease the session and give it device state (synced)."""
@@ -82,7 +86,7 @@ class InEngine:
         """Attention of `layer` over each session's stored tokens: q float32
         [n, q_heads, head_dim] -> output of the same shape."""
         g = self.geometry
-        q = np.ascontiguousarray(q, dtype="<f4").reshape(len(sessions), g.q_heads, g.head_dim)
+        q = np.ascontiguousarray(q, dtype="<f4").reshape(len(sessions), self.q_heads, g.head_dim)
         out = self._e.decode_layer(layer, list(sessions), q.tobytes())
         return np.frombuffer(out, dtype="<f4").reshape(q.shape).astype(np.float32)
 
@@ -103,9 +107,10 @@ class InEngine:
         n = getattr(self, "_bound", None)
         if n is None:
             raise EngineError("no bound batch: call bind() first")
-        want = {"q": (q, (n, g.q_heads, g.head_dim)), "out": (out, (n, g.q_heads, g.head_dim))}
+        hq = self.q_heads
+        want = {"q": (q, (n, hq, g.head_dim)), "out": (out, (n, hq, g.head_dim))}
         if lse is not None:
-            want["lse"] = (lse, (n, g.q_heads))
+            want["lse"] = (lse, (n, hq))
         for name, (t, shape) in want.items():
             if not isinstance(t, torch.Tensor) or t.device.type != "cuda" or t.device.index != self.device:
                 raise ValueError(f"{name} must be a torch tensor on cuda:{self.device}")
@@ -153,6 +158,10 @@ class DeviceBatch:
         import torch
 
         g = engine.geometry
+        if engine.world != 1:
+            raise ValueError("DeviceBatch needs an engine of every head: its hand-offs append all "
+                             "of a token's heads (a tensor-parallel engine would gather its ranks' "
+                             "tails first, which is not built)")
         self.engine, self.client, self.sessions = engine, client, list(sessions)
         self.q_scale = q_scale
         dev = torch.device("cuda", engine.device)

@@ -170,3 +170,35 @@ def test_hf_adapter_decodes_in_engine_on_a_gpu_like_dense(tierd_factory, dtype):
         assert torch.equal(dense, sparse)
     else:
         assert (dense[:, 300:] == sparse[:, 300:]).float().mean() >= 0.75
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
+def test_head_shards_in_one_process_equal_the_whole_engine(tierd_factory):
+    """Two engines of one process, each attending half of every session's KV heads (rank 0 and
+    1 of 2), give the whole engine's output for their query heads, bit for bit; a shard that
+    does not divide the heads is a typed error."""
+    sock = tierd_factory("--backend", "cpu", "--set", "host.shared=true")
+    g = Geometry(2, 28, 4, 128, Dtype.BF16, 128)
+    pol = Policy(sink_blocks=1, local_blocks=2, top_k=3)
+    c = Client(sock)
+    s = c.create_session(g, pol, "py-shards")
+    n = 1500
+    rng = np.random.default_rng(9)
+    kv = [[f32_to_bf16(rng.standard_normal((n, g.kv_heads, g.head_dim), dtype=np.float32))
+           for _ in range(2)] for _ in range(g.layers)]
+    c.append_kv_shm(s, 0, n, b"".join(x.tobytes() for layer in kv for x in layer))
+    with pytest.raises(engine.EngineUnavailable, match="shard"):
+        engine.InEngine(sock, g, pol, rank=0, world=3)
+    whole = engine.InEngine(sock, g, pol)
+    whole.attach(s)
+    shards = [engine.InEngine(sock, g, pol, rank=r, world=2) for r in range(2)]
+    for e in shards:
+        e.attach(s)
+    for layer in range(g.layers):
+        q = rng.standard_normal((1, g.q_heads, g.head_dim), dtype=np.float32)
+        want = whole.decode_layer(layer, [s], q)
+        keep = whole.keep_sets(layer)[0]
+        for r, e in enumerate(shards):
+            got = e.decode_layer(layer, [s], q[:, r * 14:(r + 1) * 14])
+            assert np.array_equal(got.view(np.uint32), want[:, r * 14:(r + 1) * 14].view(np.uint32))
+            assert e.keep_sets(layer)[0] == keep[r * 2:(r + 1) * 2]

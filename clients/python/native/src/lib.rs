@@ -2,7 +2,7 @@
 //! purpose: sessions by id, queries and outputs as little-endian f32 bytes; `kvtier.engine`
 //! wraps it with numpy shapes and the package's types.
 
-use kvtier_engine::InEngine;
+use kvtier_engine::{HeadShard, InEngine};
 use kvtier_kernels::cuda::{CUstream, CudaConfig, DeviceIo, SummaryDtype};
 use kvtier_protocol::{dtype_from_wire, Geometry, Policy};
 use pyo3::create_exception;
@@ -30,9 +30,10 @@ struct Engine {
 #[pymethods]
 impl Engine {
     /// `geometry` = (layers, q_heads, kv_heads, head_dim, dtype code, block_tokens),
-    /// `policy` = (sink_blocks, local_blocks, top_k).
+    /// `policy` = (sink_blocks, local_blocks, top_k), `shard` = (rank, world): the KV heads
+    /// attended (tensor parallelism; (0, 1) for all).
     #[new]
-    #[pyo3(signature = (socket, device, geometry, policy, max_sessions = 8, max_blocks = 8192))]
+    #[pyo3(signature = (socket, device, geometry, policy, max_sessions = 8, max_blocks = 8192, shard = (0, 1)))]
     fn new(
         socket: &str,
         device: usize,
@@ -40,6 +41,7 @@ impl Engine {
         policy: (u32, u32, u32),
         max_sessions: u32,
         max_blocks: u32,
+        shard: (u32, u32),
     ) -> PyResult<Self> {
         if !kvtier_kernels::cuda::device_available() {
             return Err(err("no CUDA device (or no CUDA driver) on this machine"));
@@ -60,7 +62,11 @@ impl Engine {
             max_sessions,
             SummaryDtype::F32,
         );
-        let inner = InEngine::connect(socket.as_ref(), device, cfg).map_err(err)?;
+        let shard = HeadShard {
+            rank: shard.0,
+            world: shard.1,
+        };
+        let inner = InEngine::connect_shard(socket.as_ref(), device, cfg, shard).map_err(err)?;
         Ok(Engine { inner })
     }
 
