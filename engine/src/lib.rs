@@ -46,6 +46,9 @@ use kvtier_storage::kv::refold_bounds;
 /// Bytes per cuMemHostRegister call: tierd's arena segment (no block run crosses one).
 const REGISTER_CHUNK: usize = 1 << 30;
 
+/// Blocks of one layer from which a sync recomputes bounds on every core.
+const PARALLEL_BOUNDS_FROM: usize = 64;
+
 /// Failures of the in-engine path.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -501,20 +504,32 @@ fn sync_layer(
                     .ok_or(EngineError::Unmapped { layer, block: blk })
             })
             .collect::<Result<Vec<_>>>()?;
-        // A first sync of a long session recomputes every block's bounds: on every core.
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // A first sync of a long session recomputes every block's bounds: on every core. The
+        // usual sync (a block or two per layer) runs inline: spawning a thread per core per
+        // layer would cost more than the blocks.
+        let threads = if runs.len() >= PARALLEL_BOUNDS_FROM {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            1
+        };
         let per = runs.len().div_ceil(threads).max(1);
-        std::thread::scope(|sc| {
-            for (ci, (out, rs)) in sums.chunks_mut(per * spb).zip(runs.chunks(per)).enumerate() {
-                sc.spawn(move || {
-                    for (i, run) in rs.iter().enumerate() {
-                        let blk = (first + ci * per + i) as u64;
-                        let valid = (want.tokens - blk * bt).min(bt) as usize;
-                        refold_bounds(geo, run, valid, &mut out[i * spb..(i + 1) * spb]);
-                    }
-                });
+        let fold = |ci: usize, out: &mut [f32], rs: &[&[u8]]| {
+            for (i, run) in rs.iter().enumerate() {
+                let blk = (first + ci * per + i) as u64;
+                let valid = (want.tokens - blk * bt).min(bt) as usize;
+                refold_bounds(geo, run, valid, &mut out[i * spb..(i + 1) * spb]);
             }
-        });
+        };
+        if threads == 1 {
+            fold(0, &mut sums, &runs);
+        } else {
+            std::thread::scope(|sc| {
+                for (ci, (out, rs)) in sums.chunks_mut(per * spb).zip(runs.chunks(per)).enumerate()
+                {
+                    sc.spawn(move || fold(ci, out, rs));
+                }
+            });
+        }
         be.upload_summaries(slot, l, first as u32, &sums)?;
     }
     ls.final_blocks = (want.tokens / bt) as usize;

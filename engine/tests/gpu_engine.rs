@@ -441,3 +441,98 @@ fn head_shards_in_separate_processes_equal_the_whole_engine() {
         eprintln!("{world} head shards == the whole engine, bit for bit");
     }
 }
+
+/// The engine-process half of `an_engine_killed_mid_step_leaves_tierd_serving`:
+/// `KVTIER_LOOP_CHILD` = `socket session`; decodes every layer in a loop until killed.
+#[test]
+#[ignore = "run as a child process by an_engine_killed_mid_step_leaves_tierd_serving"]
+fn decode_loop_child() {
+    let Ok(spec) = std::env::var("KVTIER_LOOP_CHILD") else {
+        return;
+    };
+    let (socket, s) = spec.split_once(' ').unwrap();
+    let s: u64 = s.parse().unwrap();
+    let mut e = InEngine::connect(socket.as_ref(), 0, daemon_like_config()).unwrap();
+    e.attach(s).unwrap();
+    let hqd = (GEO.q_heads * GEO.head_dim) as usize * GEO.layers as usize;
+    let q = vec![0.5f32; hqd];
+    for step in 0u64.. {
+        e.decode_step(&[(s, &q)]).unwrap();
+        if step == 3 {
+            println!("decoding");
+        }
+    }
+}
+
+/// An engine process SIGKILLed while it decodes (its lease held, its device busy over the
+/// arena) leaves tierd serving: the lease ends with the connection, so the session can be
+/// demoted and promoted again; DECODEs of another session go on matching the oracle, and a new
+/// engine decodes the session.
+#[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
+fn an_engine_killed_mid_step_leaves_tierd_serving() {
+    use std::io::{BufRead, BufReader};
+    use std::os::unix::process::ExitStatusExt;
+
+    if !kvtier_kernels::cuda::device_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let d = cuda_tierd(None);
+    let mut c = d.client();
+    let leased = c.create_session(GEO, policy(), "leased").unwrap();
+    let other = c.create_session(GEO, policy(), "other").unwrap();
+    let mut sh = Shadow::new(GEO, 4242);
+    let p = sh.payload(2000);
+    c.append_kv(leased, 0, 2000, &p).unwrap();
+    c.append_kv(other, 0, 2000, &p).unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "decode_loop_child", "--ignored", "--nocapture"])
+        .args(["--test-threads=1"])
+        .env(
+            "KVTIER_LOOP_CHILD",
+            format!("{} {leased}", d.path().to_str().unwrap()),
+        )
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert!(
+        lines.any(|l| l.unwrap().contains("decoding")),
+        "the engine process never decoded"
+    );
+    // While it holds the lease, tierd refuses to move the session's runs.
+    assert!(c.demote(leased).is_err(), "DEMOTE of a leased session");
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    child.kill().unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.signal(), Some(9), "killed mid-step, not exited");
+    // The lease ended with the engine's connection.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        match c.demote(leased) {
+            Ok(_) => break,
+            Err(e) if std::time::Instant::now() < deadline => {
+                eprintln!("demote not yet: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            Err(e) => panic!("the dead engine's lease was never reclaimed: {e}"),
+        }
+    }
+    c.promote(leased).unwrap();
+    // tierd serves: DECODEs of the other session match the oracle.
+    for l in 0..GEO.layers as usize {
+        let (q, k, v) = sh.step_input(l);
+        let pos = sh.tokens(l) - 1;
+        let out = c
+            .decode(l as u32, entry(other, pos, &f32_bytes(&q), &k, &v), true)
+            .unwrap();
+        sh.check(l, &q, &out);
+    }
+    // And a new engine decodes the session the dead one held.
+    let mut e = InEngine::connect(d.path(), 0, daemon_like_config()).unwrap();
+    e.attach(leased).unwrap();
+    let q = vec![0.25f32; (GEO.q_heads * GEO.head_dim) as usize];
+    let out = e.decode_layer(0, &[(leased, &q)]).unwrap();
+    assert!(out.out.iter().all(|x| x.is_finite()));
+}

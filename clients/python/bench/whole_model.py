@@ -351,9 +351,12 @@ def main():
                 st.pos.fill_(a.context)
                 flushes = []
 
+                handoffs = []
+
                 def on_step(i, db=db):
                     if db.count == 0:
                         flushes.append(i)
+                        handoffs.append({k: round(v * 1e3, 1) for k, v in db.last_handoff.items()})
 
                 ms, walls = time_steps(kt.step, a.steps, a.warmup, on_step)
                 stats = e.bound_stats()
@@ -363,7 +366,7 @@ def main():
                 plain = [m for i, m in enumerate(ms) if i not in flushes]
                 note = (f"hit share since the last hand-off {hits / max(tiles, 1):.2f}, "
                         f"{moved / max(tiles, 1) / 1e3:.1f} kB/tile moved; "
-                        f"hand-off steps {[round(ms[i], 1) for i in flushes]} ms")
+                        f"hand-off steps {[round(ms[i], 1) for i in flushes]} ms {handoffs}")
                 report(rows, "kvtier", a.context, b, plain, [w for i, w in enumerate(walls) if i not in flushes], note)
                 rows[-1]["mean_with_handoffs_ms"] = statistics.fmean(ms)
                 rows[-1]["register_s"] = reg_s
