@@ -32,6 +32,38 @@ fn cuda_tierd(dir: Option<tempfile::TempDir>) -> Tierd {
     }
 }
 
+/// tierd on the CPU (only the engines use the device) with `n` sessions of `tokens` tokens of
+/// deterministic KV (seeds from `seed`).
+fn cpu_tierd_with_sessions(n: u64, tokens: u64, seed: u64) -> (Tierd, Vec<u64>) {
+    let d = Tierd::builder(bins::tierd())
+        .host_capacity("2GiB")
+        .args(["--backend", "cpu"])
+        .set("host.shared=true")
+        .start();
+    let mut c = d.client();
+    let sessions = (0..n)
+        .map(|i| {
+            let s = c.create_session(GEO, policy(), "engines").unwrap();
+            let mut sh = Shadow::new(GEO, seed + i);
+            for at in (0..tokens).step_by(500) {
+                c.append_kv(s, at, 500, &sh.payload(500)).unwrap();
+            }
+            s
+        })
+        .collect();
+    (d, sessions)
+}
+
+/// This test binary again, running only the `#[ignore]`d child test `name` with `spec` in the
+/// environment variable `var`; stdout piped.
+fn spawn_child(name: &str, var: &str, spec: String) -> std::process::Child {
+    kvtier_tests::sys::rerun_test(&std::env::current_exe().unwrap(), name)
+        .env(var, spec)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn the_in_engine_path_answers_bit_identically_to_the_daemons_cuda_path() {
@@ -218,23 +250,7 @@ fn two_engine_processes_share_one_arena_on_one_gpu() {
         eprintln!("skipped: no CUDA device");
         return;
     }
-    // tierd on the CPU: only the engines use the device.
-    let d = Tierd::builder(bins::tierd())
-        .host_capacity("2GiB")
-        .args(["--backend", "cpu"])
-        .set("host.shared=true")
-        .start();
-    let mut c = d.client();
-    let sessions: Vec<u64> = (0..4)
-        .map(|i| {
-            let s = c.create_session(GEO, policy(), "shared").unwrap();
-            let mut sh = Shadow::new(GEO, 77 + i);
-            for at in (0..2000).step_by(500) {
-                c.append_kv(s, at, 500, &sh.payload(500)).unwrap();
-            }
-            s
-        })
-        .collect();
+    let (d, sessions) = cpu_tierd_with_sessions(4, 2000, 77);
     // One engine serving all four: the reference.
     let want: Vec<Vec<u64>> = {
         let mut e = InEngine::connect(d.path(), 0, daemon_like_config()).unwrap();
@@ -253,18 +269,7 @@ fn two_engine_processes_share_one_arena_on_one_gpu() {
         for (i, s) in pairs {
             spec.push_str(&format!(" {i}:{s}"));
         }
-        std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "engine_child",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("KVTIER_ENGINE_CHILD", spec)
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap()
+        spawn_child("engine_child", "KVTIER_ENGINE_CHILD", spec)
     };
     let children = [
         spawn(&[(0, sessions[0]), (1, sessions[1])]),
@@ -349,22 +354,7 @@ fn head_shards_in_separate_processes_equal_the_whole_engine() {
         eprintln!("skipped: no CUDA device");
         return;
     }
-    let d = Tierd::builder(bins::tierd())
-        .host_capacity("2GiB")
-        .args(["--backend", "cpu"])
-        .set("host.shared=true")
-        .start();
-    let mut c = d.client();
-    let sessions: Vec<u64> = (0..2)
-        .map(|i| {
-            let s = c.create_session(GEO, policy(), "sharded").unwrap();
-            let mut sh = Shadow::new(GEO, 301 + i);
-            for at in (0..3000).step_by(500) {
-                c.append_kv(s, at, 500, &sh.payload(500)).unwrap();
-            }
-            s
-        })
-        .collect();
+    let (d, sessions) = cpu_tierd_with_sessions(2, 3000, 301);
     let bad = HeadShard { rank: 0, world: 3 };
     assert!(matches!(
         InEngine::connect_shard(d.path(), 0, daemon_like_config(), bad),
@@ -398,13 +388,7 @@ fn head_shards_in_separate_processes_equal_the_whole_engine() {
                 for (i, s) in sessions.iter().enumerate() {
                     spec.push_str(&format!(" {i}:{s}"));
                 }
-                std::process::Command::new(std::env::current_exe().unwrap())
-                    .args(["--exact", "shard_child", "--ignored", "--nocapture"])
-                    .args(["--test-threads=1"])
-                    .env("KVTIER_SHARD_CHILD", spec)
-                    .stdout(std::process::Stdio::piped())
-                    .spawn()
-                    .unwrap()
+                spawn_child("shard_child", "KVTIER_SHARD_CHILD", spec)
             })
             .collect();
         let mut seen = 0;
@@ -486,16 +470,8 @@ fn an_engine_killed_mid_step_leaves_tierd_serving() {
     let p = sh.payload(2000);
     c.append_kv(leased, 0, 2000, &p).unwrap();
     c.append_kv(other, 0, 2000, &p).unwrap();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "decode_loop_child", "--ignored", "--nocapture"])
-        .args(["--test-threads=1"])
-        .env(
-            "KVTIER_LOOP_CHILD",
-            format!("{} {leased}", d.path().to_str().unwrap()),
-        )
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let spec = format!("{} {leased}", d.path().to_str().unwrap());
+    let mut child = spawn_child("decode_loop_child", "KVTIER_LOOP_CHILD", spec);
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     assert!(
         lines.any(|l| l.unwrap().contains("decoding")),

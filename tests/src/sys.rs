@@ -1,7 +1,7 @@
 //! Processes, `/proc`, and directories for tests.
 
 use std::path::{Path, PathBuf};
-use std::process::Child;
+use std::process::{Child, Command};
 
 /// A child process killed (and reaped) when dropped, so a failing test never leaves a process
 /// behind holding the test harness's output pipes open.
@@ -102,4 +102,18 @@ impl Drop for SmallFs {
             .arg(self.dir.path())
             .status();
     }
+}
+
+/// A command that runs test binary `exe` again with only its `#[ignore]`d test `name` (a child
+/// half of a multi-process test), output not captured.
+pub fn rerun_test(exe: &Path, name: &str) -> Command {
+    let mut c = Command::new(exe);
+    c.args([
+        "--exact",
+        name,
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]);
+    c
 }

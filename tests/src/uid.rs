@@ -44,14 +44,7 @@ pub fn reachable_copy(exe: &Path) -> PathBuf {
 /// child that skipped its checks fails the caller too).
 pub fn run_as_nobody(name: &str, env: &[(&str, &str)], done: &str) -> String {
     let exe = reachable_copy(&std::env::current_exe().unwrap());
-    let out = as_nobody(&mut Command::new(&exe))
-        .args([
-            "--exact",
-            name,
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let out = as_nobody(&mut crate::sys::rerun_test(&exe, name))
         .envs(env.iter().copied())
         .output()
         .unwrap();
