@@ -12,6 +12,9 @@ use crate::par;
 /// rebuild is tens of microseconds, about what a thread spawn costs).
 pub const RESTORE_MIN_BLOCKS_PER_THREAD: usize = 4;
 
+/// Payload bytes from which [`KvCache::append`] spreads its layers over threads.
+const PARALLEL_APPEND_BYTES: usize = 4 << 20;
+
 /// One stored block for [`KvCache::restore_blocks`]: the arguments of one
 /// [`KvCache::restore_block`] call.
 #[derive(Debug, Clone, Copy)]
@@ -542,19 +545,45 @@ impl KvCache {
             });
         }
         let half = (n * tb) as usize;
-        let mut need = 0;
-        for layer in 0..self.geo.layers {
-            let at = 2 * half * layer as usize;
-            let (k, v) = (&payload[at..at + half], &payload[at + half..at + 2 * half]);
-            need += self.check_layer_append(layer, start, k, v)?;
-        }
-        let mut fresh = self.arena.alloc_many(need, self.geo.block_bytes())?;
-        for layer in 0..self.geo.layers {
-            let at = 2 * half * layer as usize;
-            let (k, v) = (&payload[at..at + half], &payload[at + half..at + 2 * half]);
-            self.write_layer(layer, k, v, n, &mut fresh);
+        let rows = |layer: usize| {
+            let at = 2 * half * layer;
+            (&payload[at..at + half], &payload[at + half..at + 2 * half])
+        };
+        // A large append (a prefill, an engine's hand-off) checks and writes its layers on
+        // several threads: each layer's rows, frames and bounds are its own.
+        let threads = if payload.len() >= PARALLEL_APPEND_BYTES {
+            par::default_workers()
+        } else {
+            1
+        };
+        let layers = self.geo.layers as usize;
+        let checked = par::map_indexed(layers, threads, "kvtier-append", |layer| {
+            let (k, v) = rows(layer);
+            self.check_layer_append(layer as u32, start, k, v)
+        });
+        let need = checked.into_iter().collect::<Result<Vec<usize>>>()?;
+        let mut fresh = self
+            .arena
+            .alloc_many(need.iter().sum(), self.geo.block_bytes())?;
+        // Layer by layer each takes its frames from the end, as a serial append pops them.
+        let mut work: Vec<(&mut LayerKv, Vec<Frame>)> = Vec::with_capacity(layers);
+        for (l, &count) in self.layers.iter_mut().zip(&need) {
+            // The last `count` frames, in order: write_rows pops them from the end as well.
+            work.push((l, fresh.split_off(fresh.len() - count)));
         }
         debug_assert!(fresh.is_empty());
+        let geo = self.geo;
+        let index: Vec<usize> = (0..layers).collect();
+        par::zip_mut(
+            &mut work,
+            &index,
+            threads,
+            "kvtier-append",
+            |(l, own), &layer| {
+                let (k, v) = rows(layer);
+                write_rows(&geo, l, k, v, n, own);
+            },
+        );
         Ok(())
     }
 
@@ -613,53 +642,58 @@ impl KvCache {
     /// keys into the blocks' bounds. Cannot fail.
     fn write_layer(&mut self, layer: u32, k: &[u8], v: &[u8], n: u64, fresh: &mut Vec<Frame>) {
         let geo = self.geo;
-        let (bt, hkv, d) = (
-            geo.block_tokens as u64,
-            geo.kv_heads as usize,
-            geo.head_dim as usize,
-        );
-        let row = geo.row_bytes();
-        let spb = geo.summary_floats_per_block();
-        let mut key = [0f32; MAX_HEAD_DIM as usize];
-        let key = &mut key[..d];
-        let l = &mut self.layers[layer as usize];
-        for i in 0..n as usize {
-            let pos = l.tokens;
-            let (block, slot) = ((pos / bt) as usize, (pos % bt) as usize);
-            if block == l.slots.len() {
-                l.slots
-                    .push(Slot::Hot(fresh.pop().expect("frames were reserved")));
-                // Empty bounds: every fold replaces them.
-                for h in 0..hkv {
-                    let at = l.summaries.len();
-                    l.summaries.resize(at + d, f32::NEG_INFINITY);
-                    l.summaries.resize(at + 2 * d, f32::INFINITY);
-                    debug_assert_eq!(at, (block * hkv + h) * 2 * d);
-                }
-            }
-            let Slot::Hot(frame) = &mut l.slots[block] else {
-                unreachable!("the tail block is never evicted while it is being filled")
-            };
-            let frame = frame.as_mut_slice();
-            let summ = &mut l.summaries[block * spb..(block + 1) * spb];
+        write_rows(&geo, &mut self.layers[layer as usize], k, v, n, fresh);
+    }
+}
+
+/// [`KvCache::write_layer`] on one layer: rows copied into its tail frames, keys folded into
+/// its bounds.
+fn write_rows(geo: &Geometry, l: &mut LayerKv, k: &[u8], v: &[u8], n: u64, fresh: &mut Vec<Frame>) {
+    let (bt, hkv, d) = (
+        geo.block_tokens as u64,
+        geo.kv_heads as usize,
+        geo.head_dim as usize,
+    );
+    let row = geo.row_bytes();
+    let spb = geo.summary_floats_per_block();
+    let mut key = [0f32; MAX_HEAD_DIM as usize];
+    let key = &mut key[..d];
+    for i in 0..n as usize {
+        let pos = l.tokens;
+        let (block, slot) = ((pos / bt) as usize, (pos % bt) as usize);
+        if block == l.slots.len() {
+            l.slots
+                .push(Slot::Hot(fresh.pop().expect("frames were reserved")));
+            // Empty bounds: every fold replaces them.
             for h in 0..hkv {
-                let src = (i * hkv + h) * row;
-                let (ks, vs) = (&k[src..src + row], &v[src..src + row]);
-                let ko = geo.k_row_offset(h, slot);
-                let vo = geo.v_row_offset(h, slot);
-                frame[ko..ko + row].copy_from_slice(ks);
-                frame[vo..vo + row].copy_from_slice(vs);
-                // Bounds of the stored (rounded) key, so scores bound what attention will see.
-                geo.dtype.decode(ks, key);
-                let s = &mut summ[h * 2 * d..(h + 1) * 2 * d];
-                let (mx, mn) = s.split_at_mut(d);
-                for ((m, x), kv) in mx.iter_mut().zip(mn.iter_mut()).zip(key.iter()) {
-                    *m = m.max(*kv);
-                    *x = x.min(*kv);
-                }
+                let at = l.summaries.len();
+                l.summaries.resize(at + d, f32::NEG_INFINITY);
+                l.summaries.resize(at + 2 * d, f32::INFINITY);
+                debug_assert_eq!(at, (block * hkv + h) * 2 * d);
             }
-            l.tokens += 1;
         }
+        let Slot::Hot(frame) = &mut l.slots[block] else {
+            unreachable!("the tail block is never evicted while it is being filled")
+        };
+        let frame = frame.as_mut_slice();
+        let summ = &mut l.summaries[block * spb..(block + 1) * spb];
+        for h in 0..hkv {
+            let src = (i * hkv + h) * row;
+            let (ks, vs) = (&k[src..src + row], &v[src..src + row]);
+            let ko = geo.k_row_offset(h, slot);
+            let vo = geo.v_row_offset(h, slot);
+            frame[ko..ko + row].copy_from_slice(ks);
+            frame[vo..vo + row].copy_from_slice(vs);
+            // Bounds of the stored (rounded) key, so scores bound what attention will see.
+            geo.dtype.decode(ks, key);
+            let s = &mut summ[h * 2 * d..(h + 1) * 2 * d];
+            let (mx, mn) = s.split_at_mut(d);
+            for ((m, x), kv) in mx.iter_mut().zip(mn.iter_mut()).zip(key.iter()) {
+                *m = m.max(*kv);
+                *x = x.min(*kv);
+            }
+        }
+        l.tokens += 1;
     }
 }
 

@@ -592,3 +592,39 @@ fn restore_blocks_is_all_or_nothing_with_the_block_by_block_error() {
         }
     }
 }
+
+/// An append large enough to spread its layers over threads (over 4 MiB) leaves tiles and
+/// bounds bit-identical to appending the same rows one token at a time, and a NaN in its last
+/// layer is the same typed error as for a small append, with nothing changed.
+#[test]
+fn a_large_append_on_several_threads_equals_appending_token_by_token() {
+    let g = Geometry {
+        layers: 6,
+        q_heads: 8,
+        kv_heads: 4,
+        head_dim: 64,
+        dtype: DType::Bf16,
+        block_tokens: 16,
+    };
+    let big_arena = || HostArena::new(&ArenaOptions::new(64 << 20, 64 << 10)).unwrap();
+    let n = 1000; // 6 layers x 2 x 1000 x 512 bytes = 6.1 MB
+    let p = payload(&g, n, 42);
+    assert!(p.len() > 4 << 20);
+    let mut whole = KvCache::new(g, big_arena()).unwrap();
+    whole.append(0, 7, &sub_payload(&g, &p, n, 0..7)).unwrap();
+    let rest = sub_payload(&g, &p, n, 7..n);
+    let before = snapshot(&whole);
+    // A NaN in the last layer's V: refused, nothing written.
+    let mut bad = rest.clone();
+    let at = bad.len() - 2;
+    bad[at..].copy_from_slice(&0x7FC0u16.to_le_bytes());
+    assert!(matches!(
+        whole.append(7, (n - 7) as u64, &bad),
+        Err(StorageError::NonFinite { what: "v", .. })
+    ));
+    assert_eq!(snapshot(&whole), before);
+    whole.append(7, (n - 7) as u64, &rest).unwrap();
+    let mut single = KvCache::new(g, big_arena()).unwrap();
+    append_in_chunks(&mut single, &p, n, &(1..n).collect::<Vec<_>>());
+    assert_eq!(snapshot(&whole), snapshot(&single));
+}
