@@ -254,7 +254,13 @@ impl InEngine {
         self.sessions
             .insert(session, EngineSession { slot, layers });
         if let Err(e) = self.sync(session) {
-            self.detach(session)?;
+            // Undo the attach and report why it failed: the lease may never have been taken
+            // (LEASE refused), so a failed RELEASE here says nothing new.
+            if let Some(s) = self.sessions.remove(&session) {
+                let _ = self.be.close_session(s.slot);
+                self.free_slots.push(s.slot);
+            }
+            let _ = self.client.release(session);
             return Err(e);
         }
         Ok(slot)

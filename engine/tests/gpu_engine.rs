@@ -512,3 +512,32 @@ fn an_engine_killed_mid_step_leaves_tierd_serving() {
     let out = e.decode_layer(0, &[(leased, &q)]).unwrap();
     assert!(out.out.iter().all(|x| x.is_finite()));
 }
+
+/// Attaching a session of a tierd that does not share its arena is tierd's own refusal
+/// (FAILED_PRECONDITION naming `host.shared`), and leaves the engine usable.
+#[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
+fn attach_without_a_shared_arena_is_the_daemons_typed_error() {
+    if !kvtier_kernels::cuda::device_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let d = Tierd::builder(bins::tierd())
+        .host_capacity("1GiB")
+        .args(["--backend", "cpu"])
+        .start();
+    let mut c = d.client();
+    let s = c.create_session(GEO, policy(), "private").unwrap();
+    c.append_kv(s, 0, 500, &Shadow::new(GEO, 5).payload(500))
+        .unwrap();
+    let mut e = InEngine::connect(d.path(), 0, daemon_like_config()).unwrap();
+    for _ in 0..2 {
+        match e.attach(s) {
+            Err(EngineError::Daemon(err)) => {
+                assert!(err.to_string().contains("host.shared"), "{err}")
+            }
+            other => panic!("expected tierd's refusal, got {other:?}"),
+        }
+    }
+    assert_eq!(e.slot(s), None);
+}

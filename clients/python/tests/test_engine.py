@@ -202,3 +202,75 @@ def test_head_shards_in_one_process_equal_the_whole_engine(tierd_factory):
             got = e.decode_layer(layer, [s], q[:, r * 14:(r + 1) * 14])
             assert np.array_equal(got.view(np.uint32), want[:, r * 14:(r + 1) * 14].view(np.uint32))
             assert e.keep_sets(layer)[0] == keep[r * 2:(r + 1) * 2]
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
+def test_device_path_refuses_bad_buffers_and_batches_with_typed_errors(tierd_factory):
+    """Every way to call the device path wrong is a typed error before anything runs: no bound
+    batch, a stale binding after sync, wrong dtype, shape, device or layout, a DeviceBatch over
+    a shard or with the wrong KV dtype."""
+    torch = pytest.importorskip("torch")
+    sock = tierd_factory("--backend", "cpu", "--set", "host.shared=true")
+    g = Geometry(2, 28, 4, 128, Dtype.BF16, 128)
+    pol = Policy(sink_blocks=1, local_blocks=2, top_k=3)
+    c = Client(sock)
+    s = c.create_session(g, pol, "bad-device-calls")
+    rng = np.random.default_rng(4)
+    n = 300
+    kv = f32_to_bf16(rng.standard_normal((g.layers, 2, n, g.kv_heads, g.head_dim), dtype=np.float32))
+    c.append_kv_shm(s, 0, n, kv.tobytes())
+    e = engine.InEngine(sock, g, pol)
+    e.attach(s)
+    dev = "cuda"
+    q = torch.randn((1, g.q_heads, g.head_dim), device=dev)
+    out = torch.empty_like(q)
+    lse = torch.empty((1, g.q_heads), device=dev)
+    with pytest.raises(engine.EngineError, match="bound"):
+        e.decode_layer_torch(0, q, out, lse)
+    e.bind([s])
+    for bad, what in [(q.half(), "float32"), (q[:, :27], "float32"), (q.cpu(), "cuda"),
+                      (torch.randn((1, g.head_dim, g.q_heads), device=dev).transpose(1, 2), "contiguous")]:
+        with pytest.raises(ValueError, match=what):
+            e.decode_layer_torch(0, bad, out, lse)
+    with pytest.raises(ValueError, match="lse"):
+        e.decode_layer_torch(0, q, out, lse[:, :3])
+    e.decode_layer_torch(0, q, out, lse)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    e.sync(s)  # changes device state: the binding is gone
+    with pytest.raises(engine.EngineError, match="bound"):
+        e.decode_layer_torch(0, q, out, lse)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        engine.DeviceBatch(e, c, [s], kv_dtype=torch.float32)
+    shard = engine.InEngine(sock, g, pol, rank=1, world=2)
+    with pytest.raises(ValueError, match="every head"):
+        engine.DeviceBatch(shard, c, [s])
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
+def test_hf_adapter_falls_back_to_decode_when_tierd_does_not_share_its_arena(tierd_factory):
+    """engine="auto" against a tierd without host.shared decodes through DECODE (still like
+    dense) and says why in engine_error; engine="on" raises instead."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+    from kvtier import hf
+
+    sock = tierd_factory()  # host.shared is off
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    m = Qwen2ForCausalLM(cfg).eval().to("cuda")
+    hf.enable(m)
+    ids = torch.randint(3, 256, (1, 100), generator=torch.Generator().manual_seed(2)).cuda()
+    kw = dict(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    dense = m.generate(past_key_values=DynamicCache(config=m.config), **kw)
+    with hf.KvtierCache(m, socket=sock, policy=Policy(1, 4, 32), block_tokens=16, dtype=Dtype.F32) as c:
+        out = m.generate(past_key_values=c, **kw)
+        assert c.device_batch is None and "host.shared" in c.engine_error
+    assert torch.equal(dense, out)
+    with hf.KvtierCache(m, socket=sock, policy=Policy(1, 4, 32), block_tokens=16, dtype=Dtype.F32,
+                        engine="on") as c:
+        with pytest.raises(Exception, match="host.shared"):
+            m.generate(past_key_values=c, **kw)
