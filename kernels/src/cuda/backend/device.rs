@@ -55,11 +55,6 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The bound batch's slots (None when nothing is bound).
-    pub fn bound_slots(&self) -> Option<&[u32]> {
-        self.bound.as_ref().map(|b| b.slots.as_slice())
-    }
-
     /// Enqueues `layer` for the bound batch: the backend's stream waits for the work `caller`
     /// has enqueued so far, runs select, gather, attention and merge, and `caller` waits for
     /// that before anything it enqueues next. Returns at once (no host synchronization).
