@@ -116,18 +116,7 @@ impl CudaBackend {
     /// calls). Waits for the backend's work; the block-cache hit shares that
     /// [`LaunchMode::Auto`](super::LaunchMode::Auto) reads are updated from them.
     pub fn bound_stats(&mut self) -> Result<Vec<LayerStats>> {
-        let layers = self.cfg.geometry.layers as usize;
-        let mut raw = vec![0u64; layers * 4];
-        self.dtoh(&mut raw, self.stats.ptr)?;
-        let stats: Vec<LayerStats> = raw
-            .chunks_exact(4)
-            .map(|r| LayerStats {
-                hits: r[0],
-                misses: r[1],
-                bytes_moved: r[2],
-                tiles: r[3],
-            })
-            .collect();
+        let stats = self.read_stats()?;
         for (share, st) in self.hit_share.iter_mut().zip(&stats) {
             if st.tiles > 0 {
                 *share = st.hits as f32 / st.tiles as f32;

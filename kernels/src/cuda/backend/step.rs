@@ -487,17 +487,8 @@ impl CudaBackend {
                     .copy_from_slice(&rows[(li * b + i) * hqd..(li * b + i + 1) * hqd]);
             }
         }
-        let mut raw = vec![0u64; g.layers as usize * 4];
-        self.dtoh(&mut raw, self.stats.ptr)?;
-        let stats = layers
-            .iter()
-            .map(|&l| LayerStats {
-                hits: raw[l * 4],
-                misses: raw[l * 4 + 1],
-                bytes_moved: raw[l * 4 + 2],
-                tiles: raw[l * 4 + 3],
-            })
-            .collect::<Vec<LayerStats>>();
+        let all = self.read_stats()?;
+        let stats: Vec<LayerStats> = layers.iter().map(|&l| all[l]).collect();
         for (&l, st) in layers.iter().zip(&stats) {
             self.hit_share[l] = st.hits as f32 / st.tiles.max(1) as f32;
         }
@@ -534,6 +525,22 @@ impl CudaBackend {
             timing,
             step_ms,
         })
+    }
+
+    /// Every layer's statistics since they were last zeroed (the device's `[layer][hits,
+    /// misses, bytes, tiles]` counters); waits for the backend's work.
+    pub(super) fn read_stats(&self) -> Result<Vec<LayerStats>> {
+        let mut raw = vec![0u64; self.cfg.geometry.layers as usize * 4];
+        self.dtoh(&mut raw, self.stats.ptr)?;
+        Ok(raw
+            .chunks_exact(4)
+            .map(|r| LayerStats {
+                hits: r[0],
+                misses: r[1],
+                bytes_moved: r[2],
+                tiles: r[3],
+            })
+            .collect())
     }
 
     /// Keep-sets of the last call at `layer`: [batch][kv_head] -> ascending block ids.
