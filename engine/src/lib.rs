@@ -256,10 +256,7 @@ impl InEngine {
         if let Err(e) = self.sync(session) {
             // Undo the attach and report why it failed: the lease may never have been taken
             // (LEASE refused), so a failed RELEASE here says nothing new.
-            if let Some(s) = self.sessions.remove(&session) {
-                let _ = self.be.close_session(s.slot);
-                self.free_slots.push(s.slot);
-            }
+            let _ = self.forget(session);
             let _ = self.client.release(session);
             return Err(e);
         }
@@ -268,12 +265,20 @@ impl InEngine {
 
     /// Releases `session` and frees its device slot.
     pub fn detach(&mut self, session: u64) -> Result<()> {
-        if let Some(s) = self.sessions.remove(&session) {
-            self.be.close_session(s.slot)?;
-            self.free_slots.push(s.slot);
+        if self.forget(session)? {
             self.client.release(session)?;
         }
         Ok(())
+    }
+
+    /// Drops `session`'s device state and frees its slot; whether it was attached.
+    fn forget(&mut self, session: u64) -> Result<bool> {
+        let Some(s) = self.sessions.remove(&session) else {
+            return Ok(false);
+        };
+        self.free_slots.push(s.slot);
+        self.be.close_session(s.slot)?;
+        Ok(true)
     }
 
     /// Brings the device up to date with `session` as tierd holds it now: one LEASE (the
@@ -306,31 +311,27 @@ impl InEngine {
     /// One layer of attention for a batch of attached sessions, each `(session, q)` with q
     /// `[q_heads x head_dim]`. Call [`InEngine::sync`] after appending.
     pub fn decode_layer(&mut self, layer: u32, items: &[(u64, &[f32])]) -> Result<LayerOutput> {
-        let items = items
-            .iter()
-            .map(|&(session, q)| {
-                Ok(DecodeItem {
-                    slot: self.slot_of(session)?,
-                    q,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let items = self.by_slot(items, |slot, q| DecodeItem { slot, q })?;
         Ok(self.be.decode_layer(layer, &items)?)
     }
 
     /// Every layer for a batch, `(session, q)` with q `[layers x q_heads x head_dim]`, with
     /// one synchronization at the end.
     pub fn decode_step(&mut self, items: &[(u64, &[f32])]) -> Result<StepOutput> {
-        let items = items
-            .iter()
-            .map(|&(session, q)| {
-                Ok(StepItem {
-                    slot: self.slot_of(session)?,
-                    q,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let items = self.by_slot(items, |slot, q| StepItem { slot, q })?;
         Ok(self.be.decode_step(&items)?)
+    }
+
+    /// `(session, q)` pairs as the backend's batch items (by device slot).
+    fn by_slot<'q, T>(
+        &self,
+        items: &[(u64, &'q [f32])],
+        item: impl Fn(u32, &'q [f32]) -> T,
+    ) -> Result<Vec<T>> {
+        items
+            .iter()
+            .map(|&(session, q)| Ok(item(self.slot_of(session)?, q)))
+            .collect()
     }
 
     /// Binds the batch of later [`InEngine::decode_layer_device`] calls: `sessions` (attached,
