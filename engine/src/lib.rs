@@ -42,6 +42,7 @@ use kvtier_protocol::client::{Client, ClientError};
 use kvtier_protocol::lease::ArenaView;
 use kvtier_protocol::{Geometry, LeaseLayer, LeaseReply};
 use kvtier_storage::kv::refold_bounds;
+use kvtier_storage::zip_mut;
 
 /// Bytes per cuMemHostRegister call: tierd's arena segment (no block run crosses one).
 const REGISTER_CHUNK: usize = 1 << 30;
@@ -508,6 +509,7 @@ fn sync_layer(
             .map(|blk| {
                 view.run(lease, layer, blk)
                     .and_then(|r| r.get(at..at + len))
+                    .map(|run| (blk as u64, run))
                     .ok_or(EngineError::Unmapped { layer, block: blk })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -519,24 +521,17 @@ fn sync_layer(
         } else {
             1
         };
-        let per = runs.len().div_ceil(threads).max(1);
-        let fold = |ci: usize, out: &mut [f32], rs: &[&[u8]]| {
-            for (i, run) in rs.iter().enumerate() {
-                let blk = (first + ci * per + i) as u64;
+        let mut outs: Vec<&mut [f32]> = sums.chunks_mut(spb).collect();
+        zip_mut(
+            &mut outs,
+            &runs,
+            threads,
+            "kvtier-bounds",
+            |out, &(blk, run)| {
                 let valid = (want.tokens - blk * bt).min(bt) as usize;
-                refold_bounds(geo, run, valid, &mut out[i * spb..(i + 1) * spb]);
-            }
-        };
-        if threads == 1 {
-            fold(0, &mut sums, &runs);
-        } else {
-            std::thread::scope(|sc| {
-                for (ci, (out, rs)) in sums.chunks_mut(per * spb).zip(runs.chunks(per)).enumerate()
-                {
-                    sc.spawn(move || fold(ci, out, rs));
-                }
-            });
-        }
+                refold_bounds(geo, run, valid, out);
+            },
+        );
         be.upload_summaries(slot, l, first as u32, &sums)?;
     }
     ls.final_blocks = (want.tokens / bt) as usize;

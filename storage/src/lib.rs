@@ -7,7 +7,8 @@
 //! - [`arena`]: [`HostArena`], variable-size block-run extents in one anonymous mapping (the
 //!   host tier), carved by [`extents`].
 //! - [`kv`]: [`KvCache`], one session's per-layer block tables and incremental block summaries.
-//! - `par`: the scoped-thread fan-out of the bulk paths (page store batches, block restores).
+//! - `par`: the scoped-thread fan-out of the bulk paths (page store batches, block restores;
+//!   [`zip_mut`] also serves the engine's bulk bounds).
 //! - [`nvme`]: the NVMe tier: io engines (io_uring, pread), checksummed page store, crash-safe
 //!   manifest, lane model and fetch planner.
 //!
@@ -27,4 +28,4 @@ pub use arena::{ArenaOptions, ArenaUsage, Frame, HostArena, HostQuota};
 pub use error::{Result, StorageError};
 pub use kv::{ColdSource, KvCache, LayerView, StoredBlock};
 pub use kvtier_model::{dtype, geometry, DType, Geometry, ModelError, Policy};
-pub use par::default_workers;
+pub use par::{default_workers, zip_mut};

@@ -66,7 +66,7 @@ pub(crate) fn map_indexed<T: Send>(
 /// With `threads <= 1` everything runs inline. If the OS refuses a thread, the others (and the
 /// caller) take its share. A panic in `f` is re-raised on the calling thread. Panics if the
 /// slices differ in length.
-pub(crate) fn zip_mut<T: Send, U: Sync>(
+pub fn zip_mut<T: Send, U: Sync>(
     dst: &mut [T],
     src: &[U],
     threads: usize,
