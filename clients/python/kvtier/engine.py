@@ -156,8 +156,7 @@ class DeviceBatch:
     after the last layer.
     """
 
-    def __init__(self, engine: InEngine, client, sessions: Sequence[int], kv_dtype=None,
-                 q_scale: float = 1.0):
+    def __init__(self, engine: InEngine, client, sessions: Sequence[int], q_scale: float = 1.0):
         import torch
 
         g = engine.geometry
@@ -169,10 +168,9 @@ class DeviceBatch:
         self.q_scale = q_scale
         dev = torch.device("cuda", engine.device)
         n, bt, nl = len(self.sessions), g.block_tokens, g.layers
-        wire = {Dtype.BF16: torch.bfloat16, Dtype.F16: torch.float16, Dtype.F32: torch.float32}[Dtype(g.dtype)]
-        if kv_dtype is not None and kv_dtype != wire:
-            raise ValueError(f"kv_dtype {kv_dtype} is not the sessions' ({wire})")
-        kv_dtype = wire
+        # The tails hold tokens in the sessions' dtype (what a hand-off appends).
+        kv_dtype = {Dtype.BF16: torch.bfloat16, Dtype.F16: torch.float16,
+                    Dtype.F32: torch.float32}[Dtype(g.dtype)]
         self.stored = []
         for s in self.sessions:
             engine.attach(s)
@@ -285,8 +283,10 @@ class DeviceBatch:
         #: memory, APPEND_KV, engine sync + bind.
         self.last_handoff = dict(wait=t0 - tw, to_host=t1 - t0, append=t2 - t1, sync=t3 - t2)
 
-    def close(self) -> None:
-        """Hand the tails to tierd and detach the sessions."""
-        self.flush()
+    def close(self, hand_off: bool = True) -> None:
+        """Detach the sessions, first handing the tails to tierd (`hand_off`; leave it off
+        when the sessions are closed next: their last tokens would be appended for nothing)."""
+        if hand_off:
+            self.flush()
         for s in self.sessions:
             self.engine.detach(s)

@@ -377,13 +377,14 @@ class KvtierCache(Cache):
             pass
 
     def _close_device_batch(self) -> None:
-        """Hands the GPU-held tokens to tierd and releases the engine's leases."""
+        """Releases the engine's leases; the sessions are closed next, so the GPU-held tokens
+        are not handed to tierd."""
         db, self.device_batch = self.device_batch, None
         if db is not None:
             try:
-                db.close()
+                db.close(hand_off=False)
             except (KvtierError, OSError) as e:
-                raise TierdUnavailable(f"handing the last tokens to tierd failed: {e}") from e
+                raise TierdUnavailable(f"releasing the engine's leases failed: {e}") from e
 
     def reset(self) -> None:
         client = self._client

@@ -162,9 +162,9 @@ def test_hf_adapter_decodes_in_engine_on_a_gpu_like_dense(tierd_factory, dtype):
         assert c.device_batch.stored == [300 + 32, 263 + 32] and c.device_batch.count == 7
         sessions = list(c.sessions)
         client = Client(sock)
-        c._close_device_batch()
+        c.device_batch.close()
         # Every token (39 decoded steps appended: the last step's token is never attended)
-        # is in tierd once the cache hands its tail over.
+        # is in tierd once the device batch hands its tail over.
         assert [client.session_info(s).tokens_max for s in sessions] == [339, 302]
     if dtype == "f32":
         assert torch.equal(dense, sparse)
@@ -208,7 +208,7 @@ def test_head_shards_in_one_process_equal_the_whole_engine(tierd_factory):
 def test_device_path_refuses_bad_buffers_and_batches_with_typed_errors(tierd_factory):
     """Every way to call the device path wrong is a typed error before anything runs: no bound
     batch, a stale binding after sync, wrong dtype, shape, device or layout, a DeviceBatch over
-    a shard or with the wrong KV dtype."""
+    a shard."""
     torch = pytest.importorskip("torch")
     sock = tierd_factory("--backend", "cpu", "--set", "host.shared=true")
     g = Geometry(2, 28, 4, 128, Dtype.BF16, 128)
@@ -240,8 +240,6 @@ def test_device_path_refuses_bad_buffers_and_batches_with_typed_errors(tierd_fac
     e.sync(s)  # changes device state: the binding is gone
     with pytest.raises(engine.EngineError, match="bound"):
         e.decode_layer_torch(0, q, out, lse)
-    with pytest.raises(ValueError, match="kv_dtype"):
-        engine.DeviceBatch(e, c, [s], kv_dtype=torch.float32)
     shard = engine.InEngine(sock, g, pol, rank=1, world=2)
     with pytest.raises(ValueError, match="every head"):
         engine.DeviceBatch(shard, c, [s])
