@@ -119,9 +119,13 @@ class InEngine:
                 raise ValueError(f"{name} must be a torch tensor on cuda:{self.device}")
             if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous float32 {shape}, got {t.dtype} {tuple(t.shape)}")
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        self._e.decode_layer_ptr(layer, q.data_ptr(), out.data_ptr(),
-                                 0 if lse is None else lse.data_ptr(), stream)
+        self._enqueue(layer, (q.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr()))
+
+    def _enqueue(self, layer: int, ptrs) -> None:
+        """`decode_layer_torch` on buffers already checked: (q, out, lse) addresses."""
+        import torch
+
+        self._e.decode_layer_ptr(layer, *ptrs, torch.cuda.current_stream(self.device).cuda_stream)
 
     def bound_stats(self) -> List[dict]:
         """Per layer: hits, misses, bytes_moved and tiles of the device calls since `bind`."""
@@ -189,6 +193,8 @@ class DeviceBatch:
         self.q32 = torch.zeros((nl, n, g.q_heads, g.head_dim), dtype=torch.float32, device=dev)
         self.o32 = torch.zeros_like(self.q32)
         self.lse = torch.zeros((nl, n, g.q_heads), dtype=torch.float32, device=dev)
+        self._ptrs = [(self.q32[l].data_ptr(), self.o32[l].data_ptr(), self.lse[l].data_ptr())
+                      for l in range(nl)]
         self._rows = torch.arange(n, device=dev)
         self._slots = torch.arange(bt, device=dev)
         self.g = g
@@ -203,7 +209,11 @@ class DeviceBatch:
 
     def launch(self, layer: int) -> None:
         """kvtier's attention over the stored tokens, into the layer's output and lse."""
-        self.engine.decode_layer_torch(layer, self.q32[layer], self.o32[layer], self.lse[layer])
+        # The buffers are this batch's own, checked when made; only the binding can change
+        # (someone else's bind() of another batch size would overrun them).
+        if getattr(self.engine, "_bound", None) != len(self.sessions):
+            raise EngineError("the engine's bound batch is not this device batch's: bind it again")
+        self.engine._enqueue(layer, self._ptrs[layer])
 
     def finish(self, layer: int, dtype=None):
         """Attention over the tail, merged with kvtier's by log-sum-exp; returns
