@@ -341,25 +341,32 @@ fn reply_frame(
     max: u32,
     engine: &Engine,
 ) -> Vec<u8> {
-    let r = result.and_then(|resp| {
-        let mut buf = Vec::new();
-        resp.encode_frame(request_id, &mut buf)
-            .map_err(|e| ServiceError::internal(format!("encoding reply: {e}")))?;
-        if buf.len() - HEADER_LEN > max as usize {
-            return Err(ServiceError::exhausted(format!(
-                "reply of {} bytes exceeds max_frame_bytes {max}",
-                buf.len() - HEADER_LEN
-            )));
-        }
-        Ok(buf)
-    });
-    r.unwrap_or_else(|e| {
-        if e.code == ErrorCode::PermissionDenied {
-            engine.record_rejection(Rejection::Permission);
-        }
-        engine.record_error(e.code);
-        error_frame(request_id, &e)
-    })
+    result
+        .and_then(|resp| encode_reply(request_id, &resp, max))
+        .unwrap_or_else(|e| error_reply(request_id, e, engine))
+}
+
+/// A reply's frame; RESOURCE_EXHAUSTED when its body exceeds `max`.
+fn encode_reply(request_id: u64, resp: &Response, max: u32) -> ServiceResult<Vec<u8>> {
+    let mut buf = Vec::new();
+    resp.encode_frame(request_id, &mut buf)
+        .map_err(|e| ServiceError::internal(format!("encoding reply: {e}")))?;
+    if buf.len() - HEADER_LEN > max as usize {
+        return Err(ServiceError::exhausted(format!(
+            "reply of {} bytes exceeds max_frame_bytes {max}",
+            buf.len() - HEADER_LEN
+        )));
+    }
+    Ok(buf)
+}
+
+/// An error's frame, counted in the metrics.
+fn error_reply(request_id: u64, e: ServiceError, engine: &Engine) -> Vec<u8> {
+    if e.code == ErrorCode::PermissionDenied {
+        engine.record_rejection(Rejection::Permission);
+    }
+    engine.record_error(e.code);
+    error_frame(request_id, &e)
 }
 
 /// Decodes a request body; a malformed one is a rejection (protocol.md §5.7).
@@ -505,12 +512,7 @@ impl Connection {
                 Ok(false) if body.is_empty() => {}
                 _ => break,
             }
-            let (frame, attach_arena) = match Opcode::from_u16(header.opcode) {
-                Ok(op @ (Opcode::Lease | Opcode::Release)) if self.hello && fds.is_empty() => {
-                    self.handle_lease(op, &header, &body)
-                }
-                _ => (self.handle(&header, &mut body, &mut fds).await, false),
-            };
+            let (frame, attach_arena) = self.handle(&header, &mut body, &mut fds).await;
             let written = match self.shared.engine.arena().shared_fd() {
                 Some(fd) if attach_arena => write_with_fd(&self.stream, &frame, fd).await,
                 _ => self.stream.write_all(&frame).await,
@@ -522,7 +524,26 @@ impl Connection {
         tracing::debug!(uid = self.peer.uid, "connection closed");
     }
 
+    /// The reply frame to one request, and whether the arena's descriptor goes with it (a
+    /// granted LEASE).
     async fn handle(
+        &mut self,
+        header: &Header,
+        body: &mut [u8],
+        fds: &mut Vec<OwnedFd>,
+    ) -> (Vec<u8>, bool) {
+        let frame = match Opcode::from_u16(header.opcode) {
+            Ok(Opcode::Lease | Opcode::Release) if self.hello && fds.is_empty() => {
+                return self.handle_lease(header, body);
+            }
+            _ => self.handle_other(header, body, fds).await,
+        };
+        (frame, false)
+    }
+
+    /// Every request but a well-formed LEASE or RELEASE after HELLO (those change this
+    /// connection's leases: [`Self::handle_lease`]); the checks here refuse the rest of them.
+    async fn handle_other(
         &mut self,
         header: &Header,
         body: &mut [u8],
@@ -622,36 +643,47 @@ impl Connection {
     }
 
     /// LEASE and RELEASE, which change this connection's leases. Returns the reply frame and
-    /// whether the arena's descriptor goes with it (a successful LEASE).
-    fn handle_lease(&mut self, op: Opcode, header: &Header, body: &[u8]) -> (Vec<u8>, bool) {
+    /// whether the arena's descriptor goes with it (a granted LEASE).
+    fn handle_lease(&mut self, header: &Header, body: &[u8]) -> (Vec<u8>, bool) {
         let engine = self.shared.engine.clone();
         let max = self.shared.settings.max_frame_bytes;
-        let result = decode_request(&engine, header, body).and_then(|req| match req {
-            Request::Lease { session } => {
+        let rid = header.request_id;
+        let refused = |e| (error_reply(rid, e, &engine), false);
+        match decode_request(&engine, header, body) {
+            Ok(Request::Lease { session }) => {
                 let new = !self.leases.contains(&session);
                 // Takes the session lock (a decode may hold it): off the event loop.
-                let reply = tokio::task::block_in_place(|| engine.lease(&self.peer, session, new))?;
-                self.leases.insert(session);
-                Ok(Response::Lease(reply))
+                let table =
+                    match tokio::task::block_in_place(|| engine.lease(&self.peer, session, new)) {
+                        Ok(t) => t,
+                        Err(e) => return refused(e),
+                    };
+                match encode_reply(rid, &Response::Lease(table), max) {
+                    Ok(frame) => {
+                        self.leases.insert(session);
+                        (frame, true)
+                    }
+                    Err(e) => {
+                        // A table too large for a frame: the engine gets no table, so no lease.
+                        if new {
+                            engine.release_lease(session);
+                        }
+                        refused(e)
+                    }
+                }
             }
-            Request::Release { session } => {
+            Ok(Request::Release { session }) => {
                 if !self.leases.remove(&session) {
-                    return Err(ServiceError::precondition(format!(
+                    return refused(ServiceError::precondition(format!(
                         "this connection holds no lease on session {session}"
                     )));
                 }
                 engine.release_lease(session);
-                Ok(Response::Release)
+                (reply_frame(rid, Ok(Response::Release), max, &engine), false)
             }
-            _ => unreachable!("{op:?} is LEASE or RELEASE"),
-        });
-        let frame = reply_frame(header.request_id, result, max, &engine);
-        // Only with a LEASE reply (a table too large for max_frame_bytes became an error).
-        let lease = frame
-            .first_chunk::<HEADER_LEN>()
-            .and_then(|h| Header::decode(h).ok())
-            .is_some_and(|h| h.opcode == Opcode::Lease.reply());
-        (frame, lease)
+            Ok(other) => unreachable!("{:?} is LEASE or RELEASE", other.opcode()),
+            Err(e) => refused(e),
+        }
     }
 
     fn execute_light(&mut self, engine: &Engine, req: Request<'_>) -> ServiceResult<Response> {

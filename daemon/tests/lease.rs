@@ -7,7 +7,7 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -62,9 +62,10 @@ fn expected_run(sh: &Shadow, layer: usize, block: usize) -> Vec<u8> {
 /// `<socket> <session>`): lease the session, map the arena, print `layer block hash` for each
 /// run it reads in place, then `ready`, and hold the lease until stdin closes.
 #[test]
+#[ignore = "run as an engine process by the tests below"]
 fn engine_process() {
     let Ok(spec) = std::env::var("KVTIER_LEASE_ENGINE") else {
-        return; // Only as the child of the tests below.
+        return;
     };
     let (sock, session) = spec.split_once(' ').unwrap();
     let mut c = Client::connect_as(sock, "lease-engine").unwrap();
@@ -84,21 +85,16 @@ fn engine_process() {
 /// Starts the engine process on session `id` and reads its output up to `ready`: the run
 /// hashes it read, and the daemon instance its lease named.
 fn spawn_engine(d: &Daemon, id: u64) -> (Child, Vec<(usize, usize, u64)>, u64) {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "engine_process",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(
-            "KVTIER_LEASE_ENGINE",
-            format!("{} {id}", d.path().to_str().unwrap()),
-        )
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child =
+        kvtier_tests::sys::rerun_test(&std::env::current_exe().unwrap(), "engine_process")
+            .env(
+                "KVTIER_LEASE_ENGINE",
+                format!("{} {id}", d.path().to_str().unwrap()),
+            )
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
     let mut runs = Vec::new();
     let out = BufReader::new(child.stdout.take().unwrap());
     for line in out.lines() {
@@ -290,4 +286,30 @@ fn memory_pressure_passes_over_a_leased_session() {
     for (id, mut s) in others {
         s.step(&mut c, id);
     }
+}
+
+/// A table too large for one frame is RESOURCE_EXHAUSTED and takes no lease: nothing then
+/// keeps the session from being demoted.
+#[test]
+fn a_lease_whose_table_exceeds_a_frame_takes_no_lease() {
+    use std::os::fd::AsFd;
+
+    let d = harness()
+        .set("host.shared=true")
+        .set("server.max_frame_bytes=\"4KiB\"")
+        .start();
+    let mut c = d.client();
+    let (id, mut sh) = create(&mut c, "long", 9);
+    // 5000 tokens: 313 blocks in each of 2 layers, a 5 KB table. Through a memfd: the inline
+    // payload would not fit a 4 KiB frame either.
+    let p = sh.payload(5000);
+    let f = kvtier_protocol::fdpass::sealed_memfd(c"lease-table", &p).unwrap();
+    c.append_kv_fd(id, 0, 5000, f.as_fd(), 0, p.len() as u64)
+        .unwrap();
+    let e = c.lease(id).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
+    assert!(e.to_string().contains("max_frame_bytes"), "{e}");
+    c.demote(id).unwrap();
+    let e = c.release(id).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::FailedPrecondition), "{e}");
 }
