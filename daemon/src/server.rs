@@ -736,12 +736,8 @@ fn execute_heavy(
                     let fd = fd.ok_or_else(|| {
                         ServiceError::invalid("shared-memory APPEND_KV without a descriptor")
                     })?;
-                    let payload = SharedPayload::open(
-                        fd,
-                        offset,
-                        len,
-                        engine.arena().usage().bytes_total as u64,
-                    )?;
+                    let payload =
+                        SharedPayload::open(fd, offset, len, engine.arena().bytes_total() as u64)?;
                     engine.append(peer, a.session, a.start_pos, a.n_tokens, payload.bytes())?
                 }
             };

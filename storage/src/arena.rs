@@ -211,6 +211,14 @@ impl HostArena {
                 opts.capacity_bytes
             ));
         }
+        // Frames name their extent in u32 units of FRAME_ALIGN.
+        if bytes / FRAME_ALIGN > u32::MAX as usize {
+            return invalid(format!(
+                "capacity of {} bytes exceeds the {} bytes frames can address",
+                opts.capacity_bytes,
+                (u32::MAX as usize) * FRAME_ALIGN
+            ));
+        }
         let memfd = if opts.shared {
             Some(arena_memfd(bytes).map_err(|source| StorageError::Map { bytes, source })?)
         } else {
@@ -274,6 +282,11 @@ impl HostArena {
             inner: self.inner.clone(),
             quota: Some(quota),
         }
+    }
+
+    /// The arena's size in bytes (fixed at creation; no lock, unlike [`Self::usage`]).
+    pub fn bytes_total(&self) -> usize {
+        self.inner.bytes_total
     }
 
     pub fn usage(&self) -> ArenaUsage {
@@ -456,6 +469,16 @@ mod tests {
 
     fn arena(units: usize, max_run_units: usize) -> HostArena {
         HostArena::new(&ArenaOptions::new(units * U, max_run_units * U)).unwrap()
+    }
+
+    #[test]
+    fn a_capacity_frames_cannot_address_is_refused_before_mapping() {
+        let too_big = (u32::MAX as usize + 1) * U;
+        let e = HostArena::new(&ArenaOptions::new(too_big, U)).unwrap_err();
+        assert!(
+            matches!(&e, StorageError::InvalidArena { reason } if reason.contains("address")),
+            "{e}"
+        );
     }
 
     #[test]

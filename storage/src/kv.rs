@@ -549,14 +549,24 @@ impl KvCache {
             let at = 2 * half * layer;
             (&payload[at..at + half], &payload[at + half..at + 2 * half])
         };
+        let layers = self.geo.layers as usize;
+        if payload.len() < PARALLEL_APPEND_BYTES {
+            let mut need = 0;
+            for layer in 0..layers {
+                let (k, v) = rows(layer);
+                need += self.check_layer_append(layer as u32, start, k, v)?;
+            }
+            let mut fresh = self.arena.alloc_many(need, self.geo.block_bytes())?;
+            for layer in 0..layers {
+                let (k, v) = rows(layer);
+                self.write_layer(layer as u32, k, v, n, &mut fresh);
+            }
+            debug_assert!(fresh.is_empty());
+            return Ok(());
+        }
         // A large append (a prefill, an engine's hand-off) checks and writes its layers on
         // several threads: each layer's rows, frames and bounds are its own.
-        let threads = if payload.len() >= PARALLEL_APPEND_BYTES {
-            par::default_workers()
-        } else {
-            1
-        };
-        let layers = self.geo.layers as usize;
+        let threads = par::default_workers();
         let checked = par::map_indexed(layers, threads, "kvtier-append", |layer| {
             let (k, v) = rows(layer);
             self.check_layer_append(layer as u32, start, k, v)
@@ -565,22 +575,21 @@ impl KvCache {
         let mut fresh = self
             .arena
             .alloc_many(need.iter().sum(), self.geo.block_bytes())?;
-        // Layer by layer each takes its frames from the end, as a serial append pops them.
+        // Layer 0 takes the last frames, layer 1 the ones before: what the serial path's pops
+        // give each layer.
         let mut work: Vec<(&mut LayerKv, Vec<Frame>)> = Vec::with_capacity(layers);
         for (l, &count) in self.layers.iter_mut().zip(&need) {
-            // The last `count` frames, in order: write_rows pops them from the end as well.
             work.push((l, fresh.split_off(fresh.len() - count)));
         }
         debug_assert!(fresh.is_empty());
         let geo = self.geo;
-        let index: Vec<usize> = (0..layers).collect();
+        let src: Vec<(&[u8], &[u8])> = (0..layers).map(rows).collect();
         par::zip_mut(
             &mut work,
-            &index,
+            &src,
             threads,
             "kvtier-append",
-            |(l, own), &layer| {
-                let (k, v) = rows(layer);
+            |(l, own), &(k, v)| {
                 write_rows(&geo, l, k, v, n, own);
             },
         );

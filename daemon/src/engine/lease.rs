@@ -60,7 +60,7 @@ impl Engine {
         }
         Ok(LeaseReply {
             instance: self.instance,
-            arena_bytes: self.arena.usage().bytes_total as u64,
+            arena_bytes: self.arena.bytes_total() as u64,
             run_bytes: s.geometry.block_bytes() as u64,
             layers,
         })

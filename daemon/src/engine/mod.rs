@@ -273,7 +273,7 @@ impl Engine {
         let limit = if share >= 1.0 || self.limits.admin_uids.contains(&uid) {
             usize::MAX
         } else {
-            ((self.arena.usage().bytes_total as f64 * share).floor() as usize).max(1)
+            ((self.arena.bytes_total() as f64 * share).floor() as usize).max(1)
         };
         let q = self
             .host_quotas
@@ -293,7 +293,7 @@ impl Engine {
             .map(|(uid, q)| (*uid, q.used()))
             .filter(|&(_, used)| used > 0)
             .collect();
-        let fair = self.arena.usage().bytes_total / holders.len().max(1);
+        let fair = self.arena.bytes_total() / holders.len().max(1);
         holders
             .into_iter()
             .filter(|&(_, used)| used > fair)
