@@ -375,7 +375,24 @@ impl HostArena {
 
     /// The [`StorageError::ArenaFull`] of `wanted` runs of `bytes` not fitting now.
     pub(crate) fn full(&self, wanted: usize, bytes: usize) -> StorageError {
-        let space = self.inner.space.lock();
+        self.full_in(&self.inner.space.lock(), wanted, bytes)
+    }
+
+    /// The [`StorageError::ArenaFull`] one more run of `bytes` would meet once `taken` runs of
+    /// that size were allocated first, worked out on a copy of the free space: nothing is
+    /// taken from the arena (which other sessions share).
+    pub(crate) fn full_after(&self, taken: usize, bytes: usize) -> StorageError {
+        let units = (extent_bytes(bytes) / FRAME_ALIGN) as u64;
+        let mut space = self.inner.space.lock().clone();
+        for _ in 0..taken {
+            if space.alloc(units).is_none() {
+                break;
+            }
+        }
+        self.full_in(&space, 1, bytes)
+    }
+
+    fn full_in(&self, space: &Extents, wanted: usize, bytes: usize) -> StorageError {
         StorageError::ArenaFull {
             wanted,
             run_bytes: extent_bytes(bytes),

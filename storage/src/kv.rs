@@ -449,19 +449,15 @@ impl KvCache {
             .nth(free)
             .map_or(limit, |(i, _)| i);
         first_non_finite_block(&self.geo, &blocks[..upto], threads).or_else(|| {
-            (upto < limit).then(|| {
-                // Described as block by block meets it: with the blocks before it holding
-                // their extents (taken and returned here).
-                let bb = self.geo.block_bytes();
-                let _before = self.arena.alloc_many_unzeroed(free, bb);
-                self.arena.full(1, bb)
-            })
+            // Described as block by block meets it: with the blocks before it holding their
+            // extents.
+            (upto < limit).then(|| self.arena.full_after(free, self.geo.block_bytes()))
         })
     }
 
     /// Host bytes held (whole extents).
     pub fn host_bytes(&self) -> usize {
-        self.frames() * crate::arena::extent_bytes(self.geo.block_bytes())
+        self.frames() * self.run_extent_bytes()
     }
 
     /// Bytes of the arena extent one block run of this session takes.
