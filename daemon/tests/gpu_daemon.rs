@@ -193,7 +193,7 @@ fn open_model_geometries_on_default_extents_decode_on_the_gpu_like_the_cpu_daemo
         eprintln!("skipped: no CUDA device");
         return;
     }
-    // Embedded defaults (not the harness's 4 KiB runs): runs of 32 KiB to 1 MiB share the
+    // Embedded defaults (not the harness's 4 KiB runs): runs of 32 to 512 KiB share the
     // arena the GPU has registered, with a zero extent as large as host.max_run_bytes.
     let daemon = |backend: &str| {
         tierd()
@@ -208,7 +208,7 @@ fn open_model_geometries_on_default_extents_decode_on_the_gpu_like_the_cpu_daemo
         Geometry::new(2, 4, 1, 256, DType::Bf16, 32), // Gemma 3 270M: 32 KiB runs
         Geometry::new(2, 32, 8, 128, DType::Bf16, 128), // Llama-3-8B: 512 KiB
         Geometry::new(2, 28, 4, 128, DType::F32, 128), // Qwen2.5-7B f32: 512 KiB
-        Geometry::new(2, 40, 10, 128, DType::Bf16, 64), // Phi-4 14B: 160 KiB, no power of two
+        Geometry::new(2, 40, 10, 128, DType::Bf16, 64), // Phi-4 14B: 320 KiB, no power of two
     ];
     let mut sessions = Vec::new();
     for (i, g) in models.into_iter().enumerate() {

@@ -120,7 +120,7 @@ impl Extents {
 
     /// Whether `[start, start + len)` is inside the space and overlaps no free range (it is
     /// allocated, as one extent or several).
-    pub fn is_allocated(&self, start: u64, len: u64) -> bool {
+    fn is_allocated(&self, start: u64, len: u64) -> bool {
         let Some(end) = start.checked_add(len) else {
             return false;
         };

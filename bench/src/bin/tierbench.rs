@@ -243,8 +243,8 @@ fn mem_available_bytes() -> Option<u64> {
 /// size rounded up to a 4 KiB page.
 fn session_host_bytes(g: &Geometry, tokens: u64) -> u64 {
     let blocks = g.blocks_for(tokens);
-    let run = g.block_bytes() as u64;
-    blocks * u64::from(g.layers) * run.div_ceil(4096) * 4096
+    let extent = kvtier_storage::arena::extent_bytes(g.block_bytes()) as u64;
+    blocks * u64::from(g.layers) * extent
 }
 
 fn random_f32_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {

@@ -33,7 +33,7 @@ pub(super) fn reply_bound(
     4 + sessions.iter().zip(entries).map(per_entry).sum::<u64>()
 }
 
-/// Frames a decode step may need at most, for making room when the host tier is full: every
+/// Host bytes (whole extents) a decode step may need at most, for making room when the host tier is full: every
 /// entry's keep-set (distinct blocks over its kv-heads) and a new block.
 pub(super) fn step_bytes(sessions: &[Arc<Session>], positions: &[u64]) -> usize {
     sessions

@@ -21,8 +21,8 @@ impl Engine {
     /// not hold yet (a connection's repeated LEASE refreshes the table).
     ///
     /// The descriptor a lease hands out maps the whole arena, every session's runs: only
-    /// trusted engines may have it, admin peers and the daemon's own uid. They may lease any
-    /// session.
+    /// trusted engines may have it: admin peers, which may lease any session, and the daemon's
+    /// own uid, which may lease its own sessions.
     pub fn lease(&self, peer: &Peer, id: u64, new_lease: bool) -> ServiceResult<LeaseReply> {
         if self.arena.shared_fd().is_none() {
             return Err(ServiceError::precondition(

@@ -157,19 +157,22 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// 64 random bits from the kernel (the clock and pid, should getrandom fail).
-fn random_u64() -> u64 {
+/// 64 random bits from the kernel; None where getrandom fails (very old kernels).
+fn getrandom_u64() -> Option<u64> {
     let mut b = [0u8; 8];
     // SAFETY: getrandom writes at most `b.len()` bytes into `b`.
     let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    if n == b.len() as isize {
-        u64::from_le_bytes(b)
-    } else {
+    (n == b.len() as isize).then(|| u64::from_le_bytes(b))
+}
+
+/// 64 random bits (the clock and pid, should getrandom fail).
+fn random_u64() -> u64 {
+    getrandom_u64().unwrap_or_else(|| {
         let t = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
         t ^ (u64::from(std::process::id()) << 40)
-    }
+    })
 }
 
 impl Engine {
@@ -344,15 +347,10 @@ impl Engine {
     /// in use or on NVMe.
     fn fresh_id(&self, table: &HashMap<u64, Arc<Session>>) -> u64 {
         loop {
-            let mut b = [0u8; 8];
-            // SAFETY: getrandom writes at most b.len() bytes into the buffer it is given.
-            let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-            let id = if n == 8 {
-                u64::from_le_bytes(b) >> 1
-            } else {
-                // No getrandom (very old kernels): unique, if predictable.
-                self.next_id.fetch_add(1, Ordering::Relaxed)
-            };
+            // No getrandom (very old kernels): unique, if predictable.
+            let id = getrandom_u64()
+                .map(|r| r >> 1)
+                .unwrap_or_else(|| self.next_id.fetch_add(1, Ordering::Relaxed));
             let on_nvme = self
                 .tier
                 .as_ref()

@@ -286,11 +286,6 @@ fn dio_align(file: &File) -> Option<(usize, usize)> {
     Some((mem, off))
 }
 
-/// Rounds `n` up to a multiple of `align` (a power of two).
-pub fn round_up(n: usize, align: usize) -> usize {
-    n.div_ceil(align) * align
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -355,13 +350,6 @@ mod tests {
         }
         assert_eq!((pool.idle(), pool.idle_bytes()), (5, 5 * 4096));
     }
-
-    #[test]
-    fn round_up_works() {
-        assert_eq!(round_up(1, 4096), 4096);
-        assert_eq!(round_up(4096, 4096), 4096);
-        assert_eq!(round_up(4097, 4096), 8192);
-    }
 }
 
 /// A bounded free list of aligned buffers, kept per length. Fresh page-sized buffers are
@@ -415,10 +403,6 @@ impl BufPool {
             max_bytes,
             idle: parking_lot::Mutex::new(Idle::default()),
         })
-    }
-
-    pub fn align(&self) -> usize {
-        self.align
     }
 
     /// A buffer of `len` bytes (a non-zero multiple of the pool's alignment). A recycled
