@@ -202,12 +202,21 @@ impl Client {
 
     /// Send any request and wait for its reply. Error replies become `ClientError::Server`.
     pub fn call(&mut self, req: &Request<'_>) -> Result<Response, ClientError> {
+        let (resp, fds) = self.call_fds(req)?;
+        if !fds.is_empty() {
+            return Err(ClientError::UnexpectedFds { count: fds.len() });
+        }
+        Ok(resp)
+    }
+
+    /// [`Client::call`], keeping the descriptors that come with the reply (LEASE's arena).
+    fn call_fds(&mut self, req: &Request<'_>) -> Result<(Response, Vec<OwnedFd>), ClientError> {
         let id = self.take_id();
         self.buf.clear();
         req.encode_frame(id, &mut self.buf)?;
         self.check_body_len(self.buf.len() - HEADER_LEN)?;
         self.stream.write_all(&self.buf)?;
-        self.read_reply(id, req.opcode())
+        self.read_reply_fds(id, req.opcode())
     }
 
     pub fn create_session(
@@ -428,11 +437,7 @@ impl Client {
     /// daemon's shared host arena (map it read-only; see docs/protocol.md, LEASE). The lease
     /// holds until [`Client::release`] or until this connection closes.
     pub fn lease(&mut self, session: u64) -> Result<(LeaseReply, OwnedFd), ClientError> {
-        let id = self.take_id();
-        self.buf.clear();
-        Request::Lease { session }.encode_frame(id, &mut self.buf)?;
-        self.stream.write_all(&self.buf)?;
-        let (resp, mut fds) = self.read_reply_fds(id, Opcode::Lease)?;
+        let (resp, mut fds) = self.call_fds(&Request::Lease { session })?;
         match (resp, fds.len()) {
             (Response::Lease(l), 1) => Ok((l, fds.pop().expect("one"))),
             (Response::Lease(_), n) => Err(ClientError::UnexpectedFds { count: n }),
