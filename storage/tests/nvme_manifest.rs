@@ -625,5 +625,3 @@ fn kill9_during_page_and_manifest_writes() {
     );
     assert!(started.elapsed() < Duration::from_secs(120));
 }
-
-// ---- Variable-size pages: format version 4, the upgrade from fixed pages, mixed sizes ----

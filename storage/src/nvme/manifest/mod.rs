@@ -415,10 +415,10 @@ pub struct Loaded {
     pub previous: Option<Manifest>,
     /// Files that failed verification (newer than `current` or between), with why.
     pub skipped: Vec<(PathBuf, NvmeError)>,
-    /// The format version `current` was read from (before [`VERSION_UNITS`]: fixed pages,
-    /// until [`Loaded::recover_into`] converts it).
+    /// The format `current` is in: the version it was read from, [`VERSION`] once
+    /// [`Loaded::recover_into`] has converted it (older than [`VERSION_UNITS`]: fixed pages).
     pub current_version: u32,
-    /// The format version of `previous`.
+    /// The same for `previous` (Some exactly when `previous` is).
     pub previous_version: Option<u32>,
 }
 
