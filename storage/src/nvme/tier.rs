@@ -340,17 +340,31 @@ impl NvmeTier {
         session: u64,
         wanted: &[(u32, u32)],
     ) -> Result<Vec<Range<usize>>, NvmeError> {
-        let Some(lanes) = self.store.read_lanes() else {
-            let n = wanted.len();
-            return Ok((0..n)
-                .step_by(BULK_BATCH_UNMEASURED_PAGES)
-                .map(|a| a..(a + BULK_BATCH_UNMEASURED_PAGES).min(n))
-                .collect());
-        };
-        let reads = self.per_run(session, wanted, |p| {
+        if self.store.read_lanes().is_none() {
+            return Ok(unmeasured_batches(wanted.len()));
+        }
+        self.batches_of(&self.run_reads(session, wanted)?)
+    }
+
+    /// Each wanted run's (device, page bytes); (0, 0) for a run the session does not have.
+    fn run_reads(
+        &self,
+        session: u64,
+        wanted: &[(u32, u32)],
+    ) -> Result<Vec<(usize, u64)>, NvmeError> {
+        self.per_run(session, wanted, |p| {
             p.map_or((0, 0), |p| (p.device as usize, self.page_bytes(p)))
-        })?;
-        plan::split_batches(&lanes, &reads, BULK_BATCH_SECONDS, BULK_BATCH_MAX_PAGES)
+        })
+    }
+
+    /// [`NvmeTier::plan_batches`] of runs with these reads.
+    fn batches_of(&self, reads: &[(usize, u64)]) -> Result<Vec<Range<usize>>, NvmeError> {
+        match self.store.read_lanes() {
+            None => Ok(unmeasured_batches(reads.len())),
+            Some(lanes) => {
+                plan::split_batches(&lanes, reads, BULK_BATCH_SECONDS, BULK_BATCH_MAX_PAGES)
+            }
+        }
     }
 
     /// Bytes of a recorded page (its extent in the store).
@@ -452,11 +466,11 @@ impl NvmeTier {
         wanted: &[(u32, u32)],
         mut consume: impl FnMut(Range<usize>, Vec<Result<PageData, NvmeError>>) -> Result<(), E>,
     ) -> Result<(), E> {
-        let bytes = self.per_run(session, wanted, |p| p.map_or(0, |p| self.page_bytes(p)))?;
+        let reads = self.run_reads(session, wanted)?;
         let batches: Vec<Range<usize>> = self
-            .plan_batches(session, wanted)?
+            .batches_of(&reads)?
             .into_iter()
-            .flat_map(|r| split_by_bytes(r, &bytes, PIPELINE_BATCH_BYTES as u64))
+            .flat_map(|r| split_by_bytes(r, &reads, PIPELINE_BATCH_BYTES as u64))
             .collect();
         let sequential = |batches: &[Range<usize>],
                           consume: &mut dyn FnMut(_, _) -> Result<(), E>| {
@@ -500,18 +514,27 @@ impl NvmeTier {
     }
 }
 
-/// Cuts `r` into consecutive ranges whose `bytes` sum to at most `most` (a run larger than
-/// that is a range of its own).
-fn split_by_bytes(r: Range<usize>, bytes: &[u64], most: u64) -> Vec<Range<usize>> {
+/// Consecutive batches of [`BULK_BATCH_UNMEASURED_PAGES`] runs, while no device has a rate.
+fn unmeasured_batches(n: usize) -> Vec<Range<usize>> {
+    (0..n)
+        .step_by(BULK_BATCH_UNMEASURED_PAGES)
+        .map(|a| a..(a + BULK_BATCH_UNMEASURED_PAGES).min(n))
+        .collect()
+}
+
+/// Cuts `r` into consecutive ranges whose page bytes (`reads[i].1`) sum to at most `most` (a
+/// run larger than that is a range of its own).
+fn split_by_bytes(r: Range<usize>, reads: &[(usize, u64)], most: u64) -> Vec<Range<usize>> {
     let mut out = Vec::new();
     let (mut start, mut acc) = (r.start, 0u64);
     for i in r.clone() {
-        if i > start && acc + bytes[i] > most {
+        let bytes = reads[i].1;
+        if i > start && acc + bytes > most {
             out.push(start..i);
             start = i;
             acc = 0;
         }
-        acc += bytes[i];
+        acc += bytes;
     }
     if start < r.end {
         out.push(start..r.end);
@@ -580,7 +603,7 @@ mod tests {
 
     #[test]
     fn batches_are_cut_by_the_bytes_of_their_pages() {
-        let bytes = [3, 3, 3, 1, 1, 1, 5, 2, 0, 9];
+        let bytes = [3, 3, 3, 1, 1, 1, 5, 2, 0, 9].map(|b| (0usize, b));
         assert_eq!(
             split_by_bytes(0..10, &bytes, 6),
             [0..2, 2..6, 6..7, 7..9, 9..10],
