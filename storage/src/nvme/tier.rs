@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 
 use super::manifest::{Manifest, ManifestStore, PageRecord, SessionRecord};
 use super::plan;
-use super::store::{PageAddr, PageData, PageRead, PageStore, PageWrite};
+use super::store::{cut_by_bytes, PageAddr, PageData, PageRead, PageStore, PageWrite};
 use super::{NvmeError, PageId};
 
 /// One (layer, block) run to store.
@@ -525,21 +525,11 @@ fn unmeasured_batches(n: usize) -> Vec<Range<usize>> {
 /// Cuts `r` into consecutive ranges whose page bytes (`reads[i].1`) sum to at most `most` (a
 /// run larger than that is a range of its own).
 fn split_by_bytes(r: Range<usize>, reads: &[(usize, u64)], most: u64) -> Vec<Range<usize>> {
-    let mut out = Vec::new();
-    let (mut start, mut acc) = (r.start, 0u64);
-    for i in r.clone() {
-        let bytes = reads[i].1;
-        if i > start && acc + bytes > most {
-            out.push(start..i);
-            start = i;
-            acc = 0;
-        }
-        acc += bytes;
-    }
-    if start < r.end {
-        out.push(start..r.end);
-    }
-    out
+    let bytes = reads[r.clone()].iter().map(|&(_, b)| b);
+    cut_by_bytes(bytes, most, usize::MAX)
+        .into_iter()
+        .map(|c| c.start + r.start..c.end + r.start)
+        .collect()
 }
 
 /// Reads one session's cold blocks back from the tier into host frames (the KV cache's

@@ -368,11 +368,21 @@ impl PageStore {
 /// Cuts a batch of pages of the given bytes into consecutive chunks: as many pages as fit in
 /// [`CHUNK_BYTES`], at most [`CHUNK_MAX_PAGES`], at least one.
 fn chunk_ranges(bytes: impl Iterator<Item = u64>) -> Vec<std::ops::Range<usize>> {
+    cut_by_bytes(bytes, CHUNK_BYTES as u64, CHUNK_MAX_PAGES)
+}
+
+/// Cuts items of the given bytes into consecutive ranges of at most `most_bytes` and at most
+/// `most_items` items each; an item larger than `most_bytes` is a range of its own.
+pub(crate) fn cut_by_bytes(
+    bytes: impl Iterator<Item = u64>,
+    most_bytes: u64,
+    most_items: usize,
+) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let (mut start, mut acc, mut n) = (0, 0u64, 0);
     for (i, b) in bytes.enumerate() {
         let count = i - start;
-        if count > 0 && (count == CHUNK_MAX_PAGES || acc + b > CHUNK_BYTES as u64) {
+        if count > 0 && (count == most_items || acc + b > most_bytes) {
             out.push(start..i);
             start = i;
             acc = 0;
