@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -375,7 +374,7 @@ def main():
                     ms2, walls2 = time_steps(kt.step, min(a.steps, 100), 2)
                     report(rows, "no-kvtier", a.context, b, ms2, walls2,
                            "the same step with kvtier's 28 layers left out (breakdown only)")
-                db.close()
+                db.close(hand_off=False)  # the sessions are closed below
                 del kt, db, e
                 torch.cuda.empty_cache()
             for s in ids:
