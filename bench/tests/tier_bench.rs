@@ -9,7 +9,7 @@ fn mixed_decode_section_runs_both_striping_modes() {
     let slow = tempfile::tempdir().unwrap();
     let fast = tempfile::tempdir().unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_tier_bench"))
-        .args(["--tokens", "8192", "--only", "mixed", "--mixed-steps", "2"])
+        .args(["--tokens", "4096", "--only", "mixed", "--mixed-steps", "2"])
         .arg("--dir")
         .arg(slow.path())
         .arg("--fast-dir")

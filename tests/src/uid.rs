@@ -24,19 +24,32 @@ pub fn as_nobody(cmd: &mut Command) -> &mut Command {
     cmd.uid(NOBODY).gid(NOBODY)
 }
 
-/// A copy of the executable `exe` in a fresh directory every uid may enter and execute from,
-/// for running it as another uid wherever the checkout sits (a 0700 home or mktemp dir).
-pub fn reachable_copy(exe: &Path) -> PathBuf {
+/// A copy of an executable in a fresh directory every uid may enter and execute from, for
+/// running it as another uid wherever the checkout sits (a 0700 home or mktemp dir). The
+/// directory goes when this is dropped: every test run makes one per call, and a kept copy
+/// (tens of MB) per call fills /tmp within a few hundred runs.
+pub struct ReachableCopy {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl ReachableCopy {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Copies `exe` to a [`ReachableCopy`].
+pub fn reachable_copy(exe: &Path) -> ReachableCopy {
     let dir = tempfile::Builder::new()
         .prefix("kvtier-exe")
         .tempdir_in("/tmp")
-        .unwrap()
-        .keep();
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let to = dir.join(exe.file_name().unwrap());
-    std::fs::copy(exe, &to).unwrap();
-    std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o755)).unwrap();
-    to
+        .unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = dir.path().join(exe.file_name().unwrap());
+    std::fs::copy(exe, &path).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    ReachableCopy { _dir: dir, path }
 }
 
 /// Runs the ignored test `name` of the calling test binary as [`NOBODY`], with `env`, from a
@@ -44,7 +57,7 @@ pub fn reachable_copy(exe: &Path) -> PathBuf {
 /// child that skipped its checks fails the caller too).
 pub fn run_as_nobody(name: &str, env: &[(&str, &str)], done: &str) -> String {
     let exe = reachable_copy(&std::env::current_exe().unwrap());
-    let out = as_nobody(&mut crate::sys::rerun_test(&exe, name))
+    let out = as_nobody(&mut crate::sys::rerun_test(exe.path(), name))
         .envs(env.iter().copied())
         .output()
         .unwrap();

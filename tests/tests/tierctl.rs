@@ -32,7 +32,8 @@ fn ctl(d: &Tierd, args: &[&str]) -> Output {
 
 /// tierctl as `nobody`, from a copy it can reach wherever the checkout sits.
 fn ctl_as_nobody(d: &Tierd, args: &[&str]) -> Output {
-    let mut cmd = Command::new(reachable_copy(bins::tierctl()));
+    let exe = reachable_copy(bins::tierctl());
+    let mut cmd = Command::new(exe.path());
     as_nobody(&mut cmd);
     run(cmd, d, args)
 }
