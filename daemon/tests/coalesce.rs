@@ -9,19 +9,32 @@ use common::{concurrent_steps as run, Daemon, Harness};
 #[test]
 fn concurrent_decodes_share_steps_and_each_answer_is_its_own() {
     let d = Daemon::start(&["--set", "backend.coalesce=\"always\""]);
-    let (coalesced, requests) = run(&d, 8, 12);
+    let s = run(&d, 8, 12);
     let layers = common::small_geometry().layers as u64;
-    assert_eq!(requests, 8 * 12 * layers);
-    let coalesced = coalesced.expect("STATS has decode_coalesced_total with coalescing on");
-    // Eight connections stepping at once queue behind each other's steps.
-    assert!(coalesced > 0, "no request shared a step in {requests}");
-    eprintln!("{coalesced} of {requests} requests shared a step");
+    assert_eq!(s.requests, 8 * 12 * layers);
+    let coalesced = s
+        .coalesced
+        .expect("STATS has decode_coalesced_total with coalescing on");
+    let steps = s.steps.expect("STATS has decode_steps_total");
+    // Eight connections stepping at once queue behind each other's steps: fewer steps than
+    // requests, by one less than each shared step's requests.
+    assert!(coalesced > 0, "no request shared a step in {}", s.requests);
+    assert!(steps < s.requests, "{steps} steps for {} requests", s.requests);
+    assert!(
+        s.requests - steps <= coalesced,
+        "{steps} steps, {coalesced} coalesced"
+    );
+    eprintln!(
+        "{coalesced} of {} requests shared a step; {steps} steps",
+        s.requests
+    );
 }
 
 #[test]
 fn without_coalescing_the_counter_is_absent_and_answers_are_the_same() {
     let d = Daemon::start(&["--set", "backend.coalesce=\"never\""]);
-    let (coalesced, requests) = run(&d, 4, 4);
-    assert_eq!(coalesced, None);
-    assert_eq!(requests, 4 * 4 * common::small_geometry().layers as u64);
+    let s = run(&d, 4, 4);
+    assert_eq!(s.coalesced, None);
+    assert_eq!(s.steps, None);
+    assert_eq!(s.requests, 4 * 4 * common::small_geometry().layers as u64);
 }

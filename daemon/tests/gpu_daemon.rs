@@ -173,8 +173,9 @@ fn concurrent_decodes_share_device_calls_and_match_the_oracle() {
     let Some(gpu) = cuda_daemon(&["--backend", "cuda"]) else {
         return;
     };
-    let (coalesced, requests) = concurrent_steps(&gpu, 8, 16);
-    let coalesced = coalesced.expect("coalescing is on with CUDA");
+    let s = concurrent_steps(&gpu, 8, 16);
+    let (requests, steps) = (s.requests, s.steps.expect("decode_steps_total"));
+    let coalesced = s.coalesced.expect("coalescing is on with CUDA");
     let stats = gpu.client().stats().unwrap();
     assert_eq!(stats.get("gpu_cpu_fallbacks_total"), Some(0));
     assert!(stats.get("gpu_decode_entries_total").unwrap() > 0);
@@ -182,7 +183,8 @@ fn concurrent_decodes_share_device_calls_and_match_the_oracle() {
         coalesced > 0,
         "no request shared a device call in {requests}"
     );
-    eprintln!("{coalesced} of {requests} requests shared a device call");
+    assert!(steps < requests, "{steps} steps for {requests} requests");
+    eprintln!("{coalesced} of {requests} requests shared a device call; {steps} steps");
 }
 
 #[test]

@@ -102,6 +102,8 @@ const SMALL_CONTEXT: u64 = 128;
 #[derive(Debug, Serialize)]
 struct Latency {
     p50_us: f64,
+    mean_us: f64,
+    p90_us: f64,
     p99_us: f64,
     max_us: f64,
 }
@@ -110,8 +112,11 @@ impl Latency {
     fn of(mut xs: Vec<Duration>) -> Self {
         xs.sort_unstable();
         let us = |d: Duration| d.as_secs_f64() * 1e6;
+        let mean = xs.iter().map(|&d| us(d)).sum::<f64>() / xs.len().max(1) as f64;
         Self {
             p50_us: us(percentile(&xs, 50.0)),
+            mean_us: mean,
+            p90_us: us(percentile(&xs, 90.0)),
             p99_us: us(percentile(&xs, 99.0)),
             max_us: us(xs.last().copied().unwrap_or_default()),
         }
@@ -663,12 +668,13 @@ fn run(args: Args) -> Result<(), BoxError> {
 
     println!();
     println!(
-        "{:>8} {:>8} {:>9} {:>8} {:>10} {:>10} {:>10} {:>13} {:>9}",
+        "{:>8} {:>8} {:>9} {:>8} {:>10} {:>10} {:>10} {:>10} {:>13} {:>9}",
         "sessions",
         "context",
         "prefill_s",
         "steps",
         "p50_us",
+        "mean_us",
         "p99_us",
         "max_us",
         "layer-dec/s",
@@ -677,12 +683,13 @@ fn run(args: Args) -> Result<(), BoxError> {
     for c in &cells {
         match (&c.latency, &c.skipped) {
             (Some(l), _) => println!(
-                "{:>8} {:>8} {:>9.2} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>13.0} {:>9.1}",
+                "{:>8} {:>8} {:>9.2} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>13.0} {:>9.1}",
                 c.sessions,
                 c.context,
                 c.prefill_s,
                 c.steps_completed,
                 l.p50_us,
+                l.mean_us,
                 l.p99_us,
                 l.max_us,
                 c.layer_decodes_per_s,

@@ -398,6 +398,7 @@ impl Engine {
     /// Counts a step in the engine's counters and latency metrics.
     fn count_step(&self, r: &StepReport, on_gpu: bool, t: &StageTimings, total: Duration) {
         let c = &self.counters;
+        c.decode_steps.fetch_add(1, Ordering::Relaxed);
         c.append_ns.fetch_add(t.append_ns, Ordering::Relaxed);
         c.select_ns.fetch_add(t.select_ns, Ordering::Relaxed);
         c.fetch_ns.fetch_add(t.fetch_ns, Ordering::Relaxed);

@@ -53,6 +53,9 @@ pub struct Counters {
     pub gpu_cold_divergences: AtomicU64,
     /// DECODE requests answered by a step shared with other requests (`backend.coalesce`).
     pub decode_coalesced: AtomicU64,
+    /// Decode steps run (one per coalesced group): `decode_entries / decode_steps` is the mean
+    /// batch a step served.
+    pub decode_steps: AtomicU64,
 }
 
 /// The NVMe tier's metric series.
@@ -173,6 +176,7 @@ impl Engine {
         }
         if self.limits.coalesce {
             entries.push(("decode_coalesced_total", get(&c.decode_coalesced)));
+            entries.push(("decode_steps_total", get(&c.decode_steps)));
         }
         if self.gpu.is_some() {
             entries.extend([

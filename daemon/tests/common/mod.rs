@@ -53,9 +53,18 @@ impl Harness for Tierd {
     }
 }
 
-/// `sessions` connections stepping `steps` tokens each, all at once; returns STATS'
-/// `decode_coalesced_total` (None when the key is absent) and `decode_requests_total`.
-pub fn concurrent_steps(d: &Daemon, sessions: usize, steps: usize) -> (Option<u64>, u64) {
+/// What STATS says about how requests shared steps.
+pub struct Shared {
+    /// `decode_coalesced_total` (None when the key is absent: coalescing off).
+    pub coalesced: Option<u64>,
+    pub requests: u64,
+    /// `decode_steps_total` (None when the key is absent).
+    pub steps: Option<u64>,
+}
+
+/// `sessions` connections stepping `steps` tokens each, all at once; returns what STATS says
+/// about sharing.
+pub fn concurrent_steps(d: &Daemon, sessions: usize, steps: usize) -> Shared {
     let start = std::sync::Arc::new(std::sync::Barrier::new(sessions));
     let threads: Vec<_> = (0..sessions)
         .map(|i| {
@@ -74,8 +83,9 @@ pub fn concurrent_steps(d: &Daemon, sessions: usize, steps: usize) -> (Option<u6
         t.join().expect("every output matched the oracle");
     }
     let stats = d.client().stats().unwrap();
-    (
-        stats.get("decode_coalesced_total"),
-        stats.get("decode_requests_total").unwrap(),
-    )
+    Shared {
+        coalesced: stats.get("decode_coalesced_total"),
+        requests: stats.get("decode_requests_total").unwrap(),
+        steps: stats.get("decode_steps_total"),
+    }
 }
