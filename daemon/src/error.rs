@@ -51,7 +51,9 @@ pub fn storage_code(e: &StorageError) -> ErrorCode {
         StorageError::ArenaFull { .. }
         | StorageError::QuotaExceeded { .. }
         | StorageError::TooManyTokens { .. } => ErrorCode::ResourceExhausted,
-        StorageError::PositionMismatch { .. } => ErrorCode::FailedPrecondition,
+        StorageError::PositionMismatch { .. } | StorageError::UnevenLayers { .. } => {
+            ErrorCode::FailedPrecondition
+        }
         StorageError::Model(_)
         | StorageError::BlockTooLarge { .. }
         | StorageError::LayerOutOfRange { .. }

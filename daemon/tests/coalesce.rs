@@ -19,7 +19,11 @@ fn concurrent_decodes_share_steps_and_each_answer_is_its_own() {
     // Eight connections stepping at once queue behind each other's steps: fewer steps than
     // requests, by one less than each shared step's requests.
     assert!(coalesced > 0, "no request shared a step in {}", s.requests);
-    assert!(steps < s.requests, "{steps} steps for {} requests", s.requests);
+    assert!(
+        steps < s.requests,
+        "{steps} steps for {} requests",
+        s.requests
+    );
     assert!(
         s.requests - steps <= coalesced,
         "{steps} steps, {coalesced} coalesced"

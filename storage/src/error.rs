@@ -49,6 +49,9 @@ pub enum StorageError {
     #[error("{what} contains a non-finite value (NaN or infinity) at element {index}")]
     NonFinite { what: &'static str, index: usize },
 
+    #[error("layers hold different token counts ({min} to {max}): an in-place append needs every layer at one length")]
+    UnevenLayers { min: u64, max: u64 },
+
     #[error("session would exceed {max} tokens")]
     TooManyTokens { max: u64 },
 

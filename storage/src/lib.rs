@@ -26,6 +26,6 @@ pub mod testing;
 
 pub use arena::{ArenaOptions, ArenaUsage, Frame, HostArena, HostQuota};
 pub use error::{Result, StorageError};
-pub use kv::{ColdSource, KvCache, LayerView, StoredBlock};
+pub use kv::{in_place_row, ColdSource, InPlaceAppend, KvCache, LayerView, StoredBlock};
 pub use kvtier_model::{dtype, geometry, DType, Geometry, ModelError, Policy};
 pub use par::{default_workers, zip_mut};

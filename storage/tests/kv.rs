@@ -628,3 +628,182 @@ fn a_large_append_on_several_threads_equals_appending_token_by_token() {
     append_in_chunks(&mut single, &p, n, &(1..n).collect::<Vec<_>>());
     assert_eq!(snapshot(&whole), snapshot(&single));
 }
+
+// ---- In-place appends (RESERVE / COMMIT): rows written through a second mapping ----
+
+/// A cache in a shared (memfd) arena holding `n` tokens, and a second writable mapping of that
+/// arena: what an engine process maps from LEASE's descriptor.
+fn shared_cache(g: Geometry, n: usize, seed: u64) -> (KvCache, memmap2::MmapMut) {
+    let mut opts = ArenaOptions::new(64 * 4096, 4096);
+    opts.shared = true;
+    let a = HostArena::new(&opts).unwrap();
+    let fd = a.shared_fd().unwrap().try_clone_to_owned().unwrap();
+    // SAFETY: the memfd is sealed against shrinking; the mapping is dropped with the test.
+    let map = unsafe { memmap2::MmapMut::map_mut(&std::fs::File::from(fd)) }.unwrap();
+    (cache(g, &a, n, seed), map)
+}
+
+/// Writes tokens `tokens` of payload `p` (of `n` tokens) in place: where `offsets` (per layer)
+/// say, as an engine does after RESERVE.
+fn write_in_place(
+    g: &Geometry,
+    map: &mut [u8],
+    offsets: &[Vec<u64>],
+    start: u64,
+    p: &[u8],
+    n: usize,
+    tokens: std::ops::Range<usize>,
+) {
+    let row = g.row_bytes();
+    for (l, offs) in offsets.iter().enumerate() {
+        let (k, v) = layer_rows(g, p, n, l, tokens.clone());
+        for i in 0..tokens.len() {
+            for h in 0..g.kv_heads as usize {
+                let (ko, vo) = kvtier_storage::in_place_row(g, offs, start, i as u64, h);
+                let src = (i * g.kv_heads as usize + h) * row;
+                map[ko as usize..ko as usize + row].copy_from_slice(&k[src..src + row]);
+                map[vo as usize..vo as usize + row].copy_from_slice(&v[src..src + row]);
+            }
+        }
+    }
+}
+
+#[test]
+fn an_in_place_append_is_bit_identical_to_an_append_of_the_same_rows() {
+    // Starting inside a block, at a block boundary, and spanning several blocks.
+    for (dtype, bt, before, n) in [
+        (DType::Bf16, 8, 5, 1),
+        (DType::Bf16, 8, 5, 20),
+        (DType::F32, 8, 16, 8),
+        (DType::F16, 4, 0, 9),
+    ] {
+        let g = geo(dtype, bt);
+        let p = payload(&g, before + n, 7);
+        let (mut kv, mut map) = shared_cache(g, 0, 0);
+        let (mut want, _) = shared_cache(g, 0, 0);
+        append_in_chunks(
+            &mut kv,
+            &sub_payload(&g, &p, before + n, 0..before),
+            before,
+            &[],
+        );
+        want.append(0, (before + n) as u64, &p).unwrap();
+
+        let used = kv.arena().usage().bytes_used;
+        let ip = kv.begin_in_place(n as u64).unwrap();
+        assert_eq!((ip.start(), ip.tokens()), (before as u64, n as u64));
+        let offsets = kv.in_place_offsets(&ip);
+        let blocks = g.blocks_for((before + n) as u64) - (before as u64 / bt as u64);
+        assert!(
+            offsets.iter().all(|o| o.len() as u64 == blocks),
+            "{offsets:?}"
+        );
+        // Reserved rows are invisible until committed.
+        assert_eq!(kv.min_tokens(), before as u64);
+        write_in_place(
+            &g,
+            &mut map,
+            &offsets,
+            before as u64,
+            &p,
+            before + n,
+            before..before + n,
+        );
+        kv.commit_in_place(ip, n as u64).unwrap();
+        assert_eq!(
+            snapshot(&kv),
+            snapshot(&want),
+            "{dtype:?} bt={bt} {before}+{n}"
+        );
+        assert!(kv.arena().usage().bytes_used >= used);
+    }
+}
+
+#[test]
+fn committing_fewer_rows_than_reserved_zeroes_the_rest_and_returns_their_frames() {
+    let g = geo(DType::Bf16, 8);
+    let p = payload(&g, 30, 3);
+    let (mut kv, mut map) = shared_cache(g, 0, 0);
+    kv.append(0, 6, &sub_payload(&g, &p, 30, 0..6)).unwrap();
+    let (mut want, _) = shared_cache(g, 0, 0);
+    want.append(0, 9, &sub_payload(&g, &p, 30, 0..9)).unwrap();
+    let ip = kv.begin_in_place(24).unwrap();
+    let offsets = kv.in_place_offsets(&ip);
+    // The engine wrote all 24 rows but commits 3: rows 9.. must read zero, as in `want`.
+    write_in_place(&g, &mut map, &offsets, 6, &p, 30, 6..30);
+    kv.commit_in_place(ip, 3).unwrap();
+    assert_eq!(snapshot(&kv), snapshot(&want));
+    assert_eq!(kv.frames(), want.frames());
+    assert_eq!(kv.arena().usage().bytes_used, kv.frames() * 4096);
+}
+
+#[test]
+fn a_non_finite_row_written_in_place_is_refused_and_nothing_changes() {
+    let g = geo(DType::F32, 8);
+    let p = payload(&g, 20, 5);
+    let (mut kv, mut map) = shared_cache(g, 5, 9);
+    let before = snapshot(&kv);
+    let frames = kv.arena().usage().bytes_used;
+    let ip = kv.begin_in_place(10).unwrap();
+    let offsets = kv.in_place_offsets(&ip);
+    write_in_place(&g, &mut map, &offsets, 5, &p, 20, 5..15);
+    // Row 7 of the append, kv head 1, V element 3 of layer 1: a NaN.
+    let (_, vo) = kvtier_storage::in_place_row(&g, &offsets[1], 5, 7, 1);
+    let at = vo as usize + 3 * 4;
+    map[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    let e = kv.commit_in_place(ip, 10).unwrap_err();
+    let want_index = (7 * g.kv_heads as usize + 1) * g.head_dim as usize + 3;
+    assert!(
+        matches!(e, StorageError::NonFinite { what: "v", index } if index == want_index),
+        "{e}"
+    );
+    // The rows written into the tail block are zero again; the opened frames went back.
+    assert_eq!(snapshot(&kv), before);
+    assert_eq!(kv.arena().usage().bytes_used, frames);
+    // And the cache takes appends as before.
+    kv.append(5, 1, &sub_payload(&g, &p, 20, 5..6)).unwrap();
+}
+
+#[test]
+fn an_aborted_in_place_append_leaves_the_cache_as_it_was() {
+    let g = geo(DType::Bf16, 8);
+    let p = payload(&g, 40, 2);
+    let (mut kv, mut map) = shared_cache(g, 3, 4);
+    let before = snapshot(&kv);
+    let used = kv.arena().usage().bytes_used;
+    let ip = kv.begin_in_place(30).unwrap();
+    let offsets = kv.in_place_offsets(&ip);
+    write_in_place(&g, &mut map, &offsets, 3, &p, 40, 3..33);
+    kv.abort_in_place(ip);
+    assert_eq!(snapshot(&kv), before);
+    assert_eq!(kv.arena().usage().bytes_used, used);
+    // Committing zero rows is an abort too.
+    let ip = kv.begin_in_place(2).unwrap();
+    let offsets = kv.in_place_offsets(&ip);
+    write_in_place(&g, &mut map, &offsets, 3, &p, 40, 3..5);
+    kv.commit_in_place(ip, 0).unwrap();
+    assert_eq!(snapshot(&kv), before);
+}
+
+#[test]
+fn an_in_place_append_needs_even_layers_some_rows_and_room() {
+    let g = geo(DType::Bf16, 8);
+    let (mut kv, _map) = shared_cache(g, 4, 1);
+    let (k, v) = (rows(&g, 1, &mut Rng::new(1)), rows(&g, 1, &mut Rng::new(2)));
+    kv.append_layer(0, 4, &k, &v).unwrap();
+    assert!(matches!(
+        kv.begin_in_place(1),
+        Err(StorageError::UnevenLayers { min: 4, max: 5 })
+    ));
+    kv.append_layer(1, 4, &k, &v).unwrap();
+    assert!(matches!(
+        kv.begin_in_place(0),
+        Err(StorageError::PayloadSize { .. })
+    ));
+    // 64 frames of arena; 2 layers x 40 blocks do not fit.
+    assert!(matches!(
+        kv.begin_in_place(8 * 40),
+        Err(StorageError::ArenaFull { .. })
+    ));
+    assert!(kv.begin_in_place(8).is_ok());
+}
