@@ -16,7 +16,7 @@ use crate::request::{
     Request,
 };
 use crate::response::{DecodeOutput, HelloReply, Response, StatsReply};
-use crate::types::{Geometry, LeaseReply, Policy, SessionInfo};
+use crate::types::{Geometry, LeaseReply, Policy, ReserveReply, SessionInfo};
 
 /// Largest HELLO reply accepted before the server has told us its limit.
 const HELLO_REPLY_MAX: u32 = 64 * 1024;
@@ -450,6 +450,24 @@ impl Client {
         match self.call(&Request::Release { session })? {
             Response::Release => Ok(()),
             other => Err(unexpected(Opcode::Release, &other)),
+        }
+    }
+
+    /// Opens an append of `tokens` tokens to every layer of a session this connection leases,
+    /// whose rows the engine writes in place (docs/protocol.md, RESERVE): where they go.
+    pub fn reserve(&mut self, session: u64, tokens: u32) -> Result<ReserveReply, ClientError> {
+        match self.call(&Request::Reserve { session, tokens })? {
+            Response::Reserve(r) => Ok(r),
+            other => Err(unexpected(Opcode::Reserve, &other)),
+        }
+    }
+
+    /// Adopts the first `tokens` rows written since RESERVE (0 drops them); returns the
+    /// session's stored tokens.
+    pub fn commit(&mut self, session: u64, tokens: u32) -> Result<u64, ClientError> {
+        match self.call(&Request::Commit { session, tokens })? {
+            Response::Commit { tokens } => Ok(tokens),
+            other => Err(unexpected(Opcode::Commit, &other)),
         }
     }
 

@@ -327,6 +327,17 @@ pub enum Request<'a> {
     Release {
         session: u64,
     },
+    /// Open an append of `tokens` tokens to every layer whose rows the engine writes in place
+    /// into the leased arena (the connection must hold the session's lease).
+    Reserve {
+        session: u64,
+        tokens: u32,
+    },
+    /// Adopt the first `tokens` rows written since RESERVE (0: drop them).
+    Commit {
+        session: u64,
+        tokens: u32,
+    },
 }
 
 impl<'a> Request<'a> {
@@ -347,6 +358,8 @@ impl<'a> Request<'a> {
             Request::Unpin { .. } => Opcode::Unpin,
             Request::Lease { .. } => Opcode::Lease,
             Request::Release { .. } => Opcode::Release,
+            Request::Reserve { .. } => Opcode::Reserve,
+            Request::Commit { .. } => Opcode::Commit,
         }
     }
 
@@ -375,6 +388,11 @@ impl<'a> Request<'a> {
             | Request::Lease { session }
             | Request::Release { session } => {
                 put_u64(buf, *session);
+                Ok(())
+            }
+            Request::Reserve { session, tokens } | Request::Commit { session, tokens } => {
+                put_u64(buf, *session);
+                put_u32(buf, *tokens);
                 Ok(())
             }
             Request::ListSessions | Request::Stats => Ok(()),
@@ -434,6 +452,16 @@ impl<'a> Request<'a> {
             | Opcode::Release => {
                 Request::for_session(op, session_only(body)?).expect("a session-only opcode")
             }
+            Opcode::Reserve | Opcode::Commit => {
+                let mut r = Reader::new(body);
+                let (session, tokens) = (r.u64("session")?, r.u32("tokens")?);
+                r.finish()?;
+                if op == Opcode::Reserve {
+                    Request::Reserve { session, tokens }
+                } else {
+                    Request::Commit { session, tokens }
+                }
+            }
         })
     }
 
@@ -454,7 +482,9 @@ impl<'a> Request<'a> {
             | Opcode::AppendKv
             | Opcode::Decode
             | Opcode::ListSessions
-            | Opcode::Stats => return None,
+            | Opcode::Stats
+            | Opcode::Reserve
+            | Opcode::Commit => return None,
         })
     }
 }

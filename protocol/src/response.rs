@@ -2,7 +2,7 @@
 
 use crate::error::{ErrorCode, ProtoError};
 use crate::header::{encode_frame, Header, Opcode, ERROR_OPCODE, REPLY_BIT};
-use crate::types::{DecodeStats, LeaseReply, SessionInfo};
+use crate::types::{DecodeStats, LeaseReply, ReserveReply, SessionInfo};
 use crate::wire::{put_f32s, put_len, put_str, put_u16, put_u32, put_u64, put_u8, Reader};
 
 /// HELLO reply: `version u16, max_frame_bytes u32, server_name str, server_version str`.
@@ -151,6 +151,12 @@ pub enum Response {
     /// The block table of a leased session; the arena's descriptor travels with the frame.
     Lease(LeaseReply),
     Release,
+    /// Where the reserved rows go.
+    Reserve(ReserveReply),
+    /// The session's stored tokens after the commit.
+    Commit {
+        tokens: u64,
+    },
     Error(ErrorReply),
 }
 
@@ -181,6 +187,8 @@ impl Response {
             Response::Unpin => Opcode::Unpin,
             Response::Lease(_) => Opcode::Lease,
             Response::Release => Opcode::Release,
+            Response::Reserve(_) => Opcode::Reserve,
+            Response::Commit { .. } => Opcode::Commit,
             Response::Error(_) => return None,
         })
     }
@@ -193,10 +201,11 @@ impl Response {
                 put_u64(buf, *session);
                 Ok(())
             }
-            Response::AppendKv { tokens } => {
+            Response::AppendKv { tokens } | Response::Commit { tokens } => {
                 put_u64(buf, *tokens);
                 Ok(())
             }
+            Response::Reserve(r) => r.put(buf),
             Response::Decode(d) => d.put(buf),
             Response::SessionInfo(s) => s.put(buf),
             Response::ListSessions(list) => {
@@ -298,6 +307,10 @@ impl Response {
                 Opcode::Unpin => Response::Unpin,
                 Opcode::Lease => Response::Lease(LeaseReply::get(&mut r)?),
                 Opcode::Release => Response::Release,
+                Opcode::Reserve => Response::Reserve(ReserveReply::get(&mut r)?),
+                Opcode::Commit => Response::Commit {
+                    tokens: r.u64("tokens")?,
+                },
             }
         };
         r.finish()?;

@@ -295,3 +295,56 @@ impl LeaseReply {
         })
     }
 }
+
+/// RESERVE's reply: where the reserved rows go in the leased arena. Wire: `start u64, tokens
+/// u32, layers u32`, then per layer `blocks u32, offset u64 x blocks`: the runs of the blocks
+/// holding rows `start..start + tokens`, the first being block `start / block_tokens` (the
+/// partial tail block when `start` is inside one).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReserveReply {
+    /// Position of the first reserved row: every layer's stored tokens.
+    pub start: u64,
+    pub tokens: u32,
+    /// Per layer, the arena byte offsets of the runs the rows go to.
+    pub layers: Vec<Vec<u64>>,
+}
+
+impl ReserveReply {
+    pub(crate) fn put(&self, buf: &mut Vec<u8>) -> Result<(), ProtoError> {
+        put_u64(buf, self.start);
+        put_u32(buf, self.tokens);
+        put_len(buf, self.layers.len(), "reserve layers")?;
+        for offsets in &self.layers {
+            put_len(buf, offsets.len(), "reserve blocks")?;
+            for &o in offsets {
+                put_u64(buf, o);
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn get(r: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        let start = r.u64("start")?;
+        let tokens = r.u32("tokens")?;
+        let n = r.count("reserve layers", 4)?;
+        let mut layers = Vec::with_capacity(n);
+        for _ in 0..n {
+            let blocks = r.count("reserve blocks", 8)?;
+            let mut offsets = Vec::with_capacity(blocks);
+            for _ in 0..blocks {
+                offsets.push(r.u64("block offset")?);
+            }
+            layers.push(offsets);
+        }
+        Ok(ReserveReply {
+            start,
+            tokens,
+            layers,
+        })
+    }
+
+    /// Wire bytes of a reply over `layers` layers of `blocks` runs each.
+    pub fn wire_len(layers: usize, blocks: usize) -> u64 {
+        12 + 4 + layers as u64 * (4 + 8 * blocks as u64)
+    }
+}

@@ -223,7 +223,10 @@ fn handle(req: Request<'_>, mut fds: Vec<OwnedFd>, st: &mut State) -> Response {
         | Request::Unpin { .. } => {
             err(ErrorCode::Unimplemented, "no NVMe tier in this test double")
         }
-        Request::Lease { .. } | Request::Release { .. } => err(
+        Request::Lease { .. }
+        | Request::Release { .. }
+        | Request::Reserve { .. }
+        | Request::Commit { .. } => err(
             ErrorCode::Unimplemented,
             "no shared arena in this test double",
         ),

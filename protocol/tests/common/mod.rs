@@ -154,6 +154,10 @@ pub enum OwnedRequest {
     Promote(u64),
     Pin(u64),
     Unpin(u64),
+    Lease(u64),
+    Release(u64),
+    Reserve(u64, u32),
+    Commit(u64, u32),
 }
 
 impl OwnedRequest {
@@ -194,6 +198,16 @@ impl OwnedRequest {
             OwnedRequest::Promote(s) => Request::Promote { session: *s },
             OwnedRequest::Pin(s) => Request::Pin { session: *s },
             OwnedRequest::Unpin(s) => Request::Unpin { session: *s },
+            OwnedRequest::Lease(s) => Request::Lease { session: *s },
+            OwnedRequest::Release(s) => Request::Release { session: *s },
+            OwnedRequest::Reserve(session, tokens) => Request::Reserve {
+                session: *session,
+                tokens: *tokens,
+            },
+            OwnedRequest::Commit(session, tokens) => Request::Commit {
+                session: *session,
+                tokens: *tokens,
+            },
         }
     }
 }
@@ -240,6 +254,10 @@ pub fn request() -> impl Strategy<Value = OwnedRequest> {
         any::<u64>().prop_map(OwnedRequest::Promote),
         any::<u64>().prop_map(OwnedRequest::Pin),
         any::<u64>().prop_map(OwnedRequest::Unpin),
+        any::<u64>().prop_map(OwnedRequest::Lease),
+        any::<u64>().prop_map(OwnedRequest::Release),
+        (any::<u64>(), any::<u32>()).prop_map(|(s, t)| OwnedRequest::Reserve(s, t)),
+        (any::<u64>(), any::<u32>()).prop_map(|(s, t)| OwnedRequest::Commit(s, t)),
     ]
 }
 
@@ -278,6 +296,32 @@ pub fn response() -> impl Strategy<Value = Response> {
         any::<u64>().prop_map(|blocks| Response::Promote { blocks }),
         Just(Response::Pin),
         Just(Response::Unpin),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+            vec((any::<u64>(), vec(any::<u64>(), 0..4)), 0..3)
+        )
+            .prop_map(|(instance, arena_bytes, run_bytes, layers)| {
+                Response::Lease(LeaseReply {
+                    instance,
+                    arena_bytes,
+                    run_bytes,
+                    layers: layers
+                        .into_iter()
+                        .map(|(tokens, offsets)| LeaseLayer { tokens, offsets })
+                        .collect(),
+                })
+            }),
+        Just(Response::Release),
+        (any::<u64>(), any::<u32>(), vec(vec(any::<u64>(), 0..4), 0..3)).prop_map(
+            |(start, tokens, layers)| Response::Reserve(ReserveReply {
+                start,
+                tokens,
+                layers
+            })
+        ),
+        any::<u64>().prop_map(|tokens| Response::Commit { tokens }),
         (error_code(), text())
             .prop_map(|(code, message)| Response::Error(ErrorReply { code, message })),
     ]
