@@ -275,7 +275,7 @@ pub async fn run(
                 };
                 match connections.clone().try_acquire_owned() {
                     Ok(permit) => {
-                        let conn = Connection { stream, peer, shared: shared.clone(), stop: stop_rx.clone(), hello: false, leases: HashSet::new() };
+                        let conn = Connection { stream, peer, shared: shared.clone(), stop: stop_rx.clone(), hello: false, leases: HashSet::new(), id: crate::engine::next_connection_id() };
                         tasks.spawn(async move {
                             conn.serve().await;
                             drop(permit);
@@ -425,6 +425,8 @@ struct Connection {
     hello: bool,
     /// Sessions this connection holds a LEASE on; released when it closes (see `Drop`).
     leases: HashSet<u64>,
+    /// Names this connection's in-place appends (RESERVE), which need its lease.
+    id: u64,
 }
 
 impl Drop for Connection {
@@ -432,6 +434,7 @@ impl Drop for Connection {
     /// panic in its task), its leases end with it: the daemon may free those extents again.
     fn drop(&mut self) {
         for id in self.leases.drain() {
+            self.shared.engine.abort_reservation(id, self.id);
             self.shared.engine.release_lease(id);
         }
     }
@@ -533,7 +536,9 @@ impl Connection {
         fds: &mut Vec<OwnedFd>,
     ) -> (Vec<u8>, bool) {
         let frame = match Opcode::from_u16(header.opcode) {
-            Ok(Opcode::Lease | Opcode::Release) if self.hello && fds.is_empty() => {
+            Ok(Opcode::Lease | Opcode::Release | Opcode::Reserve | Opcode::Commit)
+                if self.hello && fds.is_empty() =>
+            {
                 return self.handle_lease(header, body);
             }
             _ => self.handle_other(header, body, fds).await,
@@ -541,8 +546,9 @@ impl Connection {
         (frame, false)
     }
 
-    /// Every request but a well-formed LEASE or RELEASE after HELLO (those change this
-    /// connection's leases: [`Self::handle_lease`]); the checks here refuse the rest of them.
+    /// Every request but a well-formed LEASE, RELEASE, RESERVE or COMMIT after HELLO (those
+    /// change or need this connection's leases: [`Self::handle_lease`]); the checks here refuse
+    /// the rest of them.
     async fn handle_other(
         &mut self,
         header: &Header,
@@ -642,8 +648,9 @@ impl Connection {
         }
     }
 
-    /// LEASE and RELEASE, which change this connection's leases. Returns the reply frame and
-    /// whether the arena's descriptor goes with it (a granted LEASE).
+    /// LEASE and RELEASE, which change this connection's leases, and RESERVE and COMMIT, which
+    /// need one. Returns the reply frame and whether the arena's descriptor goes with it (a
+    /// granted LEASE).
     fn handle_lease(&mut self, header: &Header, body: &[u8]) -> (Vec<u8>, bool) {
         let engine = self.shared.engine.clone();
         let max = self.shared.settings.max_frame_bytes;
@@ -678,10 +685,34 @@ impl Connection {
                         "this connection holds no lease on session {session}"
                     )));
                 }
+                engine.abort_reservation(session, self.id);
                 engine.release_lease(session);
                 (reply_frame(rid, Ok(Response::Release), max, &engine), false)
             }
-            Ok(other) => unreachable!("{:?} is LEASE or RELEASE", other.opcode()),
+            Ok(Request::Reserve { session, tokens }) => {
+                if !self.leases.contains(&session) {
+                    return refused(ServiceError::precondition(format!(
+                        "RESERVE needs this connection's LEASE of session {session}: the engine \
+                         writes through the leased arena"
+                    )));
+                }
+                // Takes the session lock and may promote or zero frames: off the event loop.
+                let r = tokio::task::block_in_place(|| {
+                    engine.reserve(&self.peer, session, self.id, tokens)
+                });
+                (
+                    reply_frame(rid, r.map(Response::Reserve), max, &engine),
+                    false,
+                )
+            }
+            Ok(Request::Commit { session, tokens }) => {
+                let r = tokio::task::block_in_place(|| {
+                    engine.commit(&self.peer, session, self.id, tokens)
+                });
+                let r = r.map(|tokens| Response::Commit { tokens });
+                (reply_frame(rid, r, max, &engine), false)
+            }
+            Ok(other) => unreachable!("{:?} is LEASE, RELEASE, RESERVE or COMMIT", other.opcode()),
             Err(e) => refused(e),
         }
     }

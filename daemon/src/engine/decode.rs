@@ -91,6 +91,7 @@ impl Engine {
     ) -> ServiceResult<u64> {
         let s = self.lookup_live(peer, id)?;
         let mut st = s.state.lock();
+        lease::check_unreserved(&s, &st)?;
         // Host bytes the whole session would hold: what demotion must make room for.
         let need = st.kv.geometry().blocks_for(start + n_tokens as u64) as usize
             * st.kv.geometry().layers as usize
@@ -110,18 +111,7 @@ impl Engine {
             }
             attempt(&mut st)?;
         }
-        if self.tier.as_ref().is_some_and(|(_, t)| t.write_through) {
-            if let Err(e) = self.persist_locked(&s, &mut st) {
-                st.kv.truncate(start);
-                if let Some(gpu) = &self.gpu {
-                    let _ = gpu.lock().invalidate(id);
-                }
-                return Err(ServiceError::new(
-                    e.code,
-                    format!("append rolled back, not durable: {}", e.message),
-                ));
-            }
-        }
+        self.durable_or_rolled_back(&s, &mut st, start)?;
         self.counters
             .append_tokens
             .fetch_add(n_tokens as u64, Ordering::Relaxed);
@@ -129,6 +119,30 @@ impl Engine {
         drop(st);
         self.make_room(&[id], 0);
         Ok(tokens)
+    }
+
+    /// With write-through, makes the tokens appended past `start` durable on NVMe, or cuts the
+    /// session back to `start` (and says so) when they cannot be.
+    pub(super) fn durable_or_rolled_back(
+        &self,
+        s: &Session,
+        st: &mut SessionState,
+        start: u64,
+    ) -> ServiceResult<()> {
+        if !self.tier.as_ref().is_some_and(|(_, t)| t.write_through) {
+            return Ok(());
+        }
+        if let Err(e) = self.persist_locked(s, st) {
+            st.kv.truncate(start);
+            if let Some(gpu) = &self.gpu {
+                let _ = gpu.lock().invalidate(s.id);
+            }
+            return Err(ServiceError::new(
+                e.code,
+                format!("append rolled back, not durable: {}", e.message),
+            ));
+        }
+        Ok(())
     }
 
     /// One decode step of `layer` for every entry (a batch when several). All-or-nothing.
@@ -279,7 +293,9 @@ impl Engine {
         let mut guards: Vec<Option<MutexGuard<'_, SessionState>>> =
             (0..sessions.len()).map(|_| None).collect();
         for &i in &order {
-            guards[i] = Some(sessions[i].state.lock());
+            let g = sessions[i].state.lock();
+            lease::check_unreserved(&sessions[i], &g)?;
+            guards[i] = Some(g);
         }
         let ids: Vec<u64> = sessions.iter().map(|s| s.id).collect();
         let sources: Vec<Option<TierSource<'_>>> = ids

@@ -8,13 +8,46 @@
 //! Appends add extents and only write rows past the stored tokens; promotion gives cold blocks
 //! (absent from a lease's table) new extents. A lease ends with RELEASE or when its connection
 //! closes, which is how a killed engine's leases are reclaimed: the kernel closes its socket.
+//!
+//! RESERVE / COMMIT let a leasing engine append by writing rows in place (the DMA path of a
+//! prefill or a hand-off): RESERVE takes the frames of the blocks the rows open and says where
+//! every row goes; the engine writes them through its own mapping; COMMIT checks them and
+//! adopts them exactly as an append of the same rows. Until then no reader sees them (rows past
+//! the stored tokens are never read) and the session takes no other append or decode. An
+//! in-place append ends with COMMIT, or is dropped (its rows zeroed, its frames freed) when its
+//! connection releases the lease or closes.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use kvtier_protocol::{LeaseLayer, LeaseReply};
+use kvtier_protocol::{LeaseLayer, LeaseReply, ReserveReply};
+use kvtier_storage::InPlaceAppend;
 
-use super::{Engine, Peer, Session};
+use super::{Engine, Peer, Session, SessionState};
 use crate::error::{ServiceError, ServiceResult};
+
+/// An open in-place append of a session, and the connection it belongs to.
+pub(crate) struct Reservation {
+    conn: u64,
+    append: InPlaceAppend,
+}
+
+/// A process-unique id per connection, naming the owner of its reservations.
+pub fn next_connection_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// FAILED_PRECONDITION while an engine is writing the session in place.
+pub(super) fn check_unreserved(s: &Session, st: &SessionState) -> ServiceResult<()> {
+    match &st.reserved {
+        None => Ok(()),
+        Some(r) => Err(ServiceError::precondition(format!(
+            "session {} has an in-place append of {} tokens open (RESERVE): COMMIT it first",
+            s.id,
+            r.append.tokens()
+        ))),
+    }
+}
 
 impl Engine {
     /// The block table of session `id` for a lease; `new_lease` counts a lease the caller did
@@ -73,6 +106,108 @@ impl Engine {
             let _ = s
                 .leases
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        }
+    }
+}
+
+impl Engine {
+    /// RESERVE: opens an in-place append of `tokens` tokens to every layer of session `id`
+    /// for connection `conn`, which holds its lease (the caller checks). Returns where each
+    /// row goes.
+    pub fn reserve(
+        &self,
+        peer: &Peer,
+        id: u64,
+        conn: u64,
+        tokens: u32,
+    ) -> ServiceResult<ReserveReply> {
+        if tokens == 0 {
+            return Err(ServiceError::invalid("RESERVE of 0 tokens"));
+        }
+        let s = self.lookup_live_as(peer, id, true)?;
+        let mut st = s.state.lock();
+        if st.closed {
+            return Err(ServiceError::not_found(id));
+        }
+        check_unreserved(&s, &st)?;
+        let g = s.geometry;
+        let start = st.kv.min_tokens();
+        // The block table goes in one reply frame: refused before anything is taken.
+        let blocks = (g.blocks_for(start + tokens as u64) - start / g.block_tokens as u64) as usize;
+        let len = ReserveReply::wire_len(g.layers as usize, blocks);
+        if len > self.limits.max_reply_bytes as u64 {
+            return Err(ServiceError::exhausted(format!(
+                "RESERVE of {tokens} tokens names {blocks} blocks per layer, a {len}-byte \
+                 reply over max_frame_bytes {}: reserve fewer tokens at a time",
+                self.limits.max_reply_bytes
+            )));
+        }
+        let need = g.blocks_for(start + tokens as u64) as usize
+            * g.layers as usize
+            * st.kv.run_extent_bytes();
+        let tails = st.kv.cold_tails();
+        let attempt = |st: &mut SessionState| -> ServiceResult<InPlaceAppend> {
+            self.promote_tails(&s, st, &tails)?;
+            Ok(st.kv.begin_in_place(tokens as u64)?)
+        };
+        let append = match attempt(&mut st) {
+            Ok(a) => a,
+            Err(e) if e.code == kvtier_protocol::ErrorCode::ResourceExhausted => {
+                if !self.make_room(&[id], need) {
+                    self.record_rejection(crate::metrics::Rejection::HostFull);
+                    return Err(e);
+                }
+                attempt(&mut st)?
+            }
+            Err(e) => return Err(e),
+        };
+        let reply = ReserveReply {
+            start: append.start(),
+            tokens,
+            layers: st.kv.in_place_offsets(&append),
+        };
+        st.reserved = Some(Reservation { conn, append });
+        Ok(reply)
+    }
+
+    /// COMMIT: adopts the first `tokens` rows connection `conn` wrote in place since its
+    /// RESERVE of session `id` (0: drops them); returns the session's stored tokens. A row
+    /// that is not finite is INVALID_ARGUMENT and nothing is appended: the append is over
+    /// either way.
+    pub fn commit(&self, peer: &Peer, id: u64, conn: u64, tokens: u32) -> ServiceResult<u64> {
+        let s = self.lookup_live_as(peer, id, true)?;
+        let mut st = s.state.lock();
+        let r = match st.reserved.take() {
+            Some(r) if r.conn == conn => r,
+            other => {
+                st.reserved = other;
+                return Err(ServiceError::precondition(format!(
+                    "this connection has no in-place append of session {id} open (RESERVE first)"
+                )));
+            }
+        };
+        let start = r.append.start();
+        st.kv.commit_in_place(r.append, tokens as u64)?;
+        self.durable_or_rolled_back(&s, &mut st, start)?;
+        self.counters
+            .append_tokens
+            .fetch_add(tokens as u64, Ordering::Relaxed);
+        let stored = st.kv.min_tokens();
+        drop(st);
+        self.make_room(&[id], 0);
+        Ok(stored)
+    }
+
+    /// Drops connection `conn`'s in-place append of session `id`, if it has one (its lease
+    /// ended: RELEASE, or the connection closed).
+    pub fn abort_reservation(&self, id: u64, conn: u64) {
+        let Some(s) = self.sessions.read().get(&id).cloned() else {
+            return;
+        };
+        let mut st = s.state.lock();
+        match st.reserved.take() {
+            Some(r) if r.conn == conn => st.kv.abort_in_place(r.append),
+            other => st.reserved = other,
         }
     }
 }

@@ -45,6 +45,7 @@ use kvtier_protocol::ErrorCode;
 mod coalesce;
 mod decode;
 mod lease;
+pub use lease::next_connection_id;
 mod recovery;
 mod stats;
 mod tiering;
@@ -120,6 +121,9 @@ struct SessionState {
     stored: bool,
     /// Removed by CLOSE/EVICT; a request that looked it up before must not write it back.
     closed: bool,
+    /// An open in-place append (RESERVE .. COMMIT, `lease.rs`): while it is, the session takes
+    /// no other append or decode.
+    reserved: Option<lease::Reservation>,
 }
 
 pub struct Engine {
@@ -551,6 +555,7 @@ impl Session {
                 persisted: vec![0; layers],
                 stored,
                 closed: false,
+                reserved: None,
             }),
         }
     }

@@ -314,13 +314,16 @@ pub fn response() -> impl Strategy<Value = Response> {
                 })
             }),
         Just(Response::Release),
-        (any::<u64>(), any::<u32>(), vec(vec(any::<u64>(), 0..4), 0..3)).prop_map(
-            |(start, tokens, layers)| Response::Reserve(ReserveReply {
+        (
+            any::<u64>(),
+            any::<u32>(),
+            vec(vec(any::<u64>(), 0..4), 0..3)
+        )
+            .prop_map(|(start, tokens, layers)| Response::Reserve(ReserveReply {
                 start,
                 tokens,
                 layers
-            })
-        ),
+            })),
         any::<u64>().prop_map(|tokens| Response::Commit { tokens }),
         (error_code(), text())
             .prop_map(|(code, message)| Response::Error(ErrorReply { code, message })),
