@@ -636,7 +636,7 @@ impl KvCache {
             .iter()
             .zip(&p.fresh)
             .map(|(l, fresh)| {
-                let tail = (p.start % bt != 0).then(|| match l.slots.last() {
+                let tail = (!p.start.is_multiple_of(bt)).then(|| match l.slots.last() {
                     Some(Slot::Hot(f)) => f.offset() as u64,
                     _ => unreachable!("begin_in_place checked the tail is resident"),
                 });
@@ -697,7 +697,7 @@ impl KvCache {
     pub fn abort_in_place(&mut self, p: InPlaceAppend) {
         let geo = self.geo;
         let bt = geo.block_tokens as u64;
-        if p.start % bt == 0 {
+        if p.start.is_multiple_of(bt) {
             return;
         }
         for l in &mut self.layers {

@@ -51,13 +51,14 @@ class ArenaLease:
     copy). The runs stay where the table says until `Client.release` or until the connection
     that leased closes; drop the arrays `run` returned before `close`."""
 
-    def __init__(self, table: p.LeaseReply, fd: int):
+    def __init__(self, table: p.LeaseReply, fd: int, writable: bool = False):
         self.table = table
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         try:
             size = os.fstat(fd).st_size
             if size < table.arena_bytes:
                 raise ProtocolError(f"arena descriptor holds {size} bytes, the lease says {table.arena_bytes}")
-            self._map = mmap.mmap(fd, table.arena_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            self._map = mmap.mmap(fd, table.arena_bytes, flags=mmap.MAP_SHARED, prot=prot)
         finally:
             os.close(fd)
 
@@ -66,6 +67,11 @@ class ArenaLease:
         at = int(self.table.layers[layer].offsets[block])
         if at == p.LEASE_COLD:
             return None
+        return self.run_at(at)
+
+    def run_at(self, at: int) -> np.ndarray:
+        """The run at arena offset `at` (a LEASE or RESERVE table entry); writable when the
+        lease was taken with `writable=True`, for rows written in place after RESERVE."""
         n = self.table.run_bytes
         if at + n > len(self._map):
             raise ProtocolError(f"run at {at} past the arena's {len(self._map)} bytes")
@@ -192,7 +198,7 @@ class Client:
         """Pin (never demote) or unpin the session."""
         self._call(Op.PIN if pinned else Op.UNPIN, p.encode_session(session))
 
-    def lease(self, session: int) -> "ArenaLease":
+    def lease(self, session: int, writable: bool = False) -> "ArenaLease":
         """LEASE: the session's block table and tierd's shared host arena, mapped read-only
         (docs/protocol.md 5.10). tierd keeps every run the table names in place until
         `release` or until this connection closes. Needs tierd's `host.shared = true` and an
@@ -203,11 +209,23 @@ class Client:
             for fd in fds:
                 os.close(fd)
             raise ProtocolError(f"LEASE reply with {len(fds)} descriptors, expected 1")
-        return ArenaLease(reply, fds[0])
+        return ArenaLease(reply, fds[0], writable)
 
     def release(self, session: int) -> None:
-        """RELEASE: end this connection's lease of the session."""
+        """RELEASE: end this connection's lease of the session (dropping an in-place append
+        still open on it)."""
         self._call(Op.RELEASE, p.encode_session(session))
+
+    def reserve(self, session: int, tokens: int) -> "p.ReserveReply":
+        """RESERVE: open an append of `tokens` tokens to every layer of a session this
+        connection leases, written in place into the arena (docs/protocol.md 5.10): where
+        each row goes. COMMIT it with `commit`."""
+        return self._call(Op.RESERVE, p.encode_session_tokens(session, tokens))
+
+    def commit(self, session: int, tokens: int) -> int:
+        """COMMIT: adopt the first `tokens` rows written since `reserve` (0 drops them);
+        returns the session's stored tokens."""
+        return self._call(Op.COMMIT, p.encode_session_tokens(session, tokens))
 
     # -- plumbing -------------------------------------------------------------------------
 

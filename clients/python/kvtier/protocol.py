@@ -22,7 +22,7 @@ ERROR_OPCODE = 0xFFFF
 FLAG_APPEND_SHM = 0x0001
 DECODE_WANT_STATS = 0x1
 #: Opcodes reserved for future tier operations; servers answer them with UNIMPLEMENTED.
-RESERVED_TIER_OPCODES = range(0x0016, 0x0020)
+RESERVED_TIER_OPCODES = range(0x0018, 0x0020)
 
 
 class Op(IntEnum):
@@ -41,6 +41,8 @@ class Op(IntEnum):
     UNPIN = 0x0013
     LEASE = 0x0014  # reading block runs in place (docs/protocol.md 5.10)
     RELEASE = 0x0015
+    RESERVE = 0x0016  # an append written in place into the leased arena (5.10)
+    COMMIT = 0x0017
 
     @property
     def reply(self) -> int:
@@ -417,6 +419,11 @@ def encode_session(session: int) -> bytes:
     return struct.pack("<Q", session)
 
 
+def encode_session_tokens(session: int, tokens: int) -> bytes:
+    """Body of RESERVE and COMMIT."""
+    return struct.pack("<QI", session, tokens)
+
+
 # --------------------------------------------------------------------------- reply bodies
 
 
@@ -510,7 +517,7 @@ def decode_reply(opcode: int, flags: int, body) -> Reply:
             raise ProtocolError(f"unknown reply opcode 0x{opcode:04x}") from None
         if op is Op.HELLO:
             out = HelloReply(r.u16("version"), r.u32("max_frame_bytes"), r.str("server name"), r.str("server version"))
-        elif op in (Op.CREATE_SESSION, Op.APPEND_KV, Op.DEMOTE, Op.PROMOTE):
+        elif op in (Op.CREATE_SESSION, Op.APPEND_KV, Op.DEMOTE, Op.PROMOTE, Op.COMMIT):
             out = r.u64("reply value")
         elif op is Op.DECODE:
             outs = []
@@ -539,6 +546,13 @@ def decode_reply(opcode: int, flags: int, body) -> Reply:
                 offsets = np.frombuffer(r.take(8 * n, "block offsets"), dtype="<u8").astype(np.uint64)
                 layers.append(LeaseLayer(tokens, offsets))
             out = LeaseReply(instance, arena_bytes, run_bytes, layers)
+        elif op is Op.RESERVE:
+            start, tokens = r.u64("start"), r.u32("tokens")
+            layers = []
+            for _ in range(r.count("reserve layers", 4)):
+                n = r.count("reserve blocks", 8)
+                layers.append(np.frombuffer(r.take(8 * n, "block offsets"), dtype="<u8").astype(np.uint64))
+            out = ReserveReply(start, tokens, layers)
         else:  # CLOSE_SESSION, EVICT, PIN, UNPIN, RELEASE
             out = None
     r.finish()
@@ -564,6 +578,16 @@ class LeaseReply:
     arena_bytes: int
     run_bytes: int
     layers: List[LeaseLayer]
+
+
+@dataclass
+class ReserveReply:
+    """RESERVE's reply (docs/protocol.md 5.10): the reserved rows start at position `start`;
+    per layer, the arena offsets of the runs they go to, the first being block
+    `start // block_tokens`."""
+    start: int
+    tokens: int
+    layers: List[np.ndarray]
 
 
 def encode_reply_body(op: Op, value) -> bytes:

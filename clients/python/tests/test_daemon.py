@@ -180,6 +180,67 @@ def test_demote_promote_and_pin(daemon):
         assert c.stats()["demotions_total"] == 1
 
 
+def test_rows_written_in_place_after_reserve_equal_an_append(tierd_factory):
+    """RESERVE / COMMIT: rows written into the leased arena where RESERVE says (what a GPU
+    DMA does) give the same runs as APPEND_KV of them; wrong requests are typed errors."""
+    sock = tierd_factory("--set", 'host.max_run_bytes="4KiB"', "--set", "host.shared=true",
+                         capacity="64MiB")
+    c = Client(sock)
+    rng = np.random.default_rng(9)
+    first, n = 20, 30
+    rows = [[f32_to_bf16(rng.standard_normal((first + n, G.kv_heads, G.head_dim), dtype=np.float32))
+             for _ in range(2)] for _ in range(G.layers)]
+
+    def payload(lo, hi):
+        return b"".join(kv[lo:hi].tobytes() for layer in rows for kv in layer)
+
+    twin = c.create_session(G, POLICY, "append")
+    c.append_kv(twin, 0, first + n, payload(0, first + n))
+    s = c.create_session(G, POLICY, "in place")
+    c.append_kv(s, 0, first, payload(0, first))
+    with pytest.raises(ServerError) as e:
+        c.reserve(s, n)  # no lease on this connection
+    assert e.value.code == ErrorCode.FAILED_PRECONDITION
+    lease = c.lease(s, writable=True)
+    r = c.reserve(s, n)
+    assert (r.start, r.tokens, len(r.layers)) == (first, n, G.layers)
+    bt = G.block_tokens
+    for l in range(G.layers):
+        for i in range(n):
+            pos = r.start + i
+            run = lease.run_at(int(r.layers[l][pos // bt - r.start // bt]))
+            tiles = run.view("<u2").reshape(G.kv_heads, 2, bt, G.head_dim)
+            for kv in range(2):
+                tiles[:, kv, pos % bt] = rows[l][kv][pos]
+            del run, tiles
+    with pytest.raises(ServerError) as e:
+        c.append_kv(s, first, 1, payload(first, first + 1))
+    assert e.value.code == ErrorCode.FAILED_PRECONDITION and "RESERVE" in str(e.value)
+    with pytest.raises(ServerError) as e:
+        c.commit(s, n + 1)
+    assert e.value.code == ErrorCode.INVALID_ARGUMENT
+    assert c.session_info(s).tokens_max == first  # the over-commit dropped the append
+    r = c.reserve(s, n)
+    for l in range(G.layers):
+        for i in range(n):
+            pos = r.start + i
+            run = lease.run_at(int(r.layers[l][pos // bt - r.start // bt]))
+            tiles = run.view("<u2").reshape(G.kv_heads, 2, bt, G.head_dim)
+            for kv in range(2):
+                tiles[:, kv, pos % bt] = rows[l][kv][pos]
+            del run, tiles
+    assert c.commit(s, n) == first + n
+    c.release(s)
+    lease.close()
+    a, b = c.lease(s), c.lease(twin)
+    for l in range(G.layers):
+        for blk in range(-(-(first + n) // bt)):
+            assert np.array_equal(a.run(l, blk), b.run(l, blk)), (l, blk)
+    c.disconnect()
+    a.close()
+    b.close()
+
+
 def test_lease_reads_block_runs_in_place(tierd_factory):
     """LEASE with tierd's shared arena: the runs read in place are the appended rows laid out
     per KV head (K tile, then V tile); DEMOTE waits for RELEASE."""
