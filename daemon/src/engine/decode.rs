@@ -97,52 +97,63 @@ impl Engine {
             * st.kv.geometry().layers as usize
             * st.kv.run_extent_bytes();
         let tails = st.kv.cold_tails();
-        let attempt = |st: &mut SessionState| -> ServiceResult<()> {
+        self.with_room(id, need, &mut st, |st| {
             self.promote_tails(&s, st, &tails)?;
-            st.kv.append(start, n_tokens as u64, payload)?;
-            Ok(())
-        };
-        if let Err(e) = attempt(&mut st) {
-            if e.code != ErrorCode::ResourceExhausted || !self.make_room(&[id], need) {
-                if e.code == ErrorCode::ResourceExhausted {
-                    self.record_rejection(Rejection::HostFull);
-                }
-                return Err(e);
-            }
-            attempt(&mut st)?;
-        }
-        self.durable_or_rolled_back(&s, &mut st, start)?;
-        self.counters
-            .append_tokens
-            .fetch_add(n_tokens as u64, Ordering::Relaxed);
-        let tokens = st.kv.min_tokens();
-        drop(st);
-        self.make_room(&[id], 0);
-        Ok(tokens)
+            Ok(st.kv.append(start, n_tokens as u64, payload)?)
+        })?;
+        self.appended(&s, st, start)
     }
 
-    /// With write-through, makes the tokens appended past `start` durable on NVMe, or cuts the
-    /// session back to `start` (and says so) when they cannot be.
-    pub(super) fn durable_or_rolled_back(
+    /// Runs `attempt` on a locked session; if the host tier is full, demotes other sessions to
+    /// make room for `need` bytes and tries once more (a refusal counts as HostFull).
+    pub(super) fn with_room<T>(
+        &self,
+        id: u64,
+        need: usize,
+        st: &mut SessionState,
+        attempt: impl Fn(&mut SessionState) -> ServiceResult<T>,
+    ) -> ServiceResult<T> {
+        match attempt(st) {
+            Err(e) if e.code == ErrorCode::ResourceExhausted => {
+                if !self.make_room(&[id], need) {
+                    self.record_rejection(Rejection::HostFull);
+                    return Err(e);
+                }
+                attempt(st)
+            }
+            r => r,
+        }
+    }
+
+    /// The end of an append (APPEND_KV or COMMIT) of the tokens past `start`: with
+    /// write-through they are made durable on NVMe, or the session is cut back to `start` and
+    /// the append refused; then they are counted, the lock dropped and room made. Returns the
+    /// session's stored tokens.
+    pub(super) fn appended(
         &self,
         s: &Session,
-        st: &mut SessionState,
+        mut st: MutexGuard<'_, SessionState>,
         start: u64,
-    ) -> ServiceResult<()> {
-        if !self.tier.as_ref().is_some_and(|(_, t)| t.write_through) {
-            return Ok(());
-        }
-        if let Err(e) = self.persist_locked(s, st) {
-            st.kv.truncate(start);
-            if let Some(gpu) = &self.gpu {
-                let _ = gpu.lock().invalidate(s.id);
+    ) -> ServiceResult<u64> {
+        if self.tier.as_ref().is_some_and(|(_, t)| t.write_through) {
+            if let Err(e) = self.persist_locked(s, &mut st) {
+                st.kv.truncate(start);
+                if let Some(gpu) = &self.gpu {
+                    let _ = gpu.lock().invalidate(s.id);
+                }
+                return Err(ServiceError::new(
+                    e.code,
+                    format!("append rolled back, not durable: {}", e.message),
+                ));
             }
-            return Err(ServiceError::new(
-                e.code,
-                format!("append rolled back, not durable: {}", e.message),
-            ));
         }
-        Ok(())
+        let tokens = st.kv.min_tokens();
+        self.counters
+            .append_tokens
+            .fetch_add(tokens - start, Ordering::Relaxed);
+        drop(st);
+        self.make_room(&[s.id], 0);
+        Ok(tokens)
     }
 
     /// One decode step of `layer` for every entry (a batch when several). All-or-nothing.

@@ -146,21 +146,10 @@ impl Engine {
             * g.layers as usize
             * st.kv.run_extent_bytes();
         let tails = st.kv.cold_tails();
-        let attempt = |st: &mut SessionState| -> ServiceResult<InPlaceAppend> {
+        let append = self.with_room(id, need, &mut st, |st| {
             self.promote_tails(&s, st, &tails)?;
             Ok(st.kv.begin_in_place(tokens as u64)?)
-        };
-        let append = match attempt(&mut st) {
-            Ok(a) => a,
-            Err(e) if e.code == kvtier_protocol::ErrorCode::ResourceExhausted => {
-                if !self.make_room(&[id], need) {
-                    self.record_rejection(crate::metrics::Rejection::HostFull);
-                    return Err(e);
-                }
-                attempt(&mut st)?
-            }
-            Err(e) => return Err(e),
-        };
+        })?;
         let reply = ReserveReply {
             start: append.start(),
             tokens,
@@ -188,14 +177,7 @@ impl Engine {
         };
         let start = r.append.start();
         st.kv.commit_in_place(r.append, tokens as u64)?;
-        self.durable_or_rolled_back(&s, &mut st, start)?;
-        self.counters
-            .append_tokens
-            .fetch_add(tokens as u64, Ordering::Relaxed);
-        let stored = st.kv.min_tokens();
-        drop(st);
-        self.make_room(&[id], 0);
-        Ok(stored)
+        self.appended(&s, st, start)
     }
 
     /// Drops connection `conn`'s in-place append of session `id`, if it has one (its lease
