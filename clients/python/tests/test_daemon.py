@@ -202,17 +202,22 @@ def test_rows_written_in_place_after_reserve_equal_an_append(tierd_factory):
         c.reserve(s, n)  # no lease on this connection
     assert e.value.code == ErrorCode.FAILED_PRECONDITION
     lease = c.lease(s, writable=True)
+    bt = G.block_tokens
+
+    def write_in_place(r):
+        """Each reserved row where RESERVE says, as an engine's DMA writes it."""
+        for l in range(G.layers):
+            for i in range(r.tokens):
+                pos = r.start + i
+                run = lease.run_at(int(r.layers[l][pos // bt - r.start // bt]))
+                tiles = run.view("<u2").reshape(G.kv_heads, 2, bt, G.head_dim)
+                for kv in range(2):
+                    tiles[:, kv, pos % bt] = rows[l][kv][pos]
+                del run, tiles
+
     r = c.reserve(s, n)
     assert (r.start, r.tokens, len(r.layers)) == (first, n, G.layers)
-    bt = G.block_tokens
-    for l in range(G.layers):
-        for i in range(n):
-            pos = r.start + i
-            run = lease.run_at(int(r.layers[l][pos // bt - r.start // bt]))
-            tiles = run.view("<u2").reshape(G.kv_heads, 2, bt, G.head_dim)
-            for kv in range(2):
-                tiles[:, kv, pos % bt] = rows[l][kv][pos]
-            del run, tiles
+    write_in_place(r)
     with pytest.raises(ServerError) as e:
         c.append_kv(s, first, 1, payload(first, first + 1))
     assert e.value.code == ErrorCode.FAILED_PRECONDITION and "RESERVE" in str(e.value)
@@ -220,15 +225,7 @@ def test_rows_written_in_place_after_reserve_equal_an_append(tierd_factory):
         c.commit(s, n + 1)
     assert e.value.code == ErrorCode.INVALID_ARGUMENT
     assert c.session_info(s).tokens_max == first  # the over-commit dropped the append
-    r = c.reserve(s, n)
-    for l in range(G.layers):
-        for i in range(n):
-            pos = r.start + i
-            run = lease.run_at(int(r.layers[l][pos // bt - r.start // bt]))
-            tiles = run.view("<u2").reshape(G.kv_heads, 2, bt, G.head_dim)
-            for kv in range(2):
-                tiles[:, kv, pos % bt] = rows[l][kv][pos]
-            del run, tiles
+    write_in_place(c.reserve(s, n))
     assert c.commit(s, n) == first + n
     c.release(s)
     lease.close()
