@@ -16,7 +16,7 @@ if [ -f $D/kvtier.ptx ] && command -v ptxas >/dev/null; then
 fi
 if [ "${RUN_TESTS:-1}" = 1 ]; then
   for t in $D/gpu_compile $D/gpu_attention $D/gpu_selector $D/gpu_cache_and_launch $D/gpu_errors \
-    $D/kvtier_kernels $D/gpu_decode $D/gpu_daemon $D/gpu_engine; do
+    $D/kvtier_kernels $D/gpu_decode $D/gpu_daemon $D/gpu_engine $D/gpu_in_place; do
     [ -x "$t" ] || continue
     log "test $t"
     # GPU tests are #[ignore]d (with the reason) so machines without a device report them

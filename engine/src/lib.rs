@@ -2,14 +2,17 @@
 //! (LEASE, docs/protocol.md §5.10), maps tierd's shared host arena, registers it with its own
 //! CUDA context and runs the selector, the gather and the attention on its own device over the
 //! leased block runs, read in place over PCIe. No tensor crosses the socket, which carries
-//! control (LEASE, PROMOTE) and appends (APPEND_KV).
+//! control (LEASE, PROMOTE, RESERVE / COMMIT) and appends whose rows are not on the device
+//! (APPEND_KV).
 //!
 //! ```text
 //! engine process                                   tierd
 //!   InEngine ──LEASE(session)──────────────────▶  block table + arena memfd (SCM_RIGHTS)
 //!     ArenaView (read-only map) ── cuMemHostRegister(READ_ONLY) ── CudaBackend
+//!       (read-write map and registration with in-place appends)
 //!     sync: map new runs, bounds of new blocks (from the runs), token counts
 //!     decode_layer / decode_step: select, gather, attend on the engine's device
+//!     append_from_device ──RESERVE──▶ run offsets; DMA device -> arena; ──COMMIT──▶
 //! ```
 //!
 //! The lease keeps every run the engine maps where it is (tierd refuses DEMOTE, CLOSE and
@@ -25,9 +28,14 @@
 //! `kvtier.engine.DeviceBatch` keeps each session's newest tokens on the GPU that way and hands
 //! them to tierd a block at a time).
 //!
-//! What is not here yet: appends written by the engine into the arena (they go through
-//! APPEND_KV) and CUDA graph capture of the kvtier layer itself (its launch parameters change
-//! per call; the engine's own kernels around it can be captured).
+//! Appends from the device: with in-place appends enabled (before the first attach; the arena
+//! is then mapped and registered read-write), `append_from_device` RESERVEs the rows' place in
+//! each session's runs, copies them there by DMA from the engine's device memory and COMMITs
+//! them: the rows never pass through the engine's host memory or the socket, and the device
+//! state is updated from the RESERVE reply instead of a new LEASE of the whole table.
+//!
+//! What is not here yet: CUDA graph capture of the kvtier layer itself (its launch parameters
+//! change per call; the engine's own kernels around it can be captured).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -40,7 +48,7 @@ use kvtier_kernels::cuda::{
 use kvtier_kernels::remap::stale_runs;
 use kvtier_protocol::client::{Client, ClientError};
 use kvtier_protocol::lease::ArenaView;
-use kvtier_protocol::{Geometry, LeaseLayer, LeaseReply};
+use kvtier_protocol::{Geometry, LeaseLayer, LeaseReply, ReserveReply};
 use kvtier_storage::kv::refold_bounds;
 use kvtier_storage::zip_mut;
 
@@ -70,6 +78,9 @@ pub enum EngineError {
     /// A lease names a run outside the mapped arena (a table of another arena).
     #[error("layer {layer} block {block}: the lease names a run outside the mapped arena")]
     Unmapped { layer: usize, block: usize },
+    /// An in-place append this engine cannot make (not enabled, a head shard, bad rows).
+    #[error("in-place append: {0}")]
+    InPlace(String),
     /// A head shard that does not divide the geometry's KV heads.
     #[error(
         "head shard {rank} of {world}: needs rank < world and world dividing {kv_heads} KV heads"
@@ -145,8 +156,19 @@ struct Mapped {
     /// Wall time of mapping and registering the arena (cuMemHostRegister pins every page).
     register_time: std::time::Duration,
     // Field order is drop order: the registration goes before the mapping it covers.
-    _region: Arc<PinnedRegion>,
+    region: Arc<PinnedRegion>,
     view: ArenaView,
+}
+
+/// Rows an engine appends from its device memory ([`InEngine::append_from_device`]): per layer
+/// `[kv_heads][2][capacity][head_dim]` elements of the sessions' dtype (each KV head's K rows,
+/// then its V rows, `capacity` slots each, the rows to append first), layer `l` at
+/// `ptr + l * layer_stride` bytes. A block run's layout with `capacity` for `block_tokens`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceRows {
+    pub ptr: u64,
+    pub layer_stride: u64,
+    pub capacity: u32,
 }
 
 /// One engine's in-process decode path over tierd's arena, for sessions of one geometry and
@@ -160,6 +182,8 @@ pub struct InEngine {
     sessions: HashMap<u64, EngineSession>,
     free_slots: Vec<u32>,
     mapped: Option<Mapped>,
+    /// Map and register the arena read-write ([`InEngine::enable_in_place_appends`]).
+    in_place: bool,
 }
 
 impl std::fmt::Debug for InEngine {
@@ -202,6 +226,7 @@ impl InEngine {
             sessions: HashMap::new(),
             free_slots,
             mapped: None,
+            in_place: false,
         })
     }
 
@@ -296,6 +321,11 @@ impl InEngine {
             self.client.promote(session)?;
             lease = self.lease(session)?;
         }
+        self.apply(session, &lease)
+    }
+
+    /// Brings the device's state of `session` to `lease`'s table.
+    fn apply(&mut self, session: u64, lease: &LeaseReply) -> Result<()> {
         let view = &self.mapped.as_ref().expect("mapped by lease").view;
         let s = self.sessions.get_mut(&session).expect("attached");
         let geo = self.be.config().geometry;
@@ -304,7 +334,7 @@ impl InEngine {
             geo,
         };
         for (l, (ls, want)) in s.layers.iter_mut().zip(&lease.layers).enumerate() {
-            sync_layer(&mut self.be, view, &lease, &part, s.slot, l, ls, want)?;
+            sync_layer(&mut self.be, view, lease, &part, s.slot, l, ls, want)?;
         }
         Ok(())
     }
@@ -363,6 +393,187 @@ impl InEngine {
         Ok(unsafe { self.be.enqueue_layer_device(layer, io, stream) }?)
     }
 
+    /// Lets [`InEngine::append_from_device`] write into tierd's arena: the arena is then mapped
+    /// and registered read-write (the device may write it) instead of read-only. Call before
+    /// the first attach; an engine of every KV head only (an append writes whole rows).
+    pub fn enable_in_place_appends(&mut self) -> Result<()> {
+        if self.shard != HeadShard::WHOLE {
+            return Err(EngineError::InPlace(format!(
+                "head shard {} of {} holds part of each row; in-place appends need every head",
+                self.shard.rank, self.shard.world
+            )));
+        }
+        if self.mapped.is_some() && !self.in_place {
+            return Err(EngineError::InPlace(
+                "the arena is already mapped read-only: enable in-place appends before the \
+                 first attach"
+                    .into(),
+            ));
+        }
+        self.in_place = true;
+        Ok(())
+    }
+
+    /// Appends `tokens` rows to every layer of each attached session, straight from device
+    /// memory: RESERVE (each session), one DMA copy per layer and block on `stream` (behind the
+    /// work that produced the rows), a wait for them, COMMIT, and the device state updated
+    /// from the RESERVE reply. Rows that are not finite make that session's COMMIT fail
+    /// (INVALID_ARGUMENT, nothing appended); the others still append, and the first error is
+    /// returned. Bind again afterwards. Needs [`InEngine::enable_in_place_appends`].
+    ///
+    /// # Safety
+    /// Each item's rows (as [`DeviceRows`] lays them out, `tokens` of each layer) are device
+    /// memory of the engine's device (primary context) that stays allocated and unchanged
+    /// until this returns; `stream` is a live stream of that context.
+    pub unsafe fn append_from_device(
+        &mut self,
+        items: &[(u64, DeviceRows)],
+        tokens: u32,
+        stream: CUstream,
+    ) -> Result<()> {
+        if !self.in_place {
+            return Err(EngineError::InPlace(
+                "not enabled on this engine (enable_in_place_appends)".into(),
+            ));
+        }
+        for &(session, rows) in items {
+            self.slot_of(session)?;
+            if tokens == 0 || tokens > rows.capacity {
+                return Err(EngineError::InPlace(format!(
+                    "session {session}: {tokens} rows from a buffer of {} slots",
+                    rows.capacity
+                )));
+            }
+        }
+        let mut reserved = Vec::with_capacity(items.len());
+        for &(session, _) in items {
+            match self.client.reserve(session, tokens) {
+                Ok(r) => reserved.push(r),
+                Err(e) => {
+                    self.drop_reservations(&items[..reserved.len()]);
+                    return Err(e.into());
+                }
+            }
+        }
+        let copied = items
+            .iter()
+            .zip(&reserved)
+            .try_for_each(|(&(_, rows), r)| {
+                // SAFETY: the caller's contract on the rows and the stream, passed on.
+                unsafe { self.enqueue_rows(rows, r, stream) }
+            })
+            // SAFETY: the caller's contract: `stream` is a live stream of the context.
+            .and_then(|()| Ok(unsafe { self.be.synchronize_caller(stream) }?));
+        if let Err(e) = copied {
+            // A copy may still be in flight only if enqueueing failed part way; the
+            // reservations go either way (COMMIT 0 drops their rows).
+            self.drop_reservations(items);
+            return Err(e);
+        }
+        let mut first = None;
+        for (&(session, _), r) in items.iter().zip(&reserved) {
+            let done = self
+                .client
+                .commit(session, tokens)
+                .map_err(EngineError::from)
+                .and_then(|_| self.sync_reserved(session, r));
+            if let Err(e) = done {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Enqueues the copies of one session's rows to where `r` reserved them: per layer, one
+    /// 2D copy per block touched (rows `[kv_heads][2]`, each of the block's part of the rows).
+    ///
+    /// # Safety
+    /// As [`InEngine::append_from_device`].
+    unsafe fn enqueue_rows(
+        &self,
+        rows: DeviceRows,
+        r: &ReserveReply,
+        stream: CUstream,
+    ) -> Result<()> {
+        let region = &self.mapped.as_ref().expect("leased, so mapped").region;
+        let g = &self.full;
+        let (bt, row) = (g.block_tokens as u64, g.row_bytes() as u64);
+        let first_block = r.start / bt;
+        for (l, offsets) in r.layers.iter().enumerate() {
+            let src = rows.ptr + l as u64 * rows.layer_stride;
+            let mut i = 0u64;
+            while i < u64::from(r.tokens) {
+                let pos = r.start + i;
+                let block = (pos / bt - first_block) as usize;
+                let run = *offsets.get(block).ok_or(EngineError::Unmapped {
+                    layer: l,
+                    block: (pos / bt) as usize,
+                })?;
+                let n = (bt - pos % bt).min(u64::from(r.tokens) - i);
+                // SAFETY: the destination rows are this connection's reservation (the
+                // daemon neither reads nor moves them before COMMIT); the source is the
+                // caller's contract.
+                unsafe {
+                    region.enqueue_copy_in(
+                        run + (pos % bt) * row,
+                        g.half_tile_bytes() as u64,
+                        src + i * row,
+                        u64::from(rows.capacity) * row,
+                        n * row,
+                        2 * u64::from(g.kv_heads),
+                        stream,
+                    )
+                }?;
+                i += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// COMMITs 0 rows (drops the reservation) for each of `items`' sessions; best effort, on
+    /// an error path.
+    fn drop_reservations(&mut self, items: &[(u64, DeviceRows)]) {
+        for &(session, _) in items {
+            let _ = self.client.commit(session, 0);
+        }
+    }
+
+    /// Updates the device state of `session` after a COMMIT of what `r` reserved: its table is
+    /// the held one up to `r.start` plus `r`'s runs. When the held state does not end where `r`
+    /// starts (something else appended meanwhile), a full [`InEngine::sync`] instead.
+    fn sync_reserved(&mut self, session: u64, r: &ReserveReply) -> Result<()> {
+        let m = self.mapped.as_ref().expect("leased, so mapped");
+        let s = self.sessions.get(&session).expect("attached");
+        let g = &self.full;
+        let bt = u64::from(g.block_tokens);
+        let keep = (r.start / bt) as usize;
+        let end = r.start + u64::from(r.tokens);
+        let mut layers = Vec::with_capacity(r.layers.len());
+        for (ls, new) in s.layers.iter().zip(&r.layers) {
+            let held = ls.tokens == r.start
+                && ls.offsets.len() == g.blocks_for(r.start) as usize
+                && new.len() == g.blocks_for(end) as usize - keep
+                // A partial block: the reservation continues the held run.
+                && ls.offsets.get(keep).is_none_or(|&o| Some(&o) == new.first());
+            if !held {
+                return self.sync(session);
+            }
+            let mut offsets = ls.offsets[..keep].to_vec();
+            offsets.extend_from_slice(new);
+            layers.push(LeaseLayer {
+                tokens: end,
+                offsets,
+            });
+        }
+        let lease = LeaseReply {
+            instance: m.instance,
+            arena_bytes: m.view.len() as u64,
+            run_bytes: g.block_bytes() as u64,
+            layers,
+        };
+        self.apply(session, &lease)
+    }
+
     /// Per-layer statistics of the device calls since [`InEngine::bind`] (waits for them).
     pub fn bound_stats(&mut self) -> Result<Vec<LayerStats>> {
         Ok(self.be.bound_stats()?)
@@ -416,13 +627,13 @@ impl InEngine {
             Some(_) => Ok(lease),
             None => {
                 let t = std::time::Instant::now();
-                let (view, region, read_only) = register(&self.be, fd, &lease)?;
+                let (view, region, read_only) = register(&self.be, fd, &lease, self.in_place)?;
                 self.be.attach_host(region.clone())?;
                 self.mapped = Some(Mapped {
                     instance: lease.instance,
                     read_only,
                     register_time: t.elapsed(),
-                    _region: region,
+                    region,
                     view,
                 });
                 Ok(lease)
@@ -431,15 +642,33 @@ impl InEngine {
     }
 }
 
-/// Maps the arena and registers it with the backend's context: read-only where the driver
-/// supports it (`CU_MEMHOSTREGISTER_READ_ONLY`), else over a read-write mapping of the same
-/// memfd (the device still only reads it; this process never writes through it).
+/// Maps the arena and registers it with the backend's context: read-write for in-place
+/// appends (`writable`: the device writes RESERVEd rows into it by DMA); otherwise read-only
+/// where the driver supports it (`CU_MEMHOSTREGISTER_READ_ONLY`), else over a read-write
+/// mapping of the same memfd (the device still only reads it; this process never writes
+/// through it).
 fn register(
     be: &CudaBackend,
     fd: std::os::fd::OwnedFd,
     lease: &LeaseReply,
+    writable: bool,
 ) -> Result<(ArenaView, Arc<PinnedRegion>, bool)> {
     let ctx = be.context().clone();
+    if writable {
+        let view = ArenaView::map_for_registration(fd, lease)?;
+        // SAFETY: `view` is a live read-write mapping that the caller keeps (in `Mapped`)
+        // until after the registration (declared before it) is dropped; nothing else in this
+        // process registers it.
+        let region = unsafe {
+            PinnedRegion::register_chunked(
+                &ctx,
+                view.as_ptr().cast_mut(),
+                view.len(),
+                REGISTER_CHUNK,
+            )
+        }?;
+        return Ok((view, Arc::new(region), false));
+    }
     let second = fd.try_clone()?;
     let view = ArenaView::map(fd, lease)?;
     // SAFETY: `view` is a live mapping that the caller keeps (in `Mapped`) until after the

@@ -15,7 +15,8 @@ attention and can be captured in CUDA graphs:
   (select, gather over PCIe, attend; launched eagerly on the same stream), then the captured
   tail attention, merge, output projection and MLP. So a step is 29 graph replays and 28 kvtier
   launches, with no host synchronization until the step's end. Every 128 steps the tokens
-  decoded on the GPU go to tierd (one APPEND_KV per session) and the engine syncs.
+  decoded on the GPU go to tierd by DMA into their reserved rows (RESERVE, copy, COMMIT per
+  session) and the engine's device state follows from the reservations.
 
 The stored context of every session is random bf16 KV (one random 1024-token chunk repeated,
 appended through the socket from a memfd), so the keep-sets are not those of a real model; the

@@ -17,20 +17,20 @@ Two ways to decode:
 * `DeviceBatch`: torch tensors on the engine's GPU, no host synchronization per layer. tierd
   holds each session's stored blocks; the tokens decoded since the last hand-off stay on the
   GPU (a tail of at most one block per layer), attended densely and merged with kvtier's
-  output by log-sum-exp. Every `block_tokens` steps the tails go to tierd (one APPEND_KV per
-  session) and the engine syncs. Its `stage` and `finish` halves are plain torch ops that a
-  CUDA graph can capture; `launch` (kvtier's layer) runs between them, eagerly.
+  output by log-sum-exp. Every `block_tokens` steps the tails go to tierd by DMA from the GPU
+  straight into the sessions' runs in tierd's arena (RESERVE, copy, COMMIT; nothing through
+  host buffers or the socket) and the engine's device state follows. Its `stage` and `finish`
+  halves are plain torch ops that a CUDA graph can capture; `launch` (kvtier's layer) runs
+  between them, eagerly.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .client import sealed_memfd
 from .protocol import Dtype, Geometry, KvtierError, Policy
 
 try:
@@ -53,10 +53,13 @@ class InEngine:
     """Sessions of one geometry decoded on CUDA device `device`; the keep-set policy is this
     engine's own. `rank`, `world`: attend only KV heads [rank * n, (rank + 1) * n) of each
     session, n = kv_heads / world, and their query heads (tensor parallelism: q and the outputs
-    then have q_heads / world heads)."""
+    then have q_heads / world heads). `in_place` (default: with every head) maps tierd's arena
+    writable so that `DeviceBatch` can append rows from the GPU into it by DMA; off, the arena
+    is registered read-only where the driver allows."""
 
     def __init__(self, socket: str, geometry: Geometry, policy: Policy, device: int = 0,
-                 max_sessions: int = 8, max_blocks: int = 8192, rank: int = 0, world: int = 1):
+                 max_sessions: int = 8, max_blocks: int = 8192, rank: int = 0, world: int = 1,
+                 in_place: Optional[bool] = None):
         if _native is None:
             raise EngineUnavailable(
                 f"kvtier._native is not built ({_IMPORT_ERROR}); see kvtier.engine's docstring")
@@ -66,12 +69,13 @@ class InEngine:
                 socket, device,
                 (g.layers, g.q_heads, g.kv_heads, g.head_dim, int(g.dtype), g.block_tokens),
                 (policy.sink_blocks, policy.local_blocks, policy.top_k),
-                max_sessions, max_blocks, (rank, world))
+                max_sessions, max_blocks, (rank, world), world == 1 if in_place is None else in_place)
         except _native.EngineError as e:
             raise EngineUnavailable(str(e)) from None
         self.geometry = geometry
         self.device = device
         self.rank, self.world = rank, world
+        self.in_place = world == 1 if in_place is None else in_place
         self.q_heads = g.q_heads // world  # this engine's query heads per session
 
     def attach(self, session: int) -> int:
@@ -168,6 +172,9 @@ class DeviceBatch:
             raise ValueError("DeviceBatch needs an engine of every head: its hand-offs append all "
                              "of a token's heads (a tensor-parallel engine would gather its ranks' "
                              "tails first, which is not built)")
+        if not engine.in_place:
+            raise ValueError("DeviceBatch hands its tails to tierd in place: open the engine "
+                             "with in_place=True")
         self.engine, self.client, self.sessions = engine, client, list(sessions)
         self.q_scale = q_scale
         dev = torch.device("cuda", engine.device)
@@ -184,9 +191,10 @@ class DeviceBatch:
                                  "tokens; a device batch needs the same nonzero count in every layer")
             self.stored.append(info.tokens_max)
         engine.bind(self.sessions)
-        shape = (nl, n, g.kv_heads, bt, g.head_dim)
-        self.tail_k = torch.zeros(shape, dtype=kv_dtype, device=dev)
-        self.tail_v = torch.zeros(shape, dtype=kv_dtype, device=dev)
+        # One buffer in a block run's layout per (layer, session): [Hkv][K, V][bt][D], so that a
+        # hand-off copies each layer's rows into tierd's runs as they are.
+        self.tail = torch.zeros((nl, n, g.kv_heads, 2, bt, g.head_dim), dtype=kv_dtype, device=dev)
+        self.tail_k, self.tail_v = self.tail[:, :, :, 0], self.tail[:, :, :, 1]
         # Per layer: the tail slot of the next token (device, for capture) and its host copy.
         self.pos = torch.zeros((nl, n), dtype=torch.int64, device=dev)
         self.count = 0
@@ -254,44 +262,36 @@ class DeviceBatch:
             self.flush()
 
     def flush(self) -> None:
-        """Append each session's tail tokens to tierd (one APPEND_KV each), sync the engine,
-        bind again and empty the tails."""
+        """Hand each session's tail tokens to tierd (RESERVE, DMA from the GPU into the
+        reserved rows of its runs, COMMIT), update the engine from the reservations, bind
+        again and empty the tails."""
         import torch
 
         c = self.count
         if c == 0:
             return
+        stream = torch.cuda.current_stream(self.engine.device)
         tw = time.perf_counter()
-        torch.cuda.current_stream(self.engine.device).synchronize()  # the step's own GPU work
+        stream.synchronize()  # the step's own GPU work
         t0 = time.perf_counter()
-        # [L, n, Hkv, c, D] -> per session [L, 2, c, Hkv, D], the APPEND_KV payload's order,
-        # copied once into pinned memory (torch caches the buffer) and from there into one
-        # sealed memfd that every session's APPEND_KV reads its range of.
-        kv = torch.stack([self.tail_k[:, :, :, :c], self.tail_v[:, :, :, :c]], dim=2)
-        kv = kv.permute(1, 0, 2, 4, 3, 5).contiguous()
-        host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
-        host.copy_(kv)
-        # Bit patterns as they are (numpy has no bf16).
-        raw = host.view(torch.int16 if kv.element_size() == 2 else torch.int32).numpy()
-        t1 = time.perf_counter()
-        per = raw[0].nbytes
-        fd = sealed_memfd(raw, "kvtier-handoff")
+        t = self.tail
         try:
-            for i, s in enumerate(self.sessions):
-                self.client.append_kv_fd(s, self.stored[i], c, fd, i * per, per)
-                self.stored[i] += c
-        finally:
-            os.close(fd)
-        t2 = time.perf_counter()
-        for s in self.sessions:
-            self.engine.sync(s)
+            self.engine._e.append_from_device(self.sessions, t.data_ptr(), t[0, 0].nbytes,
+                                              t[0].nbytes, self.g.block_tokens, c,
+                                              stream.cuda_stream)
+        except Exception:
+            # What tierd holds now (a failed COMMIT leaves its session as it was).
+            self.stored = [self.client.session_info(s).tokens_max for s in self.sessions]
+            raise
+        self.stored = [n + c for n in self.stored]
+        t1 = time.perf_counter()
         self.engine.bind(self.sessions)
-        t3 = time.perf_counter()
+        t2 = time.perf_counter()
         self.pos.zero_()
         self.count = 0
-        #: Seconds of the last hand-off: waiting for the step's GPU work, tails to host
-        #: memory, APPEND_KV, engine sync + bind.
-        self.last_handoff = dict(wait=t0 - tw, to_host=t1 - t0, append=t2 - t1, sync=t3 - t2)
+        #: Seconds of the last hand-off: waiting for the step's GPU work, the in-place append
+        #: (RESERVE, DMA, COMMIT, device state), bind.
+        self.last_handoff = dict(wait=t0 - tw, append=t1 - t0, bind=t2 - t1)
 
     def close(self, hand_off: bool = True) -> None:
         """Detach the sessions, first handing the tails to tierd (`hand_off`; leave it off

@@ -208,7 +208,7 @@ def test_head_shards_in_one_process_equal_the_whole_engine(tierd_factory):
 def test_device_path_refuses_bad_buffers_and_batches_with_typed_errors(tierd_factory):
     """Every way to call the device path wrong is a typed error before anything runs: no bound
     batch, a stale binding after sync, wrong dtype, shape, device or layout, a DeviceBatch over
-    a shard."""
+    a shard or over an engine that cannot append in place."""
     torch = pytest.importorskip("torch")
     sock = tierd_factory("--backend", "cpu", "--set", "host.shared=true")
     g = Geometry(2, 28, 4, 128, Dtype.BF16, 128)
@@ -243,6 +243,11 @@ def test_device_path_refuses_bad_buffers_and_batches_with_typed_errors(tierd_fac
     shard = engine.InEngine(sock, g, pol, rank=1, world=2)
     with pytest.raises(ValueError, match="every head"):
         engine.DeviceBatch(shard, c, [s])
+    with pytest.raises(engine.EngineUnavailable, match="every head"):
+        engine.InEngine(sock, g, pol, rank=1, world=2, in_place=True)
+    read_only = engine.InEngine(sock, g, pol, in_place=False)
+    with pytest.raises(ValueError, match="in_place"):
+        engine.DeviceBatch(read_only, c, [s])
 
 
 @pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")

@@ -68,6 +68,9 @@ pub enum CudaError {
         region_len: usize,
     },
     /// No pinned host region is attached to the backend.
+    #[error("the host region is registered read-only: the device cannot write into it")]
+    ReadOnlyRegion,
+
     #[error("no pinned host region is attached to the backend")]
     NoHostRegion,
     /// A pinned host region is already attached.

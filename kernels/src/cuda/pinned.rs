@@ -104,6 +104,8 @@ pub struct PinnedRegion {
     chunk_len: usize,
     chunks: Vec<Chunk>,
     ctx: Arc<CudaContext>,
+    /// Registered `CU_MEMHOSTREGISTER_READ_ONLY`: copies into it are refused.
+    read_only: bool,
     // Dropped after Drop::drop has unregistered the range.
     owned: Option<AnonMapping>,
 }
@@ -211,6 +213,7 @@ impl PinnedRegion {
             chunk_len,
             chunks: Vec::new(),
             ctx: ctx.clone(),
+            read_only,
             owned: None,
         };
         let mut flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
@@ -320,6 +323,76 @@ impl PinnedRegion {
     /// Host address of the region start.
     pub fn base_addr(&self) -> usize {
         self.base.as_ptr() as usize
+    }
+
+    /// Whether the device may only read the region (`CU_MEMHOSTREGISTER_READ_ONLY`).
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// Enqueues on `stream` one DMA copy from device memory into the region: `height` rows
+    /// of `width` bytes, read at `src + i * src_pitch` and written at `offset + i *
+    /// dst_pitch` (inside one registration chunk). Returns without waiting.
+    ///
+    /// # Safety
+    /// `src`'s rows are device memory of the region's context that stays allocated and
+    /// unchanged until `stream` has passed the copy; `stream` is a live stream of that
+    /// context; nothing reads or writes the destination rows until then (in tierd's arena:
+    /// rows this process RESERVEd).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn enqueue_copy_in(
+        &self,
+        offset: u64,
+        dst_pitch: u64,
+        src: u64,
+        src_pitch: u64,
+        width: u64,
+        height: u64,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        if self.read_only {
+            return Err(CudaError::ReadOnlyRegion);
+        }
+        let bad = || CudaError::HostRange {
+            offset,
+            len: width,
+            region_len: self.len,
+        };
+        if width == 0 || height == 0 || width > dst_pitch || width > src_pitch {
+            return Err(bad());
+        }
+        let span = (height - 1)
+            .checked_mul(dst_pitch)
+            .and_then(|s| s.checked_add(width))
+            .ok_or_else(bad)?;
+        // In range and inside one chunk (the checks of device_addr).
+        self.device_addr(offset, span)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        let copy = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: src_pitch as usize,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+            // SAFETY: offset + span <= len (checked above), inside the registered mapping.
+            dstHost: unsafe { self.base.as_ptr().add(offset as usize) }.cast(),
+            dstDevice: 0,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dst_pitch as usize,
+            WidthInBytes: width as usize,
+            Height: height as usize,
+        };
+        // SAFETY: the destination rows lie in this registered (writable) region (checked);
+        // the source and the stream are the caller's contract.
+        check(unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream) })
+            .map_err(CudaError::driver("cuMemcpy2DAsync"))
     }
 }
 

@@ -2,7 +2,7 @@
 //! purpose: sessions by id, queries and outputs as little-endian f32 bytes; `kvtier.engine`
 //! wraps it with numpy shapes and the package's types.
 
-use kvtier_engine::{HeadShard, InEngine};
+use kvtier_engine::{DeviceRows, HeadShard, InEngine};
 use kvtier_kernels::cuda::{CUstream, CudaConfig, DeviceIo, SummaryDtype};
 use kvtier_protocol::{dtype_from_wire, Geometry, Policy};
 use pyo3::create_exception;
@@ -31,9 +31,11 @@ struct Engine {
 impl Engine {
     /// `geometry` = (layers, q_heads, kv_heads, head_dim, dtype code, block_tokens),
     /// `policy` = (sink_blocks, local_blocks, top_k), `shard` = (rank, world): the KV heads
-    /// attended (tensor parallelism; (0, 1) for all).
+    /// attended (tensor parallelism; (0, 1) for all); `in_place`: map tierd's arena writable
+    /// for `append_from_device` (every head only).
     #[new]
-    #[pyo3(signature = (socket, device, geometry, policy, max_sessions = 8, max_blocks = 8192, shard = (0, 1)))]
+    #[pyo3(signature = (socket, device, geometry, policy, max_sessions = 8, max_blocks = 8192, shard = (0, 1), in_place = false))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         socket: &str,
         device: usize,
@@ -42,6 +44,7 @@ impl Engine {
         max_sessions: u32,
         max_blocks: u32,
         shard: (u32, u32),
+        in_place: bool,
     ) -> PyResult<Self> {
         if !kvtier_kernels::cuda::device_available() {
             return Err(err("no CUDA device (or no CUDA driver) on this machine"));
@@ -66,7 +69,11 @@ impl Engine {
             rank: shard.0,
             world: shard.1,
         };
-        let inner = InEngine::connect_shard(socket.as_ref(), device, cfg, shard).map_err(err)?;
+        let mut inner =
+            InEngine::connect_shard(socket.as_ref(), device, cfg, shard).map_err(err)?;
+        if in_place {
+            inner.enable_in_place_appends().map_err(err)?;
+        }
         Ok(Engine { inner })
     }
 
@@ -142,6 +149,44 @@ impl Engine {
         unsafe {
             self.inner
                 .decode_layer_device(layer, io, stream as usize as CUstream)
+        }
+        .map_err(err)
+    }
+
+    /// Appends `tokens` rows of every layer to each of `sessions` from device memory by DMA
+    /// (RESERVE, copy, COMMIT): session `i`'s rows at `ptr + i * session_stride`, laid out as
+    /// `DeviceRows` says (`layer_stride`, `capacity` slots), in the sessions' dtype. Waits for
+    /// `stream` (a raw `CUstream`) to have produced them. Raw on purpose, like
+    /// `decode_layer_ptr`: only `kvtier.engine.DeviceBatch` calls it, on its own tail buffer.
+    #[allow(clippy::too_many_arguments)]
+    fn append_from_device(
+        &mut self,
+        sessions: Vec<u64>,
+        ptr: u64,
+        session_stride: u64,
+        layer_stride: u64,
+        capacity: u32,
+        tokens: u32,
+        stream: u64,
+    ) -> PyResult<()> {
+        let items: Vec<(u64, DeviceRows)> = sessions
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| {
+                let rows = DeviceRows {
+                    ptr: ptr + i as u64 * session_stride,
+                    layer_stride,
+                    capacity,
+                };
+                (s, rows)
+            })
+            .collect();
+        // SAFETY: DeviceBatch passes its live tail tensor (on the engine's device, in the
+        // sessions' dtype, laid out [layers][sessions][kv_heads][2][capacity][head_dim]) and
+        // keeps it unchanged until this returns; `stream` is torch's current stream there.
+        unsafe {
+            self.inner
+                .append_from_device(&items, tokens, stream as usize as CUstream)
         }
         .map_err(err)
     }

@@ -112,6 +112,20 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Waits on the host until `caller` has run everything enqueued on it so far.
+    ///
+    /// # Safety
+    /// `caller` is a live stream of the backend's context (0 is the legacy default stream).
+    pub unsafe fn synchronize_caller(&self, caller: sys::CUstream) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        // SAFETY: the caller's contract.
+        unsafe { sys::cuStreamSynchronize(caller) }
+            .result()
+            .map_err(CudaError::driver("cuStreamSynchronize"))
+    }
+
     /// Statistics of every device call since [`Self::bind_batch`], per layer (summed over
     /// calls). Waits for the backend's work; the block-cache hit shares that
     /// [`LaunchMode::Auto`](super::LaunchMode::Auto) reads are updated from them.
