@@ -109,6 +109,7 @@ pub fn decode_step_timed(
             let position = kv.tokens(layer).expect("layer");
             let entry = DecodeEntry {
                 session: 0,
+                layer,
                 kv: &mut *kv,
                 policy,
                 position,
@@ -118,7 +119,7 @@ pub fn decode_step_timed(
                 cold,
             };
             let mut t = StageTimings::default();
-            let st = decode_layer_timed(layer, &mut [entry], &mut out, &mut t)
+            let st = decode_layer_timed(&mut [entry], &mut out, &mut t)
                 .expect("decode")
                 .remove(0);
             sum.append_ns += t.append_ns;

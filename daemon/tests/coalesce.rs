@@ -1,5 +1,5 @@
-//! `backend.coalesce`: concurrent DECODEs of one layer from different connections run as one
-//! step. Real tierd processes, one client connection per session on its own thread; every output
+//! `backend.coalesce`: concurrent DECODEs from different connections, at whatever layers they
+//! are, run as one step. Real tierd processes, one client connection per session on its own thread; every output
 //! is checked against the dense oracle, and STATS says how many requests shared a step.
 
 mod common;

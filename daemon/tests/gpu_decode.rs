@@ -24,7 +24,7 @@ use kvtier_storage::{
 };
 use tierd::gpu::{GpuDecoder, GpuError, GpuSettings};
 
-/// One step of `layer` on the device through the one decode step.
+/// One step of `layer` (every entry's) on the device through the one decode step.
 fn gpu_step(
     dec: &mut GpuDecoder,
     layer: u32,
@@ -32,14 +32,10 @@ fn gpu_step(
     out: &mut [f32],
     want_keep: bool,
 ) -> Result<StepReport, KernelError> {
-    decode_step(
-        dec,
-        layer,
-        entries,
-        out,
-        want_keep,
-        &mut StageTimings::default(),
-    )
+    for e in entries.iter_mut() {
+        e.layer = layer;
+    }
+    decode_step(dec, entries, out, want_keep, &mut StageTimings::default())
 }
 
 fn gpu() -> bool {
@@ -163,12 +159,14 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 /// One entry of a step: session `id`'s copy `kv` at the position, with the query and new K/V.
 fn batch_entry<'a>(
     id: u64,
+    layer: u32,
     kv: &'a mut KvCache,
     (position, q, k, v): (u64, &'a [f32], &'a [u8], &'a [u8]),
     cold: Option<&'a dyn ColdSource>,
 ) -> DecodeEntry<'a> {
     DecodeEntry {
         session: id,
+        layer,
         kv,
         policy: POLICY,
         position,
@@ -209,9 +207,9 @@ fn step_both_cold(
             let mut entries: Vec<DecodeEntry<'_>> = twins
                 .iter_mut()
                 .enumerate()
-                .map(|(i, t)| batch_entry(t.id, &mut t.cpu, input(i), None))
+                .map(|(i, t)| batch_entry(t.id, layer, &mut t.cpu, input(i), None))
                 .collect();
-            decode_layer(layer, &mut entries, &mut cpu_out).unwrap()
+            decode_layer(&mut entries, &mut cpu_out).unwrap()
         };
         let sources: Vec<Option<TierSource<'_>>> = twins
             .iter()
@@ -229,7 +227,7 @@ fn step_both_cold(
                 .enumerate()
                 .map(|(i, (t, src))| {
                     let cold = src.as_ref().map(|c| c as &dyn ColdSource);
-                    batch_entry(t.id, &mut t.gpu, input(i), cold)
+                    batch_entry(t.id, layer, &mut t.gpu, input(i), cold)
                 })
                 .collect();
             gpu_step(dec, layer, &mut entries, &mut gpu_out, true).unwrap()
@@ -386,6 +384,7 @@ fn refusals_leave_sessions_unchanged() {
     let mut run = |dec: &mut GpuDecoder, t: &mut Twin, session, position, q: &[f32], k: &[u8]| {
         let mut e = [DecodeEntry {
             session,
+            layer: 0,
             kv: &mut t.gpu,
             policy: POLICY,
             position,
@@ -437,6 +436,7 @@ fn refusals_leave_sessions_unchanged() {
     let mut dup = [
         DecodeEntry {
             session: 8,
+            layer: 0,
             kv: &mut a.gpu,
             policy: POLICY,
             position: 40,
@@ -447,6 +447,7 @@ fn refusals_leave_sessions_unchanged() {
         },
         DecodeEntry {
             session: 8,
+            layer: 0,
             kv: &mut b,
             policy: POLICY,
             position: 40,
@@ -639,6 +640,7 @@ fn a_failed_nvme_read_refuses_the_step_and_changes_nothing() {
             0,
             &mut [DecodeEntry {
                 session: 50,
+                layer: 0,
                 kv: &mut t.gpu,
                 policy: POLICY,
                 position: pos,

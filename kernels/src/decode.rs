@@ -1,6 +1,8 @@
-//! The decode step, once: one layer's step for a batch of sessions — validate, reserve the
-//! frames the appends need, select, promote cold keep-set blocks, append the new token's K/V,
-//! attend, count — with what differs between the CPU and a device behind [`Backend`].
+//! The decode step, once: one step for a batch of (session, layer) entries — validate, reserve
+//! the frames the appends need, select, promote cold keep-set blocks, append the new token's
+//! K/V, attend, count — with what differs between the CPU and a device behind [`Backend`].
+//! The entries of one step may be at different layers (a daemon coalesces whatever its
+//! clients sent meanwhile); a device runs them as one call.
 //!
 //! The daemon (on either backend), the CPU benchmarks and any in-engine library call
 //! [`decode_step`]; [`decode_layer`] is its CPU form.
@@ -40,6 +42,8 @@ use crate::select::{check_query, select_head, KeepSet, SelectScratch};
 pub struct DecodeEntry<'a> {
     /// The session's id, for a backend that keeps per-session state (the CPU ignores it).
     pub session: u64,
+    /// The model layer this entry decodes.
+    pub layer: u32,
     pub kv: &'a mut KvCache,
     pub policy: Policy,
     /// Position of the new token: the layer's current length.
@@ -113,9 +117,8 @@ pub struct Attended {
     pub bytes_moved: u64,
 }
 
-/// An appended batch, handed to [`Backend::attend`].
+/// An appended batch, handed to [`Backend::attend`]; each entry at its own layer.
 pub struct Appended<'s, 'a> {
-    pub layer: u32,
     pub entries: &'s [DecodeEntry<'a>],
     /// The keep-set the step selected per entry: every entry when the backend does not select
     /// itself, else those whose layer had cold blocks.
@@ -134,11 +137,11 @@ pub trait Backend {
     /// Checks that read nothing and change nothing (a session not open on the device, a
     /// capacity). An error here means the backend cannot take this batch, nothing has changed
     /// and another backend may answer it; wrap it in [`KernelError::Unavailable`].
-    fn check(&self, _layer: u32, _entries: &[DecodeEntry<'_>]) -> Result<()> {
+    fn check(&self, _entries: &[DecodeEntry<'_>]) -> Result<()> {
         Ok(())
     }
 
-    /// Attends the appended layer of every entry into `out` (`[entry][q_heads][head_dim]`).
+    /// Attends every entry's appended layer into `out` (`[entry][q_heads][head_dim]`).
     /// A backend that selects by itself returns the keep-set it selected for every planned
     /// entry (the step checks it against what is resident) and, with `want_keep`, for every
     /// entry; None where it attended the planned keep-set.
@@ -170,7 +173,7 @@ impl Backend for Cpu {
         let entries = batch.entries;
         let views = entries
             .iter()
-            .map(|e| e.kv.layer(batch.layer))
+            .map(|e| e.kv.layer(e.layer))
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let keeps = batch
             .planned
@@ -188,31 +191,25 @@ impl Backend for Cpu {
 /// Below this many scored blocks the selection stays on the calling thread.
 const PARALLEL_MIN_BLOCKS: usize = 256;
 
-/// Runs one layer's decode step for every entry on the CPU; `out` receives
+/// Runs the decode step of every entry (each at its layer) on the CPU; `out` receives
 /// `[entry][q_heads][head_dim]`. See the module docs for the order.
-pub fn decode_layer(
-    layer: u32,
-    entries: &mut [DecodeEntry<'_>],
-    out: &mut [f32],
-) -> Result<Vec<StepStats>> {
-    decode_layer_timed(layer, entries, out, &mut StageTimings::default())
+pub fn decode_layer(entries: &mut [DecodeEntry<'_>], out: &mut [f32]) -> Result<Vec<StepStats>> {
+    decode_layer_timed(entries, out, &mut StageTimings::default())
 }
 
 /// [`decode_layer`], also reporting how long each stage took (unchanged when the step fails).
 pub fn decode_layer_timed(
-    layer: u32,
     entries: &mut [DecodeEntry<'_>],
     out: &mut [f32],
     timings: &mut StageTimings,
 ) -> Result<Vec<StepStats>> {
-    Ok(decode_step(&mut Cpu, layer, entries, out, true, timings)?.entries)
+    Ok(decode_step(&mut Cpu, entries, out, true, timings)?.entries)
 }
 
-/// One layer's decode step for every entry on `backend` (see the module docs). `want_keep`:
-/// report every entry's keep-set (free on the CPU, a readback on a device).
+/// The decode step of every entry (each at its layer) on `backend` (see the module docs).
+/// `want_keep`: report every entry's keep-set (free on the CPU, a readback on a device).
 pub fn decode_step(
     backend: &mut dyn Backend,
-    layer: u32,
     entries: &mut [DecodeEntry<'_>],
     out: &mut [f32],
     want_keep: bool,
@@ -224,7 +221,7 @@ pub fn decode_step(
     }
     let mut out_len = 0;
     for (i, e) in entries.iter().enumerate() {
-        check_entry(layer, e).map_err(at(i))?;
+        check_entry(e).map_err(at(i))?;
         let geo = e.kv.geometry();
         out_len += geo.q_heads as usize * geo.head_dim as usize;
     }
@@ -234,16 +231,16 @@ pub fn decode_step(
             got: out.len(),
         });
     }
-    backend.check(layer, entries)?;
+    backend.check(entries)?;
 
     let mut promoted = vec![0u32; entries.len()];
     for (i, e) in entries.iter_mut().enumerate() {
-        promoted[i] = promote_tail(layer, e).map_err(at(i))?;
+        promoted[i] = promote_tail(e).map_err(at(i))?;
     }
     let mut reserved = Vec::with_capacity(entries.len());
     for (i, e) in entries.iter().enumerate() {
         let need =
-            e.kv.check_layer_append(layer, e.position, e.k, e.v)
+            e.kv.check_layer_append(e.layer, e.position, e.k, e.v)
                 .map_err(|s| at(i)(s.into()))?;
         reserved.push(
             e.kv.arena()
@@ -256,9 +253,9 @@ pub fn decode_step(
     let selects_itself = backend.selects_itself();
     let plan: Vec<bool> = entries
         .iter()
-        .map(|e| !selects_itself || has_cold(e.kv, layer))
+        .map(|e| !selects_itself || has_cold(e.kv, e.layer))
         .collect();
-    let mut planned = select_all(layer, entries, &plan);
+    let mut planned = select_all(entries, &plan);
     let t_selected = t0.elapsed();
 
     let leave = if plan.iter().any(|&p| p) && selects_itself {
@@ -268,23 +265,22 @@ pub fn decode_step(
     };
     for (i, (e, keep)) in entries.iter_mut().zip(&planned).enumerate() {
         if let Some(keep) = keep {
-            let cold = e.kv.cold_among(layer, &keep.union());
+            let cold = e.kv.cold_among(e.layer, &keep.union());
             let wanted = &cold[..cold.len() - leave.min(cold.len())];
-            promoted[i] += promote(layer, e, wanted).map_err(at(i))?;
+            promoted[i] += promote(e, wanted).map_err(at(i))?;
         }
     }
     let t_fetched = t0.elapsed();
 
     // Nothing has changed so far. From here on the call answers.
     for (e, frames) in entries.iter_mut().zip(&mut reserved) {
-        e.kv.append_layer_reserved(layer, e.position, e.k, e.v, frames)
+        e.kv.append_layer_reserved(e.layer, e.position, e.k, e.v, frames)
             .expect("validated append cannot fail");
     }
     let t_appended = t0.elapsed();
 
     let mut report = StepReport::default();
     let batch = Appended {
-        layer,
         entries,
         planned: &planned,
         want_keep,
@@ -295,7 +291,8 @@ pub fn decode_step(
                 .filter(|&i| {
                     planned[i].is_some()
                         && a.keeps[i].as_ref().is_some_and(|keep| {
-                            !entries[i].kv.cold_among(layer, &keep.union()).is_empty()
+                            let e = &entries[i];
+                            !e.kv.cold_among(e.layer, &keep.union()).is_empty()
                         })
                 })
                 .collect();
@@ -319,10 +316,10 @@ pub fn decode_step(
     let attended = match attended {
         Ok(a) => a,
         Err(why) => {
-            tracing::warn!(layer, %why, "decode step: the backend's answer is discarded; the CPU answers");
+            tracing::warn!(%why, "decode step: the backend's answer is discarded; the CPU answers");
             report.cpu_fallback = true;
             let planned = std::mem::replace(&mut planned, vec![None; entries.len()]);
-            cpu_answer(layer, entries, planned, out, &mut promoted)?
+            cpu_answer(entries, planned, out, &mut promoted)?
         }
     };
     let t_attended = t0.elapsed();
@@ -378,7 +375,7 @@ pub fn stats(geo: &Geometry, policy: &Policy, tokens: u64) -> StepStats {
 }
 
 /// Checks of one entry that read nothing: query and payload sizes, the layer.
-fn check_entry(layer: u32, e: &DecodeEntry<'_>) -> Result<()> {
+fn check_entry(e: &DecodeEntry<'_>) -> Result<()> {
     let geo = e.kv.geometry();
     check_query(geo, e.q)?;
     let one = geo.token_bytes();
@@ -392,7 +389,7 @@ fn check_entry(layer: u32, e: &DecodeEntry<'_>) -> Result<()> {
             .into());
         }
     }
-    e.kv.layer(layer)?;
+    e.kv.layer(e.layer)?;
     Ok(())
 }
 
@@ -409,38 +406,38 @@ fn has_cold(kv: &KvCache, layer: u32) -> bool {
         .is_ok_and(|v| (0..v.blocks()).any(|b| v.frame(b).is_none()))
 }
 
-/// Promotes `blocks` (cold ones of `layer`) through the entry's colder tier; returns how many
-/// were read. All-or-nothing, like [`KvCache::promote`].
-pub fn promote(layer: u32, e: &mut DecodeEntry<'_>, blocks: &[u32]) -> Result<u32> {
+/// Promotes `blocks` (cold ones of the entry's layer) through the entry's colder tier; returns
+/// how many were read. All-or-nothing, like [`KvCache::promote`].
+pub fn promote(e: &mut DecodeEntry<'_>, blocks: &[u32]) -> Result<u32> {
     if blocks.is_empty() {
         return Ok(0);
     }
     let source = e.cold.ok_or(StorageError::NotResident {
-        layer,
+        layer: e.layer,
         blocks: blocks.len(),
     })?;
-    Ok(e.kv.promote(layer, blocks, source)? as u32)
+    Ok(e.kv.promote(e.layer, blocks, source)? as u32)
 }
 
 /// Promotes the layer's tail block when it is partial and cold: the append writes into it.
 /// Skipped when the position is wrong (the append's own check reports that).
-pub fn promote_tail(layer: u32, e: &mut DecodeEntry<'_>) -> Result<u32> {
-    let view = e.kv.layer(layer)?;
+pub fn promote_tail(e: &mut DecodeEntry<'_>) -> Result<u32> {
+    let view = e.kv.layer(e.layer)?;
     let bt = view.geometry().block_tokens as u64;
     let tokens = view.tokens();
     if e.position != tokens || tokens % bt == 0 || view.frame(view.blocks() - 1).is_some() {
         return Ok(0);
     }
     let tail = view.blocks() as u32 - 1;
-    promote(layer, e, &[tail])
+    promote(e, &[tail])
 }
 
 /// Selects the keep-set of every entry marked in `plan` over the block count its layer will
 /// have after the append, in parallel over (entry, kv-head) when there is enough scoring work.
-fn select_all(layer: u32, entries: &[DecodeEntry<'_>], plan: &[bool]) -> Vec<Option<KeepSet>> {
+fn select_all(entries: &[DecodeEntry<'_>], plan: &[bool]) -> Vec<Option<KeepSet>> {
     let views: Vec<_> = entries
         .iter()
-        .map(|e| e.kv.layer(layer).expect("layer was validated"))
+        .map(|e| e.kv.layer(e.layer).expect("layer was validated"))
         .collect();
     let after: Vec<usize> = entries
         .iter()
@@ -480,7 +477,6 @@ fn select_all(layer: u32, entries: &[DecodeEntry<'_>], plan: &[bool]) -> Vec<Opt
 /// left cold are promoted first; should that read fail, the error is returned with the layer
 /// already appended, and logged.
 fn cpu_answer(
-    layer: u32,
     entries: &mut [DecodeEntry<'_>],
     planned: Vec<Option<KeepSet>>,
     out: &mut [f32],
@@ -495,7 +491,7 @@ fn cpu_answer(
                 let mut keep = KeepSet::new();
                 crate::select::select(
                     e.q,
-                    &e.kv.layer(layer)?,
+                    &e.kv.layer(e.layer)?,
                     &e.policy,
                     &mut scratch,
                     &mut keep,
@@ -503,16 +499,16 @@ fn cpu_answer(
                 keep
             }
         };
-        let cold = e.kv.cold_among(layer, &keep.union());
-        promoted[i] += promote(layer, e, &cold).map_err(|err| {
-            tracing::error!(layer, entry = i, error = %err, "decode step: the CPU answer could not read a keep-set block after the append");
+        let cold = e.kv.cold_among(e.layer, &keep.union());
+        promoted[i] += promote(e, &cold).map_err(|err| {
+            tracing::error!(layer = e.layer, entry = i, error = %err, "decode step: the CPU answer could not read a keep-set block after the append");
             at(i)(err)
         })?;
         keeps.push(keep);
     }
     let views = entries
         .iter()
-        .map(|e| e.kv.layer(layer))
+        .map(|e| e.kv.layer(e.layer))
         .collect::<std::result::Result<Vec<_>, _>>()?;
     attend_keep_sets(entries.iter().map(|e| e.q), &views, &keeps, out);
     Ok(Attended {

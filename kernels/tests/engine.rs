@@ -49,6 +49,7 @@ fn entry<'a>(
 ) -> DecodeEntry<'a> {
     DecodeEntry {
         session: 0,
+        layer: 0,
         kv,
         policy,
         position,
@@ -106,7 +107,6 @@ fn step(
     let position = f.kv.tokens(0).unwrap();
     let mut out = vec![0f32; (g.q_heads * g.head_dim) as usize];
     let stats = decode_layer(
-        0,
         &mut [entry(&mut f.kv, policy, position, q, &k, &v)],
         &mut out,
     )
@@ -193,7 +193,6 @@ fn a_batch_equals_its_entries_decoded_alone() {
         let (k, v) = (rows(g, 1, &mut rng), rows(g, 1, &mut rng));
         let mut out = vec![0f32; q.len()];
         decode_layer(
-            0,
             &mut [entry(&mut a.kv, policy, n as u64, &q, &k, &v)],
             &mut out,
         )
@@ -208,7 +207,7 @@ fn a_batch_equals_its_entries_decoded_alone() {
         .map(|(f, (q, k, v, n))| entry(&mut f.kv, policy, *n, q, k, v))
         .collect();
     let mut out = vec![0f32; alone.len()];
-    decode_layer(0, &mut entries, &mut out).unwrap();
+    decode_layer(&mut entries, &mut out).unwrap();
     assert_eq!(
         out, alone,
         "batched decode is bit-identical to single decodes"
@@ -267,8 +266,10 @@ fn bad_requests_are_typed_errors_and_change_nothing() {
     let mut out = vec![0f32; q.len()];
     let mut run = |layer: u32, position: u64, q: &[f32], k: &[u8]| {
         decode_layer(
-            layer,
-            &mut [entry(&mut f.kv, Policy::default(), position, q, k, &v)],
+            &mut [DecodeEntry {
+                layer,
+                ..entry(&mut f.kv, Policy::default(), position, q, k, &v)
+            }],
             &mut out,
         )
         .unwrap_err()
@@ -336,7 +337,6 @@ fn a_full_arena_fails_the_whole_batch_before_any_append() {
     let q = vec![0.5f32; 16];
     let mut out = vec![0f32; 32];
     let e = decode_layer(
-        0,
         &mut [
             entry(&mut a, Policy::default(), 2, &q, &row, &row),
             entry(&mut b, Policy::default(), 2, &q, &row, &row),
@@ -450,12 +450,12 @@ proptest! {
         let mut stepwise = KvCache::new(g, arena(4096, 64)).unwrap();
         let mut out = vec![0f32; 64];
         for t in 0..n - 1 {
-            decode_layer(0, &mut [entry(&mut stepwise, policy, t as u64, &qs[t], &ks[t], &vs[t])], &mut out).unwrap();
+            decode_layer(&mut [entry(&mut stepwise, policy, t as u64, &qs[t], &ks[t], &vs[t])], &mut out).unwrap();
         }
         let last = n - 1;
         let run = |kv: &mut KvCache| {
             let mut out = vec![0f32; 64];
-            let s = decode_layer(0, &mut [entry(kv, policy, last as u64, &qs[last], &ks[last], &vs[last])], &mut out).unwrap();
+            let s = decode_layer(&mut [entry(kv, policy, last as u64, &qs[last], &ks[last], &vs[last])], &mut out).unwrap();
             (out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), s)
         };
         prop_assert_eq!(run(&mut bulk), run(&mut stepwise));
@@ -473,10 +473,9 @@ fn timed_decode_reports_every_stage_and_changes_nothing_else() {
     let n = (g.q_heads * g.head_dim) as usize;
     let (mut out_a, mut out_b) = (vec![0f32; n], vec![0f32; n]);
     let p = Policy::default();
-    let plain = decode_layer(0, &mut [entry(&mut a.kv, p, 4000, &q, &k, &v)], &mut out_a).unwrap();
+    let plain = decode_layer(&mut [entry(&mut a.kv, p, 4000, &q, &k, &v)], &mut out_a).unwrap();
     let mut t = StageTimings::default();
     let timed = decode_layer_timed(
-        0,
         &mut [entry(&mut b.kv, p, 4000, &q, &k, &v)],
         &mut out_b,
         &mut t,
@@ -494,6 +493,6 @@ fn timed_decode_reports_every_stage_and_changes_nothing_else() {
         position: 7,
         ..entry(&mut b.kv, p, 4000, &q, &k, &v)
     };
-    decode_layer_timed(0, &mut [bad], &mut out_b, &mut t).unwrap_err();
+    decode_layer_timed(&mut [bad], &mut out_b, &mut t).unwrap_err();
     assert_eq!(t, before);
 }

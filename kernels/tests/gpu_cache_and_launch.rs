@@ -1,5 +1,5 @@
 //! CUDA backend, block cache and launches: cache hits and appends, the split plan at KSEL cache
-//! slots, decode_step against per-layer calls, fused against split launches, and dependent
+//! slots, decode_step and decode_layers against per-layer calls, fused against split launches, and dependent
 //! launch, all exact against the CPU selector and the f64 attention reference.
 //! Every test is `#[ignore]`d with the reason, so a machine without a GPU reports it as ignored;
 //! bench/gpu/run.sh runs them with `--include-ignored`. Run anyway without a device, each prints
@@ -134,6 +134,68 @@ fn decode_step_matches_layers() {
     let untimed = h.be.decode_step(&items).unwrap();
     assert!(untimed.step_ms.is_none() && untimed.timing.is_none());
     assert_eq!(untimed.out, step.out);
+}
+
+/// decode_layers (several layers, each its own batch, one call: what a daemon's coalesced step
+/// runs when its clients are at different layers) equals per-layer calls bit for bit, with the
+/// CPU's keep-sets; a session may be in two of its layers; a layer twice is a typed error.
+#[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
+fn decode_layers_matches_per_layer_calls() {
+    use kvtier_kernels::cuda::CudaError;
+
+    let Some(mut h) = Harness::start(qwen_b32_config(40, 4), 51) else {
+        return;
+    };
+    let slots = h.add_sessions(&[40 * 32, 25 * 32 + 9, 7, 300]);
+    let hqd = 28 * 128;
+    // Layer 1 for sessions 0 and 2, layer 0 for sessions 3, 1 and 0.
+    let groups_of: [(u32, Vec<usize>); 2] = [(1, vec![0, 2]), (0, vec![3, 1, 0])];
+    let qs: Vec<Vec<Vec<f32>>> = groups_of
+        .iter()
+        .map(|(_, idx)| idx.iter().map(|_| h.query()).collect())
+        .collect();
+    let items: Vec<Vec<DecodeItem<'_>>> = groups_of
+        .iter()
+        .zip(&qs)
+        .map(|((_, idx), q)| {
+            idx.iter()
+                .zip(q)
+                .map(|(&i, q)| DecodeItem { slot: slots[i], q })
+                .collect()
+        })
+        .collect();
+    let groups: Vec<(u32, &[DecodeItem<'_>])> = groups_of
+        .iter()
+        .zip(&items)
+        .map(|((l, _), it)| (*l, it.as_slice()))
+        .collect();
+    let outs = h.be.decode_layers(&groups).unwrap();
+    assert_eq!(outs.len(), 2);
+    for ((l, idx), (lo, q)) in groups_of.iter().zip(outs.iter().zip(&qs)) {
+        assert_eq!(lo.out.len(), idx.len() * hqd);
+        let keeps = h.be.last_keep_sets(*l).unwrap();
+        assert_eq!(keeps.len(), idx.len(), "layer {l}: its own batch");
+        for (j, &i) in idx.iter().enumerate() {
+            let want = h.cpu_select(slots[i] as usize, *l as usize, &q[j]);
+            assert_eq!(keeps[j], want, "layer {l} session {i}");
+            let r = h.cpu_attend(slots[i] as usize, *l as usize, &q[j], &want);
+            let e = rel_err(&lo.out[j * hqd..(j + 1) * hqd], &r);
+            assert!(e < 2e-3, "layer {l} session {i}: {e}");
+        }
+        let tiles: u64 = keeps.iter().flatten().map(|k| k.len() as u64).sum();
+        assert_eq!(lo.stats.tiles, tiles, "layer {l}: its own statistics");
+    }
+    for (g, lo) in groups.iter().zip(&outs) {
+        let alone = h.be.decode_layer(g.0, g.1).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&alone.out), bits(&lo.out), "layer {}", g.0);
+    }
+    let twice = [groups[0], (1, groups[1].1)];
+    assert!(matches!(
+        h.be.decode_layers(&twice),
+        Err(CudaError::DuplicateLayer { layer: 1 })
+    ));
 }
 
 /// layer_fused (a layer but its merge in one launch, available for the Qwen geometry) against

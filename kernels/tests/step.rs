@@ -65,7 +65,7 @@ impl Backend for SelfSelecting {
         b: &Appended<'_, '_>,
         out: &mut [f32],
     ) -> kvtier_kernels::Result<Attended> {
-        let (layer, entries) = (b.layer, b.entries);
+        let entries = b.entries;
         self.planned = b.planned.to_vec();
         if self.fail {
             return Err(KernelError::Unavailable {
@@ -76,16 +76,25 @@ impl Backend for SelfSelecting {
         let mut keeps = Vec::new();
         for e in entries {
             let mut keep = KeepSet::new();
-            select(e.q, &e.kv.layer(layer)?, &e.policy, &mut scratch, &mut keep)?;
+            select(
+                e.q,
+                &e.kv.layer(e.layer)?,
+                &e.policy,
+                &mut scratch,
+                &mut keep,
+            )?;
             keeps.push(keep);
         }
         // Attends whatever it selected, cold or not (a device reads the zero frame there).
-        let views: Vec<_> = entries.iter().map(|e| e.kv.layer(layer).unwrap()).collect();
+        let views: Vec<_> = entries
+            .iter()
+            .map(|e| e.kv.layer(e.layer).unwrap())
+            .collect();
         let resident: Vec<KeepSet> = keeps
             .iter()
             .zip(entries)
             .map(|(k, e)| {
-                let cold = e.kv.cold_among(layer, &k.union());
+                let cold = e.kv.cold_among(e.layer, &k.union());
                 let mut r = KeepSet::new();
                 for h in 0..k.heads() {
                     r.push_head(k.head(h).iter().copied().filter(|b| !cold.contains(b)));
@@ -131,6 +140,7 @@ fn entry<'a>(
 ) -> DecodeEntry<'a> {
     DecodeEntry {
         session: 1,
+        layer: 0,
         kv,
         policy: POLICY,
         position,
@@ -148,14 +158,7 @@ fn step_one(
     out: &mut [f32],
     want_keep: bool,
 ) -> Result<StepReport, KernelError> {
-    decode_step(
-        be,
-        0,
-        &mut [e],
-        out,
-        want_keep,
-        &mut StageTimings::default(),
-    )
+    decode_step(be, &mut [e], out, want_keep, &mut StageTimings::default())
 }
 
 #[test]
@@ -184,7 +187,7 @@ fn a_self_selecting_backend_gets_the_cpu_keep_set_of_cold_layers_promoted_first(
             let pos = hot.tokens(0).unwrap();
             let mut out_cpu = vec![0f32; q.len()];
             let cpu =
-                decode_layer(0, &mut [entry(&mut hot, pos, &q, &r, None)], &mut out_cpu).unwrap();
+                decode_layer(&mut [entry(&mut hot, pos, &q, &r, None)], &mut out_cpu).unwrap();
             let before: Vec<u32> = (0..blocks).filter(|&b| !cold.is_resident(0, b)).collect();
             let mut be = SelfSelecting::default();
             let mut out = vec![0f32; q.len()];
@@ -290,7 +293,7 @@ fn after_a_failure_or_a_divergence_the_cpu_answers_and_the_device_state_is_disca
         let r = row(&mut rng);
         let pos = hot.tokens(0).unwrap();
         let mut out_cpu = vec![0f32; q.len()];
-        let cpu = decode_layer(0, &mut [entry(&mut hot, pos, &q, &r, None)], &mut out_cpu).unwrap();
+        let cpu = decode_layer(&mut [entry(&mut hot, pos, &q, &r, None)], &mut out_cpu).unwrap();
         let mut be = SelfSelecting {
             fail: !diverge,
             leave_cold: if diverge { 2 } else { 0 },

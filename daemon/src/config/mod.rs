@@ -162,7 +162,7 @@ pub enum BackendKind {
     Cuda,
 }
 
-/// `backend.coalesce`: whether concurrent DECODEs of one layer from different connections run
+/// `backend.coalesce`: whether concurrent DECODEs from different connections (of any layers) run
 /// as one step.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -178,7 +178,7 @@ pub enum Coalesce {
 #[serde(default, deny_unknown_fields)]
 pub struct BackendConfig {
     pub kind: BackendKind,
-    /// Concurrent DECODEs of one layer as one step.
+    /// Concurrent DECODEs as one step.
     pub coalesce: Coalesce,
     /// Threads of the compute pool (0 = one per core).
     pub threads: usize,

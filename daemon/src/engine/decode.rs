@@ -51,6 +51,7 @@ pub(super) fn step_bytes(sessions: &[Arc<Session>], positions: &[u64]) -> usize 
 /// ([`Job::into_owned`]) only when the request joins a batch run by another request's thread
 /// (see [`super::coalesce`]).
 pub(super) struct Job<'a> {
+    layer: u32,
     sessions: Vec<Arc<Session>>,
     positions: Vec<u64>,
     queries: Vec<Vec<f32>>,
@@ -67,6 +68,7 @@ impl Job<'_> {
                 .collect()
         };
         Job {
+            layer: self.layer,
             sessions: self.sessions,
             positions: self.positions,
             queries: self.queries,
@@ -157,8 +159,8 @@ impl Engine {
     }
 
     /// One decode step of `layer` for every entry (a batch when several). All-or-nothing.
-    /// With `backend.coalesce` (on with a GPU), concurrent requests of the same layer run as
-    /// one step, one device call.
+    /// With `backend.coalesce` (on with a GPU), concurrent requests run as one step, one
+    /// device call, whatever their layers.
     pub fn decode(
         &self,
         peer: &Peer,
@@ -166,22 +168,21 @@ impl Engine {
         want_stats: bool,
         entries: &[DecodeEntryRef<'_>],
     ) -> ServiceResult<DecodeReply> {
-        let job = self.prepare(peer, want_stats, entries)?;
+        let job = self.prepare(peer, layer, want_stats, entries)?;
         if !self.limits.coalesce {
-            return self.run_jobs(layer, &[&job]).map(|mut r| r.remove(0));
+            return self.run_jobs(&[&job]).map(|mut r| r.remove(0));
         }
-        self.coalescer.submit(
-            layer,
-            job.into_owned(),
-            &|jobs| self.run_coalesced(layer, jobs),
-            &|| Err(ServiceError::internal("the coalesced decode call failed")),
-        )
+        self.coalescer
+            .submit(job.into_owned(), &|jobs| self.run_coalesced(jobs), &|| {
+                Err(ServiceError::internal("the coalesced decode call failed"))
+            })
     }
 
     /// Checks a request (sessions, reply bound, duplicates) and takes its data.
     fn prepare<'a>(
         &self,
         peer: &Peer,
+        layer: u32,
         want_stats: bool,
         entries: &[DecodeEntryRef<'a>],
     ) -> ServiceResult<Job<'a>> {
@@ -219,6 +220,7 @@ impl Engine {
             )));
         }
         Ok(Job {
+            layer,
             sessions,
             positions: entries.iter().map(|e| e.position).collect(),
             queries: entries
@@ -231,10 +233,10 @@ impl Engine {
         })
     }
 
-    /// Answers coalesced requests of one layer: as one step where their sessions are distinct
-    /// (a session in two requests waits for the next group), and each on its own when the
-    /// joint step fails, so that one request's error is its own.
-    fn run_coalesced(&self, layer: u32, jobs: Vec<Job<'_>>) -> Vec<ServiceResult<DecodeReply>> {
+    /// Answers coalesced requests (of any layers): as one step where their sessions are
+    /// distinct (a session in two requests waits for the next group), and each on its own
+    /// when the joint step fails, so that one request's error is its own.
+    fn run_coalesced(&self, jobs: Vec<Job<'_>>) -> Vec<ServiceResult<DecodeReply>> {
         let mut results: Vec<Option<ServiceResult<DecodeReply>>> =
             (0..jobs.len()).map(|_| None).collect();
         let mut pending: Vec<usize> = (0..jobs.len()).collect();
@@ -248,7 +250,7 @@ impl Engine {
                 }
             });
             let refs: Vec<&Job<'_>> = group.iter().map(|&i| &jobs[i]).collect();
-            match self.run_jobs(layer, &refs) {
+            match self.run_jobs(&refs) {
                 Ok(replies) => {
                     if group.len() > 1 {
                         self.counters
@@ -263,8 +265,7 @@ impl Engine {
                 // Nothing changed (the step is all-or-nothing): each on its own.
                 Err(_) => {
                     for &i in &group {
-                        results[i] =
-                            Some(self.run_jobs(layer, &[&jobs[i]]).map(|mut r| r.remove(0)));
+                        results[i] = Some(self.run_jobs(&[&jobs[i]]).map(|mut r| r.remove(0)));
                     }
                 }
             }
@@ -276,10 +277,14 @@ impl Engine {
             .collect()
     }
 
-    /// One decode step of `layer` over every entry of `jobs` (their sessions distinct): lock
-    /// the sessions, step on the CUDA decoder when it takes the batch (else on the CPU), reply
-    /// to each request.
-    fn run_jobs(&self, layer: u32, jobs: &[&Job<'_>]) -> ServiceResult<Vec<DecodeReply>> {
+    /// One decode step over every entry of `jobs` (each at its request's layer, their sessions
+    /// distinct): lock the sessions, step on the CUDA decoder when it takes the batch (else on
+    /// the CPU), reply to each request.
+    fn run_jobs(&self, jobs: &[&Job<'_>]) -> ServiceResult<Vec<DecodeReply>> {
+        let layers: Vec<u32> = jobs
+            .iter()
+            .flat_map(|j| j.sessions.iter().map(|_| j.layer))
+            .collect();
         let sessions: Vec<Arc<Session>> = jobs
             .iter()
             .flat_map(|j| j.sessions.iter().cloned())
@@ -335,6 +340,7 @@ impl Engine {
                 .enumerate()
                 .map(|(i, ((g, s), src))| DecodeEntry {
                     session: s.id,
+                    layer: layers[i],
                     kv: &mut g.as_mut().expect("locked above").kv,
                     policy: s.policy,
                     position: positions[i],
@@ -347,13 +353,12 @@ impl Engine {
             let r = match (&self.gpu, on_gpu) {
                 (Some(gpu), true) => decode_step(
                     &mut *gpu.lock(),
-                    layer,
                     &mut batch,
                     &mut out,
                     want_stats,
                     &mut timings,
                 ),
-                _ => decode_step(&mut Cpu, layer, &mut batch, &mut out, false, &mut timings),
+                _ => decode_step(&mut Cpu, &mut batch, &mut out, false, &mut timings),
             };
             drop(batch);
             let e = match r {
@@ -376,7 +381,7 @@ impl Engine {
                 return Err(e);
             }
         };
-        self.offer_prefetch(layer, &guards, &sessions, &queries);
+        self.offer_prefetch(&layers, &guards, &sessions, &queries);
         drop(guards);
         self.count_step(&report, on_gpu, &timings, t0.elapsed());
         // Device counters are per call: they go to the call's first entry.
@@ -506,10 +511,11 @@ impl Engine {
         }
     }
 
-    /// Sessions still partly on NVMe: read the runners-up of this layer in the background.
+    /// Sessions still partly on NVMe: read the runners-up of each entry's layer in the
+    /// background.
     pub(super) fn offer_prefetch(
         &self,
-        layer: u32,
+        layers: &[u32],
         guards: &[Option<MutexGuard<'_, SessionState>>],
         sessions: &[Arc<Session>],
         queries: &[&Vec<f32>],
@@ -517,7 +523,7 @@ impl Engine {
         let Some(p) = &self.prefetcher else {
             return;
         };
-        for ((g, s), q) in guards.iter().zip(sessions).zip(queries) {
+        for (((g, s), q), &layer) in guards.iter().zip(sessions).zip(queries).zip(layers) {
             let st = g.as_ref().expect("locked");
             if st.kv.frames() < st.kv.blocks() {
                 let session = s.clone();
@@ -643,11 +649,11 @@ mod tests {
         let pos = |i: usize| 40 + i as u64 + u64::from(i == 2);
         let jobs: Vec<Job<'_>> = (0..n)
             .map(|i| {
-                a.prepare(&PEER, true, &[entry(ida[i], pos(i), &steps[i])])
+                a.prepare(&PEER, 0, true, &[entry(ida[i], pos(i), &steps[i])])
                     .unwrap()
             })
             .collect();
-        let coalesced = a.run_coalesced(0, jobs);
+        let coalesced = a.run_coalesced(jobs);
         for i in 0..n {
             let alone = b.decode(&PEER, 0, true, &[entry(idb[i], pos(i), &steps[i])]);
             match (&coalesced[i], &alone) {
@@ -662,32 +668,35 @@ mod tests {
             0,
             "each alone"
         );
-        // All right: one step for all four, each answered as alone.
+        // All right, two at layer 0 and two at layer 1: one step for all four, each answered
+        // as alone.
         let steps: Vec<Step> = (0..n).map(|_| step(&mut rng)).collect();
-        let pos = |e: &Engine, id| e.info(&PEER, id).unwrap().tokens_max;
+        let layer = |i: usize| (i % 2) as u32;
+        // Layer 0 may be ahead of layer 1: the position of each request's layer.
+        let pos = |e: &Engine, id, l: u32| {
+            let info = e.info(&PEER, id).unwrap();
+            if l == 0 {
+                info.tokens_max
+            } else {
+                info.tokens_min
+            }
+        };
         let jobs: Vec<Job<'_>> = (0..n)
             .map(|i| {
-                a.prepare(
-                    &PEER,
-                    i % 2 == 0,
-                    &[entry(ida[i], pos(&a, ida[i]), &steps[i])],
-                )
-                .unwrap()
+                let at = pos(&a, ida[i], layer(i));
+                a.prepare(&PEER, layer(i), i % 2 == 0, &[entry(ida[i], at, &steps[i])])
+                    .unwrap()
             })
             .collect();
-        let coalesced = a.run_coalesced(0, jobs);
+        let coalesced = a.run_coalesced(jobs);
         assert_eq!(
             a.counters.decode_coalesced.load(Ordering::Relaxed),
             n as u64
         );
         for i in 0..n {
+            let at = pos(&b, idb[i], layer(i));
             let alone = b
-                .decode(
-                    &PEER,
-                    0,
-                    i % 2 == 0,
-                    &[entry(idb[i], pos(&b, idb[i]), &steps[i])],
-                )
+                .decode(&PEER, layer(i), i % 2 == 0, &[entry(idb[i], at, &steps[i])])
                 .unwrap();
             assert_eq!(
                 coalesced[i].as_ref().unwrap(),
@@ -695,12 +704,20 @@ mod tests {
                 "request {i}: as alone"
             );
         }
-        // Layer 0 of the failed request's session moved on once (the second round), the
-        // others' twice.
+        // Every layer of every session where its twin's is: the failed request's session
+        // moved on once (layer 0, second round), sessions 1 and 3 at each layer once, session
+        // 0 twice at layer 0.
         for i in 0..n {
-            assert_eq!(pos(&a, ida[i]), pos(&b, idb[i]), "session {i}");
-            assert_eq!(pos(&a, ida[i]), 41 + i as u64 + u64::from(i != 2));
+            for l in 0..2 {
+                assert_eq!(
+                    pos(&a, ida[i], l),
+                    pos(&b, idb[i], l),
+                    "session {i} layer {l}"
+                );
+            }
         }
+        let grown: Vec<u64> = (0..n).map(|i| pos(&a, ida[i], 0) - 40 - i as u64).collect();
+        assert_eq!(grown, [2, 1, 1, 1]);
     }
 
     #[test]
@@ -709,11 +726,13 @@ mod tests {
         let (a, b, ids) = twins(1, &mut rng);
         let (s1, s2) = (step(&mut rng), step(&mut rng));
         let jobs = vec![
-            a.prepare(&PEER, false, &[entry(ids[0], 40, &s1)]).unwrap(),
-            a.prepare(&PEER, false, &[entry(ids[0], 41, &s2)]).unwrap(),
+            a.prepare(&PEER, 0, false, &[entry(ids[0], 40, &s1)])
+                .unwrap(),
+            a.prepare(&PEER, 0, false, &[entry(ids[0], 41, &s2)])
+                .unwrap(),
         ];
         // Layer 0 twice: the second request continues where the first ended.
-        let r = a.run_coalesced(0, jobs);
+        let r = a.run_coalesced(jobs);
         let first = b
             .decode(&PEER, 0, false, &[entry(ids[1], 40, &s1)])
             .unwrap();

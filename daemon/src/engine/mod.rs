@@ -76,7 +76,7 @@ pub struct EngineLimits {
     /// Largest reply body (`server.max_frame_bytes`): a DECODE whose reply could not fit is
     /// refused before it appends anything.
     pub max_reply_bytes: usize,
-    /// Run concurrent DECODEs of one layer as one step (`backend.coalesce`, resolved).
+    /// Run concurrent DECODEs as one step (`backend.coalesce`, resolved).
     pub coalesce: bool,
     pub admin_uids: Vec<u32>,
     pub admin_gids: Vec<u32>,
@@ -134,7 +134,7 @@ pub struct Engine {
     /// promoted first); everything else (and any GPU failure, which happens before the step
     /// changes anything) runs on the CPU backend.
     gpu: Option<Mutex<GpuDecoder>>,
-    /// Concurrent DECODEs of one layer, run as one device call.
+    /// Concurrent DECODEs (of any layers), run as one device call.
     coalescer: coalesce::Coalescer<decode::Job<'static>, ServiceResult<DecodeReply>>,
     prefetcher: Option<crate::prefetch::Prefetcher>,
     sessions: RwLock<HashMap<u64, Arc<Session>>>,

@@ -279,12 +279,12 @@ impl GpuDecoder {
             }
         }
     }
-    /// Syncs the batch's layer state to the device and runs it, one device call per (backend,
-    /// max_batch chunk). Keep-sets are read back for every chunk when `want_keep`, else for
-    /// chunks holding an entry marked in `checked`.
+    /// Syncs the batch's layer state to the device and runs it: one device call per backend
+    /// (each of its layers a group; more calls only when a layer has more than `max_batch`
+    /// entries). Keep-sets are read back for every group when `want_keep`, else for groups
+    /// holding an entry marked in `checked`.
     fn run_device(
         &mut self,
-        layer: u32,
         entries: &[DecodeEntry<'_>],
         out: &mut [f32],
         want_keep: bool,
@@ -301,57 +301,93 @@ impl GpuDecoder {
             ..Attended::default()
         };
         let zero = self.zero.offset() as u64;
-        // Entry indices per backend, in batch order.
-        let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
+        // Per backend, per layer (in order of first appearance), entry indices in batch order.
+        let mut groups: Vec<(usize, Vec<LayerGroup>)> = Vec::new();
         for (i, e) in entries.iter().enumerate() {
             let bi = self.sessions[&e.session].backend;
-            match groups.iter_mut().find(|g| g.0 == bi) {
-                Some(g) => g.1.push(i),
-                None => groups.push((bi, vec![i])),
+            let layers = match groups.iter_mut().find(|g| g.0 == bi) {
+                Some(g) => &mut g.1,
+                None => {
+                    groups.push((bi, Vec::new()));
+                    &mut groups.last_mut().expect("pushed").1
+                }
+            };
+            match layers.iter_mut().find(|l| l.0 == e.layer) {
+                Some(l) => l.1.push(i),
+                None => layers.push((e.layer, vec![i])),
             }
         }
-        for (bi, idx) in groups {
+        for (bi, layers) in groups {
             let max_batch = self.backends[bi].be.config().max_batch as usize;
-            for chunk in idx.chunks(max_batch) {
-                let mut items = Vec::with_capacity(chunk.len());
-                for &i in chunk {
-                    let e = &entries[i];
-                    let s = self.sessions.get_mut(&e.session).expect("checked");
-                    let view = e.kv.layer(layer)?;
-                    sync_layer(&mut self.backends[bi].be, zero, s, layer, &view)?;
-                    items.push(DecodeItem {
-                        slot: s.slot,
-                        q: e.q,
-                    });
+            // Call c takes chunk c of every layer.
+            let chunks: Vec<Vec<(u32, &[usize])>> = {
+                let most = layers
+                    .iter()
+                    .map(|(_, idx)| idx.len().div_ceil(max_batch))
+                    .max()
+                    .unwrap_or(0);
+                (0..most)
+                    .map(|c| {
+                        layers
+                            .iter()
+                            .filter_map(|(l, idx)| {
+                                idx.chunks(max_batch).nth(c).map(|chunk| (*l, chunk))
+                            })
+                            .collect()
+                    })
+                    .collect()
+            };
+            for call in chunks {
+                let mut items = Vec::with_capacity(call.len());
+                for &(layer, chunk) in &call {
+                    let mut group = Vec::with_capacity(chunk.len());
+                    for &i in chunk {
+                        let e = &entries[i];
+                        let s = self.sessions.get_mut(&e.session).expect("checked");
+                        let view = e.kv.layer(layer)?;
+                        sync_layer(&mut self.backends[bi].be, zero, s, layer, &view)?;
+                        group.push(DecodeItem {
+                            slot: s.slot,
+                            q: e.q,
+                        });
+                    }
+                    items.push((layer, group));
                 }
                 let be = &mut self.backends[bi].be;
-                let lo = be.decode_layer(layer, &items)?;
-                let keeps = if want_keep || chunk.iter().any(|&i| checked[i]) {
-                    Some(be.last_keep_sets(layer)?)
-                } else {
-                    None
-                };
-                let mut at = 0;
-                for (ci, &i) in chunk.iter().enumerate() {
-                    let n = offsets[i + 1] - offsets[i];
-                    out[offsets[i]..offsets[i + 1]].copy_from_slice(&lo.out[at..at + n]);
-                    at += n;
-                    if let Some(k) = &keeps {
-                        let mut ks = KeepSet::new();
-                        for head in &k[ci] {
-                            ks.push_head(head.iter().copied());
+                let refs: Vec<(u32, &[DecodeItem<'_>])> =
+                    items.iter().map(|(l, g)| (*l, g.as_slice())).collect();
+                let outs = be.decode_layers(&refs)?;
+                for (&(layer, chunk), lo) in call.iter().zip(outs) {
+                    let keeps = if want_keep || chunk.iter().any(|&i| checked[i]) {
+                        Some(be.last_keep_sets(layer)?)
+                    } else {
+                        None
+                    };
+                    let mut at = 0;
+                    for (ci, &i) in chunk.iter().enumerate() {
+                        let n = offsets[i + 1] - offsets[i];
+                        out[offsets[i]..offsets[i + 1]].copy_from_slice(&lo.out[at..at + n]);
+                        at += n;
+                        if let Some(k) = &keeps {
+                            let mut ks = KeepSet::new();
+                            for head in &k[ci] {
+                                ks.push_head(head.iter().copied());
+                            }
+                            result.keeps[i] = Some(ks);
                         }
-                        result.keeps[i] = Some(ks);
                     }
+                    result.cache_hits += lo.stats.hits;
+                    result.cache_misses += lo.stats.misses;
+                    result.bytes_moved += lo.stats.bytes_moved;
                 }
-                result.cache_hits += lo.stats.hits;
-                result.cache_misses += lo.stats.misses;
-                result.bytes_moved += lo.stats.bytes_moved;
             }
         }
         Ok(result)
     }
 }
+
+/// A layer of a step and the indices of its entries.
+type LayerGroup = (u32, Vec<usize>);
 
 /// The device behind the one decode step (`kvtier_kernels::decode_step`): it selects by itself,
 /// so the step selects on the CPU only for layers with cold blocks (see the module docs).
@@ -362,7 +398,7 @@ impl Backend for GpuDecoder {
 
     /// Every session open here, each once, with the geometry it was opened with, and the
     /// layers within the device capacity.
-    fn check(&self, layer: u32, entries: &[DecodeEntry<'_>]) -> kvtier_kernels::Result<()> {
+    fn check(&self, entries: &[DecodeEntry<'_>]) -> kvtier_kernels::Result<()> {
         let unavailable = |i: usize, e: GpuError| KernelError::Unavailable {
             reason: format!("batch entry {i}: {e}"),
         };
@@ -389,7 +425,7 @@ impl Backend for GpuDecoder {
                 return Err(unavailable(
                     i,
                     GpuError::TooManyBlocks {
-                        layer,
+                        layer: e.layer,
                         blocks: after,
                         max: self.settings.max_blocks,
                     },
@@ -405,7 +441,7 @@ impl Backend for GpuDecoder {
         out: &mut [f32],
     ) -> kvtier_kernels::Result<Attended> {
         let checked: Vec<bool> = b.planned.iter().map(Option::is_some).collect();
-        self.run_device(b.layer, b.entries, out, b.want_keep, &checked)
+        self.run_device(b.entries, out, b.want_keep, &checked)
             .map_err(|e| KernelError::Unavailable {
                 reason: format!("device step failed after the appends: {e}"),
             })

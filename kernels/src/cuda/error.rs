@@ -128,6 +128,9 @@ pub enum CudaError {
     #[error("{open} sessions are open and map into the host region")]
     SessionsOpen { open: usize },
     /// Batch is empty.
+    #[error("layer {layer} appears twice in one call")]
+    DuplicateLayer { layer: u32 },
+
     #[error("empty decode batch")]
     EmptyBatch,
     /// A device call with no bound batch (never bound, or a session changed since).

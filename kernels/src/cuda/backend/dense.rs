@@ -6,7 +6,8 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
-use super::{CudaBackend, DevBuf, LayerStats, StepItem, StepOutput};
+use super::step::by_batch;
+use super::{CudaBackend, DevBuf, LayerInput, LayerStats, StepItem, StepOutput};
 use crate::cuda::error::{CudaError, Result};
 use crate::cuda::params::{
     AttendDenseParams, CopyRunsParams, DenseMergeOutParams, DenseMergePartParams,
@@ -136,7 +137,7 @@ impl CudaBackend {
         let per_layer = self.step_inputs(items)?;
         let host = matches!(kv, DenseKv::Host);
         let mut stats = Vec::with_capacity(layers);
-        for (l, ntok, _) in &per_layer {
+        for LayerInput { layer: l, ntok, .. } in &per_layer {
             let mut tiles = 0u64;
             for (&slot, &n) in slots.iter().zip(ntok) {
                 let nb = n.div_ceil(g.block_tokens);
@@ -164,7 +165,7 @@ impl CudaBackend {
                 },
             });
         }
-        self.prepare(&slots, &per_layer)?;
+        self.prepare(&per_layer)?;
         if self.dense.is_none() {
             let rows = (self.cfg.max_batch * hkv * self.cfg.max_blocks * g.group() as u32) as usize;
             let stage = (self.cfg.max_batch * g.q_heads * MERGE_SPLITS) as usize;
@@ -185,15 +186,16 @@ impl CudaBackend {
         let scale = (1.0 / (g.head_dim as f64).sqrt()) as f32;
         let hit_share = self.hit_share.clone();
         self.record_step(0)?;
-        for (li, (l, ntok, _)) in per_layer.iter().enumerate() {
-            let l = *l;
-            let (_, max_nb) = self.blocks_of(ntok);
+        for (li, input) in per_layer.iter().enumerate() {
+            let l = input.layer;
+            let (_, max_nb) = self.blocks_of(&input.ntok);
             self.enqueue_dense(l, li, bu, max_nb, pages, scale)?;
             self.fused[l] = true; // one kernel sequence: only layer_ms is timed
         }
         self.record_step(1)?;
         let all: Vec<usize> = (0..layers).collect();
-        let mut out = self.finish(&all, b)?;
+        let mut out = self.finish(&all, layers * b)?;
+        out.out = by_batch(&out.out, layers, b, (g.q_heads * g.head_dim) as usize);
         self.hit_share = hit_share;
         out.stats = stats;
         Ok(out)
@@ -229,7 +231,7 @@ impl CudaBackend {
             ),
             &AttendDenseParams {
                 q: self.q.at(li * b * hqd),
-                sess: self.sess.ptr,
+                sess: self.sess.at(li * b),
                 ntok: self.ntok.at(li * b),
                 pages,
                 part_acc: sc.acc.ptr,

@@ -47,7 +47,7 @@ impl CudaBackend {
         self.htod(self.sess.ptr, slots)?;
         self.htod(self.ntok.ptr, &ntok)?;
         self.memset_u32(self.stats.ptr, 0, self.stats.slice.len() * 2)?;
-        self.last_batch = slots.len();
+        self.batch_of.fill(slots.len());
         self.bound = Some(BoundBatch {
             slots: slots.to_vec(),
             blocks,
@@ -92,6 +92,7 @@ impl CudaBackend {
                 .map_err(CudaError::driver("cuStreamWaitEvent"))?;
         }
         let io = LayerIo {
+            sess: self.sess.ptr,
             q: io.q,
             ntok: self.ntok.at(l * b),
             out: io.out,

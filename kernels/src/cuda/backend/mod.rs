@@ -265,7 +265,8 @@ pub struct CudaBackend {
     poison: bool,
     /// [`sessions::summary_order`] for this geometry, used by every summary upload.
     sum_order: Vec<usize>,
-    last_batch: usize,
+    /// Per layer: the batch size of the last call that ran it ([`Self::last_keep_sets`]).
+    batch_of: Vec<usize>,
     // Device state.
     sums: DevBuf<u8>,
     pages: DevBuf<u64>,
@@ -337,6 +338,11 @@ impl CudaBackend {
     }
 }
 
-/// One layer of a call's inputs: the model layer, the batch's token counts there and the batch's
-/// queries ([batch][Hq x D]).
-type LayerInput = (usize, Vec<u32>, Vec<f32>);
+/// One layer of a call's inputs: the model layer, the batch's slots, their token counts there
+/// and their queries ([batch][Hq x D]).
+struct LayerInput {
+    layer: usize,
+    slots: Vec<u32>,
+    ntok: Vec<u32>,
+    q: Vec<f32>,
+}

@@ -69,7 +69,7 @@ impl CudaBackend {
             stamps: z32(s * l * hkv * c)?,
             cache: z8(s * l * hkv * c * g.tile_bytes())?,
             q: zf(l * bmax * hq * d)?,
-            sess: z32(bmax)?,
+            sess: z32(l * bmax)?,
             ntok: z32(l * bmax)?,
             scores: z8(bmax * hkv * derived.score_scratch)?,
             done: z32(bmax * hkv)?,
@@ -106,7 +106,7 @@ impl CudaBackend {
             timers: None,
             poison: false,
             sum_order: summary_order(g.head_dim as usize, cfg.summaries_bf16()),
-            last_batch: 0,
+            batch_of: vec![0; l],
         };
         backend.sync()?;
         Ok(backend)

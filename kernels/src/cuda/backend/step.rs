@@ -15,10 +15,11 @@ use crate::cuda::params::{
     SelectTopkParams,
 };
 
-/// Device addresses of one layer call's buffers: q and out `[batch][Hq x D]` f32, the batch's
-/// token counts at the layer, lse `[batch][Hq]` f32 or 0.
+/// Device addresses of one layer call's buffers: the batch's slots, q and out `[batch][Hq x D]`
+/// f32, the batch's token counts at the layer, lse `[batch][Hq]` f32 or 0.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct LayerIo {
+    pub sess: u64,
     pub q: u64,
     pub ntok: u64,
     pub out: u64,
@@ -85,40 +86,108 @@ impl CudaBackend {
             self.check_q(it.q, hqd)?;
         }
         let q: Vec<f32> = items.iter().flat_map(|it| it.q.iter().copied()).collect();
-        let nb = self.blocks_of(&ntok);
-        self.prepare(&slots, &[(l, ntok, q)])?;
+        let input = LayerInput {
+            layer: l,
+            slots,
+            ntok,
+            q,
+        };
+        let mut outs = self.run_groups(std::slice::from_ref(&input))?;
+        Ok(outs.remove(0))
+    }
+
+    /// Runs several layers at once, each for its own batch (`(layer, items)`, the layers
+    /// distinct): what a daemon's coalesced step holds when its clients are at different
+    /// layers. One upload, the layers enqueued back to back, one synchronization; per group
+    /// its [`LayerOutput`].
+    pub fn decode_layers(
+        &mut self,
+        groups: &[(u32, &[DecodeItem<'_>])],
+    ) -> Result<Vec<LayerOutput>> {
+        let hqd = (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize;
+        let mut seen = vec![false; self.cfg.geometry.layers as usize];
+        let mut inputs = Vec::with_capacity(groups.len());
+        for &(layer, items) in groups {
+            let l = self.check_layer(layer)?;
+            if std::mem::replace(&mut seen[l], true) {
+                return Err(CudaError::DuplicateLayer { layer });
+            }
+            let slots: Vec<u32> = items.iter().map(|it| it.slot).collect();
+            let ntok = self.check_batch(l, &slots)?;
+            for it in items {
+                self.check_q(it.q, hqd)?;
+            }
+            let q = items.iter().flat_map(|it| it.q.iter().copied()).collect();
+            inputs.push(LayerInput {
+                layer: l,
+                slots,
+                ntok,
+                q,
+            });
+        }
+        self.run_groups(&inputs)
+    }
+
+    /// Uploads checked layer groups, enqueues them in order (each after the previous one's
+    /// merge), waits and reads each group's output.
+    fn run_groups(&mut self, inputs: &[LayerInput]) -> Result<Vec<LayerOutput>> {
+        self.prepare(inputs)?;
         self.record_step(0)?;
-        let io = self.host_io(0, items.len());
-        self.run_layer(l, io, items.len(), nb, false)?;
+        let mut at = 0;
+        for (gi, input) in inputs.iter().enumerate() {
+            let (b, nb) = (input.slots.len(), self.blocks_of(&input.ntok));
+            self.run_layer(input.layer, self.host_io(at), b, nb, gi > 0)?;
+            at += b;
+        }
         self.record_step(1)?;
-        self.finish(&[l], items.len()).map(|mut s| LayerOutput {
-            out: std::mem::take(&mut s.out),
-            stats: s.stats[0],
-            timing: s.timing.map(|t| t[0]),
-        })
+        let layers: Vec<usize> = inputs.iter().map(|i| i.layer).collect();
+        let mut all = self.finish(&layers, at)?;
+        let hqd = (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize;
+        let mut rows = all.out.chunks_exact(hqd);
+        Ok(inputs
+            .iter()
+            .enumerate()
+            .map(|(gi, input)| LayerOutput {
+                out: rows
+                    .by_ref()
+                    .take(input.slots.len())
+                    .flatten()
+                    .copied()
+                    .collect(),
+                stats: all.stats[gi],
+                timing: all.timing.as_mut().map(|t| t[gi]),
+            })
+            .collect())
     }
 
     /// Runs all layers (in order) for a batch of sessions with one synchronization at the end.
     pub fn decode_step(&mut self, items: &[StepItem<'_>]) -> Result<StepOutput> {
         let layers = self.cfg.geometry.layers as usize;
-        let slots: Vec<u32> = items.iter().map(|it| it.slot).collect();
         let per_layer = self.step_inputs(items)?;
-        self.prepare(&slots, &per_layer)?;
+        self.prepare(&per_layer)?;
         self.record_step(0)?;
-        for (li, (l, ntok, _)) in per_layer.iter().enumerate() {
-            let nb = self.blocks_of(ntok);
-            let io = self.host_io(li, items.len());
+        let b = items.len();
+        for (li, input) in per_layer.iter().enumerate() {
+            let nb = self.blocks_of(&input.ntok);
+            let io = self.host_io(li * b);
             // Chained after the previous layer's merge on the main stream.
-            self.run_layer(*l, io, items.len(), nb, li > 0)?;
+            self.run_layer(input.layer, io, b, nb, li > 0)?;
         }
         self.record_step(1)?;
         let all: Vec<usize> = (0..layers).collect();
-        self.finish(&all, items.len())
+        let mut out = self.finish(&all, layers * b)?;
+        out.out = by_batch(
+            &out.out,
+            layers,
+            b,
+            (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize,
+        );
+        Ok(out)
     }
 
     /// Checks a step's batch and queries and splits them by layer: per layer, its index, the
-    /// batch's token counts and the batch's queries ([batch][Hq x D]), as [`Self::prepare`]
-    /// takes them.
+    /// batch's slots, token counts and queries ([batch][Hq x D]), as [`Self::prepare`] takes
+    /// them.
     pub(super) fn step_inputs(&self, items: &[StepItem<'_>]) -> Result<Vec<LayerInput>> {
         let layers = self.cfg.geometry.layers as usize;
         let hqd = (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize;
@@ -133,7 +202,12 @@ impl CudaBackend {
                     .iter()
                     .flat_map(|it| it.q[l * hqd..(l + 1) * hqd].iter().copied())
                     .collect();
-                Ok((l, ntok, q))
+                Ok(LayerInput {
+                    layer: l,
+                    slots: slots.clone(),
+                    ntok,
+                    q,
+                })
             })
             .collect()
     }
@@ -145,36 +219,42 @@ impl CudaBackend {
         (nb.clone().min().unwrap_or(1), nb.max().unwrap_or(1))
     }
 
-    /// The buffers of layer `li` of a host-slice call of batch `b` (the dense per-call layout
-    /// [`Self::prepare`] uploads).
-    fn host_io(&self, li: usize, b: usize) -> LayerIo {
+    /// The buffers of a host-slice call's layer whose batch starts at entry `at` of the call
+    /// (the dense per-call layout [`Self::prepare`] uploads).
+    pub(super) fn host_io(&self, at: usize) -> LayerIo {
         let hqd = (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize;
         LayerIo {
-            q: self.q.at(li * b * hqd),
-            ntok: self.ntok.at(li * b),
-            out: self.out.at(li * b * hqd),
+            sess: self.sess.at(at),
+            q: self.q.at(at * hqd),
+            ntok: self.ntok.at(at),
+            out: self.out.at(at * hqd),
             lse: 0,
         }
     }
 
-    /// Uploads the batch description and zeroes the statistics (unbinding any bound batch:
-    /// the same buffers).
-    pub(super) fn prepare(&mut self, slots: &[u32], layers: &[LayerInput]) -> Result<()> {
+    /// Uploads the call's layers (each its batch's slots, token counts and queries) and zeroes
+    /// the statistics (unbinding any bound batch: the same buffers).
+    pub(super) fn prepare(&mut self, layers: &[LayerInput]) -> Result<()> {
         self.bound = None;
-        let b = slots.len();
         let g = &self.cfg.geometry;
         let hqd = (g.q_heads * g.head_dim) as usize;
         let bmax = self.cfg.max_batch as usize;
-        debug_assert!(layers.len() * b <= self.cfg.geometry.layers as usize * bmax);
-        // Dense per-call layout [call layer][batch][..]: one upload each for q and counts.
-        let mut q_all = Vec::with_capacity(layers.len() * b * hqd);
-        let mut n_all = Vec::with_capacity(layers.len() * b);
-        for (_, ntok, q) in layers {
-            debug_assert!(q.len() == b * hqd && ntok.len() == b);
-            q_all.extend_from_slice(q);
-            n_all.extend_from_slice(ntok);
+        let total: usize = layers.iter().map(|i| i.slots.len()).sum();
+        debug_assert!(total <= self.cfg.geometry.layers as usize * bmax);
+        // Dense per-call layout [call layer][batch][..]: one upload each for slots, q and
+        // counts.
+        let mut s_all = Vec::with_capacity(total);
+        let mut q_all = Vec::with_capacity(total * hqd);
+        let mut n_all = Vec::with_capacity(total);
+        for input in layers {
+            let b = input.slots.len();
+            debug_assert!(b <= bmax && input.q.len() == b * hqd && input.ntok.len() == b);
+            s_all.extend_from_slice(&input.slots);
+            q_all.extend_from_slice(&input.q);
+            n_all.extend_from_slice(&input.ntok);
+            self.batch_of[input.layer] = b;
         }
-        self.htod(self.sess.ptr, slots)?;
+        self.htod(self.sess.ptr, &s_all)?;
         self.htod(self.ntok.ptr, &n_all)?;
         self.htod(self.q.ptr, &q_all)?;
         self.memset_u32(self.stats.ptr, 0, self.stats.slice.len() * 2)?;
@@ -185,7 +265,6 @@ impl CudaBackend {
             self.memset_u32(self.part_ml.ptr, nan, self.part_ml.slice.len())?;
             self.memset_u32(self.table.ptr, u32::MAX, self.table.slice.len())?;
         }
-        self.last_batch = b;
         Ok(())
     }
 
@@ -243,10 +322,15 @@ impl CudaBackend {
         let bu = b as u32;
         let layer = l as u32;
         let mb = self.cfg.max_blocks;
-        let LayerIo { q, ntok, out, lse } = io;
+        let LayerIo {
+            sess,
+            q,
+            ntok,
+            out,
+            lse,
+        } = io;
         let table = self.table.at(l * bmax * (hkv * ks) as usize);
         let counts = self.counts.at(l * bmax * hkv as usize);
-        let sess = self.sess.ptr;
         let cfg = |grid: (u32, u32, u32), threads: u32| LaunchConfig {
             grid_dim: grid,
             block_dim: (threads, 1, 1),
@@ -472,21 +556,15 @@ impl CudaBackend {
         nbo
     }
 
-    /// Waits for the enqueued layers and reads outputs, statistics and timings.
-    pub(super) fn finish(&mut self, layers: &[usize], b: usize) -> Result<StepOutput> {
+    /// Waits for the enqueued layers and reads outputs (`rows` of them, in the call's order:
+    /// [call layer][batch][Hq x D]), statistics and timings.
+    pub(super) fn finish(&mut self, layers: &[usize], rows: usize) -> Result<StepOutput> {
         let g = self.cfg.geometry;
         let hqd = (g.q_heads * g.head_dim) as usize;
         let nl = layers.len();
-        // One readback for every layer of the call ([call layer][batch][Hq x D] on the device).
-        let mut rows = vec![0f32; nl * b * hqd];
-        self.dtoh(&mut rows, self.out.ptr)?;
-        let mut out = vec![0f32; b * nl * hqd];
-        for li in 0..nl {
-            for i in 0..b {
-                out[(i * nl + li) * hqd..(i * nl + li + 1) * hqd]
-                    .copy_from_slice(&rows[(li * b + i) * hqd..(li * b + i + 1) * hqd]);
-            }
-        }
+        // One readback for every layer of the call.
+        let mut out = vec![0f32; rows * hqd];
+        self.dtoh(&mut out, self.out.ptr)?;
         let all = self.read_stats()?;
         let stats: Vec<LayerStats> = layers.iter().map(|&l| all[l]).collect();
         for (&l, st) in layers.iter().zip(&stats) {
@@ -543,7 +621,8 @@ impl CudaBackend {
             .collect())
     }
 
-    /// Keep-sets of the last call at `layer`: [batch][kv_head] -> ascending block ids.
+    /// Keep-sets of the last call at `layer`: [batch][kv_head] -> ascending block ids (that
+    /// call's batch at `layer`).
     pub fn last_keep_sets(&self, layer: u32) -> Result<Vec<Vec<Vec<u32>>>> {
         let l = self.check_layer(layer)?;
         let g = self.cfg.geometry;
@@ -552,7 +631,7 @@ impl CudaBackend {
             g.kv_heads as usize,
             self.derived.keep_max as usize,
         );
-        let b = self.last_batch;
+        let b = self.batch_of[l];
         let mut counts = vec![0u32; b * hkv];
         let mut table = vec![0u32; b * hkv * ks];
         if b == 0 {
@@ -571,4 +650,16 @@ impl CudaBackend {
             })
             .collect())
     }
+}
+
+/// A call's outputs `[layer][batch][hqd]` reordered as `[batch][layer][hqd]` (a step's order).
+pub(super) fn by_batch(rows: &[f32], layers: usize, b: usize, hqd: usize) -> Vec<f32> {
+    let mut out = vec![0f32; rows.len()];
+    for li in 0..layers {
+        for i in 0..b {
+            out[(i * layers + li) * hqd..(i * layers + li + 1) * hqd]
+                .copy_from_slice(&rows[(li * b + i) * hqd..(li * b + i + 1) * hqd]);
+        }
+    }
+    out
 }
