@@ -208,6 +208,23 @@ pub struct GpuSettings {
     /// Bytes per cuMemHostRegister call when registering the arena (rounded down to whole
     /// frames, at least one).
     pub register_chunk: ByteSize,
+    /// How each layer's kernels are launched (docs/benchmarks.md, "Launch mode on the socket
+    /// path").
+    pub launch: LaunchSetting,
+}
+
+/// `backend.cuda.launch`: how a device call launches each layer's kernels.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LaunchSetting {
+    /// Fused while the layer's last call mostly missed the GPU block cache, split otherwise
+    /// (the kernels' own rule, tuned on their benchmark).
+    Auto,
+    /// One launch for everything but the merge: the fewest host calls per layer (the
+    /// default).
+    Fused,
+    /// The fixed part of the keep-set on a second stream beside the selector.
+    Split,
 }
 
 impl Default for GpuSettings {
@@ -221,6 +238,9 @@ impl Default for GpuSettings {
             max_batch: 8,
             cache_slots: 0,
             register_chunk: ByteSize(1 << 30),
+            // The daemon's calls are small and hot, and host-bound: fused measured ahead of
+            // auto there (docs/benchmarks.md, "Launch mode on the socket path").
+            launch: LaunchSetting::Fused,
         }
     }
 }

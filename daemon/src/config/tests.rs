@@ -94,12 +94,18 @@ fn cuda_section_layers_and_validates() {
     let cfg = load(
         "[backend.cuda]\nmax_sessions = 4\n",
         &[("TIERD_BACKEND_CUDA_MAX_BLOCKS", "1024")],
-        &[("backend.cuda.max_batch", "2")],
+        &[
+            ("backend.cuda.max_batch", "2"),
+            ("backend.cuda.launch", "\"fused\""),
+        ],
     )
     .unwrap();
     let s = &cfg.backend.cuda;
     assert_eq!((s.max_sessions, s.max_blocks, s.max_batch), (4, 1024, 2));
+    assert_eq!(s.launch, super::LaunchSetting::Fused);
     assert_eq!(s.max_backends, 2, "default kept");
+    let e = load_err("[backend.cuda]\nlaunch = \"sometimes\"\n", &[], &[]);
+    assert!(e.contains("sometimes") || e.contains("launch"), "{e}");
     let e = load_err("[backend.cuda]\nmax_batch = 0\n", &[], &[]);
     assert!(e.contains("backend.cuda.max_batch"), "{e}");
     let e = load_err("[backend.cuda]\nmax_batchez = 1\n", &[], &[]);

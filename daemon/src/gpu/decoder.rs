@@ -6,7 +6,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvtier_kernels::cuda::{
-    device_context, CudaBackend, CudaConfig, CudaError, DecodeItem, PinnedRegion, SummaryDtype,
+    device_context, CudaBackend, CudaConfig, CudaError, DecodeItem, LaunchMode, PinnedRegion,
+    SummaryDtype,
 };
 use kvtier_kernels::select::KeepSet;
 use kvtier_kernels::{Appended, Attended, Backend, DecodeEntry, KernelError};
@@ -17,6 +18,7 @@ pub use kvtier_kernels::cuda::device_available;
 use kvtier_kernels::remap::stale_runs;
 
 use super::{device_frames, GpuError, GpuSettings};
+use crate::config::LaunchSetting;
 
 /// Device-side bookkeeping of one session layer.
 #[derive(Debug, Clone, Default)]
@@ -213,6 +215,11 @@ impl GpuDecoder {
                 let cfg = self.config_for(geo, policy)?;
                 let mut be = CudaBackend::new(self.settings.device, cfg)?;
                 be.attach_host(self.region.clone())?;
+                be.set_launch_mode(match self.settings.launch {
+                    LaunchSetting::Auto => LaunchMode::Auto,
+                    LaunchSetting::Fused => LaunchMode::Fused,
+                    LaunchSetting::Split => LaunchMode::Split,
+                });
                 tracing::info!(?geo, ?policy, "cuda: backend compiled");
                 self.backends.push(DeviceBackend {
                     geometry: *geo,
