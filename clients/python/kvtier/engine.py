@@ -131,6 +131,35 @@ class InEngine:
 
         self._e.decode_layer_ptr(layer, *ptrs, torch.cuda.current_stream(self.device).cuda_stream)
 
+    def append_rows(self, sessions: Sequence[int], rows, tokens: int, first: int = 0) -> None:
+        """Append `tokens` rows to every layer of each of `sessions` by DMA from the GPU into
+        their reserved rows of tierd's arena (RESERVE, copy, COMMIT; the device state follows),
+        after torch's current stream has produced them. `rows`: [layers, len(sessions),
+        kv_heads, 2, capacity, head_dim] in the sessions' dtype, contiguous, on this engine's
+        device (per layer and session, each KV head's K rows then its V rows: a block run's
+        layout); rows `first .. first + tokens` are appended. Needs `in_place`. Bind again
+        afterwards."""
+        import torch
+
+        g = self.geometry
+        if not self.in_place:
+            raise EngineError("this engine was opened without in_place: it cannot append rows")
+        want = (g.layers, len(sessions), g.kv_heads, 2, None, g.head_dim)
+        if (not isinstance(rows, torch.Tensor) or rows.device.type != "cuda"
+                or rows.device.index != self.device):
+            raise ValueError(f"rows must be a torch tensor on cuda:{self.device}")
+        if (rows.dtype != _torch_dtype(g.dtype) or rows.dim() != 6 or not rows.is_contiguous()
+                or any(w is not None and w != s for w, s in zip(want, rows.shape))):
+            raise ValueError(f"rows must be contiguous {_torch_dtype(g.dtype)} [layers, sessions, "
+                             f"kv_heads, 2, capacity, head_dim] = {want}, got {rows.dtype} {tuple(rows.shape)}")
+        cap = rows.shape[4]
+        if tokens <= 0 or first < 0 or first + tokens > cap:
+            raise ValueError(f"rows {first}..{first + tokens} of a buffer of {cap}")
+        row = g.head_dim * rows.element_size()
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._e.append_from_device(list(sessions), rows.data_ptr() + first * row, rows[0, 0].nbytes,
+                                   rows[0].nbytes, cap, tokens, stream)
+
     def bound_stats(self) -> List[dict]:
         """Per layer: hits, misses, bytes_moved and tiles of the device calls since `bind`."""
         return [dict(hits=h, misses=m, bytes_moved=b, tiles=t) for h, m, b, t in self._e.bound_stats()]
@@ -146,6 +175,13 @@ class InEngine:
 
 
 EngineError = _native.EngineError if _native is not None else EngineUnavailable
+
+
+def _torch_dtype(dtype):
+    """The torch dtype of a session dtype."""
+    import torch
+
+    return {Dtype.BF16: torch.bfloat16, Dtype.F16: torch.float16, Dtype.F32: torch.float32}[Dtype(dtype)]
 
 
 class DeviceBatch:
@@ -180,8 +216,7 @@ class DeviceBatch:
         dev = torch.device("cuda", engine.device)
         n, bt, nl = len(self.sessions), g.block_tokens, g.layers
         # The tails hold tokens in the sessions' dtype (what a hand-off appends).
-        kv_dtype = {Dtype.BF16: torch.bfloat16, Dtype.F16: torch.float16,
-                    Dtype.F32: torch.float32}[Dtype(g.dtype)]
+        kv_dtype = _torch_dtype(g.dtype)
         self.stored = []
         for s in self.sessions:
             engine.attach(s)
@@ -274,11 +309,8 @@ class DeviceBatch:
         tw = time.perf_counter()
         stream.synchronize()  # the step's own GPU work
         t0 = time.perf_counter()
-        t = self.tail
         try:
-            self.engine._e.append_from_device(self.sessions, t.data_ptr(), t[0, 0].nbytes,
-                                              t[0].nbytes, self.g.block_tokens, c,
-                                              stream.cuda_stream)
+            self.engine.append_rows(self.sessions, self.tail, c)
         except Exception:
             # What tierd holds now (a failed COMMIT leaves its session as it was).
             self.stored = [self.client.session_info(s).tokens_max for s in self.sessions]

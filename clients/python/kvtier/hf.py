@@ -25,7 +25,8 @@ How it works:
   when its extension is built and tierd runs with ``host.shared = true`` and lets this process
   LEASE): this process runs kvtier's selector and attention on its own GPU over tierd's arena,
   the new tokens stay on the GPU and go to tierd a block at a time, and no tensor crosses the
-  socket per step. ``engine="auto"`` (the default) takes it when it can and otherwise uses the
+  socket per step. The prefill's K/V then go from GPU memory into tierd's arena by DMA
+  (`InEngine.append_rows`) instead of through host memory and APPEND_KV. ``engine="auto"`` (the default) takes it when it can and otherwise uses the
   DECODE path, saying why in `engine_error`; ``"on"`` requires it, ``"off"`` never uses it.
 * A model run with the ``"kvtier"`` implementation but an ordinary `DynamicCache` behaves
   exactly like SDPA, so one loaded model serves both dense and sparse decoding.
@@ -335,6 +336,7 @@ class KvtierCache(Cache):
         self.engine_mode, self.max_blocks = engine, max_blocks
         self._socket_path = socket or getattr(self._client, "path", None) or default_socket_path()
         self.device_batch = None  # kvtier.engine.DeviceBatch once decoding in-engine
+        self._engine = None  # its kvtier.engine.InEngine, from the prefill on when on a GPU
         self.engine_error: Optional[str] = None  # why "auto" fell back to the DECODE path
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -380,6 +382,9 @@ class KvtierCache(Cache):
         """Releases the engine's leases; the sessions are closed next, so the GPU-held tokens
         are not handed to tierd."""
         db, self.device_batch = self.device_batch, None
+        # An engine without a device batch yet (a prefill, no decode step) holds leases
+        # until its connection closes: dropped with it.
+        self._engine = None
         if db is not None:
             try:
                 db.close(hand_off=False)
@@ -444,8 +449,13 @@ class KvtierCache(Cache):
                     raise GeometryRefused(g, self.policy, e.message) from e
                 raise
             self.sessions.append(sid)
+        e = self._open_engine(keys[0].device)
         for r, sid in enumerate(self.sessions):
             s = starts[r]
+            if e is not None:
+                self._prefill_by_dma(e, sid, [kl[r, :, s:, :] for kl in keys],
+                                     [vl[r, :, s:, :] for vl in values])
+                continue
             k = np.stack([_to_wire(kl[r, :, s:, :].transpose(0, 1), self.dtype) for kl in keys])
             v = np.stack([_to_wire(vl[r, :, s:, :].transpose(0, 1), self.dtype) for vl in values])
             try:
@@ -454,14 +464,14 @@ class KvtierCache(Cache):
                 raise TierdUnavailable(f"lost the connection to tierd while appending the prefill: {e}") from e
         self.positions = np.array([[t - s for s in starts]] * len(self.full_layers), dtype=np.int64)
 
-    def _in_engine(self, q, q_scale: float):
-        """The device batch decoding this cache's sessions in this process, opened at the first
-        decode step on a GPU; None for the DECODE path."""
-        if self.device_batch is not None:
-            return self.device_batch
+    def _open_engine(self, device):
+        """This cache's in-engine path on `device` (its sessions attached), opened once; None
+        for the DECODE path (off, not a GPU, or "auto" and it cannot be opened)."""
+        if self._engine is not None:
+            return self._engine
         if self.engine_mode == "off" or self.engine_error is not None:
             return None
-        if q.device.type != "cuda":
+        if device.type != "cuda":
             if self.engine_mode == "on":
                 raise UnsupportedUse("engine='on' needs the model on a CUDA device")
             return None
@@ -469,13 +479,51 @@ class KvtierCache(Cache):
 
         try:
             e = kv_engine.InEngine(self._socket_path, self.geometry, self.policy,
-                                   device=q.device.index or 0, max_sessions=len(self.sessions),
+                                   device=device.index or 0, max_sessions=len(self.sessions),
                                    max_blocks=self.max_blocks)
+            for sid in self.sessions:
+                e.attach(sid)
+        except (KvtierError, OSError, ValueError, RuntimeError) as err:
+            if self.engine_mode == "on":
+                raise
+            self.engine_error = str(err)
+            return None
+        self._engine = e
+        return e
+
+    #: Tokens per in-place append of a prefill: bounds each RESERVE's reply (its run table).
+    PREFILL_CHUNK = 16384
+
+    def _prefill_by_dma(self, e, sid: int, keys, values) -> None:
+        """One session's prefill (per full layer k, v [Hkv, n, D] on the GPU) appended by DMA
+        into tierd's arena, in chunks."""
+        from .engine import _torch_dtype
+
+        kv_dtype = _torch_dtype(self.dtype)
+        # [layers, 1 session, Hkv, K|V, n, D]: a block run's layout.
+        rows = torch.stack([torch.stack([k, v], dim=1) for k, v in zip(keys, values)])
+        rows = rows.to(kv_dtype).unsqueeze(1).contiguous()
+        n = rows.shape[4]
+        for first in range(0, n, self.PREFILL_CHUNK):
+            e.append_rows([sid], rows, min(self.PREFILL_CHUNK, n - first), first)
+
+    def _in_engine(self, q, q_scale: float):
+        """The device batch decoding this cache's sessions in this process, opened at the first
+        decode step on a GPU; None for the DECODE path."""
+        if self.device_batch is not None:
+            return self.device_batch
+        e = self._open_engine(q.device)
+        if e is None:
+            return None
+        from . import engine as kv_engine
+
+        try:
             self.device_batch = kv_engine.DeviceBatch(e, self.client, self.sessions, q_scale=q_scale)
         except (KvtierError, OSError, ValueError, RuntimeError) as err:
             if self.engine_mode == "on":
                 raise
             self.engine_error = str(err)
+            self._engine = None
             return None
         return self.device_batch
 

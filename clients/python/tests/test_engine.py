@@ -129,10 +129,11 @@ def test_device_batch_matches_dense_attention_over_keep_set_and_gpu_tail(tierd_f
 
 @pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_hf_adapter_decodes_in_engine_on_a_gpu_like_dense(tierd_factory, dtype):
-    """kvtier.hf with the model on the GPU takes the in-engine path (no DECODE per step): with a
-    policy that covers every block, greedy generation equals dense generation (f32 KV: exactly;
-    bf16: nearly always), across hand-offs of the GPU-held tokens to tierd."""
+def test_hf_adapter_decodes_in_engine_on_a_gpu_like_dense(tierd_factory, dtype, monkeypatch):
+    """kvtier.hf with the model on the GPU takes the in-engine path (no DECODE per step, the
+    prefill and the hand-offs by DMA, never through host memory and APPEND_KV): with a policy
+    that covers every block, greedy generation equals dense generation (f32 KV: exactly; bf16:
+    nearly always), across hand-offs of the GPU-held tokens to tierd."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
@@ -155,6 +156,11 @@ def test_hf_adapter_decodes_in_engine_on_a_gpu_like_dense(tierd_factory, dtype):
     dense = m.generate(past_key_values=DynamicCache(config=m.config), **kw)
     wire = Dtype.F32 if dtype == "f32" else Dtype.BF16
     # 340 tokens in blocks of 16: 22 blocks <= 1 + 4 + 32; 40 steps cross two hand-offs.
+    def through_host(*args, **kwargs):
+        raise AssertionError("K/V went through host memory and APPEND_KV")
+
+    monkeypatch.setattr(Client, "append_kv_shm", through_host)
+    monkeypatch.setattr(Client, "append_kv_fd", through_host)
     with hf.KvtierCache(m, socket=sock, policy=Policy(1, 4, 32), block_tokens=16, dtype=wire,
                         engine="on") as c:
         sparse = m.generate(past_key_values=c, **kw)
@@ -248,6 +254,15 @@ def test_device_path_refuses_bad_buffers_and_batches_with_typed_errors(tierd_fac
     read_only = engine.InEngine(sock, g, pol, in_place=False)
     with pytest.raises(ValueError, match="in_place"):
         engine.DeviceBatch(read_only, c, [s])
+    rows = torch.zeros((g.layers, 1, g.kv_heads, 2, 8, g.head_dim), dtype=torch.bfloat16, device=dev)
+    with pytest.raises(engine.EngineError, match="in_place"):
+        read_only.append_rows([s], rows, 8)
+    for bad, tokens, first, what in [(rows.float(), 8, 0, "bfloat16"), (rows[:, :, :3], 8, 0, "kv_heads"),
+                                      (rows.cpu(), 8, 0, "cuda"), (rows, 9, 0, "rows"),
+                                      (rows, 4, 5, "rows"), (rows, 0, 0, "rows")]:
+        with pytest.raises(ValueError, match=what):
+            e.append_rows([s], bad, tokens, first)
+    assert c.session_info(s).tokens_max == 300
 
 
 @pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
