@@ -655,19 +655,8 @@ fn register(
 ) -> Result<(ArenaView, Arc<PinnedRegion>, bool)> {
     let ctx = be.context().clone();
     if writable {
-        let view = ArenaView::map_for_registration(fd, lease)?;
-        // SAFETY: `view` is a live read-write mapping that the caller keeps (in `Mapped`)
-        // until after the registration (declared before it) is dropped; nothing else in this
-        // process registers it.
-        let region = unsafe {
-            PinnedRegion::register_chunked(
-                &ctx,
-                view.as_ptr().cast_mut(),
-                view.len(),
-                REGISTER_CHUNK,
-            )
-        }?;
-        return Ok((view, Arc::new(region), false));
+        let (view, region) = register_read_write(&ctx, fd, lease)?;
+        return Ok((view, region, false));
     }
     let second = fd.try_clone()?;
     let view = ArenaView::map(fd, lease)?;
@@ -680,20 +669,27 @@ fn register(
         Ok(region) => Ok((view, Arc::new(region), true)),
         Err(CudaError::Pin { .. }) => {
             drop(view);
-            let view = ArenaView::map_for_registration(second, lease)?;
-            // SAFETY: as above; the mapping is writable, so a plain registration pins it.
-            let region = unsafe {
-                PinnedRegion::register_chunked(
-                    &ctx,
-                    view.as_ptr().cast_mut(),
-                    view.len(),
-                    REGISTER_CHUNK,
-                )
-            }?;
-            Ok((view, Arc::new(region), false))
+            let (view, region) = register_read_write(&ctx, second, lease)?;
+            Ok((view, region, false))
         }
         Err(e) => Err(e.into()),
     }
+}
+
+/// The arena mapped read-write and registered plainly (the device may write it).
+fn register_read_write(
+    ctx: &Arc<kvtier_kernels::cuda::CudaContext>,
+    fd: std::os::fd::OwnedFd,
+    lease: &LeaseReply,
+) -> Result<(ArenaView, Arc<PinnedRegion>)> {
+    let view = ArenaView::map_for_registration(fd, lease)?;
+    // SAFETY: `view` is a live read-write mapping that the caller keeps (in `Mapped`) until
+    // after the registration (declared before it) is dropped; nothing else in this process
+    // registers it.
+    let region = unsafe {
+        PinnedRegion::register_chunked(ctx, view.as_ptr().cast_mut(), view.len(), REGISTER_CHUNK)
+    }?;
+    Ok((view, Arc::new(region)))
 }
 
 /// The part of every block run an engine reads: its shard's heads, `geo.block_bytes()` from

@@ -57,6 +57,21 @@ fn runs(d: &Tierd, id: u64) -> Vec<Vec<u8>> {
     out
 }
 
+/// tierd on the CPU with a shared arena (only the engine uses the device); None, saying so,
+/// without a CUDA device.
+fn shared_tierd() -> Option<Tierd> {
+    if !kvtier_kernels::cuda::device_available() {
+        eprintln!("skipped: no CUDA device");
+        return None;
+    }
+    let d = Tierd::builder(bins::tierd())
+        .host_capacity("1GiB")
+        .args(["--backend", "cpu"])
+        .set("host.shared=true")
+        .start();
+    Some(d)
+}
+
 struct Device {
     stream: std::sync::Arc<cudarc::driver::CudaStream>,
 }
@@ -116,15 +131,9 @@ fn outputs(e: &mut InEngine, session: u64) -> Vec<Vec<u32>> {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn rows_appended_from_the_device_equal_append_kv_and_decode_alike() {
-    if !kvtier_kernels::cuda::device_available() {
-        eprintln!("skipped: no CUDA device");
+    let Some(d) = shared_tierd() else {
         return;
-    }
-    let d = Tierd::builder(bins::tierd())
-        .host_capacity("1GiB")
-        .args(["--backend", "cpu"])
-        .set("host.shared=true")
-        .start();
+    };
     let mut c = d.client();
     // Twins: `dma` gets its appends from the device, `twin` the same rows through APPEND_KV.
     let mut sh = Shadow::new(GEO, 3);
@@ -185,15 +194,9 @@ fn rows_appended_from_the_device_equal_append_kv_and_decode_alike() {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn wrong_in_place_appends_are_typed_errors_that_change_nothing() {
-    if !kvtier_kernels::cuda::device_available() {
-        eprintln!("skipped: no CUDA device");
+    let Some(d) = shared_tierd() else {
         return;
-    }
-    let d = Tierd::builder(bins::tierd())
-        .host_capacity("1GiB")
-        .args(["--backend", "cpu"])
-        .set("host.shared=true")
-        .start();
+    };
     let mut c = d.client();
     let mut sh = Shadow::new(GEO, 9);
     let s = c.create_session(GEO, policy(), "faults").unwrap();
