@@ -54,8 +54,8 @@ class InEngine:
     engine's own. `rank`, `world`: attend only KV heads [rank * n, (rank + 1) * n) of each
     session, n = kv_heads / world, and their query heads (tensor parallelism: q and the outputs
     then have q_heads / world heads). `in_place` (default: with every head) maps tierd's arena
-    writable so that `DeviceBatch` can append rows from the GPU into it by DMA; off, the arena
-    is registered read-only where the driver allows."""
+    writable so that `append_rows` (and `DeviceBatch`'s hand-offs) can append rows from the GPU
+    into it by DMA; off, the arena is registered read-only where the driver allows."""
 
     def __init__(self, socket: str, geometry: Geometry, policy: Policy, device: int = 0,
                  max_sessions: int = 8, max_blocks: int = 8192, rank: int = 0, world: int = 1,
@@ -64,18 +64,19 @@ class InEngine:
             raise EngineUnavailable(
                 f"kvtier._native is not built ({_IMPORT_ERROR}); see kvtier.engine's docstring")
         g = geometry
+        in_place = world == 1 if in_place is None else in_place
         try:
             self._e = _native.Engine(
                 socket, device,
                 (g.layers, g.q_heads, g.kv_heads, g.head_dim, int(g.dtype), g.block_tokens),
                 (policy.sink_blocks, policy.local_blocks, policy.top_k),
-                max_sessions, max_blocks, (rank, world), world == 1 if in_place is None else in_place)
+                max_sessions, max_blocks, (rank, world), in_place)
         except _native.EngineError as e:
             raise EngineUnavailable(str(e)) from None
         self.geometry = geometry
         self.device = device
         self.rank, self.world = rank, world
-        self.in_place = world == 1 if in_place is None else in_place
+        self.in_place = in_place
         self.q_heads = g.q_heads // world  # this engine's query heads per session
 
     def attach(self, session: int) -> int:

@@ -326,25 +326,7 @@ impl GpuDecoder {
         }
         for (bi, layers) in groups {
             let max_batch = self.backends[bi].be.config().max_batch as usize;
-            // Call c takes chunk c of every layer.
-            let chunks: Vec<Vec<(u32, &[usize])>> = {
-                let most = layers
-                    .iter()
-                    .map(|(_, idx)| idx.len().div_ceil(max_batch))
-                    .max()
-                    .unwrap_or(0);
-                (0..most)
-                    .map(|c| {
-                        layers
-                            .iter()
-                            .filter_map(|(l, idx)| {
-                                idx.chunks(max_batch).nth(c).map(|chunk| (*l, chunk))
-                            })
-                            .collect()
-                    })
-                    .collect()
-            };
-            for call in chunks {
+            for call in device_calls(&layers, max_batch) {
                 let mut items = Vec::with_capacity(call.len());
                 for &(layer, chunk) in &call {
                     let mut group = Vec::with_capacity(chunk.len());
@@ -395,6 +377,24 @@ impl GpuDecoder {
 
 /// A layer of a step and the indices of its entries.
 type LayerGroup = (u32, Vec<usize>);
+
+/// The device calls for one backend's layer groups: call `c` takes the `c`-th `max_batch`
+/// chunk of every layer (one call unless a layer has more entries than `max_batch`).
+fn device_calls(layers: &[LayerGroup], max_batch: usize) -> Vec<Vec<(u32, &[usize])>> {
+    let calls = layers
+        .iter()
+        .map(|(_, idx)| idx.len().div_ceil(max_batch))
+        .max()
+        .unwrap_or(0);
+    (0..calls)
+        .map(|c| {
+            layers
+                .iter()
+                .filter_map(|(l, idx)| idx.chunks(max_batch).nth(c).map(|chunk| (*l, chunk)))
+                .collect()
+        })
+        .collect()
+}
 
 /// The device behind the one decode step (`kvtier_kernels::decode_step`): it selects by itself,
 /// so the step selects on the CPU only for layers with cold blocks (see the module docs).
@@ -509,4 +509,27 @@ fn sync_layer(
         ls.tokens = view.tokens();
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::device_calls;
+
+    /// One call takes every layer's first chunk; a layer over max_batch spills into more.
+    #[test]
+    fn a_call_takes_one_chunk_of_every_layer() {
+        let layers = vec![(0, (0..10).collect::<Vec<usize>>()), (3, vec![10, 11])];
+        let calls = device_calls(&layers, 4);
+        let want: Vec<Vec<(u32, &[usize])>> = vec![
+            vec![(0, &[0, 1, 2, 3]), (3, &[10, 11])],
+            vec![(0, &[4, 5, 6, 7])],
+            vec![(0, &[8, 9])],
+        ];
+        assert_eq!(calls, want);
+        assert!(device_calls(&[], 4).is_empty());
+        assert_eq!(
+            device_calls(&layers[1..], 8),
+            vec![vec![(3, &[10usize, 11][..])]]
+        );
+    }
 }

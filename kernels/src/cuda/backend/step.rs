@@ -78,22 +78,7 @@ impl CudaBackend {
 
     /// Runs select -> gather -> attend for one layer and a batch of sessions.
     pub fn decode_layer(&mut self, layer: u32, items: &[DecodeItem<'_>]) -> Result<LayerOutput> {
-        let l = self.check_layer(layer)?;
-        let hqd = (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize;
-        let slots: Vec<u32> = items.iter().map(|it| it.slot).collect();
-        let ntok = self.check_batch(l, &slots)?;
-        for it in items {
-            self.check_q(it.q, hqd)?;
-        }
-        let q: Vec<f32> = items.iter().flat_map(|it| it.q.iter().copied()).collect();
-        let input = LayerInput {
-            layer: l,
-            slots,
-            ntok,
-            q,
-        };
-        let mut outs = self.run_groups(std::slice::from_ref(&input))?;
-        Ok(outs.remove(0))
+        Ok(self.decode_layers(&[(layer, items)])?.remove(0))
     }
 
     /// Runs several layers at once, each for its own batch (`(layer, items)`, the layers
@@ -104,6 +89,9 @@ impl CudaBackend {
         &mut self,
         groups: &[(u32, &[DecodeItem<'_>])],
     ) -> Result<Vec<LayerOutput>> {
+        if groups.is_empty() {
+            return Err(CudaError::EmptyBatch);
+        }
         let hqd = (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize;
         let mut seen = vec![false; self.cfg.geometry.layers as usize];
         let mut inputs = Vec::with_capacity(groups.len());
@@ -125,23 +113,7 @@ impl CudaBackend {
                 q,
             });
         }
-        self.run_groups(&inputs)
-    }
-
-    /// Uploads checked layer groups, enqueues them in order (each after the previous one's
-    /// merge), waits and reads each group's output.
-    fn run_groups(&mut self, inputs: &[LayerInput]) -> Result<Vec<LayerOutput>> {
-        self.prepare(inputs)?;
-        self.record_step(0)?;
-        let mut at = 0;
-        for (gi, input) in inputs.iter().enumerate() {
-            let (b, nb) = (input.slots.len(), self.blocks_of(&input.ntok));
-            self.run_layer(input.layer, self.host_io(at), b, nb, gi > 0)?;
-            at += b;
-        }
-        self.record_step(1)?;
-        let layers: Vec<usize> = inputs.iter().map(|i| i.layer).collect();
-        let mut all = self.finish(&layers, at)?;
+        let mut all = self.run_inputs(&inputs)?;
         let hqd = (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize;
         let mut rows = all.out.chunks_exact(hqd);
         Ok(inputs
@@ -163,19 +135,9 @@ impl CudaBackend {
     /// Runs all layers (in order) for a batch of sessions with one synchronization at the end.
     pub fn decode_step(&mut self, items: &[StepItem<'_>]) -> Result<StepOutput> {
         let layers = self.cfg.geometry.layers as usize;
-        let per_layer = self.step_inputs(items)?;
-        self.prepare(&per_layer)?;
-        self.record_step(0)?;
         let b = items.len();
-        for (li, input) in per_layer.iter().enumerate() {
-            let nb = self.blocks_of(&input.ntok);
-            let io = self.host_io(li * b);
-            // Chained after the previous layer's merge on the main stream.
-            self.run_layer(input.layer, io, b, nb, li > 0)?;
-        }
-        self.record_step(1)?;
-        let all: Vec<usize> = (0..layers).collect();
-        let mut out = self.finish(&all, layers * b)?;
+        let per_layer = self.step_inputs(items)?;
+        let mut out = self.run_inputs(&per_layer)?;
         out.out = by_batch(
             &out.out,
             layers,
@@ -183,6 +145,23 @@ impl CudaBackend {
             (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize,
         );
         Ok(out)
+    }
+
+    /// Uploads checked layer inputs, enqueues them in order (each chained after the previous
+    /// one's merge on the main stream), waits, and reads the outputs in the call's order
+    /// ([input][batch][Hq x D]), statistics and timings.
+    fn run_inputs(&mut self, inputs: &[LayerInput]) -> Result<StepOutput> {
+        self.prepare(inputs)?;
+        self.record_step(0)?;
+        let mut at = 0;
+        for (i, input) in inputs.iter().enumerate() {
+            let (b, nb) = (input.slots.len(), self.blocks_of(&input.ntok));
+            self.run_layer(input.layer, self.host_io(at), b, nb, i > 0)?;
+            at += b;
+        }
+        self.record_step(1)?;
+        let layers: Vec<usize> = inputs.iter().map(|i| i.layer).collect();
+        self.finish(&layers, at)
     }
 
     /// Checks a step's batch and queries and splits them by layer: per layer, its index, the
@@ -221,7 +200,7 @@ impl CudaBackend {
 
     /// The buffers of a host-slice call's layer whose batch starts at entry `at` of the call
     /// (the dense per-call layout [`Self::prepare`] uploads).
-    pub(super) fn host_io(&self, at: usize) -> LayerIo {
+    fn host_io(&self, at: usize) -> LayerIo {
         let hqd = (self.cfg.geometry.q_heads * self.cfg.geometry.head_dim) as usize;
         LayerIo {
             sess: self.sess.at(at),
