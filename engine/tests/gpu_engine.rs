@@ -223,17 +223,26 @@ fn output_hashes(e: &mut InEngine, i: usize, session: u64) -> Vec<u64> {
         .collect()
 }
 
-/// The engine-process half of `two_engine_processes_share_one_arena_on_one_gpu`: attaches the
-/// sessions named in `KVTIER_ENGINE_CHILD` (`socket i:session ...`) and prints their hashes.
+/// The device of engine process number `i` of a test: one process per GPU, round robin (all on
+/// device 0 on a one-GPU host, so the same tests run there).
+fn device_of(i: usize) -> usize {
+    i % kvtier_kernels::cuda::device_count().max(1)
+}
+
+/// The engine-process half of `engine_processes_one_per_gpu_share_one_arena`: attaches the
+/// sessions named in `KVTIER_ENGINE_CHILD` (`socket device i:session ...`) on CUDA device
+/// `device` and prints their hashes.
 #[test]
-#[ignore = "run as a child process by two_engine_processes_share_one_arena_on_one_gpu"]
+#[ignore = "run as a child process by engine_processes_one_per_gpu_share_one_arena"]
 fn engine_child() {
     let Ok(spec) = std::env::var("KVTIER_ENGINE_CHILD") else {
         return;
     };
     let mut words = spec.split_whitespace();
     let socket = words.next().unwrap().to_owned();
-    let mut e = InEngine::connect(socket.as_ref(), 0, daemon_like_config()).unwrap();
+    let device: usize = words.next().unwrap().parse().unwrap();
+    let mut e = InEngine::connect(socket.as_ref(), device, daemon_like_config()).unwrap();
+    println!("device {device}");
     for w in words {
         let (i, s) = w.split_once(':').unwrap();
         let (i, s): (usize, u64) = (i.parse().unwrap(), s.parse().unwrap());
@@ -243,9 +252,12 @@ fn engine_child() {
     }
 }
 
+/// One tierd, one arena, two engine processes, each on its own GPU where the host has several
+/// (both on one GPU otherwise), each decoding its own sessions in place: every output is
+/// bit-identical to one engine on device 0 serving all four sessions.
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
-fn two_engine_processes_share_one_arena_on_one_gpu() {
+fn engine_processes_one_per_gpu_share_one_arena() {
     if !kvtier_kernels::cuda::device_available() {
         eprintln!("skipped: no CUDA device");
         return;
@@ -264,22 +276,27 @@ fn two_engine_processes_share_one_arena_on_one_gpu() {
             .collect()
     };
     // Two engine processes at once, two sessions each, over the same arena.
-    let spawn = |pairs: &[(usize, u64)]| {
-        let mut spec = d.path().to_str().unwrap().to_owned();
+    let spawn = |device: usize, pairs: &[(usize, u64)]| {
+        let mut spec = format!("{} {device}", d.path().to_str().unwrap());
         for (i, s) in pairs {
             spec.push_str(&format!(" {i}:{s}"));
         }
         spawn_child("engine_child", "KVTIER_ENGINE_CHILD", spec)
     };
     let children = [
-        spawn(&[(0, sessions[0]), (1, sessions[1])]),
-        spawn(&[(2, sessions[2]), (3, sessions[3])]),
+        spawn(device_of(0), &[(0, sessions[0]), (1, sessions[1])]),
+        spawn(device_of(1), &[(2, sessions[2]), (3, sessions[3])]),
     ];
     let mut seen = 0;
-    for child in children {
+    for (k, child) in children.into_iter().enumerate() {
         let out = child.wait_with_output().unwrap();
         assert!(out.status.success(), "an engine process failed");
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            stdout.contains(&format!("device {}", device_of(k))),
+            "engine process {k} ran on its device"
+        );
+        for line in stdout.lines() {
             let Some(at) = line.find("hashes ") else {
                 continue;
             };
@@ -293,6 +310,11 @@ fn two_engine_processes_share_one_arena_on_one_gpu() {
     assert_eq!(
         seen, 4,
         "every session answered by one of the two processes"
+    );
+    eprintln!(
+        "two engine processes on devices {} and {} == one engine, bit for bit",
+        device_of(0),
+        device_of(1)
     );
 }
 
@@ -317,8 +339,8 @@ fn hash_bits(v: &[f32]) -> u64 {
 }
 
 /// The engine-process half of `head_shards_in_separate_processes_equal_the_whole_engine`:
-/// `KVTIER_SHARD_CHILD` = `socket rank world i:session ...`; prints each layer's hash and
-/// keep-sets.
+/// `KVTIER_SHARD_CHILD` = `socket rank world i:session ...`; runs on device `device_of(rank)`
+/// and prints each layer's hash and keep-sets.
 #[test]
 #[ignore = "run as a child process by head_shards_in_separate_processes_equal_the_whole_engine"]
 fn shard_child() {
@@ -330,7 +352,9 @@ fn shard_child() {
     let rank: u32 = words.next().unwrap().parse().unwrap();
     let world: u32 = words.next().unwrap().parse().unwrap();
     let shard = HeadShard { rank, world };
-    let mut e = InEngine::connect_shard(socket.as_ref(), 0, daemon_like_config(), shard).unwrap();
+    let device = device_of(rank as usize);
+    let mut e =
+        InEngine::connect_shard(socket.as_ref(), device, daemon_like_config(), shard).unwrap();
     for w in words {
         let (i, s) = w.split_once(':').unwrap();
         let (i, s): (usize, u64) = (i.parse().unwrap(), s.parse().unwrap());
@@ -343,10 +367,10 @@ fn shard_child() {
 }
 
 /// Tensor parallelism over KV heads: engine processes that each attend a shard of every
-/// session's heads (2 and 4 shards of Qwen2.5-7B's 4 KV heads, all processes at once on one
-/// GPU, each with its own registration of the arena) give, per shard, the whole engine's
-/// keep-sets of those heads and its output for those query heads, bit for bit. A shard that
-/// does not divide the heads is a typed error.
+/// session's heads (2 and 4 shards of Qwen2.5-7B's 4 KV heads, all processes at once, rank r on
+/// GPU r mod the host's GPUs, each with its own registration of the arena) give, per shard, the
+/// whole engine's (on device 0) keep-sets of those heads and its output for those query heads,
+/// bit for bit. A shard that does not divide the heads is a typed error.
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn head_shards_in_separate_processes_equal_the_whole_engine() {
@@ -422,7 +446,8 @@ fn head_shards_in_separate_processes_equal_the_whole_engine() {
             }
         }
         assert_eq!(seen, world as usize * sessions.len() * GEO.layers as usize);
-        eprintln!("{world} head shards == the whole engine, bit for bit");
+        let devices: Vec<usize> = (0..world as usize).map(device_of).collect();
+        eprintln!("{world} head shards on devices {devices:?} == the whole engine, bit for bit");
     }
 }
 

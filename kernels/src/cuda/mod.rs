@@ -45,8 +45,8 @@ mod params;
 pub mod pinned;
 
 pub use backend::{
-    device_available, device_context, CudaBackend, DecodeItem, DenseKv, DeviceIo, DeviceKv,
-    LaunchMode, LayerOutput, LayerStats, LayerTiming, StepItem, StepOutput, Timing,
+    device_available, device_context, device_count, CudaBackend, DecodeItem, DenseKv, DeviceIo,
+    DeviceKv, LaunchMode, LayerOutput, LayerStats, LayerTiming, StepItem, StepOutput, Timing,
     FUSE_BELOW_HIT_SHARE,
 };
 pub use config::{bf16_outward, AttentionMath, CudaConfig, SummaryDtype};

@@ -36,11 +36,16 @@ mod tests;
 
 /// Is a CUDA driver with at least one device present? Never panics.
 pub fn device_available() -> bool {
+    device_count() > 0
+}
+
+/// CUDA devices present (0 without a driver). Never panics.
+pub fn device_count() -> usize {
     // SAFETY: only probes whether the shared library can be loaded.
     if !unsafe { sys::is_culib_present() } {
-        return false;
+        return 0;
     }
-    matches!(CudaContext::device_count(), Ok(n) if n > 0)
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
 }
 
 /// Retains device `ordinal`'s primary context, the one every backend on that device uses (so a
