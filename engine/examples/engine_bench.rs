@@ -8,10 +8,18 @@
 //! step moved over PCIe at 55.3 GB/s (gpu_bench's).
 //!
 //! Usage: engine_bench --socket PATH [--context 131072] [--ks 8,32] [--batches 1,8]
-//!                     [--steps 12] [--warmup 3]
+//!                     [--steps 12] [--warmup 3] [--device N]
+//!                     [--fill-only | --sessions ID,ID,...] [--barrier DIR:PARTIES]
 //! tierd must run with `host.shared = true` and enough `host.capacity` for max(batches)
 //! sessions of `context` tokens (58.7 KiB per token), and this process must be allowed to
 //! LEASE (an admin peer or tierd's own uid).
+//!
+//! Several GPUs (issue 23): `--fill-only` fills the sessions, prints their ids and leaves them
+//! in tierd; then one engine_bench per GPU (`--device N --sessions IDS`) decodes them at once,
+//! each leasing them and registering tierd's arena in its own process. `--barrier DIR:PARTIES`
+//! starts every measured cell in all the processes together (each waits until PARTIES files
+//! for the cell exist in DIR), so their steps overlap and their rates add up: tokens/s is
+//! batch / step, GB/s the bytes the step read over PCIe / step.
 
 use std::os::fd::AsFd;
 use std::path::PathBuf;
@@ -34,6 +42,10 @@ struct Args {
     batches: Vec<u32>,
     steps: usize,
     warmup: usize,
+    device: usize,
+    fill_only: bool,
+    sessions: Vec<u64>,
+    barrier: Option<(PathBuf, usize)>,
 }
 
 fn args() -> Result<Args, String> {
@@ -44,6 +56,10 @@ fn args() -> Result<Args, String> {
         batches: vec![1, 8],
         steps: 12,
         warmup: 3,
+        device: 0,
+        fill_only: false,
+        sessions: vec![],
+        barrier: None,
     };
     let mut it = std::env::args().skip(1);
     let list = |s: String| -> Result<Vec<u32>, String> {
@@ -60,13 +76,48 @@ fn args() -> Result<Args, String> {
             "--batches" => a.batches = list(v()?)?,
             "--steps" => a.steps = v()?.parse().map_err(|e| format!("{e}"))?,
             "--warmup" => a.warmup = v()?.parse().map_err(|e| format!("{e}"))?,
+            "--device" => a.device = v()?.parse().map_err(|e| format!("{e}"))?,
+            "--fill-only" => a.fill_only = true,
+            "--sessions" => {
+                a.sessions = v()?
+                    .split(',')
+                    .map(|x| x.parse().map_err(|e| format!("{x}: {e}")))
+                    .collect::<Result<_, _>>()?;
+            }
+            "--barrier" => {
+                let s = v()?;
+                let (dir, n) = s.split_once(':').ok_or("--barrier takes DIR:PARTIES")?;
+                a.barrier = Some((dir.into(), n.parse().map_err(|e| format!("{n}: {e}"))?));
+            }
             other => return Err(format!("unknown argument {other}")),
         }
     }
     if a.socket.as_os_str().is_empty() {
         return Err("--socket is required".into());
     }
+    if a.fill_only && !a.sessions.is_empty() {
+        return Err("--fill-only fills new sessions; --sessions names existing ones".into());
+    }
     Ok(a)
+}
+
+/// Waits until `parties` processes have reached cell `cell` (each leaves a file in `dir`).
+fn barrier(at: &Option<(PathBuf, usize)>, cell: &str) -> std::io::Result<()> {
+    let Some((dir, parties)) = at else {
+        return Ok(());
+    };
+    std::fs::write(dir.join(format!("{cell}.{}", std::process::id())), b"")?;
+    let prefix = format!("{cell}.");
+    loop {
+        let here = std::fs::read_dir(dir)?
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+            .count();
+        if here >= *parties {
+            return Ok(());
+        }
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -80,31 +131,31 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let n_blocks = a.context / geo.block_tokens;
     let max_batch = *a.batches.iter().max().ok_or("no batches")?;
     let mut c = Client::connect_as(&a.socket, "engine_bench")?;
-
-    // One chunk of random bf16 rows, appended to every session at every position.
-    let t0 = Instant::now();
-    let mut rng = Rng::new(0xbe7c);
-    let elems = CHUNK as usize * (geo.kv_heads * geo.head_dim) as usize * 2 * geo.layers as usize;
-    let payload = DType::Bf16.encode_vec(&rng.normals(elems));
-    let memfd = sealed_memfd(c"engine-bench", &payload)?;
-    let mut sessions = Vec::new();
-    for i in 0..max_batch {
-        let id = c.create_session(geo, Policy::default(), &format!("engine-bench-{i}"))?;
-        let mut at = 0;
-        while at < a.context {
-            c.append_kv_fd(id, at as u64, CHUNK, memfd.as_fd(), 0, payload.len() as u64)?;
-            at += CHUNK;
-        }
-        sessions.push(id);
+    let filled = a.sessions.is_empty();
+    let sessions = if filled {
+        fill(&mut c, geo, max_batch, a.context)?
+    } else if a.sessions.len() < max_batch as usize {
+        return Err(format!("batch {max_batch} needs {max_batch} --sessions").into());
+    } else {
+        a.sessions.clone()
+    };
+    if a.fill_only {
+        let ids: Vec<String> = sessions.iter().map(u64::to_string).collect();
+        println!("sessions {}", ids.join(","));
+        return Ok(());
     }
     println!(
-        "filled {max_batch} sessions x {} tokens in {:.1} s",
-        a.context,
-        t0.elapsed().as_secs_f64()
-    );
-    println!(
-        "{:>8} {:>3} {:>5} {:>5} {:>9} {:>9} {:>9} {:>6}",
-        "context", "k", "batch", "mode", "step_ms", "wall_ms", "floor_ms", "x_floor"
+        "{:>8} {:>3} {:>5} {:>5} {:>9} {:>9} {:>9} {:>6} {:>8} {:>6}",
+        "context",
+        "k",
+        "batch",
+        "mode",
+        "step_ms",
+        "wall_ms",
+        "floor_ms",
+        "x_floor",
+        "tok_s",
+        "GB_s"
     );
     let hqd = (geo.q_heads * geo.head_dim) as usize * geo.layers as usize;
     for &k in &a.ks {
@@ -115,22 +166,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         let cfg = CudaConfig::new(geo, policy, n_blocks + 8, max_batch, SummaryDtype::F32);
         let t1 = Instant::now();
-        let mut e = InEngine::connect(&a.socket, 0, cfg)?;
-        for &s in &sessions {
+        let mut e = InEngine::connect(&a.socket, a.device, cfg)?;
+        for &s in &sessions[..max_batch as usize] {
             e.attach(s)?;
         }
         e.set_timing(Timing::Step)?;
         println!(
-            "k={k}: leased, mapped, registered ({}) and synced {} sessions in {:.1} s",
+            "k={k}: device {}: leased, mapped, registered ({}) and synced {} sessions in {:.1} s",
+            a.device,
             match e.registered_read_only() {
                 Some(true) => "read-only",
                 _ => "read-write mapping",
             },
-            sessions.len(),
+            max_batch,
             t1.elapsed().as_secs_f64()
         );
         for &batch in &a.batches {
             for cold in [true, false] {
+                let mode = if cold { "cold" } else { "warm" };
+                barrier(&a.barrier, &format!("k{k}-b{batch}-{mode}"))?;
                 let mut qrng = Rng::new(0x51ed + k as u64 * 7 + batch as u64 * 131);
                 let mut qs: Vec<Vec<f32>> = (0..batch).map(|_| qrng.normals(hqd)).collect();
                 let (rho, s) = (0.9f32, (1.0f32 - 0.81).sqrt());
@@ -162,24 +216,59 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         bytes += out.stats.iter().map(|l| l.bytes_moved as f64).sum::<f64>();
                     }
                 }
-                let floor = bytes / a.steps as f64 / (PCIE_FLOOR_GBPS * 1e9) * 1e3;
+                let per_step = bytes / a.steps as f64;
+                let floor = per_step / (PCIE_FLOOR_GBPS * 1e9) * 1e3;
                 let step = median(&mut step_ms);
                 println!(
-                    "{:>8} {:>3} {:>5} {:>5} {:>9.3} {:>9.3} {:>9.3} {:>6.2}",
+                    "{:>8} {:>3} {:>5} {:>5} {:>9.3} {:>9.3} {:>9.3} {:>6.2} {:>8.1} {:>6.1}",
                     a.context,
                     k,
                     batch,
-                    if cold { "cold" } else { "warm" },
+                    mode,
                     step,
                     median(&mut wall_ms),
                     floor,
-                    step / floor
+                    step / floor,
+                    f64::from(batch) / step * 1e3,
+                    per_step / step / 1e6
                 );
             }
         }
     }
-    for s in sessions {
-        c.close(s)?;
+    if filled {
+        for s in sessions {
+            c.close(s)?;
+        }
     }
     Ok(())
+}
+
+/// Creates `n` sessions and appends `context` tokens to each: one chunk of random bf16 rows,
+/// appended at every position.
+fn fill(
+    c: &mut Client,
+    geo: Geometry,
+    n: u32,
+    context: u32,
+) -> Result<Vec<u64>, Box<dyn std::error::Error>> {
+    let t0 = Instant::now();
+    let mut rng = Rng::new(0xbe7c);
+    let elems = CHUNK as usize * (geo.kv_heads * geo.head_dim) as usize * 2 * geo.layers as usize;
+    let payload = DType::Bf16.encode_vec(&rng.normals(elems));
+    let memfd = sealed_memfd(c"engine-bench", &payload)?;
+    let mut sessions = Vec::new();
+    for i in 0..n {
+        let id = c.create_session(geo, Policy::default(), &format!("engine-bench-{i}"))?;
+        let mut at = 0;
+        while at < context {
+            c.append_kv_fd(id, at as u64, CHUNK, memfd.as_fd(), 0, payload.len() as u64)?;
+            at += CHUNK;
+        }
+        sessions.push(id);
+    }
+    println!(
+        "filled {n} sessions x {context} tokens in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(sessions)
 }
