@@ -208,8 +208,8 @@ pub struct GpuSettings {
     /// Bytes per cuMemHostRegister call when registering the arena (rounded down to whole
     /// frames, at least one).
     pub register_chunk: ByteSize,
-    /// How each layer's kernels are launched (docs/benchmarks.md, "Launch mode on the socket
-    /// path").
+    /// How each layer's kernels are launched (docs/benchmarks.md, "Coalesced steps of mixed
+    /// layers, and the launch mode").
     pub launch: LaunchSetting,
 }
 
@@ -239,7 +239,8 @@ impl Default for GpuSettings {
             cache_slots: 0,
             register_chunk: ByteSize(1 << 30),
             // The daemon's calls are small and hot, and host-bound: fused measured ahead of
-            // auto there (docs/benchmarks.md, "Launch mode on the socket path").
+            // auto there (docs/benchmarks.md, "Coalesced steps of mixed layers, and the
+            // launch mode").
             launch: LaunchSetting::Fused,
         }
     }

@@ -161,3 +161,29 @@ fn the_shipped_production_config_is_valid() {
     assert_eq!(cfg.log.format, LogFormat::Journald);
     assert_eq!(cfg.metrics.listen, None, "metrics are opt-in");
 }
+
+/// Every setting tierd has is written out in the shipped config, which is where operators
+/// read what they can set (README: "configs/tierd.toml documents every setting").
+#[test]
+fn the_shipped_production_config_names_every_setting() {
+    fn paths(t: &toml::Table, prefix: &str, out: &mut Vec<String>) {
+        for (k, v) in t {
+            match v {
+                toml::Value::Table(sub) => paths(sub, &format!("{prefix}{k}."), out),
+                _ => out.push(format!("{prefix}{k}")),
+            }
+        }
+    }
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/tierd.toml");
+    let shipped: toml::Table = std::fs::read_to_string(path).unwrap().parse().unwrap();
+    let (mut have, mut all) = (vec![], vec![]);
+    paths(&shipped, "", &mut have);
+    // Settings that default to none (server.socket_group, metrics.listen) serialize to nothing.
+    paths(
+        &toml::Table::try_from(Config::default()).unwrap(),
+        "",
+        &mut all,
+    );
+    let missing: Vec<&String> = all.iter().filter(|k| !have.contains(k)).collect();
+    assert!(missing.is_empty(), "configs/tierd.toml lacks {missing:?}");
+}
