@@ -18,7 +18,7 @@ def rate(devices, src, reps):
     """GB/s of `reps` copies of `src` to each of `devices`, all enqueued before any wait."""
     dsts = [torch.empty(src.numel(), dtype=src.dtype, device=f"cuda:{d}") for d in devices]
     streams = [torch.cuda.Stream(device=f"cuda:{d}") for d in devices]
-    for d, s, dst in zip(devices, streams, dsts):  # warm-up
+    for s, dst in zip(streams, dsts):  # warm-up
         with torch.cuda.stream(s):
             dst.copy_(src, non_blocking=True)
     for d in devices:

@@ -242,7 +242,6 @@ fn engine_child() {
     let socket = words.next().unwrap().to_owned();
     let device: usize = words.next().unwrap().parse().unwrap();
     let mut e = InEngine::connect(socket.as_ref(), device, daemon_like_config()).unwrap();
-    println!("device {device}");
     for w in words {
         let (i, s) = w.split_once(':').unwrap();
         let (i, s): (usize, u64) = (i.parse().unwrap(), s.parse().unwrap());
@@ -288,15 +287,10 @@ fn engine_processes_one_per_gpu_share_one_arena() {
         spawn(device_of(1), &[(2, sessions[2]), (3, sessions[3])]),
     ];
     let mut seen = 0;
-    for (k, child) in children.into_iter().enumerate() {
+    for child in children {
         let out = child.wait_with_output().unwrap();
         assert!(out.status.success(), "an engine process failed");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            stdout.contains(&format!("device {}", device_of(k))),
-            "engine process {k} ran on its device"
-        );
-        for line in stdout.lines() {
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
             let Some(at) = line.find("hashes ") else {
                 continue;
             };
