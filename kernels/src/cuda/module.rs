@@ -1,6 +1,7 @@
 //! Run-time compilation (NVRTC) of the kernel sources for one backend's geometry.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
@@ -63,7 +64,12 @@ fn arch_for(cc: (i32, i32)) -> Option<&'static str> {
     })
 }
 
+/// PTX already compiled in this process, by NVRTC options and architecture: backends of the
+/// same configuration (a daemon's decoder lanes) compile once (about a second each).
+type PtxMemo = Mutex<HashMap<(Vec<String>, Option<&'static str>), Ptx>>;
+
 fn nvrtc(cfg: &CudaConfig, derived: &Derived, arch: Option<&'static str>) -> Result<Ptx> {
+    static MEMO: OnceLock<PtxMemo> = OnceLock::new();
     // SAFETY: only probes whether the shared library can be loaded.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(CudaError::NoNvrtc);
@@ -72,6 +78,19 @@ fn nvrtc(cfg: &CudaConfig, derived: &Derived, arch: Option<&'static str>) -> Res
     if let Ok(extra) = std::env::var(EXTRA_OPTIONS_ENV) {
         options.extend(extra.split_whitespace().map(str::to_owned));
     }
+    let memo = MEMO.get_or_init(Default::default);
+    let key = (options, arch);
+    // A panic elsewhere while holding the lock leaves the map itself whole.
+    let lock = || memo.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(ptx) = lock().get(&key) {
+        return Ok(ptx.clone());
+    }
+    let ptx = compile_source(key.0.clone(), arch)?;
+    lock().insert(key, ptx.clone());
+    Ok(ptx)
+}
+
+fn compile_source(options: Vec<String>, arch: Option<&'static str>) -> Result<Ptx> {
     let opts = CompileOptions {
         arch,
         options,
