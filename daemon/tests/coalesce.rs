@@ -8,7 +8,15 @@ use common::{concurrent_steps as run, Daemon, Harness};
 
 #[test]
 fn concurrent_decodes_share_steps_and_each_answer_is_its_own() {
-    let d = Daemon::start(&["--set", "backend.coalesce=\"always\""]);
+    // One decoder lane (the default, named because it matters) where a GPU makes the backend
+    // CUDA: with four, two sessions per lane take turns (one's call runs while the other's
+    // reply travels) and rarely queue together.
+    let d = Daemon::start(&[
+        "--set",
+        "backend.coalesce=\"always\"",
+        "--set",
+        "backend.cuda.lanes=1",
+    ]);
     let s = run(&d, 8, 12);
     let layers = common::small_geometry().layers as u64;
     assert_eq!(s.requests, 8 * 12 * layers);

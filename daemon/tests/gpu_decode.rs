@@ -26,7 +26,7 @@ use tierd::gpu::{GpuDecoder, GpuError, GpuSettings};
 
 /// One step of `layer` (every entry's) on the device through the one decode step.
 fn gpu_step(
-    dec: &mut GpuDecoder,
+    dec: &GpuDecoder,
     layer: u32,
     entries: &mut [DecodeEntry<'_>],
     out: &mut [f32],
@@ -35,7 +35,13 @@ fn gpu_step(
     for e in entries.iter_mut() {
         e.layer = layer;
     }
-    decode_step(dec, entries, out, want_keep, &mut StageTimings::default())
+    decode_step(
+        &mut &*dec,
+        entries,
+        out,
+        want_keep,
+        &mut StageTimings::default(),
+    )
 }
 
 fn gpu() -> bool {
@@ -107,6 +113,8 @@ fn settings() -> GpuSettings {
         max_blocks: 64,
         // Batches of 8 are split into two device calls.
         max_batch: 4,
+        // One lane: every session's slot in one backend (lanes have their own test).
+        lanes: 1,
         ..GpuSettings::default()
     }
 }
@@ -129,7 +137,7 @@ fn random_kv(rng: &mut Rng, n: u64) -> Vec<u8> {
 }
 
 fn twin(
-    dec: &mut GpuDecoder,
+    dec: &GpuDecoder,
     ga: &HostArena,
     ca: &HostArena,
     id: u64,
@@ -181,7 +189,7 @@ fn batch_entry<'a>(
 /// cold blocks from `tier` when given: identical keep-sets, outputs within 2e-3, every
 /// keep-set block resident afterwards. Returns the GPU outputs, one per layer.
 fn step_both_cold(
-    dec: &mut GpuDecoder,
+    dec: &GpuDecoder,
     twins: &mut [Twin],
     rng: &mut Rng,
     tier: Option<&NvmeTier>,
@@ -274,7 +282,7 @@ fn step_both_cold(
 }
 
 /// [`step_both_cold`] for all-resident sessions on the device path; returns the cache hits.
-fn step_both(dec: &mut GpuDecoder, twins: &mut [Twin], rng: &mut Rng) -> u64 {
+fn step_both(dec: &GpuDecoder, twins: &mut [Twin], rng: &mut Rng) -> u64 {
     step_both_cold(dec, twins, rng, None)
         .iter()
         .map(|r| {
@@ -287,16 +295,16 @@ fn step_both(dec: &mut GpuDecoder, twins: &mut [Twin], rng: &mut Rng) -> u64 {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn batch_1_many_steps_match_the_cpu() {
-    let Some((ga, ca, mut dec)) = start(64) else {
+    let Some((ga, ca, dec)) = start(64) else {
         return;
     };
     println!("device: {}", dec.device_name());
     let mut rng = Rng::new(1);
     // 20 blocks + 9 tokens: 40 steps cross two block boundaries (top-k path throughout).
-    let mut twins = vec![twin(&mut dec, &ga, &ca, 7, 20 * 16 + 9, &mut rng)];
+    let mut twins = vec![twin(&dec, &ga, &ca, 7, 20 * 16 + 9, &mut rng)];
     let mut late_hits = 0;
     for s in 0..40 {
-        let h = step_both(&mut dec, &mut twins, &mut rng);
+        let h = step_both(&dec, &mut twins, &mut rng);
         if s > 0 {
             late_hits += h;
         }
@@ -309,7 +317,7 @@ fn batch_1_many_steps_match_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn batch_8_mixed_lengths_match_the_cpu() {
-    let Some((ga, ca, mut dec)) = start(128) else {
+    let Some((ga, ca, dec)) = start(128) else {
         return;
     };
     let mut rng = Rng::new(2);
@@ -327,11 +335,11 @@ fn batch_8_mixed_lengths_match_the_cpu() {
     let mut twins: Vec<Twin> = lens
         .iter()
         .enumerate()
-        .map(|(i, &n)| twin(&mut dec, &ga, &ca, 100 + i as u64, n, &mut rng))
+        .map(|(i, &n)| twin(&dec, &ga, &ca, 100 + i as u64, n, &mut rng))
         .collect();
     let mut late_hits = 0;
     for s in 0..20 {
-        let h = step_both(&mut dec, &mut twins, &mut rng);
+        let h = step_both(&dec, &mut twins, &mut rng);
         if s > 0 {
             late_hits += h;
         }
@@ -340,17 +348,93 @@ fn batch_8_mixed_lengths_match_the_cpu() {
     // A sub-batch in another order, after the full batch: the bookkeeping is per session.
     let mut sub: Vec<Twin> = vec![twins.remove(6), twins.remove(1)];
     for _ in 0..5 {
-        step_both(&mut dec, &mut sub, &mut rng);
+        step_both(&dec, &mut sub, &mut rng);
     }
     // Invalidate forces a full re-upload and an empty tile cache; results stay identical.
     dec.invalidate(sub[0].id).unwrap();
-    step_both(&mut dec, &mut sub, &mut rng);
+    step_both(&dec, &mut sub, &mut rng);
+}
+
+/// Four lanes of two slots: sessions are spread over them; a step whose batch spans every lane
+/// (one device call per lane, at once) and steps on each lane from its own thread, at the same
+/// time, all match the CPU; a full decoder refuses one more session until one closes.
+#[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
+fn lanes_spread_sessions_and_step_at_once_like_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    let (ga, ca) = (arena(128), arena(128));
+    let dec = GpuDecoder::new(
+        &ga,
+        &GpuSettings {
+            lanes: 4,
+            ..settings()
+        },
+    )
+    .unwrap();
+    assert_eq!(dec.lanes(), 4);
+    let mut rng = Rng::new(21);
+    let lens = [
+        13 * 16 + 1,
+        30 * 16 - 1,
+        40 * 16,
+        7,
+        45 * 16 + 3,
+        16,
+        21 * 16,
+        33 * 16 + 5,
+    ];
+    let mut twins: Vec<Twin> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| twin(&dec, &ga, &ca, 300 + i as u64, n, &mut rng))
+        .collect();
+    let lanes: Vec<usize> = twins.iter().map(|t| dec.lane_of(t.id).unwrap()).collect();
+    assert_eq!(lanes, [0, 1, 2, 3, 0, 1, 2, 3], "least loaded lane first");
+    // Full: every lane's two slots are taken.
+    assert!(matches!(
+        dec.open(399, &GEO, &POLICY),
+        Err(GpuError::SessionsFull { .. })
+    ));
+    assert!(!dec.is_open(399));
+    // One batch over all four lanes.
+    for _ in 0..6 {
+        step_both(&dec, &mut twins, &mut rng);
+    }
+    // Each lane's pair from its own thread, all at once.
+    let mut pairs: Vec<Vec<Twin>> = (0..4).map(|_| Vec::new()).collect();
+    for (t, l) in twins.into_iter().zip(lanes) {
+        pairs[l].push(t);
+    }
+    let hits: u64 = std::thread::scope(|sc| {
+        let handles: Vec<_> = pairs
+            .iter_mut()
+            .enumerate()
+            .map(|(l, pair)| {
+                let dec = &dec;
+                sc.spawn(move || {
+                    let mut rng = Rng::new(40 + l as u64);
+                    (0..10).map(|_| step_both(dec, pair, &mut rng)).sum::<u64>()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).sum()
+    });
+    assert!(hits > 0, "lanes keep their tile caches between steps");
+    // A slot freed on lane 2 takes the next session.
+    let gone = pairs[2].remove(0);
+    dec.close(gone.id).unwrap();
+    let back = twin(&dec, &ga, &ca, 400, 50, &mut rng);
+    assert_eq!(dec.lane_of(back.id), Some(2));
+    let mut all: Vec<Twin> = pairs.into_iter().flatten().chain([back]).collect();
+    step_both(&dec, &mut all, &mut rng);
 }
 
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn refusals_leave_sessions_unchanged() {
-    let Some((ga, ca, mut dec)) = start(64) else {
+    let Some((ga, ca, dec)) = start(64) else {
         return;
     };
     let mut rng = Rng::new(3);
@@ -369,7 +453,7 @@ fn refusals_leave_sessions_unchanged() {
     assert!(!dec.supports(&GEO, &no_topk));
     assert!(dec.supports(&GEO, &POLICY));
 
-    let mut t = twin(&mut dec, &ga, &ca, 5, 20 * 16, &mut rng);
+    let mut t = twin(&dec, &ga, &ca, 5, 20 * 16, &mut rng);
     assert!(matches!(
         dec.open(5, &GEO, &POLICY),
         Err(GpuError::AlreadyOpen { .. })
@@ -381,7 +465,7 @@ fn refusals_leave_sessions_unchanged() {
         .encode_vec(&rng.normals(GEO.kv_heads as usize * GEO.head_dim as usize));
     let mut out = vec![0f32; hqd];
     let pos = t.gpu.tokens(0).unwrap();
-    let mut run = |dec: &mut GpuDecoder, t: &mut Twin, session, position, q: &[f32], k: &[u8]| {
+    let mut run = |dec: &GpuDecoder, t: &mut Twin, session, position, q: &[f32], k: &[u8]| {
         let mut e = [DecodeEntry {
             session,
             layer: 0,
@@ -399,37 +483,37 @@ fn refusals_leave_sessions_unchanged() {
         Err(e) => format!("{:?}", e.root()),
         Ok(_) => panic!("accepted"),
     };
-    let e = root(run(&mut dec, &mut t, 99, pos, &q, &kv));
+    let e = root(run(&dec, &mut t, 99, pos, &q, &kv));
     assert!(
         e.starts_with("Unavailable") && e.contains("not open on the GPU"),
         "{e}"
     );
-    assert!(root(run(&mut dec, &mut t, 5, pos + 1, &q, &kv)).starts_with("Storage"));
-    assert!(root(run(&mut dec, &mut t, 5, pos, &q[1..], &kv)).starts_with("QuerySize"));
-    assert!(root(run(&mut dec, &mut t, 5, pos, &q, &kv[2..])).starts_with("Storage"));
+    assert!(root(run(&dec, &mut t, 5, pos + 1, &q, &kv)).starts_with("Storage"));
+    assert!(root(run(&dec, &mut t, 5, pos, &q[1..], &kv)).starts_with("QuerySize"));
+    assert!(root(run(&dec, &mut t, 5, pos, &q, &kv[2..])).starts_with("Storage"));
     let mut qn = q.clone();
     qn[3] = f32::NAN;
-    assert!(root(run(&mut dec, &mut t, 5, pos, &qn, &kv)).starts_with("NonFiniteQuery"));
+    assert!(root(run(&dec, &mut t, 5, pos, &qn, &kv)).starts_with("NonFiniteQuery"));
     // A cold block the keep-set needs (the sink always is) with no colder tier to read it
     // from: refused before the append.
     assert!(t.gpu.evict(0, 0));
-    let e = root(run(&mut dec, &mut t, 5, pos, &q, &kv));
+    let e = root(run(&dec, &mut t, 5, pos, &q, &kv));
     assert!(e.starts_with("Storage(NotResident { layer: 0"), "{e}");
     assert_eq!(t.gpu.tokens(0).unwrap(), pos, "nothing appended on refusal");
     // Capacity: a session longer than max_blocks is refused.
-    let mut long = twin(&mut dec, &ga, &ca, 6, 64 * 16, &mut rng);
-    let e = root(run(&mut dec, &mut long, 6, 64 * 16, &q, &kv));
+    let mut long = twin(&dec, &ga, &ca, 6, 64 * 16, &mut rng);
+    let e = root(run(&dec, &mut long, 6, 64 * 16, &q, &kv));
     assert!(
         e.starts_with("Unavailable") && e.contains("max_blocks"),
         "{e}"
     );
     assert_eq!(long.gpu.tokens(0).unwrap(), 64 * 16);
     assert!(matches!(
-        gpu_step(&mut dec, 0, &mut [], &mut out, false),
+        gpu_step(&dec, 0, &mut [], &mut out, false),
         Err(KernelError::EmptyBatch)
     ));
     // Duplicate session in one batch.
-    let mut a = twin(&mut dec, &ga, &ca, 8, 40, &mut rng);
+    let mut a = twin(&dec, &ga, &ca, 8, 40, &mut rng);
     let mut b = KvCache::new(GEO, ga.clone()).unwrap();
     b.append(0, 40, &random_kv(&mut rng, 40)).unwrap();
     let mut out2 = vec![0f32; 2 * hqd];
@@ -457,13 +541,13 @@ fn refusals_leave_sessions_unchanged() {
             cold: None,
         },
     ];
-    let e = gpu_step(&mut dec, 0, &mut dup, &mut out2, false).unwrap_err();
+    let e = gpu_step(&dec, 0, &mut dup, &mut out2, false).unwrap_err();
     assert!(
         matches!(&e, KernelError::Unavailable { reason } if reason.contains("appears twice")),
         "{e}"
     );
     assert!(matches!(
-        gpu_step(&mut dec, 0, &mut dup[..1], &mut out2, false),
+        gpu_step(&dec, 0, &mut dup[..1], &mut out2, false),
         Err(KernelError::OutputSize { .. })
     ));
     assert_eq!(a.gpu.tokens(0).unwrap(), 40);
@@ -533,7 +617,7 @@ fn demote(tier: &NvmeTier, t: &mut Twin) -> usize {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn sessions_on_nvme_decode_on_the_gpu_like_the_cpu_over_ram() {
-    let Some((_dir, tier, ga, ca, mut dec)) = start_with_tier(128) else {
+    let Some((_dir, tier, ga, ca, dec)) = start_with_tier(128) else {
         return;
     };
     let mut rng = Rng::new(4);
@@ -543,14 +627,14 @@ fn sessions_on_nvme_decode_on_the_gpu_like_the_cpu_over_ram() {
     let mut twins: Vec<Twin> = lens
         .iter()
         .enumerate()
-        .map(|(i, &n)| twin(&mut dec, &ga, &ca, 300 + i as u64, n, &mut rng))
+        .map(|(i, &n)| twin(&dec, &ga, &ca, 300 + i as u64, n, &mut rng))
         .collect();
     // Warm the device state and tile caches first, so demotion leaves mappings and cached
     // tiles of blocks that are now cold.
     for _ in 0..3 {
-        step_both(&mut dec, &mut twins, &mut rng);
+        step_both(&dec, &mut twins, &mut rng);
     }
-    let round = |dec: &mut GpuDecoder, twins: &mut [Twin], rng: &mut Rng| {
+    let round = |dec: &GpuDecoder, twins: &mut [Twin], rng: &mut Rng| {
         for t in twins.iter_mut().take(4) {
             // Blocks a previous round left cold keep their pages; the rest go now.
             let resident = t.gpu.frames();
@@ -583,35 +667,35 @@ fn sessions_on_nvme_decode_on_the_gpu_like_the_cpu_over_ram() {
         assert!(promoted > 0 && hits > 0, "promoted {promoted}, hits {hits}");
         eprintln!("round: {promoted} blocks promoted, {hits} GPU tile-cache hits");
     };
-    round(&mut dec, &mut twins, &mut rng);
+    round(&dec, &mut twins, &mut rng);
     // Again, after the appended tokens made the tails and new blocks resident.
-    round(&mut dec, &mut twins, &mut rng);
+    round(&dec, &mut twins, &mut rng);
 }
 
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn a_device_selection_of_a_cold_block_is_answered_on_the_cpu() {
-    let Some((_dir, tier, ga, ca, mut dec)) = start_with_tier(64) else {
+    let Some((_dir, tier, ga, ca, dec)) = start_with_tier(64) else {
         return;
     };
     let mut rng = Rng::new(5);
     let mut twins = vec![
-        twin(&mut dec, &ga, &ca, 40, 35 * 16 + 5, &mut rng),
-        twin(&mut dec, &ga, &ca, 41, 20 * 16, &mut rng),
+        twin(&dec, &ga, &ca, 40, 35 * 16 + 5, &mut rng),
+        twin(&dec, &ga, &ca, 41, 20 * 16, &mut rng),
     ];
-    step_both(&mut dec, &mut twins, &mut rng);
+    step_both(&dec, &mut twins, &mut rng);
     demote(&tier, &mut twins[0]);
     // The device is handed a layer whose keep-set still has cold blocks (mapped to the zero
     // frame): the check must catch it, the CPU answer the call and read those blocks.
     dec.fault_leave_cold(2);
-    let r = step_both_cold(&mut dec, &mut twins, &mut rng, Some(&tier));
+    let r = step_both_cold(&dec, &mut twins, &mut rng, Some(&tier));
     assert!(r[0].cpu_fallback, "layer 0 answered on the CPU");
     assert_eq!(r[0].cold_divergences, 1, "only the cold session diverged");
     assert!(!r[1].cpu_fallback, "the fault covers one step only");
     // The diverging session's device state was dropped (its tile cache may hold zero tiles):
     // later steps are exact on the device again.
     for _ in 0..6 {
-        for r in step_both_cold(&mut dec, &mut twins, &mut rng, Some(&tier)) {
+        for r in step_both_cold(&dec, &mut twins, &mut rng, Some(&tier)) {
             assert!(!r.cpu_fallback);
             assert_eq!(r.cold_divergences, 0);
         }
@@ -621,11 +705,11 @@ fn a_device_selection_of_a_cold_block_is_answered_on_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn a_failed_nvme_read_refuses_the_step_and_changes_nothing() {
-    let Some((_dir, tier, ga, ca, mut dec)) = start_with_tier(64) else {
+    let Some((_dir, tier, ga, ca, dec)) = start_with_tier(64) else {
         return;
     };
     let mut rng = Rng::new(6);
-    let mut t = twin(&mut dec, &ga, &ca, 50, 30 * 16 + 4, &mut rng);
+    let mut t = twin(&dec, &ga, &ca, 50, 30 * 16 + 4, &mut rng);
     demote(&tier, &mut t);
     let hqd = (GEO.q_heads * GEO.head_dim) as usize;
     let q = rng.normals(hqd);
@@ -636,7 +720,7 @@ fn a_failed_nvme_read_refuses_the_step_and_changes_nothing() {
     let pos = t.gpu.tokens(0).unwrap();
     let mut attempt = |t: &mut Twin, cold: Option<&dyn ColdSource>| {
         gpu_step(
-            &mut dec,
+            &dec,
             0,
             &mut [DecodeEntry {
                 session: 50,
@@ -686,12 +770,7 @@ fn a_failed_nvme_read_refuses_the_step_and_changes_nothing() {
     assert_eq!(t.gpu.frames(), 0, "nothing read, nothing appended");
     // The right pages: the step goes through and matches the CPU from here on.
     for _ in 0..3 {
-        for r in step_both_cold(
-            &mut dec,
-            std::slice::from_mut(&mut t),
-            &mut rng,
-            Some(&tier),
-        ) {
+        for r in step_both_cold(&dec, std::slice::from_mut(&mut t), &mut rng, Some(&tier)) {
             assert!(!r.cpu_fallback);
         }
     }

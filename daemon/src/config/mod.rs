@@ -197,8 +197,15 @@ pub struct GpuSettings {
     pub device: usize,
     /// Distinct (geometry, policy) backends at most; each holds its own device state.
     pub max_backends: usize,
-    /// Sessions per backend with device state.
+    /// Sessions per (geometry, policy) with device state, over all lanes.
     pub max_sessions: u32,
+    /// Decoders on the device, each with its own streams, buffers and share of the session
+    /// slots, so that the steps of sessions placed on different lanes run at once (a session
+    /// stays on the lane it was opened on; requests of one lane are still coalesced). At most
+    /// `max_sessions`. More lanes serve clients that decode one session per connection faster,
+    /// and clients that batch their sessions into one DECODE slower, so the default is one
+    /// (docs/benchmarks.md, "Decoder lanes").
+    pub lanes: u32,
     /// Blocks per session layer at most (context capacity = max_blocks x block_tokens).
     pub max_blocks: u32,
     /// Sessions per device call; larger batches are split.
@@ -233,6 +240,7 @@ impl Default for GpuSettings {
             device: 0,
             max_backends: 2,
             max_sessions: 8,
+            lanes: 1,
             // 1M tokens at B = 128.
             max_blocks: 8192,
             max_batch: 8,
@@ -707,6 +715,7 @@ impl Config {
         for (field, v) in [
             ("backend.cuda.max_backends", c.max_backends as u64),
             ("backend.cuda.max_sessions", c.max_sessions as u64),
+            ("backend.cuda.lanes", c.lanes as u64),
             ("backend.cuda.max_blocks", c.max_blocks as u64),
             ("backend.cuda.max_batch", c.max_batch as u64),
             ("backend.cuda.register_chunk", c.register_chunk.0),
@@ -714,6 +723,16 @@ impl Config {
             if v == 0 {
                 return bad(field, "must be at least 1".into());
             }
+        }
+        if c.lanes > c.max_sessions {
+            return bad(
+                "backend.cuda.lanes",
+                format!(
+                    "must be at most backend.cuda.max_sessions ({}): each lane holds at least one \
+                     session slot, got {}",
+                    c.max_sessions, c.lanes
+                ),
+            );
         }
         if let Some(addr) = self.metrics.listen {
             if !addr.ip().is_loopback() && !self.metrics.allow_remote {

@@ -110,6 +110,17 @@ fn cuda_section_layers_and_validates() {
     assert!(e.contains("backend.cuda.max_batch"), "{e}");
     let e = load_err("[backend.cuda]\nmax_batchez = 1\n", &[], &[]);
     assert!(e.contains("max_batchez"), "{e}");
+    assert_eq!(s.lanes, 1, "default kept");
+    let e = load_err("[backend.cuda]\nlanes = 0\n", &[], &[]);
+    assert!(
+        e.contains("backend.cuda.lanes") && e.contains("at least 1"),
+        "{e}"
+    );
+    let e = load_err("[backend.cuda]\nmax_sessions = 2\nlanes = 3\n", &[], &[]);
+    assert!(
+        e.contains("backend.cuda.lanes") && e.contains("at most"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -141,7 +141,7 @@ impl Engine {
             if let Err(e) = self.persist_locked(s, &mut st) {
                 st.kv.truncate(start);
                 if let Some(gpu) = &self.gpu {
-                    let _ = gpu.lock().invalidate(s.id);
+                    let _ = gpu.invalidate(s.id);
                 }
                 return Err(ServiceError::new(
                     e.code,
@@ -159,8 +159,8 @@ impl Engine {
     }
 
     /// One decode step of `layer` for every entry (a batch when several). All-or-nothing.
-    /// With `backend.coalesce` (on with a GPU), concurrent requests run as one step, one
-    /// device call, whatever their layers.
+    /// With `backend.coalesce` (on with a GPU), concurrent requests of one decoder lane run as
+    /// one step, one device call, whatever their layers.
     pub fn decode(
         &self,
         peer: &Peer,
@@ -172,10 +172,16 @@ impl Engine {
         if !self.limits.coalesce {
             return self.run_jobs(&[&job]).map(|mut r| r.remove(0));
         }
-        self.coalescer
-            .submit(job.into_owned(), &|jobs| self.run_coalesced(jobs), &|| {
-                Err(ServiceError::internal("the coalesced decode call failed"))
-            })
+        // Any request can join any batch (a batch's step locks the lanes of its sessions);
+        // by lane they run at once.
+        let lane = self
+            .gpu
+            .as_ref()
+            .and_then(|g| g.lane_of(job.sessions[0].id))
+            .unwrap_or(0);
+        self.coalescers[lane].submit(job.into_owned(), &|jobs| self.run_coalesced(jobs), &|| {
+            Err(ServiceError::internal("the coalesced decode call failed"))
+        })
     }
 
     /// Checks a request (sessions, reply bound, duplicates) and takes its data.
@@ -350,14 +356,10 @@ impl Engine {
                     cold: src.as_ref().map(|c| c as &dyn ColdSource),
                 })
                 .collect();
-            let r = match (&self.gpu, on_gpu) {
-                (Some(gpu), true) => decode_step(
-                    &mut *gpu.lock(),
-                    &mut batch,
-                    &mut out,
-                    want_stats,
-                    &mut timings,
-                ),
+            let r = match (self.gpu.as_ref(), on_gpu) {
+                (Some(mut gpu), true) => {
+                    decode_step(&mut gpu, &mut batch, &mut out, want_stats, &mut timings)
+                }
                 _ => decode_step(&mut Cpu, &mut batch, &mut out, false, &mut timings),
             };
             drop(batch);
@@ -502,9 +504,8 @@ impl Engine {
     /// Opens a session on the GPU when the CUDA path supports it (else it stays on the CPU).
     pub(super) fn gpu_open(&self, id: u64, geometry: &Geometry, policy: &Policy) {
         if let Some(gpu) = &self.gpu {
-            let mut g = gpu.lock();
-            if g.supports(geometry, policy) {
-                if let Err(e) = g.open(id, geometry, policy) {
+            if gpu.supports(geometry, policy) {
+                if let Err(e) = gpu.open(id, geometry, policy) {
                     tracing::info!(session = id, error = %e, "session stays on the CPU backend");
                 }
             }

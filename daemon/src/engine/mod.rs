@@ -133,9 +133,10 @@ pub struct Engine {
     /// The CUDA decode path, for the sessions it supports (cold blocks a step needs are
     /// promoted first); everything else (and any GPU failure, which happens before the step
     /// changes anything) runs on the CPU backend.
-    gpu: Option<Mutex<GpuDecoder>>,
-    /// Concurrent DECODEs (of any layers), run as one device call.
-    coalescer: coalesce::Coalescer<decode::Job<'static>, ServiceResult<DecodeReply>>,
+    gpu: Option<GpuDecoder>,
+    /// Concurrent DECODEs (of any layers), run as one device call: one coalescer per decoder
+    /// lane (a request goes to its first session's lane), so lanes run their calls at once.
+    coalescers: Vec<coalesce::Coalescer<decode::Job<'static>, ServiceResult<DecodeReply>>>,
     prefetcher: Option<crate::prefetch::Prefetcher>,
     sessions: RwLock<HashMap<u64, Arc<Session>>>,
     /// Each uid's frames in the host tier, capped by `host_share_per_uid`; shared by its
@@ -203,8 +204,10 @@ impl Engine {
             limits,
             arena,
             tier,
-            gpu: gpu.map(Mutex::new),
-            coalescer: Default::default(),
+            coalescers: (0..gpu.as_ref().map_or(1, GpuDecoder::lanes))
+                .map(|_| Default::default())
+                .collect(),
+            gpu,
             prefetcher,
             sessions: RwLock::new(HashMap::new()),
             host_quotas: Mutex::new(HashMap::new()),
@@ -514,9 +517,8 @@ impl Engine {
             self.sessions.write().remove(&id);
         }
         if let Some(gpu) = &self.gpu {
-            let mut g = gpu.lock();
-            if g.is_open(id) {
-                let _ = g.close(id);
+            if gpu.is_open(id) {
+                let _ = gpu.close(id);
             }
         }
         Ok(())

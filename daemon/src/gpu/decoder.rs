@@ -1,9 +1,12 @@
-//! The CUDA decoder (feature `cuda`): device state per (geometry, policy) backend, the delta
-//! uploads of each step, the cold-block plan and the CPU answer after a device failure (see
-//! the module docs of [`super`]).
+//! The CUDA decoder (feature `cuda`): lanes of device state per (geometry, policy) backend,
+//! the delta uploads of each step, the cold-block plan and the CPU answer after a device
+//! failure (see the module docs of [`super`]).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use kvtier_kernels::cuda::{
     device_context, CudaBackend, CudaConfig, CudaError, DecodeItem, LaunchMode, PinnedRegion,
@@ -11,7 +14,7 @@ use kvtier_kernels::cuda::{
 };
 use kvtier_kernels::select::KeepSet;
 use kvtier_kernels::{Appended, Attended, Backend, DecodeEntry, KernelError};
-use kvtier_storage::{Frame, Geometry, HostArena, LayerView, Policy};
+use kvtier_storage::{Frame, Geometry, HostArena, KvCache, LayerView, Policy};
 
 pub use kvtier_kernels::cuda::device_available;
 
@@ -46,20 +49,34 @@ struct DeviceBackend {
     free_slots: Vec<u32>,
 }
 
-/// The CUDA decode path for one arena (see the module docs). Not `Sync`: the engine keeps it
-/// behind a mutex, so device calls are serialised.
-pub struct GpuDecoder {
+/// One decoder on the device: its own backends (streams, call buffers) and its share of the
+/// session slots. A lane runs one device call at a time; lanes run theirs at once.
+struct Lane {
+    /// The decoder's settings with this lane's share of `max_sessions`.
     settings: GpuSettings,
-    device_name: String,
     backends: Vec<DeviceBackend>,
     sessions: HashMap<u64, GpuSession>,
-    /// Zero-filled frame every cold block is mapped to on the device; never written, held for
-    /// the decoder's life so its address is never reused while the device may read it.
-    zero: Frame,
-    /// Testing aid ([`GpuDecoder::fault_leave_cold`]): keep-set blocks to leave unpromoted.
-    leave_cold: u32,
     region: Arc<PinnedRegion>,
-    /// Keeps the registered mapping alive until `region` (declared above) is unregistered.
+    /// Arena offset of the decoder's zero frame.
+    zero: u64,
+}
+
+/// The CUDA decode path for one arena (see the module docs): `Sync`, each lane behind its own
+/// lock, so the steps of sessions on different lanes run at once.
+pub struct GpuDecoder {
+    device_name: String,
+    lanes: Vec<Mutex<Lane>>,
+    /// The lane each open session is on. Never locked while waiting for a lane.
+    placement: Mutex<HashMap<u64, usize>>,
+    /// Testing aid ([`GpuDecoder::fault_leave_cold`]): keep-set blocks to leave unpromoted.
+    leave_cold: AtomicU32,
+    /// Zero-filled frame every cold block is mapped to on the device (lanes hold its offset);
+    /// never written, held for the decoder's life so its address is never reused while the
+    /// device may read it.
+    _zero: Frame,
+    /// The registration, also held by every lane's backends: unregistered after the last.
+    _region: Arc<PinnedRegion>,
+    /// Keeps the registered mapping alive until `_region` (declared above) is unregistered.
     _arena: HostArena,
 }
 
@@ -67,15 +84,17 @@ impl std::fmt::Debug for GpuDecoder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuDecoder")
             .field("device", &self.device_name)
-            .field("backends", &self.backends.len())
-            .field("sessions", &self.sessions.len())
+            .field("lanes", &self.lanes.len())
+            .field("sessions", &self.placement.lock().len())
             .finish()
     }
 }
 
 impl GpuDecoder {
     /// Opens device `cfg.device` and registers the whole arena with it. One decoder per arena:
-    /// a second registration of the same memory fails ([`CudaError::Pin`]).
+    /// a second registration of the same memory fails ([`CudaError::Pin`]). `cfg.lanes`
+    /// lanes (at least 1, at most `cfg.max_sessions`) share the registration and the session
+    /// slots; each creates its backends when its first session of a (geometry, policy) opens.
     pub fn new(arena: &HostArena, cfg: &GpuSettings) -> Result<Self, GpuError> {
         let unsupported = |reason: String| GpuError::Unsupported { reason };
         if cfg.max_backends == 0 {
@@ -92,28 +111,45 @@ impl GpuDecoder {
         let seg = arena.segment_bytes();
         let chunk = (cfg.register_chunk.0 as usize / seg).max(1) * seg;
         // SAFETY: [base, base + len) is the arena's live anonymous mapping; `self.arena` (a
-        // clone sharing it) is dropped after `self.region`, so the mapping outlives the
-        // registration. The pointer is only used by the driver and the device, which read
-        // frames while the decoder holds the owning sessions' `&mut KvCache`.
+        // clone sharing it) is dropped after `self.region` and every lane's clone of it
+        // (lanes are declared first), so the mapping outlives the registration. The pointer is
+        // only used by the driver and the device, which read frames while a lane holds the
+        // owning sessions' `&mut KvCache`.
         let region = unsafe { PinnedRegion::register_chunked(&ctx, base.cast_mut(), len, chunk) }?;
+        let region = Arc::new(region);
         // Taken after the registration succeeded, so a failed start holds no frame.
         // Cold blocks map here: as large as the largest run, so any session's read of a
         // cold-mapped block stays inside it.
         let zero = arena.alloc(arena.max_run_bytes())?;
+        let lanes = lane_slots(cfg.max_sessions, cfg.lanes)
+            .into_iter()
+            .map(|max_sessions| {
+                Mutex::new(Lane {
+                    settings: GpuSettings {
+                        max_sessions,
+                        ..cfg.clone()
+                    },
+                    backends: Vec::new(),
+                    sessions: HashMap::new(),
+                    region: region.clone(),
+                    zero: zero.offset() as u64,
+                })
+            })
+            .collect::<Vec<_>>();
         tracing::info!(
             device = %device_name,
             pinned = len,
             chunks = region.chunk_count(),
+            lanes = lanes.len(),
             "cuda: host arena registered"
         );
         Ok(GpuDecoder {
-            settings: cfg.clone(),
             device_name,
-            backends: Vec::new(),
-            sessions: HashMap::new(),
-            zero,
-            leave_cold: 0,
-            region: Arc::new(region),
+            lanes,
+            placement: Mutex::new(HashMap::new()),
+            leave_cold: AtomicU32::new(0),
+            _zero: zero,
+            _region: region,
             _arena: arena.clone(),
         })
     }
@@ -123,15 +159,134 @@ impl GpuDecoder {
         &self.device_name
     }
 
+    /// How many lanes the decoder runs (steps on different lanes run at once).
+    pub fn lanes(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// The lane `session` is open on, if it is open here.
+    pub fn lane_of(&self, session: u64) -> Option<usize> {
+        self.placement.lock().get(&session).copied()
+    }
+
     /// Testing aid, the only way to reach the divergence check: on the next step with cold
     /// blocks, up to `blocks` cold keep-set blocks per entry (the last ones) stay cold through
     /// the device step, as if the device had selected blocks the CPU did not. Not for
     /// production use.
     #[doc(hidden)]
-    pub fn fault_leave_cold(&mut self, blocks: u32) {
-        self.leave_cold = blocks;
+    pub fn fault_leave_cold(&self, blocks: u32) {
+        self.leave_cold.store(blocks, Ordering::Relaxed);
     }
 
+    /// Why sessions of this (geometry, policy) cannot run on the GPU, if they cannot: the
+    /// kernels cannot run it, or no lane has its backend or room for one.
+    pub fn check_support(&self, geo: &Geometry, policy: &Policy) -> Result<(), GpuError> {
+        let mut last = Ok(());
+        for lane in &self.lanes {
+            last = lane.lock().check_support(geo, policy);
+            if last.is_ok() {
+                break;
+            }
+        }
+        last
+    }
+
+    /// Whether sessions of this (geometry, policy) can run on the GPU.
+    pub fn supports(&self, geo: &Geometry, policy: &Policy) -> bool {
+        self.check_support(geo, policy).is_ok()
+    }
+
+    /// Gives session `session` device state on the least loaded lane that can take it
+    /// (creating that lane's backend on first use). On error the session stays on the CPU
+    /// path; the reason is logged.
+    pub fn open(&self, session: u64, geo: &Geometry, policy: &Policy) -> Result<(), GpuError> {
+        let r = self.open_inner(session, geo, policy);
+        if let Err(e) = &r {
+            tracing::info!(session, error = %e, "cuda: session stays on the CPU path");
+        }
+        r
+    }
+
+    fn open_inner(&self, session: u64, geo: &Geometry, policy: &Policy) -> Result<(), GpuError> {
+        let order = {
+            let placement = self.placement.lock();
+            if placement.contains_key(&session) {
+                return Err(GpuError::AlreadyOpen { session });
+            }
+            let mut load = vec![0usize; self.lanes.len()];
+            for &l in placement.values() {
+                load[l] += 1;
+            }
+            let mut order: Vec<usize> = (0..self.lanes.len()).collect();
+            order.sort_by_key(|&l| (load[l], l));
+            order
+        };
+        let mut last = Err(GpuError::Unsupported {
+            reason: "no lane".into(),
+        });
+        for l in order {
+            let mut lane = self.lanes[l].lock();
+            last = lane.open(session, geo, policy);
+            match &last {
+                Ok(()) => {
+                    self.placement.lock().insert(session, l);
+                    return Ok(());
+                }
+                // Another lane may have a free slot, or room for this backend.
+                Err(GpuError::SessionsFull { .. } | GpuError::Unsupported { .. }) => {}
+                Err(_) => return last,
+            }
+        }
+        last
+    }
+
+    /// Releases the session's device state.
+    pub fn close(&self, session: u64) -> Result<(), GpuError> {
+        let l = self
+            .placement
+            .lock()
+            .remove(&session)
+            .ok_or(GpuError::UnknownSession { session })?;
+        self.lanes[l].lock().close(session)
+    }
+
+    /// Whether `session` is open on the GPU.
+    pub fn is_open(&self, session: u64) -> bool {
+        self.lane_of(session).is_some()
+    }
+
+    /// Forgets what the device holds for `session` (call after truncating its cache): the
+    /// next decode re-uploads everything and its GPU tile cache starts empty.
+    pub fn invalidate(&self, session: u64) -> Result<(), GpuError> {
+        let l = self
+            .lane_of(session)
+            .ok_or(GpuError::UnknownSession { session })?;
+        self.lanes[l].lock().invalidate(session)
+    }
+
+    /// Per lane, the indices of the entries whose sessions are on it (lanes in ascending
+    /// order); the index and error of an entry not open here.
+    fn by_lane(
+        &self,
+        sessions: impl Iterator<Item = u64>,
+    ) -> Result<Vec<LaneEntries>, (usize, GpuError)> {
+        let placement = self.placement.lock();
+        let mut lanes: Vec<LaneEntries> = Vec::new();
+        for (i, session) in sessions.enumerate() {
+            let l = *placement
+                .get(&session)
+                .ok_or((i, GpuError::UnknownSession { session }))?;
+            match lanes.iter_mut().find(|g| g.0 == l) {
+                Some(g) => g.1.push(i),
+                None => lanes.push((l, vec![i])),
+            }
+        }
+        lanes.sort_by_key(|g| g.0);
+        Ok(lanes)
+    }
+}
+
+impl Lane {
     /// The backend configuration a (geometry, policy) would run with, validated.
     fn config_for(&self, geo: &Geometry, policy: &Policy) -> Result<CudaConfig, GpuError> {
         let s = &self.settings;
@@ -165,8 +320,8 @@ impl GpuDecoder {
             .position(|b| b.geometry == *geo && b.policy == *policy)
     }
 
-    /// Why sessions of this (geometry, policy) cannot run on the GPU, if they cannot.
-    pub fn check_support(&self, geo: &Geometry, policy: &Policy) -> Result<(), GpuError> {
+    /// Why sessions of this (geometry, policy) cannot run on this lane, if they cannot.
+    fn check_support(&self, geo: &Geometry, policy: &Policy) -> Result<(), GpuError> {
         self.config_for(geo, policy)
             .map_err(|e| GpuError::Unsupported {
                 reason: e.to_string(),
@@ -184,27 +339,7 @@ impl GpuDecoder {
         Ok(())
     }
 
-    /// Whether sessions of this (geometry, policy) can run on the GPU.
-    pub fn supports(&self, geo: &Geometry, policy: &Policy) -> bool {
-        self.check_support(geo, policy).is_ok()
-    }
-
-    /// Gives session `session` device state (creating its backend on first use). On error the
-    /// session stays on the CPU path; the reason is logged.
-    pub fn open(&mut self, session: u64, geo: &Geometry, policy: &Policy) -> Result<(), GpuError> {
-        let r = self.open_inner(session, geo, policy);
-        if let Err(e) = &r {
-            tracing::info!(session, error = %e, "cuda: session stays on the CPU path");
-        }
-        r
-    }
-
-    fn open_inner(
-        &mut self,
-        session: u64,
-        geo: &Geometry,
-        policy: &Policy,
-    ) -> Result<(), GpuError> {
+    fn open(&mut self, session: u64, geo: &Geometry, policy: &Policy) -> Result<(), GpuError> {
         if self.sessions.contains_key(&session) {
             return Err(GpuError::AlreadyOpen { session });
         }
@@ -251,8 +386,7 @@ impl GpuDecoder {
         Ok(())
     }
 
-    /// Releases the session's device state.
-    pub fn close(&mut self, session: u64) -> Result<(), GpuError> {
+    fn close(&mut self, session: u64) -> Result<(), GpuError> {
         let s = self
             .sessions
             .remove(&session)
@@ -263,14 +397,7 @@ impl GpuDecoder {
         Ok(())
     }
 
-    /// Whether `session` is open on the GPU.
-    pub fn is_open(&self, session: u64) -> bool {
-        self.sessions.contains_key(&session)
-    }
-
-    /// Forgets what the device holds for `session` (call after truncating its cache): the
-    /// next decode re-uploads everything and its GPU tile cache starts empty.
-    pub fn invalidate(&mut self, session: u64) -> Result<(), GpuError> {
+    fn invalidate(&mut self, session: u64) -> Result<(), GpuError> {
         let s = self
             .sessions
             .get_mut(&session)
@@ -286,31 +413,52 @@ impl GpuDecoder {
             }
         }
     }
-    /// Syncs the batch's layer state to the device and runs it: one device call per backend
+
+    /// The checks of [`Backend::check`] for one entry of this lane.
+    fn check(&self, e: &DecodeEntry<'_>, max_blocks: u32) -> Result<(), GpuError> {
+        let s = self
+            .sessions
+            .get(&e.session)
+            .ok_or(GpuError::UnknownSession { session: e.session })?;
+        if *e.kv.geometry() != s.geometry || e.policy != s.policy {
+            return Err(GpuError::GeometryMismatch { session: e.session });
+        }
+        let after = e.kv.geometry().blocks_for(e.position + 1);
+        if after > max_blocks as u64 {
+            return Err(GpuError::TooManyBlocks {
+                layer: e.layer,
+                blocks: after,
+                max: max_blocks,
+            });
+        }
+        Ok(())
+    }
+
+    /// Syncs the items' layer state to the device and runs them: one device call per backend
     /// (each of its layers a group; more calls only when a layer has more than `max_batch`
     /// entries). Keep-sets are read back for every group when `want_keep`, else for groups
-    /// holding an entry marked in `checked`.
+    /// holding an item marked in `checked`.
     fn run_device(
         &mut self,
-        entries: &[DecodeEntry<'_>],
+        items: &[Item<'_>],
         out: &mut [f32],
         want_keep: bool,
         checked: &[bool],
     ) -> Result<Attended, GpuError> {
-        let mut offsets = Vec::with_capacity(entries.len() + 1);
+        let mut offsets = Vec::with_capacity(items.len() + 1);
         offsets.push(0usize);
-        for (i, e) in entries.iter().enumerate() {
+        for (i, e) in items.iter().enumerate() {
             let geo = e.kv.geometry();
             offsets.push(offsets[i] + (geo.q_heads * geo.head_dim) as usize);
         }
         let mut result = Attended {
-            keeps: vec![None; entries.len()],
+            keeps: vec![None; items.len()],
             ..Attended::default()
         };
-        let zero = self.zero.offset() as u64;
-        // Per backend, per layer (in order of first appearance), entry indices in batch order.
+        let zero = self.zero;
+        // Per backend, per layer (in order of first appearance), item indices in batch order.
         let mut groups: Vec<(usize, Vec<LayerGroup>)> = Vec::new();
-        for (i, e) in entries.iter().enumerate() {
+        for (i, e) in items.iter().enumerate() {
             let bi = self.sessions[&e.session].backend;
             let layers = match groups.iter_mut().find(|g| g.0 == bi) {
                 Some(g) => &mut g.1,
@@ -327,11 +475,11 @@ impl GpuDecoder {
         for (bi, layers) in groups {
             let max_batch = self.backends[bi].be.config().max_batch as usize;
             for call in device_calls(&layers, max_batch) {
-                let mut items = Vec::with_capacity(call.len());
+                let mut dev_items = Vec::with_capacity(call.len());
                 for &(layer, chunk) in &call {
                     let mut group = Vec::with_capacity(chunk.len());
                     for &i in chunk {
-                        let e = &entries[i];
+                        let e = &items[i];
                         let s = self.sessions.get_mut(&e.session).expect("checked");
                         let view = e.kv.layer(layer)?;
                         sync_layer(&mut self.backends[bi].be, zero, s, layer, &view)?;
@@ -340,11 +488,11 @@ impl GpuDecoder {
                             q: e.q,
                         });
                     }
-                    items.push((layer, group));
+                    dev_items.push((layer, group));
                 }
                 let be = &mut self.backends[bi].be;
                 let refs: Vec<(u32, &[DecodeItem<'_>])> =
-                    items.iter().map(|(l, g)| (*l, g.as_slice())).collect();
+                    dev_items.iter().map(|(l, g)| (*l, g.as_slice())).collect();
                 let outs = be.decode_layers(&refs)?;
                 for (&(layer, chunk), lo) in call.iter().zip(outs) {
                     let keeps = if want_keep || chunk.iter().any(|&i| checked[i]) {
@@ -375,6 +523,29 @@ impl GpuDecoder {
     }
 }
 
+/// What a lane's device call reads of a step's entry: its session and layer, the appended
+/// cache and the query. (`DecodeEntry` itself cannot cross to a lane's thread: its cold
+/// source need not be `Sync`.)
+#[derive(Clone, Copy)]
+struct Item<'a> {
+    session: u64,
+    layer: u32,
+    kv: &'a KvCache,
+    q: &'a [f32],
+}
+
+/// `max_sessions` slots over `lanes` lanes (at least 1, at most one per slot): as equal as
+/// can be, the first lanes one more.
+fn lane_slots(max_sessions: u32, lanes: u32) -> Vec<u32> {
+    let lanes = lanes.clamp(1, max_sessions.max(1));
+    (0..lanes)
+        .map(|l| max_sessions / lanes + u32::from(l < max_sessions % lanes))
+        .collect()
+}
+
+/// A lane and the indices of a step's entries whose sessions are on it.
+type LaneEntries = (usize, Vec<usize>);
+
 /// A layer of a step and the indices of its entries.
 type LayerGroup = (u32, Vec<usize>);
 
@@ -398,7 +569,8 @@ fn device_calls(layers: &[LayerGroup], max_batch: usize) -> Vec<Vec<(u32, &[usiz
 
 /// The device behind the one decode step (`kvtier_kernels::decode_step`): it selects by itself,
 /// so the step selects on the CPU only for layers with cold blocks (see the module docs).
-impl Backend for GpuDecoder {
+/// Implemented on a shared reference: a step locks only the lanes of its sessions.
+impl Backend for &GpuDecoder {
     fn selects_itself(&self) -> bool {
         true
     }
@@ -410,58 +582,122 @@ impl Backend for GpuDecoder {
             reason: format!("batch entry {i}: {e}"),
         };
         for (i, e) in entries.iter().enumerate() {
-            let s = self
-                .sessions
-                .get(&e.session)
-                .ok_or(GpuError::UnknownSession { session: e.session })
-                .map_err(|err| unavailable(i, err))?;
             if entries[..i].iter().any(|b| b.session == e.session) {
                 return Err(unavailable(
                     i,
                     GpuError::DuplicateSession { session: e.session },
                 ));
             }
-            if *e.kv.geometry() != s.geometry || e.policy != s.policy {
-                return Err(unavailable(
-                    i,
-                    GpuError::GeometryMismatch { session: e.session },
-                ));
-            }
-            let after = e.kv.geometry().blocks_for(e.position + 1);
-            if after > self.settings.max_blocks as u64 {
-                return Err(unavailable(
-                    i,
-                    GpuError::TooManyBlocks {
-                        layer: e.layer,
-                        blocks: after,
-                        max: self.settings.max_blocks,
-                    },
-                ));
+        }
+        let lanes = self
+            .by_lane(entries.iter().map(|e| e.session))
+            .map_err(|(i, e)| unavailable(i, e))?;
+        for (l, idx) in lanes {
+            let lane = self.lanes[l].lock();
+            let max_blocks = lane.settings.max_blocks;
+            for i in idx {
+                lane.check(&entries[i], max_blocks)
+                    .map_err(|e| unavailable(i, e))?;
             }
         }
         Ok(())
     }
 
+    /// One device call per lane (and backend) of the batch; the lanes' calls at once, each
+    /// on its own thread, when the batch spans several.
     fn attend(
         &mut self,
         b: &Appended<'_, '_>,
         out: &mut [f32],
     ) -> kvtier_kernels::Result<Attended> {
-        let checked: Vec<bool> = b.planned.iter().map(Option::is_some).collect();
-        self.run_device(b.entries, out, b.want_keep, &checked)
-            .map_err(|e| KernelError::Unavailable {
-                reason: format!("device step failed after the appends: {e}"),
+        let failed = |e: GpuError| KernelError::Unavailable {
+            reason: format!("device step failed after the appends: {e}"),
+        };
+        let dec: &GpuDecoder = self;
+        let lanes = dec
+            .by_lane(b.entries.iter().map(|e| e.session))
+            .map_err(|(_, e)| failed(e))?;
+        let items: Vec<Item<'_>> = b
+            .entries
+            .iter()
+            .map(|e| Item {
+                session: e.session,
+                layer: e.layer,
+                kv: &*e.kv,
+                q: e.q,
             })
+            .collect();
+        let checked: Vec<bool> = b.planned.iter().map(Option::is_some).collect();
+        let run = |l: usize, idx: &[usize], out: &mut [f32]| {
+            let its: Vec<Item<'_>> = idx.iter().map(|&i| items[i]).collect();
+            let chk: Vec<bool> = idx.iter().map(|&i| checked[i]).collect();
+            dec.lanes[l].lock().run_device(&its, out, b.want_keep, &chk)
+        };
+        if let [(l, idx)] = lanes.as_slice() {
+            // One lane: the batch in its own order, written in place.
+            return run(*l, idx, out).map_err(failed);
+        }
+        let width = |i: usize| {
+            let g = items[i].kv.geometry();
+            (g.q_heads * g.head_dim) as usize
+        };
+        let parts: Vec<Result<(Attended, Vec<f32>), GpuError>> = std::thread::scope(|sc| {
+            let handles: Vec<_> = lanes
+                .iter()
+                .map(|(l, idx)| {
+                    let run = &run;
+                    let len = idx.iter().map(|&i| width(i)).sum();
+                    sc.spawn(move || {
+                        let mut o = vec![0f32; len];
+                        run(*l, idx, &mut o).map(|a| (a, o))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(GpuError::Unsupported {
+                            reason: "a lane's device call panicked".into(),
+                        })
+                    })
+                })
+                .collect()
+        });
+        let mut offsets = vec![0usize; items.len() + 1];
+        for i in 0..items.len() {
+            offsets[i + 1] = offsets[i] + width(i);
+        }
+        let mut result = Attended {
+            keeps: vec![None; items.len()],
+            ..Attended::default()
+        };
+        for ((_, idx), part) in lanes.iter().zip(parts) {
+            let (a, o) = part.map_err(failed)?;
+            let mut at = 0;
+            for (j, &i) in idx.iter().enumerate() {
+                let n = width(i);
+                out[offsets[i]..offsets[i] + n].copy_from_slice(&o[at..at + n]);
+                at += n;
+                result.keeps[i] = a.keeps[j].clone();
+            }
+            result.cache_hits += a.cache_hits;
+            result.cache_misses += a.cache_misses;
+            result.bytes_moved += a.bytes_moved;
+        }
+        Ok(result)
     }
 
     fn discard(&mut self, sessions: &[u64]) {
         for &s in sessions {
-            self.reset_session(s);
+            if let Some(l) = self.lane_of(s) {
+                self.lanes[l].lock().reset_session(s);
+            }
         }
     }
 
     fn take_leave_cold(&mut self) -> u32 {
-        std::mem::take(&mut self.leave_cold)
+        self.leave_cold.swap(0, Ordering::Relaxed)
     }
 }
 
@@ -513,7 +749,17 @@ fn sync_layer(
 
 #[cfg(test)]
 mod tests {
-    use super::device_calls;
+    use super::{device_calls, lane_slots};
+
+    /// Slots are shared out as evenly as can be; never more lanes than slots, never none.
+    #[test]
+    fn lanes_share_the_slots() {
+        assert_eq!(lane_slots(8, 4), vec![2, 2, 2, 2]);
+        assert_eq!(lane_slots(8, 3), vec![3, 3, 2]);
+        assert_eq!(lane_slots(8, 1), vec![8]);
+        assert_eq!(lane_slots(2, 4), vec![1, 1]);
+        assert_eq!(lane_slots(5, 0), vec![5]);
+    }
 
     /// One call takes every layer's first chunk; a layer over max_batch spills into more.
     #[test]

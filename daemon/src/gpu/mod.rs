@@ -21,6 +21,10 @@
 //!   is refused by [`GpuDecoder::supports`] / [`GpuDecoder::open`] and stays on the CPU path
 //!   (`open` logs why). Creating a backend compiles the kernels (about a second), which is why
 //!   it happens at session creation, not in a decode.
+//! - Lanes (`backend.cuda.lanes`): the decoder is that many independent decoders on the device,
+//!   each behind its own lock with its own backends and a share of the session slots. A
+//!   session stays on the lane it was opened on (the least loaded); steps of different lanes
+//!   run at once, and a step spanning lanes runs one call per lane, each on its own thread.
 //! - Per (session, layer) the decoder remembers what the device has: the token count, how many
 //!   leading blocks have final (full-block) summaries uploaded, and the arena frame each block
 //!   is mapped to. Each step ([`kvtier_kernels::Backend::attend`]) uploads only the delta: summaries of new blocks

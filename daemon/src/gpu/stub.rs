@@ -27,20 +27,23 @@ impl GpuDecoder {
         match *self {}
     }
 
+    pub fn lanes(&self) -> usize {
+        match *self {}
+    }
+
+    pub fn lane_of(&self, _session: u64) -> Option<usize> {
+        match *self {}
+    }
+
     pub fn supports(&self, _geo: &Geometry, _policy: &Policy) -> bool {
         match *self {}
     }
 
-    pub fn open(
-        &mut self,
-        _session: u64,
-        _geo: &Geometry,
-        _policy: &Policy,
-    ) -> Result<(), GpuError> {
+    pub fn open(&self, _session: u64, _geo: &Geometry, _policy: &Policy) -> Result<(), GpuError> {
         match *self {}
     }
 
-    pub fn close(&mut self, _session: u64) -> Result<(), GpuError> {
+    pub fn close(&self, _session: u64) -> Result<(), GpuError> {
         match *self {}
     }
 
@@ -48,17 +51,17 @@ impl GpuDecoder {
         match *self {}
     }
 
-    pub fn invalidate(&mut self, _session: u64) -> Result<(), GpuError> {
+    pub fn invalidate(&self, _session: u64) -> Result<(), GpuError> {
         match *self {}
     }
 }
 
-impl Backend for GpuDecoder {
+impl Backend for &GpuDecoder {
     fn selects_itself(&self) -> bool {
-        match *self {}
+        match **self {}
     }
 
     fn attend(&mut self, _: &Appended<'_, '_>, _: &mut [f32]) -> kvtier_kernels::Result<Attended> {
-        match *self {}
+        match **self {}
     }
 }
