@@ -46,7 +46,7 @@ impl CudaBackend {
         }
         self.htod(self.sess.ptr, slots)?;
         self.htod(self.ntok.ptr, &ntok)?;
-        self.memset_u32(self.stats.ptr, 0, self.stats.slice.len() * 2)?;
+        self.memset_u32(self.stats.ptr, 0, self.stats.len * 2)?;
         self.batch_of.fill(slots.len());
         self.bound = Some(BoundBatch {
             slots: slots.to_vec(),

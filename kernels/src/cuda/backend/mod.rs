@@ -7,8 +7,8 @@
 //!   dependent launch) and the attached host region.
 //! - `sessions.rs`: session slots, block summaries (in the device's order), page tables, token
 //!   counts.
-//! - `step.rs`: a call: checking the batch, uploading it, enqueueing each layer's kernels,
-//!   reading back outputs, statistics and timings.
+//! - `step.rs`: a call: checking the batch, uploading it (one copy), enqueueing each layer's
+//!   kernels, reading back statistics and outputs (one copy, one synchronisation) and timings.
 //! - `launch.rs`: kernel launches (plain or dependent), timing events, diagnostic globals.
 //! - `dense.rs`: dense attention, the benchmark's baseline.
 
@@ -85,6 +85,44 @@ impl<T: DeviceRepr + ValidAsZeroBits> DevBuf<T> {
     fn at(&self, elem: usize) -> u64 {
         self.ptr + (elem * std::mem::size_of::<T>()) as u64
     }
+}
+
+/// A fixed part of one device allocation ([`CudaBackend`]'s call buffers share two, so that a
+/// call uploads its inputs in one copy and reads its results back in one).
+#[derive(Clone, Copy, Debug)]
+struct DevView<T> {
+    ptr: u64,
+    /// Elements.
+    len: usize,
+    _t: std::marker::PhantomData<T>,
+}
+
+impl<T> DevView<T> {
+    fn new(ptr: u64, len: usize) -> Self {
+        DevView {
+            ptr,
+            len,
+            _t: std::marker::PhantomData,
+        }
+    }
+
+    fn at(&self, elem: usize) -> u64 {
+        self.ptr + (elem * std::mem::size_of::<T>()) as u64
+    }
+}
+
+/// Allocates one device buffer of `parts.len()` parts, each `parts[i]` bytes rounded up to 256
+/// (every part aligned for any element type): the buffer and each part's byte offset.
+fn packed(stream: &Arc<CudaStream>, parts: &[usize]) -> Result<(DevBuf<u8>, Vec<u64>)> {
+    let mut offsets = Vec::with_capacity(parts.len());
+    let mut at = 0usize;
+    for &p in parts {
+        offsets.push(at as u64);
+        at += p.div_ceil(256) * 256;
+    }
+    let buf = DevBuf::<u8>::zeros(stream, at)?;
+    let base = buf.ptr;
+    Ok((buf, offsets.into_iter().map(|o| base + o).collect()))
 }
 
 /// One batch entry for [`CudaBackend::decode_layer`].
@@ -279,9 +317,12 @@ pub struct CudaBackend {
     stamps: DevBuf<u32>,
     cache: DevBuf<u8>,
     // Per-call scratch.
-    q: DevBuf<f32>,
-    sess: DevBuf<u32>,
-    ntok: DevBuf<u32>,
+    /// The call's inputs in one allocation, in the order one upload writes them: `sess`, `ntok`
+    /// (both whole), then `q` (as much as the call has).
+    inputs: DevBuf<u8>,
+    sess: DevView<u32>,
+    ntok: DevView<u32>,
+    q: DevView<f32>,
     /// Selector scratch: candidate lists or scores ([`Derived::score_scratch`]).
     scores: DevBuf<u8>,
     /// Per (batch item, kv head): select_score thread blocks done (zero between launches).
@@ -297,8 +338,11 @@ pub struct CudaBackend {
     miss_src: DevBuf<u64>,
     part_acc: DevBuf<f32>,
     part_ml: DevBuf<f32>,
-    out: DevBuf<f32>,
-    stats: DevBuf<u64>,
+    /// The call's results in one allocation, in the order one readback takes them: `stats`
+    /// (whole), then `out` (as much as the call has).
+    results: DevBuf<u8>,
+    stats: DevView<u64>,
+    out: DevView<f32>,
 }
 
 impl CudaBackend {

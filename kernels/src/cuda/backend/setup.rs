@@ -6,7 +6,8 @@ use cudarc::driver::{sys, CudaContext};
 
 use super::sessions::summary_order;
 use super::{
-    device_context, CudaBackend, DevBuf, LaunchMode, Timers, Timing, FUSE_BELOW_HIT_SHARE,
+    device_context, packed, CudaBackend, DevBuf, DevView, LaunchMode, Timers, Timing,
+    FUSE_BELOW_HIT_SHARE,
 };
 use crate::cuda::config::CudaConfig;
 use crate::cuda::error::{CudaError, Result};
@@ -62,15 +63,21 @@ impl CudaBackend {
         let z32 = |n| DevBuf::<u32>::zeros(&stream, n);
         let zf = |n| DevBuf::<f32>::zeros(&stream, n);
         let z64 = |n| DevBuf::<u64>::zeros(&stream, n);
+        let (inputs, at) = packed(
+            &stream,
+            &[l * bmax * 4, l * bmax * 4, l * bmax * hq * d * 4],
+        )?;
+        let (results, rat) = packed(&stream, &[l * 4 * 8, l * bmax * hq * d * 4])?;
         let backend = CudaBackend {
             sums: z8(s * l * mb * g.summary_floats_per_block() * sum_elem)?,
             pages: z64(s * l * mb)?,
             tags: z32(s * l * hkv * c)?,
             stamps: z32(s * l * hkv * c)?,
             cache: z8(s * l * hkv * c * g.tile_bytes())?,
-            q: zf(l * bmax * hq * d)?,
-            sess: z32(l * bmax)?,
-            ntok: z32(l * bmax)?,
+            inputs,
+            sess: DevView::new(at[0], l * bmax),
+            ntok: DevView::new(at[1], l * bmax),
+            q: DevView::new(at[2], l * bmax * hq * d),
             scores: z8(bmax * hkv * derived.score_scratch)?,
             done: z32(bmax * hkv)?,
             ready: z32(bmax * hkv * 2)?,
@@ -81,8 +88,9 @@ impl CudaBackend {
             miss_src: z64(bmax * hkv * ks)?,
             part_acc: zf(bmax * hkv * ks * g.group() * d)?,
             part_ml: zf(bmax * hkv * ks * g.group() * 2)?,
-            out: zf(l * bmax * hq * d)?,
-            stats: z64(l * 4)?,
+            results,
+            stats: DevView::new(rat[0], l * 4),
+            out: DevView::new(rat[1], l * bmax * hq * d),
             cfg,
             derived,
             ctx,

@@ -233,13 +233,22 @@ impl CudaBackend {
             n_all.extend_from_slice(&input.ntok);
             self.batch_of[input.layer] = b;
         }
-        self.htod(self.sess.ptr, &s_all)?;
-        self.htod(self.ntok.ptr, &n_all)?;
-        self.htod(self.q.ptr, &q_all)?;
-        self.memset_u32(self.stats.ptr, 0, self.stats.slice.len() * 2)?;
+        // One upload (each is a driver call and a staging of pageable memory): the slot and
+        // count regions whole, then as many queries as the call has.
+        let word = |ptr: u64| ((ptr - self.inputs.ptr) / 4) as usize;
+        let mut words = vec![0u32; word(self.q.ptr) + q_all.len()];
+        words[..s_all.len()].copy_from_slice(&s_all);
+        let n0 = word(self.ntok.ptr);
+        words[n0..n0 + n_all.len()].copy_from_slice(&n_all);
+        let q0 = word(self.q.ptr);
+        for (w, x) in words[q0..].iter_mut().zip(&q_all) {
+            *w = x.to_bits();
+        }
+        self.htod(self.inputs.ptr, &words)?;
+        self.memset_u32(self.stats.ptr, 0, self.stats.len * 2)?;
         if self.poison {
             let nan = 0x7fc0_0000;
-            self.memset_u32(self.out.ptr, nan, self.out.slice.len())?;
+            self.memset_u32(self.out.ptr, nan, self.out.len)?;
             self.memset_u32(self.part_acc.ptr, nan, self.part_acc.slice.len())?;
             self.memset_u32(self.part_ml.ptr, nan, self.part_ml.slice.len())?;
             self.memset_u32(self.table.ptr, u32::MAX, self.table.slice.len())?;
@@ -541,10 +550,19 @@ impl CudaBackend {
         let g = self.cfg.geometry;
         let hqd = (g.q_heads * g.head_dim) as usize;
         let nl = layers.len();
-        // One readback for every layer of the call.
-        let mut out = vec![0f32; rows * hqd];
-        self.dtoh(&mut out, self.out.ptr)?;
-        let all = self.read_stats()?;
+        // One readback (one synchronisation) for every layer's statistics and the call's
+        // outputs, which follow them.
+        let out0 = ((self.out.ptr - self.results.ptr) / 4) as usize;
+        let mut words = vec![0u32; out0 + rows * hqd];
+        self.dtoh(&mut words, self.results.ptr)?;
+        // The counters are u64, read as pairs of little-endian u32 (the device's byte order and
+        // that of every host this runs on).
+        let raw: Vec<u64> = words[..self.stats.len * 2]
+            .chunks_exact(2)
+            .map(|w| u64::from(w[0]) | u64::from(w[1]) << 32)
+            .collect();
+        let all = layer_stats(&raw);
+        let out: Vec<f32> = words[out0..].iter().map(|&w| f32::from_bits(w)).collect();
         let stats: Vec<LayerStats> = layers.iter().map(|&l| all[l]).collect();
         for (&l, st) in layers.iter().zip(&stats) {
             self.hit_share[l] = st.hits as f32 / st.tiles.max(1) as f32;
@@ -587,17 +605,9 @@ impl CudaBackend {
     /// Every layer's statistics since they were last zeroed (the device's `[layer][hits,
     /// misses, bytes, tiles]` counters); waits for the backend's work.
     pub(super) fn read_stats(&self) -> Result<Vec<LayerStats>> {
-        let mut raw = vec![0u64; self.cfg.geometry.layers as usize * 4];
+        let mut raw = vec![0u64; self.stats.len];
         self.dtoh(&mut raw, self.stats.ptr)?;
-        Ok(raw
-            .chunks_exact(4)
-            .map(|r| LayerStats {
-                hits: r[0],
-                misses: r[1],
-                bytes_moved: r[2],
-                tiles: r[3],
-            })
-            .collect())
+        Ok(layer_stats(&raw))
     }
 
     /// Keep-sets of the last call at `layer`: [batch][kv_head] -> ascending block ids (that
@@ -629,6 +639,18 @@ impl CudaBackend {
             })
             .collect())
     }
+}
+
+/// The device's `[layer][hits, misses, bytes, tiles]` counters, per layer.
+fn layer_stats(raw: &[u64]) -> Vec<LayerStats> {
+    raw.chunks_exact(4)
+        .map(|r| LayerStats {
+            hits: r[0],
+            misses: r[1],
+            bytes_moved: r[2],
+            tiles: r[3],
+        })
+        .collect()
 }
 
 /// A call's outputs `[layer][batch][hqd]` reordered as `[batch][layer][hqd]` (a step's order).
