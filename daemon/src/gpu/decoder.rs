@@ -213,13 +213,7 @@ impl GpuDecoder {
             if placement.contains_key(&session) {
                 return Err(GpuError::AlreadyOpen { session });
             }
-            let mut load = vec![0usize; self.lanes.len()];
-            for &l in placement.values() {
-                load[l] += 1;
-            }
-            let mut order: Vec<usize> = (0..self.lanes.len()).collect();
-            order.sort_by_key(|&l| (load[l], l));
-            order
+            lane_order(self.lanes.len(), placement.values().copied())
         };
         let mut last = Err(GpuError::Unsupported {
             reason: "no lane".into(),
@@ -534,6 +528,18 @@ struct Item<'a> {
     q: &'a [f32],
 }
 
+/// The lanes to try for a new session, given the lane of every open one: least loaded first,
+/// then in index order.
+fn lane_order(lanes: usize, placed: impl Iterator<Item = usize>) -> Vec<usize> {
+    let mut load = vec![0usize; lanes];
+    for l in placed {
+        load[l] += 1;
+    }
+    let mut order: Vec<usize> = (0..lanes).collect();
+    order.sort_by_key(|&l| (load[l], l));
+    order
+}
+
 /// `max_sessions` slots over `lanes` lanes (at least 1, at most one per slot): as equal as
 /// can be, the first lanes one more.
 fn lane_slots(max_sessions: u32, lanes: u32) -> Vec<u32> {
@@ -749,7 +755,16 @@ fn sync_layer(
 
 #[cfg(test)]
 mod tests {
-    use super::{device_calls, lane_slots};
+    use super::{device_calls, lane_order, lane_slots};
+
+    /// New sessions go to the least loaded lane, ties to the lowest index.
+    #[test]
+    fn new_sessions_try_the_least_loaded_lane_first() {
+        assert_eq!(lane_order(4, [].into_iter()), vec![0, 1, 2, 3]);
+        assert_eq!(lane_order(4, [0, 1].into_iter()), vec![2, 3, 0, 1]);
+        assert_eq!(lane_order(3, [2, 2, 0, 1, 1].into_iter()), vec![0, 1, 2]);
+        assert_eq!(lane_order(1, [0, 0].into_iter()), vec![0]);
+    }
 
     /// Slots are shared out as evenly as can be; never more lanes than slots, never none.
     #[test]
