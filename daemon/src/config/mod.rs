@@ -203,8 +203,8 @@ pub struct GpuSettings {
     /// slots, so that the steps of sessions placed on different lanes run at once (a session
     /// stays on the lane it was opened on; requests of one lane are still coalesced). At most
     /// `max_sessions`. More lanes serve clients that decode one session per connection faster
-    /// (8 on 8 lanes: 5.1-5.3x one), and clients that batch their sessions into one DECODE
-    /// slower (0.79-0.98x), so the default is one (docs/benchmarks.md, "Decoder lanes").
+    /// (8 on 8 lanes: 5.1-6.4x one), and clients that batch their sessions into one DECODE
+    /// slower (0.7-1.0x), so the default is one (docs/benchmarks.md, "Decoder lanes").
     pub lanes: u32,
     /// Blocks per session layer at most (context capacity = max_blocks x block_tokens).
     pub max_blocks: u32,
