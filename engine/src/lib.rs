@@ -378,6 +378,8 @@ impl InEngine {
     /// One layer for the bound batch on the engine's device buffers, enqueued behind `stream`'s
     /// work so far and ahead of what `stream` gets next; returns without waiting. `io.q` and
     /// `io.out` are `[batch][q_heads x head_dim]` f32, `io.lse` `[batch][q_heads]` f32 (or 0).
+    /// May be captured in a CUDA graph on `stream` and replayed until the next bind (capture
+    /// again after it: docs/architecture.md, "The device path").
     ///
     /// # Safety
     /// As [`CudaBackend::enqueue_layer_device`]: the addresses are live device buffers of the

@@ -200,6 +200,71 @@ fn device_path_matches_the_host_path(engine: &mut InEngine, b: u64, sh: &mut Sha
         assert!(not_bound(enqueue(engine, l, io(l))));
         engine.bind(&[b]).unwrap();
     }
+
+    // The step's device calls captured in a CUDA graph on the engine's stream and replayed:
+    // each replay equals the same calls made eagerly, bit for bit, with the queries rewritten
+    // between rounds (the graph reads them where they lie).
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let layers = GEO.layers as usize;
+    let mut qd = qd;
+    let mut outs: Vec<_> = (0..layers)
+        .map(|_| st.alloc_zeros::<f32>(hqd).unwrap())
+        .collect();
+    // Addresses taken before the capture: nothing but the engine's calls may touch the stream
+    // while it captures.
+    let ios: Vec<DeviceIo> = (0..layers)
+        .map(|l| DeviceIo {
+            q: ptr(&qd[l]),
+            out: ptr(&outs[l]),
+            lse: 0,
+        })
+        .collect();
+    st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    let captured: Vec<_> = ios
+        .iter()
+        .enumerate()
+        .map(|(l, &io)| enqueue(engine, l, io))
+        .collect();
+    let graph = st
+        .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+        .unwrap()
+        .expect("the step's work was captured");
+    for r in captured {
+        r.unwrap();
+    }
+    let mut last: Option<Vec<Vec<f32>>> = None;
+    for round in 0..3 {
+        for (l, q) in qd.iter_mut().enumerate() {
+            st.memcpy_htod(&query(100 + round, l), q).unwrap();
+        }
+        for (l, &io) in ios.iter().enumerate() {
+            enqueue(engine, l, io).unwrap();
+        }
+        let eager: Vec<Vec<f32>> = outs.iter().map(|o| st.clone_dtoh(o).unwrap()).collect();
+        // Cleared, so each replay must write every output itself.
+        for o in &mut outs {
+            st.memset_zeros(o).unwrap();
+        }
+        graph.launch().unwrap();
+        let replay: Vec<Vec<f32>> = outs.iter().map(|o| st.clone_dtoh(o).unwrap()).collect();
+        for l in 0..layers {
+            assert!(
+                eager[l]
+                    .iter()
+                    .zip(&replay[l])
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "round {round} layer {l}: the graph's replay differs from the eager calls"
+            );
+        }
+        assert_ne!(last.as_ref(), Some(&replay), "new queries, new outputs");
+        last = Some(replay);
+    }
+    eprintln!(
+        "a captured step replayed 3 times == the same device calls made eagerly, bit for bit"
+    );
+    drop((graph, outs));
+
     let stats = engine.bound_stats().unwrap();
     assert_eq!(stats.len(), GEO.layers as usize);
     engine.sync(b).unwrap();

@@ -4,12 +4,14 @@
 //!
 //! The batch is bound once ([`CudaBackend::bind_batch`]: slots and every layer's token counts
 //! uploaded, statistics zeroed) and stays bound until a session changes (tokens, maps,
-//! summaries, slots) or a host-slice call runs; each layer is then only launches and two event
-//! hand-offs ([`CudaBackend::enqueue_layer_device`]).
+//! summaries, slots) or a host-slice call runs; each layer is then only launches, two event
+//! hand-offs and two small memsets ([`CudaBackend::enqueue_layer_device`]), all of which a
+//! CUDA graph can capture: an engine may capture its whole step and replay it while the batch
+//! stays bound (the memsets reset what a replay would find stale, `LayerStart::Replayable`).
 
 use cudarc::driver::sys;
 
-use super::step::LayerIo;
+use super::step::{LayerIo, LayerStart};
 use super::{CudaBackend, LayerStats};
 use crate::cuda::error::{CudaError, Result};
 
@@ -99,8 +101,9 @@ impl CudaBackend {
             lse: io.lse,
         };
         // Not chained: the stream's previous operation is the event wait, not this call's
-        // last kernel, so no dependent launch across it.
-        self.run_layer(l, io, b, nb, false)?;
+        // last kernel, so no dependent launch across it. Replayable: an engine may capture
+        // its step, this layer included, in a CUDA graph.
+        self.run_layer(l, io, b, nb, LayerStart::Replayable)?;
         // SAFETY: as above.
         unsafe {
             sys::cuEventRecord(outbound, self.stream.cu_stream())

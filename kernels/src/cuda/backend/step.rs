@@ -15,6 +15,19 @@ use crate::cuda::params::{
     SelectTopkParams,
 };
 
+/// What precedes a layer's first launch on the main stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum LayerStart {
+    /// This call's previous layer (its merge): dependent launch may overlap it.
+    Chained,
+    /// Other work (a call's first layer).
+    Fresh,
+    /// Other work, and the layer may be captured in a CUDA graph and replayed (a device
+    /// call): its fused launch resets the state a replay would find stale (see
+    /// `enqueue_layer`).
+    Replayable,
+}
+
 /// Device addresses of one layer call's buffers: the batch's slots, q and out `[batch][Hq x D]`
 /// f32, the batch's token counts at the layer, lse `[batch][Hq]` f32 or 0.
 #[derive(Clone, Copy, Debug)]
@@ -156,7 +169,12 @@ impl CudaBackend {
         let mut at = 0;
         for (i, input) in inputs.iter().enumerate() {
             let (b, nb) = (input.slots.len(), self.blocks_of(&input.ntok));
-            self.run_layer(input.layer, self.host_io(at), b, nb, i > 0)?;
+            let start = if i > 0 {
+                LayerStart::Chained
+            } else {
+                LayerStart::Fresh
+            };
+            self.run_layer(input.layer, self.host_io(at), b, nb, start)?;
             at += b;
         }
         self.record_step(1)?;
@@ -261,20 +279,19 @@ impl CudaBackend {
     /// selector (scoring, top-k and the distant plan: one launch for top_k <= 32) on the main
     /// one; then the distant tiles and, once both are done, the merge.
     /// `l`: model layer; `io`: its buffers; `nb`: fewest and most blocks of any batch session
-    /// at layer `l`; `chained`: the main stream's previous operation is this call's previous
-    /// layer's merge (dependent launch may overlap it).
+    /// at layer `l`; `start`: what the main stream's previous operation is.
     pub(super) fn run_layer(
         &mut self,
         l: usize,
         io: LayerIo,
         b: usize,
         nb: (u32, u32),
-        chained: bool,
+        start: LayerStart,
     ) -> Result<()> {
         // Never 0: layer_fused's ready flags start at 0 and must not match a fresh layer.
         self.stamp = self.stamp.wrapping_add(1).max(1);
         self.fused[l] = self.fuse_layer(l);
-        match self.enqueue_layer(l, io, b, nb, chained) {
+        match self.enqueue_layer(l, io, b, nb, start) {
             Ok(tickets) => {
                 self.tickets_issued = self.tickets_issued.wrapping_add(tickets);
                 Ok(())
@@ -300,7 +317,7 @@ impl CudaBackend {
         io: LayerIo,
         b: usize,
         (min_nb, max_nb): (u32, u32),
-        chained: bool,
+        start: LayerStart,
     ) -> Result<u32> {
         let g = self.cfg.geometry;
         let p = self.cfg.policy;
@@ -418,6 +435,14 @@ impl CudaBackend {
                 nfixed,
                 batch: bu,
             };
+            if start == LayerStart::Replayable {
+                // A captured launch replays with the stamp and ticket base it was captured
+                // with: the ticket counter is set to that base and the ready flags cleared
+                // (no flag may already hold the stamp) on the stream first. Eagerly this only
+                // rewrites the values they already have.
+                self.memset_u32(self.tickets.ptr, self.tickets_issued, 1)?;
+                self.memset_u32(self.ready.ptr, 0, self.ready.slice.len())?;
+            }
             // Within a call every layer ends with its merge on the main stream, and with
             // dependent launch no event sits between (dependent_launch).
             self.launch_after(
@@ -429,7 +454,7 @@ impl CudaBackend {
                     shared_mem_bytes: self.derived.att_dyn_smem,
                 },
                 &params,
-                chained,
+                start == LayerStart::Chained,
             )?;
             self.record(l, 1)?;
             self.merge(l, bu, counts, (out, lse), true)?;
