@@ -409,7 +409,8 @@ impl Lane {
     }
 
     /// The checks of [`Backend::check`] for one entry of this lane.
-    fn check(&self, e: &DecodeEntry<'_>, max_blocks: u32) -> Result<(), GpuError> {
+    fn check(&self, e: &DecodeEntry<'_>) -> Result<(), GpuError> {
+        let max_blocks = self.settings.max_blocks;
         let s = self
             .sessions
             .get(&e.session)
@@ -600,10 +601,8 @@ impl Backend for &GpuDecoder {
             .map_err(|(i, e)| unavailable(i, e))?;
         for (l, idx) in lanes {
             let lane = self.lanes[l].lock();
-            let max_blocks = lane.settings.max_blocks;
             for i in idx {
-                lane.check(&entries[i], max_blocks)
-                    .map_err(|e| unavailable(i, e))?;
+                lane.check(&entries[i]).map_err(|e| unavailable(i, e))?;
             }
         }
         Ok(())
@@ -639,9 +638,12 @@ impl Backend for &GpuDecoder {
             let chk: Vec<bool> = idx.iter().map(|&i| checked[i]).collect();
             dec.lanes[l].lock().run_device(&its, out, b.want_keep, &chk)
         };
-        if let [(l, idx)] = lanes.as_slice() {
-            // One lane: the batch in its own order, written in place.
-            return run(*l, idx, out).map_err(failed);
+        if let [(l, _)] = lanes.as_slice() {
+            // One lane: the whole batch, in its order, written in place.
+            return dec.lanes[*l]
+                .lock()
+                .run_device(&items, out, b.want_keep, &checked)
+                .map_err(failed);
         }
         let width = |i: usize| {
             let g = items[i].kv.geometry();

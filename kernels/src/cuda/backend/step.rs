@@ -238,29 +238,24 @@ impl CudaBackend {
         let bmax = self.cfg.max_batch as usize;
         let total: usize = layers.iter().map(|i| i.slots.len()).sum();
         debug_assert!(total <= self.cfg.geometry.layers as usize * bmax);
-        // Dense per-call layout [call layer][batch][..]: one upload each for slots, q and
-        // counts.
-        let mut s_all = Vec::with_capacity(total);
-        let mut q_all = Vec::with_capacity(total * hqd);
-        let mut n_all = Vec::with_capacity(total);
+        // Dense per-call layout [call layer][batch][..], staged for one upload (each is a
+        // driver call and a staging of pageable memory): the slot and count regions whole,
+        // then as many queries as the call has.
+        let word = |ptr: u64| ((ptr - self.inputs.ptr) / 4) as usize;
+        let (n0, q0) = (word(self.ntok.ptr), word(self.q.ptr));
+        let mut words = vec![0u32; q0 + total * hqd];
+        let mut at = 0;
         for input in layers {
             let b = input.slots.len();
             debug_assert!(b <= bmax && input.q.len() == b * hqd && input.ntok.len() == b);
-            s_all.extend_from_slice(&input.slots);
-            q_all.extend_from_slice(&input.q);
-            n_all.extend_from_slice(&input.ntok);
+            words[at..at + b].copy_from_slice(&input.slots);
+            words[n0 + at..n0 + at + b].copy_from_slice(&input.ntok);
+            let q = &mut words[q0 + at * hqd..q0 + (at + b) * hqd];
+            for (w, x) in q.iter_mut().zip(&input.q) {
+                *w = x.to_bits();
+            }
             self.batch_of[input.layer] = b;
-        }
-        // One upload (each is a driver call and a staging of pageable memory): the slot and
-        // count regions whole, then as many queries as the call has.
-        let word = |ptr: u64| ((ptr - self.inputs.ptr) / 4) as usize;
-        let mut words = vec![0u32; word(self.q.ptr) + q_all.len()];
-        words[..s_all.len()].copy_from_slice(&s_all);
-        let n0 = word(self.ntok.ptr);
-        words[n0..n0 + n_all.len()].copy_from_slice(&n_all);
-        let q0 = word(self.q.ptr);
-        for (w, x) in words[q0..].iter_mut().zip(&q_all) {
-            *w = x.to_bits();
+            at += b;
         }
         self.htod(self.inputs.ptr, &words)?;
         self.memset_u32(self.stats.ptr, 0, self.stats.len * 2)?;
