@@ -12,13 +12,15 @@
 // distant, [SINK + TOPK, KSEL) local; a short layer uses [0, nb) in block order. So the row is
 // ascending in both cases, as the CPU selector returns it.
 //
-// Cache: CACHE_SLOTS tile slots per (session, layer, kv head), LRU by the stamp of the last
-// use. tags[] holds block+1 (0 = empty, so a zeroed buffer is an empty cache). Only tiles of
-// blocks that were FULL when fetched are tagged: a partial tail block changes with every
-// appended token, so it is refetched until it is full (append-only positions make full blocks
-// immutable). Exactly one thread block handles one (session, kv head) of a layer in each
-// planning kernel, so the bookkeeping needs no atomics; a batch must not name a session twice
-// (checked in Rust). CACHE_SLOTS >= KSEL (checked in Rust).
+// Cache: CACHE_SLOTS tile slots per (session, layer, kv head), LRU by the time of the last use
+// (stamps[]: the GPU's global timer when the slot was last planned, lru_now). The time comes
+// from the device, not from a launch argument, so that a launch captured in a CUDA graph keeps
+// LRU order over its replays. tags[] holds block+1 (0 = empty, so a zeroed buffer is an empty
+// cache). Only tiles of blocks that were FULL when fetched are tagged: a partial tail block
+// changes with every appended token, so it is refetched until it is full (append-only
+// positions make full blocks immutable). Exactly one thread block handles one (session, kv
+// head) of a layer in each planning kernel, so the bookkeeping needs no atomics; a batch must
+// not name a session twice (checked in Rust). CACHE_SLOTS >= KSEL (checked in Rust).
 //
 // The two parts of a long layer use disjoint slot regions, [0, DISTANT_SLOT0) for the fixed
 // part and [DISTANT_SLOT0, CACHE_SLOTS) for the distant one, so the distant plan needs no
@@ -35,6 +37,15 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 
 #define SHORT_LAYER(nb) ((nb) <= (u32)KSEL)
 
+// The cache's clock: the GPU's global nanosecond timer in units of 1.024 us, as a u32 (it wraps
+// every ~73 minutes; ages are differences modulo 2^32, so order holds across a wrap for slots
+// used within ~36 minutes of each other).
+__device__ __forceinline__ u32 lru_now() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return (u32)(t >> 10);
+}
+
 // Plans the keep-set entries at table positions [pos0, pos0 + n0) then [pos1, pos1 + n1) of
 // (batch item i, kv head kvh), whose block ids are ascending in that order, in the cache slots
 // [c0, c0 + ns) (n0 + n1 <= ns). Called by a whole thread block once the ids are in global
@@ -44,7 +55,7 @@ __device__ __forceinline__ void plan_tile_cache(
     u32 i, u32 kvh, const u32* row, u32 pos0, u32 n0, u32 pos1, u32 n1, u32 c0, u32 ns,
     const u32* __restrict__ sess, const u32* __restrict__ ntok, u32 layer, u32 max_blocks,
     u32* __restrict__ tags, u32* __restrict__ stamps, const u64* __restrict__ pages,
-    u32* __restrict__ slot_of, u64* __restrict__ miss_src, unsigned long long* __restrict__ stats, u32 stamp) {
+    u32* __restrict__ slot_of, u64* __restrict__ miss_src, unsigned long long* __restrict__ stats) {
     const u32 tid = threadIdx.x;
     const u32 ih = i * KV_HEADS + kvh;
     const u64 cbase = (((u64)sess[i] * NUM_LAYERS + layer) * KV_HEADS + kvh) * CACHE_SLOTS + c0;
@@ -59,7 +70,9 @@ __device__ __forceinline__ void plan_tile_cache(
     __shared__ u64 s_key[CACHE_SLOTS];
     __shared__ u32 s_victim[CACHE_SLOTS];
     __shared__ u32 s_wmiss[32];
+    __shared__ u32 s_now;
 
+    if (tid == 0) s_now = lru_now();
     for (u32 j = tid; j < n; j += blockDim.x) {
         s_ids[j] = row[j < n0 ? pos0 + j : pos1 + (j - n0)];
         s_hit[j] = -1;
@@ -69,6 +82,7 @@ __device__ __forceinline__ void plan_tile_cache(
     // victims are ranked: one dependent global round trip fewer (hits simply do not use it).
     const u64* pg = pages + ((u64)sess[i] * NUM_LAYERS + layer) * max_blocks;
     for (u32 j = tid; j < n; j += blockDim.x) s_src[j] = pg[s_ids[j]] + (u64)kvh * TILE_BYTES;
+    const u32 now = s_now;
     // A slot hits if its tag is in the (ascending) ids: binary search.
     for (u32 c = tid; c < ns; c += blockDim.x) {
         const u32 t = tg[c];
@@ -86,9 +100,9 @@ __device__ __forceinline__ void plan_tile_cache(
                 used = true;
             }
         }
-        // Victim order: empty slots first, then least recently used (stamp), slot index
-        // breaking ties (unique keys); a slot in use gets the largest key, below no other.
-        s_key[c] = used ? ~0ull : ((u64)(t != 0) << 62) | ((u64)last << 24) | c;
+        // Victim order: empty slots first, then least recently used (the largest age), slot
+        // index breaking ties (unique keys); a slot in use gets the largest key, below no other.
+        s_key[c] = used ? ~0ull : ((u64)(t != 0) << 62) | ((u64)(~(now - last)) << 24) | c;
     }
     __syncthreads();
     // A free slot's victim rank is the number of free slots with smaller keys: one warp per
@@ -122,7 +136,7 @@ __device__ __forceinline__ void plan_tile_cache(
             miss_src[(u64)ih * KSEL + p] = s_src[j];
         }
         slot_of[(u64)ih * KSEL + p] = c0 + c;
-        st[c] = stamp;
+        st[c] = now;
     };
     u32 misses = 0;
     if (n <= blockDim.x) {
@@ -163,7 +177,7 @@ __device__ __forceinline__ void plan_tile_cache(
 __device__ __forceinline__ void plan_fixed_role(
     const u32* __restrict__ ntok, u32 max_blocks, u32* table, u32* counts, const u32* __restrict__ sess, u32 layer,
     u32* __restrict__ tags, u32* __restrict__ stamps, const u64* __restrict__ pages, u32* slot_of, u64* miss_src,
-    unsigned long long* __restrict__ stats, u32 stamp, u32 kvh, u32 i) {
+    unsigned long long* __restrict__ stats, u32 kvh, u32 i) {
     K_TRACE(0);
     const u32 tid = threadIdx.x;
     const u32 nb = n_blocks_of(ntok[i]);
@@ -173,20 +187,20 @@ __device__ __forceinline__ void plan_fixed_role(
         if (tid == 0) counts[i * KV_HEADS + kvh] = nb;
         __syncthreads();
         plan_tile_cache(i, kvh, row, 0, nb, 0, 0, 0, CACHE_SLOTS, sess, ntok, layer, max_blocks, tags, stamps, pages,
-                        slot_of, miss_src, stats, stamp);
+                        slot_of, miss_src, stats);
     } else {
         for (u32 x = tid; x < SINK; x += blockDim.x) row[x] = x;
         for (u32 x = tid; x < LOCAL; x += blockDim.x) row[SINK + TOPK + x] = nb - LOCAL + x;
         if (tid == 0) counts[i * KV_HEADS + kvh] = KSEL;
         __syncthreads();
         plan_tile_cache(i, kvh, row, 0, SINK, SINK + TOPK, LOCAL, 0, DISTANT_SLOT0, sess, ntok, layer, max_blocks,
-                        tags, stamps, pages, slot_of, miss_src, stats, stamp);
+                        tags, stamps, pages, slot_of, miss_src, stats);
     }
 }
 
 // grid (KV_HEADS, batch), block PLAN_THREADS: plan_fixed_role for every (kv head, batch item).
 #define PLAN_THREADS 128
 extern "C" __global__ void __launch_bounds__(PLAN_THREADS) plan_fixed(PlanFixedParams_FIELDS) {
-    plan_fixed_role(ntok, max_blocks, table, counts, sess, layer, tags, stamps, pages, slot_of, miss_src, stats, stamp,
+    plan_fixed_role(ntok, max_blocks, table, counts, sess, layer, tags, stamps, pages, slot_of, miss_src, stats,
                     blockIdx.x, blockIdx.y);
 }

@@ -347,7 +347,7 @@ __device__ __forceinline__ void score_role(
     __syncthreads();
     SEL_STAMP(6);
     plan_tile_cache(i, kvh, row, SINK, TOPK, 0, 0, DISTANT_SLOT0, CACHE_SLOTS - DISTANT_SLOT0, sess, ntok, layer,
-                    max_blocks, tags, stamps, pages, slot_of, miss_src, stats, stamp);
+                    max_blocks, tags, stamps, pages, slot_of, miss_src, stats);
     SEL_STAMP(7);
     if (ready != nullptr) signal_ready(ready, stamp);
 #undef NSL
@@ -358,12 +358,12 @@ __device__ __forceinline__ void score_role(
 // alone, followed by attend_tile's distant part (when layer_fused is not used).
 extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(SelectScoreParams_FIELDS) {
     score_role(q, sums, sess, ntok, layer, max_blocks, nbo, scratch, done, table, tags, stamps, pages, slot_of,
-               miss_src, stats, stamp, nullptr, blockIdx.x, blockIdx.y, blockIdx.z);
+               miss_src, stats, 0, nullptr, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 
 #if TOPK_MERGE && ATT_THREADS == SCORE_THREADS
-// layer_fused (select_score's parameters, then the attention's): a whole layer but the merge
-// in one launch (everything plan_fixed, attend_tile and select_score do in split launches), so
+// layer_fused (select_score's parameters, the ready flags' stamp, then the attention's): a whole
+// layer but the merge in one launch (everything plan_fixed, attend_tile and select_score do in split launches), so
 // that no kernel boundary sits between the selector and the distant gather: between two kernels the gather waited for the selector's
 // completion, which the fixed part's zero-copy reads in flight delayed by ~25 us per layer
 // (bench/gpu/NOTES.md v24), and the side stream's kernels competed with it for SM slots.
@@ -387,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) layer_fused(LayerFus
     u32 t = s_ticket;
     if (t < heads) {
         plan_fixed_role(ntok, max_blocks, table, counts, sess, layer, tags, stamps, pages, slot_of, miss_src, stats,
-                        stamp, t % KV_HEADS, t / KV_HEADS);
+                        t % KV_HEADS, t / KV_HEADS);
         signal_ready(ready + 2 * t, stamp);
         return;
     }
@@ -587,6 +587,6 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk(SelectTop
     select_distant((const float*)scratch + ((u64)i * KV_HEADS + kvh) * max_blocks, nb, row);
     __syncthreads();
     plan_tile_cache(i, kvh, row, SINK, TOPK, 0, 0, DISTANT_SLOT0, CACHE_SLOTS - DISTANT_SLOT0, sess, ntok, layer,
-                    max_blocks, tags, stamps, pages, slot_of, miss_src, stats, stamp);
+                    max_blocks, tags, stamps, pages, slot_of, miss_src, stats);
 #endif
 }

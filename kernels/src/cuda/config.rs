@@ -218,8 +218,8 @@ impl CudaConfig {
         let k = ksel as usize;
         let c = self.cache_slots as usize;
         // plan_tile_cache: ids, hits and host addresses per keep-set entry; key and victim
-        // per slot; per-warp miss counts.
-        let plan_smem = k * 16 + c * 12 + 128;
+        // per slot; per-warp miss counts; the clock.
+        let plan_smem = k * 16 + c * 12 + 128 + 4;
         if plan_smem > SMEM_LIMIT {
             return Err(invalid(format!(
                 "gather plan needs {plan_smem} bytes of shared memory"

@@ -26,7 +26,8 @@
 //!    index, written ascending.
 //! 2. Cache plan (same thread block as the top-k): a per-(session, layer, kv head) LRU tile
 //!    cache on the GPU, with separate slot regions for the fixed and the distant part, decides
-//!    hits and victim slots; only misses are read from host memory.
+//!    hits and victim slots; only misses are read from host memory. Recency is the device's
+//!    global timer at planning, so replays of a captured launch keep LRU order.
 //! 3. Fetch + attention: one thread block per (session, kv head, tile) loads the tile with
 //!    16-byte loads, K and V all in flight (from the cache slot on a hit, over PCIe from the
 //!    mapped host frame on a miss, then written back to the slot); K is staged in shared memory

@@ -303,6 +303,8 @@ pub struct CudaBackend {
     /// Shared so that several backends (one per geometry) can map the same registered arena.
     host: Option<Arc<PinnedRegion>>,
     sessions: Vec<Option<Session>>,
+    /// Per layer call, never 0: what layer_fused's ready flags hand off with. (The tile cache's
+    /// LRU order uses the device's clock instead, gather.cu: a replayed launch repeats this.)
     stamp: u32,
     timers: Option<Timers>,
     poison: bool,

@@ -386,7 +386,6 @@ impl CudaBackend {
             layer,
             max_blocks: mb,
             nbo,
-            stamp: self.stamp,
         };
 
         self.record(l, 0)?;
@@ -423,7 +422,7 @@ impl CudaBackend {
                 layer: s.layer,
                 max_blocks: s.max_blocks,
                 nbo: s.nbo,
-                stamp: s.stamp,
+                stamp: self.stamp,
                 scale,
                 ticket0: self.tickets_issued,
                 lists,
@@ -481,7 +480,6 @@ impl CudaBackend {
                 stats: self.stats.ptr,
                 max_blocks: mb,
                 layer,
-                stamp: self.stamp,
             },
         )?;
         attend(side, 0, ks)?;
@@ -511,7 +509,6 @@ impl CudaBackend {
                     stats: self.stats.ptr,
                     max_blocks: mb,
                     layer,
-                    stamp: self.stamp,
                 },
             )?;
         }

@@ -187,7 +187,6 @@ kernel_params! {
         slot_of: u64 as "u32* __restrict__",
         miss_src: u64 as "u64* __restrict__",
         stats: u64 as "unsigned long long* __restrict__",
-        stamp: u32,
     }
 
     /// attend_tile (attend.cu): fetch + attention of the fixed (`part` 0) or distant (1) tiles.
@@ -274,12 +273,12 @@ kernel_params! {
         slot_of: u64 as "u32* __restrict__",
         miss_src: u64 as "u64* __restrict__",
         stats: u64 as "unsigned long long* __restrict__",
-        stamp: u32,
     }
 
     /// layer_fused (select.cu): a whole layer but the merge in one launch; select_score's
     /// parameters (slot_of and miss_src without `__restrict__`: this launch writes and reads
-    /// them), then the attention's.
+    /// them), the stamp its ready flags hand off with (unique per call, never 0), then the
+    /// attention's.
     layer_fused => LayerFusedParams {
         q: u64 as "const float* __restrict__",
         sums: u64 as "const sum_t* __restrict__",
@@ -325,7 +324,6 @@ kernel_params! {
         slot_of: u64 as "u32* __restrict__",
         miss_src: u64 as "u64* __restrict__",
         stats: u64 as "unsigned long long* __restrict__",
-        stamp: u32,
     }
 }
 

@@ -113,7 +113,6 @@ fn launch_arguments_are_the_fields_in_order() {
         slot_of: 14,
         miss_src: 15,
         stats: 16,
-        stamp: 17,
     };
     let base = &p as *const SelectScoreParams as usize;
     let ptrs = p.arg_ptrs();
