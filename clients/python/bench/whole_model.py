@@ -11,12 +11,16 @@ attention and can be captured in CUDA graphs:
 * ``dense-host``: the KV in pinned host memory, copied to the GPU layer by layer each step
   (the dense-from-host floor is its bytes over PCIe); one CUDA graph.
 * ``kvtier``: the KV in tierd's shared host arena, decoded in this process through
-  ``kvtier.engine.DeviceBatch``: per layer the graph-captured projections, kvtier's layer
-  (select, gather over PCIe, attend; launched eagerly on the same stream), then the captured
-  tail attention, merge, output projection and MLP. So a step is 29 graph replays and 28 kvtier
-  launches, with no host synchronization until the step's end. Every 128 steps the tokens
-  decoded on the GPU go to tierd by DMA into their reserved rows (RESERVE, copy, COMMIT per
-  session) and the engine's device state follows from the reservations.
+  ``kvtier.engine.DeviceBatch``: per layer the projections, kvtier's layer (select, gather over
+  PCIe, attend), then the tail attention, merge, output projection and MLP, with no host
+  synchronization until the step's end. Two ways to run it (``--graphs``, both by default,
+  alternating in one run):
+  ``whole``: the whole step, kvtier's 28 layers included, is one CUDA graph
+  (``kvtier.engine.CapturedStep``), captured again after every hand-off;
+  ``segments``: 29 graph replays (everything but kvtier) around 28 eager kvtier launches.
+  Every 128 steps the tokens decoded on the GPU go to tierd by DMA into their reserved rows
+  (RESERVE, copy, COMMIT per session) and the engine's device state follows from the
+  reservations.
 
 The stored context of every session is random bf16 KV (one random 1024-token chunk repeated,
 appended through the socket from a memfd), so the keep-sets are not those of a real model; the
@@ -212,6 +216,13 @@ class Kvtier:
             g[l + 1].replay()
         self.db.advance()
 
+    def whole_step(self):
+        """The step's work, kvtier's layers included, enqueued for one capture."""
+        self.seg_first()
+        for l in range(LAYERS):
+            self.db.launch(l)
+            self.seg_mid(l)
+
 
 def capture_whole(step_fn):
     s = torch.cuda.Stream()
@@ -279,6 +290,47 @@ def report(rows, name, context, b, ms, walls, extra=""):
           flush=True)
 
 
+def run_kvtier(rows, a, e, db, kt, whole, how, b):
+    """Times `a.steps` kvtier steps run `how` (whole: one graph; segments: 29 graphs around
+    eager kvtier launches). Steps that hand the tails to tierd, and (whole) the step after,
+    which captures the graph again, are left out of the median and listed."""
+    run = whole if how == "whole" else kt.step
+    for _ in range(a.warmup):
+        run()
+    special, handoffs = [], []
+    seen = [whole.captures]
+    # The run's tile statistics: a hand-off's bind zeroes the device counters, so add up the
+    # periods this run ends (DeviceBatch.period_stats) and subtract what the first one held.
+    before = e.bound_stats()
+    periods = []
+
+    def on_step(i):
+        if db.count == 0:
+            special.append(i)
+            handoffs.append({k: round(v * 1e3, 1) for k, v in db.last_handoff.items()})
+            periods.append(db.period_stats)
+        if whole.captures != seen[0]:
+            seen[0] = whole.captures
+            special.append(i)
+            handoffs.append({"capture": round(whole.last_capture_s * 1e3, 1)})
+
+    ms, walls = time_steps(run, a.steps, 0, on_step)
+
+    def total(key):
+        return (sum(sum(s[key] for s in p) for p in periods + [e.bound_stats()])
+                - sum(s[key] for s in before))
+
+    tiles, hits, moved = total("tiles"), total("hits"), total("bytes_moved")
+    plain = [m for i, m in enumerate(ms) if i not in special]
+    note = (f"hit share {hits / max(tiles, 1):.3f}, "
+            f"{moved / max(tiles, 1) / 1e3:.1f} kB/tile moved; "
+            f"hand-off/capture steps {[round(ms[i], 1) for i in special]} ms {handoffs}")
+    report(rows, f"kvtier-{how}", a.context, b, plain,
+           [w for i, w in enumerate(walls) if i not in special], note)
+    rows[-1]["mean_with_handoffs_ms"] = statistics.fmean(ms)
+    rows[-1]["register_s"] = e.registration()[1]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
@@ -291,8 +343,12 @@ def main():
     ap.add_argument("--top-k", type=int, default=32)
     ap.add_argument("--steps", type=int, default=160)
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--graphs", default="whole,segments",
+                    help="kvtier's step as one graph (whole) and/or 29 graphs around eager "
+                         "kvtier launches (segments), run in turn")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of --graphs (alternating)")
     ap.add_argument("--breakdown", action="store_true",
-                    help="also time the kvtier step with kvtier's layers left out")
+                    help="also time the kvtier step with kvtier's layers left out (segments)")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
@@ -349,27 +405,11 @@ def main():
                 # Capture's warm-up ran two steps' worth of stage/finish: start clean.
                 db.pos.zero_()
                 st.pos.fill_(a.context)
-                flushes = []
-
-                handoffs = []
-
-                def on_step(i, db=db):
-                    if db.count == 0:
-                        flushes.append(i)
-                        handoffs.append({k: round(v * 1e3, 1) for k, v in db.last_handoff.items()})
-
-                ms, walls = time_steps(kt.step, a.steps, a.warmup, on_step)
-                stats = e.bound_stats()
-                tiles = sum(s["tiles"] for s in stats)
-                hits = sum(s["hits"] for s in stats)
-                moved = sum(s["bytes_moved"] for s in stats)
-                plain = [m for i, m in enumerate(ms) if i not in flushes]
-                note = (f"hit share since the last hand-off {hits / max(tiles, 1):.2f}, "
-                        f"{moved / max(tiles, 1) / 1e3:.1f} kB/tile moved; "
-                        f"hand-off steps {[round(ms[i], 1) for i in flushes]} ms {handoffs}")
-                report(rows, "kvtier", a.context, b, plain, [w for i, w in enumerate(walls) if i not in flushes], note)
-                rows[-1]["mean_with_handoffs_ms"] = statistics.fmean(ms)
-                rows[-1]["register_s"] = reg_s
+                whole = kv_engine.CapturedStep(db, kt.whole_step)
+                whole()  # its warm-up: one eager step
+                for rnd in range(a.rounds):
+                    for how in a.graphs.split(","):
+                        run_kvtier(rows, a, e, db, kt, whole, how, b)
                 if a.breakdown:
                     kt.skip_kvtier = True
                     ms2, walls2 = time_steps(kt.step, min(a.steps, 100), 2)

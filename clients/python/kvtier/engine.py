@@ -20,8 +20,9 @@ Two ways to decode:
   output by log-sum-exp. Every `block_tokens` steps the tails go to tierd by DMA from the GPU
   straight into the sessions' runs in tierd's arena (RESERVE, copy, COMMIT; nothing through
   host buffers or the socket) and the engine's device state follows. Its `stage` and `finish`
-  halves are plain torch ops that a CUDA graph can capture; `launch` (kvtier's layer) runs
-  between them, eagerly.
+  halves are plain torch ops; `launch` is kvtier's layer. All three can be captured in one CUDA
+  graph with the rest of the model's step: `CapturedStep` captures a whole step and captures it
+  again after every hand-off (a captured kvtier layer is valid until the next bind).
 """
 
 from __future__ import annotations
@@ -195,10 +196,12 @@ class DeviceBatch:
     first: kvtier's softmax scale is 1/sqrt(head_dim), so a model scaling by s passes
     s * sqrt(head_dim).
 
-    For CUDA graphs, `attend` is `stage` (capturable), `launch` (eager: kvtier's layer) and
-    `finish` (capturable) on static buffers; after every layer of a step ran that way, call
-    `advance()` (it hands the tails to tierd when they are full). `attend` does that itself
-    after the last layer.
+    `attend` is `stage`, `launch` (kvtier's layer) and `finish` on static buffers, then, after
+    the last layer, `advance()` (it hands the tails to tierd when they are full). All of it but
+    `advance` can be captured in a CUDA graph; whoever replays the graph calls `advance` after
+    each replay (`CapturedStep` does, and turns `attend`'s own off: `advance_in_attend`; while
+    torch's stream is capturing `attend` never advances). A graph holding `launch` is valid
+    until the next hand-off: `epoch` counts them.
     """
 
     def __init__(self, engine: InEngine, client, sessions: Sequence[int], q_scale: float = 1.0):
@@ -243,6 +246,10 @@ class DeviceBatch:
         self._slots = torch.arange(bt, device=dev)
         self.g = g
         self.last_handoff = None
+        #: Hand-offs so far (each binds the engine again, which invalidates captured launches).
+        self.epoch = 0
+        #: Whether `attend` at the last layer calls `advance` (off when a graph replays steps).
+        self.advance_in_attend = True
 
     def stage(self, layer: int, q, k, v) -> None:
         """Store the new token's k, v in the layer's tail; q into the layer's query buffer."""
@@ -286,8 +293,11 @@ class DeviceBatch:
     def attend(self, layer: int, q, k, v):
         self.stage(layer, q, k, v)
         self.launch(layer)
+        import torch
+
         out = self.finish(layer, q.dtype)
-        if layer == self.g.layers - 1:
+        if (layer == self.g.layers - 1 and self.advance_in_attend
+                and not torch.cuda.is_current_stream_capturing()):
             self.advance()
         return out
 
@@ -309,6 +319,8 @@ class DeviceBatch:
         stream = torch.cuda.current_stream(self.engine.device)
         tw = time.perf_counter()
         stream.synchronize()  # the step's own GPU work
+        #: The device calls' statistics of the period this hand-off ends (a bind zeroes them).
+        self.period_stats = self.engine.bound_stats()
         t0 = time.perf_counter()
         try:
             self.engine.append_rows(self.sessions, self.tail, c)
@@ -322,6 +334,7 @@ class DeviceBatch:
         t2 = time.perf_counter()
         self.pos.zero_()
         self.count = 0
+        self.epoch += 1
         #: Seconds of the last hand-off: waiting for the step's GPU work, the in-place append
         #: (RESERVE, DMA, COMMIT, device state), bind.
         self.last_handoff = dict(wait=t0 - tw, append=t1 - t0, bind=t2 - t1)
@@ -333,3 +346,68 @@ class DeviceBatch:
             self.flush()
         for s in self.sessions:
             self.engine.detach(s)
+
+
+class CapturedStep:
+    """A whole decode step, kvtier's layers included, replayed as one CUDA graph.
+
+    `step` enqueues one step on torch's current stream from static buffers (a model's layers
+    calling `batch.attend`, or `stage`/`launch`/`finish` for every layer), with no host
+    synchronization. The first call runs it eagerly on a side stream (torch's warm-up before a
+    capture); every later call replays the graph; each call ends with `batch.advance()` (the
+    batch's `attend` no longer does). After a hand-off the graph is captured again before its
+    next replay: the bind changed the block counts that kvtier's launches were sized for. Each
+    capture goes into the memory pool of the one before, which is then dropped (never replayed
+    again), so captures reuse the step's intermediate memory.
+
+    A replayed kvtier layer reuses the cache stamps of its capture, so within one hand-off
+    period (`block_tokens` steps) the tile cache evicts among the period's tiles by slot, not
+    by last use; docs/architecture.md, "The device path".
+    """
+
+    def __init__(self, batch: DeviceBatch, step):
+        import torch
+
+        self.batch, self.step = batch, step
+        batch.advance_in_attend = False
+        self.graph = None
+        self.epoch = None
+        self.pool = torch.cuda.graph_pool_handle()
+        #: Captures made so far, and the seconds the last one took (capture and instantiation).
+        self.captures = 0
+        self.last_capture_s = None
+
+    def __call__(self) -> None:
+        import torch
+
+        if self.graph is None and self.epoch is None:
+            # Warm-up (lazy initialisation of libraries' handles and workspaces) on a side
+            # stream, as torch asks before a capture: a real step.
+            cur = torch.cuda.current_stream()
+            side = torch.cuda.Stream()
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                self.step()
+            cur.wait_stream(side)
+            self.epoch = -1  # captured before the next step
+            self.batch.advance()
+            return
+        if self.epoch != self.batch.epoch:
+            self.capture()
+        self.graph.replay()
+        self.batch.advance()
+
+    def capture(self) -> None:
+        """Capture the step now (the next call replays it)."""
+        import torch
+
+        t = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.step()
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph = graph
+        self.epoch = self.batch.epoch
+        self.captures += 1
+        self.last_capture_s = time.perf_counter() - t

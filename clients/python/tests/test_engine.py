@@ -128,6 +128,71 @@ def test_device_batch_matches_dense_attention_over_keep_set_and_gpu_tail(tierd_f
 
 
 @pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
+def test_a_captured_step_replays_like_the_eager_step_across_hand_offs(tierd_factory):
+    """A whole step (both layers' stage, kvtier launch and finish) captured by CapturedStep and
+    replayed for 70 steps equals the same steps made eagerly on twin sessions, bit for bit:
+    outputs, the tokens handed to tierd and the keep-sets; and the tile cache decides alike
+    (the same hits and misses in every step: replays keep LRU order, although a replayed
+    launch repeats its arguments). The two hand-offs (tails of 32 tokens) each cause one new
+    capture, before the next replay."""
+    torch = pytest.importorskip("torch")
+    sock = tierd_factory("--backend", "cpu", "--set", "host.shared=true")
+    g = Geometry(2, 28, 4, 128, Dtype.BF16, 32)
+    pol = Policy(sink_blocks=1, local_blocks=2, top_k=3)
+    c = Client(sock)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    pairs = []  # (captured session, eager twin) with the same stored KV
+    for i, n in enumerate([300, 333]):
+        kv = torch.randn((g.layers, 2, n, g.kv_heads, g.head_dim), generator=gen, device="cuda")
+        payload = kv.to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes()
+        twin = []
+        for who in ("captured", "eager"):
+            s = c.create_session(g, pol, f"{who}-{i}")
+            c.append_kv_shm(s, 0, n, payload)
+            twin.append(s)
+        pairs.append(twin)
+    captured_e, eager_e = engine.InEngine(sock, g, pol), engine.InEngine(sock, g, pol)
+    cap = engine.DeviceBatch(captured_e, c, [p[0] for p in pairs])
+    ref = engine.DeviceBatch(eager_e, c, [p[1] for p in pairs])
+    # Static inputs and outputs of the captured step (a graph reads and writes fixed addresses).
+    q_in = torch.zeros((g.layers, 2, g.q_heads, g.head_dim), device="cuda")
+    k_in = torch.zeros((g.layers, 2, g.kv_heads, g.head_dim), device="cuda", dtype=torch.bfloat16)
+    v_in = torch.zeros_like(k_in)
+    out = torch.zeros_like(q_in)
+
+    def step():
+        for layer in range(g.layers):
+            out[layer].copy_(cap.attend(layer, q_in[layer], k_in[layer], v_in[layer]))
+
+    whole = engine.CapturedStep(cap, step)
+    for i in range(70):
+        q_in.copy_(torch.randn(q_in.shape, generator=gen, device="cuda"))
+        k_in.copy_(torch.randn(k_in.shape, generator=gen, device="cuda"))
+        v_in.copy_(torch.randn(v_in.shape, generator=gen, device="cuda"))
+        whole()
+        want = torch.stack([ref.attend(layer, q_in[layer], k_in[layer], v_in[layer])
+                            for layer in range(g.layers)])
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), (i, (out - want).abs().max().item())
+        if i > 0:  # the first step ran eagerly (the warm-up)
+            assert captured_e.keep_sets(1) == eager_e.keep_sets(1), i
+        # Since the last bind (both hand off at the same steps). 10-13 blocks against 6 kept
+        # and 9 distant cache slots: eviction order decides hits.
+        assert captured_e.bound_stats() == eager_e.bound_stats(), i
+    # Captured at step 1, then again after the hand-offs of steps 31 and 63.
+    assert whole.captures == 3 and cap.epoch == ref.epoch == 2
+    assert cap.stored == ref.stored == [364, 397] and cap.count == ref.count == 6
+    cap.close()
+    ref.close()
+    for a, b in pairs:
+        assert c.session_info(a).tokens_max == c.session_info(b).tokens_max
+        with c.lease(a) as la, c.lease(b) as lb:
+            for layer in range(g.layers):
+                for blk in range(c.session_info(a).tokens_max // g.block_tokens):
+                    assert np.array_equal(la.run(layer, blk), lb.run(layer, blk)), (a, layer, blk)
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_hf_adapter_decodes_in_engine_on_a_gpu_like_dense(tierd_factory, dtype, monkeypatch):
     """kvtier.hf with the model on the GPU takes the in-engine path (no DECODE per step, the
