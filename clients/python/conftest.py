@@ -50,6 +50,7 @@ def tierd_factory(tmp_path):
                     pytest.fail("tierd did not start")
                 time.sleep(0.02)
 
+    start.procs = procs  # the tierd processes, for tests that kill one
     yield start
     for p in procs:
         p.terminate()

@@ -250,9 +250,17 @@ class DeviceBatch:
         self.epoch = 0
         #: Whether `attend` at the last layer calls `advance` (off when a graph replays steps).
         self.advance_in_attend = True
+        #: Why the last hand-off failed, until one succeeds (the next step tries it again).
+        self.handoff_error = None
 
     def stage(self, layer: int, q, k, v) -> None:
-        """Store the new token's k, v in the layer's tail; q into the layer's query buffer."""
+        """Store the new token's k, v in the layer's tail; q into the layer's query buffer.
+        At a full tail (a hand-off that failed), hand it off first: raises again if it fails,
+        and never writes past the tail."""
+        import torch
+
+        if layer == 0 and not torch.cuda.is_current_stream_capturing():
+            self.ensure_room()
         p = self.pos[layer]
         self.tail_k[layer][self._rows, :, p] = k.to(self.tail_k.dtype)
         self.tail_v[layer][self._rows, :, p] = v.to(self.tail_v.dtype)
@@ -302,9 +310,21 @@ class DeviceBatch:
         return out
 
     def advance(self) -> None:
-        """One step done in every layer: at a full tail, hand every tail to tierd."""
+        """One step done in every layer: at a full tail, hand every tail to tierd. The step
+        itself is done whatever happens to the hand-off: if it fails, the next step tries it
+        again before it writes anything and raises if it fails again (`handoff_error` holds
+        this failure meanwhile)."""
         self.count += 1
-        if self.count == self.g.block_tokens:
+        if self.count >= self.g.block_tokens:
+            try:
+                self.flush()
+            except (KvtierError, EngineError, OSError) as e:
+                self.handoff_error = e
+
+    def ensure_room(self) -> None:
+        """Hand the tails to tierd if they are full (the hand-off of `advance` failed, or has
+        not run): the next step needs a free row in every tail."""
+        if self.count >= self.g.block_tokens:
             self.flush()
 
     def flush(self) -> None:
@@ -325,8 +345,12 @@ class DeviceBatch:
         try:
             self.engine.append_rows(self.sessions, self.tail, c)
         except Exception:
-            # What tierd holds now (a failed COMMIT leaves its session as it was).
-            self.stored = [self.client.session_info(s).tokens_max for s in self.sessions]
+            # What tierd holds now (a failed COMMIT leaves its session as it was); the tails
+            # stay full, so the next step tries the hand-off again before it writes.
+            try:
+                self.stored = [self.client.session_info(s).tokens_max for s in self.sessions]
+            except (KvtierError, OSError):
+                pass  # tierd is unreachable: its state is unknown here, the error says why
             raise
         self.stored = [n + c for n in self.stored]
         t1 = time.perf_counter()
@@ -335,6 +359,7 @@ class DeviceBatch:
         self.pos.zero_()
         self.count = 0
         self.epoch += 1
+        self.handoff_error = None
         #: Seconds of the last hand-off: waiting for the step's GPU work, the in-place append
         #: (RESERVE, DMA, COMMIT, device state), bind.
         self.last_handoff = dict(wait=t0 - tw, append=t1 - t0, bind=t2 - t1)
@@ -380,6 +405,7 @@ class CapturedStep:
     def __call__(self) -> None:
         import torch
 
+        self.batch.ensure_room()  # a failed hand-off is tried again before the step runs
         if self.graph is None and self.epoch is None:
             # Warm-up (lazy initialisation of libraries' handles and workspaces) on a side
             # stream, as torch asks before a capture: a real step.

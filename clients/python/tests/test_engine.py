@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from kvtier import Client, Dtype, Geometry, Policy, f32_to_bf16, bf16_to_f32
+from kvtier import Client, Dtype, Geometry, KvtierError, Policy, f32_to_bf16, bf16_to_f32
 from kvtier import engine
 
 from test_daemon import dense_on_keep_set
@@ -190,6 +190,44 @@ def test_a_captured_step_replays_like_the_eager_step_across_hand_offs(tierd_fact
             for layer in range(g.layers):
                 for blk in range(c.session_info(a).tokens_max // g.block_tokens):
                     assert np.array_equal(la.run(layer, blk), lb.run(layer, blk)), (a, layer, blk)
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
+def test_a_failed_hand_off_stops_the_next_step_with_a_typed_error(tierd_factory):
+    """tierd killed while the tails fill: the step whose hand-off fails still returns its
+    output; every later step (eager or a CapturedStep) raises a typed error before it writes
+    anything, and the GPU stays usable (no write past the tails)."""
+    torch = pytest.importorskip("torch")
+    sock = tierd_factory("--backend", "cpu", "--set", "host.shared=true")
+    g = Geometry(2, 28, 4, 128, Dtype.BF16, 32)
+    c = Client(sock)
+    s = c.create_session(g, Policy(1, 2, 3), "failed-hand-off")
+    rng = np.random.default_rng(3)
+    kv = f32_to_bf16(rng.standard_normal((g.layers, 2, 300, g.kv_heads, g.head_dim), dtype=np.float32))
+    c.append_kv_shm(s, 0, 300, kv.tobytes())
+    e = engine.InEngine(sock, g, Policy(1, 2, 3))
+    db = engine.DeviceBatch(e, c, [s])
+    q = torch.randn((1, g.q_heads, g.head_dim), device="cuda")
+    k = torch.randn((1, g.kv_heads, g.head_dim), device="cuda")
+
+    def step():
+        return [db.attend(layer, q, k, k) for layer in range(g.layers)]
+
+    for _ in range(31):
+        step()
+    tierd_factory.procs[-1].kill()
+    tierd_factory.procs[-1].wait()
+    out = step()  # the 32nd token fills the tails: its hand-off fails, the step is done
+    assert torch.isfinite(out[-1]).all() and db.count == 32
+    assert isinstance(db.handoff_error, (engine.EngineError, KvtierError, OSError))
+    for _ in range(2):
+        with pytest.raises((engine.EngineError, KvtierError, OSError)):
+            step()
+        assert db.count == 32 and db.epoch == 0
+    with pytest.raises((engine.EngineError, KvtierError, OSError)):
+        engine.CapturedStep(db, step)()
+    torch.cuda.synchronize()
+    assert int(db.pos.max()) == 32  # nothing staged past the tails
 
 
 @pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
