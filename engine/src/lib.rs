@@ -40,6 +40,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kvtier_kernels::cuda::{
     CUstream, CudaBackend, CudaConfig, CudaError, DecodeItem, DeviceIo, LayerOutput, LayerStats,
@@ -154,7 +155,7 @@ struct Mapped {
     instance: u64,
     read_only: bool,
     /// Wall time of mapping and registering the arena (cuMemHostRegister pins every page).
-    register_time: std::time::Duration,
+    register_time: Duration,
     // Field order is drop order: the registration goes before the mapping it covers.
     region: Arc<PinnedRegion>,
     view: ArenaView,
@@ -184,6 +185,22 @@ pub struct InEngine {
     mapped: Option<Mapped>,
     /// Map and register the arena read-write ([`InEngine::enable_in_place_appends`]).
     in_place: bool,
+    /// Where the last [`InEngine::append_from_device`] spent its time.
+    last_append: Option<AppendTiming>,
+}
+
+/// The phases of one [`InEngine::append_from_device`], summed over its sessions.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AppendTiming {
+    /// RESERVE round trips.
+    pub reserve: Duration,
+    /// Enqueueing the DMA copies and waiting for them.
+    pub copy: Duration,
+    /// COMMIT round trips (the daemon checks the rows and folds their bounds).
+    pub commit: Duration,
+    /// The engine's device state following the reservations (bounds of the new blocks
+    /// recomputed from the runs, uploads).
+    pub sync: Duration,
 }
 
 impl std::fmt::Debug for InEngine {
@@ -227,6 +244,7 @@ impl InEngine {
             free_slots,
             mapped: None,
             in_place: false,
+            last_append: None,
         })
     }
 
@@ -447,6 +465,8 @@ impl InEngine {
                 )));
             }
         }
+        let mut timing = AppendTiming::default();
+        let t = Instant::now();
         let mut reserved = Vec::with_capacity(items.len());
         for &(session, _) in items {
             match self.client.reserve(session, tokens) {
@@ -457,6 +477,8 @@ impl InEngine {
                 }
             }
         }
+        timing.reserve = t.elapsed();
+        let t = Instant::now();
         let copied = items
             .iter()
             .zip(&reserved)
@@ -472,18 +494,28 @@ impl InEngine {
             self.drop_reservations(items);
             return Err(e);
         }
+        timing.copy = t.elapsed();
         let mut first = None;
         for (&(session, _), r) in items.iter().zip(&reserved) {
-            let done = self
-                .client
-                .commit(session, tokens)
+            let t = Instant::now();
+            let committed = self.client.commit(session, tokens);
+            timing.commit += t.elapsed();
+            let t = Instant::now();
+            let done = committed
                 .map_err(EngineError::from)
                 .and_then(|_| self.sync_reserved(session, r));
+            timing.sync += t.elapsed();
             if let Err(e) = done {
                 first.get_or_insert(e);
             }
         }
+        self.last_append = Some(timing);
         first.map_or(Ok(()), Err)
+    }
+
+    /// Where the last [`InEngine::append_from_device`] that reached its copies spent its time.
+    pub fn last_append(&self) -> Option<AppendTiming> {
+        self.last_append
     }
 
     /// Enqueues the copies of one session's rows to where `r` reserved them: per layer, one
@@ -599,7 +631,7 @@ impl InEngine {
 
     /// Bytes of tierd's arena mapped and registered, and how long that took; None before the
     /// first lease.
-    pub fn registration(&self) -> Option<(usize, std::time::Duration)> {
+    pub fn registration(&self) -> Option<(usize, Duration)> {
         self.mapped
             .as_ref()
             .map(|m| (m.view.len(), m.register_time))
@@ -628,7 +660,7 @@ impl InEngine {
             }),
             Some(_) => Ok(lease),
             None => {
-                let t = std::time::Instant::now();
+                let t = Instant::now();
                 let (view, region, read_only) = register(&self.be, fd, &lease, self.in_place)?;
                 self.be.attach_host(region.clone())?;
                 self.mapped = Some(Mapped {

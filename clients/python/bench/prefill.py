@@ -39,6 +39,7 @@ def main():
     ap.add_argument("--socket", required=True)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--paths", default="host,dma", help="which of host, dma to run")
     a = ap.parse_args()
     g, n = GEO, a.context
     c = Client(a.socket, client_name="prefill-bench")
@@ -65,15 +66,23 @@ def main():
         v = rows[:, 0, :, 1].transpose(1, 2).cpu().view(torch.int16).numpy().view("u2")
         c.append_kv_shm(sid, 0, n, pack_append_payload(k, v))
 
+    phases = []  # per dma repetition: seconds by phase, summed over its chunks
+
     def dma(sid):
         e.attach(sid)
+        split = dict.fromkeys(("reserve", "copy", "commit", "sync"), 0.0)
         for first in range(0, n, 16384):
             e.append_rows([sid], rows, min(16384, n - first), first)
+            for k, v in e.last_append().items():
+                split[k] += v
         e.detach(sid)
+        phases.append(split)
 
     results = {}
     for rep in range(a.reps):
         for name, fn in (("host", host), ("dma", dma)):
+            if name not in a.paths.split(","):
+                continue
             sid = c.create_session(g, policy, f"prefill-{name}")
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -87,8 +96,12 @@ def main():
         med = statistics.median(ms)
         print(f"{name:>5}: median {med:8.1f} ms  {nbytes / med / 1e6:6.2f} GB/s  "
               f"{med / floor_ms:5.2f}x the PCIe floor", flush=True)
-    h, d = statistics.median(results["host"]), statistics.median(results["dma"])
-    print(f"dma / host = {d / h:.2f}", flush=True)
+    if len(results) == 2:
+        h, d = statistics.median(results["host"]), statistics.median(results["dma"])
+        print(f"dma / host = {d / h:.2f}", flush=True)
+    if phases:
+        print("dma by phase (median ms): " + ", ".join(
+            f"{k} {statistics.median(p[k] for p in phases) * 1e3:.1f}" for k in phases[0]), flush=True)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,14 @@ class InEngine:
         context (every page is pinned), or None before the first attach."""
         return self._e.registration()
 
+    def last_append(self) -> Optional[dict]:
+        """Seconds of the last `append_rows` (or hand-off) by phase, summed over its sessions:
+        reserve (RESERVE round trips), copy (the DMA copies), commit (COMMIT: tierd checks the
+        rows and folds their bounds), sync (this engine's device state follows: bounds of the
+        new blocks from the runs, uploads). None before one reached its copies."""
+        t = self._e.last_append()
+        return None if t is None else dict(zip(("reserve", "copy", "commit", "sync"), t))
+
     def keep_sets(self, layer: int) -> List[List[List[int]]]:
         """Keep-sets of the last call at `layer`: [session][kv_head] ascending block ids."""
         return self._e.keep_sets(layer)

@@ -205,6 +205,19 @@ impl Engine {
         self.inner.registration().map(|(n, t)| (n, t.as_secs_f64()))
     }
 
+    /// Seconds of the last in-place append's phases: (reserve, copy, commit, sync); None
+    /// before one reached its copies.
+    fn last_append(&self) -> Option<(f64, f64, f64, f64)> {
+        self.inner.last_append().map(|t| {
+            (
+                t.reserve.as_secs_f64(),
+                t.copy.as_secs_f64(),
+                t.commit.as_secs_f64(),
+                t.sync.as_secs_f64(),
+            )
+        })
+    }
+
     /// Keep-sets of the last call at `layer`: [session][kv_head] ascending block ids.
     fn keep_sets(&self, layer: u32) -> PyResult<Vec<Vec<Vec<u32>>>> {
         self.inner.last_keep_sets(layer).map_err(err)
