@@ -629,6 +629,50 @@ fn a_large_append_on_several_threads_equals_appending_token_by_token() {
     assert_eq!(snapshot(&whole), snapshot(&single));
 }
 
+#[test]
+fn appends_into_frames_a_former_owner_left_dirty_equal_appends_into_clean_ones() {
+    // New frames are not zeroed when taken: the append zeroes what its rows leave (the rest of
+    // a partial block, the padding past each run). One thread (small) and several (large),
+    // both starting mid-block.
+    for (layers, n) in [(2u32, 21usize), (6, 4000)] {
+        let g = Geometry {
+            layers,
+            q_heads: 4,
+            kv_heads: 2,
+            head_dim: 24, // 3 KiB runs in 4 KiB extents: 1 KiB of padding each
+            dtype: DType::Bf16,
+            block_tokens: 16,
+        };
+        let mut opts = ArenaOptions::new(8 << 20, 64 << 10);
+        opts.shared = true;
+        let dirty = HostArena::new(&opts).unwrap();
+        let fd = dirty.shared_fd().unwrap().try_clone_to_owned().unwrap();
+        // SAFETY: the memfd is sealed against shrinking; the mapping is dropped with the test.
+        let mut map = unsafe { memmap2::MmapMut::map_mut(&std::fs::File::from(fd)) }.unwrap();
+        map.fill(0x5A);
+        let clean = HostArena::new(&ArenaOptions::new(8 << 20, 64 << 10)).unwrap();
+        let (mut kv, mut want) = (
+            KvCache::new(g, dirty).unwrap(),
+            KvCache::new(g, clean).unwrap(),
+        );
+        let p = payload(&g, n, 9);
+        assert_eq!(p.len() > 4 << 20, n == 4000);
+        append_in_chunks(&mut kv, &p, n, &[3]);
+        append_in_chunks(&mut want, &p, n, &[3]);
+        assert_eq!(snapshot(&kv), snapshot(&want), "{n} tokens");
+        for l in 0..layers {
+            let v = kv.layer(l).unwrap();
+            for b in 0..v.blocks() {
+                let end = v.frame(b).unwrap().offset() + g.block_bytes();
+                assert!(
+                    map[end..end + 1024].iter().all(|&x| x == 0),
+                    "layer {l} block {b}"
+                );
+            }
+        }
+    }
+}
+
 // ---- In-place appends (RESERVE / COMMIT): rows written through a second mapping ----
 
 /// A cache in a shared (memfd) arena holding `n` tokens, and a second writable mapping of that
@@ -680,6 +724,9 @@ fn an_in_place_append_is_bit_identical_to_an_append_of_the_same_rows() {
         let g = geo(dtype, bt);
         let p = payload(&g, before + n, 7);
         let (mut kv, mut map) = shared_cache(g, 0, 0);
+        // Every free byte holds a former owner's data: RESERVE does not zero the frames it
+        // opens, so the commit must leave nothing of it (rows past the end, padding).
+        map.fill(0x5A);
         let (mut want, _) = shared_cache(g, 0, 0);
         append_in_chunks(
             &mut kv,
@@ -716,6 +763,16 @@ fn an_in_place_append_is_bit_identical_to_an_append_of_the_same_rows() {
             "{dtype:?} bt={bt} {before}+{n}"
         );
         assert!(kv.arena().usage().bytes_used >= used);
+        // Past each run, to the end of its 4 KiB extent: zero.
+        for o in offsets.iter().flatten() {
+            let run_end = *o as usize + g.block_bytes();
+            assert!(
+                map[run_end..run_end.next_multiple_of(4096)]
+                    .iter()
+                    .all(|&b| b == 0),
+                "padding after the run at {o}"
+            );
+        }
     }
 }
 
@@ -724,6 +781,7 @@ fn committing_fewer_rows_than_reserved_zeroes_the_rest_and_returns_their_frames(
     let g = geo(DType::Bf16, 8);
     let p = payload(&g, 30, 3);
     let (mut kv, mut map) = shared_cache(g, 0, 0);
+    map.fill(0x5A); // a former owner's bytes in every free frame
     kv.append(0, 6, &sub_payload(&g, &p, 30, 0..6)).unwrap();
     let (mut want, _) = shared_cache(g, 0, 0);
     want.append(0, 9, &sub_payload(&g, &p, 30, 0..9)).unwrap();

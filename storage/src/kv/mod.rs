@@ -487,7 +487,9 @@ impl KvCache {
     /// All-or-nothing: on error nothing changed.
     pub fn append_layer(&mut self, layer: u32, start: u64, k: &[u8], v: &[u8]) -> Result<()> {
         let need = self.check_layer_append(layer, start, k, v)?;
-        let mut fresh = self.arena.alloc_many(need, self.geo.block_bytes())?;
+        let mut fresh = self
+            .arena
+            .alloc_many_unzeroed(need, self.geo.block_bytes())?;
         self.append_layer_reserved(layer, start, k, v, &mut fresh)
     }
 
@@ -549,7 +551,9 @@ impl KvCache {
                 let (k, v) = rows(layer);
                 need += self.check_layer_append(layer as u32, start, k, v)?;
             }
-            let mut fresh = self.arena.alloc_many(need, self.geo.block_bytes())?;
+            let mut fresh = self
+                .arena
+                .alloc_many_unzeroed(need, self.geo.block_bytes())?;
             for layer in 0..layers {
                 let (k, v) = rows(layer);
                 self.write_layer(layer as u32, k, v, n, &mut fresh);
@@ -567,7 +571,7 @@ impl KvCache {
         let need = checked.into_iter().collect::<Result<Vec<usize>>>()?;
         let mut fresh = self
             .arena
-            .alloc_many(need.iter().sum(), self.geo.block_bytes())?;
+            .alloc_many_unzeroed(need.iter().sum(), self.geo.block_bytes())?;
         // Layer 0 takes the last frames, layer 1 the ones before: what the serial path's pops
         // give each layer.
         let mut work: Vec<(&mut LayerKv, Vec<Frame>)> = Vec::with_capacity(layers);
@@ -648,8 +652,8 @@ impl KvCache {
     }
 }
 
-/// [`KvCache::write_layer`] on one layer: rows copied into its tail frames, keys folded into
-/// its bounds.
+/// [`KvCache::write_layer`] on one layer: rows copied into its tail frames (each new frame's
+/// other bytes zeroed), keys folded into its bounds.
 fn write_rows(geo: &Geometry, l: &mut LayerKv, k: &[u8], v: &[u8], n: u64, fresh: &mut Vec<Frame>) {
     let (bt, hkv, d) = (
         geo.block_tokens as u64,
@@ -664,8 +668,15 @@ fn write_rows(geo: &Geometry, l: &mut LayerKv, k: &[u8], v: &[u8], n: u64, fresh
         let pos = l.tokens;
         let (block, slot) = ((pos / bt) as usize, (pos % bt) as usize);
         if block == l.slots.len() {
-            l.slots
-                .push(Slot::Hot(fresh.pop().expect("frames were reserved")));
+            let mut f = fresh.pop().expect("frames were reserved");
+            // The frame may hold a former owner's bytes (the frames are not zeroed when
+            // taken: the rows below overwrite most of them): zero the rows this append leaves
+            // empty and the padding past the run.
+            let filled = (n as usize - i).min(bt as usize);
+            let run = f.as_mut_slice();
+            zero_rows(geo, run, filled, bt as usize);
+            run[geo.block_bytes()..].fill(0);
+            l.slots.push(Slot::Hot(f));
             // Empty bounds: every fold replaces them.
             for h in 0..hkv {
                 let at = l.summaries.len();
