@@ -307,10 +307,10 @@ class DeviceBatch:
         return out.to(dtype or self.tail_k.dtype)
 
     def attend(self, layer: int, q, k, v):
-        self.stage(layer, q, k, v)
-        self.launch(layer)
         import torch
 
+        self.stage(layer, q, k, v)
+        self.launch(layer)
         out = self.finish(layer, q.dtype)
         if (layer == self.g.layers - 1 and self.advance_in_attend
                 and not torch.cuda.is_current_stream_capturing()):
