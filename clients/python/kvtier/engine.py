@@ -260,6 +260,9 @@ class DeviceBatch:
         self.advance_in_attend = True
         #: Why the last hand-off failed, until one succeeds (the next step tries it again).
         self.handoff_error = None
+        #: The device calls' statistics of the period the last hand-off ended (a bind zeroes
+        #: them); None before the first.
+        self.period_stats = None
 
     def stage(self, layer: int, q, k, v) -> None:
         """Store the new token's k, v in the layer's tail; q into the layer's query buffer.
@@ -347,7 +350,6 @@ class DeviceBatch:
         stream = torch.cuda.current_stream(self.engine.device)
         tw = time.perf_counter()
         stream.synchronize()  # the step's own GPU work
-        #: The device calls' statistics of the period this hand-off ends (a bind zeroes them).
         self.period_stats = self.engine.bound_stats()
         t0 = time.perf_counter()
         try:

@@ -52,6 +52,19 @@ def test_in_engine_decode_matches_dense_attention_over_its_keep_set(tierd_factor
     e.detach(s)
 
 
+# The device-batch tests' sessions: 2 layers of Qwen2.5-7B's heads in 32-token blocks (a
+# hand-off every 32 steps), a keep-set of 6 blocks.
+BATCH_GEO = Geometry(2, 28, 4, 128, Dtype.BF16, 32)
+BATCH_POLICY = Policy(sink_blocks=1, local_blocks=2, top_k=3)
+
+
+def shared_tierd(tierd_factory):
+    """A tierd on the CPU backend sharing its arena (what the in-engine path leases), and a
+    client of it."""
+    sock = tierd_factory("--backend", "cpu", "--set", "host.shared=true")
+    return sock, Client(sock)
+
+
 def dense_on_keep_set_and_tail(q, k, v, keep, block_tokens, stored):
     """Softmax attention in float64 over the kept blocks' stored tokens (before `stored`) and
     every token from `stored` on. q [Hq, D]; k, v [T, Hkv, D]."""
@@ -76,10 +89,8 @@ def test_device_batch_matches_dense_attention_over_keep_set_and_gpu_tail(tierd_f
     attention over kvtier's keep-set of the stored tokens plus every token still on the GPU,
     and tierd ends up holding every token."""
     torch = pytest.importorskip("torch")
-    sock = tierd_factory("--backend", "cpu", "--set", "host.shared=true")
-    g = Geometry(2, 28, 4, 128, Dtype.BF16, 32)
-    pol = Policy(sink_blocks=1, local_blocks=2, top_k=3)
-    c = Client(sock)
+    sock, c = shared_tierd(tierd_factory)
+    g, pol = BATCH_GEO, BATCH_POLICY
     gen = torch.Generator(device="cuda").manual_seed(5)
     hist = []  # per session, per layer: [k, v] float32 [T, Hkv, D] of bf16 values
     sessions = []
@@ -136,10 +147,8 @@ def test_a_captured_step_replays_like_the_eager_step_across_hand_offs(tierd_fact
     launch repeats its arguments). The two hand-offs (tails of 32 tokens) each cause one new
     capture, before the next replay."""
     torch = pytest.importorskip("torch")
-    sock = tierd_factory("--backend", "cpu", "--set", "host.shared=true")
-    g = Geometry(2, 28, 4, 128, Dtype.BF16, 32)
-    pol = Policy(sink_blocks=1, local_blocks=2, top_k=3)
-    c = Client(sock)
+    sock, c = shared_tierd(tierd_factory)
+    g, pol = BATCH_GEO, BATCH_POLICY
     gen = torch.Generator(device="cuda").manual_seed(6)
     pairs = []  # (captured session, eager twin) with the same stored KV
     for i, n in enumerate([300, 333]):
@@ -198,14 +207,13 @@ def test_a_failed_hand_off_stops_the_next_step_with_a_typed_error(tierd_factory)
     output; every later step (eager or a CapturedStep) raises a typed error before it writes
     anything, and the GPU stays usable (no write past the tails)."""
     torch = pytest.importorskip("torch")
-    sock = tierd_factory("--backend", "cpu", "--set", "host.shared=true")
-    g = Geometry(2, 28, 4, 128, Dtype.BF16, 32)
-    c = Client(sock)
-    s = c.create_session(g, Policy(1, 2, 3), "failed-hand-off")
+    sock, c = shared_tierd(tierd_factory)
+    g = BATCH_GEO
+    s = c.create_session(g, BATCH_POLICY, "failed-hand-off")
     rng = np.random.default_rng(3)
     kv = f32_to_bf16(rng.standard_normal((g.layers, 2, 300, g.kv_heads, g.head_dim), dtype=np.float32))
     c.append_kv_shm(s, 0, 300, kv.tobytes())
-    e = engine.InEngine(sock, g, Policy(1, 2, 3))
+    e = engine.InEngine(sock, g, BATCH_POLICY)
     db = engine.DeviceBatch(e, c, [s])
     q = torch.randn((1, g.q_heads, g.head_dim), device="cuda")
     k = torch.randn((1, g.kv_heads, g.head_dim), device="cuda")
