@@ -349,6 +349,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="rounds of --graphs (alternating)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the kvtier step with kvtier's layers left out (segments)")
+    ap.add_argument("--sessions", default="",
+                    help="ids of sessions of --context tokens already in tierd (e.g. engine_bench "
+                         "--fill-only's) to decode instead of filling new ones; left open")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
@@ -389,7 +392,10 @@ def main():
                 torch._C._host_emptyCache()
         if "kvtier" in modes:
             c = Client(a.socket, client_name="whole-model")
-            ids = fill_sessions(c, max(batches), a.context, policy)
+            given = [int(x) for x in a.sessions.split(",") if x]
+            if given and len(given) < max(batches):
+                sys.exit(f"batch {max(batches)} needs {max(batches)} --sessions")
+            ids = given or fill_sessions(c, max(batches), a.context, policy)
             for b in batches:
                 t = time.time()
                 e = kv_engine.InEngine(a.socket, GEO, policy, device=0, max_sessions=b,
@@ -418,7 +424,7 @@ def main():
                 db.close(hand_off=False)  # the sessions are closed below
                 del kt, db, e
                 torch.cuda.empty_cache()
-            for s in ids:
+            for s in ids if not given else []:
                 c.close(s)
     if a.json:
         with open(a.json, "w") as f:
