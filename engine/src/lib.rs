@@ -56,8 +56,12 @@ use kvtier_storage::zip_mut;
 /// Bytes per cuMemHostRegister call: tierd's arena segment (no block run crosses one).
 const REGISTER_CHUNK: usize = 1 << 30;
 
-/// Blocks of one layer from which a sync recomputes bounds on every core.
+/// Blocks (over all layers) from which a sync recomputes bounds on every core.
 const PARALLEL_BOUNDS_FROM: usize = 64;
+
+/// New blocks whose bounds a sync computes in one parallel pass (and holds in host memory:
+/// 4 MiB at Qwen2.5-7B's geometry).
+const BOUNDS_GROUP_BLOCKS: usize = 1024;
 
 /// Failures of the in-engine path.
 #[derive(Debug, thiserror::Error)]
@@ -351,8 +355,24 @@ impl InEngine {
             offset: self.shard.run_offset(&geo),
             geo,
         };
-        for (l, (ls, want)) in s.layers.iter_mut().zip(&lease.layers).enumerate() {
-            sync_layer(&mut self.be, view, lease, &part, s.slot, l, ls, want)?;
+        // Layers in groups of at least BOUNDS_GROUP_BLOCKS new blocks: a prefill's chunk is
+        // ~128 blocks per layer, too few for every core, and a first sync of a 1M session is
+        // 8K per layer, whose bounds for all layers at once would be ~1 GiB of host memory.
+        let mut first = 0;
+        while first < s.layers.len() {
+            let mut end = first;
+            let mut blocks = 0;
+            while end < s.layers.len() && blocks < BOUNDS_GROUP_BLOCKS {
+                let nb = lease.layers[end].offsets.len();
+                blocks += nb - s.layers[end].final_blocks.min(nb);
+                end += 1;
+            }
+            let sums = new_bounds(view, lease, &part, first, &s.layers[first..end])?;
+            for (l, sums) in (first..end).zip(&sums) {
+                let (ls, want) = (&mut s.layers[l], &lease.layers[l]);
+                sync_layer(&mut self.be, &part, s.slot, l, ls, want, sums)?;
+            }
+            first = end;
         }
         Ok(())
     }
@@ -733,24 +753,66 @@ struct Part {
     geo: Geometry,
 }
 
-/// Uploads what changed in one session layer: runs of new or moved blocks, bounds from the
-/// first non-final block on (recomputed from the runs with the daemon's function, so they are
-/// the daemon's bounds bit for bit), the token count.
-#[allow(clippy::too_many_arguments)]
-fn sync_layer(
-    be: &mut CudaBackend,
+/// Bounds of every layer's blocks from its first non-final one on, recomputed from the runs
+/// with the daemon's function (so they are the daemon's bounds bit for bit): per layer,
+/// `[block][kv_head][max|min][D]` (empty where nothing changed), for the layers from `first`
+/// on that `held` covers, in one pass over all of them.
+fn new_bounds(
     view: &ArenaView,
     lease: &LeaseReply,
+    part: &Part,
+    first: usize,
+    held: &[LayerSync],
+) -> Result<Vec<Vec<f32>>> {
+    let geo = &part.geo;
+    let (at, len) = (part.offset as usize, geo.block_bytes());
+    let (bt, spb) = (geo.block_tokens as u64, geo.summary_floats_per_block());
+    let mut sums = Vec::with_capacity(held.len());
+    let mut runs = Vec::new(); // (valid rows, run), in the order of `sums`' blocks
+    for (layer, (ls, want)) in (first..).zip(held.iter().zip(&lease.layers[first..])) {
+        let nb = want.offsets.len();
+        let from = ls.final_blocks.min(nb);
+        sums.push(vec![0f32; (nb - from) * spb]);
+        for blk in from..nb {
+            let run = view
+                .run(lease, layer, blk)
+                .and_then(|r| r.get(at..at + len))
+                .ok_or(EngineError::Unmapped { layer, block: blk })?;
+            runs.push(((want.tokens - blk as u64 * bt).min(bt) as usize, run));
+        }
+    }
+    // A first sync of a long session or a prefill recomputes many blocks: on every core. The
+    // usual sync (a block or two per layer) runs inline: spawning a thread per core would cost
+    // more than the blocks.
+    let threads = if runs.len() >= PARALLEL_BOUNDS_FROM {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        1
+    };
+    let mut outs: Vec<&mut [f32]> = sums.iter_mut().flat_map(|s| s.chunks_mut(spb)).collect();
+    zip_mut(
+        &mut outs,
+        &runs,
+        threads,
+        "kvtier-bounds",
+        |out, &(valid, run)| refold_bounds(geo, run, valid, out),
+    );
+    Ok(sums)
+}
+
+/// Uploads what changed in one session layer: runs of new or moved blocks, the bounds
+/// [`new_bounds`] computed for it, the token count.
+fn sync_layer(
+    be: &mut CudaBackend,
     part: &Part,
     slot: u32,
     layer: usize,
     ls: &mut LayerSync,
     want: &LeaseLayer,
+    sums: &[f32],
 ) -> Result<()> {
     let l = layer as u32;
-    let nb = want.offsets.len();
     let geo = &part.geo;
-    let (at, len) = (part.offset as usize, geo.block_bytes());
     for run in stale_runs(&ls.offsets, &want.offsets) {
         let offsets: Vec<u64> = want.offsets[run.clone()]
             .iter()
@@ -760,38 +822,8 @@ fn sync_layer(
     }
     ls.offsets = want.offsets.clone();
     let bt = geo.block_tokens as u64;
-    let spb = geo.summary_floats_per_block();
-    if ls.final_blocks < nb {
-        let first = ls.final_blocks;
-        let mut sums = vec![0f32; (nb - first) * spb];
-        let runs = (first..nb)
-            .map(|blk| {
-                view.run(lease, layer, blk)
-                    .and_then(|r| r.get(at..at + len))
-                    .map(|run| (blk as u64, run))
-                    .ok_or(EngineError::Unmapped { layer, block: blk })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        // A first sync of a long session recomputes every block's bounds: on every core. The
-        // usual sync (a block or two per layer) runs inline: spawning a thread per core per
-        // layer would cost more than the blocks.
-        let threads = if runs.len() >= PARALLEL_BOUNDS_FROM {
-            std::thread::available_parallelism().map_or(1, |n| n.get())
-        } else {
-            1
-        };
-        let mut outs: Vec<&mut [f32]> = sums.chunks_mut(spb).collect();
-        zip_mut(
-            &mut outs,
-            &runs,
-            threads,
-            "kvtier-bounds",
-            |out, &(blk, run)| {
-                let valid = (want.tokens - blk * bt).min(bt) as usize;
-                refold_bounds(geo, run, valid, out);
-            },
-        );
-        be.upload_summaries(slot, l, first as u32, &sums)?;
+    if !sums.is_empty() {
+        be.upload_summaries(slot, l, ls.final_blocks as u32, sums)?;
     }
     ls.final_blocks = (want.tokens / bt) as usize;
     if want.tokens != ls.tokens {
