@@ -42,8 +42,12 @@ use std::time::Duration;
 use kvtier_storage::nvme::NvmeTier;
 use kvtier_storage::{ArenaOptions, HostArena};
 
-/// Builds the host arena a config describes.
-pub fn build_arena(cfg: &Config) -> Result<HostArena, kvtier_storage::StorageError> {
+/// Builds the host arena a config describes; `progress(locked, total)` (bytes) while it is
+/// locked in RAM (`host.lock_memory`), from the locking threads.
+pub fn build_arena(
+    cfg: &Config,
+    progress: &(dyn Fn(usize, usize) + Sync),
+) -> Result<HostArena, kvtier_storage::StorageError> {
     let mut opts = ArenaOptions::new(
         cfg.host.capacity.0 as usize,
         cfg.host.max_run_bytes.0 as usize,
@@ -51,7 +55,7 @@ pub fn build_arena(cfg: &Config) -> Result<HostArena, kvtier_storage::StorageErr
     opts.huge_pages = cfg.host.huge_pages;
     opts.lock = cfg.host.lock_memory;
     opts.shared = cfg.host.shared;
-    HostArena::new(&opts)
+    HostArena::with_progress(&opts, progress)
 }
 
 /// Opens the NVMe tier (recovering its manifest) and builds the engine over `arena`; `gpu` is

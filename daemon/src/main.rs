@@ -4,11 +4,12 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use std::os::fd::AsFd;
 
 use clap::Parser;
-use tierd::config::{BackendKind, Config, LogFormat};
+use tierd::config::{BackendKind, ByteSize, Config, LogFormat};
 use tierd::notify::{self, Notifier};
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
@@ -157,6 +158,41 @@ fn main() -> ExitCode {
     }
 }
 
+/// Reports the locking of the host tier (`host.lock_memory`): ~1 GiB/s, so minutes for a large
+/// tier. Every few seconds a STATUS= line, a log line, and EXTEND_TIMEOUT_USEC, which keeps the
+/// service manager from killing a start that is making progress past TimeoutStartSec.
+fn lock_progress(notifier: Option<Arc<Notifier>>) -> impl Fn(usize, usize) + Sync {
+    const EVERY: Duration = Duration::from_secs(5);
+    let t0 = Instant::now();
+    let last = parking_lot::Mutex::new(None::<Instant>);
+    move |locked: usize, total: usize| {
+        let now = Instant::now();
+        {
+            let mut last = last.lock();
+            if last.is_some_and(|t| now - t < EVERY) && locked < total {
+                return;
+            }
+            *last = Some(now);
+        }
+        let (done, of) = (ByteSize(locked as u64), ByteSize(total as u64));
+        let pct = locked * 100 / total.max(1);
+        tracing::info!(
+            locked = %done,
+            total = %of,
+            seconds = format_args!("{:.1}", t0.elapsed().as_secs_f64()),
+            "locking the host tier in RAM"
+        );
+        notify::send(
+            notifier.as_deref(),
+            &format!(
+                "STATUS=locking the host tier in RAM: {done} of {of} ({pct}%)\n\
+                 EXTEND_TIMEOUT_USEC={}",
+                (6 * EVERY).as_micros()
+            ),
+        );
+    }
+}
+
 fn serve(cfg: Config) -> Result<(), String> {
     tierd::preflight::check(&cfg).map_err(|e| e.to_string())?;
     let notifier = Notifier::from_env()
@@ -201,7 +237,8 @@ fn serve(cfg: Config) -> Result<(), String> {
     .map_err(|e| e.to_string())?;
     // Bound before the engine is built, so a second daemon on this socket fails before it
     // touches the NVMe tier; connections wait in the backlog until a warm restart is done.
-    let arena = tierd::build_arena(&cfg).map_err(|e| match e {
+    let progress = lock_progress(notifier.clone());
+    let arena = tierd::build_arena(&cfg, &progress).map_err(|e| match e {
         kvtier_storage::StorageError::Lock { .. } => format!(
             "host tier: {e}: raise LimitMEMLOCK (systemd) or ulimit -l, or set host.lock_memory = false"
         ),

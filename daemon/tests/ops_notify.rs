@@ -131,6 +131,48 @@ fn ready_follows_the_socket_then_watchdog_keepalives_then_stopping() {
 }
 
 #[test]
+fn locking_the_host_tier_reports_progress_and_extends_the_start_timeout() {
+    // Locking takes minutes for hundreds of GiB (~1 GiB/s): past TimeoutStartSec unless the
+    // daemon extends it. 6 MiB fits the usual 8 MiB RLIMIT_MEMLOCK, so it runs unprivileged.
+    let dir = tempfile::tempdir().unwrap();
+    let notify_path = dir.path().join("notify");
+    let notify = UnixDatagram::bind(&notify_path).unwrap();
+    let d = harness()
+        .set("host.capacity=\"6MiB\"")
+        .set("host.lock_memory=true")
+        .env("NOTIFY_SOCKET", notify_path.to_str().unwrap())
+        .spawn();
+    let before = wait_ready(&notify, d.path());
+    let locking: Vec<&String> = before
+        .iter()
+        .filter(|m| m.contains("STATUS=locking the host tier in RAM"))
+        .collect();
+    assert!(
+        locking
+            .iter()
+            .all(|m| has(m, "EXTEND_TIMEOUT_USEC=30000000")),
+        "{locking:?}"
+    );
+    let first = locking.first().expect("progress while locking");
+    assert!(
+        has(first, "STATUS=locking the host tier in RAM: 0 of 6MiB (0%)"),
+        "{first:?}"
+    );
+    let last = locking.last().unwrap();
+    assert!(
+        has(
+            last,
+            "STATUS=locking the host tier in RAM: 6MiB of 6MiB (100%)"
+        ),
+        "{last:?}"
+    );
+    let mut c = d.client();
+    assert!(c
+        .create_session(small_geometry(), policy(), "locked")
+        .is_ok());
+}
+
+#[test]
 fn a_frozen_daemon_stops_its_keepalives_and_resumes_when_thawed() {
     // An abstract notify address, as systemd may hand out.
     let name = format!("kvtier-ops-notify-{}", std::process::id());
