@@ -196,30 +196,42 @@ impl std::fmt::Debug for HostArena {
     }
 }
 
-/// mlocks `map` in ranges from every core, calling `progress(locked, total)` (bytes) after each
-/// range. The kernel faults a locked range in page by page, zeroing each: ~1-1.5 GiB/s for
-/// 4 KiB shared pages, so a 471 GiB tier took 7.7 min to lock (past the unit's start timeout,
-/// with clients waiting in the backlog). Threads help only 1.1-1.4x (16 cores; the faults of
-/// one shared file contend in the kernel), hence the progress: the daemon reports it and
-/// extends its start timeout.
+/// Locks `map` in RAM, faulting it in from every core and calling `progress(locked, total)`
+/// (bytes) after each range. The kernel faults a locked range in page by page, zeroing each:
+/// ~1-1.5 GiB/s on one thread for 4 KiB shared pages, so a 471 GiB tier took 7.7 min (past the
+/// unit's start timeout, with clients waiting in the backlog). One mlock2(MLOCK_ONFAULT) marks
+/// the whole mapping, then threads fault ranges in with MADV_POPULATE_WRITE, which needs only
+/// the mmap lock's read side: an mlock per range would take its write side each time and
+/// serialise the threads. Kernels before 5.14 lack MADV_POPULATE_WRITE: mlock per range then.
 fn lock_in_ram(map: &MmapMut, progress: &(dyn Fn(usize, usize) + Sync)) -> std::io::Result<()> {
     const HUGE_PAGE: usize = 2 << 20; // ranges of whole huge pages, where THP backs the map
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let len = map.len();
+    let base = map.as_ptr() as usize;
+    // SAFETY: the range is exactly `map`'s, alive for this call; locking changes only whether
+    // pages stay resident, never what they hold.
+    if unsafe { libc::syscall(libc::SYS_mlock2, base, len, libc::MLOCK_ONFAULT) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
     // A few ranges per thread, so threads whose ranges fault in slower do not hold the end,
     // and at most 256 MiB each, so progress comes every second or so.
     let chunk = len
         .div_ceil(threads * 4)
         .min(256 << 20)
         .next_multiple_of(HUGE_PAGE);
-    let base = map.as_ptr() as usize;
     let locked = AtomicUsize::new(0);
     progress(0, len);
     par::map_indexed(len.div_ceil(chunk), threads, "kvtier-lock", |i| {
         let (at, part) = (i * chunk, chunk.min(len - i * chunk));
-        // SAFETY: [base + at, base + at + part) lies inside `map`, which outlives this call;
-        // mlock changes only whether the pages stay resident, never what they hold.
-        if unsafe { libc::mlock((base + at) as *const libc::c_void, part) } != 0 {
+        let ptr = (base + at) as *mut libc::c_void;
+        // SAFETY: [ptr, ptr + part) lies inside `map`; populating writes nothing a reader
+        // could see (a fresh page is zero either way), and mlock changes only residency.
+        let mut rc = unsafe { libc::madvise(ptr, part, libc::MADV_POPULATE_WRITE) };
+        if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+            // SAFETY: as above.
+            rc = unsafe { libc::mlock(ptr, part) };
+        }
+        if rc != 0 {
             return Err(std::io::Error::last_os_error());
         }
         progress(locked.fetch_add(part, Ordering::Relaxed) + part, len);
