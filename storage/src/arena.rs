@@ -224,8 +224,8 @@ fn lock_in_ram(map: &MmapMut, progress: &(dyn Fn(usize, usize) + Sync)) -> std::
     par::map_indexed(len.div_ceil(chunk), threads, "kvtier-lock", |i| {
         let (at, part) = (i * chunk, chunk.min(len - i * chunk));
         let ptr = (base + at) as *mut libc::c_void;
-        // SAFETY: [ptr, ptr + part) lies inside `map`; populating writes nothing a reader
-        // could see (a fresh page is zero either way), and mlock changes only residency.
+        // SAFETY: [ptr, ptr + part) lies inside `map`, alive for this call; populating faults
+        // pages in without changing what they hold, and mlock changes only residency.
         let mut rc = unsafe { libc::madvise(ptr, part, libc::MADV_POPULATE_WRITE) };
         if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
             // SAFETY: as above.
