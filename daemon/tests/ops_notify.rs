@@ -132,8 +132,8 @@ fn ready_follows_the_socket_then_watchdog_keepalives_then_stopping() {
 
 #[test]
 fn locking_the_host_tier_reports_progress_and_extends_the_start_timeout() {
-    // Locking takes minutes for hundreds of GiB (~1 GiB/s): past TimeoutStartSec unless the
-    // daemon extends it. 6 MiB fits the usual 8 MiB RLIMIT_MEMLOCK, so it runs unprivileged.
+    // Locking takes minutes for hundreds of GiB: past TimeoutStartSec unless the daemon
+    // extends it. 6 MiB fits the usual 8 MiB RLIMIT_MEMLOCK, so it runs unprivileged.
     let dir = tempfile::tempdir().unwrap();
     let notify_path = dir.path().join("notify");
     let notify = UnixDatagram::bind(&notify_path).unwrap();

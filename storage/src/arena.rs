@@ -557,8 +557,8 @@ mod tests {
 
     #[test]
     fn a_locked_arena_is_resident_and_locked_in_every_range_and_unlocked_when_dropped() {
-        // 3 huge pages: ranges on several threads, the last one shorter. Under the usual 8 MiB
-        // RLIMIT_MEMLOCK, so it runs unprivileged too.
+        // 3 huge pages: three 2 MiB ranges, on several threads where there are cores. Under
+        // the usual 8 MiB RLIMIT_MEMLOCK, so it runs unprivileged too.
         let bytes = 6 << 20;
         for shared in [false, true] {
             let before = locked_bytes();

@@ -119,8 +119,9 @@ def dense_attend(q, kc, vc, length):
 
 
 class Dense:
-    """Dense attention over a static KV cache of `context + room` positions per layer, in GPU
-    memory or in pinned host memory (copied to one GPU buffer per layer each step)."""
+    """Dense attention over a static KV cache of `context + room` positions per layer (rounded
+    up to `align`, the rest masked), in GPU memory or in pinned host memory (copied to one GPU
+    buffer per layer each step)."""
 
     def __init__(self, st: Step, context, room, host, align=64):
         b, dev = st.b, st.dev
@@ -431,8 +432,9 @@ def main():
                 db.close(hand_off=False)  # the sessions are closed below
                 del kt, db, e
                 torch.cuda.empty_cache()
-            for s in ids if not given else []:
-                c.close(s)
+            if not given:  # sessions given on the command line stay open
+                for s in ids:
+                    c.close(s)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
