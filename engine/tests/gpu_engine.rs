@@ -4,7 +4,7 @@
 //! Skips (saying so) without a CUDA device.
 
 use kvtier_engine::{EngineError, HeadShard, InEngine};
-use kvtier_kernels::cuda::{CudaConfig, SummaryDtype};
+use kvtier_kernels::cuda::{CudaConfig, DeviceIo, SummaryDtype};
 use kvtier_protocol::client::ClientError;
 use kvtier_protocol::{DType, Geometry};
 use kvtier_tests::kv::f32_bytes;
@@ -154,7 +154,7 @@ fn the_in_engine_path_answers_bit_identically_to_the_daemons_cuda_path() {
 /// a sync, it is a typed error.
 fn device_path_matches_the_host_path(engine: &mut InEngine, b: u64, sh: &mut Shadow) {
     use cudarc::driver::DevicePtr;
-    use kvtier_kernels::cuda::{device_context, CudaError, DeviceIo};
+    use kvtier_kernels::cuda::{device_context, CudaError, DeviceTail};
 
     let hqd = (GEO.q_heads * GEO.head_dim) as usize;
     let ctx = device_context(0).unwrap();
@@ -171,6 +171,7 @@ fn device_path_matches_the_host_path(engine: &mut InEngine, b: u64, sh: &mut Sha
         q: ptr(&qd[l]),
         out: ptr(&od),
         lse: ptr(&lsed),
+        tail: DeviceTail::default(),
     };
     let enqueue = |e: &mut InEngine, l: usize, io: DeviceIo| {
         // SAFETY: every address is 0 (refused) or a live allocation of device 0's primary
@@ -200,6 +201,7 @@ fn device_path_matches_the_host_path(engine: &mut InEngine, b: u64, sh: &mut Sha
         assert!(not_bound(enqueue(engine, l, io(l))));
         engine.bind(&[b]).unwrap();
     }
+    device_tail_is_merged_like_the_f64_oracle(engine, &st, &qs[1], |e, io| enqueue(e, 1, io));
 
     // The step's device calls captured in a CUDA graph on the engine's stream and replayed:
     // each replay equals the same calls made eagerly, bit for bit, with the queries rewritten
@@ -217,6 +219,7 @@ fn device_path_matches_the_host_path(engine: &mut InEngine, b: u64, sh: &mut Sha
             q: ptr(&qd[l]),
             out: ptr(&outs[l]),
             lse: 0,
+            tail: DeviceTail::default(),
         })
         .collect();
     st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -270,6 +273,133 @@ fn device_path_matches_the_host_path(engine: &mut InEngine, b: u64, sh: &mut Sha
     engine.sync(b).unwrap();
     engine.bind(&[b]).unwrap();
     drop((od, lsed));
+}
+
+/// A device call with a tail (tokens the engine holds on the GPU) gives attention over the
+/// keep-set and the tail: the call's own no-tail output and log-sum-exp merged with the tail's
+/// scores and values in f64 (the oracle), for a partial and a full tail; an empty tail gives
+/// the no-tail output bit for bit; a half-given or misaligned tail is a typed error.
+fn device_tail_is_merged_like_the_f64_oracle(
+    engine: &mut InEngine,
+    st: &std::sync::Arc<cudarc::driver::CudaStream>,
+    q: &[f32],
+    enqueue: impl Fn(&mut InEngine, DeviceIo) -> Result<(), EngineError>,
+) {
+    use cudarc::driver::DevicePtr;
+    use kvtier_kernels::cuda::{CudaError, DeviceTail};
+
+    let (hq, hkv, d, bt) = (
+        GEO.q_heads as usize,
+        GEO.kv_heads as usize,
+        GEO.head_dim as usize,
+        GEO.block_tokens as usize,
+    );
+    let group = hq / hkv;
+    // [Hkv][K, V][bt][D] bf16 (a block run's layout), random, truncated from f32.
+    let mut rng = kvtier_storage::testing::Rng::new(77);
+    let tail_f: Vec<f32> = rng
+        .normals(hkv * 2 * bt * d)
+        .iter()
+        .map(|x| f32::from_bits(x.to_bits() & 0xffff_0000))
+        .collect();
+    let tail_bits: Vec<u16> = tail_f.iter().map(|x| (x.to_bits() >> 16) as u16).collect();
+    let qd = st.clone_htod(q).unwrap();
+    let kvd = st.clone_htod(&tail_bits).unwrap();
+    let od = st.alloc_zeros::<f32>(hq * d).unwrap();
+    let lsed = st.alloc_zeros::<f32>(hq).unwrap();
+    let (qp, kvp) = (qd.device_ptr(st).0, kvd.device_ptr(st).0);
+    let (op, lsep) = (od.device_ptr(st).0, lsed.device_ptr(st).0);
+    let run = |engine: &mut InEngine, last: i64| {
+        let lastd = st.clone_htod(&[last]).unwrap();
+        let tail = if last == i64::MIN {
+            DeviceTail::default()
+        } else {
+            DeviceTail {
+                kv: kvp,
+                last: lastd.device_ptr(st).0,
+            }
+        };
+        let io = DeviceIo {
+            q: qp,
+            out: op,
+            lse: lsep,
+            tail,
+        };
+        enqueue(engine, io).unwrap();
+        let r = (st.clone_dtoh(&od).unwrap(), st.clone_dtoh(&lsed).unwrap());
+        drop(lastd);
+        r
+    };
+    let (base, base_lse) = run(engine, i64::MIN);
+    let (empty, empty_lse) = run(engine, -1);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&base),
+        bits(&empty),
+        "an empty tail changed the output"
+    );
+    assert_eq!(bits(&base_lse), bits(&empty_lse));
+    for last in [40i64, bt as i64 - 1] {
+        let (got, got_lse) = run(engine, last);
+        let mut worst = 0f64;
+        for h in 0..hq {
+            let kvh = h / group;
+            let k = |t: usize| &tail_f[((kvh * 2) * bt + t) * d..][..d];
+            let v = |t: usize| &tail_f[((kvh * 2 + 1) * bt + t) * d..][..d];
+            let qh = &q[h * d..][..d];
+            let scores: Vec<f64> = (0..=last as usize)
+                .map(|t| {
+                    let dot: f64 = qh
+                        .iter()
+                        .zip(k(t))
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum();
+                    dot / (d as f64).sqrt()
+                })
+                .collect();
+            // Weights relative to the larger of the keep-set's log-sum-exp and the tail's
+            // scores: the keep-set contributes exp(lse) * its output.
+            let m = scores.iter().copied().fold(base_lse[h] as f64, f64::max);
+            let w_kv = (base_lse[h] as f64 - m).exp();
+            let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+            let total = w_kv + w.iter().sum::<f64>();
+            for x in 0..d {
+                let num = w_kv * base[h * d + x] as f64
+                    + w.iter()
+                        .enumerate()
+                        .map(|(t, wt)| wt * v(t)[x] as f64)
+                        .sum::<f64>();
+                let want = num / total;
+                worst = worst.max((got[h * d + x] as f64 - want).abs());
+            }
+            let want_lse = m + total.ln();
+            assert!(
+                (got_lse[h] as f64 - want_lse).abs() < 1e-4,
+                "tail to row {last}, head {h}: lse {} != {want_lse}",
+                got_lse[h]
+            );
+        }
+        // Outputs are O(1) (values ~N(0, 1), softmax weights): an absolute bound.
+        assert!(worst < 1e-4, "tail to row {last}: worst error {worst:e}");
+        eprintln!("device tail to row {last}: worst error {worst:.2e} against the f64 oracle");
+    }
+    let half = DeviceIo {
+        q: qp,
+        out: op,
+        lse: lsep,
+        tail: DeviceTail { kv: kvp, last: 0 },
+    };
+    let bad_tail = |r| matches!(r, Err(EngineError::Cuda(CudaError::BadTail(_))));
+    assert!(bad_tail(enqueue(engine, half)));
+    let lastd = st.clone_htod(&[5i64]).unwrap();
+    let misaligned = DeviceIo {
+        tail: DeviceTail {
+            kv: kvp + 2,
+            last: lastd.device_ptr(st).0,
+        },
+        ..half
+    };
+    assert!(bad_tail(enqueue(engine, misaligned)));
 }
 
 /// Queries of the two-process test: layer `l` of session number `i`, deterministic.

@@ -3,7 +3,8 @@
 // attend_tile (and the tile roles of layer_fused, select.cu): one thread block per (session,
 // kv head, selected tile). The tile's K and V are fetched once into shared memory and serve all
 // GROUP query heads of the kv head. Writes the partial (m, l, acc) with acc unnormalised: acc = sum_t exp(s_t - m) v_t, l = sum_t exp(s_t - m).
-// attend_merge: one thread block per (session, query head) combines the partials.
+// attend_merge: one thread block per (session, query head) combines the partials, and (an
+// engine's device call) the engine's tail: tokens it holds on the GPU, attended there.
 
 // ATT_THREADS arrives as a define (config.rs).
 #define ATT_WARPS (ATT_THREADS / 32)
@@ -569,6 +570,65 @@ extern "C" __global__ void __launch_bounds__(256) copy_runs(CopyRunsParams_FIELD
     }
 }
 
+// The tail partial of attend_merge's thread block (session i, query head h of kv head kvh):
+// rows 0..=tail_last[i] of the session's tail, scores q . k * scale with each thread scoring
+// whole rows (16-byte loads), then (m, l) and this thread's dimension d of
+// acc = sum_t exp(s_t - m) v_t. Every thread of the block calls it. An engine's tail is at
+// most one block of tokens, so it costs about as much as merging one more partial, and the
+// engine needs no kernels of its own for it (they were ~20 small launches per layer).
+__device__ __forceinline__ void tail_partial(const float* __restrict__ q, const elem_t* __restrict__ tail_kv,
+                                             long long last, float scale, u32 i, u32 h, u32 kvh,
+                                             float& t_m, float& t_l, float& t_acc) {
+    __shared__ float s_q[HEAD_DIM];
+    __shared__ float s_p[BLOCK_TOKENS];
+    __shared__ float s_tm;
+    __shared__ float s_tl;
+    const u32 d = threadIdx.x;
+    const u32 c = last < 0 ? 0u : last >= BLOCK_TOKENS ? (u32)BLOCK_TOKENS : (u32)last + 1;
+    s_q[d] = q[((u64)i * HQ + h) * HEAD_DIM + d];
+    __syncthreads();
+    const elem_t* tk = tail_kv + ((u64)i * KV_HEADS + kvh) * 2 * BLOCK_TOKENS * HEAD_DIM;
+    for (u32 t = d; t < c; t += blockDim.x) {
+        const uint4* row = (const uint4*)(tk + (u64)t * HEAD_DIM);
+        float s = 0.0f;
+#pragma unroll 4
+        for (int x = 0; x < CPR; ++x) {
+            float f[VEC];
+            unpack16(row[x], f);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) s += s_q[x * VEC + e] * f[e];
+        }
+        s_p[t] = s * scale;
+    }
+    __syncthreads();
+    if (d < 32) {
+        float m = NEG_INF;
+        for (u32 t = d; t < c; t += 32) m = fmaxf(m, s_p[t]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+        float l = 0.0f;
+        for (u32 t = d; t < c; t += 32) {
+            const float w = expf(s_p[t] - m);
+            l += w;
+            s_p[t] = w;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(FULL_MASK, l, o);
+        if (d == 0) {
+            s_tm = m;
+            s_tl = l;
+        }
+    }
+    __syncthreads();
+    const elem_t* tv = tk + (u64)BLOCK_TOKENS * HEAD_DIM + d;
+    float acc = 0.0f;
+#pragma unroll 4
+    for (u32 t = 0; t < c; ++t) acc += s_p[t] * elem_to_f32(tv[(u64)t * HEAD_DIM]);
+    t_m = s_tm;
+    t_l = s_tl;
+    t_acc = acc;
+}
+
 // grid (HQ, batch), block HEAD_DIM threads. out: [batch][HQ][HEAD_DIM] f32.
 // The (m, l) pairs are loaded in parallel into shared memory first: a serial chain of
 // dependent global loads made this kernel 12 us long.
@@ -631,8 +691,20 @@ extern "C" __global__ void attend_merge(AttendMergeParams_FIELDS) {
 #pragma unroll 4
     for (u32 j = 0; j < n; ++j) acc += acc_of[(u64)j * GROUP * HEAD_DIM] * s_w[j];
 #endif
-    out[((u64)i * HQ + h) * HEAD_DIM + d] = acc / s_L;
+    float M = s_M, L = s_L;
+    if (tail_kv != nullptr) {
+        float t_m, t_l, t_acc;
+        tail_partial(q, tail_kv, tail_last[i], scale, i, h, kvh, t_m, t_l, t_acc);
+        if (t_l > 0.0f) {  // not an empty tail
+            const float m2 = fmaxf(M, t_m);
+            const float a = expf(M - m2), b = expf(t_m - m2);
+            acc = acc * a + t_acc * b;
+            L = L * a + t_l * b;
+            M = m2;
+        }
+    }
+    out[((u64)i * HQ + h) * HEAD_DIM + d] = acc / L;
     // The output's log-sum-exp (of the scaled scores), for an engine that merges this layer's
-    // attention with attention over tokens it holds itself (kvtier-engine's device path).
-    if (lse != nullptr && d == 0) lse[(u64)i * HQ + h] = s_M + logf(s_L);
+    // attention with attention over tokens it holds itself.
+    if (lse != nullptr && d == 0) lse[(u64)i * HQ + h] = M + logf(L);
 }

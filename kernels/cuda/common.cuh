@@ -64,6 +64,17 @@ __device__ __forceinline__ void unpack16(const uint4 v, float* out) {
 #endif
 }
 
+// One KV element as a float.
+__device__ __forceinline__ float elem_to_f32(elem_t x) {
+#if ELEM_KIND == 0
+    return bf16_bits_to_f32(x);
+#elif ELEM_KIND == 1
+    return f16_bits_to_f32(x);
+#else
+    return __uint_as_float(x);
+#endif
+}
+
 // Ready flags of layer_fused's handoffs between roles (select.cu): gpu-scope release store and
 // acquire load of a u32 stamp.
 __device__ __forceinline__ void st_release(u32* p, u32 v) {

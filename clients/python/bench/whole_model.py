@@ -354,9 +354,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="rounds of --graphs (alternating)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the kvtier step with kvtier's layers left out (segments)")
-    ap.add_argument("--dense-align", type=int, default=64,
+    ap.add_argument("--dense-align", default="64",
                     help="round the dense cache length up to this many positions (1: exact "
-                         "length, as before 2026-11-27)")
+                         "length, as before 2026-11-27); several, comma-separated: a dense run "
+                         "for each, side by side")
     ap.add_argument("--sessions", default="",
                     help="ids of sessions of --context tokens already in tierd (e.g. engine_bench "
                          "--fill-only's) to decode instead of filling new ones; left open")
@@ -377,11 +378,14 @@ def main():
         for b in batches:
             st = Step(model, b, dev)
             dense = [int(x.replace("CONTEXT", str(a.context))) for x in a.dense_contexts.split(",") if x]
-            for name, ctx, host in [("dense-hbm", c, False) for c in dense] + [("dense-host", a.context, True)]:
+            aligns = [int(x) for x in a.dense_align.split(",")]
+            runs = [(n, c, h, al) for al in aligns
+                    for n, c, h in [("dense-hbm", c, False) for c in dense] + [("dense-host", a.context, True)]]
+            for name, ctx, host, align in runs:
                 if name not in modes or (host and str(b) not in a.dense_host_batches.split(",")):
                     continue
                 try:
-                    dn = Dense(st, ctx, a.warmup + a.steps + 8, host, a.dense_align)
+                    dn = Dense(st, ctx, a.warmup + a.steps + 8, host, align)
                 except (torch.OutOfMemoryError, RuntimeError) as e:
                     print(f"{name} ctx={ctx} b={b}: does not fit ({str(e).splitlines()[0][:120]})", flush=True)
                     torch.cuda.empty_cache()

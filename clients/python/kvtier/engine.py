@@ -16,11 +16,12 @@ Two ways to decode:
 * `InEngine.decode_layer`: numpy in, numpy out (a host round trip per call).
 * `DeviceBatch`: torch tensors on the engine's GPU, no host synchronization per layer. tierd
   holds each session's stored blocks; the tokens decoded since the last hand-off stay on the
-  GPU (a tail of at most one block per layer), attended densely and merged with kvtier's
-  output by log-sum-exp. Every `block_tokens` steps the tails go to tierd by DMA from the GPU
+  GPU (a tail of at most one block per layer), attended in kvtier's own layer call and merged
+  with the keep-set's attention by log-sum-exp in its last kernel. Every `block_tokens` steps the tails go to tierd by DMA from the GPU
   straight into the sessions' runs in tierd's arena (RESERVE, copy, COMMIT; nothing through
   host buffers or the socket) and the engine's device state follows. Its `stage` and `finish`
-  halves are plain torch ops; `launch` is kvtier's layer. All three can be captured in one CUDA
+  halves are two and one plain torch ops (none when the output's dtype is float32); `launch`
+  is kvtier's layer. All three can be captured in one CUDA
   graph with the rest of the model's step: `CapturedStep` captures a whole step and captures it
   again after every hand-off (a captured kvtier layer is valid until the next bind).
 """
@@ -127,11 +128,14 @@ class InEngine:
                 raise ValueError(f"{name} must be contiguous float32 {shape}, got {t.dtype} {tuple(t.shape)}")
         self._enqueue(layer, (q.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr()))
 
-    def _enqueue(self, layer: int, ptrs) -> None:
-        """`decode_layer_torch` on buffers already checked: (q, out, lse) addresses."""
+    def _enqueue(self, layer: int, ptrs, tail=(0, 0)) -> None:
+        """`decode_layer_torch` on buffers already checked: (q, out, lse) addresses, and a
+        tail the outputs also attend (`DeviceBatch`'s): the addresses of its rows and of each
+        session's newest row index."""
         import torch
 
-        self._e.decode_layer_ptr(layer, *ptrs, torch.cuda.current_stream(self.device).cuda_stream)
+        self._e.decode_layer_ptr(layer, *ptrs, torch.cuda.current_stream(self.device).cuda_stream,
+                                 *tail)
 
     def append_rows(self, sessions: Sequence[int], rows, tokens: int, first: int = 0) -> None:
         """Append `tokens` rows to every layer of each of `sessions` by DMA from the GPU into
@@ -202,10 +206,12 @@ class DeviceBatch:
     [n, q_heads, head_dim] in q's dtype, over the session's stored tokens (kvtier's keep-set)
     and every token since the last hand-off (held here, on the GPU). `q_scale` multiplies q
     first: kvtier's softmax scale is 1/sqrt(head_dim), so a model scaling by s passes
-    s * sqrt(head_dim).
+    s * sqrt(head_dim). A step runs every layer once, in order (the tails' next row advances
+    after the last layer).
 
-    `attend` is `stage`, `launch` (kvtier's layer) and `finish` on static buffers, then, after
-    the last layer, `advance()` (it hands the tails to tierd when they are full). All of it but
+    `attend` is `stage`, `launch` (kvtier's layer, which attends the tail too) and `finish` on
+    static buffers, then, after the last layer, `advance()` (it hands the tails to tierd when
+    they are full). All of it but
     `advance` can be captured in a CUDA graph; whoever replays the graph calls `advance` after
     each replay (`CapturedStep` does, and turns `attend`'s own off: `advance_in_attend`; while
     torch's stream is capturing `attend` never advances). A graph holding `launch` is valid
@@ -242,16 +248,15 @@ class DeviceBatch:
         # hand-off copies each layer's rows into tierd's runs as they are.
         self.tail = torch.zeros((nl, n, g.kv_heads, 2, bt, g.head_dim), dtype=kv_dtype, device=dev)
         self.tail_k, self.tail_v = self.tail[:, :, :, 0], self.tail[:, :, :, 1]
-        # Per layer: the tail slot of the next token (device, for capture) and its host copy.
-        self.pos = torch.zeros((nl, n), dtype=torch.int64, device=dev)
+        # Per session: the tail row of this step's token in every layer (on the device, so that
+        # a captured step reads it; kvtier's layer attends rows 0..=pos), and its host copy.
+        self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self.count = 0
         self.q32 = torch.zeros((nl, n, g.q_heads, g.head_dim), dtype=torch.float32, device=dev)
         self.o32 = torch.zeros_like(self.q32)
-        self.lse = torch.zeros((nl, n, g.q_heads), dtype=torch.float32, device=dev)
-        self._ptrs = [(self.q32[l].data_ptr(), self.o32[l].data_ptr(), self.lse[l].data_ptr())
-                      for l in range(nl)]
+        self._ptrs = [(self.q32[l].data_ptr(), self.o32[l].data_ptr(), 0) for l in range(nl)]
+        self._tails = [(self.tail[l].data_ptr(), self.pos.data_ptr()) for l in range(nl)]
         self._rows = torch.arange(n, device=dev)
-        self._slots = torch.arange(bt, device=dev)
         self.g = g
         self.last_handoff = None
         #: Hand-offs so far (each binds the engine again, which invalidates captured launches).
@@ -272,42 +277,29 @@ class DeviceBatch:
 
         if layer == 0 and not torch.cuda.is_current_stream_capturing():
             self.ensure_room()
-        p = self.pos[layer]
-        self.tail_k[layer][self._rows, :, p] = k.to(self.tail_k.dtype)
-        self.tail_v[layer][self._rows, :, p] = v.to(self.tail_v.dtype)
-        self.q32[layer].copy_(q * self.q_scale if self.q_scale != 1.0 else q)
+        self.tail_k[layer][self._rows, :, self.pos] = k.to(self.tail_k.dtype)
+        self.tail_v[layer][self._rows, :, self.pos] = v.to(self.tail_v.dtype)
+        if self.q_scale != 1.0:
+            torch.mul(q, self.q_scale, out=self.q32[layer])
+        else:
+            self.q32[layer].copy_(q)
 
     def launch(self, layer: int) -> None:
-        """kvtier's attention over the stored tokens, into the layer's output and lse."""
+        """kvtier's attention over the stored tokens' keep-set and the tail, into the layer's
+        output."""
         # The buffers are this batch's own, checked when made; only the binding can change
         # (someone else's bind() of another batch size would overrun them).
         if getattr(self.engine, "_bound", None) != len(self.sessions):
             raise EngineError("the engine's bound batch is not this device batch's: bind it again")
-        self.engine._enqueue(layer, self._ptrs[layer])
+        self.engine._enqueue(layer, self._ptrs[layer], self._tails[layer])
 
     def finish(self, layer: int, dtype=None):
-        """Attention over the tail, merged with kvtier's by log-sum-exp; returns
-        [n, q_heads, head_dim] in `dtype` (default the tail's)."""
-        import torch
-
-        g = self.g
-        n, hkv, grp, d = len(self.sessions), g.kv_heads, g.q_heads // g.kv_heads, g.head_dim
-        q = self.q32[layer].view(n, hkv, grp, d)
-        s = torch.einsum("nhgd,nhtd->nhgt", q, self.tail_k[layer].float()) * (d ** -0.5)
-        valid = self._slots.view(1, 1, 1, -1) <= self.pos[layer].view(n, 1, 1, 1)
-        s = s.masked_fill(~valid, float("-inf"))
-        m = s.amax(dim=-1, keepdim=True)
-        p = torch.exp(s - m)
-        l = p.sum(dim=-1, keepdim=True)
-        o_tail = torch.einsum("nhgt,nhtd->nhgd", p, self.tail_v[layer].float()) / l
-        lse_tail = (m + torch.log(l)).view(n, g.q_heads)
-        lse_kv = self.lse[layer]
-        top = torch.maximum(lse_kv, lse_tail)
-        w_kv = torch.exp(lse_kv - top).unsqueeze(-1)
-        w_tail = torch.exp(lse_tail - top).unsqueeze(-1)
-        out = (self.o32[layer] * w_kv + o_tail.reshape(n, g.q_heads, d) * w_tail) / (w_kv + w_tail)
-        self.pos[layer] += 1
-        return out.to(dtype or self.tail_k.dtype)
+        """The layer's output [n, q_heads, head_dim] in `dtype` (default the tail's); float32
+        returns the batch's own buffer, which the layer's next step overwrites. After the last
+        layer the tails' next row advances."""
+        if layer == self.g.layers - 1:
+            self.pos += 1
+        return self.o32[layer].to(dtype or self.tail_k.dtype)
 
     def attend(self, layer: int, q, k, v):
         import torch

@@ -139,6 +139,9 @@ pub enum CudaError {
     /// A device call given a null q or output address.
     #[error("a device call needs q and output buffers (got a null address)")]
     NullBuffer,
+    /// A device call's tail (`DeviceTail`) is half given or misaligned.
+    #[error("a device call's tail {0}")]
+    BadTail(&'static str),
     /// Batch larger than configured.
     #[error("decode batch of {got} sessions exceeds max_batch {max}")]
     BatchTooLarge { got: usize, max: u32 },

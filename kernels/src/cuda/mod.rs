@@ -47,8 +47,8 @@ pub mod pinned;
 
 pub use backend::{
     device_available, device_context, device_count, CudaBackend, DecodeItem, DenseKv, DeviceIo,
-    DeviceKv, LaunchMode, LayerOutput, LayerStats, LayerTiming, StepItem, StepOutput, Timing,
-    FUSE_BELOW_HIT_SHARE,
+    DeviceKv, DeviceTail, LaunchMode, LayerOutput, LayerStats, LayerTiming, StepItem, StepOutput,
+    Timing, FUSE_BELOW_HIT_SHARE,
 };
 pub use config::{bf16_outward, AttentionMath, CudaConfig, SummaryDtype};
 pub use cudarc::driver::{sys::CUstream, CudaContext};

@@ -3,7 +3,7 @@
 //! wraps it with numpy shapes and the package's types.
 
 use kvtier_engine::{DeviceRows, HeadShard, InEngine};
-use kvtier_kernels::cuda::{CUstream, CudaConfig, DeviceIo, SummaryDtype};
+use kvtier_kernels::cuda::{CUstream, CudaConfig, DeviceIo, DeviceTail, SummaryDtype};
 use kvtier_protocol::{dtype_from_wire, Geometry, Policy};
 use pyo3::create_exception;
 use pyo3::exceptions::PyRuntimeError;
@@ -130,10 +130,13 @@ impl Engine {
     }
 
     /// One layer for the bound batch on device buffers, given as raw addresses: q and out
-    /// `[batch][q_heads * head_dim]` f32, lse `[batch][q_heads]` f32 or 0, enqueued behind the
-    /// CUDA stream `stream` (a raw `CUstream`, 0 = legacy default) without waiting. Raw on
-    /// purpose: only `kvtier.engine`, which checks the tensors' device, dtype, shape and
-    /// contiguity and keeps them alive, calls it.
+    /// `[batch][q_heads * head_dim]` f32, lse `[batch][q_heads]` f32 or 0, and a tail the
+    /// output also attends (`tail_kv`, `tail_last`: `DeviceTail`'s, or 0 and 0), enqueued
+    /// behind the CUDA stream `stream` (a raw `CUstream`, 0 = legacy default) without waiting.
+    /// Raw on purpose: only `kvtier.engine`, which checks the tensors' device, dtype, shape
+    /// and contiguity and keeps them alive, calls it.
+    #[pyo3(signature = (layer, q, out, lse, stream, tail_kv = 0, tail_last = 0))]
+    #[allow(clippy::too_many_arguments)]
     fn decode_layer_ptr(
         &mut self,
         layer: u32,
@@ -141,11 +144,18 @@ impl Engine {
         out: u64,
         lse: u64,
         stream: u64,
+        tail_kv: u64,
+        tail_last: u64,
     ) -> PyResult<()> {
-        let io = DeviceIo { q, out, lse };
+        let tail = DeviceTail {
+            kv: tail_kv,
+            last: tail_last,
+        };
+        let io = DeviceIo { q, out, lse, tail };
         // SAFETY: kvtier.engine passes the addresses of live CUDA tensors of the engine's
-        // device with the bound batch's shapes, float32 and contiguous, and holds them until
-        // the stream has run this work; `stream` is torch's current stream on that device.
+        // device with the bound batch's shapes and kinds, contiguous (a tail: DeviceBatch's own
+        // buffers), and holds them until the stream has run this work; `stream` is torch's
+        // current stream on that device.
         unsafe {
             self.inner
                 .decode_layer_device(layer, io, stream as usize as CUstream)

@@ -24,12 +24,27 @@ pub(super) struct BoundBatch {
 
 /// Device addresses of one layer call's buffers in the backend's context (an engine's tensors):
 /// `q` and `out` are `[batch][Hq x D]` f32, `lse` `[batch][Hq]` f32 (the log-sum-exp of each
-/// output's scaled scores, natural log) or 0 for none.
+/// output's scaled scores, natural log) or 0 for none; `tail`, tokens the engine holds itself,
+/// attended in the same call (or none).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeviceIo {
     pub q: u64,
     pub out: u64,
     pub lse: u64,
+    pub tail: DeviceTail,
+}
+
+/// Tokens an engine holds in device memory after each session's stored ones (those it decoded
+/// since it last handed them to tierd), attended with the stored tokens' keep-set in the same
+/// call: the output is attention over both, merged by log-sum-exp in the layer's last kernel,
+/// so the engine launches nothing of its own for them. `kv`: per batch item `[kv_heads][K,
+/// V][block_tokens][head_dim]` in the sessions' dtype (a block run's layout), item after item,
+/// 16-byte aligned; `last`: `[batch]` i64, each item's newest row (rows `0..=last` are
+/// attended, at most a block; negative: none). Both 0 (the default): no tail.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceTail {
+    pub kv: u64,
+    pub last: u64,
 }
 
 impl CudaBackend {
@@ -63,8 +78,8 @@ impl CudaBackend {
     ///
     /// # Safety
     /// `io`'s addresses must be device memory of this backend's context (the device's primary
-    /// context), `q` readable and `out` (and `lse` unless 0) writable for the bound batch's
-    /// sizes, and stay allocated until `caller` has passed this work. `caller` must be a live
+    /// context), `q` (and the tail unless 0) readable and `out` (and `lse` unless 0) writable
+    /// for the bound batch's sizes, and stay allocated until `caller` has passed this work. `caller` must be a live
     /// stream of that context (0 is the legacy default stream).
     pub unsafe fn enqueue_layer_device(
         &mut self,
@@ -77,6 +92,16 @@ impl CudaBackend {
         let (b, nb) = (bound.slots.len(), bound.blocks[l]);
         if io.q == 0 || io.out == 0 {
             return Err(CudaError::NullBuffer);
+        }
+        if (io.tail.kv == 0) != (io.tail.last == 0) {
+            return Err(CudaError::BadTail(
+                "needs both its rows and its last-row indices",
+            ));
+        }
+        if !io.tail.kv.is_multiple_of(16) || !io.tail.last.is_multiple_of(8) {
+            return Err(CudaError::BadTail(
+                "its rows must be 16-byte aligned and its indices 8-byte aligned",
+            ));
         }
         self.ctx
             .bind_to_thread()
@@ -99,6 +124,7 @@ impl CudaBackend {
             ntok: self.ntok.at(l * b),
             out: io.out,
             lse: io.lse,
+            tail: io.tail,
         };
         // Not chained: the stream's previous operation is the event wait, not this call's
         // last kernel, so no dependent launch across it. Replayable: an engine may capture

@@ -26,7 +26,7 @@ use super::pinned::PinnedRegion;
 mod dense;
 pub use dense::{DenseKv, DeviceKv};
 mod device;
-pub use device::DeviceIo;
+pub use device::{DeviceIo, DeviceTail};
 mod launch;
 mod sessions;
 mod setup;

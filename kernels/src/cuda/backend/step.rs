@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, CudaStream, LaunchConfig};
 
+use super::device::DeviceTail;
 use super::{
     CudaBackend, DecodeItem, LayerInput, LayerOutput, LayerStats, LayerTiming, StepItem, StepOutput,
 };
@@ -29,7 +30,8 @@ pub(super) enum LayerStart {
 }
 
 /// Device addresses of one layer call's buffers: the batch's slots, q and out `[batch][Hq x D]`
-/// f32, the batch's token counts at the layer, lse `[batch][Hq]` f32 or 0.
+/// f32, the batch's token counts at the layer, lse `[batch][Hq]` f32 or 0, and an engine's
+/// tail (none: zeros).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct LayerIo {
     pub sess: u64,
@@ -37,6 +39,7 @@ pub(super) struct LayerIo {
     pub ntok: u64,
     pub out: u64,
     pub lse: u64,
+    pub tail: DeviceTail,
 }
 
 impl CudaBackend {
@@ -226,6 +229,7 @@ impl CudaBackend {
             ntok: self.ntok.at(at),
             out: self.out.at(at * hqd),
             lse: 0,
+            tail: DeviceTail::default(),
         }
     }
 
@@ -328,6 +332,7 @@ impl CudaBackend {
             ntok,
             out,
             lse,
+            tail,
         } = io;
         let table = self.table.at(l * bmax * (hkv * ks) as usize);
         let counts = self.counts.at(l * bmax * hkv as usize);
@@ -451,7 +456,7 @@ impl CudaBackend {
                 start == LayerStart::Chained,
             )?;
             self.record(l, 1)?;
-            self.merge(l, bu, counts, (out, lse), true)?;
+            self.merge(l, bu, counts, (q, out, lse, tail), true)?;
             return Ok(ctas);
         }
         let rec = |e: &CudaEvent, st: &Arc<CudaStream>| {
@@ -515,18 +520,19 @@ impl CudaBackend {
         self.record(l, 1)?;
         attend(main, 1, p.top_k.max(1))?;
         wait(main, &self.join)?;
-        self.merge(l, bu, counts, (out, lse), false)?;
+        self.merge(l, bu, counts, (q, out, lse, tail), false)?;
         Ok(0)
     }
 
-    /// The layer's last launch: the log-sum-exp merge of its partials into `out` (and each
-    /// output's log-sum-exp into `lse` unless 0); `after_kernel` as in [`Self::launch_after`].
+    /// The layer's last launch: the log-sum-exp merge of its partials and `tail` (q's
+    /// attention over it) into `out` (and each output's log-sum-exp into `lse` unless 0);
+    /// `after_kernel` as in [`Self::launch_after`].
     fn merge(
         &self,
         l: usize,
         bu: u32,
         counts: u64,
-        (out, lse): (u64, u64),
+        (q, out, lse, tail): (u64, u64, u64, DeviceTail),
         after_kernel: bool,
     ) -> Result<()> {
         let g = self.cfg.geometry;
@@ -544,6 +550,10 @@ impl CudaBackend {
                 part_ml: self.part_ml.ptr,
                 out,
                 lse,
+                q,
+                tail_kv: tail.kv,
+                tail_last: tail.last,
+                scale: (1.0 / (g.head_dim as f64).sqrt()) as f32,
             },
             after_kernel,
         )?;

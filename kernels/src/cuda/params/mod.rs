@@ -253,6 +253,13 @@ kernel_params! {
         out: u64 as "float* __restrict__",
         // [batch][Hq] log-sum-exp of each output, or 0 for none.
         lse: u64 as "float*",
+        // An engine's tail (device calls; 0 for none): tokens it holds on the GPU, attended
+        // here as one more partial. q [batch][Hq x D] f32; tail_kv [batch][Hkv][K, V][bt][D]
+        // in the sessions' dtype (a block run's layout); rows 0..=tail_last[i] are attended.
+        q: u64 as "const float* __restrict__",
+        tail_kv: u64 as "const elem_t* __restrict__",
+        tail_last: u64 as "const long long* __restrict__",
+        scale: f32,
     }
 
     /// select_score (select.cu): the selector (scores, top-k for top_k <= 32, distant plan).
