@@ -244,7 +244,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// Creates `n` sessions and appends `context` tokens to each: one chunk of random bf16 rows,
-/// appended at every position.
+/// with each appended copy's signs flipped in its own random pattern over the (kv head, dim)
+/// positions, so every block is distinct (bounds and scores). Copies alike would make the
+/// selector's keep-sets artificial: every distant pick a copy of the same few blocks, ties
+/// going to the lowest index, so the same few tiles recur and a cache hits far more than on
+/// distinct data.
 fn fill(
     c: &mut Client,
     geo: Geometry,
@@ -254,17 +258,38 @@ fn fill(
     let t0 = Instant::now();
     let mut rng = Rng::new(0xbe7c);
     let elems = CHUNK as usize * (geo.kv_heads * geo.head_dim) as usize * 2 * geo.layers as usize;
-    let payload = DType::Bf16.encode_vec(&rng.normals(elems));
-    let memfd = sealed_memfd(c"engine-bench", &payload)?;
+    let base = DType::Bf16.encode_vec(&rng.normals(elems));
+    let row = (geo.kv_heads * geo.head_dim) as usize; // the payload's innermost [kv_heads][dim]
     let mut sessions = Vec::new();
     for i in 0..n {
-        let id = c.create_session(geo, Policy::default(), &format!("engine-bench-{i}"))?;
-        let mut at = 0;
-        while at < context {
-            c.append_kv_fd(id, at as u64, CHUNK, memfd.as_fd(), 0, payload.len() as u64)?;
-            at += CHUNK;
+        sessions.push(c.create_session(geo, Policy::default(), &format!("engine-bench-{i}"))?);
+    }
+    let mut payload = base.clone();
+    let mut at = 0;
+    while at < context {
+        // A bf16's sign is bit 7 of its second (little-endian) byte.
+        let mask: Vec<u8> = (0..2 * row)
+            .map(|b| {
+                if b % 2 == 1 && rng.next_u64() & 1 == 1 {
+                    0x80
+                } else {
+                    0
+                }
+            })
+            .collect();
+        for (out, src) in payload
+            .chunks_exact_mut(2 * row)
+            .zip(base.chunks_exact(2 * row))
+        {
+            for ((o, s), m) in out.iter_mut().zip(src).zip(&mask) {
+                *o = s ^ m;
+            }
         }
-        sessions.push(id);
+        let memfd = sealed_memfd(c"engine-bench", &payload)?;
+        for &id in &sessions {
+            c.append_kv_fd(id, at as u64, CHUNK, memfd.as_fd(), 0, payload.len() as u64)?;
+        }
+        at += CHUNK;
     }
     println!(
         "filled {n} sessions x {context} tokens in {:.1} s",

@@ -162,7 +162,7 @@ def write_reports(results, a, meta):
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "fidelity.json"), "w") as f:
         json.dump({"meta": meta, "needle": ntab, "forced": ftab, "trials": results}, f, indent=1)
-    L = [f"# kvtier fidelity: sparse (tierd) vs dense, Gemma 3 270M Q4_K_M", "",
+    L = ["# kvtier fidelity: sparse (tierd) vs dense, Gemma 3 270M Q4_K_M", "",
          f"- policy: sink_blocks={a.sink}, local_blocks={a.local}, block_tokens=128, top_k in {a.ks}",
          f"- started {meta['started']}, elapsed {meta.get('elapsed_s', 0):.0f} s, machine: {meta['machine']}", "",
          "## Needle retrieval (greedy; found = the 5-digit code in the answer)", "",

@@ -22,8 +22,9 @@ attention and can be captured in CUDA graphs:
   (RESERVE, copy, COMMIT per session) and the engine's device state follows from the
   reservations.
 
-The stored context of every session is random bf16 KV (one random 1024-token chunk repeated,
-appended through the socket from a memfd), so the keep-sets are not those of a real model; the
+The stored context of every session is random bf16 KV (one random 1024-token chunk appended
+through the socket from a memfd at every position, each copy's signs flipped in its own random
+pattern so that every block is distinct), so the keep-sets are not those of a real model; the
 step's structure, sizes and transfers are.
 
 Usage (tierd running with host.shared = true and room for the sessions):
@@ -263,24 +264,29 @@ def time_steps(run, steps, warmup, on_step=None):
 
 
 def fill_sessions(c: Client, n, context, policy):
+    """`n` sessions of `context` tokens: one random 1024-token chunk appended at every position,
+    each copy with its signs flipped in its own random pattern over (kv head, dim), so every
+    block is distinct (identical copies make the keep-sets artificial: every distant pick a
+    copy of the same few blocks, which then recur and hit the tile cache)."""
     import numpy as np
 
     from kvtier.client import sealed_memfd
 
     rng = np.random.default_rng(7)
     elems = LAYERS * 2 * CHUNK * HKV * D
-    payload = (rng.standard_normal(elems, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    fd = sealed_memfd(payload.tobytes(), "whole-model")
-    ids = []
+    base = (rng.standard_normal(elems, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    base = base.reshape(-1, HKV * D)
+    ids = [c.create_session(GEO, policy, f"whole-model-{i}") for i in range(n)]
     t = time.time()
-    try:
-        for i in range(n):
-            s = c.create_session(GEO, policy, f"whole-model-{i}")
-            for at in range(0, context, CHUNK):
-                c.append_kv_fd(s, at, CHUNK, fd, 0, payload.nbytes)
-            ids.append(s)
-    finally:
-        os.close(fd)
+    for at in range(0, context, CHUNK):
+        signs = (rng.integers(0, 2, HKV * D, dtype=np.uint16) << 15).astype(np.uint16)
+        payload = (base ^ signs).tobytes()
+        fd = sealed_memfd(payload, "whole-model")
+        try:
+            for s in ids:
+                c.append_kv_fd(s, at, CHUNK, fd, 0, len(payload))
+        finally:
+            os.close(fd)
     print(f"filled {n} sessions x {context} tokens in {time.time() - t:.1f} s", flush=True)
     return ids
 
@@ -295,7 +301,7 @@ def report(rows, name, context, b, ms, walls, extra=""):
           flush=True)
 
 
-def run_kvtier(rows, a, e, db, kt, whole, how, b):
+def run_kvtier(rows, a, e, db, kt, whole, how, b, tag=""):
     """Times `a.steps` kvtier steps run `how` (whole: one graph; segments: 29 graphs around
     eager kvtier launches). Steps that hand the tails to tierd, and (whole) the step after,
     which captures the graph again, are left out of the median and listed."""
@@ -330,10 +336,44 @@ def run_kvtier(rows, a, e, db, kt, whole, how, b):
     note = (f"hit share {hits / max(tiles, 1):.3f}, "
             f"{moved / max(tiles, 1) / 1e3:.1f} kB/tile moved; "
             f"hand-off/capture steps {[round(ms[i], 1) for i in special]} ms {handoffs}")
-    report(rows, f"kvtier-{how}", a.context, b, plain,
+    report(rows, f"kvtier-{how}{tag}", a.context, b, plain,
            [w for i, w in enumerate(walls) if i not in special], note)
     rows[-1]["mean_with_handoffs_ms"] = statistics.fmean(ms)
     rows[-1]["register_s"] = e.registration()[1]
+
+
+def run_engine(rows, a, model, dev, c, ids, policy, cache_slots, rounds, breakdown):
+    """Opens an engine and a device batch over `ids` with `cache_slots` (0: the default), times
+    `rounds` rounds of `--graphs`, and closes them (the tails are not handed off)."""
+    b = len(ids)
+    t = time.time()
+    e = kv_engine.InEngine(a.socket, GEO, policy, device=0, max_sessions=b,
+                           max_blocks=(a.context + 4096) // 128, cache_slots=cache_slots or None)
+    db = kv_engine.DeviceBatch(e, c, ids)
+    reg_bytes, reg_s = e.registration()
+    print(f"kvtier b={b} cache_slots={cache_slots or 'default'}: leased, registered, synced in "
+          f"{time.time() - t:.1f} s (mapping and registering the {reg_bytes / 2**30:.1f} GiB arena: "
+          f"{reg_s:.1f} s)", flush=True)
+    st = Step(model, b, dev)
+    kt = Kvtier(st, db, a.context)
+    kt.capture()
+    # Capture's warm-up ran two steps' worth of stage/finish: start clean.
+    db.pos.zero_()
+    st.pos.fill_(a.context)
+    whole = kv_engine.CapturedStep(db, kt.whole_step)
+    whole()  # its warm-up: one eager step
+    for _ in range(rounds):
+        for how in a.graphs.split(","):
+            run_kvtier(rows, a, e, db, kt, whole, how, b, f"/c{cache_slots}" if cache_slots else "")
+            rows[-1]["cache_slots"] = cache_slots
+    if breakdown:
+        kt.skip_kvtier = True
+        ms2, walls2 = time_steps(kt.step, min(a.steps, 100), 2)
+        report(rows, "no-kvtier", a.context, b, ms2, walls2,
+               "the same step with kvtier's 28 layers left out (breakdown only)")
+    db.close(hand_off=False)  # the sessions are closed (or left) by the caller
+    del kt, db, e, whole
+    torch.cuda.empty_cache()
 
 
 def main():
@@ -361,6 +401,10 @@ def main():
     ap.add_argument("--sessions", default="",
                     help="ids of sessions of --context tokens already in tierd (e.g. engine_bench "
                          "--fill-only's) to decode instead of filling new ones; left open")
+    ap.add_argument("--cache-slots", default="0",
+                    help="the engine's GPU block cache in tiles per (session, layer, KV head) "
+                         "(0: the default, twice the keep-set); several, comma-separated: one "
+                         "engine per size in each round, in turn")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
@@ -408,34 +452,15 @@ def main():
             if given and len(given) < max(batches):
                 sys.exit(f"batch {max(batches)} needs {max(batches)} --sessions")
             ids = given or fill_sessions(c, max(batches), a.context, policy)
+            slots = [int(x) for x in a.cache_slots.split(",")]
             for b in batches:
-                t = time.time()
-                e = kv_engine.InEngine(a.socket, GEO, policy, device=0, max_sessions=b,
-                                       max_blocks=(a.context + 4096) // 128)
-                db = kv_engine.DeviceBatch(e, c, ids[:b])
-                reg_bytes, reg_s = e.registration()
-                print(f"kvtier b={b}: leased, registered, synced in {time.time() - t:.1f} s "
-                      f"(mapping and registering the {reg_bytes / 2**30:.1f} GiB arena: {reg_s:.1f} s)",
-                      flush=True)
-                st = Step(model, b, dev)
-                kt = Kvtier(st, db, a.context)
-                kt.capture()
-                # Capture's warm-up ran two steps' worth of stage/finish: start clean.
-                db.pos.zero_()
-                st.pos.fill_(a.context)
-                whole = kv_engine.CapturedStep(db, kt.whole_step)
-                whole()  # its warm-up: one eager step
-                for rnd in range(a.rounds):
-                    for how in a.graphs.split(","):
-                        run_kvtier(rows, a, e, db, kt, whole, how, b)
-                if a.breakdown:
-                    kt.skip_kvtier = True
-                    ms2, walls2 = time_steps(kt.step, min(a.steps, 100), 2)
-                    report(rows, "no-kvtier", a.context, b, ms2, walls2,
-                           "the same step with kvtier's 28 layers left out (breakdown only)")
-                db.close(hand_off=False)  # the sessions are closed below
-                del kt, db, e
-                torch.cuda.empty_cache()
+                # With several cache sizes, each round opens one engine per size in turn (the
+                # sessions' stored tokens grow with every hand-off: alternating spreads that).
+                per_engine = a.rounds if len(slots) == 1 else 1
+                for rnd in range(a.rounds // per_engine):
+                    for cs in slots:
+                        run_engine(rows, a, model, dev, c, ids[:b], policy, cs, per_engine,
+                                   a.breakdown and rnd == a.rounds // per_engine - 1)
             if not given:  # sessions given on the command line stay open
                 for s in ids:
                     c.close(s)

@@ -57,11 +57,14 @@ class InEngine:
     session, n = kv_heads / world, and their query heads (tensor parallelism: q and the outputs
     then have q_heads / world heads). `in_place` (default: with every head) maps tierd's arena
     writable so that `append_rows` (and `DeviceBatch`'s hand-offs) can append rows from the GPU
-    into it by DMA; off, the arena is registered read-only where the driver allows."""
+    into it by DMA; off, the arena is registered read-only where the driver allows.
+    `cache_slots`: tiles of GPU memory caching stored blocks per (session, layer, KV head), at
+    least the keep-set's size (None: twice it); a block kept again while cached does not cross
+    PCIe again."""
 
     def __init__(self, socket: str, geometry: Geometry, policy: Policy, device: int = 0,
                  max_sessions: int = 8, max_blocks: int = 8192, rank: int = 0, world: int = 1,
-                 in_place: Optional[bool] = None):
+                 in_place: Optional[bool] = None, cache_slots: Optional[int] = None):
         if _native is None:
             raise EngineUnavailable(
                 f"kvtier._native is not built ({_IMPORT_ERROR}); see kvtier.engine's docstring")
@@ -72,7 +75,7 @@ class InEngine:
                 socket, device,
                 (g.layers, g.q_heads, g.kv_heads, g.head_dim, int(g.dtype), g.block_tokens),
                 (policy.sink_blocks, policy.local_blocks, policy.top_k),
-                max_sessions, max_blocks, (rank, world), in_place)
+                max_sessions, max_blocks, (rank, world), in_place, cache_slots or 0)
         except _native.EngineError as e:
             raise EngineUnavailable(str(e)) from None
         self.geometry = geometry

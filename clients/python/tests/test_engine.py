@@ -325,7 +325,8 @@ def test_head_shards_in_one_process_equal_the_whole_engine(tierd_factory):
 def test_device_path_refuses_bad_buffers_and_batches_with_typed_errors(tierd_factory):
     """Every way to call the device path wrong is a typed error before anything runs: no bound
     batch, a stale binding after sync, wrong dtype, shape, device or layout, a DeviceBatch over
-    a shard or over an engine that cannot append in place."""
+    a shard or over an engine that cannot append in place, a block cache smaller than the
+    keep-set."""
     torch = pytest.importorskip("torch")
     sock = tierd_factory("--backend", "cpu", "--set", "host.shared=true")
     g = Geometry(2, 28, 4, 128, Dtype.BF16, 128)
@@ -354,6 +355,18 @@ def test_device_path_refuses_bad_buffers_and_batches_with_typed_errors(tierd_fac
     e.decode_layer_torch(0, q, out, lse)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    # The block cache's size changes what crosses PCIe, never the answer; below the keep-set
+    # (1 + 2 + 3 blocks) it is refused.
+    with pytest.raises(engine.EngineUnavailable, match="cache_slots 5"):
+        engine.InEngine(sock, g, pol, cache_slots=5)
+    big = engine.InEngine(sock, g, pol, cache_slots=64)
+    big.attach(s)
+    big.bind([s])
+    out2 = torch.empty_like(out)
+    big.decode_layer_torch(0, q, out2, None)
+    torch.cuda.synchronize()
+    assert torch.equal(out, out2)
+    big.detach(s)
     e.sync(s)  # changes device state: the binding is gone
     with pytest.raises(engine.EngineError, match="bound"):
         e.decode_layer_torch(0, q, out, lse)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 

@@ -60,7 +60,7 @@ def main(argv=None):
         sel = st.selected[0] if st.selected else []
     print()
     print(f"{'':8} {'answer':42} {'needle':7} {'time (prefill + decode)'}")
-    for name, toks, dt in [("dense", dense, t_dense), (f"sparse", sparse, t_sparse)]:
+    for name, toks, dt in [("dense", dense, t_dense), ("sparse", sparse, t_sparse)]:
         text = tok.decode(toks, skip_special_tokens=True).replace("\n", " ")
         print(f"{name:8} {text[:42]:42} {'found' if gemma.found(tok, toks, code) else 'MISSED':7} {dt:.1f} s")
     print()

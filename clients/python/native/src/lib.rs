@@ -32,9 +32,10 @@ impl Engine {
     /// `geometry` = (layers, q_heads, kv_heads, head_dim, dtype code, block_tokens),
     /// `policy` = (sink_blocks, local_blocks, top_k), `shard` = (rank, world): the KV heads
     /// attended (tensor parallelism; (0, 1) for all); `in_place`: map tierd's arena writable
-    /// for `append_from_device` (every head only).
+    /// for `append_from_device` (every head only); `cache_slots`: tiles of the GPU block
+    /// cache per (session, layer, KV head), at least the keep-set (0: twice the keep-set).
     #[new]
-    #[pyo3(signature = (socket, device, geometry, policy, max_sessions = 8, max_blocks = 8192, shard = (0, 1), in_place = false))]
+    #[pyo3(signature = (socket, device, geometry, policy, max_sessions = 8, max_blocks = 8192, shard = (0, 1), in_place = false, cache_slots = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         socket: &str,
@@ -45,6 +46,7 @@ impl Engine {
         max_blocks: u32,
         shard: (u32, u32),
         in_place: bool,
+        cache_slots: u32,
     ) -> PyResult<Self> {
         if !kvtier_kernels::cuda::device_available() {
             return Err(err("no CUDA device (or no CUDA driver) on this machine"));
@@ -58,13 +60,16 @@ impl Engine {
             top_k: policy.2,
         };
         // As tierd's own CUDA decoder: f32 bounds (the CPU selector's keep-sets).
-        let cfg = CudaConfig::new(
+        let mut cfg = CudaConfig::new(
             geometry,
             policy,
             max_blocks,
             max_sessions,
             SummaryDtype::F32,
         );
+        if cache_slots != 0 {
+            cfg.cache_slots = cache_slots; // validated (>= the keep-set) when the engine opens
+        }
         let shard = HeadShard {
             rank: shard.0,
             world: shard.1,
