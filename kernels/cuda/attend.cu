@@ -570,6 +570,25 @@ extern "C" __global__ void __launch_bounds__(256) copy_runs(CopyRunsParams_FIELD
     }
 }
 
+// Warp 0's log-sum-exp over x[0, n) (lane: the thread's index in the warp): M = the largest
+// x, each x[j] becomes exp(x[j] - M), and L = sum_j w[j] exp(x[j] - M) (w null: weights 1).
+__device__ __forceinline__ void warp_lse(float* x, const float* w, u32 n, u32 lane, float& M, float& L) {
+    float m = NEG_INF;
+    for (u32 j = lane; j < n; j += 32) m = fmaxf(m, x[j]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+    float l = 0.0f;
+    for (u32 j = lane; j < n; j += 32) {
+        const float e = expf(x[j] - m);
+        l += (w != nullptr ? w[j] : 1.0f) * e;
+        x[j] = e;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(FULL_MASK, l, o);
+    M = m;
+    L = l;
+}
+
 // The tail partial of attend_merge's thread block (session i, query head h of kv head kvh):
 // rows 0..=tail_last[i] of the session's tail, scores q . k * scale with each thread scoring
 // whole rows (16-byte loads), then (m, l) and this thread's dimension d of
@@ -602,18 +621,8 @@ __device__ __forceinline__ void tail_partial(const float* __restrict__ q, const 
     }
     __syncthreads();
     if (d < 32) {
-        float m = NEG_INF;
-        for (u32 t = d; t < c; t += 32) m = fmaxf(m, s_p[t]);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
-        float l = 0.0f;
-        for (u32 t = d; t < c; t += 32) {
-            const float w = expf(s_p[t] - m);
-            l += w;
-            s_p[t] = w;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(FULL_MASK, l, o);
+        float m, l;
+        warp_lse(s_p, nullptr, c, d, m, l);
         if (d == 0) {
             s_tm = m;
             s_tl = l;
@@ -664,18 +673,8 @@ extern "C" __global__ void attend_merge(AttendMergeParams_FIELDS) {
     }
     __syncthreads();
     if (d < 32) {
-        float M = NEG_INF;
-        for (u32 j = d; j < n; j += 32) M = fmaxf(M, s_w[j]);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, o));
-        float L = 0.0f;
-        for (u32 j = d; j < n; j += 32) {
-            const float w = expf(s_w[j] - M);
-            L += s_l[j] * w;
-            s_w[j] = w;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(FULL_MASK, L, o);
+        float M, L;
+        warp_lse(s_w, s_l, n, d, M, L);
         if (d == 0) {
             s_L = L;
             s_M = M;
