@@ -570,23 +570,31 @@ extern "C" __global__ void __launch_bounds__(256) copy_runs(CopyRunsParams_FIELD
     }
 }
 
-// Warp 0's log-sum-exp over x[0, n) (lane: the thread's index in the warp): M = the largest
-// x, each x[j] becomes exp(x[j] - M), and L = sum_j w[j] exp(x[j] - M) (w null: weights 1).
-__device__ __forceinline__ void warp_lse(float* x, const float* w, u32 n, u32 lane, float& M, float& L) {
-    float m = NEG_INF;
-    for (u32 j = lane; j < n; j += 32) m = fmaxf(m, x[j]);
+// The log-sum-exp over shared x[0, n), by the block's first warp between two barriers (every
+// thread of the block calls it): *M = the largest x, each x[j] becomes exp(x[j] - *M), and
+// *L = sum_j w[j] exp(x[j] - *M) (w null: weights 1).
+__device__ __forceinline__ void block_lse(float* x, const float* w, u32 n, float* M, float* L) {
+    __syncthreads();
+    const u32 lane = threadIdx.x;
+    if (lane < 32) {
+        float m = NEG_INF;
+        for (u32 j = lane; j < n; j += 32) m = fmaxf(m, x[j]);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
-    float l = 0.0f;
-    for (u32 j = lane; j < n; j += 32) {
-        const float e = expf(x[j] - m);
-        l += (w != nullptr ? w[j] : 1.0f) * e;
-        x[j] = e;
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+        float l = 0.0f;
+        for (u32 j = lane; j < n; j += 32) {
+            const float e = expf(x[j] - m);
+            l += (w != nullptr ? w[j] : 1.0f) * e;
+            x[j] = e;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(FULL_MASK, l, o);
+        if (lane == 0) {
+            *M = m;
+            *L = l;
+        }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(FULL_MASK, l, o);
-    M = m;
-    L = l;
+    __syncthreads();
 }
 
 // The tail partial of attend_merge's thread block (session i, query head h of kv head kvh):
@@ -619,16 +627,7 @@ __device__ __forceinline__ void tail_partial(const float* __restrict__ q, const 
         }
         s_p[t] = s * scale;
     }
-    __syncthreads();
-    if (d < 32) {
-        float m, l;
-        warp_lse(s_p, nullptr, c, d, m, l);
-        if (d == 0) {
-            s_tm = m;
-            s_tl = l;
-        }
-    }
-    __syncthreads();
+    block_lse(s_p, nullptr, c, &s_tm, &s_tl);
     const elem_t* tv = tk + (u64)BLOCK_TOKENS * HEAD_DIM + d;
     float acc = 0.0f;
 #pragma unroll 4
@@ -671,16 +670,7 @@ extern "C" __global__ void attend_merge(AttendMergeParams_FIELDS) {
         s_w[j] = ml.x;
         s_l[j] = ml.y;
     }
-    __syncthreads();
-    if (d < 32) {
-        float M, L;
-        warp_lse(s_w, s_l, n, d, M, L);
-        if (d == 0) {
-            s_L = L;
-            s_M = M;
-        }
-    }
-    __syncthreads();
+    block_lse(s_w, s_l, n, &s_M, &s_L);
     float acc = 0.0f;
 #if KSEL <= 64
 #pragma unroll
