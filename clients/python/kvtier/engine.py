@@ -17,13 +17,14 @@ Two ways to decode:
 * `DeviceBatch`: torch tensors on the engine's GPU, no host synchronization per layer. tierd
   holds each session's stored blocks; the tokens decoded since the last hand-off stay on the
   GPU (a tail of at most one block per layer), attended in kvtier's own layer call and merged
-  with the keep-set's attention by log-sum-exp in its last kernel. Every `block_tokens` steps the tails go to tierd by DMA from the GPU
-  straight into the sessions' runs in tierd's arena (RESERVE, copy, COMMIT; nothing through
-  host buffers or the socket) and the engine's device state follows. Its `stage` and `finish`
-  halves are two and one plain torch ops (none when the output's dtype is float32); `launch`
-  is kvtier's layer. All three can be captured in one CUDA
-  graph with the rest of the model's step: `CapturedStep` captures a whole step and captures it
-  again after every hand-off (a captured kvtier layer is valid until the next bind).
+  with the keep-set's attention by log-sum-exp in its last kernel. Every `block_tokens` steps
+  the tails go to tierd by DMA from the GPU straight into the sessions' runs in tierd's arena
+  (RESERVE, copy, COMMIT; nothing through host buffers or the socket) and the engine's device
+  state follows. Its `stage` (the new rows into the tails, q into kvtier's buffer) and
+  `finish` (the output's dtype) are a few plain torch ops; `launch` is kvtier's layer. All
+  three can be captured in one CUDA graph with the rest of the model's step: `CapturedStep`
+  captures a whole step and captures it again after every hand-off (a captured kvtier layer
+  is valid until the next bind).
 """
 
 from __future__ import annotations
@@ -214,11 +215,10 @@ class DeviceBatch:
 
     `attend` is `stage`, `launch` (kvtier's layer, which attends the tail too) and `finish` on
     static buffers, then, after the last layer, `advance()` (it hands the tails to tierd when
-    they are full). All of it but
-    `advance` can be captured in a CUDA graph; whoever replays the graph calls `advance` after
-    each replay (`CapturedStep` does, and turns `attend`'s own off: `advance_in_attend`; while
-    torch's stream is capturing `attend` never advances). A graph holding `launch` is valid
-    until the next hand-off: `epoch` counts them.
+    they are full). All of it but `advance` can be captured in a CUDA graph; whoever replays
+    the graph calls `advance` after each replay (`CapturedStep` does, and turns `attend`'s own
+    off: `advance_in_attend`; while torch's stream is capturing `attend` never advances). A
+    graph holding `launch` is valid until the next hand-off: `epoch` counts them.
     """
 
     def __init__(self, engine: InEngine, client, sessions: Sequence[int], q_scale: float = 1.0):
@@ -252,7 +252,8 @@ class DeviceBatch:
         self.tail = torch.zeros((nl, n, g.kv_heads, 2, bt, g.head_dim), dtype=kv_dtype, device=dev)
         self.tail_k, self.tail_v = self.tail[:, :, :, 0], self.tail[:, :, :, 1]
         # Per session: the tail row of this step's token in every layer (on the device, so that
-        # a captured step reads it; kvtier's layer attends rows 0..=pos), and its host copy.
+        # a captured step reads it; kvtier's layer attends rows 0..=pos); `count` is its host
+        # copy.
         self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self.count = 0
         self.q32 = torch.zeros((nl, n, g.q_heads, g.head_dim), dtype=torch.float32, device=dev)
