@@ -309,15 +309,15 @@ fn device_tail_is_merged_like_the_f64_oracle(
     let lsed = st.alloc_zeros::<f32>(hq).unwrap();
     let (qp, kvp) = (qd.device_ptr(st).0, kvd.device_ptr(st).0);
     let (op, lsep) = (od.device_ptr(st).0, lsed.device_ptr(st).0);
-    let run = |engine: &mut InEngine, last: i64| {
-        let lastd = st.clone_htod(&[last]).unwrap();
-        let tail = if last == i64::MIN {
-            DeviceTail::default()
-        } else {
-            DeviceTail {
+    // `last`: the tail's newest row, or None for a call without a tail.
+    let run = |engine: &mut InEngine, last: Option<i64>| {
+        let lastd = st.clone_htod(&[last.unwrap_or(0)]).unwrap();
+        let tail = match last {
+            None => DeviceTail::default(),
+            Some(_) => DeviceTail {
                 kv: kvp,
                 last: lastd.device_ptr(st).0,
-            }
+            },
         };
         let io = DeviceIo {
             q: qp,
@@ -330,8 +330,8 @@ fn device_tail_is_merged_like_the_f64_oracle(
         drop(lastd);
         r
     };
-    let (base, base_lse) = run(engine, i64::MIN);
-    let (empty, empty_lse) = run(engine, -1);
+    let (base, base_lse) = run(engine, None);
+    let (empty, empty_lse) = run(engine, Some(-1));
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(
         bits(&base),
@@ -340,7 +340,7 @@ fn device_tail_is_merged_like_the_f64_oracle(
     );
     assert_eq!(bits(&base_lse), bits(&empty_lse));
     for last in [40i64, bt as i64 - 1] {
-        let (got, got_lse) = run(engine, last);
+        let (got, got_lse) = run(engine, Some(last));
         let mut worst = 0f64;
         for h in 0..hq {
             let kvh = h / group;

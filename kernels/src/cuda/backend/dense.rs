@@ -183,7 +183,7 @@ impl CudaBackend {
         };
         let b = items.len();
         let bu = b as u32;
-        let scale = (1.0 / (g.head_dim as f64).sqrt()) as f32;
+        let scale = self.softmax_scale();
         let hit_share = self.hit_share.clone();
         self.record_step(0)?;
         for (li, input) in per_layer.iter().enumerate() {

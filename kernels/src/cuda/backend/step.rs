@@ -343,7 +343,7 @@ impl CudaBackend {
         };
         let k = &self.k;
         let (main, side) = (&self.stream, &self.side);
-        let scale = (1.0 / (g.head_dim as f64).sqrt()) as f32;
+        let scale = self.softmax_scale();
         let attend = |stream: &Arc<CudaStream>, part: u32, tiles: u32| {
             self.launch(
                 stream,
@@ -524,6 +524,11 @@ impl CudaBackend {
         Ok(0)
     }
 
+    /// Attention's softmax scale, 1 / sqrt(head_dim), for every kernel that scores.
+    pub(super) fn softmax_scale(&self) -> f32 {
+        (1.0 / (self.cfg.geometry.head_dim as f64).sqrt()) as f32
+    }
+
     /// The layer's last launch: the log-sum-exp merge of its partials and `tail` (q's
     /// attention over it) into `out` (and each output's log-sum-exp into `lse` unless 0);
     /// `after_kernel` as in [`Self::launch_after`].
@@ -553,7 +558,7 @@ impl CudaBackend {
                 q,
                 tail_kv: tail.kv,
                 tail_last: tail.last,
-                scale: (1.0 / (g.head_dim as f64).sqrt()) as f32,
+                scale: self.softmax_scale(),
             },
             after_kernel,
         )?;
