@@ -84,6 +84,8 @@ impl From<KernelError> for ServiceError {
             KernelError::EmptyBatch | KernelError::OutputSize { .. } => ErrorCode::InvalidArgument,
             // The engine answers on the CPU instead; reaching a client would be a bug.
             KernelError::Unavailable { .. } => ErrorCode::Internal,
+            // Sessions are created with sketches exactly when their selector reads them.
+            KernelError::NoSketches => ErrorCode::Internal,
             KernelError::Entry { .. } => unreachable!("root() unwraps entries"),
         };
         ServiceError::new(code, e.to_string())

@@ -204,11 +204,7 @@ fn a_decode_whose_reply_exceeds_the_frame_limit_appends_nothing() {
     let d = Daemon::with(&["server.max_frame_bytes=\"4KiB\""]);
     let mut c = d.client();
     let g = small_geometry();
-    let wide = Policy {
-        sink_blocks: 1,
-        local_blocks: 1,
-        top_k: 500,
-    };
+    let wide = Policy::bound(1, 1, 500);
     let id = c.create_session(g, wide, "").unwrap();
     let mut sh = Shadow::new(g, 11);
     // 502 blocks: stats list 502 ids per kv head, more than 4 KiB of reply.

@@ -69,11 +69,7 @@ const GEO: Geometry = Geometry {
     block_tokens: 16,
 };
 
-const POLICY: Policy = Policy {
-    sink_blocks: 1,
-    local_blocks: 4,
-    top_k: 8,
-};
+const POLICY: Policy = Policy::bound(1, 4, 8);
 
 /// Two arenas of `mib` MiB (the GPU copy's and the CPU copy's) and a decoder over the first;
 /// None (the test passes, saying so) without a CUDA device.

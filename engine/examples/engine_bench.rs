@@ -159,11 +159,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let hqd = (geo.q_heads * geo.head_dim) as usize * geo.layers as usize;
     for &k in &a.ks {
-        let policy = Policy {
-            sink_blocks: 1,
-            local_blocks: 4,
-            top_k: k,
-        };
+        let policy = Policy::bound(1, 4, k);
         let cfg = CudaConfig::new(geo, policy, n_blocks + 8, max_batch, SummaryDtype::F32);
         let t1 = Instant::now();
         let mut e = InEngine::connect(&a.socket, a.device, cfg)?;

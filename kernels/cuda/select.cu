@@ -12,12 +12,32 @@
 // block's 32 best candidates and merges them in the last thread block of each kv head, which
 // also plans the distant tiles. top_k > 32: select_score writes every score and select_topk
 // runs a radix select and the plan.
+//
+// The sketch selector (SKETCH, kvtier_kernels::select): select_score scores each block by its
+// QUARTERS quarter records (bf16 bounds, the same arithmetic per record; the block's score is
+// the max over its quarters and the group) and its last thread block per kv head keeps the
+// CAND best as candidates instead of the keep-set; select_rerank (a rerank role of
+// layer_fused) scores each candidate by its key sketch and the last one per kv head keeps the
+// TOPK best and plans their tiles.
 
 #if SUM_BF16
 typedef unsigned short sum_t;
 #else
 typedef float sum_t;
 #endif
+
+// Summary records per (block, kv head): its quarters with the sketch selector, else one.
+#if SKETCH
+#define SUB QUARTERS
+#if SUB != 4
+#error "the sketch selector scores four quarter records per block"
+#endif
+#else
+#define SUB 1
+#endif
+// layer_fused's ready flags per (batch item, kv head): 0 the fixed part is planned, 1 the
+// distant part is planned, 2 the sketch selector's candidates are written.
+#define READY_FLAGS 3
 
 
 // The CPU's lane fold (kvtier_kernels::simd::reduce), ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)),
@@ -121,13 +141,13 @@ __device__ __forceinline__ u64 warp_merge_desc(u64 a, u64 b_rev) {
     return v;
 }
 
-// Top-k of the distant blocks, ascending, into out[SINK, SINK + TOPK), from the `nlists`
-// candidate lists of one (batch item, kv head) (TOPK <= 32), called by the whole thread block
-// that found itself last. Each warp merges lists w, w + nw, ... (the next list's load in
+// The N best blocks (N <= 32) of the `nlists` candidate lists of one (batch item, kv head),
+// ascending, into out[0, N) (a key of 0, no candidate, comes out as 0xffffffff, after every
+// real block), called by the whole thread block that found itself last. Each warp merges lists w, w + nw, ... (the next list's load in
 // flight during a merge); a barrier-separated tree merges the warps' lists; warp 0 then sorts
 // the TOPK winners' block ids ascending. Lists are read from L2 (__ldcg): other thread blocks
 // wrote them during this launch.
-__device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lists, u32 nlists, u32* out) {
+__device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lists, u32 nlists, u32* out, u32 N) {
     __shared__ u64 s_top[SCORE_THREADS / 32][32];
     const u32 lane = threadIdx.x & 31u;
     const u32 w = threadIdx.x >> 5;
@@ -151,18 +171,19 @@ __device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lis
     }
     if (w == 0) {
         // Winners' complemented ids (the low key word) sorted descending = ids ascending.
-        u64 id = lane < TOPK ? (u64)(u32)v : 0ull;
+        u64 id = lane < N ? (u64)(u32)v : 0ull;
         id = warp_sort_desc(id);
-        if (lane < TOPK) out[SINK + lane] = ~(u32)id;
+        if (lane < N) out[lane] = ~(u32)id;
     }
 }
 
 // select_score: SCORE_THREADS threads = SCORE_OCTETS octets; octet o of thread block x scores
-// blocks x * nbo * SCORE_OCTETS + n * SCORE_OCTETS + o for n < nbo (nbo <= SCORE_NB, chosen
-// per launch so that small contexts still spread over many SMs).
+// records x * nbo * SCORE_OCTETS + n * SCORE_OCTETS + o for n < nbo (nbo <= SCORE_NB, chosen
+// per launch so that small contexts still spread over many SMs); record r is quarter r % SUB
+// of block r / SUB, so the SUB records of a block are consecutive octets of one warp.
 #define SCORE_OCTETS (SCORE_THREADS / 8)
-// Candidate lists per (batch item, kv head): one per select_score thread block.
-#define SCORE_LISTS(nb, nbo) (((nb) + (nbo) * SCORE_OCTETS - 1) / ((nbo) * SCORE_OCTETS))
+// Candidate lists per (batch item, kv head) for nr records: one per select_score thread block.
+#define SCORE_LISTS(nr, nbo) (((nr) + (nbo) * SCORE_OCTETS - 1) / ((nbo) * SCORE_OCTETS))
 #define SEL_PREFETCH (SEL_V <= 8)
 #if (SCORE_OCTETS * SCORE_NB) % 32 != 0 || SCORE_OCTETS * SCORE_NB / 32 > SCORE_THREADS / 32
 #error "SCORE_NB blocks per octet must make whole warp lists"
@@ -175,11 +196,12 @@ __device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lis
 // as simd::reduce does; the max over the GROUP query heads is order-independent. So scores are
 // bit-identical to kvtier_kernels::select::block_score. (One thread per block with all G x 8
 // lanes in registers ran at 2 warps per scheduler, a latency chain; bench/gpu/NOTES.md v13-v17.)
-// q: [batch][HQ][HEAD_DIM] f32. sums: [slot][layer][max_blocks][KV_HEADS][REC_VECS] uint4.
+// q: [batch][HQ][HEAD_DIM] f32. sums: [slot][layer][max_blocks][KV_HEADS][SUB][REC_VECS] uint4.
 // With TOPK_MERGE each thread block writes the descending list of its 32 best distant
-// candidates to scratch (u64 [batch][KV_HEADS][SCORE_LISTS(max_blocks, 1)][32]); the last
+// candidates to scratch (u64 [batch][KV_HEADS][SCORE_LISTS(max_blocks * SUB, 1)][32]); the last
 // thread block of a (batch item, kv head) to finish merges that head's lists into the TOPK
-// distant blocks of its keep-set row and plans their tiles (the done[] counters return to 0).
+// distant blocks of its keep-set row and plans their tiles (the done[] counters return to 0),
+// or, with SKETCH, into its CAND candidates (cands[batch][KV_HEADS][32]).
 // Otherwise every score goes to scratch (f32 [batch][KV_HEADS][max_blocks]) for select_topk.
 // score_role is one such thread block, (bx, kvh, i) its grid position. When `ready` is not null
 // (layer_fused), the last thread block of the kv head publishes its finished keep-set row and
@@ -189,16 +211,18 @@ __device__ __forceinline__ void score_role(
     const u32* __restrict__ ntok, u32 layer, u32 max_blocks, u32 nbo, void* __restrict__ scratch,
     u32* __restrict__ done, u32* table, u32* __restrict__ tags, u32* __restrict__ stamps,
     const u64* __restrict__ pages, u32* slot_of, u64* miss_src, unsigned long long* __restrict__ stats,
-    u32 stamp, u32* ready, u32 bx, u32 kvh, u32 i) {
+    u32 stamp, u32* ready, u32 bx, u32 kvh, u32 i, u32* cands) {
 #if SEL_TRACE
     const u32 sel_cta = (i * KV_HEADS + kvh) * SCORE_LISTS(max_blocks, 1) + bx;
 #endif
     SEL_STAMP(0);
     K_TRACE(2);
     const u32 nb = n_blocks_of(ntok[i]);
-    const u32 b0 = bx * nbo * SCORE_OCTETS;
+    const u32 nr = nb * SUB;
+    const u32 r0 = bx * nbo * SCORE_OCTETS;
+    const u32 b0 = r0 / SUB;
     // A short layer keeps every block (plan_fixed): nothing to score.
-    if (b0 >= nb || SHORT_LAYER(nb)) return;
+    if (r0 >= nr || SHORT_LAYER(nb)) return;
     const u32 tid = threadIdx.x;
     const u32 j = tid & 7u;    // the CPU lane this thread sums
     const u32 oct = tid >> 3;  // its octet
@@ -209,7 +233,7 @@ __device__ __forceinline__ void score_role(
     // into L2 while it scores, so that the plan's loads hit L2 (bench/gpu/NOTES.md v26).
     {
         const u64 srow = (u64)sess[i] * NUM_LAYERS + layer;
-        const u32 nent = min(nbo * SCORE_OCTETS, nb - b0);
+        const u32 nent = min(nbo * SCORE_OCTETS / SUB, nb - b0);
         if (tid * 16 < nent) prefetch_l2(pages + srow * max_blocks + b0 + tid * 16);
         const u64 cb = (srow * KV_HEADS + kvh) * CACHE_SLOTS + DISTANT_SLOT0;
         // Threads 32, 33, ... take one 128-byte line (32 slots) of each array.
@@ -219,15 +243,15 @@ __device__ __forceinline__ void score_role(
         }
     }
 #endif
-    const uint4* recs = (const uint4*)sums + ((u64)sess[i] * NUM_LAYERS + layer) * (u64)max_blocks * KV_HEADS * REC_VECS;
+    const uint4* recs = (const uint4*)sums + ((u64)sess[i] * NUM_LAYERS + layer) * (u64)max_blocks * KV_HEADS * SUB * REC_VECS;
     // Loads octet row n's record, zeros past the layer or past this launch's nbo rows. The
     // loads are predicated, not branched over: under a branch the compiler sank the next
     // row's loads below the current row's arithmetic (every row then waited a full memory
     // latency; bench/gpu/NOTES.md v16).
     auto load = [&](u32 n, uint4* v) {
-        const u32 b = b0 + n * SCORE_OCTETS + oct;
-        const bool ok = b < nb && n < nbo;
-        const uint4* r = recs + ((u64)b * KV_HEADS + kvh) * REC_VECS + j;
+        const u32 rec = r0 + n * SCORE_OCTETS + oct;
+        const bool ok = rec < nr && n < nbo;
+        const uint4* r = recs + (((u64)(rec / SUB) * KV_HEADS + kvh) * SUB + rec % SUB) * REC_VECS + j;
 #pragma unroll
         for (int u = 0; u < SEL_V; ++u) v[u] = ok ? __ldg(r + u * 8) : make_uint4(0u, 0u, 0u, 0u);
     };
@@ -275,10 +299,18 @@ __device__ __forceinline__ void score_role(
         float m = NEG_INF;
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) m = fmaxf(m, octet_reduce(acc[g]));
-        const u32 b = b0 + n * SCORE_OCTETS + oct;
+#if SUB > 1
+        // The max over the block's quarters: its SUB records are octets of this warp (lane
+        // bits 3 and 4 number the octets).
+        m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 8));
+        m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 16));
+#endif
+        const u32 rec = r0 + n * SCORE_OCTETS + oct;
+        const u32 b = rec / SUB;
 #if TOPK_MERGE
-        // Only distant blocks are candidates (nb > KSEL here, so nb - LOCAL > SINK).
-        key[n] = (b >= SINK && b < nb - LOCAL) ? cand_key(m, b) : 0ull;
+        // Only distant blocks are candidates (nb > KSEL here, so nb - LOCAL > SINK), each once
+        // (its first record's octet).
+        key[n] = (rec % SUB == 0 && b >= SINK && b < nb - LOCAL) ? cand_key(m, b) : 0ull;
 #else
         if (j == 0 && b < nb) ((float*)scratch)[((u64)i * KV_HEADS + kvh) * max_blocks + b] = m;
 #endif
@@ -320,8 +352,8 @@ __device__ __forceinline__ void score_role(
         __syncthreads();
     }
     SEL_STAMP(3);
-    const u32 nlists = SCORE_LISTS(nb, nbo);
-    u64* lists = (u64*)scratch + ((u64)i * KV_HEADS + kvh) * SCORE_LISTS(max_blocks, 1) * 32;
+    const u32 nlists = SCORE_LISTS(nr, nbo);
+    u64* lists = (u64*)scratch + ((u64)i * KV_HEADS + kvh) * SCORE_LISTS(max_blocks * SUB, 1) * 32;
     if (w == 0) {
         lists[(u64)bx * 32 + lane] = v;
         // Publish the list device-wide before it is counted (threadFenceReduction pattern).
@@ -342,14 +374,20 @@ __device__ __forceinline__ void score_role(
         return;
     }
     __threadfence();
+#if SKETCH
+    // The CAND candidates for the rerank roles.
+    select_distant_merge(lists, nlists, cands + ((u64)i * KV_HEADS + kvh) * 32, CAND);
+    if (ready != nullptr) signal_ready(ready, stamp);
+#else
     u32* row = table + ((u64)i * KV_HEADS + kvh) * KSEL;
-    select_distant_merge(lists, nlists, row);
+    select_distant_merge(lists, nlists, row + SINK, TOPK);
     __syncthreads();
     SEL_STAMP(6);
     plan_tile_cache(i, kvh, row, SINK, TOPK, 0, 0, DISTANT_SLOT0, CACHE_SLOTS - DISTANT_SLOT0, sess, ntok, layer,
                     max_blocks, tags, stamps, pages, slot_of, miss_src, stats);
     SEL_STAMP(7);
     if (ready != nullptr) signal_ready(ready, stamp);
+#endif
 #undef NSL
 #endif
 }
@@ -358,7 +396,161 @@ __device__ __forceinline__ void score_role(
 // alone, followed by attend_tile's distant part (when layer_fused is not used).
 extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(SelectScoreParams_FIELDS) {
     score_role(q, sums, sess, ntok, layer, max_blocks, nbo, scratch, done, table, tags, stamps, pages, slot_of,
-               miss_src, stats, 0, nullptr, blockIdx.x, blockIdx.y, blockIdx.z);
+               miss_src, stats, 0, nullptr, blockIdx.x, blockIdx.y, blockIdx.z, cands);
+}
+
+
+#if SKETCH
+// Key sketches (kvtier_storage::sketch): per (block, kv head) a record of BLOCK_TOKENS keys'
+// codes, PD / 2 bytes each, then their BLOCK_TOKENS f32 scales. A key's codes are W = PD / 4
+// u16 words, element e in word e % W at bits 4 (e / W): read as the u32 pairs (a, a + 1) of
+// a key's PD / 8 u32 words, nibble slot jn of the pair gives elements jn W + 2a + {0, 2, 1, 3} in
+// bytes 0..3 (rerank_codes), what one dp4a takes against the query's codes in that order.
+#define SK_WORDS (PD / 8)                    // u32 words of one key's codes
+#define SK_CODE_BYTES (PD / 2)
+#define SK_REC_BYTES ((u64)BLOCK_TOKENS * (SK_CODE_BYTES + 4))
+#define SK_DP4A (PD / 4)                     // dp4a per key and query head
+
+// The signed codes of nibble slot jn of u32 words x (a) and y (a + 1), as four int8 in one
+// word: bytes [e(jn W + 2a), e(jn W + 2a + 2), e(jn W + 2a + 1), e(jn W + 2a + 3)].
+__device__ __forceinline__ int rerank_codes(u32 x, u32 y, u32 jn) {
+    const u32 v = ((x >> (4 * jn)) & 0x000f000fu) | (((y >> (4 * jn)) & 0x000f000fu) << 8);
+    // Sign-extend each nibble within its byte: (n ^ 8) - 8, bytewise.
+    return (int)__vsub4(v ^ 0x08080808u, 0x08080808u);
+}
+
+// One rerank role: candidate x of (batch item i, kv head kvh), scored by its key sketch as
+// kvtier_kernels::select::QuerySketch::score does (integer dots, exact; then f32(dot) * scale
+// rounded, max over tokens, * the query scale rounded, max over the group), its key written to
+// rkeys; the kv head's last role to finish keeps the TOPK best (ties to the lower block),
+// writes them ascending into the distant part of the keep-set row and plans their tiles, then
+// (layer_fused) publishes the row by storing `stamp` in `ready`.
+__device__ __forceinline__ void rerank_role(
+    const float* __restrict__ q, const unsigned char* __restrict__ sk, const u32* __restrict__ sess,
+    const u32* __restrict__ ntok, u32 layer, u32 max_blocks, const u32* cands, u64* rkeys,
+    u32* __restrict__ done, u32* table, u32* __restrict__ tags, u32* __restrict__ stamps,
+    const u64* __restrict__ pages, u32* slot_of, u64* miss_src, unsigned long long* __restrict__ stats,
+    u32 stamp, u32* ready, u32 x, u32 kvh, u32 i) {
+    const u32 tid = threadIdx.x;
+    const u32 lane = tid & 31u;
+    const u32 w = tid >> 5;
+    const u32 nw = blockDim.x >> 5;
+    const u32 ih = i * KV_HEADS + kvh;
+    const u32 nb = n_blocks_of(ntok[i]);
+    if (SHORT_LAYER(nb)) return;
+    __shared__ int s_qc[GROUP][SK_DP4A];
+    __shared__ float s_qs[GROUP];
+    __shared__ float s_best[SCORE_THREADS / 32][GROUP];
+    __shared__ bool s_last;
+    pdl_wait();
+    const u32 b = __ldcg(cands + (u64)ih * 32 + x);
+    // The group's query codes: warp g quantizes head g (absmax / 127, round half to even).
+    const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
+    for (u32 g = w; g < GROUP; g += nw) {
+        float amax = 0.0f;
+        for (u32 d = lane; d < HEAD_DIM; d += 32) amax = fmaxf(amax, fabsf(qh[g * HEAD_DIM + d]));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
+        const float qs = __fdiv_rn(amax, 127.0f);
+        // Word k of the dp4a order: nibble slot jn = k / (PD / 16), pair a = 2 (k % (PD / 16)).
+        for (u32 k = lane; k < SK_DP4A; k += 32) {
+            const u32 jn = k / (PD / 16), a = 2 * (k % (PD / 16));
+            const u32 e0 = jn * (PD / 4) + 2 * a;
+            const u32 es[4] = {e0, e0 + 2, e0 + 1, e0 + 3};
+            u32 word = 0;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                int code = 0;
+                if (qs != 0.0f && es[c] < HEAD_DIM)
+                    code = (int)fminf(fmaxf(rintf(__fdiv_rn(qh[g * HEAD_DIM + es[c]], qs)), -127.0f), 127.0f);
+                word |= ((u32)code & 0xffu) << (8 * c);
+            }
+            s_qc[g][k] = (int)word;
+        }
+        if (lane == 0) s_qs[g] = qs;
+    }
+    __syncthreads();
+    float best[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) best[g] = NEG_INF;
+    if (b != 0xffffffffu) {
+        const unsigned char* rec = sk + ((((u64)sess[i] * NUM_LAYERS + layer) * max_blocks + b) * KV_HEADS + kvh) * SK_REC_BYTES;
+        const float* scales = (const float*)(rec + (u64)BLOCK_TOKENS * SK_CODE_BYTES);
+        for (u32 t = tid; t < BLOCK_TOKENS; t += blockDim.x) {
+            u32 words[SK_WORDS];
+            const uint4* src = (const uint4*)(rec + (u64)t * SK_CODE_BYTES);
+#pragma unroll
+            for (int v = 0; v < SK_WORDS / 4; ++v) {
+                const uint4 c = __ldg(src + v);
+                words[4 * v] = c.x;
+                words[4 * v + 1] = c.y;
+                words[4 * v + 2] = c.z;
+                words[4 * v + 3] = c.w;
+            }
+            const float ks = __ldg(scales + t);
+            int acc[GROUP];
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) acc[g] = 0;
+#pragma unroll
+            for (int k = 0; k < SK_DP4A; ++k) {
+                const u32 jn = k / (PD / 16), a = 2 * (k % (PD / 16));
+                const int kc = rerank_codes(words[a], words[a + 1], jn);
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) acc[g] = __dp4a(kc, s_qc[g][k], acc[g]);
+            }
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) best[g] = fmaxf(best[g], __fmul_rn((float)acc[g], ks));
+        }
+    }
+    // Max over the thread block per head, then the query scale and the max over heads.
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        float m = best[g];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+        if (lane == 0) s_best[w][g] = m;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        float score = NEG_INF;
+        for (int g = 0; g < GROUP; ++g) {
+            float m = NEG_INF;
+            for (u32 v = 0; v < nw; ++v) m = fmaxf(m, s_best[v][g]);
+            score = fmaxf(score, __fmul_rn(m, s_qs[g]));
+        }
+        rkeys[(u64)ih * 32 + x] = b != 0xffffffffu ? cand_key(score, b) : 0ull;
+        // Publish the key device-wide before it is counted (threadFenceReduction pattern).
+        __threadfence();
+        const u32 prev = atomicAdd(&done[ih], 1u);
+        s_last = prev == CAND - 1;
+        if (s_last) done[ih] = 0;  // every key is in; ready for the next launch
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    u32* row = table + (u64)ih * KSEL;
+    if (w == 0) {
+        // The TOPK best keys, then their ids ascending (complemented ids sorted descending).
+        u64 v = lane < CAND ? __ldcg(rkeys + (u64)ih * 32 + lane) : 0ull;
+        v = warp_sort_desc(v);
+        u64 id = lane < TOPK ? (u64)(u32)v : 0ull;
+        id = warp_sort_desc(id);
+        if (lane < TOPK) row[SINK + lane] = ~(u32)id;
+    }
+    __syncthreads();
+    plan_tile_cache(i, kvh, row, SINK, TOPK, 0, 0, DISTANT_SLOT0, CACHE_SLOTS - DISTANT_SLOT0, sess, ntok, layer,
+                    max_blocks, tags, stamps, pages, slot_of, miss_src, stats);
+    if (ready != nullptr) signal_ready(ready, stamp);
+}
+#endif
+
+// grid (CAND, KV_HEADS, batch), block SCORE_THREADS: the sketch selector's second stage after
+// select_score (when layer_fused is not used); empty without SKETCH.
+extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_rerank(SelectRerankParams_FIELDS) {
+#if SKETCH
+    rerank_role(q, sketches, sess, ntok, layer, max_blocks, cands, rkeys, rdone, table, tags, stamps, pages, slot_of,
+                miss_src, stats, 0, nullptr, blockIdx.x, blockIdx.y, blockIdx.z);
+#endif
 }
 
 #if TOPK_MERGE && ATT_THREADS == SCORE_THREADS
@@ -372,7 +564,10 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(SelectS
 //   [0, H)                       plan the fixed part of head h (plan_fixed_role), then ready[h][0];
 //   next nfixed * H              fixed tile x of head h: waits ready[h][0], attends table
 //                                position x (short layer) or the x-th sink/local tile;
-//   next lists * H               score roles (score_role); the head's last sets ready[h][1];
+//   next lists * H               score roles (score_role); the head's last sets ready[h][1]
+//                                (with SKETCH: writes the candidates, sets ready[h][2]);
+//   next CAND * H (SKETCH)       rerank roles (rerank_role): wait ready[h][2]; the head's
+//                                last sets ready[h][1];
 //   next TOPK * H                distant tile x of head h: waits ready[h][1].
 // A thread block takes its role from a ticket (atomicAdd on tickets[0], minus ticket0: the
 // tickets of earlier launches), not from blockIdx: every role waits only for roles with lower
@@ -388,7 +583,7 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) layer_fused(LayerFus
     if (t < heads) {
         plan_fixed_role(ntok, max_blocks, table, counts, sess, layer, tags, stamps, pages, slot_of, miss_src, stats,
                         t % KV_HEADS, t / KV_HEADS);
-        signal_ready(ready + 2 * t, stamp);
+        signal_ready(ready + READY_FLAGS * t, stamp);
         return;
     }
     t -= heads;
@@ -411,10 +606,23 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) layer_fused(LayerFus
         if (t < lists * heads) {
             const u32 hs = t / lists;
             score_role(q, sums, sess, ntok, layer, max_blocks, nbo, scratch, done, table, tags, stamps, pages,
-                       slot_of, miss_src, stats, stamp, ready + 2 * hs + 1, t % lists, hs % KV_HEADS, hs / KV_HEADS);
+                       slot_of, miss_src, stats, stamp, ready + READY_FLAGS * hs + (SKETCH ? 2 : 1), t % lists,
+                       hs % KV_HEADS, hs / KV_HEADS, cands);
             return;
         }
         t -= lists * heads;
+#if SKETCH
+        if (t < CAND * heads) {
+            const u32 hs = t / CAND;
+            if (SHORT_LAYER(n_blocks_of(ntok[hs / KV_HEADS]))) return;
+            wait_ready(ready + READY_FLAGS * hs + 2, stamp);
+            rerank_role(q, sketches, sess, ntok, layer, max_blocks, cands, rkeys, rdone, table, tags, stamps, pages,
+                        slot_of, miss_src, stats, stamp, ready + READY_FLAGS * hs + 1, t % CAND, hs % KV_HEADS,
+                        hs / KV_HEADS);
+            return;
+        }
+        t -= CAND * heads;
+#endif
         x = t % TOPK;
         h = t / TOPK;
         // A short layer has no distant part (its fixed part is every block).
@@ -427,7 +635,7 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) layer_fused(LayerFus
     K_TRACE(1 + 2 * part);
     // The session slot is an input of the launch: loaded before the wait, not after it.
     const u32 sslot = sess[h / KV_HEADS];
-    wait_ready(ready + 2 * h + part, stamp);
+    wait_ready(ready + READY_FLAGS * h + part, stamp);
     const u64 e = (u64)h * KSEL + j;
     attend_one(q, nt, sslot, layer, cache, scale, part_acc, part_ml, h / KV_HEADS, h % KV_HEADS, j, __ldcg(table + e),
                __ldcg(slot_of + e), __ldcg(miss_src + e));

@@ -181,11 +181,7 @@ fn host_region(be: &CudaBackend, mut bytes: usize, frame: usize) -> Result<Pinne
 }
 
 fn config(n_blocks: u32, k: u32, batch: u32, sum_bf16: bool, simt: bool) -> CudaConfig {
-    let policy = Policy {
-        sink_blocks: 1,
-        local_blocks: 4,
-        top_k: k,
-    };
+    let policy = Policy::bound(1, 4, k);
     let geometry = Geometry::new(LAYERS, HQ, HKV, D, DType::Bf16, BT);
     let summaries = if sum_bf16 {
         SummaryDtype::Bf16Outward

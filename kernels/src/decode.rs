@@ -32,7 +32,8 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use kvtier_storage::{ColdSource, Geometry, KvCache, Policy, StorageError};
+use kvtier_storage::sketch::code_bytes;
+use kvtier_storage::{ColdSource, Geometry, KvCache, Policy, Selector, StorageError};
 
 use crate::attention::attend_keep_sets;
 use crate::error::{KernelError, Result};
@@ -369,9 +370,28 @@ pub fn stats(geo: &Geometry, policy: &Policy, tokens: u64) -> StepStats {
     StepStats {
         blocks_total: blocks as u32,
         tiles_selected: (per_head * heads) as u32,
-        bytes_touched: summaries + rows * 2 * geo.row_bytes() as u64,
+        bytes_touched: summaries
+            + sketch_bytes_read(geo, policy, blocks)
+            + rows * 2 * geo.row_bytes() as u64,
         ..StepStats::default()
     }
+}
+
+/// The key sketches a step of the sketch selector may score, per layer of `blocks` blocks: its
+/// candidates, at most `max(candidates, top_k)` per query head and never more than the distant
+/// blocks, over every kv-head (an upper bound: the heads' candidates overlap).
+pub fn sketch_bytes_read(geo: &Geometry, policy: &Policy, blocks: u64) -> u64 {
+    let Selector::Sketch { candidates } = policy.selector else {
+        return 0;
+    };
+    if blocks <= policy.budget() {
+        return 0;
+    }
+    let distant = blocks - policy.sink_blocks as u64 - policy.local_blocks as u64;
+    let per_head = u64::from(candidates.max(policy.top_k));
+    let scored = distant.min(per_head * geo.group() as u64);
+    let per_block = geo.block_tokens as u64 * (code_bytes(geo.head_dim as usize) as u64 + 4);
+    scored * geo.kv_heads as u64 * per_block
 }
 
 /// Checks of one entry that read nothing: query and payload sizes, the layer.
@@ -390,6 +410,14 @@ fn check_entry(e: &DecodeEntry<'_>) -> Result<()> {
         }
     }
     e.kv.layer(e.layer)?;
+    check_selector(e.kv, &e.policy)
+}
+
+/// A sketch selector needs a cache that keeps sketches.
+pub fn check_selector(kv: &KvCache, policy: &Policy) -> Result<()> {
+    if policy.selector.needs_sketches() && !kv.has_sketches() {
+        return Err(KernelError::NoSketches);
+    }
     Ok(())
 }
 

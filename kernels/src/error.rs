@@ -12,6 +12,10 @@ pub enum KernelError {
     #[error("query value {index} is not finite")]
     NonFiniteQuery { index: usize },
 
+    /// The policy's selector ranks by key sketches but the session's cache keeps none.
+    #[error("the policy's sketch selector needs a cache that keeps key sketches")]
+    NoSketches,
+
     #[error("empty decode batch")]
     EmptyBatch,
 

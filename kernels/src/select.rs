@@ -1,14 +1,23 @@
-//! The block selector: Quest-style key-bound scoring and the per-kv-head keep-set.
+//! The block selector: the per-kv-head keep-set, its distant blocks ranked by the policy's
+//! [`Selector`].
 //!
-//! For each distant block the score is an upper bound on any of its keys' dot product with any
-//! query head of the kv-head's group (`bound_dot`, then the max over the group). The keep-set of
-//! a kv-head is the sink blocks, the local window (including the partial tail block) and the
-//! top-k distant blocks by score, lower block index first on ties. Sink and local blocks are
-//! taken out of the candidates before the top-k, so the set has no duplicates by construction.
+//! The keep-set of a kv-head is the sink blocks, the local window (including the partial tail
+//! block) and the top-k distant blocks by score, lower block index first on ties. Sink and
+//! local blocks are taken out of the candidates before the top-k, so the set has no duplicates
+//! by construction. The scores:
+//!
+//! - [`Selector::Bound`]: an upper bound on any of the block's keys' dot product with any
+//!   query head of the kv-head's group (`bound_dot`, then the max over the group).
+//! - [`Selector::Sketch`]: each query head of the group names its `max(candidates, top_k)`
+//!   best distant blocks by its own bound (ties to the lower block); the union is scored by the blocks' key
+//!   sketches ([`sketch_score`]) and the top-k of the union kept. When `candidates` covers
+//!   every distant block, every block is scored by its sketch.
 
 use std::cmp::Ordering;
 
-use kvtier_storage::{Geometry, LayerView, Policy};
+use kvtier_storage::sketch::{padded_dims, round_half_even, HeadSketch};
+use kvtier_storage::{Geometry, LayerView, Policy, Selector};
+use wide::{i16x8, i32x4};
 
 use crate::error::{KernelError, Result};
 use crate::simd::bound_dot;
@@ -75,6 +84,151 @@ impl KeepSet {
 pub struct SelectScratch {
     scores: Vec<f32>,
     order: Vec<u32>,
+    /// Sketch selector: the kv head's quantized query group.
+    query: QuerySketch,
+}
+
+/// Largest code magnitude of a quantized query: codes are in `-QUERY_LEVELS..=QUERY_LEVELS`.
+pub const QUERY_LEVELS: i32 = 127;
+
+/// Quantizes one query head for sketch scoring: `scale = max_d |q_d| / 127`, codes
+/// `clamp(round_ties_even(q_d / scale), -127, 127)` (all zero when `scale` is 0), in IEEE
+/// single precision with round-to-nearest (what the CUDA selector computes, bit for bit).
+/// Returns the scale.
+pub fn quantize_query(q: &[f32], codes: &mut [i16]) -> f32 {
+    let amax = q.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let scale = amax / QUERY_LEVELS as f32;
+    if scale == 0.0 {
+        codes.fill(0);
+        return 0.0;
+    }
+    let lim = QUERY_LEVELS as f32;
+    for (c, x) in codes.iter_mut().zip(q) {
+        *c = round_half_even(x / scale).clamp(-lim, lim) as i16;
+    }
+    scale
+}
+
+/// A kv head's query group quantized for sketch scoring ([`quantize_query`] per head), laid
+/// out for [`QuerySketch::score`]. Reused across calls without allocating once warm.
+#[derive(Debug, Default, Clone)]
+pub struct QuerySketch {
+    /// `[G][padded D / 8]`: each head's codes, the padding zero.
+    vecs: Vec<i16x8>,
+    scales: Vec<f32>,
+}
+
+impl QuerySketch {
+    /// The group `q_group` (`G x d` f32) quantized.
+    pub fn new(q_group: &[f32], d: usize) -> Self {
+        let mut s = QuerySketch::default();
+        s.set(q_group, d);
+        s
+    }
+
+    /// Quantizes `q_group` (`G x d` f32) in place of the previous group.
+    pub fn set(&mut self, q_group: &[f32], d: usize) {
+        let pv = padded_dims(d) / 8;
+        self.vecs.clear();
+        self.scales.clear();
+        let mut codes = [0i16; MAX_PADDED_DIMS];
+        for qh in q_group.chunks_exact(d) {
+            codes.fill(0);
+            self.scales.push(quantize_query(qh, &mut codes[..d]));
+            self.vecs.extend(
+                codes[..pv * 8]
+                    .chunks_exact(8)
+                    .map(|c| i16x8::new(c.try_into().expect("8 codes"))),
+            );
+        }
+    }
+
+    /// Sketch score of one (block, kv-head): the largest sketched logit over the block's
+    /// tokens and the group's query heads. Per head and token the integer dot product of the
+    /// codes is exact; it becomes `f32(dot) * key_scale` (rounded), the max over tokens is
+    /// taken, then `* q_scale` (rounded) and the max over heads: each product rounds
+    /// monotonically, so this is the max of the sketched logits, whatever order a port takes
+    /// the maxima in. `-0.0` is returned as `0.0`.
+    pub fn score(&self, sketch: &HeadSketch<'_>) -> f32 {
+        // Fixed vector counts unroll the dot products (D = 32, 64, 128, 256).
+        match self.vecs.len() / self.scales.len() {
+            4 => self.score_with::<4>(sketch),
+            8 => self.score_with::<8>(sketch),
+            16 => self.score_with::<16>(sketch),
+            32 => self.score_with::<32>(sketch),
+            _ => self.score_with::<0>(sketch),
+        }
+    }
+
+    /// [`Self::score`] with `PV` vectors of codes per key (0: any count).
+    #[inline(always)]
+    fn score_with<const PV: usize>(&self, sketch: &HeadSketch<'_>) -> f32 {
+        let g = self.scales.len();
+        let pv = if PV == 0 { self.vecs.len() / g } else { PV };
+        let cb = pv * 4; // 8 codes of 4 bits per vector
+        let mut key = [i16x8::ZERO; MAX_PADDED_DIMS / 8];
+        let key = &mut key[..pv];
+        let mut best = [f32::NEG_INFINITY; kvtier_storage::geometry::MAX_HEADS as usize];
+        let best = &mut best[..g];
+        for (t, &ks) in sketch.scales.iter().enumerate() {
+            unpack_words(&sketch.codes[t * cb..(t + 1) * cb], key);
+            for (b, qh) in best.iter_mut().zip(self.vecs.chunks_exact(pv)) {
+                // Two accumulators: integer sums are exact in any order.
+                let (mut a0, mut a1) = (i32x4::ZERO, i32x4::ZERO);
+                let mut pairs = qh.chunks_exact(2).zip(key.chunks_exact(2));
+                for (q, k) in &mut pairs {
+                    a0 += q[0].dot(k[0]);
+                    a1 += q[1].dot(k[1]);
+                }
+                if pv % 2 == 1 {
+                    a0 += qh[pv - 1].dot(key[pv - 1]);
+                }
+                *b = b.max((a0 + a1).reduce_add() as f32 * ks);
+            }
+        }
+        let score = best
+            .iter()
+            .zip(&self.scales)
+            .fold(f32::NEG_INFINITY, |s, (b, qs)| s.max(b * qs));
+        score + 0.0
+    }
+}
+
+/// Largest padded head dim ([`padded_dims`] of `MAX_HEAD_DIM`).
+const MAX_PADDED_DIMS: usize = kvtier_storage::geometry::MAX_HEAD_DIM as usize;
+
+/// One key's codes as i16x8 vectors of consecutive elements: the word layout of
+/// [`kvtier_storage::sketch`] puts elements `j W + w` (`w` in eight consecutive words) in the
+/// same nibble of those words, so one shift pair extracts eight of them.
+#[inline(always)]
+fn unpack_words(codes: &[u8], out: &mut [i16x8]) {
+    let per_nibble = codes.len() / 16; // W / 8 vectors
+    for (v, chunk) in codes.chunks_exact(16).enumerate() {
+        let words: [i16; 8] =
+            std::array::from_fn(|i| i16::from_le_bytes([chunk[2 * i], chunk[2 * i + 1]]));
+        let x = i16x8::new(words);
+        // Nibble j to the top of each word, then an arithmetic shift: sign extension.
+        out[v] = (x << 12) >> 12;
+        out[per_nibble + v] = (x << 8) >> 12;
+        out[2 * per_nibble + v] = (x << 4) >> 12;
+        out[3 * per_nibble + v] = x >> 12;
+    }
+}
+
+/// Stage-1 score of one (block, kv-head) for the sketch selector: the largest over the block's
+/// quarters and the group's query heads of the key bound ([`bound_dot`]) on the quarter's
+/// bf16 bounds (widened exactly to f32).
+pub fn quarter_score(q_group: &[f32], quarters: &[u16], d: usize) -> f32 {
+    let mut bounds = [0f32; 2 * kvtier_storage::geometry::MAX_HEAD_DIM as usize];
+    let mut score = f32::NEG_INFINITY;
+    for qb in quarters.chunks_exact(2 * d) {
+        for (o, &b) in bounds.iter_mut().zip(qb) {
+            *o = f32::from_bits(u32::from(b) << 16);
+        }
+        let (hi, lo) = bounds[..2 * d].split_at(d);
+        score = score.max(block_score(q_group, hi, lo));
+    }
+    score
 }
 
 /// Checks a query's length and values against a geometry.
@@ -135,40 +289,93 @@ pub fn select_head(
         out.extend(0..blocks as u32);
         return;
     };
-    let gd = geo.group() * geo.head_dim as usize;
+    let d = geo.head_dim as usize;
+    let gd = geo.group() * d;
     let q_group = &q[kv_head * gd..(kv_head + 1) * gd];
     let k = policy.top_k as usize;
     let n = local_start - sink_end;
-    scratch.scores.clear();
-    scratch.scores.extend((sink_end..local_start).map(|b| {
-        let (hi, lo) = layer.bounds(b, kv_head);
-        block_score(q_group, hi, lo)
-    }));
-    scratch.order.clear();
-    scratch.order.extend(0..n as u32);
-    // Higher score first; on equal scores the lower block index. A total order, so the result
-    // does not depend on the selection algorithm's internal order.
-    let scores = &scratch.scores;
+    // `partition` returned ranges, so there are more distant candidates than k.
+    debug_assert!(k < n);
+    out.extend(0..sink_end as u32);
+    match policy.selector {
+        Selector::Bound => {
+            scratch.scores.clear();
+            scratch.scores.extend((sink_end..local_start).map(|b| {
+                let (hi, lo) = layer.bounds(b, kv_head);
+                block_score(q_group, hi, lo)
+            }));
+            scratch.order.clear();
+            scratch.order.extend(0..n as u32);
+            top_k_in_place(&scratch.scores, &mut scratch.order, k);
+            out.extend(
+                scratch
+                    .order
+                    .iter()
+                    .map(|&i| (sink_end + i as usize) as u32),
+            );
+        }
+        Selector::Sketch { candidates } => {
+            // Never fewer candidates than k: the top-k is never short of blocks.
+            let c = (candidates as usize).max(k);
+            let SelectScratch {
+                scores,
+                order,
+                query,
+            } = scratch;
+            let sketch = |b: usize| {
+                layer
+                    .sketch(b, kv_head)
+                    .expect("the sketch selector runs on caches with sketches (checked per entry)")
+            };
+            // Stage 1: the c best distant blocks by their quarter bounds (every block when c
+            // covers them), ascending in `order`.
+            order.clear();
+            order.extend(0..n as u32);
+            if c < n {
+                scores.clear();
+                scores.extend(
+                    (sink_end..local_start).map(|b| quarter_score(q_group, sketch(b).quarters, d)),
+                );
+                top_k_in_place(scores, order, c);
+            }
+            // Stage 2: the candidates ranked by their sketches.
+            query.set(q_group, d);
+            scores.clear();
+            scores.extend(
+                order
+                    .iter()
+                    .map(|&i| query.score(&sketch(sink_end + i as usize))),
+            );
+            let cands = std::mem::take(order);
+            order.extend(0..cands.len() as u32);
+            top_k_in_place(scores, order, k);
+            for j in order.iter_mut() {
+                *j = cands[*j as usize];
+            }
+            out.extend(order.iter().map(|&i| (sink_end + i as usize) as u32));
+        }
+    }
+    out.extend(local_start as u32..blocks as u32);
+}
+
+/// Keeps in `order` (positions into `scores`, ascending) the `k` best by score, ascending:
+/// higher score first, on equal scores the lower position. A total order, so the result does
+/// not depend on the selection algorithm's internal order.
+fn top_k_in_place(scores: &[f32], order: &mut Vec<u32>, k: usize) {
     let better = |a: &u32, b: &u32| -> Ordering {
         scores[*b as usize]
             .total_cmp(&scores[*a as usize])
             .then(a.cmp(b))
     };
-    // `partition` returned ranges, so there are more distant candidates than k.
-    debug_assert!(k < n);
-    if k > 0 {
-        scratch.order.select_nth_unstable_by(k - 1, better);
+    if k == 0 {
+        order.clear();
+        return;
     }
-    scratch.order.truncate(k);
-    scratch.order.sort_unstable();
-    out.extend(0..sink_end as u32);
-    out.extend(
-        scratch
-            .order
-            .iter()
-            .map(|&i| (sink_end + i as usize) as u32),
-    );
-    out.extend(local_start as u32..blocks as u32);
+    if k < order.len() {
+        order.select_nth_unstable_by(k - 1, better);
+        order.truncate(k);
+    }
+    order.sort_unstable();
 }
 
 /// Selects the keep-set of every kv-head of a layer.
@@ -180,6 +387,9 @@ pub fn select(
     out: &mut KeepSet,
 ) -> Result<()> {
     check_query(layer.geometry(), q)?;
+    if policy.selector.needs_sketches() && !layer.has_sketches() {
+        return Err(KernelError::NoSketches);
+    }
     out.clear();
     let mut head = Vec::new();
     for h in 0..layer.geometry().kv_heads as usize {

@@ -125,29 +125,30 @@ fn sparse_equals_dense_masked_to_the_keep_set() {
             let mut rng = Rng::new(gi as u64 * 1000 + n as u64);
             let mut f = fixture(g, n, rng.next_u64());
             let q = query(&g, &mut rng);
-            let policy = Policy {
-                sink_blocks: 1,
-                local_blocks: 2,
-                top_k: k,
-            };
-            let (out, stats) = step(&mut f, policy, &q, &mut rng);
-            let want = reference_attention(
-                &g,
-                &q,
-                &f.k,
-                &f.v,
-                in_keep(stats.keep.as_ref().unwrap(), g.block_tokens),
-            );
-            let err = max_rel_err(&out, &want);
-            assert!(err <= tolerance(g.dtype), "{g:?} n={n}: rel err {err}");
-            let blocks = g.blocks_for(n as u64 + 1);
-            let expect = (policy.budget()).min(blocks) as usize * g.kv_heads as usize;
-            assert_eq!(
-                stats.keep.as_ref().unwrap().tiles(),
-                expect,
-                "{g:?} n={n}: keep-set size"
-            );
-            assert_eq!(stats.blocks_total as u64, blocks);
+            // Each step appends a token: the sketch step sees one more than the bound's.
+            for policy in [Policy::bound(1, 2, k), Policy::sketch(1, 2, k, 2)] {
+                let (out, stats) = step(&mut f, policy, &q, &mut rng);
+                let want = reference_attention(
+                    &g,
+                    &q,
+                    &f.k,
+                    &f.v,
+                    in_keep(stats.keep.as_ref().unwrap(), g.block_tokens),
+                );
+                let err = max_rel_err(&out, &want);
+                assert!(
+                    err <= tolerance(g.dtype),
+                    "{g:?} n={n} {policy:?}: rel err {err}"
+                );
+                let blocks = g.blocks_for(f.k.len() as u64 / (g.kv_heads * g.head_dim) as u64);
+                let expect = (policy.budget()).min(blocks) as usize * g.kv_heads as usize;
+                assert_eq!(
+                    stats.keep.as_ref().unwrap().tiles(),
+                    expect,
+                    "{g:?} n={n}: keep-set size"
+                );
+                assert_eq!(stats.blocks_total as u64, blocks);
+            }
         }
     }
 }
@@ -159,11 +160,7 @@ fn covering_every_block_equals_full_dense_attention() {
         let n = 3 * g.block_tokens as usize + 7;
         let mut f = fixture(g, n, rng.next_u64());
         let q: Vec<f32> = query(&g, &mut rng).iter().map(|x| 2.0 * x).collect();
-        let dense = Policy {
-            sink_blocks: 0,
-            local_blocks: 1,
-            top_k: 1 << 20,
-        };
+        let dense = Policy::bound(0, 1, 1 << 20);
         let (out, stats) = step(&mut f, dense, &q, &mut rng);
         let blocks = g.blocks_for(n as u64 + 1) as usize;
         assert_eq!(stats.keep, Some(KeepSet::all(g.kv_heads as usize, blocks)));
@@ -175,12 +172,13 @@ fn covering_every_block_equals_full_dense_attention() {
 
 #[test]
 fn a_batch_equals_its_entries_decoded_alone() {
+    for policy in [Policy::bound(1, 1, 2), Policy::sketch(1, 1, 2, 3)] {
+        batch_equals_entries_alone(policy);
+    }
+}
+
+fn batch_equals_entries_alone(policy: Policy) {
     let gs = geometries();
-    let policy = Policy {
-        sink_blocks: 1,
-        local_blocks: 1,
-        top_k: 2,
-    };
     let mut rng = Rng::new(5);
     let mut alone = Vec::new();
     let mut batch_fix = Vec::new();
@@ -217,11 +215,7 @@ fn a_batch_equals_its_entries_decoded_alone() {
 #[test]
 fn short_contexts_select_everything_and_ties_prefer_lower_blocks() {
     let g = tiny(4);
-    let policy = Policy {
-        sink_blocks: 1,
-        local_blocks: 1,
-        top_k: 2,
-    };
+    let policy = Policy::bound(1, 1, 2);
     let mut kv = KvCache::new(g, arena(4096, 64)).unwrap();
     // 16 identical keys -> 4 blocks with identical bounds: everything ties.
     let same = g.dtype.encode_vec(&[0.5f32; 8].repeat(16));
@@ -384,28 +378,25 @@ fn a_planted_needle_is_always_selected() {
             &[g.dtype.encode_vec(&k), g.dtype.encode_vec(&v)].concat(),
         )
         .unwrap();
-        let policy = Policy {
-            sink_blocks: 1,
-            local_blocks: 4,
-            top_k: 1,
-        };
-        let mut keep = Vec::new();
         let layer = kv.layer(0).unwrap();
-        select_head(
-            &q,
-            &layer,
-            layer.blocks(),
-            &policy,
-            head,
-            &mut SelectScratch::default(),
-            &mut keep,
-        );
-        let needle = (t / g.block_tokens as usize) as u32;
-        assert!(
-            keep.contains(&needle),
-            "seed {seed}: needle block {needle} not in {keep:?}"
-        );
-        assert_eq!(keep.len(), 6);
+        for policy in [Policy::bound(1, 4, 1), Policy::sketch(1, 4, 1, 2)] {
+            let mut keep = Vec::new();
+            select_head(
+                &q,
+                &layer,
+                layer.blocks(),
+                &policy,
+                head,
+                &mut SelectScratch::default(),
+                &mut keep,
+            );
+            let needle = (t / g.block_tokens as usize) as u32;
+            assert!(
+                keep.contains(&needle),
+                "seed {seed} {policy:?}: needle block {needle} not in {keep:?}"
+            );
+            assert_eq!(keep.len(), 6);
+        }
     }
 }
 
@@ -438,9 +429,9 @@ proptest! {
     /// Building a session in one append or token by token (each token decoded) gives
     /// bit-identical selections and outputs for the next step.
     #[test]
-    fn append_batching_does_not_change_decode(seed in any::<u64>(), n in 2usize..90, k in 0u32..4) {
+    fn append_batching_does_not_change_decode(seed in any::<u64>(), n in 2usize..90, k in 0u32..4, sketch in any::<bool>()) {
         let g = Geometry { layers: 1, q_heads: 4, kv_heads: 2, head_dim: 16, dtype: DType::Bf16, block_tokens: 4 };
-        let policy = Policy { sink_blocks: 1, local_blocks: 1, top_k: k };
+        let policy = if sketch { Policy::sketch(1, 1, k, 2) } else { Policy::bound(1, 1, k) };
         let mut rng = Rng::new(seed);
         let ks: Vec<Vec<u8>> = (0..n).map(|_| rows(&g, 1, &mut rng)).collect();
         let vs: Vec<Vec<u8>> = (0..n).map(|_| rows(&g, 1, &mut rng)).collect();

@@ -68,11 +68,7 @@ fn other_geometries_and_dtypes() {
     let cases = [
         (
             geom(8, 8, 64, 16, DType::F16),
-            Policy {
-                sink_blocks: 2,
-                local_blocks: 3,
-                top_k: 4,
-            },
+            Policy::bound(2, 3, 4),
             SummaryDtype::F32,
         ),
         (geom(16, 2, 128, 32, DType::F32), POLICY, SummaryDtype::F32),
@@ -83,11 +79,7 @@ fn other_geometries_and_dtypes() {
         ),
         (
             geom(32, 8, 32, 16, DType::F32),
-            Policy {
-                sink_blocks: 0,
-                local_blocks: 1,
-                top_k: 3,
-            },
+            Policy::bound(0, 1, 3),
             SummaryDtype::Bf16Outward,
         ),
         (
@@ -162,11 +154,7 @@ fn dense_mode_is_plain_attention() {
     if !gpu() {
         return;
     }
-    let p = Policy {
-        sink_blocks: 1,
-        local_blocks: 2,
-        top_k: 40,
-    };
+    let p = Policy::bound(1, 2, 40);
     let cfg = CudaConfig::new(
         geom(28, 4, 128, 32, DType::Bf16),
         p,

@@ -6,11 +6,7 @@ use kvtier_kernels::cuda::{compile_check, AttentionMath, CudaConfig, CudaError, 
 use kvtier_storage::{DType, Geometry, Policy};
 
 fn cfg(hq: u32, hkv: u32, d: u32, b: u32, dtype: DType, sum: SummaryDtype) -> CudaConfig {
-    let policy = Policy {
-        sink_blocks: 1,
-        local_blocks: 2,
-        top_k: 5,
-    };
+    let policy = Policy::bound(1, 2, 5);
     CudaConfig::new(Geometry::new(2, hq, hkv, d, dtype, b), policy, 64, 4, sum)
 }
 
@@ -25,13 +21,23 @@ fn kernels_compile_for_supported_geometries() {
         cfg(32, 8, 32, 16, DType::F32, SummaryDtype::Bf16Outward),
         // top_k > 32: the radix select over every score instead of the list merge.
         CudaConfig {
-            policy: Policy {
-                sink_blocks: 1,
-                local_blocks: 2,
-                top_k: 40,
-            },
+            policy: Policy::bound(1, 2, 40),
             cache_slots: 48,
             ..cfg(28, 4, 128, 128, DType::Bf16, SummaryDtype::F32)
+        },
+        // The sketch selector: quarter records in the scorer, the rerank of its candidates.
+        CudaConfig {
+            policy: Policy::sketch(1, 4, 8, 32),
+            cache_slots: 26,
+            ..cfg(28, 4, 128, 128, DType::Bf16, SummaryDtype::F32)
+        },
+        CudaConfig {
+            policy: Policy::sketch(1, 2, 5, 12),
+            ..cfg(4, 1, 256, 64, DType::Bf16, SummaryDtype::F32)
+        },
+        CudaConfig {
+            policy: Policy::sketch(2, 3, 4, 4),
+            ..cfg(8, 8, 64, 16, DType::F16, SummaryDtype::F32)
         },
         // The fp32 attention path for a geometry that would take tensor cores.
         CudaConfig {
@@ -51,6 +57,7 @@ fn kernels_compile_for_supported_geometries() {
                     "plan_fixed",
                     "select_score",
                     "select_topk",
+                    "select_rerank",
                     "attend_tile",
                     "attend_merge",
                 ] {

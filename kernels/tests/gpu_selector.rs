@@ -9,7 +9,7 @@
 mod gpu_common;
 
 use gpu_common::{check_layer, geom, gpu, Harness, KeyGen, POLICY};
-use kvtier_kernels::cuda::{CudaConfig, SummaryDtype};
+use kvtier_kernels::cuda::{CudaConfig, LaunchMode, SummaryDtype};
 use kvtier_storage::{DType, Policy};
 
 /// Many exactly equal scores: the lower block index must win, as on the CPU.
@@ -43,11 +43,7 @@ fn selector_long_layers_match_cpu() {
         return;
     }
     for (top_k, templates) in [(32, 0), (32, 7), (31, 3), (33, 0), (48, 5)] {
-        let policy = Policy {
-            sink_blocks: 2,
-            local_blocks: 3,
-            top_k,
-        };
+        let policy = Policy::bound(2, 3, top_k);
         let cfg = CudaConfig::new(
             geom(28, 4, 128, 16, DType::Bf16),
             policy,
@@ -75,11 +71,7 @@ fn selector_large_context_exact() {
     if !gpu() {
         return;
     }
-    let p = Policy {
-        sink_blocks: 1,
-        local_blocks: 4,
-        top_k: 32,
-    };
+    let p = Policy::bound(1, 4, 32);
     for (templates, sd) in [
         (0, SummaryDtype::F32),
         (7, SummaryDtype::F32),
@@ -103,11 +95,7 @@ fn selector_max_blocks_list_merge_exact() {
         return;
     }
     for (top_k, templates) in [(32, 0), (32, 5), (8, 3)] {
-        let p = Policy {
-            sink_blocks: 1,
-            local_blocks: 4,
-            top_k,
-        };
+        let p = Policy::bound(1, 4, top_k);
         let cfg = CudaConfig::new(
             geom(4, 1, 32, 16, DType::Bf16),
             p,
@@ -123,4 +111,103 @@ fn selector_max_blocks_list_merge_exact() {
             templates,
         );
     }
+}
+
+/// The sketch selector on the device (quarter bounds in the scorer, the candidates reranked by
+/// their key sketches) equals the CPU's keep-sets exactly, fused and split, for several
+/// geometries, candidate counts (fewer than k: taken as k) and tied quarter bounds (templates),
+/// and a batch of a long and a short session.
+#[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
+fn sketch_selector_matches_cpu() {
+    if !gpu() {
+        return;
+    }
+    let cases = [
+        (
+            geom(28, 4, 128, 16, DType::Bf16),
+            Policy::sketch(1, 4, 8, 32),
+            0,
+        ),
+        (
+            geom(28, 4, 128, 16, DType::Bf16),
+            Policy::sketch(1, 4, 8, 8),
+            5,
+        ),
+        (
+            geom(28, 4, 128, 16, DType::Bf16),
+            Policy::sketch(2, 3, 5, 3),
+            0,
+        ),
+        (
+            geom(4, 1, 256, 64, DType::Bf16),
+            Policy::sketch(1, 4, 8, 16),
+            0,
+        ),
+        (
+            geom(8, 8, 64, 16, DType::F16),
+            Policy::sketch(1, 2, 4, 20),
+            3,
+        ),
+        (
+            geom(16, 2, 64, 16, DType::F32),
+            Policy::sketch(1, 2, 32, 32),
+            0,
+        ),
+    ];
+    for (i, (g, policy, templates)) in cases.into_iter().enumerate() {
+        for mode in [LaunchMode::Fused, LaunchMode::Split] {
+            let cfg = CudaConfig::new(g, policy, 300, 2, SummaryDtype::F32);
+            let mut h = Harness::new(cfg, 90 + i as u64);
+            h.be.set_launch_mode(mode);
+            let bt = g.block_tokens;
+            let a = h.add_session(300 * bt, KeyGen { templates });
+            let b = h.add_session(57 * bt + 5, KeyGen { templates });
+            check_layer(&mut h, 0, &[a, b]);
+            check_layer(&mut h, 1, &[b, a]);
+            // Appends grow the tail: its sketch is uploaded again, and selection follows.
+            h.append(b, bt + 3);
+            check_layer(&mut h, 0, &[b]);
+        }
+    }
+}
+
+/// The sketch selector over the largest context of the list merge (32,768 blocks: four
+/// quarter records each), exactly the CPU's.
+#[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
+fn sketch_selector_max_blocks_exact() {
+    if !gpu() {
+        return;
+    }
+    let cfg = CudaConfig::new(
+        geom(4, 1, 32, 16, DType::Bf16),
+        Policy::sketch(1, 4, 8, 32),
+        32_768,
+        2,
+        SummaryDtype::F32,
+    );
+    check_two_sessions(cfg, 97, 32_768 * 16, 9_000 * 16 + 7, 0);
+}
+
+/// Configurations the device's sketch selector does not take are typed errors.
+#[test]
+fn sketch_configs_the_device_refuses() {
+    let g = geom(28, 4, 128, 16, DType::Bf16);
+    let e = CudaConfig::new(g, Policy::sketch(1, 4, 8, 33), 64, 1, SummaryDtype::F32)
+        .validate()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("at most 32 candidates"), "{e}");
+    let e = CudaConfig::new(
+        geom(28, 4, 128, 2, DType::Bf16),
+        Policy::sketch(1, 4, 8, 8),
+        64,
+        1,
+        SummaryDtype::F32,
+    )
+    .validate()
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("at least 4 tokens"), "{e}");
 }

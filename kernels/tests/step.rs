@@ -16,11 +16,7 @@ use kvtier_storage::{
 /// One (layer, block) run fills a 4 KiB frame.
 const GEO: Geometry = kvtier_tests::session::SMALL_GEOMETRY;
 
-const POLICY: Policy = Policy {
-    sink_blocks: 1,
-    local_blocks: 2,
-    top_k: 3,
-};
+const POLICY: Policy = Policy::bound(1, 2, 3);
 
 fn arena() -> HostArena {
     HostArena::new(&ArenaOptions::new(16 << 20, 4096)).unwrap()

@@ -208,6 +208,24 @@ impl std::str::FromStr for DType {
     }
 }
 
+/// Rounds an fp32 bound to bf16 bits away from the interior: `up` rounds toward +inf (for
+/// k_max), otherwise toward -inf (for k_min). Finite inputs only.
+pub fn bf16_outward(x: f32, up: bool) -> u16 {
+    let bits = x.to_bits();
+    let trunc = (bits >> 16) as u16; // rounds toward zero
+    if bits & 0xffff == 0 {
+        return trunc;
+    }
+    let negative = bits >> 31 == 1;
+    // Toward zero is toward -inf for positives and toward +inf for negatives.
+    let away = up != negative;
+    if away {
+        trunc + 1
+    } else {
+        trunc
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -273,5 +291,26 @@ mod tests {
             }
             xs[2] = 3.0;
         }
+    }
+
+    #[test]
+    fn bf16_outward_rounding_brackets_the_value() {
+        let mut x = 0x1234_5678u32;
+        for _ in 0..100_000 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            let f = f32::from_bits(x);
+            if !f.is_finite() || f.abs() > 1e38 {
+                continue;
+            }
+            let hi = f32::from_bits((bf16_outward(f, true) as u32) << 16);
+            let lo = f32::from_bits((bf16_outward(f, false) as u32) << 16);
+            assert!(hi >= f && lo <= f, "{f} -> [{lo}, {hi}]");
+            // One bf16 ulp apart at most.
+            assert!(bf16_outward(f, true).abs_diff(bf16_outward(f, false)) <= 1 || f == 0.0);
+        }
+        assert_eq!(bf16_outward(1.0, true), 0x3f80);
+        assert_eq!(bf16_outward(-1.0, false), 0xbf80);
     }
 }

@@ -162,22 +162,93 @@ impl Geometry {
     }
 }
 
-/// Which blocks a decode step keeps: sink blocks, the local window, and the top-k distant blocks.
+/// How a decode step ranks a kv head's distant blocks to pick the top-k.
+///
+/// Both rules read only what lives beside the blocks in RAM (summaries, sketches), never the
+/// blocks themselves, so selection never waits for a colder tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize),
+    serde(tag = "kind", rename_all = "lowercase")
+)]
+pub enum Selector {
+    /// Quest-style key bounds: a block's score is the largest, over the group's query heads,
+    /// of an upper bound on its keys' logits from the element-wise max and min of its keys.
+    /// Cheap (one summary per block) but loose on varied text: kept for comparison and for
+    /// sessions created before the sketch selector.
+    Bound,
+    /// Two stages: each query head of the group names its `max(candidates, top_k)` best
+    /// distant blocks by its own key bound; their union is ranked by per-token int4 key
+    /// sketches (a block's score is its best sketched logit over its tokens and the group's
+    /// heads), and the top-k of that ranking are kept. `candidates` at least the number of
+    /// distant blocks scores every block's sketch.
+    Sketch { candidates: u32 },
+}
+
+impl Selector {
+    /// Wire and manifest code: 0 bound, 1 sketch.
+    pub fn code(&self) -> u32 {
+        match self {
+            Selector::Bound => 0,
+            Selector::Sketch { .. } => 1,
+        }
+    }
+
+    /// The selector of a wire or manifest code and its candidate count (ignored for the
+    /// bound); `None` for an unknown code.
+    pub fn from_code(code: u32, candidates: u32) -> Option<Selector> {
+        match code {
+            0 => Some(Selector::Bound),
+            1 => Some(Selector::Sketch { candidates }),
+            _ => None,
+        }
+    }
+
+    /// The candidate count on the wire and in the manifest (0 for the bound).
+    pub const fn candidates(&self) -> u32 {
+        match self {
+            Selector::Bound => 0,
+            Selector::Sketch { candidates } => *candidates,
+        }
+    }
+
+    /// Whether sessions under this selector keep per-token key sketches.
+    pub fn needs_sketches(&self) -> bool {
+        matches!(self, Selector::Sketch { .. })
+    }
+}
+
+/// Candidates per query head of the default sketch selector (see [`Selector::Sketch`]).
+pub const DEFAULT_CANDIDATES: u32 = 32;
+
+impl Default for Selector {
+    fn default() -> Self {
+        Selector::Sketch {
+            candidates: DEFAULT_CANDIDATES,
+        }
+    }
+}
+
+/// Which blocks a decode step keeps: sink blocks, the local window, and the top-k distant blocks
+/// as ranked by the selector.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct Policy {
     pub sink_blocks: u32,
     pub local_blocks: u32,
     pub top_k: u32,
+    pub selector: Selector,
 }
 
 impl Default for Policy {
-    /// The design brief's assured budget: 1 sink, 4 local, top-32 distant.
+    /// 1 sink, 4 local, top-32 distant, ranked by the sketch selector.
     fn default() -> Self {
         Policy {
             sink_blocks: 1,
             local_blocks: 4,
             top_k: 32,
+            selector: Selector::default(),
         }
     }
 }
@@ -186,11 +257,37 @@ impl Default for Policy {
 pub const MAX_POLICY_BLOCKS: u32 = 1 << 20;
 
 impl Policy {
+    /// The policy with the old bound selector (the rule before sketches).
+    pub const fn bound(sink_blocks: u32, local_blocks: u32, top_k: u32) -> Policy {
+        Policy {
+            sink_blocks,
+            local_blocks,
+            top_k,
+            selector: Selector::Bound,
+        }
+    }
+
+    /// The policy with the sketch selector and `candidates` per query head.
+    pub const fn sketch(
+        sink_blocks: u32,
+        local_blocks: u32,
+        top_k: u32,
+        candidates: u32,
+    ) -> Policy {
+        Policy {
+            sink_blocks,
+            local_blocks,
+            top_k,
+            selector: Selector::Sketch { candidates },
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
         for (field, v) in [
             ("sink_blocks", self.sink_blocks),
             ("local_blocks", self.local_blocks),
             ("top_k", self.top_k),
+            ("candidates", self.selector.candidates()),
         ] {
             if v > MAX_POLICY_BLOCKS {
                 return Err(ModelError::InvalidPolicy {
@@ -263,5 +360,19 @@ mod tests {
             .to_string()
             .contains("local_blocks"));
         Policy::default().validate().unwrap();
+    }
+
+    #[test]
+    fn sketch_policies_validate_their_candidates() {
+        Policy::sketch(1, 4, 8, 0).validate().unwrap();
+        Policy::bound(1, 4, 8).validate().unwrap();
+        let e = Policy::sketch(1, 4, 8, MAX_POLICY_BLOCKS + 1)
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("candidates"), "{e}");
+        for s in [Selector::Bound, Selector::Sketch { candidates: 9 }] {
+            assert_eq!(Selector::from_code(s.code(), s.candidates()), Some(s));
+        }
+        assert_eq!(Selector::from_code(2, 0), None);
     }
 }

@@ -76,6 +76,8 @@ pub enum ProtoError {
     BadFlagBits { what: &'static str, value: u8 },
     #[error("unknown dtype {value} (0 bf16, 1 f16, 2 f32)")]
     BadDtype { value: u8 },
+    #[error("unknown selector {value} (0 bound, 1 sketch)")]
+    BadSelector { value: u32 },
     #[error("unknown error code {code}")]
     UnknownErrorCode { code: u16 },
     #[error("{what}: length arithmetic overflows")]

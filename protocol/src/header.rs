@@ -7,7 +7,7 @@ pub const MAGIC: u32 = 0x3154_564B;
 /// Size of every frame header.
 pub const HEADER_LEN: usize = 24;
 /// The protocol version this crate speaks.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Set on a request opcode to form its success reply opcode.
 pub const REPLY_BIT: u16 = 0x8000;
 /// Opcode of every error reply.

@@ -78,6 +78,6 @@ pub use request::{
 pub use response::{DecodeOutput, DecodeReply, ErrorReply, HelloReply, Response, StatsReply};
 pub use types::{
     dtype_from_wire, stats_keys, DType, DecodeStats, Geometry, LeaseLayer, LeaseReply, Policy,
-    ReserveReply, SessionInfo,
+    ReserveReply, Selector, SessionInfo,
 };
 pub use wire::{f32_le_bytes, f32s_le, read_f32s_into};

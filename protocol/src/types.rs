@@ -3,13 +3,14 @@
 use crate::error::ProtoError;
 use crate::wire::{put_len, put_str, put_u32, put_u64, put_u8, Reader};
 
-pub use kvtier_model::{DType, Geometry, Policy};
+pub use kvtier_model::{DType, Geometry, Policy, Selector};
 
 /// Wire length of a geometry: layers u32, q_heads u32, kv_heads u32, head_dim u32, dtype u8,
 /// block_tokens u32.
 pub const GEOMETRY_WIRE_LEN: usize = 21;
-/// Wire length of a policy: sink_blocks u32, local_blocks u32, top_k u32.
-pub const POLICY_WIRE_LEN: usize = 12;
+/// Wire length of a policy: sink_blocks u32, local_blocks u32, top_k u32, selector u32,
+/// candidates u32.
+pub const POLICY_WIRE_LEN: usize = 20;
 
 /// The element type of a wire code (0 bf16, 1 f16, 2 f32); queries and outputs are always f32.
 pub fn dtype_from_wire(value: u8) -> Result<DType, ProtoError> {
@@ -40,6 +41,8 @@ pub(crate) fn put_policy(p: &Policy, buf: &mut Vec<u8>) {
     put_u32(buf, p.sink_blocks);
     put_u32(buf, p.local_blocks);
     put_u32(buf, p.top_k);
+    put_u32(buf, p.selector.code());
+    put_u32(buf, p.selector.candidates());
 }
 
 pub(crate) fn get_policy(r: &mut Reader<'_>) -> Result<Policy, ProtoError> {
@@ -47,6 +50,10 @@ pub(crate) fn get_policy(r: &mut Reader<'_>) -> Result<Policy, ProtoError> {
         sink_blocks: r.u32("policy.sink_blocks")?,
         local_blocks: r.u32("policy.local_blocks")?,
         top_k: r.u32("policy.top_k")?,
+        selector: {
+            let (code, candidates) = (r.u32("policy.selector")?, r.u32("policy.candidates")?);
+            Selector::from_code(code, candidates).ok_or(ProtoError::BadSelector { value: code })?
+        },
     })
 }
 

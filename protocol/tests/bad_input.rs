@@ -151,6 +151,16 @@ fn bad_dtype() {
 }
 
 #[test]
+fn bad_selector() {
+    let mut body = create_body();
+    // Geometry (21 bytes), then sink, local, top_k, selector (u32 each).
+    body[21 + 12..21 + 16].copy_from_slice(&2u32.to_le_bytes());
+    let err = req(Opcode::CreateSession, 0, &body).unwrap_err();
+    assert_eq!(err, ProtoError::BadSelector { value: 2 });
+    assert_eq!(err.error_code(), ErrorCode::InvalidArgument);
+}
+
+#[test]
 fn invalid_utf8_label() {
     let mut body = create_body();
     let n = body.len();

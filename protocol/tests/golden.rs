@@ -68,11 +68,11 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         "hello_request",
         1,
         Request::Hello(HelloRequest {
-            min_version: 1,
-            max_version: 1,
+            min_version: 2,
+            max_version: 2,
             client_name: "kvtier-golden".into(),
         }),
-        "HELLO request, id 1: min_version 1, max_version 1, client_name \"kvtier-golden\"",
+        "HELLO request, id 1: min_version 2, max_version 2, client_name \"kvtier-golden\"",
     );
     req(
         "create_session_request",
@@ -83,7 +83,7 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
             label: "golden".into(),
         }),
         "CREATE_SESSION request, id 2: layers 2, q_heads 4, kv_heads 2, head_dim 4, bf16, \
-         block_tokens 16; sink 1, local 4, top_k 32; label \"golden\"",
+         block_tokens 16; sink 1, local 4, top_k 32, sketch selector (1) with 32 candidates; label \"golden\"",
     );
     // 2 layers x (K then V) x 1 token x 2 kv heads x 4 dims = 32 bf16 values: i * 0.25.
     let payload = bf16_bytes((0..32).map(|i| i as f32 * 0.25));
@@ -180,12 +180,12 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         "hello_reply",
         1,
         Response::Hello(HelloReply {
-            version: 1,
+            version: 2,
             max_frame_bytes: 16 << 20,
             server_name: "tierd".into(),
             server_version: "0.1.0".into(),
         }),
-        "HELLO reply, id 1: version 1, max_frame_bytes 16777216, server \"tierd\" \"0.1.0\"",
+        "HELLO reply, id 1: version 2, max_frame_bytes 16777216, server \"tierd\" \"0.1.0\"",
     );
     resp(
         "create_session_reply",
@@ -365,7 +365,7 @@ fn hello_request_bytes_by_hand() {
     want.extend_from_slice(&21u32.to_le_bytes()); // 2 + 2 + 4 + 13
     want.extend_from_slice(&1u64.to_le_bytes());
     want.extend_from_slice(&[0x01, 0x00, 0x00, 0x00, 0, 0, 0, 0]);
-    want.extend_from_slice(&[1, 0, 1, 0, 13, 0, 0, 0]);
+    want.extend_from_slice(&[2, 0, 2, 0, 13, 0, 0, 0]);
     want.extend_from_slice(b"kvtier-golden");
     assert_eq!(frame, want);
 }

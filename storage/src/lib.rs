@@ -7,6 +7,8 @@
 //! - [`arena`]: [`HostArena`], variable-size block-run extents in one anonymous mapping (the
 //!   host tier), carved by [`extents`].
 //! - [`kv`]: [`KvCache`], one session's per-layer block tables and incremental block summaries.
+//! - [`sketch`]: per-token int4 key sketches, kept beside the summaries for the sketch
+//!   selector.
 //! - `par`: the scoped-thread fan-out of the bulk paths (page store batches, block restores;
 //!   [`zip_mut`] also serves the engine's bulk bounds).
 //! - [`nvme`]: the NVMe tier: io engines (io_uring, pread), checksummed page store, crash-safe
@@ -22,10 +24,11 @@ pub mod extents;
 pub mod kv;
 pub mod nvme;
 mod par;
+pub mod sketch;
 pub mod testing;
 
 pub use arena::{ArenaOptions, ArenaUsage, Frame, HostArena, HostQuota};
 pub use error::{Result, StorageError};
 pub use kv::{in_place_row, ColdSource, InPlaceAppend, KvCache, LayerView, StoredBlock};
-pub use kvtier_model::{dtype, geometry, DType, Geometry, ModelError, Policy};
+pub use kvtier_model::{dtype, geometry, DType, Geometry, ModelError, Policy, Selector};
 pub use par::{default_workers, zip_mut};

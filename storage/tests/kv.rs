@@ -2,7 +2,7 @@
 
 use kvtier_storage::testing::Rng;
 use kvtier_storage::testing::SavedRuns;
-use kvtier_storage::{ArenaOptions, DType, Geometry, HostArena, KvCache, StorageError};
+use kvtier_storage::{ArenaOptions, DType, Geometry, HostArena, KvCache, LayerView, StorageError};
 use kvtier_tests::kv::{layer_rows, payload, rows, sub_payload};
 use proptest::prelude::*;
 
@@ -28,6 +28,20 @@ fn cache(g: Geometry, a: &HostArena, n: usize, seed: u64) -> KvCache {
     kv
 }
 
+/// A layer's bounds and key sketches (codes and scales), as bits: what selection reads.
+fn summary_bits(v: &LayerView<'_>) -> Vec<u32> {
+    let mut bits: Vec<u32> = v.summaries().iter().map(|x| x.to_bits()).collect();
+    for b in 0..v.blocks() {
+        for h in 0..v.geometry().kv_heads as usize {
+            let s = v.sketch(b, h).expect("the caches here keep sketches");
+            bits.extend(s.codes.iter().map(|&c| u32::from(c)));
+            bits.extend(s.scales.iter().map(|x| x.to_bits()));
+            bits.extend(s.quarters.iter().map(|&x| u32::from(x)));
+        }
+    }
+    bits
+}
+
 fn snapshot(kv: &KvCache) -> Vec<(u64, Vec<u8>, Vec<u32>)> {
     (0..kv.geometry().layers)
         .map(|l| {
@@ -35,7 +49,7 @@ fn snapshot(kv: &KvCache) -> Vec<(u64, Vec<u8>, Vec<u32>)> {
             let bytes = (0..v.blocks())
                 .flat_map(|b| v.block_run(b).to_vec())
                 .collect();
-            let sums = v.summaries().iter().map(|x| x.to_bits()).collect();
+            let sums = summary_bits(&v);
             (v.tokens(), bytes, sums)
         })
         .collect()
@@ -98,6 +112,89 @@ fn bounds_are_exact_max_and_min_of_stored_keys() {
                 }
             }
         }
+    }
+}
+
+/// Each stored key's sketch is that key quantized and each quarter's bounds bracket its keys
+/// one bf16 step out at most (an independent scalar recomputation of the documented rules);
+/// rows past the tail's tokens are zero; a cache made without sketches has none.
+#[test]
+fn sketches_are_the_stored_keys_quantized_and_zero_past_the_tail() {
+    for dtype in [DType::Bf16, DType::F16, DType::F32] {
+        let g = geo(dtype, 8);
+        let kv = cache(g, &arena(16), 21, 7);
+        let v = kv.layer(0).unwrap();
+        let d = g.head_dim as usize;
+        let w = d.next_multiple_of(32) / 4;
+        let widen = |x: u16| f32::from_bits(u32::from(x) << 16);
+        for b in 0..v.blocks() {
+            for h in 0..g.kv_heads as usize {
+                let (kt, _) = v.tile(b, h);
+                let keys = dtype.decode_vec(kt);
+                let s = v.sketch(b, h).unwrap();
+                for (t, key) in keys.chunks(d).enumerate() {
+                    let row = &s.codes[t * 2 * w..(t + 1) * 2 * w];
+                    if t >= v.valid_tokens(b) {
+                        assert_eq!((s.scales[t], row.iter().all(|&c| c == 0)), (0.0, true));
+                        continue;
+                    }
+                    let amax = key.iter().map(|x| x.abs()).fold(0.0f32, f32::max);
+                    assert_eq!(s.scales[t], amax / 7.0);
+                    for (e, x) in key.iter().enumerate() {
+                        let want = (x / s.scales[t]).round_ties_even().clamp(-7.0, 7.0) as i8;
+                        let word = u16::from_le_bytes([row[2 * (e % w)], row[2 * (e % w) + 1]]);
+                        let nib = ((word >> (4 * (e / w))) & 0xf) as u8;
+                        assert_eq!(
+                            ((nib << 4) as i8) >> 4,
+                            want,
+                            "block {b} head {h} token {t} dim {e}"
+                        );
+                    }
+                    // Quarters of 2 tokens (B = 8).
+                    let qb = &s.quarters[(t / 2) * 2 * d..(t / 2 + 1) * 2 * d];
+                    for (e, x) in key.iter().enumerate() {
+                        let (hi, lo) = (widen(qb[e]), widen(qb[d + e]));
+                        assert!(hi >= *x && lo <= *x, "block {b} head {h} token {t} dim {e}");
+                    }
+                }
+                // Each quarter's bounds are its keys' max and min, rounded outward.
+                for (j, qb) in s.quarters.chunks(2 * d).enumerate() {
+                    let rows: Vec<&[f32]> = keys
+                        .chunks(d)
+                        .take(v.valid_tokens(b))
+                        .skip(2 * j)
+                        .take(2)
+                        .collect();
+                    for e in 0..d {
+                        let (hi, lo) = if rows.is_empty() {
+                            (f32::NEG_INFINITY, f32::INFINITY)
+                        } else {
+                            let col = rows.iter().map(|r| r[e]);
+                            (
+                                widen(kvtier_storage::dtype::bf16_outward(
+                                    col.clone().fold(f32::MIN, f32::max),
+                                    true,
+                                )),
+                                widen(kvtier_storage::dtype::bf16_outward(
+                                    col.fold(f32::MAX, f32::min),
+                                    false,
+                                )),
+                            )
+                        };
+                        assert_eq!(
+                            (widen(qb[e]), widen(qb[d + e])),
+                            (hi, lo),
+                            "block {b} quarter {j} dim {e}"
+                        );
+                    }
+                }
+            }
+        }
+        let bare = KvCache::new_with(g, arena(16), false).unwrap();
+        assert!(!bare.has_sketches() && bare.sketch_bytes() == 0);
+        assert!(kv.has_sketches());
+        let per_block = g.kv_heads as usize * (8 * (2 * w + 4) + 4 * 2 * d * 2);
+        assert_eq!(kv.sketch_bytes(), g.layers as usize * 3 * per_block);
     }
 }
 
@@ -358,7 +455,7 @@ fn full_state(kv: &KvCache) -> FullState {
             let frames = (0..v.blocks())
                 .map(|b| v.frame(b).map(|f| f.as_slice().to_vec()))
                 .collect();
-            let sums = v.summaries().iter().map(|x| x.to_bits()).collect();
+            let sums = summary_bits(&v);
             (v.tokens(), sums, frames)
         })
         .collect()
@@ -468,8 +565,8 @@ proptest! {
         prop_assert_eq!(a.usage(), b.usage());
         for l in 0..g.layers {
             prop_assert_eq!(
-                many.layer(l).unwrap().summaries().iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                src.layer(l).unwrap().summaries().iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                summary_bits(&many.layer(l).unwrap()),
+                summary_bits(&src.layer(l).unwrap())
             );
         }
     }

@@ -77,6 +77,8 @@ fn session_record(id: u64) -> SessionRecord {
             sink_blocks: 1,
             local_blocks: 4,
             top_k: 32,
+            selector: 0,
+            candidates: 0,
         },
         layer_tokens: vec![u64::from(BLOCKS) * 128; LAYERS as usize],
         pages: Vec::new(),

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use kvtier_storage::nvme::io::UringConfig;
 use kvtier_storage::nvme::manifest::{
-    GeometryRecord, Manifest, ManifestStore, PageRecord, PolicyRecord, SessionRecord,
+    v4, GeometryRecord, Manifest, ManifestStore, PageRecord, PolicyRecord, SessionRecord,
 };
 use kvtier_storage::nvme::{
     open_best_engine, BlockRun, DeviceConfig, NvmeError, NvmeTier, PageId, PageStore,
@@ -46,6 +46,8 @@ fn one_layer_session(id: u64, blocks: u32) -> SessionRecord {
             sink_blocks: 1,
             local_blocks: 1,
             top_k: 4,
+            selector: 0,
+            candidates: 0,
         },
         layer_tokens: vec![u64::from(blocks) * 64],
         pages: Vec::new(),
@@ -74,7 +76,31 @@ fn verify_runs(tier: &NvmeTier) -> usize {
 /// bytes 16..48 and the payload, epoch, payload length) and the rkyv payload.
 fn write_v3(mdir: &Path, m: &Manifest) {
     std::fs::create_dir_all(mdir).unwrap();
-    let payload = rkyv::to_bytes::<rkyv::rancor::Error>(m).unwrap();
+    // Version 3's layout: the policy without its selector (every session here has the bound).
+    let old = v4::Manifest {
+        epoch: m.epoch,
+        page_size: m.page_size,
+        devices: m.devices.clone(),
+        sessions: m
+            .sessions
+            .iter()
+            .map(|s| v4::SessionRecord {
+                id: s.id,
+                owner_uid: s.owner_uid,
+                label: s.label.clone(),
+                geometry: s.geometry.clone(),
+                policy: v4::PolicyRecord {
+                    sink_blocks: s.policy.sink_blocks,
+                    local_blocks: s.policy.local_blocks,
+                    top_k: s.policy.top_k,
+                },
+                layer_tokens: s.layer_tokens.clone(),
+                pages: s.pages.clone(),
+                pinned: s.pinned,
+            })
+            .collect(),
+    };
+    let payload = rkyv::to_bytes::<rkyv::rancor::Error>(&old).unwrap();
     let mut bytes = vec![0u8; 48];
     bytes[0..8].copy_from_slice(b"KVTMANI1");
     bytes[8..12].copy_from_slice(&3u32.to_le_bytes());
@@ -99,7 +125,7 @@ fn file_version(path: &Path) -> u32 {
 /// (270,336 bytes, 66 units of 4 KiB). After the upgrade the tier opens on the same files:
 /// every page address is converted to units where the page already is, every run reads back
 /// verified, the fallback manifest's pages are kept until the next commit, and that commit
-/// writes version 4, which opens again beside its version 3 fallback.
+/// writes the current version, which opens again beside its version 3 fallback.
 #[test]
 fn a_version_3_manifest_of_fixed_pages_is_converted_to_units_and_keeps_its_sessions() {
     use kvtier_storage::nvme::manifest::DeviceRecord;
@@ -223,7 +249,7 @@ fn a_version_3_manifest_of_fixed_pages_is_converted_to_units_and_keeps_its_sessi
         let kept = tier.store().page_units(256 * KIB) as u64;
         assert_eq!(units_used(&tier), referenced(&tier) + kept);
 
-        // A new session of 512 KiB runs and a rewrite of one 100 KiB run: version 4.
+        // A new session of 512 KiB runs and a rewrite of one 100 KiB run: the current version.
         let big: Vec<Vec<u8>> = (0..4).map(|b| run_bytes(3, b, 8, 512 * KIB)).collect();
         let runs = layer0_runs(&big);
         assert_eq!(tier.next_generation(), 8);
@@ -231,7 +257,10 @@ fn a_version_3_manifest_of_fixed_pages_is_converted_to_units_and_keeps_its_sessi
             tier.put_session(&one_layer_session(3, 4), &runs).unwrap(),
             8
         );
-        assert_eq!(file_version(&mdir.join(format!("manifest-{:020}", 8))), 4);
+        assert_eq!(
+            file_version(&mdir.join(format!("manifest-{:020}", 8))),
+            kvtier_storage::nvme::manifest::VERSION
+        );
         assert_eq!(file_version(&mdir.join(format!("manifest-{:020}", 7))), 3);
         // Epoch 6's page was freed after epoch 8 (nothing else retired).
         assert_eq!(units_used(&tier), referenced(&tier));

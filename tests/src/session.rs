@@ -17,13 +17,10 @@ pub fn small_geometry() -> Geometry {
     SMALL_GEOMETRY
 }
 
-/// Sink 1, local 1, top-k 2: a keep-set of 4 blocks once past 4 blocks.
+/// Sink 1, local 1, top-k 2 by the sketch selector with 2 candidates per query head: a
+/// keep-set of 4 blocks once past 4 blocks, its candidates narrowed by the bounds once past 6.
 pub fn policy() -> Policy {
-    Policy {
-        sink_blocks: 1,
-        local_blocks: 1,
-        top_k: 2,
-    }
+    Policy::sketch(1, 1, 2, 2)
 }
 
 pub fn entry<'a>(

@@ -87,11 +87,7 @@ fn human_bytes(n: u64) -> String {
 
 /// Create a session of `tokens` tokens (bf16 ones, inline append) and return its id.
 fn session(c: &mut Client, label: &str, tokens: u32) -> u64 {
-    let policy = Policy {
-        sink_blocks: 1,
-        local_blocks: 2,
-        top_k: 3,
-    };
+    let policy = Policy::bound(1, 2, 3);
     let id = c.create_session(GEOM, policy, label).unwrap();
     let len = GEOM.append_payload_bytes(tokens).unwrap() as usize;
     // bf16 1.0 = 0x3F80.

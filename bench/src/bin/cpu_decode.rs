@@ -1,12 +1,15 @@
 //! CPU decode step, sparse vs dense, in one run: Qwen2.5-7B attention geometry, all 28 layers.
 //!
 //! cargo run --release -p kvtier-bench --bin cpu_decode -- [--contexts 8192,32768,131072]
-//!     [--steps 15] [--dense-steps 3] [--json FILE]
+//!     [--modes sketch:32,bound:32,dense] [--steps 15] [--dense-steps 3] [--json FILE]
 //!
 //! Per context it builds a session of that many random bf16 tokens in a host arena, then times
-//! full decode steps (28 layers of append + select + attend, batch 1): sparse with k=32, sink 1,
-//! local 4, and dense (every block selected) through the same kernels. Prints medians, bytes
-//! read per step (summaries + selected K/V rows) and the achieved read bandwidth.
+//! full decode steps (28 layers of append + select + attend, batch 1) of each mode in turn, all
+//! through the same kernels: `sketch:K[:C]` (the sketch selector, top-K, C candidates, default
+//! the daemon's; `all` scores every block), `bound:K` (the key-bound selector), sink 1 and
+//! local 4 for both, and `dense` (every block selected). Prints medians, bytes read per step
+//! (summaries, sketches scored, selected K/V rows), the achieved read bandwidth and each mode's
+//! speedup over dense.
 
 use std::time::{Duration, Instant};
 
@@ -18,6 +21,7 @@ use kvtier_storage::{ArenaOptions, Geometry, HostArena, KvCache, Policy};
 
 struct Args {
     contexts: Vec<u64>,
+    modes: Vec<(String, Policy)>,
     steps: usize,
     dense_steps: usize,
     json: Option<String>,
@@ -26,6 +30,7 @@ struct Args {
 fn parse_args() -> Args {
     let mut a = Args {
         contexts: vec![8192, 32768, 131072],
+        modes: ["sketch:32", "bound:32", "dense"].map(mode).to_vec(),
         steps: 15,
         dense_steps: 3,
         json: None,
@@ -37,6 +42,7 @@ fn parse_args() -> Args {
                 .map(|s| s.parse().expect("--contexts: integers"))
                 .collect()
         }
+        "--modes" => a.modes = val().split(',').map(mode).collect(),
         "--steps" => a.steps = val().parse().expect("--steps: integer"),
         "--dense-steps" => a.dense_steps = val().parse().expect("--dense-steps: integer"),
         "--json" => a.json = Some(val()),
@@ -45,9 +51,30 @@ fn parse_args() -> Args {
     a
 }
 
+/// A mode's name and policy: `dense`, `bound:K` or `sketch:K[:C]` (C a count or `all`).
+fn mode(spec: &str) -> (String, Policy) {
+    let parts: Vec<&str> = spec.split(':').collect();
+    let num = |s: &str| -> u32 {
+        if s == "all" {
+            kvtier_storage::geometry::MAX_POLICY_BLOCKS
+        } else {
+            s.parse()
+                .unwrap_or_else(|_| panic!("--modes: {spec:?}: {s:?} is not a count"))
+        }
+    };
+    let policy = match parts[..] {
+        ["dense"] => Policy::bound(0, 1, u32::MAX >> 12),
+        ["bound", k] => Policy::bound(1, 4, num(k)),
+        ["sketch", k] => Policy::sketch(1, 4, num(k), kvtier_storage::geometry::DEFAULT_CANDIDATES),
+        ["sketch", k, c] => Policy::sketch(1, 4, num(k), num(c)),
+        _ => panic!("--modes: {spec:?} is not dense, bound:K or sketch:K[:C]"),
+    };
+    (spec.to_string(), policy)
+}
+
 struct Row {
     context: u64,
-    mode: &'static str,
+    mode: String,
     step: Duration,
     cpu: Duration,
     bytes: u64,
@@ -79,13 +106,6 @@ fn run_steps(
 fn main() {
     let args = parse_args();
     let g = Geometry::QWEN2_5_7B;
-    // Sink 1, local 4, top-32.
-    let sparse = Policy::default();
-    let dense = Policy {
-        sink_blocks: 0,
-        local_blocks: 1,
-        top_k: u32::MAX >> 12,
-    };
     println!("kvtier cpu_decode: Qwen2.5-7B attention geometry (28 layers, 28/4 heads, D=128, bf16, B=128), batch 1");
     println!("machine: {}", cpu_description());
     println!(
@@ -95,14 +115,26 @@ fn main() {
     let mut rows = Vec::new();
     let mut rng = Rng::new(0x5EED);
     for &ctx in &args.contexts {
-        let extra = (args.steps + args.dense_steps) as u64 + g.block_tokens as u64;
+        let steps: usize = args
+            .modes
+            .iter()
+            .map(|(name, _)| {
+                if name == "dense" {
+                    args.dense_steps
+                } else {
+                    args.steps
+                }
+            })
+            .sum();
+        let extra = steps as u64 + g.block_tokens as u64;
         let frames = g.blocks_for(ctx + extra) as usize * g.layers as usize;
         let arena = HostArena::new(&ArenaOptions::new(
             frames * g.block_bytes(),
             g.block_bytes(),
         ))
         .expect("arena");
-        let mut kv = KvCache::new(g, arena).unwrap();
+        let sketches = args.modes.iter().any(|(_, p)| p.selector.needs_sketches());
+        let mut kv = KvCache::new_with(g, arena, sketches).unwrap();
         let t0 = Instant::now();
         let chunk = 2048u64;
         let mut payload = vec![0u8; chunk as usize * g.kv_bytes_per_token()];
@@ -115,59 +147,56 @@ fn main() {
             at += n;
         }
         eprintln!(
-            "context {ctx}: built {:.1} GB in {:.1?}",
+            "context {ctx}: built {:.1} GB (+{:.2} GB of key sketches) in {:.1?}",
             kv.host_bytes() as f64 / 1e9,
+            kv.sketch_bytes() as f64 / 1e9,
             t0.elapsed()
         );
-        let (t, c, b, n) = run_steps(&mut kv, sparse, args.steps, &mut rng);
-        rows.push(Row {
-            context: ctx,
-            mode: "sparse k=32",
-            step: t,
-            cpu: c,
-            bytes: b,
-            tiles: n,
-        });
-        let (t, c, b, n) = run_steps(&mut kv, dense, args.dense_steps, &mut rng);
-        rows.push(Row {
-            context: ctx,
-            mode: "dense",
-            step: t,
-            cpu: c,
-            bytes: b,
-            tiles: n,
-        });
+        for (name, policy) in &args.modes {
+            let n = if name == "dense" {
+                args.dense_steps
+            } else {
+                args.steps
+            };
+            let (t, c, b, tiles) = run_steps(&mut kv, *policy, n, &mut rng);
+            rows.push(Row {
+                context: ctx,
+                mode: name.clone(),
+                step: t,
+                cpu: c,
+                bytes: b,
+                tiles,
+            });
+        }
     }
     println!();
     println!(
-        "{:>8}  {:<12} {:>10} {:>10} {:>8} {:>12} {:>7} {:>8}",
-        "context", "mode", "wall ms", "cpu ms", "tiles", "bytes read", "GB/s", "speedup"
+        "{:>8}  {:<16} {:>10} {:>10} {:>8} {:>12} {:>7} {:>14}",
+        "context", "mode", "wall ms", "cpu ms", "tiles", "bytes read", "GB/s", "vs dense"
     );
     let mut json = Vec::new();
-    for pair in rows.chunks(2) {
-        let speedup = pair[1].step.as_secs_f64() / pair[0].step.as_secs_f64();
-        for r in pair {
-            let &Row {
-                context,
-                mode,
-                tiles,
-                bytes,
-                ..
-            } = r;
-            let (ms, cpu_ms) = (r.step.as_secs_f64() * 1e3, r.cpu.as_secs_f64() * 1e3);
-            let gb = gbps(bytes, r.step);
-            let s = if mode == "dense" {
-                String::from("1.0x")
-            } else {
-                format!("{speedup:.1}x")
-            };
-            println!(
-                "{context:>8}  {mode:<12} {ms:>10.2} {cpu_ms:>10.2} {tiles:>8} {bytes:>12} {gb:>7.2} {s:>8}"
-            );
-            json.push(format!(
-                "{{\"context\":{context},\"mode\":\"{mode}\",\"step_ms\":{ms:.3},\"cpu_ms\":{cpu_ms:.3},\"tiles\":{tiles},\"bytes_read\":{bytes},\"gbps\":{gb:.3}}}"
-            ));
-        }
+    for r in &rows {
+        let dense = rows
+            .iter()
+            .find(|d| d.context == r.context && d.mode == "dense");
+        let Row {
+            context,
+            mode,
+            tiles,
+            bytes,
+            ..
+        } = r;
+        let (ms, cpu_ms) = (r.step.as_secs_f64() * 1e3, r.cpu.as_secs_f64() * 1e3);
+        let gb = gbps(*bytes, r.step);
+        let s = dense.map_or(String::from("-"), |d| {
+            format!("{:.1}x faster", d.step.as_secs_f64() / r.step.as_secs_f64())
+        });
+        println!(
+            "{context:>8}  {mode:<16} {ms:>10.2} {cpu_ms:>10.2} {tiles:>8} {bytes:>12} {gb:>7.2} {s:>14}"
+        );
+        json.push(format!(
+            "{{\"context\":{context},\"mode\":\"{mode}\",\"step_ms\":{ms:.3},\"cpu_ms\":{cpu_ms:.3},\"tiles\":{tiles},\"bytes_read\":{bytes},\"gbps\":{gb:.3}}}"
+        ));
     }
     if let Some(path) = args.json {
         std::fs::write(&path, format!("[{}]\n", json.join(",\n"))).expect("write json");

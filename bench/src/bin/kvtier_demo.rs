@@ -102,11 +102,7 @@ fn main() {
     };
     // Sink 1, local 4, top-32.
     let sparse_policy = Policy::default();
-    let dense_policy = Policy {
-        sink_blocks: 0,
-        local_blocks: 1,
-        top_k: 1 << 20,
-    };
+    let dense_policy = Policy::bound(0, 1, 1 << 20);
     println!(
         "kvtier demo: tierd on embedded defaults (CPU backend unless a CUDA device is present) serving a {}-token session",
         args.context

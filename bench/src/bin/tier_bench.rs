@@ -99,6 +99,8 @@ fn record(kv: &KvCache) -> SessionRecord {
             sink_blocks: 1,
             local_blocks: 4,
             top_k: 32,
+            selector: 0,
+            candidates: 0,
         },
         layer_tokens: (0..G.layers).map(|l| kv.tokens(l).unwrap()).collect(),
         pages: Vec::new(),

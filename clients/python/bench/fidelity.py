@@ -1,11 +1,22 @@
 """Fidelity of sparse decode through tierd against dense attention, on Gemma 3 270M.
 
-    python clients/python/bench/fidelity.py --socket /tmp/kvtier/tierd.sock --out bench-out
+    python clients/python/bench/fidelity.py --socket /tmp/kvtier/tierd.sock --out bench-out \
+        --arms bound:8 sketch:8 sketch:8:all
 
 Needs a running tierd (host capacity of a few GiB; see docs/fidelity.md for the command).
 For every prompt the dense prefill runs once in the engine; its KV then serves the dense
-continuation (a copy of the engine cache) and one tierd session per k (KvtierCache.from_dense),
-so each policy answers from the identical prefill.
+continuation (a copy of the engine cache) and one tierd session per arm (KvtierCache.from_dense),
+so each policy answers from the identical prefill. An arm is `bound:K` (the key-bound
+selector, top-K) or `sketch:K[:C]` (the sketch selector, C candidates, `all` for every block;
+default tierd's).
+
+Besides the answers, every sparse step is measured against dense attention at each global
+layer (the instrument): the share of the dense attention mass inside tierd's keep-set and
+inside the oracle's (sink, local and the top-K distant blocks by true mass); in needle trials,
+at the (step, layer) items where some head puts >= 0.1 of its dense attention on the
+needle's blocks, whether the keep-set holds a needle block and the needle block's rank among
+the distant blocks by the true mass, the key bound, the quarter bound and the sketch. tierd's
+keep-sets are checked against the rule restated in numpy (keepsets.py).
 
 Writes <out>/fidelity.json (every trial), <out>/fidelity.md (tables) and <out>/recall.png.
 Trials are interleaved over the cells, and the JSON is rewritten after each one, so a run
@@ -28,10 +39,18 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvtier import Policy  # noqa: E402
+import numpy as np  # noqa: E402
+from kvtier import DEFAULT_CANDIDATES, Policy, Selector  # noqa: E402
 from kvtier.examples import gemma  # noqa: E402
 from kvtier.hf import KvtierCache, connect, enable  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
+
+import keepsets  # noqa: E402  (beside this file)
+
+#: A (step, layer) item "reads" the needle when some head puts this much dense attention on it.
+READ_MASS = 0.1
+#: The candidate count that stands for "every distant block".
+ALL_BLOCKS = 1 << 20
 
 
 def wilson(s: int, n: int, z: float = 1.96):
@@ -67,14 +86,84 @@ def greedy_continue(model, cache, first, n):
     return out
 
 
-def policy_for(k, a):
-    return Policy(sink_blocks=a.sink, local_blocks=a.local, top_k=k)
+def parse_arm(spec: str):
+    """(name, selector, k, candidates) of `bound:K` or `sketch:K[:C]`."""
+    parts = spec.split(":")
+    if parts[0] == "bound" and len(parts) == 2:
+        return spec, "bound", int(parts[1]), 0
+    if parts[0] == "sketch" and len(parts) in (2, 3):
+        c = DEFAULT_CANDIDATES if len(parts) == 2 else (ALL_BLOCKS if parts[2] == "all" else int(parts[2]))
+        return spec, "sketch", int(parts[1]), c
+    raise SystemExit(f"--arms: {spec!r} is not bound:K or sketch:K[:C]")
+
+
+def policy_for(arm, a):
+    _, selector, k, c = arm
+    if selector == "bound":
+        return Policy.bound(a.sink, a.local, k)
+    return Policy(a.sink, a.local, k, Selector.SKETCH, c)
+
+
+class Recording(KvtierCache):
+    """A KvtierCache that keeps, per DECODE, the layer, the query and key it sent and the
+    keep-set tierd answered with (the instrument's input)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.want_stats = True
+        self.calls = []  # (slot, q [Hq, D] as sent, k [Hkv, D] f32, keep per kv head)
+
+    def _decode(self, layer, q, k, v, q_scale):
+        out = super()._decode(layer, q, k, v, q_scale)
+        qn = q.detach().to("cpu", torch.float32)[0].numpy() * q_scale
+        kn = k.detach().to("cpu", torch.float32)[0].numpy()
+        self.calls.append((layer.slot, qn, kn, self.last_stats[0].selected))
+        return out
+
+
+def instrument(rec: "Recording", prefill_keys, arm, a, needle_blocks=None):
+    """Per (step, layer) of a sparse continuation: dense mass inside tierd's keep-set and the
+    oracle's, whether tierd's keep-set equals the numpy rule, and (needle trials) the needle's
+    rank and whether it was kept where a head reads it. prefill_keys: per global layer slot,
+    [Hkv, T, D] float32."""
+    _, selector, k, c = arm
+    keys = [np.array(pk) for pk in prefill_keys]
+    out = {"mass": [], "oracle_mass": [], "rule_equal": 0, "items": 0, "reads": []}
+    for slot, q, knew, keep in rec.calls:
+        kv = keys[slot]
+        keys[slot] = kv = np.concatenate([kv, knew[:, None, :]], axis=1)
+        hkv, t, d = kv.shape
+        g = q.shape[0] // hkv
+        nb = -(-t // a.block_tokens)
+        for h in range(hkv):
+            sc = keepsets.block_scores(q[h * g:(h + 1) * g], kv[h], t, a.block_tokens)
+            fixed = list(range(a.sink)) + list(range(max(nb - a.local, a.sink), nb))
+            distant = list(range(a.sink, max(nb - a.local, a.sink)))
+            oracle = fixed + keepsets.top(sc["mass"], distant, k) if nb > a.sink + a.local + k else list(range(nb))
+            out["mass"].append(float(sc["mass"][list(keep[h])].sum()))
+            out["oracle_mass"].append(float(sc["mass"][sorted(set(oracle))].sum()))
+            rule = keepsets.keep_set(sc, nb, a.sink, a.local, k, selector, c)
+            out["rule_equal"] += int(rule == list(keep[h]))
+            out["items"] += 1
+            if needle_blocks:
+                nbl = [b for b in needle_blocks if b < nb]
+                if nbl and sc["mass_heads"][:, nbl].sum(1).max() >= READ_MASS:
+                    item = {"kept": bool(set(nbl) & set(keep[h]))}
+                    far = [b for b in nbl if b in distant]
+                    if far:
+                        for name in ("mass", "bound", "quarter", "sketch"):
+                            item[f"rank_{name}"] = min(keepsets.rank(sc[name], distant, b) for b in far)
+                        item["distant"] = len(distant)
+                    out["reads"].append(item)
+    return out
 
 
 def run_needle(model, tok, client, a, ctx, hay, trial, rng):
     code = gemma.random_code(rng)
     depth = rng.uniform(0.1, 0.6)
     ids, npos = gemma.needle_prompt(tok, ctx, depth, code, hay, seed=trial * 1000 + ctx)
+    needle_len = len(tok(" " + gemma.NEEDLE.format(code=code), add_special_tokens=False)["input_ids"])
+    needle_blocks = list(range(npos // a.block_tokens, (npos + needle_len - 1) // a.block_tokens + 1))
     t0 = time.time()
     cache, logits = prefill(model, ids, a.chunk)
     t_pre = time.time() - t0
@@ -84,13 +173,23 @@ def run_needle(model, tok, client, a, ctx, hay, trial, rng):
     dense = greedy_continue(model, copy.deepcopy(cache), first, a.answer_tokens)
     res["dense"] = gemma.found(tok, dense, code)
     res["dense_text"] = tok.decode(dense)
-    for k in a.ks:
-        with KvtierCache.from_dense(model, cache, client=client, policy=policy_for(k, a)) as kc:
+    prefill_keys = prefill_keys_of(model, cache)
+    for arm in a.arms:
+        with Recording.from_dense(model, cache, client=client, policy=policy_for(arm, a),
+                                  block_tokens=a.block_tokens) as kc:
             sp = greedy_continue(model, kc, first, a.answer_tokens)
-        res[f"k{k}"] = gemma.found(tok, sp, code)
-        res[f"k{k}_text"] = tok.decode(sp)
+            res[f"{arm[0]}_inst"] = instrument(kc, prefill_keys, arm, a, needle_blocks)
+        res[arm[0]] = gemma.found(tok, sp, code)
+        res[f"{arm[0]}_text"] = tok.decode(sp)
     res["total_s"] = round(time.time() - t0, 2)
     return res
+
+
+def prefill_keys_of(model, cache):
+    """The global layers' prefill keys, per layer [Hkv, T, D] float32 (batch row 0)."""
+    cfg = model.config.get_text_config(decoder=True)
+    full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+    return [cache.layers[i].keys[0].float().numpy() for i in full]
 
 
 @torch.inference_mode()
@@ -109,16 +208,40 @@ def run_forced(model, tok, client, a, doc, tokens):
     d_top = dense.argmax(-1)
     d_logp = torch.log_softmax(dense, -1)
     res["confident_steps"] = int(confident.sum())
-    for k in a.ks:
-        with KvtierCache.from_dense(model, cache, client=client, policy=policy_for(k, a)) as kc:
+    prefill_keys = prefill_keys_of(model, cache)
+    for arm in a.arms:
+        with Recording.from_dense(model, cache, client=client, policy=policy_for(arm, a),
+                                  block_tokens=a.block_tokens) as kc:
             sl = [logits0[0]] + [step(model, kc, t)[0] for t in forced[:m - 1]]
+            inst = instrument(kc, prefill_keys, arm, a)
         sparse = torch.stack(sl).float()
         agree = sparse.argmax(-1) == d_top
         kl = (d_logp.exp() * (d_logp - torch.log_softmax(sparse, -1))).sum(-1)
-        res[f"k{k}"] = {"agree": int(agree.sum()), "agree_confident": int(agree[confident].sum()),
-                        "kl_mean": float(kl.mean()), "kl_max": float(kl.max())}
+        res[arm[0]] = {"agree": int(agree.sum()), "agree_confident": int(agree[confident].sum()),
+                       "kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "inst": inst}
     res["total_s"] = round(time.time() - t0, 2)
     return res
+
+
+def arm_names(a):
+    return [arm[0] for arm in a.arms]
+
+
+def instrument_summary(insts):
+    """Pools instrument records: mean mass shares, rule agreement, needle items."""
+    mass = [x for i in insts for x in i["mass"]]
+    oracle = [x for i in insts for x in i["oracle_mass"]]
+    reads = [r for i in insts for r in i.get("reads", [])]
+    items = sum(i["items"] for i in insts)
+    out = {"items": items, "mass_mean": float(np.mean(mass)) if mass else float("nan"),
+           "oracle_mass_mean": float(np.mean(oracle)) if oracle else float("nan"),
+           "rule_equal": sum(i["rule_equal"] for i in insts), "reads": len(reads),
+           "needle_kept": sum(r["kept"] for r in reads)}
+    far = [r for r in reads if "rank_mass" in r]
+    for name in ("mass", "bound", "quarter", "sketch"):
+        out[f"median_rank_{name}"] = float(np.median([r[f"rank_{name}"] for r in far])) if far else float("nan")
+    out["median_distant"] = float(np.median([r["distant"] for r in far])) if far else float("nan")
+    return out
 
 
 def summarize(results, a):
@@ -131,28 +254,30 @@ def summarize(results, a):
     for (hay, ctx), rs in sorted(cells.items()):
         n = len(rs)
         row = {"haystack": hay, "ctx": ctx, "n": n}
-        for key in ["dense"] + [f"k{k}" for k in a.ks]:
+        for key in ["dense"] + arm_names(a):
             s = sum(r[key] for r in rs)
             lo, hi = wilson(s, n)
             row[key] = {"found": s, "recall": s / n, "ci95": [round(lo, 3), round(hi, 3)]}
             if key != "dense":
                 row[key]["dense_only"] = sum(r["dense"] and not r[key] for r in rs)
                 row[key]["sparse_only"] = sum(r[key] and not r["dense"] for r in rs)
+                row[key]["instrument"] = instrument_summary([r[f"{key}_inst"] for r in rs])
         ntab.append(row)
     ftab = []
     if forced:
         steps = sum(r["steps"] for r in forced)
         conf = sum(r["confident_steps"] for r in forced)
-        for k in a.ks:
-            ag = sum(r[f"k{k}"]["agree"] for r in forced)
-            agc = sum(r[f"k{k}"]["agree_confident"] for r in forced)
-            kl = sum(r[f"k{k}"]["kl_mean"] * r["steps"] for r in forced) / steps
-            ftab.append({"k": k, "steps": steps, "agree": ag, "agree_rate": ag / steps,
+        for name in arm_names(a):
+            ag = sum(r[name]["agree"] for r in forced)
+            agc = sum(r[name]["agree_confident"] for r in forced)
+            kl = sum(r[name]["kl_mean"] * r["steps"] for r in forced) / steps
+            ftab.append({"arm": name, "steps": steps, "agree": ag, "agree_rate": ag / steps,
                          "agree_ci95": [round(x, 4) for x in wilson(ag, steps)],
                          "confident_steps": conf, "agree_confident": agc,
                          "agree_confident_rate": agc / conf if conf else float("nan"),
                          "agree_confident_ci95": [round(x, 4) for x in wilson(agc, conf)],
-                         "kl_mean": kl, "kl_max": max(r[f"k{k}"]["kl_max"] for r in forced),
+                         "kl_mean": kl, "kl_max": max(r[name]["kl_max"] for r in forced),
+                         "instrument": instrument_summary([r[name]["inst"] for r in forced]),
                          "docs": len(forced), "context": forced[0]["context"]})
     return ntab, ftab
 
@@ -162,31 +287,51 @@ def write_reports(results, a, meta):
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "fidelity.json"), "w") as f:
         json.dump({"meta": meta, "needle": ntab, "forced": ftab, "trials": results}, f, indent=1)
+    names = arm_names(a)
     L = ["# kvtier fidelity: sparse (tierd) vs dense, Gemma 3 270M Q4_K_M", "",
-         f"- policy: sink_blocks={a.sink}, local_blocks={a.local}, block_tokens=128, top_k in {a.ks}",
+         f"- policy: sink_blocks={a.sink}, local_blocks={a.local}, block_tokens={a.block_tokens}; arms "
+         + ", ".join(names) + f" (sketch:K without C: {DEFAULT_CANDIDATES} candidates)",
          f"- started {meta['started']}, elapsed {meta.get('elapsed_s', 0):.0f} s, machine: {meta['machine']}", "",
          "## Needle retrieval (greedy; found = the 5-digit code in the answer)", "",
          "recall (found/n) [Wilson 95%]; for sparse: discordant pairs vs dense as -dense_only/+sparse_only", ""]
-    hdr = "| haystack | ctx | n | dense | " + " | ".join(f"k={k}" for k in a.ks) + " |"
-    L += [hdr, "|" + "---|" * (4 + len(a.ks))]
+    hdr = "| haystack | ctx | n | dense | " + " | ".join(names) + " |"
+    L += [hdr, "|" + "---|" * (4 + len(names))]
     for r in ntab:
         cellstr = []
-        for key in ["dense"] + [f"k{k}" for k in a.ks]:
+        for key in ["dense"] + names:
             c = r[key]
             s = f"{c['recall']:.2f} ({c['found']}/{r['n']}) [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]"
             if key != "dense":
                 s += f" -{c['dense_only']}/+{c['sparse_only']}"
             cellstr.append(s)
         L.append(f"| {r['haystack']} | {r['ctx']} | {r['n']} | " + " | ".join(cellstr) + " |")
+    L += ["", "## The instrument on the needle trials", "",
+          "Per (answer step, global layer, kv head) item: dense attention mass inside the keep-set (tierd's, "
+          "and the oracle's: the top-K distant blocks by true mass); at the items where some head puts "
+          f">= {READ_MASS} of its attention on the needle's blocks ('reads'): the share whose keep-set holds a "
+          "needle block, and the needle block's median rank among the distant blocks by true mass, by the key "
+          "bound, by the quarter bound and by the sketch; tierd's keep-sets equal to the numpy rule.", "",
+          "| haystack | ctx | arm | items | mass kept | oracle mass | reads | needle kept | rank: mass / bound / quarter / sketch (of distant) | = rule |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in ntab:
+        for key in names:
+            i = r[key]["instrument"]
+            kept = f"{i['needle_kept'] / i['reads']:.2f} ({i['needle_kept']}/{i['reads']})" if i["reads"] else "-"
+            ranks = " / ".join(f"{i[f'median_rank_{n}']:.0f}" for n in ("mass", "bound", "quarter", "sketch"))
+            L.append(f"| {r['haystack']} | {r['ctx']} | {key} | {i['items']} | {i['mass_mean']:.3f} | "
+                     f"{i['oracle_mass_mean']:.3f} | {i['reads']} | {kept} | {ranks} ({i['median_distant']:.0f}) | "
+                     f"{i['rule_equal']}/{i['items']} |")
     if ftab:
         L += ["", f"## Teacher-forced agreement with dense (prose, {ftab[0]['docs']} docs x "
                   f"{ftab[0]['steps'] // ftab[0]['docs']} steps after {ftab[0]['context']} tokens)", "",
-              "| k | top-1 agree | [95%] | confident steps (margin > 1) agree | [95%] | mean KL(dense‖sparse) | max KL |",
-              "|---|---|---|---|---|---|---|"]
+              "| arm | top-1 agree | [95%] | confident steps (margin > 1) agree | [95%] | mean KL(dense‖sparse) | max KL | mass kept | oracle mass |",
+              "|---|---|---|---|---|---|---|---|---|"]
         for r in ftab:
-            L.append(f"| {r['k']} | {r['agree_rate']:.4f} ({r['agree']}/{r['steps']}) | {r['agree_ci95']} | "
+            i = r["instrument"]
+            L.append(f"| {r['arm']} | {r['agree_rate']:.4f} ({r['agree']}/{r['steps']}) | {r['agree_ci95']} | "
                      f"{r['agree_confident_rate']:.4f} ({r['agree_confident']}/{r['confident_steps']}) | "
-                     f"{r['agree_confident_ci95']} | {r['kl_mean']:.5f} | {r['kl_max']:.4f} |")
+                     f"{r['agree_confident_ci95']} | {r['kl_mean']:.5f} | {r['kl_max']:.4f} | "
+                     f"{i['mass_mean']:.3f} | {i['oracle_mass_mean']:.3f} |")
     with open(os.path.join(a.out, "fidelity.md"), "w") as f:
         f.write("\n".join(L) + "\n")
     try:
@@ -198,14 +343,14 @@ def write_reports(results, a, meta):
         for ax, hay in zip(axes[0], hays):
             rows = [r for r in ntab if r["haystack"] == hay]
             xs = [r["ctx"] for r in rows]
-            keys = ["dense"] + [f"k{k}" for k in a.ks]
+            keys = ["dense"] + arm_names(a)
             for j, key in enumerate(keys):
                 xj = [x * 2 ** (0.04 * (j - (len(keys) - 1) / 2)) for x in xs]  # spread overlapping points
                 ys = [r[key]["recall"] for r in rows]
                 lo = [r[key]["recall"] - r[key]["ci95"][0] for r in rows]
                 hi = [r[key]["ci95"][1] - r[key]["recall"] for r in rows]
                 ax.errorbar(xj, ys, yerr=[lo, hi], marker="o", capsize=3,
-                            label=key if key == "dense" else f"sparse {key[0]}={key[1:]}",
+                            label=key if key == "dense" else f"sparse {key}",
                             linestyle="--" if key == "dense" else "-", alpha=0.8)
             ax.set_xscale("log", base=2)
             ax.set_xticks(xs, [f"{x // 1024}K" for x in xs])
@@ -229,7 +374,9 @@ def main(argv=None):
     ap.add_argument("--trials", type=int, nargs="+", default=[10, 8, 5, 3],
                     help="needle trials per haystack for each context")
     ap.add_argument("--haystacks", nargs="+", default=["repeated", "prose"])
-    ap.add_argument("--ks", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--arms", nargs="+", default=["bound:8", "bound:32", "sketch:4", "sketch:8", "sketch:8:all"],
+                    help="sparse policies: bound:K or sketch:K[:C] (C a count or all)")
+    ap.add_argument("--block-tokens", type=int, default=128)
     ap.add_argument("--sink", type=int, default=1)
     ap.add_argument("--local", type=int, default=4)
     ap.add_argument("--answer-tokens", type=int, default=8)
@@ -249,8 +396,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.report_only:
         d = json.load(open(a.report_only))
-        a.ks = d["meta"]["args"]["ks"]
+        a.arms = [parse_arm(x) for x in d["meta"]["args"]["arm_specs"]]
         a.sink, a.local = d["meta"]["args"]["sink"], d["meta"]["args"]["local"]
+        a.block_tokens = d["meta"]["args"]["block_tokens"]
         trials, meta = d["trials"], d["meta"]
         if a.pool:
             meta = {**meta, "pooled_runs": [d["meta"]] + [json.load(open(x))["meta"] for x in a.pool]}
@@ -262,11 +410,14 @@ def main(argv=None):
         torch.set_num_threads(a.threads)
     from tqdm import tqdm
 
+    a.arm_specs = a.arms
+    a.arms = [parse_arm(x) for x in a.arms]
+
     t_start = time.time()
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
                        f"python {platform.python_version()}, torch {torch.__version__}",
-            "argv": sys.argv, "args": vars(a)}
+            "argv": sys.argv, "args": {k: v for k, v in vars(a).items() if k != "arms"}}
     model, tok = gemma.load()
     enable(model)
     client = connect(a.socket)

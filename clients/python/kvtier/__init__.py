@@ -1,7 +1,8 @@
-"""Python client for kvtier's tierd daemon (protocol v1, see docs/protocol.md)."""
+"""Python client for kvtier's tierd daemon (protocol v2, see docs/protocol.md)."""
 
 from .client import ArenaLease, Client, sealed_memfd
 from .protocol import (
+    DEFAULT_CANDIDATES,
     PROTOCOL_VERSION,
     STATS_KEYS,
     DecodeEntry,
@@ -15,6 +16,7 @@ from .protocol import (
     Op,
     Policy,
     ProtocolError,
+    Selector,
     ServerError,
     SessionInfo,
     bf16_to_f32,
@@ -26,6 +28,7 @@ __all__ = [
     "ArenaLease",
     "Client",
     "sealed_memfd",
+    "DEFAULT_CANDIDATES",
     "PROTOCOL_VERSION",
     "STATS_KEYS",
     "DecodeEntry",
@@ -39,6 +42,7 @@ __all__ = [
     "Op",
     "Policy",
     "ProtocolError",
+    "Selector",
     "ServerError",
     "SessionInfo",
     "bf16_to_f32",

@@ -75,7 +75,7 @@ class InEngine:
             self._e = _native.Engine(
                 socket, device,
                 (g.layers, g.q_heads, g.kv_heads, g.head_dim, int(g.dtype), g.block_tokens),
-                (policy.sink_blocks, policy.local_blocks, policy.top_k),
+                policy.wire(),
                 max_sessions, max_blocks, (rank, world), in_place, cache_slots or 0)
         except _native.EngineError as e:
             raise EngineUnavailable(str(e)) from None

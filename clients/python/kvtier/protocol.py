@@ -16,7 +16,7 @@ import numpy as np
 MAGIC = 0x3154564B  # b"KVT1" little-endian
 HEADER = struct.Struct("<IIQHHI")
 HEADER_LEN = HEADER.size  # 24
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 REPLY_BIT = 0x8000
 ERROR_OPCODE = 0xFFFF
 FLAG_APPEND_SHM = 0x0001
@@ -150,11 +150,37 @@ class Geometry:
         return self.layers * 2 * n_tokens * self.kv_token_bytes()
 
 
+class Selector(IntEnum):
+    """How a decode step ranks distant blocks (docs/protocol.md, "Policy")."""
+
+    BOUND = 0  # Quest-style key bounds, max over the query group (the rule before sketches)
+    SKETCH = 1  # per-head bound candidates ranked by per-token int4 key sketches
+
+
+#: Candidates per query head of the daemon's default sketch selector.
+DEFAULT_CANDIDATES = 32
+
+
 @dataclass(frozen=True)
 class Policy:
+    """Which blocks a step keeps: `sink_blocks`, the last `local_blocks`, and the `top_k`
+    distant blocks ranked by `selector`; the sketch selector scores the union of each query
+    head's max(`candidates`, `top_k`) best blocks by its own bound."""
+
     sink_blocks: int = 1
     local_blocks: int = 4
     top_k: int = 32
+    selector: Selector = Selector.SKETCH
+    candidates: int = DEFAULT_CANDIDATES
+
+    @classmethod
+    def bound(cls, sink_blocks: int = 1, local_blocks: int = 4, top_k: int = 32) -> "Policy":
+        """The bound selector's policy (no candidates)."""
+        return cls(sink_blocks, local_blocks, top_k, Selector.BOUND, 0)
+
+    def wire(self):
+        """(sink_blocks, local_blocks, top_k, selector code, candidates)."""
+        return (self.sink_blocks, self.local_blocks, self.top_k, int(self.selector), self.candidates)
 
 
 @dataclass
@@ -381,7 +407,9 @@ def _geometry(w: _Writer, g: Geometry) -> None:
 def encode_create_session(geometry: Geometry, policy: Policy = Policy(), label: str = "") -> bytes:
     w = _Writer()
     _geometry(w, geometry)
-    w.u32(policy.sink_blocks).u32(policy.local_blocks).u32(policy.top_k).str(label)
+    for x in policy.wire():
+        w.u32(x)
+    w.str(label)
     return bytes(w.buf)
 
 
@@ -427,6 +455,13 @@ def encode_session_tokens(session: int, tokens: int) -> bytes:
 # --------------------------------------------------------------------------- reply bodies
 
 
+def _selector(code: int) -> Selector:
+    try:
+        return Selector(code)
+    except ValueError:
+        raise ProtocolError(f"unknown selector {code} (0 bound, 1 sketch)") from None
+
+
 def _session_info(r: _Reader) -> SessionInfo:
     session = r.u64("session")
     owner = r.u32("owner_uid")
@@ -439,7 +474,8 @@ def _session_info(r: _Reader) -> SessionInfo:
         dtype=_dtype(r.u8("dtype")),
         block_tokens=r.u32("block_tokens"),
     )
-    policy = Policy(r.u32("sink_blocks"), r.u32("local_blocks"), r.u32("top_k"))
+    policy = Policy(r.u32("sink_blocks"), r.u32("local_blocks"), r.u32("top_k"),
+                    _selector(r.u32("selector")), r.u32("candidates"))
     return SessionInfo(
         session=session,
         owner_uid=owner,

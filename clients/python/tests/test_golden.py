@@ -8,7 +8,7 @@ from kvtier import protocol as p
 from golden import GEOMETRY, PAYLOAD, decode_entries, load, session_info, split
 
 REQUESTS = {
-    "hello_request": lambda: p.frame(p.Op.HELLO, 0, 1, p.encode_hello("kvtier-golden", 1, 1)),
+    "hello_request": lambda: p.frame(p.Op.HELLO, 0, 1, p.encode_hello("kvtier-golden", 2, 2)),
     "create_session_request": lambda: p.frame(
         p.Op.CREATE_SESSION, 0, 2, p.encode_create_session(GEOMETRY, p.Policy(), "golden")),
     "append_kv_inline_request": lambda: p.frame(

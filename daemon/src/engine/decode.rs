@@ -591,11 +591,7 @@ mod tests {
         for i in 0..n {
             let req = CreateSessionRequest {
                 geometry: GEO,
-                policy: Policy {
-                    sink_blocks: 1,
-                    local_blocks: 1,
-                    top_k: 1,
-                },
+                policy: Policy::bound(1, 1, 1),
                 label: String::new(),
             };
             let (ia, ib) = (

@@ -32,7 +32,7 @@ use kvtier_protocol::{
     stats_keys, CreateSessionRequest, DecodeEntryRef, DecodeOutput, DecodeReply, DecodeStats,
     SessionInfo, StatsReply,
 };
-use kvtier_storage::nvme::manifest::{GeometryRecord, SessionRecord};
+use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
 use kvtier_storage::nvme::{BlockRun, NvmeError, NvmeTier, TierSource};
 use kvtier_storage::ColdSource;
 use kvtier_storage::{Geometry, HostArena, HostQuota, KvCache, Policy, StorageError, StoredBlock};
@@ -371,7 +371,11 @@ impl Engine {
     pub fn create(&self, peer: &Peer, req: &CreateSessionRequest) -> ServiceResult<u64> {
         let (geometry, policy) = (req.geometry, req.policy);
         policy.validate().map_err(StorageError::from)?;
-        let kv = KvCache::new(geometry, self.arena_for(peer.uid))?;
+        let kv = KvCache::new_with(
+            geometry,
+            self.arena_for(peer.uid),
+            policy.selector.needs_sketches(),
+        )?;
         let mut sessions = self.sessions.write();
         let per_uid = self.limits.max_sessions_per_uid;
         if per_uid > 0

@@ -9,6 +9,11 @@ pub(super) fn geometry_of(g: &GeometryRecord) -> ServiceResult<Geometry> {
         .ok_or_else(|| ServiceError::internal(format!("unknown dtype {}", g.dtype)))
 }
 
+pub(super) fn policy_of(p: &PolicyRecord) -> ServiceResult<Policy> {
+    p.policy()
+        .ok_or_else(|| ServiceError::internal(format!("unknown selector {}", p.selector)))
+}
+
 impl Engine {
     /// Loads every session the NVMe manifest holds (warm restart): reads and verifies each
     /// page, rebuilds tiles and bounds bit-identically, keeping blocks resident while the host
@@ -56,15 +61,14 @@ impl Engine {
         rec: &SessionRecord,
         reason: String,
     ) -> ServiceResult<Session> {
-        let kv = KvCache::new(geometry_of(&rec.geometry)?, self.arena.clone())?;
-        let mut s = Session::new(
-            rec.id,
-            rec.owner_uid,
-            rec.label.clone(),
-            Policy::from(&rec.policy),
-            kv,
-            true,
-        );
+        // A policy this build cannot read is shown as the bound's: the session is not served.
+        let policy = rec.policy.policy().unwrap_or(Policy::bound(
+            rec.policy.sink_blocks,
+            rec.policy.local_blocks,
+            rec.policy.top_k,
+        ));
+        let kv = KvCache::new_with(geometry_of(&rec.geometry)?, self.arena.clone(), false)?;
+        let mut s = Session::new(rec.id, rec.owner_uid, rec.label.clone(), policy, kv, true);
         s.state.get_mut().persisted = rec.layer_tokens.clone();
         s.pinned.store(rec.pinned, Ordering::Relaxed);
         s.damaged = Some(reason);
@@ -78,8 +82,12 @@ impl Engine {
         rec: &SessionRecord,
     ) -> ServiceResult<Session> {
         let geometry = geometry_of(&rec.geometry)?;
-        let policy = Policy::from(&rec.policy);
-        let mut kv = KvCache::new(geometry, self.arena_for(rec.owner_uid))?;
+        let policy = policy_of(&rec.policy)?;
+        let mut kv = KvCache::new_with(
+            geometry,
+            self.arena_for(rec.owner_uid),
+            policy.selector.needs_sketches(),
+        )?;
         let bt = geometry.block_tokens as u64;
         let tokens = |l: u32| *rec.layer_tokens.get(l as usize).unwrap_or(&0);
         // Every run in the order the cache is rebuilt (layer by layer, block by block), read

@@ -1,6 +1,7 @@
 //! Geometry, policy and capacity of a CUDA backend, validated before anything touches the GPU.
 
-use kvtier_storage::{DType, Geometry, Policy};
+use kvtier_storage::sketch::{padded_dims, quarters};
+use kvtier_storage::{DType, Geometry, Policy, Selector};
 
 use super::error::{CudaError, Result};
 
@@ -135,6 +136,26 @@ impl CudaConfig {
         if p.top_k == 0 {
             return Err(invalid("top_k must be at least 1"));
         }
+        // The sketch selector's first stage keeps its candidates in the lists of 32 and its
+        // second stage ranks them in one warp; each block is scored by its four quarters.
+        let cand = match p.selector {
+            Selector::Bound => p.top_k,
+            Selector::Sketch { candidates } => {
+                let c = candidates.max(p.top_k);
+                if c > 32 {
+                    return Err(invalid(format!(
+                        "the CUDA sketch selector takes at most 32 candidates (max(candidates, top_k) = {c})"
+                    )));
+                }
+                if quarters(g.block_tokens as usize) != 4 {
+                    return Err(invalid(format!(
+                        "the CUDA sketch selector needs blocks of at least 4 tokens, not {}",
+                        g.block_tokens
+                    )));
+                }
+                c
+            }
+        };
         if p.local_blocks == 0 {
             return Err(invalid(
                 "local_blocks must be at least 1 (the tail block is always kept)",
@@ -225,6 +246,12 @@ impl CudaConfig {
                 "gather plan needs {plan_smem} bytes of shared memory"
             )));
         }
+        if self.sketch() && gs * padded_dims(d) > 32 * 1024 {
+            return Err(invalid(format!(
+                "the sketch selector's query codes need {} bytes of shared memory for G={gs}, D={d}",
+                gs * padded_dims(d)
+            )));
+        }
         if q_smem + lists_smem + plan_smem > SMEM_LIMIT {
             return Err(invalid(format!(
                 "selector needs {} bytes of shared memory (> {SMEM_LIMIT}) for G={gs}, D={d}",
@@ -235,10 +262,11 @@ impl CudaConfig {
         // can hold it; the radix select over every score otherwise. Lists: at most one per 32
         // blocks (a launch scoring one block per octet).
         let topk_merge = p.top_k <= 32;
+        let records = self.max_blocks as usize * self.summary_records() as usize;
         let score_scratch = if topk_merge {
-            (self.max_blocks as usize).div_ceil(32) * 32 * 8
+            records.div_ceil(32) * 32 * 8
         } else {
-            self.max_blocks as usize * 4
+            records * 4
         };
         Ok(Derived {
             topk_merge,
@@ -251,6 +279,7 @@ impl CudaConfig {
             red_in_tile,
             att_mma,
             fused: topk_merge && att_threads as u32 == SCORE_THREADS,
+            candidates: cand,
         })
     }
 
@@ -259,7 +288,35 @@ impl CudaConfig {
     /// so storing them in bf16 rounds nothing (selection stays bit-identical to the CPU) and
     /// halves the selector's bytes.
     pub fn summaries_bf16(&self) -> bool {
-        self.summary_dtype == SummaryDtype::Bf16Outward || self.geometry.dtype == DType::Bf16
+        self.summary_dtype == SummaryDtype::Bf16Outward
+            || self.geometry.dtype == DType::Bf16
+            || self.sketch()
+    }
+
+    /// Whether the policy ranks by key sketches: the device then holds each block's quarter
+    /// bounds (bf16, as the host keeps them) in place of its bounds, and its key sketches.
+    pub fn sketch(&self) -> bool {
+        self.policy.selector.needs_sketches()
+    }
+
+    /// Summary records per (block, kv head) on the device: its four quarters with the sketch
+    /// selector, else one.
+    pub fn summary_records(&self) -> u32 {
+        if self.sketch() {
+            4
+        } else {
+            1
+        }
+    }
+
+    /// Bytes of one (block, kv head)'s key sketch on the device: the codes of its keys, then
+    /// their f32 scales (kvtier_storage::sketch's layout). 0 without the sketch selector.
+    pub fn sketch_record_bytes(&self) -> usize {
+        if !self.sketch() {
+            return 0;
+        }
+        let g = &self.geometry;
+        g.block_tokens as usize * (padded_dims(g.head_dim as usize) / 2 + 4)
     }
 
     /// The -D defines the kernels are compiled with.
@@ -286,6 +343,10 @@ impl CudaConfig {
             ("ATT_THREADS", derived.att_threads),
             ("SCORE_THREADS", SCORE_THREADS),
             ("SCORE_NB", SCORE_NB),
+            ("SKETCH", u32::from(self.sketch())),
+            ("CAND", derived.candidates),
+            ("QUARTERS", self.summary_records()),
+            ("PD", padded_dims(g.head_dim as usize) as u32),
         ]
         .iter()
         .map(|(k, v)| format!("-D{k}={v}"))
@@ -319,24 +380,9 @@ pub struct Derived {
     /// Whether layer_fused can run a layer (but its merge) in one launch: the list-merge
     /// top-k, and as many attention threads as scoring threads.
     pub fused: bool,
-}
-
-/// Rounds an fp32 bound to bf16 bits away from the interior: `up` rounds toward +inf (for
-/// k_max), otherwise toward -inf (for k_min). Finite inputs only.
-pub fn bf16_outward(x: f32, up: bool) -> u16 {
-    let bits = x.to_bits();
-    let trunc = (bits >> 16) as u16; // rounds toward zero
-    if bits & 0xffff == 0 {
-        return trunc;
-    }
-    let negative = bits >> 31 == 1;
-    // Toward zero is toward -inf for positives and toward +inf for negatives.
-    let away = up != negative;
-    if away {
-        trunc + 1
-    } else {
-        trunc
-    }
+    /// Blocks the selector's first stage keeps: the sketch selector's candidates
+    /// (`max(candidates, top_k)`), else top_k.
+    pub candidates: u32,
 }
 
 #[cfg(test)]
@@ -417,26 +463,5 @@ mod tests {
                 "case {i}"
             );
         }
-    }
-
-    #[test]
-    fn bf16_outward_rounding_brackets_the_value() {
-        let mut x = 0x1234_5678u32;
-        for _ in 0..100_000 {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            let f = f32::from_bits(x);
-            if !f.is_finite() || f.abs() > 1e38 {
-                continue;
-            }
-            let hi = f32::from_bits((bf16_outward(f, true) as u32) << 16);
-            let lo = f32::from_bits((bf16_outward(f, false) as u32) << 16);
-            assert!(hi >= f && lo <= f, "{f} -> [{lo}, {hi}]");
-            // One bf16 ulp apart at most.
-            assert!(bf16_outward(f, true).abs_diff(bf16_outward(f, false)) <= 1 || f == 0.0);
-        }
-        assert_eq!(bf16_outward(1.0, true), 0x3f80);
-        assert_eq!(bf16_outward(-1.0, false), 0xbf80);
     }
 }

@@ -50,8 +50,9 @@ pub use backend::{
     DeviceKv, DeviceTail, LaunchMode, LayerOutput, LayerStats, LayerTiming, StepItem, StepOutput,
     Timing, FUSE_BELOW_HIT_SHARE,
 };
-pub use config::{bf16_outward, AttentionMath, CudaConfig, SummaryDtype};
+pub use config::{AttentionMath, CudaConfig, SummaryDtype};
 pub use cudarc::driver::{sys::CUstream, CudaContext};
 pub use error::CudaError;
+pub use kvtier_storage::dtype::bf16_outward;
 pub use module::{compile_check, KERNEL_SOURCE};
 pub use pinned::{AnonMapping, PinnedRegion, MAX_REGISTER_CHUNK};

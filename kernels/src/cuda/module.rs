@@ -35,6 +35,8 @@ pub(crate) struct Kernels {
     pub plan_fixed: CudaFunction,
     pub select_score: CudaFunction,
     pub select_topk: CudaFunction,
+    /// The sketch selector's second stage (an empty kernel without it).
+    pub select_rerank: CudaFunction,
     /// Present when [`Derived::fused`].
     pub layer_fused: Option<CudaFunction>,
     pub attend_tile: CudaFunction,
@@ -174,6 +176,7 @@ pub(crate) fn compile(
     let (dense_merge_part, dense_merge_out) = (f("dense_merge_part")?, f("dense_merge_out")?);
     let copy_runs = f("copy_runs")?;
     let (select_score, select_topk) = (f("select_score")?, f("select_topk")?);
+    let select_rerank = f("select_rerank")?;
     Ok(Kernels {
         module,
         attend_tile,
@@ -185,6 +188,7 @@ pub(crate) fn compile(
         plan_fixed,
         select_score,
         select_topk,
+        select_rerank,
         layer_fused,
         pdl: arch.is_some() && cc.0 >= 9,
     })

@@ -10,9 +10,10 @@ use kvtier_kernels::cuda::{
     bf16_outward, device_available, AnonMapping, CudaBackend, CudaConfig, DecodeItem, PinnedRegion,
     StepItem, SummaryDtype,
 };
-use kvtier_kernels::select::{block_score, partition};
+use kvtier_kernels::select::{block_score, partition, quarter_score, QuerySketch};
+use kvtier_storage::sketch::{code_bytes, quarters, sketch_block, HeadSketch};
 use kvtier_storage::testing::XorShift64 as Rng;
-use kvtier_storage::{DType, Geometry, Policy};
+use kvtier_storage::{DType, Geometry, Policy, Selector};
 
 pub fn gpu() -> bool {
     if device_available() {
@@ -123,6 +124,27 @@ impl Harness {
         }
     }
 
+    /// The key sketches of block `b` of a session layer, from its run in the host frame (the
+    /// storage crate's own sketching): quarters, codes, scales in the host layout.
+    fn block_sketch(&self, s: usize, l: usize, b: u32) -> (Vec<u16>, Vec<u8>, Vec<f32>) {
+        let g = self.cfg.geometry;
+        let (hkv, bt, d) = (
+            g.kv_heads as usize,
+            g.block_tokens as usize,
+            g.head_dim as usize,
+        );
+        let kv = &self.sessions[s];
+        let valid = (kv.n_tokens - b * g.block_tokens).min(g.block_tokens) as usize;
+        let base = self.frame_offset(kv.frames[l][b as usize]) as usize;
+        let host = self.be.host().unwrap().host().unwrap();
+        let run = &host[base..base + g.block_bytes()];
+        let mut q = vec![0u16; hkv * quarters(bt) * 2 * d];
+        let mut c = vec![0u8; hkv * bt * code_bytes(d)];
+        let mut sc = vec![0f32; hkv * bt];
+        sketch_block(&g, run, valid, &mut c, &mut sc, &mut q);
+        (q, c, sc)
+    }
+
     /// Summaries [n][kvh][2][D] of blocks first..first+n of a session layer (stored keys).
     fn summaries(&self, s: usize, l: usize, first: u32, n: u32) -> Vec<f32> {
         let g = self.cfg.geometry;
@@ -211,10 +233,23 @@ impl Harness {
             }
             let first = old / bt;
             let last = new.div_ceil(bt);
-            let sums = self.summaries(s, l, first, last - first);
-            self.be
-                .upload_summaries(slot, l as u32, first, &sums)
-                .unwrap();
+            if self.cfg.sketch() {
+                let (mut q, mut c, mut sc) = (Vec::new(), Vec::new(), Vec::new());
+                for b in first..last {
+                    let (bq, bc, bs) = self.block_sketch(s, l, b);
+                    q.extend(bq);
+                    c.extend(bc);
+                    sc.extend(bs);
+                }
+                self.be
+                    .upload_sketches(slot, l as u32, first, &q, &c, &sc)
+                    .unwrap();
+            } else {
+                let sums = self.summaries(s, l, first, last - first);
+                self.be
+                    .upload_summaries(slot, l as u32, first, &sums)
+                    .unwrap();
+            }
             let offs: Vec<u64> = (first..last)
                 .map(|b| self.frame_offset(self.sessions[s].frames[l][b as usize]))
                 .collect();
@@ -244,11 +279,10 @@ impl Harness {
     pub fn cpu_select(&self, s: usize, l: usize, q: &[f32]) -> Vec<Vec<u32>> {
         let g = self.cfg.geometry;
         let p = self.cfg.policy;
-        let policy = Policy {
-            sink_blocks: p.sink_blocks,
-            local_blocks: p.local_blocks,
-            top_k: p.top_k,
-        };
+        if let Selector::Sketch { candidates } = p.selector {
+            return self.cpu_select_sketch(s, l, q, candidates.max(p.top_k) as usize);
+        }
+        let policy = Policy::bound(p.sink_blocks, p.local_blocks, p.top_k);
         let (d, grp) = (g.head_dim as usize, g.group());
         let n = self.sessions[s].n_tokens.div_ceil(g.block_tokens);
         let mut sums = self.summaries(s, l, 0, n);
@@ -272,6 +306,62 @@ impl Harness {
                 cand.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
                 let mut keep: Vec<u32> = (0..sink_end as u32).collect();
                 keep.extend(cand.iter().take(p.top_k as usize).map(|c| c.1));
+                keep.extend(local_start as u32..n);
+                keep.sort_unstable();
+                keep
+            })
+            .collect()
+    }
+
+    /// The sketch selector on the CPU, from its own scoring ([`quarter_score`],
+    /// [`QuerySketch::score`]) of each block's sketches (from its run): the `c` best distant
+    /// blocks by quarter bound, then the top-k of those by sketch, ties to the lower block.
+    fn cpu_select_sketch(&self, s: usize, l: usize, q: &[f32], c: usize) -> Vec<Vec<u32>> {
+        let g = self.cfg.geometry;
+        let p = self.cfg.policy;
+        let (d, grp, bt) = (g.head_dim as usize, g.group(), g.block_tokens as usize);
+        let n = self.sessions[s].n_tokens.div_ceil(g.block_tokens);
+        let blocks: Vec<_> = (0..n).map(|b| self.block_sketch(s, l, b)).collect();
+        let best = |mut c: Vec<(f32, u32)>, k: usize| -> Vec<u32> {
+            c.sort_by(|a, b| a.0.total_cmp(&b.0).reverse().then(a.1.cmp(&b.1)));
+            c.into_iter().take(k).map(|x| x.1).collect()
+        };
+        (0..g.kv_heads as usize)
+            .map(|h| {
+                let Some((sink_end, local_start)) = partition(n as usize, &p) else {
+                    return (0..n).collect();
+                };
+                let q_group = &q[h * grp * d..(h + 1) * grp * d];
+                let qb = quarters(bt) * 2 * d;
+                let cands = best(
+                    (sink_end..local_start)
+                        .map(|b| {
+                            (
+                                quarter_score(q_group, &blocks[b].0[h * qb..(h + 1) * qb], d),
+                                b as u32,
+                            )
+                        })
+                        .collect(),
+                    c,
+                );
+                let qs = QuerySketch::new(q_group, d);
+                let cb = code_bytes(d);
+                let mut keep: Vec<u32> = (0..sink_end as u32).collect();
+                keep.extend(best(
+                    cands
+                        .iter()
+                        .map(|&b| {
+                            let (bq, bc, bs) = &blocks[b as usize];
+                            let hs = HeadSketch {
+                                codes: &bc[h * bt * cb..(h + 1) * bt * cb],
+                                scales: &bs[h * bt..(h + 1) * bt],
+                                quarters: &bq[h * qb..(h + 1) * qb],
+                            };
+                            (qs.score(&hs), b)
+                        })
+                        .collect(),
+                    p.top_k as usize,
+                ));
                 keep.extend(local_start as u32..n);
                 keep.sort_unstable();
                 keep
@@ -393,11 +483,7 @@ pub fn check_step(
     }
 }
 
-pub const POLICY: Policy = Policy {
-    sink_blocks: 1,
-    local_blocks: 4,
-    top_k: 8,
-};
+pub const POLICY: Policy = Policy::bound(1, 4, 8);
 
 /// Qwen2.5-7B heads (28/4, D=128, bf16) in blocks of 32 tokens, [`POLICY`], fp32 summaries.
 pub fn qwen_b32_config(max_blocks: u32, sessions: u32) -> CudaConfig {
@@ -407,11 +493,7 @@ pub fn qwen_b32_config(max_blocks: u32, sessions: u32) -> CudaConfig {
 
 /// Qwen2.5-7B attention (28/4 heads, D=128, B=128, bf16), sink 1, local 4, top-k 32.
 pub fn qwen_config(max_blocks: u32, sessions: u32) -> CudaConfig {
-    let policy = Policy {
-        sink_blocks: 1,
-        local_blocks: 4,
-        top_k: 32,
-    };
+    let policy = Policy::bound(1, 4, 32);
     let g = geom(28, 4, 128, 128, DType::Bf16);
     CudaConfig::new(g, policy, max_blocks, sessions, SummaryDtype::F32)
 }

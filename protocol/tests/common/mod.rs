@@ -38,13 +38,16 @@ pub fn geometry() -> impl Strategy<Value = Geometry> {
 }
 
 pub fn policy() -> impl Strategy<Value = Policy> {
-    (any::<u32>(), any::<u32>(), any::<u32>()).prop_map(|(sink_blocks, local_blocks, top_k)| {
-        Policy {
-            sink_blocks,
-            local_blocks,
-            top_k,
-        }
-    })
+    (
+        any::<u32>(),
+        any::<u32>(),
+        any::<u32>(),
+        prop::option::of(any::<u32>()),
+    )
+        .prop_map(|(sink, local, top_k, candidates)| match candidates {
+            Some(c) => Policy::sketch(sink, local, top_k, c),
+            None => Policy::bound(sink, local, top_k),
+        })
 }
 
 pub fn text() -> impl Strategy<Value = String> {

@@ -204,6 +204,9 @@ fn commit_layer(geo: &Geometry, l: &mut LayerKv, mut fresh: Vec<Frame>, start: u
         f.as_mut_slice()[geo.block_bytes()..].fill(0);
         l.slots.push(Slot::Hot(f));
         l.summaries.extend(std::iter::repeat_n(0.0, spb));
+        if let Some(sk) = &mut l.sketches {
+            sk.open_block(geo);
+        }
     }
     for b in start / bt..end.div_ceil(bt) {
         let Slot::Hot(frame) = &mut l.slots[b as usize] else {
@@ -219,6 +222,9 @@ fn commit_layer(geo: &Geometry, l: &mut LayerKv, mut fresh: Vec<Frame>, start: u
             reset_bounds(geo, summ);
         }
         fold_bounds(geo, run, from..to, summ);
+        if let Some(sk) = &mut l.sketches {
+            sk.add_run(geo, b as usize, run, from..to);
+        }
     }
     l.tokens = end;
 }

@@ -7,6 +7,7 @@ use crate::arena::{Frame, HostArena};
 use crate::error::{Result, StorageError};
 use crate::geometry::{Geometry, MAX_HEAD_DIM};
 use crate::par;
+use crate::sketch::{sketch_block, BlockSketch, HeadSketch, LayerSketches};
 
 mod in_place;
 pub use in_place::{in_place_row, InPlaceAppend};
@@ -62,6 +63,8 @@ struct LayerKv {
     slots: Vec<Slot>,
     /// `[block][kv_head][max|min][D]` in f32 of the stored (dtype-rounded) keys.
     summaries: Vec<f32>,
+    /// Per-token key sketches (`crate::sketch`), for sessions whose selector ranks by them.
+    sketches: Option<LayerSketches>,
 }
 
 /// One session's full KV cache in the host tier.
@@ -82,9 +85,16 @@ impl std::fmt::Debug for KvCache {
 }
 
 impl KvCache {
-    /// An empty cache. Fails if the geometry is invalid or a block run is larger than the
-    /// arena's largest extent.
+    /// An empty cache that keeps per-token key sketches (what the default selector needs).
+    /// Fails if the geometry is invalid or a block run is larger than the arena's largest
+    /// extent.
     pub fn new(geo: Geometry, arena: HostArena) -> Result<Self> {
+        Self::new_with(geo, arena, true)
+    }
+
+    /// An empty cache, with per-token key sketches or without (a session whose selector does
+    /// not read them saves their host memory: a quarter of its keys' bytes).
+    pub fn new_with(geo: Geometry, arena: HostArena, sketches: bool) -> Result<Self> {
         geo.validate()?;
         if geo.block_bytes() > arena.max_run_bytes() {
             return Err(StorageError::BlockTooLarge {
@@ -97,6 +107,7 @@ impl KvCache {
                 tokens: 0,
                 slots: Vec::new(),
                 summaries: Vec::new(),
+                sketches: sketches.then(LayerSketches::default),
             })
             .collect();
         Ok(KvCache {
@@ -114,6 +125,20 @@ impl KvCache {
 
     pub fn arena(&self) -> &HostArena {
         &self.arena
+    }
+
+    /// Whether the cache keeps per-token key sketches.
+    pub fn has_sketches(&self) -> bool {
+        self.layers.first().is_some_and(|l| l.sketches.is_some())
+    }
+
+    /// Host bytes of the key sketches (outside the arena, like the summaries).
+    pub fn sketch_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .filter_map(|l| l.sketches.as_ref())
+            .map(LayerSketches::bytes)
+            .sum()
     }
 
     /// Tokens stored at `layer`.
@@ -232,6 +257,9 @@ impl KvCache {
             l.summaries.truncate(blocks * spb);
             l.tokens = tokens;
             let valid = (tokens % bt) as usize;
+            if let Some(sk) = &mut l.sketches {
+                sk.truncate(&geo, blocks);
+            }
             if valid == 0 {
                 continue;
             }
@@ -241,6 +269,9 @@ impl KvCache {
             let run = frame.as_mut_slice();
             zero_rows(&geo, run, valid, bt as usize);
             refold_bounds(&geo, run, valid, &mut l.summaries[(blocks - 1) * spb..]);
+            if let Some(sk) = &mut l.sketches {
+                sk.rebuild(&geo, blocks - 1, run, valid);
+            }
         }
     }
 
@@ -290,6 +321,10 @@ impl KvCache {
         let at = l.summaries.len();
         l.summaries.resize(at + geo.summary_floats_per_block(), 0.0);
         refold_bounds(&geo, run, valid, &mut l.summaries[at..]);
+        if let Some(sk) = &mut l.sketches {
+            sk.open_block(&geo);
+            sk.add_run(&geo, l.slots.len(), run, 0..valid);
+        }
         l.slots.push(slot);
         l.tokens += valid as u64;
         Ok(())
@@ -366,6 +401,7 @@ impl KvCache {
         for b in blocks {
             added[b.layer as usize] += 1;
         }
+        let old_blocks: Vec<usize> = self.layers.iter().map(|l| l.slots.len()).collect();
         let non_finite = {
             let mut tails: Vec<_> = self
                 .layers
@@ -374,16 +410,25 @@ impl KvCache {
                 .map(|(l, &n)| {
                     let at = l.summaries.len();
                     l.summaries.resize(at + n * spb, 0.0);
-                    l.summaries[at..].chunks_exact_mut(spb)
+                    let sketches = l.sketches.as_mut().map(|sk| {
+                        let first = sk.blocks(&geo);
+                        for _ in 0..n {
+                            sk.open_block(&geo);
+                        }
+                        sk.blocks_mut(&geo, first)
+                    });
+                    (l.summaries[at..].chunks_exact_mut(spb), sketches)
                 })
                 .collect();
             let mut free_frames = frames.iter_mut();
             let work: Vec<Mutex<RestoreWork<'_, '_>>> = blocks
                 .iter()
                 .map(|b| {
+                    let (summaries, sketches) = &mut tails[b.layer as usize];
                     Mutex::new(RestoreWork {
                         block: b,
-                        summary: tails[b.layer as usize].next().expect("sized above"),
+                        summary: summaries.next().expect("sized above"),
+                        sketch: sketches.as_mut().map(|s| s.next().expect("sized above")),
                         frame: if b.keep { free_frames.next() } else { None },
                     })
                 })
@@ -401,6 +446,9 @@ impl KvCache {
                     f[run.len()..].fill(0);
                 }
                 refold_bounds(&geo, run, w.block.valid, w.summary);
+                if let Some(s) = w.sketch.as_mut() {
+                    sketch_block(&geo, run, w.block.valid, s.codes, s.scales, s.quarters);
+                }
                 None
             })
             .into_iter()
@@ -408,8 +456,11 @@ impl KvCache {
             .next()
         };
         if let Some((_, index)) = non_finite {
-            for (l, len) in self.layers.iter_mut().zip(old_lens) {
+            for ((l, len), blocks) in self.layers.iter_mut().zip(old_lens).zip(old_blocks) {
                 l.summaries.truncate(len);
+                if let Some(sk) = &mut l.sketches {
+                    sk.truncate(&geo, blocks);
+                }
             }
             return Err(StorageError::NonFinite {
                 what: "stored block run",
@@ -479,6 +530,7 @@ impl KvCache {
             tokens: l.tokens,
             slots: &l.slots,
             summaries: &l.summaries,
+            sketches: l.sketches.as_ref(),
         })
     }
 
@@ -677,6 +729,9 @@ fn write_rows(geo: &Geometry, l: &mut LayerKv, k: &[u8], v: &[u8], n: u64, fresh
             zero_rows(geo, run, filled, bt as usize);
             run[geo.block_bytes()..].fill(0);
             l.slots.push(Slot::Hot(f));
+            if let Some(sk) = &mut l.sketches {
+                sk.open_block(geo);
+            }
             // Empty bounds: every fold replaces them.
             for h in 0..hkv {
                 let at = l.summaries.len();
@@ -705,6 +760,9 @@ fn write_rows(geo: &Geometry, l: &mut LayerKv, k: &[u8], v: &[u8], n: u64, fresh
                 *m = m.max(*kv);
                 *x = x.min(*kv);
             }
+            if let Some(sk) = &mut l.sketches {
+                sk.add(geo, block, h, slot, key);
+            }
         }
         l.tokens += 1;
     }
@@ -714,6 +772,8 @@ fn write_rows(geo: &Geometry, l: &mut LayerKv, k: &[u8], v: &[u8], n: u64, fresh
 struct RestoreWork<'b, 'k> {
     block: &'b StoredBlock<'b>,
     summary: &'k mut [f32],
+    /// The block's sketch, when the cache keeps sketches.
+    sketch: Option<BlockSketch<'k>>,
     frame: Option<&'k mut Frame>,
 }
 
@@ -793,6 +853,7 @@ pub struct LayerView<'a> {
     tokens: u64,
     slots: &'a [Slot],
     summaries: &'a [f32],
+    sketches: Option<&'a LayerSketches>,
 }
 
 impl<'a> LayerView<'a> {
@@ -819,6 +880,16 @@ impl<'a> LayerView<'a> {
         let at = (block * self.geo.kv_heads as usize + kv_head) * 2 * d;
         let s = &self.summaries[at..at + 2 * d];
         s.split_at(d)
+    }
+
+    /// Whether the layer keeps per-token key sketches.
+    pub fn has_sketches(&self) -> bool {
+        self.sketches.is_some()
+    }
+
+    /// One (block, kv-head)'s sketch ([`crate::sketch`]); None when the cache keeps none.
+    pub fn sketch(&self, block: usize, kv_head: usize) -> Option<HeadSketch<'a>> {
+        self.sketches.map(|s| s.get(self.geo, block, kv_head))
     }
 
     /// Tokens present in `block`: B except for the tail block.

@@ -43,6 +43,8 @@ pub fn one_layer_record(id: u64, blocks: u32) -> SessionRecord {
             sink_blocks: 1,
             local_blocks: 1,
             top_k: 1,
+            selector: 0,
+            candidates: 0,
         },
         layer_tokens: vec![16 * blocks as u64],
         pages: Vec::new(),

@@ -4,7 +4,7 @@
 
 use kvtier_engine::{DeviceRows, HeadShard, InEngine};
 use kvtier_kernels::cuda::{CUstream, CudaConfig, DeviceIo, DeviceTail, SummaryDtype};
-use kvtier_protocol::{dtype_from_wire, Geometry, Policy};
+use kvtier_protocol::{dtype_from_wire, Geometry, Policy, Selector};
 use pyo3::create_exception;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -30,7 +30,8 @@ struct Engine {
 #[pymethods]
 impl Engine {
     /// `geometry` = (layers, q_heads, kv_heads, head_dim, dtype code, block_tokens),
-    /// `policy` = (sink_blocks, local_blocks, top_k), `shard` = (rank, world): the KV heads
+    /// `policy` = (sink_blocks, local_blocks, top_k, selector code, candidates), `shard` =
+    /// (rank, world): the KV heads
     /// attended (tensor parallelism; (0, 1) for all); `in_place`: map tierd's arena writable
     /// for `append_from_device` (every head only); `cache_slots`: tiles of the GPU block
     /// cache per (session, layer, KV head), at least the keep-set (0: twice the keep-set).
@@ -41,7 +42,7 @@ impl Engine {
         socket: &str,
         device: usize,
         geometry: (u32, u32, u32, u32, u8, u32),
-        policy: (u32, u32, u32),
+        policy: (u32, u32, u32, u32, u32),
         max_sessions: u32,
         max_blocks: u32,
         shard: (u32, u32),
@@ -54,10 +55,13 @@ impl Engine {
         let (layers, q_heads, kv_heads, head_dim, dtype, block_tokens) = geometry;
         let dtype = dtype_from_wire(dtype).map_err(err)?;
         let geometry = Geometry::new(layers, q_heads, kv_heads, head_dim, dtype, block_tokens);
+        let selector = Selector::from_code(policy.3, policy.4)
+            .ok_or_else(|| err(format!("unknown selector {}", policy.3)))?;
         let policy = Policy {
             sink_blocks: policy.0,
             local_blocks: policy.1,
             top_k: policy.2,
+            selector,
         };
         // As tierd's own CUDA decoder: f32 bounds (the CPU selector's keep-sets).
         let mut cfg = CudaConfig::new(

@@ -63,6 +63,9 @@ pub fn device_context(ordinal: usize) -> Result<Arc<CudaContext>> {
     CudaContext::new(ordinal).map_err(CudaError::driver("cuDevicePrimaryCtxRetain"))
 }
 
+/// layer_fused's ready flags per (batch item, kv head) (select.cu `READY_FLAGS`).
+const READY_FLAGS: usize = 3;
+
 /// One device buffer with its raw address cached for kernel arguments (event tracking off: the
 /// backend orders every use itself, see [`CudaBackend`]'s streams).
 struct DevBuf<T> {
@@ -313,7 +316,12 @@ pub struct CudaBackend {
     /// Per layer: the batch size of the last call that ran it ([`Self::last_keep_sets`]).
     batch_of: Vec<usize>,
     // Device state.
+    /// Per (slot, layer, block, kv head): its summary records in the device order (the block's
+    /// bounds, or with the sketch selector its four quarter bounds).
     sums: DevBuf<u8>,
+    /// Per (slot, layer, block, kv head) with the sketch selector: its key sketch
+    /// ([`CudaConfig::sketch_record_bytes`]); empty otherwise.
+    sketches: DevBuf<u8>,
     pages: DevBuf<u64>,
     tags: DevBuf<u32>,
     stamps: DevBuf<u32>,
@@ -334,6 +342,11 @@ pub struct CudaBackend {
     ready: DevBuf<u32>,
     /// layer_fused's ticket counter (one u32).
     tickets: DevBuf<u32>,
+    /// The sketch selector's: per (batch item, kv head) its candidates (32 slots), the rerank
+    /// roles' keys (32 slots) and their finished count (zero between launches).
+    cands: DevBuf<u32>,
+    rkeys: DevBuf<u64>,
+    rdone: DevBuf<u32>,
     table: DevBuf<u32>,
     counts: DevBuf<u32>,
     slot_of: DevBuf<u32>,

@@ -2,8 +2,9 @@
 //! page-table entries into the host region, token counts.
 
 use super::{CudaBackend, Session};
-use crate::cuda::config::bf16_outward;
+use crate::cuda::bf16_outward;
 use crate::cuda::error::{CudaError, Result};
+use kvtier_storage::sketch::padded_dims;
 
 /// The device order of one (block, kv head) summary record (select.cu, "Device summary
 /// layout"): entry e is the index into the CPU's [max; D] ++ [min; D] record. Thread j of a
@@ -130,9 +131,94 @@ impl CudaBackend {
         sess.ready[l] = r as u32;
     }
 
+    /// Uploads the sketch selector's block data for blocks `first_block..first_block + n` of
+    /// one session layer, in kvtier_storage::sketch's host layout: `quarters` `[n][kv_head][4]
+    /// [max|min][D]` bf16 bits, `codes` `[n][kv_head][B][code bytes]`, `scales`
+    /// `[n][kv_head][B]`. Re-uploading a block (the tail block after appends) replaces it.
+    /// Only for a backend whose policy ranks by sketches ([`CudaConfig::sketch`]).
+    pub fn upload_sketches(
+        &mut self,
+        slot: u32,
+        layer: u32,
+        first_block: u32,
+        quarters: &[u16],
+        codes: &[u8],
+        scales: &[f32],
+    ) -> Result<()> {
+        let s = self.check_slot(slot)?;
+        let l = self.check_layer(layer)?;
+        if !self.cfg.sketch() {
+            return Err(CudaError::InvalidConfig {
+                reason: "key sketches are for the sketch selector; this backend takes summaries"
+                    .into(),
+            });
+        }
+        let g = self.cfg.geometry;
+        let (hkv, bt, d) = (
+            g.kv_heads as usize,
+            g.block_tokens as usize,
+            g.head_dim as usize,
+        );
+        let per_q = hkv * 4 * 2 * d;
+        let n = quarters.len() / per_q;
+        let cb = padded_dims(d) / 2;
+        for (what, got, expected) in [
+            ("quarters", quarters.len(), n * per_q),
+            ("codes", codes.len(), n * hkv * bt * cb),
+            ("scales", scales.len(), n * hkv * bt),
+        ] {
+            if n == 0 || got != expected {
+                return Err(CudaError::BadLength {
+                    what,
+                    got,
+                    expected: expected.max(1),
+                });
+            }
+        }
+        self.block_range(first_block, n)?;
+        if let Some(index) = scales.iter().position(|x| !x.is_finite()) {
+            return Err(CudaError::NonFinite {
+                what: "sketch scales",
+                index,
+            });
+        }
+        self.session_mut(slot)?;
+        let mb = self.cfg.max_blocks as usize;
+        let rec0 = ((s * g.layers as usize + l) * mb + first_block as usize) * hkv;
+        // Quarter records in the device order of a bf16 summary (quarter after quarter).
+        let mut dev = vec![0u16; quarters.len()];
+        for (dst, src) in dev
+            .chunks_exact_mut(self.sum_order.len())
+            .zip(quarters.chunks_exact(self.sum_order.len()))
+        {
+            for (x, &o) in dst.iter_mut().zip(&self.sum_order) {
+                *x = src[o];
+            }
+        }
+        self.htod(self.sums.at(rec0 * 4 * 2 * d * 2), &dev)?;
+        // Sketch records: each (block, kv head)'s codes, then its scales.
+        let rb = self.cfg.sketch_record_bytes();
+        let mut recs = vec![0u8; n * hkv * rb];
+        for (r, rec) in recs.chunks_exact_mut(rb).enumerate() {
+            let (c, sc) = rec.split_at_mut(bt * cb);
+            c.copy_from_slice(&codes[r * bt * cb..(r + 1) * bt * cb]);
+            for (o, x) in sc.chunks_exact_mut(4).zip(&scales[r * bt..(r + 1) * bt]) {
+                o.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+        self.htod(self.sketches.at(rec0 * rb), &recs)?;
+        let sess = self.session_mut(slot)?;
+        for f in &mut sess.flags[l][first_block as usize..first_block as usize + n] {
+            *f |= 1;
+        }
+        Self::advance_ready(sess, l);
+        Ok(())
+    }
+
     /// Uploads block summaries [n][kv_head][2][D] f32 (index 0 = max, 1 = min) for blocks
     /// `first_block..first_block + n` of one session layer. Re-uploading a block (the tail
-    /// block after appends) replaces it.
+    /// block after appends) replaces it. Not for a backend of the sketch selector, which takes
+    /// [`Self::upload_sketches`].
     pub fn upload_summaries(
         &mut self,
         slot: u32,
@@ -152,6 +238,11 @@ impl CudaBackend {
         }
         let n = summaries.len() / per;
         self.block_range(first_block, n)?;
+        if self.cfg.sketch() {
+            return Err(CudaError::InvalidConfig {
+                reason: "the sketch selector's device takes key sketches (upload_sketches), not summaries".into(),
+            });
+        }
         if let Some(index) = summaries.iter().position(|x| !x.is_finite()) {
             return Err(CudaError::NonFinite {
                 what: "summaries",

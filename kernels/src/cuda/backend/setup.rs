@@ -5,6 +5,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext};
 
 use super::sessions::summary_order;
+use super::READY_FLAGS;
 use super::{
     device_context, packed, CudaBackend, DevBuf, DevView, LaunchMode, Timers, Timing,
     FUSE_BELOW_HIT_SHARE,
@@ -69,7 +70,16 @@ impl CudaBackend {
         )?;
         let (results, rat) = packed(&stream, &[l * 4 * 8, l * bmax * hq * d * 4])?;
         let backend = CudaBackend {
-            sums: z8(s * l * mb * g.summary_floats_per_block() * sum_elem)?,
+            sums: z8(s
+                * l
+                * mb
+                * g.summary_floats_per_block()
+                * cfg.summary_records() as usize
+                * sum_elem)?,
+            sketches: z8(s * l * mb * hkv * cfg.sketch_record_bytes())?,
+            cands: z32(bmax * hkv * 32)?,
+            rkeys: z64(bmax * hkv * 32)?,
+            rdone: z32(bmax * hkv)?,
             pages: z64(s * l * mb)?,
             tags: z32(s * l * hkv * c)?,
             stamps: z32(s * l * hkv * c)?,
@@ -80,7 +90,7 @@ impl CudaBackend {
             q: DevView::new(at[2], l * bmax * hq * d),
             scores: z8(bmax * hkv * derived.score_scratch)?,
             done: z32(bmax * hkv)?,
-            ready: z32(bmax * hkv * 2)?,
+            ready: z32(bmax * hkv * READY_FLAGS)?,
             tickets: z32(1)?,
             table: z32(l * bmax * hkv * ks)?,
             counts: z32(l * bmax * hkv)?,
@@ -172,6 +182,11 @@ impl CudaBackend {
         }
         self.sync()?;
         self.host.take().ok_or(CudaError::NoHostRegion)
+    }
+
+    /// The attached host region; None when none is attached.
+    pub fn host(&self) -> Option<&PinnedRegion> {
+        self.host.as_deref()
     }
 
     /// The attached host region (mutable, to write frames between decode calls); None when

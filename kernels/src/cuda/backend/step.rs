@@ -12,8 +12,8 @@ use super::{
 use crate::cuda::config::{SCORE_NB, SCORE_THREADS};
 use crate::cuda::error::{CudaError, Result};
 use crate::cuda::params::{
-    AttendMergeParams, AttendTileParams, LayerFusedParams, PlanFixedParams, SelectScoreParams,
-    SelectTopkParams,
+    AttendMergeParams, AttendTileParams, LayerFusedParams, PlanFixedParams, SelectRerankParams,
+    SelectScoreParams, SelectTopkParams,
 };
 
 /// What precedes a layer's first launch on the main stream.
@@ -370,9 +370,16 @@ impl CudaBackend {
             )
         };
 
-        // Score roles: blocks per octet and thread blocks (candidate lists) per kv head.
-        let nbo = self.score_blocks_per_octet(max_nb, hkv * bu);
-        let lists = max_nb.div_ceil(nbo * (SCORE_THREADS / 8));
+        // Score roles: records per octet and thread blocks (candidate lists) per kv head.
+        let records = max_nb * self.cfg.summary_records();
+        let nbo = self.score_blocks_per_octet(records, hkv * bu);
+        let lists = records.div_ceil(nbo * (SCORE_THREADS / 8));
+        // The sketch selector's rerank roles per kv head (none without it).
+        let reranks = if self.cfg.sketch() {
+            self.derived.candidates
+        } else {
+            0
+        };
         // select_score's parameters, which layer_fused's begin with.
         let score = SelectScoreParams {
             q,
@@ -388,6 +395,7 @@ impl CudaBackend {
             slot_of: self.slot_of.ptr,
             miss_src: self.miss_src.ptr,
             stats: self.stats.ptr,
+            cands: self.cands.ptr,
             layer,
             max_blocks: mb,
             nbo,
@@ -402,7 +410,7 @@ impl CudaBackend {
             } else {
                 p.sink_blocks + p.local_blocks
             };
-            let ctas = (1 + nfixed + lists + p.top_k) * hkv * bu;
+            let ctas = (1 + nfixed + lists + reranks + p.top_k) * hkv * bu;
             let s = score;
             let params = LayerFusedParams {
                 q: s.q,
@@ -433,6 +441,10 @@ impl CudaBackend {
                 lists,
                 nfixed,
                 batch: bu,
+                cands: s.cands,
+                rkeys: self.rkeys.ptr,
+                rdone: self.rdone.ptr,
+                sketches: self.sketches.ptr,
             };
             if start == LayerStart::Replayable {
                 // A captured launch replays with the stamp and ticket base it was captured
@@ -496,6 +508,31 @@ impl CudaBackend {
             cfg((lists, hkv, bu), SCORE_THREADS),
             &score,
         )?;
+        if reranks > 0 {
+            self.launch(
+                main,
+                &k.select_rerank,
+                cfg((reranks, hkv, bu), SCORE_THREADS),
+                &SelectRerankParams {
+                    q,
+                    sketches: self.sketches.ptr,
+                    sess,
+                    ntok,
+                    cands: self.cands.ptr,
+                    rkeys: self.rkeys.ptr,
+                    rdone: self.rdone.ptr,
+                    table,
+                    tags: self.tags.ptr,
+                    stamps: self.stamps.ptr,
+                    pages: self.pages.ptr,
+                    slot_of: self.slot_of.ptr,
+                    miss_src: self.miss_src.ptr,
+                    stats: self.stats.ptr,
+                    max_blocks: mb,
+                    layer,
+                },
+            )?;
+        }
         if !self.derived.topk_merge {
             self.launch(
                 main,
@@ -565,12 +602,13 @@ impl CudaBackend {
         self.record(l, 2)
     }
 
-    /// Blocks each select_score octet scores: the most (fewest candidate lists to merge, the
-    /// query loaded once per more blocks) that still gives every multiprocessor a thread block.
-    fn score_blocks_per_octet(&self, max_nb: u32, heads: u32) -> u32 {
+    /// Records each select_score octet scores: the most (fewest candidate lists to merge, the
+    /// query loaded once per more records) that still gives every multiprocessor a thread
+    /// block.
+    fn score_blocks_per_octet(&self, records: u32, heads: u32) -> u32 {
         let octets = SCORE_THREADS / 8;
         let mut nbo = SCORE_NB;
-        while nbo > 1 && max_nb.div_ceil(nbo * octets) * heads < self.sms {
+        while nbo > 1 && records.div_ceil(nbo * octets) * heads < self.sms {
             nbo /= 2;
         }
         nbo

@@ -280,6 +280,29 @@ kernel_params! {
         slot_of: u64 as "u32* __restrict__",
         miss_src: u64 as "u64* __restrict__",
         stats: u64 as "unsigned long long* __restrict__",
+        // The sketch selector's candidates [batch][KV_HEADS][32] (unused without it).
+        cands: u64 as "u32*",
+    }
+
+    /// select_rerank (select.cu): the sketch selector's second stage (candidates scored by
+    /// their key sketches, the top-k and the distant plan).
+    select_rerank => SelectRerankParams {
+        q: u64 as "const float* __restrict__",
+        sketches: u64 as "const unsigned char* __restrict__",
+        sess: u64 as "const u32* __restrict__",
+        ntok: u64 as "const u32* __restrict__",
+        layer: u32,
+        max_blocks: u32,
+        cands: u64 as "const u32*",
+        rkeys: u64 as "u64*",
+        rdone: u64 as "u32* __restrict__",
+        table: u64 as "u32*",
+        tags: u64 as "u32* __restrict__",
+        stamps: u64 as "u32* __restrict__",
+        pages: u64 as "const u64* __restrict__",
+        slot_of: u64 as "u32* __restrict__",
+        miss_src: u64 as "u64* __restrict__",
+        stats: u64 as "unsigned long long* __restrict__",
     }
 
     /// layer_fused (select.cu): a whole layer but the merge in one launch; select_score's
@@ -315,6 +338,12 @@ kernel_params! {
         lists: u32,
         nfixed: u32,
         batch: u32,
+        // The sketch selector's (unused without it): candidates, the rerank roles' keys and
+        // counters, the key sketches.
+        cands: u64 as "u32*",
+        rkeys: u64 as "u64*",
+        rdone: u64 as "u32* __restrict__",
+        sketches: u64 as "const unsigned char* __restrict__",
     }
 
     /// select_topk (select.cu): radix select over every score and the distant plan (top_k > 32).

@@ -42,7 +42,7 @@ fn parse_decl(decl: &str) -> (&str, Vec<(&str, &str)>) {
 /// field's size, a pointer exactly where the field is a device address.
 #[test]
 fn c_parameter_lists_match_the_rust_fields() {
-    assert_eq!(ALL.len(), 10, "one struct per kernel");
+    assert_eq!(ALL.len(), 11, "one struct per kernel");
     for &(kernel, decl, fields) in ALL {
         let (_, params) = parse_decl(decl);
         let names: Vec<&str> = params.iter().map(|p| p.1).collect();
@@ -113,6 +113,7 @@ fn launch_arguments_are_the_fields_in_order() {
         slot_of: 14,
         miss_src: 15,
         stats: 16,
+        cands: 17,
     };
     let base = &p as *const SelectScoreParams as usize;
     let ptrs = p.arg_ptrs();

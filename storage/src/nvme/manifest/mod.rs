@@ -25,7 +25,9 @@
 //! under the checksum; version 4 (same layout) is for variable-size pages: `page_size` records
 //! the store's unit and a page record's `page` is the first unit of its extent (whose length
 //! follows from `payload_len`, see [`PageRecord::addr`]), where versions 1 to 3 had fixed
-//! pages of `page_size` bytes and `page` counted them. Versions 1 to 3 still load (version 1
+//! pages of `page_size` bytes and `page` counted them. Version 5 adds the policy's selector
+//! ([`PolicyRecord::selector`], [`PolicyRecord::candidates`]); sessions of older files come
+//! back with the bound selector they were created with. Versions 1 to 4 still load (version 1
 //! sessions come back unpinned): [`Loaded::recover_into`] converts their fixed pages to units
 //! of the store (page `p` becomes unit `p * page_size / unit`, so the data stays where it is
 //! and a warm restart after the upgrade keeps its sessions), if the old page size is a whole
@@ -47,11 +49,11 @@ use rkyv::rancor;
 
 use super::store::{page_units, PageAddr, PageStore};
 use super::NvmeError;
-use crate::{DType, Geometry, Policy};
+use crate::{DType, Geometry, Policy, Selector};
 
 const MAGIC: &[u8; 8] = b"KVTMANI1";
 /// The format version commits write.
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 /// The first version whose checksum covers the version field.
 const VERSION_CHECKSUMMED: u32 = 3;
 /// The first version of variable-size pages, addressed in units (before: fixed pages).
@@ -81,6 +83,10 @@ pub struct PolicyRecord {
     pub sink_blocks: u32,
     pub local_blocks: u32,
     pub top_k: u32,
+    /// `Selector::code`: 0 bound, 1 sketch (version 5; older files: the bound).
+    pub selector: u32,
+    /// The sketch selector's candidates per query head (0 for the bound).
+    pub candidates: u32,
 }
 
 // The manifest's records are the data model's boundary on disk: plain numbers, converted here.
@@ -118,17 +124,21 @@ impl From<&Policy> for PolicyRecord {
             sink_blocks: p.sink_blocks,
             local_blocks: p.local_blocks,
             top_k: p.top_k,
+            selector: p.selector.code(),
+            candidates: p.selector.candidates(),
         }
     }
 }
 
-impl From<&PolicyRecord> for Policy {
-    fn from(p: &PolicyRecord) -> Self {
-        Policy {
-            sink_blocks: p.sink_blocks,
-            local_blocks: p.local_blocks,
-            top_k: p.top_k,
-        }
+impl PolicyRecord {
+    /// The policy this record stores; `None` for a selector code this build does not know.
+    pub fn policy(&self) -> Option<Policy> {
+        Some(Policy {
+            sink_blocks: self.sink_blocks,
+            local_blocks: self.local_blocks,
+            top_k: self.top_k,
+            selector: Selector::from_code(self.selector, self.candidates)?,
+        })
     }
 }
 
@@ -211,9 +221,74 @@ pub struct Manifest {
     pub sessions: Vec<SessionRecord>,
 }
 
+/// The layout of versions 2 to 4 (a policy without its selector), read only to upgrade old
+/// files (and written by tests that make such files).
+pub mod v4 {
+    use super::{DeviceRecord, GeometryRecord, PageRecord};
+
+    #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+    pub struct PolicyRecord {
+        pub sink_blocks: u32,
+        pub local_blocks: u32,
+        pub top_k: u32,
+    }
+
+    #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+    pub struct SessionRecord {
+        pub id: u64,
+        pub owner_uid: u32,
+        pub label: String,
+        pub geometry: GeometryRecord,
+        pub policy: PolicyRecord,
+        pub layer_tokens: Vec<u64>,
+        pub pages: Vec<PageRecord>,
+        pub pinned: bool,
+    }
+
+    #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+    pub struct Manifest {
+        pub epoch: u64,
+        pub page_size: u64,
+        pub devices: Vec<DeviceRecord>,
+        pub sessions: Vec<SessionRecord>,
+    }
+
+    impl From<Manifest> for super::Manifest {
+        /// Sessions of these versions were created with the bound selector.
+        fn from(m: Manifest) -> Self {
+            Self {
+                epoch: m.epoch,
+                page_size: m.page_size,
+                devices: m.devices,
+                sessions: m
+                    .sessions
+                    .into_iter()
+                    .map(|s| super::SessionRecord {
+                        id: s.id,
+                        owner_uid: s.owner_uid,
+                        label: s.label,
+                        geometry: s.geometry,
+                        policy: super::PolicyRecord {
+                            sink_blocks: s.policy.sink_blocks,
+                            local_blocks: s.policy.local_blocks,
+                            top_k: s.policy.top_k,
+                            selector: super::Selector::Bound.code(),
+                            candidates: 0,
+                        },
+                        layer_tokens: s.layer_tokens,
+                        pages: s.pages,
+                        pinned: s.pinned,
+                    })
+                    .collect(),
+            }
+        }
+    }
+}
+
 /// The version 1 layout (no `pinned`), read only to upgrade old files.
 mod v1 {
-    use super::{DeviceRecord, GeometryRecord, PageRecord, PolicyRecord};
+    use super::v4::PolicyRecord;
+    use super::{DeviceRecord, GeometryRecord, PageRecord};
 
     #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
     pub struct SessionRecord {
@@ -234,7 +309,7 @@ mod v1 {
         pub sessions: Vec<SessionRecord>,
     }
 
-    impl From<Manifest> for super::Manifest {
+    impl From<Manifest> for super::v4::Manifest {
         fn from(m: Manifest) -> Self {
             Self {
                 epoch: m.epoch,
@@ -243,7 +318,7 @@ mod v1 {
                 sessions: m
                     .sessions
                     .into_iter()
-                    .map(|s| super::SessionRecord {
+                    .map(|s| super::v4::SessionRecord {
                         id: s.id,
                         owner_uid: s.owner_uid,
                         label: s.label,
@@ -758,20 +833,28 @@ fn load_versioned(path: &Path) -> Result<(Manifest, u32), NvmeError> {
     // The mapping is page aligned and the header is 48 bytes, so the payload is 16-aligned.
     let body = &map[HEADER..];
     let mut m: Manifest = match version {
-        // The same layout: 3 moved the version under the checksum, 4 changed what
-        // `page_size` and `page` count.
-        2 | 3 | VERSION => {
+        VERSION => {
             let archived = rkyv::access::<ArchivedManifest, rancor::Error>(body)
                 .map_err(|e| corrupt(format!("rkyv validation: {e}")))?;
             rkyv::deserialize::<Manifest, rancor::Error>(archived)
                 .map_err(|e| corrupt(format!("rkyv deserialize: {e}")))?
         }
+        // The same layout: 3 moved the version under the checksum, 4 changed what
+        // `page_size` and `page` count.
+        2..=4 => {
+            let archived = rkyv::access::<v4::ArchivedManifest, rancor::Error>(body)
+                .map_err(|e| corrupt(format!("rkyv validation (version {version}): {e}")))?;
+            rkyv::deserialize::<v4::Manifest, rancor::Error>(archived)
+                .map_err(|e| corrupt(format!("rkyv deserialize (version {version}): {e}")))?
+                .into()
+        }
         1 => {
             let archived = rkyv::access::<v1::ArchivedManifest, rancor::Error>(body)
                 .map_err(|e| corrupt(format!("rkyv validation (version 1): {e}")))?;
-            rkyv::deserialize::<v1::Manifest, rancor::Error>(archived)
+            let m: v4::Manifest = rkyv::deserialize::<v1::Manifest, rancor::Error>(archived)
                 .map_err(|e| corrupt(format!("rkyv deserialize (version 1): {e}")))?
-                .into()
+                .into();
+            m.into()
         }
         found => {
             return Err(NvmeError::UnsupportedManifestVersion {

@@ -18,6 +18,8 @@ fn policy() -> PolicyRecord {
         sink_blocks: 1,
         local_blocks: 1,
         top_k: 2,
+        selector: 0,
+        candidates: 0,
     }
 }
 
@@ -93,7 +95,11 @@ fn a_version_1_manifest_loads_with_sessions_unpinned_and_is_upgraded_on_commit()
             owner_uid: 1000,
             label: "old".into(),
             geometry: geometry(),
-            policy: policy(),
+            policy: v4::PolicyRecord {
+                sink_blocks: 1,
+                local_blocks: 1,
+                top_k: 2,
+            },
             layer_tokens: vec![40, 40],
             pages: vec![page(0), page(1)],
         }],
@@ -127,6 +133,64 @@ fn a_version_1_manifest_loads_with_sessions_unpinned_and_is_upgraded_on_commit()
     let raw = fs::read(&path).unwrap();
     assert_eq!(u32::from_le_bytes(raw[8..12].try_into().unwrap()), VERSION);
     assert!(load_file(&path).unwrap().sessions[0].pinned);
+}
+
+#[test]
+fn a_version_4_manifest_loads_its_sessions_with_the_bound_selector() {
+    let dir = tempfile::tempdir().unwrap();
+    let old = v4::Manifest {
+        epoch: 7,
+        page_size: 4096,
+        devices: vec![DeviceRecord {
+            path: "/x/pages-0".into(),
+            pages: 100,
+        }],
+        sessions: vec![v4::SessionRecord {
+            id: 9,
+            owner_uid: 1000,
+            label: "before sketches".into(),
+            geometry: geometry(),
+            policy: v4::PolicyRecord {
+                sink_blocks: 1,
+                local_blocks: 1,
+                top_k: 2,
+            },
+            layer_tokens: vec![40, 40],
+            pages: vec![page(0), page(1)],
+            pinned: true,
+        }],
+    };
+    write_as(
+        dir.path(),
+        4,
+        7,
+        &rkyv::to_bytes::<rancor::Error>(&old).unwrap(),
+    );
+    let (mut store, loaded) = ManifestStore::open(dir.path()).unwrap();
+    let loaded = loaded.expect("a manifest");
+    assert_eq!(loaded.current_version, 4);
+    let mut m = loaded.current;
+    let s = &m.sessions[0];
+    assert_eq!(
+        s.policy.policy(),
+        Some(crate::Policy::bound(1, 1, 2)),
+        "sessions made before sketches keep the selector they were made with"
+    );
+    assert!(s.pinned);
+    let epoch = store.commit(&mut m).unwrap();
+    let back = load_file(&dir.path().join(file_name(epoch))).unwrap();
+    assert_eq!(back.sessions[0].policy, policy());
+}
+
+#[test]
+fn a_selector_this_build_does_not_know_is_none() {
+    let rec = PolicyRecord {
+        selector: 7,
+        ..policy()
+    };
+    assert_eq!(rec.policy(), None);
+    let p = crate::Policy::sketch(1, 4, 8, 16);
+    assert_eq!(PolicyRecord::from(&p).policy(), Some(p));
 }
 
 #[test]

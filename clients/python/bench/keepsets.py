@@ -1,0 +1,106 @@
+"""kvtier's block selection rules restated in numpy, for the benchmarks that study them.
+
+The selector itself runs in tierd (kernels/src/select.rs); this is an independent restatement
+used to rank blocks, to try other rules on captured queries and keys (selector_study.py) and
+to check tierd's keep-sets in the fidelity suite (fidelity.py). One kv head at a time: `q` is
+the group's queries `[G, D]`, scaled as tierd gets them (its softmax scale is 1/sqrt(D)); `k`
+the layer's keys `[T, D]` for that kv head.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import numpy as np
+
+
+def quantize_rows(x: np.ndarray, levels: int):
+    """Symmetric per-row absmax quantization, round half to even: codes in [-levels, levels]
+    and one scale per row (float32, as tierd computes them)."""
+    x = x.astype(np.float32)
+    amax = np.abs(x).max(-1, keepdims=True)
+    scale = (amax / np.float32(levels)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    codes = np.clip(np.rint(x / safe), -levels, levels).astype(np.int32)
+    codes = np.where(scale > 0, codes, 0)
+    return codes, scale[..., 0]
+
+
+def bf16_outward(x: np.ndarray, up: bool) -> np.ndarray:
+    """float32 values rounded to bf16 away from the interior (up: toward +inf), as float32."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    trunc = bits & np.uint32(0xFFFF0000)
+    inexact = (bits & np.uint32(0xFFFF)) != 0
+    negative = (bits >> np.uint32(31)) == 1
+    away = inexact & (negative != up)
+    out = np.where(away, trunc + np.uint32(0x10000), trunc).astype(np.uint32)
+    return out.view(np.float32)
+
+
+def block_scores(q: np.ndarray, k: np.ndarray, t: int, block: int = 128) -> Dict[str, np.ndarray]:
+    """Per-block scores over the layer's `t` tokens (`nb` blocks): `bound` (the key bound,
+    max over the group: the bound selector), `quarter` (the bound of each quarter of the
+    block on bf16 bounds rounded outward, max over quarters and the group: the sketch
+    selector's first stage), `sketch` (the best int4 x int8 sketched logit: its second stage),
+    `true_max` (the best true logit), `mass` (the share of the group's dense attention, mean
+    over its heads) and `mass_heads` `[G, nb]`."""
+    g, d = q.shape
+    nb = -(-t // block)
+    kk = k[:t].astype(np.float32)
+    pad = nb * block - t
+    kp = np.concatenate([kk, np.zeros((pad, d), np.float32)]) if pad else kk
+    valid = (np.arange(nb * block) < t).reshape(nb, block)
+    kb = kp.reshape(nb, block, d)
+    hi = np.where(valid[..., None], kb, -np.inf).max(1)
+    lo = np.where(valid[..., None], kb, np.inf).min(1)
+    bound = np.maximum(q[:, None, :] * hi[None], q[:, None, :] * lo[None]).sum(-1).max(0)
+    nq = min(4, block)
+    starts = [j * block // nq for j in range(nq + 1)]
+    quarter = np.full(nb, -np.inf, np.float32)
+    for j in range(nq):
+        sl = slice(starts[j], starts[j + 1])
+        v = valid[:, sl]
+        qhi = bf16_outward(np.where(v[..., None], kb[:, sl], -np.inf).max(1), True)
+        qlo = bf16_outward(np.where(v[..., None], kb[:, sl], np.inf).min(1), False)
+        with np.errstate(invalid="ignore"):
+            b = np.maximum(q[:, None, :] * qhi[None], q[:, None, :] * qlo[None]).sum(-1).max(0)
+        quarter = np.maximum(quarter, np.where(np.isfinite(b), b, -np.inf))
+    logits = q @ kk.T
+    p = np.exp((logits - logits.max(1, keepdims=True)) / np.sqrt(d))
+    p /= p.sum(1, keepdims=True)
+    mass_heads = np.concatenate([p, np.zeros((g, pad))], 1).reshape(g, nb, block).sum(2)
+    true_max = np.concatenate([logits, np.full((g, pad), -np.inf)], 1).reshape(g, nb, block).max(2).max(0)
+    kc, ks = quantize_rows(kk, 7)
+    qc, qs = quantize_rows(q, 127)
+    per_token = (qc @ kc.T).astype(np.float32) * ks[None, :]
+    per_token = np.concatenate([per_token, np.full((g, pad), -np.inf, np.float32)], 1)
+    sketch = (per_token.reshape(g, nb, block).max(2) * qs[:, None]).max(0)
+    return {"bound": bound, "quarter": quarter, "sketch": sketch, "true_max": true_max,
+            "mass": mass_heads.mean(0), "mass_heads": mass_heads}
+
+
+def top(scores: np.ndarray, cands, k: int) -> List[int]:
+    """The k best of `cands` by `scores`, higher first, ties to the lower block; ascending."""
+    order = sorted(cands, key=lambda b: (-scores[b], b))
+    return sorted(order[:k])
+
+
+def keep_set(sc: Dict[str, np.ndarray], nb: int, sink: int, local: int, k: int,
+             selector: str = "sketch", candidates: int = 0) -> List[int]:
+    """The keep-set of a layer of `nb` blocks (after the step's append) under a policy."""
+    if nb <= sink + local + k:
+        return list(range(nb))
+    distant = list(range(sink, nb - local))
+    if selector == "bound":
+        picked = top(sc["bound"], distant, k)
+    else:
+        c = max(candidates, k)
+        cands = distant if c >= len(distant) else top(sc["quarter"], distant, c)
+        picked = top(sc["sketch"], cands, k)
+    return list(range(sink)) + picked + list(range(nb - local, nb))
+
+
+def rank(scores: np.ndarray, distant: List[int], block: int) -> int:
+    """1-based rank of `block` among `distant` by `scores` (ties to the lower block)."""
+    order = sorted(distant, key=lambda b: (-scores[b], b))
+    return order.index(block) + 1
