@@ -69,7 +69,9 @@ const GEO: Geometry = Geometry {
     block_tokens: 16,
 };
 
-const POLICY: Policy = Policy::bound(1, 4, 8);
+/// The default selector's (sketches); [`BOUND`] for the key-bound selector.
+const POLICY: Policy = Policy::sketch(1, 4, 8, 16);
+const BOUND: Policy = Policy::bound(1, 4, 8);
 
 /// Two arenas of `mib` MiB (the GPU copy's and the CPU copy's) and a decoder over the first;
 /// None (the test passes, saying so) without a CUDA device.
@@ -118,6 +120,7 @@ fn settings() -> GpuSettings {
 /// One session held twice: `gpu` in the registered arena, `cpu` (the reference) elsewhere.
 struct Twin {
     id: u64,
+    policy: Policy,
     gpu: KvCache,
     cpu: KvCache,
 }
@@ -140,13 +143,29 @@ fn twin(
     tokens: u64,
     rng: &mut Rng,
 ) -> Twin {
+    twin_with(dec, (ga, ca), id, tokens, rng, POLICY)
+}
+
+fn twin_with(
+    dec: &GpuDecoder,
+    (ga, ca): (&HostArena, &HostArena),
+    id: u64,
+    tokens: u64,
+    rng: &mut Rng,
+    policy: Policy,
+) -> Twin {
     let mut gpu = KvCache::new(GEO, ga.clone()).unwrap();
     let mut cpu = KvCache::new(GEO, ca.clone()).unwrap();
     let payload = random_kv(rng, tokens);
     gpu.append(0, tokens, &payload).unwrap();
     cpu.append(0, tokens, &payload).unwrap();
-    dec.open(id, &GEO, &POLICY).unwrap();
-    Twin { id, gpu, cpu }
+    dec.open(id, &GEO, &policy).unwrap();
+    Twin {
+        id,
+        policy,
+        gpu,
+        cpu,
+    }
 }
 
 fn rel_err(got: &[f32], want: &[f32]) -> f64 {
@@ -162,7 +181,7 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 
 /// One entry of a step: session `id`'s copy `kv` at the position, with the query and new K/V.
 fn batch_entry<'a>(
-    id: u64,
+    (id, policy): (u64, Policy),
     layer: u32,
     kv: &'a mut KvCache,
     (position, q, k, v): (u64, &'a [f32], &'a [u8], &'a [u8]),
@@ -172,7 +191,7 @@ fn batch_entry<'a>(
         session: id,
         layer,
         kv,
-        policy: POLICY,
+        policy,
         position,
         q,
         k,
@@ -211,7 +230,7 @@ fn step_both_cold(
             let mut entries: Vec<DecodeEntry<'_>> = twins
                 .iter_mut()
                 .enumerate()
-                .map(|(i, t)| batch_entry(t.id, layer, &mut t.cpu, input(i), None))
+                .map(|(i, t)| batch_entry((t.id, t.policy), layer, &mut t.cpu, input(i), None))
                 .collect();
             decode_layer(&mut entries, &mut cpu_out).unwrap()
         };
@@ -231,7 +250,7 @@ fn step_both_cold(
                 .enumerate()
                 .map(|(i, (t, src))| {
                     let cold = src.as_ref().map(|c| c as &dyn ColdSource);
-                    batch_entry(t.id, layer, &mut t.gpu, input(i), cold)
+                    batch_entry((t.id, t.policy), layer, &mut t.gpu, input(i), cold)
                 })
                 .collect();
             gpu_step(dec, layer, &mut entries, &mut gpu_out, true).unwrap()
@@ -296,8 +315,12 @@ fn batch_1_many_steps_match_the_cpu() {
     };
     println!("device: {}", dec.device_name());
     let mut rng = Rng::new(1);
-    // 20 blocks + 9 tokens: 40 steps cross two block boundaries (top-k path throughout).
-    let mut twins = vec![twin(&dec, &ga, &ca, 7, 20 * 16 + 9, &mut rng)];
+    // 20 blocks + 9 tokens: 40 steps cross two block boundaries (top-k path throughout); the
+    // sketch selector's session and the key bound's side by side.
+    let mut twins = vec![
+        twin(&dec, &ga, &ca, 7, 20 * 16 + 9, &mut rng),
+        twin_with(&dec, (&ga, &ca), 8, 20 * 16 + 9, &mut rng, BOUND),
+    ];
     let mut late_hits = 0;
     for s in 0..40 {
         let h = step_both(&dec, &mut twins, &mut rng);
@@ -306,6 +329,7 @@ fn batch_1_many_steps_match_the_cpu() {
         }
     }
     assert!(late_hits > 0, "later steps hit the GPU tile cache");
+    dec.close(8).unwrap();
     dec.close(7).unwrap();
     assert!(matches!(dec.close(7), Err(GpuError::UnknownSession { .. })));
 }

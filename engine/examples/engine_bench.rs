@@ -8,7 +8,7 @@
 //! step moved over PCIe at 55.3 GB/s (gpu_bench's).
 //!
 //! Usage: engine_bench --socket PATH [--context 131072] [--ks 8,32] [--batches 1,8]
-//!                     [--steps 12] [--warmup 3] [--device N]
+//!                     [--selectors bound,sketch,sketch:C] [--steps 12] [--warmup 3] [--device N]
 //!                     [--fill-only | --sessions ID,ID,...] [--barrier DIR:PARTIES]
 //! tierd must run with `host.shared = true` and enough `host.capacity` for max(batches)
 //! sessions of `context` tokens (58.7 KiB per token), and this process must be allowed to
@@ -20,6 +20,9 @@
 //! starts every measured cell in all the processes together (each waits until PARTIES files
 //! for the cell exist in DIR), so their steps overlap and their rates add up: tokens/s is
 //! batch / step, GB/s the bytes the step read over PCIe / step.
+//!
+//! `--selectors` runs each k with each selector in turn, one engine each: `bound` (the key
+//! bound), `sketch` (key sketches, tierd's default candidates) or `sketch:C`.
 
 use std::os::fd::AsFd;
 use std::path::PathBuf;
@@ -29,7 +32,7 @@ use kvtier_engine::InEngine;
 use kvtier_kernels::cuda::{CudaConfig, SummaryDtype, Timing};
 use kvtier_protocol::client::Client;
 use kvtier_protocol::fdpass::sealed_memfd;
-use kvtier_protocol::{DType, Geometry, Policy};
+use kvtier_protocol::{DType, Geometry, Policy, Selector};
 use kvtier_storage::testing::Rng;
 
 const PCIE_FLOOR_GBPS: f64 = 55.3;
@@ -39,6 +42,7 @@ struct Args {
     socket: PathBuf,
     context: u32,
     ks: Vec<u32>,
+    selectors: Vec<(String, Selector)>,
     batches: Vec<u32>,
     steps: usize,
     warmup: usize,
@@ -53,6 +57,7 @@ fn args() -> Result<Args, String> {
         socket: PathBuf::new(),
         context: 131072,
         ks: vec![8, 32],
+        selectors: vec![("bound".into(), Selector::Bound)],
         batches: vec![1, 8],
         steps: 12,
         warmup: 3,
@@ -74,6 +79,12 @@ fn args() -> Result<Args, String> {
             "--context" => a.context = v()?.parse().map_err(|e| format!("{e}"))?,
             "--ks" => a.ks = list(v()?)?,
             "--batches" => a.batches = list(v()?)?,
+            "--selectors" => {
+                a.selectors = v()?
+                    .split(',')
+                    .map(|x| Ok((x.to_string(), selector(x)?)))
+                    .collect::<Result<_, String>>()?;
+            }
             "--steps" => a.steps = v()?.parse().map_err(|e| format!("{e}"))?,
             "--warmup" => a.warmup = v()?.parse().map_err(|e| format!("{e}"))?,
             "--device" => a.device = v()?.parse().map_err(|e| format!("{e}"))?,
@@ -99,6 +110,18 @@ fn args() -> Result<Args, String> {
         return Err("--fill-only fills new sessions; --sessions names existing ones".into());
     }
     Ok(a)
+}
+
+/// `bound`, `sketch` (tierd's default candidates) or `sketch:C`.
+fn selector(spec: &str) -> Result<Selector, String> {
+    match spec.split_once(':') {
+        None if spec == "bound" => Ok(Selector::Bound),
+        None if spec == "sketch" => Ok(Selector::default()),
+        Some(("sketch", c)) => Ok(Selector::Sketch {
+            candidates: c.parse().map_err(|e| format!("{spec}: {e}"))?,
+        }),
+        _ => Err(format!("{spec}: not bound, sketch or sketch:C")),
+    }
 }
 
 /// Waits until `parties` processes have reached cell `cell` (each leaves a file in `dir`).
@@ -145,8 +168,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
     println!(
-        "{:>8} {:>3} {:>5} {:>5} {:>9} {:>9} {:>9} {:>6} {:>8} {:>6}",
+        "{:>8} {:>9} {:>3} {:>5} {:>5} {:>9} {:>9} {:>9} {:>6} {:>8} {:>6}",
         "context",
+        "selector",
         "k",
         "batch",
         "mode",
@@ -158,8 +182,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "GB_s"
     );
     let hqd = (geo.q_heads * geo.head_dim) as usize * geo.layers as usize;
-    for &k in &a.ks {
-        let policy = Policy::bound(1, 4, k);
+    for (&k, (sel_name, sel)) in
+        a.ks.iter()
+            .flat_map(|k| a.selectors.iter().map(move |s| (k, s)))
+    {
+        let policy = Policy {
+            selector: *sel,
+            ..Policy::bound(1, 4, k)
+        };
         let cfg = CudaConfig::new(geo, policy, n_blocks + 8, max_batch, SummaryDtype::F32);
         let t1 = Instant::now();
         let mut e = InEngine::connect(&a.socket, a.device, cfg)?;
@@ -168,7 +198,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         e.set_timing(Timing::Step)?;
         println!(
-            "k={k}: device {}: leased, mapped, registered ({}) and synced {} sessions in {:.1} s",
+            "k={k} {sel_name}: device {}: leased, mapped, registered ({}) and synced {} sessions in {:.1} s",
             a.device,
             match e.registered_read_only() {
                 Some(true) => "read-only",
@@ -180,7 +210,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for &batch in &a.batches {
             for cold in [true, false] {
                 let mode = if cold { "cold" } else { "warm" };
-                barrier(&a.barrier, &format!("k{k}-b{batch}-{mode}"))?;
+                barrier(&a.barrier, &format!("k{k}-{sel_name}-b{batch}-{mode}"))?;
                 let mut qrng = Rng::new(0x51ed + k as u64 * 7 + batch as u64 * 131);
                 let mut qs: Vec<Vec<f32>> = (0..batch).map(|_| qrng.normals(hqd)).collect();
                 let (rho, s) = (0.9f32, (1.0f32 - 0.81).sqrt());
@@ -216,8 +246,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let floor = per_step / (PCIE_FLOOR_GBPS * 1e9) * 1e3;
                 let step = median(&mut step_ms);
                 println!(
-                    "{:>8} {:>3} {:>5} {:>5} {:>9.3} {:>9.3} {:>9.3} {:>6.2} {:>8.1} {:>6.1}",
+                    "{:>8} {:>9} {:>3} {:>5} {:>5} {:>9.3} {:>9.3} {:>9.3} {:>6.2} {:>8.1} {:>6.1}",
                     a.context,
+                    sel_name,
                     k,
                     batch,
                     mode,

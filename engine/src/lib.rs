@@ -51,6 +51,7 @@ use kvtier_protocol::client::{Client, ClientError};
 use kvtier_protocol::lease::ArenaView;
 use kvtier_protocol::{Geometry, LeaseLayer, LeaseReply, ReserveReply};
 use kvtier_storage::kv::refold_bounds;
+use kvtier_storage::sketch::{self, BlockSketch, BlockSketches};
 use kvtier_storage::zip_mut;
 
 /// Bytes per cuMemHostRegister call: tierd's arena segment (no block run crosses one).
@@ -367,7 +368,8 @@ impl InEngine {
                 blocks += nb - s.layers[end].final_blocks.min(nb);
                 end += 1;
             }
-            let sums = new_bounds(view, lease, &part, first, &s.layers[first..end])?;
+            let sketches = self.be.config().sketch();
+            let sums = new_summaries(view, lease, &part, sketches, first, &s.layers[first..end])?;
             for (l, sums) in (first..end).zip(&sums) {
                 let (ls, want) = (&mut s.layers[l], &lease.layers[l]);
                 sync_layer(&mut self.be, &part, s.slot, l, ls, want, sums)?;
@@ -753,26 +755,53 @@ struct Part {
     geo: Geometry,
 }
 
-/// Bounds of every layer's blocks from its first non-final one on, recomputed from the runs
-/// with the daemon's function (so they are the daemon's bounds bit for bit): per layer,
-/// `[block][kv_head][max|min][D]` (empty where nothing changed), for the layers from `first`
-/// on that `held` covers, in one pass over all of them.
-fn new_bounds(
+/// What the device selects by, for one layer's blocks from its first non-final one on: their
+/// bounds `[block][kv_head][max|min][D]`, or with the sketch selector their sketches
+/// (kvtier_storage::sketch's layout). Empty where nothing changed.
+enum Summaries {
+    Bounds(Vec<f32>),
+    Sketches(BlockSketches),
+}
+
+impl Summaries {
+    fn is_empty(&self) -> bool {
+        match self {
+            Summaries::Bounds(b) => b.is_empty(),
+            Summaries::Sketches(s) => s.quarter_scales.is_empty(),
+        }
+    }
+}
+
+/// One block's share of [`new_summaries`]' output.
+enum BlockOut<'a> {
+    Bounds(&'a mut [f32]),
+    Sketch(BlockSketch<'a>),
+}
+
+/// The summaries of every layer's blocks from its first non-final one on, recomputed from the
+/// runs with the daemon's functions (so they are the daemon's bit for bit), for the layers from
+/// `first` on that `held` covers, in one pass over all of them.
+fn new_summaries(
     view: &ArenaView,
     lease: &LeaseReply,
     part: &Part,
+    sketches: bool,
     first: usize,
     held: &[LayerSync],
-) -> Result<Vec<Vec<f32>>> {
+) -> Result<Vec<Summaries>> {
     let geo = &part.geo;
     let (at, len) = (part.offset as usize, geo.block_bytes());
     let (bt, spb) = (geo.block_tokens as u64, geo.summary_floats_per_block());
-    let mut sums = Vec::with_capacity(held.len());
-    let mut runs = Vec::new(); // (valid rows, run), in the order of `sums`' blocks
+    let mut out = Vec::with_capacity(held.len());
+    let mut runs = Vec::new(); // (valid rows, run), in the order of `out`'s blocks
     for (layer, (ls, want)) in (first..).zip(held.iter().zip(&lease.layers[first..])) {
         let nb = want.offsets.len();
         let from = ls.final_blocks.min(nb);
-        sums.push(vec![0f32; (nb - from) * spb]);
+        out.push(if sketches {
+            Summaries::Sketches(BlockSketches::new(geo, nb - from))
+        } else {
+            Summaries::Bounds(vec![0f32; (nb - from) * spb])
+        });
         for blk in from..nb {
             let run = view
                 .run(lease, layer, blk)
@@ -789,19 +818,34 @@ fn new_bounds(
     } else {
         1
     };
-    let mut outs: Vec<&mut [f32]> = sums.iter_mut().flat_map(|s| s.chunks_mut(spb)).collect();
+    let mut outs: Vec<Option<BlockOut<'_>>> = out
+        .iter_mut()
+        .flat_map(|s| -> Box<dyn Iterator<Item = Option<BlockOut<'_>>> + '_> {
+            match s {
+                Summaries::Bounds(b) => {
+                    Box::new(b.chunks_mut(spb).map(|c| Some(BlockOut::Bounds(c))))
+                }
+                Summaries::Sketches(s) => {
+                    Box::new(s.blocks_mut(geo).map(|b| Some(BlockOut::Sketch(b))))
+                }
+            }
+        })
+        .collect();
     zip_mut(
         &mut outs,
         &runs,
         threads,
         "kvtier-bounds",
-        |out, &(valid, run)| refold_bounds(geo, run, valid, out),
+        |out, &(valid, run)| match out.take().expect("each block once") {
+            BlockOut::Bounds(b) => refold_bounds(geo, run, valid, b),
+            BlockOut::Sketch(s) => sketch::sketch_block(geo, run, valid, s),
+        },
     );
-    Ok(sums)
+    Ok(out)
 }
 
-/// Uploads what changed in one session layer: runs of new or moved blocks, the bounds
-/// [`new_bounds`] computed for it, the token count.
+/// Uploads what changed in one session layer: runs of new or moved blocks, the summaries
+/// [`new_summaries`] computed for it, the token count.
 fn sync_layer(
     be: &mut CudaBackend,
     part: &Part,
@@ -809,7 +853,7 @@ fn sync_layer(
     layer: usize,
     ls: &mut LayerSync,
     want: &LeaseLayer,
-    sums: &[f32],
+    sums: &Summaries,
 ) -> Result<()> {
     let l = layer as u32;
     let geo = &part.geo;
@@ -822,8 +866,11 @@ fn sync_layer(
     }
     ls.offsets = want.offsets.clone();
     let bt = geo.block_tokens as u64;
-    if !sums.is_empty() {
-        be.upload_summaries(slot, l, ls.final_blocks as u32, sums)?;
+    let first = ls.final_blocks as u32;
+    match sums {
+        _ if sums.is_empty() => {}
+        Summaries::Bounds(b) => be.upload_summaries(slot, l, first, b)?,
+        Summaries::Sketches(s) => be.upload_sketches(slot, l, first, &s.as_ref())?,
     }
     ls.final_blocks = (want.tokens / bt) as usize;
     if want.tokens != ls.tokens {

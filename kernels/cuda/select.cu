@@ -32,9 +32,33 @@ typedef float sum_t;
 #if SUB != 4
 #error "the sketch selector scores four quarter records per block"
 #endif
+// A quarter record: its int8 maxima codes [HEAD_DIM], then its minima codes; thread j of the
+// scoring octet takes dims [j * HEAD_DIM / 8, (j + 1) * HEAD_DIM / 8) of both, QW u32 words
+// each. One f32 scale per (block, kv head) beside them (qscales).
+#define QW (HEAD_DIM / 32)
+#define QREC_WORDS (HEAD_DIM / 2)  // u32 words of one quarter record
+#if HEAD_DIM % 32 != 0
+#error "the sketch selector's quarter codes need HEAD_DIM a multiple of 32"
+#endif
 #else
 #define SUB 1
 #endif
+
+// The sketch selector's int8 query code of one element (kvtier_kernels::select::quantize_query:
+// round half to even of x / scale, clamped; 0 when the scale is 0).
+__device__ __forceinline__ int q_code(float x, float qs) {
+    return qs == 0.0f ? 0 : (int)fminf(fmaxf(rintf(__fdiv_rn(x, qs)), -127.0f), 127.0f);
+}
+
+// The scale of one query head's codes, max |x| / 127, by one whole warp (every lane gets it).
+__device__ __forceinline__ float q_scale_warp(const float* qh) {
+    const u32 lane = threadIdx.x & 31u;
+    float amax = 0.0f;
+    for (u32 d = lane; d < HEAD_DIM; d += 32) amax = fmaxf(amax, fabsf(qh[d]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
+    return __fdiv_rn(amax, 127.0f);
+}
 // layer_fused's ready flags per (batch item, kv head): 0 the fixed part is planned, 1 the
 // distant part is planned, 2 the sketch selector's candidates are written.
 #define READY_FLAGS 3
@@ -189,6 +213,122 @@ __device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lis
 #error "SCORE_NB blocks per octet must make whole warp lists"
 #endif
 
+
+#if SKETCH
+// The sketch selector's first stage in one score role: key[n] of octet row n (a quarter
+// record), as kvtier_kernels::select::QuerySketch::quarter_score computes it: per query head
+// the integer bound of the quarter, sum_d pos_d * max_d + neg_d * min_d over its int8 codes
+// (dp4a, exact; the octet's lanes summed in any order), the max over the block's quarters (the
+// warp's four octets), then f32 * the block's scale * the head's scale (rounded) and the max
+// over the group. Each block's key comes from its first quarter's octet.
+__device__ __forceinline__ void score_keys_sketch(const float* __restrict__ q, const sum_t* __restrict__ sums,
+                                                  const float* __restrict__ qscales, const u32* __restrict__ sess,
+                                                  u32 layer, u32 max_blocks, u32 nbo, u32 i, u32 kvh, u32 nb, u32 nr,
+                                                  u32 r0, u64* key) {
+    const u32 tid = threadIdx.x;
+    const u32 j = tid & 7u;
+    const u32 oct = tid >> 3;
+    const u32 lane = tid & 31u;
+    const u32 w = tid >> 5;
+    const u64 srow = (u64)sess[i] * NUM_LAYERS + layer;
+    const u32* recs = (const u32*)sums + srow * (u64)max_blocks * KV_HEADS * SUB * QREC_WORDS;
+    const float* bsc = qscales + srow * (u64)max_blocks * KV_HEADS;
+    // Loads octet row n's record (this thread's QW words of its maxima and of its minima) and
+    // its block's scale; zeros past the layer or this launch's rows (predicated loads).
+    auto load = [&](u32 n, u32* hi, u32* lo, float* sc) {
+        const u32 rec = r0 + n * SCORE_OCTETS + oct;
+        const bool ok = rec < nr && n < nbo;
+        const u64 blk = (u64)(rec / SUB) * KV_HEADS + kvh;
+        const u32* r = recs + (blk * SUB + rec % SUB) * QREC_WORDS + j * QW;
+#if QW % 4 == 0
+#pragma unroll
+        for (int u = 0; u < QW; u += 4) {
+            const uint4 h = ok ? __ldg((const uint4*)(r + u)) : make_uint4(0u, 0u, 0u, 0u);
+            const uint4 l = ok ? __ldg((const uint4*)(r + HEAD_DIM / 4 + u)) : make_uint4(0u, 0u, 0u, 0u);
+            hi[u] = h.x; hi[u + 1] = h.y; hi[u + 2] = h.z; hi[u + 3] = h.w;
+            lo[u] = l.x; lo[u + 1] = l.y; lo[u + 2] = l.z; lo[u + 3] = l.w;
+        }
+#else
+#pragma unroll
+        for (int u = 0; u < QW; ++u) {
+            hi[u] = ok ? __ldg(r + u) : 0u;
+            lo[u] = ok ? __ldg(r + HEAD_DIM / 4 + u) : 0u;
+        }
+#endif
+        *sc = ok ? __ldg(bsc + blk) : 0.0f;
+    };
+    u32 hi[QW], lo[QW];
+    float sc;
+    load(0, hi, lo, &sc);
+    // The first records are in flight; q waits for the previous kernel (common.cuh).
+    pdl_wait();
+    // The group's codes, split by sign, four to a word in dim order: warp g quantizes head g.
+    const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
+    __shared__ u32 s_qp[GROUP][HEAD_DIM / 4];
+    __shared__ u32 s_qn[GROUP][HEAD_DIM / 4];
+    __shared__ float s_qs[GROUP];
+    for (u32 g = w; g < GROUP; g += SCORE_THREADS / 32) {
+        const float qs = q_scale_warp(qh + g * HEAD_DIM);
+        for (u32 x = lane; x < HEAD_DIM / 4; x += 32) {
+            u32 p = 0, m = 0;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int code = q_code(qh[g * HEAD_DIM + 4 * x + c], qs);
+                p |= ((u32)max(code, 0) & 0xffu) << (8 * c);
+                m |= ((u32)min(code, 0) & 0xffu) << (8 * c);
+            }
+            s_qp[g][x] = p;
+            s_qn[g][x] = m;
+        }
+        if (lane == 0) s_qs[g] = qs;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < SCORE_NB; ++n) key[n] = 0ull;
+#pragma unroll
+    for (int n = 0; n < SCORE_NB; ++n) {
+        if ((u32)n >= nbo) break;  // uniform across the thread block
+        u32 nhi[QW], nlo[QW];
+        float nsc = 0.0f;
+        if (n + 1 < SCORE_NB) load(n + 1, nhi, nlo, &nsc);
+        int acc[GROUP];
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            acc[g] = 0;
+#pragma unroll
+            for (int u = 0; u < QW; ++u) {
+                acc[g] = __dp4a((int)hi[u], (int)s_qp[g][j * QW + u], acc[g]);
+                acc[g] = __dp4a((int)lo[u], (int)s_qn[g][j * QW + u], acc[g]);
+            }
+        }
+        float m = NEG_INF;
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            int a = acc[g];
+            // The octet's sum (lane bits 0-2), then the max over the block's quarters (the
+            // warp's octets: lane bits 3 and 4).
+            a += __shfl_xor_sync(FULL_MASK, a, 4);
+            a += __shfl_xor_sync(FULL_MASK, a, 2);
+            a += __shfl_xor_sync(FULL_MASK, a, 1);
+            a = max(a, __shfl_xor_sync(FULL_MASK, a, 8));
+            a = max(a, __shfl_xor_sync(FULL_MASK, a, 16));
+            m = fmaxf(m, __fmul_rn(__fmul_rn((float)a, sc), s_qs[g]));
+        }
+        const u32 rec = r0 + n * SCORE_OCTETS + oct;
+        const u32 b = rec / SUB;
+        key[n] = (rec % SUB == 0 && b >= SINK && b < nb - LOCAL) ? cand_key(m, b) : 0ull;
+        if (n + 1 < SCORE_NB) {
+#pragma unroll
+            for (int u = 0; u < QW; ++u) {
+                hi[u] = nhi[u];
+                lo[u] = nlo[u];
+            }
+            sc = nsc;
+        }
+    }
+}
+#endif
+
 // grid (lists of the longest session, KV_HEADS, batch), block SCORE_THREADS.
 // Each score is summed by one octet in the CPU's exact order: thread j adds element d = j + 8s
 // of max(q[d]*k_max[d], q[d]*k_min[d]) into its lane for increasing s (explicit round-to-
@@ -207,7 +347,8 @@ __device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lis
 // (layer_fused), the last thread block of the kv head publishes its finished keep-set row and
 // plan by storing `stamp` there (a release store).
 __device__ __forceinline__ void score_role(
-    const float* __restrict__ q, const sum_t* __restrict__ sums, const u32* __restrict__ sess,
+    const float* __restrict__ q, const sum_t* __restrict__ sums, const float* __restrict__ qscales,
+    const u32* __restrict__ sess,
     const u32* __restrict__ ntok, u32 layer, u32 max_blocks, u32 nbo, void* __restrict__ scratch,
     u32* __restrict__ done, u32* table, u32* __restrict__ tags, u32* __restrict__ stamps,
     const u64* __restrict__ pages, u32* slot_of, u64* miss_src, unsigned long long* __restrict__ stats,
@@ -243,6 +384,10 @@ __device__ __forceinline__ void score_role(
         }
     }
 #endif
+    u64 key[SCORE_NB];
+#if SKETCH
+    score_keys_sketch(q, sums, qscales, sess, layer, max_blocks, nbo, i, kvh, nb, nr, r0, key);
+#else
     const uint4* recs = (const uint4*)sums + ((u64)sess[i] * NUM_LAYERS + layer) * (u64)max_blocks * KV_HEADS * SUB * REC_VECS;
     // Loads octet row n's record, zeros past the layer or past this launch's nbo rows. The
     // loads are predicated, not branched over: under a branch the compiler sank the next
@@ -270,7 +415,6 @@ __device__ __forceinline__ void score_role(
     }
     __syncthreads();
     SEL_STAMP(1);
-    u64 key[SCORE_NB];
 #pragma unroll
     for (int n = 0; n < SCORE_NB; ++n) key[n] = 0ull;
 #pragma unroll
@@ -323,6 +467,7 @@ __device__ __forceinline__ void score_role(
         if (n + 1 < SCORE_NB) load(n + 1, cur);
 #endif
     }
+#endif
     SEL_STAMP(2);
 #if TOPK_MERGE
     // This thread block's best 32: each warp sorts 32 keys, then a tree of warp merges.
@@ -395,7 +540,7 @@ __device__ __forceinline__ void score_role(
 // grid (lists of the longest session, KV_HEADS, batch), block SCORE_THREADS: the selector
 // alone, followed by attend_tile's distant part (when layer_fused is not used).
 extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(SelectScoreParams_FIELDS) {
-    score_role(q, sums, sess, ntok, layer, max_blocks, nbo, scratch, done, table, tags, stamps, pages, slot_of,
+    score_role(q, sums, qscales, sess, ntok, layer, max_blocks, nbo, scratch, done, table, tags, stamps, pages, slot_of,
                miss_src, stats, 0, nullptr, blockIdx.x, blockIdx.y, blockIdx.z, cands);
 }
 
@@ -447,11 +592,7 @@ __device__ __forceinline__ void rerank_role(
     // The group's query codes: warp g quantizes head g (absmax / 127, round half to even).
     const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
     for (u32 g = w; g < GROUP; g += nw) {
-        float amax = 0.0f;
-        for (u32 d = lane; d < HEAD_DIM; d += 32) amax = fmaxf(amax, fabsf(qh[g * HEAD_DIM + d]));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
-        const float qs = __fdiv_rn(amax, 127.0f);
+        const float qs = q_scale_warp(qh + g * HEAD_DIM);
         // Word k of the dp4a order: nibble slot jn = k / (PD / 16), pair a = 2 (k % (PD / 16)).
         for (u32 k = lane; k < SK_DP4A; k += 32) {
             const u32 jn = k / (PD / 16), a = 2 * (k % (PD / 16));
@@ -460,9 +601,7 @@ __device__ __forceinline__ void rerank_role(
             u32 word = 0;
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                int code = 0;
-                if (qs != 0.0f && es[c] < HEAD_DIM)
-                    code = (int)fminf(fmaxf(rintf(__fdiv_rn(qh[g * HEAD_DIM + es[c]], qs)), -127.0f), 127.0f);
+                const int code = es[c] < HEAD_DIM ? q_code(qh[g * HEAD_DIM + es[c]], qs) : 0;
                 word |= ((u32)code & 0xffu) << (8 * c);
             }
             s_qc[g][k] = (int)word;
@@ -605,7 +744,7 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) layer_fused(LayerFus
         t -= nfixed * heads;
         if (t < lists * heads) {
             const u32 hs = t / lists;
-            score_role(q, sums, sess, ntok, layer, max_blocks, nbo, scratch, done, table, tags, stamps, pages,
+            score_role(q, sums, qscales, sess, ntok, layer, max_blocks, nbo, scratch, done, table, tags, stamps, pages,
                        slot_of, miss_src, stats, stamp, ready + READY_FLAGS * hs + (SKETCH ? 2 : 1), t % lists,
                        hs % KV_HEADS, hs / KV_HEADS, cands);
             return;

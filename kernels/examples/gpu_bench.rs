@@ -13,7 +13,7 @@
 //!
 //! Usage: gpu_bench [--host-gb 60] [--steps 20] [--warmup 3] [--rho 0.9] [--contexts 131072,1048576]
 //!                  [--ks 8,32] [--batches 1,8] [--json PATH] [--summaries-bf16] [--trace]
-//!                  [--split-step] [--simt-attention] [--no-pdl] [--no-dense]
+//!                  [--split-step] [--simt-attention] [--no-pdl] [--no-dense] [--sketch C]
 //!
 //! `--trace` with `KVTIER_NVRTC_DEFINES=-DSEL_TRACE=1` prints the phase breakdown of the last
 //! layer's select_score in every measured step (diagnostics; bench/gpu/NOTES.md v24).
@@ -21,6 +21,9 @@
 //! split_ms; no per-kernel columns). `--simt-attention` attends tiles with fp32 FMAs instead of
 //! tensor cores (the A/B of bench/gpu/NOTES.md v27). `--no-pdl` launches every layer after
 //! the previous layer's merge has ended (no programmatic dependent launch; the A/B of v30).
+//!
+//! `--sketch C` runs the sketch selector with C candidates (synthetic quarter bounds and key
+//! sketches, like the summaries) instead of the key bound.
 //!
 //! Beside the sparse path, for each context and batch: dense attention over every block with the
 //! KV in GPU memory (where it fits in free device memory) and with the KV read from host memory
@@ -32,6 +35,7 @@ use kvtier_kernels::cuda::{
     AnonMapping, AttentionMath, CudaBackend, CudaConfig, DenseKv, LaunchMode, PinnedRegion,
     StepItem, SummaryDtype, Timing,
 };
+use kvtier_storage::sketch::BlockSketches;
 use kvtier_storage::testing::XorShift64 as Rng;
 use kvtier_storage::{DType, Geometry, Policy};
 
@@ -57,6 +61,8 @@ struct Args {
     batches: Vec<u32>,
     json: Option<String>,
     sum_bf16: bool,
+    /// The sketch selector's candidates (None: the key bound).
+    sketch: Option<u32>,
     /// Print select_score's phase breakdown (needs KVTIER_NVRTC_DEFINES=-DSEL_TRACE=1).
     trace: bool,
     /// Time the split pass by step only.
@@ -80,6 +86,7 @@ fn parse() -> Result<Args, String> {
         batches: vec![1, 8],
         json: None,
         sum_bf16: false,
+        sketch: None,
         trace: false,
         split_step: false,
         simt: false,
@@ -104,6 +111,7 @@ fn parse() -> Result<Args, String> {
             "--batches" => a.batches = list(v()?)?,
             "--json" => a.json = Some(v()?),
             "--summaries-bf16" => a.sum_bf16 = true,
+            "--sketch" => a.sketch = Some(v()?.parse().map_err(|e| format!("{e}"))?),
             "--trace" => a.trace = true,
             "--split-step" => a.split_step = true,
             "--simt-attention" => a.simt = true,
@@ -180,8 +188,31 @@ fn host_region(be: &CudaBackend, mut bytes: usize, frame: usize) -> Result<Pinne
     }
 }
 
-fn config(n_blocks: u32, k: u32, batch: u32, sum_bf16: bool, simt: bool) -> CudaConfig {
-    let policy = Policy::bound(1, 4, k);
+/// Synthetic sketches of `n_blocks` blocks (host layout, kvtier_storage::sketch): random
+/// quarter codes, codes and scales. The selector's cost does not depend on the values.
+fn synthetic_sketches(geo: &Geometry, n_blocks: u32, rng: &mut Rng) -> BlockSketches {
+    let mut s = BlockSketches::new(geo, n_blocks as usize);
+    for c in s.quarter_codes.iter_mut() {
+        *c = (rng.next_u64() % 255) as i8;
+    }
+    for x in s.quarter_scales.iter_mut() {
+        *x = 0.01 + normal(rng).abs() as f32;
+    }
+    for c in s.codes.iter_mut() {
+        *c = rng.next_u64() as u8;
+    }
+    for x in s.scales.iter_mut() {
+        *x = 0.1 + normal(rng).abs() as f32;
+    }
+    s
+}
+
+fn config(n_blocks: u32, k: u32, batch: u32, a: &Args) -> CudaConfig {
+    let (sum_bf16, simt) = (a.sum_bf16, a.simt);
+    let policy = match a.sketch {
+        Some(c) => Policy::sketch(1, 4, k, c),
+        None => Policy::bound(1, 4, k),
+    };
     let geometry = Geometry::new(LAYERS, HQ, HKV, D, DType::Bf16, BT);
     let summaries = if sum_bf16 {
         SummaryDtype::Bf16Outward
@@ -568,7 +599,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let n_blocks = ctx / BT;
         for &k in &args.ks {
             let max_batch = *args.batches.iter().max().unwrap_or(&1);
-            let cfg = config(n_blocks, k, max_batch, args.sum_bf16, args.simt);
+            let cfg = config(n_blocks, k, max_batch, &args);
             let t0 = Instant::now();
             let mut be = CudaBackend::new(0, cfg)?;
             be.set_dependent_launch(!args.no_pdl);
@@ -602,10 +633,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     v
                 })
                 .collect();
+            let sketches: Vec<BlockSketches> = if cfg.sketch() {
+                (0..4)
+                    .map(|_| synthetic_sketches(&cfg.geometry, n_blocks, &mut rng))
+                    .collect()
+            } else {
+                Vec::new()
+            };
             for slot in 0..max_batch {
                 be.open_session(slot)?;
                 for l in 0..LAYERS {
-                    be.upload_summaries(slot, l, 0, &variants[((slot + l) % 4) as usize])?;
+                    let v = ((slot + l) % 4) as usize;
+                    if let Some(sk) = sketches.get(v) {
+                        be.upload_sketches(slot, l, 0, &sk.as_ref())?;
+                    } else {
+                        be.upload_summaries(slot, l, 0, &variants[v])?;
+                    }
                     let base = (slot as u64 * LAYERS as u64 + l as u64) * n_blocks as u64;
                     let offs: Vec<u64> = (0..n_blocks as u64)
                         .map(|b| ((base + b) % n_frames) * frame as u64)

@@ -8,16 +8,17 @@
 //!
 //! - [`Selector::Bound`]: an upper bound on any of the block's keys' dot product with any
 //!   query head of the kv-head's group (`bound_dot`, then the max over the group).
-//! - [`Selector::Sketch`]: each query head of the group names its `max(candidates, top_k)`
-//!   best distant blocks by its own bound (ties to the lower block); the union is scored by the blocks' key
-//!   sketches ([`sketch_score`]) and the top-k of the union kept. When `candidates` covers
-//!   every distant block, every block is scored by its sketch.
+//! - [`Selector::Sketch`]: two stages. The `max(candidates, top_k)` best distant blocks by
+//!   [`QuerySketch::quarter_score`] (the key bound of each quarter of the block in int8, max
+//!   over quarters and the group; ties to the lower block) are the candidates; they are ranked
+//!   by their key sketches ([`QuerySketch::score`]) and the top-k kept. When `candidates`
+//!   covers every distant block, every block is scored by its sketch.
 
 use std::cmp::Ordering;
 
 use kvtier_storage::sketch::{padded_dims, round_half_even, HeadSketch};
 use kvtier_storage::{Geometry, LayerView, Policy, Selector};
-use wide::{i16x8, i32x4};
+use wide::{i16x16, i16x8, i32x4, i32x8, i8x16};
 
 use crate::error::{KernelError, Result};
 use crate::simd::bound_dot;
@@ -115,6 +116,10 @@ pub fn quantize_query(q: &[f32], codes: &mut [i16]) -> f32 {
 pub struct QuerySketch {
     /// `[G][padded D / 8]`: each head's codes, the padding zero.
     vecs: Vec<i16x8>,
+    /// `[G][D]`: each head's codes where positive (else 0), and where negative (else 0): the
+    /// quarter bounds' maxima pair with the first, their minima with the second.
+    pos: Vec<i16>,
+    neg: Vec<i16>,
     scales: Vec<f32>,
 }
 
@@ -130,6 +135,8 @@ impl QuerySketch {
     pub fn set(&mut self, q_group: &[f32], d: usize) {
         let pv = padded_dims(d) / 8;
         self.vecs.clear();
+        self.pos.clear();
+        self.neg.clear();
         self.scales.clear();
         let mut codes = [0i16; MAX_PADDED_DIMS];
         for qh in q_group.chunks_exact(d) {
@@ -140,7 +147,53 @@ impl QuerySketch {
                     .chunks_exact(8)
                     .map(|c| i16x8::new(c.try_into().expect("8 codes"))),
             );
+            self.pos.extend(codes[..d].iter().map(|&c| c.max(0)));
+            self.neg.extend(codes[..d].iter().map(|&c| c.min(0)));
         }
+    }
+
+    /// Stage-1 score of one (block, kv-head) for the sketch selector: the key bound of each of
+    /// the block's quarters from its quarter codes against the query's codes, as the exact
+    /// integer `I = sum_d pos_d * max_d + neg_d * min_d` (`pos`, `neg` the code where positive,
+    /// negative, else 0), per query head the largest over the quarters, then `f32(I) *
+    /// quarter_scale` (rounded), `* q_scale` (rounded) and the largest over the heads. `-0.0`
+    /// is returned as `0.0`.
+    pub fn quarter_score(&self, sketch: &HeadSketch<'_>) -> f32 {
+        let g = self.scales.len();
+        let d = self.pos.len() / g;
+        let mut best = [i32::MIN; kvtier_storage::geometry::MAX_HEADS as usize];
+        let best = &mut best[..g];
+        let full = d / 16 * 16;
+        for q in sketch.quarter_codes.chunks_exact(2 * d) {
+            let (hi, lo) = q.split_at(d);
+            for ((b, pos), neg) in best
+                .iter_mut()
+                .zip(self.pos.chunks_exact(d))
+                .zip(self.neg.chunks_exact(d))
+            {
+                let mut acc = i32x8::ZERO;
+                for c in (0..full).step_by(16) {
+                    let h = i16x16::from_i8x16(i8x16::new(hi[c..c + 16].try_into().expect("16")));
+                    let l = i16x16::from_i8x16(i8x16::new(lo[c..c + 16].try_into().expect("16")));
+                    let p = i16x16::new(pos[c..c + 16].try_into().expect("16"));
+                    let n = i16x16::new(neg[c..c + 16].try_into().expect("16"));
+                    acc += p.dot(h) + n.dot(l);
+                }
+                let mut sum = acc.reduce_add();
+                for c in full..d {
+                    sum +=
+                        i32::from(pos[c]) * i32::from(hi[c]) + i32::from(neg[c]) * i32::from(lo[c]);
+                }
+                *b = (*b).max(sum);
+            }
+        }
+        let score = best
+            .iter()
+            .zip(&self.scales)
+            .fold(f32::NEG_INFINITY, |s, (&b, qs)| {
+                s.max(b as f32 * sketch.quarter_scale * qs)
+            });
+        score + 0.0
     }
 
     /// Sketch score of one (block, kv-head): the largest sketched logit over the block's
@@ -213,22 +266,6 @@ fn unpack_words(codes: &[u8], out: &mut [i16x8]) {
         out[2 * per_nibble + v] = (x << 4) >> 12;
         out[3 * per_nibble + v] = x >> 12;
     }
-}
-
-/// Stage-1 score of one (block, kv-head) for the sketch selector: the largest over the block's
-/// quarters and the group's query heads of the key bound ([`bound_dot`]) on the quarter's
-/// bf16 bounds (widened exactly to f32).
-pub fn quarter_score(q_group: &[f32], quarters: &[u16], d: usize) -> f32 {
-    let mut bounds = [0f32; 2 * kvtier_storage::geometry::MAX_HEAD_DIM as usize];
-    let mut score = f32::NEG_INFINITY;
-    for qb in quarters.chunks_exact(2 * d) {
-        for (o, &b) in bounds.iter_mut().zip(qb) {
-            *o = f32::from_bits(u32::from(b) << 16);
-        }
-        let (hi, lo) = bounds[..2 * d].split_at(d);
-        score = score.max(block_score(q_group, hi, lo));
-    }
-    score
 }
 
 /// Checks a query's length and values against a geometry.
@@ -327,19 +364,17 @@ pub fn select_head(
                     .sketch(b, kv_head)
                     .expect("the sketch selector runs on caches with sketches (checked per entry)")
             };
+            query.set(q_group, d);
             // Stage 1: the c best distant blocks by their quarter bounds (every block when c
             // covers them), ascending in `order`.
             order.clear();
             order.extend(0..n as u32);
             if c < n {
                 scores.clear();
-                scores.extend(
-                    (sink_end..local_start).map(|b| quarter_score(q_group, sketch(b).quarters, d)),
-                );
+                scores.extend((sink_end..local_start).map(|b| query.quarter_score(&sketch(b))));
                 top_k_in_place(scores, order, c);
             }
             // Stage 2: the candidates ranked by their sketches.
-            query.set(q_group, d);
             scores.clear();
             scores.extend(
                 order

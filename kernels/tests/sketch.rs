@@ -2,7 +2,6 @@
 //! the block a query reads where the key bound cannot tell blocks apart.
 
 use kvtier_kernels::select::{select_head, QuerySketch};
-use kvtier_kernels::simd::bound_dot;
 use kvtier_kernels::{decode_layer, select, DecodeEntry, KeepSet, KernelError, SelectScratch};
 use kvtier_storage::testing::Rng;
 use kvtier_storage::{ArenaOptions, DType, Geometry, HostArena, KvCache, LayerView, Policy};
@@ -39,8 +38,9 @@ fn code(codes: &[u8], d: usize, t: usize, e: usize) -> i32 {
 }
 
 /// The sketch selector's keep-set of one kv head, restated from its documentation with
-/// scalar loops: candidates by the quarter bounds (max over quarters and the group), query
-/// and key codes, integer dots, then the documented float steps.
+/// scalar loops: query codes; candidates by the quarter codes' integer bounds (max over
+/// quarters, the documented float steps, max over the group); key codes, integer dots, the
+/// documented float steps.
 fn reference(q: &[f32], v: &LayerView<'_>, policy: &Policy, h: usize) -> Vec<u32> {
     let g = v.geometry();
     let (d, grp, nb) = (g.head_dim as usize, g.group(), v.blocks());
@@ -54,24 +54,6 @@ fn reference(q: &[f32], v: &LayerView<'_>, policy: &Policy, h: usize) -> Vec<u32
     let heads: Vec<&[f32]> = (0..grp)
         .map(|j| &q[(h * grp + j) * d..(h * grp + j + 1) * d])
         .collect();
-    let widen = |b: u16| f32::from_bits(u32::from(b) << 16);
-    let stage1 = |b: usize| -> f32 {
-        let quarters = v.sketch(b, h).unwrap().quarters;
-        let mut best = f32::NEG_INFINITY;
-        for qb in quarters.chunks(2 * d) {
-            let hi: Vec<f32> = qb[..d].iter().map(|&x| widen(x)).collect();
-            let lo: Vec<f32> = qb[d..].iter().map(|&x| widen(x)).collect();
-            for qh in &heads {
-                best = best.max(bound_dot(qh, &hi, &lo));
-            }
-        }
-        best
-    };
-    let cands = if c >= distant.len() {
-        distant.clone()
-    } else {
-        best(&distant, stage1, c)
-    };
     // Queries: absmax / 127, round half to even.
     let quant: Vec<(Vec<i32>, f32)> = heads
         .iter()
@@ -90,6 +72,33 @@ fn reference(q: &[f32], v: &LayerView<'_>, policy: &Policy, h: usize) -> Vec<u32
             (c, s)
         })
         .collect();
+    // Stage 1: per head the best quarter's integer bound from the quarter codes (maxima with
+    // the positive codes, minima with the negative), then the float steps, max over heads.
+    let stage1 = |b: usize| -> f32 {
+        let sk = v.sketch(b, h).unwrap();
+        let mut best = f32::NEG_INFINITY;
+        for (qc, qs) in &quant {
+            let m = sk
+                .quarter_codes
+                .chunks(2 * d)
+                .map(|q| {
+                    (0..d)
+                        .map(|e| {
+                            qc[e].max(0) * i32::from(q[e]) + qc[e].min(0) * i32::from(q[d + e])
+                        })
+                        .sum::<i32>()
+                })
+                .max()
+                .unwrap();
+            best = best.max(m as f32 * sk.quarter_scale * qs);
+        }
+        best + 0.0
+    };
+    let cands = if c >= distant.len() {
+        distant.clone()
+    } else {
+        best(&distant, stage1, c)
+    };
     let score = |b: usize| -> f32 {
         let sk = v.sketch(b, h).unwrap();
         let mut best = f32::NEG_INFINITY;

@@ -14,13 +14,19 @@
 //! **Quarter bounds.** A block of B tokens is cut into [`quarters`] `n = min(4, B)` runs of
 //! consecutive tokens, quarter `j` holding tokens `floor(j B / n)..floor((j + 1) B / n)`; each
 //! keeps the element-wise max and min of its keys like a block summary, rounded outward to
-//! bf16 ([`crate::dtype::bf16_outward`]) so that every backend reads the same values in half
-//! the bytes. A quarter without tokens yet holds `(-inf, +inf)`.
+//! bf16 ([`crate::dtype::bf16_outward`]). A quarter without tokens yet holds `(-inf, +inf)`.
+//! What selection reads are their **quarter codes**: per (block, kv head) one scale
+//! `s = max |bound| / 127` over its quarters with tokens, and per quarter the max rounded up and
+//! the min rounded down to multiples of it, `ceil(max / s)` and `floor(min / s)` clamped to
+//! `-127..=127` (all 0 when `s` is 0; a quarter without tokens `-127` and `127`), int8: a
+//! quarter's key bound against an int8 query is then two integer dot products, exact on every
+//! machine. They are recomputed from the bounds whenever a block takes keys.
 //!
 //! A layer keeps, per block: codes `[kv_head][B][code bytes]`, scales `[kv_head][B]` (rows
-//! past the block's valid tokens zero) and quarter bounds `[kv_head][quarter][max|min][D]`.
-//! Every path that adds keys (appends, in-place commits, restores, truncation) produces the
-//! same bits as appending the keys one by one.
+//! past the block's valid tokens zero), quarter bounds `[kv_head][quarter][max|min][D]`,
+//! quarter codes `[kv_head][quarter][max|min][D]` and their scales `[kv_head]`. Every path
+//! that adds keys (appends, in-place commits, restores, truncation) produces the same bits as
+//! appending the keys one by one.
 
 use crate::dtype::bf16_outward;
 use crate::geometry::{Geometry, MAX_HEAD_DIM};
@@ -122,42 +128,208 @@ fn reset_quarters(bounds: &mut [u16], d: usize) {
     }
 }
 
-/// The sketches of one block, borrowed whole: what a parallel rebuild fills.
-pub(crate) struct BlockSketch<'a> {
+/// Largest quarter code magnitude: quarter codes are in `-BOUND_LEVELS..=BOUND_LEVELS`.
+pub const BOUND_LEVELS: i32 = 127;
+
+/// Recomputes one (block, kv head)'s quarter codes from its quarter bounds
+/// (`[quarter][max|min][D]` bf16 bits); returns their scale.
+fn quantize_quarters(quarters: &[u16], codes: &mut [i8], d: usize) -> f32 {
+    let f = |b: u16| f32::from_bits(u32::from(b) << 16);
+    let amax = quarters
+        .chunks_exact(2 * d)
+        .filter(|q| q[..d].iter().all(|&b| f(b).is_finite()))
+        .flat_map(|q| q.iter())
+        .fold(0f32, |m, &b| m.max(f(b).abs()));
+    let scale = amax / BOUND_LEVELS as f32;
+    let lim = BOUND_LEVELS as f32;
+    for (q, c) in quarters
+        .chunks_exact(2 * d)
+        .zip(codes.chunks_exact_mut(2 * d))
+    {
+        if !f(q[0]).is_finite() {
+            // No tokens yet: an empty box (never scored: only full blocks are).
+            c[..d].fill(-(BOUND_LEVELS as i8));
+            c[d..].fill(BOUND_LEVELS as i8);
+        } else if scale == 0.0 {
+            c.fill(0);
+        } else {
+            for (o, &b) in c[..d].iter_mut().zip(&q[..d]) {
+                *o = (f(b) / scale).ceil().clamp(-lim, lim) as i8;
+            }
+            for (o, &b) in c[d..].iter_mut().zip(&q[d..]) {
+                *o = (f(b) / scale).floor().clamp(-lim, lim) as i8;
+            }
+        }
+    }
+    scale
+}
+
+/// Owned sketches of consecutive blocks in the host layout (what a device takes).
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct BlockSketches {
+    pub codes: Vec<u8>,
+    pub scales: Vec<f32>,
+    pub quarters: Vec<u16>,
+    pub quarter_codes: Vec<i8>,
+    pub quarter_scales: Vec<f32>,
+}
+
+/// Element counts of one block's sketch: (codes, scales, quarters / quarter codes, quarter
+/// scales).
+fn per_block(geo: &Geometry) -> (usize, usize, usize, usize) {
+    let (hkv, bt, d) = (
+        geo.kv_heads as usize,
+        geo.block_tokens as usize,
+        geo.head_dim as usize,
+    );
+    (
+        hkv * bt * code_bytes(d),
+        hkv * bt,
+        hkv * quarters(bt) * 2 * d,
+        hkv,
+    )
+}
+
+impl BlockSketches {
+    /// `n` empty blocks.
+    pub fn new(geo: &Geometry, n: usize) -> Self {
+        let (c, s, q, qs) = per_block(geo);
+        let mut b = BlockSketches {
+            codes: vec![0; n * c],
+            scales: vec![0.0; n * s],
+            quarters: vec![0; n * q],
+            quarter_codes: vec![0; n * q],
+            quarter_scales: vec![0.0; n * qs],
+        };
+        reset_quarters(&mut b.quarters, geo.head_dim as usize);
+        for mut block in b.blocks_mut(geo) {
+            block.quantize(geo);
+        }
+        b
+    }
+
+    /// Every block, mutably, in order.
+    pub fn blocks_mut(&mut self, geo: &Geometry) -> impl Iterator<Item = BlockSketch<'_>> {
+        let (c, s, q, qs) = per_block(geo);
+        self.codes
+            .chunks_exact_mut(c)
+            .zip(self.scales.chunks_exact_mut(s))
+            .zip(self.quarters.chunks_exact_mut(q))
+            .zip(self.quarter_codes.chunks_exact_mut(q))
+            .zip(self.quarter_scales.chunks_exact_mut(qs))
+            .map(
+                |((((codes, scales), quarters), quarter_codes), quarter_scales)| BlockSketch {
+                    codes,
+                    scales,
+                    quarters,
+                    quarter_codes,
+                    quarter_scales,
+                },
+            )
+    }
+
+    /// The sketches borrowed.
+    pub fn as_ref(&self) -> BlockSketchesRef<'_> {
+        BlockSketchesRef {
+            codes: &self.codes,
+            scales: &self.scales,
+            quarters: &self.quarters,
+            quarter_codes: &self.quarter_codes,
+            quarter_scales: &self.quarter_scales,
+        }
+    }
+
+    /// Appends another run of blocks.
+    pub fn extend(&mut self, other: &BlockSketches) {
+        self.codes.extend_from_slice(&other.codes);
+        self.scales.extend_from_slice(&other.scales);
+        self.quarters.extend_from_slice(&other.quarters);
+        self.quarter_codes.extend_from_slice(&other.quarter_codes);
+        self.quarter_scales.extend_from_slice(&other.quarter_scales);
+    }
+}
+
+/// Sketches of consecutive blocks, borrowed (a layer's, or [`BlockSketches`]').
+#[derive(Debug, Clone, Copy)]
+pub struct BlockSketchesRef<'a> {
+    pub codes: &'a [u8],
+    pub scales: &'a [f32],
+    pub quarters: &'a [u16],
+    pub quarter_codes: &'a [i8],
+    pub quarter_scales: &'a [f32],
+}
+
+impl<'a> BlockSketchesRef<'a> {
+    /// Blocks held.
+    pub fn blocks(&self, geo: &Geometry) -> usize {
+        self.quarter_scales.len() / per_block(geo).3
+    }
+
+    /// One (block, kv head)'s sketch.
+    pub fn head(&self, geo: &Geometry, block: usize, kv_head: usize) -> HeadSketch<'a> {
+        let (bt, d) = (geo.block_tokens as usize, geo.head_dim as usize);
+        let (cb, qv) = (code_bytes(d), quarters(bt) * 2 * d);
+        let r = block * geo.kv_heads as usize + kv_head;
+        HeadSketch {
+            codes: &self.codes[r * bt * cb..(r + 1) * bt * cb],
+            scales: &self.scales[r * bt..(r + 1) * bt],
+            quarters: &self.quarters[r * qv..(r + 1) * qv],
+            quarter_codes: &self.quarter_codes[r * qv..(r + 1) * qv],
+            quarter_scale: self.quarter_scales[r],
+        }
+    }
+}
+
+/// The sketches of one block, borrowed whole.
+pub struct BlockSketch<'a> {
     pub codes: &'a mut [u8],
     pub scales: &'a mut [f32],
     pub quarters: &'a mut [u16],
+    pub quarter_codes: &'a mut [i8],
+    pub quarter_scales: &'a mut [f32],
 }
 
-/// One (block, kv head)'s sketch, read-only: codes `[B][code bytes]`, scales `[B]`, quarter
-/// bounds `[quarter][max|min][D]` (bf16 bits).
+impl BlockSketch<'_> {
+    /// Recomputes the quarter codes of every kv head from its quarter bounds.
+    fn quantize(&mut self, geo: &Geometry) {
+        let d = geo.head_dim as usize;
+        let qv = quarters(geo.block_tokens as usize) * 2 * d;
+        for ((q, c), s) in self
+            .quarters
+            .chunks_exact(qv)
+            .zip(self.quarter_codes.chunks_exact_mut(qv))
+            .zip(self.quarter_scales.iter_mut())
+        {
+            *s = quantize_quarters(q, c, d);
+        }
+    }
+}
+
+/// One (block, kv head)'s sketch, read-only: key codes `[B][code bytes]` and scales `[B]`,
+/// quarter bounds `[quarter][max|min][D]` (bf16 bits), quarter codes (same shape, int8) and
+/// their scale.
 #[derive(Clone, Copy, Debug)]
 pub struct HeadSketch<'a> {
     pub codes: &'a [u8],
     pub scales: &'a [f32],
     pub quarters: &'a [u16],
+    pub quarter_codes: &'a [i8],
+    pub quarter_scale: f32,
 }
 
 /// Sketches the first `valid` stored keys of a block run into one block's sketch, resetting
 /// the rest: what appending them one by one produces. The engine's sketches of a leased block
 /// come from here.
-pub fn sketch_block(
-    geo: &Geometry,
-    run: &[u8],
-    valid: usize,
-    codes: &mut [u8],
-    scales: &mut [f32],
-    quarters: &mut [u16],
-) {
+pub fn sketch_block(geo: &Geometry, run: &[u8], valid: usize, mut out: BlockSketch<'_>) {
     let (d, row, bt) = (
         geo.head_dim as usize,
         geo.row_bytes(),
         geo.block_tokens as usize,
     );
     let (cb, qb) = (code_bytes(d), self::quarters(bt) * 2 * d);
-    codes.fill(0);
-    scales.fill(0.0);
-    reset_quarters(quarters, d);
+    out.codes.fill(0);
+    out.scales.fill(0.0);
+    reset_quarters(out.quarters, d);
     let mut key = [0f32; MAX_HEAD_DIM as usize];
     let key = &mut key[..d];
     for h in 0..geo.kv_heads as usize {
@@ -165,60 +337,42 @@ pub fn sketch_block(
             let o = geo.k_row_offset(h, t);
             geo.dtype.decode(&run[o..o + row], key);
             let r = h * bt + t;
-            scales[r] = sketch_key(key, &mut codes[r * cb..(r + 1) * cb]);
+            out.scales[r] = sketch_key(key, &mut out.codes[r * cb..(r + 1) * cb]);
             let q = h * qb + quarter_of(t, bt) * 2 * d;
-            fold_quarter(&mut quarters[q..q + 2 * d], key);
+            fold_quarter(&mut out.quarters[q..q + 2 * d], key);
         }
     }
+    out.quantize(geo);
 }
 
 /// The sketches of one layer's blocks.
 #[derive(Debug, Default)]
-pub(crate) struct LayerSketches {
-    codes: Vec<u8>,
-    scales: Vec<f32>,
-    quarters: Vec<u16>,
-}
+pub(crate) struct LayerSketches(BlockSketches);
 
 impl LayerSketches {
-    /// (code bytes, scales, quarter values) of one block.
-    fn per_block(geo: &Geometry) -> (usize, usize, usize) {
-        let (hkv, bt, d) = (
-            geo.kv_heads as usize,
-            geo.block_tokens as usize,
-            geo.head_dim as usize,
-        );
-        (
-            hkv * bt * code_bytes(d),
-            hkv * bt,
-            hkv * quarters(bt) * 2 * d,
-        )
-    }
-
     /// Blocks sketched.
     pub(crate) fn blocks(&self, geo: &Geometry) -> usize {
-        self.scales.len() / Self::per_block(geo).1
+        self.0.as_ref().blocks(geo)
     }
 
     /// Appends an empty block.
     pub(crate) fn open_block(&mut self, geo: &Geometry) {
-        let (c, s, q) = Self::per_block(geo);
-        self.codes.resize(self.codes.len() + c, 0);
-        self.scales.resize(self.scales.len() + s, 0.0);
-        let at = self.quarters.len();
-        self.quarters.resize(at + q, 0);
-        reset_quarters(&mut self.quarters[at..], geo.head_dim as usize);
+        self.0.extend(&BlockSketches::new(geo, 1));
     }
 
     /// Keeps the first `blocks` blocks.
     pub(crate) fn truncate(&mut self, geo: &Geometry, blocks: usize) {
-        let (c, s, q) = Self::per_block(geo);
-        self.codes.truncate(blocks * c);
-        self.scales.truncate(blocks * s);
-        self.quarters.truncate(blocks * q);
+        let (c, s, q, qs) = per_block(geo);
+        let b = &mut self.0;
+        b.codes.truncate(blocks * c);
+        b.scales.truncate(blocks * s);
+        b.quarters.truncate(blocks * q);
+        b.quarter_codes.truncate(blocks * q);
+        b.quarter_scales.truncate(blocks * qs);
     }
 
-    /// Adds one key (already decoded to f32) of token `slot` of a block.
+    /// Adds one key (already decoded to f32) of token `slot` of a block: its codes and its
+    /// quarter's bounds. The block's quarter codes follow at [`Self::seal`].
     pub(crate) fn add(
         &mut self,
         geo: &Geometry,
@@ -229,15 +383,24 @@ impl LayerSketches {
     ) {
         let (bt, d) = (geo.block_tokens as usize, geo.head_dim as usize);
         let cb = code_bytes(d);
+        let b = &mut self.0;
         let r = (block * geo.kv_heads as usize + kv_head) * bt + slot;
-        self.scales[r] = sketch_key(key, &mut self.codes[r * cb..(r + 1) * cb]);
+        b.scales[r] = sketch_key(key, &mut b.codes[r * cb..(r + 1) * cb]);
         let q = ((block * geo.kv_heads as usize + kv_head) * quarters(bt) + quarter_of(slot, bt))
             * 2
             * d;
-        fold_quarter(&mut self.quarters[q..q + 2 * d], key);
+        fold_quarter(&mut b.quarters[q..q + 2 * d], key);
     }
 
-    /// Adds rows `rows` of a block from its stored run (every kv head).
+    /// Recomputes a block's quarter codes after keys were added to it.
+    pub(crate) fn seal(&mut self, geo: &Geometry, block: usize) {
+        self.blocks_mut(geo, block)
+            .next()
+            .expect("the block exists")
+            .quantize(geo);
+    }
+
+    /// Adds rows `rows` of a block from its stored run (every kv head), then seals it.
     pub(crate) fn add_run(
         &mut self,
         geo: &Geometry,
@@ -255,6 +418,7 @@ impl LayerSketches {
                 self.add(geo, block, h, t, key);
             }
         }
+        self.seal(geo, block);
     }
 
     /// Rebuilds one block from the first `valid` keys of its run (truncation).
@@ -263,19 +427,29 @@ impl LayerSketches {
             .blocks_mut(geo, block)
             .next()
             .expect("the block exists");
-        sketch_block(geo, run, valid, b.codes, b.scales, b.quarters);
+        sketch_block(geo, run, valid, b);
+    }
+
+    /// Blocks `blocks` whole.
+    pub(crate) fn range(
+        &self,
+        geo: &Geometry,
+        blocks: std::ops::Range<usize>,
+    ) -> BlockSketchesRef<'_> {
+        let (c, s, q, qs) = per_block(geo);
+        let b = &self.0;
+        BlockSketchesRef {
+            codes: &b.codes[blocks.start * c..blocks.end * c],
+            scales: &b.scales[blocks.start * s..blocks.end * s],
+            quarters: &b.quarters[blocks.start * q..blocks.end * q],
+            quarter_codes: &b.quarter_codes[blocks.start * q..blocks.end * q],
+            quarter_scales: &b.quarter_scales[blocks.start * qs..blocks.end * qs],
+        }
     }
 
     /// One (block, kv head)'s sketch.
     pub(crate) fn get(&self, geo: &Geometry, block: usize, kv_head: usize) -> HeadSketch<'_> {
-        let (bt, d) = (geo.block_tokens as usize, geo.head_dim as usize);
-        let (cb, qv) = (code_bytes(d), quarters(bt) * 2 * d);
-        let r = block * geo.kv_heads as usize + kv_head;
-        HeadSketch {
-            codes: &self.codes[r * bt * cb..(r + 1) * bt * cb],
-            scales: &self.scales[r * bt..(r + 1) * bt],
-            quarters: &self.quarters[r * qv..(r + 1) * qv],
-        }
+        self.0.as_ref().head(geo, block, kv_head)
     }
 
     /// Whole blocks `first..`, for a parallel rebuild.
@@ -284,21 +458,17 @@ impl LayerSketches {
         geo: &Geometry,
         first: usize,
     ) -> impl Iterator<Item = BlockSketch<'_>> {
-        let (c, s, q) = Self::per_block(geo);
-        self.codes[first * c..]
-            .chunks_exact_mut(c)
-            .zip(self.scales[first * s..].chunks_exact_mut(s))
-            .zip(self.quarters[first * q..].chunks_exact_mut(q))
-            .map(|((codes, scales), quarters)| BlockSketch {
-                codes,
-                scales,
-                quarters,
-            })
+        self.0.blocks_mut(geo).skip(first)
     }
 
     /// Host bytes held.
     pub(crate) fn bytes(&self) -> usize {
-        self.codes.len() + 4 * self.scales.len() + 2 * self.quarters.len()
+        let b = &self.0;
+        b.codes.len()
+            + 4 * b.scales.len()
+            + 2 * b.quarters.len()
+            + b.quarter_codes.len()
+            + 4 * b.quarter_scales.len()
     }
 }
 

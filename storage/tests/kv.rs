@@ -37,6 +37,8 @@ fn summary_bits(v: &LayerView<'_>) -> Vec<u32> {
             bits.extend(s.codes.iter().map(|&c| u32::from(c)));
             bits.extend(s.scales.iter().map(|x| x.to_bits()));
             bits.extend(s.quarters.iter().map(|&x| u32::from(x)));
+            bits.extend(s.quarter_codes.iter().map(|&x| x as u32));
+            bits.push(s.quarter_scale.to_bits());
         }
     }
     bits
@@ -188,12 +190,43 @@ fn sketches_are_the_stored_keys_quantized_and_zero_past_the_tail() {
                         );
                     }
                 }
+                // Quarter codes: one scale, the maxima rounded up and the minima down to its
+                // multiples; a quarter without keys an empty box.
+                let amax = s
+                    .quarters
+                    .chunks(2 * d)
+                    .filter(|q| widen(q[0]).is_finite())
+                    .flat_map(|q| q.iter())
+                    .map(|&x| widen(x).abs())
+                    .fold(0f32, f32::max);
+                assert_eq!(s.quarter_scale, amax / 127.0);
+                for (j, (qb, qc)) in s
+                    .quarters
+                    .chunks(2 * d)
+                    .zip(s.quarter_codes.chunks(2 * d))
+                    .enumerate()
+                {
+                    for e in 0..2 * d {
+                        let want = match (widen(qb[0]).is_finite(), e < d) {
+                            (false, true) => -127,
+                            (false, false) => 127,
+                            (true, true) => {
+                                (widen(qb[e]) / s.quarter_scale).ceil().clamp(-127.0, 127.0) as i8
+                            }
+                            (true, false) => (widen(qb[e]) / s.quarter_scale)
+                                .floor()
+                                .clamp(-127.0, 127.0)
+                                as i8,
+                        };
+                        assert_eq!(qc[e], want, "block {b} quarter {j} code {e}");
+                    }
+                }
             }
         }
         let bare = KvCache::new_with(g, arena(16), false).unwrap();
         assert!(!bare.has_sketches() && bare.sketch_bytes() == 0);
         assert!(kv.has_sketches());
-        let per_block = g.kv_heads as usize * (8 * (2 * w + 4) + 4 * 2 * d * 2);
+        let per_block = g.kv_heads as usize * (8 * (2 * w + 4) + 4 * 2 * d * 3 + 4);
         assert_eq!(kv.sketch_bytes(), g.layers as usize * 3 * per_block);
     }
 }

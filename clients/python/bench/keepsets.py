@@ -39,9 +39,9 @@ def bf16_outward(x: np.ndarray, up: bool) -> np.ndarray:
 
 def block_scores(q: np.ndarray, k: np.ndarray, t: int, block: int = 128) -> Dict[str, np.ndarray]:
     """Per-block scores over the layer's `t` tokens (`nb` blocks): `bound` (the key bound,
-    max over the group: the bound selector), `quarter` (the bound of each quarter of the
-    block on bf16 bounds rounded outward, max over quarters and the group: the sketch
-    selector's first stage), `sketch` (the best int4 x int8 sketched logit: its second stage),
+    max over the group: the bound selector), `quarter` (the integer bound of each quarter of the
+    block from its int8 quarter codes, max over quarters and the group: the sketch selector's
+    first stage), `sketch` (the best int4 x int8 sketched logit: its second stage),
     `true_max` (the best true logit), `mass` (the share of the group's dense attention, mean
     over its heads) and `mass_heads` `[G, nb]`."""
     g, d = q.shape
@@ -54,25 +54,40 @@ def block_scores(q: np.ndarray, k: np.ndarray, t: int, block: int = 128) -> Dict
     hi = np.where(valid[..., None], kb, -np.inf).max(1)
     lo = np.where(valid[..., None], kb, np.inf).min(1)
     bound = np.maximum(q[:, None, :] * hi[None], q[:, None, :] * lo[None]).sum(-1).max(0)
+    # The quarter bounds (bf16, rounded outward), their int8 codes with one scale per block
+    # (maxima rounded up, minima down; a quarter without tokens an empty box), then per head
+    # the best quarter's integer bound against the int8 query: the sketch selector's stage 1.
     nq = min(4, block)
     starts = [j * block // nq for j in range(nq + 1)]
-    quarter = np.full(nb, -np.inf, np.float32)
+    qhi, qlo, filled = [], [], []
     for j in range(nq):
         sl = slice(starts[j], starts[j + 1])
         v = valid[:, sl]
-        qhi = bf16_outward(np.where(v[..., None], kb[:, sl], -np.inf).max(1), True)
-        qlo = bf16_outward(np.where(v[..., None], kb[:, sl], np.inf).min(1), False)
-        with np.errstate(invalid="ignore"):
-            b = np.maximum(q[:, None, :] * qhi[None], q[:, None, :] * qlo[None]).sum(-1).max(0)
-        quarter = np.maximum(quarter, np.where(np.isfinite(b), b, -np.inf))
+        qhi.append(bf16_outward(np.where(v[..., None], kb[:, sl], -np.inf).max(1), True))
+        qlo.append(bf16_outward(np.where(v[..., None], kb[:, sl], np.inf).min(1), False))
+        filled.append(v.any(1))
+    qhi, qlo, filled = np.stack(qhi, 1), np.stack(qlo, 1), np.stack(filled, 1)  # [nb, nq, d], [nb, nq]
+    amax = np.where(filled[..., None], np.maximum(np.abs(np.where(filled[..., None], qhi, 0)),
+                                                  np.abs(np.where(filled[..., None], qlo, 0))), 0).max((1, 2))
+    bscale = (amax / np.float32(127)).astype(np.float32)
+    safe = np.where(bscale > 0, bscale, np.float32(1))[:, None, None]
+    with np.errstate(invalid="ignore"):
+        chi = np.clip(np.ceil(qhi / safe), -127, 127)
+        clo = np.clip(np.floor(qlo / safe), -127, 127)
+    chi = np.where(filled[..., None], np.where(bscale[:, None, None] > 0, chi, 0), -127).astype(np.int64)
+    clo = np.where(filled[..., None], np.where(bscale[:, None, None] > 0, clo, 0), 127).astype(np.int64)
+    qc, qs = quantize_rows(q, 127)
+    qc = qc.astype(np.int64)
+    ints = (np.einsum("gd,bjd->bjg", np.maximum(qc, 0), chi)
+            + np.einsum("gd,bjd->bjg", np.minimum(qc, 0), clo)).max(1)  # [nb, g]
+    quarter = ((ints.astype(np.float32) * bscale[:, None]).astype(np.float32) * qs[None, :]).max(1)
     logits = q @ kk.T
     p = np.exp((logits - logits.max(1, keepdims=True)) / np.sqrt(d))
     p /= p.sum(1, keepdims=True)
     mass_heads = np.concatenate([p, np.zeros((g, pad))], 1).reshape(g, nb, block).sum(2)
     true_max = np.concatenate([logits, np.full((g, pad), -np.inf)], 1).reshape(g, nb, block).max(2).max(0)
     kc, ks = quantize_rows(kk, 7)
-    qc, qs = quantize_rows(q, 127)
-    per_token = (qc @ kc.T).astype(np.float32) * ks[None, :]
+    per_token = (qc @ kc.T.astype(np.int64)).astype(np.float32) * ks[None, :]
     per_token = np.concatenate([per_token, np.full((g, pad), -np.inf, np.float32)], 1)
     sketch = (per_token.reshape(g, nb, block).max(2) * qs[:, None]).max(0)
     return {"bound": bound, "quarter": quarter, "sketch": sketch, "true_max": true_max,

@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kvtier import Client, Dtype, Geometry, Policy  # noqa: E402
+from kvtier import DEFAULT_CANDIDATES, Client, Dtype, Geometry, Policy, Selector  # noqa: E402
 from kvtier import engine as kv_engine  # noqa: E402
 
 HIDDEN, INTER, LAYERS, HQ, HKV, D = 3584, 18944, 28, 28, 4, 128
@@ -342,16 +342,27 @@ def run_kvtier(rows, a, e, db, kt, whole, how, b, tag=""):
     rows[-1]["register_s"] = e.registration()[1]
 
 
-def run_engine(rows, a, model, dev, c, ids, policy, cache_slots, rounds, breakdown):
-    """Opens an engine and a device batch over `ids` with `cache_slots` (0: the default), times
-    `rounds` rounds of `--graphs`, and closes them (the tails are not handed off)."""
+def policy_of(spec: str, top_k: int) -> Policy:
+    """`bound`, `sketch` (tierd's default candidates) or `sketch:C`, with sink 1, local 4."""
+    if spec == "bound":
+        return Policy.bound(1, 4, top_k)
+    name, _, c = spec.partition(":")
+    if name != "sketch":
+        sys.exit(f"--selectors: {spec!r} is not bound, sketch or sketch:C")
+    return Policy(1, 4, top_k, Selector.SKETCH, int(c) if c else DEFAULT_CANDIDATES)
+
+
+def run_engine(rows, a, model, dev, c, ids, policy, cache_slots, rounds, breakdown, tag=""):
+    """Opens an engine and a device batch over `ids` with `policy` and `cache_slots` (0: the
+    default), times `rounds` rounds of `--graphs`, and closes them (the tails are not handed
+    off). `tag` names the engine in the report."""
     b = len(ids)
     t = time.time()
     e = kv_engine.InEngine(a.socket, GEO, policy, device=0, max_sessions=b,
                            max_blocks=(a.context + 4096) // 128, cache_slots=cache_slots or None)
     db = kv_engine.DeviceBatch(e, c, ids)
     reg_bytes, reg_s = e.registration()
-    print(f"kvtier b={b} cache_slots={cache_slots or 'default'}: leased, registered, synced in "
+    print(f"kvtier{tag} b={b} cache_slots={cache_slots or 'default'}: leased, registered, synced in "
           f"{time.time() - t:.1f} s (mapping and registering the {reg_bytes / 2**30:.1f} GiB arena: "
           f"{reg_s:.1f} s)", flush=True)
     st = Step(model, b, dev)
@@ -364,8 +375,9 @@ def run_engine(rows, a, model, dev, c, ids, policy, cache_slots, rounds, breakdo
     whole()  # its warm-up: one eager step
     for _ in range(rounds):
         for how in a.graphs.split(","):
-            run_kvtier(rows, a, e, db, kt, whole, how, b, f"/c{cache_slots}" if cache_slots else "")
+            run_kvtier(rows, a, e, db, kt, whole, how, b, tag + (f"/c{cache_slots}" if cache_slots else ""))
             rows[-1]["cache_slots"] = cache_slots
+            rows[-1]["selector"] = f"{policy.selector.name.lower()}:{policy.candidates}"
     if breakdown:
         kt.skip_kvtier = True
         ms2, walls2 = time_steps(kt.step, min(a.steps, 100), 2)
@@ -386,6 +398,9 @@ def main():
     ap.add_argument("--modes", default="kvtier,dense-hbm,dense-host")
     ap.add_argument("--dense-host-batches", default="1")
     ap.add_argument("--top-k", type=int, default=32)
+    ap.add_argument("--selectors", default="bound",
+                    help="the engine's selectors, comma-separated: bound, sketch (tierd's default "
+                         "candidates) or sketch:C; one engine each in every round, in turn")
     ap.add_argument("--steps", type=int, default=160)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--graphs", default="whole,segments",
@@ -416,7 +431,8 @@ def main():
     print(f"random Qwen2.5-7B ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params) "
           f"built in {time.time() - t:.1f} s", flush=True)
     rows = []
-    policy = Policy(sink_blocks=1, local_blocks=4, top_k=a.top_k)
+    selectors = a.selectors.split(",")
+    policies = [policy_of(x, a.top_k) for x in selectors]
     with torch.inference_mode():
         # Dense baselines first (they need the memory that tierd's sessions take later).
         for b in batches:
@@ -451,16 +467,18 @@ def main():
             given = [int(x) for x in a.sessions.split(",") if x]
             if given and len(given) < max(batches):
                 sys.exit(f"batch {max(batches)} needs {max(batches)} --sessions")
-            ids = given or fill_sessions(c, max(batches), a.context, policy)
+            ids = given or fill_sessions(c, max(batches), a.context, policies[0])
             slots = [int(x) for x in a.cache_slots.split(",")]
             for b in batches:
                 # With several cache sizes, each round opens one engine per size in turn (the
                 # sessions' stored tokens grow with every hand-off: alternating spreads that).
-                per_engine = a.rounds if len(slots) == 1 else 1
+                per_engine = a.rounds if len(slots) * len(policies) == 1 else 1
                 for rnd in range(a.rounds // per_engine):
-                    for cs in slots:
-                        run_engine(rows, a, model, dev, c, ids[:b], policy, cs, per_engine,
-                                   a.breakdown and rnd == a.rounds // per_engine - 1)
+                    for sel, policy in zip(selectors, policies):
+                        for cs in slots:
+                            tag = f"/{sel}" if len(policies) > 1 else ""
+                            run_engine(rows, a, model, dev, c, ids[:b], policy, cs, per_engine,
+                                       a.breakdown and rnd == a.rounds // per_engine - 1, tag)
             if not given:  # sessions given on the command line stay open
                 for s in ids:
                     c.close(s)

@@ -96,7 +96,8 @@ class GeometryRefused(KvtierError):
         super().__init__(
             f"tierd refused session geometry {_geometry_str(geometry)} with policy "
             f"(sink_blocks={policy.sink_blocks}, local_blocks={policy.local_blocks}, "
-            f"top_k={policy.top_k}): {message}")
+            f"top_k={policy.top_k}, selector={policy.selector.name.lower()}, "
+            f"candidates={policy.candidates}): {message}")
         self.geometry = geometry
         self.policy = policy
         self.message = message

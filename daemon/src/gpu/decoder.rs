@@ -720,8 +720,8 @@ fn reset(be: &mut CudaBackend, s: &mut GpuSession) -> Result<(), GpuError> {
 }
 
 /// Uploads what changed in one session layer since the last call: page-table entries of new
-/// or moved blocks (a cold block maps to the `zero` frame), summaries from the first non-final
-/// block on, the token count.
+/// or moved blocks (a cold block maps to the `zero` frame), summaries (or, for the sketch
+/// selector, sketches) from the first non-final block on, the token count.
 fn sync_layer(
     be: &mut CudaBackend,
     zero: u64,
@@ -744,8 +744,16 @@ fn sync_layer(
     }
     let spb = geo.summary_floats_per_block();
     if ls.final_blocks < nb {
-        let sums = &view.summaries()[ls.final_blocks * spb..nb * spb];
-        be.upload_summaries(s.slot, layer, ls.final_blocks as u32, sums)?;
+        let first = ls.final_blocks as u32;
+        if let Some(sketches) = view
+            .sketch_blocks(ls.final_blocks..nb)
+            .filter(|_| s.policy.selector.needs_sketches())
+        {
+            be.upload_sketches(s.slot, layer, first, &sketches)?;
+        } else {
+            let sums = &view.summaries()[ls.final_blocks * spb..nb * spb];
+            be.upload_summaries(s.slot, layer, first, sums)?;
+        }
     }
     ls.final_blocks = (view.tokens() / geo.block_tokens as u64) as usize;
     if view.tokens() != ls.tokens {

@@ -294,7 +294,7 @@ impl CudaConfig {
     }
 
     /// Whether the policy ranks by key sketches: the device then holds each block's quarter
-    /// bounds (bf16, as the host keeps them) in place of its bounds, and its key sketches.
+    /// codes in place of its bounds, and its key sketches.
     pub fn sketch(&self) -> bool {
         self.policy.selector.needs_sketches()
     }
@@ -306,6 +306,17 @@ impl CudaConfig {
             4
         } else {
             1
+        }
+    }
+
+    /// Bytes of one (block, kv head)'s summary records on the device: its bounds (f32 or bf16),
+    /// or with the sketch selector its four quarters' int8 codes (maxima, then minima).
+    pub fn summary_record_bytes(&self) -> usize {
+        let d = self.geometry.head_dim as usize;
+        if self.sketch() {
+            4 * 2 * d
+        } else {
+            2 * d * if self.summaries_bf16() { 2 } else { 4 }
         }
     }
 

@@ -10,8 +10,8 @@ use kvtier_kernels::cuda::{
     bf16_outward, device_available, AnonMapping, CudaBackend, CudaConfig, DecodeItem, PinnedRegion,
     StepItem, SummaryDtype,
 };
-use kvtier_kernels::select::{block_score, partition, quarter_score, QuerySketch};
-use kvtier_storage::sketch::{code_bytes, quarters, sketch_block, HeadSketch};
+use kvtier_kernels::select::{block_score, partition, QuerySketch};
+use kvtier_storage::sketch::{sketch_block, BlockSketches};
 use kvtier_storage::testing::XorShift64 as Rng;
 use kvtier_storage::{DType, Geometry, Policy, Selector};
 
@@ -125,24 +125,17 @@ impl Harness {
     }
 
     /// The key sketches of block `b` of a session layer, from its run in the host frame (the
-    /// storage crate's own sketching): quarters, codes, scales in the host layout.
-    fn block_sketch(&self, s: usize, l: usize, b: u32) -> (Vec<u16>, Vec<u8>, Vec<f32>) {
+    /// storage crate's own sketching).
+    fn block_sketch(&self, s: usize, l: usize, b: u32) -> BlockSketches {
         let g = self.cfg.geometry;
-        let (hkv, bt, d) = (
-            g.kv_heads as usize,
-            g.block_tokens as usize,
-            g.head_dim as usize,
-        );
         let kv = &self.sessions[s];
         let valid = (kv.n_tokens - b * g.block_tokens).min(g.block_tokens) as usize;
         let base = self.frame_offset(kv.frames[l][b as usize]) as usize;
         let host = self.be.host().unwrap().host().unwrap();
         let run = &host[base..base + g.block_bytes()];
-        let mut q = vec![0u16; hkv * quarters(bt) * 2 * d];
-        let mut c = vec![0u8; hkv * bt * code_bytes(d)];
-        let mut sc = vec![0f32; hkv * bt];
-        sketch_block(&g, run, valid, &mut c, &mut sc, &mut q);
-        (q, c, sc)
+        let mut out = BlockSketches::new(&g, 1);
+        sketch_block(&g, run, valid, out.blocks_mut(&g).next().unwrap());
+        out
     }
 
     /// Summaries [n][kvh][2][D] of blocks first..first+n of a session layer (stored keys).
@@ -234,15 +227,12 @@ impl Harness {
             let first = old / bt;
             let last = new.div_ceil(bt);
             if self.cfg.sketch() {
-                let (mut q, mut c, mut sc) = (Vec::new(), Vec::new(), Vec::new());
+                let mut all = BlockSketches::default();
                 for b in first..last {
-                    let (bq, bc, bs) = self.block_sketch(s, l, b);
-                    q.extend(bq);
-                    c.extend(bc);
-                    sc.extend(bs);
+                    all.extend(&self.block_sketch(s, l, b));
                 }
                 self.be
-                    .upload_sketches(slot, l as u32, first, &q, &c, &sc)
+                    .upload_sketches(slot, l as u32, first, &all.as_ref())
                     .unwrap();
             } else {
                 let sums = self.summaries(s, l, first, last - first);
@@ -313,15 +303,15 @@ impl Harness {
             .collect()
     }
 
-    /// The sketch selector on the CPU, from its own scoring ([`quarter_score`],
+    /// The sketch selector on the CPU, from its own scoring ([`QuerySketch::quarter_score`],
     /// [`QuerySketch::score`]) of each block's sketches (from its run): the `c` best distant
     /// blocks by quarter bound, then the top-k of those by sketch, ties to the lower block.
     fn cpu_select_sketch(&self, s: usize, l: usize, q: &[f32], c: usize) -> Vec<Vec<u32>> {
         let g = self.cfg.geometry;
         let p = self.cfg.policy;
-        let (d, grp, bt) = (g.head_dim as usize, g.group(), g.block_tokens as usize);
+        let (d, grp) = (g.head_dim as usize, g.group());
         let n = self.sessions[s].n_tokens.div_ceil(g.block_tokens);
-        let blocks: Vec<_> = (0..n).map(|b| self.block_sketch(s, l, b)).collect();
+        let blocks: Vec<BlockSketches> = (0..n).map(|b| self.block_sketch(s, l, b)).collect();
         let best = |mut c: Vec<(f32, u32)>, k: usize| -> Vec<u32> {
             c.sort_by(|a, b| a.0.total_cmp(&b.0).reverse().then(a.1.cmp(&b.1)));
             c.into_iter().take(k).map(|x| x.1).collect()
@@ -331,34 +321,19 @@ impl Harness {
                 let Some((sink_end, local_start)) = partition(n as usize, &p) else {
                     return (0..n).collect();
                 };
-                let q_group = &q[h * grp * d..(h + 1) * grp * d];
-                let qb = quarters(bt) * 2 * d;
+                let qs = QuerySketch::new(&q[h * grp * d..(h + 1) * grp * d], d);
+                let head = |b: usize| blocks[b].as_ref().head(&g, 0, h);
                 let cands = best(
                     (sink_end..local_start)
-                        .map(|b| {
-                            (
-                                quarter_score(q_group, &blocks[b].0[h * qb..(h + 1) * qb], d),
-                                b as u32,
-                            )
-                        })
+                        .map(|b| (qs.quarter_score(&head(b)), b as u32))
                         .collect(),
                     c,
                 );
-                let qs = QuerySketch::new(q_group, d);
-                let cb = code_bytes(d);
                 let mut keep: Vec<u32> = (0..sink_end as u32).collect();
                 keep.extend(best(
                     cands
                         .iter()
-                        .map(|&b| {
-                            let (bq, bc, bs) = &blocks[b as usize];
-                            let hs = HeadSketch {
-                                codes: &bc[h * bt * cb..(h + 1) * bt * cb],
-                                scales: &bs[h * bt..(h + 1) * bt],
-                                quarters: &bq[h * qb..(h + 1) * qb],
-                            };
-                            (qs.score(&hs), b)
-                        })
+                        .map(|&b| (qs.score(&head(b as usize)), b))
                         .collect(),
                     p.top_k as usize,
                 ));

@@ -7,7 +7,7 @@ use crate::arena::{Frame, HostArena};
 use crate::error::{Result, StorageError};
 use crate::geometry::{Geometry, MAX_HEAD_DIM};
 use crate::par;
-use crate::sketch::{sketch_block, BlockSketch, HeadSketch, LayerSketches};
+use crate::sketch::{sketch_block, BlockSketch, BlockSketchesRef, HeadSketch, LayerSketches};
 
 mod in_place;
 pub use in_place::{in_place_row, InPlaceAppend};
@@ -446,8 +446,8 @@ impl KvCache {
                     f[run.len()..].fill(0);
                 }
                 refold_bounds(&geo, run, w.block.valid, w.summary);
-                if let Some(s) = w.sketch.as_mut() {
-                    sketch_block(&geo, run, w.block.valid, s.codes, s.scales, s.quarters);
+                if let Some(s) = w.sketch.take() {
+                    sketch_block(&geo, run, w.block.valid, s);
                 }
                 None
             })
@@ -716,6 +716,7 @@ fn write_rows(geo: &Geometry, l: &mut LayerKv, k: &[u8], v: &[u8], n: u64, fresh
     let spb = geo.summary_floats_per_block();
     let mut key = [0f32; MAX_HEAD_DIM as usize];
     let key = &mut key[..d];
+    let first_block = (l.tokens / bt) as usize;
     for i in 0..n as usize {
         let pos = l.tokens;
         let (block, slot) = ((pos / bt) as usize, (pos % bt) as usize);
@@ -765,6 +766,12 @@ fn write_rows(geo: &Geometry, l: &mut LayerKv, k: &[u8], v: &[u8], n: u64, fresh
             }
         }
         l.tokens += 1;
+    }
+    // The quarter codes of every block the rows went to, once.
+    if let Some(sk) = &mut l.sketches {
+        for b in first_block..l.tokens.div_ceil(bt) as usize {
+            sk.seal(geo, b);
+        }
     }
 }
 
@@ -890,6 +897,12 @@ impl<'a> LayerView<'a> {
     /// One (block, kv-head)'s sketch ([`crate::sketch`]); None when the cache keeps none.
     pub fn sketch(&self, block: usize, kv_head: usize) -> Option<HeadSketch<'a>> {
         self.sketches.map(|s| s.get(self.geo, block, kv_head))
+    }
+
+    /// The sketches of blocks `blocks` whole, in [`crate::sketch`]'s host layout (what a
+    /// device uploads); None when the cache keeps none.
+    pub fn sketch_blocks(&self, blocks: std::ops::Range<usize>) -> Option<BlockSketchesRef<'a>> {
+        self.sketches.map(|s| s.range(self.geo, blocks))
     }
 
     /// Tokens present in `block`: B except for the tail block.

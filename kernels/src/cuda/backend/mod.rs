@@ -316,9 +316,11 @@ pub struct CudaBackend {
     /// Per layer: the batch size of the last call that ran it ([`Self::last_keep_sets`]).
     batch_of: Vec<usize>,
     // Device state.
-    /// Per (slot, layer, block, kv head): its summary records in the device order (the block's
-    /// bounds, or with the sketch selector its four quarter bounds).
+    /// Per (slot, layer, block, kv head): its summary records (the block's bounds in the device
+    /// order, or with the sketch selector its four quarters' int8 codes).
     sums: DevBuf<u8>,
+    /// Per (slot, layer, block, kv head) with the sketch selector: its quarter codes' scale.
+    qscales: DevBuf<f32>,
     /// Per (slot, layer, block, kv head) with the sketch selector: its key sketch
     /// ([`CudaConfig::sketch_record_bytes`]); empty otherwise.
     sketches: DevBuf<u8>,

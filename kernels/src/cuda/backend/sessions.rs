@@ -4,7 +4,7 @@
 use super::{CudaBackend, Session};
 use crate::cuda::bf16_outward;
 use crate::cuda::error::{CudaError, Result};
-use kvtier_storage::sketch::padded_dims;
+use kvtier_storage::sketch::{padded_dims, BlockSketchesRef};
 
 /// The device order of one (block, kv head) summary record (select.cu, "Device summary
 /// layout"): entry e is the index into the CPU's [max; D] ++ [min; D] record. Thread j of a
@@ -131,19 +131,17 @@ impl CudaBackend {
         sess.ready[l] = r as u32;
     }
 
-    /// Uploads the sketch selector's block data for blocks `first_block..first_block + n` of
-    /// one session layer, in kvtier_storage::sketch's host layout: `quarters` `[n][kv_head][4]
-    /// [max|min][D]` bf16 bits, `codes` `[n][kv_head][B][code bytes]`, `scales`
-    /// `[n][kv_head][B]`. Re-uploading a block (the tail block after appends) replaces it.
-    /// Only for a backend whose policy ranks by sketches ([`CudaConfig::sketch`]).
+    /// Uploads the sketch selector's data for blocks `first_block..first_block + n` of one
+    /// session layer (`sketches` holds n blocks, kvtier_storage::sketch's host layout): each
+    /// (block, kv head)'s quarter codes and their scale, its keys' codes and scales.
+    /// Re-uploading a block (the tail block after appends) replaces it. Only for a backend
+    /// whose policy ranks by sketches ([`CudaConfig::sketch`]).
     pub fn upload_sketches(
         &mut self,
         slot: u32,
         layer: u32,
         first_block: u32,
-        quarters: &[u16],
-        codes: &[u8],
-        scales: &[f32],
+        sketches: &BlockSketchesRef<'_>,
     ) -> Result<()> {
         let s = self.check_slot(slot)?;
         let l = self.check_layer(layer)?;
@@ -159,13 +157,17 @@ impl CudaBackend {
             g.block_tokens as usize,
             g.head_dim as usize,
         );
-        let per_q = hkv * 4 * 2 * d;
-        let n = quarters.len() / per_q;
+        let n = sketches.quarter_scales.len() / hkv;
         let cb = padded_dims(d) / 2;
         for (what, got, expected) in [
-            ("quarters", quarters.len(), n * per_q),
-            ("codes", codes.len(), n * hkv * bt * cb),
-            ("scales", scales.len(), n * hkv * bt),
+            ("quarter scales", sketches.quarter_scales.len(), n * hkv),
+            (
+                "quarter codes",
+                sketches.quarter_codes.len(),
+                n * hkv * 4 * 2 * d,
+            ),
+            ("codes", sketches.codes.len(), n * hkv * bt * cb),
+            ("scales", sketches.scales.len(), n * hkv * bt),
         ] {
             if n == 0 || got != expected {
                 return Err(CudaError::BadLength {
@@ -176,33 +178,30 @@ impl CudaBackend {
             }
         }
         self.block_range(first_block, n)?;
-        if let Some(index) = scales.iter().position(|x| !x.is_finite()) {
-            return Err(CudaError::NonFinite {
-                what: "sketch scales",
-                index,
-            });
-        }
+        let non_finite = |what, v: &[f32]| {
+            v.iter()
+                .position(|x| !x.is_finite())
+                .map_or(Ok(()), |index| Err(CudaError::NonFinite { what, index }))
+        };
+        non_finite("sketch scales", sketches.scales)?;
+        non_finite("quarter scales", sketches.quarter_scales)?;
         self.session_mut(slot)?;
         let mb = self.cfg.max_blocks as usize;
         let rec0 = ((s * g.layers as usize + l) * mb + first_block as usize) * hkv;
-        // Quarter records in the device order of a bf16 summary (quarter after quarter).
-        let mut dev = vec![0u16; quarters.len()];
-        for (dst, src) in dev
-            .chunks_exact_mut(self.sum_order.len())
-            .zip(quarters.chunks_exact(self.sum_order.len()))
-        {
-            for (x, &o) in dst.iter_mut().zip(&self.sum_order) {
-                *x = src[o];
-            }
-        }
-        self.htod(self.sums.at(rec0 * 4 * 2 * d * 2), &dev)?;
+        // Quarter codes as they are (maxima then minima per quarter) and their scales.
+        let codes: Vec<u8> = sketches.quarter_codes.iter().map(|&c| c as u8).collect();
+        self.htod(self.sums.at(rec0 * self.cfg.summary_record_bytes()), &codes)?;
+        self.htod(self.qscales.at(rec0), sketches.quarter_scales)?;
         // Sketch records: each (block, kv head)'s codes, then its scales.
         let rb = self.cfg.sketch_record_bytes();
         let mut recs = vec![0u8; n * hkv * rb];
         for (r, rec) in recs.chunks_exact_mut(rb).enumerate() {
             let (c, sc) = rec.split_at_mut(bt * cb);
-            c.copy_from_slice(&codes[r * bt * cb..(r + 1) * bt * cb]);
-            for (o, x) in sc.chunks_exact_mut(4).zip(&scales[r * bt..(r + 1) * bt]) {
+            c.copy_from_slice(&sketches.codes[r * bt * cb..(r + 1) * bt * cb]);
+            for (o, x) in sc
+                .chunks_exact_mut(4)
+                .zip(&sketches.scales[r * bt..(r + 1) * bt])
+            {
                 o.copy_from_slice(&x.to_le_bytes());
             }
         }

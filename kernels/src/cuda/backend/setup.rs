@@ -59,7 +59,6 @@ impl CudaBackend {
             derived.keep_max as usize,
             cfg.max_batch as usize,
         );
-        let sum_elem = if cfg.summaries_bf16() { 2 } else { 4 };
         let z8 = |n| DevBuf::<u8>::zeros(&stream, n);
         let z32 = |n| DevBuf::<u32>::zeros(&stream, n);
         let zf = |n| DevBuf::<f32>::zeros(&stream, n);
@@ -70,12 +69,8 @@ impl CudaBackend {
         )?;
         let (results, rat) = packed(&stream, &[l * 4 * 8, l * bmax * hq * d * 4])?;
         let backend = CudaBackend {
-            sums: z8(s
-                * l
-                * mb
-                * g.summary_floats_per_block()
-                * cfg.summary_records() as usize
-                * sum_elem)?,
+            sums: z8(s * l * mb * hkv * cfg.summary_record_bytes())?,
+            qscales: zf(if cfg.sketch() { s * l * mb * hkv } else { 0 })?,
             sketches: z8(s * l * mb * hkv * cfg.sketch_record_bytes())?,
             cands: z32(bmax * hkv * 32)?,
             rkeys: z64(bmax * hkv * 32)?,

@@ -384,6 +384,7 @@ impl CudaBackend {
         let score = SelectScoreParams {
             q,
             sums: self.sums.ptr,
+            qscales: self.qscales.ptr,
             sess,
             ntok,
             scratch: self.scores.ptr,
@@ -415,6 +416,7 @@ impl CudaBackend {
             let params = LayerFusedParams {
                 q: s.q,
                 sums: s.sums,
+                qscales: s.qscales,
                 sess: s.sess,
                 ntok: s.ntok,
                 scratch: s.scratch,

@@ -266,6 +266,9 @@ kernel_params! {
     select_score => SelectScoreParams {
         q: u64 as "const float* __restrict__",
         sums: u64 as "const sum_t* __restrict__",
+        // The sketch selector's quarter-code scales [slot][layer][max_blocks][KV_HEADS] (unused
+        // without it).
+        qscales: u64 as "const float* __restrict__",
         sess: u64 as "const u32* __restrict__",
         ntok: u64 as "const u32* __restrict__",
         layer: u32,
@@ -312,6 +315,7 @@ kernel_params! {
     layer_fused => LayerFusedParams {
         q: u64 as "const float* __restrict__",
         sums: u64 as "const sum_t* __restrict__",
+        qscales: u64 as "const float* __restrict__",
         sess: u64 as "const u32* __restrict__",
         ntok: u64 as "const u32* __restrict__",
         layer: u32,

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The sketch selector on the GPU host: its tests, then what it costs against the key bound.
+# Prebuilt x86-64 binaries in .device/ (bench/gpu/README.md): the GPU test binaries, tierd,
+# engine_bench and the Python extension as _native.abi3.so; builds nothing.
+# Usage (on the device machine, repo root): bash bench/gpu/sketch.sh tests|bench
+#   tests: gpu_selector (CUDA keep-sets against the CPU selector's), gpu_decode (tierd's CUDA
+#          decoder against its CPU path), gpu_engine and gpu_in_place (the in-engine path
+#          against tierd's), test_engine.py (the Python binding).
+#   bench: engine_bench, Qwen2.5-7B geometry, 128K x batch 8, k=8: the key bound and the
+#          sketch selector, each cold and warm (one engine each, alternating twice); then one
+#          1M-token session and whole_model.py at batch 1, k=8: the key bound and the sketch
+#          selector (one engine each, alternating) against the dense 8K step in the same
+#          process.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+D=$PWD/.device
+T0=$(date +%s)
+el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+export KVTIER_TEST_TIERD=$D/tierd KVTIER_TIERD=$D/tierd
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee $OUT/device.txt
+case "${1:-tests}" in
+tests)
+  for t in gpu_selector gpu_decode gpu_engine gpu_in_place; do
+    [ -x $D/$t ] || continue
+    el "test $t"
+    $D/$t --include-ignored --nocapture --test-threads=2 2>&1 | tee -a $OUT/tests.txt \
+      | grep -E "^test |test result|panicked|bit for bit"
+  done
+  el "test_engine.py"
+  cp $D/_native.abi3.so clients/python/kvtier/_native.abi3.so
+  PYTHONPATH=clients/python python3 -m pytest -q -p no:cacheprovider clients/python/tests/test_engine.py 2>&1 \
+    | tee -a $OUT/tests.txt | tail -n 5
+  ;;
+bench)
+  cp $D/_native.abi3.so clients/python/kvtier/_native.abi3.so
+  S=/tmp/sketch.sock
+  start() { # capacity
+    rm -f $S
+    $D/tierd --socket $S --backend cpu --host-capacity $1 --set host.shared=true \
+      --set host.lock_memory=true --set nvme.enabled=false --log-level warn > $OUT/tierd.log 2>&1 &
+    TP=$!
+    for _ in $(seq 1200); do [ -S $S ] && break; sleep 0.1; done
+  }
+  start 62GiB
+  el "engine_bench 128K x 8"
+  $D/engine_bench --socket $S --context 131072 --batches 8 --ks 8 --steps 20 --warmup 3 \
+    --selectors bound,sketch,bound,sketch 2>&1 | tee $OUT/engine_bench.txt
+  kill $TP; wait $TP
+  start 62GiB
+  el "fill 1M"
+  ID=$($D/engine_bench --socket $S --context 1048576 --batches 1 --fill-only \
+    | tee $OUT/fill.txt | awk '/^sessions/{print $2}')
+  el "whole model 1M b1 k8"
+  PYTHONPATH=clients/python python3 clients/python/bench/whole_model.py --socket $S \
+    --context 1048576 --batches 1 --dense-contexts 8192 --steps 120 --rounds 2 --sessions $ID \
+    --modes kvtier,dense-hbm --top-k 8 --graphs whole --selectors bound,sketch \
+    --json $OUT/whole_model.json 2>&1 | tee $OUT/whole_model.txt | grep -vE "^\s*$"
+  kill $TP; wait $TP
+  el "done"
+  ;;
+esac
