@@ -16,6 +16,8 @@
 
 use std::cmp::Ordering;
 
+use rayon::prelude::*;
+
 use kvtier_storage::sketch::{padded_dims, round_half_even, HeadSketch};
 use kvtier_storage::{Geometry, LayerView, Policy, Selector};
 use wide::{i16x16, i16x8, i32x4, i32x8, i8x16};
@@ -365,22 +367,37 @@ pub fn select_head(
                     .expect("the sketch selector runs on caches with sketches (checked per entry)")
             };
             query.set(q_group, d);
+            let query = &*query;
             // Stage 1: the c best distant blocks by their quarter bounds (every block when c
             // covers them), ascending in `order`.
             order.clear();
             order.extend(0..n as u32);
             if c < n {
-                scores.clear();
-                scores.extend((sink_end..local_start).map(|b| query.quarter_score(&sketch(b))));
+                let quarter = |b: usize| query.quarter_score(&sketch(b));
+                if n >= PARALLEL_MIN_QUARTERS {
+                    (sink_end..local_start)
+                        .into_par_iter()
+                        .with_min_len(PARALLEL_MIN_QUARTERS / 2)
+                        .map(quarter)
+                        .collect_into_vec(scores);
+                } else {
+                    scores.clear();
+                    scores.extend((sink_end..local_start).map(quarter));
+                }
                 top_k_in_place(scores, order, c);
             }
             // Stage 2: the candidates ranked by their sketches.
-            scores.clear();
-            scores.extend(
+            let rank = |&i: &u32| query.score(&sketch(sink_end + i as usize));
+            if order.len() >= PARALLEL_MIN_SKETCHES {
                 order
-                    .iter()
-                    .map(|&i| query.score(&sketch(sink_end + i as usize))),
-            );
+                    .par_iter()
+                    .with_min_len(PARALLEL_MIN_SKETCHES / 2)
+                    .map(rank)
+                    .collect_into_vec(scores);
+            } else {
+                scores.clear();
+                scores.extend(order.iter().map(rank));
+            }
             let cands = std::mem::take(order);
             order.extend(0..cands.len() as u32);
             top_k_in_place(scores, order, k);
@@ -392,6 +409,14 @@ pub fn select_head(
     }
     out.extend(local_start as u32..blocks as u32);
 }
+
+/// From this many distant blocks a head's quarter scores are split across the thread pool,
+/// and from this many candidates their sketch scores: at batch 1 a layer has only as many
+/// selections as kv heads, and two-stage scoring is most of the layer's serial work (one
+/// candidate's sketch is ~115K multiply-adds at D = 128, G = 7). Scores do not depend on the
+/// split.
+const PARALLEL_MIN_QUARTERS: usize = 64;
+const PARALLEL_MIN_SKETCHES: usize = 16;
 
 /// Keeps in `order` (positions into `scores`, ascending) the `k` best by score, ascending:
 /// higher score first, on equal scores the lower position. A total order, so the result does

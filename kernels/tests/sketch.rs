@@ -131,12 +131,13 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
     /// The selector's keep-sets equal the scalar restatement of the rule, for candidate
-    /// counts from fewer than k (taken as k) to more than the distant blocks.
+    /// counts from fewer than k (taken as k) to more than the distant blocks, and layers below
+    /// and above the size where scoring splits across threads (64 distant blocks).
     #[test]
     fn keep_sets_equal_the_rule_restated(
         seed in any::<u64>(),
         gi in 0usize..4,
-        blocks in 6u64..40,
+        blocks in 6u64..100,
         k in 1u32..6,
         candidates in 0u32..48,
     ) {

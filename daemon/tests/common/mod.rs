@@ -9,10 +9,14 @@ pub use kvtier_tests::uid::{is_root, run_as_nobody};
 pub use kvtier_tests::wire::code;
 pub use kvtier_tests::{Tierd, TierdBuilder};
 
-/// A command line for this package's tierd, in a fresh private directory (see
-/// [`TierdBuilder`] for its defaults).
+/// A command line for this package's tierd (or `$KVTIER_TEST_TIERD`, a prebuilt one: on a GPU
+/// host without the build tree), in a fresh private directory (see [`TierdBuilder`] for its
+/// defaults).
 pub fn tierd() -> TierdBuilder {
-    Tierd::builder(env!("CARGO_BIN_EXE_tierd"))
+    match std::env::var_os("KVTIER_TEST_TIERD") {
+        Some(bin) => Tierd::builder(bin),
+        None => Tierd::builder(env!("CARGO_BIN_EXE_tierd")),
+    }
 }
 
 /// The harness daemon: a 64 MiB host tier taking block runs of at most 4 KiB (one
