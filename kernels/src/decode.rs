@@ -377,9 +377,10 @@ pub fn stats(geo: &Geometry, policy: &Policy, tokens: u64) -> StepStats {
     }
 }
 
-/// The key sketches a step of the sketch selector may score, per layer of `blocks` blocks: its
-/// candidates, at most `max(candidates, top_k)` per query head and never more than the distant
-/// blocks, over every kv-head (an upper bound: the heads' candidates overlap).
+/// The key sketches a step of the sketch selector scores, per layer of `blocks` blocks: its
+/// candidates, `max(candidates, top_k)` per kv-head and never more than the distant blocks.
+/// (Stage 1 reads the quarter codes, as many bytes as the key bound's summaries, counted with
+/// them.)
 pub fn sketch_bytes_read(geo: &Geometry, policy: &Policy, blocks: u64) -> u64 {
     let Selector::Sketch { candidates } = policy.selector else {
         return 0;
@@ -388,8 +389,7 @@ pub fn sketch_bytes_read(geo: &Geometry, policy: &Policy, blocks: u64) -> u64 {
         return 0;
     }
     let distant = blocks - policy.sink_blocks as u64 - policy.local_blocks as u64;
-    let per_head = u64::from(candidates.max(policy.top_k));
-    let scored = distant.min(per_head * geo.group() as u64);
+    let scored = distant.min(u64::from(candidates.max(policy.top_k)));
     let per_block = geo.block_tokens as u64 * (code_bytes(geo.head_dim as usize) as u64 + 4);
     scored * geo.kv_heads as u64 * per_block
 }

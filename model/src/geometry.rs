@@ -178,11 +178,12 @@ pub enum Selector {
     /// Cheap (one summary per block) but loose on varied text: kept for comparison and for
     /// sessions created before the sketch selector.
     Bound,
-    /// Two stages: each query head of the group names its `max(candidates, top_k)` best
-    /// distant blocks by its own key bound; their union is ranked by per-token int4 key
-    /// sketches (a block's score is its best sketched logit over its tokens and the group's
-    /// heads), and the top-k of that ranking are kept. `candidates` at least the number of
-    /// distant blocks scores every block's sketch.
+    /// Two stages: the `max(candidates, top_k)` best distant blocks by their quarter bounds
+    /// (a key bound per quarter of the block from int8 codes of its keys' extremes, the
+    /// largest over the quarters and the group's query heads) are the candidates; they are
+    /// ranked by per-token int4 key sketches (a block's score is its best sketched logit over
+    /// its tokens and the group's heads), and the top-k kept. `candidates` at least the number
+    /// of distant blocks scores every block's sketch.
     Sketch { candidates: u32 },
 }
 
@@ -219,7 +220,7 @@ impl Selector {
     }
 }
 
-/// Candidates per query head of the default sketch selector (see [`Selector::Sketch`]).
+/// Candidates per kv head of the default sketch selector (see [`Selector::Sketch`]).
 pub const DEFAULT_CANDIDATES: u32 = 32;
 
 impl Default for Selector {
@@ -267,7 +268,7 @@ impl Policy {
         }
     }
 
-    /// The policy with the sketch selector and `candidates` per query head.
+    /// The policy with the sketch selector and `candidates` per kv head.
     pub const fn sketch(
         sink_blocks: u32,
         local_blocks: u32,

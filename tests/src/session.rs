@@ -17,7 +17,7 @@ pub fn small_geometry() -> Geometry {
     SMALL_GEOMETRY
 }
 
-/// Sink 1, local 1, top-k 2 by the sketch selector with 2 candidates per query head: a
+/// Sink 1, local 1, top-k 2 by the sketch selector with 2 candidates per kv head: a
 /// keep-set of 4 blocks once past 4 blocks, its candidates narrowed by the bounds once past 6.
 pub fn policy() -> Policy {
     Policy::sketch(1, 1, 2, 2)

@@ -157,7 +157,7 @@ class Selector(IntEnum):
     SKETCH = 1  # per-head bound candidates ranked by per-token int4 key sketches
 
 
-#: Candidates per query head of the daemon's default sketch selector.
+#: Candidates per kv head of the daemon's default sketch selector.
 DEFAULT_CANDIDATES = 32
 
 

@@ -85,7 +85,7 @@ pub struct PolicyRecord {
     pub top_k: u32,
     /// `Selector::code`: 0 bound, 1 sketch (version 5; older files: the bound).
     pub selector: u32,
-    /// The sketch selector's candidates per query head (0 for the bound).
+    /// The sketch selector's candidates per kv head (0 for the bound).
     pub candidates: u32,
 }
 
