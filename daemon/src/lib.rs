@@ -280,6 +280,8 @@ pub fn server_settings(cfg: &Config) -> ServerSettings {
     ServerSettings {
         max_frame_bytes: cfg.server.max_frame_bytes.0 as u32,
         max_connections: cfg.server.max_connections,
+        max_connections_per_uid: cfg.server.max_connections_per_uid,
+        admin_connections: cfg.server.admin_connections,
         max_concurrent_requests: cfg.admission.max_concurrent_requests,
         max_queued_requests: cfg.admission.max_queued_requests,
         shutdown_grace: Duration::from_millis(cfg.server.shutdown_grace_ms),

@@ -38,6 +38,8 @@ pub struct Snapshot {
     pub host_bytes_used: u64,
     pub host_bytes_capacity: u64,
     pub host_frames_used: u64,
+    pub host_largest_free_bytes: u64,
+    pub host_free_ranges: u64,
     pub decode_requests: u64,
     pub decode_entries: u64,
     pub append_tokens: u64,
@@ -62,6 +64,8 @@ pub mod names {
     pub const TIER_USED_BYTES: &str = "kvtier_tier_used_bytes";
     pub const TIER_CAPACITY_BYTES: &str = "kvtier_tier_capacity_bytes";
     pub const TIER_USED_BLOCKS: &str = "kvtier_tier_used_blocks";
+    pub const TIER_LARGEST_FREE_BYTES: &str = "kvtier_tier_largest_free_bytes";
+    pub const TIER_FREE_RANGES: &str = "kvtier_tier_free_ranges";
 
     // Scrape-time counters (the same numbers STATS reports).
     pub const DECODE_REQUESTS: &str = "kvtier_decode_requests_total";
@@ -97,8 +101,10 @@ pub enum Rejection {
     QueueFull,
     /// server.max_connections reached.
     ConnectionLimit,
-    /// The host tier had no free frame.
+    /// The host tier had no room for the request, even after demoting what it may demote.
     HostFull,
+    /// The uid's share of the host tier (quota.host_share_per_uid) was reached.
+    HostShare,
     /// A malformed frame or request body.
     Malformed,
     /// The peer may not do this (EVICT without being an admin).
@@ -106,11 +112,12 @@ pub enum Rejection {
 }
 
 impl Rejection {
-    pub const ALL: [Rejection; 6] = [
+    pub const ALL: [Rejection; 7] = [
         Rejection::SessionLimit,
         Rejection::QueueFull,
         Rejection::ConnectionLimit,
         Rejection::HostFull,
+        Rejection::HostShare,
         Rejection::Malformed,
         Rejection::Permission,
     ];
@@ -121,6 +128,7 @@ impl Rejection {
             Rejection::QueueFull => "queue_full",
             Rejection::ConnectionLimit => "max_connections",
             Rejection::HostFull => "host_full",
+            Rejection::HostShare => "host_share",
             Rejection::Malformed => "malformed",
             Rejection::Permission => "permission",
         }
@@ -164,6 +172,8 @@ pub struct TierGauges {
     pub used_bytes: Gauge,
     pub capacity_bytes: Gauge,
     pub used_blocks: Gauge,
+    pub largest_free_bytes: Gauge,
+    pub free_ranges: Gauge,
 }
 
 /// NVMe tier counters, registered when the NVMe tier is enabled.
@@ -323,6 +333,10 @@ impl Metrics {
         self.host.used_bytes.set(s.host_bytes_used as f64);
         self.host.capacity_bytes.set(s.host_bytes_capacity as f64);
         self.host.used_blocks.set(s.host_frames_used as f64);
+        self.host
+            .largest_free_bytes
+            .set(s.host_largest_free_bytes as f64);
+        self.host.free_ranges.set(s.host_free_ranges as f64);
         self.decode_requests.absolute(s.decode_requests);
         self.decode_entries.absolute(s.decode_entries);
         self.append_tokens.absolute(s.append_tokens);
@@ -380,6 +394,8 @@ impl Registrar<'_> {
             used_bytes: self.gauge(names::TIER_USED_BYTES, &l),
             capacity_bytes: self.gauge(names::TIER_CAPACITY_BYTES, &l),
             used_blocks: self.gauge(names::TIER_USED_BLOCKS, &l),
+            largest_free_bytes: self.gauge(names::TIER_LARGEST_FREE_BYTES, &l),
+            free_ranges: self.gauge(names::TIER_FREE_RANGES, &l),
         }
     }
 
@@ -407,6 +423,12 @@ impl Registrar<'_> {
         g(TIER_USED_BYTES, b, "Bytes of the tier holding KV blocks");
         g(TIER_CAPACITY_BYTES, b, "Configured bytes of the tier");
         g(TIER_USED_BLOCKS, None, "Block frames of the tier in use");
+        g(
+            TIER_LARGEST_FREE_BYTES,
+            b,
+            "The longest block run the tier could place now (below free bytes: fragmented)",
+        );
+        g(TIER_FREE_RANGES, None, "Free ranges of the tier's space");
         c(DECODE_REQUESTS, None, "DECODE requests served");
         c(
             DECODE_ENTRIES,
@@ -505,6 +527,8 @@ mod tests {
             TIER_USED_BYTES,
             TIER_CAPACITY_BYTES,
             TIER_USED_BLOCKS,
+            TIER_LARGEST_FREE_BYTES,
+            TIER_FREE_RANGES,
             DECODE_STAGE_SECONDS,
             DECODE_SECONDS,
             DECODE_KEEP_SET_BLOCKS,

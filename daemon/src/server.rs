@@ -7,7 +7,7 @@
 //! (`block_in_place`: the worker thread becomes a blocking one and its other tasks move to
 //! another worker), where the kernels use the compute pool's threads.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -15,7 +15,7 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
@@ -39,13 +39,17 @@ use crate::notify::{self, Notifier};
 pub struct ServerSettings {
     pub max_frame_bytes: u32,
     pub max_connections: usize,
+    /// Connections one non-admin uid may hold at once (0: only `max_connections`).
+    pub max_connections_per_uid: usize,
+    /// Of `max_connections`, the slots only admins may take.
+    pub admin_connections: usize,
     pub max_concurrent_requests: usize,
     pub max_queued_requests: usize,
     pub shutdown_grace: Duration,
-    /// Close a connection that has not completed HELLO within this (None: never).
+    /// Close a connection that has not completed HELLO this long after it was accepted,
+    /// whatever it sends meanwhile (None: never).
     pub handshake_timeout: Option<Duration>,
-    /// Close a connection that sends nothing for this long, between requests or inside one
-    /// (None: never).
+    /// Close a connection that completes no request for this long (None: never).
     pub idle_timeout: Option<Duration>,
     /// Removed when the server stops accepting.
     pub socket_path: Option<PathBuf>,
@@ -222,7 +226,7 @@ pub async fn run(
         engine,
         settings,
     });
-    let connections = Arc::new(Semaphore::new(shared.settings.max_connections));
+    let connections = Arc::new(ConnectionSlots::new(&shared.settings));
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
     tokio::pin!(shutdown);
@@ -273,18 +277,16 @@ pub async fn run(
                         continue;
                     }
                 };
-                match connections.clone().try_acquire_owned() {
-                    Ok(permit) => {
+                match connections.take(peer.uid, shared.engine.is_admin(&peer)) {
+                    Ok(slot) => {
                         let conn = Connection { stream, peer, shared: shared.clone(), stop: stop_rx.clone(), hello: false, leases: HashSet::new(), id: crate::engine::next_connection_id() };
                         tasks.spawn(async move {
                             conn.serve().await;
-                            drop(permit);
+                            drop(slot);
                         });
                     }
-                    Err(_) => {
+                    Err(err) => {
                         shared.engine.record_rejection(Rejection::ConnectionLimit);
-                        let max = shared.settings.max_connections;
-                        let err = ServiceError::exhausted(format!("too many connections ({max}; server.max_connections)"));
                         shared.engine.record_error(err.code);
                         tasks.spawn(async move {
                             let mut stream = stream;
@@ -404,16 +406,90 @@ async fn recv_exact(
     Ok(true)
 }
 
-/// `io` bounded by `limit` (a timeout is an error of kind TimedOut).
-async fn within<T>(
-    limit: Option<Duration>,
+/// `io` cut off at `deadline` (then an error of kind TimedOut).
+async fn until<T>(
+    deadline: Option<Instant>,
     io: impl Future<Output = io::Result<T>>,
 ) -> io::Result<T> {
-    match limit {
+    match deadline {
         None => io.await,
-        Some(d) => tokio::time::timeout(d, io)
+        Some(d) => tokio::time::timeout_at(d.into(), io)
             .await
             .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "timed out"))),
+    }
+}
+
+/// The connection slots: `server.max_connections` in all, of which the last
+/// `server.admin_connections` only admins may take, and at most
+/// `server.max_connections_per_uid` for one non-admin uid. So no local user can hold every
+/// slot, and an operator can always connect.
+struct ConnectionSlots {
+    max: usize,
+    admin_reserved: usize,
+    per_uid: usize,
+    /// Open connections in all, and per uid.
+    held: parking_lot::Mutex<(usize, HashMap<u32, usize>)>,
+}
+
+/// One accepted connection's slot, given back when dropped.
+struct ConnectionSlot {
+    slots: Arc<ConnectionSlots>,
+    uid: u32,
+}
+
+impl ConnectionSlots {
+    fn new(s: &ServerSettings) -> Self {
+        ConnectionSlots {
+            max: s.max_connections,
+            admin_reserved: s.admin_connections,
+            per_uid: s.max_connections_per_uid,
+            held: parking_lot::Mutex::new((0, HashMap::new())),
+        }
+    }
+
+    /// A slot for a connection of `uid`, or the RESOURCE_EXHAUSTED that refuses it.
+    fn take(self: &Arc<Self>, uid: u32, admin: bool) -> ServiceResult<ConnectionSlot> {
+        let mut held = self.held.lock();
+        let (total, per_uid) = &mut *held;
+        let mine = per_uid.get(&uid).copied().unwrap_or(0);
+        if admin {
+            if *total >= self.max {
+                return Err(ServiceError::exhausted(format!(
+                    "too many connections ({}; server.max_connections)",
+                    self.max
+                )));
+            }
+        } else if *total >= self.max - self.admin_reserved {
+            return Err(ServiceError::exhausted(format!(
+                "too many connections ({} open; server.max_connections {} less \
+                 server.admin_connections {} kept for admins)",
+                *total, self.max, self.admin_reserved
+            )));
+        } else if self.per_uid > 0 && mine >= self.per_uid {
+            return Err(ServiceError::exhausted(format!(
+                "uid {uid} holds {mine} connections (server.max_connections_per_uid)"
+            )));
+        }
+        *total += 1;
+        per_uid.insert(uid, mine + 1);
+        Ok(ConnectionSlot {
+            slots: self.clone(),
+            uid,
+        })
+    }
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        let mut held = self.slots.held.lock();
+        let (total, per_uid) = &mut *held;
+        *total -= 1;
+        if let Some(n) = per_uid.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                per_uid.remove(&self.uid);
+            }
+        }
     }
 }
 
@@ -472,21 +548,24 @@ impl Connection {
         let mut body = Vec::new();
         let mut fds = Vec::new();
         tracing::debug!(uid = self.peer.uid, pid = ?self.peer.pid, "connection opened");
+        let opened = Instant::now();
+        // The last request answered after HELLO: idleness counts from it, not from the last
+        // byte, so trickling bytes (or a request every so often before HELLO) holds no slot.
+        let mut last_done = opened;
         loop {
             if *self.stop.borrow() {
                 break;
             }
             fds.clear();
-            // Until HELLO the handshake limit, after it the idle limit: a connection that
-            // only holds a slot is closed.
-            let limit = if self.hello {
-                self.shared.settings.idle_timeout
+            let settings = &self.shared.settings;
+            let deadline = if self.hello {
+                settings.idle_timeout.map(|d| last_done + d)
             } else {
-                self.shared.settings.handshake_timeout
+                settings.handshake_timeout.map(|d| opened + d)
             };
             let got = tokio::select! {
                 _ = self.stop.changed() => break,
-                r = within(limit, recv_exact(&self.stream, &mut head, &mut fds)) => r,
+                r = until(deadline, recv_exact(&self.stream, &mut head, &mut fds)) => r,
             };
             match got {
                 Ok(true) => {}
@@ -509,8 +588,7 @@ impl Connection {
                 }
             };
             body.resize(header.body_len as usize, 0);
-            let idle = self.shared.settings.idle_timeout;
-            match within(idle, recv_exact(&self.stream, &mut body, &mut fds)).await {
+            match until(deadline, recv_exact(&self.stream, &mut body, &mut fds)).await {
                 Ok(true) => {}
                 Ok(false) if body.is_empty() => {}
                 _ => break,
@@ -523,6 +601,7 @@ impl Connection {
             if written.is_err() {
                 break;
             }
+            last_done = Instant::now();
         }
         tracing::debug!(uid = self.peer.uid, "connection closed");
     }

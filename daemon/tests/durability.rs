@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvtier_protocol::client::Client;
-use kvtier_protocol::{stats_keys, ErrorCode, Geometry, Policy, Request, HEADER_LEN};
+use kvtier_protocol::{stats_keys, ErrorCode, Geometry, Policy, Request, Response, HEADER_LEN};
 use kvtier_tests::wire::{frame, hello_frame, read_reply};
 
 /// The session is there with exactly the shadow's tokens, and decodes correctly.
@@ -228,14 +228,81 @@ fn a_decode_whose_reply_exceeds_the_frame_limit_appends_nothing() {
     assert_eq!(c.session_info(id).unwrap().tokens_max, n as u64 + 1);
 }
 
-/// Idle and half-open connections are closed, so they cannot hold every connection slot.
+/// Idle and half-open connections are closed, so they cannot hold every connection slot:
+/// the handshake deadline counts from the accept whatever the peer sends, and idleness from
+/// the last completed request, not the last byte.
 #[test]
 fn idle_connections_time_out_and_free_their_slots() {
     let d = Daemon::with(&[
         "server.max_connections=4",
+        "server.admin_connections=0",
         "server.handshake_timeout_ms=300",
         "server.idle_timeout_ms=600",
     ]);
+    // Closed by the server within `limit`: a read sees EOF (after any replies).
+    let closed_within = |s: &mut UnixStream, limit: Duration| {
+        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let t0 = Instant::now();
+        let mut buf = [0u8; 4096];
+        while t0.elapsed() < limit {
+            match s.read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
+                Err(_) => return true,
+            }
+        }
+        false
+    };
+    // A peer that sends a request every 100 ms but never HELLO: each is answered
+    // FAILED_PRECONDITION, and the handshake deadline still closes it.
+    let mut pre = UnixStream::connect(d.path()).unwrap();
+    let t0 = Instant::now();
+    let mut closed = false;
+    for i in 0..30 {
+        if pre.write_all(&frame(&Request::Stats, i + 1)).is_err()
+            || closed_within(&mut pre, Duration::from_millis(100))
+        {
+            closed = true;
+            break;
+        }
+    }
+    assert!(closed, "requests before HELLO kept the connection open");
+    assert!(
+        t0.elapsed() < Duration::from_millis(2000),
+        "{:?}",
+        t0.elapsed()
+    );
+    // After HELLO, a header trickled a byte every 100 ms is no request: the idle deadline
+    // closes the connection.
+    let mut slow = UnixStream::connect(d.path()).unwrap();
+    slow.write_all(&hello_frame(1, 1, u16::MAX, "slow"))
+        .unwrap();
+    read_reply(&mut slow).unwrap();
+    let t0 = Instant::now();
+    let stats = frame(&Request::Stats, 2);
+    let mut closed = false;
+    for b in &stats[..HEADER_LEN - 1] {
+        if slow.write_all(std::slice::from_ref(b)).is_err()
+            || closed_within(&mut slow, Duration::from_millis(100))
+        {
+            closed = true;
+            break;
+        }
+    }
+    assert!(closed, "a trickled header kept the connection open");
+    assert!(
+        t0.elapsed() < Duration::from_millis(2000),
+        "{:?}",
+        t0.elapsed()
+    );
+    // Completed requests are activity: a client asking every 200 ms outlives the idle limit.
+    let mut busy = d.client();
+    for _ in 0..8 {
+        busy.stats().unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
     // Four connections that never say HELLO take every slot ...
     let idle: Vec<UnixStream> = (0..4)
         .map(|_| UnixStream::connect(d.path()).unwrap())
@@ -443,6 +510,217 @@ fn fair_share_tenant() {
     for i in 0..6 {
         let (id, mut sh) = open(&mut c, "", 400, 50 + i);
         sh.step(&mut c, id);
+    }
+    println!("tenant done");
+}
+
+/// Making room takes only what the request may take: a request that cannot fit demotes
+/// nothing, nor does one larger than the whole tier or one its own share of the tier refuses;
+/// one that fits demotes the requester's own least recently used sessions, only as many as it
+/// needs. Another uid's sessions, within their fair share, keep their residency throughout.
+/// Runs `room_tenant` as nobody (root only, as CI runs).
+#[test]
+fn making_room_takes_only_what_the_request_may_take() {
+    if !is_root() {
+        eprintln!("not root: cannot run a second uid, test not applicable");
+        return;
+    }
+    for share in ["1.0", "0.5"] {
+        // 256 frames of 4 KiB; the water marks high enough that only requests make room.
+        let share_setting = format!("quota.host_share_per_uid={share}");
+        let d = Daemon::with(&[
+            "host.capacity=\"1MiB\"",
+            "nvme.prefetch_blocks=0",
+            "nvme.high_water=0.99",
+            "nvme.low_water=0.98",
+            "auth.admin_uids=[]",
+            &share_setting,
+        ]);
+        let mut c = d.client();
+        // Root's four sessions, 16 blocks x 2 layers = 32 frames each: 128 frames, half the
+        // tier, root's fair share once a second uid holds any (and its cap at share 0.5). 255
+        // tokens: the decode step that checks each at the end opens no block.
+        let mut mine: Vec<(u64, Shadow)> = (0..4).map(|i| open(&mut c, "", 255, 60 + i)).collect();
+        let held: Vec<u64> = mine
+            .iter()
+            .map(|(id, _)| c.session_info(*id).unwrap().host_bytes)
+            .collect();
+        run_as_nobody(
+            "room_tenant",
+            &[
+                ("KVTIER_TENANT_SOCKET", d.path().to_str().unwrap()),
+                ("KVTIER_TENANT_SHARE", share),
+            ],
+            "tenant done",
+        );
+        for ((id, sh), bytes) in mine.iter_mut().zip(held) {
+            assert_eq!(
+                c.session_info(*id).unwrap().host_bytes,
+                bytes,
+                "share {share}: another uid's request demoted session {id}"
+            );
+            intact(&mut c, *id, sh);
+        }
+    }
+}
+
+/// The second-uid half of the test above (ignored on its own).
+#[test]
+#[ignore = "run as a second uid by making_room_takes_only_what_the_request_may_take"]
+fn room_tenant() {
+    let Ok(path) = std::env::var("KVTIER_TENANT_SOCKET") else {
+        return;
+    };
+    let capped = std::env::var("KVTIER_TENANT_SHARE").unwrap() != "1.0";
+    let mut c = Client::connect(&path).unwrap();
+    let frames = |c: &mut Client, id| c.session_info(id).unwrap().host_bytes / 4096;
+    let demotions = |c: &mut Client| c.stats().unwrap().get("demotions_total").unwrap();
+    // X: 4 blocks x 2 layers, then on NVMe. 128 frames are free.
+    let (x, mut sx) = open(&mut c, "", 64, 70);
+    c.demote(x).unwrap();
+    let before = demotions(&mut c);
+    // 1,280 tokens open 160 frames; 4,200 tokens more than the tier's 256.
+    for n in [1280, 4200] {
+        let e = c.append_kv(x, 64, n, &sx.payload(n as usize)).unwrap_err();
+        assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
+        sx.truncate(64);
+    }
+    assert_eq!(
+        demotions(&mut c),
+        before,
+        "a refused request demoted sessions"
+    );
+    if !capped {
+        // Two sessions of this uid's, 48 frames each: 32 frames free. X asks 72 (576 tokens):
+        // the older of the two is demoted, and only it.
+        let (a, _) = open(&mut c, "", 384, 71);
+        let (b, _) = open(&mut c, "", 384, 72);
+        std::thread::sleep(Duration::from_millis(5));
+        c.session_info(b).unwrap();
+        c.append_kv(x, 64, 576, &sx.payload(576)).unwrap();
+        assert_eq!(
+            frames(&mut c, a),
+            0,
+            "the least recently used own session was kept"
+        );
+        assert_eq!(
+            frames(&mut c, b),
+            48,
+            "more was demoted than the request needed"
+        );
+        assert_eq!(frames(&mut c, x), 72);
+        sx.step(&mut c, x);
+    }
+    println!("tenant done");
+}
+
+/// No uid can take every connection slot: one non-admin uid holds at most
+/// `server.max_connections_per_uid`, and the last `server.admin_connections` slots are kept
+/// for admins, so root connects while another user holds all it may. Runs
+/// `connection_tenant` as nobody (root only, as CI runs).
+#[test]
+fn no_uid_can_hold_every_connection_slot() {
+    if !is_root() {
+        eprintln!("not root: cannot run a second uid, test not applicable");
+        return;
+    }
+    // (settings, connections nobody gets, what refuses the next one)
+    let cases = [
+        (
+            [
+                "server.max_connections=16",
+                "server.max_connections_per_uid=3",
+            ],
+            3,
+            "max_connections_per_uid",
+        ),
+        (
+            [
+                "server.max_connections=6",
+                "server.max_connections_per_uid=0",
+            ],
+            4,
+            "admin_connections",
+        ),
+    ];
+    for (settings, held, refusal) in cases {
+        let d = Daemon::with(&[settings[0], settings[1], "server.admin_connections=2"]);
+        let exe = kvtier_tests::uid::reachable_copy(&std::env::current_exe().unwrap());
+        let mut tenant = kvtier_tests::uid::as_nobody(&mut kvtier_tests::sys::rerun_test(
+            exe.path(),
+            "connection_tenant",
+        ))
+        .env("KVTIER_TENANT_SOCKET", d.path())
+        .env("KVTIER_TENANT_HELD", held.to_string())
+        .env("KVTIER_TENANT_REFUSAL", refusal)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+        let mut out = std::io::BufReader::new(tenant.stdout.take().unwrap());
+        let mut line = String::new();
+        while !line.contains("holding") {
+            line.clear();
+            assert!(
+                std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
+                "connection_tenant ended before holding its connections"
+            );
+        }
+        // The tenant holds every slot it may; root (an admin) still connects.
+        let mut c = d.client();
+        c.stats().unwrap();
+        drop(tenant.stdin.take());
+        let status = tenant.wait().unwrap();
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+        assert!(
+            status.success() && rest.contains("tenant done"),
+            "{refusal}: {rest}"
+        );
+        c.stats().unwrap();
+    }
+}
+
+/// The second-uid half of the test above (ignored on its own): opens connections until
+/// refused, checks how many and why, and holds them until its stdin closes.
+#[test]
+#[ignore = "run as a second uid by no_uid_can_hold_every_connection_slot"]
+fn connection_tenant() {
+    let Ok(path) = std::env::var("KVTIER_TENANT_SOCKET") else {
+        return;
+    };
+    let held: usize = std::env::var("KVTIER_TENANT_HELD")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let refusal = std::env::var("KVTIER_TENANT_REFUSAL").unwrap();
+    let mut open = Vec::new();
+    // A refused connection gets its error frame unasked; an accepted one waits for HELLO.
+    let err = loop {
+        let mut s = UnixStream::connect(&path).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(500)))
+            .unwrap();
+        if let Some((_, reply)) = read_reply(&mut s) {
+            break reply;
+        }
+        s.set_read_timeout(None).unwrap();
+        let mut c = Client::handshake(s, "tenant").unwrap();
+        c.stats().unwrap();
+        open.push(c);
+        assert!(open.len() <= held, "more than {held} connections");
+    };
+    assert_eq!(open.len(), held, "{err:?}");
+    let Response::Error(e) = err else {
+        panic!("expected a refusal, got {err:?}");
+    };
+    assert_eq!(e.code, ErrorCode::ResourceExhausted, "{e:?}");
+    assert!(e.message.contains(&refusal), "{e:?}");
+    println!("holding {held}");
+    std::io::stdout().flush().unwrap();
+    let mut rest = String::new();
+    std::io::stdin().read_to_string(&mut rest).unwrap();
+    for c in &mut open {
+        c.stats().unwrap();
     }
     println!("tenant done");
 }

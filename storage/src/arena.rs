@@ -101,6 +101,10 @@ pub struct ArenaUsage {
     /// Extents (resident block runs) held.
     pub frames_used: usize,
     pub max_run_bytes: usize,
+    /// The longest extent that could be taken now, and the free ranges: free bytes in many
+    /// small ranges refuse runs they add up to.
+    pub largest_free_bytes: usize,
+    pub free_ranges: usize,
 }
 
 /// Bytes an extent holding `bytes` takes.
@@ -351,6 +355,8 @@ impl HostArena {
             bytes_used: space.used() as usize * FRAME_ALIGN,
             frames_used: space.extents() as usize,
             max_run_bytes: self.inner.max_run_bytes,
+            largest_free_bytes: space.largest_free() as usize * FRAME_ALIGN,
+            free_ranges: space.free_ranges() as usize,
         }
     }
 

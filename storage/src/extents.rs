@@ -78,6 +78,11 @@ impl Extents {
         self.by_len.last().map_or(0, |&(len, _)| len)
     }
 
+    /// Free ranges now (a free space in many pieces is fragmented).
+    pub fn free_ranges(&self) -> u64 {
+        self.by_start.len() as u64
+    }
+
     /// How many extents of `len` units would fit now, without allocating (at most `cap`).
     pub fn fits(&self, len: u64, cap: u64) -> u64 {
         if len == 0 {
@@ -215,9 +220,11 @@ mod tests {
         assert_eq!(e.alloc(2), Some(0));
         // A 3-unit request takes the tail (the 2-unit hole at 2 is too small).
         assert_eq!(e.alloc(3), Some(12));
+        // Free: 2..4 and 15..16, two ranges.
+        assert_eq!((e.free_ranges(), e.largest_free()), (2, 2));
         assert!(e.release(b, 4));
         // Hole 2..8 coalesced (2..4 with 4..8).
-        assert_eq!(e.largest_free(), 6);
+        assert_eq!((e.free_ranges(), e.largest_free()), (2, 6));
         assert_eq!(e.alloc(6), Some(2));
         assert_eq!((e.used(), e.free(), e.extents()), (15, 1, 4));
     }

@@ -7,7 +7,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Output};
 
 use kvtier_protocol::client::Client;
-use kvtier_protocol::{DType, Geometry, Policy};
+use kvtier_protocol::{DType, Geometry, Policy, PROTOCOL_VERSION};
 use kvtier_tests::uid::{as_nobody, euid, is_root, reachable_copy};
 use kvtier_tests::{bins, Tierd};
 use serde_json::Value;
@@ -183,9 +183,14 @@ fn sessions_info_stats_tier_close() {
     assert_eq!(st["host_bytes_capacity"], 64u64 << 20);
     let v = json(&ctl(&d, &["--json", "status"]));
     assert_eq!(v["server_name"], "tierd");
-    assert_eq!(v["protocol_version"], 1);
+    assert_eq!(v["protocol_version"], PROTOCOL_VERSION);
     assert_eq!(v["sessions"], 2);
     assert_eq!(v["host_bytes_used"], 8 * frame);
+    // Nothing freed yet: the free space is one range after the runs (or one per segment).
+    let largest = v["host_largest_free_bytes"].as_u64().unwrap();
+    assert!(largest > 0 && largest <= (64 << 20) - 8 * frame, "{v}");
+    assert!(v["host_free_ranges"].as_u64().unwrap() >= 1, "{v}");
+    assert!(v["nvme_largest_free_bytes"].as_u64().unwrap() > 0, "{v}");
     assert!(v["uptime_ms"].as_u64().is_some());
     assert_eq!(v["ready"], true);
     assert!(v["nvme_bytes_capacity"].as_u64().unwrap() > 0, "{v}");
@@ -197,6 +202,7 @@ fn sessions_info_stats_tier_close() {
     );
     let out = ok(&ctl(&d, &["status"]));
     assert!(out.contains("tierd") && out.contains("64.0 MiB"), "{out}");
+    assert!(out.contains("largest free extent"), "{out}");
     assert!(
         out.contains("ready:") && out.contains("yes") && out.contains("rates:"),
         "{out}"

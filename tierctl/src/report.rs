@@ -25,6 +25,10 @@ pub struct Status {
     pub sessions: Option<u64>,
     pub host_bytes_used: Option<u64>,
     pub host_bytes_capacity: Option<u64>,
+    /// The longest run each tier could place now and its free ranges: a tier whose largest
+    /// free extent is far below its free bytes is fragmented.
+    pub host_largest_free_bytes: Option<u64>,
+    pub host_free_ranges: Option<u64>,
     pub decode_requests_total: Option<u64>,
     pub decode_entries_total: Option<u64>,
     pub append_tokens_total: Option<u64>,
@@ -32,10 +36,23 @@ pub struct Status {
     pub rejected_total: Option<u64>,
     pub nvme_bytes_used: Option<u64>,
     pub nvme_bytes_capacity: Option<u64>,
+    pub nvme_largest_free_bytes: Option<u64>,
+    pub nvme_free_ranges: Option<u64>,
     /// Each NVMe device's online read/write estimates (empty without the NVMe tier).
     pub nvme_lanes: Vec<NvmeLane>,
     /// Per-second rates over the interval between two STATS samples (`null` without one).
     pub rates: Option<Rates>,
+}
+
+/// `, largest free extent X in N free ranges` where the daemon reports them.
+fn free_space(largest: Option<u64>, ranges: Option<u64>) -> String {
+    match (largest, ranges) {
+        (Some(l), Some(n)) => format!(
+            ", largest free extent {} in {n} free ranges",
+            human::bytes(l)
+        ),
+        _ => String::new(),
+    }
 }
 
 /// Counter deltas per second between two STATS replies.
@@ -85,6 +102,10 @@ impl Status {
             ready: stats.get("ready").map(|v| v != 0),
             nvme_bytes_used: stats.get("nvme_bytes_used"),
             nvme_bytes_capacity: stats.get("nvme_bytes_capacity"),
+            nvme_largest_free_bytes: stats.get("nvme_largest_free_bytes"),
+            nvme_free_ranges: stats.get("nvme_free_ranges"),
+            host_largest_free_bytes: stats.get("host_largest_free_bytes"),
+            host_free_ranges: stats.get("host_free_ranges"),
             nvme_lanes: NvmeLane::from_stats(stats),
             rates: earlier.and_then(|e| Rates::between(e, stats)),
             socket,
@@ -148,11 +169,18 @@ impl Status {
             "host tier",
             self.host_bytes_used.map_or_else(
                 || "not reported".into(),
-                |u| human::usage(u, self.host_bytes_capacity),
+                |u| {
+                    human::usage(u, self.host_bytes_capacity)
+                        + &free_space(self.host_largest_free_bytes, self.host_free_ranges)
+                },
             ),
         );
         if let Some(u) = self.nvme_bytes_used {
-            kv("nvme tier", human::usage(u, self.nvme_bytes_capacity));
+            kv(
+                "nvme tier",
+                human::usage(u, self.nvme_bytes_capacity)
+                    + &free_space(self.nvme_largest_free_bytes, self.nvme_free_ranges),
+            );
         }
         for l in &self.nvme_lanes {
             kv(&format!("nvme dev{}", l.device), l.render());

@@ -90,12 +90,18 @@ pub struct ServerConfig {
     pub max_frame_bytes: ByteSize,
     /// Open connections at once; more are refused with RESOURCE_EXHAUSTED.
     pub max_connections: usize,
+    /// Connections one uid may hold at once (0: only `max_connections`); admins exempt.
+    pub max_connections_per_uid: usize,
+    /// Of `max_connections`, the slots kept for admins (`auth.admin_uids` / `admin_gids`),
+    /// so an operator can connect while other users hold the rest.
+    pub admin_connections: usize,
     /// How long shutdown waits for in-flight requests before dropping them.
     pub shutdown_grace_ms: u64,
-    /// A new connection that has not completed HELLO within this is closed (0: never).
+    /// A new connection that has not completed HELLO this long after it was accepted is
+    /// closed, whatever it sent meanwhile (0: never).
     pub handshake_timeout_ms: u64,
-    /// A connection that sends no request (nor the rest of one) for this long is closed
-    /// (0: never), so idle connections cannot hold every `max_connections` slot.
+    /// A connection that completes no request for this long is closed (0: never), so idle
+    /// connections cannot hold every `max_connections` slot.
     pub idle_timeout_ms: u64,
 }
 
@@ -400,6 +406,8 @@ impl Default for ServerConfig {
             socket_group: None,
             max_frame_bytes: ByteSize(16 << 20),
             max_connections: 1024,
+            max_connections_per_uid: 256,
+            admin_connections: 16,
             shutdown_grace_ms: 10_000,
             handshake_timeout_ms: 10_000,
             idle_timeout_ms: 600_000,
@@ -668,6 +676,15 @@ impl Config {
             if v == 0 {
                 return bad(field, "must be at least 1".into());
             }
+        }
+        if self.server.admin_connections >= self.server.max_connections {
+            return bad(
+                "server.admin_connections",
+                format!(
+                    "must leave other users a slot: below server.max_connections ({})",
+                    self.server.max_connections
+                ),
+            );
         }
         let n = &self.nvme;
         if !(n.low_water > 0.0 && n.low_water < n.high_water && n.high_water <= 1.0) {

@@ -94,30 +94,33 @@ impl Engine {
         let s = self.lookup_live(peer, id)?;
         let mut st = s.state.lock();
         lease::check_unreserved(&s, &st)?;
-        // Host bytes the whole session would hold: what demotion must make room for.
-        let need = st.kv.geometry().blocks_for(start + n_tokens as u64) as usize
-            * st.kv.geometry().layers as usize
-            * st.kv.run_extent_bytes();
+        let need = Self::append_need(&st, start + n_tokens as u64);
         let tails = st.kv.cold_tails();
-        self.with_room(id, need, &mut st, |st| {
+        self.with_room(&s, need, &mut st, |st| {
             self.promote_tails(&s, st, &tails)?;
             Ok(st.kv.append(start, n_tokens as u64, payload)?)
         })?;
         self.appended(&s, st, start)
     }
 
-    /// Runs `attempt` on a locked session; if the host tier is full, demotes other sessions to
-    /// make room for `need` bytes and tries once more (a refusal counts as HostFull).
+    /// Runs `attempt` on a locked session that needs `need` more host bytes (see
+    /// [`Self::append_need`]); if the host tier is full, makes room (`make_room`) and tries
+    /// once more. A refusal by the owner's own share of the tier makes no room: demoting others
+    /// frees nothing it may take.
     pub(super) fn with_room<T>(
         &self,
-        id: u64,
+        s: &Session,
         need: usize,
         st: &mut SessionState,
         attempt: impl Fn(&mut SessionState) -> ServiceResult<T>,
     ) -> ServiceResult<T> {
         match attempt(st) {
             Err(e) if e.code == ErrorCode::ResourceExhausted => {
-                if !self.make_room(&[id], need) {
+                if self.share_refuses(s.owner_uid, need) {
+                    self.record_rejection(Rejection::HostShare);
+                    return Err(e);
+                }
+                if !self.make_room(&[s.id], need) {
                     self.record_rejection(Rejection::HostFull);
                     return Err(e);
                 }
@@ -125,6 +128,15 @@ impl Engine {
             }
             r => r,
         }
+    }
+
+    /// Host bytes an append of the tokens before `end` newly takes: the blocks it opens in
+    /// every layer, and the partial tail blocks on NVMe it brings back to write into.
+    pub(super) fn append_need(st: &SessionState, end: u64) -> usize {
+        let g = st.kv.geometry();
+        let blocks =
+            (g.blocks_for(end) as usize * g.layers as usize).saturating_sub(st.kv.blocks());
+        (blocks + st.kv.cold_tails().len()) * st.kv.run_extent_bytes()
     }
 
     /// The end of an append (APPEND_KV or COMMIT) of the tokens past `start`: with

@@ -142,11 +142,9 @@ impl Engine {
                 self.limits.max_reply_bytes
             )));
         }
-        let need = g.blocks_for(start + tokens as u64) as usize
-            * g.layers as usize
-            * st.kv.run_extent_bytes();
+        let need = Self::append_need(&st, start + tokens as u64);
         let tails = st.kv.cold_tails();
-        let append = self.with_room(id, need, &mut st, |st| {
+        let append = self.with_room(&s, need, &mut st, |st| {
             self.promote_tails(&s, st, &tails)?;
             Ok(st.kv.begin_in_place(tokens as u64)?)
         })?;

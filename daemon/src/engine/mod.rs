@@ -294,6 +294,15 @@ impl Engine {
         self.arena.with_quota(q)
     }
 
+    /// Whether `uid`'s own share of the host tier (`quota.host_share_per_uid`) cannot take
+    /// `need` more bytes: no demotion of others can help such a request.
+    pub(super) fn share_refuses(&self, uid: u32, need: usize) -> bool {
+        self.host_quotas
+            .lock()
+            .get(&uid)
+            .is_some_and(|q| q.used().saturating_add(need) > q.limit())
+    }
+
     /// The uids holding more than their fair share of the host tier: its bytes divided
     /// equally among the uids holding any.
     pub(super) fn over_fair_share(&self) -> Vec<u32> {

@@ -15,8 +15,11 @@ pub mod extra_stats_keys {
     pub const DECODE_SELECT_NS_TOTAL: &str = "decode_select_ns_total";
     pub const DECODE_FETCH_NS_TOTAL: &str = "decode_fetch_ns_total";
     pub const DECODE_ATTEND_NS_TOTAL: &str = "decode_attend_ns_total";
+    /// The longest run extent the host tier could hand out now, and its free ranges.
+    pub const HOST_LARGEST_FREE_BYTES: &str = "host_largest_free_bytes";
+    pub const HOST_FREE_RANGES: &str = "host_free_ranges";
 
-    pub const ALL: [&str; 7] = [
+    pub const ALL: [&str; 9] = [
         READY,
         STARTED_UNIX_MS,
         SELECTED_TILES_TOTAL,
@@ -24,6 +27,8 @@ pub mod extra_stats_keys {
         DECODE_SELECT_NS_TOTAL,
         DECODE_FETCH_NS_TOTAL,
         DECODE_ATTEND_NS_TOTAL,
+        HOST_LARGEST_FREE_BYTES,
+        HOST_FREE_RANGES,
     ];
 }
 
@@ -79,6 +84,14 @@ impl Engine {
         m.usage.used_bytes.set(sum(|d| d.bytes_used));
         m.usage.capacity_bytes.set(sum(|d| d.bytes_total));
         m.usage.used_blocks.set(sum(|d| d.pages));
+        m.usage.largest_free_bytes.set(
+            su.devices
+                .iter()
+                .map(|d| d.largest_free_bytes)
+                .max()
+                .unwrap_or(0) as f64,
+        );
+        m.usage.free_ranges.set(sum(|d| d.free_ranges));
         m.read.absolute(su.bytes_read);
         m.written.absolute(su.bytes_written);
         m.counters.checksum_errors.absolute(su.corrupt_pages);
@@ -108,6 +121,8 @@ impl Engine {
             host_bytes_used: u.bytes_used as u64,
             host_bytes_capacity: u.bytes_total as u64,
             host_frames_used: u.frames_used as u64,
+            host_largest_free_bytes: u.largest_free_bytes as u64,
+            host_free_ranges: u.free_ranges as u64,
             decode_requests: get(&c.decode_requests),
             decode_entries: get(&c.decode_entries),
             append_tokens: get(&c.append_tokens),
@@ -146,6 +161,8 @@ impl Engine {
             (x::DECODE_SELECT_NS_TOTAL, s.select_ns),
             (x::DECODE_FETCH_NS_TOTAL, s.fetch_ns),
             (x::DECODE_ATTEND_NS_TOTAL, s.attend_ns),
+            (x::HOST_LARGEST_FREE_BYTES, s.host_largest_free_bytes),
+            (x::HOST_FREE_RANGES, s.host_free_ranges),
         ];
         let mut lanes = Vec::new();
         if let Some((tier, _)) = &self.tier {
@@ -159,6 +176,18 @@ impl Engine {
             entries.extend([
                 ("nvme_bytes_used", used),
                 ("nvme_bytes_capacity", total),
+                (
+                    "nvme_largest_free_bytes",
+                    su.devices
+                        .iter()
+                        .map(|d| d.largest_free_bytes)
+                        .max()
+                        .unwrap_or(0),
+                ),
+                (
+                    "nvme_free_ranges",
+                    su.devices.iter().map(|d| d.free_ranges).sum(),
+                ),
                 ("nvme_devices", su.devices.len() as u64),
                 ("nvme_sessions", tier.session_ids().len() as u64),
                 ("nvme_read_bytes_total", su.bytes_read),

@@ -207,51 +207,78 @@ impl Engine {
         Ok(())
     }
 
-    /// Demotes least recently used, unpinned sessions not in `exclude` while the host tier is
-    /// above its high-water mark (down to the low-water mark) or fewer than `need` bytes are
-    /// free: sessions of uids over their fair share first, and only the requester's own when
-    /// the requester (the owner of `exclude`) is over its share. Only `try_lock`s sessions, so
-    /// it never waits on a busy one. Returns whether the goal was reached.
+    /// Makes room in the host tier for a request of `exclude`'s owner (the requester) that
+    /// needs `need` more bytes, or, with `need` 0, brings the tier back under its low-water
+    /// mark once it is above the high-water mark. Demotes least recently used, unpinned,
+    /// unleased sessions not in `exclude`, but only those it may: the requester's own, and
+    /// (unless the requester is itself over its fair share) those of uids over their fair
+    /// share, which go first. A uid within its share never loses residency to another uid.
+    /// For a request, only as much as it needs is freed, and nothing at all when even every
+    /// session it may demote would not free enough. Only `try_lock`s sessions, so it never
+    /// waits on a busy one. Returns whether `need` bytes are free.
     pub(super) fn make_room(&self, exclude: &[u64], need: usize) -> bool {
         let Some((_, t)) = &self.tier else {
             return false;
         };
         let u = self.arena.usage();
-        let total = u.bytes_total as f64;
-        let goal_used =
-            |used: usize| (used as f64) <= total * t.low_water && u.bytes_total - used >= need;
-        if (u.bytes_used as f64) < total * t.high_water && u.bytes_total - u.bytes_used >= need {
+        let total = u.bytes_total;
+        let free = |used: usize| total - used;
+        let above_high = u.bytes_used as f64 >= total as f64 * t.high_water;
+        if free(u.bytes_used) >= need && (need > 0 || !above_high) {
             return true;
         }
-        // Fair share: a request of a uid holding more than its share of the tier demotes only
-        // that uid's own sessions; otherwise sessions of uids over their share go first. So
-        // one user cannot push the others' sessions to NVMe, yet a lone user has the whole
-        // tier.
+        if need > total {
+            return false;
+        }
         let over = self.over_fair_share();
-        let mut candidates: Vec<Arc<Session>> = {
+        let candidates: Vec<Arc<Session>> = {
             let table = self.sessions.read();
-            let only = exclude
+            let requester = exclude
                 .first()
                 .and_then(|id| table.get(id))
-                .map(|s| s.owner_uid)
-                .filter(|r| over.contains(r));
+                .map(|s| s.owner_uid);
+            let requester_over = requester.is_some_and(|r| over.contains(&r));
             table
                 .values()
                 .filter(|s| {
                     !exclude.contains(&s.id) && !s.pinned.load(Ordering::Relaxed) && s.leases() == 0
                 })
-                .filter(|s| only.is_none_or(|r| s.owner_uid == r))
+                .filter(|s| {
+                    Some(s.owner_uid) == requester
+                        || (!requester_over && over.contains(&s.owner_uid))
+                })
                 .cloned()
                 .collect()
         };
-        candidates.sort_by_key(|s| {
+        // What demoting all of them would free: a request they cannot satisfy demotes nothing.
+        let mut resident: Vec<(Arc<Session>, usize)> = candidates
+            .into_iter()
+            .filter_map(|s| {
+                let bytes = {
+                    let st = s.state.try_lock()?;
+                    st.kv.frames() * st.kv.run_extent_bytes()
+                };
+                (bytes > 0).then_some((s, bytes))
+            })
+            .collect();
+        if need > 0 && free(u.bytes_used) + resident.iter().map(|(_, b)| b).sum::<usize>() < need {
+            return false;
+        }
+        resident.sort_by_key(|(s, _)| {
             (
                 !over.contains(&s.owner_uid),
                 s.last_access_unix_ms.load(Ordering::Relaxed),
             )
         });
-        for s in candidates {
-            if goal_used(self.arena.usage().bytes_used) {
+        let done = |used: usize| {
+            if need > 0 {
+                free(used) >= need
+            } else {
+                used as f64 <= total as f64 * t.low_water
+            }
+        };
+        for (s, _) in resident {
+            if done(self.arena.usage().bytes_used) {
                 break;
             }
             let Some(mut st) = s.state.try_lock() else {
@@ -267,8 +294,7 @@ impl Engine {
                 Err(e) => tracing::warn!(session = s.id, error = %e, "demotion failed"),
             }
         }
-        let used = self.arena.usage().bytes_used;
-        u.bytes_total - used >= need
+        free(self.arena.usage().bytes_used) >= need
     }
 
     /// Writes every session to NVMe (clean shutdown), so a restart finds them all.

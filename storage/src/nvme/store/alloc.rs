@@ -43,6 +43,11 @@ impl Space {
         self.free.largest_free()
     }
 
+    /// Free ranges of the device.
+    pub(super) fn free_ranges(&self) -> u64 {
+        self.free.free_ranges()
+    }
+
     pub(super) fn alloc(&mut self, units: u32) -> Option<u64> {
         let start = self.free.alloc(u64::from(units))?;
         self.pages.insert(start, units);
