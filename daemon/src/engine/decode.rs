@@ -150,7 +150,7 @@ impl Engine {
         start: u64,
     ) -> ServiceResult<u64> {
         if self.tier.as_ref().is_some_and(|(_, t)| t.write_through) {
-            if let Err(e) = self.persist_locked(s, &mut st) {
+            if let Err(e) = self.persist_locked(s, &mut st, tiering::Write::Serving) {
                 st.kv.truncate(start);
                 if let Some(gpu) = &self.gpu {
                     let _ = gpu.invalidate(s.id);

@@ -421,7 +421,7 @@ impl Engine {
             // Write-through: an acknowledged session survives a crash even before its first
             // append.
             let mut st = session.state.lock();
-            self.persist_locked(&session, &mut st)?;
+            self.persist_locked(&session, &mut st, tiering::Write::Serving)?;
         }
         sessions.insert(id, session);
         self.gpu_open(id, &geometry, &policy);

@@ -1,6 +1,8 @@
 //! The NVMe tier's policy: what is written when (write-through, DEMOTE, memory pressure,
 //! shutdown), PROMOTE and PIN, the per-uid NVMe share, and the wire codes of its failures.
 
+use std::collections::HashSet;
+
 use super::*;
 
 pub(super) fn nvme_error(e: NvmeError) -> ServiceError {
@@ -18,30 +20,83 @@ impl From<NvmeError> for ServiceError {
     }
 }
 
+/// The blocks a write of the session would put on NVMe now: those holding tokens past its
+/// durable watermark. A layer with none has nothing to write, though its partial tail block
+/// (durable, and perhaps demoted since) starts at or after `persisted / block_tokens`.
+fn dirty_blocks(geo: &Geometry, st: &SessionState) -> ServiceResult<Vec<(u32, u32)>> {
+    let bt = geo.block_tokens as u64;
+    let mut out = Vec::new();
+    for l in 0..geo.layers {
+        let persisted = st.persisted[l as usize];
+        if st.kv.tokens(l)? == persisted {
+            continue;
+        }
+        let blocks = st.kv.layer(l)?.blocks() as u32;
+        out.extend(((persisted / bt) as u32..blocks).map(|b| (l, b)));
+    }
+    Ok(out)
+}
+
+/// Whether a write to NVMe may take the room other uids' sessions need at shutdown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Write {
+    /// A write while serving (write-through, DEMOTE, memory pressure): see
+    /// [`Engine::check_nvme_room`].
+    Serving,
+    /// The clean shutdown's: every session is written, in [`Engine::persist_all`]'s order.
+    Shutdown,
+}
+
 impl Engine {
-    /// Refuses a write that would take `s`'s owner past its share of the NVMe tier.
-    pub(super) fn check_nvme_quota(
+    /// Refuses a write that would take `s`'s owner past its share of the NVMe tier
+    /// (`quota.nvme_share_per_uid`), or, while serving, one by an owner holding more than an
+    /// equal split of the tier (among the uids with sessions) that would leave less free than
+    /// other uids' unwritten blocks need at a clean shutdown: one user cannot fill the disk
+    /// the others' sessions are written to. Admins are exempt.
+    pub(super) fn check_nvme_room(
         &self,
         tier: &NvmeTier,
         s: &Session,
         runs: &[BlockRun<'_>],
+        write: Write,
     ) -> ServiceResult<()> {
-        let share = self.limits.nvme_share_per_uid;
-        if share >= 1.0 || self.limits.admin_uids.contains(&s.owner_uid) {
+        if runs.is_empty() || self.limits.admin_uids.contains(&s.owner_uid) {
             return Ok(());
         }
-        let total: u64 = tier
-            .store()
-            .usage()
-            .devices
-            .iter()
-            .map(|d| d.bytes_total)
-            .sum();
-        let limit = (total as f64 * share).floor() as u64;
+        let store = tier.store();
+        let total: u64 = store.usage().devices.iter().map(|d| d.bytes_total).sum();
         let after = tier.owner_bytes_after(s.owner_uid, s.id, runs);
-        if after > limit {
+        let share = self.limits.nvme_share_per_uid;
+        let limit = (total as f64 * share).floor() as u64;
+        if share < 1.0 && after > limit {
             return Err(ServiceError::exhausted(format!(
                 "uid {} would reference {after} bytes of NVMe pages, more than its quota of {limit} (quota.nvme_share_per_uid)",
+                s.owner_uid
+            )));
+        }
+        if write == Write::Shutdown {
+            return Ok(());
+        }
+        // Other uids' sessions (a busy one is skipped: it is being written or decoded now).
+        let (holders, others) = {
+            let table = self.sessions.read();
+            let holders: HashSet<u32> = table.values().map(|o| o.owner_uid).collect();
+            let others: u64 = table
+                .values()
+                .filter(|o| o.owner_uid != s.owner_uid && o.damaged.is_none())
+                .filter_map(|o| {
+                    let st = o.state.try_lock()?;
+                    let blocks = dirty_blocks(&o.geometry, &st).ok()?.len() as u64;
+                    Some(blocks * store.page_bytes(o.geometry.block_bytes()))
+                })
+                .sum();
+            (holders.len().max(1) as u64, others)
+        };
+        let adding: u64 = runs.iter().map(|r| store.page_bytes(r.bytes.len())).sum();
+        let free_after = store.free_bytes().saturating_sub(adding);
+        if after > total / holders && free_after < others {
+            return Err(ServiceError::exhausted(format!(
+                "uid {} holds more than an equal split of the NVMe tier ({after} of {total} bytes among {holders} uids); writing {adding} more bytes would leave {free_after} free, less than the {others} other users' sessions need at shutdown",
                 s.owner_uid
             )));
         }
@@ -80,6 +135,7 @@ impl Engine {
         &self,
         s: &Session,
         st: &mut SessionState,
+        write: Write,
     ) -> ServiceResult<usize> {
         if st.closed {
             return Err(ServiceError::not_found(s.id));
@@ -91,34 +147,22 @@ impl Engine {
             )
         })?;
         let geo = s.geometry;
-        let bt = geo.block_tokens as u64;
         let mut runs = Vec::new();
-        for l in 0..geo.layers {
-            // Dirty: the blocks holding tokens past the durable watermark. A layer with none
-            // has nothing to write, though its partial tail block (durable, and perhaps
-            // demoted since) starts at or after `persisted / bt`.
-            let persisted = st.persisted[l as usize];
-            if st.kv.tokens(l)? == persisted {
-                continue;
-            }
-            let blocks = st.kv.layer(l)?.blocks() as u32;
-            for b in (persisted / bt) as u32..blocks {
-                // Appends promote a cold tail before writing into it, so a block with
-                // undurable tokens is resident; a cold one here is a bookkeeping bug, answered
-                // as an error rather than a panic that would lose every session not yet
-                // written.
-                let bytes = st.kv.run(l, b).ok_or_else(|| {
-                    ServiceError::internal(format!(
-                        "session {}: layer {l} block {b} has undurable tokens but is not resident",
-                        s.id
-                    ))
-                })?;
-                runs.push(BlockRun {
-                    layer: l,
-                    block: b,
-                    bytes,
-                });
-            }
+        for (l, b) in dirty_blocks(&geo, st)? {
+            // Appends promote a cold tail before writing into it, so a block with undurable
+            // tokens is resident; a cold one here is a bookkeeping bug, answered as an error
+            // rather than a panic that would lose every session not yet written.
+            let bytes = st.kv.run(l, b).ok_or_else(|| {
+                ServiceError::internal(format!(
+                    "session {}: layer {l} block {b} has undurable tokens but is not resident",
+                    s.id
+                ))
+            })?;
+            runs.push(BlockRun {
+                layer: l,
+                block: b,
+                bytes,
+            });
         }
         let tokens: Vec<u64> = (0..geo.layers)
             .map(|l| st.kv.tokens(l).expect("layer exists"))
@@ -136,7 +180,7 @@ impl Engine {
             pages: Vec::new(),
             pinned: s.pinned.load(Ordering::Relaxed),
         };
-        self.check_nvme_quota(tier, s, &runs)?;
+        self.check_nvme_room(tier, s, &runs, write)?;
         tier.put_session(&record, &runs).map_err(nvme_error)?;
         st.persisted = tokens;
         st.stored = true;
@@ -146,7 +190,7 @@ impl Engine {
     /// Persists the session and frees every host frame it holds; returns the frames freed.
     pub(super) fn demote_locked(&self, s: &Session, st: &mut SessionState) -> ServiceResult<usize> {
         s.check_unleased("demoting it")?;
-        self.persist_locked(s, st)?;
+        self.persist_locked(s, st, Write::Serving)?;
         let mut freed = 0;
         for l in 0..s.geometry.layers {
             for b in 0..st.kv.layer(l)?.blocks() as u32 {
@@ -302,12 +346,18 @@ impl Engine {
         if self.tier.is_none() {
             return (0, 0);
         }
-        let all: Vec<Arc<Session>> = self.sessions.read().values().cloned().collect();
+        let mut all: Vec<Arc<Session>> = self.sessions.read().values().cloned().collect();
+        // The uids holding least of the tier are written first, so one that filled it cannot
+        // take the others' room at shutdown.
+        if let Some((tier, _)) = &self.tier {
+            let held = tier.bytes_by_owner();
+            all.sort_by_key(|s| (held.get(&s.owner_uid).copied().unwrap_or(0), s.owner_uid));
+        }
         let (mut ok, mut failed) = (0, 0);
         // A damaged session's record stays on NVMe as it was.
         for s in all.into_iter().filter(|s| s.damaged.is_none()) {
             let mut st = s.state.lock();
-            match self.persist_locked(&s, &mut st) {
+            match self.persist_locked(&s, &mut st, Write::Shutdown) {
                 Ok(_) => ok += 1,
                 Err(e) => {
                     failed += 1;

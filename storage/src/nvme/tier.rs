@@ -291,6 +291,22 @@ impl NvmeTier {
     /// Bytes of the pages the sessions of `owner` would reference once `runs` of `session`
     /// are written: what they reference now, with each run's page replaced by (or, for a new
     /// run, added as) a page of its size. For per-owner quotas.
+    /// NVMe page bytes each owner's sessions reference now.
+    pub fn bytes_by_owner(&self) -> HashMap<u32, u64> {
+        let unit = self.store.unit() as u64;
+        let st = self.state.lock();
+        let mut out = HashMap::new();
+        for s in &st.manifest.sessions {
+            let bytes: u64 = s
+                .pages
+                .iter()
+                .map(|p| self.store.addr_bytes(p.addr(unit)))
+                .sum();
+            *out.entry(s.owner_uid).or_insert(0) += bytes;
+        }
+        out
+    }
+
     pub fn owner_bytes_after(&self, owner: u32, session: u64, runs: &[BlockRun<'_>]) -> u64 {
         let unit = self.store.unit() as u64;
         let bytes = |p: &PageRecord| self.store.addr_bytes(p.addr(unit));
