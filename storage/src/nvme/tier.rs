@@ -288,42 +288,31 @@ impl NvmeTier {
             .collect())
     }
 
-    /// Bytes of the pages the sessions of `owner` would reference once `runs` of `session`
-    /// are written: what they reference now, with each run's page replaced by (or, for a new
-    /// run, added as) a page of its size. For per-owner quotas.
     /// NVMe page bytes each owner's sessions reference now.
     pub fn bytes_by_owner(&self) -> HashMap<u32, u64> {
-        let unit = self.store.unit() as u64;
         let st = self.state.lock();
         let mut out = HashMap::new();
         for s in &st.manifest.sessions {
-            let bytes: u64 = s
-                .pages
-                .iter()
-                .map(|p| self.store.addr_bytes(p.addr(unit)))
-                .sum();
-            *out.entry(s.owner_uid).or_insert(0) += bytes;
+            *out.entry(s.owner_uid).or_insert(0) +=
+                s.pages.iter().map(|p| self.page_bytes(p)).sum::<u64>();
         }
         out
     }
 
+    /// Bytes of the pages the sessions of `owner` would reference once `runs` of `session`
+    /// are written: what they reference now, with each run's page replaced by (or, for a new
+    /// run, added as) a page of its size. For per-owner quotas.
     pub fn owner_bytes_after(&self, owner: u32, session: u64, runs: &[BlockRun<'_>]) -> u64 {
-        let unit = self.store.unit() as u64;
-        let bytes = |p: &PageRecord| self.store.addr_bytes(p.addr(unit));
+        let now = self.bytes_by_owner().get(&owner).copied().unwrap_or(0);
         let st = self.state.lock();
-        let now: u64 = st
-            .manifest
-            .sessions
-            .iter()
-            .filter(|s| s.owner_uid == owner)
-            .flat_map(|s| s.pages.iter().map(bytes))
-            .sum();
         let rec = st
             .manifest
             .session(session)
             .filter(|s| s.owner_uid == owner);
         let (added, replaced) = runs.iter().fold((0u64, 0u64), |(add, rep), r| {
-            let old = rec.and_then(|s| s.page(r.layer, r.block)).map_or(0, bytes);
+            let old = rec
+                .and_then(|s| s.page(r.layer, r.block))
+                .map_or(0, |p| self.page_bytes(p));
             (add + self.store.page_bytes(r.bytes.len()), rep + old)
         });
         (now + added).saturating_sub(replaced)
