@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use common::*;
 use kvtier_protocol::client::{Client, ClientError};
-use kvtier_protocol::{ErrorCode, Geometry, Header, Opcode, Policy, Request, Response, MAGIC};
+use kvtier_protocol::{
+    ErrorCode, Geometry, Header, Opcode, Policy, Request, Response, MAGIC, PROTOCOL_VERSION,
+};
 use kvtier_tests::wire::{error_code, frame, hello_frame, read_reply, server_error};
 
 fn raw(d: &Daemon) -> UnixStream {
@@ -18,7 +20,8 @@ fn raw(d: &Daemon) -> UnixStream {
 }
 
 fn hello(s: &mut UnixStream) {
-    s.write_all(&hello_frame(7, 1, 1, "raw")).unwrap();
+    s.write_all(&hello_frame(7, PROTOCOL_VERSION, PROTOCOL_VERSION, "raw"))
+        .unwrap();
     let (h, r) = read_reply(s).unwrap();
     assert_eq!(h.request_id, 7);
     assert!(matches!(r, Response::Hello(_)));
@@ -109,7 +112,8 @@ fn protocol_misuse_gets_typed_errors_and_the_connection_survives() {
         (13, ErrorCode::InvalidArgument)
     );
     // Second HELLO.
-    s.write_all(&hello_frame(14, 1, 1, "")).unwrap();
+    s.write_all(&hello_frame(14, PROTOCOL_VERSION, PROTOCOL_VERSION, ""))
+        .unwrap();
     let (_, r) = read_reply(&mut s).unwrap();
     assert_eq!(error_code(&r), ErrorCode::FailedPrecondition);
     // Still fine for real work.
@@ -117,7 +121,13 @@ fn protocol_misuse_gets_typed_errors_and_the_connection_survives() {
     assert!(matches!(read_reply(&mut s).unwrap().1, Response::Stats(_)));
     // No common version.
     let mut s = raw(&d);
-    s.write_all(&hello_frame(1, 2, 9, "")).unwrap();
+    s.write_all(&hello_frame(
+        1,
+        PROTOCOL_VERSION + 1,
+        PROTOCOL_VERSION + 8,
+        "",
+    ))
+    .unwrap();
     assert_eq!(
         error_code(&read_reply(&mut s).unwrap().1),
         ErrorCode::FailedPrecondition

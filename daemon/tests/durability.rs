@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvtier_protocol::client::Client;
-use kvtier_protocol::{stats_keys, ErrorCode, Geometry, Policy, Request, Response, HEADER_LEN};
+use kvtier_protocol::{
+    stats_keys, ErrorCode, Geometry, Policy, Request, Response, HEADER_LEN, PROTOCOL_VERSION,
+};
 use kvtier_tests::wire::{frame, hello_frame, read_reply};
 
 /// The session is there with exactly the shadow's tokens, and decodes correctly.
@@ -356,7 +358,8 @@ fn rejections_count_limits_permissions_and_malformed_requests() {
     );
     // A CLOSE_SESSION whose body is 3 bytes instead of 8.
     let mut s = UnixStream::connect(d.path()).unwrap();
-    s.write_all(&hello_frame(1, 1, 1, "raw")).unwrap();
+    s.write_all(&hello_frame(1, PROTOCOL_VERSION, PROTOCOL_VERSION, "raw"))
+        .unwrap();
     read_reply(&mut s).unwrap();
     let mut bad = frame(&Request::CloseSession { session: id }, 2);
     bad.truncate(HEADER_LEN + 3);
