@@ -120,7 +120,7 @@ impl Engine {
                     self.record_rejection(Rejection::HostShare);
                     return Err(e);
                 }
-                if !self.make_room(&[s.id], need) {
+                if !self.make_room(&[s.id], need, need) {
                     self.record_rejection(Rejection::HostFull);
                     return Err(e);
                 }
@@ -166,7 +166,7 @@ impl Engine {
             .append_tokens
             .fetch_add(tokens - start, Ordering::Relaxed);
         drop(st);
-        self.make_room(&[s.id], 0);
+        self.make_room(&[s.id], 0, 0);
         Ok(tokens)
     }
 
@@ -382,15 +382,25 @@ impl Engine {
                     on_gpu = false;
                     continue;
                 }
-                Err(e) => ServiceError::from(e),
+                Err(e) => e,
             };
+            // What the step could not place (a run promoted or opened); step_bytes bounds what
+            // the whole step may take.
+            let short = match &e {
+                KernelError::Storage(StorageError::ArenaFull {
+                    wanted, run_bytes, ..
+                }) => wanted * run_bytes,
+                _ => 0,
+            };
+            let e = ServiceError::from(e);
             // Make room by demoting other sessions (not under the device lock), then try once
             // more.
             if e.code != ErrorCode::ResourceExhausted || made_room {
                 return Err(e);
             }
             made_room = true;
-            if !self.make_room(&ids, step_bytes(&sessions, &positions)) {
+            let want = step_bytes(&sessions, &positions);
+            if !self.make_room(&ids, if short > 0 { short } else { want }, want) {
                 self.record_rejection(Rejection::HostFull);
                 return Err(e);
             }
@@ -509,7 +519,7 @@ impl Engine {
                 }
             })
             .collect();
-        self.make_room(ids, 0);
+        self.make_room(ids, 0, 0);
         DecodeReply { entries }
     }
 

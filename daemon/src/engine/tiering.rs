@@ -257,10 +257,12 @@ impl Engine {
     /// unleased sessions not in `exclude`, but only those it may: the requester's own, and
     /// (unless the requester is itself over its fair share) those of uids over their fair
     /// share, which go first. A uid within its share never loses residency to another uid.
-    /// For a request, only as much as it needs is freed, and nothing at all when even every
-    /// session it may demote would not free enough. Only `try_lock`s sessions, so it never
-    /// waits on a busy one. Returns whether `need` bytes are free.
-    pub(super) fn make_room(&self, exclude: &[u64], need: usize) -> bool {
+    /// For a request, it frees until `want` bytes (an estimate, at least `need`) are free,
+    /// and nothing at all when even every session it may demote would not free `need`. Only
+    /// `try_lock`s sessions, so it never waits on a busy one. Returns whether `need` bytes are
+    /// free.
+    pub(super) fn make_room(&self, exclude: &[u64], need: usize, want: usize) -> bool {
+        let want = want.max(need);
         let Some((_, t)) = &self.tier else {
             return false;
         };
@@ -268,7 +270,7 @@ impl Engine {
         let total = u.bytes_total;
         let free = |used: usize| total - used;
         let above_high = u.bytes_used as f64 >= total as f64 * t.high_water;
-        if free(u.bytes_used) >= need && (need > 0 || !above_high) {
+        if free(u.bytes_used) >= want && (want > 0 || !above_high) {
             return true;
         }
         if need > total {
@@ -315,8 +317,8 @@ impl Engine {
             )
         });
         let done = |used: usize| {
-            if need > 0 {
-                free(used) >= need
+            if want > 0 {
+                free(used) >= want
             } else {
                 used as f64 <= total as f64 * t.low_water
             }
