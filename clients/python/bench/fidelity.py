@@ -391,7 +391,8 @@ def main(argv=None):
                     help="number trials (and teacher-forced documents) from here: a second run with "
                          "another offset and --seed draws new prompts and documents, to pool with the first")
     ap.add_argument("--pool", nargs="*", default=[], metavar="JSON",
-                    help="with --report-only: more fidelity.json files whose trials are pooled in")
+                    help="with --report-only: more fidelity.json files whose trials are pooled in "
+                         "(on the arms every run has)")
     ap.add_argument("--report-only", metavar="JSON", help="rewrite the reports (md, png) from a fidelity.json")
     a = ap.parse_args(argv)
     if a.report_only:
@@ -401,9 +402,13 @@ def main(argv=None):
         a.block_tokens = d["meta"]["args"]["block_tokens"]
         trials, meta = d["trials"], d["meta"]
         if a.pool:
-            meta = {**meta, "pooled_runs": [d["meta"]] + [json.load(open(x))["meta"] for x in a.pool]}
-            for x in a.pool:
-                trials = trials + json.load(open(x))["trials"]
+            others = [json.load(open(x)) for x in a.pool]
+            meta = {**meta, "pooled_runs": [d["meta"]] + [o["meta"] for o in others]}
+            # Runs with other arms pool on the arms they all have.
+            common = set.intersection(*(set(o["meta"]["args"]["arm_specs"]) for o in others))
+            a.arms = [arm for arm in a.arms if arm[0] in common]
+            for o in others:
+                trials = trials + o["trials"]
         write_reports(trials, a, meta)
         return
     if a.threads:
