@@ -82,7 +82,7 @@ def test_golden_conversation():
     peer = Peer(script)
     peer.start()
     c = Client(sock=peer.client_sock, client_name="kvtier-golden", timeout=5)
-    assert c.server == p.HelloReply(1, 16 << 20, "tierd", "0.1.0")
+    assert c.server == p.HelloReply(p.PROTOCOL_VERSION, 16 << 20, "tierd", "0.1.0")
     assert c.create_session(GEOMETRY, label="golden") == 7
     assert c.append_kv(7, 0, 1, PAYLOAD) == 1
     assert c.append_kv_shm(7, 1, 1, PAYLOAD) == 2
@@ -105,7 +105,7 @@ def test_golden_conversation():
 
 def hello_only(s):
     read_frame(s)
-    s.sendall(p.frame(p.Op.HELLO.reply, 0, 1, bytes(p._Writer().u16(1).u32(256).str("t").str("0").buf)))
+    s.sendall(p.frame(p.Op.HELLO.reply, 0, 1, bytes(p._Writer().u16(p.PROTOCOL_VERSION).u32(256).str("t").str("0").buf)))
 
 
 def test_oversized_request_refused_locally():

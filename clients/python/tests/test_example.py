@@ -28,7 +28,7 @@ def serve(listener, log):
             body = frame[24:]
             w = p._Writer()
             if op == p.Op.HELLO:
-                w.u16(1).u32(1 << 20).str("fake").str("0")
+                w.u16(p.PROTOCOL_VERSION).u32(1 << 20).str("fake").str("0")
             elif op == p.Op.CREATE_SESSION:
                 w.u64(1)
             elif op == p.Op.APPEND_KV:
@@ -47,7 +47,7 @@ def serve(listener, log):
                 w.u32(5).u32(20).u64(0).u64(0).u32(0).u32(20).u32(0).u32(0)
             elif op == p.Op.SESSION_INFO:
                 w.u64(1).u32(0).str("decode_loop")
-                w.u32(2).u32(4).u32(2).u32(8).u8(0).u32(16).u32(1).u32(4).u32(32)
+                w.u32(2).u32(4).u32(2).u32(8).u8(0).u32(16).u32(1).u32(4).u32(32).u32(1).u32(32)
                 for v in (tokens[1], tokens[1], 1, 2, 0):
                     w.u64(v)
                 w.u8(0).u64(0).u64(0)

@@ -35,7 +35,7 @@ def reply(name):
 
 
 def test_hello_reply():
-    assert reply("hello_reply") == (1, p.HelloReply(1, 16 << 20, "tierd", "0.1.0"))
+    assert reply("hello_reply") == (1, p.HelloReply(p.PROTOCOL_VERSION, 16 << 20, "tierd", "0.1.0"))
 
 
 def test_simple_replies():
