@@ -165,3 +165,22 @@ fn sigterm_under_load_finishes_in_flight_requests_and_exits_cleanly() {
         );
     }
 }
+
+/// Only appends and decodes count as use: looking at a session (SESSION_INFO, LIST, PIN and
+/// UNPIN) leaves its last access alone, since memory pressure demotes the least recently
+/// used sessions first and an operator's `tierctl session info` must not reorder them.
+#[test]
+fn looking_at_a_session_does_not_make_it_recently_used() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let (id, mut sh) = open(&mut c, "", 40, 5);
+    let last = |c: &mut Client| c.session_info(id).unwrap().last_access_unix_ms;
+    let appended = last(&mut c);
+    std::thread::sleep(Duration::from_millis(20));
+    c.list_sessions().unwrap();
+    c.pin(id, true).unwrap();
+    c.pin(id, false).unwrap();
+    assert_eq!(last(&mut c), appended, "looking changed the last access");
+    sh.step(&mut c, id);
+    assert!(last(&mut c) >= appended + 20, "a decode is a use");
+}

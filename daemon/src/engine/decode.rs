@@ -92,6 +92,7 @@ impl Engine {
         payload: &[u8],
     ) -> ServiceResult<u64> {
         let s = self.lookup_live(peer, id)?;
+        s.used_now();
         let mut st = s.state.lock();
         lease::check_unreserved(&s, &st)?;
         let need = Self::append_need(&st, start + n_tokens as u64);
@@ -212,6 +213,7 @@ impl Engine {
             let s = self.lookup_live(peer, e.session).map_err(|err| {
                 ServiceError::new(err.code, format!("batch entry {i}: {}", err.message))
             })?;
+            s.used_now();
             sessions.push(s);
         }
         // Refused now if the reply could not be sent, before anything is appended

@@ -163,6 +163,7 @@ impl Engine {
     /// either way.
     pub fn commit(&self, peer: &Peer, id: u64, conn: u64, tokens: u32) -> ServiceResult<u64> {
         let s = self.lookup_live_as(peer, id, true)?;
+        s.used_now();
         let mut st = s.state.lock();
         let r = match st.reserved.take() {
             Some(r) if r.conn == conn => r,

@@ -334,7 +334,6 @@ impl Engine {
             .filter(|s| s.owner_uid == peer.uid || (admin_ok && self.is_admin(peer)))
             .cloned()
             .ok_or_else(|| ServiceError::not_found(id))?;
-        s.last_access_unix_ms.store(now_ms(), Ordering::Relaxed);
         Ok(s)
     }
 
@@ -539,6 +538,12 @@ impl Engine {
 }
 
 impl Session {
+    /// Marks the session used now (an append or a decode): memory pressure demotes the least
+    /// recently used first, so looking at a session (SESSION_INFO, PIN, ...) does not count.
+    fn used_now(&self) {
+        self.last_access_unix_ms.store(now_ms(), Ordering::Relaxed);
+    }
+
     /// Runs `f` on the session's KV cache under its lock.
     pub(crate) fn with_kv<R>(&self, f: impl FnOnce(&mut KvCache) -> R) -> R {
         f(&mut self.state.lock().kv)
