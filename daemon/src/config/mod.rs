@@ -688,8 +688,14 @@ impl Config {
         }
         let n = &self.nvme;
         if !(n.low_water > 0.0 && n.low_water < n.high_water && n.high_water <= 1.0) {
+            // Name the value that is out of its range (high_water's is (0, 1]).
+            let field = if n.high_water > 0.0 && n.high_water <= 1.0 {
+                "nvme.low_water"
+            } else {
+                "nvme.high_water"
+            };
             return bad(
-                "nvme.high_water",
+                field,
                 format!(
                     "need 0 < low_water < high_water <= 1, got low {} high {}",
                     n.low_water, n.high_water

@@ -83,6 +83,14 @@ fn errors_name_the_field() {
             &[("admission.max_sessions", "0")],
             "admission.max_sessions",
         ),
+        ("", none, &[("nvme.low_water", "0.95")], "nvme.low_water"),
+        ("", none, &[("nvme.high_water", "1.5")], "nvme.high_water"),
+        (
+            "",
+            none,
+            &[("server.admin_connections", "2000")],
+            "server.admin_connections",
+        ),
     ] {
         let e = load_err(toml_text, env, sets);
         assert!(e.contains(named), "{e}");
