@@ -5,5 +5,6 @@
 # Arguments go to the demo (e.g. --context 131072 --steps 4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "demo: building tierd and the demo client (release; the first build takes several minutes)" >&2
 cargo build --release -q -p tierd -p kvtier-bench --bin tierd --bin kvtier_demo
 exec target/release/kvtier_demo "$@"

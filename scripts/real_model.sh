@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/pyenv.sh
+echo "real_model: building tierd (release; the first build takes several minutes)" >&2
 cargo build --release -q -p tierd
 kvtier_pyenv
 dir="$(mktemp -d)"
