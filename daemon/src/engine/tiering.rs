@@ -65,16 +65,28 @@ impl Engine {
         }
         let store = tier.store();
         let total: u64 = store.usage().devices.iter().map(|d| d.bytes_total).sum();
-        let after = tier.owner_bytes_after(s.owner_uid, s.id, runs);
+        // What the owner's pages would come to: a scan of the manifest, done at most once.
+        let after = std::cell::OnceCell::new();
+        let after = || *after.get_or_init(|| tier.owner_bytes_after(s.owner_uid, s.id, runs));
         let share = self.limits.nvme_share_per_uid;
         let limit = (total as f64 * share).floor() as u64;
-        if share < 1.0 && after > limit {
+        if share < 1.0 && after() > limit {
             return Err(ServiceError::exhausted(format!(
-                "uid {} would reference {after} bytes of NVMe pages, more than its quota of {limit} (quota.nvme_share_per_uid)",
-                s.owner_uid
+                "uid {} would reference {} bytes of NVMe pages, more than its quota of {limit} (quota.nvme_share_per_uid)",
+                s.owner_uid,
+                after()
             )));
         }
         if write == Write::Shutdown {
+            return Ok(());
+        }
+        let adding: u64 = runs.iter().map(|r| store.page_bytes(r.bytes.len())).sum();
+        let free_after = store.free_bytes().saturating_sub(adding);
+        // Unwritten blocks are resident, so a page for every resident run bounds what any
+        // shutdown needs: with that much left free (the usual case), no scan of the sessions.
+        let u = self.arena.usage();
+        let per_run = store.page_bytes(0) + store.unit() as u64;
+        if free_after >= u.bytes_used as u64 + u.frames_used as u64 * per_run {
             return Ok(());
         }
         // Other uids' sessions (a busy one is skipped: it is being written or decoded now).
@@ -92,12 +104,11 @@ impl Engine {
                 .sum();
             (holders.len().max(1) as u64, others)
         };
-        let adding: u64 = runs.iter().map(|r| store.page_bytes(r.bytes.len())).sum();
-        let free_after = store.free_bytes().saturating_sub(adding);
-        if after > total / holders && free_after < others {
+        if after() > total / holders && free_after < others {
             return Err(ServiceError::exhausted(format!(
-                "uid {} holds more than an equal split of the NVMe tier ({after} of {total} bytes among {holders} uids); writing {adding} more bytes would leave {free_after} free, less than the {others} other users' sessions need at shutdown",
-                s.owner_uid
+                "uid {} holds more than an equal split of the NVMe tier ({} of {total} bytes among {holders} uids); writing {adding} more bytes would leave {free_after} free, less than the {others} other users' sessions need at shutdown",
+                s.owner_uid,
+                after()
             )));
         }
         Ok(())
