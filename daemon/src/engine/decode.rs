@@ -47,6 +47,9 @@ pub(super) fn step_bytes(sessions: &[Arc<Session>], positions: &[u64]) -> usize 
         .sum()
 }
 
+/// How often a decode step makes room and tries again before it answers RESOURCE_EXHAUSTED.
+const ROOM_ATTEMPTS: usize = 3;
+
 /// One validated DECODE request. Its K/V rows are borrowed from the request body, and owned
 /// ([`Job::into_owned`]) only when the request joins a batch run by another request's thread
 /// (see [`super::coalesce`]).
@@ -351,7 +354,8 @@ impl Engine {
         let t0 = Instant::now();
         let mut timings = StageTimings::default();
         let mut on_gpu = self.gpu.is_some();
-        let mut made_room = false;
+        // Rooms made so far: the prefetcher may take freed frames before the retry.
+        let mut rooms_made = 0;
         let report = loop {
             let mut batch: Vec<DecodeEntry<'_>> = guards
                 .iter_mut()
@@ -395,12 +399,11 @@ impl Engine {
                 _ => 0,
             };
             let e = ServiceError::from(e);
-            // Make room by demoting other sessions (not under the device lock), then try once
-            // more.
-            if e.code != ErrorCode::ResourceExhausted || made_room {
+            // Make room by demoting other sessions (not under the device lock), then try again.
+            if e.code != ErrorCode::ResourceExhausted || rooms_made == ROOM_ATTEMPTS {
                 return Err(e);
             }
-            made_room = true;
+            rooms_made += 1;
             let want = step_bytes(&sessions, &positions);
             if !self.make_room(&ids, if short > 0 { short } else { want }, want) {
                 self.record_rejection(Rejection::HostFull);

@@ -268,8 +268,9 @@ impl Engine {
     /// unleased sessions not in `exclude`, but only those it may: the requester's own, and
     /// (unless the requester is itself over its fair share) those of uids over their fair
     /// share, which go first. A uid within its share never loses residency to another uid.
-    /// For a request, it frees until `want` bytes (an estimate, at least `need`) are free,
-    /// and nothing at all when even every session it may demote would not free `need`. Only
+    /// For a request, it frees until `want` bytes (an estimate, at least `need`) fit with the
+    /// tier at its low-water mark, and nothing at all when even every session it may demote
+    /// would not free `need`. Only
     /// `try_lock`s sessions, so it never waits on a busy one. Returns whether `need` bytes are
     /// free.
     pub(super) fn make_room(&self, exclude: &[u64], need: usize, want: usize) -> bool {
@@ -308,17 +309,22 @@ impl Engine {
                 .collect()
         };
         // What demoting all of them would free: a request they cannot satisfy demotes nothing.
+        // A busy one (being decoded, prefetched) may free anything once it is not.
+        let mut busy = false;
         let mut resident: Vec<(Arc<Session>, usize)> = candidates
             .into_iter()
             .filter_map(|s| {
-                let bytes = {
-                    let st = s.state.try_lock()?;
-                    st.kv.frames() * st.kv.run_extent_bytes()
+                let Some(st) = s.state.try_lock() else {
+                    busy = true;
+                    return None;
                 };
+                let bytes = st.kv.frames() * st.kv.run_extent_bytes();
+                drop(st);
                 (bytes > 0).then_some((s, bytes))
             })
             .collect();
-        if need > 0 && free(u.bytes_used) + resident.iter().map(|(_, b)| b).sum::<usize>() < need {
+        let demotable: usize = resident.iter().map(|(_, b)| b).sum();
+        if need > 0 && !busy && free(u.bytes_used) + demotable < need {
             return false;
         }
         resident.sort_by_key(|(s, _)| {
@@ -327,11 +333,15 @@ impl Engine {
                 s.last_access_unix_ms.load(Ordering::Relaxed),
             )
         });
+        // A request is done once it fits and leaves the tier at its low-water mark, as the
+        // pressure pass after it would (the slack keeps the prefetcher's promotions from
+        // taking the room back before the retry).
+        let low = |used: usize| used as f64 <= total as f64 * t.low_water;
         let done = |used: usize| {
             if want > 0 {
-                free(used) >= want
+                free(used) >= want && low(used + want)
             } else {
-                used as f64 <= total as f64 * t.low_water
+                low(used)
             }
         };
         for (s, _) in resident {
