@@ -84,13 +84,9 @@ impl Engine {
         m.usage.used_bytes.set(sum(|d| d.bytes_used));
         m.usage.capacity_bytes.set(sum(|d| d.bytes_total));
         m.usage.used_blocks.set(sum(|d| d.pages));
-        m.usage.largest_free_bytes.set(
-            su.devices
-                .iter()
-                .map(|d| d.largest_free_bytes)
-                .max()
-                .unwrap_or(0) as f64,
-        );
+        m.usage
+            .largest_free_bytes
+            .set(tier.store().largest_free_bytes() as f64);
         m.usage.free_ranges.set(sum(|d| d.free_ranges));
         m.read.absolute(su.bytes_read);
         m.written.absolute(su.bytes_written);
@@ -176,14 +172,7 @@ impl Engine {
             entries.extend([
                 ("nvme_bytes_used", used),
                 ("nvme_bytes_capacity", total),
-                (
-                    "nvme_largest_free_bytes",
-                    su.devices
-                        .iter()
-                        .map(|d| d.largest_free_bytes)
-                        .max()
-                        .unwrap_or(0),
-                ),
+                ("nvme_largest_free_bytes", tier.store().largest_free_bytes()),
                 (
                     "nvme_free_ranges",
                     su.devices.iter().map(|d| d.free_ranges).sum(),

@@ -21,9 +21,8 @@ pub struct DeviceUsage {
     /// `units_total` and `units_used` in bytes.
     pub bytes_total: u64,
     pub bytes_used: u64,
-    /// The longest page that could be allocated now, and the free ranges: free bytes in many
-    /// small ranges refuse pages they add up to.
-    pub largest_free_bytes: u64,
+    /// Free ranges: free bytes in many small ranges refuse pages they add up to
+    /// ([`PageStore::largest_free_bytes`] is the longest page that fits now).
     pub free_ranges: u64,
     /// The stripe weight new pages get now: the tracked read throughput once every device has
     /// [`STRIPE_MIN_SAMPLES`] timed reads, else the configured bandwidth.
@@ -160,9 +159,9 @@ impl PageStore {
                 .iter()
                 .zip(weights)
                 .map(|(d, weight)| {
-                    let (used, pages, largest, ranges) = {
+                    let (used, pages, ranges) = {
                         let a = d.alloc.lock();
-                        (a.used(), a.pages(), a.largest_free(), a.free_ranges())
+                        (a.used(), a.pages(), a.free_ranges())
                     };
                     let (read, write) = (d.read.lock(), d.write.lock());
                     DeviceUsage {
@@ -172,7 +171,6 @@ impl PageStore {
                         pages,
                         bytes_total: d.units * self.unit as u64,
                         bytes_used: used * self.unit as u64,
-                        largest_free_bytes: largest * self.unit as u64,
                         free_ranges: ranges,
                         bandwidth_bytes_per_s: weight,
                         read_lane: measured(&read),
