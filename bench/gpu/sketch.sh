@@ -10,9 +10,11 @@
 #          sketch selector, each cold and warm (one engine each, alternating twice); then one
 #          1M-token session and whole_model.py at batch 1, k=8: the key bound and the sketch
 #          selector (one engine each, alternating) against the dense 8K step in the same
-#          process.
+#          process. SELECTORS (default bound,sketch) lists the selectors, e.g.
+#          bound,sketch:32,sketch:64 (bench/gpu's engine_bench and whole_model.py syntax).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+SELECTORS=${SELECTORS:-bound,sketch}
 D=$PWD/.device
 T0=$(date +%s)
 el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
@@ -44,7 +46,7 @@ bench)
   start 62GiB
   el "engine_bench 128K x 8"
   $D/engine_bench --socket $S --context 131072 --batches 8 --ks 8 --steps 20 --warmup 3 \
-    --selectors bound,sketch,bound,sketch 2>&1 | tee $OUT/engine_bench.txt
+    --selectors $SELECTORS,$SELECTORS 2>&1 | tee $OUT/engine_bench.txt
   kill $TP; wait $TP
   start 62GiB
   el "fill 1M"
@@ -53,7 +55,7 @@ bench)
   el "whole model 1M b1 k8"
   PYTHONPATH=clients/python python3 clients/python/bench/whole_model.py --socket $S \
     --context 1048576 --batches 1 --dense-contexts 8192 --steps 120 --rounds 2 --sessions $ID \
-    --modes kvtier,dense-hbm --top-k 8 --graphs whole --selectors bound,sketch \
+    --modes kvtier,dense-hbm --top-k 8 --graphs whole --selectors $SELECTORS \
     --json $OUT/whole_model.json 2>&1 | tee $OUT/whole_model.txt | grep -vE "^\s*$"
   kill $TP; wait $TP
   el "done"

@@ -8,10 +8,10 @@
 // query heads is order-independent. So scores are bit-identical, and ties are broken by lower
 // block index in both implementations.
 //
-// top_k <= 32 (TOPK_MERGE): one kernel per layer, select_score, scores, keeps each thread
-// block's 32 best candidates and merges them in the last thread block of each kv head, which
-// also plans the distant tiles. top_k > 32: select_score writes every score and select_topk
-// runs a radix select and the plan.
+// top_k <= 32 or the sketch selector (TOPK_MERGE): one kernel per layer, select_score, scores,
+// keeps each thread block's LW best candidates and merges them in the last thread block of
+// each kv head, which also plans the distant tiles. Otherwise select_score writes every score
+// and select_topk runs a radix select and the plan.
 //
 // The sketch selector (SKETCH, kvtier_kernels::select): select_score scores each block by its
 // QUARTERS quarter records (bf16 bounds, the same arithmetic per record; the block's score is
@@ -116,15 +116,24 @@ __device__ __forceinline__ u32 orderable(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Two-stage top-k (TOPK <= 32; config.rs sets TOPK_MERGE). Each select_score thread block
-// reduces its blocks to its 32 best candidates, a descending list; the kv head's last thread
-// block merges the lists. A candidate is a 64-bit key: the score's order-preserving bits above
-// the complemented block id, so a larger key is a better block and equal scores prefer the
-// lower block (the CPU's tie rule); 0 is "no candidate" and below every real key. The global
-// top-k under this strict order is the top-k of the union of the lists' top-32s, so the result
-// is the radix select's exactly. Every step is a warp-wide bitonic network (shuffles, no
-// barriers) except one barrier per merge level: the radix version spent ~20 us at 1M tokens on
-// a chain of barriers in one thread block per kv head (bench/gpu/NOTES.md v10, v13).
+// Two-stage top-k (config.rs sets TOPK_MERGE: TOPK <= 32, or the sketch selector's CAND <=
+// 128). Each select_score thread block reduces its blocks to its LW best candidates, a
+// descending list; the kv head's last thread block merges the lists. A candidate is a 64-bit
+// key: the score's order-preserving bits above the complemented block id, so a larger key is a
+// better block and equal scores prefer the lower block (the CPU's tie rule); 0 is "no
+// candidate" and below every real key. The global top-N (N <= LW) under this strict order is
+// the top-N of the union of the lists' top-LWs, so the result is the radix select's exactly.
+// Every step is a warp-wide bitonic network (shuffles and registers, no barriers) except one
+// barrier per merge level: the radix version spent ~20 us at 1M tokens on a chain of barriers
+// in one thread block per kv head (bench/gpu/NOTES.md v10, v13).
+//
+// A list is LW = 32 * LIST_R keys held by one warp, LIST_R per lane: element e = r * 32 + lane
+// is register r of lane `lane`. Network steps of stride >= 32 compare two registers of one
+// lane; shorter strides shuffle.
+#define LW (32 * LIST_R)
+#if LIST_R != 1 && LIST_R != 2 && LIST_R != 4
+#error "LIST_R must be 1, 2 or 4"
+#endif
 __device__ __forceinline__ u64 cand_key(float score, u32 b) {
     return ((u64)orderable(score) << 32) | (u64)(~b);
 }
@@ -135,70 +144,115 @@ __device__ __forceinline__ u64 shfl_xor64(u64 v, int m) {
     return ((u64)hi << 32) | lo;
 }
 
-// Sorts one key per lane across the warp, descending (lane 0 holds the largest).
-__device__ __forceinline__ u64 warp_sort_desc(u64 v) {
+// One compare-exchange step of stride j over the warp's list: element e keeps the larger of
+// (e, e ^ j) when `desc(e)`, else the smaller.
+#define LIST_STEP(v, j, desc)                                                          \
+    do {                                                                               \
+        if ((j) >= 32) {                                                               \
+            const u32 jr_ = (j) >> 5;                                                  \
+            _Pragma("unroll") for (u32 r_ = 0; r_ < LIST_R; ++r_) {                    \
+                if ((r_ & jr_) == 0) {                                                 \
+                    const u32 e_ = r_ * 32 + lane;                                     \
+                    const u64 a_ = v[r_], b_ = v[r_ | jr_];                            \
+                    const u64 hi_ = a_ > b_ ? a_ : b_, lo_ = a_ > b_ ? b_ : a_;        \
+                    v[r_] = (desc) ? hi_ : lo_;                                        \
+                    v[r_ | jr_] = (desc) ? lo_ : hi_;                                  \
+                }                                                                      \
+            }                                                                          \
+        } else {                                                                       \
+            _Pragma("unroll") for (u32 r_ = 0; r_ < LIST_R; ++r_) {                    \
+                const u32 e_ = r_ * 32 + lane;                                         \
+                const u64 p_ = shfl_xor64(v[r_], (j));                                 \
+                const bool take_max_ = ((e_ & (j)) == 0) == (desc);                    \
+                v[r_] = take_max_ ? (v[r_] > p_ ? v[r_] : p_) : (v[r_] < p_ ? v[r_] : p_); \
+            }                                                                          \
+        }                                                                              \
+    } while (0)
+
+// Sorts the warp's list descending (element 0, register 0 of lane 0, is the largest).
+__device__ __forceinline__ void list_sort_desc(u64* v) {
     const u32 lane = threadIdx.x & 31u;
 #pragma unroll
-    for (u32 k = 2; k <= 32; k <<= 1) {
+    for (u32 k = 2; k <= LW; k <<= 1) {
 #pragma unroll
         for (u32 j = k >> 1; j > 0; j >>= 1) {
-            const u64 p = shfl_xor64(v, j);
-            // Runs of k lanes alternate direction; the last (k = 32) is one descending run.
-            const bool take_max = ((lane & j) == 0) == ((lane & k) == 0);
-            v = take_max ? (v > p ? v : p) : (v < p ? v : p);
+            // Runs of k elements alternate direction; the last (k = LW) is one descending run.
+            LIST_STEP(v, j, (e_ & k) == 0);
         }
     }
-    return v;
 }
 
-// The top 32 of two descending warp lists, descending. `b_rev` holds the second list reversed
-// (lane l: its element 31 - l), so max(a, b_rev) is a bitonic sequence holding the top 32 of
-// both, which one bitonic merge sorts.
-__device__ __forceinline__ u64 warp_merge_desc(u64 a, u64 b_rev) {
+// The top LW of two descending lists into `a`, descending. `b_rev` holds the second list
+// reversed (element e: its element LW - 1 - e), so max(a, b_rev) is a bitonic sequence holding
+// the top LW of both, which one bitonic merge sorts.
+__device__ __forceinline__ void list_merge_desc(u64* a, const u64* b_rev) {
     const u32 lane = threadIdx.x & 31u;
-    u64 v = a > b_rev ? a : b_rev;
 #pragma unroll
-    for (u32 j = 16; j > 0; j >>= 1) {
-        const u64 p = shfl_xor64(v, j);
-        v = (lane & j) == 0 ? (v > p ? v : p) : (v < p ? v : p);
-    }
-    return v;
+    for (u32 r = 0; r < LIST_R; ++r) a[r] = a[r] > b_rev[r] ? a[r] : b_rev[r];
+#pragma unroll
+    for (u32 j = LW >> 1; j > 0; j >>= 1) LIST_STEP(a, j, true);
 }
 
-// The N best blocks (N <= 32) of the `nlists` candidate lists of one (batch item, kv head),
-// ascending, into out[0, N) (a key of 0, no candidate, comes out as 0xffffffff, after every
-// real block), called by the whole thread block that found itself last. Each warp merges lists w, w + nw, ... (the next list's load in
-// flight during a merge); a barrier-separated tree merges the warps' lists; warp 0 then sorts
-// the TOPK winners' block ids ascending. Lists are read from L2 (__ldcg): other thread blocks
-// wrote them during this launch.
-__device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lists, u32 nlists, u32* out, u32 N) {
-    __shared__ u64 s_top[SCORE_THREADS / 32][32];
+// Loads list `src` (LW keys) into the warp, or reversed; keys past `ok` are 0.
+__device__ __forceinline__ void list_load(u64* v, const u64* src, bool ok, bool reversed, bool l2) {
     const u32 lane = threadIdx.x & 31u;
+#pragma unroll
+    for (u32 r = 0; r < LIST_R; ++r) {
+        const u32 e = reversed ? LW - 1 - (r * 32 + lane) : r * 32 + lane;
+        v[r] = ok ? (l2 ? __ldcg(src + e) : src[e]) : 0ull;
+    }
+}
+
+__device__ __forceinline__ void list_store(const u64* v, u64* dst) {
+    const u32 lane = threadIdx.x & 31u;
+#pragma unroll
+    for (u32 r = 0; r < LIST_R; ++r) dst[r * 32 + lane] = v[r];
+}
+
+// The ids of the N best keys of the warp's descending list, ascending, into out[0, N) (a key
+// of 0, no candidate, comes out as 0xffffffff, after every real block).
+__device__ __forceinline__ void list_ids_ascending(const u64* v, u32* out, u32 N) {
+    const u32 lane = threadIdx.x & 31u;
+    // Winners' complemented ids (the low key word) sorted descending = ids ascending.
+    u64 id[LIST_R];
+#pragma unroll
+    for (u32 r = 0; r < LIST_R; ++r) id[r] = r * 32 + lane < N ? (u64)(u32)v[r] : 0ull;
+    list_sort_desc(id);
+#pragma unroll
+    for (u32 r = 0; r < LIST_R; ++r)
+        if (r * 32 + lane < N) out[r * 32 + lane] = ~(u32)id[r];
+}
+
+// The N best blocks (N <= LW) of the `nlists` candidate lists of one (batch item, kv head),
+// ascending, into out[0, N), called by the whole thread block that found itself last. Each
+// warp merges lists w, w + nw, ... (the next list's load in flight during a merge); a
+// barrier-separated tree merges the warps' lists; warp 0 then sorts the winners' block ids
+// ascending. Lists are read from L2 (__ldcg): other thread blocks wrote them during this launch.
+__device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lists, u32 nlists, u32* out, u32 N) {
+    __shared__ u64 s_top[SCORE_THREADS / 32][LW];
     const u32 w = threadIdx.x >> 5;
     const u32 nw = blockDim.x >> 5;
-    u64 v = w < nlists ? __ldcg(lists + (u64)w * 32 + lane) : 0ull;
-    u64 nxt = w + nw < nlists ? __ldcg(lists + (u64)(w + nw) * 32 + 31 - lane) : 0ull;
+    u64 v[LIST_R], nxt[LIST_R], cur[LIST_R];
+    list_load(v, lists + (u64)w * LW, w < nlists, false, true);
+    list_load(nxt, lists + (u64)(w + nw) * LW, w + nw < nlists, true, true);
     for (u32 x = w + nw; x < nlists; x += nw) {
-        const u64 cur = nxt;
-        if (x + nw < nlists) nxt = __ldcg(lists + (u64)(x + nw) * 32 + 31 - lane);
-        v = warp_merge_desc(v, cur);
+#pragma unroll
+        for (u32 r = 0; r < LIST_R; ++r) cur[r] = nxt[r];
+        if (x + nw < nlists) list_load(nxt, lists + (u64)(x + nw) * LW, true, true, true);
+        list_merge_desc(v, cur);
     }
-    s_top[w][lane] = v;
+    list_store(v, s_top[w]);
     __syncthreads();
     // Level s: warp w (a multiple of 2s) takes in warp w + s's list (written at level s / 2).
     for (u32 s = 1; s < nw; s <<= 1) {
         if ((w & (2 * s - 1)) == 0 && w + s < nw && w + s < nlists) {
-            v = warp_merge_desc(v, s_top[w + s][31 - lane]);
-            s_top[w][lane] = v;
+            list_load(cur, s_top[w + s], true, true, false);
+            list_merge_desc(v, cur);
+            list_store(v, s_top[w]);
         }
         __syncthreads();
     }
-    if (w == 0) {
-        // Winners' complemented ids (the low key word) sorted descending = ids ascending.
-        u64 id = lane < N ? (u64)(u32)v : 0ull;
-        id = warp_sort_desc(id);
-        if (lane < N) out[lane] = ~(u32)id;
-    }
+    if (w == 0) list_ids_ascending(v, out, N);
 }
 
 // select_score: SCORE_THREADS threads = SCORE_OCTETS octets; octet o of thread block x scores
@@ -337,11 +391,11 @@ __device__ __forceinline__ void score_keys_sketch(const float* __restrict__ q, c
 // bit-identical to kvtier_kernels::select::block_score. (One thread per block with all G x 8
 // lanes in registers ran at 2 warps per scheduler, a latency chain; bench/gpu/NOTES.md v13-v17.)
 // q: [batch][HQ][HEAD_DIM] f32. sums: [slot][layer][max_blocks][KV_HEADS][SUB][REC_VECS] uint4.
-// With TOPK_MERGE each thread block writes the descending list of its 32 best distant
-// candidates to scratch (u64 [batch][KV_HEADS][SCORE_LISTS(max_blocks * SUB, 1)][32]); the last
+// With TOPK_MERGE each thread block writes the descending list of its LW best distant
+// candidates to scratch (u64 [batch][KV_HEADS][SCORE_LISTS(max_blocks * SUB, 1)][LW]); the last
 // thread block of a (batch item, kv head) to finish merges that head's lists into the TOPK
 // distant blocks of its keep-set row and plans their tiles (the done[] counters return to 0),
-// or, with SKETCH, into its CAND candidates (cands[batch][KV_HEADS][32]).
+// or, with SKETCH, into its CAND candidates (cands[batch][KV_HEADS][LW]).
 // Otherwise every score goes to scratch (f32 [batch][KV_HEADS][max_blocks]) for select_topk.
 // score_role is one such thread block, (bx, kvh, i) its grid position. When `ready` is not null
 // (layer_fused), the last thread block of the kv head publishes its finished keep-set row and
@@ -470,37 +524,39 @@ __device__ __forceinline__ void score_role(
 #endif
     SEL_STAMP(2);
 #if TOPK_MERGE
-    // This thread block's best 32: each warp sorts 32 keys, then a tree of warp merges.
+    // This thread block's best LW: each warp sorts LW keys, then a tree of warp merges.
 #define NSL (SCORE_OCTETS * SCORE_NB / 32)
     __shared__ u64 s_keys[NSL * 32];
-    __shared__ u64 s_sl[NSL][32];
+    __shared__ u64 s_sl[NSL / LIST_R][LW];
     __shared__ bool s_last;
     if (j == 0) {
 #pragma unroll
         for (int n = 0; n < SCORE_NB; ++n) s_keys[n * SCORE_OCTETS + oct] = key[n];
     }
     __syncthreads();
-    const u32 lane = tid & 31u;
     const u32 w = tid >> 5;
-    const u32 nsl = nbo * SCORE_OCTETS / 32;  // lists of 32 keys in use (at least 1)
-    u64 v = 0ull;
+    // Lists of LW keys in use (at least 1): rows past nbo hold keys of 0.
+    const u32 nsl = (nbo * SCORE_OCTETS / 32 + LIST_R - 1) / LIST_R;
+    u64 v[LIST_R], other[LIST_R];
     if (w < nsl) {
-        v = warp_sort_desc(s_keys[w * 32 + lane]);
-        s_sl[w][lane] = v;
+        list_load(v, s_keys + w * LW, true, false, false);
+        list_sort_desc(v);
+        list_store(v, s_sl[w]);
     }
     __syncthreads();
     for (u32 s = 1; s < nsl; s <<= 1) {
         if ((w & (2 * s - 1)) == 0 && w + s < nsl) {
-            v = warp_merge_desc(v, s_sl[w + s][31 - lane]);
-            s_sl[w][lane] = v;
+            list_load(other, s_sl[w + s], true, true, false);
+            list_merge_desc(v, other);
+            list_store(v, s_sl[w]);
         }
         __syncthreads();
     }
     SEL_STAMP(3);
     const u32 nlists = SCORE_LISTS(nr, nbo);
-    u64* lists = (u64*)scratch + ((u64)i * KV_HEADS + kvh) * SCORE_LISTS(max_blocks * SUB, 1) * 32;
+    u64* lists = (u64*)scratch + ((u64)i * KV_HEADS + kvh) * SCORE_LISTS(max_blocks * SUB, 1) * LW;
     if (w == 0) {
-        lists[(u64)bx * 32 + lane] = v;
+        list_store(v, lists + (u64)bx * LW);
         // Publish the list device-wide before it is counted (threadFenceReduction pattern).
         __threadfence();
     }
@@ -521,7 +577,7 @@ __device__ __forceinline__ void score_role(
     __threadfence();
 #if SKETCH
     // The CAND candidates for the rerank roles.
-    select_distant_merge(lists, nlists, cands + ((u64)i * KV_HEADS + kvh) * 32, CAND);
+    select_distant_merge(lists, nlists, cands + ((u64)i * KV_HEADS + kvh) * LW, CAND);
     if (ready != nullptr) signal_ready(ready, stamp);
 #else
     u32* row = table + ((u64)i * KV_HEADS + kvh) * KSEL;
@@ -588,7 +644,7 @@ __device__ __forceinline__ void rerank_role(
     __shared__ float s_best[SCORE_THREADS / 32][GROUP];
     __shared__ bool s_last;
     pdl_wait();
-    const u32 b = __ldcg(cands + (u64)ih * 32 + x);
+    const u32 b = __ldcg(cands + (u64)ih * LW + x);
     // The group's query codes: warp g quantizes head g (absmax / 127, round half to even).
     const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
     for (u32 g = w; g < GROUP; g += nw) {
@@ -657,7 +713,7 @@ __device__ __forceinline__ void rerank_role(
             for (u32 v = 0; v < nw; ++v) m = fmaxf(m, s_best[v][g]);
             score = fmaxf(score, __fmul_rn(m, s_qs[g]));
         }
-        rkeys[(u64)ih * 32 + x] = b != 0xffffffffu ? cand_key(score, b) : 0ull;
+        rkeys[(u64)ih * LW + x] = b != 0xffffffffu ? cand_key(score, b) : 0ull;
         // Publish the key device-wide before it is counted (threadFenceReduction pattern).
         __threadfence();
         const u32 prev = atomicAdd(&done[ih], 1u);
@@ -669,12 +725,13 @@ __device__ __forceinline__ void rerank_role(
     __threadfence();
     u32* row = table + (u64)ih * KSEL;
     if (w == 0) {
-        // The TOPK best keys, then their ids ascending (complemented ids sorted descending).
-        u64 v = lane < CAND ? __ldcg(rkeys + (u64)ih * 32 + lane) : 0ull;
-        v = warp_sort_desc(v);
-        u64 id = lane < TOPK ? (u64)(u32)v : 0ull;
-        id = warp_sort_desc(id);
-        if (lane < TOPK) row[SINK + lane] = ~(u32)id;
+        // The TOPK best keys, then their ids ascending.
+        u64 v[LIST_R];
+#pragma unroll
+        for (u32 r = 0; r < LIST_R; ++r)
+            v[r] = r * 32 + lane < CAND ? __ldcg(rkeys + (u64)ih * LW + r * 32 + lane) : 0ull;
+        list_sort_desc(v);
+        list_ids_ascending(v, row + SINK, TOPK);
     }
     __syncthreads();
     plan_tile_cache(i, kvh, row, SINK, TOPK, 0, 0, DISTANT_SLOT0, CACHE_SLOTS - DISTANT_SLOT0, sess, ntok, layer,

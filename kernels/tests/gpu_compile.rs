@@ -39,6 +39,17 @@ fn kernels_compile_for_supported_geometries() {
             policy: Policy::sketch(2, 3, 4, 4),
             ..cfg(8, 8, 64, 16, DType::F16, SummaryDtype::F32)
         },
+        // Candidate lists of two and four keys per lane; top_k above 32 with the sketch.
+        CudaConfig {
+            policy: Policy::sketch(1, 4, 8, 64),
+            cache_slots: 26,
+            ..cfg(28, 4, 128, 128, DType::Bf16, SummaryDtype::F32)
+        },
+        CudaConfig {
+            policy: Policy::sketch(1, 4, 40, 128),
+            cache_slots: 48,
+            ..cfg(28, 4, 128, 128, DType::Bf16, SummaryDtype::F32)
+        },
         // The fp32 attention path for a geometry that would take tensor cores.
         CudaConfig {
             attention: AttentionMath::Simt,

@@ -9,7 +9,7 @@
 mod gpu_common;
 
 use gpu_common::{check_layer, geom, gpu, Harness, KeyGen, POLICY};
-use kvtier_kernels::cuda::{CudaConfig, LaunchMode, SummaryDtype};
+use kvtier_kernels::cuda::{CudaConfig, LaunchMode, SummaryDtype, MAX_CANDIDATES};
 use kvtier_storage::{DType, Policy};
 
 /// Many exactly equal scores: the lower block index must win, as on the CPU.
@@ -154,6 +154,22 @@ fn sketch_selector_matches_cpu() {
             Policy::sketch(1, 2, 32, 32),
             0,
         ),
+        // Candidate lists of two and four keys per lane, and top_k above 32.
+        (
+            geom(28, 4, 128, 16, DType::Bf16),
+            Policy::sketch(1, 4, 8, 64),
+            0,
+        ),
+        (
+            geom(28, 4, 128, 16, DType::Bf16),
+            Policy::sketch(1, 4, 8, 100),
+            5,
+        ),
+        (
+            geom(8, 8, 64, 16, DType::F16),
+            Policy::sketch(1, 2, 40, 128),
+            0,
+        ),
     ];
     for (i, (g, policy, templates)) in cases.into_iter().enumerate() {
         for mode in [LaunchMode::Fused, LaunchMode::Split] {
@@ -188,17 +204,31 @@ fn sketch_selector_max_blocks_exact() {
         SummaryDtype::F32,
     );
     check_two_sessions(cfg, 97, 32_768 * 16, 9_000 * 16 + 7, 0);
+    let cfg = CudaConfig::new(
+        geom(4, 1, 32, 16, DType::Bf16),
+        Policy::sketch(1, 4, 8, MAX_CANDIDATES),
+        32_768,
+        2,
+        SummaryDtype::F32,
+    );
+    check_two_sessions(cfg, 98, 32_768 * 16, 9_000 * 16 + 7, 0);
 }
 
 /// Configurations the device's sketch selector does not take are typed errors.
 #[test]
 fn sketch_configs_the_device_refuses() {
     let g = geom(28, 4, 128, 16, DType::Bf16);
-    let e = CudaConfig::new(g, Policy::sketch(1, 4, 8, 33), 64, 1, SummaryDtype::F32)
-        .validate()
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("at most 32 candidates"), "{e}");
+    let e = CudaConfig::new(
+        g,
+        Policy::sketch(1, 4, 8, MAX_CANDIDATES + 1),
+        64,
+        1,
+        SummaryDtype::F32,
+    )
+    .validate()
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("at most 128 candidates"), "{e}");
     let e = CudaConfig::new(
         geom(28, 4, 128, 2, DType::Bf16),
         Policy::sketch(1, 4, 8, 8),

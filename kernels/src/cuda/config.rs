@@ -52,6 +52,9 @@ const SMEM_LIMIT: usize = 48 * 1024;
 pub(crate) const SCORE_THREADS: u32 = 256;
 /// Most blocks each select_score octet scores in one launch (the launch picks 1, 2, 4 or 8).
 pub(crate) const SCORE_NB: u32 = 8;
+/// Most candidates the sketch selector's first stage keeps on the device (select.cu lists of
+/// 32 * LIST_R keys, LIST_R <= 4).
+pub const MAX_CANDIDATES: u32 = 128;
 /// Largest opt-in shared memory per block on compute capability 8.0 / 9.0 (checked against
 /// the device at backend creation too).
 const SMEM_OPTIN_LIMIT: usize = 227 * 1024;
@@ -136,15 +139,16 @@ impl CudaConfig {
         if p.top_k == 0 {
             return Err(invalid("top_k must be at least 1"));
         }
-        // The sketch selector's first stage keeps its candidates in the lists of 32 and its
-        // second stage ranks them in one warp; each block is scored by its four quarters.
+        // The sketch selector's first stage keeps its candidates in warp lists of at most
+        // MAX_CANDIDATES keys and its second stage ranks them in one warp; each block is scored
+        // by its four quarters.
         let cand = match p.selector {
             Selector::Bound => p.top_k,
             Selector::Sketch { candidates } => {
                 let c = candidates.max(p.top_k);
-                if c > 32 {
+                if c > MAX_CANDIDATES {
                     return Err(invalid(format!(
-                        "the CUDA sketch selector takes at most 32 candidates (max(candidates, top_k) = {c})"
+                        "the CUDA sketch selector takes at most {MAX_CANDIDATES} candidates (max(candidates, top_k) = {c})"
                     )));
                 }
                 if quarters(g.block_tokens as usize) != 4 {
@@ -203,7 +207,16 @@ impl CudaConfig {
         // tree and the distant plan.
         let q_smem = gs * d * 4;
         let st = SCORE_THREADS as usize;
-        let lists_smem = (SCORE_NB as usize * 32 * 2 + st) * 8;
+        // Top-k by merging per-thread-block candidate lists (select.cu) where the lists can
+        // hold it: the sketch selector's candidates, or top_k <= 32; the radix select over
+        // every score otherwise. A list holds 32 * list_r keys, list_r per lane of a warp.
+        let topk_merge = self.sketch() || p.top_k <= 32;
+        let list_r = if self.sketch() {
+            cand.div_ceil(32).next_power_of_two()
+        } else {
+            1
+        };
+        let lists_smem = (SCORE_NB as usize * 32 * 2 + st * list_r as usize) * 8;
         // attend_tile: dynamic = tile (+ reduction buffer unless it fits in the dead K half).
         // Value-phase slices left after the in-warp shuffle reduction (attend.cu RSL).
         let slices = att_threads / cpr;
@@ -258,13 +271,10 @@ impl CudaConfig {
                 q_smem + lists_smem + plan_smem
             )));
         }
-        // Top-k by merging per-thread-block candidate lists of 32 (select.cu) where the lists
-        // can hold it; the radix select over every score otherwise. Lists: at most one per 32
-        // blocks (a launch scoring one block per octet).
-        let topk_merge = p.top_k <= 32;
+        // Lists: at most one per 32 records (a launch scoring one record per octet).
         let records = self.max_blocks as usize * self.summary_records() as usize;
         let score_scratch = if topk_merge {
-            records.div_ceil(32) * 32 * 8
+            records.div_ceil(32) * 32 * list_r as usize * 8
         } else {
             records * 4
         };
@@ -280,6 +290,7 @@ impl CudaConfig {
             att_mma,
             fused: topk_merge && att_threads as u32 == SCORE_THREADS,
             candidates: cand,
+            list_r,
         })
     }
 
@@ -356,6 +367,7 @@ impl CudaConfig {
             ("SCORE_NB", SCORE_NB),
             ("SKETCH", u32::from(self.sketch())),
             ("CAND", derived.candidates),
+            ("LIST_R", derived.list_r),
             ("QUARTERS", self.summary_records()),
             ("PD", padded_dims(g.head_dim as usize) as u32),
         ]
@@ -368,8 +380,8 @@ impl CudaConfig {
 /// Kernel constants derived from a validated config.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Derived {
-    /// Whether select_score merges its per-thread-block candidate lists (top_k <= 32) instead
-    /// of select_topk running a radix select over every score.
+    /// Whether select_score merges its per-thread-block candidate lists (the sketch selector,
+    /// or top_k <= 32) instead of select_topk running a radix select over every score.
     pub topk_merge: bool,
     /// Bytes of selector scratch per (batch item, kv head): the candidate lists or the scores.
     pub score_scratch: usize,
@@ -394,6 +406,9 @@ pub struct Derived {
     /// Blocks the selector's first stage keeps: the sketch selector's candidates
     /// (`max(candidates, top_k)`), else top_k.
     pub candidates: u32,
+    /// Keys per lane of a candidate list (1, 2 or 4): a list holds `32 * list_r` keys, at
+    /// least `candidates` with the sketch selector.
+    pub list_r: u32,
 }
 
 #[cfg(test)]

@@ -283,7 +283,7 @@ kernel_params! {
         slot_of: u64 as "u32* __restrict__",
         miss_src: u64 as "u64* __restrict__",
         stats: u64 as "unsigned long long* __restrict__",
-        // The sketch selector's candidates [batch][KV_HEADS][32] (unused without it).
+        // The sketch selector's candidates [batch][KV_HEADS][32 * LIST_R] (unused without it).
         cands: u64 as "u32*",
     }
 
