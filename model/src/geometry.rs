@@ -221,7 +221,7 @@ impl Selector {
 }
 
 /// Candidates per kv head of the default sketch selector (see [`Selector::Sketch`]).
-pub const DEFAULT_CANDIDATES: u32 = 32;
+pub const DEFAULT_CANDIDATES: u32 = 64;
 
 impl Default for Selector {
     fn default() -> Self {

@@ -24,13 +24,19 @@ fn f32_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
     values.into_iter().flat_map(f32::to_le_bytes).collect()
 }
 
+/// The sketch selector with 32 candidates, spelled out: the golden bytes fix the wire format,
+/// not the default policy of new sessions.
+fn golden_policy() -> Policy {
+    Policy::sketch(1, 4, 32, 32)
+}
+
 fn info(session: u64, label: &str, pinned: bool) -> SessionInfo {
     SessionInfo {
         session,
         owner_uid: 1000,
         label: label.into(),
         geometry: tiny_geometry(),
-        policy: Policy::default(),
+        policy: golden_policy(),
         tokens_min: 2,
         tokens_max: 3,
         blocks: 2,
@@ -79,7 +85,7 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         2,
         Request::CreateSession(CreateSessionRequest {
             geometry: tiny_geometry(),
-            policy: Policy::default(),
+            policy: golden_policy(),
             label: "golden".into(),
         }),
         "CREATE_SESSION request, id 2: layers 2, q_heads 4, kv_heads 2, head_dim 4, bf16, \

@@ -158,7 +158,7 @@ class Selector(IntEnum):
 
 
 #: Candidates per kv head of the daemon's default sketch selector.
-DEFAULT_CANDIDATES = 32
+DEFAULT_CANDIDATES = 64
 
 
 @dataclass(frozen=True)

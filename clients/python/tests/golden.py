@@ -39,9 +39,14 @@ def decode_entries():
     ]
 
 
+#: The sketch selector with 32 candidates, spelled out: the golden frames fix the wire format,
+#: not the default policy of new sessions.
+POLICY = p.Policy(1, 4, 32, p.Selector.SKETCH, 32)
+
+
 def session_info(session: int, label: str, pinned: bool) -> p.SessionInfo:
     return p.SessionInfo(
-        session=session, owner_uid=1000, label=label, geometry=GEOMETRY, policy=p.Policy(),
+        session=session, owner_uid=1000, label=label, geometry=GEOMETRY, policy=POLICY,
         tokens_min=2, tokens_max=3, blocks=2, host_bytes=4096, nvme_bytes=0, pinned=pinned,
         created_unix_ms=1_763_800_000_000, last_access_unix_ms=1_763_800_000_500,
     )

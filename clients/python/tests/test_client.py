@@ -13,7 +13,7 @@ import pytest
 from kvtier import Client, ErrorCode, ProtocolError, ServerError
 from kvtier import protocol as p
 
-from golden import GEOMETRY, PAYLOAD, decode_entries, load, session_info, split
+from golden import GEOMETRY, PAYLOAD, POLICY, decode_entries, load, session_info, split
 from golden import read_frame_fds as read_frame
 
 
@@ -83,7 +83,7 @@ def test_golden_conversation():
     peer.start()
     c = Client(sock=peer.client_sock, client_name="kvtier-golden", timeout=5)
     assert c.server == p.HelloReply(p.PROTOCOL_VERSION, 16 << 20, "tierd", "0.1.0")
-    assert c.create_session(GEOMETRY, label="golden") == 7
+    assert c.create_session(GEOMETRY, POLICY, label="golden") == 7
     assert c.append_kv(7, 0, 1, PAYLOAD) == 1
     assert c.append_kv_shm(7, 1, 1, PAYLOAD) == 2
     outs = c.decode_batch(1, decode_entries(), want_stats=True)

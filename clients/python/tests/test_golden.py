@@ -5,12 +5,12 @@ import pytest
 
 from kvtier import protocol as p
 
-from golden import GEOMETRY, PAYLOAD, decode_entries, load, session_info, split
+from golden import GEOMETRY, PAYLOAD, POLICY, decode_entries, load, session_info, split
 
 REQUESTS = {
     "hello_request": lambda: p.frame(p.Op.HELLO, 0, 1, p.encode_hello("kvtier-golden", 2, 2)),
     "create_session_request": lambda: p.frame(
-        p.Op.CREATE_SESSION, 0, 2, p.encode_create_session(GEOMETRY, p.Policy(), "golden")),
+        p.Op.CREATE_SESSION, 0, 2, p.encode_create_session(GEOMETRY, POLICY, "golden")),
     "append_kv_inline_request": lambda: p.frame(
         p.Op.APPEND_KV, 0, 3, p.encode_append_inline(7, 0, 1, PAYLOAD.tobytes())),
     "append_kv_shm_request": lambda: p.frame(
