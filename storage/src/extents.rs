@@ -83,6 +83,11 @@ impl Extents {
         self.by_start.len() as u64
     }
 
+    /// The free ranges `(start, len)` in address order.
+    pub fn free_list(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.by_start.iter().map(|(&s, &l)| (s, l))
+    }
+
     /// How many extents of `len` units would fit now, without allocating (at most `cap`).
     pub fn fits(&self, len: u64, cap: u64) -> u64 {
         if len == 0 {

@@ -6,17 +6,22 @@
 //! referencing are freed one commit later (the previous manifest is the fallback if the newest
 //! file is damaged, and its pages must still be there). Reads verify every page against the
 //! identity and checksum the manifest recorded.
+//!
+//! When the free space is enough for a write but in pieces too small for its pages, pages are
+//! moved out of the way (compaction, [`NvmeTier::put_session`]): copied to free extents,
+//! a commit that references the copies, and a second commit after which the originals are
+//! free. Reads hold the relocation lock shared, so no page moves under one.
 
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use super::manifest::{Manifest, ManifestStore, PageRecord, SessionRecord};
 use super::plan;
-use super::store::{cut_by_bytes, PageAddr, PageData, PageRead, PageStore, PageWrite};
+use super::store::{cut_by_bytes, Evacuation, PageAddr, PageData, PageRead, PageStore, PageWrite};
 use super::{NvmeError, PageId};
 
 /// One (layer, block) run to store.
@@ -66,6 +71,10 @@ struct State {
 pub struct NvmeTier {
     store: Arc<PageStore>,
     state: Mutex<State>,
+    /// Held shared by every read from its plan to its last page, exclusively while pages
+    /// move (compaction): a read never plans a page that moves and is overwritten under it.
+    /// Taken before `state`, never while holding it.
+    relocation: RwLock<()>,
 }
 
 impl std::fmt::Debug for NvmeTier {
@@ -112,6 +121,7 @@ impl NvmeTier {
                     manifest,
                     deferred,
                 }),
+                relocation: RwLock::new(()),
             },
             report,
         ))
@@ -148,7 +158,10 @@ impl NvmeTier {
 
     /// Stores runs of a session durably and updates its metadata (`meta.pages` is ignored:
     /// runs not given keep their current pages). Returns the committed epoch; when it returns
-    /// `Ok`, the data survives a crash. On error nothing changes (new pages are freed).
+    /// `Ok`, the data survives a crash. On error nothing changes (new pages are freed; pages
+    /// moved to make room stay moved, every copy verified and committed). Where the free
+    /// bytes would hold the runs' pages but no free extent is long enough, other pages are
+    /// moved out of the way first (see the module docs).
     pub fn put_session(
         &self,
         meta: &SessionRecord,
@@ -178,8 +191,17 @@ impl NvmeTier {
             }
         }
         let mut st = self.state.lock();
+        let addrs = match self.alloc_runs(meta.id, runs) {
+            Err(NvmeError::Full { .. }) if self.fits_in_free_bytes(runs) => {
+                // Reads finish before pages move: the relocation lock, then the state again.
+                drop(st);
+                let _moving = self.relocation.write();
+                st = self.state.lock();
+                self.alloc_compacting(&mut st, meta.id, runs)?
+            }
+            r => r?,
+        };
         let generation = st.manifests.next_epoch();
-        let addrs = self.alloc_runs(meta.id, runs)?;
         let ids: Vec<PageId> = runs
             .iter()
             .map(|r| PageId {
@@ -286,6 +308,131 @@ impl NvmeTier {
             .into_iter()
             .map(|a| a.expect("every run's length was allocated"))
             .collect())
+    }
+
+    /// Whether the free bytes hold a page for every run (a failed allocation then means the
+    /// free space is in pieces, and compaction can place them).
+    fn fits_in_free_bytes(&self, runs: &[BlockRun<'_>]) -> bool {
+        let need: u64 = runs
+            .iter()
+            .map(|r| self.store.page_bytes(r.bytes.len()))
+            .sum();
+        need <= self.store.free_bytes()
+    }
+
+    /// [`NvmeTier::alloc_runs`], emptying a window for the longest page before each retry
+    /// while the free space is in pieces ([`NvmeTier::evacuate`]); under the relocation lock.
+    fn alloc_compacting(
+        &self,
+        st: &mut State,
+        session: u64,
+        runs: &[BlockRun<'_>],
+    ) -> Result<Vec<PageAddr>, NvmeError> {
+        let units = runs
+            .iter()
+            .map(|r| self.store.page_units(r.bytes.len()))
+            .max()
+            .unwrap_or(0);
+        // Each evacuation makes room for at least one more page.
+        for _ in 0..=runs.len() {
+            match self.alloc_runs(session, runs) {
+                Err(NvmeError::Full { .. }) => {}
+                r => return r,
+            }
+            if !self.evacuate(st, units)? {
+                break;
+            }
+        }
+        self.alloc_runs(session, runs)
+    }
+
+    /// Moves the pages out of one window of `units` units ([`PageStore::plan_evacuation`]):
+    /// each is read and verified, written to its new extent with the same identity, the
+    /// devices synced, a manifest committed that references the copies, then a second commit
+    /// after which the originals (the first commit's retired pages) are free. False when no
+    /// window can be emptied. On error the copies are freed and every page stays where the
+    /// manifest says it is.
+    fn evacuate(&self, st: &mut State, units: u32) -> Result<bool, NvmeError> {
+        let unit = self.store.unit() as u64;
+        let freed_soon: std::collections::HashSet<PageAddr> = st.deferred.iter().copied().collect();
+        let Some(Evacuation { moves }) = self.store.plan_evacuation(units, &freed_soon) else {
+            return Ok(false);
+        };
+        let copies: Vec<PageAddr> = moves.iter().map(|m| m.1).collect();
+        let undo = |e: NvmeError| {
+            if let Err(fe) = self.store.free(&copies) {
+                tracing::error!(error = %fe, "freeing the copies of a failed compaction");
+            }
+            e
+        };
+        // Where each moving page is in the manifest.
+        let mut at: HashMap<PageAddr, (usize, usize)> = HashMap::new();
+        for (i, s) in st.manifest.sessions.iter().enumerate() {
+            for (j, p) in s.pages.iter().enumerate() {
+                at.insert(p.addr(unit), (i, j));
+            }
+        }
+        let mut reads = Vec::with_capacity(moves.len());
+        for (from, _) in &moves {
+            let Some(&(i, j)) = at.get(from) else {
+                return Err(undo(NvmeError::invalid(format!(
+                    "compaction: {from:?} is allocated but no session references it"
+                ))));
+            };
+            let (s, p) = (&st.manifest.sessions[i], &st.manifest.sessions[i].pages[j]);
+            reads.push(PageRead {
+                addr: *from,
+                id: PageId {
+                    session: s.id,
+                    layer: p.layer,
+                    block: p.block,
+                    generation: p.generation,
+                },
+                expected_crc: Some(p.crc),
+            });
+        }
+        let data = self
+            .store
+            .read_pages(&reads)
+            .map_err(undo)?
+            .into_iter()
+            .collect::<Result<Vec<PageData>, NvmeError>>()
+            .map_err(undo)?;
+        let writes: Vec<PageWrite> = reads
+            .iter()
+            .zip(&data)
+            .zip(&copies)
+            .map(|((r, d), &addr)| PageWrite {
+                addr,
+                id: r.id,
+                payload: d.payload(),
+            })
+            .collect();
+        self.store
+            .write_pages(&writes)
+            .and_then(|_| self.store.sync())
+            .map_err(undo)?;
+        let mut next = st.manifest.clone();
+        for (from, to) in &moves {
+            let (i, j) = at[from];
+            let p = &mut next.sessions[i].pages[j];
+            p.device = to.device;
+            p.page = to.page;
+        }
+        st.manifests.commit(&mut next).map_err(undo)?;
+        let moved: Vec<PageAddr> = moves.iter().map(|m| m.0).collect();
+        self.after_commit(st, next, moved);
+        // The originals are the fallback manifest's until one more commit.
+        let mut again = st.manifest.clone();
+        st.manifests.commit(&mut again)?;
+        self.after_commit(st, again, Vec::new());
+        let bytes: u64 = copies.iter().map(|&a| self.store.addr_bytes(a)).sum();
+        tracing::info!(
+            pages = moves.len(),
+            bytes,
+            "NVMe compaction moved pages to place a write"
+        );
+        Ok(true)
     }
 
     /// NVMe page bytes each owner's sessions reference now.
@@ -431,6 +578,7 @@ impl NvmeTier {
         wanted: &[(u32, u32)],
     ) -> Result<Vec<Result<PageData, NvmeError>>, NvmeError> {
         let unit = self.store.unit() as u64;
+        let _placed = self.relocation.read();
         let plan: Vec<Option<PageRead>> = self.per_run(session, wanted, |p| {
             p.map(|p| PageRead {
                 addr: p.addr(unit),

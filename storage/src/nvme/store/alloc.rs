@@ -1,7 +1,7 @@
 //! Page allocation: an extent per page from each device's [`Extents`], and new pages striped
 //! over the devices by their stripe weights (smooth weighted round robin per session).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use super::{NvmeError, PageAddr, PageStore};
 use crate::extents::Extents;
@@ -54,6 +54,112 @@ impl Space {
         Some(start)
     }
 
+    /// The window of `units` units to empty for a page when no free range holds one: of the
+    /// windows that start or end where a page or a free range does, the one whose pages
+    /// (each moved whole, also one that only overlaps it; `stays_free(start)` pages are
+    /// about to be freed and need no move) hold the fewest units. A window holding a page
+    /// of `units` or more is no use (that page would need such a window itself). Its cost in
+    /// units, its start and the pages to move; None if there is no such window.
+    fn window(&self, units: u64, stays_free: impl Fn(u64) -> bool) -> Option<Window> {
+        let total = self.free.total();
+        if units > total {
+            return None;
+        }
+        // Non-overlapping, so sorted by start they are sorted by end too.
+        let mut pages: Vec<(u64, u32)> = self.pages.iter().map(|(&s, &u)| (s, u)).collect();
+        pages.sort_unstable();
+        let mut prefix = Vec::with_capacity(pages.len() + 1);
+        let mut too_big = Vec::with_capacity(pages.len() + 1);
+        prefix.push(0u64);
+        too_big.push(0u32);
+        for &(s, u) in &pages {
+            let moved = !stays_free(s);
+            prefix.push(prefix[prefix.len() - 1] + if moved { u64::from(u) } else { 0 });
+            too_big.push(too_big[too_big.len() - 1] + u32::from(moved && u64::from(u) >= units));
+        }
+        let mut starts: Vec<u64> =
+            Vec::with_capacity(2 * pages.len() + 2 * self.free.free_ranges() as usize);
+        let mut edge = |at: u64, end: u64| {
+            starts.push(at);
+            starts.push(end.saturating_sub(units));
+        };
+        for &(s, u) in &pages {
+            edge(s, s + u64::from(u));
+        }
+        for (s, l) in self.free.free_list() {
+            edge(s, s + l);
+        }
+        starts.sort_unstable();
+        starts.dedup();
+        let (mut lo, mut hi) = (0, 0);
+        let mut best: Option<(u64, u64, usize, usize)> = None;
+        for s in starts {
+            if s + units > total {
+                break;
+            }
+            // The pages overlapping [s, s + units): from the first that ends after s to the
+            // last that starts before its end.
+            while lo < pages.len() && pages[lo].0 + u64::from(pages[lo].1) <= s {
+                lo += 1;
+            }
+            hi = hi.max(lo);
+            while hi < pages.len() && pages[hi].0 < s + units {
+                hi += 1;
+            }
+            if too_big[hi] != too_big[lo] {
+                continue;
+            }
+            let cost = prefix[hi] - prefix[lo];
+            if best.is_none_or(|b| cost < b.0) {
+                best = Some((cost, s, lo, hi));
+            }
+        }
+        let (cost, start, lo, hi) = best?;
+        Some(Window {
+            cost,
+            start,
+            moves: pages[lo..hi]
+                .iter()
+                .copied()
+                .filter(|&(s, _)| !stays_free(s))
+                .collect(),
+        })
+    }
+
+    /// Allocates new places for `w`'s pages outside its window (each free range inside the
+    /// window is held while they are placed). All or nothing: None leaves the space as it was.
+    fn place_outside(&mut self, units: u64, w: &Window) -> Option<Vec<u64>> {
+        let end = w.start + units;
+        let held: Vec<(u64, u64)> = self
+            .free
+            .free_list()
+            .filter(|&(s, l)| s < end && s + l > w.start)
+            .map(|(s, l)| (s.max(w.start), (s + l).min(end) - s.max(w.start)))
+            .collect();
+        for &(s, l) in &held {
+            let marked = self.free.mark(s, l);
+            debug_assert!(marked, "a free range inside the window");
+        }
+        let mut placed = Vec::with_capacity(w.moves.len());
+        for &(_, u) in &w.moves {
+            match self.alloc(u) {
+                Some(at) => placed.push(at),
+                None => break,
+            }
+        }
+        let all = placed.len() == w.moves.len();
+        if !all {
+            for (&at, &(_, u)) in placed.iter().zip(&w.moves) {
+                self.release(at, u);
+            }
+        }
+        for &(s, l) in &held {
+            let released = self.free.release(s, l);
+            debug_assert!(released, "the window's held range");
+        }
+        all.then_some(placed)
+    }
+
     /// Whether `[start, start + units)` is exactly one allocated page.
     pub(super) fn is_page(&self, start: u64, units: u32) -> bool {
         self.pages.get(&start) == Some(&units)
@@ -80,7 +186,77 @@ impl Space {
     }
 }
 
+/// A window of one device to empty: what moving its pages costs, where it starts, and the
+/// pages `(start, units)` to move.
+struct Window {
+    cost: u64,
+    start: u64,
+    moves: Vec<(u64, u32)>,
+}
+
+/// Pages to move so that a page of a given size fits where the free space is in pieces:
+/// each `(from, to)`, `to` allocated already. The mover writes them, commits a manifest that
+/// references `to`, and frees `from` once no manifest references it; or, giving up, frees
+/// every `to`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Evacuation {
+    pub moves: Vec<(PageAddr, PageAddr)>,
+}
+
 impl PageStore {
+    /// Plans room for a page of `units` units when no device has a free range that long but
+    /// the free units are there in pieces (compaction): on the device where it costs least,
+    /// the window of `units` units whose pages hold the fewest units, each moved to a free
+    /// range outside the window. Pages in `freed_soon` (retired by the last commit, freed at
+    /// the next) are not moved. None when no device has a window whose pages fit elsewhere.
+    pub fn plan_evacuation(
+        &self,
+        units: u32,
+        freed_soon: &HashSet<PageAddr>,
+    ) -> Option<Evacuation> {
+        let units = u64::from(units);
+        let mut windows: Vec<(u64, usize)> = Vec::new();
+        let soon = |d: usize| -> HashSet<u64> {
+            freed_soon
+                .iter()
+                .filter(|a| usize::from(a.device) == d)
+                .map(|a| a.page)
+                .collect()
+        };
+        for (d, dev) in self.devices.iter().enumerate() {
+            let soon = soon(d);
+            let space = dev.alloc.lock();
+            if let Some(w) = space.window(units, |s| soon.contains(&s)) {
+                windows.push((w.cost, d));
+            }
+        }
+        windows.sort_unstable();
+        for (_, d) in windows {
+            let soon = soon(d);
+            let mut space = self.devices[d].alloc.lock();
+            // Planned again under this lock: the space may have changed since.
+            let Some(w) = space.window(units, |s| soon.contains(&s)) else {
+                continue;
+            };
+            if let Some(to) = space.place_outside(units, &w) {
+                let addr = |page: u64, units: u32| PageAddr {
+                    device: d as u16,
+                    page,
+                    units,
+                };
+                return Some(Evacuation {
+                    moves: w
+                        .moves
+                        .iter()
+                        .zip(to)
+                        .map(|(&(from, u), to)| (addr(from, u), addr(to, u)))
+                        .collect(),
+                });
+            }
+        }
+        None
+    }
+
     /// Bytes not allocated, over all devices (possibly in pieces too small for a page).
     pub fn free_bytes(&self) -> u64 {
         self.devices

@@ -58,6 +58,7 @@ mod read;
 mod tests;
 mod write;
 
+pub use alloc::Evacuation;
 pub use lanes::{DeviceUsage, StoreUsage};
 pub use read::{PageData, PageResults};
 
