@@ -89,6 +89,7 @@ pub mod names {
     pub const GPU_CACHE_LOOKUPS: &str = "kvtier_gpu_cache_lookups_total";
     pub const NVME_IO_ERRORS: &str = "kvtier_nvme_io_errors_total";
     pub const NVME_CHECKSUM_ERRORS: &str = "kvtier_nvme_checksum_errors_total";
+    pub const NVME_PAGES_MOVED: &str = "kvtier_nvme_pages_moved_total";
 }
 
 /// Why a request was refused before it ran (label `reason` of
@@ -183,6 +184,8 @@ pub struct NvmeMetrics {
     pub checksum_errors: Counter,
     /// Failed page reads, writes and fdatasyncs (STATS `nvme_io_errors_total`).
     pub io_errors: Counter,
+    /// Pages compaction moved to place writes (STATS `nvme_pages_moved_total`).
+    pub pages_moved: Counter,
 }
 
 /// GPU block cache counters (hit rate = hits / lookups), registered by the CUDA backend.
@@ -284,6 +287,7 @@ impl Metrics {
         NvmeMetrics {
             checksum_errors: r.counter(names::NVME_CHECKSUM_ERRORS, &[]),
             io_errors: r.counter(names::NVME_IO_ERRORS, &[]),
+            pages_moved: r.counter(names::NVME_PAGES_MOVED, &[]),
         }
     }
 
@@ -492,6 +496,11 @@ impl Registrar<'_> {
             None,
             "NVMe pages that failed verification (checksum, header or identity mismatch); never returned as data",
         );
+        c(
+            NVME_PAGES_MOVED,
+            None,
+            "NVMe pages compaction moved so that a write fitting in the free bytes but in no free extent was placed",
+        );
     }
 }
 
@@ -519,6 +528,7 @@ mod tests {
             GPU_CACHE_LOOKUPS,
             NVME_IO_ERRORS,
             NVME_CHECKSUM_ERRORS,
+            NVME_PAGES_MOVED,
         ];
         let others = [
             READY,

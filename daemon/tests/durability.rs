@@ -102,6 +102,74 @@ fn a_shutdown_that_loses_sessions_exits_nonzero() {
     );
 }
 
+/// Free NVMe space in pieces shorter than a page refused a DEMOTE that fit in the free bytes,
+/// and the clean shutdown then lost a never-written session (exit 1, NOT_FOUND after the
+/// restart). Now pages move to make room: the DEMOTE succeeds, the shutdown writes every
+/// session, and all of them come back whole.
+#[test]
+fn a_fragmented_nvme_tier_places_writes_that_fit_in_its_free_bytes() {
+    // 128 units of 4 KiB. A small session of 16 tokens is 2 pages of 2 units; a large one
+    // (f32, 64-token blocks) 2 pages of 9 units.
+    let settings = [
+        "nvme.capacity=\"512KiB\"",
+        "host.max_run_bytes=\"64KiB\"",
+        "nvme.write_through=false",
+    ];
+    let d = Daemon::with(&settings);
+    let mut c = d.client();
+    let mut small: Vec<(u64, Shadow)> = (0..30).map(|i| open(&mut c, "", 16, 300 + i)).collect();
+    for (id, _) in &small {
+        c.demote(*id).unwrap();
+    }
+    // Every other one goes: holes of 4 units between the others' pages.
+    let gone: Vec<(u64, Shadow)> = small.iter().step_by(2).cloned().collect();
+    small.retain(|(id, _)| !gone.iter().any(|g| g.0 == *id));
+    for (id, _) in &gone {
+        c.close(*id).unwrap();
+    }
+    let large = Geometry::new(2, 4, 2, 32, kvtier_protocol::DType::F32, 64);
+    let mut big: Vec<(u64, Shadow)> = (0..2)
+        .map(|i| {
+            let id = c.create_session(large, policy(), "large").unwrap();
+            let mut sh = Shadow::new(large, 400 + i);
+            c.append_kv(id, 0, 64, &sh.payload(64)).unwrap();
+            (id, sh)
+        })
+        .collect();
+    let st = c.stats().unwrap();
+    let largest = st.get("nvme_largest_free_bytes").unwrap();
+    let free = st.get("nvme_bytes_capacity").unwrap() - st.get("nvme_bytes_used").unwrap();
+    let page = 9 * 4096;
+    assert!(
+        largest < page && free >= 4 * page,
+        "largest {largest}, free {free}"
+    );
+    c.demote(big[0].0)
+        .expect("a DEMOTE that fits in the free bytes is placed");
+    assert!(c.stats().unwrap().get("nvme_pages_moved_total").unwrap() > 0);
+    drop(c);
+    // The other large session was never written: the shutdown writes it (exit 0) ...
+    let dir = d.stop(false);
+    let d = Daemon::start_in(
+        dir,
+        &settings
+            .iter()
+            .flat_map(|s| ["--set", s])
+            .collect::<Vec<_>>(),
+    );
+    let mut c = d.client();
+    // ... and everything comes back whole.
+    for (id, sh) in small.iter_mut().chain(big.iter_mut()) {
+        intact(&mut c, *id, sh);
+    }
+    for (id, _) in &gone {
+        assert_eq!(
+            c.session_info(*id).unwrap_err().code(),
+            Some(ErrorCode::NotFound)
+        );
+    }
+}
+
 /// Write-through appends survive the newest manifest file being damaged (each epoch has two
 /// files), and a flipped bit in a manifest's version field is corruption (fall back), not a
 /// newer format that refuses startup.

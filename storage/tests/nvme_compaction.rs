@@ -294,11 +294,14 @@ fn kill9_during_fragmenting_churn_and_compaction() {
     let dir = scratch_dir(env!("CARGO_TARGET_TMPDIR"), "compaction-kill9");
     let _cleanup = Cleanup(dir.clone());
     let exe = std::env::current_exe().unwrap();
-    let cycles = 40u64;
+    // KVTIER_CHURN_CYCLES runs a longer campaign (a benchmark, not CI).
+    let cycles: u64 = std::env::var("KVTIER_CHURN_CYCLES")
+        .map_or(40, |v| v.parse().expect("KVTIER_CHURN_CYCLES is a count"));
     let started = Instant::now();
     // What the acknowledged operations left: (session, block) -> payload length.
     let mut acked: HashMap<(u64, u32), u64> = HashMap::new();
-    let (mut acks, mut compactions) = (0u64, 0u64);
+    // Operations acknowledged; writes that needed compaction, tried and acknowledged.
+    let (mut acks, mut tried, mut compactions) = (0u64, 0u64, 0u64);
     for cycle in 0..cycles {
         let child = Command::new(&exe)
             .args(["churn_child", "--exact", "--nocapture", "--test-threads=1"])
@@ -333,6 +336,7 @@ fn kill9_during_fragmenting_churn_and_compaction() {
         let mut in_flight = None;
         for l in rx.try_iter() {
             if let Some(op) = l.strip_prefix("TRY ") {
+                tried += u64::from(op.starts_with("PUT") && op.ends_with(" 1"));
                 in_flight = Some(op.to_string());
             } else if let Some(op) = l.strip_prefix("ACK ") {
                 in_flight = None;
@@ -380,15 +384,16 @@ fn kill9_during_fragmenting_churn_and_compaction() {
             .collect();
     }
     eprintln!(
-        "{cycles} kill -9 cycles, {acks} acknowledged operations, {compactions} acknowledged writes that needed compaction, {:?}",
+        "{cycles} kill -9 cycles, {acks} acknowledged operations, {tried} writes that needed compaction tried and {compactions} acknowledged, {:?}",
         started.elapsed()
     );
     assert!(
         acks >= cycles * 5,
         "too little progress between kills: {acks}"
     );
+    // Timing decides how many the kills interrupt; the first test covers the success path.
     assert!(
-        compactions > 0,
+        tried > 0,
         "no write needed compaction: the churn does not fragment"
     );
 }

@@ -92,6 +92,7 @@ impl Engine {
         m.written.absolute(su.bytes_written);
         m.counters.checksum_errors.absolute(su.corrupt_pages);
         m.counters.io_errors.absolute(su.io_errors);
+        m.counters.pages_moved.absolute(tier.pages_moved());
     }
 
     /// The Prometheus exposition, every scrape-time value refreshed first (empty when metrics
@@ -183,6 +184,7 @@ impl Engine {
                 ("nvme_written_bytes_total", su.bytes_written),
                 ("nvme_checksum_errors_total", su.corrupt_pages),
                 ("nvme_io_errors_total", su.io_errors),
+                ("nvme_pages_moved_total", tier.pages_moved()),
                 ("demotions_total", get(&c.demotions)),
                 ("blocks_demoted_total", get(&c.blocks_demoted)),
                 ("blocks_promoted_total", get(&c.blocks_promoted)),

@@ -75,6 +75,8 @@ pub struct NvmeTier {
     /// move (compaction): a read never plans a page that moves and is overwritten under it.
     /// Taken before `state`, never while holding it.
     relocation: RwLock<()>,
+    /// Pages moved by compaction since open.
+    moved: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for NvmeTier {
@@ -122,6 +124,7 @@ impl NvmeTier {
                     deferred,
                 }),
                 relocation: RwLock::new(()),
+                moved: std::sync::atomic::AtomicU64::new(0),
             },
             report,
         ))
@@ -129,6 +132,11 @@ impl NvmeTier {
 
     pub fn store(&self) -> &Arc<PageStore> {
         &self.store
+    }
+
+    /// Pages compaction moved to place writes since the tier was opened.
+    pub fn pages_moved(&self) -> u64 {
+        self.moved.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The current manifest's epoch.
@@ -320,42 +328,57 @@ impl NvmeTier {
         need <= self.store.free_bytes()
     }
 
-    /// [`NvmeTier::alloc_runs`], emptying a window for the longest page before each retry
-    /// while the free space is in pieces ([`NvmeTier::evacuate`]); under the relocation lock.
+    /// [`NvmeTier::alloc_runs`] page by page, emptying a window ([`NvmeTier::evacuate`]) for
+    /// each page no free extent holds; under the relocation lock. All or nothing: on error
+    /// the pages allocated so far are freed (pages moved stay moved, committed).
     fn alloc_compacting(
         &self,
         st: &mut State,
         session: u64,
         runs: &[BlockRun<'_>],
     ) -> Result<Vec<PageAddr>, NvmeError> {
-        let units = runs
-            .iter()
-            .map(|r| self.store.page_units(r.bytes.len()))
-            .max()
-            .unwrap_or(0);
-        // Each evacuation makes room for at least one more page.
-        for _ in 0..=runs.len() {
-            match self.alloc_runs(session, runs) {
-                Err(NvmeError::Full { .. }) => {}
-                r => return r,
+        let mut got: Vec<PageAddr> = Vec::with_capacity(runs.len());
+        let undo = |got: &[PageAddr], e: NvmeError| {
+            if let Err(fe) = self.store.free(got) {
+                tracing::error!(error = %fe, "freeing pages of a failed allocation");
             }
-            if !self.evacuate(st, units)? {
-                break;
-            }
+            e
+        };
+        for r in runs {
+            let units = self.store.page_units(r.bytes.len());
+            // An evacuation empties a window of the page's length; a few more tries cover a
+            // commit that failed after the pages moved.
+            let mut tries = 0;
+            let addr = loop {
+                match self.store.alloc(session, 1, r.bytes.len()) {
+                    Ok(a) => break a[0],
+                    Err(e @ NvmeError::Full { .. }) => {
+                        tries += 1;
+                        let moved = self.evacuate(st, units, &got).map_err(|x| undo(&got, x))?;
+                        if !moved || tries > 4 {
+                            return Err(undo(&got, e));
+                        }
+                    }
+                    Err(e) => return Err(undo(&got, e)),
+                }
+            };
+            got.push(addr);
         }
-        self.alloc_runs(session, runs)
+        Ok(got)
     }
 
     /// Moves the pages out of one window of `units` units ([`PageStore::plan_evacuation`]):
     /// each is read and verified, written to its new extent with the same identity, the
     /// devices synced, a manifest committed that references the copies, then a second commit
-    /// after which the originals (the first commit's retired pages) are free. False when no
+    /// after which the originals (the first commit's retired pages) are free. `fixed` pages
+    /// (allocated for the write in progress, in no manifest yet) never move. False when no
     /// window can be emptied. On error the copies are freed and every page stays where the
     /// manifest says it is.
-    fn evacuate(&self, st: &mut State, units: u32) -> Result<bool, NvmeError> {
+    fn evacuate(&self, st: &mut State, units: u32, fixed: &[PageAddr]) -> Result<bool, NvmeError> {
         let unit = self.store.unit() as u64;
         let freed_soon: std::collections::HashSet<PageAddr> = st.deferred.iter().copied().collect();
-        let Some(Evacuation { moves }) = self.store.plan_evacuation(units, &freed_soon) else {
+        let Some(Evacuation { moves }) = self.store.plan_evacuation(units, &freed_soon, fixed)
+        else {
             return Ok(false);
         };
         let copies: Vec<PageAddr> = moves.iter().map(|m| m.1).collect();
@@ -426,6 +449,8 @@ impl NvmeTier {
         let mut again = st.manifest.clone();
         st.manifests.commit(&mut again)?;
         self.after_commit(st, again, Vec::new());
+        self.moved
+            .fetch_add(moves.len() as u64, std::sync::atomic::Ordering::Relaxed);
         let bytes: u64 = copies.iter().map(|&a| self.store.addr_bytes(a)).sum();
         tracing::info!(
             pages = moves.len(),

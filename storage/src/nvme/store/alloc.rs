@@ -56,11 +56,13 @@ impl Space {
 
     /// The window of `units` units to empty for a page when no free range holds one: of the
     /// windows that start or end where a page or a free range does, the one whose pages
-    /// (each moved whole, also one that only overlaps it; `stays_free(start)` pages are
-    /// about to be freed and need no move) hold the fewest units. A window holding a page
-    /// of `units` or more is no use (that page would need such a window itself). Its cost in
-    /// units, its start and the pages to move; None if there is no such window.
-    fn window(&self, units: u64, stays_free: impl Fn(u64) -> bool) -> Option<Window> {
+    /// (each moved whole, also one that only overlaps it) hold the fewest units. Pages whose
+    /// start is in `soon` are about to be freed and need no move; a window holding a page
+    /// whose start is in `fixed`, or one of `units` or more (it would need such a window
+    /// itself), is no use. Its cost in units, its start and the pages to move; None if there
+    /// is no such window.
+    fn window(&self, units: u64, soon: &HashSet<u64>, fixed: &HashSet<u64>) -> Option<Window> {
+        let stays_free = |s: u64| soon.contains(&s);
         let total = self.free.total();
         if units > total {
             return None;
@@ -75,7 +77,8 @@ impl Space {
         for &(s, u) in &pages {
             let moved = !stays_free(s);
             prefix.push(prefix[prefix.len() - 1] + if moved { u64::from(u) } else { 0 });
-            too_big.push(too_big[too_big.len() - 1] + u32::from(moved && u64::from(u) >= units));
+            let unusable = fixed.contains(&s) || (moved && u64::from(u) >= units);
+            too_big.push(too_big[too_big.len() - 1] + u32::from(unusable));
         }
         let mut starts: Vec<u64> =
             Vec::with_capacity(2 * pages.len() + 2 * self.free.free_ranges() as usize);
@@ -208,34 +211,36 @@ impl PageStore {
     /// the free units are there in pieces (compaction): on the device where it costs least,
     /// the window of `units` units whose pages hold the fewest units, each moved to a free
     /// range outside the window. Pages in `freed_soon` (retired by the last commit, freed at
-    /// the next) are not moved. None when no device has a window whose pages fit elsewhere.
+    /// the next) are not moved; no window holds a page of `fixed` (allocated for a write in
+    /// progress). None when no device has a window whose pages fit elsewhere.
     pub fn plan_evacuation(
         &self,
         units: u32,
         freed_soon: &HashSet<PageAddr>,
+        fixed: &[PageAddr],
     ) -> Option<Evacuation> {
         let units = u64::from(units);
         let mut windows: Vec<(u64, usize)> = Vec::new();
-        let soon = |d: usize| -> HashSet<u64> {
-            freed_soon
-                .iter()
+        let on = |d: usize, addrs: &mut dyn Iterator<Item = &PageAddr>| -> HashSet<u64> {
+            addrs
                 .filter(|a| usize::from(a.device) == d)
                 .map(|a| a.page)
                 .collect()
         };
+        let sets = |d: usize| (on(d, &mut freed_soon.iter()), on(d, &mut fixed.iter()));
         for (d, dev) in self.devices.iter().enumerate() {
-            let soon = soon(d);
+            let (soon, fixed) = sets(d);
             let space = dev.alloc.lock();
-            if let Some(w) = space.window(units, |s| soon.contains(&s)) {
+            if let Some(w) = space.window(units, &soon, &fixed) {
                 windows.push((w.cost, d));
             }
         }
         windows.sort_unstable();
         for (_, d) in windows {
-            let soon = soon(d);
+            let (soon, fixed) = sets(d);
             let mut space = self.devices[d].alloc.lock();
             // Planned again under this lock: the space may have changed since.
-            let Some(w) = space.window(units, |s| soon.contains(&s)) else {
+            let Some(w) = space.window(units, &soon, &fixed) else {
                 continue;
             };
             if let Some(to) = space.place_outside(units, &w) {
