@@ -136,6 +136,16 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
     check_manifests(cfg, &devices)?;
     let mut configs = Vec::new();
     for (path, capacity) in &devices {
+        if !path.exists() {
+            // Said before the space is taken: on embedded defaults this is 4 GiB in the state
+            // directory, which surprises a first run.
+            tracing::info!(
+                file = %path.display(),
+                bytes = capacity,
+                gib = *capacity as f64 / (1u64 << 30) as f64,
+                "creating the NVMe tier's page file, preallocated (nvme.capacity sets its size, nvme.enabled=false turns the tier off)"
+            );
+        }
         // One device needs no weight; several are striped in proportion to measured bandwidth.
         let bandwidth = if devices.len() > 1 {
             // Probed over a written scratch file beside it: a fresh device file's unwritten

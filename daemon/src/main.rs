@@ -66,7 +66,9 @@ fn overrides(args: &Args) -> Result<Vec<(String, String)>, String> {
     Ok(v)
 }
 
-fn init_logging(cfg: &Config) {
+/// Installs the log subscriber; true when logs are plain text on a terminal (where a fatal
+/// error is printed as `tierd: ...` rather than logged as well).
+fn init_logging(cfg: &Config) -> bool {
     let level: tracing::Level = cfg.log.level.parse().unwrap_or(tracing::Level::INFO);
     let builder = tracing_subscriber::fmt()
         .with_max_level(level)
@@ -77,13 +79,13 @@ fn init_logging(cfg: &Config) {
         LogFormat::Auto => LogFormat::Text,
         f => f,
     };
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
     match format {
         LogFormat::Json => builder.json().flatten_event(true).init(),
         LogFormat::Journald => builder.with_ansi(false).event_format(JournaldFormat).init(),
-        LogFormat::Text | LogFormat::Auto => builder
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .init(),
+        LogFormat::Text | LogFormat::Auto => builder.with_ansi(terminal).init(),
     }
+    terminal && matches!(format, LogFormat::Text | LogFormat::Auto)
 }
 
 /// systemd sets `JOURNAL_STREAM=<dev>:<inode>` of the stream it connects stdout/stderr to;
@@ -147,12 +149,16 @@ fn main() -> ExitCode {
         print!("{}", toml::to_string(&cfg).expect("config serializes"));
         return ExitCode::SUCCESS;
     }
-    init_logging(&cfg);
+    let terminal = init_logging(&cfg);
     match serve(cfg) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e}");
-            eprintln!("tierd: {e}");
+            // Once: plainly on a terminal, else as a log event (the journal, JSON).
+            if terminal {
+                eprintln!("tierd: {e}");
+            } else {
+                tracing::error!("{e}");
+            }
             ExitCode::FAILURE
         }
     }
@@ -237,15 +243,22 @@ fn serve(cfg: Config) -> Result<(), String> {
     .map_err(|e| e.to_string())?;
     // Bound before the engine is built, so a second daemon on this socket fails before it
     // touches the NVMe tier; connections wait in the backlog until a warm restart is done.
+    // A start that fails from here on removes the socket it bound.
+    let bound = BoundSocket::new(&cfg.server.socket_path);
     let progress = lock_progress(notifier.clone());
     let arena = tierd::build_arena(&cfg, &progress).map_err(|e| match e {
         kvtier_storage::StorageError::Lock { .. } => format!(
             "host tier: {e}: raise LimitMEMLOCK (systemd) or ulimit -l, or set host.lock_memory = false"
         ),
+        kvtier_storage::StorageError::Map { .. } => format!(
+            "host tier: {e}: host.capacity is {}; lower it (--host-capacity, or host.capacity in the config file)",
+            cfg.host.capacity
+        ),
         e => format!("host tier: {e}"),
     })?;
     let gpu = gpu_decoder(&cfg, &arena)?;
     let engine = Arc::new(tierd::build_engine(&cfg, arena, gpu)?);
+    bound.keep();
     let usage = engine.arena().usage();
     tracing::info!(
         capacity = %tierd::config::ByteSize(usage.bytes_total as u64),
@@ -292,6 +305,43 @@ fn serve(cfg: Config) -> Result<(), String> {
     })?;
     tracing::info!("tierd stopped");
     Ok(())
+}
+
+/// The socket file a start bound, removed if the start fails before serving (a failed start
+/// must not leave a socket behind that clients would try). Only the file this process bound:
+/// matched by device and inode.
+struct BoundSocket {
+    path: std::path::PathBuf,
+    id: Option<(u64, u64)>,
+}
+
+impl BoundSocket {
+    fn new(path: &std::path::Path) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        let id = std::fs::symlink_metadata(path)
+            .ok()
+            .map(|m| (m.dev(), m.ino()));
+        BoundSocket {
+            path: path.to_path_buf(),
+            id,
+        }
+    }
+
+    /// The start succeeded: the server owns the socket from here.
+    fn keep(mut self) {
+        self.id = None;
+    }
+}
+
+impl Drop for BoundSocket {
+    fn drop(&mut self) {
+        use std::os::unix::fs::MetadataExt;
+        let Some(id) = self.id else { return };
+        let ours = std::fs::symlink_metadata(&self.path).is_ok_and(|m| (m.dev(), m.ino()) == id);
+        if ours {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
 }
 
 /// Resolves `backend.kind`: auto takes CUDA when a device is present (else the CPU, logged);

@@ -89,3 +89,40 @@ fn a_stale_socket_is_replaced_and_a_live_one_is_not() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a socket"));
     assert_eq!(std::fs::read(&file).unwrap(), b"data");
 }
+
+/// A start that fails after binding its socket (here: an NVMe directory it cannot create)
+/// removes the socket, so no client finds a dead one, and says why once.
+#[test]
+fn a_failed_start_removes_its_socket_and_says_why_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("s.sock");
+    let out = Command::new(env!("CARGO_BIN_EXE_tierd"))
+        .args([
+            "--socket",
+            sock.to_str().unwrap(),
+            "--host-capacity",
+            "64MiB",
+        ])
+        .args([
+            "--set",
+            "nvme.enabled=true",
+            "--set",
+            "nvme.dir=\"/proc/kvtier-nope\"",
+        ])
+        .args([
+            "--set",
+            "nvme.capacity=\"64MiB\"",
+            "--set",
+            "host.lock_memory=false",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let said = err
+        .lines()
+        .filter(|l| l.contains("/proc/kvtier-nope"))
+        .count();
+    assert_eq!(said, 1, "{err}");
+    assert!(!sock.exists(), "the failed start left its socket behind");
+}

@@ -1,6 +1,9 @@
 """Python client for kvtier's tierd daemon (protocol v2, see docs/protocol.md)."""
 
-from .client import ArenaLease, Client, sealed_memfd
+#: The project's version: tierd's, tierctl's and this package's (one version for all).
+__version__ = "0.1.0"
+
+from .client import ArenaLease, Client, TierdUnavailable, default_socket_path, sealed_memfd  # noqa: E402
 from .protocol import (
     DEFAULT_CANDIDATES,
     PROTOCOL_VERSION,
@@ -25,8 +28,11 @@ from .protocol import (
 )
 
 __all__ = [
+    "__version__",
     "ArenaLease",
     "Client",
+    "TierdUnavailable",
+    "default_socket_path",
     "sealed_memfd",
     "DEFAULT_CANDIDATES",
     "PROTOCOL_VERSION",

@@ -17,6 +17,7 @@ from .protocol import (
     DecodeOutput,
     Geometry,
     HelloReply,
+    KvtierError,
     Op,
     Policy,
     ProtocolError,
@@ -26,6 +27,23 @@ from .protocol import (
 
 #: Largest HELLO reply accepted before the server has announced its limit.
 HELLO_REPLY_MAX = 64 * 1024
+
+
+class TierdUnavailable(KvtierError, ConnectionError):
+    """tierd could not be reached on its socket (the message names the path and what to do)."""
+
+
+def default_socket_path() -> str:
+    """tierd's default socket, by the same rule as the daemon: $KVTIER_SOCKET, else
+    $XDG_RUNTIME_DIR/kvtier/tierd.sock, else /run/kvtier/tierd.sock for root, else
+    /tmp/kvtier-<uid>/tierd.sock."""
+    if os.environ.get("KVTIER_SOCKET"):
+        return os.environ["KVTIER_SOCKET"]
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return os.path.join(os.environ["XDG_RUNTIME_DIR"], "kvtier", "tierd.sock")
+    if os.geteuid() == 0:
+        return "/run/kvtier/tierd.sock"
+    return f"/tmp/kvtier-{os.geteuid()}/tierd.sock"
 
 
 def sealed_memfd(payload, name: str = "kvtier-append") -> int:
@@ -88,18 +106,26 @@ class ArenaLease:
 
 
 class Client:
-    """Connects, performs HELLO, then offers one method per request. Server errors raise
-    `ServerError` with `.code` (an `ErrorCode`) and `.message`."""
+    """Connects to `path` (default: `default_socket_path()`, the daemon's own rule), performs
+    HELLO, then offers one method per request. No daemon on the socket raises
+    `TierdUnavailable` naming the path; server errors raise `ServerError` with `.code` (an
+    `ErrorCode`) and `.message`."""
 
     def __init__(self, path: Optional[str] = None, client_name: str = "kvtier-python",
                  timeout: Optional[float] = None, sock: Optional[socket.socket] = None):
         if sock is None:
             if path is None:
-                raise ValueError("give a socket path or a connected socket")
+                path = default_socket_path()
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(timeout)
             try:
                 sock.connect(path)
+            except OSError as e:
+                sock.close()
+                raise TierdUnavailable(
+                    f"cannot reach tierd at {path}: {e.strerror or e}. Start it (e.g. `tierd "
+                    f"--socket {path}`), or pass the path / set KVTIER_SOCKET to where it "
+                    f"listens") from e
             except BaseException:
                 sock.close()
                 raise

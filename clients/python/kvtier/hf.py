@@ -44,18 +44,24 @@ import threading
 from typing import List, Optional, Sequence
 
 import numpy as np
-import torch
-from transformers import AttentionInterface
-from transformers.cache_utils import (
-    Cache,
-    CacheLayerMixin,
-    DYNAMIC_LAYER_TYPE_MAPPING,
-    get_layer_types_and_kwargs,
-)
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .client import Client
+try:
+    import torch
+    from transformers import AttentionInterface
+    from transformers.cache_utils import (
+        Cache,
+        CacheLayerMixin,
+        DYNAMIC_LAYER_TYPE_MAPPING,
+        get_layer_types_and_kwargs,
+    )
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError as e:
+    raise ImportError(
+        f"kvtier.hf needs torch >= 2.4 and transformers >= 5 ({e}); install the extra: "
+        f"pip install 'kvtier[hf]' (Python 3.10 or newer)") from e
+
+from .client import Client, TierdUnavailable, default_socket_path
 from .protocol import (
     DecodeEntry,
     Dtype,
@@ -85,10 +91,6 @@ __all__ = [
 ]
 
 
-class TierdUnavailable(KvtierError):
-    """tierd could not be reached on its socket."""
-
-
 class GeometryRefused(KvtierError):
     """tierd refused the session geometry or policy (INVALID_ARGUMENT on CREATE_SESSION)."""
 
@@ -113,29 +115,10 @@ def _geometry_str(g: Geometry) -> str:
             f"block run {g.kv_heads * 2 * g.block_tokens * g.head_dim * Dtype(g.dtype).elem_bytes} bytes)")
 
 
-def default_socket_path() -> str:
-    """tierd's default socket, by the same rule as the daemon: $KVTIER_SOCKET, else
-    $XDG_RUNTIME_DIR/kvtier/tierd.sock, else /run/kvtier/tierd.sock for root, else
-    /tmp/kvtier-<uid>/tierd.sock."""
-    if os.environ.get("KVTIER_SOCKET"):
-        return os.environ["KVTIER_SOCKET"]
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        return os.path.join(os.environ["XDG_RUNTIME_DIR"], "kvtier", "tierd.sock")
-    if os.geteuid() == 0:
-        return "/run/kvtier/tierd.sock"
-    return f"/tmp/kvtier-{os.geteuid()}/tierd.sock"
-
-
 def connect(socket: Optional[str] = None, client_name: str = "kvtier-hf") -> Client:
     """A `Client` on `socket` (default: `default_socket_path()`); `TierdUnavailable` if no
     tierd answers there."""
-    path = socket or default_socket_path()
-    try:
-        return Client(path, client_name=client_name)
-    except (OSError, ConnectionError) as e:
-        raise TierdUnavailable(
-            f"cannot reach tierd at {path}: {e}. Start it (e.g. `tierd --socket {path}`) or pass "
-            f"socket=/ set KVTIER_SOCKET to where it listens") from e
+    return Client(socket, client_name=client_name)
 
 
 # --------------------------------------------------------------------------- registration

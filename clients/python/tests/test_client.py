@@ -172,3 +172,78 @@ def test_sealed_memfd_is_immutable():
         assert os.pread(fd, 3, 0) == b"abc"
     finally:
         os.close(fd)
+
+
+def test_client_defaults_to_the_daemons_socket_rule(tmp_path, monkeypatch):
+    """`Client()` with no path connects where tierd listens by default: $KVTIER_SOCKET, else
+    $XDG_RUNTIME_DIR/kvtier/tierd.sock (the daemon's own rule)."""
+    from kvtier import default_socket_path
+
+    monkeypatch.delenv("KVTIER_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert default_socket_path() == str(tmp_path / "kvtier" / "tierd.sock")
+    path = str(tmp_path / "t.sock")
+    monkeypatch.setenv("KVTIER_SOCKET", path)
+    assert default_socket_path() == path
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def serve():
+        conn, _ = listener.accept()
+        expect(conn, "hello_request")
+        conn.sendall(load("hello_reply"))
+        conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    c = Client(client_name="kvtier-golden")
+    assert c.path == path
+    c.disconnect()
+    t.join(5)
+    listener.close()
+
+
+def test_a_missing_socket_names_the_path_and_what_to_do(tmp_path):
+    from kvtier import TierdUnavailable
+
+    path = str(tmp_path / "nope.sock")
+    with pytest.raises(TierdUnavailable) as e:
+        Client(path)
+    msg = str(e.value)
+    assert path in msg and "tierd --socket" in msg and "KVTIER_SOCKET" in msg, msg
+    # Still a ConnectionError (an OSError) for code that catches those.
+    assert isinstance(e.value, ConnectionError)
+
+
+def test_one_version_for_the_project():
+    """kvtier.__version__, the package metadata and the Cargo workspace agree."""
+    import re
+    from pathlib import Path
+
+    import kvtier
+
+    root = Path(__file__).resolve().parents[3]
+    cargo = (root / "Cargo.toml").read_text()
+    pyproject = (root / "clients" / "python" / "pyproject.toml").read_text()
+    workspace = re.search(r'^version = "([^"]+)"', cargo, re.M).group(1)
+    package = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)
+    assert kvtier.__version__ == workspace == package
+
+
+def test_kvtier_hf_without_torch_names_the_extra():
+    """`import kvtier.hf` without torch says which extra to install, not a bare
+    "No module named 'torch'"."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "try:\n"
+        "    import kvtier.hf\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert "pip install 'kvtier[hf]'" in out.stdout, out.stdout + out.stderr
