@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -126,18 +126,9 @@ fn addrs(tier: &NvmeTier) -> Vec<(u64, PageAddr)> {
     out
 }
 
-struct Cleanup(PathBuf);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 #[test]
 fn a_write_that_fits_in_the_free_bytes_moves_pages_and_loses_none() {
     let dir = scratch_dir(env!("CARGO_TARGET_TMPDIR"), "compaction");
-    let _cleanup = Cleanup(dir.clone());
     let tier = open_tier(&dir, DEVICE_UNITS);
     let unit = tier.store().unit();
     assert_eq!(unit, 4096, "the test sizes pages in 4 KiB units");
@@ -292,7 +283,6 @@ fn churn_child() {
 #[test]
 fn kill9_during_fragmenting_churn_and_compaction() {
     let dir = scratch_dir(env!("CARGO_TARGET_TMPDIR"), "compaction-kill9");
-    let _cleanup = Cleanup(dir.clone());
     let exe = std::env::current_exe().unwrap();
     // KVTIER_CHURN_CYCLES runs a longer campaign (a benchmark, not CI).
     let cycles: u64 = std::env::var("KVTIER_CHURN_CYCLES")

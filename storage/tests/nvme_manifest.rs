@@ -2,7 +2,7 @@
 //! process in the middle of page + manifest writes, many times.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -16,9 +16,9 @@ use kvtier_storage::nvme::{
     PageStoreConfig, RecoveryReport,
 };
 use kvtier_tests::kv::xorshift_bytes;
-use kvtier_tests::sys::{scratch_dir, Reaped};
+use kvtier_tests::sys::{scratch_dir, Reaped, ScratchDir};
 
-fn test_dir(name: &str) -> PathBuf {
+fn test_dir(name: &str) -> ScratchDir {
     scratch_dir(env!("CARGO_TARGET_TMPDIR"), name)
 }
 

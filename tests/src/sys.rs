@@ -46,14 +46,44 @@ pub fn proc_status_kb(pid: u32, field: &str) -> u64 {
 }
 
 /// A fresh, empty directory `<base>/nvme-<name>-<pid>` (pass `env!("CARGO_TARGET_TMPDIR")`:
-/// on the build's disk, where O_DIRECT works, unlike on a tmpfs /tmp).
-pub fn scratch_dir(base: impl AsRef<Path>, name: &str) -> PathBuf {
+/// on the build's disk, where O_DIRECT works, unlike on a tmpfs /tmp), removed with everything
+/// in it when dropped (page files are hundreds of MB; runs must not pile them up).
+pub fn scratch_dir(base: impl AsRef<Path>, name: &str) -> ScratchDir {
     let d = base
         .as_ref()
         .join(format!("nvme-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    ScratchDir(d)
+}
+
+/// See [`scratch_dir`].
+#[derive(Debug)]
+pub struct ScratchDir(PathBuf);
+
+impl std::ops::Deref for ScratchDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for ScratchDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for ScratchDir {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// The entries of `dir` whose file name passes `keep`, sorted by path.

@@ -47,7 +47,14 @@ pub fn reachable_copy(exe: &Path) -> ReachableCopy {
         .unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let path = dir.path().join(exe.file_name().unwrap());
-    std::fs::copy(exe, &path).unwrap();
+    // Copied by another process: a file this one held open for writing could be inherited
+    // by a child another test thread forks meanwhile, and exec would fail with ETXTBSY.
+    let copied = std::process::Command::new("cp")
+        .arg(exe)
+        .arg(&path)
+        .status()
+        .unwrap();
+    assert!(copied.success(), "cp {} {}", exe.display(), path.display());
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
     ReachableCopy { _dir: dir, path }
 }

@@ -173,6 +173,15 @@ fn sessions_info_stats_tier_close() {
     let out = ok(&ctl(&d, &["session", "info", &a.to_string()]));
     assert!(out.contains("label:") && out.contains("alpha"), "{out}");
     assert!(out.contains("sink 1, local 2, top-k 3"), "{out}");
+    // `session <ID>` is the same as `session info <ID>` (but for the clock).
+    let timeless = |s: &str| -> Vec<String> {
+        s.lines()
+            .filter(|l| !l.ends_with(" ago"))
+            .map(String::from)
+            .collect()
+    };
+    let short = ok(&ctl(&d, &["session", &a.to_string()]));
+    assert_eq!(timeless(&short), timeless(&out));
 
     // stats and status agree with what we did.
     let v = json(&ctl(&d, &["--json", "stats"]));

@@ -59,10 +59,14 @@ pub enum Command {
     Status,
     /// Table of sessions (all of them for an admin, else your own).
     Sessions,
-    /// One session.
+    /// One session: `tierctl session <ID>` (or `session info <ID>`) shows its geometry,
+    /// policy, length and storage.
+    #[command(args_conflicts_with_subcommands = true, arg_required_else_help = true)]
     Session {
+        /// Session id (the same as `session info <ID>`).
+        id: Option<u64>,
         #[command(subcommand)]
-        command: SessionCommand,
+        command: Option<SessionCommand>,
     },
     /// Close one of your sessions and free its storage.
     Close {
@@ -179,9 +183,17 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), CtlError> {
             let r = report::Sessions { sessions };
             emit(cli, out, &r, || r.render(now_unix_ms()))
         }
-        Command::Session {
-            command: SessionCommand::Info { id },
-        } => {
+        Command::Session { id, command } => {
+            // clap asks for one or the other (arg_required_else_help).
+            let id = id
+                .as_ref()
+                .or(command.as_ref().map(|SessionCommand::Info { id }| id))
+                .ok_or_else(|| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        "give a session id: tierctl session <ID>",
+                    )
+                })?;
             let info = client
                 .session_info(*id)
                 .map_err(fail("SESSION_INFO", Some(*id)))?;

@@ -82,7 +82,9 @@ pub struct Config {
 pub struct ServerConfig {
     /// Unix socket path; its parent directory is created (0755) if missing.
     pub socket_path: PathBuf,
-    /// Permission bits of the socket file (who may connect), e.g. 0o660.
+    /// Permission bits of the socket file (who may connect), e.g. 0o660 (a TOML integer, or
+    /// a string "0o660"; printed as the string).
+    #[serde(serialize_with = "octal_mode", deserialize_with = "mode_bits")]
     pub socket_mode: u32,
     /// Group (name or numeric id) to give the socket file, so its members may connect.
     pub socket_group: Option<String>,
@@ -496,6 +498,28 @@ impl Default for LogConfig {
     }
 }
 
+/// A mode as TOML would spell it: `--print-config` shows "0o660", not 432.
+fn octal_mode<S: serde::Serializer>(mode: &u32, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&format!("0o{mode:o}"))
+}
+
+/// A mode from a TOML integer (`0o660`, or decimal) or a string of octal digits (`"0o660"`,
+/// `"660"`).
+fn mode_bits<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Mode {
+        Bits(u32),
+        Text(String),
+    }
+    match Mode::deserialize(d)? {
+        Mode::Bits(b) => Ok(b),
+        Mode::Text(t) => u32::from_str_radix(t.trim_start_matches("0o"), 8).map_err(|_| {
+            serde::de::Error::custom(format!("{t:?} is not an octal mode such as 0o660"))
+        }),
+    }
+}
+
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -510,6 +534,13 @@ pub enum ConfigError {
     Override { origin: String, message: String },
     #[error("invalid configuration: {field}: {reason}")]
     Invalid { field: &'static str, reason: String },
+}
+
+/// The tree as a typed config (the error message names the field).
+fn typed(tree: &toml::Table) -> Result<Config, String> {
+    tree.clone()
+        .try_into()
+        .map_err(|e: toml::de::Error| e.to_string().trim().replace('\n', " "))
 }
 
 /// Settings read under an old name too: (section, old field, field). A config file, variable
@@ -570,6 +601,10 @@ impl Config {
                     })?;
             rename_old_fields(&mut parsed);
             merge(&mut tree, parsed);
+            typed(&tree).map_err(|message| ConfigError::Parse {
+                path: path.into(),
+                message,
+            })?;
         }
         for (key, value) in env {
             let Some(rest) = key.strip_prefix("TIERD_") else {
@@ -580,27 +615,30 @@ impl Config {
                 continue;
             };
             let field = &rest[section.len() + 1..];
-            set(&mut tree, section, field, &value).map_err(|message| ConfigError::Override {
-                origin: format!("environment variable {key}"),
-                message,
-            })?;
+            set(&mut tree, section, field, &value)
+                .and_then(|()| typed(&tree))
+                .map_err(|message| ConfigError::Override {
+                    origin: format!("environment variable {key}"),
+                    message,
+                })?;
         }
         for (key, value) in overrides {
             let (section, field) = key.split_once('.').ok_or_else(|| ConfigError::Override {
                 origin: format!("--set {key}"),
                 message: "expected section.field=value".into(),
             })?;
-            set(&mut tree, section, field, value).map_err(|message| ConfigError::Override {
-                origin: format!("--set {key}"),
-                message,
-            })?;
+            set(&mut tree, section, field, value)
+                .and_then(|()| typed(&tree))
+                .map_err(|message| ConfigError::Override {
+                    origin: format!("--set {key}"),
+                    message,
+                })?;
         }
-        let cfg: Config = tree
-            .try_into()
-            .map_err(|e: toml::de::Error| ConfigError::Parse {
-                path: file.map_or_else(|| PathBuf::from("<overrides>"), Into::into),
-                message: e.to_string(),
-            })?;
+        // Each layer was converted as it was applied, so an error names its source.
+        let cfg = typed(&tree).map_err(|message| ConfigError::Parse {
+            path: PathBuf::from("<defaults>"),
+            message,
+        })?;
         cfg.validate()?;
         Ok(cfg)
     }

@@ -177,7 +177,8 @@ fn the_shipped_production_config_is_valid() {
         PathBuf::from("/run/kvtier/tierd.sock")
     );
     assert!(cfg.host.lock_memory, "production locks the host tier");
-    assert_eq!(cfg.log.format, LogFormat::Journald);
+    // Journald's format under the unit (stderr is the journal), text on a terminal.
+    assert_eq!(cfg.log.format, LogFormat::Auto);
     assert_eq!(cfg.metrics.listen, None, "metrics are opt-in");
 }
 
@@ -205,4 +206,36 @@ fn the_shipped_production_config_names_every_setting() {
     );
     let missing: Vec<&String> = all.iter().filter(|k| !have.contains(k)).collect();
     assert!(missing.is_empty(), "configs/tierd.toml lacks {missing:?}");
+}
+
+#[test]
+fn errors_name_the_source_of_the_bad_value() {
+    let none: &[(&str, &str)] = &[];
+    let e = load_err("", &[("TIERD_HOST_CAPACITY", "1EiB")], none);
+    assert!(
+        e.starts_with("environment variable TIERD_HOST_CAPACITY: ") && e.contains("host.capacity"),
+        "{e}"
+    );
+    let e = load_err("", none, &[("host.capacity", "\"7XB\"")]);
+    assert!(e.starts_with("--set host.capacity: "), "{e}");
+    assert!(!e.contains('\n'), "one line: {e}");
+    let e = load_err("[host]\ncapacity = \"7XB\"\n", none, none);
+    assert!(
+        e.starts_with("config file ") && e.contains("tierd.toml"),
+        "{e}"
+    );
+}
+
+#[test]
+fn socket_mode_prints_in_octal_and_reads_back() {
+    let text = toml::to_string(&Config::default()).unwrap();
+    assert!(text.contains("socket_mode = \"0o660\""), "{text}");
+    let cfg = load(&text, &[], &[]).unwrap();
+    assert_eq!(cfg, Config::default());
+    for given in ["0o640", "\"0o640\"", "\"640\"", "416"] {
+        let cfg = load("", &[], &[("server.socket_mode", given)]).unwrap();
+        assert_eq!(cfg.server.socket_mode, 0o640, "{given}");
+    }
+    let e = load_err("", &[], &[("server.socket_mode", "\"rw\"")]);
+    assert!(e.contains("octal mode"), "{e}");
 }

@@ -4,7 +4,6 @@
 
 #![allow(dead_code)]
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use kvtier_storage::nvme::io::{Fault, FaultRule, Trigger};
@@ -15,9 +14,9 @@ use kvtier_storage::nvme::{
     DeviceConfig, IoEngine, OpKind, PageAddr, PageId, PageStore, PageStoreConfig,
 };
 use kvtier_tests::kv::xorshift_bytes;
-use kvtier_tests::sys::scratch_dir;
+use kvtier_tests::sys::{scratch_dir, ScratchDir};
 
-pub fn test_dir(name: &str) -> PathBuf {
+pub fn test_dir(name: &str) -> ScratchDir {
     scratch_dir(env!("CARGO_TARGET_TMPDIR"), name)
 }
 
