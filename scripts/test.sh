@@ -13,4 +13,4 @@ cargo test --workspace
 cargo build --quiet -p kvtier-native
 cp target/debug/libkvtier_native.so clients/python/kvtier/_native.abi3.so
 kvtier_pyenv
-KVTIER_TIERD="$PWD/target/debug/tierd" "$PY" -m pytest -q clients/python
+KVTIER_TIERD="$PWD/target/debug/tierd" "$PY" -m pytest -q -rs clients/python

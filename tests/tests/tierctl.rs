@@ -246,6 +246,13 @@ fn sessions_info_stats_tier_close() {
     let v = json(&ctl(&d, &["--json", "session", "info", &bs]));
     assert_eq!(v["host_bytes"], 0, "{v}");
     assert!(v["nvme_bytes"].as_u64().unwrap() > 0, "{v}");
+    // The sessions table says where it is now.
+    let out = ok(&ctl(&d, &["sessions"]));
+    let row = out
+        .lines()
+        .find(|l| l.trim_start().starts_with(&bs))
+        .unwrap();
+    assert!(row.contains(" nvme "), "STATE after DEMOTE: {out}");
     let out = ok(&ctl(&d, &["promote", &bs]));
     assert_eq!(
         out,

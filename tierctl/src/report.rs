@@ -230,12 +230,22 @@ impl std::ops::Deref for Session {
 }
 
 impl Session {
-    /// The sessions table's STATE column: damaged, pinned, or `-`.
+    /// The sessions table's STATE column: DAMAGED, else where the session's blocks are
+    /// (`ram`, `nvme` once demoted, `ram+nvme`, `-` with none), and `pinned`.
     fn state_cell(&self) -> String {
-        match (self.damaged, self.pinned) {
-            (true, _) => "DAMAGED".into(),
-            (false, true) => "pinned".into(),
-            (false, false) => "-".into(),
+        if self.damaged {
+            return "DAMAGED".into();
+        }
+        let place = match (self.host_bytes > 0, self.nvme_bytes > 0) {
+            (true, false) => "ram",
+            (false, true) => "nvme",
+            (true, true) => "ram+nvme",
+            (false, false) => "-",
+        };
+        if self.pinned {
+            format!("{place} pinned")
+        } else {
+            place.into()
         }
     }
 
@@ -346,7 +356,7 @@ impl Sessions {
 
 /// One NVMe device's online lane estimates, from STATS `nvme_dev<i>_{read,write}_*`
 /// (0: no transfer of that kind timed yet).
-#[derive(Debug, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct NvmeLane {
     pub device: u32,
     pub read_bytes_per_s: u64,
@@ -377,6 +387,10 @@ impl NvmeLane {
         let op = |bw: u64, lat: u64| {
             if bw == 0 {
                 "not measured yet".to_owned()
+            } else if lat == 0 {
+                // The fit's intercept clamps at 0 when transfers are all alike: no latency
+                // was resolved, which is not a latency of 0 ns.
+                format!("{} (latency not resolved)", human::rate(bw))
             } else {
                 format!("{} ({})", human::rate(bw), human::latency_ns(lat))
             }
@@ -610,6 +624,17 @@ mod tests {
             "{out}"
         );
         assert!(NvmeLane::from_stats(&stats(&[("sessions", 1)])).is_empty());
+        let unresolved = NvmeLane {
+            write_bytes_per_s: 1 << 30,
+            ..lanes[0].clone()
+        };
+        assert!(
+            unresolved
+                .render()
+                .ends_with("write 1.0 GiB/s (latency not resolved)"),
+            "{}",
+            unresolved.render()
+        );
     }
 
     #[test]
