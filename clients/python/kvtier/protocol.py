@@ -213,14 +213,24 @@ class SessionInfo:
 
 @dataclass
 class DecodeStats:
-    blocks_total: int
-    blocks_selected: int
-    bytes_touched: int
-    bytes_moved: int
-    cache_hits: int
-    blocks_ram: int
-    blocks_nvme: int
-    selected: List[List[int]] = field(default_factory=list)
+    """What one DECODE entry's step did (docs/protocol.md, DECODE reply). Mind the units:
+    `blocks_total` counts the layer's blocks once (per kv head), the others count (block, kv
+    head) tiles summed over the kv heads, so `blocks_selected` can exceed `blocks_total`."""
+
+    blocks_total: int  # blocks in the layer after the append, per kv head
+    blocks_selected: int  # kept (block, kv head) tiles, summed over kv heads
+    bytes_touched: int  # bytes the step reads: summaries scanned, kept tiles' valid K/V rows
+    bytes_moved: int  # bytes moved between tiers for the step (host->GPU, NVMe->host)
+    cache_hits: int  # kept tiles already in the GPU block cache
+    blocks_ram: int  # kept tiles served from host RAM
+    blocks_nvme: int  # kept tiles read from NVMe
+    selected: List[List[int]] = field(default_factory=list)  # per kv head, kept block ids
+
+    def __repr__(self) -> str:
+        return (f"DecodeStats(blocks_total={self.blocks_total} per kv head, blocks_selected="
+                f"{self.blocks_selected} tiles over kv heads, bytes_touched={self.bytes_touched}, "
+                f"bytes_moved={self.bytes_moved}, cache_hits={self.cache_hits}, blocks_ram="
+                f"{self.blocks_ram}, blocks_nvme={self.blocks_nvme}, selected={self.selected})")
 
 
 @dataclass

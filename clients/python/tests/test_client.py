@@ -247,3 +247,8 @@ def test_kvtier_hf_without_torch_names_the_extra():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert "pip install 'kvtier[hf]'" in out.stdout, out.stdout + out.stderr
+
+
+def test_decode_stats_say_their_units():
+    s = p.DecodeStats(8, 14, 0, 0, 0, 14, 0, [[0, 1, 5, 6, 7, 8, 9], [0, 2, 5, 6, 7, 8, 9]])
+    assert "blocks_total=8 per kv head" in repr(s) and "14 tiles over kv heads" in repr(s)
