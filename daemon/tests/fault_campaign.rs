@@ -2,12 +2,13 @@
 //! the spirit of TigerBeetle's VOPR and RocksDB's crash tests).
 //!
 //! Each cycle runs a random mix of CREATE, APPEND_KV (inline and shared memory), DECODE
-//! steps, DEMOTE, PROMOTE, PIN/UNPIN and CLOSE on up to six sessions under memory pressure (a
-//! 1 MiB host tier), in a third of the cycles with page I/O failing at random (writes: EIO,
-//! ENOSPC, torn writes; reads: EIO, short reads; `tierd::TEST_IO_FAULTS_ENV`; a failed
-//! operation must change nothing, a decode step is retried until it goes through) and, where a
-//! tmpfs can be mounted (root), with
-//! the manifest's filesystem filled and freed at random points; then it stops the daemon with
+//! steps, DEMOTE, PROMOTE, PIN/UNPIN and CLOSE on up to six sessions of three geometries
+//! (block runs of 1, 4 and 16 KiB: tiny runs take whole extents beside longer ones) under
+//! memory pressure (a 1 MiB host tier), in a third of the cycles with page I/O failing at
+//! random (writes: EIO, ENOSPC, torn writes; reads: EIO, short reads;
+//! `tierd::TEST_IO_FAULTS_ENV`; a failed operation must change nothing, a decode step is
+//! retried until it goes through) and, where a tmpfs can be mounted (root), with the
+//! manifest's filesystem filled and freed at random points; then it stops the daemon with
 //! kill -9 or SIGTERM and, while it is down, may flip a bit in a page or in one manifest file.
 //! After every restart an oracle of acknowledged state checks:
 //! - every session acknowledged and not closed is listed, nothing else is;
@@ -37,12 +38,25 @@ use kvtier_storage::testing::Rng;
 
 const ARGS: &[&str] = &[
     "--set",
+    "host.max_run_bytes=\"16KiB\"",
+    "--set",
     "nvme.write_through=true",
     "--set",
     "host.capacity=\"1MiB\"",
     "--set",
     "nvme.capacity=\"8MiB\"",
 ];
+
+/// The sessions' geometries: [`small_geometry`] (4 KiB runs), one of 1 KiB runs (a whole
+/// 4 KiB extent in either tier, and an NVMe page of one unit) and one of 16 KiB runs.
+fn geometries() -> [kvtier_protocol::Geometry; 3] {
+    use kvtier_protocol::{DType, Geometry};
+    [
+        small_geometry(),
+        Geometry::new(2, 2, 1, 16, DType::Bf16, 16),
+        Geometry::new(2, 4, 2, 64, DType::Bf16, 32),
+    ]
+}
 
 /// Most tokens a session grows to: six of them overflow the 256-frame host tier (memory
 /// pressure demotes) but fit the NVMe tier, so a decode always finds room.
@@ -69,6 +83,7 @@ struct Counts {
     refused: u64,
     fault_cycles: u64,
     fs_full: u64,
+    pages_moved: u64,
 }
 
 fn code<T>(r: &Result<T, ClientError>) -> Option<ErrorCode> {
@@ -123,12 +138,14 @@ fn fault_campaign() {
         total.refused += c.refused;
         total.fault_cycles += c.fault_cycles;
         total.fs_full += c.fs_full;
+        total.pages_moved += c.pages_moved;
     }
     println!(
         "fault campaign: {} cycles ({} with I/O faults), {} operations, {} acknowledged tokens, \
          {} kill -9, {} SIGTERM, {} page bit flips, {} manifest bit flips, {} times the \
          manifest's filesystem filled, {} sessions reported damaged, {} operations refused \
-         (full tiers or filesystem, failed I/O); lost 0, wrong 0, panics 0",
+         (full tiers or filesystem, failed I/O), {} NVMe pages moved by compaction; lost 0, \
+         wrong 0, panics 0",
         total.cycles,
         total.fault_cycles,
         total.ops,
@@ -139,7 +156,8 @@ fn fault_campaign() {
         total.manifest_flips,
         total.fs_full,
         total.damaged,
-        total.refused
+        total.refused,
+        total.pages_moved
     );
 }
 
@@ -196,6 +214,12 @@ fn run(seed: u64, cycles: u64) -> Counts {
                 }
             }
         }
+        // Pages compaction moved in this daemon's life (counted from its start).
+        n.pages_moved += c
+            .stats()
+            .ok()
+            .and_then(|s| s.get("nvme_pages_moved_total"))
+            .unwrap_or(0);
         drop(c);
         // Stop: kill -9, or SIGTERM (which writes every session).
         let dir = if rng.below(2) == 0 {
@@ -264,7 +288,7 @@ fn operate(
     };
     match rng.below(10) {
         0 | 1 if models.len() < 6 => {
-            let g = small_geometry();
+            let g = geometries()[rng.below(3) as usize];
             let r = c.create_session(g, policy(), "campaign");
             if !tolerated(&r, faults, "CREATE", at) {
                 let seed = rng.next_u64();

@@ -8,13 +8,14 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_storage::nvme::io::UringConfig;
+use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyEngine, OpKind, Trigger, UringConfig};
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
 use kvtier_storage::nvme::{
-    open_best_engine, BlockRun, DeviceConfig, NvmeError, NvmeTier, PageAddr, PageStore,
-    PageStoreConfig,
+    open_best_engine, BlockRun, DeviceConfig, IoEngine, NvmeError, NvmeTier, PageAddr, PageStore,
+    PageStoreConfig, PreadEngine,
 };
 use kvtier_tests::kv::xorshift_bytes;
 use kvtier_tests::sys::{scratch_dir, Reaped};
@@ -41,9 +42,31 @@ fn store_cfg(dir: &Path, units: u64) -> PageStoreConfig {
 }
 
 fn open_tier(dir: &Path, units: u64) -> NvmeTier {
-    let engine = open_best_engine(UringConfig { queue_depth: 32 });
+    open_tier_on(
+        dir,
+        units,
+        open_best_engine(UringConfig { queue_depth: 32 }),
+    )
+}
+
+fn open_tier_on(dir: &Path, units: u64, engine: Arc<dyn IoEngine>) -> NvmeTier {
     let store = PageStore::open(&store_cfg(dir, units), engine).unwrap();
     NvmeTier::open(store, &dir.join("manifest")).unwrap().0
+}
+
+/// 64 sessions' one-unit pages written block by block across the sessions, then every other
+/// session deleted (and two more commits so its pages are free): one-unit holes all over.
+fn fragment(tier: &NvmeTier) {
+    for block in 0..BLOCKS {
+        for s in 0..SESSIONS {
+            put(tier, s, block, SMALL).unwrap();
+        }
+    }
+    for s in (0..SESSIONS).step_by(2) {
+        tier.delete_session(s).unwrap();
+    }
+    tier.set_pinned(1, true).unwrap();
+    tier.set_pinned(1, false).unwrap();
 }
 
 fn record(id: u64) -> SessionRecord {
@@ -132,18 +155,7 @@ fn a_write_that_fits_in_the_free_bytes_moves_pages_and_loses_none() {
     let tier = open_tier(&dir, DEVICE_UNITS);
     let unit = tier.store().unit();
     assert_eq!(unit, 4096, "the test sizes pages in 4 KiB units");
-    for block in 0..BLOCKS {
-        for s in 0..SESSIONS {
-            put(&tier, s, block, SMALL).unwrap();
-        }
-    }
-    // Every other session goes: one-unit holes between the pages of the others. Two more
-    // commits free what the deletes retired.
-    for s in (0..SESSIONS).step_by(2) {
-        tier.delete_session(s).unwrap();
-    }
-    tier.set_pinned(1, true).unwrap();
-    tier.set_pinned(1, false).unwrap();
+    fragment(&tier);
     let store = tier.store();
     let big = 40 * unit - 64; // 40 units with its header
     let big_bytes = store.page_bytes(big);
@@ -386,4 +398,48 @@ fn kill9_during_fragmenting_churn_and_compaction() {
         tried > 0,
         "no write needed compaction: the churn does not fragment"
     );
+}
+
+/// Page writes failing at random while pages move: a failed compaction or write changes
+/// nothing a reader can see (every page verifies after each failure), and once the writes go
+/// through every page, moved or new, reads back after a reopen.
+#[test]
+fn compaction_under_write_faults_loses_nothing() {
+    let dir = scratch_dir(env!("CARGO_TARGET_TMPDIR"), "compaction-faults");
+    fragment(&open_tier(&dir, DEVICE_UNITS));
+    let faulty = FaultyEngine::new(
+        PreadEngine::new(),
+        vec![FaultRule {
+            kind: Some(OpKind::Write),
+            fault: Fault::Eio,
+            trigger: Trigger::Probability(0.03),
+        }],
+        7,
+    )
+    .unwrap();
+    let tier = open_tier_on(&dir, DEVICE_UNITS, Arc::new(faulty));
+    let big = big_len(tier.store().unit());
+    let (mut placed, mut failed) = (0, 0);
+    for s in 0..5u64 {
+        for _ in 0..100 {
+            match put(&tier, 3_000 + s, 0, big) {
+                Ok(_) => {
+                    placed += 1;
+                    break;
+                }
+                Err(NvmeError::Full { .. }) => panic!("refused with the free bytes there"),
+                Err(_) => {
+                    failed += 1;
+                    verify(&tier).unwrap_or_else(|e| panic!("after a failed write: {e}"));
+                }
+            }
+        }
+    }
+    eprintln!("{placed} large pages placed, {failed} attempts failed on injected EIO");
+    assert_eq!(placed, 5);
+    assert!(failed > 0, "no fault hit a write");
+    assert!(tier.pages_moved() > 0);
+    let n = verify(&tier).unwrap();
+    drop(tier);
+    assert_eq!(verify(&open_tier(&dir, DEVICE_UNITS)).unwrap(), n);
 }
