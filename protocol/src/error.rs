@@ -28,6 +28,13 @@ wire_enum! {
 }
 
 impl ErrorCode {
+    /// Whether the error is the daemon's trouble rather than the request's: INTERNAL,
+    /// DATA_LOSS, UNAVAILABLE. The others answer what the request asked (a session that is
+    /// not there, a bad argument, a full tier, a limit).
+    pub fn is_daemons(self) -> bool {
+        matches!(self, Self::Internal | Self::DataLoss | Self::Unavailable)
+    }
+
     /// Parse a wire value.
     pub fn from_u16(code: u16) -> Result<Self, ProtoError> {
         Self::from_wire(code).ok_or(ProtoError::UnknownErrorCode { code })

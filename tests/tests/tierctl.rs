@@ -303,6 +303,9 @@ fn sessions_info_stats_tier_close() {
     assert!(e.contains(&format!("session {a} not found")), "{e}");
     let e = err(&ctl(&d, &["close", &a.to_string()]), 5);
     assert!(e.contains("NOT_FOUND"), "{e}");
+    // Those NOT_FOUNDs answered the requests; none was the daemon's trouble.
+    let out = ok(&ctl(&d, &["status"]));
+    assert!(out.contains("(0 the daemon's"), "{out}");
     let v = json(&ctl(&d, &["--json", "sessions"]));
     assert_eq!(v["sessions"].as_array().unwrap().len(), 1);
 

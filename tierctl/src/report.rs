@@ -33,6 +33,8 @@ pub struct Status {
     pub decode_entries_total: Option<u64>,
     pub append_tokens_total: Option<u64>,
     pub errors_total: Option<u64>,
+    /// Of `errors_total`, the daemon's trouble (INTERNAL, DATA_LOSS, UNAVAILABLE).
+    pub daemon_errors_total: Option<u64>,
     pub rejected_total: Option<u64>,
     pub nvme_bytes_used: Option<u64>,
     pub nvme_bytes_capacity: Option<u64>,
@@ -121,6 +123,7 @@ impl Status {
             decode_entries_total: stats.get(keys::DECODE_ENTRIES_TOTAL),
             append_tokens_total: stats.get(keys::APPEND_TOKENS_TOTAL),
             errors_total: stats.get(keys::ERRORS_TOTAL),
+            daemon_errors_total: stats.get("daemon_errors_total"),
             rejected_total: stats.get(keys::REJECTED_TOTAL),
         }
     }
@@ -188,7 +191,18 @@ impl Status {
         kv("decode requests", opt(self.decode_requests_total));
         kv("decode entries", opt(self.decode_entries_total));
         kv("tokens appended", opt(self.append_tokens_total));
-        kv("errors", opt(self.errors_total));
+        // Most error replies answer what a request asked (a session that is not there, a bad
+        // argument, a full tier); those that are the daemon's trouble are worth a look.
+        kv(
+            "errors",
+            match (self.errors_total, self.daemon_errors_total) {
+                (Some(all), Some(daemon)) => format!(
+                    "{all} ({daemon} the daemon's: INTERNAL, DATA_LOSS, UNAVAILABLE; {} answering requests)",
+                    all.saturating_sub(daemon)
+                ),
+                (all, _) => opt(all),
+            },
+        );
         kv("rejected", opt(self.rejected_total));
         if let Some(r) = &self.rates {
             kv(

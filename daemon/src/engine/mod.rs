@@ -249,6 +249,9 @@ impl Engine {
     /// An error reply is being sent.
     pub fn record_error(&self, code: ErrorCode) {
         self.counters.errors.fetch_add(1, Ordering::Relaxed);
+        if code.is_daemons() {
+            self.counters.daemon_errors.fetch_add(1, Ordering::Relaxed);
+        }
         self.metrics.error(code);
     }
 

@@ -18,8 +18,11 @@ pub mod extra_stats_keys {
     /// The longest run extent the host tier could hand out now, and its free ranges.
     pub const HOST_LARGEST_FREE_BYTES: &str = "host_largest_free_bytes";
     pub const HOST_FREE_RANGES: &str = "host_free_ranges";
+    /// Error replies that are the daemon's trouble, not the request's: INTERNAL, DATA_LOSS,
+    /// UNAVAILABLE (a part of `errors_total`, which counts every error reply).
+    pub const DAEMON_ERRORS_TOTAL: &str = "daemon_errors_total";
 
-    pub const ALL: [&str; 9] = [
+    pub const ALL: [&str; 10] = [
         READY,
         STARTED_UNIX_MS,
         SELECTED_TILES_TOTAL,
@@ -29,6 +32,7 @@ pub mod extra_stats_keys {
         DECODE_ATTEND_NS_TOTAL,
         HOST_LARGEST_FREE_BYTES,
         HOST_FREE_RANGES,
+        DAEMON_ERRORS_TOTAL,
     ];
 }
 
@@ -39,6 +43,9 @@ pub struct Counters {
     pub decode_entries: AtomicU64,
     pub append_tokens: AtomicU64,
     pub errors: AtomicU64,
+    /// Of `errors`, those that are the daemon's trouble
+    /// ([`kvtier_protocol::ErrorCode::is_daemons`]).
+    pub daemon_errors: AtomicU64,
     pub rejected: AtomicU64,
     pub bytes_touched: AtomicU64,
     pub demotions: AtomicU64,
@@ -160,6 +167,7 @@ impl Engine {
             (x::DECODE_ATTEND_NS_TOTAL, s.attend_ns),
             (x::HOST_LARGEST_FREE_BYTES, s.host_largest_free_bytes),
             (x::HOST_FREE_RANGES, s.host_free_ranges),
+            (x::DAEMON_ERRORS_TOTAL, get(&self.counters.daemon_errors)),
         ];
         let mut lanes = Vec::new();
         if let Some((tier, _)) = &self.tier {
