@@ -4,21 +4,22 @@
 //! in the middle of fragmenting churn.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyEngine, OpKind, Trigger, UringConfig};
-use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
 use kvtier_storage::nvme::{
     open_best_engine, BlockRun, DeviceConfig, IoEngine, NvmeError, NvmeTier, PageAddr, PageStore,
     PageStoreConfig, PreadEngine,
 };
 use kvtier_tests::kv::xorshift_bytes;
-use kvtier_tests::sys::{scratch_dir, Reaped};
+
+mod common;
+use common::one_layer_record;
+use kvtier_tests::sys::{scratch_dir, spawn_lines};
 
 /// Pages of one unit: 64 sessions x 8 blocks, written block by block across the sessions so
 /// that each session's pages are spread over the device.
@@ -69,32 +70,6 @@ fn fragment(tier: &NvmeTier) {
     tier.set_pinned(1, false).unwrap();
 }
 
-fn record(id: u64) -> SessionRecord {
-    SessionRecord {
-        id,
-        owner_uid: 1000,
-        label: format!("session-{id}"),
-        geometry: GeometryRecord {
-            layers: 1,
-            q_heads: 1,
-            kv_heads: 1,
-            head_dim: 32,
-            dtype: 2,
-            block_tokens: 16,
-        },
-        policy: PolicyRecord {
-            sink_blocks: 1,
-            local_blocks: 1,
-            top_k: 1,
-            selector: 0,
-            candidates: 0,
-        },
-        layer_tokens: vec![u64::from(BLOCKS) * 16],
-        pages: Vec::new(),
-        pinned: false,
-    }
-}
-
 /// A run's bytes are a function of where it belongs and its length.
 fn content(session: u64, block: u32, len: usize) -> Vec<u8> {
     xorshift_bytes(session * 1_000 + u64::from(block) + 1, len)
@@ -103,7 +78,7 @@ fn content(session: u64, block: u32, len: usize) -> Vec<u8> {
 fn put(tier: &NvmeTier, session: u64, block: u32, len: usize) -> Result<u64, NvmeError> {
     let bytes = content(session, block, len);
     tier.put_session(
-        &record(session),
+        &one_layer_record(session, BLOCKS),
         &[BlockRun {
             layer: 0,
             block,
@@ -183,7 +158,7 @@ fn a_write_that_fits_in_the_free_bytes_moves_pages_and_loses_none() {
         })
         .collect();
     assert!(matches!(
-        tier.put_session(&record(1_000), &runs),
+        tier.put_session(&one_layer_record(1_000, BLOCKS), &runs),
         Err(NvmeError::Full { .. })
     ));
     assert_eq!(addrs(&tier), before, "a refused write moves nothing");
@@ -305,25 +280,12 @@ fn kill9_during_fragmenting_churn_and_compaction() {
     // Operations acknowledged; writes that needed compaction, tried and acknowledged.
     let (mut acks, mut tried, mut compactions) = (0u64, 0u64, 0u64);
     for cycle in 0..cycles {
-        let child = Command::new(&exe)
-            .args(["churn_child", "--exact", "--nocapture", "--test-threads=1"])
-            .env("KVTIER_CHURN_DIR", &dir)
-            .env("KVTIER_CHURN_SEED", (cycle * 7_919 + 1).to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut child = Reaped(child);
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel::<String>();
-        let reader = std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let (mut child, rx, reader) = spawn_lines(
+            Command::new(&exe)
+                .args(["churn_child", "--exact", "--nocapture", "--test-threads=1"])
+                .env("KVTIER_CHURN_DIR", &dir)
+                .env("KVTIER_CHURN_SEED", (cycle * 7_919 + 1).to_string()),
+        );
         loop {
             match rx.recv_timeout(Duration::from_secs(20)) {
                 Ok(l) if l.contains("READY") => break,
@@ -400,7 +362,7 @@ fn kill9_during_fragmenting_churn_and_compaction() {
     );
 }
 
-/// Page writes failing at random while pages move: a failed compaction or write changes
+/// Page writes failing at random (5%) while pages move: a failed compaction or write changes
 /// nothing a reader can see (every page verifies after each failure), and once the writes go
 /// through every page, moved or new, reads back after a reopen.
 #[test]
@@ -412,7 +374,7 @@ fn compaction_under_write_faults_loses_nothing() {
         vec![FaultRule {
             kind: Some(OpKind::Write),
             fault: Fault::Eio,
-            trigger: Trigger::Probability(0.03),
+            trigger: Trigger::Probability(0.05),
         }],
         7,
     )

@@ -1,9 +1,8 @@
 //! Manifest durability: reopen loops, corrupt/truncated fallback, and kill -9 of a child
 //! process in the middle of page + manifest writes, many times.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kvtier_storage::nvme::io::UringConfig;
@@ -16,7 +15,7 @@ use kvtier_storage::nvme::{
     PageStoreConfig, RecoveryReport,
 };
 use kvtier_tests::kv::xorshift_bytes;
-use kvtier_tests::sys::{scratch_dir, Reaped, ScratchDir};
+use kvtier_tests::sys::{scratch_dir, spawn_lines, ScratchDir};
 
 fn test_dir(name: &str) -> ScratchDir {
     scratch_dir(env!("CARGO_TARGET_TMPDIR"), name)
@@ -557,26 +556,13 @@ fn kill9_during_page_and_manifest_writes() {
     let mut total_acks = 0u64;
     let mut pages_checked = 0usize;
     for cycle in 0..cycles {
-        let child = Command::new(&exe)
-            .args(["crash_child", "--exact", "--nocapture", "--test-threads=1"])
-            .env("KVTIER_CRASH_DIR", &dir)
-            .env("KVTIER_CRASH_SEED", cycle.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
         // Killed if this test fails, so no writer outlives it.
-        let mut child = Reaped(child);
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel::<String>();
-        let reader = std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let (mut child, rx, reader) = spawn_lines(
+            Command::new(&exe)
+                .args(["crash_child", "--exact", "--nocapture", "--test-threads=1"])
+                .env("KVTIER_CRASH_DIR", &dir)
+                .env("KVTIER_CRASH_SEED", cycle.to_string()),
+        );
         // Wait until the child has recovered, then let it write for a varying time.
         let ready = loop {
             match rx.recv_timeout(Duration::from_secs(20)) {

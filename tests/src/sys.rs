@@ -147,3 +147,33 @@ pub fn rerun_test(exe: &Path, name: &str) -> Command {
     ]);
     c
 }
+
+/// Spawns `cmd` with its stdout piped (stderr to /dev/null) and a thread forwarding each line
+/// of it: the child (killed if the caller fails), the lines, and the thread, which ends with
+/// the child's stdout.
+pub fn spawn_lines(
+    cmd: &mut std::process::Command,
+) -> (
+    Reaped,
+    std::sync::mpsc::Receiver<String>,
+    std::thread::JoinHandle<()>,
+) {
+    use std::io::BufRead;
+    let mut child = Reaped(
+        cmd.stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, rx, reader)
+}
