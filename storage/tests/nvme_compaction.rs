@@ -195,6 +195,20 @@ fn a_write_that_fits_in_the_free_bytes_moves_pages_and_loses_none() {
     assert_eq!(verify(&tier).unwrap(), n);
 }
 
+/// Every stored run: (session, block) -> payload length.
+fn stored(tier: &NvmeTier) -> HashMap<(u64, u32), u64> {
+    tier.session_ids()
+        .into_iter()
+        .flat_map(|s| {
+            let r = tier.session(s).unwrap();
+            r.pages
+                .iter()
+                .map(|p| ((s, p.block), u64::from(p.payload_len)))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 /// The payload of a large page: 40 units with its header.
 fn big_len(unit: usize) -> usize {
     40 * unit - 64
@@ -275,8 +289,16 @@ fn kill9_during_fragmenting_churn_and_compaction() {
     let cycles: u64 = std::env::var("KVTIER_CHURN_CYCLES")
         .map_or(40, |v| v.parse().expect("KVTIER_CHURN_CYCLES is a count"));
     let started = Instant::now();
-    // What the acknowledged operations left: (session, block) -> payload length.
-    let mut acked: HashMap<(u64, u32), u64> = HashMap::new();
+    // Fragmented from the start, so that a cycle which begins by placing large pages needs
+    // compaction however little the cycles before it did.
+    let mut acked: HashMap<(u64, u32), u64> = {
+        let tier = open_tier(&dir, CHURN_UNITS);
+        fragment(&tier);
+        let unit = tier.store().unit() as u64;
+        assert!(tier.store().largest_free_bytes() < 40 * unit);
+        // What the acknowledged operations left: (session, block) -> payload length.
+        stored(&tier)
+    };
     // Operations acknowledged; writes that needed compaction, tried and acknowledged.
     let (mut acks, mut tried, mut compactions) = (0u64, 0u64, 0u64);
     for cycle in 0..cycles {
@@ -335,17 +357,7 @@ fn kill9_during_fragmenting_churn_and_compaction() {
             }
         }
         // Start the next cycle from what is on disk.
-        acked = tier
-            .session_ids()
-            .into_iter()
-            .flat_map(|s| {
-                let r = tier.session(s).unwrap();
-                r.pages
-                    .iter()
-                    .map(|p| ((s, p.block), u64::from(p.payload_len)))
-                    .collect::<Vec<_>>()
-            })
-            .collect();
+        acked = stored(&tier);
     }
     eprintln!(
         "{cycles} kill -9 cycles, {acks} acknowledged operations, {tried} writes that needed compaction tried and {compactions} acknowledged, {:?}",
