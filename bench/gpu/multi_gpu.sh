@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23's run on a host of several GPUs (device tool kind nvidia-h200-x2), then the one-GPU
+# The multi-GPU run on a host of several GPUs (device tool kind nvidia-h200-x2), then the one-GPU
 # test suite. Prebuilt x86-64 binaries in .device/ (bench/gpu/README.md; also engine_bench,
 # tierd and the Python extension as .device/_native.abi3.so); builds nothing.
 # Usage (on the device machine, repo root): bash bench/gpu/multi_gpu.sh

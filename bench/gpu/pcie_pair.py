@@ -1,4 +1,4 @@
-"""Host-to-device copy bandwidth of each GPU alone and of all of them at once (issue 23).
+"""Host-to-device copy bandwidth of each GPU alone and of all of them at once.
 
 The in-engine path reads tierd's host arena over each GPU's own PCIe link; with one engine per
 GPU the links share the host's memory. This measures what the copy engines get from one pinned

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What sharing tierd's host arena with an engine process costs (issue 24's design question).
+"""What sharing tierd's host arena with an engine process costs (a design question).
 
 The daemon owns the arena: an anonymous memfd, its pages already written. An engine process
 maps the same memfd (received over SCM_RIGHTS in the real design; inherited here) and registers

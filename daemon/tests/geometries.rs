@@ -1,4 +1,4 @@
-//! Mainstream open-model geometries on tierd's embedded defaults (issue 22, item 4): every
+//! Mainstream open-model geometries on tierd's embedded defaults: every
 //! block run size from a 270M model's 32 KiB to a 64-KV-head f32 model's 8 MiB is taken
 //! without the operator resizing anything, each run costs its own size in the host tier (not
 //! a fixed frame), and sessions of all of them side by side survive demotion to NVMe and a

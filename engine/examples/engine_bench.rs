@@ -1,4 +1,4 @@
-//! The in-engine step over a running tierd (issue 24's benchmark): sessions of Qwen2.5-7B's
+//! The in-engine step over a running tierd: sessions of Qwen2.5-7B's
 //! geometry filled through tierd (APPEND_KV from one memfd), leased and decoded by this process
 //! on its own GPU, every layer in one `decode_step`, the way `gpu_bench` times the kernels over
 //! its own pinned buffer. Run both in one device call and compare step times.
@@ -14,7 +14,7 @@
 //! sessions of `context` tokens (58.7 KiB per token), and this process must be allowed to
 //! LEASE (an admin peer or tierd's own uid).
 //!
-//! Several GPUs (issue 23): `--fill-only` fills the sessions, prints their ids and leaves them
+//! Several GPUs: `--fill-only` fills the sessions, prints their ids and leaves them
 //! in tierd; then one engine_bench per GPU (`--device N --sessions IDS`) decodes them at once,
 //! each leasing them and registering tierd's arena in its own process. `--barrier DIR:PARTIES`
 //! starts every measured cell in all the processes together (each waits until PARTIES files

@@ -1,4 +1,4 @@
-"""One client that batches its sessions: one DECODE per layer carrying every session (issue 24).
+"""One client that batches its sessions: one DECODE per layer carrying every session.
 
 The socket path's other shape of load beside tierbench's one connection per session: an engine
 that decodes ``--sessions`` sequences together sends, per layer, one DECODE whose entries are

@@ -1,4 +1,4 @@
-"""What a cross-process hand-off on one GPU costs (issue 24, item 3): the design kvtier did not
+"""What a cross-process hand-off on one GPU costs: the design kvtier did not
 take, where the engine hands each layer's query to a daemon process that runs the attention on
 the same GPU, against the one it took (the attention runs in the engine's own process).
 

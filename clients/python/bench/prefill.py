@@ -1,4 +1,4 @@
-"""A prefill's K/V from GPU memory into tierd's host tier, two ways (issue 24):
+"""A prefill's K/V from GPU memory into tierd's host tier, two ways:
 
 * ``host``: what kvtier.hf did before the in-engine path appended in place: the K/V copied to
   host memory (``.cpu()``), reordered into APPEND_KV's payload layout and sent as one

@@ -1,4 +1,4 @@
-"""Whole-model greedy decode with the KV in tierd's host tier (issue 24; the seed paper's
+"""Whole-model greedy decode with the KV in tierd's host tier (the seed paper's
 section 10 on this hardware), against the same engine with dense attention.
 
 The model is a randomly initialised Qwen2.5-7B built from its configuration in transformers
