@@ -201,9 +201,24 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
 /// The environment variable that turns on I/O fault injection, for the fault campaign
 /// (daemon/tests/fault_campaign.rs) only: `<seed>,<write probability>[,<read probability>]`.
 /// Each page write then fails with that probability, as EIO, ENOSPC or a torn (short) write,
-/// and each page read as EIO or a short read. Never set in production.
+/// and each page read as EIO or a short read. Only debug builds and release builds with the
+/// `test-faults` feature have it ([`INJECTS_FAULTS`]); a release tierd ignores the variable.
 pub const TEST_IO_FAULTS_ENV: &str = "KVTIER_TEST_IO_FAULTS";
 
+/// Whether this build honours [`TEST_IO_FAULTS_ENV`].
+pub const INJECTS_FAULTS: bool = cfg!(any(debug_assertions, feature = "test-faults"));
+
+#[cfg(not(any(debug_assertions, feature = "test-faults")))]
+fn with_test_faults(
+    engine: Arc<dyn kvtier_storage::nvme::IoEngine>,
+) -> Result<Arc<dyn kvtier_storage::nvme::IoEngine>, String> {
+    if std::env::var_os(TEST_IO_FAULTS_ENV).is_some() {
+        tracing::warn!("{TEST_IO_FAULTS_ENV} is ignored: this build has no fault injection");
+    }
+    Ok(engine)
+}
+
+#[cfg(any(debug_assertions, feature = "test-faults"))]
 fn with_test_faults(
     engine: Arc<dyn kvtier_storage::nvme::IoEngine>,
 ) -> Result<Arc<dyn kvtier_storage::nvme::IoEngine>, String> {

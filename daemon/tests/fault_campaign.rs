@@ -21,8 +21,9 @@
 //! - the daemon never panics (exit 101) and a clean shutdown exits 0 unless it reports that
 //!   sessions could not be written (then only non-durable tokens may be missing).
 //!
-//! CI runs a short seed set. The long campaign is a benchmark (docs/benchmarks.md):
-//! `KVTIER_CAMPAIGN_SEEDS=1-20 KVTIER_CAMPAIGN_CYCLES=100 cargo test --release -p tierd --test fault_campaign -- --nocapture`
+//! CI runs a short seed set. The long campaign is a benchmark (docs/benchmarks.md), in release
+//! with the fault injection compiled in:
+//! `KVTIER_CAMPAIGN_SEEDS=1-20 KVTIER_CAMPAIGN_CYCLES=100 cargo test --release -p tierd --features test-faults --test fault_campaign -- --nocapture`
 //! A failure prints its seed and cycle; `KVTIER_CAMPAIGN_SEEDS=<seed>` replays it.
 
 mod common;
@@ -122,6 +123,12 @@ fn seeds() -> Vec<u64> {
 
 #[test]
 fn fault_campaign() {
+    if !tierd::INJECTS_FAULTS {
+        panic!(
+            "this tierd ignores {}: build release campaigns with --features test-faults",
+            tierd::TEST_IO_FAULTS_ENV
+        );
+    }
     let cycles: u64 = std::env::var("KVTIER_CAMPAIGN_CYCLES")
         .map_or(6, |c| c.parse().expect("KVTIER_CAMPAIGN_CYCLES"));
     let mut total = Counts::default();
