@@ -34,8 +34,9 @@
 //! them: the rows never pass through the engine's host memory or the socket, and the device
 //! state is updated from the RESERVE reply instead of a new LEASE of the whole table.
 //!
-//! What is not here yet: CUDA graph capture of the kvtier layer itself (its launch parameters
-//! change per call; the engine's own kernels around it can be captured).
+//! CUDA graphs: a bound batch's layer calls (`decode_layer_device`) may be captured on the
+//! caller's stream and replayed until the next bind (kvtier.engine's `CapturedStep` does, with
+//! the model's own kernels around them).
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -2,7 +2,7 @@
 //! blocking client over a Unix stream socket.
 //!
 //! The byte-level specification is `docs/protocol.md`; this crate is its reference
-//! implementation. It is runtime-neutral (std + libc only): the daemon reads a 24-byte
+//! implementation. It is runtime-neutral (std, libc and memmap2; no async runtime): the daemon reads a 24-byte
 //! header, calls [`Header::decode`] and [`Header::check_len`] before reading the body, then
 //! [`Request::decode`], which borrows query and KV payloads from the body buffer.
 //!

@@ -16,7 +16,8 @@
 //!
 //! A tile is one (layer, block, kv-head): the K tile `[B x D]` followed by the V tile `[B x D]`.
 //! The tiles of one (layer, block) are adjacent, forming a block run that takes one arena extent of its size.
-//! Nothing here depends on a GPU or on io_uring: policy code is testable anywhere.
+//! Nothing here depends on a GPU, and io_uring only in the NVMe tier's io engine (with a pread
+//! fallback where it is unavailable): policy code is testable anywhere.
 
 pub mod arena;
 pub mod error;
