@@ -156,15 +156,64 @@ struct EngineSession {
     layers: Vec<LayerSync>,
 }
 
-/// The arena mapped and registered: dropped after the backend that reads it.
+/// The arena mapped and registered: dropped after the backends that read it (kept in
+/// [`ARENAS`] while its tierd instance is the current one).
 struct Mapped {
     instance: u64,
     read_only: bool,
-    /// Wall time of mapping and registering the arena (cuMemHostRegister pins every page).
-    register_time: Duration,
     // Field order is drop order: the registration goes before the mapping it covers.
     region: Arc<PinnedRegion>,
     view: ArenaView,
+}
+
+/// Arenas mapped and registered in this process, by (CUDA device ordinal, tierd socket,
+/// writable): every engine on that device over the same tierd instance shares one mapping and
+/// registration, so the cuMemHostRegister of the whole arena (seconds for tens of GiB) is paid
+/// once per process and device, not once per engine (a chat server opens one per
+/// conversation). An entry of an older instance (that tierd restarted) is replaced at the next
+/// lease from the new one, and its pinned pages are released with the last engine using it.
+static ARENAS: parking_lot::Mutex<Vec<ArenaEntry>> = parking_lot::Mutex::new(Vec::new());
+
+struct ArenaEntry {
+    device: usize,
+    socket: std::path::PathBuf,
+    writable: bool,
+    mapped: Arc<Mapped>,
+}
+
+/// The shared mapping and registration of the arena `lease` names on `be`'s device (see
+/// [`ARENAS`]), made now if this process has none; and whether it was made by an earlier
+/// engine.
+fn shared_arena(
+    be: &CudaBackend,
+    socket: &Path,
+    fd: std::os::fd::OwnedFd,
+    lease: &LeaseReply,
+    writable: bool,
+) -> Result<(Arc<Mapped>, bool)> {
+    let device = be.context().ordinal();
+    let ours = |e: &ArenaEntry| e.device == device && e.socket == socket && e.writable == writable;
+    // Held while registering: an engine leasing meanwhile waits for this mapping rather than
+    // making its own.
+    let mut arenas = ARENAS.lock();
+    arenas.retain(|e| !ours(e) || e.mapped.instance == lease.instance);
+    if let Some(e) = arenas.iter().find(|e| ours(e)) {
+        return Ok((e.mapped.clone(), true));
+    }
+    let (view, region, read_only) = register(be, fd, lease, writable)?;
+    let mapped = Arc::new(Mapped {
+        instance: lease.instance,
+        read_only,
+        region,
+        view,
+    });
+    arenas.push(ArenaEntry {
+        device,
+        socket: socket.to_path_buf(),
+        writable,
+        mapped: mapped.clone(),
+    });
+    Ok((mapped, false))
 }
 
 /// Rows an engine appends from its device memory ([`InEngine::append_from_device`]): per layer
@@ -182,13 +231,18 @@ pub struct DeviceRows {
 /// policy (`CudaConfig`), on one device; all of their KV heads or one shard of them.
 pub struct InEngine {
     client: Client,
+    /// tierd's socket, which names its arena in [`ARENAS`].
+    socket: std::path::PathBuf,
     be: CudaBackend,
     /// The sessions' geometry (the backend's is the shard's).
     full: Geometry,
     shard: HeadShard,
     sessions: HashMap<u64, EngineSession>,
     free_slots: Vec<u32>,
-    mapped: Option<Mapped>,
+    mapped: Option<Arc<Mapped>>,
+    /// What mapping the arena cost this engine: the wall time of its first lease's mapping and
+    /// registration (near 0 when an earlier engine's was reused), and whether it was reused.
+    registered: Option<(Duration, bool)>,
     /// Map and register the arena read-write ([`InEngine::enable_in_place_appends`]).
     in_place: bool,
     /// Where the last [`InEngine::append_from_device`] spent its time.
@@ -243,12 +297,14 @@ impl InEngine {
         let free_slots = (0..be.config().max_sessions).rev().collect();
         Ok(InEngine {
             client,
+            socket: socket.to_path_buf(),
             be,
             full,
             shard,
             sessions: HashMap::new(),
             free_slots,
             mapped: None,
+            registered: None,
             in_place: false,
             last_append: None,
         })
@@ -652,12 +708,18 @@ impl InEngine {
         self.mapped.as_ref().map(|m| m.read_only)
     }
 
-    /// Bytes of tierd's arena mapped and registered, and how long that took; None before the
-    /// first lease.
+    /// Bytes of tierd's arena mapped and registered, and how long that took this engine
+    /// (near 0 when it reused an earlier engine's: [`InEngine::arena_reused`]); None before
+    /// the first lease.
     pub fn registration(&self) -> Option<(usize, Duration)> {
-        self.mapped
-            .as_ref()
-            .map(|m| (m.view.len(), m.register_time))
+        let (m, (t, _)) = self.mapped.as_ref().zip(self.registered)?;
+        Some((m.view.len(), t))
+    }
+
+    /// Whether this engine reused the arena mapping and registration of an earlier engine of
+    /// this process (same device and tierd instance); None before the first lease.
+    pub fn arena_reused(&self) -> Option<bool> {
+        self.registered.map(|(_, reused)| reused)
     }
 
     /// Keep-sets of the last call at `layer`: `[batch][kv_head]` ascending block ids.
@@ -684,15 +746,10 @@ impl InEngine {
             Some(_) => Ok(lease),
             None => {
                 let t = Instant::now();
-                let (view, region, read_only) = register(&self.be, fd, &lease, self.in_place)?;
-                self.be.attach_host(region.clone())?;
-                self.mapped = Some(Mapped {
-                    instance: lease.instance,
-                    read_only,
-                    register_time: t.elapsed(),
-                    region,
-                    view,
-                });
+                let (m, reused) = shared_arena(&self.be, &self.socket, fd, &lease, self.in_place)?;
+                self.be.attach_host(m.region.clone())?;
+                self.mapped = Some(m);
+                self.registered = Some((t.elapsed(), reused));
                 Ok(lease)
             }
         }

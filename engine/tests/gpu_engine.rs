@@ -507,6 +507,53 @@ fn engine_processes_one_per_gpu_share_one_arena() {
     );
 }
 
+/// Engines of one process over one tierd share the arena's mapping and registration: a later
+/// engine on the device reuses it (no cuMemHostRegister of the whole arena again), also while
+/// another engine holds it, and answers bit for bit as the first did.
+#[test]
+#[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
+fn engines_of_a_process_share_the_arena_registration() {
+    if !kvtier_kernels::cuda::device_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let (d, sessions) = cpu_tierd_with_sessions(2, 2000, 91);
+    let (want, first) = {
+        let mut e = InEngine::connect(d.path(), 0, daemon_like_config()).unwrap();
+        let want: Vec<Vec<u64>> = sessions
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| {
+                e.attach(s).unwrap();
+                output_hashes(&mut e, i, s)
+            })
+            .collect();
+        assert_eq!(e.arena_reused(), Some(false));
+        (want, e.registration().unwrap().1)
+    };
+    let mut second = InEngine::connect(d.path(), 0, daemon_like_config()).unwrap();
+    second.attach(sessions[0]).unwrap();
+    assert_eq!(
+        second.arena_reused(),
+        Some(true),
+        "the first engine's arena is reused"
+    );
+    assert_eq!(output_hashes(&mut second, 0, sessions[0]), want[0]);
+    let mut third = InEngine::connect(d.path(), 0, daemon_like_config()).unwrap();
+    third.attach(sessions[1]).unwrap();
+    assert_eq!(
+        third.arena_reused(),
+        Some(true),
+        "shared while the second holds it"
+    );
+    assert_eq!(output_hashes(&mut third, 1, sessions[1]), want[1]);
+    eprintln!(
+        "arena mapped and registered once ({first:?}), then reused ({:?}, {:?}), outputs bit for bit",
+        second.registration().unwrap().1,
+        third.registration().unwrap().1
+    );
+}
+
 /// Layer `l` of session number `i` on engine `e`: the output bits hashed (FNV-1a) and the
 /// keep-sets, for the query heads of `e`'s shard (the whole query for a whole engine).
 fn shard_layer(e: &mut InEngine, i: usize, session: u64, l: usize) -> (u64, Vec<Vec<u32>>) {

@@ -176,7 +176,8 @@ class InEngine:
 
     def registration(self):
         """(bytes, seconds) of mapping and registering tierd's arena with this process's CUDA
-        context (every page is pinned), or None before the first attach."""
+        context (every page is pinned), or None before the first attach. Engines of a process
+        on one device over one tierd share the mapping: a later one's seconds are ~0."""
         return self._e.registration()
 
     def last_append(self) -> Optional[dict]:
