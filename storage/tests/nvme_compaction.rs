@@ -18,7 +18,7 @@ use kvtier_storage::nvme::{
 use kvtier_tests::kv::xorshift_bytes;
 
 mod common;
-use common::one_layer_record;
+use common::{layer0_runs, one_layer_record};
 use kvtier_tests::sys::{scratch_dir, spawn_lines};
 
 /// Pages of one unit: 64 sessions x 8 blocks, written block by block across the sessions so
@@ -148,15 +148,7 @@ fn a_write_that_fits_in_the_free_bytes_moves_pages_and_loses_none() {
     let payloads: Vec<Vec<u8>> = (0..blocks as u32)
         .map(|b| content(1_000, b, wide))
         .collect();
-    let runs: Vec<BlockRun> = payloads
-        .iter()
-        .enumerate()
-        .map(|(b, p)| BlockRun {
-            layer: 0,
-            block: b as u32,
-            bytes: p,
-        })
-        .collect();
+    let runs = layer0_runs(&payloads);
     assert!(matches!(
         tier.put_session(&one_layer_record(1_000, BLOCKS), &runs),
         Err(NvmeError::Full { .. })
