@@ -45,21 +45,16 @@ use std::time::{Duration, Instant};
 
 use kvtier_kernels::cuda::{
     CUstream, CudaBackend, CudaConfig, CudaError, DecodeItem, DeviceIo, LayerOutput, LayerStats,
-    PinnedRegion, StepItem, StepOutput, Timing,
+    StepItem, StepOutput, Timing,
 };
-use kvtier_kernels::remap::stale_runs;
 use kvtier_protocol::client::{Client, ClientError};
-use kvtier_protocol::lease::ArenaView;
 use kvtier_protocol::{Geometry, LeaseLayer, LeaseReply, ReserveReply};
-use kvtier_storage::kv::refold_bounds;
-use kvtier_storage::sketch::{self, BlockSketch, BlockSketches};
-use kvtier_storage::zip_mut;
 
-/// Bytes per cuMemHostRegister call: tierd's arena segment (no block run crosses one).
-const REGISTER_CHUNK: usize = 1 << 30;
+mod arena;
+mod sync;
 
-/// Blocks (over all layers) from which a sync recomputes bounds on every core.
-const PARALLEL_BOUNDS_FROM: usize = 64;
+use arena::{shared_arena, Mapped};
+use sync::{new_summaries, sync_layer, LayerSync, Part};
 
 /// New blocks whose bounds a sync computes in one parallel pass (and holds in host memory:
 /// 4 MiB at Qwen2.5-7B's geometry).
@@ -140,80 +135,10 @@ impl HeadShard {
 
 pub type Result<T> = std::result::Result<T, EngineError>;
 
-/// What the device holds of one session layer.
-#[derive(Debug, Clone, Default)]
-struct LayerSync {
-    tokens: u64,
-    /// Leading blocks whose (final) bounds are on the device.
-    final_blocks: usize,
-    /// Arena offset each block is mapped to.
-    offsets: Vec<u64>,
-}
-
 #[derive(Debug)]
 struct EngineSession {
     slot: u32,
     layers: Vec<LayerSync>,
-}
-
-/// The arena mapped and registered: dropped after the backends that read it (kept in
-/// [`ARENAS`] while its tierd instance is the current one).
-struct Mapped {
-    instance: u64,
-    read_only: bool,
-    // Field order is drop order: the registration goes before the mapping it covers.
-    region: Arc<PinnedRegion>,
-    view: ArenaView,
-}
-
-/// Arenas mapped and registered in this process, by (CUDA device ordinal, tierd socket,
-/// writable): every engine on that device over the same tierd instance shares one mapping and
-/// registration, so the cuMemHostRegister of the whole arena (seconds for tens of GiB) is paid
-/// once per process and device, not once per engine (a chat server opens one per
-/// conversation). An entry of an older instance (that tierd restarted) is replaced at the next
-/// lease from the new one, and its pinned pages are released with the last engine using it.
-static ARENAS: parking_lot::Mutex<Vec<ArenaEntry>> = parking_lot::Mutex::new(Vec::new());
-
-struct ArenaEntry {
-    device: usize,
-    socket: std::path::PathBuf,
-    writable: bool,
-    mapped: Arc<Mapped>,
-}
-
-/// The shared mapping and registration of the arena `lease` names on `be`'s device (see
-/// [`ARENAS`]), made now if this process has none; and whether it was made by an earlier
-/// engine.
-fn shared_arena(
-    be: &CudaBackend,
-    socket: &Path,
-    fd: std::os::fd::OwnedFd,
-    lease: &LeaseReply,
-    writable: bool,
-) -> Result<(Arc<Mapped>, bool)> {
-    let device = be.context().ordinal();
-    let ours = |e: &ArenaEntry| e.device == device && e.socket == socket && e.writable == writable;
-    // Held while registering: an engine leasing meanwhile waits for this mapping rather than
-    // making its own.
-    let mut arenas = ARENAS.lock();
-    arenas.retain(|e| !ours(e) || e.mapped.instance == lease.instance);
-    if let Some(e) = arenas.iter().find(|e| ours(e)) {
-        return Ok((e.mapped.clone(), true));
-    }
-    let (view, region, read_only) = register(be, fd, lease, writable)?;
-    let mapped = Arc::new(Mapped {
-        instance: lease.instance,
-        read_only,
-        region,
-        view,
-    });
-    arenas.push(ArenaEntry {
-        device,
-        socket: socket.to_path_buf(),
-        writable,
-        mapped: mapped.clone(),
-    });
-    Ok((mapped, false))
 }
 
 /// Rows an engine appends from its device memory ([`InEngine::append_from_device`]): per layer
@@ -231,7 +156,7 @@ pub struct DeviceRows {
 /// policy (`CudaConfig`), on one device; all of their KV heads or one shard of them.
 pub struct InEngine {
     client: Client,
-    /// tierd's socket, which names its arena in [`ARENAS`].
+    /// tierd's socket, which names its arena among the shared ones ([`arena::shared_arena`]).
     socket: std::path::PathBuf,
     be: CudaBackend,
     /// The sessions' geometry (the backend's is the shard's).
@@ -754,186 +679,4 @@ impl InEngine {
             }
         }
     }
-}
-
-/// Maps the arena and registers it with the backend's context: read-write for in-place
-/// appends (`writable`: the device writes RESERVEd rows into it by DMA); otherwise read-only
-/// where the driver supports it (`CU_MEMHOSTREGISTER_READ_ONLY`), else over a read-write
-/// mapping of the same memfd (the device still only reads it; this process never writes
-/// through it).
-fn register(
-    be: &CudaBackend,
-    fd: std::os::fd::OwnedFd,
-    lease: &LeaseReply,
-    writable: bool,
-) -> Result<(ArenaView, Arc<PinnedRegion>, bool)> {
-    let ctx = be.context().clone();
-    if writable {
-        let (view, region) = register_read_write(&ctx, fd, lease)?;
-        return Ok((view, region, false));
-    }
-    let second = fd.try_clone()?;
-    let view = ArenaView::map(fd, lease)?;
-    // SAFETY: `view` is a live mapping that the caller keeps (in `Mapped`) until after the
-    // registration (declared before it) is dropped; nothing else in this process registers it.
-    let ro = unsafe {
-        PinnedRegion::register_chunked_read_only(&ctx, view.as_ptr(), view.len(), REGISTER_CHUNK)
-    };
-    match ro {
-        Ok(region) => Ok((view, Arc::new(region), true)),
-        Err(CudaError::Pin { .. }) => {
-            drop(view);
-            let (view, region) = register_read_write(&ctx, second, lease)?;
-            Ok((view, region, false))
-        }
-        Err(e) => Err(e.into()),
-    }
-}
-
-/// The arena mapped read-write and registered plainly (the device may write it).
-fn register_read_write(
-    ctx: &Arc<kvtier_kernels::cuda::CudaContext>,
-    fd: std::os::fd::OwnedFd,
-    lease: &LeaseReply,
-) -> Result<(ArenaView, Arc<PinnedRegion>)> {
-    let view = ArenaView::map_for_registration(fd, lease)?;
-    // SAFETY: `view` is a live read-write mapping that the caller keeps (in `Mapped`) until
-    // after the registration (declared before it) is dropped; nothing else in this process
-    // registers it.
-    let region = unsafe {
-        PinnedRegion::register_chunked(ctx, view.as_ptr().cast_mut(), view.len(), REGISTER_CHUNK)
-    }?;
-    Ok((view, Arc::new(region)))
-}
-
-/// The part of every block run an engine reads: its shard's heads, `geo.block_bytes()` from
-/// `offset`.
-struct Part {
-    offset: u64,
-    geo: Geometry,
-}
-
-/// What the device selects by, for one layer's blocks from its first non-final one on: their
-/// bounds `[block][kv_head][max|min][D]`, or with the sketch selector their sketches
-/// (kvtier_storage::sketch's layout). Empty where nothing changed.
-enum Summaries {
-    Bounds(Vec<f32>),
-    Sketches(BlockSketches),
-}
-
-impl Summaries {
-    fn is_empty(&self) -> bool {
-        match self {
-            Summaries::Bounds(b) => b.is_empty(),
-            Summaries::Sketches(s) => s.quarter_scales.is_empty(),
-        }
-    }
-}
-
-/// One block's share of [`new_summaries`]' output.
-enum BlockOut<'a> {
-    Bounds(&'a mut [f32]),
-    Sketch(BlockSketch<'a>),
-}
-
-/// The summaries of every layer's blocks from its first non-final one on, recomputed from the
-/// runs with the daemon's functions (so they are the daemon's bit for bit), for the layers from
-/// `first` on that `held` covers, in one pass over all of them.
-fn new_summaries(
-    view: &ArenaView,
-    lease: &LeaseReply,
-    part: &Part,
-    sketches: bool,
-    first: usize,
-    held: &[LayerSync],
-) -> Result<Vec<Summaries>> {
-    let geo = &part.geo;
-    let (at, len) = (part.offset as usize, geo.block_bytes());
-    let (bt, spb) = (geo.block_tokens as u64, geo.summary_floats_per_block());
-    let mut out = Vec::with_capacity(held.len());
-    let mut runs = Vec::new(); // (valid rows, run), in the order of `out`'s blocks
-    for (layer, (ls, want)) in (first..).zip(held.iter().zip(&lease.layers[first..])) {
-        let nb = want.offsets.len();
-        let from = ls.final_blocks.min(nb);
-        out.push(if sketches {
-            Summaries::Sketches(BlockSketches::new(geo, nb - from))
-        } else {
-            Summaries::Bounds(vec![0f32; (nb - from) * spb])
-        });
-        for blk in from..nb {
-            let run = view
-                .run(lease, layer, blk)
-                .and_then(|r| r.get(at..at + len))
-                .ok_or(EngineError::Unmapped { layer, block: blk })?;
-            runs.push(((want.tokens - blk as u64 * bt).min(bt) as usize, run));
-        }
-    }
-    // A first sync of a long session or a prefill recomputes many blocks: on every core. The
-    // usual sync (a block or two per layer) runs inline: spawning a thread per core would cost
-    // more than the blocks.
-    let threads = if runs.len() >= PARALLEL_BOUNDS_FROM {
-        std::thread::available_parallelism().map_or(1, |n| n.get())
-    } else {
-        1
-    };
-    let mut outs: Vec<Option<BlockOut<'_>>> = out
-        .iter_mut()
-        .flat_map(|s| -> Box<dyn Iterator<Item = Option<BlockOut<'_>>> + '_> {
-            match s {
-                Summaries::Bounds(b) => {
-                    Box::new(b.chunks_mut(spb).map(|c| Some(BlockOut::Bounds(c))))
-                }
-                Summaries::Sketches(s) => {
-                    Box::new(s.blocks_mut(geo).map(|b| Some(BlockOut::Sketch(b))))
-                }
-            }
-        })
-        .collect();
-    zip_mut(
-        &mut outs,
-        &runs,
-        threads,
-        "kvtier-bounds",
-        |out, &(valid, run)| match out.take().expect("each block once") {
-            BlockOut::Bounds(b) => refold_bounds(geo, run, valid, b),
-            BlockOut::Sketch(s) => sketch::sketch_block(geo, run, valid, s),
-        },
-    );
-    Ok(out)
-}
-
-/// Uploads what changed in one session layer: runs of new or moved blocks, the summaries
-/// [`new_summaries`] computed for it, the token count.
-fn sync_layer(
-    be: &mut CudaBackend,
-    part: &Part,
-    slot: u32,
-    layer: usize,
-    ls: &mut LayerSync,
-    want: &LeaseLayer,
-    sums: &Summaries,
-) -> Result<()> {
-    let l = layer as u32;
-    let geo = &part.geo;
-    for run in stale_runs(&ls.offsets, &want.offsets) {
-        let offsets: Vec<u64> = want.offsets[run.clone()]
-            .iter()
-            .map(|&o| o + part.offset)
-            .collect();
-        be.map_blocks(slot, l, run.start as u32, &offsets)?;
-    }
-    ls.offsets = want.offsets.clone();
-    let bt = geo.block_tokens as u64;
-    let first = ls.final_blocks as u32;
-    match sums {
-        _ if sums.is_empty() => {}
-        Summaries::Bounds(b) => be.upload_summaries(slot, l, first, b)?,
-        Summaries::Sketches(s) => be.upload_sketches(slot, l, first, &s.as_ref())?,
-    }
-    ls.final_blocks = (want.tokens / bt) as usize;
-    if want.tokens != ls.tokens {
-        be.set_tokens(slot, l, want.tokens as u32)?;
-        ls.tokens = want.tokens;
-    }
-    Ok(())
 }
