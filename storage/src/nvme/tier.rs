@@ -388,11 +388,15 @@ impl NvmeTier {
             }
             e
         };
-        // Where each moving page is in the manifest.
-        let mut at: HashMap<PageAddr, (usize, usize)> = HashMap::new();
+        // Where each moving page is in the manifest (one pass over its records).
+        let moving: std::collections::HashSet<PageAddr> = moves.iter().map(|m| m.0).collect();
+        let mut at: HashMap<PageAddr, (usize, usize)> = HashMap::with_capacity(moves.len());
         for (i, s) in st.manifest.sessions.iter().enumerate() {
             for (j, p) in s.pages.iter().enumerate() {
-                at.insert(p.addr(unit), (i, j));
+                let addr = p.addr(unit);
+                if moving.contains(&addr) {
+                    at.insert(addr, (i, j));
+                }
             }
         }
         let mut reads = Vec::with_capacity(moves.len());
@@ -443,8 +447,7 @@ impl NvmeTier {
             p.page = to.page;
         }
         st.manifests.commit(&mut next).map_err(undo)?;
-        let moved: Vec<PageAddr> = moves.iter().map(|m| m.0).collect();
-        self.after_commit(st, next, moved);
+        self.after_commit(st, next, moving.into_iter().collect());
         // The originals are the fallback manifest's until one more commit.
         let mut again = st.manifest.clone();
         st.manifests.commit(&mut again)?;

@@ -71,14 +71,14 @@ impl Space {
         let mut pages: Vec<(u64, u32)> = self.pages.iter().map(|(&s, &u)| (s, u)).collect();
         pages.sort_unstable();
         let mut prefix = Vec::with_capacity(pages.len() + 1);
-        let mut too_big = Vec::with_capacity(pages.len() + 1);
+        let mut unusable_before = Vec::with_capacity(pages.len() + 1);
         prefix.push(0u64);
-        too_big.push(0u32);
+        unusable_before.push(0u32);
         for &(s, u) in &pages {
             let moved = !stays_free(s);
             prefix.push(prefix[prefix.len() - 1] + if moved { u64::from(u) } else { 0 });
             let unusable = fixed.contains(&s) || (moved && u64::from(u) >= units);
-            too_big.push(too_big[too_big.len() - 1] + u32::from(unusable));
+            unusable_before.push(unusable_before[unusable_before.len() - 1] + u32::from(unusable));
         }
         let mut starts: Vec<u64> =
             Vec::with_capacity(2 * pages.len() + 2 * self.free.free_ranges() as usize);
@@ -109,7 +109,7 @@ impl Space {
             while hi < pages.len() && pages[hi].0 < s + units {
                 hi += 1;
             }
-            if too_big[hi] != too_big[lo] {
+            if unusable_before[hi] != unusable_before[lo] {
                 continue;
             }
             let cost = prefix[hi] - prefix[lo];
