@@ -40,6 +40,7 @@ pub struct Snapshot {
     pub host_frames_used: u64,
     pub host_largest_free_bytes: u64,
     pub host_free_ranges: u64,
+    pub host_runs_moved: u64,
     pub decode_requests: u64,
     pub decode_entries: u64,
     pub append_tokens: u64,
@@ -90,6 +91,7 @@ pub mod names {
     pub const NVME_IO_ERRORS: &str = "kvtier_nvme_io_errors_total";
     pub const NVME_CHECKSUM_ERRORS: &str = "kvtier_nvme_checksum_errors_total";
     pub const NVME_PAGES_MOVED: &str = "kvtier_nvme_pages_moved_total";
+    pub const HOST_RUNS_MOVED: &str = "kvtier_host_runs_moved_total";
 }
 
 /// Why a request was refused before it ran (label `reason` of
@@ -203,6 +205,7 @@ pub struct Metrics {
     uptime: Gauge,
     sessions: Gauge,
     host: TierGauges,
+    host_runs_moved: Counter,
     decode_requests: Counter,
     decode_entries: Counter,
     append_tokens: Counter,
@@ -244,6 +247,7 @@ impl Metrics {
             uptime: r.gauge(names::UPTIME, &[]),
             sessions: r.gauge(names::SESSIONS, &[]),
             host: r.tier("host"),
+            host_runs_moved: r.counter(names::HOST_RUNS_MOVED, &[]),
             decode_requests: r.counter(names::DECODE_REQUESTS, &[]),
             decode_entries: r.counter(names::DECODE_ENTRIES, &[]),
             append_tokens: r.counter(names::APPEND_TOKENS, &[]),
@@ -341,6 +345,7 @@ impl Metrics {
             .largest_free_bytes
             .set(s.host_largest_free_bytes as f64);
         self.host.free_ranges.set(s.host_free_ranges as f64);
+        self.host_runs_moved.absolute(s.host_runs_moved);
         self.decode_requests.absolute(s.decode_requests);
         self.decode_entries.absolute(s.decode_entries);
         self.append_tokens.absolute(s.append_tokens);
@@ -501,6 +506,11 @@ impl Registrar<'_> {
             None,
             "NVMe pages compaction moved so that a write fitting in the free bytes but in no free extent was placed",
         );
+        c(
+            HOST_RUNS_MOVED,
+            None,
+            "Block runs compaction moved inside the host tier so that a request fitting in the free bytes but in no free range was placed",
+        );
     }
 }
 
@@ -529,6 +539,7 @@ mod tests {
             NVME_IO_ERRORS,
             NVME_CHECKSUM_ERRORS,
             NVME_PAGES_MOVED,
+            HOST_RUNS_MOVED,
         ];
         let others = [
             READY,

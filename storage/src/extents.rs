@@ -58,6 +58,11 @@ impl Extents {
         self.total
     }
 
+    /// Units of a segment (no extent crosses a multiple of it).
+    pub fn segment(&self) -> u64 {
+        self.segment
+    }
+
     /// Units allocated now.
     pub fn used(&self) -> u64 {
         self.used

@@ -5,7 +5,9 @@
 //! - [`Geometry`], [`Policy`], [`DType`]: the data model, defined in kvtier-model and
 //!   re-exported here (with its modules, `geometry` and `dtype`) for the crates built on storage.
 //! - [`arena`]: [`HostArena`], variable-size block-run extents in one anonymous mapping (the
-//!   host tier), carved by [`extents`].
+//!   host tier), carved by [`extents`]; `space` indexes the extents of both tiers and plans
+//!   compaction (moving extents out of a window so a run fits where the free space is in
+//!   pieces).
 //! - [`kv`]: [`KvCache`], one session's per-layer block tables and incremental block summaries.
 //! - [`sketch`]: per-token int4 key sketches, kept beside the summaries for the sketch
 //!   selector.
@@ -26,9 +28,10 @@ pub mod kv;
 pub mod nvme;
 mod par;
 pub mod sketch;
+mod space;
 pub mod testing;
 
-pub use arena::{ArenaOptions, ArenaUsage, Frame, HostArena, HostQuota};
+pub use arena::{ArenaOptions, ArenaUsage, Frame, HostArena, HostQuota, Relocation};
 pub use error::{Result, StorageError};
 pub use kv::{in_place_row, ColdSource, InPlaceAppend, KvCache, LayerView, StoredBlock};
 pub use kvtier_model::{dtype, geometry, DType, Geometry, ModelError, Policy, Selector};

@@ -108,9 +108,10 @@ impl Engine {
     }
 
     /// Runs `attempt` on a locked session that needs `need` more host bytes (see
-    /// [`Self::append_need`]); if the host tier is full, makes room (`make_room`) and tries
-    /// once more. A refusal by the owner's own share of the tier makes no room: demoting others
-    /// frees nothing it may take.
+    /// [`Self::append_need`]); if the host tier is full, makes room (`make_room`, then
+    /// `compact_host` where the free bytes are in pieces) and tries once more. A refusal by
+    /// the owner's own share of the tier makes no room: demoting others frees nothing it may
+    /// take.
     pub(super) fn with_room<T>(
         &self,
         s: &Session,
@@ -124,7 +125,10 @@ impl Engine {
                     self.record_rejection(Rejection::HostShare);
                     return Err(e);
                 }
-                if !self.make_room(&[s.id], need, need) {
+                let run = st.kv.run_extent_bytes();
+                if !self.make_room(&[s.id], need, need)
+                    || !self.compact_host(need.div_ceil(run), run)
+                {
                     self.record_rejection(Rejection::HostFull);
                     return Err(e);
                 }
@@ -392,12 +396,13 @@ impl Engine {
             };
             // What the step could not place (a run promoted or opened); step_bytes bounds what
             // the whole step may take.
-            let short = match &e {
+            let (runs, run_bytes) = match e.root() {
                 KernelError::Storage(StorageError::ArenaFull {
                     wanted, run_bytes, ..
-                }) => wanted * run_bytes,
-                _ => 0,
+                }) => (*wanted, *run_bytes),
+                _ => (0, 0),
             };
+            let short = runs * run_bytes;
             let e = ServiceError::from(e);
             // Make room by demoting other sessions (not under the device lock), then try again.
             if e.code != ErrorCode::ResourceExhausted || rooms_made == ROOM_ATTEMPTS {
@@ -405,7 +410,9 @@ impl Engine {
             }
             rooms_made += 1;
             let want = step_bytes(&sessions, &positions);
-            if !self.make_room(&ids, if short > 0 { short } else { want }, want) {
+            if !self.make_room(&ids, if short > 0 { short } else { want }, want)
+                || (runs > 0 && !self.compact_host(runs, run_bytes))
+            {
                 self.record_rejection(Rejection::HostFull);
                 return Err(e);
             }

@@ -43,6 +43,7 @@ use crate::metrics::{Metrics, Rejection};
 use kvtier_protocol::ErrorCode;
 
 mod coalesce;
+mod compaction;
 mod decode;
 mod lease;
 pub use lease::next_connection_id;

@@ -18,11 +18,14 @@ pub mod extra_stats_keys {
     /// The longest run extent the host tier could hand out now, and its free ranges.
     pub const HOST_LARGEST_FREE_BYTES: &str = "host_largest_free_bytes";
     pub const HOST_FREE_RANGES: &str = "host_free_ranges";
+    /// Runs moved inside the host tier to place a request that fit in the free bytes but in
+    /// no free range (compaction).
+    pub const HOST_RUNS_MOVED_TOTAL: &str = "host_runs_moved_total";
     /// Error replies that are the daemon's trouble, not the request's: INTERNAL, DATA_LOSS,
     /// UNAVAILABLE (a part of `errors_total`, which counts every error reply).
     pub const DAEMON_ERRORS_TOTAL: &str = "daemon_errors_total";
 
-    pub const ALL: [&str; 10] = [
+    pub const ALL: [&str; 11] = [
         READY,
         STARTED_UNIX_MS,
         SELECTED_TILES_TOTAL,
@@ -32,6 +35,7 @@ pub mod extra_stats_keys {
         DECODE_ATTEND_NS_TOTAL,
         HOST_LARGEST_FREE_BYTES,
         HOST_FREE_RANGES,
+        HOST_RUNS_MOVED_TOTAL,
         DAEMON_ERRORS_TOTAL,
     ];
 }
@@ -51,6 +55,8 @@ pub struct Counters {
     pub demotions: AtomicU64,
     pub blocks_demoted: AtomicU64,
     pub blocks_promoted: AtomicU64,
+    /// Runs moved inside the host tier by compaction.
+    pub host_runs_moved: AtomicU64,
     pub selected_tiles: AtomicU64,
     pub append_ns: AtomicU64,
     pub select_ns: AtomicU64,
@@ -127,6 +133,7 @@ impl Engine {
             host_frames_used: u.frames_used as u64,
             host_largest_free_bytes: u.largest_free_bytes as u64,
             host_free_ranges: u.free_ranges as u64,
+            host_runs_moved: get(&c.host_runs_moved),
             decode_requests: get(&c.decode_requests),
             decode_entries: get(&c.decode_entries),
             append_tokens: get(&c.append_tokens),
@@ -167,6 +174,7 @@ impl Engine {
             (x::DECODE_ATTEND_NS_TOTAL, s.attend_ns),
             (x::HOST_LARGEST_FREE_BYTES, s.host_largest_free_bytes),
             (x::HOST_FREE_RANGES, s.host_free_ranges),
+            (x::HOST_RUNS_MOVED_TOTAL, s.host_runs_moved),
             (x::DAEMON_ERRORS_TOTAL, get(&self.counters.daemon_errors)),
         ];
         let mut lanes = Vec::new();

@@ -272,13 +272,14 @@ impl Engine {
     /// tier at its low-water mark, and nothing at all when even every session it may demote
     /// would not free `need`. Only
     /// `try_lock`s sessions, so it never waits on a busy one. Returns whether `need` bytes are
-    /// free.
+    /// free (perhaps in pieces: `compact_host` places runs there).
     pub(super) fn make_room(&self, exclude: &[u64], need: usize, want: usize) -> bool {
         let want = want.max(need);
-        let Some((_, t)) = &self.tier else {
-            return false;
-        };
         let u = self.arena.usage();
+        let Some((_, t)) = &self.tier else {
+            // Nothing can be demoted; the free bytes may still hold it (in pieces: compaction).
+            return u.bytes_total - u.bytes_used >= need;
+        };
         let total = u.bytes_total;
         let free = |used: usize| total - used;
         let above_high = u.bytes_used as f64 >= total as f64 * t.high_water;

@@ -10,6 +10,7 @@ use crate::par;
 use crate::sketch::{sketch_block, BlockSketch, BlockSketchesRef, HeadSketch, LayerSketches};
 
 mod in_place;
+mod relocate;
 pub use in_place::{in_place_row, InPlaceAppend};
 
 /// Fewest blocks per thread before [`KvCache::restore_blocks`] fans out (a block's bound

@@ -1,201 +1,10 @@
 //! Page allocation: an extent per page from each device's [`Extents`], and new pages striped
 //! over the devices by their stripe weights (smooth weighted round robin per session).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use super::{NvmeError, PageAddr, PageStore};
-use crate::extents::Extents;
-
-/// A device's space: its free extents and every allocated page, by first unit. The page index
-/// makes free, mark and write exact: [`Extents`] knows which units are in use but not where
-/// one page ends and the next begins, so without it a free of the wrong length (a
-/// bookkeeping bug) could release a neighbour's units to a new owner.
-pub(super) struct Space {
-    free: Extents,
-    pages: HashMap<u64, u32>,
-}
-
-impl Space {
-    pub(super) fn new(units: u64) -> Self {
-        Self {
-            free: Extents::new(units, 0),
-            pages: HashMap::new(),
-        }
-    }
-
-    /// Units allocated.
-    pub(super) fn used(&self) -> u64 {
-        self.free.used()
-    }
-
-    /// Units not allocated.
-    pub(super) fn free(&self) -> u64 {
-        self.free.free()
-    }
-
-    /// Pages allocated.
-    pub(super) fn pages(&self) -> u64 {
-        self.pages.len() as u64
-    }
-
-    /// Units of the longest page that could be allocated now.
-    pub(super) fn largest_free(&self) -> u64 {
-        self.free.largest_free()
-    }
-
-    /// Free ranges of the device.
-    pub(super) fn free_ranges(&self) -> u64 {
-        self.free.free_ranges()
-    }
-
-    pub(super) fn alloc(&mut self, units: u32) -> Option<u64> {
-        let start = self.free.alloc(u64::from(units))?;
-        self.pages.insert(start, units);
-        Some(start)
-    }
-
-    /// The window of `units` units to empty for a page when no free range holds one: of the
-    /// windows that start or end where a page or a free range does, the one whose pages
-    /// (each moved whole, also one that only overlaps it) hold the fewest units. Pages whose
-    /// start is in `soon` are about to be freed and need no move; a window holding a page
-    /// whose start is in `fixed`, or one of `units` or more (it would need such a window
-    /// itself), is no use. Its cost in units, its start and the pages to move; None if there
-    /// is no such window.
-    fn window(&self, units: u64, soon: &HashSet<u64>, fixed: &HashSet<u64>) -> Option<Window> {
-        let stays_free = |s: u64| soon.contains(&s);
-        let total = self.free.total();
-        if units > total {
-            return None;
-        }
-        // Non-overlapping, so sorted by start they are sorted by end too.
-        let mut pages: Vec<(u64, u32)> = self.pages.iter().map(|(&s, &u)| (s, u)).collect();
-        pages.sort_unstable();
-        let mut prefix = Vec::with_capacity(pages.len() + 1);
-        let mut unusable_before = Vec::with_capacity(pages.len() + 1);
-        prefix.push(0u64);
-        unusable_before.push(0u32);
-        for &(s, u) in &pages {
-            let moved = !stays_free(s);
-            prefix.push(prefix[prefix.len() - 1] + if moved { u64::from(u) } else { 0 });
-            let unusable = fixed.contains(&s) || (moved && u64::from(u) >= units);
-            unusable_before.push(unusable_before[unusable_before.len() - 1] + u32::from(unusable));
-        }
-        let mut starts: Vec<u64> =
-            Vec::with_capacity(2 * pages.len() + 2 * self.free.free_ranges() as usize);
-        let mut edge = |at: u64, end: u64| {
-            starts.push(at);
-            starts.push(end.saturating_sub(units));
-        };
-        for &(s, u) in &pages {
-            edge(s, s + u64::from(u));
-        }
-        for (s, l) in self.free.free_list() {
-            edge(s, s + l);
-        }
-        starts.sort_unstable();
-        starts.dedup();
-        let (mut lo, mut hi) = (0, 0);
-        let mut best: Option<(u64, u64, usize, usize)> = None;
-        for s in starts {
-            if s + units > total {
-                break;
-            }
-            // The pages overlapping [s, s + units): from the first that ends after s to the
-            // last that starts before its end.
-            while lo < pages.len() && pages[lo].0 + u64::from(pages[lo].1) <= s {
-                lo += 1;
-            }
-            hi = hi.max(lo);
-            while hi < pages.len() && pages[hi].0 < s + units {
-                hi += 1;
-            }
-            if unusable_before[hi] != unusable_before[lo] {
-                continue;
-            }
-            let cost = prefix[hi] - prefix[lo];
-            if best.is_none_or(|b| cost < b.0) {
-                best = Some((cost, s, lo, hi));
-            }
-        }
-        let (cost, start, lo, hi) = best?;
-        Some(Window {
-            cost,
-            start,
-            moves: pages[lo..hi]
-                .iter()
-                .copied()
-                .filter(|&(s, _)| !stays_free(s))
-                .collect(),
-        })
-    }
-
-    /// Allocates new places for `w`'s pages outside its window (each free range inside the
-    /// window is held while they are placed). All or nothing: None leaves the space as it was.
-    fn place_outside(&mut self, units: u64, w: &Window) -> Option<Vec<u64>> {
-        let end = w.start + units;
-        let held: Vec<(u64, u64)> = self
-            .free
-            .free_list()
-            .filter(|&(s, l)| s < end && s + l > w.start)
-            .map(|(s, l)| (s.max(w.start), (s + l).min(end) - s.max(w.start)))
-            .collect();
-        for &(s, l) in &held {
-            let marked = self.free.mark(s, l);
-            debug_assert!(marked, "a free range inside the window");
-        }
-        let mut placed = Vec::with_capacity(w.moves.len());
-        for &(_, u) in &w.moves {
-            match self.alloc(u) {
-                Some(at) => placed.push(at),
-                None => break,
-            }
-        }
-        let all = placed.len() == w.moves.len();
-        if !all {
-            for (&at, &(_, u)) in placed.iter().zip(&w.moves) {
-                self.release(at, u);
-            }
-        }
-        for &(s, l) in &held {
-            let released = self.free.release(s, l);
-            debug_assert!(released, "the window's held range");
-        }
-        all.then_some(placed)
-    }
-
-    /// Whether `[start, start + units)` is exactly one allocated page.
-    pub(super) fn is_page(&self, start: u64, units: u32) -> bool {
-        self.pages.get(&start) == Some(&units)
-    }
-
-    /// Frees a page; false (nothing changes) unless it is exactly an allocated page.
-    pub(super) fn release(&mut self, start: u64, units: u32) -> bool {
-        if !self.is_page(start, units) {
-            return false;
-        }
-        let released = self.free.release(start, u64::from(units));
-        debug_assert!(released, "the page index and the extents agree");
-        self.pages.remove(&start);
-        released
-    }
-
-    /// Marks a known page allocated; false (nothing changes) unless all of it is free.
-    pub(super) fn mark(&mut self, start: u64, units: u32) -> bool {
-        if !self.free.mark(start, u64::from(units)) {
-            return false;
-        }
-        self.pages.insert(start, units);
-        true
-    }
-}
-
-/// A window of one device to empty: what moving its pages costs, where it starts, and the
-/// pages `(start, units)` to move.
-struct Window {
-    cost: u64,
-    start: u64,
-    moves: Vec<(u64, u32)>,
-}
+use crate::space::Occupant;
 
 /// Pages to move so that a page of a given size fits where the free space is in pieces:
 /// each `(from, to)`, `to` allocated already. The mover writes them, commits a manifest that
@@ -228,10 +37,19 @@ impl PageStore {
                 .collect()
         };
         let sets = |d: usize| (on(d, &mut freed_soon.iter()), on(d, &mut fixed.iter()));
+        let occupant = |soon: &HashSet<u64>, fixed: &HashSet<u64>, page: u64| {
+            if soon.contains(&page) {
+                Occupant::FreedSoon
+            } else if fixed.contains(&page) {
+                Occupant::Fixed
+            } else {
+                Occupant::Movable
+            }
+        };
         for (d, dev) in self.devices.iter().enumerate() {
             let (soon, fixed) = sets(d);
             let space = dev.alloc.lock();
-            if let Some(w) = space.window(units, &soon, &fixed) {
+            if let Some(w) = space.window(units, |p| occupant(&soon, &fixed, p)) {
                 windows.push((w.cost, d));
             }
         }
@@ -240,7 +58,7 @@ impl PageStore {
             let (soon, fixed) = sets(d);
             let mut space = self.devices[d].alloc.lock();
             // Planned again under this lock: the space may have changed since.
-            let Some(w) = space.window(units, &soon, &fixed) else {
+            let Some(w) = space.window(units, |p| occupant(&soon, &fixed, p)) else {
                 continue;
             };
             if let Some(to) = space.place_outside(units, &w) {

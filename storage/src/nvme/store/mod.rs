@@ -50,6 +50,7 @@ use super::page::{PageId, HEADER_LEN};
 use super::plan::{Lane, LaneTracker};
 use super::NvmeError;
 use crate::par;
+use crate::space::Space;
 
 mod alloc;
 mod lanes;
@@ -142,7 +143,7 @@ struct Device {
     units: u64,
     /// Configured stripe weight.
     bandwidth: f64,
-    alloc: Mutex<alloc::Space>,
+    alloc: Mutex<Space>,
     read: Mutex<LaneTracker>,
     write: Mutex<LaneTracker>,
 }
@@ -234,7 +235,7 @@ impl PageStore {
                 file,
                 units,
                 bandwidth: d.bandwidth_bytes_per_s,
-                alloc: Mutex::new(alloc::Space::new(units)),
+                alloc: Mutex::new(Space::new(units, 0)),
                 read: Mutex::new(LaneTracker::new(prior, TRACKER_ALPHA)?),
                 write: Mutex::new(LaneTracker::new(prior, TRACKER_ALPHA)?),
             });

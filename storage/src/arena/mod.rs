@@ -27,6 +27,10 @@ use parking_lot::Mutex;
 use crate::error::{Result, StorageError};
 use crate::extents::Extents;
 use crate::par;
+use crate::space::Space;
+
+mod relocate;
+pub use relocate::Relocation;
 
 /// Extents are multiples of this (and start at multiples of it) so runs can be written to NVMe
 /// with O_DIRECT and registered with CUDA without straddling pages.
@@ -121,8 +125,8 @@ struct Inner {
     bytes_total: usize,
     max_run_bytes: usize,
     segment_bytes: usize,
-    /// Free space, in FRAME_ALIGN units.
-    space: Mutex<Extents>,
+    /// Free space and every extent, in FRAME_ALIGN units.
+    space: Mutex<Space>,
 }
 
 // SAFETY: `base` points into `_map`, which lives as long as `Inner`. Distinct extents are
@@ -135,7 +139,7 @@ unsafe impl Sync for Inner {}
 
 impl Inner {
     fn release(&self, unit: u64, units: u64) {
-        let ok = self.space.lock().release(unit, units);
+        let ok = self.space.lock().release(unit, units as u32);
         debug_assert!(ok, "an extent is freed once, by its only handle");
     }
 }
@@ -302,7 +306,7 @@ impl HostArena {
         let base = map.as_mut_ptr();
         let unit = FRAME_ALIGN as u64;
         let segment = max_run.max(SEGMENT_BYTES);
-        let space = Extents::new(bytes as u64 / unit, segment as u64 / unit);
+        let space = Space::new(bytes as u64 / unit, segment as u64 / unit);
         Ok(HostArena {
             quota: None,
             inner: Arc::new(Inner {
@@ -353,7 +357,7 @@ impl HostArena {
         ArenaUsage {
             bytes_total: self.inner.bytes_total,
             bytes_used: space.used() as usize * FRAME_ALIGN,
-            frames_used: space.extents() as usize,
+            frames_used: space.pages() as usize,
             max_run_bytes: self.inner.max_run_bytes,
             largest_free_bytes: space.largest_free() as usize * FRAME_ALIGN,
             free_ranges: space.free_ranges() as usize,
@@ -363,7 +367,7 @@ impl HostArena {
     /// How many extents of `bytes` could be taken now (at most `cap`), ignoring quotas.
     pub fn fits(&self, bytes: usize, cap: usize) -> usize {
         let units = (extent_bytes(bytes) / FRAME_ALIGN) as u64;
-        self.inner.space.lock().fits(units, cap as u64) as usize
+        self.inner.space.lock().extents().fits(units, cap as u64) as usize
     }
 
     /// Takes a zeroed extent for a run of `bytes`, or fails with [`StorageError::ArenaFull`]
@@ -406,14 +410,14 @@ impl HostArena {
             let mut space = self.inner.space.lock();
             let mut starts = Vec::with_capacity(n);
             while starts.len() < n {
-                match space.alloc(units) {
+                match space.alloc(units as u32) {
                     Some(s) => starts.push(s),
                     None => break,
                 }
             }
             if starts.len() < n {
                 for &s in &starts {
-                    space.release(s, units);
+                    space.release(s, units as u32);
                 }
                 drop(space);
                 if let Some(q) = &self.quota {
@@ -436,7 +440,7 @@ impl HostArena {
 
     /// The [`StorageError::ArenaFull`] of `wanted` runs of `bytes` not fitting now.
     pub(crate) fn full(&self, wanted: usize, bytes: usize) -> StorageError {
-        self.full_in(&self.inner.space.lock(), wanted, bytes)
+        self.full_in(self.inner.space.lock().extents(), wanted, bytes)
     }
 
     /// The [`StorageError::ArenaFull`] one more run of `bytes` would meet once `taken` runs of
@@ -444,7 +448,7 @@ impl HostArena {
     /// taken from the arena (which other sessions share).
     pub(crate) fn full_after(&self, taken: usize, bytes: usize) -> StorageError {
         let units = (extent_bytes(bytes) / FRAME_ALIGN) as u64;
-        let mut space = self.inner.space.lock().clone();
+        let mut space = self.inner.space.lock().extents().clone();
         for _ in 0..taken {
             if space.alloc(units).is_none() {
                 break;
@@ -539,240 +543,4 @@ impl Drop for Frame {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    const U: usize = FRAME_ALIGN;
-
-    fn arena(units: usize, max_run_units: usize) -> HostArena {
-        HostArena::new(&ArenaOptions::new(units * U, max_run_units * U)).unwrap()
-    }
-
-    /// This process's locked memory (VmLck), in bytes.
-    fn locked_bytes() -> usize {
-        let status = std::fs::read_to_string("/proc/self/status").unwrap();
-        let line = status.lines().find(|l| l.starts_with("VmLck:")).unwrap();
-        line.split_whitespace()
-            .nth(1)
-            .unwrap()
-            .parse::<usize>()
-            .unwrap()
-            * 1024
-    }
-
-    #[test]
-    fn a_locked_arena_is_resident_and_locked_in_every_range_and_unlocked_when_dropped() {
-        // 3 huge pages: three 2 MiB ranges, on several threads where there are cores. Under
-        // the usual 8 MiB RLIMIT_MEMLOCK, so it runs unprivileged too.
-        let bytes = 6 << 20;
-        for shared in [false, true] {
-            let before = locked_bytes();
-            let mut opts = ArenaOptions::new(bytes, 64 * U);
-            (opts.lock, opts.shared) = (true, shared);
-            let reports = Mutex::new(vec![]);
-            let a =
-                HostArena::with_progress(&opts, &|done, total| reports.lock().push((done, total)))
-                    .unwrap();
-            assert_eq!(locked_bytes() - before, bytes, "shared: {shared}");
-            let mut reports = reports.into_inner();
-            reports.sort();
-            assert_eq!(
-                reports.len(),
-                4,
-                "one report at the start, one per 2 MiB range"
-            );
-            assert_eq!(reports[0], (0, bytes));
-            assert_eq!(reports.last(), Some(&(bytes, bytes)));
-            assert!(reports.windows(2).all(|w| w[0].0 < w[1].0));
-            let mut resident = vec![0u8; bytes / 4096];
-            // SAFETY: the range is the arena's own mapping, alive while `a` is.
-            let rc = unsafe { libc::mincore(a.inner.base.cast(), bytes, resident.as_mut_ptr()) };
-            assert_eq!(rc, 0);
-            assert!(resident.iter().all(|r| r & 1 == 1), "every page resident");
-            drop(a);
-            assert_eq!(locked_bytes(), before);
-        }
-    }
-
-    #[test]
-    fn a_capacity_frames_cannot_address_is_refused_before_mapping() {
-        let too_big = (u32::MAX as usize + 1) * U;
-        let e = HostArena::new(&ArenaOptions::new(too_big, U)).unwrap_err();
-        assert!(
-            matches!(&e, StorageError::InvalidArena { reason } if reason.contains("address")),
-            "{e}"
-        );
-    }
-
-    #[test]
-    fn full_arena_is_a_typed_error_and_freed_extents_are_reused() {
-        let a = arena(3, 1);
-        let f: Vec<_> = (0..3).map(|_| a.alloc(U).unwrap()).collect();
-        let e = a.alloc(U).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                StorageError::ArenaFull {
-                    wanted: 1,
-                    run_bytes: U,
-                    bytes_free: 0,
-                    bytes_total,
-                    ..
-                } if bytes_total == 3 * U
-            ),
-            "{e}"
-        );
-        drop(f);
-        assert_eq!(a.usage().bytes_used, 0);
-        assert!(a.alloc(U).unwrap().offset() < 3 * U);
-    }
-
-    #[test]
-    fn extents_take_their_run_size_rounded_to_a_page_and_are_zeroed_and_disjoint() {
-        let a = arena(64, 16);
-        let mut small = a.alloc(100).unwrap();
-        let mut big = a.alloc(9 * U + 1).unwrap();
-        assert_eq!((small.len(), big.len()), (U, 10 * U));
-        small.as_mut_slice().fill(0xAB);
-        big.as_mut_slice().fill(0xCD);
-        assert!(small.as_slice().iter().all(|&b| b == 0xAB));
-        assert!(big.as_slice().iter().all(|&b| b == 0xCD));
-        let u = a.usage();
-        assert_eq!((u.bytes_used, u.frames_used), (11 * U, 2));
-        let at = small.offset();
-        drop(small);
-        let again = a.alloc(U).unwrap();
-        assert_eq!(again.offset(), at, "best fit reuses the hole");
-        assert!(
-            again.as_slice().iter().all(|&b| b == 0),
-            "reused extent is zeroed"
-        );
-    }
-
-    #[test]
-    fn runs_over_max_run_bytes_are_refused_and_extents_stay_inside_segments() {
-        const MIB: usize = 1 << 20;
-        let a = HostArena::new(&ArenaOptions::new(2 * SEGMENT_BYTES, 8 * MIB)).unwrap();
-        assert_eq!(a.segment_bytes(), SEGMENT_BYTES);
-        assert!(matches!(
-            a.alloc(8 * MIB + 1),
-            Err(StorageError::BlockTooLarge { max_run_bytes, .. }) if max_run_bytes == 8 * MIB
-        ));
-        assert!(a.alloc(0).is_err());
-        // 341 runs of 3 MiB fill the first segment but its last 1 MiB; the next run starts
-        // the second segment rather than straddling the boundary (unzeroed: nothing touched).
-        let run = 3 * MIB;
-        let _first = a.alloc_many_unzeroed(341, run).unwrap();
-        let second = a.alloc_many_unzeroed(341, run).unwrap();
-        assert_eq!(second[0].offset(), SEGMENT_BYTES);
-        // 2 MiB are free (1 + 1) but in no piece of 3, and the error says so.
-        assert!(matches!(
-            a.alloc(run),
-            Err(StorageError::ArenaFull { bytes_free, largest_free, .. })
-                if bytes_free == 2 * MIB && largest_free == MIB
-        ));
-    }
-
-    #[test]
-    fn alloc_many_is_all_or_nothing() {
-        let a = arena(4, 1);
-        let _one = a.alloc(U).unwrap();
-        assert!(matches!(
-            a.alloc_many(4, U),
-            Err(StorageError::ArenaFull { wanted: 4, .. })
-        ));
-        assert_eq!(
-            a.usage().frames_used,
-            1,
-            "a failed alloc_many takes nothing"
-        );
-        assert_eq!(a.fits(U, 10), 3);
-        let three = a.alloc_many(3, U).unwrap();
-        assert_eq!(three.len(), 3);
-        assert_eq!(a.usage().bytes_used, 4 * U);
-    }
-
-    #[test]
-    fn a_quota_caps_one_owners_bytes_and_is_refunded_on_drop() {
-        let a = arena(16, 2);
-        let q = HostQuota::new(4 * U);
-        let mine = a.with_quota(q.clone());
-        let two = mine.alloc(2 * U).unwrap();
-        let one = mine.alloc_many(2, U).unwrap();
-        assert!(matches!(
-            mine.alloc(U),
-            Err(StorageError::QuotaExceeded { bytes_used, limit, .. })
-                if bytes_used == 4 * U && limit == 4 * U
-        ));
-        assert_eq!(q.used(), 4 * U);
-        // Others are not charged and not limited by it.
-        let theirs = a.alloc_many(10, U).unwrap();
-        drop(one);
-        assert_eq!(q.used(), 2 * U);
-        let last = a.alloc_many(4, U).unwrap();
-        // A full arena refunds what the quota had charged.
-        assert!(matches!(mine.alloc(U), Err(StorageError::ArenaFull { .. })));
-        assert_eq!(q.used(), 2 * U);
-        drop((two, theirs, last));
-        assert_eq!((q.used(), a.usage().bytes_used), (0, 0));
-    }
-
-    #[test]
-    fn a_shared_arena_is_one_memfd_that_a_second_mapping_sees() {
-        let mut opts = ArenaOptions::new(16 * U, 4 * U);
-        opts.shared = true;
-        let a = HostArena::new(&opts).unwrap();
-        let mut f = a.alloc(2 * U).unwrap();
-        f.as_mut_slice()[..3].copy_from_slice(&[7, 8, 9]);
-        let fd = a.shared_fd().expect("shared").try_clone_to_owned().unwrap();
-        let file = File::from(fd);
-        assert_eq!(file.metadata().unwrap().len(), 16 * U as u64);
-        // SAFETY: a read-only view of a sealed memfd that outlives it.
-        let view = unsafe { memmap2::Mmap::map(&file) }.unwrap();
-        assert_eq!(&view[f.offset()..f.offset() + 3], &[7, 8, 9]);
-        assert!(file.set_len(U as u64).is_err(), "sealed against shrinking");
-        assert!(HostArena::new(&ArenaOptions::new(16 * U, 4 * U))
-            .unwrap()
-            .shared_fd()
-            .is_none());
-    }
-
-    #[test]
-    fn bad_options_are_rejected() {
-        assert!(HostArena::new(&ArenaOptions::new(1 << 20, 1000)).is_err());
-        assert!(HostArena::new(&ArenaOptions::new(100, FRAME_ALIGN)).is_err());
-        assert!(HostArena::new(&ArenaOptions::new(8 * U, 16 * U)).is_err());
-    }
-
-    proptest! {
-        /// Random alloc/free sequences of mixed sizes: the accounting equals a model, extents
-        /// never overlap, and a failed allocation takes nothing.
-        #[test]
-        fn accounting_matches_a_model(ops in proptest::collection::vec((any::<bool>(), 1usize..5, any::<u8>()), 1..200)) {
-            let a = arena(32, 8);
-            let mut held: Vec<Frame> = Vec::new();
-            for (alloc, units, pick) in ops {
-                if alloc {
-                    let before = a.usage();
-                    match a.alloc(units * U - pick as usize % U) {
-                        Ok(f) => held.push(f),
-                        Err(StorageError::ArenaFull { .. }) => prop_assert_eq!(a.usage(), before),
-                        Err(e) => return Err(TestCaseError::fail(e.to_string())),
-                    }
-                } else if !held.is_empty() {
-                    let i = pick as usize % held.len();
-                    held.swap_remove(i);
-                }
-                let u = a.usage();
-                prop_assert_eq!(u.frames_used, held.len());
-                prop_assert_eq!(u.bytes_used, held.iter().map(Frame::len).sum::<usize>());
-                let mut ranges: Vec<(usize, usize)> = held.iter().map(|f| (f.offset(), f.len())).collect();
-                ranges.sort_unstable();
-                for w in ranges.windows(2) {
-                    prop_assert!(w[0].0 + w[0].1 <= w[1].0, "overlap");
-                }
-            }
-        }
-    }
-}
+mod tests;
