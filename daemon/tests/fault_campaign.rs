@@ -4,12 +4,19 @@
 //! Each cycle runs a random mix of CREATE, APPEND_KV (inline and shared memory), DECODE
 //! steps, DEMOTE, PROMOTE, PIN/UNPIN and CLOSE on up to six sessions of three geometries
 //! (block runs of 1, 4 and 16 KiB: tiny runs take whole extents beside longer ones) under
-//! memory pressure (a 1 MiB host tier), in a third of the cycles with page I/O failing at
+//! memory pressure (a 1 MiB host tier; for odd seeds it fills to 99% before the pressure pass
+//! demotes, so requests make their own room), in a third of the cycles with page I/O failing at
 //! random (writes: EIO, ENOSPC, torn writes; reads: EIO, short reads;
 //! `tierd::TEST_IO_FAULTS_ENV`; a failed operation must change nothing, a decode step is
 //! retried until it goes through) and, where a tmpfs can be mounted (root), with the
 //! manifest's filesystem filled and freed at random points; then it stops the daemon with
 //! kill -9 or SIGTERM and, while it is down, may flip a bit in a page or in one manifest file.
+//! Where a second uid can be run (root), a tenant process of uid nobody works beside the
+//! campaign in every cycle without injected faults or a filled filesystem
+//! (`campaign_tenant`): sessions of tiny and
+//! large runs created, grown, decoded and closed at random, which fragments both tiers and
+//! puts another user's pressure on them; every decode it gets is checked against its own
+//! oracle, and its sessions are closed before the daemon stops.
 //! After every restart an oracle of acknowledged state checks:
 //! - every session acknowledged and not closed is listed, nothing else is;
 //! - its token count is between what was durable (write-through appends, DEMOTE, a clean
@@ -19,7 +26,9 @@
 //! - a session reported damaged appears only after a page was corrupted, and answers
 //!   DATA_LOSS;
 //! - the daemon never panics (exit 101) and a clean shutdown exits 0 unless it reports that
-//!   sessions could not be written (then only non-durable tokens may be missing).
+//!   sessions could not be written (then only non-durable tokens may be missing);
+//! - no request is refused for want of host RAM or NVMe space while the free bytes hold it
+//!   (fragmentation is compaction's to solve): counted, and the campaign fails on any.
 //!
 //! CI runs a short seed set. The long campaign is a benchmark (docs/benchmarks.md), in release
 //! with the fault injection compiled in:
@@ -85,6 +94,32 @@ struct Counts {
     fault_cycles: u64,
     fs_full: u64,
     pages_moved: u64,
+    runs_moved: u64,
+    tenant_cycles: u64,
+}
+
+/// Whether a refusal for room came while the tier's free bytes held the request: the
+/// numbers of a host `ArenaFull` or NVMe `Full` message (storage's error texts).
+fn refused_with_room(message: &str) -> bool {
+    let num = |after: &str| -> Option<u64> {
+        let rest = &message[message.find(after)? + after.len()..];
+        rest.split(|c: char| !c.is_ascii_digit())
+            .next()?
+            .parse()
+            .ok()
+    };
+    let (want, free) = if message.contains("host arena full") {
+        let want = num("host arena full: ")
+            .zip(num(" runs of "))
+            .map(|(n, b)| n * b);
+        (want, num("do not fit ("))
+    } else if message.contains("page store full") {
+        let want = num("wanted ").zip(num(" pages of ")).map(|(n, b)| n * b);
+        (want, num("bytes, "))
+    } else {
+        (None, None)
+    };
+    matches!((want, free), (Some(w), Some(f)) if f >= w)
 }
 
 fn code<T>(r: &Result<T, ClientError>) -> Option<ErrorCode> {
@@ -103,7 +138,15 @@ fn tolerated(
 ) -> bool {
     match code(r) {
         None => false,
-        Some(ErrorCode::ResourceExhausted | ErrorCode::FailedPrecondition) => true,
+        Some(ErrorCode::ResourceExhausted) => {
+            let message = format!("{:?}", r.as_ref().err());
+            assert!(
+                !refused_with_room(&message),
+                "{at}: {what} refused while the free bytes held it: {message}"
+            );
+            true
+        }
+        Some(ErrorCode::FailedPrecondition) => true,
         // A failed write or read (INTERNAL), a short read (DATA_LOSS: the bytes were not the
         // page), or a session whose restore under read faults failed (listed damaged).
         Some(ErrorCode::Internal | ErrorCode::DataLoss) if faults => true,
@@ -146,13 +189,16 @@ fn fault_campaign() {
         total.fault_cycles += c.fault_cycles;
         total.fs_full += c.fs_full;
         total.pages_moved += c.pages_moved;
+        total.runs_moved += c.runs_moved;
+        total.tenant_cycles += c.tenant_cycles;
     }
     println!(
         "fault campaign: {} cycles ({} with I/O faults), {} operations, {} acknowledged tokens, \
          {} kill -9, {} SIGTERM, {} page bit flips, {} manifest bit flips, {} times the \
          manifest's filesystem filled, {} sessions reported damaged, {} operations refused \
-         (full tiers or filesystem, failed I/O), {} NVMe pages moved by compaction; lost 0, \
-         wrong 0, panics 0",
+         (full tiers or filesystem, failed I/O), {} NVMe pages and {} host runs moved by \
+         compaction, {} cycles beside a second uid's tenant; lost 0, wrong 0, panics 0, \
+         refused with room 0",
         total.cycles,
         total.fault_cycles,
         total.ops,
@@ -164,7 +210,9 @@ fn fault_campaign() {
         total.fs_full,
         total.damaged,
         total.refused,
-        total.pages_moved
+        total.pages_moved,
+        total.runs_moved,
+        total.tenant_cycles
     );
 }
 
@@ -193,6 +241,16 @@ fn run(seed: u64, cycles: u64) -> Counts {
     );
     let mut args: Vec<&str> = ARGS.to_vec();
     args.extend(["--set", &state_arg, "--set", &devices]);
+    // Odd seeds let host RAM fill up (no pressure pass until 99%): requests then make their
+    // own room, and free space in pieces is compaction's to place.
+    if seed % 2 == 1 {
+        args.extend([
+            "--set",
+            "nvme.high_water=0.99",
+            "--set",
+            "nvme.low_water=0.98",
+        ]);
+    }
     let args = &args[..];
     let mut d = Daemon::start_in(dir, args);
     // Whether the running daemon injects write faults.
@@ -201,6 +259,12 @@ fn run(seed: u64, cycles: u64) -> Counts {
         let at = format!("seed {seed} cycle {cycle}");
         let mut c = d.client();
         let mut filler = None;
+        // Another uid's work beside this cycle's (not under injected faults: its oracle
+        // expects every decode to go through or be refused for room).
+        let tenant = (!faults && is_root()).then(|| {
+            n.tenant_cycles += 1;
+            Tenant::spawn(&d, rng.next_u64())
+        });
         for _ in 0..5 + rng.below(20) {
             n.ops += 1;
             operate(
@@ -208,10 +272,12 @@ fn run(seed: u64, cycles: u64) -> Counts {
                 &mut rng,
                 &mut models,
                 faults || filler.is_some(),
+                tenant.is_some(),
                 &mut n,
                 &at,
             );
-            if let (Some(fs), 0) = (&fs, rng.below(8)) {
+            // Not beside the tenant, whose writes expect a filesystem with room.
+            if let (Some(fs), None, 0) = (&fs, &tenant, rng.below(8)) {
                 match filler.take() {
                     None => {
                         filler = Some(fs.fill());
@@ -221,12 +287,18 @@ fn run(seed: u64, cycles: u64) -> Counts {
                 }
             }
         }
-        // Pages compaction moved in this daemon's life (counted from its start).
-        n.pages_moved += c
-            .stats()
-            .ok()
-            .and_then(|s| s.get("nvme_pages_moved_total"))
-            .unwrap_or(0);
+        // The tenant closes its sessions (which needs a manifest write) before the stop.
+        if let Some(f) = filler.take() {
+            std::fs::remove_file(f).unwrap();
+        }
+        if let Some(t) = tenant {
+            t.finish(&at);
+        }
+        // Pages and runs compaction moved in this daemon's life (counted from its start).
+        let stats = c.stats().ok();
+        let counted = |key| stats.as_ref().and_then(|s| s.get(key)).unwrap_or(0);
+        n.pages_moved += counted("nvme_pages_moved_total");
+        n.runs_moved += counted("host_runs_moved_total");
         drop(c);
         // Stop: kill -9, or SIGTERM (which writes every session).
         let dir = if rng.below(2) == 0 {
@@ -244,9 +316,6 @@ fn run(seed: u64, cycles: u64) -> Counts {
             }
             d.into_dir()
         };
-        if let Some(f) = filler {
-            std::fs::remove_file(f).unwrap();
-        }
         match rng.below(6) {
             0 => {
                 page_flipped |= flip_page(&pages, &mut rng);
@@ -282,6 +351,7 @@ fn operate(
     rng: &mut Rng,
     models: &mut BTreeMap<u64, Model>,
     faults: bool,
+    pressure: bool,
     n: &mut Counts,
     at: &str,
 ) {
@@ -338,7 +408,7 @@ fn operate(
             if m.acked == 0 || m.acked >= MAX_TOKENS + 50 {
                 return;
             }
-            if step(c, id, m, faults, at) {
+            if step(c, id, m, faults, pressure, at) {
                 n.acked_tokens += 1;
             } else {
                 n.refused += 1;
@@ -436,7 +506,14 @@ fn check(
         if have == 0 {
             continue;
         }
-        assert!(step(c, id, m, false, &format!("{at}, after the restart")));
+        assert!(step(
+            c,
+            id,
+            m,
+            false,
+            false,
+            &format!("{at}, after the restart")
+        ));
     }
 }
 
@@ -445,8 +522,9 @@ fn check(
 /// nothing to NVMe). With them a layer that fails (a failed read promoting its keep-set) is
 /// retried, since a failed decode must have changed nothing; false if the first layer cannot
 /// go through because the session's restore failed under read faults (it is listed damaged
-/// and answers DATA_LOSS), so the layers never diverge.
-fn step(c: &mut Client, id: u64, m: &mut Model, faults: bool, at: &str) -> bool {
+/// and answers DATA_LOSS), so the layers never diverge. Under another uid's pressure the first
+/// layer may be refused for room (false), though never while the free bytes hold its blocks.
+fn step(c: &mut Client, id: u64, m: &mut Model, faults: bool, pressure: bool, at: &str) -> bool {
     for layer in 0..m.shadow.g.layers as usize {
         let pos = m.shadow.tokens(layer);
         let (q, k, v) = m.shadow.step_input(layer);
@@ -456,6 +534,23 @@ fn step(c: &mut Client, id: u64, m: &mut Model, faults: bool, at: &str) -> bool 
             let r = c.decode(layer as u32, entry(id, pos, &qb, &k, &v), true);
             attempts += 1;
             match r {
+                Err(e) if pressure && e.code() == Some(ErrorCode::ResourceExhausted) => {
+                    let message = e.to_string();
+                    assert!(
+                        !refused_with_room(&message),
+                        "{at}: DECODE refused with room: {message}"
+                    );
+                    if layer == 0 {
+                        m.shadow.truncate(m.acked);
+                        return false;
+                    }
+                    // The first layer has its token: the others must get theirs.
+                    assert!(
+                        attempts < 200,
+                        "{at}: session {id} layer {layer} never found room"
+                    );
+                    std::thread::sleep(Duration::from_millis(10));
+                }
                 Err(e) if faults && attempts < 50 => {
                     let damaged = e.code() == Some(ErrorCode::DataLoss)
                         && c.session_info(id).is_ok_and(|i| i.damaged);
@@ -535,4 +630,167 @@ fn is_flipped(p: &Path) -> bool {
 
 fn mark_flipped(p: &Path) {
     std::fs::write(marker(p), b"").unwrap();
+}
+
+/// The second uid's process beside a cycle (`campaign_tenant`, as nobody).
+struct Tenant {
+    child: std::process::Child,
+    _exe: kvtier_tests::uid::ReachableCopy,
+}
+
+impl Tenant {
+    fn spawn(d: &Daemon, seed: u64) -> Tenant {
+        let exe = kvtier_tests::uid::reachable_copy(&std::env::current_exe().unwrap());
+        let child = kvtier_tests::uid::as_nobody(&mut kvtier_tests::sys::rerun_test(
+            exe.path(),
+            "campaign_tenant",
+        ))
+        .env("KVTIER_TENANT_SOCKET", d.path())
+        .env("KVTIER_TENANT_SEED", seed.to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+        Tenant { child, _exe: exe }
+    }
+
+    /// Waits for the tenant; it must have run its checks and passed.
+    fn finish(self, at: &str) {
+        let out = self.child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && text.contains("tenant done"),
+            "{at}: the second uid's tenant failed:\n{text}"
+        );
+    }
+}
+
+/// The second uid's work beside a cycle of `fault_campaign` (ignored on its own): sessions of
+/// 1 KiB and 16 KiB runs created, grown, decoded and closed at random, every decode checked
+/// against the dense oracle, every refusal for room checked against the free bytes; all its
+/// sessions closed at the end.
+#[test]
+#[ignore = "run as a second uid by fault_campaign"]
+fn campaign_tenant() {
+    use kvtier_protocol::{DType, Geometry};
+    let Ok(path) = std::env::var("KVTIER_TENANT_SOCKET") else {
+        return;
+    };
+    let seed: u64 = std::env::var("KVTIER_TENANT_SEED")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let at = format!("tenant seed {seed}");
+    let mut rng = Rng::new(seed);
+    let mut c = Client::connect(&path).unwrap();
+    let geometries = [
+        Geometry::new(2, 2, 1, 16, DType::Bf16, 16),
+        Geometry::new(2, 4, 2, 64, DType::Bf16, 32),
+    ];
+    let mut mine: BTreeMap<u64, Model> = BTreeMap::new();
+    let (mut steps, mut refused) = (0, 0);
+    // Fragmenting churn first: one-block sessions of tiny runs until the tier or this uid's
+    // share refuses one (at most 64), every other one closed: 2-unit holes between the
+    // others' runs for the larger runs after them.
+    let mut tiny = Vec::new();
+    for _ in 0..64 {
+        let g = geometries[0];
+        let r = c.create_session(g, policy(), "tenant");
+        if tolerated(&r, false, "tenant CREATE", &at) {
+            refused += 1;
+            continue;
+        }
+        let id = r.unwrap();
+        let mut m = Model {
+            shadow: Shadow::new(g, rng.next_u64()),
+            durable: 0,
+            acked: 16,
+        };
+        let r = c.append_kv(id, 0, 16, &m.shadow.payload(16));
+        let full = tolerated(&r, false, "tenant APPEND_KV", &at);
+        if full {
+            refused += 1;
+            m.shadow.truncate(0);
+            m.acked = 0;
+        }
+        tiny.push(id);
+        mine.insert(id, m);
+        if full {
+            break;
+        }
+    }
+    for id in tiny.iter().step_by(2) {
+        c.close(*id).unwrap();
+        mine.remove(id);
+    }
+    for _ in 0..40 {
+        let pick = |rng: &mut Rng, mine: &BTreeMap<u64, Model>| {
+            (!mine.is_empty()).then(|| {
+                *mine
+                    .keys()
+                    .nth(rng.below(mine.len() as u64) as usize)
+                    .unwrap()
+            })
+        };
+        match rng.below(5) {
+            0 if mine.len() < 40 => {
+                let g = geometries[rng.below(2) as usize];
+                let r = c.create_session(g, policy(), "tenant");
+                if tolerated(&r, false, "tenant CREATE", &at) {
+                    refused += 1;
+                } else {
+                    let shadow = Shadow::new(g, rng.next_u64());
+                    let m = Model {
+                        shadow,
+                        durable: 0,
+                        acked: 0,
+                    };
+                    mine.insert(r.unwrap(), m);
+                }
+            }
+            0..=1 => {
+                let Some(id) = pick(&mut rng, &mine) else {
+                    continue;
+                };
+                let m = mine.get_mut(&id).unwrap();
+                let k = 1 + rng.below(40);
+                if m.acked + k > 160 {
+                    continue;
+                }
+                let r = c.append_kv(id, m.acked, k as u32, &m.shadow.payload(k as usize));
+                if tolerated(&r, false, "tenant APPEND_KV", &at) {
+                    refused += 1;
+                    m.shadow.truncate(m.acked);
+                } else {
+                    m.acked += k;
+                }
+            }
+            2..=3 => {
+                let Some(id) = pick(&mut rng, &mine) else {
+                    continue;
+                };
+                let m = mine.get_mut(&id).unwrap();
+                if m.acked == 0 {
+                    continue;
+                }
+                if step(&mut c, id, m, false, true, &at) {
+                    steps += 1;
+                } else {
+                    refused += 1;
+                }
+            }
+            _ => {
+                let Some(id) = pick(&mut rng, &mine) else {
+                    continue;
+                };
+                c.close(id).unwrap();
+                mine.remove(&id);
+            }
+        }
+    }
+    for id in mine.keys() {
+        c.close(*id).unwrap();
+    }
+    println!("tenant done: {steps} decode steps checked, {refused} refused for room");
 }

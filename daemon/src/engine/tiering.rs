@@ -237,11 +237,25 @@ impl Engine {
         };
         let mut st = s.state.lock();
         let src = TierSource { tier, session: id };
-        let mut n = 0;
-        for l in 0..s.geometry.layers {
-            let all: Vec<u32> = (0..st.kv.layer(l)?.blocks() as u32).collect();
-            n += st.kv.promote(l, &all, &src)?;
-        }
+        let cold: usize = (0..s.geometry.layers)
+            .map(|l| {
+                Ok(st
+                    .kv
+                    .cold_among(l, &(0..st.kv.layer(l)?.blocks() as u32).collect::<Vec<_>>())
+                    .len())
+            })
+            .sum::<ServiceResult<usize>>()?;
+        let need = cold * st.kv.run_extent_bytes();
+        // What an attempt promoted stays promoted: a retry reads only what is still cold.
+        let n = std::cell::Cell::new(0);
+        self.with_room(&s, need, &mut st, |st| {
+            for l in 0..s.geometry.layers {
+                let all: Vec<u32> = (0..st.kv.layer(l)?.blocks() as u32).collect();
+                n.set(n.get() + st.kv.promote(l, &all, &src)?);
+            }
+            Ok(())
+        })?;
+        let n = n.get();
         self.counters
             .blocks_promoted
             .fetch_add(n as u64, Ordering::Relaxed);
