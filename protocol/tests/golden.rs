@@ -175,6 +175,65 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         "EVICT request, id 11: session 9",
     );
 
+    for (name, id, r, what) in [
+        (
+            "demote_request",
+            12,
+            Request::Demote { session: 7 },
+            "DEMOTE request, id 12: session 7",
+        ),
+        (
+            "promote_request",
+            13,
+            Request::Promote { session: 7 },
+            "PROMOTE request, id 13: session 7",
+        ),
+        (
+            "pin_request",
+            14,
+            Request::Pin { session: 7 },
+            "PIN request, id 14: session 7",
+        ),
+        (
+            "unpin_request",
+            15,
+            Request::Unpin { session: 7 },
+            "UNPIN request, id 15: session 7",
+        ),
+        (
+            "lease_request",
+            16,
+            Request::Lease { session: 7 },
+            "LEASE request, id 16: session 7",
+        ),
+        (
+            "release_request",
+            17,
+            Request::Release { session: 7 },
+            "RELEASE request, id 17: session 7",
+        ),
+        (
+            "reserve_request",
+            18,
+            Request::Reserve {
+                session: 7,
+                tokens: 3,
+            },
+            "RESERVE request, id 18: session 7, tokens 3",
+        ),
+        (
+            "commit_request",
+            19,
+            Request::Commit {
+                session: 7,
+                tokens: 2,
+            },
+            "COMMIT request, id 19: session 7, tokens 2",
+        ),
+    ] {
+        req(name, id, r, what);
+    }
+
     let mut resp = |name: &'static str, id: u64, r: Response, what: &str| {
         out.push((
             name,
@@ -276,6 +335,79 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         Response::CloseSession,
         "CLOSE_SESSION reply, id 10 (empty body)",
     );
+    resp(
+        "evict_reply",
+        11,
+        Response::Evict,
+        "EVICT reply, id 11 (empty body)",
+    );
+    resp(
+        "demote_reply",
+        12,
+        Response::Demote { blocks: 4 },
+        "DEMOTE reply, id 12: blocks 4",
+    );
+    resp(
+        "promote_reply",
+        13,
+        Response::Promote { blocks: 3 },
+        "PROMOTE reply, id 13: blocks 3",
+    );
+    resp(
+        "pin_reply",
+        14,
+        Response::Pin,
+        "PIN reply, id 14 (empty body)",
+    );
+    resp(
+        "unpin_reply",
+        15,
+        Response::Unpin,
+        "UNPIN reply, id 15 (empty body)",
+    );
+    resp(
+        "lease_reply",
+        16,
+        Response::Lease(LeaseReply {
+            instance: 0x0123_4567_89ab_cdef,
+            arena_bytes: 1 << 20,
+            run_bytes: 512,
+            layers: vec![
+                LeaseLayer {
+                    tokens: 20,
+                    offsets: vec![0, 4096],
+                },
+                LeaseLayer {
+                    tokens: 20,
+                    offsets: vec![8192, LeaseLayer::COLD],
+                },
+            ],
+        }),
+        "LEASE reply, id 16: instance 0x0123456789abcdef, arena 1048576 bytes, runs of 512 \
+         bytes; layer 0: 20 tokens at offsets [0, 4096]; layer 1: 20 tokens at [8192, cold]",
+    );
+    resp(
+        "release_reply",
+        17,
+        Response::Release,
+        "RELEASE reply, id 17 (empty body)",
+    );
+    resp(
+        "reserve_reply",
+        18,
+        Response::Reserve(ReserveReply {
+            start: 20,
+            tokens: 3,
+            layers: vec![vec![4096], vec![12288]],
+        }),
+        "RESERVE reply, id 18: start 20, tokens 3; layer 0 runs at [4096], layer 1 at [12288]",
+    );
+    resp(
+        "commit_reply",
+        19,
+        Response::Commit { tokens: 22 },
+        "COMMIT reply, id 19: tokens 22",
+    );
     out
 }
 
@@ -374,4 +506,33 @@ fn hello_request_bytes_by_hand() {
     want.extend_from_slice(&[2, 0, 2, 0, 13, 0, 0, 0]);
     want.extend_from_slice(b"kvtier-golden");
     assert_eq!(frame, want);
+}
+
+#[test]
+fn every_opcode_has_a_request_and_a_reply_vector() {
+    let mut requests = std::collections::BTreeSet::new();
+    let mut replies = std::collections::BTreeSet::new();
+    for (_, _, frame) in vectors() {
+        let mut h = [0u8; HEADER_LEN];
+        h.copy_from_slice(&frame[..HEADER_LEN]);
+        let header = Header::decode(&h).unwrap();
+        let set = if header.is_reply() {
+            &mut replies
+        } else {
+            &mut requests
+        };
+        set.insert(header.opcode & !REPLY_BIT);
+    }
+    for op in Opcode::ALL {
+        assert!(
+            requests.contains(&op.as_u16()),
+            "no request vector for {}",
+            op.name()
+        );
+        assert!(
+            replies.contains(&op.as_u16()),
+            "no reply vector for {}",
+            op.name()
+        );
+    }
 }

@@ -21,6 +21,14 @@ REQUESTS = {
     "stats_request": lambda: p.frame(p.Op.STATS, 0, 8),
     "close_session_request": lambda: p.frame(p.Op.CLOSE_SESSION, 0, 10, p.encode_session(7)),
     "evict_request": lambda: p.frame(p.Op.EVICT, 0, 11, p.encode_session(9)),
+    "demote_request": lambda: p.frame(p.Op.DEMOTE, 0, 12, p.encode_session(7)),
+    "promote_request": lambda: p.frame(p.Op.PROMOTE, 0, 13, p.encode_session(7)),
+    "pin_request": lambda: p.frame(p.Op.PIN, 0, 14, p.encode_session(7)),
+    "unpin_request": lambda: p.frame(p.Op.UNPIN, 0, 15, p.encode_session(7)),
+    "lease_request": lambda: p.frame(p.Op.LEASE, 0, 16, p.encode_session(7)),
+    "release_request": lambda: p.frame(p.Op.RELEASE, 0, 17, p.encode_session(7)),
+    "reserve_request": lambda: p.frame(p.Op.RESERVE, 0, 18, p.encode_session_tokens(7, 3)),
+    "commit_request": lambda: p.frame(p.Op.COMMIT, 0, 19, p.encode_session_tokens(7, 2)),
 }
 
 
@@ -44,6 +52,20 @@ def test_simple_replies():
     assert reply("close_session_reply") == (10, None)
     assert reply("stats_reply") == (8, {"uptime_ms": 1234, "sessions": 2})
     assert reply("error_reply") == (9, p.ErrorReply(p.ErrorCode.NOT_FOUND, "session 42 not found"))
+
+
+def test_tier_and_lease_replies():
+    for name, rid, value in [("evict_reply", 11, None), ("demote_reply", 12, 4), ("promote_reply", 13, 3),
+                             ("pin_reply", 14, None), ("unpin_reply", 15, None), ("release_reply", 17, None),
+                             ("commit_reply", 19, 22)]:
+        assert reply(name) == (rid, value), name
+    rid, lease = reply("lease_reply")
+    assert rid == 16
+    assert (lease.instance, lease.arena_bytes, lease.run_bytes) == (0x0123456789ABCDEF, 1 << 20, 512)
+    assert [(l.tokens, list(l.offsets)) for l in lease.layers] == [(20, [0, 4096]), (20, [8192, p.LEASE_COLD])]
+    rid, res = reply("reserve_reply")
+    assert rid == 18 and (res.start, res.tokens) == (20, 3)
+    assert [list(l) for l in res.layers] == [[4096], [12288]]
 
 
 def test_session_replies():
