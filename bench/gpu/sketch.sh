@@ -2,7 +2,7 @@
 # The sketch selector on the GPU host: its tests, then what it costs against the key bound.
 # Prebuilt x86-64 binaries in .device/ (bench/gpu/README.md): the GPU test binaries, tierd,
 # engine_bench and the Python extension as _native.abi3.so; builds nothing.
-# Usage (on the device machine, repo root): bash bench/gpu/sketch.sh tests|bench
+# Usage (on the device machine, repo root): bash bench/gpu/sketch.sh tests|bench|engine|whole
 #   tests: gpu_selector (CUDA keep-sets against the CPU selector's), gpu_decode (tierd's CUDA
 #          decoder against its CPU path), gpu_engine and gpu_in_place (the in-engine path
 #          against tierd's), test_engine.py (the Python binding).
@@ -12,6 +12,10 @@
 #          selector (one engine each, alternating) against the dense 8K step in the same
 #          process. SELECTORS (default bound,sketch) lists the selectors, e.g.
 #          bound,sketch:32,sketch:64 (bench/gpu's engine_bench and whole_model.py syntax).
+#   engine, whole: the two halves of bench, for each entry of BLOCKS (default
+#          "128:8:$SELECTORS"): block tokens, top-k and selectors, e.g.
+#          BLOCKS="128:8:sketch:64 64:16:sketch:128" compares block sizes at one budget of
+#          keys (the sink stays 128 tokens and the local window 512).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SELECTORS=${SELECTORS:-bound,sketch}
@@ -33,7 +37,7 @@ tests)
   PYTHONPATH=clients/python python3 -m pytest -q -p no:cacheprovider clients/python/tests/test_engine.py 2>&1 \
     | tee -a $OUT/tests.txt | tail -n 5
   ;;
-bench)
+bench|engine|whole)
   cp $D/_native.abi3.so clients/python/kvtier/_native.abi3.so
   S=/tmp/sketch.sock
   start() { # capacity
@@ -43,21 +47,30 @@ bench)
     TP=$!
     for _ in $(seq 1200); do [ -S $S ] && break; sleep 0.1; done
   }
-  start 62GiB
-  el "engine_bench 128K x 8"
-  $D/engine_bench --socket $S --context 131072 --batches 8 --ks 8 --steps 20 --warmup 3 \
-    --selectors $SELECTORS,$SELECTORS 2>&1 | tee $OUT/engine_bench.txt
-  kill $TP; wait $TP
-  start 62GiB
-  el "fill 1M"
-  ID=$($D/engine_bench --socket $S --context 1048576 --batches 1 --fill-only \
-    | tee $OUT/fill.txt | awk '/^sessions/{print $2}')
-  el "whole model 1M b1 k8"
-  PYTHONPATH=clients/python python3 clients/python/bench/whole_model.py --socket $S \
-    --context 1048576 --batches 1 --dense-contexts 8192 --steps 120 --rounds 2 --sessions $ID \
-    --modes kvtier,dense-hbm --top-k 8 --graphs whole --selectors $SELECTORS \
-    --json $OUT/whole_model.json 2>&1 | tee $OUT/whole_model.txt | grep -vE "^\s*$"
-  kill $TP; wait $TP
+  for entry in ${BLOCKS:-128:8:$SELECTORS}; do
+    BT=${entry%%:*}; rest=${entry#*:}; K=${rest%%:*}; SEL=${rest#*:}
+    tag=b$BT-k$K
+    if [ "$1" != whole ]; then
+      start 62GiB
+      el "engine_bench 128K x 8, $BT-token blocks, k=$K: $SEL"
+      $D/engine_bench --socket $S --context 131072 --batches 8 --ks $K --steps 20 --warmup 3 \
+        --block-tokens $BT --selectors $SEL,$SEL 2>&1 | tee $OUT/engine_bench-$tag.txt
+      kill $TP; wait $TP
+    fi
+    if [ "$1" != engine ]; then
+      start 62GiB
+      el "fill 1M, $BT-token blocks"
+      ID=$($D/engine_bench --socket $S --context 1048576 --batches 1 --fill-only --block-tokens $BT \
+        | tee $OUT/fill-$tag.txt | awk '/^sessions/{print $2}')
+      el "whole model 1M b1, $BT-token blocks, k=$K: $SEL"
+      PYTHONPATH=clients/python python3 clients/python/bench/whole_model.py --socket $S \
+        --context 1048576 --batches 1 --dense-contexts 8192 --steps ${WHOLE_STEPS:-120} \
+        --rounds ${WHOLE_ROUNDS:-2} --sessions $ID --modes kvtier,dense-hbm --top-k $K \
+        --block-tokens $BT --graphs whole --selectors $SEL \
+        --json $OUT/whole_model-$tag.json 2>&1 | tee $OUT/whole_model-$tag.txt | grep -vE "^\s*$"
+      kill $TP; wait $TP
+    fi
+  done
   el "done"
   ;;
 esac

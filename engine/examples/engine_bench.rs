@@ -10,6 +10,9 @@
 //! Usage: engine_bench --socket PATH [--context 131072] [--ks 8,32] [--batches 1,8]
 //!                     [--selectors bound,sketch,sketch:C] [--steps 12] [--warmup 3] [--device N]
 //!                     [--fill-only | --sessions ID,ID,...] [--barrier DIR:PARTIES]
+//!                     [--block-tokens 32|64|128]
+//! `--block-tokens` sets the sessions' block size; the sink (128 tokens) and the local window
+//! (512) stay the same tokens, `--ks` counts blocks of that size.
 //! tierd must run with `host.shared = true` and enough `host.capacity` for max(batches)
 //! sessions of `context` tokens (58.7 KiB per token), and this process must be allowed to
 //! LEASE (an admin peer or tierd's own uid).
@@ -48,6 +51,7 @@ struct Args {
     warmup: usize,
     device: usize,
     fill_only: bool,
+    block_tokens: u32,
     sessions: Vec<u64>,
     barrier: Option<(PathBuf, usize)>,
 }
@@ -63,6 +67,7 @@ fn args() -> Result<Args, String> {
         warmup: 3,
         device: 0,
         fill_only: false,
+        block_tokens: 128,
         sessions: vec![],
         barrier: None,
     };
@@ -77,6 +82,7 @@ fn args() -> Result<Args, String> {
         match k.as_str() {
             "--socket" => a.socket = v()?.into(),
             "--context" => a.context = v()?.parse().map_err(|e| format!("{e}"))?,
+            "--block-tokens" => a.block_tokens = v()?.parse().map_err(|e| format!("{e}"))?,
             "--ks" => a.ks = list(v()?)?,
             "--batches" => a.batches = list(v()?)?,
             "--selectors" => {
@@ -150,7 +156,15 @@ fn median(v: &mut [f64]) -> f64 {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = args()?;
-    let geo = Geometry::QWEN2_5_7B;
+    let geo = Geometry {
+        block_tokens: a.block_tokens,
+        ..Geometry::QWEN2_5_7B
+    };
+    if !matches!(a.block_tokens, 32 | 64 | 128) {
+        return Err(format!("--block-tokens {}: 32, 64 or 128", a.block_tokens).into());
+    }
+    // A sink of 128 tokens and a local window of 512, whatever the block size.
+    let (sink, local) = (128 / a.block_tokens, 512 / a.block_tokens);
     let n_blocks = a.context / geo.block_tokens;
     let max_batch = *a.batches.iter().max().ok_or("no batches")?;
     let mut c = Client::connect_as(&a.socket, "engine_bench")?;
@@ -188,7 +202,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     {
         let policy = Policy {
             selector: *sel,
-            ..Policy::bound(1, 4, k)
+            ..Policy::bound(sink, local, k)
         };
         let cfg = CudaConfig::new(geo, policy, n_blocks + 8, max_batch, SummaryDtype::F32);
         let t1 = Instant::now();

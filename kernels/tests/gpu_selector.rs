@@ -170,6 +170,18 @@ fn sketch_selector_matches_cpu() {
             Policy::sketch(1, 2, 40, 128),
             0,
         ),
+        // The budget of 8 blocks of 128 tokens in blocks of 64 and of 32 (a sink of 128
+        // tokens, a local window of 512).
+        (
+            geom(28, 4, 128, 64, DType::Bf16),
+            Policy::sketch(2, 8, 16, 128),
+            0,
+        ),
+        (
+            geom(28, 4, 128, 32, DType::Bf16),
+            Policy::sketch(4, 16, 32, 128),
+            5,
+        ),
     ];
     for (i, (g, policy, templates)) in cases.into_iter().enumerate() {
         for mode in [LaunchMode::Fused, LaunchMode::Split] {

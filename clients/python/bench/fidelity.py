@@ -8,7 +8,9 @@ For every prompt the dense prefill runs once in the engine; its KV then serves t
 continuation (a copy of the engine cache) and one tierd session per arm (KvtierCache.from_dense),
 so each policy answers from the identical prefill. An arm is `bound:K` (the key-bound
 selector, top-K) or `sketch:K[:C]` (the sketch selector, C candidates, `all` for every block;
-default tierd's).
+default tierd's); `@B` after either gives the arm blocks of B tokens with the sink and local
+window of the same token counts as the run's (`sketch:32:all@32` keeps as many keys as
+`sketch:8` of 128-token blocks: granularity at a matched budget).
 
 Besides the answers, every sparse step is measured against dense attention at each global
 layer (the instrument): the share of the dense attention mass inside tierd's keep-set and
@@ -34,6 +36,7 @@ import platform
 import random
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -86,22 +89,37 @@ def greedy_continue(model, cache, first, n):
     return out
 
 
-def parse_arm(spec: str):
-    """(name, selector, k, candidates) of `bound:K` or `sketch:K[:C]`."""
-    parts = spec.split(":")
+class Arm(NamedTuple):
+    """A sparse policy under test: its name, selector, top-k, candidates and block geometry."""
+    name: str
+    selector: str
+    k: int
+    candidates: int
+    block_tokens: int
+    sink: int
+    local: int
+
+
+def parse_arm(spec: str, a) -> Arm:
+    """The arm `bound:K[@B]` or `sketch:K[:C][@B]` of a run with a's block geometry."""
+    body, _, blk = spec.partition("@")
+    bt = int(blk) if blk else a.block_tokens
+    if (a.sink * a.block_tokens) % bt or (a.local * a.block_tokens) % bt:
+        raise SystemExit(f"--arms: {spec!r}: the sink and local window are not whole {bt}-token blocks")
+    geometry = (bt, a.sink * a.block_tokens // bt, a.local * a.block_tokens // bt)
+    parts = body.split(":")
     if parts[0] == "bound" and len(parts) == 2:
-        return spec, "bound", int(parts[1]), 0
+        return Arm(spec, "bound", int(parts[1]), 0, *geometry)
     if parts[0] == "sketch" and len(parts) in (2, 3):
         c = DEFAULT_CANDIDATES if len(parts) == 2 else (ALL_BLOCKS if parts[2] == "all" else int(parts[2]))
-        return spec, "sketch", int(parts[1]), c
-    raise SystemExit(f"--arms: {spec!r} is not bound:K or sketch:K[:C]")
+        return Arm(spec, "sketch", int(parts[1]), c, *geometry)
+    raise SystemExit(f"--arms: {spec!r} is not bound:K[@B] or sketch:K[:C][@B]")
 
 
-def policy_for(arm, a):
-    _, selector, k, c = arm
-    if selector == "bound":
-        return Policy.bound(a.sink, a.local, k)
-    return Policy(a.sink, a.local, k, Selector.SKETCH, c)
+def policy_for(arm: Arm):
+    if arm.selector == "bound":
+        return Policy.bound(arm.sink, arm.local, arm.k)
+    return Policy(arm.sink, arm.local, arm.k, Selector.SKETCH, arm.candidates)
 
 
 class Recording(KvtierCache):
@@ -121,28 +139,28 @@ class Recording(KvtierCache):
         return out
 
 
-def instrument(rec: "Recording", prefill_keys, arm, a, needle_blocks=None):
+def instrument(rec: "Recording", prefill_keys, arm: Arm, needle_blocks=None):
     """Per (step, layer) of a sparse continuation: dense mass inside tierd's keep-set and the
     oracle's, whether tierd's keep-set equals the numpy rule, and (needle trials) the needle's
     rank and whether it was kept where a head reads it. prefill_keys: per global layer slot,
     [Hkv, T, D] float32."""
-    _, selector, k, c = arm
     keys = [np.array(pk) for pk in prefill_keys]
+    bt, sink, local, k = arm.block_tokens, arm.sink, arm.local, arm.k
     out = {"mass": [], "oracle_mass": [], "rule_equal": 0, "items": 0, "reads": []}
     for slot, q, knew, keep in rec.calls:
         kv = keys[slot]
         keys[slot] = kv = np.concatenate([kv, knew[:, None, :]], axis=1)
         hkv, t, d = kv.shape
         g = q.shape[0] // hkv
-        nb = -(-t // a.block_tokens)
+        nb = -(-t // bt)
         for h in range(hkv):
-            sc = keepsets.block_scores(q[h * g:(h + 1) * g], kv[h], t, a.block_tokens)
-            fixed = list(range(a.sink)) + list(range(max(nb - a.local, a.sink), nb))
-            distant = list(range(a.sink, max(nb - a.local, a.sink)))
-            oracle = fixed + keepsets.top(sc["mass"], distant, k) if nb > a.sink + a.local + k else list(range(nb))
+            sc = keepsets.block_scores(q[h * g:(h + 1) * g], kv[h], t, bt)
+            fixed = list(range(sink)) + list(range(max(nb - local, sink), nb))
+            distant = list(range(sink, max(nb - local, sink)))
+            oracle = fixed + keepsets.top(sc["mass"], distant, k) if nb > sink + local + k else list(range(nb))
             out["mass"].append(float(sc["mass"][list(keep[h])].sum()))
             out["oracle_mass"].append(float(sc["mass"][sorted(set(oracle))].sum()))
-            rule = keepsets.keep_set(sc, nb, a.sink, a.local, k, selector, c)
+            rule = keepsets.keep_set(sc, nb, sink, local, k, arm.selector, arm.candidates)
             out["rule_equal"] += int(rule == list(keep[h]))
             out["items"] += 1
             if needle_blocks:
@@ -163,7 +181,6 @@ def run_needle(model, tok, client, a, ctx, hay, trial, rng):
     depth = rng.uniform(0.1, 0.6)
     ids, npos = gemma.needle_prompt(tok, ctx, depth, code, hay, seed=trial * 1000 + ctx)
     needle_len = len(tok(" " + gemma.NEEDLE.format(code=code), add_special_tokens=False)["input_ids"])
-    needle_blocks = list(range(npos // a.block_tokens, (npos + needle_len - 1) // a.block_tokens + 1))
     t0 = time.time()
     cache, logits = prefill(model, ids, a.chunk)
     t_pre = time.time() - t0
@@ -175,12 +192,14 @@ def run_needle(model, tok, client, a, ctx, hay, trial, rng):
     res["dense_text"] = tok.decode(dense)
     prefill_keys = prefill_keys_of(model, cache)
     for arm in a.arms:
-        with Recording.from_dense(model, cache, client=client, policy=policy_for(arm, a),
-                                  block_tokens=a.block_tokens) as kc:
+        bt = arm.block_tokens
+        needle_blocks = list(range(npos // bt, (npos + needle_len - 1) // bt + 1))
+        with Recording.from_dense(model, cache, client=client, policy=policy_for(arm),
+                                  block_tokens=bt) as kc:
             sp = greedy_continue(model, kc, first, a.answer_tokens)
-            res[f"{arm[0]}_inst"] = instrument(kc, prefill_keys, arm, a, needle_blocks)
-        res[arm[0]] = gemma.found(tok, sp, code)
-        res[f"{arm[0]}_text"] = tok.decode(sp)
+            res[f"{arm.name}_inst"] = instrument(kc, prefill_keys, arm, needle_blocks)
+        res[arm.name] = gemma.found(tok, sp, code)
+        res[f"{arm.name}_text"] = tok.decode(sp)
     res["total_s"] = round(time.time() - t0, 2)
     return res
 
@@ -210,21 +229,21 @@ def run_forced(model, tok, client, a, doc, tokens):
     res["confident_steps"] = int(confident.sum())
     prefill_keys = prefill_keys_of(model, cache)
     for arm in a.arms:
-        with Recording.from_dense(model, cache, client=client, policy=policy_for(arm, a),
-                                  block_tokens=a.block_tokens) as kc:
+        with Recording.from_dense(model, cache, client=client, policy=policy_for(arm),
+                                  block_tokens=arm.block_tokens) as kc:
             sl = [logits0[0]] + [step(model, kc, t)[0] for t in forced[:m - 1]]
-            inst = instrument(kc, prefill_keys, arm, a)
+            inst = instrument(kc, prefill_keys, arm)
         sparse = torch.stack(sl).float()
         agree = sparse.argmax(-1) == d_top
         kl = (d_logp.exp() * (d_logp - torch.log_softmax(sparse, -1))).sum(-1)
-        res[arm[0]] = {"agree": int(agree.sum()), "agree_confident": int(agree[confident].sum()),
+        res[arm.name] = {"agree": int(agree.sum()), "agree_confident": int(agree[confident].sum()),
                        "kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "inst": inst}
     res["total_s"] = round(time.time() - t0, 2)
     return res
 
 
 def arm_names(a):
-    return [arm[0] for arm in a.arms]
+    return [arm.name for arm in a.arms]
 
 
 def instrument_summary(insts):
@@ -290,7 +309,8 @@ def write_reports(results, a, meta):
     names = arm_names(a)
     L = ["# kvtier fidelity: sparse (tierd) vs dense, Gemma 3 270M Q4_K_M", "",
          f"- policy: sink_blocks={a.sink}, local_blocks={a.local}, block_tokens={a.block_tokens}; arms "
-         + ", ".join(names) + f" (sketch:K without C: {DEFAULT_CANDIDATES} candidates)",
+         + ", ".join(names) + f" (sketch:K without C: {DEFAULT_CANDIDATES} candidates; @B: blocks of B tokens, "
+         "the sink and local window of the same token counts)",
          f"- started {meta['started']}, elapsed {meta.get('elapsed_s', 0):.0f} s, machine: {meta['machine']}", "",
          "## Needle retrieval (greedy; found = the 5-digit code in the answer)", "",
          "recall (found/n) [Wilson 95%]; for sparse: discordant pairs vs dense as -dense_only/+sparse_only", ""]
@@ -397,16 +417,16 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.report_only:
         d = json.load(open(a.report_only))
-        a.arms = [parse_arm(x) for x in d["meta"]["args"]["arm_specs"]]
         a.sink, a.local = d["meta"]["args"]["sink"], d["meta"]["args"]["local"]
         a.block_tokens = d["meta"]["args"]["block_tokens"]
+        a.arms = [parse_arm(x, a) for x in d["meta"]["args"]["arm_specs"]]
         trials, meta = d["trials"], d["meta"]
         if a.pool:
             others = [json.load(open(x)) for x in a.pool]
             meta = {**meta, "pooled_runs": [d["meta"]] + [o["meta"] for o in others]}
             # Runs with other arms pool on the arms they all have.
             common = set.intersection(*(set(o["meta"]["args"]["arm_specs"]) for o in others))
-            a.arms = [arm for arm in a.arms if arm[0] in common]
+            a.arms = [arm for arm in a.arms if arm.name in common]
             for o in others:
                 trials = trials + o["trials"]
         write_reports(trials, a, meta)
@@ -416,7 +436,7 @@ def main(argv=None):
     from tqdm import tqdm
 
     a.arm_specs = a.arms
-    a.arms = [parse_arm(x) for x in a.arms]
+    a.arms = [parse_arm(x, a) for x in a.arms]
 
     t_start = time.time()
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

@@ -343,13 +343,15 @@ def run_kvtier(rows, a, e, db, kt, whole, how, b, tag=""):
 
 
 def policy_of(spec: str, top_k: int) -> Policy:
-    """`bound`, `sketch` (tierd's default candidates) or `sketch:C`, with sink 1, local 4."""
+    """`bound`, `sketch` (tierd's default candidates) or `sketch:C`, with a sink of 128 tokens
+    and a local window of 512 (1 and 4 blocks of 128 tokens; 4 and 16 of 32)."""
+    sink, local = 128 // GEO.block_tokens, 512 // GEO.block_tokens
     if spec == "bound":
-        return Policy.bound(1, 4, top_k)
+        return Policy.bound(sink, local, top_k)
     name, _, c = spec.partition(":")
     if name != "sketch":
         sys.exit(f"--selectors: {spec!r} is not bound, sketch or sketch:C")
-    return Policy(1, 4, top_k, Selector.SKETCH, int(c) if c else DEFAULT_CANDIDATES)
+    return Policy(sink, local, top_k, Selector.SKETCH, int(c) if c else DEFAULT_CANDIDATES)
 
 
 def run_engine(rows, a, model, dev, c, ids, policy, cache_slots, rounds, breakdown, tag=""):
@@ -359,7 +361,8 @@ def run_engine(rows, a, model, dev, c, ids, policy, cache_slots, rounds, breakdo
     b = len(ids)
     t = time.time()
     e = kv_engine.InEngine(a.socket, GEO, policy, device=0, max_sessions=b,
-                           max_blocks=(a.context + 4096) // 128, cache_slots=cache_slots or None)
+                           max_blocks=(a.context + 4096) // GEO.block_tokens,
+                           cache_slots=cache_slots or None)
     db = kv_engine.DeviceBatch(e, c, ids)
     reg_bytes, reg_s = e.registration()
     print(f"kvtier{tag} b={b} cache_slots={cache_slots or 'default'}: leased, registered, synced in "
@@ -398,6 +401,8 @@ def main():
     ap.add_argument("--modes", default="kvtier,dense-hbm,dense-host")
     ap.add_argument("--dense-host-batches", default="1")
     ap.add_argument("--top-k", type=int, default=32)
+    ap.add_argument("--block-tokens", type=int, default=128, choices=[32, 64, 128],
+                    help="the sessions' block size (sessions given with --sessions must have it)")
     ap.add_argument("--selectors", default="bound",
                     help="the engine's selectors, comma-separated: bound, sketch (tierd's default "
                          "candidates) or sketch:C; one engine each in every round, in turn")
@@ -431,6 +436,8 @@ def main():
     print(f"random Qwen2.5-7B ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params) "
           f"built in {time.time() - t:.1f} s", flush=True)
     rows = []
+    global GEO
+    GEO = Geometry(LAYERS, HQ, HKV, D, Dtype.BF16, a.block_tokens)
     selectors = a.selectors.split(",")
     policies = [policy_of(x, a.top_k) for x in selectors]
     with torch.inference_mode():
