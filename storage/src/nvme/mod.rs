@@ -1,6 +1,6 @@
 //! NVMe tier: a checksummed page store on O_DIRECT files or block devices, written and read
 //! through io_uring (or pread where io_uring is unavailable), its crash-safe manifest, and the
-//! lane model / fetch planner that splits transfers across tiers by bandwidth.
+//! lane model that splits transfers across devices by bandwidth.
 //!
 //! # Layout
 //!
@@ -11,7 +11,7 @@
 //! - [`manifest`]: the rkyv index of what is on NVMe, replaced atomically.
 //! - [`tier`]: [`NvmeTier`]: store + manifest with the crash-safe write order (what the
 //!   daemon's demotion/promotion calls).
-//! - [`plan`]: lanes, online bandwidth tracking and the makespan-minimising planner
+//! - [`plan`]: lanes, online bandwidth tracking and batch splitting by the tracked rates
 //!   (pure logic, no I/O except the probe).
 
 pub mod buf;

@@ -1,11 +1,12 @@
-//! Lanes and the fetch planner: pure logic (the device probe at the bottom is the only I/O).
+//! Lanes: pure logic (the device probe at the bottom is the only I/O).
 //!
-//! A lane is a path blocks can come from (host RAM over PCIe, one NVMe device, later the GPU
-//! block cache) with a bandwidth and a fixed per-transfer latency. Moving `b` bytes on a lane
-//! takes `latency + b / bandwidth` (0 if the lane moves nothing). For a keep-set whose blocks
-//! may have copies on several lanes, the planner picks one lane per block so the slowest lane
-//! finishes as early as possible (the step's makespan): all lanes finish together and no tier
-//! straggles.
+//! A lane is a path blocks can come from (one NVMe device; host RAM over PCIe) with a bandwidth
+//! and a fixed per-transfer latency. Moving `b` bytes on a lane takes `latency + b / bandwidth`
+//! (0 if the lane moves nothing). Each device's read and write lanes are tracked online
+//! ([`LaneTracker`]); new pages are striped over devices by their tracked rates, and bulk reads
+//! are cut into batches that keep every device busy for about the same time
+//! ([`split_batches`]), so work is partitioned across devices in proportion to their
+//! bandwidth.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -59,226 +60,11 @@ impl Lane {
     }
 }
 
-/// One block of a keep-set: its size and the lanes (indices into the lane slice) that hold a
-/// copy of it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BlockCopies {
-    pub bytes: u64,
-    pub lanes: Vec<usize>,
-}
-
-/// An assignment of blocks to lanes with its predicted timing.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Plan {
-    /// `assignment[i]` is the lane block `i` is fetched from.
-    pub assignment: Vec<usize>,
-    pub lane_bytes: Vec<u64>,
-    pub lane_time_s: Vec<f64>,
-    /// max over lanes of `lane_time_s`.
-    pub makespan_s: f64,
-}
-
-fn validate(lanes: &[Lane], blocks: &[BlockCopies]) -> Result<(), NvmeError> {
+fn validate(lanes: &[Lane]) -> Result<(), NvmeError> {
     if lanes.is_empty() {
-        return Err(NvmeError::invalid("planner needs at least one lane"));
+        return Err(NvmeError::invalid("at least one lane is needed"));
     }
-    for l in lanes {
-        l.validate()?;
-    }
-    for (i, b) in blocks.iter().enumerate() {
-        if b.lanes.is_empty() {
-            return Err(NvmeError::invalid(format!(
-                "block {i} has no copy on any lane"
-            )));
-        }
-        if let Some(&bad) = b.lanes.iter().find(|&&l| l >= lanes.len()) {
-            return Err(NvmeError::invalid(format!(
-                "block {i} names lane {bad}, but there are {} lanes",
-                lanes.len()
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// Times an assignment. Errors if a block is assigned to a lane that does not hold it.
-pub fn evaluate(
-    lanes: &[Lane],
-    blocks: &[BlockCopies],
-    assignment: &[usize],
-) -> Result<Plan, NvmeError> {
-    validate(lanes, blocks)?;
-    if assignment.len() != blocks.len() {
-        return Err(NvmeError::invalid(format!(
-            "{} assignments for {} blocks",
-            assignment.len(),
-            blocks.len()
-        )));
-    }
-    let mut lane_bytes = vec![0u64; lanes.len()];
-    for (i, (b, &l)) in blocks.iter().zip(assignment).enumerate() {
-        if !b.lanes.contains(&l) {
-            return Err(NvmeError::invalid(format!(
-                "block {i} assigned to lane {l}, which holds no copy"
-            )));
-        }
-        lane_bytes[l] += b.bytes;
-    }
-    Ok(finish(lanes, assignment.to_vec(), lane_bytes))
-}
-
-fn finish(lanes: &[Lane], assignment: Vec<usize>, lane_bytes: Vec<u64>) -> Plan {
-    let lane_time_s: Vec<f64> = lanes
-        .iter()
-        .zip(&lane_bytes)
-        .map(|(l, &b)| l.time(b))
-        .collect();
-    let makespan_s = lane_time_s.iter().copied().fold(0.0, f64::max);
-    Plan {
-        assignment,
-        lane_bytes,
-        lane_time_s,
-        makespan_s,
-    }
-}
-
-/// The baseline: blocks with a choice are spread evenly by count over the lanes that hold
-/// them (each goes to the holder with the fewest blocks so far), ignoring bandwidth.
-pub fn uniform(lanes: &[Lane], blocks: &[BlockCopies]) -> Result<Plan, NvmeError> {
-    validate(lanes, blocks)?;
-    let mut count = vec![0usize; lanes.len()];
-    let mut assignment = vec![0usize; blocks.len()];
-    let mut lane_bytes = vec![0u64; lanes.len()];
-    for (i, b) in blocks.iter().enumerate() {
-        let l = *b
-            .lanes
-            .iter()
-            .min_by_key(|&&l| (count[l], l))
-            .expect("validated non-empty");
-        count[l] += 1;
-        assignment[i] = l;
-        lane_bytes[l] += b.bytes;
-    }
-    Ok(finish(lanes, assignment, lane_bytes))
-}
-
-/// Plans a fetch: blocks with one copy are fixed first; the rest go largest first to the
-/// holder where they would finish earliest (greedy LPT); then single-block moves off the
-/// bottleneck lane are applied while they shorten the makespan. The result is never worse
-/// than [`uniform`] (if it were, the uniform plan is returned).
-pub fn plan(lanes: &[Lane], blocks: &[BlockCopies]) -> Result<Plan, NvmeError> {
-    validate(lanes, blocks)?;
-    let n = blocks.len();
-    let mut assignment = vec![usize::MAX; n];
-    let mut lane_bytes = vec![0u64; lanes.len()];
-    let mut free: Vec<usize> = Vec::new();
-    for (i, b) in blocks.iter().enumerate() {
-        let first = b.lanes[0];
-        if b.lanes.iter().all(|&l| l == first) {
-            assignment[i] = first;
-            lane_bytes[first] += b.bytes;
-        } else {
-            free.push(i);
-        }
-    }
-    free.sort_by(|&a, &b| blocks[b].bytes.cmp(&blocks[a].bytes).then(a.cmp(&b)));
-    for &i in &free {
-        let b = &blocks[i];
-        let l = best_lane(lanes, &lane_bytes, b);
-        assignment[i] = l;
-        lane_bytes[l] += b.bytes;
-    }
-    improve(lanes, blocks, &mut assignment, &mut lane_bytes, &free);
-    let greedy = finish(lanes, assignment, lane_bytes);
-    let base = uniform(lanes, blocks)?;
-    Ok(if base.makespan_s < greedy.makespan_s {
-        base
-    } else {
-        greedy
-    })
-}
-
-fn best_lane(lanes: &[Lane], lane_bytes: &[u64], b: &BlockCopies) -> usize {
-    let mut best = usize::MAX;
-    let mut best_t = f64::INFINITY;
-    for &l in &b.lanes {
-        let t = lanes[l].time(lane_bytes[l] + b.bytes);
-        if t < best_t || (t == best_t && l < best) {
-            best = l;
-            best_t = t;
-        }
-    }
-    best
-}
-
-fn makespan_of(lanes: &[Lane], lane_bytes: &[u64]) -> (f64, usize) {
-    let mut worst = (0.0, 0);
-    for (l, lane) in lanes.iter().enumerate() {
-        let t = lane.time(lane_bytes[l]);
-        if t > worst.0 {
-            worst = (t, l);
-        }
-    }
-    worst
-}
-
-/// Moves single blocks off the bottleneck lane while that strictly lowers the makespan.
-fn improve(
-    lanes: &[Lane],
-    blocks: &[BlockCopies],
-    assignment: &mut [usize],
-    lane_bytes: &mut [u64],
-    movable: &[usize],
-) {
-    // Each accepted move strictly lowers the makespan; the cap bounds pathological inputs.
-    for _ in 0..4 * movable.len() + 16 {
-        let (current, hot) = makespan_of(lanes, lane_bytes);
-        let mut best: Option<(f64, usize, usize)> = None;
-        for &i in movable.iter().filter(|&&i| assignment[i] == hot) {
-            let b = &blocks[i];
-            for &to in b.lanes.iter().filter(|&&l| l != hot) {
-                lane_bytes[hot] -= b.bytes;
-                lane_bytes[to] += b.bytes;
-                let (m, _) = makespan_of(lanes, lane_bytes);
-                lane_bytes[to] -= b.bytes;
-                lane_bytes[hot] += b.bytes;
-                if m < current * (1.0 - 1e-12) && best.is_none_or(|(bm, _, _)| m < bm) {
-                    best = Some((m, i, to));
-                }
-            }
-        }
-        let Some((_, i, to)) = best else { return };
-        lane_bytes[assignment[i]] -= blocks[i].bytes;
-        lane_bytes[to] += blocks[i].bytes;
-        assignment[i] = to;
-    }
-}
-
-/// Split `total` bytes (e.g. a bulk restore or split-k partitions) over lanes in proportion
-/// to bandwidth, in whole `unit`s; the remainder goes to the fastest lanes.
-pub fn proportional_split(lanes: &[Lane], total_units: u64) -> Result<Vec<u64>, NvmeError> {
-    validate(lanes, &[])?;
-    let sum: f64 = lanes.iter().map(|l| l.bandwidth_bytes_per_s).sum();
-    let mut out: Vec<u64> = lanes
-        .iter()
-        .map(|l| (total_units as f64 * l.bandwidth_bytes_per_s / sum).floor() as u64)
-        .collect();
-    let mut left = total_units - out.iter().sum::<u64>();
-    let mut order: Vec<usize> = (0..lanes.len()).collect();
-    order.sort_by(|&a, &b| {
-        lanes[b]
-            .bandwidth_bytes_per_s
-            .total_cmp(&lanes[a].bandwidth_bytes_per_s)
-            .then(a.cmp(&b))
-    });
-    for &l in order.iter().cycle() {
-        if left == 0 {
-            break;
-        }
-        out[l] += 1;
-        left -= 1;
-    }
-    Ok(out)
+    lanes.iter().try_for_each(Lane::validate)
 }
 
 /// Once a tracker has this many samples, observations far from its prediction are clamped.
@@ -425,7 +211,7 @@ pub fn split_batches(
     target_s: f64,
     max_reads: usize,
 ) -> Result<Vec<std::ops::Range<usize>>, NvmeError> {
-    validate(lanes, &[])?;
+    validate(lanes)?;
     if !(target_s.is_finite() && target_s > 0.0) {
         return Err(NvmeError::invalid(format!(
             "batch target {target_s} s must be positive and finite"
