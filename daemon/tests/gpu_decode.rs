@@ -623,6 +623,7 @@ fn demote(tier: &NvmeTier, t: &mut Twin) -> usize {
         policy: (&POLICY).into(),
         layer_tokens: (0..GEO.layers).map(|l| t.gpu.tokens(l).unwrap()).collect(),
         pages: Vec::new(),
+        created_unix_ms: 0,
     };
     tier.put_session(&record, &runs).unwrap();
     let mut cold = 0;

@@ -130,13 +130,20 @@ fn sessions_survive_a_clean_restart_and_decode_bit_identically() {
         before.push((pos, qb, k, v, out));
     }
     c.close(b.0).unwrap();
+    let created = c.session_info(a.0).unwrap().created_unix_ms;
     drop(c);
     let dir = d.stop(false);
+    // The restart comes well after the creation, so a reset time would show.
+    std::thread::sleep(std::time::Duration::from_millis(20));
     let d = Daemon::start_in(dir, &[]);
     let mut c = d.client();
     let list = c.list_sessions().unwrap();
     assert_eq!(list.len(), 1, "the closed twin is gone, the other restored");
     assert_eq!((list[0].session, list[0].tokens_max), (a.0, 334));
+    assert_eq!(
+        list[0].created_unix_ms, created,
+        "the creation time survives"
+    );
     for (layer, (pos, qb, k, v, out)) in before.iter().enumerate() {
         let again = c
             .decode(layer as u32, entry(a.0, *pos, qb, k, v), true)

@@ -82,6 +82,7 @@ fn session_record(id: u64) -> SessionRecord {
         layer_tokens: vec![u64::from(BLOCKS) * 128; LAYERS as usize],
         pages: Vec::new(),
         pinned: id % 2 == 1,
+        created_unix_ms: 1_795_000_000_000 + id,
     }
 }
 

@@ -52,6 +52,7 @@ fn one_layer_session(id: u64, blocks: u32) -> SessionRecord {
         layer_tokens: vec![u64::from(blocks) * 64],
         pages: Vec::new(),
         pinned: false,
+        created_unix_ms: 0,
     }
 }
 

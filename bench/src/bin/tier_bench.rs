@@ -105,6 +105,7 @@ fn record(kv: &KvCache) -> SessionRecord {
         layer_tokens: (0..G.layers).map(|l| kv.tokens(l).unwrap()).collect(),
         pages: Vec::new(),
         pinned: false,
+        created_unix_ms: 0,
     }
 }
 

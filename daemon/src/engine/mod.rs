@@ -548,6 +548,14 @@ impl Session {
         self.last_access_unix_ms.store(now_ms(), Ordering::Relaxed);
     }
 
+    /// Takes the creation time a manifest record kept (a record of an older format has none:
+    /// the session then counts as created at its restore).
+    fn created_from(&mut self, rec: &SessionRecord) {
+        if rec.created_unix_ms > 0 {
+            self.created_unix_ms = rec.created_unix_ms;
+        }
+    }
+
     /// Runs `f` on the session's KV cache under its lock.
     pub(crate) fn with_kv<R>(&self, f: impl FnOnce(&mut KvCache) -> R) -> R {
         f(&mut self.state.lock().kv)

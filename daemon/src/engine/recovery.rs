@@ -71,6 +71,7 @@ impl Engine {
         let mut s = Session::new(rec.id, rec.owner_uid, rec.label.clone(), policy, kv, true);
         s.state.get_mut().persisted = rec.layer_tokens.clone();
         s.pinned.store(rec.pinned, Ordering::Relaxed);
+        s.created_from(rec);
         s.damaged = Some(reason);
         Ok(s)
     }
@@ -139,6 +140,7 @@ impl Engine {
         let mut s = Session::new(rec.id, rec.owner_uid, rec.label.clone(), policy, kv, true);
         s.state.get_mut().persisted = persisted;
         s.pinned.store(rec.pinned, Ordering::Relaxed);
+        s.created_from(rec);
         Ok(s)
     }
 }

@@ -190,6 +190,7 @@ impl Engine {
             layer_tokens: tokens.clone(),
             pages: Vec::new(),
             pinned: s.pinned.load(Ordering::Relaxed),
+            created_unix_ms: s.created_unix_ms,
         };
         self.check_nvme_room(tier, s, &runs, write)?;
         tier.put_session(&record, &runs).map_err(nvme_error)?;

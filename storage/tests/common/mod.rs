@@ -48,6 +48,7 @@ pub fn one_layer_record(id: u64, blocks: u32) -> SessionRecord {
         layer_tokens: vec![16 * blocks as u64],
         pages: Vec::new(),
         pinned: false,
+        created_unix_ms: 0,
     }
 }
 

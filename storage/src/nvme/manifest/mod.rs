@@ -27,7 +27,8 @@
 //! follows from `payload_len`, see [`PageRecord::addr`]), where versions 1 to 3 had fixed
 //! pages of `page_size` bytes and `page` counted them. Version 5 adds the policy's selector
 //! ([`PolicyRecord::selector`], [`PolicyRecord::candidates`]); sessions of older files come
-//! back with the bound selector they were created with. Versions 1 to 4 still load (version 1
+//! back with the bound selector they were created with. Version 6 adds
+//! [`SessionRecord::created_unix_ms`] (0 in older files). Versions 1 to 5 still load (version 1
 //! sessions come back unpinned): [`Loaded::recover_into`] converts their fixed pages to units
 //! of the store (page `p` becomes unit `p * page_size / unit`, so the data stays where it is
 //! and a warm restart after the upgrade keeps its sessions), if the old page size is a whole
@@ -53,7 +54,7 @@ use crate::{DType, Geometry, Policy, Selector};
 
 const MAGIC: &[u8; 8] = b"KVTMANI1";
 /// The format version commits write.
-pub const VERSION: u32 = 5;
+pub const VERSION: u32 = 6;
 /// The first version whose checksum covers the version field.
 const VERSION_CHECKSUMMED: u32 = 3;
 /// The first version of variable-size pages, addressed in units (before: fixed pages).
@@ -182,6 +183,9 @@ pub struct SessionRecord {
     pub pages: Vec<PageRecord>,
     /// PIN: never demoted; restored as pinned after a restart (version 2).
     pub pinned: bool,
+    /// When CREATE_SESSION made the session, ms since the Unix epoch (version 6; older files:
+    /// 0, unknown).
+    pub created_unix_ms: u64,
 }
 
 impl SessionRecord {
@@ -221,6 +225,58 @@ pub struct Manifest {
     pub sessions: Vec<SessionRecord>,
 }
 
+/// The layout of version 5 (no creation time), read only to upgrade old files (and written by
+/// tests that make such files).
+pub mod v5 {
+    use super::{DeviceRecord, GeometryRecord, PageRecord, PolicyRecord};
+
+    #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+    pub struct SessionRecord {
+        pub id: u64,
+        pub owner_uid: u32,
+        pub label: String,
+        pub geometry: GeometryRecord,
+        pub policy: PolicyRecord,
+        pub layer_tokens: Vec<u64>,
+        pub pages: Vec<PageRecord>,
+        pub pinned: bool,
+    }
+
+    #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+    pub struct Manifest {
+        pub epoch: u64,
+        pub page_size: u64,
+        pub devices: Vec<DeviceRecord>,
+        pub sessions: Vec<SessionRecord>,
+    }
+
+    impl From<Manifest> for super::Manifest {
+        /// The creation time of these sessions is unknown (0).
+        fn from(m: Manifest) -> Self {
+            Self {
+                epoch: m.epoch,
+                page_size: m.page_size,
+                devices: m.devices,
+                sessions: m
+                    .sessions
+                    .into_iter()
+                    .map(|s| super::SessionRecord {
+                        id: s.id,
+                        owner_uid: s.owner_uid,
+                        label: s.label,
+                        geometry: s.geometry,
+                        policy: s.policy,
+                        layer_tokens: s.layer_tokens,
+                        pages: s.pages,
+                        pinned: s.pinned,
+                        created_unix_ms: 0,
+                    })
+                    .collect(),
+            }
+        }
+    }
+}
+
 /// The layout of versions 2 to 4 (a policy without its selector), read only to upgrade old
 /// files (and written by tests that make such files).
 pub mod v4 {
@@ -253,7 +309,7 @@ pub mod v4 {
         pub sessions: Vec<SessionRecord>,
     }
 
-    impl From<Manifest> for super::Manifest {
+    impl From<Manifest> for super::v5::Manifest {
         /// Sessions of these versions were created with the bound selector.
         fn from(m: Manifest) -> Self {
             Self {
@@ -263,7 +319,7 @@ pub mod v4 {
                 sessions: m
                     .sessions
                     .into_iter()
-                    .map(|s| super::SessionRecord {
+                    .map(|s| super::v5::SessionRecord {
                         id: s.id,
                         owner_uid: s.owner_uid,
                         label: s.label,
@@ -839,14 +895,22 @@ fn load_versioned(path: &Path) -> Result<(Manifest, u32), NvmeError> {
             rkyv::deserialize::<Manifest, rancor::Error>(archived)
                 .map_err(|e| corrupt(format!("rkyv deserialize: {e}")))?
         }
+        5 => {
+            let archived = rkyv::access::<v5::ArchivedManifest, rancor::Error>(body)
+                .map_err(|e| corrupt(format!("rkyv validation (version 5): {e}")))?;
+            rkyv::deserialize::<v5::Manifest, rancor::Error>(archived)
+                .map_err(|e| corrupt(format!("rkyv deserialize (version 5): {e}")))?
+                .into()
+        }
         // The same layout: 3 moved the version under the checksum, 4 changed what
         // `page_size` and `page` count.
         2..=4 => {
             let archived = rkyv::access::<v4::ArchivedManifest, rancor::Error>(body)
                 .map_err(|e| corrupt(format!("rkyv validation (version {version}): {e}")))?;
-            rkyv::deserialize::<v4::Manifest, rancor::Error>(archived)
+            let m: v5::Manifest = rkyv::deserialize::<v4::Manifest, rancor::Error>(archived)
                 .map_err(|e| corrupt(format!("rkyv deserialize (version {version}): {e}")))?
-                .into()
+                .into();
+            m.into()
         }
         1 => {
             let archived = rkyv::access::<v1::ArchivedManifest, rancor::Error>(body)
@@ -854,6 +918,7 @@ fn load_versioned(path: &Path) -> Result<(Manifest, u32), NvmeError> {
             let m: v4::Manifest = rkyv::deserialize::<v1::Manifest, rancor::Error>(archived)
                 .map_err(|e| corrupt(format!("rkyv deserialize (version 1): {e}")))?
                 .into();
+            let m: v5::Manifest = m.into();
             m.into()
         }
         found => {

@@ -66,6 +66,7 @@ fn page_records_load_sorted_and_are_found_by_binary_search() {
             layer_tokens: vec![160, 640],
             pages: pages.clone(),
             pinned: false,
+            created_unix_ms: 1_795_000_000_000,
         }],
     };
     let bytes = rkyv::to_bytes::<rancor::Error>(&m).unwrap();
@@ -180,6 +181,47 @@ fn a_version_4_manifest_loads_its_sessions_with_the_bound_selector() {
     let epoch = store.commit(&mut m).unwrap();
     let back = load_file(&dir.path().join(file_name(epoch))).unwrap();
     assert_eq!(back.sessions[0].policy, policy());
+}
+
+#[test]
+fn a_version_5_manifest_loads_with_creation_times_unknown_and_commits_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let old = v5::Manifest {
+        epoch: 3,
+        page_size: 4096,
+        devices: vec![DeviceRecord {
+            path: "/x/pages-0".into(),
+            pages: 100,
+        }],
+        sessions: vec![v5::SessionRecord {
+            id: 5,
+            owner_uid: 1000,
+            label: "before creation times".into(),
+            geometry: geometry(),
+            policy: PolicyRecord::from(&crate::Policy::sketch(1, 4, 8, 16)),
+            layer_tokens: vec![40, 40],
+            pages: vec![page(0), page(1)],
+            pinned: true,
+        }],
+    };
+    write_as(
+        dir.path(),
+        5,
+        3,
+        &rkyv::to_bytes::<rancor::Error>(&old).unwrap(),
+    );
+    let (mut store, loaded) = ManifestStore::open(dir.path()).unwrap();
+    let loaded = loaded.expect("a manifest");
+    assert_eq!(loaded.current_version, 5);
+    let mut m = loaded.current;
+    let s = &m.sessions[0];
+    assert_eq!((s.id, s.pinned, s.created_unix_ms), (5, true, 0));
+    assert_eq!(s.policy.policy(), Some(crate::Policy::sketch(1, 4, 8, 16)));
+    assert_eq!(s.pages, old.sessions[0].pages);
+    m.sessions[0].created_unix_ms = 1_795_000_000_123;
+    let epoch = store.commit(&mut m).unwrap();
+    let back = load_file(&dir.path().join(file_name(epoch))).unwrap();
+    assert_eq!(back.sessions[0].created_unix_ms, 1_795_000_000_123);
 }
 
 #[test]
