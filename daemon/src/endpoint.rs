@@ -1,5 +1,5 @@
 //! The Prometheus scrape endpoint (`metrics.listen`): `GET /metrics` over plain HTTP/1.x, the
-//! engine's values refreshed at each scrape.
+//! the service's values refreshed at each scrape.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::engine::Engine;
+use crate::service::Service;
 
 /// Why the metrics endpoint could not start.
 #[derive(Debug, thiserror::Error)]
@@ -43,8 +43,12 @@ const READ_TIMEOUT: Duration = Duration::from_secs(10);
 const UPKEEP: Duration = Duration::from_secs(5);
 
 /// Serves `GET /metrics` (HTTP/1.x, one request per connection) until `shutdown` resolves.
-pub async fn serve(listener: TcpListener, engine: Arc<Engine>, shutdown: impl Future<Output = ()>) {
-    let Some(handle) = engine.metrics().handle() else {
+pub async fn serve(
+    listener: TcpListener,
+    service: Arc<Service>,
+    shutdown: impl Future<Output = ()>,
+) {
+    let Some(handle) = service.metrics().handle() else {
         return;
     };
     tokio::pin!(shutdown);
@@ -55,9 +59,9 @@ pub async fn serve(listener: TcpListener, engine: Arc<Engine>, shutdown: impl Fu
             _ = upkeep.tick() => handle.run_upkeep(),
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
-                    let engine = engine.clone();
+                    let service = service.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = scrape(stream, &engine).await {
+                        if let Err(e) = scrape(stream, &service).await {
                             tracing::debug!(error = %e, "metrics request failed");
                         }
                     });
@@ -71,7 +75,7 @@ pub async fn serve(listener: TcpListener, engine: Arc<Engine>, shutdown: impl Fu
     }
 }
 
-async fn scrape(mut stream: TcpStream, engine: &Engine) -> std::io::Result<()> {
+async fn scrape(mut stream: TcpStream, service: &Service) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(1024);
     let head_end = loop {
         if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
@@ -94,7 +98,7 @@ async fn scrape(mut stream: TcpStream, engine: &Engine) -> std::io::Result<()> {
     let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let path = target.split('?').next().unwrap_or("");
     match (method, path) {
-        ("GET", "/metrics") => respond(&mut stream, "200 OK", &engine.render_metrics()).await,
+        ("GET", "/metrics") => respond(&mut stream, "200 OK", &service.render_metrics()).await,
         ("GET", _) => respond(&mut stream, "404 Not Found", "try /metrics\n").await,
         _ => respond(&mut stream, "405 Method Not Allowed", "").await,
     }

@@ -82,7 +82,7 @@ impl From<KernelError> for ServiceError {
                 ErrorCode::InvalidArgument
             }
             KernelError::EmptyBatch | KernelError::OutputSize { .. } => ErrorCode::InvalidArgument,
-            // The engine answers on the CPU instead; reaching a client would be a bug.
+            // The service answers on the CPU instead; reaching a client would be a bug.
             KernelError::Unavailable { .. } => ErrorCode::Internal,
             // Sessions are created with sketches exactly when their selector reads them.
             KernelError::NoSketches => ErrorCode::Internal,

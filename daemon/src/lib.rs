@@ -4,7 +4,7 @@
 //! # Layout
 //!
 //! - [`config`]: TOML config with defaults, env and CLI layering, and validation.
-//! - [`engine`]: sessions, ownership, admission, and every operation's semantics.
+//! - [`service`]: sessions, ownership, admission, and every operation's semantics.
 //! - [`server`]: the socket (safe bind, framing with SCM_RIGHTS, admission slots, shutdown).
 //! - [`error`]: request failures as typed wire errors.
 //! - [`prefetch`]: speculative promotion of blocks ranked just below the cut (NVMe tier).
@@ -22,7 +22,6 @@
 
 pub mod config;
 pub mod endpoint;
-pub mod engine;
 pub mod error;
 pub mod gpu;
 pub mod metrics;
@@ -30,11 +29,12 @@ pub mod notify;
 pub mod prefetch;
 pub mod preflight;
 pub mod server;
+pub mod service;
 
 pub use config::Config;
-pub use engine::{Engine, EngineLimits, Peer, TierSettings};
 pub use gpu::{GpuDecoder, GpuError, GpuSettings};
 pub use server::{bind, run, ServerSettings};
+pub use service::{Peer, Service, ServiceLimits, TierSettings};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,16 +61,16 @@ pub fn build_arena(
 /// Opens the NVMe tier (recovering its manifest) and builds the engine over `arena`; `gpu` is
 /// the CUDA decode path over the same arena when the backend resolved to cuda. Sessions found
 /// on NVMe are loaded back (warm restart).
-pub fn build_engine(
+pub fn build_service(
     cfg: &Config,
     arena: HostArena,
     gpu: Option<GpuDecoder>,
-) -> Result<Engine, String> {
+) -> Result<Service, String> {
     let tier =
         open_tier(cfg).map_err(|e| format!("NVMe tier at {}: {e}", cfg.nvme.dir.display()))?;
-    let engine = Engine::with_tier(
+    let service = Service::with_tier(
         arena,
-        EngineLimits {
+        ServiceLimits {
             max_sessions: cfg.admission.max_sessions,
             max_sessions_per_uid: cfg.quota.max_sessions_per_uid,
             host_share_per_uid: cfg.quota.host_share_per_uid,
@@ -93,14 +93,14 @@ pub fn build_engine(
         metrics::Metrics::disabled()
     });
     let t0 = std::time::Instant::now();
-    let (loaded, problems) = engine.recover();
+    let (loaded, problems) = service.recover();
     if loaded > 0 || !problems.is_empty() {
         tracing::info!(sessions = loaded, elapsed = ?t0.elapsed(), "restored sessions from the NVMe tier");
     }
     for p in problems {
         tracing::error!("{p} (left on NVMe, not served)");
     }
-    Ok(engine)
+    Ok(service)
 }
 
 /// Opens the NVMe tier the `[nvme]` section describes (None when disabled): the page files,

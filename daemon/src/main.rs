@@ -241,7 +241,7 @@ fn serve(cfg: Config) -> Result<(), String> {
         cfg.server.socket_group.as_deref(),
     )
     .map_err(|e| e.to_string())?;
-    // Bound before the engine is built, so a second daemon on this socket fails before it
+    // Bound before the service is built, so a second daemon on this socket fails before it
     // touches the NVMe tier; connections wait in the backlog until a warm restart is done.
     // A start that fails from here on removes the socket it bound.
     let bound = BoundSocket::new(&cfg.server.socket_path);
@@ -257,9 +257,9 @@ fn serve(cfg: Config) -> Result<(), String> {
         e => format!("host tier: {e}"),
     })?;
     let gpu = gpu_decoder(&cfg, &arena)?;
-    let engine = Arc::new(tierd::build_engine(&cfg, arena, gpu)?);
+    let service = Arc::new(tierd::build_service(&cfg, arena, gpu)?);
     bound.keep();
-    let usage = engine.arena().usage();
+    let usage = service.arena().usage();
     tracing::info!(
         capacity = %tierd::config::ByteSize(usage.bytes_total as u64),
         max_run = %cfg.host.max_run_bytes,
@@ -280,16 +280,16 @@ fn serve(cfg: Config) -> Result<(), String> {
             // Scrapes keep working while connections drain; the runtime's end stops it.
             tokio::spawn(tierd::endpoint::serve(
                 metrics,
-                engine.clone(),
+                service.clone(),
                 std::future::pending(),
             ));
         }
         tracing::info!(socket = %cfg.server.socket_path.display(), "tierd ready");
-        tierd::run(listener, engine.clone(), settings, shutdown)
+        tierd::run(listener, service.clone(), settings, shutdown)
             .await
             .map_err(|e| format!("server: {e}"))?;
         // Every session goes to NVMe so a restart finds it (no-op without the NVMe tier).
-        let (ok, failed) = engine.persist_all();
+        let (ok, failed) = service.persist_all();
         if ok + failed > 0 {
             tracing::info!(persisted = ok, failed, "sessions written to the NVMe tier");
         }

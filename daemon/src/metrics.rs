@@ -4,7 +4,7 @@
 //! Names follow `{prefix}_{name}_{unit}`, with `_total` only on counters. Two kinds of values:
 //!
 //! - **Scrape-time** values (sessions, tier usage, the counters STATS reports) are read from the
-//!   engine's relaxed atomics by [`Metrics::refresh`] when a scrape arrives, so a scrape and STATS
+//!   service's relaxed atomics by [`Metrics::refresh`] when a scrape arrives, so a scrape and STATS
 //!   read the same numbers and the hot path records them only once.
 //! - **Event-time** values (errors by code, rejections by reason, latency and keep-set
 //!   histograms) are recorded where they happen, into handles registered once at startup
@@ -28,7 +28,7 @@ use metrics_exporter_prometheus::{
 
 use kvtier_protocol::ErrorCode;
 
-/// The engine's state at one instant: what STATS and a metrics scrape report.
+/// The service's state at one instant: what STATS and a metrics scrape report.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Snapshot {
     pub ready: bool,
@@ -333,7 +333,7 @@ impl Metrics {
         self.keep_set_blocks.record(blocks as f64);
     }
 
-    /// Copies the engine's scrape-time values into the exported gauges and counters.
+    /// Copies the service's scrape-time values into the exported gauges and counters.
     pub fn refresh(&self, s: &Snapshot) {
         self.ready.set(if s.ready { 1.0 } else { 0.0 });
         self.uptime.set(s.uptime.as_secs_f64());

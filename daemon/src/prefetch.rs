@@ -56,7 +56,7 @@ impl Prefetcher {
     }
 
     /// Queues a job unless the queue is full; `with_kv` reaches the session's cache (the
-    /// engine's session handle, locked when called).
+    /// service's session handle, locked when called).
     pub fn offer(&self, job: Job, with_kv: WithKv) {
         if let Err(TrySendError::Full(_)) = self.tx.try_send((job, with_kv)) {
             tracing::debug!("prefetch queue full; job dropped");

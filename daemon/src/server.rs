@@ -29,10 +29,10 @@ use kvtier_protocol::{
 };
 
 use crate::config::ByteSize;
-use crate::engine::{Engine, Peer};
 use crate::error::{ServiceError, ServiceResult};
 use crate::metrics::Rejection;
 use crate::notify::{self, Notifier};
+use crate::service::{Peer, Service};
 
 mod slots;
 use slots::ConnectionSlots;
@@ -171,13 +171,13 @@ struct Admission {
 }
 
 impl Admission {
-    async fn enter(&self, engine: &Engine) -> ServiceResult<OwnedSemaphorePermit> {
+    async fn enter(&self, service: &Service) -> ServiceResult<OwnedSemaphorePermit> {
         if let Ok(p) = self.slots.clone().try_acquire_owned() {
             return Ok(p);
         }
         if self.queued.fetch_add(1, Ordering::AcqRel) >= self.max_queued {
             self.queued.fetch_sub(1, Ordering::AcqRel);
-            engine.record_rejection(Rejection::QueueFull);
+            service.record_rejection(Rejection::QueueFull);
             return Err(ServiceError::exhausted(format!(
                 "request queue full ({} waiting; admission.max_queued_requests)",
                 self.max_queued
@@ -190,14 +190,14 @@ impl Admission {
 }
 
 struct Shared {
-    engine: Arc<Engine>,
+    service: Arc<Service>,
     settings: ServerSettings,
     admission: Admission,
 }
 
 /// One line for `systemctl status`: what the daemon holds right now.
-fn status_line(engine: &Engine) -> String {
-    let s = engine.snapshot();
+fn status_line(service: &Service) -> String {
+    let s = service.snapshot();
     Notifier::status_line(&format!(
         "serving: {} sessions, host tier {} of {} in use",
         s.sessions,
@@ -210,13 +210,13 @@ fn status_line(engine: &Engine) -> String {
 /// lets every connection finish the request it is executing (up to the grace period), and
 /// returns.
 ///
-/// Everything the daemon needs (the engine and its tiers, the bound socket) exists before this
+/// Everything the daemon needs (the service and its tiers, the bound socket) exists before this
 /// is called, so it reports READY=1 first thing; WATCHDOG=1 keep-alives come from this loop,
 /// so a wedged event loop (or a session table that stays locked) stops them and systemd
 /// restarts the daemon.
 pub async fn run(
     listener: UnixListener,
-    engine: Arc<Engine>,
+    service: Arc<Service>,
     settings: ServerSettings,
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<()> {
@@ -226,7 +226,7 @@ pub async fn run(
             queued: AtomicUsize::new(0),
             max_queued: settings.max_queued_requests,
         },
-        engine,
+        service,
         settings,
     });
     let connections = Arc::new(ConnectionSlots::new(&shared.settings));
@@ -234,10 +234,10 @@ pub async fn run(
     let mut tasks = JoinSet::new();
     tokio::pin!(shutdown);
     let notifier = shared.settings.notifier.clone();
-    shared.engine.set_ready(true);
+    shared.service.set_ready(true);
     notify::send(
         notifier.as_deref(),
-        &format!("READY=1\n{}", status_line(&shared.engine)),
+        &format!("READY=1\n{}", status_line(&shared.service)),
     );
     let mut watchdog = shared.settings.watchdog.map(|every| {
         let mut t = tokio::time::interval(every);
@@ -253,10 +253,10 @@ pub async fn run(
                     None => std::future::pending().await,
                 }
             } => {
-                if shared.engine.responsive() {
+                if shared.service.responsive() {
                     notify::send(
                         notifier.as_deref(),
-                        &format!("WATCHDOG=1\n{}", status_line(&shared.engine)),
+                        &format!("WATCHDOG=1\n{}", status_line(&shared.service)),
                     );
                 } else {
                     tracing::warn!("session table stayed locked; withholding the watchdog keep-alive");
@@ -280,17 +280,17 @@ pub async fn run(
                         continue;
                     }
                 };
-                match connections.take(peer.uid, shared.engine.is_admin(&peer)) {
+                match connections.take(peer.uid, shared.service.is_admin(&peer)) {
                     Ok(slot) => {
-                        let conn = Connection { stream, peer, shared: shared.clone(), stop: stop_rx.clone(), hello: false, leases: HashSet::new(), id: crate::engine::next_connection_id() };
+                        let conn = Connection { stream, peer, shared: shared.clone(), stop: stop_rx.clone(), hello: false, leases: HashSet::new(), id: crate::service::next_connection_id() };
                         tasks.spawn(async move {
                             conn.serve().await;
                             drop(slot);
                         });
                     }
                     Err(err) => {
-                        shared.engine.record_rejection(Rejection::ConnectionLimit);
-                        shared.engine.record_error(err.code);
+                        shared.service.record_rejection(Rejection::ConnectionLimit);
+                        shared.service.record_error(err.code);
                         tasks.spawn(async move {
                             let mut stream = stream;
                             let _ = stream.write_all(&error_frame(0, &err)).await;
@@ -301,7 +301,7 @@ pub async fn run(
         }
     }
     drop(listener);
-    shared.engine.set_ready(false);
+    shared.service.set_ready(false);
     notify::send(
         notifier.as_deref(),
         "STOPPING=1\nSTATUS=draining in-flight requests",
@@ -344,11 +344,11 @@ fn reply_frame(
     request_id: u64,
     result: ServiceResult<Response>,
     max: u32,
-    engine: &Engine,
+    service: &Service,
 ) -> Vec<u8> {
     result
         .and_then(|resp| encode_reply(request_id, &resp, max))
-        .unwrap_or_else(|e| error_reply(request_id, e, engine))
+        .unwrap_or_else(|e| error_reply(request_id, e, service))
 }
 
 /// A reply's frame; RESOURCE_EXHAUSTED when its body exceeds `max`.
@@ -366,22 +366,22 @@ fn encode_reply(request_id: u64, resp: &Response, max: u32) -> ServiceResult<Vec
 }
 
 /// An error's frame, counted in the metrics.
-fn error_reply(request_id: u64, e: ServiceError, engine: &Engine) -> Vec<u8> {
+fn error_reply(request_id: u64, e: ServiceError, service: &Service) -> Vec<u8> {
     if e.code == ErrorCode::PermissionDenied {
-        engine.record_rejection(Rejection::Permission);
+        service.record_rejection(Rejection::Permission);
     }
-    engine.record_error(e.code);
+    service.record_error(e.code);
     error_frame(request_id, &e)
 }
 
 /// Decodes a request body; a malformed one is a rejection (protocol.md §5.7).
 fn decode_request<'b>(
-    engine: &Engine,
+    service: &Service,
     header: &Header,
     body: &'b [u8],
 ) -> ServiceResult<Request<'b>> {
     Request::decode(header, body).map_err(|e| {
-        engine.record_rejection(Rejection::Malformed);
+        service.record_rejection(Rejection::Malformed);
         ServiceError::from(e)
     })
 }
@@ -439,8 +439,8 @@ impl Drop for Connection {
     /// panic in its task), its leases end with it: the daemon may free those extents again.
     fn drop(&mut self) {
         for id in self.leases.drain() {
-            self.shared.engine.abort_reservation(id, self.id);
-            self.shared.engine.release_lease(id);
+            self.shared.service.abort_reservation(id, self.id);
+            self.shared.service.release_lease(id);
         }
     }
 }
@@ -510,8 +510,8 @@ impl Connection {
                 Ok(h) => h,
                 Err(e) => {
                     let e = ServiceError::from(e);
-                    self.shared.engine.record_rejection(Rejection::Malformed);
-                    self.shared.engine.record_error(e.code);
+                    self.shared.service.record_rejection(Rejection::Malformed);
+                    self.shared.service.record_error(e.code);
                     let _ = self.stream.write_all(&error_frame(0, &e)).await;
                     break;
                 }
@@ -523,7 +523,7 @@ impl Connection {
                 _ => break,
             }
             let (frame, attach_arena) = self.handle(&header, &mut body, &mut fds).await;
-            let written = match self.shared.engine.arena().shared_fd() {
+            let written = match self.shared.service.arena().shared_fd() {
                 Some(fd) if attach_arena => write_with_fd(&self.stream, &frame, fd).await,
                 _ => self.stream.write_all(&frame).await,
             };
@@ -563,7 +563,7 @@ impl Connection {
         body: &mut [u8],
         fds: &mut Vec<OwnedFd>,
     ) -> Vec<u8> {
-        let engine = self.shared.engine.clone();
+        let service = self.shared.service.clone();
         let max = self.shared.settings.max_frame_bytes;
         let rid = header.request_id;
         let opcode = Opcode::from_u16(header.opcode).ok();
@@ -579,7 +579,7 @@ impl Connection {
                         "a shared-memory APPEND_KV carries exactly one file descriptor, got {n}"
                     ))),
                     max,
-                    &engine,
+                    &service,
                 );
             }
             (false, n) => {
@@ -590,13 +590,13 @@ impl Connection {
                         "{n} unexpected file descriptor(s) with a frame that takes none"
                     ))),
                     max,
-                    &engine,
+                    &service,
                 );
             }
         };
         if !self.hello && opcode != Some(Opcode::Hello) {
             let e = ServiceError::precondition("the first request on a connection must be HELLO");
-            return reply_frame(rid, Err(e), max, &engine);
+            return reply_frame(rid, Err(e), max, &service);
         }
         match opcode {
             // Off the event loop: compute (under an admission slot), and anything that may
@@ -618,9 +618,9 @@ impl Connection {
                     Opcode::AppendKv | Opcode::Decode | Opcode::Demote | Opcode::Promote
                 );
                 let permit = if compute {
-                    match self.shared.admission.enter(&engine).await {
+                    match self.shared.admission.enter(&service).await {
                         Ok(p) => Some(p),
-                        Err(e) => return reply_frame(rid, Err(e), max, &engine),
+                        Err(e) => return reply_frame(rid, Err(e), max, &service),
                     }
                 } else {
                     None
@@ -631,8 +631,8 @@ impl Connection {
                 // request's path (two thread wake-ups, most of a small request's latency).
                 let joined = tokio::task::block_in_place(|| {
                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        let result = execute_heavy(&engine, &peer, &header, body, fd);
-                        reply_frame(header.request_id, result, max, &engine)
+                        let result = execute_heavy(&service, &peer, &header, body, fd);
+                        reply_frame(header.request_id, result, max, &service)
                     }))
                 });
                 drop(permit);
@@ -644,14 +644,14 @@ impl Connection {
                             "request task failed (a bug: it panicked)",
                         )),
                         max,
-                        &engine,
+                        &service,
                     ),
                 }
             }
             _ => {
-                let result = decode_request(&engine, header, body)
-                    .and_then(|req| self.execute_light(&engine, req));
-                reply_frame(rid, result, max, &engine)
+                let result = decode_request(&service, header, body)
+                    .and_then(|req| self.execute_light(&service, req));
+                reply_frame(rid, result, max, &service)
             }
         }
     }
@@ -660,16 +660,16 @@ impl Connection {
     /// need one. Returns the reply frame and whether the arena's descriptor goes with it (a
     /// granted LEASE).
     fn handle_lease(&mut self, header: &Header, body: &[u8]) -> (Vec<u8>, bool) {
-        let engine = self.shared.engine.clone();
+        let service = self.shared.service.clone();
         let max = self.shared.settings.max_frame_bytes;
         let rid = header.request_id;
-        let refused = |e| (error_reply(rid, e, &engine), false);
-        match decode_request(&engine, header, body) {
+        let refused = |e| (error_reply(rid, e, &service), false);
+        match decode_request(&service, header, body) {
             Ok(Request::Lease { session }) => {
                 let new = !self.leases.contains(&session);
                 // Takes the session lock (a decode may hold it): off the event loop.
                 let table =
-                    match tokio::task::block_in_place(|| engine.lease(&self.peer, session, new)) {
+                    match tokio::task::block_in_place(|| service.lease(&self.peer, session, new)) {
                         Ok(t) => t,
                         Err(e) => return refused(e),
                     };
@@ -681,7 +681,7 @@ impl Connection {
                     Err(e) => {
                         // A table too large for a frame: the engine gets no table, so no lease.
                         if new {
-                            engine.release_lease(session);
+                            service.release_lease(session);
                         }
                         refused(e)
                     }
@@ -693,9 +693,12 @@ impl Connection {
                         "this connection holds no lease on session {session}"
                     )));
                 }
-                engine.abort_reservation(session, self.id);
-                engine.release_lease(session);
-                (reply_frame(rid, Ok(Response::Release), max, &engine), false)
+                service.abort_reservation(session, self.id);
+                service.release_lease(session);
+                (
+                    reply_frame(rid, Ok(Response::Release), max, &service),
+                    false,
+                )
             }
             Ok(Request::Reserve { session, tokens }) => {
                 if !self.leases.contains(&session) {
@@ -706,26 +709,26 @@ impl Connection {
                 }
                 // Takes the session lock and may promote or zero frames: off the event loop.
                 let r = tokio::task::block_in_place(|| {
-                    engine.reserve(&self.peer, session, self.id, tokens)
+                    service.reserve(&self.peer, session, self.id, tokens)
                 });
                 (
-                    reply_frame(rid, r.map(Response::Reserve), max, &engine),
+                    reply_frame(rid, r.map(Response::Reserve), max, &service),
                     false,
                 )
             }
             Ok(Request::Commit { session, tokens }) => {
                 let r = tokio::task::block_in_place(|| {
-                    engine.commit(&self.peer, session, self.id, tokens)
+                    service.commit(&self.peer, session, self.id, tokens)
                 });
                 let r = r.map(|tokens| Response::Commit { tokens });
-                (reply_frame(rid, r, max, &engine), false)
+                (reply_frame(rid, r, max, &service), false)
             }
             Ok(other) => unreachable!("{:?} is LEASE, RELEASE, RESERVE or COMMIT", other.opcode()),
             Err(e) => refused(e),
         }
     }
 
-    fn execute_light(&mut self, engine: &Engine, req: Request<'_>) -> ServiceResult<Response> {
+    fn execute_light(&mut self, service: &Service, req: Request<'_>) -> ServiceResult<Response> {
         let peer = &self.peer;
         Ok(match req {
             Request::Hello(h) => {
@@ -749,9 +752,9 @@ impl Connection {
                     server_version: env!("CARGO_PKG_VERSION").into(),
                 })
             }
-            Request::SessionInfo { session } => Response::SessionInfo(engine.info(peer, session)?),
-            Request::ListSessions => Response::ListSessions(engine.list(peer)),
-            Request::Stats => Response::Stats(engine.stats()),
+            Request::SessionInfo { session } => Response::SessionInfo(service.info(peer, session)?),
+            Request::ListSessions => Response::ListSessions(service.list(peer)),
+            Request::Stats => Response::Stats(service.stats()),
             _ => unreachable!("requests that may block run in place, off the event loop"),
         })
     }
@@ -759,58 +762,58 @@ impl Connection {
 
 /// Requests that compute or may write to the NVMe tier, on a blocking thread.
 fn execute_heavy(
-    engine: &Engine,
+    service: &Service,
     peer: &Peer,
     header: &Header,
     body: &[u8],
     fd: Option<OwnedFd>,
 ) -> ServiceResult<Response> {
-    match decode_request(engine, header, body)? {
+    match decode_request(service, header, body)? {
         Request::AppendKv(a) => {
             let tokens = match a.data {
                 AppendData::Inline(payload) => {
-                    engine.append(peer, a.session, a.start_pos, a.n_tokens, payload)?
+                    service.append(peer, a.session, a.start_pos, a.n_tokens, payload)?
                 }
                 AppendData::Shm { offset, len } => {
                     let fd = fd.ok_or_else(|| {
                         ServiceError::invalid("shared-memory APPEND_KV without a descriptor")
                     })?;
                     let payload =
-                        SharedPayload::open(fd, offset, len, engine.arena().bytes_total() as u64)?;
-                    engine.append(peer, a.session, a.start_pos, a.n_tokens, payload.bytes())?
+                        SharedPayload::open(fd, offset, len, service.arena().bytes_total() as u64)?;
+                    service.append(peer, a.session, a.start_pos, a.n_tokens, payload.bytes())?
                 }
             };
             Ok(Response::AppendKv { tokens })
         }
-        Request::Decode(d) => Ok(Response::Decode(engine.decode(
+        Request::Decode(d) => Ok(Response::Decode(service.decode(
             peer,
             d.layer,
             d.want_stats,
             &d.entries,
         )?)),
         Request::Demote { session } => Ok(Response::Demote {
-            blocks: engine.demote(peer, session)?,
+            blocks: service.demote(peer, session)?,
         }),
         Request::Promote { session } => Ok(Response::Promote {
-            blocks: engine.promote(peer, session)?,
+            blocks: service.promote(peer, session)?,
         }),
         Request::CreateSession(c) => Ok(Response::CreateSession {
-            session: engine.create(peer, &c)?,
+            session: service.create(peer, &c)?,
         }),
         Request::CloseSession { session } => {
-            engine.close(peer, session)?;
+            service.close(peer, session)?;
             Ok(Response::CloseSession)
         }
         Request::Evict { session } => {
-            engine.evict(peer, session)?;
+            service.evict(peer, session)?;
             Ok(Response::Evict)
         }
         Request::Pin { session } => {
-            engine.pin(peer, session, true)?;
+            service.pin(peer, session, true)?;
             Ok(Response::Pin)
         }
         Request::Unpin { session } => {
-            engine.pin(peer, session, false)?;
+            service.pin(peer, session, false)?;
             Ok(Response::Unpin)
         }
         _ => unreachable!("HELLO, SESSION_INFO, LIST_SESSIONS and STATS run on the event loop"),

@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use common::*;
 use kvtier_protocol::{stats_keys, ErrorCode, StatsReply};
-use tierd::engine::extra_stats_keys as x;
 use tierd::metrics::names;
+use tierd::service::extra_stats_keys as x;
 
 /// The harness daemon serving metrics on a free local port, plus `extra`; and the port.
 fn with_metrics(extra: &[&str]) -> (Tierd, u16) {

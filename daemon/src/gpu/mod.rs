@@ -1,4 +1,4 @@
-//! The CUDA decode path: [`GpuDecoder`] wraps `kvtier_kernels::cuda` for the engine.
+//! The CUDA decode path: [`GpuDecoder`] wraps `kvtier_kernels::cuda` for the service.
 //!
 //! # Layout
 //!
@@ -40,11 +40,11 @@
 //! the device to one zero-filled arena frame the decoder owns for its whole life, so even a
 //! selection that diverged from the CPU's could never read an unmapped or reused address; once
 //! such a block is promoted the frame change re-maps it. [`GpuDecoder`]'s own checks (session
-//! open, geometry, `max_blocks`) answer `KernelError::Unavailable`, and the engine then runs the
+//! open, geometry, `max_blocks`) answer `KernelError::Unavailable`, and the service then runs the
 //! same request on the CPU.
 //!
 //! Rewriting positions (a rollback truncating a session and appending other tokens) is
-//! invisible to the length bookkeeping when the length grows back: the engine calls
+//! invisible to the length bookkeeping when the length grows back: the service calls
 //! [`GpuDecoder::invalidate`] after any truncation.
 
 use kvtier_kernels::KernelError;

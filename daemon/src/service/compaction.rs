@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 
 use super::*;
 
-impl Engine {
+impl Service {
     /// Makes `wanted` runs of `run_bytes` fit in the host tier by moving runs when the free
     /// bytes hold them but no free range does. Only runs of sessions it can lock without
     /// waiting and that no engine process holds the addresses of (no LEASE, no RESERVE) move;

@@ -82,7 +82,7 @@ impl Job<'_> {
     }
 }
 
-impl Engine {
+impl Service {
     /// Appends `n_tokens` to every layer of a session; returns its new length. With
     /// write-through the new blocks are durable on NVMe before this returns; if they cannot be
     /// made durable the append is rolled back.
@@ -463,7 +463,7 @@ impl Engine {
         Ok(replies)
     }
 
-    /// Counts a step in the engine's counters and latency metrics.
+    /// Counts a step in the service's counters and latency metrics.
     fn count_step(&self, r: &StepReport, on_gpu: bool, t: &StageTimings, total: Duration) {
         let c = &self.counters;
         c.decode_steps.fetch_add(1, Ordering::Relaxed);
@@ -601,11 +601,11 @@ mod tests {
         pid: None,
     };
 
-    fn engine() -> Engine {
+    fn service() -> Service {
         let arena = HostArena::new(&ArenaOptions::new(16 << 20, 16 << 10)).unwrap();
-        Engine::new(
+        Service::new(
             arena,
-            EngineLimits {
+            ServiceLimits {
                 max_sessions: 16,
                 max_sessions_per_uid: 0,
                 host_share_per_uid: 1.0,
@@ -619,8 +619,8 @@ mod tests {
     }
 
     /// `n` sessions of 40 + i tokens each, in two engines with identical contents.
-    fn twins(n: usize, rng: &mut Rng) -> (Engine, Engine, Vec<u64>) {
-        let (a, b) = (engine(), engine());
+    fn twins(n: usize, rng: &mut Rng) -> (Service, Service, Vec<u64>) {
+        let (a, b) = (service(), service());
         let mut ids = Vec::new();
         for i in 0..n {
             let req = CreateSessionRequest {
@@ -704,7 +704,7 @@ mod tests {
         let steps: Vec<Step> = (0..n).map(|_| step(&mut rng)).collect();
         let layer = |i: usize| (i % 2) as u32;
         // Layer 0 may be ahead of layer 1: the position of each request's layer.
-        let pos = |e: &Engine, id, l: u32| {
+        let pos = |e: &Service, id, l: u32| {
             let info = e.info(&PEER, id).unwrap();
             if l == 0 {
                 info.tokens_max

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use kvtier_protocol::{LeaseLayer, LeaseReply, ReserveReply};
 use kvtier_storage::InPlaceAppend;
 
-use super::{Engine, Peer, Session, SessionState};
+use super::{Peer, Service, Session, SessionState};
 use crate::error::{ServiceError, ServiceResult};
 
 /// An open in-place append of a session, and the connection it belongs to.
@@ -49,7 +49,7 @@ pub(super) fn check_unreserved(s: &Session, st: &SessionState) -> ServiceResult<
     }
 }
 
-impl Engine {
+impl Service {
     /// The block table of session `id` for a lease; `new_lease` counts a lease the caller did
     /// not hold yet (a connection's repeated LEASE refreshes the table).
     ///
@@ -110,7 +110,7 @@ impl Engine {
     }
 }
 
-impl Engine {
+impl Service {
     /// RESERVE: opens an in-place append of `tokens` tokens to every layer of session `id`
     /// for connection `conn`, which holds its lease (the caller checks). Returns where each
     /// row goes.

@@ -84,7 +84,7 @@ pub(super) struct NvmeSeries {
     pub(super) counters: crate::metrics::NvmeMetrics,
 }
 
-impl Engine {
+impl Service {
     /// Copies the NVMe tier's usage and traffic into its metric series (scrape time).
     pub fn refresh_tier_metrics(&self) {
         let (Some(m), Some((tier, _))) = (&self.nvme_metrics, &self.tier) else {

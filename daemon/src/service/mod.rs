@@ -64,9 +64,9 @@ pub struct Peer {
     pub pid: Option<i32>,
 }
 
-/// Limits and identity the engine enforces.
+/// Limits and identity the service enforces.
 #[derive(Debug, Clone)]
-pub struct EngineLimits {
+pub struct ServiceLimits {
     pub max_sessions: usize,
     /// Sessions one uid may hold (admins exempt; 0: no limit beyond `max_sessions`).
     pub max_sessions_per_uid: usize,
@@ -83,7 +83,7 @@ pub struct EngineLimits {
     pub admin_gids: Vec<u32>,
 }
 
-/// How the engine uses the NVMe tier.
+/// How the service uses the NVMe tier.
 #[derive(Debug, Clone)]
 pub struct TierSettings {
     pub write_through: bool,
@@ -127,8 +127,8 @@ struct SessionState {
     reserved: Option<lease::Reservation>,
 }
 
-pub struct Engine {
-    limits: EngineLimits,
+pub struct Service {
+    limits: ServiceLimits,
     arena: HostArena,
     tier: Option<(Arc<NvmeTier>, TierSettings)>,
     /// The CUDA decode path, for the sessions it supports (cold blocks a step needs are
@@ -181,15 +181,15 @@ fn random_u64() -> u64 {
     })
 }
 
-impl Engine {
-    pub fn new(arena: HostArena, limits: EngineLimits) -> Self {
+impl Service {
+    pub fn new(arena: HostArena, limits: ServiceLimits) -> Self {
         Self::with_tier(arena, limits, None, None)
     }
 
     /// An engine whose sessions tier to `tier`.
     pub fn with_tier(
         arena: HostArena,
-        limits: EngineLimits,
+        limits: ServiceLimits,
         tier: Option<(Arc<NvmeTier>, TierSettings)>,
         gpu: Option<GpuDecoder>,
     ) -> Self {
@@ -201,7 +201,7 @@ impl Engine {
                         .ok()
                 })
         });
-        Engine {
+        Service {
             limits,
             arena,
             tier,
@@ -341,13 +341,13 @@ impl Engine {
         Ok(s)
     }
 
-    /// [`Engine::lookup`] for an operation on the session's data: DATA_LOSS for a session
+    /// [`Service::lookup`] for an operation on the session's data: DATA_LOSS for a session
     /// whose stored data failed verification at startup.
     fn lookup_live(&self, peer: &Peer, id: u64) -> ServiceResult<Arc<Session>> {
         self.lookup_live_as(peer, id, false)
     }
 
-    /// [`Engine::lookup_live`], for any uid's session when `admin_ok` and `peer` is an admin.
+    /// [`Service::lookup_live`], for any uid's session when `admin_ok` and `peer` is an admin.
     fn lookup_live_as(&self, peer: &Peer, id: u64, admin_ok: bool) -> ServiceResult<Arc<Session>> {
         let s = self.lookup(peer, id, admin_ok)?;
         if let Some(reason) = &s.damaged {
@@ -597,11 +597,11 @@ mod tests {
     use super::*;
     use kvtier_storage::ArenaOptions;
 
-    fn engine() -> Engine {
+    fn service() -> Service {
         let arena = HostArena::new(&ArenaOptions::new(1 << 20, 4096)).unwrap();
-        Engine::new(
+        Service::new(
             arena,
-            EngineLimits {
+            ServiceLimits {
                 max_sessions: 4,
                 max_sessions_per_uid: 0,
                 host_share_per_uid: 1.0,
@@ -616,7 +616,7 @@ mod tests {
 
     #[test]
     fn a_stuck_session_table_is_not_responsive() {
-        let e = engine();
+        let e = service();
         assert!(e.responsive());
         let held = e.sessions.write();
         assert!(
@@ -629,7 +629,7 @@ mod tests {
 
     #[test]
     fn readiness_and_recorded_failures_reach_stats() {
-        let e = engine();
+        let e = service();
         let get = |k| e.stats().get(k).unwrap();
         assert_eq!(get(extra_stats_keys::READY), 0, "not ready before serving");
         e.set_ready(true);

@@ -14,7 +14,7 @@ pub(super) fn policy_of(p: &PolicyRecord) -> ServiceResult<Policy> {
         .ok_or_else(|| ServiceError::internal(format!("unknown selector {}", p.selector)))
 }
 
-impl Engine {
+impl Service {
     /// Loads every session the NVMe manifest holds (warm restart): reads and verifies each
     /// page, rebuilds tiles and bounds bit-identically, keeping blocks resident while the host
     /// tier is below its low-water mark and cold after that. A session that cannot be read

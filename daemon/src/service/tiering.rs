@@ -41,13 +41,13 @@ fn dirty_blocks(geo: &Geometry, st: &SessionState) -> ServiceResult<Vec<(u32, u3
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Write {
     /// A write while serving (write-through, DEMOTE, memory pressure): see
-    /// [`Engine::check_nvme_room`].
+    /// [`Service::check_nvme_room`].
     Serving,
-    /// The clean shutdown's: every session is written, in [`Engine::persist_all`]'s order.
+    /// The clean shutdown's: every session is written, in [`Service::persist_all`]'s order.
     Shutdown,
 }
 
-impl Engine {
+impl Service {
     /// Refuses a write that would take `s`'s owner past its share of the NVMe tier
     /// (`quota.nvme_share_per_uid`), or, while serving, one by an owner holding more than an
     /// equal split of the tier (among the uids with sessions) that would leave less free than
