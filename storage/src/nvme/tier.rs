@@ -754,7 +754,7 @@ impl crate::ColdSource for TierSource<'_> {
                 .map(|(page, &b)| page.map_err(|e| fail(b, &e)))
                 .collect::<crate::Result<Vec<_>>>()?;
             // Copied into the frames on the store's workers: 7% less promotion time than on
-            // one thread on a 16-core host (tier_bench --only mixed, docs/benchmarks.md).
+            // one thread on a 16-core host (nvme_bench --only mixed, docs/benchmarks.md).
             let threads = workers.min(pages.len() / COPY_MIN_PAGES_PER_THREAD).max(1);
             crate::par::zip_mut(
                 &mut frames[r],

@@ -1,4 +1,4 @@
-//! The real `tier_bench` binary on a small session in temporary directories: the mixed
+//! The real `nvme_bench` binary on a small session in temporary directories: the mixed
 //! RAM + two-lane decode section runs both striping modes over real page files and checks
 //! itself (both modes must promote the same keep-sets; it panics otherwise).
 
@@ -8,7 +8,7 @@ use std::process::Command;
 fn mixed_decode_section_runs_both_striping_modes() {
     let slow = tempfile::tempdir().unwrap();
     let fast = tempfile::tempdir().unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_tier_bench"))
+    let o = Command::new(env!("CARGO_BIN_EXE_nvme_bench"))
         .args(["--tokens", "4096", "--only", "mixed", "--mixed-steps", "2"])
         .arg("--dir")
         .arg(slow.path())
@@ -16,11 +16,11 @@ fn mixed_decode_section_runs_both_striping_modes() {
         .arg(fast.path().join("lane"))
         .args(["--workers", "2", "--cold-frac", "0.5"])
         .output()
-        .expect("run tier_bench");
+        .expect("run nvme_bench");
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
         o.status.success(),
-        "tier_bench failed: {}\n{out}",
+        "nvme_bench failed: {}\n{out}",
         String::from_utf8_lossy(&o.stderr)
     );
     let rows: Vec<Vec<&str>> = out

@@ -4,7 +4,7 @@
 //! keep-set is split across RAM and both NVMe lanes (proportional vs uniform striping, against
 //! the predicted max over lanes).
 //!
-//! cargo run --release -p kvtier-bench --bin tier_bench -- [--tokens 69760]
+//! cargo run --release -p kvtier-bench --bin nvme_bench -- [--tokens 69760]
 //!     [--dir target/tier-bench] [--fast-dir /dev/shm/kvtier-bench] [--steps 3] [--workers N]
 //!     [--engine auto|pread] [--cold-frac 0.5] [--mixed-steps 9] [--only restore|stripe|mixed|cold]
 //!
@@ -273,7 +273,7 @@ fn main() {
         other => panic!("--engine {other}: auto or pread"),
     };
     println!(
-        "kvtier tier_bench: Qwen2.5-7B geometry, {} tokens",
+        "kvtier nvme_bench: Qwen2.5-7B geometry, {} tokens",
         args.tokens
     );
     println!(
@@ -288,7 +288,7 @@ fn main() {
         args.workers
     );
     println!(
-        "command: cargo run --release -p kvtier-bench --bin tier_bench -- {}",
+        "command: cargo run --release -p kvtier-bench --bin nvme_bench -- {}",
         std::env::args().skip(1).collect::<Vec<_>>().join(" ")
     );
     std::fs::create_dir_all(&args.dir).unwrap();
