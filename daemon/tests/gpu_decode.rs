@@ -694,6 +694,8 @@ fn sessions_on_nvme_decode_on_the_gpu_like_the_cpu_over_ram() {
 }
 
 #[test]
+// The fault hook exists in debug builds and builds with the test-faults feature.
+#[cfg(any(debug_assertions, feature = "test-faults"))]
 #[ignore = "needs a CUDA device: bench/gpu/run.sh runs it with --include-ignored"]
 fn a_device_selection_of_a_cold_block_is_answered_on_the_cpu() {
     let Some((_dir, tier, ga, ca, dec)) = start_with_tier(64) else {

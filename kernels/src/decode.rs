@@ -154,8 +154,9 @@ pub trait Backend {
 
     /// Testing aid: cold keep-set blocks per entry (the last ones) the step leaves unpromoted,
     /// as if the device had selected blocks the CPU did not. Read once per step with cold
-    /// blocks. Never nonzero in production.
+    /// blocks. Only in debug builds and builds with the `test-hooks` feature.
     #[doc(hidden)]
+    #[cfg(any(debug_assertions, feature = "test-hooks"))]
     fn take_leave_cold(&mut self) -> u32 {
         0
     }
@@ -259,11 +260,14 @@ pub fn decode_step(
     let mut planned = select_all(entries, &plan);
     let t_selected = t0.elapsed();
 
+    #[cfg(any(debug_assertions, feature = "test-hooks"))]
     let leave = if plan.iter().any(|&p| p) && selects_itself {
         backend.take_leave_cold() as usize
     } else {
         0
     };
+    #[cfg(not(any(debug_assertions, feature = "test-hooks")))]
+    let leave = 0usize;
     for (i, (e, keep)) in entries.iter_mut().zip(&planned).enumerate() {
         if let Some(keep) = keep {
             let cold = e.kv.cold_among(e.layer, &keep.union());

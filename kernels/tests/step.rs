@@ -47,6 +47,7 @@ fn twins(tokens: u64, rng: &mut Rng) -> (KvCache, KvCache) {
 struct SelfSelecting {
     planned: Vec<Option<KeepSet>>,
     fail: bool,
+    #[cfg_attr(not(any(debug_assertions, feature = "test-hooks")), allow(dead_code))]
     leave_cold: u32,
     discarded: Vec<u64>,
 }
@@ -114,6 +115,7 @@ impl Backend for SelfSelecting {
         self.discarded.extend_from_slice(sessions);
     }
 
+    #[cfg(any(debug_assertions, feature = "test-hooks"))]
     fn take_leave_cold(&mut self) -> u32 {
         std::mem::take(&mut self.leave_cold)
     }
@@ -279,7 +281,9 @@ fn a_cold_partial_tail_is_promoted_before_the_append_or_refused_with_nothing_cha
 #[test]
 fn after_a_failure_or_a_divergence_the_cpu_answers_and_the_device_state_is_discarded() {
     let mut rng = Rng::new(14);
-    for diverge in [false, true] {
+    // A divergence needs the test hook (debug builds, or the test-hooks feature).
+    let hooks = cfg!(any(debug_assertions, feature = "test-hooks"));
+    for diverge in [false, hooks] {
         let (mut hot, mut cold) = twins(40 * 16 + 5, &mut rng);
         let saved = SavedRuns::of(&cold);
         for b in 1..39 {

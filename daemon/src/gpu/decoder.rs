@@ -3,7 +3,6 @@
 //! failure (see the module docs of [`super`]).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -69,7 +68,8 @@ pub struct GpuDecoder {
     /// The lane each open session is on. Never locked while waiting for a lane.
     placement: Mutex<HashMap<u64, usize>>,
     /// Testing aid ([`GpuDecoder::fault_leave_cold`]): keep-set blocks to leave unpromoted.
-    leave_cold: AtomicU32,
+    #[cfg(any(debug_assertions, feature = "test-faults"))]
+    leave_cold: std::sync::atomic::AtomicU32,
     /// Zero-filled frame every cold block is mapped to on the device (lanes hold its offset);
     /// never written, held for the decoder's life so its address is never reused while the
     /// device may read it.
@@ -147,7 +147,8 @@ impl GpuDecoder {
             device_name,
             lanes,
             placement: Mutex::new(HashMap::new()),
-            leave_cold: AtomicU32::new(0),
+            #[cfg(any(debug_assertions, feature = "test-faults"))]
+            leave_cold: std::sync::atomic::AtomicU32::new(0),
             _zero: zero,
             _region: region,
             _arena: arena.clone(),
@@ -172,10 +173,12 @@ impl GpuDecoder {
     /// Testing aid, the only way to reach the divergence check: on the next step with cold
     /// blocks, up to `blocks` cold keep-set blocks per entry (the last ones) stay cold through
     /// the device step, as if the device had selected blocks the CPU did not. Not for
-    /// production use.
+    /// production use: only in debug builds and builds with the `test-faults` feature.
     #[doc(hidden)]
+    #[cfg(any(debug_assertions, feature = "test-faults"))]
     pub fn fault_leave_cold(&self, blocks: u32) {
-        self.leave_cold.store(blocks, Ordering::Relaxed);
+        self.leave_cold
+            .store(blocks, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Why sessions of this (geometry, policy) cannot run on the GPU, if they cannot: the
@@ -704,8 +707,10 @@ impl Backend for &GpuDecoder {
         }
     }
 
+    #[cfg(any(debug_assertions, feature = "test-faults"))]
     fn take_leave_cold(&mut self) -> u32 {
-        self.leave_cold.swap(0, Ordering::Relaxed)
+        self.leave_cold
+            .swap(0, std::sync::atomic::Ordering::Relaxed)
     }
 }
 
