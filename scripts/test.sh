@@ -5,8 +5,8 @@
 # in .venv, made and filled from PyPI by scripts/pyenv.sh on first use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The tests must leave the checkout as they found it (generated files are git-ignored).
-before="$(git status --porcelain 2>/dev/null || true)"
+source scripts/checkout.sh
+before="$(checkout_state)"
 source scripts/pyenv.sh
 # The binaries the end-to-end tests (tests/tests) run; they would build them themselves.
 cargo build --quiet -p tierd -p tierctl -p kvtier-bench --bin tierd --bin tierctl --bin tierbench
@@ -16,9 +16,4 @@ cargo build --quiet -p kvtier-native
 cp target/debug/libkvtier_native.so clients/python/kvtier/_native.abi3.so
 kvtier_pyenv
 KVTIER_TIERD="$PWD/target/debug/tierd" "$PY" -m pytest -q -rs clients/python
-after="$(git status --porcelain 2>/dev/null || true)"
-if [ "$before" != "$after" ]; then
-    echo "test.sh: the tests changed the checkout (git status before and after differ):" >&2
-    diff <(echo "$before") <(echo "$after") >&2 || true
-    exit 1
-fi
+checkout_unchanged test.sh "$before"
