@@ -431,7 +431,7 @@ impl Registrar<'_> {
         g(SESSIONS, None, "Live sessions");
         g(TIER_USED_BYTES, b, "Bytes of the tier holding KV blocks");
         g(TIER_CAPACITY_BYTES, b, "Configured bytes of the tier");
-        g(TIER_USED_BLOCKS, None, "Block frames of the tier in use");
+        g(TIER_USED_BLOCKS, None, "Block extents of the tier in use");
         g(
             TIER_LARGEST_FREE_BYTES,
             b,

@@ -658,15 +658,15 @@ fn sessions_on_nvme_decode_on_the_gpu_like_the_cpu_over_ram() {
     let round = |dec: &GpuDecoder, twins: &mut [Twin], rng: &mut Rng| {
         for t in twins.iter_mut().take(4) {
             // Blocks a previous round left cold keep their pages; the rest go now.
-            let resident = t.gpu.frames();
+            let resident = t.gpu.extents();
             assert_eq!(demote(&tier, t), resident, "every resident block demoted");
-            assert_eq!(t.gpu.frames(), 0, "every block cold");
+            assert_eq!(t.gpu.extents(), 0, "every block cold");
         }
         let (mut promoted, mut hits, mut cold_steps) = (0u64, 0u64, 0);
         for _ in 0..6 {
             // Random queries spread the top-k widely, so later steps may find every block
             // promoted; the first ones run with most of each layer on NVMe.
-            if twins[..4].iter().all(|t| t.gpu.frames() < t.gpu.blocks()) {
+            if twins[..4].iter().all(|t| t.gpu.extents() < t.gpu.blocks()) {
                 cold_steps += 1;
             }
             for r in step_both_cold(dec, twins, rng, Some(&tier)) {
@@ -790,7 +790,7 @@ fn a_failed_nvme_read_refuses_the_step_and_changes_nothing() {
         "{e}"
     );
     assert_eq!(t.gpu.tokens(0).unwrap(), pos);
-    assert_eq!(t.gpu.frames(), 0, "nothing read, nothing appended");
+    assert_eq!(t.gpu.extents(), 0, "nothing read, nothing appended");
     // The right pages: the step goes through and matches the CPU from here on.
     for _ in 0..3 {
         for r in step_both_cold(&dec, std::slice::from_mut(&mut t), &mut rng, Some(&tier)) {

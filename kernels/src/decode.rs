@@ -435,7 +435,7 @@ fn at(entry: usize) -> impl Fn(KernelError) -> KernelError {
 
 fn has_cold(kv: &KvCache, layer: u32) -> bool {
     kv.layer(layer)
-        .is_ok_and(|v| (0..v.blocks()).any(|b| v.frame(b).is_none()))
+        .is_ok_and(|v| (0..v.blocks()).any(|b| v.extent(b).is_none()))
 }
 
 /// Promotes `blocks` (cold ones of the entry's layer) through the entry's colder tier; returns
@@ -457,7 +457,7 @@ pub fn promote_tail(e: &mut DecodeEntry<'_>) -> Result<u32> {
     let view = e.kv.layer(e.layer)?;
     let bt = view.geometry().block_tokens as u64;
     let tokens = view.tokens();
-    if e.position != tokens || tokens % bt == 0 || view.frame(view.blocks() - 1).is_some() {
+    if e.position != tokens || tokens % bt == 0 || view.extent(view.blocks() - 1).is_some() {
         return Ok(0);
     }
     let tail = view.blocks() as u32 - 1;

@@ -3,7 +3,7 @@
 //!
 //! A block run's size depends on its session's geometry (32 KiB for Gemma 3 270M at 64-token
 //! blocks, 512 KiB for Llama-3-8B in bf16, 8 MiB for a 64-head MHA model in f32), so each run
-//! takes an extent of exactly its size rounded up to a unit, instead of a fixed frame that is
+//! takes an extent of exactly its size rounded up to a unit, instead of a fixed-size slot that is
 //! too small for large runs and mostly empty for small ones.
 //!
 //! Best fit over free ranges (smallest free range that holds the request, lowest address on a

@@ -31,7 +31,7 @@ pub mod sketch;
 mod space;
 pub mod testing;
 
-pub use arena::{ArenaOptions, ArenaUsage, Frame, HostArena, HostQuota, Relocation};
+pub use arena::{ArenaOptions, ArenaUsage, Extent, HostArena, HostQuota, Relocation};
 pub use error::{Result, StorageError};
 pub use kv::{in_place_row, ColdSource, InPlaceAppend, KvCache, LayerView, StoredBlock};
 pub use kvtier_model::{dtype, geometry, DType, Geometry, ModelError, Policy, Selector};

@@ -85,9 +85,9 @@ impl crate::ColdSource for SavedRuns {
         &self,
         layer: u32,
         blocks: &[u32],
-        frames: &mut [crate::Frame],
+        extents: &mut [crate::Extent],
     ) -> crate::Result<()> {
-        for (b, f) in blocks.iter().zip(frames) {
+        for (b, f) in blocks.iter().zip(extents) {
             let run = self
                 .0
                 .get(&(layer, *b))

@@ -17,8 +17,8 @@ fn geo(dtype: DType, block_tokens: u32) -> Geometry {
     }
 }
 
-fn arena(frames: usize) -> HostArena {
-    HostArena::new(&ArenaOptions::new(frames * 4096, 4096)).unwrap()
+fn arena(extents: usize) -> HostArena {
+    HostArena::new(&ArenaOptions::new(extents * 4096, 4096)).unwrap()
 }
 
 /// A cache in arena `a` holding `n` random tokens (the payload of `seed`).
@@ -276,7 +276,7 @@ fn bad_appends_are_typed_errors_and_change_nothing() {
             index: 1
         })
     ));
-    // Arena full: 4 frames; 2 used; 8 more tokens need 2 blocks per layer = 4 frames.
+    // Arena full: 4 extents; 2 used; 8 more tokens need 2 blocks per layer = 4 extents.
     assert!(matches!(
         kv.append(3, 8, &payload(&g, 8, 3)),
         Err(StorageError::ArenaFull { .. })
@@ -286,7 +286,7 @@ fn bad_appends_are_typed_errors_and_change_nothing() {
         before,
         "failed appends left the cache unchanged"
     );
-    assert_eq!(kv.arena().usage().frames_used, 2);
+    assert_eq!(kv.arena().usage().extents_used, 2);
     // Per-layer appends may run ahead of each other, but each layer stays contiguous.
     kv.append_layer(0, 3, &one[..tb], &one[tb..2 * tb]).unwrap();
     assert_eq!(kv.tokens(0).unwrap(), 4);
@@ -308,10 +308,10 @@ fn dropping_a_cache_returns_its_frames() {
     let g = geo(DType::Bf16, 4);
     let a = arena(8);
     let kv = cache(g, &a, 9, 5);
-    assert_eq!(a.usage().frames_used, 6);
+    assert_eq!(a.usage().extents_used, 6);
     assert_eq!(kv.host_bytes(), 6 * 4096);
     drop(kv);
-    assert_eq!(a.usage().frames_used, 0);
+    assert_eq!(a.usage().extents_used, 0);
 }
 
 proptest! {
@@ -353,11 +353,11 @@ fn evicted_blocks_come_back_bit_identical_and_free_their_frames() {
             assert!(kv.evict(l, b));
         }
     }
-    assert_eq!(kv.frames(), 0);
+    assert_eq!(kv.extents(), 0);
     assert_eq!(
-        a.usage().frames_used,
+        a.usage().extents_used,
         0,
-        "evicted frames went back to the arena"
+        "evicted extents went back to the arena"
     );
     assert_eq!(kv.blocks(), 8, "blocks and their summaries stay");
     assert_eq!(kv.cold_tails(), vec![(0, 3), (1, 3)]);
@@ -389,13 +389,13 @@ fn evicted_blocks_come_back_bit_identical_and_free_their_frames() {
     ));
     assert!(!kv.is_resident(0, 1));
     assert_eq!(
-        a.usage().frames_used,
+        a.usage().extents_used,
         7,
-        "the failed promotion's frame was returned"
+        "the failed promotion's extent was returned"
     );
 }
 
-/// Promotion takes frames without zeroing them (the source overwrites every byte): a frame
+/// Promotion takes extents without zeroing them (the source overwrites every byte): an extent
 /// that held another session's bytes must come back as exactly the run followed by zeros.
 #[test]
 fn a_promoted_frame_holds_the_run_and_zeros_whatever_it_held_before() {
@@ -406,7 +406,7 @@ fn a_promoted_frame_holds_the_run_and_zeros_whatever_it_held_before() {
     for b in 0..2 {
         assert!(kv.evict(0, b));
     }
-    // Every free frame now holds 0xA5 bytes.
+    // Every free extent now holds 0xA5 bytes.
     let mut dirty = a.alloc_many(a.fits(4096, usize::MAX), 4096).unwrap();
     for f in &mut dirty {
         f.as_mut_slice().fill(0xA5);
@@ -415,12 +415,12 @@ fn a_promoted_frame_holds_the_run_and_zeros_whatever_it_held_before() {
     assert_eq!(kv.promote(0, &[0, 1], &saved).unwrap(), 2);
     let view = kv.layer(0).unwrap();
     for b in 0..2u32 {
-        let frame = view.frame(b as usize).unwrap().as_slice();
+        let extent = view.extent(b as usize).unwrap().as_slice();
         let run = saved.run(0, b);
-        assert_eq!(&frame[..run.len()], run);
+        assert_eq!(&extent[..run.len()], run);
         assert!(
-            frame[run.len()..].iter().all(|&x| x == 0),
-            "block {b}: the frame past the run is zeroed"
+            extent[run.len()..].iter().all(|&x| x == 0),
+            "block {b}: the extent past the run is zeroed"
         );
     }
 }
@@ -469,7 +469,7 @@ proptest! {
         let mut fresh = KvCache::new(g, arena(64)).unwrap();
         fresh.append(0, cut as u64, &sub_payload(&g, &p, n, 0..cut)).unwrap();
         prop_assert_eq!(snapshot(&full), snapshot(&fresh));
-        prop_assert_eq!(full.frames(), fresh.frames());
+        prop_assert_eq!(full.extents(), fresh.extents());
     }
 }
 
@@ -478,27 +478,27 @@ proptest! {
 use kvtier_storage::StoredBlock;
 
 /// Everything a cache holds, cold blocks included: per layer its tokens, its bounds' bits
-/// and, per block, the whole frame (padding too) if it is resident.
+/// and, per block, the whole extent (padding too) if it is resident.
 type FullState = Vec<(u64, Vec<u32>, Vec<Option<Vec<u8>>>)>;
 
 fn full_state(kv: &KvCache) -> FullState {
     (0..kv.geometry().layers)
         .map(|l| {
             let v = kv.layer(l).unwrap();
-            let frames = (0..v.blocks())
-                .map(|b| v.frame(b).map(|f| f.as_slice().to_vec()))
+            let extents = (0..v.blocks())
+                .map(|b| v.extent(b).map(|f| f.as_slice().to_vec()))
                 .collect();
             let sums = summary_bits(&v);
-            (v.tokens(), sums, frames)
+            (v.tokens(), sums, extents)
         })
         .collect()
 }
 
-/// An arena whose free frames hold garbage, so a restore that forgets to zero a frame's
-/// padding shows up as a different frame.
-fn dirty_arena(frames: usize) -> HostArena {
-    let a = arena(frames);
-    for mut f in a.alloc_many(frames, 4096).unwrap() {
+/// An arena whose free extents hold garbage, so a restore that forgets to zero an extent's
+/// padding shows up as a different extent.
+fn dirty_arena(extents: usize) -> HostArena {
+    let a = arena(extents);
+    for mut f in a.alloc_many(extents, 4096).unwrap() {
         f.as_mut_slice().fill(0xA5);
     }
     a
@@ -555,7 +555,7 @@ proptest! {
 
     /// Restoring in batches (any cuts, any thread count, any interleaving of layers, any mix
     /// of resident and cold) leaves the cache bit-identical to restoring block by block:
-    /// tiles, frame padding, bounds, lengths and residency. And the bounds are those the
+    /// tiles, extent padding, bounds, lengths and residency. And the bounds are those the
     /// original appends built.
     #[test]
     fn restore_blocks_equals_restore_block_bit_for_bit(
@@ -624,7 +624,7 @@ fn restore_blocks_is_all_or_nothing_with_the_block_by_block_error() {
         })
         .collect();
     type Edit = fn(&mut Vec<(u32, Vec<u8>, usize)>, &mut Vec<bool>);
-    // (name, edit of the good blocks and keep flags, free frames in the arena)
+    // (name, edit of the good blocks and keep flags, free extents in the arena)
     let cases: Vec<(&str, Edit, usize)> = vec![
         (
             "non-finite in block 4",
@@ -678,7 +678,7 @@ fn restore_blocks_is_all_or_nothing_with_the_block_by_block_error() {
             4,
         ),
         (
-            "cold blocks need no frame",
+            "cold blocks need no extent",
             |_, k| k.iter_mut().for_each(|k| *k = false),
             0,
         ),
@@ -761,7 +761,7 @@ fn a_large_append_on_several_threads_equals_appending_token_by_token() {
 
 #[test]
 fn appends_into_frames_a_former_owner_left_dirty_equal_appends_into_clean_ones() {
-    // New frames are not zeroed when taken: the append zeroes what its rows leave (the rest of
+    // New extents are not zeroed when taken: the append zeroes what its rows leave (the rest of
     // a partial block, the padding past each run). One thread (small) and several (large),
     // both starting mid-block.
     for (layers, n) in [(2u32, 21usize), (6, 4000)] {
@@ -793,7 +793,7 @@ fn appends_into_frames_a_former_owner_left_dirty_equal_appends_into_clean_ones()
         for l in 0..layers {
             let v = kv.layer(l).unwrap();
             for b in 0..v.blocks() {
-                let end = v.frame(b).unwrap().offset() + g.block_bytes();
+                let end = v.extent(b).unwrap().offset() + g.block_bytes();
                 assert!(
                     map[end..end + 1024].iter().all(|&x| x == 0),
                     "layer {l} block {b}"
@@ -854,7 +854,7 @@ fn an_in_place_append_is_bit_identical_to_an_append_of_the_same_rows() {
         let g = geo(dtype, bt);
         let p = payload(&g, before + n, 7);
         let (mut kv, mut map) = shared_cache(g, 0, 0);
-        // Every free byte holds a former owner's data: RESERVE does not zero the frames it
+        // Every free byte holds a former owner's data: RESERVE does not zero the extents it
         // opens, so the commit must leave nothing of it (rows past the end, padding).
         map.fill(0x5A);
         let (mut want, _) = shared_cache(g, 0, 0);
@@ -911,7 +911,7 @@ fn committing_fewer_rows_than_reserved_zeroes_the_rest_and_returns_their_frames(
     let g = geo(DType::Bf16, 8);
     let p = payload(&g, 30, 3);
     let (mut kv, mut map) = shared_cache(g, 0, 0);
-    map.fill(0x5A); // a former owner's bytes in every free frame
+    map.fill(0x5A); // a former owner's bytes in every free extent
     kv.append(0, 6, &sub_payload(&g, &p, 30, 0..6)).unwrap();
     let (mut want, _) = shared_cache(g, 0, 0);
     want.append(0, 9, &sub_payload(&g, &p, 30, 0..9)).unwrap();
@@ -921,8 +921,8 @@ fn committing_fewer_rows_than_reserved_zeroes_the_rest_and_returns_their_frames(
     write_in_place(&g, &mut map, &offsets, 6, &p, 30, 6..30);
     kv.commit_in_place(ip, 3).unwrap();
     assert_eq!(snapshot(&kv), snapshot(&want));
-    assert_eq!(kv.frames(), want.frames());
-    assert_eq!(kv.arena().usage().bytes_used, kv.frames() * 4096);
+    assert_eq!(kv.extents(), want.extents());
+    assert_eq!(kv.arena().usage().bytes_used, kv.extents() * 4096);
 }
 
 #[test]
@@ -931,7 +931,7 @@ fn a_non_finite_row_written_in_place_is_refused_and_nothing_changes() {
     let p = payload(&g, 20, 5);
     let (mut kv, mut map) = shared_cache(g, 5, 9);
     let before = snapshot(&kv);
-    let frames = kv.arena().usage().bytes_used;
+    let extents = kv.arena().usage().bytes_used;
     let ip = kv.begin_in_place(10).unwrap();
     let offsets = kv.in_place_offsets(&ip);
     write_in_place(&g, &mut map, &offsets, 5, &p, 20, 5..15);
@@ -945,9 +945,9 @@ fn a_non_finite_row_written_in_place_is_refused_and_nothing_changes() {
         matches!(e, StorageError::NonFinite { what: "v", index } if index == want_index),
         "{e}"
     );
-    // The rows written into the tail block are zero again; the opened frames went back.
+    // The rows written into the tail block are zero again; the opened extents went back.
     assert_eq!(snapshot(&kv), before);
-    assert_eq!(kv.arena().usage().bytes_used, frames);
+    assert_eq!(kv.arena().usage().bytes_used, extents);
     // And the cache takes appends as before.
     kv.append(5, 1, &sub_payload(&g, &p, 20, 5..6)).unwrap();
 }
@@ -988,7 +988,7 @@ fn an_in_place_append_needs_even_layers_some_rows_and_room() {
         kv.begin_in_place(0),
         Err(StorageError::PayloadSize { .. })
     ));
-    // 64 frames of arena; 2 layers x 40 blocks do not fit.
+    // 64 extents of arena; 2 layers x 40 blocks do not fit.
     assert!(matches!(
         kv.begin_in_place(8 * 40),
         Err(StorageError::ArenaFull { .. })

@@ -307,13 +307,13 @@ fn main() {
         kv.append(at, n, p).unwrap();
         at += n;
     }
-    let bytes = kv.frames() as u64 * G.block_bytes() as u64;
+    let bytes = kv.extents() as u64 * G.block_bytes() as u64;
     let page = (G.block_bytes() as u64 + 64).next_multiple_of(4096);
-    let cap = kv.frames() as u64 * page + (64 << 20);
+    let cap = kv.extents() as u64 * page + (64 << 20);
     println!(
         "session: {:.2} GB of KV in {} blocks",
         bytes as f64 / 1e9,
-        kv.frames()
+        kv.extents()
     );
 
     // Lane bandwidths, probed the way tierd does at startup.

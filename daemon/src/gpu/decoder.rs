@@ -13,13 +13,13 @@ use kvtier_kernels::cuda::{
 };
 use kvtier_kernels::select::KeepSet;
 use kvtier_kernels::{Appended, Attended, Backend, DecodeEntry, KernelError};
-use kvtier_storage::{Frame, Geometry, HostArena, KvCache, LayerView, Policy};
+use kvtier_storage::{Extent, Geometry, HostArena, KvCache, LayerView, Policy};
 
 pub use kvtier_kernels::cuda::device_available;
 
 use kvtier_kernels::remap::stale_runs;
 
-use super::{device_frames, GpuError, GpuSettings};
+use super::{device_extents, GpuError, GpuSettings};
 use crate::config::LaunchSetting;
 
 /// Device-side bookkeeping of one session layer.
@@ -30,7 +30,7 @@ struct LayerSync {
     /// Leading blocks whose (full, final) summaries are on the device.
     final_blocks: usize,
     /// Arena offset of the extent each block is mapped to on the device.
-    frames: Vec<u64>,
+    extents: Vec<u64>,
 }
 
 struct GpuSession {
@@ -56,7 +56,7 @@ struct Lane {
     backends: Vec<DeviceBackend>,
     sessions: HashMap<u64, GpuSession>,
     region: Arc<PinnedRegion>,
-    /// Arena offset of the decoder's zero frame.
+    /// Arena offset of the decoder's zero extent.
     zero: u64,
 }
 
@@ -70,10 +70,10 @@ pub struct GpuDecoder {
     /// Testing aid ([`GpuDecoder::fault_leave_cold`]): keep-set blocks to leave unpromoted.
     #[cfg(any(debug_assertions, feature = "test-faults"))]
     leave_cold: std::sync::atomic::AtomicU32,
-    /// Zero-filled frame every cold block is mapped to on the device (lanes hold its offset);
+    /// Zero-filled extent every cold block is mapped to on the device (lanes hold its offset);
     /// never written, held for the decoder's life so its address is never reused while the
     /// device may read it.
-    _zero: Frame,
+    _zero: Extent,
     /// The registration, also held by every lane's backends: unregistered after the last.
     _region: Arc<PinnedRegion>,
     /// Keeps the registered mapping alive until `_region` (declared above) is unregistered.
@@ -113,11 +113,11 @@ impl GpuDecoder {
         // SAFETY: [base, base + len) is the arena's live anonymous mapping; `self.arena` (a
         // clone sharing it) is dropped after `self.region` and every lane's clone of it
         // (lanes are declared first), so the mapping outlives the registration. The pointer is
-        // only used by the driver and the device, which read frames while a lane holds the
+        // only used by the driver and the device, which read extents while a lane holds the
         // owning sessions' `&mut KvCache`.
         let region = unsafe { PinnedRegion::register_chunked(&ctx, base.cast_mut(), len, chunk) }?;
         let region = Arc::new(region);
-        // Taken after the registration succeeded, so a failed start holds no frame.
+        // Taken after the registration succeeded, so a failed start holds no extent.
         // Cold blocks map here: as large as the largest run, so any session's read of a
         // cold-mapped block stays inside it.
         let zero = arena.alloc(arena.max_run_bytes())?;
@@ -725,7 +725,7 @@ fn reset(be: &mut CudaBackend, s: &mut GpuSession) -> Result<(), GpuError> {
 }
 
 /// Uploads what changed in one session layer since the last call: page-table entries of new
-/// or moved blocks (a cold block maps to the `zero` frame), summaries (or, for the sketch
+/// or moved blocks (a cold block maps to the `zero` extent), summaries (or, for the sketch
 /// selector, sketches) from the first non-final block on, the token count.
 fn sync_layer(
     be: &mut CudaBackend,
@@ -741,11 +741,11 @@ fn sync_layer(
     let geo = view.geometry();
     let ls = &mut s.layers[layer as usize];
     let nb = view.blocks();
-    let want = device_frames(view, zero);
-    for run in stale_runs(&ls.frames, &want) {
+    let want = device_extents(view, zero);
+    for run in stale_runs(&ls.extents, &want) {
         be.map_blocks(s.slot, layer, run.start as u32, &want[run.clone()])?;
-        ls.frames.resize(ls.frames.len().max(run.end), u64::MAX);
-        ls.frames[run.clone()].copy_from_slice(&want[run]);
+        ls.extents.resize(ls.extents.len().max(run.end), u64::MAX);
+        ls.extents[run.clone()].copy_from_slice(&want[run]);
     }
     let spb = geo.summary_floats_per_block();
     if ls.final_blocks < nb {

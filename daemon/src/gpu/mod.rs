@@ -12,8 +12,8 @@
 //! # Model
 //!
 //! - The whole host arena is registered once (pinned, device-mapped, in chunks that are whole
-//!   numbers of frames, so no block run straddles a registration). The GPU reads a session's
-//!   frames in place over PCIe (zero-copy); nothing is copied into a staging buffer.
+//!   numbers of extents, so no block run straddles a registration). The GPU reads a session's
+//!   extents in place over PCIe (zero-copy); nothing is copied into a staging buffer.
 //! - A `CudaBackend` is compiled for ONE (geometry, policy): kernel loop bounds are NVRTC
 //!   defines. Backends are created lazily, when the first session of a (geometry, policy) is
 //!   [opened](GpuDecoder::open), up to `max_backends`; they share the registered arena. A session
@@ -26,10 +26,10 @@
 //!   session stays on the lane it was opened on (the least loaded); steps of different lanes
 //!   run at once, and a step spanning lanes runs one call per lane, each on its own thread.
 //! - Per (session, layer) the decoder remembers what the device has: the token count, how many
-//!   leading blocks have final (full-block) summaries uploaded, and the arena frame each block
+//!   leading blocks have final (full-block) summaries uploaded, and the arena extent each block
 //!   is mapped to. Each step ([`kvtier_kernels::Backend::attend`]) uploads only the delta: summaries of new blocks
 //!   and of the tail block (it changes with every token), page-table entries of new blocks or of
-//!   blocks whose frame changed (a cold block promoted, or a block demoted), the token count.
+//!   blocks whose extent changed (a cold block promoted, or a block demoted), the token count.
 //!
 //! # Cold (NVMe) blocks, errors and the CPU fallback
 //!
@@ -37,9 +37,9 @@
 //! tail and keep-set promotions before the append (the device selects on its own, so the step
 //! selects on the CPU, with the same lane order and tie rule, for layers with cold blocks), and
 //! the CPU answer after a device failure or a divergence. Blocks that stay cold are mapped on
-//! the device to one zero-filled arena frame the decoder owns for its whole life, so even a
+//! the device to one zero-filled arena extent the decoder owns for its whole life, so even a
 //! selection that diverged from the CPU's could never read an unmapped or reused address; once
-//! such a block is promoted the frame change re-maps it. [`GpuDecoder`]'s own checks (session
+//! such a block is promoted the extent change re-maps it. [`GpuDecoder`]'s own checks (session
 //! open, geometry, `max_blocks`) answer `KernelError::Unavailable`, and the service then runs the
 //! same request on the CPU.
 //!
@@ -94,12 +94,12 @@ pub enum GpuError {
     TooManyBlocks { layer: u32, blocks: u64, max: u32 },
 }
 
-/// The arena frame the device must map each block of `view` to: the block's own frame, or
+/// The arena extent the device must map each block of `view` to: the block's own extent, or
 /// `zero` while it is cold.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the decoder's; tested here
-fn device_frames(view: &LayerView<'_>, zero: u64) -> Vec<u64> {
+fn device_extents(view: &LayerView<'_>, zero: u64) -> Vec<u64> {
     (0..view.blocks())
-        .map(|b| view.frame(b).map_or(zero, |f| f.offset() as u64))
+        .map(|b| view.extent(b).map_or(zero, |f| f.offset() as u64))
         .collect()
 }
 
@@ -140,7 +140,7 @@ mod tests {
         let mut kv = session(5 * 16 + 3, &mut rng);
         let saved = SavedRuns::of(&kv);
         let zero = 999_999;
-        let own: Vec<u64> = device_frames(&kv.layer(0).unwrap(), zero);
+        let own: Vec<u64> = device_extents(&kv.layer(0).unwrap(), zero);
         assert!(own.iter().all(|&f| f != zero));
         assert_eq!(
             stale_runs(&[], &own),
@@ -151,15 +151,15 @@ mod tests {
         kv.evict(0, 1);
         kv.evict(0, 2);
         kv.evict(0, 4);
-        let cold = device_frames(&kv.layer(0).unwrap(), zero);
+        let cold = device_extents(&kv.layer(0).unwrap(), zero);
         assert_eq!(
             cold,
             vec![own[0], zero, zero, own[3], zero, own[5]],
-            "cold blocks point at the zero frame, never at a freed frame"
+            "cold blocks point at the zero extent, never at a freed extent"
         );
         assert_eq!(stale_runs(&own, &cold), vec![1..3, 4..5]);
         kv.promote(0, &[2], &saved).unwrap();
-        let warm = device_frames(&kv.layer(0).unwrap(), zero);
+        let warm = device_extents(&kv.layer(0).unwrap(), zero);
         assert_ne!(warm[2], zero);
         assert_eq!(
             stale_runs(&cold, &warm),

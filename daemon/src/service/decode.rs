@@ -358,7 +358,7 @@ impl Service {
         let t0 = Instant::now();
         let mut timings = StageTimings::default();
         let mut on_gpu = self.gpu.is_some();
-        // Rooms made so far: the prefetcher may take freed frames before the retry.
+        // Rooms made so far: the prefetcher may take freed extents before the retry.
         let mut rooms_made = 0;
         let report = loop {
             let mut batch: Vec<DecodeEntry<'_>> = guards
@@ -560,7 +560,7 @@ impl Service {
         };
         for (((g, s), q), &layer) in guards.iter().zip(sessions).zip(queries).zip(layers) {
             let st = g.as_ref().expect("locked");
-            if st.kv.frames() < st.kv.blocks() {
+            if st.kv.extents() < st.kv.blocks() {
                 let session = s.clone();
                 p.offer(
                     crate::prefetch::Job {

@@ -10,11 +10,11 @@
 //! closes, which is how a killed engine's leases are reclaimed: the kernel closes its socket.
 //!
 //! RESERVE / COMMIT let a leasing engine append by writing rows in place (the DMA path of a
-//! prefill or a hand-off): RESERVE takes the frames of the blocks the rows open and says where
+//! prefill or a hand-off): RESERVE takes the extents of the blocks the rows open and says where
 //! every row goes; the engine writes them through its own mapping; COMMIT checks them and
 //! adopts them exactly as an append of the same rows. Until then no reader sees them (rows past
 //! the stored tokens are never read) and the session takes no other append or decode. An
-//! in-place append ends with COMMIT, or is dropped (its rows zeroed, its frames freed) when its
+//! in-place append ends with COMMIT, or is dropped (its rows zeroed, its extents freed) when its
 //! connection releases the lease or closes.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -79,7 +79,7 @@ impl Service {
         for l in 0..s.geometry.layers {
             let v = st.kv.layer(l)?;
             let offsets = (0..v.blocks())
-                .map(|b| v.frame(b).map_or(LeaseLayer::COLD, |f| f.offset() as u64))
+                .map(|b| v.extent(b).map_or(LeaseLayer::COLD, |f| f.offset() as u64))
                 .collect();
             layers.push(LeaseLayer {
                 tokens: v.tokens(),

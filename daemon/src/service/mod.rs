@@ -70,7 +70,7 @@ pub struct ServiceLimits {
     pub max_sessions: usize,
     /// Sessions one uid may hold (admins exempt; 0: no limit beyond `max_sessions`).
     pub max_sessions_per_uid: usize,
-    /// Share of the host tier's frames one uid may hold (admin uids exempt; 1.0: none).
+    /// Share of the host tier's extents one uid may hold (admin uids exempt; 1.0: none).
     pub host_share_per_uid: f64,
     /// Share of the NVMe tier's pages one uid may reference (admin uids exempt; 1.0: none).
     pub nvme_share_per_uid: f64,
@@ -140,7 +140,7 @@ pub struct Service {
     coalescers: Vec<coalesce::Coalescer<decode::Job<'static>, ServiceResult<DecodeReply>>>,
     prefetcher: Option<crate::prefetch::Prefetcher>,
     sessions: RwLock<HashMap<u64, Arc<Session>>>,
-    /// Each uid's frames in the host tier, capped by `host_share_per_uid`; shared by its
+    /// Each uid's extents in the host tier, capped by `host_share_per_uid`; shared by its
     /// sessions.
     host_quotas: Mutex<HashMap<u32, Arc<HostQuota>>>,
     next_id: AtomicU64,
@@ -506,7 +506,7 @@ impl Service {
         Ok(())
     }
 
-    /// Drops a session and its NVMe copy; its frames return to the arena once in-flight
+    /// Drops a session and its NVMe copy; its extents return to the arena once in-flight
     /// requests release it. The durable copy goes first: if deleting it fails (a full
     /// filesystem cannot commit the manifest), the session stays, served as before, rather
     /// than vanishing now and coming back after a restart.

@@ -25,7 +25,7 @@ impl Service {
         };
         let mut problems = Vec::new();
         let mut loaded = 0;
-        // Pinned sessions first: they get host frames while the tier is below low water.
+        // Pinned sessions first: they get host extents while the tier is below low water.
         let mut records: Vec<SessionRecord> = tier
             .session_ids()
             .into_iter()
@@ -103,7 +103,7 @@ impl Service {
             // (bytes_used < bytes_total * low_water) and each kept block takes one extent of
             // the session's run size: so the first `room` blocks of the batch are kept, the
             // same blocks as block by block.
-            // Nothing else allocates frames during recovery (it runs before the socket
+            // Nothing else allocates extents during recovery (it runs before the socket
             // opens); if something did, the tier could pass low water by at most one batch
             // (PIPELINE_BATCH_BYTES of pages, at most BULK_BATCH_MAX_PAGES blocks).
             let u = self.arena.usage();

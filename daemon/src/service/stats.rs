@@ -130,7 +130,7 @@ impl Service {
             sessions: self.session_count() as u64,
             host_bytes_used: u.bytes_used as u64,
             host_bytes_capacity: u.bytes_total as u64,
-            host_frames_used: u.frames_used as u64,
+            host_frames_used: u.extents_used as u64,
             host_largest_free_bytes: u.largest_free_bytes as u64,
             host_free_ranges: u.free_ranges as u64,
             host_runs_moved: get(&c.host_runs_moved),

@@ -86,7 +86,7 @@ impl Service {
         // shutdown needs: with that much left free (the usual case), no scan of the sessions.
         let u = self.arena.usage();
         let per_run = store.page_bytes(0) + store.unit() as u64;
-        if free_after >= u.bytes_used as u64 + u.frames_used as u64 * per_run {
+        if free_after >= u.bytes_used as u64 + u.extents_used as u64 * per_run {
             return Ok(());
         }
         // Other uids' sessions (a busy one is skipped: it is being written or decoded now).
@@ -199,7 +199,7 @@ impl Service {
         Ok(runs.len())
     }
 
-    /// Persists the session and frees every host frame it holds; returns the frames freed.
+    /// Persists the session and frees every host extent it holds; returns the extents freed.
     pub(super) fn demote_locked(&self, s: &Session, st: &mut SessionState) -> ServiceResult<usize> {
         s.check_unleased("demoting it")?;
         self.persist_locked(s, st, Write::Serving)?;
@@ -216,7 +216,7 @@ impl Service {
         Ok(freed)
     }
 
-    /// DEMOTE: write the session to NVMe and free its host frames.
+    /// DEMOTE: write the session to NVMe and free its host extents.
     pub fn demote(&self, peer: &Peer, id: u64) -> ServiceResult<u64> {
         let s = self.lookup_live(peer, id)?;
         if s.pinned.load(Ordering::Relaxed) {
@@ -226,7 +226,7 @@ impl Service {
         }
         let mut st = s.state.lock();
         let freed = self.demote_locked(&s, &mut st)?;
-        tracing::info!(session = id, frames = freed, "session demoted");
+        tracing::info!(session = id, extents = freed, "session demoted");
         Ok(freed as u64)
     }
 
@@ -334,7 +334,7 @@ impl Service {
                     busy = true;
                     return None;
                 };
-                let bytes = st.kv.frames() * st.kv.run_extent_bytes();
+                let bytes = st.kv.extents() * st.kv.run_extent_bytes();
                 drop(st);
                 (bytes > 0).then_some((s, bytes))
             })
@@ -367,12 +367,12 @@ impl Service {
             let Some(mut st) = s.state.try_lock() else {
                 continue;
             };
-            if st.kv.frames() == 0 {
+            if st.kv.extents() == 0 {
                 continue;
             }
             match self.demote_locked(&s, &mut st) {
                 Ok(n) => {
-                    tracing::info!(session = s.id, frames = n, "demoted under memory pressure")
+                    tracing::info!(session = s.id, extents = n, "demoted under memory pressure")
                 }
                 Err(e) => tracing::warn!(session = s.id, error = %e, "demotion failed"),
             }

@@ -5,15 +5,15 @@
 //! decode path free of heap traffic: an extent is carved when a block is opened and returned
 //! when its owner drops it.
 //!
-//! Each block run takes an extent of exactly its size rounded up to [`FRAME_ALIGN`] (see
+//! Each block run takes an extent of exactly its size rounded up to [`EXTENT_ALIGN`] (see
 //! [`crate::extents`]), so every geometry from a 270M model's 32 KiB runs to a 64-head f32
 //! model's 8 MiB runs shares one arena without resizing anything and without wasting a
-//! fixed-size frame per small run. Extents never cross a multiple of [`HostArena::segment_bytes`]
+//! fixed-size slot per small run. Extents never cross a multiple of [`HostArena::segment_bytes`]
 //! (1 GiB, or `max_run_bytes` if larger), so a GPU backend that registers the arena in chunks of
 //! whole segments always finds a run inside one chunk; a segment that large wastes at most one
 //! run's tail per GiB (a 16 MiB segment would waste 1/16 of the tier on 5 MiB runs).
 //!
-//! Extents are handed out as owned [`Frame`] handles. A handle is the only way to reach its
+//! Extents are handed out as owned [`Extent`] handles. A handle is the only way to reach its
 //! bytes, so two handles never alias and the extent is freed exactly once, in `Drop`.
 
 use std::fs::File;
@@ -34,7 +34,7 @@ pub use relocate::Relocation;
 
 /// Extents are multiples of this (and start at multiples of it) so runs can be written to NVMe
 /// with O_DIRECT and registered with CUDA without straddling pages.
-pub const FRAME_ALIGN: usize = 4096;
+pub const EXTENT_ALIGN: usize = 4096;
 
 /// Extents never cross a multiple of this (or of `max_run_bytes`, if larger).
 pub const SEGMENT_BYTES: usize = 1 << 30;
@@ -46,9 +46,9 @@ pub const DEFAULT_MAX_RUN_BYTES: usize = 16 << 20;
 /// How to build a [`HostArena`].
 #[derive(Debug, Clone)]
 pub struct ArenaOptions {
-    /// Total bytes; rounded down to a multiple of [`FRAME_ALIGN`].
+    /// Total bytes; rounded down to a multiple of [`EXTENT_ALIGN`].
     pub capacity_bytes: usize,
-    /// Largest block run (extent) the arena hands out, a positive multiple of [`FRAME_ALIGN`]
+    /// Largest block run (extent) the arena hands out, a positive multiple of [`EXTENT_ALIGN`]
     /// and at most the capacity.
     pub max_run_bytes: usize,
     /// Advise transparent huge pages (fewer TLB misses and faster pinning).
@@ -103,7 +103,7 @@ pub struct ArenaUsage {
     pub bytes_total: usize,
     pub bytes_used: usize,
     /// Extents (resident block runs) held.
-    pub frames_used: usize,
+    pub extents_used: usize,
     pub max_run_bytes: usize,
     /// The longest extent that could be taken now, and the free ranges: free bytes in many
     /// small ranges refuse runs they add up to.
@@ -113,7 +113,7 @@ pub struct ArenaUsage {
 
 /// Bytes an extent holding `bytes` takes.
 pub fn extent_bytes(bytes: usize) -> usize {
-    bytes.div_ceil(FRAME_ALIGN) * FRAME_ALIGN
+    bytes.div_ceil(EXTENT_ALIGN) * EXTENT_ALIGN
 }
 
 struct Inner {
@@ -125,12 +125,12 @@ struct Inner {
     bytes_total: usize,
     max_run_bytes: usize,
     segment_bytes: usize,
-    /// Free space and every extent, in FRAME_ALIGN units.
+    /// Free space and every extent, in EXTENT_ALIGN units.
     space: Mutex<Space>,
 }
 
 // SAFETY: `base` points into `_map`, which lives as long as `Inner`. Distinct extents are
-// disjoint byte ranges and each is reachable only through its unique `Frame` handle (or `&self`
+// disjoint byte ranges and each is reachable only through its unique `Extent` handle (or `&self`
 // methods that read nothing but the pointer), so sharing `Inner` between threads creates no
 // data race.
 unsafe impl Send for Inner {}
@@ -261,11 +261,11 @@ impl HostArena {
         progress: &(dyn Fn(usize, usize) + Sync),
     ) -> Result<Self> {
         let invalid = |reason: String| Err(StorageError::InvalidArena { reason });
-        let bytes = opts.capacity_bytes / FRAME_ALIGN * FRAME_ALIGN;
+        let bytes = opts.capacity_bytes / EXTENT_ALIGN * EXTENT_ALIGN;
         let max_run = opts.max_run_bytes;
-        if max_run == 0 || !max_run.is_multiple_of(FRAME_ALIGN) {
+        if max_run == 0 || !max_run.is_multiple_of(EXTENT_ALIGN) {
             return invalid(format!(
-                "max_run_bytes must be a positive multiple of {FRAME_ALIGN}, got {max_run}"
+                "max_run_bytes must be a positive multiple of {EXTENT_ALIGN}, got {max_run}"
             ));
         }
         if bytes < max_run {
@@ -274,12 +274,12 @@ impl HostArena {
                 opts.capacity_bytes
             ));
         }
-        // Frames name their extent in u32 units of FRAME_ALIGN.
-        if bytes / FRAME_ALIGN > u32::MAX as usize {
+        // Extents name their extent in u32 units of EXTENT_ALIGN.
+        if bytes / EXTENT_ALIGN > u32::MAX as usize {
             return invalid(format!(
-                "capacity of {} bytes exceeds the {} bytes frames can address",
+                "capacity of {} bytes exceeds the {} bytes extents can address",
                 opts.capacity_bytes,
-                (u32::MAX as usize) * FRAME_ALIGN
+                (u32::MAX as usize) * EXTENT_ALIGN
             ));
         }
         let memfd = if opts.shared {
@@ -289,8 +289,8 @@ impl HostArena {
         };
         let mut map = match &memfd {
             // SAFETY: the memfd is sealed against shrinking, so the mapping can never be cut
-            // short; its bytes are reached only through `Frame` handles (see `Inner`), and
-            // another process that maps it reads what frames hold (the lease rules of the
+            // short; its bytes are reached only through `Extent` handles (see `Inner`), and
+            // another process that maps it reads what extents hold (the lease rules of the
             // daemon say when).
             Some(f) => unsafe { MmapOptions::new().len(bytes).map_mut(f) },
             None => MmapOptions::new().len(bytes).map_anon(),
@@ -304,7 +304,7 @@ impl HostArena {
             lock_in_ram(&map, progress).map_err(|source| StorageError::Lock { source })?;
         }
         let base = map.as_mut_ptr();
-        let unit = FRAME_ALIGN as u64;
+        let unit = EXTENT_ALIGN as u64;
         let segment = max_run.max(SEGMENT_BYTES);
         let space = Space::new(bytes as u64 / unit, segment as u64 / unit);
         Ok(HostArena {
@@ -356,43 +356,43 @@ impl HostArena {
         let space = self.inner.space.lock();
         ArenaUsage {
             bytes_total: self.inner.bytes_total,
-            bytes_used: space.used() as usize * FRAME_ALIGN,
-            frames_used: space.pages() as usize,
+            bytes_used: space.used() as usize * EXTENT_ALIGN,
+            extents_used: space.pages() as usize,
             max_run_bytes: self.inner.max_run_bytes,
-            largest_free_bytes: space.largest_free() as usize * FRAME_ALIGN,
+            largest_free_bytes: space.largest_free() as usize * EXTENT_ALIGN,
             free_ranges: space.free_ranges() as usize,
         }
     }
 
     /// How many extents of `bytes` could be taken now (at most `cap`), ignoring quotas.
     pub fn fits(&self, bytes: usize, cap: usize) -> usize {
-        let units = (extent_bytes(bytes) / FRAME_ALIGN) as u64;
+        let units = (extent_bytes(bytes) / EXTENT_ALIGN) as u64;
         self.inner.space.lock().extents().fits(units, cap as u64) as usize
     }
 
     /// Takes a zeroed extent for a run of `bytes`, or fails with [`StorageError::ArenaFull`]
     /// (or [`StorageError::QuotaExceeded`], or [`StorageError::BlockTooLarge`]).
-    pub fn alloc(&self, bytes: usize) -> Result<Frame> {
-        Ok(self.alloc_many(1, bytes)?.pop().expect("one frame"))
+    pub fn alloc(&self, bytes: usize) -> Result<Extent> {
+        Ok(self.alloc_many(1, bytes)?.pop().expect("one extent"))
     }
 
     /// Takes `n` zeroed extents for runs of `bytes`, or none: on failure the extents already
     /// taken go back to the pool.
-    pub fn alloc_many(&self, n: usize, bytes: usize) -> Result<Vec<Frame>> {
-        let mut frames = self.alloc_many_unzeroed(n, bytes)?;
+    pub fn alloc_many(&self, n: usize, bytes: usize) -> Result<Vec<Extent>> {
+        let mut extents = self.alloc_many_unzeroed(n, bytes)?;
         // Zeroed so a partially filled tail block has defined (zero) padding and identical
         // bytes however it was filled.
-        for f in &mut frames {
+        for f in &mut extents {
             f.as_mut_slice().fill(0);
         }
-        Ok(frames)
+        Ok(extents)
     }
 
     /// [`HostArena::alloc_many`] without zeroing: the extents hold whatever their last owner
     /// left. For callers that overwrite every byte before anyone reads the extent (a bulk
-    /// restore or a promotion writes the run and zeroes the rest, [`Frame::put_run`], instead
+    /// restore or a promotion writes the run and zeroes the rest, [`Extent::put_run`], instead
     /// of zeroing the whole extent first and then copying over it).
-    pub(crate) fn alloc_many_unzeroed(&self, n: usize, bytes: usize) -> Result<Vec<Frame>> {
+    pub(crate) fn alloc_many_unzeroed(&self, n: usize, bytes: usize) -> Result<Vec<Extent>> {
         let max = self.inner.max_run_bytes;
         if bytes == 0 || bytes > max {
             return Err(StorageError::BlockTooLarge {
@@ -401,7 +401,7 @@ impl HostArena {
             });
         }
         let len = extent_bytes(bytes);
-        let units = (len / FRAME_ALIGN) as u64;
+        let units = (len / EXTENT_ALIGN) as u64;
         let charged = n * len;
         if let Some(q) = &self.quota {
             q.charge(charged)?;
@@ -429,7 +429,7 @@ impl HostArena {
         };
         Ok(starts
             .into_iter()
-            .map(|unit| Frame {
+            .map(|unit| Extent {
                 arena: self.inner.clone(),
                 quota: self.quota.clone(),
                 unit: unit as u32,
@@ -447,7 +447,7 @@ impl HostArena {
     /// that size were allocated first, worked out on a copy of the free space: nothing is
     /// taken from the arena (which other sessions share).
     pub(crate) fn full_after(&self, taken: usize, bytes: usize) -> StorageError {
-        let units = (extent_bytes(bytes) / FRAME_ALIGN) as u64;
+        let units = (extent_bytes(bytes) / EXTENT_ALIGN) as u64;
         let mut space = self.inner.space.lock().extents().clone();
         for _ in 0..taken {
             if space.alloc(units).is_none() {
@@ -461,8 +461,8 @@ impl HostArena {
         StorageError::ArenaFull {
             wanted,
             run_bytes: extent_bytes(bytes),
-            bytes_free: space.free() as usize * FRAME_ALIGN,
-            largest_free: space.largest_free() as usize * FRAME_ALIGN,
+            bytes_free: space.free() as usize * EXTENT_ALIGN,
+            largest_free: space.largest_free() as usize * EXTENT_ALIGN,
             bytes_total: self.inner.bytes_total,
         }
     }
@@ -476,23 +476,23 @@ impl HostArena {
 
 /// Exclusive ownership of one arena extent (one block run); returns it to its arena (and
 /// refunds its owner's quota) when dropped.
-pub struct Frame {
+pub struct Extent {
     arena: Arc<Inner>,
     quota: Option<Arc<HostQuota>>,
-    /// First FRAME_ALIGN unit and length in units (u32: an arena of up to 16 TiB).
+    /// First EXTENT_ALIGN unit and length in units (u32: an arena of up to 16 TiB).
     unit: u32,
     units: u32,
 }
 
-impl Frame {
+impl Extent {
     /// Byte offset of the extent from the start of [`HostArena::region`].
     pub fn offset(&self) -> usize {
-        self.unit as usize * FRAME_ALIGN
+        self.unit as usize * EXTENT_ALIGN
     }
 
-    /// Bytes of the extent (the run's size rounded up to [`FRAME_ALIGN`]).
+    /// Bytes of the extent (the run's size rounded up to [`EXTENT_ALIGN`]).
     pub fn len(&self) -> usize {
-        self.units as usize * FRAME_ALIGN
+        self.units as usize * EXTENT_ALIGN
     }
 
     pub fn is_empty(&self) -> bool {
@@ -527,13 +527,13 @@ impl Frame {
     }
 }
 
-impl std::fmt::Debug for Frame {
+impl std::fmt::Debug for Extent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Frame({}+{})", self.offset(), self.len())
+        write!(f, "Extent({}+{})", self.offset(), self.len())
     }
 }
 
-impl Drop for Frame {
+impl Drop for Extent {
     fn drop(&mut self) {
         self.arena.release(self.unit as u64, self.units as u64);
         if let Some(q) = &self.quota {

@@ -2,7 +2,7 @@ use super::*;
 use proptest::prelude::*;
 use std::collections::HashSet;
 
-const U: usize = FRAME_ALIGN;
+const U: usize = EXTENT_ALIGN;
 
 fn arena(units: usize, max_run_units: usize) -> HostArena {
     HostArena::new(&ArenaOptions::new(units * U, max_run_units * U)).unwrap()
@@ -97,7 +97,7 @@ fn extents_take_their_run_size_rounded_to_a_page_and_are_zeroed_and_disjoint() {
     assert!(small.as_slice().iter().all(|&b| b == 0xAB));
     assert!(big.as_slice().iter().all(|&b| b == 0xCD));
     let u = a.usage();
-    assert_eq!((u.bytes_used, u.frames_used), (11 * U, 2));
+    assert_eq!((u.bytes_used, u.extents_used), (11 * U, 2));
     let at = small.offset();
     drop(small);
     let again = a.alloc(U).unwrap();
@@ -141,7 +141,7 @@ fn alloc_many_is_all_or_nothing() {
         Err(StorageError::ArenaFull { wanted: 4, .. })
     ));
     assert_eq!(
-        a.usage().frames_used,
+        a.usage().extents_used,
         1,
         "a failed alloc_many takes nothing"
     );
@@ -199,7 +199,7 @@ fn a_shared_arena_is_one_memfd_that_a_second_mapping_sees() {
 #[test]
 fn bad_options_are_rejected() {
     assert!(HostArena::new(&ArenaOptions::new(1 << 20, 1000)).is_err());
-    assert!(HostArena::new(&ArenaOptions::new(100, FRAME_ALIGN)).is_err());
+    assert!(HostArena::new(&ArenaOptions::new(100, EXTENT_ALIGN)).is_err());
     assert!(HostArena::new(&ArenaOptions::new(8 * U, 16 * U)).is_err());
 }
 
@@ -209,7 +209,7 @@ proptest! {
     #[test]
     fn accounting_matches_a_model(ops in proptest::collection::vec((any::<bool>(), 1usize..5, any::<u8>()), 1..200)) {
         let a = arena(32, 8);
-        let mut held: Vec<Frame> = Vec::new();
+        let mut held: Vec<Extent> = Vec::new();
         for (alloc, units, pick) in ops {
             if alloc {
                 let before = a.usage();
@@ -223,8 +223,8 @@ proptest! {
                 held.swap_remove(i);
             }
             let u = a.usage();
-            prop_assert_eq!(u.frames_used, held.len());
-            prop_assert_eq!(u.bytes_used, held.iter().map(Frame::len).sum::<usize>());
+            prop_assert_eq!(u.extents_used, held.len());
+            prop_assert_eq!(u.bytes_used, held.iter().map(Extent::len).sum::<usize>());
             let mut ranges: Vec<(usize, usize)> = held.iter().map(|f| (f.offset(), f.len())).collect();
             ranges.sort_unstable();
             for w in ranges.windows(2) {
@@ -241,7 +241,7 @@ fn relocation_places_a_run_where_the_free_units_are_in_pieces() {
     let quota = HostQuota::new(64 * U);
     let a = arena(32, 8).with_quota(quota.clone());
     // 32 one-unit runs, each holding its index; every other one freed: 16 one-unit holes.
-    let mut runs: Vec<Option<Frame>> = (0..32)
+    let mut runs: Vec<Option<Extent>> = (0..32)
         .map(|i| {
             let mut f = a.alloc(U).unwrap();
             f.as_mut_slice().fill(i as u8);
@@ -264,7 +264,7 @@ fn relocation_places_a_run_where_the_free_units_are_in_pieces() {
     let movable: HashSet<usize> = runs
         .iter()
         .flatten()
-        .map(Frame::offset)
+        .map(Extent::offset)
         .filter(|o| !fixed.contains(o))
         .collect();
     let plan = a

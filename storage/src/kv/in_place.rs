@@ -1,10 +1,10 @@
 //! Appends whose rows another process writes in place, through its own mapping of the shared
-//! arena (RESERVE / COMMIT, the in-engine data path): the frames of the blocks they open are
+//! arena (RESERVE / COMMIT, the in-engine data path): the extents of the blocks they open are
 //! held by an [`InPlaceAppend`] until it is committed (checked and adopted, bit-identical to
 //! [`KvCache::append`] of the same rows) or aborted.
 
 use super::{fold_bounds, reset_bounds, zero_rows, KvCache, LayerKv, Slot, PARALLEL_APPEND_BYTES};
-use crate::arena::Frame;
+use crate::arena::Extent;
 use crate::error::{Result, StorageError};
 use crate::geometry::Geometry;
 use crate::par;
@@ -12,10 +12,10 @@ use crate::par;
 impl KvCache {
     /// Opens an append of `n` tokens to every layer whose rows another process writes in
     /// place, through its own mapping of the shared arena (RESERVE / COMMIT, the in-engine
-    /// data path): the frames of the blocks it opens are taken now and held by the returned
+    /// data path): the extents of the blocks it opens are taken now and held by the returned
     /// [`InPlaceAppend`], not by the layers, until [`KvCache::commit_in_place`]. They are not
     /// zeroed here (at prefill sizes that memset was half of an in-place append's time): the
-    /// writer fills the rows it commits and the commit zeroes every other byte of the frames
+    /// writer fills the rows it commits and the commit zeroes every other byte of the extents
     /// it adopts. Every layer must hold the same count and its partial tail block must be
     /// resident. Nothing readers see changes: rows past the stored tokens are never read.
     pub fn begin_in_place(&self, n: u64) -> Result<InPlaceAppend> {
@@ -38,7 +38,7 @@ impl KvCache {
         if let Some(&(layer, _)) = self.cold_tails().first() {
             return Err(StorageError::NotResident { layer, blocks: 1 });
         }
-        let per_layer = self.frames_needed(start, n);
+        let per_layer = self.extents_needed(start, n);
         let mut all = self
             .arena
             .alloc_many_unzeroed(per_layer * self.layers.len(), self.geo.block_bytes())?;
@@ -69,7 +69,7 @@ impl KvCache {
 
     /// Adopts the first `n` (at most `p.tokens()`) rows written in place into every layer:
     /// checks them (a NaN or infinity is refused like an append's), zeroes any row written
-    /// past them, folds the keys into the bounds and takes the blocks' frames. The result is
+    /// past them, folds the keys into the bounds and takes the blocks' extents. The result is
     /// bit-identical to [`KvCache::append`] of the same rows. On error, or with `n == 0`,
     /// nothing is appended and the append is aborted ([`KvCache::abort_in_place`]).
     pub fn commit_in_place(&mut self, p: InPlaceAppend, n: u64) -> Result<()> {
@@ -100,7 +100,7 @@ impl KvCache {
             return Err(e);
         }
         let (start, end) = (p.start, p.start + n);
-        let mut work: Vec<(&mut LayerKv, Vec<Frame>)> =
+        let mut work: Vec<(&mut LayerKv, Vec<Extent>)> =
             self.layers.iter_mut().zip(p.fresh).collect();
         par::zip_mut(
             &mut work,
@@ -113,7 +113,7 @@ impl KvCache {
     }
 
     /// Drops an in-place append: the rows written into the tail block are zeroed again and the
-    /// opened frames go back to the arena. The cache is as before [`KvCache::begin_in_place`].
+    /// opened extents go back to the arena. The cache is as before [`KvCache::begin_in_place`].
     pub fn abort_in_place(&mut self, p: InPlaceAppend) {
         let geo = self.geo;
         let bt = geo.block_tokens as u64;
@@ -121,10 +121,10 @@ impl KvCache {
             return;
         }
         for l in &mut self.layers {
-            if let Some(Slot::Hot(frame)) = l.slots.last_mut() {
+            if let Some(Slot::Hot(extent)) = l.slots.last_mut() {
                 zero_rows(
                     &geo,
-                    frame.as_mut_slice(),
+                    extent.as_mut_slice(),
                     (p.start % bt) as usize,
                     bt as usize,
                 );
@@ -134,14 +134,14 @@ impl KvCache {
 }
 
 /// An append whose rows another process writes in place ([`KvCache::begin_in_place`]): the
-/// frames of the blocks it opens, held until it is committed or aborted (dropping it unused
+/// extents of the blocks it opens, held until it is committed or aborted (dropping it unused
 /// frees them, but leaves any rows written into the tail block: abort it instead).
 #[derive(Debug)]
 pub struct InPlaceAppend {
     start: u64,
     n: u64,
-    /// Per layer, the frames of the blocks the append opens, in block order.
-    fresh: Vec<Vec<Frame>>,
+    /// Per layer, the extents of the blocks the append opens, in block order.
+    fresh: Vec<Vec<Extent>>,
 }
 
 impl InPlaceAppend {
@@ -162,7 +162,7 @@ impl InPlaceAppend {
 fn check_in_place(
     geo: &Geometry,
     l: &LayerKv,
-    fresh: &[Frame],
+    fresh: &[Extent],
     start: u64,
     n: u64,
 ) -> Option<StorageError> {
@@ -191,10 +191,10 @@ fn check_in_place(
 }
 
 /// Rows `start..end` written in place join one layer: the blocks they open take `fresh`'s
-/// frames (the rest go back), rows past `end` are zeroed (written or not: the frames were not
-/// zeroed when reserved), as is each new frame's padding past its run; the keys are folded
+/// extents (the rest go back), rows past `end` are zeroed (written or not: the extents were not
+/// zeroed when reserved), as is each new extent's padding past its run; the keys are folded
 /// into the bounds.
-fn commit_layer(geo: &Geometry, l: &mut LayerKv, mut fresh: Vec<Frame>, start: u64, end: u64) {
+fn commit_layer(geo: &Geometry, l: &mut LayerKv, mut fresh: Vec<Extent>, start: u64, end: u64) {
     let bt = geo.block_tokens as u64;
     let spb = geo.summary_floats_per_block();
     fresh.truncate((geo.blocks_for(end) - geo.blocks_for(start)) as usize);
@@ -209,13 +209,13 @@ fn commit_layer(geo: &Geometry, l: &mut LayerKv, mut fresh: Vec<Frame>, start: u
         }
     }
     for b in start / bt..end.div_ceil(bt) {
-        let Slot::Hot(frame) = &mut l.slots[b as usize] else {
+        let Slot::Hot(extent) = &mut l.slots[b as usize] else {
             unreachable!("the tail is resident and the rest is new")
         };
         let base = b * bt;
         let from = (start.max(base) - base) as usize;
         let to = (end.min(base + bt) - base) as usize;
-        let run = frame.as_mut_slice();
+        let run = extent.as_mut_slice();
         zero_rows(geo, run, to, bt as usize);
         let summ = &mut l.summaries[b as usize * spb..(b as usize + 1) * spb];
         if from == 0 {

@@ -1,9 +1,9 @@
-//! The KV cache of one session: per layer, a block table of arena frames and the blocks'
+//! The KV cache of one session: per layer, a block table of arena extents and the blocks'
 //! key-bound summaries, grown by appends that never reorder or rewrite positions.
 
 use parking_lot::Mutex;
 
-use crate::arena::{Frame, HostArena};
+use crate::arena::{Extent, HostArena};
 use crate::error::{Result, StorageError};
 use crate::geometry::{Geometry, MAX_HEAD_DIM};
 use crate::par;
@@ -29,19 +29,19 @@ pub struct StoredBlock<'a> {
     pub run: &'a [u8],
     /// Tokens of the block that are present (B except for a layer's tail block).
     pub valid: usize,
-    /// Keep the run resident in a fresh frame (else the block is restored cold).
+    /// Keep the run resident in a fresh extent (else the block is restored cold).
     pub keep: bool,
 }
 
-/// Where a block's bytes are: in an arena frame, or only in a colder tier (its summary always
+/// Where a block's bytes are: in an arena extent, or only in a colder tier (its summary always
 /// stays in RAM, so selection never waits for a cold tier).
 enum Slot {
-    Hot(Frame),
+    Hot(Extent),
     Cold,
 }
 
 impl Slot {
-    fn frame(&self) -> Option<&Frame> {
+    fn extent(&self) -> Option<&Extent> {
         match self {
             Slot::Hot(f) => Some(f),
             Slot::Cold => None,
@@ -51,11 +51,11 @@ impl Slot {
 
 /// Reads stored block runs back from a colder tier (the NVMe page store).
 pub trait ColdSource: Send + Sync {
-    /// Fills `frames[i]` with the stored run of `(layer, blocks[i])` and zeroes the rest of the
-    /// frame ([`Frame::put_run`]): the frames come unzeroed (holding a previous owner's bytes),
-    /// because zeroing a frame only to copy over it doubled the memory traffic of a promotion.
+    /// Fills `extents[i]` with the stored run of `(layer, blocks[i])` and zeroes the rest of the
+    /// extent ([`Extent::put_run`]): the extents come unzeroed (holding a previous owner's bytes),
+    /// because zeroing an extent only to copy over it doubled the memory traffic of a promotion.
     /// Must verify what it returns: wrong bytes must be an error, never data.
-    fn read_runs(&self, layer: u32, blocks: &[u32], frames: &mut [Frame]) -> Result<()>;
+    fn read_runs(&self, layer: u32, blocks: &[u32], extents: &mut [Extent]) -> Result<()>;
 }
 
 struct LayerKv {
@@ -156,11 +156,11 @@ impl KvCache {
         self.layers.iter().map(|l| l.tokens).max().unwrap_or(0)
     }
 
-    /// Blocks resident in the host tier over all layers (each is one arena frame).
-    pub fn frames(&self) -> usize {
+    /// Blocks resident in the host tier over all layers (each is one arena extent).
+    pub fn extents(&self) -> usize {
         self.layers
             .iter()
-            .map(|l| l.slots.iter().filter(|s| s.frame().is_some()).count())
+            .map(|l| l.slots.iter().filter(|s| s.extent().is_some()).count())
             .sum()
     }
 
@@ -172,7 +172,7 @@ impl KvCache {
     /// Whether `(layer, block)` is in the host tier. Panics on a block that does not exist.
     pub fn is_resident(&self, layer: u32, block: u32) -> bool {
         self.layers[layer as usize].slots[block as usize]
-            .frame()
+            .extent()
             .is_some()
     }
 
@@ -183,12 +183,12 @@ impl KvCache {
             .get(layer as usize)?
             .slots
             .get(block as usize)?
-            .frame()
+            .extent()
             .map(|f| &f.as_slice()[..bb])
     }
 
-    /// Drops the frame of a resident block, keeping its summary: the block is now cold. The
-    /// caller must hold a durable copy (the NVMe tier). Returns whether a frame was freed.
+    /// Drops the extent of a resident block, keeping its summary: the block is now cold. The
+    /// caller must hold a durable copy (the NVMe tier). Returns whether an extent was freed.
     pub fn evict(&mut self, layer: u32, block: u32) -> bool {
         let slot = &mut self.layers[layer as usize].slots[block as usize];
         matches!(std::mem::replace(slot, Slot::Cold), Slot::Hot(_))
@@ -204,7 +204,7 @@ impl KvCache {
             .collect()
     }
 
-    /// Brings cold `blocks` of `layer` back into frames from `source`. All-or-nothing: on
+    /// Brings cold `blocks` of `layer` back into extents from `source`. All-or-nothing: on
     /// error (arena full, a read or verification failure) no block changed. Returns how many
     /// blocks were read.
     pub fn promote(
@@ -218,12 +218,12 @@ impl KvCache {
             return Ok(0);
         }
         // Unzeroed: the source writes every byte (`ColdSource::read_runs`).
-        let mut frames = self
+        let mut extents = self
             .arena
             .alloc_many_unzeroed(cold.len(), self.geo.block_bytes())?;
-        source.read_runs(layer, &cold, &mut frames)?;
+        source.read_runs(layer, &cold, &mut extents)?;
         let slots = &mut self.layers[layer as usize].slots;
-        for (b, f) in cold.iter().zip(frames) {
+        for (b, f) in cold.iter().zip(extents) {
             slots[*b as usize] = Slot::Hot(f);
         }
         Ok(cold.len())
@@ -264,10 +264,10 @@ impl KvCache {
             if valid == 0 {
                 continue;
             }
-            let Some(Slot::Hot(frame)) = l.slots.last_mut() else {
+            let Some(Slot::Hot(extent)) = l.slots.last_mut() else {
                 panic!("truncate: the tail block must be resident");
             };
-            let run = frame.as_mut_slice();
+            let run = extent.as_mut_slice();
             zero_rows(&geo, run, valid, bt as usize);
             refold_bounds(&geo, run, valid, &mut l.summaries[(blocks - 1) * spb..]);
             if let Some(sk) = &mut l.sketches {
@@ -280,7 +280,7 @@ impl KvCache {
     /// `valid` tokens; the layer's length must be a multiple of the block size. Folds the
     /// block's bounds from its stored keys, so tiles, bounds and every later selection are
     /// bit-identical to the session before it was stored. With `keep` the run stays resident
-    /// in a fresh frame; without, the block is restored cold (summary only).
+    /// in a fresh extent; without, the block is restored cold (summary only).
     pub fn restore_block(
         &mut self,
         layer: u32,
@@ -385,7 +385,7 @@ impl KvCache {
             return Err(self.fails_before(blocks, limit, threads).unwrap_or(err));
         }
         let kept = blocks.iter().filter(|b| b.keep).count();
-        let mut frames = match self.arena.alloc_many_unzeroed(kept, self.geo.block_bytes()) {
+        let mut extents = match self.arena.alloc_many_unzeroed(kept, self.geo.block_bytes()) {
             Ok(f) => f,
             Err(full) => {
                 return Err(self
@@ -421,7 +421,7 @@ impl KvCache {
                     (l.summaries[at..].chunks_exact_mut(spb), sketches)
                 })
                 .collect();
-            let mut free_frames = frames.iter_mut();
+            let mut free_frames = extents.iter_mut();
             let work: Vec<Mutex<RestoreWork<'_, '_>>> = blocks
                 .iter()
                 .map(|b| {
@@ -430,7 +430,7 @@ impl KvCache {
                         block: b,
                         summary: summaries.next().expect("sized above"),
                         sketch: sketches.as_mut().map(|s| s.next().expect("sized above")),
-                        frame: if b.keep { free_frames.next() } else { None },
+                        extent: if b.keep { free_frames.next() } else { None },
                     })
                 })
                 .collect();
@@ -441,7 +441,7 @@ impl KvCache {
                 if let Some(index) = geo.dtype.first_non_finite(run) {
                     return Some((i, index));
                 }
-                if let Some(f) = w.frame.as_mut() {
+                if let Some(f) = w.extent.as_mut() {
                     let f = f.as_mut_slice();
                     f[..run.len()].copy_from_slice(run);
                     f[run.len()..].fill(0);
@@ -468,11 +468,11 @@ impl KvCache {
                 index,
             });
         }
-        let mut frames = frames.drain(..);
+        let mut extents = extents.drain(..);
         for b in blocks {
             let l = &mut self.layers[b.layer as usize];
             l.slots.push(if b.keep {
-                Slot::Hot(frames.next().expect("one frame per kept block"))
+                Slot::Hot(extents.next().expect("one extent per kept block"))
             } else {
                 Slot::Cold
             });
@@ -506,7 +506,7 @@ impl KvCache {
 
     /// Host bytes held (whole extents).
     pub fn host_bytes(&self) -> usize {
-        self.frames() * self.run_extent_bytes()
+        self.extents() * self.run_extent_bytes()
     }
 
     /// Bytes of the arena extent one block run of this session takes.
@@ -546,14 +546,14 @@ impl KvCache {
         self.append_layer_reserved(layer, start, k, v, &mut fresh)
     }
 
-    /// Validates a one-layer append without changing anything; returns how many new frames it
-    /// needs. Lets a batch of appends over many sessions reserve all frames before touching any.
+    /// Validates a one-layer append without changing anything; returns how many new extents it
+    /// needs. Lets a batch of appends over many sessions reserve all extents before touching any.
     pub fn check_layer_append(&self, layer: u32, start: u64, k: &[u8], v: &[u8]) -> Result<usize> {
         let n = self.check_rows(layer, start, k, v)?;
-        Ok(self.frames_needed(start, n))
+        Ok(self.extents_needed(start, n))
     }
 
-    /// [`KvCache::append_layer`] taking its new frames from `reserved` (at least
+    /// [`KvCache::append_layer`] taking its new extents from `reserved` (at least
     /// [`KvCache::check_layer_append`]'s count).
     pub fn append_layer_reserved(
         &mut self,
@@ -561,10 +561,10 @@ impl KvCache {
         start: u64,
         k: &[u8],
         v: &[u8],
-        reserved: &mut Vec<Frame>,
+        reserved: &mut Vec<Extent>,
     ) -> Result<()> {
         let n = self.check_rows(layer, start, k, v)?;
-        let need = self.frames_needed(start, n);
+        let need = self.extents_needed(start, n);
         let bytes = self.run_extent_bytes();
         if reserved.len() < need || reserved.iter().any(|f| f.len() != bytes) {
             return Err(self.arena.full(need, bytes));
@@ -615,7 +615,7 @@ impl KvCache {
             return Ok(());
         }
         // A large append (a prefill, an engine's hand-off) checks and writes its layers on
-        // several threads: each layer's rows, frames and bounds are its own.
+        // several threads: each layer's rows, extents and bounds are its own.
         let threads = par::default_workers();
         let checked = par::map_indexed(layers, threads, "kvtier-append", |layer| {
             let (k, v) = rows(layer);
@@ -625,9 +625,9 @@ impl KvCache {
         let mut fresh = self
             .arena
             .alloc_many_unzeroed(need.iter().sum(), self.geo.block_bytes())?;
-        // Layer 0 takes the last frames, layer 1 the ones before: what the serial path's pops
+        // Layer 0 takes the last extents, layer 1 the ones before: what the serial path's pops
         // give each layer.
-        let mut work: Vec<(&mut LayerKv, Vec<Frame>)> = Vec::with_capacity(layers);
+        let mut work: Vec<(&mut LayerKv, Vec<Extent>)> = Vec::with_capacity(layers);
         for (l, &count) in self.layers.iter_mut().zip(&need) {
             work.push((l, fresh.split_off(fresh.len() - count)));
         }
@@ -693,21 +693,28 @@ impl KvCache {
         Ok(n)
     }
 
-    fn frames_needed(&self, tokens: u64, n: u64) -> usize {
+    fn extents_needed(&self, tokens: u64, n: u64) -> usize {
         (self.geo.blocks_for(tokens + n) - self.geo.blocks_for(tokens)) as usize
     }
 
-    /// Copies validated rows into the tail frames (opening blocks from `fresh`) and folds the
+    /// Copies validated rows into the tail extents (opening blocks from `fresh`) and folds the
     /// keys into the blocks' bounds. Cannot fail.
-    fn write_layer(&mut self, layer: u32, k: &[u8], v: &[u8], n: u64, fresh: &mut Vec<Frame>) {
+    fn write_layer(&mut self, layer: u32, k: &[u8], v: &[u8], n: u64, fresh: &mut Vec<Extent>) {
         let geo = self.geo;
         write_rows(&geo, &mut self.layers[layer as usize], k, v, n, fresh);
     }
 }
 
-/// [`KvCache::write_layer`] on one layer: rows copied into its tail frames (each new frame's
+/// [`KvCache::write_layer`] on one layer: rows copied into its tail extents (each new extent's
 /// other bytes zeroed), keys folded into its bounds.
-fn write_rows(geo: &Geometry, l: &mut LayerKv, k: &[u8], v: &[u8], n: u64, fresh: &mut Vec<Frame>) {
+fn write_rows(
+    geo: &Geometry,
+    l: &mut LayerKv,
+    k: &[u8],
+    v: &[u8],
+    n: u64,
+    fresh: &mut Vec<Extent>,
+) {
     let (bt, hkv, d) = (
         geo.block_tokens as u64,
         geo.kv_heads as usize,
@@ -722,8 +729,8 @@ fn write_rows(geo: &Geometry, l: &mut LayerKv, k: &[u8], v: &[u8], n: u64, fresh
         let pos = l.tokens;
         let (block, slot) = ((pos / bt) as usize, (pos % bt) as usize);
         if block == l.slots.len() {
-            let mut f = fresh.pop().expect("frames were reserved");
-            // The frame may hold a former owner's bytes (the frames are not zeroed when
+            let mut f = fresh.pop().expect("extents were reserved");
+            // The extent may hold a former owner's bytes (the extents are not zeroed when
             // taken: the rows below overwrite most of them): zero the rows this append leaves
             // empty and the padding past the run.
             let filled = (n as usize - i).min(bt as usize);
@@ -742,18 +749,18 @@ fn write_rows(geo: &Geometry, l: &mut LayerKv, k: &[u8], v: &[u8], n: u64, fresh
                 debug_assert_eq!(at, (block * hkv + h) * 2 * d);
             }
         }
-        let Slot::Hot(frame) = &mut l.slots[block] else {
+        let Slot::Hot(extent) = &mut l.slots[block] else {
             unreachable!("the tail block is never evicted while it is being filled")
         };
-        let frame = frame.as_mut_slice();
+        let extent = extent.as_mut_slice();
         let summ = &mut l.summaries[block * spb..(block + 1) * spb];
         for h in 0..hkv {
             let src = (i * hkv + h) * row;
             let (ks, vs) = (&k[src..src + row], &v[src..src + row]);
             let ko = geo.k_row_offset(h, slot);
             let vo = geo.v_row_offset(h, slot);
-            frame[ko..ko + row].copy_from_slice(ks);
-            frame[vo..vo + row].copy_from_slice(vs);
+            extent[ko..ko + row].copy_from_slice(ks);
+            extent[vo..vo + row].copy_from_slice(vs);
             // Bounds of the stored (rounded) key, so scores bound what attention will see.
             geo.dtype.decode(ks, key);
             let s = &mut summ[h * 2 * d..(h + 1) * 2 * d];
@@ -782,7 +789,7 @@ struct RestoreWork<'b, 'k> {
     summary: &'k mut [f32],
     /// The block's sketch, when the cache keeps sketches.
     sketch: Option<BlockSketch<'k>>,
-    frame: Option<&'k mut Frame>,
+    extent: Option<&'k mut Extent>,
 }
 
 /// The first of `blocks` (in order) holding a NaN or infinity, as the error restoring it
@@ -912,18 +919,18 @@ impl<'a> LayerView<'a> {
         (self.tokens - block as u64 * bt).min(bt) as usize
     }
 
-    /// The arena frame holding `block`, or None while the block is cold.
-    pub fn frame(&self, block: usize) -> Option<&'a Frame> {
-        self.slots[block].frame()
+    /// The arena extent holding `block`, or None while the block is cold.
+    pub fn extent(&self, block: usize) -> Option<&'a Extent> {
+        self.slots[block].extent()
     }
 
     /// The (layer, block) run: every KV head's K tile then V tile. Panics if the block is
     /// cold: callers bring a keep-set in ([`KvCache::promote`]) before attending to it.
     pub fn block_run(&self, block: usize) -> &'a [u8] {
-        let frame = self.slots[block]
-            .frame()
+        let extent = self.slots[block]
+            .extent()
             .unwrap_or_else(|| panic!("block {block} is not resident; promote it before reading"));
-        &frame.as_slice()[..self.geo.block_bytes()]
+        &extent.as_slice()[..self.geo.block_bytes()]
     }
 
     /// `(K tile, V tile)` of one (block, kv-head); rows past `valid_tokens` are zero.

@@ -2,7 +2,7 @@
 //! holds where, and moving one.
 
 use super::{KvCache, Slot};
-use crate::arena::Frame;
+use crate::arena::Extent;
 
 impl KvCache {
     /// `(layer, block, offset)` of every resident run: where in the arena its bytes are.
@@ -12,11 +12,11 @@ impl KvCache {
                 .slots
                 .iter()
                 .enumerate()
-                .filter_map(move |(b, s)| s.frame().map(|f| (l as u32, b as u32, f.offset())))
+                .filter_map(move |(b, s)| s.extent().map(|f| (l as u32, b as u32, f.offset())))
         })
     }
 
-    /// Moves the run of `(layer, block)` into `to` ([`Frame::move_to`]) if it is resident
+    /// Moves the run of `(layer, block)` into `to` ([`Extent::move_to`]) if it is resident
     /// at byte offset `from`; otherwise (freed, demoted or moved since it was planned) gives
     /// `to` back.
     pub fn move_run(
@@ -24,8 +24,8 @@ impl KvCache {
         layer: u32,
         block: u32,
         from: usize,
-        to: Frame,
-    ) -> Result<(), Frame> {
+        to: Extent,
+    ) -> Result<(), Extent> {
         let slot = self
             .layers
             .get_mut(layer as usize)

@@ -713,7 +713,7 @@ fn split_by_bytes(r: Range<usize>, reads: &[(usize, u64)], most: u64) -> Vec<Ran
         .collect()
 }
 
-/// Reads one session's cold blocks back from the tier into host frames (the KV cache's
+/// Reads one session's cold blocks back from the tier into host extents (the KV cache's
 /// [`crate::ColdSource`]): every page is verified against the identity and checksum the
 /// manifest recorded; a page that fails is an error (`corrupt` for data loss), never data.
 pub struct TierSource<'a> {
@@ -726,7 +726,7 @@ impl crate::ColdSource for TierSource<'_> {
         &self,
         layer: u32,
         blocks: &[u32],
-        frames: &mut [crate::Frame],
+        extents: &mut [crate::Extent],
     ) -> crate::Result<()> {
         let fail = |block: u32, e: &NvmeError| crate::StorageError::ColdRead {
             layer,
@@ -753,15 +753,15 @@ impl crate::ColdSource for TierSource<'_> {
                 .zip(&blocks[r.clone()])
                 .map(|(page, &b)| page.map_err(|e| fail(b, &e)))
                 .collect::<crate::Result<Vec<_>>>()?;
-            // Copied into the frames on the store's workers: 7% less promotion time than on
+            // Copied into the extents on the store's workers: 7% less promotion time than on
             // one thread on a 16-core host (nvme_bench --only mixed, docs/benchmarks.md).
             let threads = workers.min(pages.len() / COPY_MIN_PAGES_PER_THREAD).max(1);
             crate::par::zip_mut(
-                &mut frames[r],
+                &mut extents[r],
                 &pages,
                 threads,
                 "kvtier-promote",
-                |frame, page| frame.put_run(page.payload()),
+                |extent, page| extent.put_run(page.payload()),
             );
         }
         Ok(())
