@@ -31,8 +31,9 @@
 //!   (fragmentation is compaction's to solve): counted, and the campaign fails on any.
 //!
 //! CI runs a short seed set. The long campaign is a benchmark (docs/benchmarks.md), in release
-//! with the fault injection compiled in:
-//! `KVTIER_CAMPAIGN_SEEDS=1-20 KVTIER_CAMPAIGN_CYCLES=100 cargo test --release -p tierd --features test-faults --test fault_campaign -- --nocapture`
+//! with the fault injection compiled in, tierd included (without `KVTIER_TEST_TIERD` the tests
+//! build and run a debug tierd):
+//! `KVTIER_TEST_TIERD=<release tierd built with --features test-faults> KVTIER_CAMPAIGN_SEEDS=1-20 KVTIER_CAMPAIGN_CYCLES=100 cargo test --release -p tierd --features test-faults --test fault_campaign -- --nocapture`
 //! A failure prints its seed and cycle; `KVTIER_CAMPAIGN_SEEDS=<seed>` replays it.
 
 mod common;
