@@ -209,6 +209,9 @@ fn sessions_info_stats_tier_close() {
         rates["append_tokens_per_s"], 0.0,
         "nothing appended while sampling"
     );
+    // --interval 0: one STATS and no rates (no wait for a second sample).
+    let v = json(&ctl(&d, &["--json", "status", "--interval", "0"]));
+    assert!(v["rates"].is_null() && v["sessions"] == 2, "{v}");
     let out = ok(&ctl(&d, &["status"]));
     assert!(out.contains("tierd") && out.contains("64.0 MiB"), "{out}");
     assert!(out.contains("largest free extent"), "{out}");

@@ -73,6 +73,25 @@ pub fn latency_ns(ns: u64) -> String {
 
 /// Parse a timeout such as `5s`, `250ms`, `1.5s`, `2m` or a bare number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    parse_span(s).and_then(|d| {
+        if d.is_zero() {
+            Err(format!(
+                "timeout `{}` must be above 0 and at most a day",
+                s.trim()
+            ))
+        } else {
+            Ok(d)
+        }
+    })
+}
+
+/// [`parse_duration`], 0 allowed (a sampling interval that takes no second sample).
+pub fn parse_interval(s: &str) -> Result<Duration, String> {
+    parse_span(s)
+}
+
+/// A duration of at most a day.
+fn parse_span(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -88,8 +107,8 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         other => return Err(format!("unknown unit `{other}` in `{s}` (use ms, s or m)")),
     };
     let secs = value * scale;
-    if !secs.is_finite() || secs <= 0.0 || secs > 86_400.0 {
-        return Err(format!("timeout `{s}` must be above 0 and at most a day"));
+    if !secs.is_finite() || secs > 86_400.0 {
+        return Err(format!("`{s}` must be at most a day"));
     }
     Ok(Duration::from_secs_f64(secs))
 }

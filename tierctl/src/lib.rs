@@ -55,8 +55,14 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Daemon reachability, version, uptime, sessions, host tier use and counters.
-    Status,
+    /// Daemon reachability, version, uptime, sessions, host tier use and counters, and the
+    /// request rates over `--interval` (two STATS that far apart; 0: one STATS, no rates).
+    Status {
+        /// How long to sample the rates over (e.g. 500ms, 2s; 0 answers at once, without rates).
+        #[arg(long, value_name = "DURATION", default_value = "500ms",
+              value_parser = human::parse_interval)]
+        interval: Duration,
+    },
     /// Table of sessions (all of them for an admin, else your own).
     Sessions,
     /// One session: `tierctl session <ID>` (or `session info <ID>`) shows its geometry,
@@ -161,16 +167,21 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), CtlError> {
     let (p, t) = (path.as_path(), cli.timeout);
     let fail = |op, session| move |e| CtlError::from_client(e, p, t, op, session);
     match &cli.command {
-        Command::Status => {
-            // Two samples half a second apart give current rates, not lifetime averages.
-            let earlier = client.stats().map_err(fail("STATS", None))?;
-            std::thread::sleep(Duration::from_millis(500));
+        Command::Status { interval } => {
+            // Two samples `interval` apart give current rates, not lifetime averages.
+            let earlier = if interval.is_zero() {
+                None
+            } else {
+                let s = client.stats().map_err(fail("STATS", None))?;
+                std::thread::sleep(*interval);
+                Some(s)
+            };
             let stats = client.stats().map_err(fail("STATS", None))?;
             let status = report::Status::new(
                 path.display().to_string(),
                 client.server(),
                 &stats,
-                Some(&earlier),
+                earlier.as_ref(),
             );
             emit(cli, out, &status, || status.render())
         }
