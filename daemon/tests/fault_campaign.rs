@@ -123,6 +123,41 @@ fn refused_with_room(message: &str) -> bool {
     matches!((want, free), (Some(w), Some(f)) if f >= w)
 }
 
+/// The check reads storage's own messages, as the daemon wraps them: a refusal the free bytes
+/// held is caught and one they did not hold is not (a changed message must fail here, not
+/// turn the campaign's check into one that never fires).
+#[test]
+fn refusals_with_room_are_read_from_storages_messages() {
+    use kvtier_storage::nvme::NvmeError;
+    use kvtier_storage::StorageError;
+    let host = |free| {
+        let e = StorageError::ArenaFull {
+            wanted: 2,
+            run_bytes: 4096,
+            bytes_free: free,
+            largest_free: 4096,
+            bytes_total: 1 << 20,
+        };
+        format!("batch entry 0: {e}")
+    };
+    assert!(refused_with_room(&host(8192)));
+    assert!(!refused_with_room(&host(4096)));
+    let nvme = |free| {
+        let e = NvmeError::Full {
+            requested: 2,
+            page_bytes: 8192,
+            free_bytes: free,
+            largest_free_bytes: 4096,
+        };
+        format!("append rolled back, not durable: NVMe tier: {e}")
+    };
+    assert!(refused_with_room(&nvme(16384)));
+    assert!(!refused_with_room(&nvme(12288)));
+    assert!(!refused_with_room(
+        "uid 7 would reference 9 bytes of NVMe pages"
+    ));
+}
+
 fn code<T>(r: &Result<T, ClientError>) -> Option<ErrorCode> {
     r.as_ref().err().and_then(ClientError::code)
 }

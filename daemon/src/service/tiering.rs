@@ -238,15 +238,8 @@ impl Service {
         };
         let mut st = s.state.lock();
         let src = TierSource { tier, session: id };
-        let cold: usize = (0..s.geometry.layers)
-            .map(|l| {
-                Ok(st
-                    .kv
-                    .cold_among(l, &(0..st.kv.layer(l)?.blocks() as u32).collect::<Vec<_>>())
-                    .len())
-            })
-            .sum::<ServiceResult<usize>>()?;
-        let need = cold * st.kv.run_extent_bytes();
+        // Every block not resident is read back into an extent of its own.
+        let need = (st.kv.blocks() - st.kv.extents()) * st.kv.run_extent_bytes();
         // What an attempt promoted stays promoted: a retry reads only what is still cold.
         let n = std::cell::Cell::new(0);
         self.with_room(&s, need, &mut st, |st| {

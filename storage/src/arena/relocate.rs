@@ -1,13 +1,13 @@
 //! Compaction of the host tier: when the free bytes would hold a run but no free range does,
 //! runs whose owners let them move are copied out of one window of the arena, which then
-//! holds the run. The plan is the NVMe tier's ([`Space::window`]); the owners (sessions) do
+//! holds the run. The plan is the NVMe tier's (`Space::window`); the owners (sessions) do
 //! the moves, because only they hold the [`Extent`] handles and know whether a reader outside
 //! the daemon (a lease, a reservation) has a run's address.
 
 use std::collections::HashSet;
 
 use super::{extent_bytes, Extent, HostArena, EXTENT_ALIGN};
-use crate::space::{Occupant, Space};
+use crate::space::Occupant;
 
 /// Moves that make room for one more run: each `(from, to)`, `from` the byte offset of a
 /// movable run and `to` an extent already taken outside the window for it. The owner of the
@@ -40,7 +40,7 @@ impl HostArena {
                 Occupant::Fixed
             }
         };
-        let window = Space::window(&space, units, occupant)?;
+        let window = space.window(units, occupant)?;
         let to = space.place_outside(units, &window)?;
         Some(Relocation {
             moves: window
