@@ -93,3 +93,15 @@ pub fn concurrent_steps(d: &Daemon, sessions: usize, steps: usize) -> Shared {
         steps: stats.get("decode_steps_total"),
     }
 }
+
+/// The session is there with exactly the shadow's tokens, and decodes correctly.
+pub fn intact(c: &mut kvtier_protocol::client::Client, id: u64, sh: &mut Shadow) {
+    let info = c.session_info(id).unwrap();
+    assert!(!info.damaged, "session {id} damaged");
+    assert_eq!(
+        (info.tokens_min, info.tokens_max),
+        (sh.tokens(0), sh.tokens(0)),
+        "session {id}"
+    );
+    sh.step(c, id);
+}
