@@ -35,6 +35,7 @@
 //! number of units; the next commit writes version 4. A file that verifies but is of a version
 //! this build does not know is [`NvmeError::UnsupportedManifestVersion`] and stops
 //! [`ManifestStore::open`], rather than being skipped for an older manifest.
+//! The older layouts and their conversions are in `old.rs` ([`v4`], [`v5`], and version 1).
 //!
 //! # Page reuse rule
 //!
@@ -51,6 +52,10 @@ use rkyv::rancor;
 use super::store::{page_units, PageAddr, PageStore};
 use super::NvmeError;
 use crate::{DType, Geometry, Policy, Selector};
+
+mod old;
+use old::v1;
+pub use old::{v4, v5};
 
 const MAGIC: &[u8; 8] = b"KVTMANI1";
 /// The format version commits write.
@@ -223,171 +228,6 @@ pub struct Manifest {
     pub page_size: u64,
     pub devices: Vec<DeviceRecord>,
     pub sessions: Vec<SessionRecord>,
-}
-
-/// The layout of version 5 (no creation time), read only to upgrade old files (and written by
-/// tests that make such files).
-pub mod v5 {
-    use super::{DeviceRecord, GeometryRecord, PageRecord, PolicyRecord};
-
-    #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-    pub struct SessionRecord {
-        pub id: u64,
-        pub owner_uid: u32,
-        pub label: String,
-        pub geometry: GeometryRecord,
-        pub policy: PolicyRecord,
-        pub layer_tokens: Vec<u64>,
-        pub pages: Vec<PageRecord>,
-        pub pinned: bool,
-    }
-
-    #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-    pub struct Manifest {
-        pub epoch: u64,
-        pub page_size: u64,
-        pub devices: Vec<DeviceRecord>,
-        pub sessions: Vec<SessionRecord>,
-    }
-
-    impl From<Manifest> for super::Manifest {
-        /// The creation time of these sessions is unknown (0).
-        fn from(m: Manifest) -> Self {
-            Self {
-                epoch: m.epoch,
-                page_size: m.page_size,
-                devices: m.devices,
-                sessions: m
-                    .sessions
-                    .into_iter()
-                    .map(|s| super::SessionRecord {
-                        id: s.id,
-                        owner_uid: s.owner_uid,
-                        label: s.label,
-                        geometry: s.geometry,
-                        policy: s.policy,
-                        layer_tokens: s.layer_tokens,
-                        pages: s.pages,
-                        pinned: s.pinned,
-                        created_unix_ms: 0,
-                    })
-                    .collect(),
-            }
-        }
-    }
-}
-
-/// The layout of versions 2 to 4 (a policy without its selector), read only to upgrade old
-/// files (and written by tests that make such files).
-pub mod v4 {
-    use super::{DeviceRecord, GeometryRecord, PageRecord};
-
-    #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-    pub struct PolicyRecord {
-        pub sink_blocks: u32,
-        pub local_blocks: u32,
-        pub top_k: u32,
-    }
-
-    #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-    pub struct SessionRecord {
-        pub id: u64,
-        pub owner_uid: u32,
-        pub label: String,
-        pub geometry: GeometryRecord,
-        pub policy: PolicyRecord,
-        pub layer_tokens: Vec<u64>,
-        pub pages: Vec<PageRecord>,
-        pub pinned: bool,
-    }
-
-    #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-    pub struct Manifest {
-        pub epoch: u64,
-        pub page_size: u64,
-        pub devices: Vec<DeviceRecord>,
-        pub sessions: Vec<SessionRecord>,
-    }
-
-    impl From<Manifest> for super::v5::Manifest {
-        /// Sessions of these versions were created with the bound selector.
-        fn from(m: Manifest) -> Self {
-            Self {
-                epoch: m.epoch,
-                page_size: m.page_size,
-                devices: m.devices,
-                sessions: m
-                    .sessions
-                    .into_iter()
-                    .map(|s| super::v5::SessionRecord {
-                        id: s.id,
-                        owner_uid: s.owner_uid,
-                        label: s.label,
-                        geometry: s.geometry,
-                        policy: super::PolicyRecord {
-                            sink_blocks: s.policy.sink_blocks,
-                            local_blocks: s.policy.local_blocks,
-                            top_k: s.policy.top_k,
-                            selector: super::Selector::Bound.code(),
-                            candidates: 0,
-                        },
-                        layer_tokens: s.layer_tokens,
-                        pages: s.pages,
-                        pinned: s.pinned,
-                    })
-                    .collect(),
-            }
-        }
-    }
-}
-
-/// The version 1 layout (no `pinned`), read only to upgrade old files.
-mod v1 {
-    use super::v4::PolicyRecord;
-    use super::{DeviceRecord, GeometryRecord, PageRecord};
-
-    #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-    pub struct SessionRecord {
-        pub id: u64,
-        pub owner_uid: u32,
-        pub label: String,
-        pub geometry: GeometryRecord,
-        pub policy: PolicyRecord,
-        pub layer_tokens: Vec<u64>,
-        pub pages: Vec<PageRecord>,
-    }
-
-    #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-    pub struct Manifest {
-        pub epoch: u64,
-        pub page_size: u64,
-        pub devices: Vec<DeviceRecord>,
-        pub sessions: Vec<SessionRecord>,
-    }
-
-    impl From<Manifest> for super::v4::Manifest {
-        fn from(m: Manifest) -> Self {
-            Self {
-                epoch: m.epoch,
-                page_size: m.page_size,
-                devices: m.devices,
-                sessions: m
-                    .sessions
-                    .into_iter()
-                    .map(|s| super::v4::SessionRecord {
-                        id: s.id,
-                        owner_uid: s.owner_uid,
-                        label: s.label,
-                        geometry: s.geometry,
-                        policy: s.policy,
-                        layer_tokens: s.layer_tokens,
-                        pages: s.pages,
-                        pinned: false,
-                    })
-                    .collect(),
-            }
-        }
-    }
 }
 
 impl Manifest {
