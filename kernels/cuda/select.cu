@@ -223,16 +223,15 @@ __device__ __forceinline__ void list_ids_ascending(const u64* v, u32* out, u32 N
         if (r * 32 + lane < N) out[r * 32 + lane] = ~(u32)id[r];
 }
 
-// The N best blocks (N <= LW) of the `nlists` candidate lists of one (batch item, kv head),
-// ascending, into out[0, N), called by the whole thread block that found itself last. Each
-// warp merges lists w, w + nw, ... (the next list's load in flight during a merge); a
-// barrier-separated tree merges the warps' lists; warp 0 then sorts the winners' block ids
-// ascending. Lists are read from L2 (__ldcg): other thread blocks wrote them during this launch.
-__device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lists, u32 nlists, u32* out, u32 N) {
+// The top LW keys of `nlists` descending lists into warp 0's `v`, descending, called by a whole
+// thread block that found itself last. Each warp merges lists w, w + nw, ... (the next list's
+// load in flight during a merge); a barrier-separated tree merges the warps' lists. Lists are
+// read from L2 (__ldcg): other thread blocks wrote them during this launch.
+__device__ __forceinline__ void merge_lists(const u64* __restrict__ lists, u32 nlists, u64* v) {
     __shared__ u64 s_top[SCORE_THREADS / 32][LW];
     const u32 w = threadIdx.x >> 5;
     const u32 nw = blockDim.x >> 5;
-    u64 v[LIST_R], nxt[LIST_R], cur[LIST_R];
+    u64 nxt[LIST_R], cur[LIST_R];
     list_load(v, lists + (u64)w * LW, w < nlists, false, true);
     list_load(nxt, lists + (u64)(w + nw) * LW, w + nw < nlists, true, true);
     for (u32 x = w + nw; x < nlists; x += nw) {
@@ -252,7 +251,14 @@ __device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lis
         }
         __syncthreads();
     }
-    if (w == 0) list_ids_ascending(v, out, N);
+}
+
+// The N best blocks (N <= LW) of `nlists` candidate lists of one (batch item, kv head),
+// ascending, into out[0, N) (merge_lists, then warp 0 sorts the winners' block ids).
+__device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lists, u32 nlists, u32* out, u32 N) {
+    u64 v[LIST_R];
+    merge_lists(lists, nlists, v);
+    if ((threadIdx.x >> 5) == 0) list_ids_ascending(v, out, N);
 }
 
 // select_score: SCORE_THREADS threads = SCORE_OCTETS octets; octet o of thread block x scores
@@ -262,6 +268,13 @@ __device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lis
 #define SCORE_OCTETS (SCORE_THREADS / 8)
 // Candidate lists per (batch item, kv head) for nr records: one per select_score thread block.
 #define SCORE_LISTS(nr, nbo) (((nr) + (nbo) * SCORE_OCTETS - 1) / ((nbo) * SCORE_OCTETS))
+// The lists are merged in two levels: the last thread block of each group of MERGE_GROUP
+// consecutive lists merges the group into one list, the last group the groups' lists. One
+// thread block merging every list spent ~35 us at 1M tokens in 64-token blocks with 128
+// candidates (256 lists of 128 keys); merges of groups run in parallel. (With one group, its
+// last thread block is the kv head's.) The result is the same: the top-N of a union is the
+// top-N of its parts' top-Ns under the strict key order.
+#define MERGE_GROUPS(nlists) (((nlists) + MERGE_GROUP - 1) / MERGE_GROUP)
 #define SEL_PREFETCH (SEL_V <= 8)
 #if (SCORE_OCTETS * SCORE_NB) % 32 != 0 || SCORE_OCTETS * SCORE_NB / 32 > SCORE_THREADS / 32
 #error "SCORE_NB blocks per octet must make whole warp lists"
@@ -392,10 +405,12 @@ __device__ __forceinline__ void score_keys_sketch(const float* __restrict__ q, c
 // lanes in registers ran at 2 warps per scheduler, a latency chain; bench/gpu/NOTES.md v13-v17.)
 // q: [batch][HQ][HEAD_DIM] f32. sums: [slot][layer][max_blocks][KV_HEADS][SUB][REC_VECS] uint4.
 // With TOPK_MERGE each thread block writes the descending list of its LW best distant
-// candidates to scratch (u64 [batch][KV_HEADS][SCORE_LISTS(max_blocks * SUB, 1)][LW]); the last
-// thread block of a (batch item, kv head) to finish merges that head's lists into the TOPK
-// distant blocks of its keep-set row and plans their tiles (the done[] counters return to 0),
-// or, with SKETCH, into its CAND candidates (cands[batch][KV_HEADS][LW]).
+// candidates to scratch (u64 [batch][KV_HEADS][lists + MERGE_GROUPS(lists)][LW] with lists =
+// SCORE_LISTS(max_blocks * SUB, 1)); the lists are merged in groups (MERGE_GROUPS), and the
+// last thread block of a (batch item, kv head) to finish merges that head's group lists into
+// the TOPK distant blocks of its keep-set row and plans their tiles (the done[] counters,
+// [batch][KV_HEADS][1 + MERGE_GROUPS(lists)], return to 0), or, with SKETCH, into its CAND
+// candidates (cands[batch][KV_HEADS][LW]).
 // Otherwise every score goes to scratch (f32 [batch][KV_HEADS][max_blocks]) for select_topk.
 // score_role is one such thread block, (bx, kvh, i) its grid position. When `ready` is not null
 // (layer_fused), the last thread block of the kv head publishes its finished keep-set row and
@@ -553,8 +568,16 @@ __device__ __forceinline__ void score_role(
         __syncthreads();
     }
     SEL_STAMP(3);
+    // Scratch per (batch item, kv head): the thread blocks' lists, then the groups' lists;
+    // counters: the groups' merges done, then each group's lists done (MERGE_GROUPS).
+    const u32 ih = i * KV_HEADS + kvh;
     const u32 nlists = SCORE_LISTS(nr, nbo);
-    u64* lists = (u64*)scratch + ((u64)i * KV_HEADS + kvh) * SCORE_LISTS(max_blocks * SUB, 1) * LW;
+    const u32 ngroups = MERGE_GROUPS(nlists);
+    const u32 maxl = SCORE_LISTS(max_blocks * SUB, 1);
+    u64* lists = (u64*)scratch + (u64)ih * (maxl + MERGE_GROUPS(maxl)) * LW;
+    u64* glists = lists + (u64)maxl * LW;
+    u32* counters = done + ih * (1 + MERGE_GROUPS(maxl));
+    const u32 grp = bx / MERGE_GROUP;
     if (w == 0) {
         list_store(v, lists + (u64)bx * LW);
         // Publish the list device-wide before it is counted (threadFenceReduction pattern).
@@ -563,9 +586,10 @@ __device__ __forceinline__ void score_role(
     __syncthreads();
     SEL_STAMP(4);
     if (tid == 0) {
-        const u32 prev = atomicAdd(&done[i * KV_HEADS + kvh], 1u);
-        s_last = prev == nlists - 1;
-        if (s_last) done[i * KV_HEADS + kvh] = 0;  // every list is in; ready for the next launch
+        u32* c = ngroups > 1 ? counters + 1 + grp : counters;
+        const u32 prev = atomicAdd(c, 1u);
+        s_last = prev == min(MERGE_GROUP, nlists - grp * MERGE_GROUP) - 1;
+        if (s_last) *c = 0;  // every list is in; ready for the next launch
     }
     __syncthreads();
     SEL_STAMP(5);
@@ -575,13 +599,37 @@ __device__ __forceinline__ void score_role(
         return;
     }
     __threadfence();
+    const u64* src = lists;
+    u32 nsrc = nlists;
+    if (ngroups > 1) {
+        merge_lists(lists + (u64)grp * MERGE_GROUP * LW, min(MERGE_GROUP, nlists - grp * MERGE_GROUP), v);
+        if (w == 0) {
+            list_store(v, glists + (u64)grp * LW);
+            __threadfence();
+        }
+        __syncthreads();
+        if (tid == 0) {
+            const u32 prev = atomicAdd(counters, 1u);
+            s_last = prev == ngroups - 1;
+            if (s_last) *counters = 0;
+        }
+        __syncthreads();
+        if (!s_last) {
+            SEL_CLEAR(6);
+            SEL_CLEAR(7);
+            return;
+        }
+        __threadfence();
+        src = glists;
+        nsrc = ngroups;
+    }
 #if SKETCH
     // The CAND candidates for the rerank roles.
-    select_distant_merge(lists, nlists, cands + ((u64)i * KV_HEADS + kvh) * LW, CAND);
+    select_distant_merge(src, nsrc, cands + (u64)ih * LW, CAND);
     if (ready != nullptr) signal_ready(ready, stamp);
 #else
-    u32* row = table + ((u64)i * KV_HEADS + kvh) * KSEL;
-    select_distant_merge(lists, nlists, row + SINK, TOPK);
+    u32* row = table + (u64)ih * KSEL;
+    select_distant_merge(src, nsrc, row + SINK, TOPK);
     __syncthreads();
     SEL_STAMP(6);
     plan_tile_cache(i, kvh, row, SINK, TOPK, 0, 0, DISTANT_SLOT0, CACHE_SLOTS - DISTANT_SLOT0, sess, ntok, layer,
@@ -611,6 +659,8 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(SelectS
 #define SK_CODE_BYTES (PD / 2)
 #define SK_REC_BYTES ((u64)BLOCK_TOKENS * (SK_CODE_BYTES + 4))
 #define SK_DP4A (PD / 4)                     // dp4a per key and query head
+// Rerank roles per (batch item, kv head): RERANK_PER_ROLE candidates each (config.rs).
+#define RERANK_ROLES ((CAND + RERANK_PER_ROLE - 1) / RERANK_PER_ROLE)
 
 // The signed codes of nibble slot jn of u32 words x (a) and y (a + 1), as four int8 in one
 // word: bytes [e(jn W + 2a), e(jn W + 2a + 2), e(jn W + 2a + 1), e(jn W + 2a + 3)].
@@ -620,12 +670,16 @@ __device__ __forceinline__ int rerank_codes(u32 x, u32 y, u32 jn) {
     return (int)__vsub4(v ^ 0x08080808u, 0x08080808u);
 }
 
-// One rerank role: candidate x of (batch item i, kv head kvh), scored by its key sketch as
-// kvtier_kernels::select::QuerySketch::score does (integer dots, exact; then f32(dot) * scale
-// rounded, max over tokens, * the query scale rounded, max over the group), its key written to
-// rkeys; the kv head's last role to finish keeps the TOPK best (ties to the lower block),
-// writes them ascending into the distant part of the keep-set row and plans their tiles, then
-// (layer_fused) publishes the row by storing `stamp` in `ready`.
+// One rerank role: candidates [x R, x R + R) of (batch item i, kv head kvh) with R =
+// RERANK_PER_ROLE, each scored by its key sketch as kvtier_kernels::select::QuerySketch::score
+// does (integer dots, exact; then f32(dot) * scale rounded, max over tokens, * the query scale
+// rounded, max over the group), its key written to rkeys; the kv head's last role to finish
+// keeps the TOPK best (ties to the lower block), writes them ascending into the distant part of
+// the keep-set row and plans their tiles, then (layer_fused) publishes the row by storing
+// `stamp` in `ready`. Thread t takes candidate t / BLOCK_TOKENS of the role: with R > 1 a
+// candidate's tokens are whole warps (config.rs), so each thread quantizes the query once for
+// R candidates. (One candidate per role left half or more of the threads idle in blocks of 64
+// or 128 tokens and quantized the query CAND times per kv head.)
 __device__ __forceinline__ void rerank_role(
     const float* __restrict__ q, const unsigned char* __restrict__ sk, const u32* __restrict__ sess,
     const u32* __restrict__ ntok, u32 layer, u32 max_blocks, const u32* cands, u64* rkeys,
@@ -644,7 +698,10 @@ __device__ __forceinline__ void rerank_role(
     __shared__ float s_best[SCORE_THREADS / 32][GROUP];
     __shared__ bool s_last;
     pdl_wait();
-    const u32 b = __ldcg(cands + (u64)ih * LW + x);
+    // This thread's candidate (RERANK_PER_ROLE > 1: tid < R * BLOCK_TOKENS <= blockDim.x).
+    const u32 c = x * RERANK_PER_ROLE + (RERANK_PER_ROLE > 1 ? tid / BLOCK_TOKENS : 0u);
+    const bool has = (RERANK_PER_ROLE == 1 || tid < RERANK_PER_ROLE * BLOCK_TOKENS) && c < CAND;
+    const u32 b = has ? __ldcg(cands + (u64)ih * LW + c) : 0xffffffffu;
     // The group's query codes: warp g quantizes head g (absmax / 127, round half to even).
     const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
     for (u32 g = w; g < GROUP; g += nw) {
@@ -671,7 +728,8 @@ __device__ __forceinline__ void rerank_role(
     if (b != 0xffffffffu) {
         const unsigned char* rec = sk + ((((u64)sess[i] * NUM_LAYERS + layer) * max_blocks + b) * KV_HEADS + kvh) * SK_REC_BYTES;
         const float* scales = (const float*)(rec + (u64)BLOCK_TOKENS * SK_CODE_BYTES);
-        for (u32 t = tid; t < BLOCK_TOKENS; t += blockDim.x) {
+        for (u32 t = RERANK_PER_ROLE > 1 ? tid % BLOCK_TOKENS : tid; t < BLOCK_TOKENS;
+             t += RERANK_PER_ROLE > 1 ? BLOCK_TOKENS : blockDim.x) {
             u32 words[SK_WORDS];
             const uint4* src = (const uint4*)(rec + (u64)t * SK_CODE_BYTES);
 #pragma unroll
@@ -706,18 +764,25 @@ __device__ __forceinline__ void rerank_role(
         if (lane == 0) s_best[w][g] = m;
     }
     __syncthreads();
-    if (tid == 0) {
+    // Thread r keys the role's candidate r from the warps that scored it.
+    constexpr u32 WPC = RERANK_PER_ROLE > 1 ? BLOCK_TOKENS / 32 : SCORE_THREADS / 32;
+    if (tid < RERANK_PER_ROLE && x * RERANK_PER_ROLE + tid < CAND) {
+        const u32 cr = x * RERANK_PER_ROLE + tid;
+        const u32 br = __ldcg(cands + (u64)ih * LW + cr);
         float score = NEG_INF;
         for (int g = 0; g < GROUP; ++g) {
             float m = NEG_INF;
-            for (u32 v = 0; v < nw; ++v) m = fmaxf(m, s_best[v][g]);
+            for (u32 v = tid * WPC; v < min((tid + 1) * WPC, nw); ++v) m = fmaxf(m, s_best[v][g]);
             score = fmaxf(score, __fmul_rn(m, s_qs[g]));
         }
-        rkeys[(u64)ih * LW + x] = b != 0xffffffffu ? cand_key(score, b) : 0ull;
+        rkeys[(u64)ih * LW + cr] = br != 0xffffffffu ? cand_key(score, br) : 0ull;
         // Publish the key device-wide before it is counted (threadFenceReduction pattern).
         __threadfence();
+    }
+    __syncthreads();
+    if (tid == 0) {
         const u32 prev = atomicAdd(&done[ih], 1u);
-        s_last = prev == CAND - 1;
+        s_last = prev == RERANK_ROLES - 1;
         if (s_last) done[ih] = 0;  // every key is in; ready for the next launch
     }
     __syncthreads();
@@ -740,7 +805,7 @@ __device__ __forceinline__ void rerank_role(
 }
 #endif
 
-// grid (CAND, KV_HEADS, batch), block SCORE_THREADS: the sketch selector's second stage after
+// grid (RERANK_ROLES, KV_HEADS, batch), block SCORE_THREADS: the sketch selector's second stage after
 // select_score (when layer_fused is not used); empty without SKETCH.
 extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_rerank(SelectRerankParams_FIELDS) {
 #if SKETCH
@@ -762,7 +827,7 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_rerank(Select
 //                                position x (short layer) or the x-th sink/local tile;
 //   next lists * H               score roles (score_role); the head's last sets ready[h][1]
 //                                (with SKETCH: writes the candidates, sets ready[h][2]);
-//   next CAND * H (SKETCH)       rerank roles (rerank_role): wait ready[h][2]; the head's
+//   next RERANK_ROLES * H        rerank roles (rerank_role, SKETCH): wait ready[h][2]; the head's
 //                                last sets ready[h][1];
 //   next TOPK * H                distant tile x of head h: waits ready[h][1].
 // A thread block takes its role from a ticket (atomicAdd on tickets[0], minus ticket0: the
@@ -808,16 +873,16 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) layer_fused(LayerFus
         }
         t -= lists * heads;
 #if SKETCH
-        if (t < CAND * heads) {
-            const u32 hs = t / CAND;
+        if (t < RERANK_ROLES * heads) {
+            const u32 hs = t / RERANK_ROLES;
             if (SHORT_LAYER(n_blocks_of(ntok[hs / KV_HEADS]))) return;
             wait_ready(ready + READY_FLAGS * hs + 2, stamp);
             rerank_role(q, sketches, sess, ntok, layer, max_blocks, cands, rkeys, rdone, table, tags, stamps, pages,
-                        slot_of, miss_src, stats, stamp, ready + READY_FLAGS * hs + 1, t % CAND, hs % KV_HEADS,
-                        hs / KV_HEADS);
+                        slot_of, miss_src, stats, stamp, ready + READY_FLAGS * hs + 1, t % RERANK_ROLES,
+                        hs % KV_HEADS, hs / KV_HEADS);
             return;
         }
-        t -= CAND * heads;
+        t -= RERANK_ROLES * heads;
 #endif
         x = t % TOPK;
         h = t / TOPK;

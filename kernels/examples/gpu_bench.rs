@@ -1,5 +1,6 @@
 //! CUDA KV path benchmark: per decode step, 28 layers of select + zero-copy gather + split-k
-//! attention, Qwen2.5-7B attention geometry (28 layers, 28/4 heads, D=128, bf16, B=128).
+//! attention, Qwen2.5-7B attention geometry (28 layers, 28/4 heads, D=128, bf16, B=128 unless
+//! `--block-tokens`).
 //!
 //! Compares measured step time with the PCIe floor (bytes moved / 55.3 GB/s), cold cache (the
 //! block cache flushed before each step) and warm (consecutive steps, AR(1) queries).
@@ -14,6 +15,7 @@
 //! Usage: gpu_bench [--host-gb 60] [--steps 20] [--warmup 3] [--rho 0.9] [--contexts 131072,1048576]
 //!                  [--ks 8,32] [--batches 1,8] [--json PATH] [--summaries-bf16] [--trace]
 //!                  [--split-step] [--simt-attention] [--no-pdl] [--no-dense] [--sketch C]
+//!                  [--block-tokens 128]
 //!
 //! `--trace` with `KVTIER_NVRTC_DEFINES=-DSEL_TRACE=1` prints the phase breakdown of the last
 //! layer's select_score in every measured step (diagnostics; bench/gpu/NOTES.md v24).
@@ -23,7 +25,8 @@
 //! the previous layer's merge has ended (no programmatic dependent launch; the A/B of v30).
 //!
 //! `--sketch C` runs the sketch selector with C candidates (synthetic quarter bounds and key
-//! sketches, like the summaries) instead of the key bound.
+//! sketches, like the summaries) instead of the key bound. `--block-tokens BT` sets the block
+//! size; the sink stays 128 tokens and the local window 512 (one budget of keys at every BT).
 //!
 //! Beside the sparse path, for each context and batch: dense attention over every block with the
 //! KV in GPU memory (where it fits in free device memory) and with the KV read from host memory
@@ -49,7 +52,6 @@ const LAYERS: u32 = 28;
 const HQ: u32 = 28;
 const HKV: u32 = 4;
 const D: u32 = 128;
-const BT: u32 = 128;
 
 struct Args {
     host_gb: f64,
@@ -73,6 +75,8 @@ struct Args {
     no_pdl: bool,
     /// Skip the dense baselines.
     no_dense: bool,
+    /// Tokens per block; the sink (128 tokens) and the local window (512) keep their size.
+    bt: u32,
 }
 
 fn parse() -> Result<Args, String> {
@@ -92,6 +96,7 @@ fn parse() -> Result<Args, String> {
         simt: false,
         no_pdl: false,
         no_dense: false,
+        bt: 128,
     };
     let mut it = std::env::args().skip(1);
     let list = |s: String| -> Result<Vec<u32>, String> {
@@ -117,6 +122,7 @@ fn parse() -> Result<Args, String> {
             "--simt-attention" => a.simt = true,
             "--no-pdl" => a.no_pdl = true,
             "--no-dense" => a.no_dense = true,
+            "--block-tokens" => a.bt = v()?.parse().map_err(|e| format!("{e}"))?,
             _ => return Err(format!("unknown argument {k}")),
         }
     }
@@ -137,7 +143,7 @@ fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
@@ -207,13 +213,19 @@ fn synthetic_sketches(geo: &Geometry, n_blocks: u32, rng: &mut Rng) -> BlockSket
     s
 }
 
+/// The sink and local window in blocks of `bt` tokens: 128 and 512 tokens at every block size.
+fn fixed_blocks(bt: u32) -> (u32, u32) {
+    ((128 / bt).max(1), (512 / bt).max(1))
+}
+
 fn config(n_blocks: u32, k: u32, batch: u32, a: &Args) -> CudaConfig {
     let (sum_bf16, simt) = (a.sum_bf16, a.simt);
+    let (sink, local) = fixed_blocks(a.bt);
     let policy = match a.sketch {
-        Some(c) => Policy::sketch(1, 4, k, c),
-        None => Policy::bound(1, 4, k),
+        Some(c) => Policy::sketch(sink, local, k, c),
+        None => Policy::bound(sink, local, k),
     };
-    let geometry = Geometry::new(LAYERS, HQ, HKV, D, DType::Bf16, BT);
+    let geometry = Geometry::new(LAYERS, HQ, HKV, D, DType::Bf16, a.bt);
     let summaries = if sum_bf16 {
         SummaryDtype::Bf16Outward
     } else {
@@ -395,7 +407,8 @@ fn run_dense(
             if step >= 1 {
                 ms.push(out.step_ms.unwrap_or(f32::NAN) as f64);
             }
-            bytes = out.stats.iter().map(|s| s.tiles as f64).sum::<f64>() * (2 * BT * D * 2) as f64;
+            bytes = out.stats.iter().map(|s| s.tiles as f64).sum::<f64>()
+                * (2 * args.bt * D * 2) as f64;
         }
         Ok((median(&mut ms), bytes))
     };
@@ -430,7 +443,7 @@ fn run_mode(
     steps: usize,
 ) -> Result<Row, Box<dyn std::error::Error>> {
     let cold = mode == Mode::Cold;
-    let n_blocks = ctx / BT;
+    let n_blocks = ctx / args.bt;
     let mut qs = Queries::new(
         batch,
         rho,
@@ -494,7 +507,8 @@ fn run_mode(
                 hits += s.hits as f64;
             }
             if let Some(p) = &prev_keep {
-                let (o, n) = overlap(p, &keep, 1, n_blocks, 4);
+                let (sink, local) = fixed_blocks(args.bt);
+                let (o, n) = overlap(p, &keep, sink, n_blocks, local);
                 ov += o * n as f64;
                 ovn += n;
             }
@@ -560,8 +574,9 @@ fn run_mode(
         println!("    kernels of layer {sample_layer} (us from plan_fixed's start; latest block start-end): {}", cols.join(", "));
     }
     let n = steps as f64;
-    let tile = (2 * BT * D * 2) as f64;
-    let distant = (n_blocks - 5) as f64;
+    let tile = (2 * args.bt * D * 2) as f64;
+    let (sink, local) = fixed_blocks(args.bt);
+    let distant = (n_blocks - sink - local) as f64;
     Ok(Row {
         ctx,
         k,
@@ -588,7 +603,7 @@ fn run_mode(
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = parse()?;
     let cmd: Vec<String> = std::env::args().collect();
-    let frame = (HKV * 2 * BT * D * 2) as usize;
+    let frame = (HKV * 2 * args.bt * D * 2) as usize;
     let mut rows = Vec::new();
     let mut overlap_rows = Vec::new();
     let mut dense_rows = Vec::new();
@@ -596,7 +611,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut device = String::new();
     let mut pdl = false;
     for &ctx in &args.contexts {
-        let n_blocks = ctx / BT;
+        let n_blocks = ctx / args.bt;
         for &k in &args.ks {
             let max_batch = *args.batches.iter().max().unwrap_or(&1);
             let cfg = config(n_blocks, k, max_batch, &args);
@@ -729,7 +744,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("device: {device}");
     println!("command: {}", cmd.join(" "));
     println!(
-        "geometry: Qwen2.5-7B attention (28 layers, 28/4 heads, D=128, bf16, B=128), sink 1, local 4; summaries {} on the device; tile attention on {}",
+        "geometry: Qwen2.5-7B attention (28 layers, 28/4 heads, D=128, bf16, B={}), sink {}, local {}; summaries {} on the device; tile attention on {}",
+        args.bt,
+        fixed_blocks(args.bt).0,
+        fixed_blocks(args.bt).1,
         if args.sum_bf16 { "bf16 outward" } else { "exact (bf16: lossless for bf16 keys)" },
         if args.simt { "CUDA cores (fp32 FMA)" } else { "tensor cores (bf16 MMA, fp32 factors split hi + lo)" }
     );

@@ -52,6 +52,9 @@ const SMEM_LIMIT: usize = 48 * 1024;
 pub(crate) const SCORE_THREADS: u32 = 256;
 /// Most blocks each select_score octet scores in one launch (the launch picks 1, 2, 4 or 8).
 pub(crate) const SCORE_NB: u32 = 8;
+/// Candidate lists merged by one thread block at the first level of select.cu's two-level
+/// merge (MERGE_GROUPS): 2 per warp of the merging thread block.
+pub(crate) const MERGE_GROUP: u32 = 16;
 /// Most candidates the sketch selector's first stage keeps on the device (select.cu lists of
 /// 32 * LIST_R keys, LIST_R <= 4).
 pub const MAX_CANDIDATES: u32 = 128;
@@ -271,16 +274,28 @@ impl CudaConfig {
                 q_smem + lists_smem + plan_smem
             )));
         }
-        // Lists: at most one per 32 records (a launch scoring one record per octet).
+        // Rerank roles take SCORE_THREADS / block_tokens candidates each where a candidate's
+        // tokens are whole warps (select.cu rerank_role), else one.
+        let bt = g.block_tokens;
+        let rerank_per_role = if bt.is_multiple_of(32) && bt < SCORE_THREADS {
+            SCORE_THREADS / bt
+        } else {
+            1
+        };
+        // Lists: at most one per 32 records (a launch scoring one record per octet), then
+        // one per group of MERGE_GROUP of them (select.cu's two-level merge).
         let records = self.max_blocks as usize * self.summary_records() as usize;
+        let lists = records.div_ceil(32);
+        let merge_groups = lists.div_ceil(MERGE_GROUP as usize);
         let score_scratch = if topk_merge {
-            records.div_ceil(32) * 32 * list_r as usize * 8
+            (lists + merge_groups) * 32 * list_r as usize * 8
         } else {
             records * 4
         };
         Ok(Derived {
             topk_merge,
             score_scratch,
+            score_counters: 1 + merge_groups,
             keep_max: ksel as u32,
             topk_per_thread: kpt.max(1) as u32,
             att_threads: att_threads as u32,
@@ -290,6 +305,7 @@ impl CudaConfig {
             att_mma,
             fused: topk_merge && att_threads as u32 == SCORE_THREADS,
             candidates: cand,
+            rerank_per_role,
             list_r,
         })
     }
@@ -365,8 +381,10 @@ impl CudaConfig {
             ("ATT_THREADS", derived.att_threads),
             ("SCORE_THREADS", SCORE_THREADS),
             ("SCORE_NB", SCORE_NB),
+            ("MERGE_GROUP", MERGE_GROUP),
             ("SKETCH", u32::from(self.sketch())),
             ("CAND", derived.candidates),
+            ("RERANK_PER_ROLE", derived.rerank_per_role),
             ("LIST_R", derived.list_r),
             ("QUARTERS", self.summary_records()),
             ("PD", padded_dims(g.head_dim as usize) as u32),
@@ -385,6 +403,9 @@ pub struct Derived {
     pub topk_merge: bool,
     /// Bytes of selector scratch per (batch item, kv head): the candidate lists or the scores.
     pub score_scratch: usize,
+    /// select_score's completion counters per (batch item, kv head): the kv head's, then one
+    /// per merge group.
+    pub score_counters: usize,
     /// Keep-set size bound per kv head (sink + local + top_k).
     pub keep_max: u32,
     /// Distant candidates per select_topk thread (registers).
@@ -406,6 +427,8 @@ pub struct Derived {
     /// Blocks the selector's first stage keeps: the sketch selector's candidates
     /// (`max(candidates, top_k)`), else top_k.
     pub candidates: u32,
+    /// Candidates each rerank role of the sketch selector scores.
+    pub rerank_per_role: u32,
     /// Keys per lane of a candidate list (1, 2 or 4): a list holds `32 * list_r` keys, at
     /// least `candidates` with the sketch selector.
     pub list_r: u32,

@@ -337,7 +337,8 @@ pub struct CudaBackend {
     q: DevView<f32>,
     /// Selector scratch: candidate lists or scores ([`Derived::score_scratch`]).
     scores: DevBuf<u8>,
-    /// Per (batch item, kv head): select_score thread blocks done (zero between launches).
+    /// Per (batch item, kv head): select_score's completion counters, the head's and its merge
+    /// groups' ([`Derived::score_counters`]; zero between launches).
     done: DevBuf<u32>,
     /// Per (batch item, kv head): the stamps of the layer whose fixed part and distant part are
     /// planned (layer_fused's handoffs from planning roles to tile roles).

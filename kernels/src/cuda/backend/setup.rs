@@ -84,7 +84,7 @@ impl CudaBackend {
             ntok: DevView::new(at[1], l * bmax),
             q: DevView::new(at[2], l * bmax * hq * d),
             scores: z8(bmax * hkv * derived.score_scratch)?,
-            done: z32(bmax * hkv)?,
+            done: z32(bmax * hkv * derived.score_counters)?,
             ready: z32(bmax * hkv * READY_FLAGS)?,
             tickets: z32(1)?,
             table: z32(l * bmax * hkv * ks)?,
