@@ -29,8 +29,8 @@ typedef float sum_t;
 // Summary records per (block, kv head): its quarters with the sketch selector, else one.
 #if SKETCH
 #define SUB QUARTERS
-#if SUB != 4
-#error "the sketch selector scores four quarter records per block"
+#if SUB != 1 && SUB != 2 && SUB != 4
+#error "the sketch selector scores 1, 2 or 4 quarter records per block"
 #endif
 // A quarter record: its int8 maxima codes [HEAD_DIM], then its minima codes; thread j of the
 // scoring octet takes dims [j * HEAD_DIM / 8, (j + 1) * HEAD_DIM / 8) of both, QW u32 words
@@ -372,13 +372,13 @@ __device__ __forceinline__ void score_keys_sketch(const float* __restrict__ q, c
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
             int a = acc[g];
-            // The octet's sum (lane bits 0-2), then the max over the block's quarters (the
-            // warp's octets: lane bits 3 and 4).
+            // The octet's sum (lane bits 0-2), then the max over the block's SUB quarters
+            // (octets of the warp: lane bit 3, and 4 with four).
             a += __shfl_xor_sync(FULL_MASK, a, 4);
             a += __shfl_xor_sync(FULL_MASK, a, 2);
             a += __shfl_xor_sync(FULL_MASK, a, 1);
-            a = max(a, __shfl_xor_sync(FULL_MASK, a, 8));
-            a = max(a, __shfl_xor_sync(FULL_MASK, a, 16));
+            if (SUB >= 2) a = max(a, __shfl_xor_sync(FULL_MASK, a, 8));
+            if (SUB >= 4) a = max(a, __shfl_xor_sync(FULL_MASK, a, 16));
             m = fmaxf(m, __fmul_rn(__fmul_rn((float)a, sc), s_qs[g]));
         }
         const u32 rec = r0 + n * SCORE_OCTETS + oct;
@@ -515,8 +515,8 @@ __device__ __forceinline__ void score_role(
 #if SUB > 1
         // The max over the block's quarters: its SUB records are octets of this warp (lane
         // bits 3 and 4 number the octets).
-        m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 8));
-        m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 16));
+        if (SUB >= 2) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 8));
+        if (SUB >= 4) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 16));
 #endif
         const u32 rec = r0 + n * SCORE_OCTETS + oct;
         const u32 b = rec / SUB;

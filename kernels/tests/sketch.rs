@@ -123,6 +123,7 @@ fn geometries() -> Vec<Geometry> {
         Geometry::new(1, 4, 4, 16, DType::F32, 8),   // MHA
         Geometry::new(1, 8, 2, 32, DType::Bf16, 16), // GQA, G = 4
         Geometry::new(1, 7, 1, 21, DType::F16, 5),   // odd D and B
+        Geometry::new(1, 8, 2, 32, DType::Bf16, 64), // halves
         Geometry::new(1, 28, 4, 128, DType::Bf16, 128),
     ]
 }
@@ -136,7 +137,7 @@ proptest! {
     #[test]
     fn keep_sets_equal_the_rule_restated(
         seed in any::<u64>(),
-        gi in 0usize..4,
+        gi in 0usize..5,
         blocks in 6u64..100,
         k in 1u32..6,
         candidates in 0u32..48,
@@ -196,7 +197,8 @@ fn the_score_tracks_the_best_true_logit() {
         let widen = |x: u16| f32::from_bits(u32::from(x) << 16);
         for t in 0..32 {
             let key = &keys[(b * 32 + t) * d..(b * 32 + t + 1) * d];
-            let qb = &quarters[(t / 8) * 2 * d..(t / 8 + 1) * 2 * d];
+            let j = kvtier_storage::sketch::quarter_of(t, 32);
+            let qb = &quarters[j * 2 * d..(j + 1) * 2 * d];
             for (i, x) in key.iter().enumerate() {
                 assert!(widen(qb[i]) >= *x && widen(qb[d + i]) <= *x);
             }

@@ -11,10 +11,12 @@
 //! consecutive elements (one SIMD or GPU word operation per eight codes). With its f32 scale a
 //! key's sketch is a quarter of a bf16 key.
 //!
-//! **Quarter bounds.** A block of B tokens is cut into [`quarters`] `n = min(4, B)` runs of
-//! consecutive tokens, quarter `j` holding tokens `floor(j B / n)..floor((j + 1) B / n)`; each
-//! keeps the element-wise max and min of its keys like a block summary, rounded outward to
-//! bf16 ([`crate::dtype::bf16_outward`]). A quarter without tokens yet holds `(-inf, +inf)`.
+//! **Quarter bounds.** A block of B tokens is cut into [`quarters`] `n` runs of consecutive
+//! tokens of at least 32 tokens each (`n` is 4 from B = 128, 2 from 64, else 1, so the first
+//! stage reads as many records per token in 64-token blocks as in 128-token ones), quarter `j`
+//! holding tokens `floor(j B / n)..floor((j + 1) B / n)`; each keeps the element-wise max and
+//! min of its keys like a block summary, rounded outward to bf16
+//! ([`crate::dtype::bf16_outward`]). A quarter without tokens yet holds `(-inf, +inf)`.
 //! What selection reads are their **quarter codes**: per (block, kv head) one scale
 //! `s = max |bound| / 127` over its quarters with tokens, and per quarter the max rounded up and
 //! the min rounded down to multiples of it, `ceil(max / s)` and `floor(min / s)` clamped to
@@ -51,9 +53,14 @@ pub fn code_bytes(head_dim: usize) -> usize {
     padded_dims(head_dim) / 2
 }
 
-/// Quarters a block of `block_tokens` tokens is cut into.
+/// Quarters a block of `block_tokens` tokens is cut into: runs of at least 32 tokens, four
+/// from 128 tokens, two (halves) from 64, else one.
 pub fn quarters(block_tokens: usize) -> usize {
-    block_tokens.min(4)
+    match block_tokens {
+        128.. => 4,
+        64..128 => 2,
+        _ => 1,
+    }
 }
 
 /// The quarter token `slot` of a block of `block_tokens` falls in.
@@ -513,6 +520,8 @@ mod tests {
 
     #[test]
     fn quarters_partition_the_block() {
+        let counts: Vec<usize> = [1, 31, 32, 63, 64, 127, 128, 1024].map(quarters).into();
+        assert_eq!(counts, [1, 1, 1, 1, 2, 2, 4, 4]);
         for bt in 1..300usize {
             let n = quarters(bt);
             let mut last = 0;

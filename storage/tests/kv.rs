@@ -4,6 +4,7 @@
 mod kv_common;
 
 use kv_common::*;
+use kvtier_storage::sketch::{quarter_of, quarters};
 use kvtier_storage::testing::Rng;
 use kvtier_storage::{ArenaOptions, DType, Geometry, HostArena, KvCache, StorageError};
 use kvtier_tests::kv::{layer_rows, payload, rows, sub_payload};
@@ -60,8 +61,11 @@ fn bounds_are_exact_max_and_min_of_stored_keys() {
 #[test]
 fn sketches_are_the_stored_keys_quantized_and_zero_past_the_tail() {
     for dtype in [DType::Bf16, DType::F16, DType::F32] {
-        let g = geo(dtype, 8);
-        let kv = cache(g, &arena(16), 21, 7);
+        // Halves of 32 tokens (B = 64); the third block's second half holds no keys.
+        let g = geo(dtype, 64);
+        let run = 64 / quarters(64);
+        let a = HostArena::new(&ArenaOptions::new(1 << 20, 16 << 10)).unwrap();
+        let kv = cache(g, &a, 150, 7);
         let v = kv.layer(0).unwrap();
         let d = g.head_dim as usize;
         let w = d.next_multiple_of(32) / 4;
@@ -89,8 +93,9 @@ fn sketches_are_the_stored_keys_quantized_and_zero_past_the_tail() {
                             "block {b} head {h} token {t} dim {e}"
                         );
                     }
-                    // Quarters of 2 tokens (B = 8).
-                    let qb = &s.quarters[(t / 2) * 2 * d..(t / 2 + 1) * 2 * d];
+                    let j = quarter_of(t, 64);
+                    assert_eq!(j, t / run);
+                    let qb = &s.quarters[j * 2 * d..(j + 1) * 2 * d];
                     for (e, x) in key.iter().enumerate() {
                         let (hi, lo) = (widen(qb[e]), widen(qb[d + e]));
                         assert!(hi >= *x && lo <= *x, "block {b} head {h} token {t} dim {e}");
@@ -101,8 +106,8 @@ fn sketches_are_the_stored_keys_quantized_and_zero_past_the_tail() {
                     let rows: Vec<&[f32]> = keys
                         .chunks(d)
                         .take(v.valid_tokens(b))
-                        .skip(2 * j)
-                        .take(2)
+                        .skip(run * j)
+                        .take(run)
                         .collect();
                     for e in 0..d {
                         let (hi, lo) = if rows.is_empty() {
@@ -160,10 +165,10 @@ fn sketches_are_the_stored_keys_quantized_and_zero_past_the_tail() {
                 }
             }
         }
-        let bare = KvCache::new_with(g, arena(16), false).unwrap();
+        let bare = KvCache::new_with(g, a.clone(), false).unwrap();
         assert!(!bare.has_sketches() && bare.sketch_bytes() == 0);
         assert!(kv.has_sketches());
-        let per_block = g.kv_heads as usize * (8 * (2 * w + 4) + 4 * 2 * d * 3 + 4);
+        let per_block = g.kv_heads as usize * (64 * (2 * w + 4) + quarters(64) * 2 * d * 3 + 4);
         assert_eq!(kv.sketch_bytes(), g.layers as usize * 3 * per_block);
     }
 }

@@ -57,7 +57,7 @@ def block_scores(q: np.ndarray, k: np.ndarray, t: int, block: int = 128) -> Dict
     # The quarter bounds (bf16, rounded outward), their int8 codes with one scale per block
     # (maxima rounded up, minima down; a quarter without tokens an empty box), then per head
     # the best quarter's integer bound against the int8 query: the sketch selector's stage 1.
-    nq = min(4, block)
+    nq = 4 if block >= 128 else 2 if block >= 64 else 1  # kvtier_storage::sketch::quarters
     starts = [j * block // nq for j in range(nq + 1)]
     qhi, qlo, filled = [], [], []
     for j in range(nq):

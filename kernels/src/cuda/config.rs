@@ -144,7 +144,7 @@ impl CudaConfig {
         }
         // The sketch selector's first stage keeps its candidates in warp lists of at most
         // MAX_CANDIDATES keys and its second stage ranks them in one warp; each block is scored
-        // by its four quarters.
+        // by its quarters (kvtier_storage::sketch::quarters).
         let cand = match p.selector {
             Selector::Bound => p.top_k,
             Selector::Sketch { candidates } => {
@@ -152,12 +152,6 @@ impl CudaConfig {
                 if c > MAX_CANDIDATES {
                     return Err(invalid(format!(
                         "the CUDA sketch selector takes at most {MAX_CANDIDATES} candidates (max(candidates, top_k) = {c})"
-                    )));
-                }
-                if quarters(g.block_tokens as usize) != 4 {
-                    return Err(invalid(format!(
-                        "the CUDA sketch selector needs blocks of at least 4 tokens, not {}",
-                        g.block_tokens
                     )));
                 }
                 c
@@ -326,22 +320,22 @@ impl CudaConfig {
         self.policy.selector.needs_sketches()
     }
 
-    /// Summary records per (block, kv head) on the device: its four quarters with the sketch
-    /// selector, else one.
+    /// Summary records per (block, kv head) on the device: its quarters with the sketch
+    /// selector (kvtier_storage::sketch::quarters: 4, 2 or 1), else one.
     pub fn summary_records(&self) -> u32 {
         if self.sketch() {
-            4
+            quarters(self.geometry.block_tokens as usize) as u32
         } else {
             1
         }
     }
 
     /// Bytes of one (block, kv head)'s summary records on the device: its bounds (f32 or bf16),
-    /// or with the sketch selector its four quarters' int8 codes (maxima, then minima).
+    /// or with the sketch selector its quarters' int8 codes (maxima, then minima).
     pub fn summary_record_bytes(&self) -> usize {
         let d = self.geometry.head_dim as usize;
         if self.sketch() {
-            4 * 2 * d
+            self.summary_records() as usize * 2 * d
         } else {
             2 * d * if self.summaries_bf16() { 2 } else { 4 }
         }

@@ -317,7 +317,7 @@ pub struct CudaBackend {
     batch_of: Vec<usize>,
     // Device state.
     /// Per (slot, layer, block, kv head): its summary records (the block's bounds in the device
-    /// order, or with the sketch selector its four quarters' int8 codes).
+    /// order, or with the sketch selector its quarters' int8 codes).
     sums: DevBuf<u8>,
     /// Per (slot, layer, block, kv head) with the sketch selector: its quarter codes' scale.
     qscales: DevBuf<f32>,

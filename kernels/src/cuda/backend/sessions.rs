@@ -164,7 +164,7 @@ impl CudaBackend {
             (
                 "quarter codes",
                 sketches.quarter_codes.len(),
-                n * hkv * 4 * 2 * d,
+                n * hkv * self.cfg.summary_records() as usize * 2 * d,
             ),
             ("codes", sketches.codes.len(), n * hkv * bt * cb),
             ("scales", sketches.scales.len(), n * hkv * bt),
