@@ -1,5 +1,5 @@
 //! The real `nvme_bench` binary on a small session in temporary directories: the mixed
-//! RAM + two-lane decode section runs both striping modes over real page files and checks
+//! RAM + two-link decode section runs both striping modes over real page files and checks
 //! itself (both modes must promote the same keep-sets; it panics otherwise).
 
 use std::process::Command;
@@ -13,7 +13,7 @@ fn mixed_decode_section_runs_both_striping_modes() {
         .arg("--dir")
         .arg(slow.path())
         .arg("--fast-dir")
-        .arg(fast.path().join("lane"))
+        .arg(fast.path().join("link"))
         .args(["--workers", "2", "--cold-frac", "0.5"])
         .output()
         .expect("run nvme_bench");

@@ -151,10 +151,10 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
             // Probed over a written scratch file beside it: a fresh device file's unwritten
             // extents read back as zeros without I/O and would probe far too fast. (The page
             // store sizes the device file when it opens.)
-            let lane = nvme::plan::probe_path(engine.as_ref(), path, Default::default())
+            let link = nvme::link::probe_path(engine.as_ref(), path, Default::default())
                 .map_err(|e| e.to_string())?;
-            tracing::info!(device = %path.display(), gbps = lane.bandwidth_bytes_per_s / 1e9, latency_us = lane.latency_s * 1e6, "probed NVMe device");
-            lane.bandwidth_bytes_per_s
+            tracing::info!(device = %path.display(), gbps = link.bandwidth_bytes_per_s / 1e9, latency_us = link.latency_s * 1e6, "probed NVMe device");
+            link.bandwidth_bytes_per_s
         } else {
             1.0
         };

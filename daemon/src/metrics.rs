@@ -10,9 +10,9 @@
 //!   histograms) are recorded where they happen, into handles registered once at startup
 //!   (an atomic add, or a lock-free bucket push for histograms).
 //!
-//! Metrics of tiers and lanes that do not exist in a run (NVMe, the GPU block cache, transfer
-//! lanes, the fetch stage) are registered by the component that owns them, through
-//! [`Metrics::register_tier`], [`Metrics::register_lane`], [`Metrics::register_nvme`],
+//! Metrics of tiers and links that do not exist in a run (NVMe, the GPU block cache, transfer
+//! links, the fetch stage) are registered by the component that owns them, through
+//! [`Metrics::register_tier`], [`Metrics::register_link`], [`Metrics::register_nvme`],
 //! [`Metrics::register_gpu_cache`] and [`Metrics::register_fetch_stage`]; until then they are
 //! absent from the exposition rather than exported as zeros.
 //!
@@ -85,7 +85,7 @@ pub mod names {
     pub const DECODE_KEEP_SET_BLOCKS: &str = "kvtier_decode_keep_set_blocks";
 
     // Registered by the tier or backend that owns them.
-    pub const LANE_MOVED_BYTES: &str = "kvtier_lane_moved_bytes_total";
+    pub const LINK_MOVED_BYTES: &str = "kvtier_link_moved_bytes_total";
     pub const GPU_CACHE_HITS: &str = "kvtier_gpu_cache_hits_total";
     pub const GPU_CACHE_LOOKUPS: &str = "kvtier_gpu_cache_lookups_total";
     pub const NVME_IO_ERRORS: &str = "kvtier_nvme_io_errors_total";
@@ -280,10 +280,10 @@ impl Metrics {
         self.registrar().tier(tier)
     }
 
-    /// The byte counter of a transfer lane (`"host_to_gpu"`, `"nvme0_to_host"`, ...).
-    pub fn register_lane(&self, lane: &'static str) -> Counter {
+    /// The byte counter of a transfer link (`"host_to_gpu"`, `"nvme0_to_host"`, ...).
+    pub fn register_link(&self, link: &'static str) -> Counter {
         self.registrar()
-            .counter(names::LANE_MOVED_BYTES, &[("lane", lane)])
+            .counter(names::LINK_MOVED_BYTES, &[("link", link)])
     }
 
     pub fn register_nvme(&self) -> NvmeMetrics {
@@ -480,7 +480,7 @@ impl Registrar<'_> {
             None,
             "Keep-set size per decode entry, blocks per kv-head",
         );
-        c(LANE_MOVED_BYTES, b, "Bytes moved between tiers, by lane");
+        c(LINK_MOVED_BYTES, b, "Bytes moved between tiers, by link");
         c(
             GPU_CACHE_HITS,
             None,
@@ -533,7 +533,7 @@ mod tests {
             DECODE_SELECTED_TILES,
             ERRORS,
             ADMISSION_REJECTIONS,
-            LANE_MOVED_BYTES,
+            LINK_MOVED_BYTES,
             GPU_CACHE_HITS,
             GPU_CACHE_LOOKUPS,
             NVME_IO_ERRORS,
@@ -569,7 +569,7 @@ mod tests {
         for absent in [
             names::NVME_IO_ERRORS,
             names::GPU_CACHE_HITS,
-            names::LANE_MOVED_BYTES,
+            names::LINK_MOVED_BYTES,
             "tier=\"nvme\"",
             "stage=\"fetch\"",
         ] {
@@ -585,7 +585,7 @@ mod tests {
         let nvme = m.register_nvme();
         nvme.checksum_errors.increment(2);
         nvme.io_errors.increment(1);
-        m.register_lane("nvme0_to_host").increment(4096);
+        m.register_link("nvme0_to_host").increment(4096);
         m.register_tier("nvme").used_bytes.set(8192.0);
         m.register_fetch_stage().record(0.001);
         let text = rendered(&m);
@@ -595,7 +595,7 @@ mod tests {
         );
         assert!(text.contains("kvtier_nvme_io_errors_total 1"), "{text}");
         assert!(
-            text.contains("kvtier_lane_moved_bytes_total{lane=\"nvme0_to_host\"} 4096"),
+            text.contains("kvtier_link_moved_bytes_total{link=\"nvme0_to_host\"} 4096"),
             "{text}"
         );
         assert!(

@@ -240,11 +240,11 @@ fn a_scrape_during_a_decode_run_shows_every_metric_matching_stats() {
             "nvme_bytes_capacity",
         ),
         (
-            "kvtier_lane_moved_bytes_total{lane=\"nvme_to_host\"}",
+            "kvtier_link_moved_bytes_total{link=\"nvme_to_host\"}",
             "nvme_read_bytes_total",
         ),
         (
-            "kvtier_lane_moved_bytes_total{lane=\"host_to_nvme\"}",
+            "kvtier_link_moved_bytes_total{link=\"host_to_nvme\"}",
             "nvme_written_bytes_total",
         ),
         (

@@ -447,8 +447,8 @@ fn a_warm_restart_keeps_blocks_resident_exactly_up_to_low_water() {
     sh.step(&mut c, second);
 }
 
-/// Per-device lane estimates in STATS, from a daemon striping over two page files.
-fn lane_stat(c: &mut Client, dev: usize, what: &str) -> u64 {
+/// Per-device link estimates in STATS, from a daemon striping over two page files.
+fn link_stat(c: &mut Client, dev: usize, what: &str) -> u64 {
     let key = format!("nvme_dev{dev}_{what}");
     c.stats()
         .unwrap()
@@ -479,15 +479,15 @@ fn a_restore_tracks_each_devices_read_rate_and_stats_reports_it() {
             "write_bytes_per_s",
             "write_latency_ns",
         ] {
-            assert_eq!(lane_stat(&mut c, dev, what), 0, "nothing measured yet");
+            assert_eq!(link_stat(&mut c, dev, what), 0, "nothing measured yet");
         }
     }
     let (a, _) = session_320(&mut c, "a", 3);
     let (b, _) = session_320(&mut c, "b", 4);
     c.demote(a).unwrap();
     for dev in 0..2 {
-        assert!(lane_stat(&mut c, dev, "write_bytes_per_s") > 0, "dev {dev}");
-        assert_eq!(lane_stat(&mut c, dev, "read_bytes_per_s"), 0);
+        assert!(link_stat(&mut c, dev, "write_bytes_per_s") > 0, "dev {dev}");
+        assert_eq!(link_stat(&mut c, dev, "read_bytes_per_s"), 0);
     }
     c.close(b).unwrap();
     drop(c);
@@ -499,14 +499,14 @@ fn a_restore_tracks_each_devices_read_rate_and_stats_reports_it() {
     let stats = c.stats().unwrap();
     assert_eq!(stats.get("nvme_devices"), Some(2));
     for dev in 0..2 {
-        let bw = lane_stat(&mut c, dev, "read_bytes_per_s");
+        let bw = link_stat(&mut c, dev, "read_bytes_per_s");
         // Finite and plausible for a disk, page cache or tmpfs: 1 MB/s .. 1 TB/s.
         assert!(
             (1_000_000..1_000_000_000_000).contains(&bw),
             "dev {dev}: {bw} B/s"
         );
-        assert!(lane_stat(&mut c, dev, "read_latency_ns") < 1_000_000_000);
+        assert!(link_stat(&mut c, dev, "read_latency_ns") < 1_000_000_000);
         // A fresh process has written nothing yet.
-        assert_eq!(lane_stat(&mut c, dev, "write_bytes_per_s"), 0);
+        assert_eq!(link_stat(&mut c, dev, "write_bytes_per_s"), 0);
     }
 }

@@ -14,7 +14,7 @@
 //! - `par`: the scoped-thread fan-out of the bulk paths (page store batches, block restores;
 //!   [`zip_mut`] also serves the engine's bulk bounds).
 //! - [`nvme`]: the NVMe tier: io engines (io_uring, pread), checksummed page store, crash-safe
-//!   manifest and lane model.
+//!   manifest and link model.
 //!
 //! A tile is one (layer, block, kv-head): the K tile `[B x D]` followed by the V tile `[B x D]`.
 //! The tiles of one (layer, block) are adjacent, forming a block run that takes one arena extent of its size.

@@ -419,7 +419,7 @@ fn tracked_read_rates_set_the_stripe_weights_of_new_sessions_and_the_bulk_batche
         fast: PreadEngine::new(),
     };
     let store = PageStore::open(&cfg, Arc::new(engine)).unwrap();
-    assert!(store.usage().devices.iter().all(|d| d.read_lane.is_none()));
+    assert!(store.usage().devices.iter().all(|d| d.read_link.is_none()));
     let (tier, _) = NvmeTier::open(store, &dir.join("manifest")).unwrap();
     let record = |id: u64| one_layer_record(id, 100);
     let payloads: Vec<Vec<u8>> = (0..100).map(|i| pattern(i, 9000)).collect();
@@ -448,7 +448,7 @@ fn tracked_read_rates_set_the_stripe_weights_of_new_sessions_and_the_bulk_batche
     assert!(u
         .devices
         .iter()
-        .all(|d| d.write_samples == 1 && d.write_lane.is_some()));
+        .all(|d| d.write_samples == 1 && d.write_link.is_some()));
 
     // Read the session back, one batch of 10 at a time.
     for k in 0..STRIPE_MIN_SAMPLES as u32 {
@@ -462,8 +462,8 @@ fn tracked_read_rates_set_the_stripe_weights_of_new_sessions_and_the_bulk_batche
     }
     let u = tier.store().usage();
     let (slow, fast) = (
-        u.devices[0].read_lane.unwrap(),
-        u.devices[1].read_lane.unwrap(),
+        u.devices[0].read_link.unwrap(),
+        u.devices[1].read_link.unwrap(),
     );
     assert_eq!(u.devices[0].read_samples, STRIPE_MIN_SAMPLES);
     assert!(

@@ -153,7 +153,7 @@ fn read_runs_pipelined_delivers_every_batch_in_order_and_stops_at_the_first_erro
 
     // Before any read is timed, batches go by count: several of them. The consumer's error
     // stops the read; no later batch is consumed.
-    assert!(tier.store().read_lanes().is_none());
+    assert!(tier.store().read_links().is_none());
     let mut calls = 0;
     let e = tier
         .read_runs_pipelined(1, &wanted, |_, _| {

@@ -266,10 +266,10 @@ fn sessions_info_stats_tier_close() {
     // The page reads and writes behind demote/promote gave the one device its estimates.
     for cmd in ["tier", "status"] {
         let v = json(&ctl(&d, &["--json", cmd]));
-        let lanes = v["nvme_lanes"].as_array().unwrap();
-        assert_eq!(lanes.len(), 1, "{v}");
-        assert!(lanes[0]["read_bytes_per_s"].as_u64().unwrap() > 0, "{v}");
-        assert!(lanes[0]["write_bytes_per_s"].as_u64().unwrap() > 0, "{v}");
+        let links = v["nvme_links"].as_array().unwrap();
+        assert_eq!(links.len(), 1, "{v}");
+        assert!(links[0]["read_bytes_per_s"].as_u64().unwrap() > 0, "{v}");
+        assert!(links[0]["write_bytes_per_s"].as_u64().unwrap() > 0, "{v}");
     }
     let out = ok(&ctl(&d, &["tier"]));
     assert!(out.contains("dev0  read ") && out.contains("/s ("), "{out}");

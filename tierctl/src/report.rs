@@ -41,7 +41,7 @@ pub struct Status {
     pub nvme_largest_free_bytes: Option<u64>,
     pub nvme_free_ranges: Option<u64>,
     /// Each NVMe device's online read/write estimates (empty without the NVMe tier).
-    pub nvme_lanes: Vec<NvmeLane>,
+    pub nvme_links: Vec<NvmeLink>,
     /// Per-second rates over the interval between two STATS samples (`null` without one).
     pub rates: Option<Rates>,
 }
@@ -108,7 +108,7 @@ impl Status {
             nvme_free_ranges: stats.get("nvme_free_ranges"),
             host_largest_free_bytes: stats.get("host_largest_free_bytes"),
             host_free_ranges: stats.get("host_free_ranges"),
-            nvme_lanes: NvmeLane::from_stats(stats),
+            nvme_links: NvmeLink::from_stats(stats),
             rates: earlier.and_then(|e| Rates::between(e, stats)),
             socket,
             server_name: hello.server_name.clone(),
@@ -185,7 +185,7 @@ impl Status {
                     + &free_space(self.nvme_largest_free_bytes, self.nvme_free_ranges),
             );
         }
-        for l in &self.nvme_lanes {
+        for l in &self.nvme_links {
             kv(&format!("nvme dev{}", l.device), l.render());
         }
         kv("decode requests", opt(self.decode_requests_total));
@@ -368,10 +368,10 @@ impl Sessions {
     }
 }
 
-/// One NVMe device's online lane estimates, from STATS `nvme_dev<i>_{read,write}_*`
+/// One NVMe device's online link estimates, from STATS `nvme_dev<i>_{read,write}_*`
 /// (0: no transfer of that kind timed yet).
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-pub struct NvmeLane {
+pub struct NvmeLink {
     pub device: u32,
     pub read_bytes_per_s: u64,
     pub read_latency_ns: u64,
@@ -379,7 +379,7 @@ pub struct NvmeLane {
     pub write_latency_ns: u64,
 }
 
-impl NvmeLane {
+impl NvmeLink {
     /// Devices 0, 1, ... for as long as the daemon reports `nvme_dev<i>_read_bytes_per_s`.
     pub fn from_stats(stats: &StatsReply) -> Vec<Self> {
         (0u32..)
@@ -432,7 +432,7 @@ pub struct TierRow {
 pub struct Tiers {
     pub tiers: Vec<TierRow>,
     /// Each NVMe device's online read/write estimates (empty without the NVMe tier).
-    pub nvme_lanes: Vec<NvmeLane>,
+    pub nvme_links: Vec<NvmeLink>,
 }
 
 impl Tiers {
@@ -462,7 +462,7 @@ impl Tiers {
             .collect();
         Self {
             tiers,
-            nvme_lanes: NvmeLane::from_stats(stats),
+            nvme_links: NvmeLink::from_stats(stats),
         }
     }
 
@@ -493,9 +493,9 @@ impl Tiers {
             ]);
         }
         let mut out = t.render();
-        if !self.nvme_lanes.is_empty() {
+        if !self.nvme_links.is_empty() {
             out.push_str("\nNVMe devices (online estimates from page reads and writes):\n");
-            for l in &self.nvme_lanes {
+            for l in &self.nvme_links {
                 let _ = writeln!(out, "  dev{}  {}", l.device, l.render());
             }
         }
@@ -597,12 +597,12 @@ mod tests {
         assert_eq!(t.tiers[1].bytes_used, Some(4096));
         assert_eq!(t.tiers[1].frames_used, None);
         assert!(t.render().contains("1.0 GiB"));
-        assert!(t.nvme_lanes.is_empty() && !t.render().contains("NVMe devices"));
+        assert!(t.nvme_links.is_empty() && !t.render().contains("NVMe devices"));
         assert_eq!(Tiers::from_stats(&stats(&[])).tiers, vec![]);
     }
 
     #[test]
-    fn nvme_lanes_from_stats_in_device_order() {
+    fn nvme_links_from_stats_in_device_order() {
         let s = stats(&[
             ("nvme_bytes_used", 0),
             ("nvme_dev1_read_bytes_per_s", 2_000_000_000),
@@ -614,11 +614,11 @@ mod tests {
             // A gap ends the list: dev3 without dev2 is not shown.
             ("nvme_dev3_read_bytes_per_s", 1),
         ]);
-        let lanes = NvmeLane::from_stats(&s);
-        assert_eq!(lanes.len(), 2);
+        let links = NvmeLink::from_stats(&s);
+        assert_eq!(links.len(), 2);
         assert_eq!(
-            lanes[0],
-            NvmeLane {
+            links[0],
+            NvmeLink {
                 device: 0,
                 read_bytes_per_s: 1_395_864_371,
                 read_latency_ns: 85_000,
@@ -627,20 +627,20 @@ mod tests {
             }
         );
         assert_eq!(
-            lanes[0].render(),
+            links[0].render(),
             "read 1.3 GiB/s (85 us), write not measured yet"
         );
-        assert_eq!(lanes[1].write_bytes_per_s, 0, "missing keys read as 0");
+        assert_eq!(links[1].write_bytes_per_s, 0, "missing keys read as 0");
         let t = Tiers::from_stats(&s);
         let out = t.render();
         assert!(
             out.contains("NVMe devices") && out.contains("  dev1  read 1.9 GiB/s (1.5 ms)"),
             "{out}"
         );
-        assert!(NvmeLane::from_stats(&stats(&[("sessions", 1)])).is_empty());
-        let unresolved = NvmeLane {
+        assert!(NvmeLink::from_stats(&stats(&[("sessions", 1)])).is_empty());
+        let unresolved = NvmeLink {
             write_bytes_per_s: 1 << 30,
-            ..lanes[0].clone()
+            ..links[0].clone()
         };
         assert!(
             unresolved

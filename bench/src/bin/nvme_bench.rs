@@ -1,18 +1,18 @@
-//! The NVMe tier, measured: restore of a ~4 GB session, striping over two lanes of different
+//! The NVMe tier, measured: restore of a ~4 GB session, striping over two links of different
 //! bandwidth (bandwidth-proportional vs uniform, against the predicted makespan), a decode
 //! step whose keep-set is cold on NVMe vs the same step all in RAM, and decode steps whose
-//! keep-set is split across RAM and both NVMe lanes (proportional vs uniform striping, against
-//! the predicted max over lanes).
+//! keep-set is split across RAM and both NVMe links (proportional vs uniform striping, against
+//! the predicted max over links).
 //!
 //! cargo run --release -p kvtier-bench --bin nvme_bench -- [--tokens 69760]
 //!     [--dir target/tier-bench] [--fast-dir /dev/shm/kvtier-bench] [--steps 3] [--workers N]
 //!     [--engine auto|pread] [--cold-frac 0.5] [--mixed-steps 9] [--only restore|stripe|mixed|cold]
 //!
-//! `--dir` should be on the NVMe (or whatever disk) under test; `--fast-dir` on a faster lane
+//! `--dir` should be on the NVMe (or whatever disk) under test; `--fast-dir` on a faster link
 //! (tmpfs stands in for a second, faster device on a machine with one disk). `--workers` sets
 //! the page store's and the restore's threads (default: one per core, at most 8).
 //!
-//! The store and restore floors are the session's bytes over the slow lane's bandwidth as a
+//! The store and restore floors are the session's bytes over the slow link's bandwidth as a
 //! plain O_DIRECT reader (writer) measures it: 1 MiB preads (pwrites) of a scratch file on
 //! the same number of threads, best of three passes.
 
@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use kvtier_bench::{
     cpu_description, decode_step, decode_step_timed, each_flag, fill_bf16, gbps, median,
 };
+use kvtier_storage::nvme::link::{probe_path, Link};
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
-use kvtier_storage::nvme::plan::{probe_path, Lane};
 use kvtier_storage::nvme::{
     open_best_engine, AlignedBuf, BlockRun, DeviceConfig, DirectFile, IoEngine, NvmeError,
     NvmeTier, PageStore, PageStoreConfig, PreadEngine, TierSource,
@@ -214,7 +214,7 @@ impl From<StorageError> for Failed {
     }
 }
 
-/// The lane as a plain O_DIRECT reader or writer sees it: 1 MiB preads (pwrites) covering
+/// The link as a plain O_DIRECT reader or writer sees it: 1 MiB preads (pwrites) covering
 /// `span` bytes of a scratch file at `path`, split over `threads` threads, each cycling through
 /// 32 MiB of buffers (so the data lands in memory, as a page store's does, not in one
 /// cache-resident buffer). A write pass writes a fresh file, as storing a session does (on a
@@ -260,8 +260,8 @@ fn plain_rate(path: &Path, span: u64, threads: usize, write: bool) -> f64 {
     (0..3).map(|_| pass()).fold(0.0, f64::max)
 }
 
-/// The lane as tierd probes it at startup (over written bytes, see `probe_path`).
-fn probe(engine: &dyn IoEngine, path: &Path) -> Lane {
+/// The link as tierd probes it at startup (over written bytes, see `probe_path`).
+fn probe(engine: &dyn IoEngine, path: &Path) -> Link {
     probe_path(engine, path, Default::default()).expect("probe")
 }
 
@@ -282,7 +282,7 @@ fn main() {
         engine.name()
     );
     println!(
-        "lanes: slow = {}, fast = {}; page store and restore workers: {}",
+        "links: slow = {}, fast = {}; page store and restore workers: {}",
         args.dir.display(),
         args.fast_dir.display(),
         args.workers
@@ -316,7 +316,7 @@ fn main() {
         kv.extents()
     );
 
-    // Lane bandwidths, probed the way tierd does at startup.
+    // Link bandwidths, probed the way tierd does at startup.
     let slow_path = args.dir.join("pages-slow");
     let fast_path = args.fast_dir.join("pages-fast");
     let slow = probe(engine.as_ref(), &slow_path);
@@ -329,14 +329,14 @@ fn main() {
         fast.latency_s * 1e6
     );
 
-    // The slow lane as a plain reader and writer see it (1 GiB of a scratch file).
+    // The slow link as a plain reader and writer see it (1 GiB of a scratch file).
     let scratch = args.dir.join("plain-scratch");
     let plain_span = bytes.min(1 << 30);
     let plain_write = plain_rate(&scratch, plain_span, args.workers, true);
     let plain_read = plain_rate(&scratch, plain_span, args.workers, false);
     let _ = std::fs::remove_file(&scratch);
     println!(
-        "plain O_DIRECT on the slow lane, 1 MiB, {} threads: write {:.2} GB/s, read {:.2} GB/s",
+        "plain O_DIRECT on the slow link, 1 MiB, {} threads: write {:.2} GB/s, read {:.2} GB/s",
         args.workers,
         plain_write / 1e9,
         plain_read / 1e9
@@ -378,13 +378,13 @@ fn main() {
         );
     }
 
-    // 2. Striping over two lanes: proportional to probed bandwidth vs uniform. Both tiers stay
+    // 2. Striping over two links: proportional to probed bandwidth vs uniform. Both tiers stay
     // for the mixed decode steps (4).
-    let lanes = [slow, fast];
+    let links = [slow, fast];
     let mut striped = Vec::new();
     if args.runs("stripe") || args.runs("mixed") {
         println!();
-        println!("striping over two lanes (read all pages back):");
+        println!("striping over two links (read all pages back):");
         println!(
             "  {:<13} {:>10} {:>10} {:>10} {:>11} {:>8}",
             "mode", "slow GB", "fast GB", "read", "predicted", "ratio"
@@ -470,9 +470,9 @@ fn main() {
         println!("  all in RAM:    {:>8.2?}  (median of {})", tw, args.steps);
     }
 
-    // 4. Decode steps whose keep-set spans RAM and both NVMe lanes.
+    // 4. Decode steps whose keep-set spans RAM and both NVMe links.
     if args.runs("mixed") {
-        mixed_steps(&args, &mut kv, &striped, &lanes);
+        mixed_steps(&args, &mut kv, &striped, &links);
     }
     let _ = std::fs::remove_dir_all(&args.fast_dir);
 }
@@ -482,22 +482,22 @@ fn main() {
 struct MixedStep {
     total: Duration,
     fetch: Duration,
-    /// Sum over layers of the max over lanes of latency + bytes / bandwidth: the layers
-    /// promote one after another, each layer's lanes in parallel.
+    /// Sum over layers of the max over links of latency + bytes / bandwidth: the layers
+    /// promote one after another, each layer's links in parallel.
     predicted: Duration,
-    lane_bytes: [u64; 2],
-    /// Bytes each layer promoted from each lane (to re-predict with the tracked lanes).
+    link_bytes: [u64; 2],
+    /// Bytes each layer promoted from each link (to re-predict with the tracked links).
     per_layer: Vec<[u64; 2]>,
 }
 
-/// Decode steps (28 layers, k=32) whose keep-set is split across RAM and the two NVMe lanes:
+/// Decode steps (28 layers, k=32) whose keep-set is split across RAM and the two NVMe links:
 /// a seeded `--cold-frac` of each layer's full blocks is evicted (their durable copies are the
-/// pages each tier striped over the lanes), then each step runs once per striping mode on the
+/// pages each tier striped over the links), then each step runs once per striping mode on the
 /// same cache state and query, the modes alternating step by step. After each run the step's
 /// token is truncated away and the promoted blocks evicted again, so every run starts from the
 /// same state. The fetch stage (promotion: read, verify, copy into frames) is compared with the
-/// lane model's prediction from the probed lanes.
-fn mixed_steps(args: &Args, kv: &mut KvCache, tiers: &[(&str, NvmeTier)], lanes: &[Lane; 2]) {
+/// link model's prediction from the probed links.
+fn mixed_steps(args: &Args, kv: &mut KvCache, tiers: &[(&str, NvmeTier)], links: &[Link; 2]) {
     let mut pick = Rng::new(11);
     let mut cold: Vec<Vec<u32>> = Vec::new();
     for l in 0..G.layers {
@@ -546,7 +546,7 @@ fn mixed_steps(args: &Args, kv: &mut KvCache, tiers: &[(&str, NvmeTier)], lanes:
             let (_, timings) = decode_step_timed(kv, policy, Some(&src), &mut rng);
             r.total = t0.elapsed();
             r.fetch = Duration::from_nanos(timings.fetch_ns);
-            // What came from which lane: the designated cold blocks now resident.
+            // What came from which link: the designated cold blocks now resident.
             let mut predicted = 0.0;
             for (l, blocks) in cold.iter().enumerate() {
                 let mut per = [0u64; 2];
@@ -555,9 +555,9 @@ fn mixed_steps(args: &Args, kv: &mut KvCache, tiers: &[(&str, NvmeTier)], lanes:
                         per[device[m][&(l as u32, b)]] += G.block_bytes() as u64;
                     }
                 }
-                predicted += lanes[0].time(per[0]).max(lanes[1].time(per[1]));
-                r.lane_bytes[0] += per[0];
-                r.lane_bytes[1] += per[1];
+                predicted += links[0].time(per[0]).max(links[1].time(per[1]));
+                r.link_bytes[0] += per[0];
+                r.link_bytes[1] += per[1];
                 r.per_layer.push(per);
             }
             r.predicted = Duration::from_secs_f64(predicted);
@@ -574,15 +574,15 @@ fn mixed_steps(args: &Args, kv: &mut KvCache, tiers: &[(&str, NvmeTier)], lanes:
     for (i, p) in runs[0].iter().enumerate() {
         for r in &runs[1..] {
             assert_eq!(
-                p.lane_bytes.iter().sum::<u64>(),
-                r[i].lane_bytes.iter().sum::<u64>(),
+                p.link_bytes.iter().sum::<u64>(),
+                r[i].link_bytes.iter().sum::<u64>(),
                 "step {i}: the striping modes promoted different keep-sets"
             );
         }
     }
     println!();
     println!(
-        "decode steps, 28 layers, k=32, keep-set split across RAM and two NVMe lanes ({:.0}% of blocks cold, {:.2} GB on NVMe only; median of {} steps per mode, modes alternating):",
+        "decode steps, 28 layers, k=32, keep-set split across RAM and two NVMe links ({:.0}% of blocks cold, {:.2} GB on NVMe only; median of {} steps per mode, modes alternating):",
         args.cold_frac * 100.0,
         cold_bytes as f64 / 1e9,
         args.mixed_steps
@@ -600,9 +600,9 @@ fn mixed_steps(args: &Args, kv: &mut KvCache, tiers: &[(&str, NvmeTier)], lanes:
         };
         let (fetch, predicted, total) =
             (med(&|s| s.fetch), med(&|s| s.predicted), med(&|s| s.total));
-        // The same model with the lanes as the page store tracked them over these reads
+        // The same model with the links as the page store tracked them over these reads
         // (whole pages at a decode step's queue depth) instead of as probed at startup.
-        let tracked = t.store().read_lanes();
+        let tracked = t.store().read_links();
         let (tp, tr) = match &tracked {
             Some(l) => {
                 let d = med(&|s| {
@@ -628,7 +628,7 @@ fn mixed_steps(args: &Args, kv: &mut KvCache, tiers: &[(&str, NvmeTier)], lanes:
             None => ("-".into(), "-".into()),
         };
         let n = r.len().max(1) as f64;
-        let mb = |i: usize| r.iter().map(|s| s.lane_bytes[i]).sum::<u64>() as f64 / n / 1e6;
+        let mb = |i: usize| r.iter().map(|s| s.link_bytes[i]).sum::<u64>() as f64 / n / 1e6;
         println!(
             "  {:<13} {:>9.1} {:>9.1} {:>10.2?} {:>10.2?} {:>7.2}x {:>10.2?} {:>10} {:>8}",
             mode,
@@ -644,14 +644,14 @@ fn mixed_steps(args: &Args, kv: &mut KvCache, tiers: &[(&str, NvmeTier)], lanes:
         fetch_medians.push(fetch);
     }
     println!(
-        "  lanes as probed at startup: slow {:.2} GB/s ({:.0} us), fast {:.2} GB/s ({:.0} us)",
-        lanes[0].bandwidth_bytes_per_s / 1e9,
-        lanes[0].latency_s * 1e6,
-        lanes[1].bandwidth_bytes_per_s / 1e9,
-        lanes[1].latency_s * 1e6
+        "  links as probed at startup: slow {:.2} GB/s ({:.0} us), fast {:.2} GB/s ({:.0} us)",
+        links[0].bandwidth_bytes_per_s / 1e9,
+        links[0].latency_s * 1e6,
+        links[1].bandwidth_bytes_per_s / 1e9,
+        links[1].latency_s * 1e6
     );
     for line in tracked_rates {
-        println!("  lanes as tracked after the steps, {line}");
+        println!("  links as tracked after the steps, {line}");
     }
     if let [p, u] = fetch_medians[..] {
         println!(

@@ -230,8 +230,8 @@ impl Service {
         self.fetch_seconds = self.tier.is_some().then(|| metrics.register_fetch_stage());
         self.nvme_metrics = self.tier.is_some().then(|| NvmeSeries {
             usage: metrics.register_tier("nvme"),
-            read: metrics.register_lane("nvme_to_host"),
-            written: metrics.register_lane("host_to_nvme"),
+            read: metrics.register_link("nvme_to_host"),
+            written: metrics.register_link("host_to_nvme"),
             counters: metrics.register_nvme(),
         });
         self.metrics = metrics;

@@ -177,14 +177,14 @@ impl Service {
             (x::HOST_RUNS_MOVED_TOTAL, s.host_runs_moved),
             (x::DAEMON_ERRORS_TOTAL, get(&self.counters.daemon_errors)),
         ];
-        let mut lanes = Vec::new();
+        let mut links = Vec::new();
         if let Some((tier, _)) = &self.tier {
             let su = tier.store().usage();
             let used: u64 = su.devices.iter().map(|d| d.bytes_used).sum();
             let total: u64 = su.devices.iter().map(|d| d.bytes_total).sum();
             for (i, d) in su.devices.iter().enumerate() {
-                lanes.extend(nvme_lane_stats(i, "read", d.read_lane));
-                lanes.extend(nvme_lane_stats(i, "write", d.write_lane));
+                links.extend(nvme_link_stats(i, "read", d.read_link));
+                links.extend(nvme_link_stats(i, "write", d.write_link));
             }
             entries.extend([
                 ("nvme_bytes_used", used),
@@ -225,20 +225,20 @@ impl Service {
             entries: entries
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
-                .chain(lanes)
+                .chain(links)
                 .collect(),
         }
     }
 }
 
-/// STATS entries of one NVMe device lane's online estimate: `nvme_dev<i>_<op>_bytes_per_s`
+/// STATS entries of one NVMe device link's online estimate: `nvme_dev<i>_<op>_bytes_per_s`
 /// and `nvme_dev<i>_<op>_latency_ns`, 0 until the device has a timed transfer of that kind.
-pub(super) fn nvme_lane_stats(
+pub(super) fn nvme_link_stats(
     device: usize,
     op: &str,
-    lane: Option<kvtier_storage::nvme::plan::Lane>,
+    link: Option<kvtier_storage::nvme::link::Link>,
 ) -> [(String, u64); 2] {
-    let (bw, lat) = lane.map_or((0, 0), |l| {
+    let (bw, lat) = link.map_or((0, 0), |l| {
         (
             l.bandwidth_bytes_per_s.round() as u64,
             (l.latency_s * 1e9).round() as u64,

@@ -1,6 +1,6 @@
 //! NVMe tier: a checksummed page store on O_DIRECT files or block devices, written and read
 //! through io_uring (or pread where io_uring is unavailable), its crash-safe manifest, and the
-//! lane model that splits transfers across devices by bandwidth.
+//! link model that splits transfers across devices by bandwidth.
 //!
 //! # Layout
 //!
@@ -11,15 +11,15 @@
 //! - [`manifest`]: the rkyv index of what is on NVMe, replaced atomically.
 //! - [`tier`]: [`NvmeTier`]: store + manifest with the crash-safe write order (what the
 //!   daemon's demotion/promotion calls).
-//! - [`plan`]: lanes, online bandwidth tracking and batch splitting by the tracked rates
+//! - [`link`]: links, online bandwidth tracking and batch splitting by the tracked rates
 //!   (pure logic, no I/O except the probe).
 
 pub mod buf;
 mod error;
 pub mod io;
+pub mod link;
 pub mod manifest;
 pub mod page;
-pub mod plan;
 pub mod store;
 pub mod tier;
 

@@ -19,8 +19,8 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 
+use super::link;
 use super::manifest::{Manifest, ManifestStore, PageRecord, SessionRecord};
-use super::plan;
 use super::store::{cut_by_bytes, Evacuation, PageAddr, PageData, PageRead, PageStore, PageWrite};
 use super::{NvmeError, PageId};
 
@@ -511,7 +511,7 @@ impl NvmeTier {
     }
 
     /// Cuts a bulk read of `wanted` runs (in delivery order) into consecutive batches by the
-    /// devices' tracked read rates ([`plan::split_batches`], [`BULK_BATCH_SECONDS`]); by count
+    /// devices' tracked read rates ([`link::split_batches`], [`BULK_BATCH_SECONDS`]); by count
     /// ([`BULK_BATCH_UNMEASURED_PAGES`]) until every device has a tracked rate. Each run counts
     /// its page's bytes; runs the session does not have count nothing (their read fails on its
     /// own, without I/O).
@@ -520,7 +520,7 @@ impl NvmeTier {
         session: u64,
         wanted: &[(u32, u32)],
     ) -> Result<Vec<Range<usize>>, NvmeError> {
-        if self.store.read_lanes().is_none() {
+        if self.store.read_links().is_none() {
             return Ok(unmeasured_batches(wanted.len()));
         }
         self.batches_of(&self.run_reads(session, wanted)?)
@@ -539,10 +539,10 @@ impl NvmeTier {
 
     /// [`NvmeTier::plan_batches`] of runs with these reads.
     fn batches_of(&self, reads: &[(usize, u64)]) -> Result<Vec<Range<usize>>, NvmeError> {
-        match self.store.read_lanes() {
+        match self.store.read_links() {
             None => Ok(unmeasured_batches(reads.len())),
-            Some(lanes) => {
-                plan::split_batches(&lanes, reads, BULK_BATCH_SECONDS, BULK_BATCH_MAX_PAGES)
+            Some(links) => {
+                link::split_batches(&links, reads, BULK_BATCH_SECONDS, BULK_BATCH_MAX_PAGES)
             }
         }
     }

@@ -11,9 +11,9 @@
 //! verify magic, identity and crc32c: a page that fails is an error, never data.
 //!
 //! Every batch of reads and writes is timed per device (the union of the intervals its
-//! operations were in flight) and folded into that device's read or write [`LaneTracker`].
+//! operations were in flight) and folded into that device's read or write [`LinkTracker`].
 //! Once every device has [`STRIPE_MIN_SAMPLES`] timed reads, new pages are striped by the
-//! tracked read throughput ([`LaneTracker::throughput`]: the rate at the transfers the device
+//! tracked read throughput ([`LinkTracker::throughput`]: the rate at the transfers the device
 //! actually gets) instead of the configured bandwidth.
 //!
 //! # Batches, workers and buffers
@@ -35,7 +35,7 @@
 //! - `mod.rs`: configuration, addresses, opening the devices, chunking a batch over workers.
 //! - `alloc.rs`: extent allocation per device and bandwidth-weighted striping.
 //! - `write.rs` / `read.rs`: batches of page writes (and `sync`) / verified page reads.
-//! - `lanes.rs`: per-device timing folded into the lane trackers, stripe weights, usage.
+//! - `links.rs`: per-device timing folded into the link trackers, stripe weights, usage.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -46,21 +46,21 @@ use parking_lot::Mutex;
 
 use super::buf::{BufPool, DirectFile};
 use super::io::{IoEngine, OpKind};
+use super::link::{Link, LinkTracker};
 use super::page::{PageId, HEADER_LEN};
-use super::plan::{Lane, LaneTracker};
 use super::NvmeError;
 use crate::par;
 use crate::space::Space;
 
 mod alloc;
-mod lanes;
+mod links;
 mod read;
 #[cfg(test)]
 mod tests;
 mod write;
 
 pub use alloc::Evacuation;
-pub use lanes::{DeviceUsage, StoreUsage};
+pub use links::{DeviceUsage, StoreUsage};
 pub use read::{PageData, PageResults};
 
 /// Bytes of pages one worker encodes or verifies and hands the engine as one submission (a
@@ -76,7 +76,7 @@ pub const MAX_WORKERS: usize = 64;
 /// Timed reads every device needs before the tracked read bandwidth replaces the configured
 /// stripe weights (a few batches, so one early outlier cannot set the weights).
 pub const STRIPE_MIN_SAMPLES: u64 = 8;
-/// Weight of each new batch in the devices' EWMA lane estimates.
+/// Weight of each new batch in the devices' EWMA link estimates.
 pub const TRACKER_ALPHA: f64 = 0.1;
 
 /// One backing device.
@@ -144,12 +144,12 @@ struct Device {
     /// Configured stripe weight.
     bandwidth: f64,
     alloc: Mutex<Space>,
-    read: Mutex<LaneTracker>,
-    write: Mutex<LaneTracker>,
+    read: Mutex<LinkTracker>,
+    write: Mutex<LinkTracker>,
 }
 
 impl Device {
-    fn tracker(&self, kind: OpKind) -> &Mutex<LaneTracker> {
+    fn tracker(&self, kind: OpKind) -> &Mutex<LinkTracker> {
         match kind {
             OpKind::Read => &self.read,
             OpKind::Write => &self.write,
@@ -230,14 +230,14 @@ impl PageStore {
             }
             file.ensure_len(units * unit as u64)?;
             // The prior only stands until the first timed transfer replaces it.
-            let prior = Lane::new(d.bandwidth_bytes_per_s, 0.0)?;
+            let prior = Link::new(d.bandwidth_bytes_per_s, 0.0)?;
             devices.push(Device {
                 file,
                 units,
                 bandwidth: d.bandwidth_bytes_per_s,
                 alloc: Mutex::new(Space::new(units, 0)),
-                read: Mutex::new(LaneTracker::new(prior, TRACKER_ALPHA)?),
-                write: Mutex::new(LaneTracker::new(prior, TRACKER_ALPHA)?),
+                read: Mutex::new(LinkTracker::new(prior, TRACKER_ALPHA)?),
+                write: Mutex::new(LinkTracker::new(prior, TRACKER_ALPHA)?),
             });
         }
         let mem_align = devices

@@ -3,7 +3,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::lanes::OpTiming;
+use super::links::OpTiming;
 use super::{PageRead, PageStore};
 use crate::nvme::buf::{AlignedBuf, BufPool};
 use crate::nvme::io::{IoCompletion, IoRequest, OpKind};

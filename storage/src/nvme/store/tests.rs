@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use super::lanes::union_seconds;
+use super::links::union_seconds;
 use super::{chunk_ranges, page_units, PageStore, CHUNK_BYTES, CHUNK_MAX_PAGES};
 
 #[test]

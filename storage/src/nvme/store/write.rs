@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::lanes::OpTiming;
+use super::links::OpTiming;
 use super::{NvmeError, PageStore, PageWrite};
 use crate::nvme::io::{IoRequest, OpKind};
 use crate::nvme::page::{self, HEADER_LEN};

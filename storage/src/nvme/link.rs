@@ -1,9 +1,10 @@
-//! Lanes: pure logic (the device probe at the bottom is the only I/O).
+//! Links: the paths blocks move over, each a bandwidth and a latency (pure logic; the device
+//! probe at the bottom is the only I/O).
 //!
-//! A lane is a path blocks can come from (one NVMe device; host RAM over PCIe) with a bandwidth
-//! and a fixed per-transfer latency. Moving `b` bytes on a lane takes `latency + b / bandwidth`
-//! (0 if the lane moves nothing). Each device's read and write lanes are tracked online
-//! ([`LaneTracker`]); new pages are striped over devices by their tracked rates, and bulk reads
+//! A link is a path blocks can come from (one NVMe device; host RAM over PCIe) with a bandwidth
+//! and a fixed per-transfer latency. Moving `b` bytes on a link takes `latency + b / bandwidth`
+//! (0 if the link moves nothing). Each device's read and write links are tracked online
+//! ([`LinkTracker`]); new pages are striped over devices by their tracked rates, and bulk reads
 //! are cut into batches that keep every device busy for about the same time
 //! ([`split_batches`]), so work is partitioned across devices in proportion to their
 //! bandwidth.
@@ -18,13 +19,13 @@ use super::NvmeError;
 
 /// A transfer path: bandwidth in bytes/s and per-transfer latency in seconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Lane {
+pub struct Link {
     pub bandwidth_bytes_per_s: f64,
     pub latency_s: f64,
 }
 
-impl Lane {
-    /// A lane; bandwidth must be positive and finite, latency finite and >= 0.
+impl Link {
+    /// A link; bandwidth must be positive and finite, latency finite and >= 0.
     pub fn new(bandwidth_bytes_per_s: f64, latency_s: f64) -> Result<Self, NvmeError> {
         let l = Self {
             bandwidth_bytes_per_s,
@@ -37,20 +38,20 @@ impl Lane {
     fn validate(&self) -> Result<(), NvmeError> {
         if !(self.bandwidth_bytes_per_s.is_finite() && self.bandwidth_bytes_per_s > 0.0) {
             return Err(NvmeError::invalid(format!(
-                "lane bandwidth {} must be positive and finite",
+                "link bandwidth {} must be positive and finite",
                 self.bandwidth_bytes_per_s
             )));
         }
         if !(self.latency_s.is_finite() && self.latency_s >= 0.0) {
             return Err(NvmeError::invalid(format!(
-                "lane latency {} must be finite and >= 0",
+                "link latency {} must be finite and >= 0",
                 self.latency_s
             )));
         }
         Ok(())
     }
 
-    /// Time to move `bytes` on this lane (0 when idle).
+    /// Time to move `bytes` on this link (0 when idle).
     pub fn time(&self, bytes: u64) -> f64 {
         if bytes == 0 {
             0.0
@@ -60,11 +61,11 @@ impl Lane {
     }
 }
 
-fn validate(lanes: &[Lane]) -> Result<(), NvmeError> {
-    if lanes.is_empty() {
-        return Err(NvmeError::invalid("at least one lane is needed"));
+fn validate(links: &[Link]) -> Result<(), NvmeError> {
+    if links.is_empty() {
+        return Err(NvmeError::invalid("at least one link is needed"));
     }
-    lanes.iter().try_for_each(Lane::validate)
+    links.iter().try_for_each(Link::validate)
 }
 
 /// Once a tracker has this many samples, observations far from its prediction are clamped.
@@ -73,7 +74,7 @@ pub const TRACKER_WARMUP: u64 = 4;
 /// factor before it is folded in.
 pub const TRACKER_OUTLIER_FACTOR: f64 = 4.0;
 
-/// What [`LaneTracker::observe`] did with a transfer.
+/// What [`LinkTracker::observe`] did with a transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Observed {
     /// Folded in as measured.
@@ -92,7 +93,7 @@ impl Observed {
     }
 }
 
-/// Online estimate of a lane from observed transfers: an exponentially weighted least-squares
+/// Online estimate of a link from observed transfers: an exponentially weighted least-squares
 /// fit of `seconds = latency + bytes / bandwidth`. With transfers of one size only, the
 /// latency stays at its last estimate and the bandwidth absorbs the rest.
 ///
@@ -102,20 +103,20 @@ impl Observed {
 /// pulls it over within a few dozen transfers (each one moves the prediction, and with it the
 /// bound).
 #[derive(Debug, Clone)]
-pub struct LaneTracker {
+pub struct LinkTracker {
     alpha: f64,
     samples: u64,
     mx: f64,
     my: f64,
     mxx: f64,
     mxy: f64,
-    estimate: Lane,
+    estimate: Link,
 }
 
-impl LaneTracker {
+impl LinkTracker {
     /// `prior` is used until the first observation; `alpha` in (0, 1] is the weight of each
     /// new observation.
-    pub fn new(prior: Lane, alpha: f64) -> Result<Self, NvmeError> {
+    pub fn new(prior: Link, alpha: f64) -> Result<Self, NvmeError> {
         prior.validate()?;
         if !(alpha > 0.0 && alpha <= 1.0) {
             return Err(NvmeError::invalid(format!(
@@ -133,7 +134,7 @@ impl LaneTracker {
         })
     }
 
-    pub fn estimate(&self) -> Lane {
+    pub fn estimate(&self) -> Link {
         self.estimate
     }
 
@@ -145,7 +146,7 @@ impl LaneTracker {
     /// weighted mean of the seconds (None before the first observation). Unlike the fitted
     /// bandwidth, which extrapolates to infinitely large transfers and is ill-conditioned when
     /// the transfers are of similar size (then noise can put almost all of the time into the
-    /// latency and leave a near-infinite bandwidth), this is what the lane delivers for the
+    /// latency and leave a near-infinite bandwidth), this is what the link delivers for the
     /// transfers it actually gets: the right weight for striping.
     pub fn throughput(&self) -> Option<f64> {
         (self.samples > 0 && self.my > 0.0).then(|| self.mx / self.my)
@@ -190,7 +191,7 @@ impl LaneTracker {
             lat = 0.0;
             slope = self.my / self.mx;
         }
-        self.estimate = Lane {
+        self.estimate = Link {
             bandwidth_bytes_per_s: 1.0 / slope,
             latency_s: lat,
         };
@@ -198,20 +199,20 @@ impl LaneTracker {
     }
 }
 
-/// Cuts a sequence of reads, given as (lane, bytes) in the order they must be delivered, into
+/// Cuts a sequence of reads, given as (link, bytes) in the order they must be delivered, into
 /// consecutive batches: each is the longest run of reads whose predicted makespan over the
-/// lanes (per lane `latency + bytes / bandwidth`, the lanes working in parallel) stays within
-/// `target_s`, with at most `max_reads` reads and at least one. Fast lanes thus take more of
-/// each batch than slow ones, and every batch keeps each lane busy for about the same time
+/// links (per link `latency + bytes / bandwidth`, the links working in parallel) stays within
+/// `target_s`, with at most `max_reads` reads and at least one. Fast links thus take more of
+/// each batch than slow ones, and every batch keeps each link busy for about the same time
 /// (as far as the placement of the reads allows), bounded, so a bulk restore never holds more
 /// than about `target_s` worth of buffers at the tracked rates.
 pub fn split_batches(
-    lanes: &[Lane],
+    links: &[Link],
     reads: &[(usize, u64)],
     target_s: f64,
     max_reads: usize,
 ) -> Result<Vec<std::ops::Range<usize>>, NvmeError> {
-    validate(lanes)?;
+    validate(links)?;
     if !(target_s.is_finite() && target_s > 0.0) {
         return Err(NvmeError::invalid(format!(
             "batch target {target_s} s must be positive and finite"
@@ -220,28 +221,28 @@ pub fn split_batches(
     if max_reads == 0 {
         return Err(NvmeError::invalid("a batch must allow at least one read"));
     }
-    if let Some((i, &(bad, _))) = reads.iter().enumerate().find(|(_, r)| r.0 >= lanes.len()) {
+    if let Some((i, &(bad, _))) = reads.iter().enumerate().find(|(_, r)| r.0 >= links.len()) {
         return Err(NvmeError::invalid(format!(
-            "read {i} names lane {bad}, but there are {} lanes",
-            lanes.len()
+            "read {i} names link {bad}, but there are {} links",
+            links.len()
         )));
     }
     let mut out = Vec::new();
-    let mut lane_bytes = vec![0u64; lanes.len()];
+    let mut link_bytes = vec![0u64; links.len()];
     let mut start = 0;
     // Only a batch's first read can take it past the target (it goes regardless).
     let mut over = false;
-    for (i, &(lane, bytes)) in reads.iter().enumerate() {
+    for (i, &(link, bytes)) in reads.iter().enumerate() {
         let n = i - start;
         if n > 0
-            && (n == max_reads || over || lanes[lane].time(lane_bytes[lane] + bytes) > target_s)
+            && (n == max_reads || over || links[link].time(link_bytes[link] + bytes) > target_s)
         {
             out.push(start..i);
             start = i;
-            lane_bytes.fill(0);
+            link_bytes.fill(0);
         }
-        lane_bytes[lane] += bytes;
-        over = lanes[lane].time(lane_bytes[lane]) > target_s;
+        link_bytes[link] += bytes;
+        over = links[link].time(link_bytes[link]) > target_s;
     }
     if start < reads.len() {
         out.push(start..reads.len());
@@ -281,7 +282,7 @@ pub fn probe_device(
     file: &Arc<DirectFile>,
     span: u64,
     cfg: ProbeConfig,
-) -> Result<Lane, NvmeError> {
+) -> Result<Link, NvmeError> {
     let align = file.align();
     if cfg.latency_reads == 0 || cfg.depth == 0 || cfg.batches == 0 {
         return Err(NvmeError::invalid("probe counts must be positive"));
@@ -319,7 +320,7 @@ pub fn probe_device(
     lat.sort_by(f64::total_cmp);
     let latency_s = lat[lat.len() / 2];
     // One set of buffers, touched before the clock starts and reused by every batch: fresh
-    // buffers per batch made the probe measure page faults (a tmpfs lane probed at the disk's
+    // buffers per batch made the probe measure page faults (a tmpfs link probed at the disk's
     // 1.5 GB/s on a 16-core host).
     let mut pool = (0..cfg.depth)
         .map(|_| {
@@ -344,7 +345,7 @@ pub fn probe_device(
     let secs = t.elapsed().as_secs_f64();
     // Per batch the latency is paid once; the rest is streaming time.
     let stream = (secs - latency_s * cfg.batches as f64).max(secs * 0.5);
-    Lane::new(bytes as f64 / stream, latency_s)
+    Link::new(bytes as f64 / stream, latency_s)
 }
 
 /// Probes the device behind `path` as [`probe_device`] does, over bytes that are really on it.
@@ -354,7 +355,7 @@ pub fn probe_device(
 /// way), and the device file's own pages may be anything. So a scratch file beside it
 /// (`<path>.probe`, as large as the probe reads) is written with real bytes through `engine`,
 /// synced, probed, and removed whatever the outcome.
-pub fn probe_path(engine: &dyn IoEngine, path: &Path, cfg: ProbeConfig) -> Result<Lane, NvmeError> {
+pub fn probe_path(engine: &dyn IoEngine, path: &Path, cfg: ProbeConfig) -> Result<Link, NvmeError> {
     {
         let dev = DirectFile::open(path)?;
         if dev.is_block_device() {
@@ -373,7 +374,7 @@ fn probe_scratch(
     engine: &dyn IoEngine,
     scratch: &Path,
     cfg: ProbeConfig,
-) -> Result<Lane, NvmeError> {
+) -> Result<Link, NvmeError> {
     let file = Arc::new(DirectFile::open(scratch)?);
     let span = (cfg.block_bytes * cfg.depth * cfg.batches.max(1)) as u64;
     file.ensure_len(span)?;

@@ -1,10 +1,10 @@
-//! Lanes: the online tracker, batch splitting by tracked rates and the device probe.
+//! Links: the online tracker, batch splitting by tracked rates and the device probe.
 
 use std::sync::Arc;
 
 use kvtier_storage::nvme::io::UringConfig;
-use kvtier_storage::nvme::plan::{
-    probe_device, probe_path, split_batches, Lane, LaneTracker, Observed, ProbeConfig,
+use kvtier_storage::nvme::link::{
+    probe_device, probe_path, split_batches, Link, LinkTracker, Observed, ProbeConfig,
     TRACKER_OUTLIER_FACTOR, TRACKER_WARMUP,
 };
 use kvtier_storage::nvme::{open_best_engine, AlignedBuf, DirectFile, IoRequest, NvmeError};
@@ -13,12 +13,12 @@ use proptest::prelude::*;
 const GB: f64 = 1e9;
 const KIB: u64 = 1024;
 
-fn lane(gbps: f64, lat_us: f64) -> Lane {
-    Lane::new(gbps * GB, lat_us * 1e-6).unwrap()
+fn link(gbps: f64, lat_us: f64) -> Link {
+    Link::new(gbps * GB, lat_us * 1e-6).unwrap()
 }
 
 #[test]
-fn bad_lanes_are_typed() {
+fn bad_links_are_typed() {
     for (name, bw, lat) in [
         ("zero bandwidth", 0.0, 0.0),
         ("negative latency", 1.0, -1.0),
@@ -26,7 +26,7 @@ fn bad_lanes_are_typed() {
         ("infinite latency", 1.0, f64::INFINITY),
     ] {
         assert!(
-            matches!(Lane::new(bw, lat), Err(NvmeError::InvalidArgument { .. })),
+            matches!(Link::new(bw, lat), Err(NvmeError::InvalidArgument { .. })),
             "{name}"
         );
     }
@@ -36,7 +36,7 @@ fn bad_lanes_are_typed() {
     ));
 }
 
-/// A tracker decision-table row: a prior, the device's true lane, the transfer sizes fed (in
+/// A tracker decision-table row: a prior, the device's true link, the transfer sizes fed (in
 /// rotation), and how close the estimate must be after `n` transfers.
 struct TrackCase {
     name: &'static str,
@@ -106,9 +106,9 @@ const TRACK_CASES: &[TrackCase] = &[
 #[test]
 fn tracker_decision_table_converges() {
     for c in TRACK_CASES {
-        let prior = lane(c.prior.0, c.prior.1);
-        let truth = lane(c.truth.0, c.truth.1);
-        let mut t = LaneTracker::new(prior, c.alpha).unwrap();
+        let prior = link(c.prior.0, c.prior.1);
+        let truth = link(c.truth.0, c.truth.1);
+        let mut t = LinkTracker::new(prior, c.alpha).unwrap();
         assert_eq!(t.estimate(), prior, "{}: prior before data", c.name);
         for i in 0..c.n {
             let b = c.sizes[i % c.sizes.len()];
@@ -132,10 +132,10 @@ fn tracker_decision_table_converges() {
 /// Transfers of nearly one size with a little timing noise: the least-squares fit puts almost
 /// all of the time into the latency and reads a near-infinite bandwidth (a decode step's
 /// batches look like this). The throughput, mean bytes over mean seconds, stays the rate the
-/// lane delivers at those sizes, which is what stripe weights need.
+/// link delivers at those sizes, which is what stripe weights need.
 #[test]
 fn tracker_throughput_is_the_rate_at_the_observed_sizes_when_the_fit_is_ill_conditioned() {
-    let mut t = LaneTracker::new(lane(1.0, 0.0), 0.1).unwrap();
+    let mut t = LinkTracker::new(link(1.0, 0.0), 0.1).unwrap();
     for i in 0..200 {
         // 1.00 or 1.01 MB; 1.0000 or 1.0001 ms: ~1 GB/s, with the size and time barely related.
         let (b, s) = if i % 2 == 0 {
@@ -152,21 +152,21 @@ fn tracker_throughput_is_the_rate_at_the_observed_sizes_when_the_fit_is_ill_cond
     );
     let tp = t.throughput().unwrap();
     assert!((tp / 1.005e9 - 1.0).abs() < 0.01, "throughput {tp}");
-    // Where the fit is well conditioned, the throughput is the true lane's rate at a size
+    // Where the fit is well conditioned, the throughput is the true link's rate at a size
     // within the observed ones (an EWMA of them).
-    let truth = lane(2e9, 50e-6);
+    let truth = link(2e9, 50e-6);
     let tp = settled(truth).throughput().unwrap();
     let rate = |b: u64| b as f64 / truth.time(b);
     assert!(rate(64 * KIB) < tp && tp < rate(1024 * KIB), "{tp}");
     assert_eq!(
-        LaneTracker::new(lane(1.0, 0.0), 0.1).unwrap().throughput(),
+        LinkTracker::new(link(1.0, 0.0), 0.1).unwrap().throughput(),
         None
     );
 }
 
 /// A tracker settled on `truth` with mixed sizes.
-fn settled(truth: Lane) -> LaneTracker {
-    let mut t = LaneTracker::new(lane(1.0, 0.0), 0.1).unwrap();
+fn settled(truth: Link) -> LinkTracker {
+    let mut t = LinkTracker::new(link(1.0, 0.0), 0.1).unwrap();
     let sizes = [64 * KIB, 256 * KIB, 1024 * KIB];
     for i in 0..300 {
         let b = sizes[i % 3];
@@ -180,8 +180,8 @@ fn tracker_follows_a_lasting_change() {
     let sizes = [64 * KIB, 256 * KIB, 1024 * KIB];
     // 2 GB/s -> 1 GB/s (within the outlier bound) and 2 GB/s -> 0.1 GB/s (each transfer
     // 20x slower than predicted at first, so clamped until the estimate catches up).
-    for (after, within) in [(lane(1.0, 100.0), 100), (lane(0.1, 100.0), 150)] {
-        let mut t = settled(lane(2.0, 100.0));
+    for (after, within) in [(link(1.0, 100.0), 100), (link(0.1, 100.0), 150)] {
+        let mut t = settled(link(2.0, 100.0));
         for i in 0..within {
             let b = sizes[i % 3];
             t.observe(b, after.time(b));
@@ -196,7 +196,7 @@ fn tracker_follows_a_lasting_change() {
 
 #[test]
 fn tracker_clamps_outliers() {
-    let truth = lane(2.0, 100.0);
+    let truth = link(2.0, 100.0);
     let b = 256 * KIB;
     // A 1000x stall: clamped, and the estimate moves by a bounded step.
     let mut t = settled(truth);
@@ -206,7 +206,7 @@ fn tracker_clamps_outliers() {
     assert!(drop < 0.35, "one stall cut the estimate by {drop}: {e:?}");
     // What the clamp prevents: the same stall folded in as measured (as a first transfer
     // is) wrecks the estimate.
-    let mut raw = LaneTracker::new(truth, 0.1).unwrap();
+    let mut raw = LinkTracker::new(truth, 0.1).unwrap();
     raw.observe(b, truth.time(b) * 1000.0);
     assert!(raw.estimate().bandwidth_bytes_per_s < 0.01 * truth.bandwidth_bytes_per_s);
     // A few normal transfers put it back.
@@ -232,7 +232,7 @@ fn tracker_clamps_outliers() {
         Observed::Folded
     );
     // Before warm-up nothing is an outlier: the first transfers define the estimate.
-    let mut t = LaneTracker::new(lane(1.0, 0.0), 0.1).unwrap();
+    let mut t = LinkTracker::new(link(1.0, 0.0), 0.1).unwrap();
     for i in 0..TRACKER_WARMUP {
         let secs = if i % 2 == 0 { 1e-3 } else { 1.0 };
         assert_eq!(t.observe(b, secs), Observed::Folded);
@@ -241,7 +241,7 @@ fn tracker_clamps_outliers() {
 
 #[test]
 fn tracker_ignores_zero_and_nonsense_durations() {
-    let truth = lane(2.0, 100.0);
+    let truth = link(2.0, 100.0);
     let mut t = settled(truth);
     let (before, n) = (t.estimate(), t.samples());
     for (bytes, secs) in [
@@ -260,21 +260,21 @@ fn tracker_ignores_zero_and_nonsense_durations() {
     }
     assert_eq!((t.estimate(), t.samples()), (before, n), "nothing moved");
     // A fresh tracker given only nonsense keeps its prior.
-    let mut t = LaneTracker::new(lane(1.0, 5.0), 0.5).unwrap();
+    let mut t = LinkTracker::new(link(1.0, 5.0), 0.5).unwrap();
     t.observe(4096, 0.0);
-    assert_eq!((t.estimate(), t.samples()), (lane(1.0, 5.0), 0));
-    assert!(LaneTracker::new(lane(1.0, 0.0), 0.0).is_err());
-    assert!(LaneTracker::new(lane(1.0, 0.0), 1.5).is_err());
-    assert!(LaneTracker::new(lane(1.0, 0.0), f64::NAN).is_err());
+    assert_eq!((t.estimate(), t.samples()), (link(1.0, 5.0), 0));
+    assert!(LinkTracker::new(link(1.0, 0.0), 0.0).is_err());
+    assert!(LinkTracker::new(link(1.0, 0.0), 1.5).is_err());
+    assert!(LinkTracker::new(link(1.0, 0.0), f64::NAN).is_err());
 }
 
 const MB: u64 = 1_000_000;
 
-/// A batch-split decision-table row: lanes (GB/s, latency us), reads as lane indices (each
+/// A batch-split decision-table row: links (GB/s, latency us), reads as link indices (each
 /// `MB` bytes), target ms, cap, and the expected batch lengths.
 struct SplitCase {
     name: &'static str,
-    lanes: &'static [(f64, f64)],
+    links: &'static [(f64, f64)],
     reads: &'static [usize],
     target_ms: f64,
     max_reads: usize,
@@ -284,16 +284,16 @@ struct SplitCase {
 const SPLIT_CASES: &[SplitCase] = &[
     SplitCase {
         name:
-            "1:3 lanes, pages striped 1:3: each batch takes 2 from the slow lane, 6 from the fast",
-        lanes: &[(1.0, 0.0), (3.0, 0.0)],
+            "1:3 links, pages striped 1:3: each batch takes 2 from the slow link, 6 from the fast",
+        links: &[(1.0, 0.0), (3.0, 0.0)],
         reads: &[0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 0],
         target_ms: 2.0,
         max_reads: 100,
         batches: &[8, 8, 1],
     },
     SplitCase {
-        name: "the same pages at equal rates: at most 2 MB per lane per batch",
-        lanes: &[(1.0, 0.0), (1.0, 0.0)],
+        name: "the same pages at equal rates: at most 2 MB per link per batch",
+        links: &[(1.0, 0.0), (1.0, 0.0)],
         reads: &[0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 0],
         target_ms: 2.0,
         max_reads: 100,
@@ -301,7 +301,7 @@ const SPLIT_CASES: &[SplitCase] = &[
     },
     SplitCase {
         name: "the cap bounds a batch the rates would allow",
-        lanes: &[(100.0, 0.0)],
+        links: &[(100.0, 0.0)],
         reads: &[0, 0, 0, 0, 0, 0, 0],
         target_ms: 1000.0,
         max_reads: 3,
@@ -309,7 +309,7 @@ const SPLIT_CASES: &[SplitCase] = &[
     },
     SplitCase {
         name: "latency counts: a read that cannot fit the target alone still goes, alone",
-        lanes: &[(1.0, 1500.0)],
+        links: &[(1.0, 1500.0)],
         reads: &[0, 0, 0],
         target_ms: 2.0,
         max_reads: 100,
@@ -317,15 +317,15 @@ const SPLIT_CASES: &[SplitCase] = &[
     },
     SplitCase {
         name: "a read past the target alone closes its batch at once",
-        lanes: &[(0.25, 0.0), (10.0, 0.0)],
+        links: &[(0.25, 0.0), (10.0, 0.0)],
         reads: &[0, 1, 1, 0],
         target_ms: 2.0,
         max_reads: 100,
         batches: &[1, 2, 1],
     },
     SplitCase {
-        name: "a lane that is idle in a batch costs nothing",
-        lanes: &[(0.001, 0.0), (10.0, 0.0)],
+        name: "a link that is idle in a batch costs nothing",
+        links: &[(0.001, 0.0), (10.0, 0.0)],
         reads: &[1, 1, 1, 1, 1],
         target_ms: 1.0,
         max_reads: 100,
@@ -333,7 +333,7 @@ const SPLIT_CASES: &[SplitCase] = &[
     },
     SplitCase {
         name: "no reads: no batches",
-        lanes: &[(1.0, 0.0)],
+        links: &[(1.0, 0.0)],
         reads: &[],
         target_ms: 1.0,
         max_reads: 1,
@@ -344,9 +344,9 @@ const SPLIT_CASES: &[SplitCase] = &[
 #[test]
 fn split_batches_decision_table() {
     for c in SPLIT_CASES {
-        let lanes: Vec<Lane> = c.lanes.iter().map(|&(g, l)| lane(g, l)).collect();
+        let links: Vec<Link> = c.links.iter().map(|&(g, l)| link(g, l)).collect();
         let reads: Vec<(usize, u64)> = c.reads.iter().map(|&l| (l, MB)).collect();
-        let got = split_batches(&lanes, &reads, c.target_ms * 1e-3, c.max_reads).unwrap();
+        let got = split_batches(&links, &reads, c.target_ms * 1e-3, c.max_reads).unwrap();
         let lens: Vec<usize> = got.iter().map(|r| r.len()).collect();
         assert_eq!(lens, c.batches, "{}", c.name);
     }
@@ -354,18 +354,18 @@ fn split_batches_decision_table() {
 
 #[test]
 fn split_batches_rejects_bad_input() {
-    let ok = [lane(1.0, 0.0)];
+    let ok = [link(1.0, 0.0)];
     let r = [(0usize, MB)];
-    for (name, lanes, reads, target, max) in [
-        ("no lanes", &[][..], &r[..], 1.0, 1),
-        ("lane out of range", &ok[..], &[(1usize, MB)][..], 1.0, 1),
+    for (name, links, reads, target, max) in [
+        ("no links", &[][..], &r[..], 1.0, 1),
+        ("link out of range", &ok[..], &[(1usize, MB)][..], 1.0, 1),
         ("zero target", &ok[..], &r[..], 0.0, 1),
         ("NaN target", &ok[..], &r[..], f64::NAN, 1),
         ("zero cap", &ok[..], &r[..], 1.0, 0),
     ] {
         assert!(
             matches!(
-                split_batches(lanes, reads, target, max),
+                split_batches(links, reads, target, max),
                 Err(NvmeError::InvalidArgument { .. })
             ),
             "{name}"
@@ -478,27 +478,27 @@ proptest! {
 
     #[test]
     fn split_batches_cover_in_order_and_are_maximal(
-        (lanes, reads, target_ms, max) in (1usize..5).prop_flat_map(|nl| (
+        (links, reads, target_ms, max) in (1usize..5).prop_flat_map(|nl| (
             prop::collection::vec((0.1f64..20.0, 0.0f64..300.0), nl)
-                .prop_map(|v| v.into_iter().map(|(g, l)| lane(g, l)).collect::<Vec<_>>()),
+                .prop_map(|v| v.into_iter().map(|(g, l)| link(g, l)).collect::<Vec<_>>()),
             prop::collection::vec((0..nl, 1u64..(4 << 20)), 0..200),
             0.01f64..20.0,
             1usize..80,
         ))
     ) {
         let target = target_ms * 1e-3;
-        let got = split_batches(&lanes, &reads, target, max).unwrap();
+        let got = split_batches(&links, &reads, target, max).unwrap();
         let mut next = 0;
         for r in &got {
             prop_assert_eq!(r.start, next, "contiguous, in order");
             prop_assert!(!r.is_empty() && r.len() <= max);
             next = r.end;
             let makespan = |r: std::ops::Range<usize>| {
-                let mut by = vec![0u64; lanes.len()];
+                let mut by = vec![0u64; links.len()];
                 for &(l, b) in &reads[r] {
                     by[l] += b;
                 }
-                lanes.iter().zip(&by).map(|(l, &b)| l.time(b)).fold(0.0, f64::max)
+                links.iter().zip(&by).map(|(l, &b)| l.time(b)).fold(0.0, f64::max)
             };
             // Within the target unless it is a single read.
             prop_assert!(r.len() == 1 || makespan(r.clone()) <= target);

@@ -1,4 +1,4 @@
-//! Per-device timing: each batch's operations folded into the devices' lane trackers, the
+//! Per-device timing: each batch's operations folded into the devices' link trackers, the
 //! stripe weights they give, and the store's usage report.
 
 use std::path::PathBuf;
@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use super::{PageStore, STRIPE_MIN_SAMPLES};
 use crate::nvme::io::{IoCompletion, OpKind};
-use crate::nvme::plan::{Lane, LaneTracker};
+use crate::nvme::link::{Link, LinkTracker};
 
 /// Usage of one device.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,12 +28,12 @@ pub struct DeviceUsage {
     /// [`STRIPE_MIN_SAMPLES`] timed reads, else the configured bandwidth.
     pub bandwidth_bytes_per_s: f64,
     /// Online estimate from this device's timed page reads (None before the first).
-    pub read_lane: Option<Lane>,
-    /// Tracked read rate at the typical transfer ([`LaneTracker::throughput`]).
+    pub read_link: Option<Link>,
+    /// Tracked read rate at the typical transfer ([`LinkTracker::throughput`]).
     pub read_throughput: Option<f64>,
     pub read_samples: u64,
     /// Online estimate from this device's timed page writes (None before the first).
-    pub write_lane: Option<Lane>,
+    pub write_link: Option<Link>,
     pub write_samples: u64,
 }
 
@@ -52,7 +52,7 @@ pub struct StoreUsage {
     pub io_errors: u64,
 }
 
-/// What the lane trackers need of one finished operation (its buffer is already recycled).
+/// What the link trackers need of one finished operation (its buffer is already recycled).
 pub(super) struct OpTiming {
     device: u16,
     bytes: u64,
@@ -73,7 +73,7 @@ impl OpTiming {
     }
 }
 
-fn measured(t: &LaneTracker) -> Option<Lane> {
+fn measured(t: &LinkTracker) -> Option<Link> {
     (t.samples() > 0).then(|| t.estimate())
 }
 
@@ -104,7 +104,7 @@ impl PageStore {
     /// [`STRIPE_MIN_SAMPLES`] timed reads (so measured and configured figures, which may be
     /// in different units, are never mixed), else the configured bandwidth. Throughput, not
     /// the fitted bandwidth: decode-step batches are of similar sizes, where the fit can give
-    /// a lane a near-infinite bandwidth and all but every new page.
+    /// a link a near-infinite bandwidth and all but every new page.
     pub fn stripe_weights(&self) -> Vec<f64> {
         let tracked: Option<Vec<f64>> = self
             .devices
@@ -119,8 +119,8 @@ impl PageStore {
         tracked.unwrap_or_else(|| self.devices.iter().map(|d| d.bandwidth).collect())
     }
 
-    /// Every device's tracked read lane, when each has at least one timed read.
-    pub fn read_lanes(&self) -> Option<Vec<Lane>> {
+    /// Every device's tracked read link, when each has at least one timed read.
+    pub fn read_links(&self) -> Option<Vec<Link>> {
         self.devices
             .iter()
             .map(|d| measured(&d.read.lock()))
@@ -173,10 +173,10 @@ impl PageStore {
                         bytes_used: used * self.unit as u64,
                         free_ranges: ranges,
                         bandwidth_bytes_per_s: weight,
-                        read_lane: measured(&read),
+                        read_link: measured(&read),
                         read_throughput: read.throughput(),
                         read_samples: read.samples(),
-                        write_lane: measured(&write),
+                        write_link: measured(&write),
                         write_samples: write.samples(),
                     }
                 })
