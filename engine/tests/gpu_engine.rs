@@ -15,7 +15,7 @@ use kvtier_tests::{bins, Tierd};
 /// 3 layers.
 const GEO: Geometry = Geometry::new(3, 28, 4, 128, DType::Bf16, 128);
 
-/// The configuration tierd's CUDA decoder gives such sessions by default (gpu/decoder.rs,
+/// The configuration tierd's CUDA decoder gives such sessions by default (gpu/decoder/,
 /// backend.cuda defaults: 8 sessions of up to 8192 blocks).
 fn daemon_like_config() -> CudaConfig {
     CudaConfig::new(GEO, policy(), 8192, 8, SummaryDtype::F32)

@@ -26,6 +26,7 @@ use super::pinned::PinnedRegion;
 mod dense;
 pub use dense::{DenseKv, DeviceKv};
 mod device;
+mod enqueue;
 pub use device::{DeviceIo, DeviceTail};
 mod launch;
 mod sessions;
