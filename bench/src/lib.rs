@@ -1,5 +1,7 @@
 //! Shared helpers of the kvtier benchmark binaries.
 
+pub mod daemon;
+
 use std::time::Duration;
 
 use kvtier_kernels::{decode_layer_timed, DecodeEntry, StageTimings, StepStats};

@@ -7,10 +7,10 @@
 //! Two sessions hold the same KV: one with the sparse policy (sink 1, local 4, top-32), one
 //! dense (every block). Each step sends the same query and new token to both, all layers.
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use kvtier_bench::daemon::Daemon;
 use kvtier_bench::{cpu_description, each_flag, fill_bf16};
 use kvtier_protocol::client::Client;
 use kvtier_protocol::{DType, DecodeEntryRef, Geometry, Policy};
@@ -57,48 +57,16 @@ block was kept, and how far the sparse output is from the dense one.
     a
 }
 
-/// tierd as a child process on a private socket; killed if the demo panics.
-struct Daemon(Child, PathBuf, #[allow(dead_code)] tempfile::TempDir);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        // SAFETY: kill has no memory-safety preconditions; the pid is our child.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
-        let _ = self.0.wait();
-    }
-}
-
-fn start_tierd(path: PathBuf) -> Daemon {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let socket = dir.path().join("tierd.sock");
+fn start_tierd(path: &Path) -> Daemon {
     // Embedded defaults: only the socket and the NVMe state directory are private, so the demo
     // never meets a system tierd or its sessions.
-    let child = Command::new(&path)
-        .arg("--socket")
-        .arg(&socket)
-        .arg("--set")
-        .arg(format!(
+    Daemon::spawn(path, "kvtier-demo-", |cmd, dir| {
+        cmd.arg("--set").arg(format!(
             "nvme.dir={:?}",
-            dir.path().join("state").to_str().unwrap()
-        ))
-        .args(["--log-level", "warn"])
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| {
-            panic!(
-                "starting {}: {e} (build it: cargo build --release -p tierd)",
-                path.display()
-            )
-        });
-    let t0 = Instant::now();
-    while Client::connect(&socket).is_err() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "tierd did not start"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Daemon(child, socket, dir)
+            dir.join("state").to_str().unwrap()
+        ));
+    })
+    .unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn main() {
@@ -120,8 +88,8 @@ fn main() {
     );
     println!("geometry: {} layers, 28 query / 4 KV heads, D=128, bf16, 128-token blocks (Qwen2.5-7B attention)", g.layers);
     println!("machine: {}", cpu_description());
-    let daemon = start_tierd(tierd);
-    let mut c = Client::connect(&daemon.1).expect("connect");
+    let daemon = start_tierd(&tierd);
+    let mut c = Client::connect(daemon.socket()).expect("connect");
     println!(
         "connected: {} {}",
         c.server().server_name,

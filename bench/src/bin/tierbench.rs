@@ -18,12 +18,12 @@
 use std::ffi::OsString;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
 use std::sync::Barrier;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
+use kvtier_bench::daemon::{find_tierd, BoxError, Daemon};
 use kvtier_bench::{cpu_description, fill_bf16, percentile};
 use kvtier_protocol::client::{default_socket_path, Client};
 use kvtier_protocol::{
@@ -31,8 +31,6 @@ use kvtier_protocol::{
 };
 use kvtier_storage::testing::Rng;
 use serde::Serialize;
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -161,80 +159,6 @@ struct Report {
     max_seconds: f64,
     cells: Vec<Cell>,
     rtt: Rtt,
-}
-
-/// A tierd we started; SIGTERM and reap on drop so an early error does not leak it.
-struct Daemon {
-    child: Option<Child>,
-    _dir: tempfile::TempDir,
-}
-
-impl Daemon {
-    fn spawn(bin: &Path, capacity_mib: u64) -> Result<(Self, PathBuf), BoxError> {
-        let dir = tempfile::Builder::new().prefix("tierbench-").tempdir()?;
-        let sock = dir.path().join("tierd.sock");
-        let child = Command::new(bin)
-            .arg("--socket")
-            .arg(&sock)
-            .arg("--host-capacity")
-            .arg(format!("{capacity_mib}MiB"))
-            .args(["--log-level", "warn"])
-            // Host tier only: no page file to preallocate, and no memory-pressure demotion
-            // moving sessions to NVMe in the middle of a cell.
-            .args(["--set", "nvme.enabled=false"])
-            .spawn()
-            .map_err(|e| format!("starting {}: {e}", bin.display()))?;
-        let mut d = Daemon {
-            child: Some(child),
-            _dir: dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while UnixStream::connect(&sock).is_err() {
-            if let Some(st) = d.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
-                // Already reaped: nothing left for Drop to stop.
-                d.child = None;
-                return Err(format!("tierd exited during startup: {st}").into());
-            }
-            if Instant::now() > deadline {
-                return Err("tierd did not open its socket within 20 s".into());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok((d, sock))
-    }
-
-    /// SIGTERM, then wait; returns how it exited.
-    fn stop(&mut self) -> Result<std::process::ExitStatus, BoxError> {
-        let mut child = self.child.take().ok_or("tierd already stopped")?;
-        let pid = libc::pid_t::try_from(child.id())?;
-        // SAFETY: kill has no memory-safety preconditions; `pid` is our own unreaped child,
-        // so the id cannot have been recycled for another process.
-        if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
-            return Err(std::io::Error::last_os_error().into());
-        }
-        Ok(child.wait()?)
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if self.child.is_some() {
-            if let Err(e) = self.stop() {
-                eprintln!("tierbench: stopping tierd: {e}");
-            }
-        }
-    }
-}
-
-fn find_tierd(explicit: Option<&Path>) -> PathBuf {
-    if let Some(p) = explicit {
-        return p.to_owned();
-    }
-    std::env::current_exe()
-        .ok()
-        .and_then(|e| e.parent().map(|d| d.join("tierd")))
-        .filter(|p| p.is_file())
-        .unwrap_or_else(|| PathBuf::from("tierd"))
 }
 
 fn mem_available_bytes() -> Option<u64> {
@@ -581,7 +505,13 @@ fn run(args: Args) -> Result<(), BoxError> {
         // Room for the largest cell plus the RTT session, with slack for rounding.
         let cap_mib = (largest_fitting >> 20) + 64;
         let bin = find_tierd(args.tierd.as_deref());
-        let (d, sock) = Daemon::spawn(&bin, cap_mib)?;
+        let d = Daemon::spawn(&bin, "tierbench-", |cmd, _| {
+            cmd.arg("--host-capacity").arg(format!("{cap_mib}MiB"));
+            // Host tier only: no page file to preallocate, and no memory-pressure demotion
+            // moving sessions to NVMe in the middle of a cell.
+            cmd.args(["--set", "nvme.enabled=false"]);
+        })?;
+        let sock = d.socket().to_owned();
         println!(
             "spawned {} --host-capacity {cap_mib}MiB on {}",
             bin.display(),
