@@ -44,8 +44,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_kernels::cuda::{
-    CUstream, CudaBackend, CudaConfig, CudaError, DecodeItem, DeviceIo, LayerOutput, LayerStats,
-    StepItem, StepOutput, Timing,
+    CUstream, CudaBackend, CudaConfig, CudaError, DecodeItem, DeviceIo, LayerMirror, LayerOutput,
+    LayerStats, StepItem, StepOutput, Timing,
 };
 use kvtier_protocol::client::{Client, ClientError};
 use kvtier_protocol::{Geometry, LeaseLayer, LeaseReply, ReserveReply};
@@ -54,7 +54,7 @@ mod arena;
 mod sync;
 
 use arena::{shared_arena, Mapped};
-use sync::{new_summaries, sync_layer, LayerSync, Part};
+use sync::{new_summaries, sync_layer, Part};
 
 /// New blocks whose bounds a sync computes in one parallel pass (and holds in host memory:
 /// 4 MiB at Qwen2.5-7B's geometry).
@@ -138,7 +138,7 @@ pub type Result<T> = std::result::Result<T, EngineError>;
 #[derive(Debug)]
 struct EngineSession {
     slot: u32,
-    layers: Vec<LayerSync>,
+    layers: Vec<LayerMirror>,
 }
 
 /// Rows an engine appends from its device memory ([`InEngine::append_from_device`]): per layer
@@ -281,7 +281,7 @@ impl InEngine {
             self.free_slots.push(slot);
             return Err(e.into());
         }
-        let layers = vec![LayerSync::default(); cfg.geometry.layers as usize];
+        let layers = vec![LayerMirror::default(); cfg.geometry.layers as usize];
         self.sessions
             .insert(session, EngineSession { slot, layers });
         if let Err(e) = self.sync(session) {
@@ -347,7 +347,7 @@ impl InEngine {
             let mut blocks = 0;
             while end < s.layers.len() && blocks < BOUNDS_GROUP_BLOCKS {
                 let nb = lease.layers[end].offsets.len();
-                blocks += nb - s.layers[end].final_blocks.min(nb);
+                blocks += nb - s.layers[end].final_blocks().min(nb);
                 end += 1;
             }
             let sketches = self.be.config().sketch();
@@ -588,15 +588,15 @@ impl InEngine {
         let end = r.start + u64::from(r.tokens);
         let mut layers = Vec::with_capacity(r.layers.len());
         for (ls, new) in s.layers.iter().zip(&r.layers) {
-            let held = ls.tokens == r.start
-                && ls.offsets.len() == g.blocks_for(r.start) as usize
+            let held = ls.tokens() == r.start
+                && ls.extents().len() == g.blocks_for(r.start) as usize
                 && new.len() == g.blocks_for(end) as usize - keep
                 // A partial block: the reservation continues the held run.
-                && ls.offsets.get(keep).is_none_or(|&o| Some(&o) == new.first());
+                && ls.extents().get(keep).is_none_or(|&o| Some(&o) == new.first());
             if !held {
                 return self.sync(session);
             }
-            let mut offsets = ls.offsets[..keep].to_vec();
+            let mut offsets = ls.extents()[..keep].to_vec();
             offsets.extend_from_slice(new);
             layers.push(LeaseLayer {
                 tokens: end,

@@ -1,8 +1,8 @@
-//! The engine's device state following tierd's block tables: runs mapped, summaries (bounds or
-//! sketches) recomputed from the runs with the daemon's own functions, token counts.
+//! Following tierd's block tables on the device: the summaries (bounds or sketches) of the blocks
+//! that took keys, recomputed from the runs with the daemon's own functions, then each layer's
+//! device mirror (`kvtier_kernels::cuda::LayerMirror`, the daemon's too) brought up to date.
 
-use kvtier_kernels::cuda::CudaBackend;
-use kvtier_kernels::remap::stale_runs;
+use kvtier_kernels::cuda::{CudaBackend, LayerMirror, LayerTarget};
 use kvtier_protocol::lease::ArenaView;
 use kvtier_protocol::{Geometry, LeaseLayer, LeaseReply};
 use kvtier_storage::kv::refold_bounds;
@@ -13,16 +13,6 @@ use crate::{EngineError, Result};
 
 /// Blocks (over all layers) from which a sync recomputes bounds on every core.
 const PARALLEL_BOUNDS_FROM: usize = 64;
-
-/// What the device holds of one session layer.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct LayerSync {
-    pub(crate) tokens: u64,
-    /// Leading blocks whose (final) bounds are on the device.
-    pub(crate) final_blocks: usize,
-    /// Arena offset each block is mapped to.
-    pub(crate) offsets: Vec<u64>,
-}
 
 /// The part of every block run an engine reads: its shard's heads, `geo.block_bytes()` from
 /// `offset`.
@@ -63,7 +53,7 @@ pub(crate) fn new_summaries(
     part: &Part,
     sketches: bool,
     first: usize,
-    held: &[LayerSync],
+    held: &[LayerMirror],
 ) -> Result<Vec<Summaries>> {
     let geo = &part.geo;
     let (at, len) = (part.offset as usize, geo.block_bytes());
@@ -72,7 +62,7 @@ pub(crate) fn new_summaries(
     let mut runs = Vec::new(); // (valid rows, run), in the order of `out`'s blocks
     for (layer, (ls, want)) in (first..).zip(held.iter().zip(&lease.layers[first..])) {
         let nb = want.offsets.len();
-        let from = ls.final_blocks.min(nb);
+        let from = ls.final_blocks().min(nb);
         out.push(if sketches {
             Summaries::Sketches(BlockSketches::new(geo, nb - from))
         } else {
@@ -127,31 +117,21 @@ pub(crate) fn sync_layer(
     part: &Part,
     slot: u32,
     layer: usize,
-    ls: &mut LayerSync,
+    ls: &mut LayerMirror,
     want: &LeaseLayer,
     sums: &Summaries,
 ) -> Result<()> {
-    let l = layer as u32;
-    let geo = &part.geo;
-    for run in stale_runs(&ls.offsets, &want.offsets) {
-        let offsets: Vec<u64> = want.offsets[run.clone()]
-            .iter()
-            .map(|&o| o + part.offset)
-            .collect();
-        be.map_blocks(slot, l, run.start as u32, &offsets)?;
-    }
-    ls.offsets = want.offsets.clone();
-    let bt = geo.block_tokens as u64;
-    let first = ls.final_blocks as u32;
-    match sums {
-        _ if sums.is_empty() => {}
-        Summaries::Bounds(b) => be.upload_summaries(slot, l, first, b)?,
-        Summaries::Sketches(s) => be.upload_sketches(slot, l, first, &s.as_ref())?,
-    }
-    ls.final_blocks = (want.tokens / bt) as usize;
-    if want.tokens != ls.tokens {
-        be.set_tokens(slot, l, want.tokens as u32)?;
-        ls.tokens = want.tokens;
-    }
+    let summaries = match sums {
+        _ if sums.is_empty() => None,
+        Summaries::Bounds(b) => Some(kvtier_kernels::cuda::Summaries::Bounds(b)),
+        Summaries::Sketches(s) => Some(kvtier_kernels::cuda::Summaries::Sketches(s.as_ref())),
+    };
+    let to = LayerTarget {
+        extents: &want.offsets,
+        base: part.offset,
+        tokens: want.tokens,
+        summaries,
+    };
+    ls.sync(be, slot, layer as u32, &to)?;
     Ok(())
 }

@@ -1,6 +1,6 @@
-//! Which blocks a device page table must point somewhere else: shared by tierd's CUDA decoder
-//! and the in-engine library (`kvtier-engine`), which both keep, per session layer, the host
-//! offset each block is mapped to and upload only what changed.
+//! Which blocks a device page table must point somewhere else: the rule of the device mirror
+//! (`cuda::LayerMirror`), which keeps per session layer the host offset each block is mapped to
+//! and uploads only what changed.
 
 use std::ops::Range;
 

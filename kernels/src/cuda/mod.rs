@@ -41,6 +41,7 @@
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod mirror;
 mod module;
 mod params;
 pub mod pinned;
@@ -54,5 +55,6 @@ pub use config::{AttentionMath, CudaConfig, SummaryDtype, MAX_CANDIDATES};
 pub use cudarc::driver::{sys::CUstream, CudaContext};
 pub use error::CudaError;
 pub use kvtier_storage::dtype::bf16_outward;
+pub use mirror::{LayerMirror, LayerTarget, Summaries};
 pub use module::{compile_check, KERNEL_SOURCE};
 pub use pinned::{AnonMapping, PinnedRegion, MAX_REGISTER_CHUNK};

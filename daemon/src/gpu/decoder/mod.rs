@@ -8,8 +8,8 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use kvtier_kernels::cuda::{
-    device_context, CudaBackend, CudaConfig, CudaError, DecodeItem, LaunchMode, PinnedRegion,
-    SummaryDtype,
+    device_context, CudaBackend, CudaConfig, CudaError, DecodeItem, LaunchMode, LayerMirror,
+    LayerTarget, PinnedRegion, Summaries, SummaryDtype,
 };
 use kvtier_kernels::select::KeepSet;
 use kvtier_kernels::{Appended, Attended, Backend, DecodeEntry, KernelError};
@@ -17,30 +17,17 @@ use kvtier_storage::{Extent, Geometry, HostArena, KvCache, LayerView, Policy};
 
 pub use kvtier_kernels::cuda::device_available;
 
-use kvtier_kernels::remap::stale_runs;
-
 use super::{device_extents, GpuError, GpuSettings};
 use crate::config::LaunchSetting;
 
 mod step;
-
-/// Device-side bookkeeping of one session layer.
-#[derive(Debug, Clone, Default)]
-struct LayerSync {
-    /// Token count the device has.
-    tokens: u64,
-    /// Leading blocks whose (full, final) summaries are on the device.
-    final_blocks: usize,
-    /// Arena offset of the extent each block is mapped to on the device.
-    extents: Vec<u64>,
-}
 
 struct GpuSession {
     backend: usize,
     slot: u32,
     geometry: Geometry,
     policy: Policy,
-    layers: Vec<LayerSync>,
+    layers: Vec<LayerMirror>,
 }
 
 struct DeviceBackend {
@@ -379,7 +366,7 @@ impl Lane {
                 slot,
                 geometry: *geo,
                 policy: *policy,
-                layers: vec![LayerSync::default(); geo.layers as usize],
+                layers: vec![LayerMirror::default(); geo.layers as usize],
             },
         );
         Ok(())
@@ -582,7 +569,7 @@ fn device_calls(layers: &[LayerGroup], max_batch: usize) -> Vec<Vec<(u32, &[usiz
 /// Closes and reopens the session's slot (clearing its tile cache) and forgets its layers.
 fn reset(be: &mut CudaBackend, s: &mut GpuSession) -> Result<(), GpuError> {
     for l in &mut s.layers {
-        *l = LayerSync::default();
+        *l = LayerMirror::default();
     }
     be.close_session(s.slot)?;
     be.open_session(s.slot)?;
@@ -599,37 +586,29 @@ fn sync_layer(
     layer: u32,
     view: &LayerView<'_>,
 ) -> Result<(), GpuError> {
-    if view.tokens() < s.layers[layer as usize].tokens {
+    if view.tokens() < s.layers[layer as usize].tokens() {
         // Truncated behind our back: start over for the whole session.
         reset(be, s)?;
     }
-    let geo = view.geometry();
-    let ls = &mut s.layers[layer as usize];
-    let nb = view.blocks();
-    let want = device_extents(view, zero);
-    for run in stale_runs(&ls.extents, &want) {
-        be.map_blocks(s.slot, layer, run.start as u32, &want[run.clone()])?;
-        ls.extents.resize(ls.extents.len().max(run.end), u64::MAX);
-        ls.extents[run.clone()].copy_from_slice(&want[run]);
-    }
-    let spb = geo.summary_floats_per_block();
-    if ls.final_blocks < nb {
-        let first = ls.final_blocks as u32;
-        if let Some(sketches) = view
-            .sketch_blocks(ls.final_blocks..nb)
+    let (nb, from) = (view.blocks(), s.layers[layer as usize].final_blocks());
+    let spb = view.geometry().summary_floats_per_block();
+    let summaries = (from < nb).then(|| {
+        match view
+            .sketch_blocks(from..nb)
             .filter(|_| s.policy.selector.needs_sketches())
         {
-            be.upload_sketches(s.slot, layer, first, &sketches)?;
-        } else {
-            let sums = &view.summaries()[ls.final_blocks * spb..nb * spb];
-            be.upload_summaries(s.slot, layer, first, sums)?;
+            Some(sketches) => Summaries::Sketches(sketches),
+            None => Summaries::Bounds(&view.summaries()[from * spb..nb * spb]),
         }
-    }
-    ls.final_blocks = (view.tokens() / geo.block_tokens as u64) as usize;
-    if view.tokens() != ls.tokens {
-        be.set_tokens(s.slot, layer, view.tokens() as u32)?;
-        ls.tokens = view.tokens();
-    }
+    });
+    let extents = device_extents(view, zero);
+    let to = LayerTarget {
+        extents: &extents,
+        base: 0,
+        tokens: view.tokens(),
+        summaries,
+    };
+    s.layers[layer as usize].sync(be, s.slot, layer, &to)?;
     Ok(())
 }
 
