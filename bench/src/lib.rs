@@ -4,7 +4,7 @@ pub mod daemon;
 
 use std::time::Duration;
 
-use kvtier_kernels::{decode_layer_timed, DecodeEntry, StageTimings, StepStats};
+use kvtier_kernels::{decode_cpu_timed, DecodeEntry, StageTimings, StepStats};
 use kvtier_storage::testing::Rng;
 use kvtier_storage::{ColdSource, KvCache, Policy};
 
@@ -121,7 +121,7 @@ pub fn decode_step_timed(
                 cold,
             };
             let mut t = StageTimings::default();
-            let st = decode_layer_timed(&mut [entry], &mut out, &mut t)
+            let st = decode_cpu_timed(&mut [entry], &mut out, &mut t)
                 .expect("decode")
                 .remove(0);
             sum.append_ns += t.append_ns;

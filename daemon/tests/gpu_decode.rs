@@ -1,5 +1,5 @@
 //! The one decode step (`kvtier_kernels::decode_step`) on the GpuDecoder against the same step
-//! on the CPU (`kvtier_kernels::decode_layer`): the same sessions,
+//! on the CPU (`kvtier_kernels::decode_cpu`): the same sessions,
 //! appended and decoded through both, select identical keep-sets and give outputs within
 //! 2e-3 relative error — also when the GPU copy's blocks are mostly on NVMe (a real page
 //! store on files in a temporary directory) and the all-RAM CPU copy is the reference.
@@ -10,9 +10,7 @@
 
 use std::path::Path;
 
-use kvtier_kernels::{
-    decode_layer, decode_step, DecodeEntry, KernelError, StageTimings, StepReport,
-};
+use kvtier_kernels::{decode_cpu, decode_step, DecodeEntry, KernelError, StageTimings, StepReport};
 use kvtier_storage::nvme::io::UringConfig;
 use kvtier_storage::nvme::manifest::SessionRecord;
 use kvtier_storage::nvme::{
@@ -232,7 +230,7 @@ fn step_both_cold(
                 .enumerate()
                 .map(|(i, t)| batch_entry((t.id, t.policy), layer, &mut t.cpu, input(i), None))
                 .collect();
-            decode_layer(&mut entries, &mut cpu_out).unwrap()
+            decode_cpu(&mut entries, &mut cpu_out).unwrap()
         };
         let sources: Vec<Option<TierSource<'_>>> = twins
             .iter()

@@ -5,7 +5,7 @@
 //! clients sent meanwhile); a device runs them as one call.
 //!
 //! The daemon (on either backend), the CPU benchmarks and any in-engine library call
-//! [`decode_step`]; [`decode_layer`] is its CPU form.
+//! [`decode_step`]; [`decode_cpu`] is its CPU form.
 //!
 //! # Order, and why
 //!
@@ -195,12 +195,12 @@ const PARALLEL_MIN_BLOCKS: usize = 256;
 
 /// Runs the decode step of every entry (each at its layer) on the CPU; `out` receives
 /// `[entry][q_heads][head_dim]`. See the module docs for the order.
-pub fn decode_layer(entries: &mut [DecodeEntry<'_>], out: &mut [f32]) -> Result<Vec<StepStats>> {
-    decode_layer_timed(entries, out, &mut StageTimings::default())
+pub fn decode_cpu(entries: &mut [DecodeEntry<'_>], out: &mut [f32]) -> Result<Vec<StepStats>> {
+    decode_cpu_timed(entries, out, &mut StageTimings::default())
 }
 
-/// [`decode_layer`], also reporting how long each stage took (unchanged when the step fails).
-pub fn decode_layer_timed(
+/// [`decode_cpu`], also reporting how long each stage took (unchanged when the step fails).
+pub fn decode_cpu_timed(
     entries: &mut [DecodeEntry<'_>],
     out: &mut [f32],
     timings: &mut StageTimings,

@@ -25,7 +25,7 @@ pub mod select;
 pub mod simd;
 
 pub use decode::{
-    decode_layer, decode_layer_timed, decode_step, Appended, Attended, Backend, Cpu, DecodeEntry,
+    decode_cpu, decode_cpu_timed, decode_step, Appended, Attended, Backend, Cpu, DecodeEntry,
     StageTimings, StepReport, StepStats,
 };
 pub use error::{KernelError, Result};

@@ -2,7 +2,7 @@
 //! the block a query reads where the key bound cannot tell blocks apart.
 
 use kvtier_kernels::select::{select_head, QuerySketch};
-use kvtier_kernels::{decode_layer, select, DecodeEntry, KeepSet, KernelError, SelectScratch};
+use kvtier_kernels::{decode_cpu, select, DecodeEntry, KeepSet, KernelError, SelectScratch};
 use kvtier_storage::testing::Rng;
 use kvtier_storage::{ArenaOptions, DType, Geometry, HostArena, KvCache, LayerView, Policy};
 use kvtier_tests::kv::{payload, query, rows};
@@ -298,7 +298,7 @@ fn a_sketch_policy_needs_a_cache_with_sketches() {
     let q = query(&g, &mut rng);
     let (k, v) = (rows(&g, 1, &mut rng), rows(&g, 1, &mut rng));
     let mut out = vec![0f32; q.len()];
-    let e = decode_layer(
+    let e = decode_cpu(
         &mut [DecodeEntry {
             session: 0,
             layer: 0,

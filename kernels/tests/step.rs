@@ -5,7 +5,7 @@
 
 use kvtier_kernels::select::select;
 use kvtier_kernels::{
-    decode_layer, decode_step, Appended, Attended, Backend, DecodeEntry, KeepSet, KernelError,
+    decode_cpu, decode_step, Appended, Attended, Backend, DecodeEntry, KeepSet, KernelError,
     SelectScratch, StageTimings, StepReport,
 };
 use kvtier_storage::testing::{Rng, SavedRuns};
@@ -184,8 +184,7 @@ fn a_self_selecting_backend_gets_the_cpu_keep_set_of_cold_layers_promoted_first(
             let r = row(&mut rng);
             let pos = hot.tokens(0).unwrap();
             let mut out_cpu = vec![0f32; q.len()];
-            let cpu =
-                decode_layer(&mut [entry(&mut hot, pos, &q, &r, None)], &mut out_cpu).unwrap();
+            let cpu = decode_cpu(&mut [entry(&mut hot, pos, &q, &r, None)], &mut out_cpu).unwrap();
             let before: Vec<u32> = (0..blocks).filter(|&b| !cold.is_resident(0, b)).collect();
             let mut be = SelfSelecting::default();
             let mut out = vec![0f32; q.len()];
@@ -293,7 +292,7 @@ fn after_a_failure_or_a_divergence_the_cpu_answers_and_the_device_state_is_disca
         let r = row(&mut rng);
         let pos = hot.tokens(0).unwrap();
         let mut out_cpu = vec![0f32; q.len()];
-        let cpu = decode_layer(&mut [entry(&mut hot, pos, &q, &r, None)], &mut out_cpu).unwrap();
+        let cpu = decode_cpu(&mut [entry(&mut hot, pos, &q, &r, None)], &mut out_cpu).unwrap();
         let mut be = SelfSelecting {
             fail: !diverge,
             leave_cold: if diverge { 2 } else { 0 },

@@ -1,9 +1,9 @@
-//! The CPU engine against the f64 dense oracle, plus the selector's defining properties.
+//! The CPU decode step against the f64 dense oracle, plus the selector's defining properties.
 
 use kvtier_kernels::dense::{max_rel_err, reference_attention};
 use kvtier_kernels::select::{block_score, select_head};
 use kvtier_kernels::simd::dot;
-use kvtier_kernels::{decode_layer, select, DecodeEntry, KeepSet, KernelError, SelectScratch};
+use kvtier_kernels::{decode_cpu, select, DecodeEntry, KeepSet, KernelError, SelectScratch};
 use kvtier_storage::testing::Rng;
 use kvtier_storage::{ArenaOptions, DType, Geometry, HostArena, KvCache, Policy, StorageError};
 use kvtier_tests::kv::{layer_rows, payload, query, rows};
@@ -106,7 +106,7 @@ fn step(
     f.v.extend(g.dtype.decode_vec(&v));
     let position = f.kv.tokens(0).unwrap();
     let mut out = vec![0f32; (g.q_heads * g.head_dim) as usize];
-    let stats = decode_layer(
+    let stats = decode_cpu(
         &mut [entry(&mut f.kv, policy, position, q, &k, &v)],
         &mut out,
     )
@@ -190,7 +190,7 @@ fn batch_equals_entries_alone(policy: Policy) {
         let q = query(g, &mut rng);
         let (k, v) = (rows(g, 1, &mut rng), rows(g, 1, &mut rng));
         let mut out = vec![0f32; q.len()];
-        decode_layer(
+        decode_cpu(
             &mut [entry(&mut a.kv, policy, n as u64, &q, &k, &v)],
             &mut out,
         )
@@ -205,7 +205,7 @@ fn batch_equals_entries_alone(policy: Policy) {
         .map(|(f, (q, k, v, n))| entry(&mut f.kv, policy, *n, q, k, v))
         .collect();
     let mut out = vec![0f32; alone.len()];
-    decode_layer(&mut entries, &mut out).unwrap();
+    decode_cpu(&mut entries, &mut out).unwrap();
     assert_eq!(
         out, alone,
         "batched decode is bit-identical to single decodes"
@@ -259,7 +259,7 @@ fn bad_requests_are_typed_errors_and_change_nothing() {
     let before = f.kv.tokens(0).unwrap();
     let mut out = vec![0f32; q.len()];
     let mut run = |layer: u32, position: u64, q: &[f32], k: &[u8]| {
-        decode_layer(
+        decode_cpu(
             &mut [DecodeEntry {
                 layer,
                 ..entry(&mut f.kv, Policy::default(), position, q, k, &v)
@@ -330,7 +330,7 @@ fn a_full_arena_fails_the_whole_batch_before_any_append() {
     let _hog = shared.alloc(4096).unwrap(); // the last frame
     let q = vec![0.5f32; 16];
     let mut out = vec![0f32; 32];
-    let e = decode_layer(
+    let e = decode_cpu(
         &mut [
             entry(&mut a, Policy::default(), 2, &q, &row, &row),
             entry(&mut b, Policy::default(), 2, &q, &row, &row),
@@ -441,12 +441,12 @@ proptest! {
         let mut stepwise = KvCache::new(g, arena(4096, 64)).unwrap();
         let mut out = vec![0f32; 64];
         for t in 0..n - 1 {
-            decode_layer(&mut [entry(&mut stepwise, policy, t as u64, &qs[t], &ks[t], &vs[t])], &mut out).unwrap();
+            decode_cpu(&mut [entry(&mut stepwise, policy, t as u64, &qs[t], &ks[t], &vs[t])], &mut out).unwrap();
         }
         let last = n - 1;
         let run = |kv: &mut KvCache| {
             let mut out = vec![0f32; 64];
-            let s = decode_layer(&mut [entry(kv, policy, last as u64, &qs[last], &ks[last], &vs[last])], &mut out).unwrap();
+            let s = decode_cpu(&mut [entry(kv, policy, last as u64, &qs[last], &ks[last], &vs[last])], &mut out).unwrap();
             (out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), s)
         };
         prop_assert_eq!(run(&mut bulk), run(&mut stepwise));
@@ -455,7 +455,7 @@ proptest! {
 
 #[test]
 fn timed_decode_reports_every_stage_and_changes_nothing_else() {
-    use kvtier_kernels::{decode_layer_timed, StageTimings};
+    use kvtier_kernels::{decode_cpu_timed, StageTimings};
     let g = geometries()[3];
     let (mut a, mut b) = (fixture(g, 4000, 11), fixture(g, 4000, 11));
     let mut rng = Rng::new(12);
@@ -464,9 +464,9 @@ fn timed_decode_reports_every_stage_and_changes_nothing_else() {
     let n = (g.q_heads * g.head_dim) as usize;
     let (mut out_a, mut out_b) = (vec![0f32; n], vec![0f32; n]);
     let p = Policy::default();
-    let plain = decode_layer(&mut [entry(&mut a.kv, p, 4000, &q, &k, &v)], &mut out_a).unwrap();
+    let plain = decode_cpu(&mut [entry(&mut a.kv, p, 4000, &q, &k, &v)], &mut out_a).unwrap();
     let mut t = StageTimings::default();
-    let timed = decode_layer_timed(
+    let timed = decode_cpu_timed(
         &mut [entry(&mut b.kv, p, 4000, &q, &k, &v)],
         &mut out_b,
         &mut t,
@@ -484,6 +484,6 @@ fn timed_decode_reports_every_stage_and_changes_nothing_else() {
         position: 7,
         ..entry(&mut b.kv, p, 4000, &q, &k, &v)
     };
-    decode_layer_timed(&mut [bad], &mut out_b, &mut t).unwrap_err();
+    decode_cpu_timed(&mut [bad], &mut out_b, &mut t).unwrap_err();
     assert_eq!(t, before);
 }
