@@ -37,7 +37,7 @@ pub struct Snapshot {
     pub sessions: u64,
     pub host_bytes_used: u64,
     pub host_bytes_capacity: u64,
-    pub host_frames_used: u64,
+    pub host_extents_used: u64,
     pub host_largest_free_bytes: u64,
     pub host_free_ranges: u64,
     pub host_runs_moved: u64,
@@ -340,7 +340,7 @@ impl Metrics {
         self.sessions.set(s.sessions as f64);
         self.host.used_bytes.set(s.host_bytes_used as f64);
         self.host.capacity_bytes.set(s.host_bytes_capacity as f64);
-        self.host.used_blocks.set(s.host_frames_used as f64);
+        self.host.used_blocks.set(s.host_extents_used as f64);
         self.host
             .largest_free_bytes
             .set(s.host_largest_free_bytes as f64);

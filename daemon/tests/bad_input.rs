@@ -151,7 +151,7 @@ fn wrong_geometry_sizes_layers_positions_and_sessions() {
     for (what, g, p) in [
         ("q_heads", bad(|g| g.q_heads = 3), policy()),
         ("head_dim 0", bad(|g| g.head_dim = 0), policy()),
-        // A block run larger than the 4 KiB frames this daemon was configured with.
+        // A block run larger than the 4 KiB extents this daemon was configured with.
         ("head_dim 64", bad(|g| g.head_dim = 64), policy()),
         ("local_blocks 0", g, p0),
     ] {
@@ -295,7 +295,7 @@ fn admission_limits_answer_resource_exhausted() {
         code(c.create_session(g, policy(), "")),
         ErrorCode::ResourceExhausted
     );
-    // 16 frames of 4 KiB: 7 blocks x 2 layers fit, 9 blocks x 2 layers do not.
+    // 16 extents of 4 KiB: 7 blocks x 2 layers fit, 9 blocks x 2 layers do not.
     let mut sh = Shadow::new(g, 5);
     c.append_kv(a, 0, 7 * 16, &sh.payload(7 * 16)).unwrap();
     let mut sh2 = Shadow::new(g, 6);

@@ -43,7 +43,7 @@ fn a_demoted_partial_tail_is_demoted_again_and_shutdown_writes_every_session() {
     // SIGTERM writes every session and exits 0 (Daemon::stop checks).
     let dir = d.stop(false);
 
-    // Restart under memory pressure: 64 frames of 4 KiB for 7 sessions of 2 layers.
+    // Restart under memory pressure: 64 extents of 4 KiB for 7 sessions of 2 layers.
     let d = Daemon::start_in(dir, &["--set", "host.capacity=\"256KiB\""]);
     let mut c = d.client();
     intact(&mut c, demoted, &mut dsh);

@@ -283,15 +283,15 @@ fn a_uid_cannot_hold_more_sessions_than_its_quota() {
 /// session gives its share back.
 #[test]
 fn a_uid_cannot_take_more_than_its_share_of_the_tiers() {
-    // 256 host frames of 4 KiB: a quarter is 64 frames, 32 blocks per layer here.
+    // 256 host extents of 4 KiB: a quarter is 64 extents, 32 blocks per layer here.
     let settings = ["host.capacity=\"1MiB\"", "quota.host_share_per_uid=0.25"];
     let (d, mut c, id, mut sh) = quota_daemon(&settings, 400, 30);
     let e = c.append_kv(id, 400, 200, &sh.payload(200)).unwrap_err();
     refused_by(&e, "host_share_per_uid");
     sh.truncate(400);
     intact(&mut c, id, &mut sh);
-    let used = c.stats().unwrap().get("host_frames_used").unwrap();
-    assert!(used <= 64, "{used} frames");
+    let used = c.stats().unwrap().get("host_extents_used").unwrap();
+    assert!(used <= 64, "{used} extents");
     c.close(id).unwrap();
     let (id, _) = open(&mut c, "", 500, 31);
     assert_eq!(c.session_info(id).unwrap().tokens_max, 500);
@@ -322,7 +322,7 @@ fn refused_by(e: &kvtier_protocol::client::ClientError, setting: &str) {
 }
 
 /// Memory pressure by one uid demotes that uid's own sessions, never another uid's that is
-/// within its fair share (the tier's frames divided among the uids holding any), though a lone
+/// within its fair share (the tier's extents divided among the uids holding any), though a lone
 /// uid may use the whole tier. Needs a second uid: runs `fair_share_tenant` as nobody (root
 /// only, as CI runs).
 #[test]
@@ -331,10 +331,10 @@ fn memory_pressure_from_one_uid_does_not_push_another_uids_sessions_out() {
         eprintln!("not root: cannot run a second uid, test not applicable");
         return;
     }
-    // 256 frames of 4 KiB; high water 0.9.
+    // 256 extents of 4 KiB; high water 0.9.
     let d = Daemon::with(&["host.capacity=\"1MiB\"", "nvme.prefetch_blocks=0"]);
     let mut c = d.client();
-    // Root's session: 38 blocks x 2 layers = 76 frames, then left idle (least recently used).
+    // Root's session: 38 blocks x 2 layers = 76 extents, then left idle (least recently used).
     let (mine, mut sh) = open(&mut c, "", 600, 40);
     let full = c.session_info(mine).unwrap().host_bytes;
     run_as_nobody(
@@ -360,7 +360,7 @@ fn fair_share_tenant() {
         return;
     };
     let mut c = Client::connect(&path).unwrap();
-    // Six sessions of 50 frames: more than the 180 frames left; over its fair share (128)
+    // Six sessions of 50 extents: more than the 180 extents left; over its fair share (128)
     // this uid's own older sessions are demoted to make room.
     for i in 0..6 {
         let (id, mut sh) = open(&mut c, "", 400, 50 + i);
@@ -381,7 +381,7 @@ fn making_room_takes_only_what_the_request_may_take() {
         return;
     }
     for share in ["1.0", "0.5"] {
-        // 256 frames of 4 KiB; the water marks high enough that only requests make room.
+        // 256 extents of 4 KiB; the water marks high enough that only requests make room.
         let share_setting = format!("quota.host_share_per_uid={share}");
         let d = Daemon::with(&[
             "host.capacity=\"1MiB\"",
@@ -392,7 +392,7 @@ fn making_room_takes_only_what_the_request_may_take() {
             &share_setting,
         ]);
         let mut c = d.client();
-        // Root's four sessions, 16 blocks x 2 layers = 32 frames each: 128 frames, half the
+        // Root's four sessions, 16 blocks x 2 layers = 32 extents each: 128 extents, half the
         // tier, root's fair share once a second uid holds any (and its cap at share 0.5). 255
         // tokens: the decode step that checks each at the end opens no block.
         let mut mine: Vec<(u64, Shadow)> = (0..4).map(|i| open(&mut c, "", 255, 60 + i)).collect();
@@ -428,13 +428,13 @@ fn room_tenant() {
     };
     let capped = std::env::var("KVTIER_TENANT_SHARE").unwrap() != "1.0";
     let mut c = Client::connect(&path).unwrap();
-    let frames = |c: &mut Client, id| c.session_info(id).unwrap().host_bytes / 4096;
+    let extents = |c: &mut Client, id| c.session_info(id).unwrap().host_bytes / 4096;
     let demotions = |c: &mut Client| c.stats().unwrap().get("demotions_total").unwrap();
-    // X: 4 blocks x 2 layers, then on NVMe. 128 frames are free.
+    // X: 4 blocks x 2 layers, then on NVMe. 128 extents are free.
     let (x, mut sx) = open(&mut c, "", 64, 70);
     c.demote(x).unwrap();
     let before = demotions(&mut c);
-    // 1,280 tokens open 160 frames; 4,200 tokens more than the tier's 256.
+    // 1,280 tokens open 160 extents; 4,200 tokens more than the tier's 256.
     for n in [1280, 4200] {
         let e = c.append_kv(x, 64, n, &sx.payload(n as usize)).unwrap_err();
         assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
@@ -446,23 +446,23 @@ fn room_tenant() {
         "a refused request demoted sessions"
     );
     if !capped {
-        // Two sessions of this uid's, 48 frames each: 32 frames free. X asks 72 (576 tokens):
+        // Two sessions of this uid's, 48 extents each: 32 extents free. X asks 72 (576 tokens):
         // the older of the two is demoted, and only it.
         let (a, _) = open(&mut c, "", 384, 71);
         std::thread::sleep(Duration::from_millis(5));
         let (b, _) = open(&mut c, "", 384, 72);
         c.append_kv(x, 64, 576, &sx.payload(576)).unwrap();
         assert_eq!(
-            frames(&mut c, a),
+            extents(&mut c, a),
             0,
             "the least recently used own session was kept"
         );
         assert_eq!(
-            frames(&mut c, b),
+            extents(&mut c, b),
             48,
             "more was demoted than the request needed"
         );
-        assert_eq!(frames(&mut c, x), 72);
+        assert_eq!(extents(&mut c, x), 72);
         sx.step(&mut c, x);
     }
     println!("tenant done");

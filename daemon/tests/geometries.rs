@@ -1,7 +1,7 @@
 //! Mainstream open-model geometries on tierd's embedded defaults: every
 //! block run size from a 270M model's 32 KiB to a 64-KV-head f32 model's 8 MiB is taken
 //! without the operator resizing anything, each run costs its own size in the host tier (not
-//! a fixed frame), and sessions of all of them side by side survive demotion to NVMe and a
+//! a fixed-size slot), and sessions of all of them side by side survive demotion to NVMe and a
 //! restart with outputs that match the dense oracle.
 
 mod common;
@@ -18,7 +18,7 @@ const MODELS: [(&str, Geometry); 6] = [
         "Gemma 3 270M bf16",
         Geometry::new(2, 4, 1, 256, DType::Bf16, 32),
     ),
-    // 8 KV heads, D=128: 512 KiB runs (refused by the old 256 KiB frame).
+    // 8 KV heads, D=128: 512 KiB runs (refused by the old fixed 256 KiB slot).
     (
         "Llama-3-8B bf16",
         Geometry::new(2, 32, 8, 128, DType::Bf16, 128),
@@ -98,14 +98,14 @@ fn open_model_geometries_work_on_the_defaults_and_survive_demotion_and_restart()
     // Plus, when tierd runs on a GPU, the decoder's zero extent: one run of max_run_bytes.
     let stats = c.stats().unwrap();
     let runs: u64 = MODELS.iter().map(|(_, g)| 3 * g.layers as u64).sum();
-    let (used, frames) = (
+    let (used, extents) = (
         stats.get("host_bytes_used").unwrap(),
-        stats.get("host_frames_used").unwrap(),
+        stats.get("host_extents_used").unwrap(),
     );
     assert!(
-        (used, frames) == (held, runs)
-            || (used, frames) == (held + DEFAULT_MAX_RUN_BYTES as u64, runs + 1),
-        "host tier holds {used} bytes in {frames} runs, sessions {held} in {runs}"
+        (used, extents) == (held, runs)
+            || (used, extents) == (held + DEFAULT_MAX_RUN_BYTES as u64, runs + 1),
+        "host tier holds {used} bytes in {extents} runs, sessions {held} in {runs}"
     );
 
     // To NVMe and back: pages of every size are written, read, verified and promoted.

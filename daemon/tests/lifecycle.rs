@@ -36,7 +36,7 @@ fn full_session_lifecycle_matches_the_dense_oracle() {
     assert_eq!(info.host_bytes, 26 * 4096);
     let stats = c.stats().unwrap();
     assert_eq!(stats.get(stats_keys::SESSIONS), Some(1));
-    assert_eq!(stats.get(stats_keys::HOST_FRAMES_USED), Some(26));
+    assert_eq!(stats.get(stats_keys::HOST_EXTENTS_USED), Some(26));
     assert_eq!(stats.get(stats_keys::DECODE_ENTRIES_TOTAL), Some(80));
     assert_eq!(stats.get(stats_keys::APPEND_TOKENS_TOTAL), Some(157));
     assert_eq!(c.list_sessions().unwrap().len(), 1);
@@ -44,9 +44,9 @@ fn full_session_lifecycle_matches_the_dense_oracle() {
     let e = c.session_info(id).unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::NotFound));
     assert_eq!(
-        c.stats().unwrap().get(stats_keys::HOST_FRAMES_USED),
+        c.stats().unwrap().get(stats_keys::HOST_EXTENTS_USED),
         Some(0),
-        "frames freed"
+        "extents freed"
     );
 }
 
@@ -108,13 +108,13 @@ fn sixty_four_concurrent_clients_all_get_correct_answers() {
     let mut c = d.client();
     let s = c.stats().unwrap();
     assert_eq!(s.get(stats_keys::DECODE_ENTRIES_TOTAL), Some(64 * 20));
-    // Memory is bounded by what the sessions hold: frames in use match the tokens stored.
-    let frames: u64 = (0..64u64).map(|i| 2 * (50 + i + 10).div_ceil(16)).sum();
-    assert_eq!(s.get(stats_keys::HOST_FRAMES_USED), Some(frames));
+    // Memory is bounded by what the sessions hold: extents in use match the tokens stored.
+    let extents: u64 = (0..64u64).map(|i| 2 * (50 + i + 10).div_ceil(16)).sum();
+    assert_eq!(s.get(stats_keys::HOST_EXTENTS_USED), Some(extents));
     let grown = d.rss().saturating_sub(rss_before);
     assert!(
         grown < 64 << 20,
-        "daemon RSS grew by {grown} bytes for {frames} frames"
+        "daemon RSS grew by {grown} bytes for {extents} extents"
     );
 }
 

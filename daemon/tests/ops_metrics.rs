@@ -81,7 +81,7 @@ const MIRRORED: [(&str, &str); 9] = [
     ),
     (
         "kvtier_tier_used_blocks{tier=\"host\"}",
-        stats_keys::HOST_FRAMES_USED,
+        stats_keys::HOST_EXTENTS_USED,
     ),
     (names::DECODE_REQUESTS, stats_keys::DECODE_REQUESTS_TOTAL),
     (names::DECODE_ENTRIES, stats_keys::DECODE_ENTRIES_TOTAL),

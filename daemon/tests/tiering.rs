@@ -58,7 +58,7 @@ fn keep_sets_spanning_ram_and_nvme_equal_all_ram() {
     let blocks = 2 * 38; // 600 tokens = 38 blocks of 16, two layers
     assert_eq!(c.demote(a.0).unwrap(), blocks);
     let info = c.session_info(a.0).unwrap();
-    assert_eq!(info.host_bytes, 0, "demoted: no host frames");
+    assert_eq!(info.host_bytes, 0, "demoted: no host extents");
     assert!(info.nvme_bytes >= blocks * 4096, "{info:?}");
     let (mut from_nvme, mut mixed) = (0, 0);
     for step in 0..12 {
@@ -71,7 +71,7 @@ fn keep_sets_spanning_ram_and_nvme_equal_all_ram() {
             }
         }
         if step == 5 {
-            // Cold again: everything written back (the decoded tokens too), frames freed.
+            // Cold again: everything written back (the decoded tokens too), extents freed.
             assert!(c.demote(a.0).unwrap() > 0);
         }
     }
@@ -214,13 +214,13 @@ fn a_full_nvme_tier_is_resource_exhausted_and_the_session_stays_in_ram() {
 
 #[test]
 fn memory_pressure_demotes_idle_sessions_and_everything_still_decodes() {
-    // 96 frames of 4 KiB; each session below holds 2 x 20 = 40 blocks.
+    // 96 extents of 4 KiB; each session below holds 2 x 20 = 40 blocks.
     let d = Daemon::with(&["host.capacity=\"384KiB\""]);
     let mut c = d.client();
     let mut sessions: Vec<(u64, Shadow)> = (0..4).map(|i| open(&mut c, "", 320, 100 + i)).collect();
     let stats = c.stats().unwrap();
     assert!(stats.get("demotions_total").unwrap() >= 2, "{stats:?}");
-    assert!(stats.get("host_frames_used").unwrap() <= 96);
+    assert!(stats.get("host_extents_used").unwrap() <= 96);
     for (id, sh) in &mut sessions {
         sh.step(&mut c, *id);
     }
@@ -312,7 +312,7 @@ fn blocks_ranked_just_below_the_cut_are_promoted_ahead_of_need() {
     let (mut a, mut b) = twins(&mut c, 800, 77); // 50 blocks per layer
     c.demote(a.0).unwrap();
     let stats = step_both(&mut c, &mut a, &mut b);
-    let keep_frames: u64 = stats
+    let keep_extents: u64 = stats
         .iter()
         .map(|s| {
             let mut u: Vec<u32> = s.selected.iter().flatten().copied().collect();
@@ -333,8 +333,8 @@ fn blocks_ranked_just_below_the_cut_are_promoted_ahead_of_need() {
     std::thread::sleep(Duration::from_millis(100));
     let resident = c.session_info(a.0).unwrap().host_bytes / 4096;
     assert!(
-        resident > keep_frames,
-        "{resident} frames resident vs {keep_frames} in the keep-sets"
+        resident > keep_extents,
+        "{resident} extents resident vs {keep_extents} in the keep-sets"
     );
     // Later steps still answer exactly like the all-RAM twin.
     for _ in 0..3 {
@@ -349,7 +349,7 @@ fn session_320(c: &mut Client, label: &str, seed: u64) -> (u64, Shadow) {
 
 #[test]
 fn pins_survive_a_clean_restart_and_kill_9_and_keep_the_session_in_ram_under_pressure() {
-    // 96 frames of 4 KiB: a pinned 40-frame session and pressure from new sessions.
+    // 96 extents of 4 KiB: a pinned 40-extent session and pressure from new sessions.
     let args = [
         "--set",
         "host.capacity=\"384KiB\"",
@@ -389,7 +389,7 @@ fn pins_survive_a_clean_restart_and_kill_9_and_keep_the_session_in_ram_under_pre
             c.demote(pinned).unwrap_err().code(),
             Some(ErrorCode::FailedPrecondition)
         );
-        // Memory pressure: three more 40-frame sessions do not fit beside the two restored.
+        // Memory pressure: three more 40-extent sessions do not fit beside the two restored.
         // The pinned session is the least recently used, so it would go first if the pin
         // had been lost.
         for i in 0..3 {
@@ -413,11 +413,11 @@ fn pins_survive_a_clean_restart_and_kill_9_and_keep_the_session_in_ram_under_pre
 
 #[test]
 fn a_warm_restart_keeps_blocks_resident_exactly_up_to_low_water() {
-    // 96 frames of 4 KiB, low water 0.75: 72 frames. Two 40-frame sessions restore in
+    // 96 extents of 4 KiB, low water 0.75: 72 extents. Two 40-extent sessions restore in
     // batches, yet exactly as block by block: the first restored (ids decide the order, and
-    // ids are random) all resident, the second until the host tier reaches 72 frames, the
+    // ids are random) all resident, the second until the host tier reaches 72 extents, the
     // rest cold. The CPU backend: on a GPU host the CUDA
-    // decoder keeps one arena frame as its zero frame, which shifts the count by one.
+    // decoder keeps one arena extent as its zero extent, which shifts the count by one.
     let args = [
         "--backend",
         "cpu",
@@ -440,7 +440,7 @@ fn a_warm_restart_keeps_blocks_resident_exactly_up_to_low_water() {
     drop(c);
     let d = Daemon::start_in(d.stop(false), &args);
     let mut c = d.client();
-    assert_eq!(c.stats().unwrap().get("host_frames_used"), Some(72));
+    assert_eq!(c.stats().unwrap().get("host_extents_used"), Some(72));
     assert_eq!(c.session_info(first).unwrap().host_bytes, 40 * 4096);
     assert_eq!(c.session_info(second).unwrap().host_bytes, 32 * 4096);
     // The cold blocks come back when a keep-set needs them.

@@ -6,8 +6,8 @@
 //! block cache flushed before each step) and warm (consecutive steps, AR(1) queries).
 //!
 //! Host KV: one anonymous mapping (default 60 GB, the 1M-token KV of one session) filled with
-//! random bf16 and registered with CUDA. Frames are assigned (slot, layer, block) -> frame
-//! modulo the frame count, so batch 8 at 1M (8 x 60 GB) wraps onto the same frames: bytes moved
+//! random bf16 and registered with CUDA. Extents are assigned (slot, layer, block) -> extent
+//! modulo the extent count, so batch 8 at 1M (8 x 60 GB) wraps onto the same extents: bytes moved
 //! and timing are unaffected, contents repeat. Block summaries are synthetic (random bounds,
 //! a few variants rotated over sessions and layers): the selector's cost does not depend on
 //! values, and its exactness is covered by the GPU tests.
@@ -149,9 +149,9 @@ fn median(v: &mut [f64]) -> f64 {
 
 /// Allocates, fills (random bf16 in +-[0.5, 1), all threads) and pins the host KV buffer,
 /// halving the size on failure.
-fn host_region(be: &CudaBackend, mut bytes: usize, frame: usize) -> Result<PinnedRegion, String> {
+fn host_region(be: &CudaBackend, mut bytes: usize, extent: usize) -> Result<PinnedRegion, String> {
     loop {
-        bytes -= bytes % frame;
+        bytes -= bytes % extent;
         let t0 = Instant::now();
         let attempt = AnonMapping::new(bytes).map_err(|e| e.to_string()).and_then(|mut m| {
             let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
@@ -603,7 +603,7 @@ fn run_mode(
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = parse()?;
     let cmd: Vec<String> = std::env::args().collect();
-    let frame = (HKV * 2 * args.bt * D * 2) as usize;
+    let extent = (HKV * 2 * args.bt * D * 2) as usize;
     let mut rows = Vec::new();
     let mut overlap_rows = Vec::new();
     let mut dense_rows = Vec::new();
@@ -626,11 +626,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             );
             let r = match region.take() {
                 Some(r) => r,
-                None => host_region(&be, (args.host_gb * 1e9) as usize, frame)?.into(),
+                None => host_region(&be, (args.host_gb * 1e9) as usize, extent)?.into(),
             };
-            let n_frames = (r.len() / frame) as u64;
+            let n_extents = (r.len() / extent) as u64;
             be.attach_host(r)?;
-            // Sessions: summaries (4 synthetic variants), frames, token counts.
+            // Sessions: summaries (4 synthetic variants), extents, token counts.
             let t1 = Instant::now();
             let per = cfg.geometry.summary_floats_per_block();
             let mut rng = Rng(77);
@@ -666,18 +666,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     }
                     let base = (slot as u64 * LAYERS as u64 + l as u64) * n_blocks as u64;
                     let offs: Vec<u64> = (0..n_blocks as u64)
-                        .map(|b| ((base + b) % n_frames) * frame as u64)
+                        .map(|b| ((base + b) % n_extents) * extent as u64)
                         .collect();
                     be.map_blocks(slot, l, 0, &offs)?;
                     be.set_tokens(slot, l, ctx)?;
                 }
             }
-            let wraps = max_batch as u64 * LAYERS as u64 * n_blocks as u64 > n_frames;
+            let wraps = max_batch as u64 * LAYERS as u64 * n_blocks as u64 > n_extents;
             println!(
                 "  sessions ready in {:.2} s{}",
                 t1.elapsed().as_secs_f64(),
                 if wraps {
-                    " (block frames wrap: host buffer smaller than batch KV)"
+                    " (block extents wrap: host buffer smaller than batch KV)"
                 } else {
                     ""
                 }

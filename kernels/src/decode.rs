@@ -1,5 +1,5 @@
 //! The decode step, once: one step for a batch of (session, layer) entries — validate, reserve
-//! the frames the appends need, select, promote cold keep-set blocks, append the new token's
+//! the extents the appends need, select, promote cold keep-set blocks, append the new token's
 //! K/V, attend, count — with what differs between the CPU and a device behind [`Backend`].
 //! The entries of one step may be at different layers (a daemon coalesces whatever its
 //! clients sent meanwhile); a device runs them as one call.
@@ -11,7 +11,7 @@
 //!
 //! Every check and every fallible read happens before the first append, so an error leaves
 //! every session as it was (a promoted block is only a cache fill) and names its entry:
-//! 1. per entry: query and payload sizes, the append's position and frames ([`KvCache`]), then
+//! 1. per entry: query and payload sizes, the append's position and extents ([`KvCache`]), then
 //!    the backend's own checks ([`Backend::check`]);
 //! 2. a cold partial tail block is promoted (the append writes into it), the frames the appends
 //!    need are reserved;
@@ -97,7 +97,7 @@ pub struct StepReport {
 /// whole stages (a few clock reads per call), so the hot loops carry no timing cost.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StageTimings {
-    /// Validating, reserving frames and appending the new token's K/V (and its key bounds).
+    /// Validating, reserving extents and appending the new token's K/V (and its key bounds).
     pub append_ns: u64,
     /// Scoring blocks and building every kv-head's keep-set (on the CPU).
     pub select_ns: u64,
@@ -278,8 +278,8 @@ pub fn decode_step(
     let t_fetched = t0.elapsed();
 
     // Nothing has changed so far. From here on the call answers.
-    for (e, frames) in entries.iter_mut().zip(&mut reserved) {
-        e.kv.append_layer_reserved(e.layer, e.position, e.k, e.v, frames)
+    for (e, extents) in entries.iter_mut().zip(&mut reserved) {
+        e.kv.append_layer_reserved(e.layer, e.position, e.k, e.v, extents)
             .expect("validated append cannot fail");
     }
     let t_appended = t0.elapsed();

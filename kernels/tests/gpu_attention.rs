@@ -175,7 +175,7 @@ fn dense_mode_is_plain_attention() {
     assert!(e < 2e-3, "rel err {e}");
 }
 
-/// Dense attention (the benchmark's baseline): every block, from host frames and from a copy in
+/// Dense attention (the benchmark's baseline): every block, from host extents and from a copy in
 /// GPU memory, equals the f64 reference over all blocks (batch 2, one session with a partial
 /// tail, one short); both sources give bit-identical outputs; the statistics count every tile;
 /// the sparse path gives the same output before and after; a session whose copy is missing or

@@ -275,7 +275,7 @@ fn fused_launch_matches_split_launches() {
 }
 
 /// Dependent launch (a layer's layer_fused starting while the previous layer's merge runs,
-/// its reads of host frames overlapping it) changes nothing but timing: over 4 layers, with
+/// its reads of host extents overlapping it) changes nothing but timing: over 4 layers, with
 /// fused, Auto and split launches, cold and warm, batch 1 and 3 (with a short layer), the
 /// outputs, keep-sets and cold cache statistics are bit-identical with it off, exact against
 /// the CPU, and per-layer calls give the same outputs.

@@ -207,7 +207,7 @@ pub mod stats_keys {
     pub const SESSIONS: &str = "sessions";
     pub const HOST_BYTES_USED: &str = "host_bytes_used";
     pub const HOST_BYTES_CAPACITY: &str = "host_bytes_capacity";
-    pub const HOST_FRAMES_USED: &str = "host_frames_used";
+    pub const HOST_EXTENTS_USED: &str = "host_extents_used";
     pub const DECODE_REQUESTS_TOTAL: &str = "decode_requests_total";
     pub const DECODE_ENTRIES_TOTAL: &str = "decode_entries_total";
     pub const APPEND_TOKENS_TOTAL: &str = "append_tokens_total";
@@ -221,7 +221,7 @@ pub mod stats_keys {
         SESSIONS,
         HOST_BYTES_USED,
         HOST_BYTES_CAPACITY,
-        HOST_FRAMES_USED,
+        HOST_EXTENTS_USED,
         DECODE_REQUESTS_TOTAL,
         DECODE_ENTRIES_TOTAL,
         APPEND_TOKENS_TOTAL,

@@ -424,7 +424,7 @@ pub struct TierRow {
     pub bytes_used: Option<u64>,
     pub bytes_capacity: Option<u64>,
     /// Block runs resident (extents of their run size, so no fixed capacity in runs).
-    pub frames_used: Option<u64>,
+    pub extents_used: Option<u64>,
 }
 
 /// `tierctl tier`.
@@ -457,7 +457,7 @@ impl Tiers {
                 tier: n.to_owned(),
                 bytes_used: stats.get(&format!("{n}_bytes_used")),
                 bytes_capacity: stats.get(&format!("{n}_bytes_capacity")),
-                frames_used: stats.get(&format!("{n}_frames_used")),
+                extents_used: stats.get(&format!("{n}_extents_used")),
             })
             .collect();
         Self {
@@ -489,7 +489,7 @@ impl Tiers {
                 opt_bytes(r.bytes_used),
                 opt_bytes(r.bytes_capacity),
                 pct,
-                opt(r.frames_used),
+                opt(r.extents_used),
             ]);
         }
         let mut out = t.render();
@@ -572,7 +572,7 @@ mod tests {
             ("uptime_ms", 5),
             ("host_bytes_used", 10),
             ("host_bytes_capacity", 100),
-            ("host_frames_used", 1),
+            ("host_extents_used", 1),
             ("bytes_touched_total", 7),
         ]);
         let t = Tiers::from_stats(&s);
@@ -582,7 +582,7 @@ mod tests {
                 tier: "host".into(),
                 bytes_used: Some(10),
                 bytes_capacity: Some(100),
-                frames_used: Some(1),
+                extents_used: Some(1),
             }]
         );
         // A daemon that adds an NVMe tier gets a second row, host still first.
@@ -595,7 +595,7 @@ mod tests {
         let names: Vec<_> = t.tiers.iter().map(|r| r.tier.as_str()).collect();
         assert_eq!(names, ["host", "nvme"]);
         assert_eq!(t.tiers[1].bytes_used, Some(4096));
-        assert_eq!(t.tiers[1].frames_used, None);
+        assert_eq!(t.tiers[1].extents_used, None);
         assert!(t.render().contains("1.0 GiB"));
         assert!(t.nvme_links.is_empty() && !t.render().contains("NVMe devices"));
         assert_eq!(Tiers::from_stats(&stats(&[])).tiers, vec![]);

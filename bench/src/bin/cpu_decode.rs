@@ -127,9 +127,9 @@ fn main() {
             })
             .sum();
         let extra = steps as u64 + g.block_tokens as u64;
-        let frames = g.blocks_for(ctx + extra) as usize * g.layers as usize;
+        let extents = g.blocks_for(ctx + extra) as usize * g.layers as usize;
         let arena = HostArena::new(&ArenaOptions::new(
-            frames * g.block_bytes(),
+            extents * g.block_bytes(),
             g.block_bytes(),
         ))
         .expect("arena");

@@ -495,7 +495,7 @@ struct MixedStep {
 /// pages each tier striped over the links), then each step runs once per striping mode on the
 /// same cache state and query, the modes alternating step by step. After each run the step's
 /// token is truncated away and the promoted blocks evicted again, so every run starts from the
-/// same state. The fetch stage (promotion: read, verify, copy into frames) is compared with the
+/// same state. The fetch stage (promotion: read, verify, copy into extents) is compared with the
 /// link model's prediction from the probed links.
 fn mixed_steps(args: &Args, kv: &mut KvCache, tiers: &[(&str, NvmeTier)], links: &[Link; 2]) {
     let mut pick = Rng::new(11);
@@ -563,7 +563,7 @@ fn mixed_steps(args: &Args, kv: &mut KvCache, tiers: &[(&str, NvmeTier)], links:
             r.predicted = Duration::from_secs_f64(predicted);
             kv.truncate(args.tokens);
             evict(kv);
-            // Step 0 warms the page store's buffer pool and the arena's frames.
+            // Step 0 warms the page store's buffer pool and the arena's extents.
             if step > 0 {
                 runs[m].push(r);
             }

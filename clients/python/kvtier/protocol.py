@@ -81,7 +81,7 @@ STATS_KEYS = (
     "sessions",
     "host_bytes_used",
     "host_bytes_capacity",
-    "host_frames_used",
+    "host_extents_used",
     "decode_requests_total",
     "decode_entries_total",
     "append_tokens_total",

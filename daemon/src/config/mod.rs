@@ -146,7 +146,7 @@ pub struct AdmissionConfig {
 pub struct QuotaConfig {
     /// Sessions one uid may hold at once (admins exempt; 0: only admission.max_sessions).
     pub max_sessions_per_uid: usize,
-    /// Share of the host tier's frames one uid's sessions may hold (admin uids exempt; 1.0:
+    /// Share of the host tier's bytes one uid's sessions may hold (admin uids exempt; 1.0:
     /// no quota). Beyond it that uid's appends and decodes answer RESOURCE_EXHAUSTED; other
     /// users' sessions are not demoted to make room for it.
     pub host_share_per_uid: f64,
@@ -224,7 +224,7 @@ pub struct GpuSettings {
     /// GPU tile-cache slots per (session, layer, kv head); 0 = twice the keep-set size.
     pub cache_slots: u32,
     /// Bytes per cuMemHostRegister call when registering the arena (rounded down to whole
-    /// frames, at least one).
+    /// arena segments, at least one).
     pub register_chunk: ByteSize,
     /// How each layer's kernels are launched (docs/benchmarks.md, "Coalesced steps of mixed
     /// layers, and the launch mode").

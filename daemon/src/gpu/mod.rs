@@ -135,7 +135,7 @@ mod tests {
     }
 
     #[test]
-    fn cold_blocks_map_to_the_zero_frame_and_are_remapped_once_promoted() {
+    fn cold_blocks_map_to_the_zero_extent_and_are_remapped_once_promoted() {
         let mut rng = Rng::new(15);
         let mut kv = session(5 * 16 + 3, &mut rng);
         let saved = SavedRuns::of(&kv);

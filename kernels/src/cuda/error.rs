@@ -113,8 +113,8 @@ pub enum CudaError {
         new: u32,
         capacity: u64,
     },
-    /// A block to attend has no summary or no host frame yet: never attend over unknown bytes.
-    #[error("session {slot} layer {layer}: {n_blocks} blocks needed but only {ready} have a summary and a host frame")]
+    /// A block to attend has no summary or no host extent yet: never attend over unknown bytes.
+    #[error("session {slot} layer {layer}: {n_blocks} blocks needed but only {ready} have a summary and a host extent")]
     NotReady {
         slot: u32,
         layer: u32,

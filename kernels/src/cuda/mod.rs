@@ -30,7 +30,7 @@
 //!    global timer at planning, so replays of a captured launch keep LRU order.
 //! 3. Fetch + attention: one thread block per (session, kv head, tile) loads the tile with
 //!    16-byte loads, K and V all in flight (from the cache slot on a hit, over PCIe from the
-//!    mapped host frame on a miss, then written back to the slot); K is staged in shared memory
+//!    mapped host extent on a miss, then written back to the slot); K is staged in shared memory
 //!    and scored while V is still arriving; the tile is attended for its G query heads (fp32
 //!    softmax) and writes (m, l, acc); a merge kernel combines them (LSE). For bf16 KV the
 //!    products run on tensor cores (bf16 MMAs, the fp32 factors split into bf16 high and low

@@ -1,5 +1,5 @@
 //! Page-locked, device-mapped host memory: the host arena registered with CUDA so that the
-//! gather kernel can read its frames directly over PCIe (zero-copy).
+//! gather kernel can read its extents directly over PCIe (zero-copy).
 
 use std::ffi::c_void;
 use std::ptr::NonNull;
@@ -309,8 +309,8 @@ impl PinnedRegion {
         Ok(c.dev + within)
     }
 
-    /// The owned mapping's bytes, for filling frames (None for a borrowed registration).
-    /// Writers must not change frames that an in-flight decode may be reading.
+    /// The owned mapping's bytes, for filling extents (None for a borrowed registration).
+    /// Writers must not change extents that an in-flight decode may be reading.
     pub fn host_mut(&mut self) -> Option<&mut [u8]> {
         self.owned.as_mut().map(AnonMapping::as_mut_slice)
     }

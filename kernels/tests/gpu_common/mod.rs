@@ -49,15 +49,15 @@ pub struct SessionKv {
     pub n_tokens: u32,
     k: Vec<Vec<Vec<f32>>>, // [layer][kvh][t*D + d]
     v: Vec<Vec<Vec<f32>>>,
-    frames: Vec<Vec<u64>>, // [layer][block] -> frame index
+    extents: Vec<Vec<u64>>, // [layer][block] -> extent index
 }
 
 pub struct Harness {
     pub cfg: CudaConfig,
     pub be: CudaBackend,
     pub sessions: Vec<SessionKv>,
-    next_frame: u64,
-    n_frames: u64,
+    next_extent: u64,
+    n_extents: u64,
     rng: Rng,
 }
 
@@ -83,31 +83,31 @@ impl Harness {
         let mut be = CudaBackend::new(0, cfg).expect("backend");
         be.set_poison_outputs(true);
         let g = cfg.geometry;
-        let n_frames = cfg.max_sessions as u64 * g.layers as u64 * cfg.max_blocks as u64;
-        let map = AnonMapping::new((n_frames * g.block_bytes() as u64) as usize).expect("mmap");
+        let n_extents = cfg.max_sessions as u64 * g.layers as u64 * cfg.max_blocks as u64;
+        let map = AnonMapping::new((n_extents * g.block_bytes() as u64) as usize).expect("mmap");
         let region = PinnedRegion::register_owned(be.context(), map).expect("pin");
         be.attach_host(region).expect("attach");
         Harness {
             cfg,
             be,
             sessions: Vec::new(),
-            next_frame: 0,
-            n_frames,
+            next_extent: 0,
+            n_extents,
             rng: Rng(seed | 1),
         }
     }
 
-    fn frame_offset(&self, frame: u64) -> u64 {
-        frame * self.cfg.geometry.block_bytes() as u64
+    fn extent_offset(&self, extent: u64) -> u64 {
+        extent * self.cfg.geometry.block_bytes() as u64
     }
 
-    /// Writes token t (all kv heads) of a session layer into its host frame.
+    /// Writes token t (all kv heads) of a session layer into its host extent.
     fn write_token(&mut self, s: usize, l: usize, t: u32) {
         let g = self.cfg.geometry;
         let (b, d, bt) = (g.block_tokens, g.head_dim as usize, g.block_tokens as usize);
         let es = g.dtype.size();
-        let frame = self.sessions[s].frames[l][(t / b) as usize];
-        let base = self.frame_offset(frame) as usize;
+        let extent = self.sessions[s].extents[l][(t / b) as usize];
+        let base = self.extent_offset(extent) as usize;
         let tin = (t % b) as usize;
         let host = self.be.host_mut().unwrap().host_mut().unwrap();
         for h in 0..g.kv_heads as usize {
@@ -124,13 +124,13 @@ impl Harness {
         }
     }
 
-    /// The key sketches of block `b` of a session layer, from its run in the host frame (the
+    /// The key sketches of block `b` of a session layer, from its run in the host extent (the
     /// storage crate's own sketching).
     fn block_sketch(&self, s: usize, l: usize, b: u32) -> BlockSketches {
         let g = self.cfg.geometry;
         let kv = &self.sessions[s];
         let valid = (kv.n_tokens - b * g.block_tokens).min(g.block_tokens) as usize;
-        let base = self.frame_offset(kv.frames[l][b as usize]) as usize;
+        let base = self.extent_offset(kv.extents[l][b as usize]) as usize;
         let host = self.be.host().unwrap().host().unwrap();
         let run = &host[base..base + g.block_bytes()];
         let mut out = BlockSketches::new(&g, 1);
@@ -195,24 +195,24 @@ impl Harness {
         }
         // Frames in a scrambled order, so the page table really is an indirection.
         let nb = self.cfg.max_blocks as usize;
-        let mut frames = vec![vec![0u64; nb]; g.layers as usize];
-        for fl in frames.iter_mut() {
+        let mut extents = vec![vec![0u64; nb]; g.layers as usize];
+        for fl in extents.iter_mut() {
             for f in fl.iter_mut() {
-                *f = (self.next_frame * 7919) % self.n_frames;
-                self.next_frame += 1;
+                *f = (self.next_extent * 7919) % self.n_extents;
+                self.next_extent += 1;
             }
         }
         self.sessions.push(SessionKv {
             n_tokens: 0,
             k,
             v,
-            frames,
+            extents,
         });
         self.append(slot, n_tokens);
         slot
     }
 
-    /// Appends tokens to every layer: host frames, tail summaries, mappings, token counts.
+    /// Appends tokens to every layer: host extents, tail summaries, mappings, token counts.
     pub fn append(&mut self, slot: u32, n_new: u32) {
         let g = self.cfg.geometry;
         let s = slot as usize;
@@ -241,7 +241,7 @@ impl Harness {
                     .unwrap();
             }
             let offs: Vec<u64> = (first..last)
-                .map(|b| self.frame_offset(self.sessions[s].frames[l][b as usize]))
+                .map(|b| self.extent_offset(self.sessions[s].extents[l][b as usize]))
                 .collect();
             self.be.map_blocks(slot, l as u32, first, &offs).unwrap();
             self.be.set_tokens(slot, l as u32, new).unwrap();

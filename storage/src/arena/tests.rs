@@ -54,7 +54,7 @@ fn a_locked_arena_is_resident_and_locked_in_every_range_and_unlocked_when_droppe
 }
 
 #[test]
-fn a_capacity_frames_cannot_address_is_refused_before_mapping() {
+fn a_capacity_extents_cannot_address_is_refused_before_mapping() {
     let too_big = (u32::MAX as usize + 1) * U;
     let e = HostArena::new(&ArenaOptions::new(too_big, U)).unwrap_err();
     assert!(

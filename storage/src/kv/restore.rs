@@ -173,7 +173,7 @@ impl KvCache {
                     (l.summaries[at..].chunks_exact_mut(spb), sketches)
                 })
                 .collect();
-            let mut free_frames = extents.iter_mut();
+            let mut free_extents = extents.iter_mut();
             let work: Vec<Mutex<RestoreWork<'_, '_>>> = blocks
                 .iter()
                 .map(|b| {
@@ -182,7 +182,7 @@ impl KvCache {
                         block: b,
                         summary: summaries.next().expect("sized above"),
                         sketch: sketches.as_mut().map(|s| s.next().expect("sized above")),
-                        extent: if b.keep { free_frames.next() } else { None },
+                        extent: if b.keep { free_extents.next() } else { None },
                     })
                 })
                 .collect();

@@ -19,7 +19,7 @@ const MERGE_SPLITS: u32 = 64;
 /// Where dense attention reads the sessions' KV.
 #[derive(Clone, Copy)]
 pub enum DenseKv<'a> {
-    /// The pinned host frames the sessions' blocks are mapped to.
+    /// The pinned host extents the sessions' blocks are mapped to.
     Host,
     /// A copy in GPU memory ([`CudaBackend::copy_kv_to_device`]).
     Device(&'a DeviceKv),
@@ -53,7 +53,7 @@ pub(super) struct DenseScratch {
 
 impl CudaBackend {
     /// Copies every block of every layer of `slots` (blocks up to each layer's token count,
-    /// which must have their host frames mapped) from the host frames into one GPU buffer.
+    /// which must have their host extents mapped) from the host extents into one GPU buffer.
     /// Fails with the driver's error when GPU memory is short.
     pub fn copy_kv_to_device(&self, slots: &[u32]) -> Result<DeviceKv> {
         let g = self.cfg.geometry;

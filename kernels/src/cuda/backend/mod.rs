@@ -236,7 +236,7 @@ pub struct StepOutput {
 
 struct Session {
     n_tokens: Vec<u32>,
-    /// Per layer: per block bit 0 = summary uploaded, bit 1 = host frame mapped.
+    /// Per layer: per block bit 0 = summary uploaded, bit 1 = host extent mapped.
     flags: Vec<Vec<u8>>,
     /// Per layer: leading blocks that have both.
     ready: Vec<u32>,
@@ -244,7 +244,7 @@ struct Session {
 
 impl Session {
     /// The blocks of layer `l` up to its token count, or [`CudaError::NotReady`] when some lack
-    /// a summary or a host frame.
+    /// a summary or a host extent.
     fn blocks_ready(&self, slot: u32, l: usize, block_tokens: u32) -> Result<u32> {
         let nb = self.n_tokens[l].div_ceil(block_tokens);
         if nb > self.ready[l] {

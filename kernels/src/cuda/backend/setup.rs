@@ -184,7 +184,7 @@ impl CudaBackend {
         self.host.as_deref()
     }
 
-    /// The attached host region (mutable, to write frames between decode calls); None when
+    /// The attached host region (mutable, to write extents between decode calls); None when
     /// none is attached or it is shared with another backend.
     pub fn host_mut(&mut self) -> Option<&mut PinnedRegion> {
         self.host.as_mut().and_then(Arc::get_mut)
@@ -235,7 +235,7 @@ impl CudaBackend {
     /// Chooses whether, within a call, a layer's merge and the next layer's layer_fused may
     /// start before the kernel ahead of them ends (programmatic dependent launch; on by
     /// default where the device has it, compute capability 9.0+): once the previous layer's
-    /// last tile has arrived, the next layer plans and reads host frames while that tile is
+    /// last tile has arrived, the next layer plans and reads host extents while that tile is
     /// attended and merged; everything that depends on the previous layer waits for it inside
     /// the kernels (kernels/cuda/common.cuh). On an H200 a cold k=8 batch-1 step is 5% faster
     /// (bench/gpu/NOTES.md v30).
