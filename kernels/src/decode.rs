@@ -13,7 +13,7 @@
 //! every session as it was (a promoted block is only a cache fill) and names its entry:
 //! 1. per entry: query and payload sizes, the append's position and extents ([`KvCache`]), then
 //!    the backend's own checks ([`Backend::check`]);
-//! 2. a cold partial tail block is promoted (the append writes into it), the frames the appends
+//! 2. a cold partial tail block is promoted (the append writes into it), the extents the appends
 //!    need are reserved;
 //! 3. keep-sets are selected on the CPU before the append, over the block count the layer will
 //!    have after it ([`select_head`]; the tail block is always kept, so this is the keep-set of
@@ -57,6 +57,21 @@ pub struct DecodeEntry<'a> {
     /// Where cold blocks of this session are read from (None: a step that needs a cold block
     /// is refused with [`StorageError::NotResident`]).
     pub cold: Option<&'a dyn ColdSource>,
+}
+
+impl DecodeEntry<'_> {
+    /// This entry's keep-set by its policy over its layer as it stands (the CPU's selection).
+    pub fn select(&self, scratch: &mut SelectScratch) -> Result<KeepSet> {
+        let mut keep = KeepSet::new();
+        crate::select::select(
+            self.q,
+            &self.kv.layer(self.layer)?,
+            &self.policy,
+            scratch,
+            &mut keep,
+        )?;
+        Ok(keep)
+    }
 }
 
 /// What one entry's step read.
@@ -519,17 +534,7 @@ fn cpu_answer(
     for (i, (e, plan)) in entries.iter_mut().zip(planned).enumerate() {
         let keep = match plan {
             Some(k) => k,
-            None => {
-                let mut keep = KeepSet::new();
-                crate::select::select(
-                    e.q,
-                    &e.kv.layer(e.layer)?,
-                    &e.policy,
-                    &mut scratch,
-                    &mut keep,
-                )?;
-                keep
-            }
+            None => e.select(&mut scratch)?,
         };
         let cold = e.kv.cold_among(e.layer, &keep.union());
         promoted[i] += promote(e, &cold).map_err(|err| {

@@ -3,17 +3,16 @@
 //! CPU answer after a failure or a divergence. No device: the backend here attends on the CPU
 //! over its own selection of the appended layer, which is what a device does.
 
-use kvtier_kernels::select::select;
 use kvtier_kernels::{
     decode_cpu, decode_step, Appended, Attended, Backend, DecodeEntry, KeepSet, KernelError,
-    SelectScratch, StageTimings, StepReport,
+    SelectScratch, StageTimings, StepReport, StepStats,
 };
 use kvtier_storage::testing::{Rng, SavedRuns};
 use kvtier_storage::{
     ArenaOptions, ColdSource, Geometry, HostArena, KvCache, Policy, StorageError,
 };
 
-/// One (layer, block) run fills a 4 KiB frame.
+/// One (layer, block) run fills a 4 KiB extent.
 const GEO: Geometry = kvtier_tests::session::SMALL_GEOMETRY;
 
 const POLICY: Policy = Policy::bound(1, 2, 3);
@@ -72,17 +71,9 @@ impl Backend for SelfSelecting {
         let mut scratch = SelectScratch::default();
         let mut keeps = Vec::new();
         for e in entries {
-            let mut keep = KeepSet::new();
-            select(
-                e.q,
-                &e.kv.layer(e.layer)?,
-                &e.policy,
-                &mut scratch,
-                &mut keep,
-            )?;
-            keeps.push(keep);
+            keeps.push(e.select(&mut scratch)?);
         }
-        // Attends whatever it selected, cold or not (a device reads the zero frame there).
+        // Attends whatever it selected, cold or not (a device reads the zero extent there).
         let views: Vec<_> = entries
             .iter()
             .map(|e| e.kv.layer(e.layer).unwrap())
@@ -149,6 +140,20 @@ fn entry<'a>(
     }
 }
 
+/// The next step of layer 0 of `hot` on the CPU, the reference: a random query and new row,
+/// the position, and the CPU step's output and stats.
+fn reference(
+    hot: &mut KvCache,
+    rng: &mut Rng,
+) -> (Vec<f32>, Vec<u8>, u64, Vec<f32>, Vec<StepStats>) {
+    let q = rng.normals((GEO.q_heads * GEO.head_dim) as usize);
+    let r = row(rng);
+    let pos = hot.tokens(0).unwrap();
+    let mut out = vec![0f32; q.len()];
+    let stats = decode_cpu(&mut [entry(hot, pos, &q, &r, None)], &mut out).unwrap();
+    (q, r, pos, out, stats)
+}
+
 /// The decode step of layer 0 over the one entry `e`, its output in `out`.
 fn step_one(
     be: &mut dyn Backend,
@@ -180,11 +185,7 @@ fn a_self_selecting_backend_gets_the_cpu_keep_set_of_cold_layers_promoted_first(
             for b in (0..blocks - 1).step_by(2) {
                 cold.evict(0, b);
             }
-            let q = rng.normals((GEO.q_heads * GEO.head_dim) as usize);
-            let r = row(&mut rng);
-            let pos = hot.tokens(0).unwrap();
-            let mut out_cpu = vec![0f32; q.len()];
-            let cpu = decode_cpu(&mut [entry(&mut hot, pos, &q, &r, None)], &mut out_cpu).unwrap();
+            let (q, r, pos, out_cpu, cpu) = reference(&mut hot, &mut rng);
             let before: Vec<u32> = (0..blocks).filter(|&b| !cold.is_resident(0, b)).collect();
             let mut be = SelfSelecting::default();
             let mut out = vec![0f32; q.len()];
@@ -288,11 +289,7 @@ fn after_a_failure_or_a_divergence_the_cpu_answers_and_the_device_state_is_disca
         for b in 1..39 {
             cold.evict(0, b);
         }
-        let q = rng.normals((GEO.q_heads * GEO.head_dim) as usize);
-        let r = row(&mut rng);
-        let pos = hot.tokens(0).unwrap();
-        let mut out_cpu = vec![0f32; q.len()];
-        let cpu = decode_cpu(&mut [entry(&mut hot, pos, &q, &r, None)], &mut out_cpu).unwrap();
+        let (q, r, pos, out_cpu, cpu) = reference(&mut hot, &mut rng);
         let mut be = SelfSelecting {
             fail: !diverge,
             leave_cold: if diverge { 2 } else { 0 },

@@ -146,6 +146,18 @@ pub struct Client {
     body: Vec<u8>,
 }
 
+/// Sends `req` and takes the reply matching `pat` (its value `val`); any other reply is a typed
+/// error naming both opcodes.
+macro_rules! expect_reply {
+    ($client:ident, $req:expr, $pat:pat => $val:expr) => {{
+        let req = $req;
+        match $client.call(&req)? {
+            $pat => Ok($val),
+            other => Err(unexpected(req.opcode(), &other)),
+        }
+    }};
+}
+
 impl Client {
     /// Connect to the daemon socket at `path` and perform HELLO.
     pub fn connect(path: impl AsRef<Path>) -> Result<Self, ClientError> {
@@ -230,10 +242,7 @@ impl Client {
             policy,
             label: label.to_owned(),
         });
-        match self.call(&req)? {
-            Response::CreateSession { session } => Ok(session),
-            other => Err(unexpected(Opcode::CreateSession, &other)),
-        }
+        expect_reply!(self, req, Response::CreateSession { session } => session)
     }
 
     /// Append `n_tokens` to every layer, payload inline in the frame (written straight from
@@ -346,56 +355,35 @@ impl Client {
     }
 
     pub fn session_info(&mut self, session: u64) -> Result<SessionInfo, ClientError> {
-        match self.call(&Request::SessionInfo { session })? {
-            Response::SessionInfo(s) => Ok(s),
-            other => Err(unexpected(Opcode::SessionInfo, &other)),
-        }
+        expect_reply!(self, Request::SessionInfo { session }, Response::SessionInfo(s) => s)
     }
 
     /// CLOSE_SESSION.
     pub fn close(&mut self, session: u64) -> Result<(), ClientError> {
-        match self.call(&Request::CloseSession { session })? {
-            Response::CloseSession => Ok(()),
-            other => Err(unexpected(Opcode::CloseSession, &other)),
-        }
+        expect_reply!(self, Request::CloseSession { session }, Response::CloseSession => ())
     }
 
     pub fn list_sessions(&mut self) -> Result<Vec<SessionInfo>, ClientError> {
-        match self.call(&Request::ListSessions)? {
-            Response::ListSessions(l) => Ok(l),
-            other => Err(unexpected(Opcode::ListSessions, &other)),
-        }
+        expect_reply!(self, Request::ListSessions, Response::ListSessions(l) => l)
     }
 
     pub fn stats(&mut self) -> Result<StatsReply, ClientError> {
-        match self.call(&Request::Stats)? {
-            Response::Stats(s) => Ok(s),
-            other => Err(unexpected(Opcode::Stats, &other)),
-        }
+        expect_reply!(self, Request::Stats, Response::Stats(s) => s)
     }
 
     /// Admin: drop any session.
     pub fn evict(&mut self, session: u64) -> Result<(), ClientError> {
-        match self.call(&Request::Evict { session })? {
-            Response::Evict => Ok(()),
-            other => Err(unexpected(Opcode::Evict, &other)),
-        }
+        expect_reply!(self, Request::Evict { session }, Response::Evict => ())
     }
 
-    /// Writes the session to the NVMe tier and frees its host frames; returns the blocks freed.
+    /// Writes the session to the NVMe tier and frees its host extents; returns the blocks freed.
     pub fn demote(&mut self, session: u64) -> Result<u64, ClientError> {
-        match self.call(&Request::Demote { session })? {
-            Response::Demote { blocks } => Ok(blocks),
-            other => Err(unexpected(Opcode::Demote, &other)),
-        }
+        expect_reply!(self, Request::Demote { session }, Response::Demote { blocks } => blocks)
     }
 
     /// Reads every cold block of the session back into RAM; returns the blocks read.
     pub fn promote(&mut self, session: u64) -> Result<u64, ClientError> {
-        match self.call(&Request::Promote { session })? {
-            Response::Promote { blocks } => Ok(blocks),
-            other => Err(unexpected(Opcode::Promote, &other)),
-        }
+        expect_reply!(self, Request::Promote { session }, Response::Promote { blocks } => blocks)
     }
 
     /// Pins (`true`) or unpins the session: a pinned session is never demoted.
@@ -447,28 +435,19 @@ impl Client {
 
     /// Ends this connection's lease of `session`.
     pub fn release(&mut self, session: u64) -> Result<(), ClientError> {
-        match self.call(&Request::Release { session })? {
-            Response::Release => Ok(()),
-            other => Err(unexpected(Opcode::Release, &other)),
-        }
+        expect_reply!(self, Request::Release { session }, Response::Release => ())
     }
 
     /// Opens an append of `tokens` tokens to every layer of a session this connection leases,
     /// whose rows the engine writes in place (docs/protocol.md, RESERVE): where they go.
     pub fn reserve(&mut self, session: u64, tokens: u32) -> Result<ReserveReply, ClientError> {
-        match self.call(&Request::Reserve { session, tokens })? {
-            Response::Reserve(r) => Ok(r),
-            other => Err(unexpected(Opcode::Reserve, &other)),
-        }
+        expect_reply!(self, Request::Reserve { session, tokens }, Response::Reserve(r) => r)
     }
 
     /// Adopts the first `tokens` rows written since RESERVE (0 drops them); returns the
     /// session's stored tokens.
     pub fn commit(&mut self, session: u64, tokens: u32) -> Result<u64, ClientError> {
-        match self.call(&Request::Commit { session, tokens })? {
-            Response::Commit { tokens } => Ok(tokens),
-            other => Err(unexpected(Opcode::Commit, &other)),
-        }
+        expect_reply!(self, Request::Commit { session, tokens }, Response::Commit { tokens } => tokens)
     }
 
     fn read_reply(&mut self, id: u64, op: Opcode) -> Result<Response, ClientError> {

@@ -303,7 +303,7 @@ pub enum Request<'a> {
     Evict {
         session: u64,
     },
-    /// Write a session's blocks to the NVMe tier and free its host frames.
+    /// Write a session's blocks to the NVMe tier and free its host extents.
     Demote {
         session: u64,
     },

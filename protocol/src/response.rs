@@ -138,7 +138,7 @@ pub enum Response {
     ListSessions(Vec<SessionInfo>),
     Stats(StatsReply),
     Evict,
-    /// Blocks written to NVMe (or already there) whose host frames were freed.
+    /// Blocks written to NVMe (or already there) whose host extents were freed.
     Demote {
         blocks: u64,
     },

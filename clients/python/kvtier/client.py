@@ -213,7 +213,7 @@ class Client:
         self._call(Op.EVICT, p.encode_session(session))
 
     def demote(self, session: int) -> int:
-        """Write the session to the NVMe tier and free its host RAM; returns frames freed."""
+        """Write the session to the NVMe tier and free its host RAM; returns the blocks freed."""
         return self._call(Op.DEMOTE, p.encode_session(session))
 
     def promote(self, session: int) -> int:

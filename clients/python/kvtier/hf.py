@@ -339,12 +339,7 @@ class KvtierCache(Cache):
         if client is None:
             return
         try:
-            self._close_device_batch()
-            for sid in self.sessions:
-                try:
-                    client.close(sid)
-                except (KvtierError, OSError):
-                    pass
+            self._close_sessions(client)
         finally:
             self.sessions = []
             if self._own_client:
@@ -375,14 +370,18 @@ class KvtierCache(Cache):
             except (KvtierError, OSError) as e:
                 raise TierdUnavailable(f"releasing the engine's leases failed: {e}") from e
 
-    def reset(self) -> None:
-        client = self._client
+    def _close_sessions(self, client) -> None:
+        """Ends the device batch and closes every session in tierd (best effort: a session the
+        daemon already dropped, or a daemon gone, leaves nothing to close)."""
         self._close_device_batch()
         for sid in self.sessions:
             try:
                 client.close(sid)
             except (KvtierError, OSError):
                 pass
+
+    def reset(self) -> None:
+        self._close_sessions(self._client)
         self.sessions, self.positions, self.geometry, self._staged = [], None, None, {}
         super().reset()
 

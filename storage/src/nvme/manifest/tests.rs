@@ -41,6 +41,47 @@ fn write_as(dir: &Path, version: u32, epoch: u64, payload: &[u8]) {
     write_file(&dir.join(file_name(epoch)), version, epoch, payload).unwrap();
 }
 
+/// The one page file the old-version manifests below name.
+fn one_device() -> Vec<DeviceRecord> {
+    vec![DeviceRecord {
+        path: "/x/pages-0".into(),
+        pages: 100,
+    }]
+}
+
+/// A version 1-4 policy: sink 1, local 1, top-k 2 (the key bound, as [`policy`]).
+fn v4_policy() -> v4::PolicyRecord {
+    v4::PolicyRecord {
+        sink_blocks: 1,
+        local_blocks: 1,
+        top_k: 2,
+    }
+}
+
+/// Writes `old` (an old version's manifest, serialized) as the only file, at `epoch`, and opens
+/// the directory: the store and what it loaded, which must be that file at `version`.
+fn open_old<T>(dir: &Path, version: u32, epoch: u64, old: &T) -> (ManifestStore, Loaded)
+where
+    T: for<'a> rkyv::Serialize<
+        rkyv::api::high::HighSerializer<
+            rkyv::util::AlignedVec,
+            rkyv::ser::allocator::ArenaHandle<'a>,
+            rancor::Error,
+        >,
+    >,
+{
+    write_as(
+        dir,
+        version,
+        epoch,
+        &rkyv::to_bytes::<rancor::Error>(old).unwrap(),
+    );
+    let (store, loaded) = ManifestStore::open(dir).unwrap();
+    let loaded = loaded.expect("a manifest");
+    assert_eq!(loaded.current_version, version);
+    (store, loaded)
+}
+
 /// Page lookups binary-search: a file whose page records are out of order (the format
 /// allows it) loads sorted, and every record is found.
 #[test]
@@ -87,29 +128,19 @@ fn a_version_1_manifest_loads_with_sessions_unpinned_and_is_upgraded_on_commit()
     let old = v1::Manifest {
         epoch: 4,
         page_size: 8192,
-        devices: vec![DeviceRecord {
-            path: "/x/pages-0".into(),
-            pages: 100,
-        }],
+        devices: one_device(),
         sessions: vec![v1::SessionRecord {
             id: 42,
             owner_uid: 1000,
             label: "old".into(),
             geometry: geometry(),
-            policy: v4::PolicyRecord {
-                sink_blocks: 1,
-                local_blocks: 1,
-                top_k: 2,
-            },
+            policy: v4_policy(),
             layer_tokens: vec![40, 40],
             pages: vec![page(0), page(1)],
         }],
     };
-    let bytes = rkyv::to_bytes::<rancor::Error>(&old).unwrap();
-    write_as(dir.path(), 1, 4, &bytes);
-    let (mut store, loaded) = ManifestStore::open(dir.path()).unwrap();
-    let loaded = loaded.expect("a manifest");
-    assert_eq!((loaded.current_version, loaded.previous_version), (1, None));
+    let (mut store, loaded) = open_old(dir.path(), 1, 4, &old);
+    assert_eq!(loaded.previous_version, None);
     let mut m = loaded.current;
     assert_eq!(m.epoch, 4);
     assert_eq!(m.devices, old.devices);
@@ -142,34 +173,19 @@ fn a_version_4_manifest_loads_its_sessions_with_the_bound_selector() {
     let old = v4::Manifest {
         epoch: 7,
         page_size: 4096,
-        devices: vec![DeviceRecord {
-            path: "/x/pages-0".into(),
-            pages: 100,
-        }],
+        devices: one_device(),
         sessions: vec![v4::SessionRecord {
             id: 9,
             owner_uid: 1000,
             label: "before sketches".into(),
             geometry: geometry(),
-            policy: v4::PolicyRecord {
-                sink_blocks: 1,
-                local_blocks: 1,
-                top_k: 2,
-            },
+            policy: v4_policy(),
             layer_tokens: vec![40, 40],
             pages: vec![page(0), page(1)],
             pinned: true,
         }],
     };
-    write_as(
-        dir.path(),
-        4,
-        7,
-        &rkyv::to_bytes::<rancor::Error>(&old).unwrap(),
-    );
-    let (mut store, loaded) = ManifestStore::open(dir.path()).unwrap();
-    let loaded = loaded.expect("a manifest");
-    assert_eq!(loaded.current_version, 4);
+    let (mut store, loaded) = open_old(dir.path(), 4, 7, &old);
     let mut m = loaded.current;
     let s = &m.sessions[0];
     assert_eq!(
@@ -189,10 +205,7 @@ fn a_version_5_manifest_loads_with_creation_times_unknown_and_commits_them() {
     let old = v5::Manifest {
         epoch: 3,
         page_size: 4096,
-        devices: vec![DeviceRecord {
-            path: "/x/pages-0".into(),
-            pages: 100,
-        }],
+        devices: one_device(),
         sessions: vec![v5::SessionRecord {
             id: 5,
             owner_uid: 1000,
@@ -204,15 +217,7 @@ fn a_version_5_manifest_loads_with_creation_times_unknown_and_commits_them() {
             pinned: true,
         }],
     };
-    write_as(
-        dir.path(),
-        5,
-        3,
-        &rkyv::to_bytes::<rancor::Error>(&old).unwrap(),
-    );
-    let (mut store, loaded) = ManifestStore::open(dir.path()).unwrap();
-    let loaded = loaded.expect("a manifest");
-    assert_eq!(loaded.current_version, 5);
+    let (mut store, loaded) = open_old(dir.path(), 5, 3, &old);
     let mut m = loaded.current;
     let s = &m.sessions[0];
     assert_eq!((s.id, s.pinned, s.created_unix_ms), (5, true, 0));
