@@ -14,6 +14,7 @@ use kvtier_storage::nvme::{
     open_best_engine, BlockRun, DeviceConfig, NvmeError, NvmeTier, PageAddr, PageId, PageStore,
     PageStoreConfig, RecoveryReport,
 };
+use kvtier_storage::{Geometry, Policy};
 use kvtier_tests::kv::xorshift_bytes;
 use kvtier_tests::sys::{scratch_dir, spawn_lines, ScratchDir};
 
@@ -64,21 +65,11 @@ fn session_record(id: u64) -> SessionRecord {
         id,
         owner_uid: 1000 + id as u32,
         label: format!("session-{id}"),
-        geometry: GeometryRecord {
+        geometry: GeometryRecord::from(&Geometry {
             layers: LAYERS,
-            q_heads: 28,
-            kv_heads: 4,
-            head_dim: 128,
-            dtype: 0,
-            block_tokens: 128,
-        },
-        policy: PolicyRecord {
-            sink_blocks: 1,
-            local_blocks: 4,
-            top_k: 32,
-            selector: 0,
-            candidates: 0,
-        },
+            ..Geometry::QWEN2_5_7B
+        }),
+        policy: PolicyRecord::from(&Policy::bound(1, 4, 32)),
         layer_tokens: vec![u64::from(BLOCKS) * 128; LAYERS as usize],
         pages: Vec::new(),
         pinned: id % 2 == 1,
