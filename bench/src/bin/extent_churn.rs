@@ -6,7 +6,7 @@
 //! free is a *fragmentation* failure; the figure of merit is the fill (bytes used / capacity)
 //! at the moment of each failure. Nothing is mapped or touched: only the allocator runs.
 //!
-//! cargo run --release -p kvtier-storage --example extent_churn -- [capacity_gib] [steps]
+//! cargo run --release -p kvtier-bench --bin extent_churn -- [capacity_gib] [steps]
 
 use kvtier_storage::extents::Extents;
 use kvtier_storage::testing::Rng;

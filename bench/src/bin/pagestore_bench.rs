@@ -1,7 +1,7 @@
 //! Page store random-read benchmark against a plain O_DIRECT pread reader, side by side, at
 //! the same transfer size (one page) and queue depth, on the same file.
 //!
-//! cargo run --release -p kvtier-storage --example pagestore_bench -- \
+//! cargo run --release -p kvtier-bench --bin pagestore_bench -- \
 //!     [--dir DIR] [--file-mib 1024] [--payload 262144] [--qd 1,4,16,32] [--secs 3] [--rounds 6] [--json FILE]
 //!
 //! Rows:
