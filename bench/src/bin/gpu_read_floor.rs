@@ -16,9 +16,10 @@
 
 mod common;
 
-use common::{each_flag, time, Res};
+use common::{time, Res};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::compile_ptx;
+use kvtier_bench::each_flag;
 use kvtier_kernels::cuda::device_context;
 
 const SRC: &str = r#"
@@ -61,15 +62,12 @@ extern "C" __global__ void read_floor(const uint4* __restrict__ p, u64 n, unsign
 
 fn main() -> Res<()> {
     let (mut mb, mut layers, mut reps) = (16.777_216f64, 28usize, 20usize);
-    each_flag(|k, v| {
-        match k {
-            "--mb" => mb = v.parse()?,
-            "--layers" => layers = v.parse()?,
-            "--reps" => reps = v.parse()?,
-            _ => return Err(format!("unknown argument {k}").into()),
-        }
-        Ok(())
-    })?;
+    each_flag(|k, v| match k {
+        "--mb" => mb = v().parse().expect("--mb: megabytes"),
+        "--layers" => layers = v().parse().expect("--layers: count"),
+        "--reps" => reps = v().parse().expect("--reps: count"),
+        _ => panic!("unknown argument {k}"),
+    });
     let ctx = device_context(0)?;
     let stream = ctx.default_stream();
     let module = ctx.load_module(compile_ptx(SRC)?)?;

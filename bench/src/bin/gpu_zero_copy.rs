@@ -18,9 +18,10 @@
 
 mod common;
 
-use common::{each_flag, time, Res};
+use common::{time, Res};
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::compile_ptx;
+use kvtier_bench::each_flag;
 use kvtier_kernels::cuda::{device_context, AnonMapping, PinnedRegion};
 
 const TILE: usize = 64 << 10;
@@ -53,25 +54,27 @@ extern "C" __global__ void read_tiles(const u64* __restrict__ tiles, u32 tile_ve
 }
 "#;
 
-fn list(v: &str) -> Res<Vec<usize>> {
-    Ok(v.split(',').map(str::parse).collect::<Result<_, _>>()?)
+fn list(flag: &str, v: &str) -> Vec<usize> {
+    v.split(',')
+        .map(|x| {
+            x.parse()
+                .unwrap_or_else(|_| panic!("{flag}: comma-separated counts"))
+        })
+        .collect()
 }
 
 fn main() -> Res<()> {
     let (mut host_gb, mut layers, mut reps) = (8usize, 28usize, 20usize);
     let mut tiles_list = vec![20, 32, 52, 148, 416];
     let mut splits = vec![1, 2, 4, 8];
-    each_flag(|k, v| {
-        match k {
-            "--host-gb" => host_gb = v.parse()?,
-            "--layers" => layers = v.parse()?,
-            "--reps" => reps = v.parse()?,
-            "--tiles" => tiles_list = list(&v)?,
-            "--splits" => splits = list(&v)?,
-            _ => return Err(format!("unknown argument {k}").into()),
-        }
-        Ok(())
-    })?;
+    each_flag(|k, v| match k {
+        "--host-gb" => host_gb = v().parse().expect("--host-gb: gigabytes"),
+        "--layers" => layers = v().parse().expect("--layers: count"),
+        "--reps" => reps = v().parse().expect("--reps: count"),
+        "--tiles" => tiles_list = list(k, &v()),
+        "--splits" => splits = list(k, &v()),
+        _ => panic!("unknown argument {k}"),
+    });
     if splits
         .iter()
         .any(|&s| s == 0 || !(TILE / 16).is_multiple_of(s))

@@ -1,5 +1,4 @@
-//! Event timing and argument parsing shared by the GPU floor tools (gpu_read_floor,
-//! gpu_zero_copy).
+//! Event timing shared by the GPU floor tools (gpu_read_floor, gpu_zero_copy).
 
 use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 use cudarc::driver::CudaStream;
@@ -35,15 +34,4 @@ pub fn time(
         t.push(a.elapsed_ms(&b)? as f64 * 1e3 / per as f64);
     }
     Ok(median(&mut t[2..]))
-}
-
-/// The command line's `--flag VALUE` pairs, each handed to `set` (an error for a flag without
-/// a value, or whatever `set` refuses).
-pub fn each_flag(mut set: impl FnMut(&str, String) -> Res<()>) -> Res<()> {
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        let v = it.next().ok_or(format!("{k} needs a value"))?;
-        set(&k, v)?;
-    }
-    Ok(())
 }
