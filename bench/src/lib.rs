@@ -43,9 +43,31 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-pub fn median(xs: &mut [Duration]) -> Duration {
-    xs.sort_unstable();
-    xs[xs.len() / 2]
+/// A measurement the benchmarks take medians of: seconds or milliseconds as f64 (in their
+/// total order; NaN when there are none) or a Duration (zero when there are none).
+pub trait Sample: Copy {
+    const NONE: Self;
+    fn order(&self, other: &Self) -> std::cmp::Ordering;
+}
+
+impl Sample for f64 {
+    const NONE: f64 = f64::NAN;
+    fn order(&self, other: &Self) -> std::cmp::Ordering {
+        self.total_cmp(other)
+    }
+}
+
+impl Sample for Duration {
+    const NONE: Duration = Duration::ZERO;
+    fn order(&self, other: &Self) -> std::cmp::Ordering {
+        self.cmp(other)
+    }
+}
+
+/// The median (the upper of the middle two) of `xs`, which it sorts; [`Sample::NONE`] for none.
+pub fn median<T: Sample>(xs: &mut [T]) -> T {
+    xs.sort_unstable_by(T::order);
+    xs.get(xs.len() / 2).copied().unwrap_or(T::NONE)
 }
 
 /// One line describing the CPU this ran on (model name and core count).

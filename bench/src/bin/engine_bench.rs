@@ -31,6 +31,7 @@ use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use kvtier_bench::median;
 use kvtier_engine::InEngine;
 use kvtier_kernels::cuda::{CudaConfig, SummaryDtype, Timing};
 use kvtier_protocol::client::Client;
@@ -147,11 +148,6 @@ fn barrier(at: &Option<(PathBuf, usize)>, cell: &str) -> std::io::Result<()> {
         }
         std::thread::sleep(std::time::Duration::from_micros(200));
     }
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

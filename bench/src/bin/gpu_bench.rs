@@ -34,6 +34,7 @@
 
 use std::time::Instant;
 
+use kvtier_bench::median;
 use kvtier_kernels::cuda::{
     AnonMapping, AttentionMath, CudaBackend, CudaConfig, DenseKv, LaunchMode, PinnedRegion,
     StepItem, SummaryDtype, Timing,
@@ -137,14 +138,6 @@ fn unif(rng: &mut Rng) -> f64 {
 /// Standard normal (Box-Muller).
 fn normal(rng: &mut Rng) -> f64 {
     (-2.0 * unif(rng).ln()).sqrt() * (std::f64::consts::TAU * unif(rng)).cos()
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// Allocates, fills (random bf16 in +-[0.5, 1), all threads) and pins the host KV buffer,

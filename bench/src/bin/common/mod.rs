@@ -2,13 +2,9 @@
 
 use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 use cudarc::driver::CudaStream;
+use kvtier_bench::median;
 
 pub type Res<T> = Result<T, Box<dyn std::error::Error>>;
-
-pub fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
 
 /// Median microseconds of `reps` event pairs around `launch` on `stream` (called `per` times
 /// between the events with a running count 0, 1, ...; the result is divided by `per`). Two
