@@ -21,7 +21,7 @@ use super::reply::{decode_request, error_frame, reply_frame};
 use super::Shared;
 use crate::error::{ServiceError, ServiceResult};
 use crate::metrics::Rejection;
-use crate::service::Peer;
+use crate::service::{Peer, Service};
 
 pub(super) struct Connection {
     pub(super) stream: UnixStream,
@@ -178,7 +178,7 @@ impl Connection {
         // An unknown opcode fails to decode, on the event loop.
         let class = opcode.map_or(Class::EventLoop, Class::of);
         if class == Class::EventLoop {
-            let outcome = self.execute_frame(header, body, fd);
+            let outcome = self.execute_frame(&service, header, body, fd);
             return self.reply(header, outcome);
         }
         let permit = if class == Class::Compute {
@@ -191,7 +191,7 @@ impl Connection {
         };
         let joined = tokio::task::block_in_place(|| {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let outcome = self.execute_frame(header, body, fd);
+                let outcome = self.execute_frame(&service, header, body, fd);
                 self.reply(header, outcome)
             }))
         });
@@ -203,15 +203,16 @@ impl Connection {
         })
     }
 
+    /// Decodes the request in `body` and runs it.
     fn execute_frame(
         &mut self,
+        service: &Service,
         header: &Header,
         body: &[u8],
         fd: Option<OwnedFd>,
     ) -> ServiceResult<Outcome> {
-        let service = self.shared.service.clone();
-        let req = decode_request(&service, header, body)?;
-        self.execute(&service, header.request_id, req, fd)
+        let req = decode_request(service, header, body)?;
+        self.execute(service, header.request_id, req, fd)
     }
 
     /// A request's outcome as the frame to write, and whether the arena's descriptor goes
