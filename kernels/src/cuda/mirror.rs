@@ -2,6 +2,8 @@
 //! mirror of a session, which tierd's CUDA decoder and the in-engine library (`kvtier-engine`)
 //! both keep per session layer, so each step uploads only what changed.
 
+use std::borrow::Cow;
+
 use kvtier_storage::sketch::BlockSketchesRef;
 
 use super::error::Result;
@@ -56,8 +58,8 @@ impl LayerMirror {
     }
 
     /// Brings `slot`'s `layer` on `be` to `to`: maps the runs of blocks whose extent changed,
-    /// uploads the summaries, sets the token count. Each part is recorded once done, so after
-    /// an error the next sync redoes what did not happen.
+    /// uploads the summaries, sets the token count. Each part is recorded once done (each run
+    /// as it is mapped), so after an error the next sync redoes what did not happen.
     pub fn sync(
         &mut self,
         be: &mut CudaBackend,
@@ -66,14 +68,19 @@ impl LayerMirror {
         to: &LayerTarget<'_>,
     ) -> Result<()> {
         for run in stale_runs(&self.extents, to.extents) {
-            let mapped: Vec<u64> = to.extents[run.clone()]
-                .iter()
-                .map(|&e| e + to.base)
-                .collect();
+            let want = &to.extents[run.clone()];
+            let mapped: Cow<'_, [u64]> = if to.base == 0 {
+                Cow::Borrowed(want)
+            } else {
+                Cow::Owned(want.iter().map(|&e| e + to.base).collect())
+            };
             be.map_blocks(slot, layer, run.start as u32, &mapped)?;
+            // Only what changed is copied: on tierd's decode path this runs per layer per step.
+            self.extents
+                .resize(self.extents.len().max(run.end), u64::MAX);
+            self.extents[run].copy_from_slice(want);
         }
-        self.extents.clear();
-        self.extents.extend_from_slice(to.extents);
+        self.extents.truncate(to.extents.len());
         let first = self.final_blocks as u32;
         match &to.summaries {
             None => {}
