@@ -12,7 +12,8 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub struct Daemon {
     child: Option<Child>,
     socket: PathBuf,
-    dir: tempfile::TempDir,
+    /// The private directory, removed on drop.
+    _dir: tempfile::TempDir,
 }
 
 impl Daemon {
@@ -39,7 +40,7 @@ impl Daemon {
         let mut d = Daemon {
             child: Some(child),
             socket,
-            dir,
+            _dir: dir,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
         while std::os::unix::net::UnixStream::connect(&d.socket).is_err() {
@@ -58,11 +59,6 @@ impl Daemon {
 
     pub fn socket(&self) -> &Path {
         &self.socket
-    }
-
-    /// The private directory (removed on drop).
-    pub fn dir(&self) -> &Path {
-        self.dir.path()
     }
 
     /// SIGTERM, then wait; returns how it exited.
