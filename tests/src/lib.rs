@@ -14,11 +14,14 @@
 //! - the fake cold source is `kvtier_storage::testing::SavedRuns` (unit tests of storage, kernels and
 //!   tierd use it too).
 //! - [`wire`]: raw frames and error replies, for tests below the client.
+//! - [`redis`]: a real Redis Cluster on loopback (`redis-server` processes in cluster mode),
+//!   for the remote tier's tests.
 //! - [`sys`]: child processes reaped on drop, `/proc` fields, scratch directories, a small
 //!   tmpfs.
 
 pub mod bins;
 pub mod kv;
+pub mod redis;
 pub mod session;
 pub mod sys;
 pub mod tierd;

@@ -1,0 +1,746 @@
+//! [`ClusterStore`]: the remote tier on a Redis Cluster (keys and write order: the crate docs).
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use kvtier_storage::nvme::manifest::SessionRecord;
+use kvtier_storage::nvme::{page, BlockRun, PageId};
+use parking_lot::Mutex;
+use redis::cluster::{cluster_pipe, ClusterClient, ClusterConnection};
+use redis::cluster_routing::{AggregateOp, MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
+use redis::{Script, Value};
+
+use crate::{Lease, RemoteError, RemotePage, RemoteRecord, RemoteStore, Result};
+
+/// How to reach the cluster and what a write waits for (`[remote]` in tierd's config).
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// Seed nodes, `redis://host:port` each; the client learns the rest of the cluster.
+    pub seeds: Vec<String>,
+    /// Prefix of every key (several deployments can share a cluster).
+    pub key_prefix: String,
+    pub connect_timeout: Duration,
+    /// How long one request may wait for its answer.
+    pub response_timeout: Duration,
+    /// How long a lease lasts unless renewed.
+    pub lease_ttl: Duration,
+    /// Replicas of each master that must acknowledge a write before it counts (Redis `WAIT`);
+    /// 0: a master's acknowledgement.
+    pub replicas: u32,
+    /// How long a write waits for those acknowledgements.
+    pub replica_timeout: Duration,
+    /// Page bytes per pipeline of a bulk write or read.
+    pub batch_bytes: usize,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            seeds: Vec::new(),
+            key_prefix: "kvtier".into(),
+            connect_timeout: Duration::from_secs(2),
+            response_timeout: Duration::from_secs(5),
+            lease_ttl: Duration::from_secs(10),
+            replicas: 1,
+            replica_timeout: Duration::from_secs(2),
+            batch_bytes: 16 << 20,
+        }
+    }
+}
+
+/// A lease's local validity is its TTL less this share, for clock drift between the node
+/// and the store.
+const DRIFT: f64 = 0.1;
+
+// Each script takes the session's keys, all under one hash tag, and checks the lease first:
+// ARGV[1] is the lease value "<token> <node>" the caller holds. A refusal is {0, holder}.
+
+/// KEYS lease, fence; ARGV node, ttl_ms → {1, token} or {0, owner, pttl}.
+const ACQUIRE: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local holder = string.sub(cur, string.find(cur, ' ') + 1)
+  if holder ~= ARGV[1] then return {0, holder, redis.call('PTTL', KEYS[1])} end
+end
+local token = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], token .. ' ' .. ARGV[1], 'PX', ARGV[2])
+return {1, token}
+";
+
+/// KEYS lease; ARGV value, ttl_ms.
+const RENEW: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if cur ~= ARGV[1] then return {0, cur or ''} end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {1}
+";
+
+/// KEYS lease; ARGV value.
+const RELEASE: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if cur ~= ARGV[1] then return {0, cur or ''} end
+redis.call('DEL', KEYS[1])
+return {1}
+";
+
+/// KEYS lease, gen, pending; ARGV value, runs → {1, generation}.
+const BEGIN: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if cur ~= ARGV[1] then return {0, cur or ''} end
+local g = redis.call('INCR', KEYS[2])
+redis.call('HSET', KEYS[3], tostring(g), ARGV[2])
+return {1, g}
+";
+
+/// KEYS lease, record, pending; ARGV value, generation, record, superseded (empty: none).
+const COMMIT: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if cur ~= ARGV[1] then return {0, cur or ''} end
+redis.call('SET', KEYS[2], ARGV[3])
+redis.call('HDEL', KEYS[3], ARGV[2])
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[3], 'del:' .. ARGV[2], ARGV[4]) end
+return {1}
+";
+
+/// KEYS lease, pending; ARGV value, fields... (what a cleanup finished).
+const CLEARED: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if cur ~= ARGV[1] then return {0, cur or ''} end
+for i = 2, #ARGV do redis.call('HDEL', KEYS[2], ARGV[i]) end
+return {1}
+";
+
+/// KEYS lease, record, pending; ARGV value, pages to delete → {1}: the record is gone and
+/// its pages are listed for deletion.
+const DELETE: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if cur ~= ARGV[1] then return {0, cur or ''} end
+redis.call('DEL', KEYS[2])
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[3], 'del:all', ARGV[2]) end
+return {1}
+";
+
+struct Scripts {
+    acquire: Script,
+    renew: Script,
+    release: Script,
+    begin: Script,
+    commit: Script,
+    cleared: Script,
+    delete: Script,
+}
+
+/// The remote tier on a Redis Cluster.
+pub struct ClusterStore {
+    client: ClusterClient,
+    cfg: ClusterConfig,
+    /// Idle connections (a cluster connection serves one caller at a time).
+    idle: Mutex<Vec<ClusterConnection>>,
+    scripts: Scripts,
+}
+
+impl std::fmt::Debug for ClusterStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterStore")
+            .field("seeds", &self.cfg.seeds)
+            .field("key_prefix", &self.cfg.key_prefix)
+            .finish()
+    }
+}
+
+/// (layer, block) pairs, 8 bytes each, little-endian.
+fn pack_runs(runs: impl Iterator<Item = (u32, u32)>) -> Vec<u8> {
+    runs.flat_map(|(l, b)| l.to_le_bytes().into_iter().chain(b.to_le_bytes()))
+        .collect()
+}
+
+/// (layer, block, generation), 16 bytes each.
+fn pack_pages(pages: impl Iterator<Item = (u32, u32, u64)>) -> Vec<u8> {
+    pages
+        .flat_map(|(l, b, g)| {
+            l.to_le_bytes()
+                .into_iter()
+                .chain(b.to_le_bytes())
+                .chain(g.to_le_bytes())
+        })
+        .collect()
+}
+
+fn unpack_pages(bytes: &[u8]) -> Vec<(u32, u32, u64)> {
+    bytes
+        .chunks_exact(16)
+        .map(|c| {
+            (
+                u32::from_le_bytes(c[0..4].try_into().expect("4")),
+                u32::from_le_bytes(c[4..8].try_into().expect("4")),
+                u64::from_le_bytes(c[8..16].try_into().expect("8")),
+            )
+        })
+        .collect()
+}
+
+fn unpack_runs(bytes: &[u8], generation: u64) -> Vec<(u32, u32, u64)> {
+    bytes
+        .chunks_exact(8)
+        .map(|c| {
+            (
+                u32::from_le_bytes(c[0..4].try_into().expect("4")),
+                u32::from_le_bytes(c[4..8].try_into().expect("4")),
+                generation,
+            )
+        })
+        .collect()
+}
+
+fn int(v: &Value) -> Option<i64> {
+    match v {
+        Value::Int(i) => Some(*i),
+        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+        _ => None,
+    }
+}
+
+fn text(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// The node named in a lease value "<token> <node>" ('' or nil: none).
+fn holder_of(v: Option<&Value>) -> Option<String> {
+    let s = text(v?)?;
+    let (_, node) = s.split_once(' ')?;
+    Some(node.to_string())
+}
+
+impl ClusterStore {
+    /// Connects to the cluster (the first connection is made here, so a wrong seed list fails
+    /// at start, not at the first write).
+    pub fn connect(cfg: ClusterConfig) -> Result<Self> {
+        if cfg.seeds.is_empty() {
+            return Err(RemoteError::Invalid("remote.seeds is empty".into()));
+        }
+        let client = ClusterClient::builder(cfg.seeds.clone())
+            .connection_timeout(cfg.connect_timeout)
+            .response_timeout(cfg.response_timeout)
+            .build()?;
+        let store = ClusterStore {
+            client,
+            cfg,
+            idle: Mutex::new(Vec::new()),
+            scripts: Scripts {
+                acquire: Script::new(ACQUIRE),
+                renew: Script::new(RENEW),
+                release: Script::new(RELEASE),
+                begin: Script::new(BEGIN),
+                commit: Script::new(COMMIT),
+                cleared: Script::new(CLEARED),
+                delete: Script::new(DELETE),
+            },
+        };
+        store.with(|c| redis::cmd("PING").query::<String>(c))?;
+        Ok(store)
+    }
+
+    pub fn config(&self) -> &ClusterConfig {
+        &self.cfg
+    }
+
+    /// Runs `f` on an idle connection (a new one if none is idle). A connection whose
+    /// request failed is dropped, not reused.
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&mut ClusterConnection) -> redis::RedisResult<T>,
+    ) -> Result<T> {
+        let taken = self.idle.lock().pop();
+        let mut con = match taken {
+            Some(c) => c,
+            None => self.client.get_connection()?,
+        };
+        let r = f(&mut con);
+        if r.is_ok() {
+            self.idle.lock().push(con);
+        }
+        Ok(r?)
+    }
+
+    fn tag(&self, session: u64) -> String {
+        format!("{{{}:{}}}", self.cfg.key_prefix, session)
+    }
+
+    fn key(&self, session: u64, what: &str) -> String {
+        format!("{}:{what}", self.tag(session))
+    }
+
+    fn page_key(&self, session: u64, layer: u32, block: u32, generation: u64) -> String {
+        format!(
+            "{}:page:{session}:{layer}:{block}:{generation}",
+            self.cfg.key_prefix
+        )
+    }
+
+    fn index_key(&self) -> String {
+        format!("{}:sessions", self.cfg.key_prefix)
+    }
+
+    fn lease_value(lease: &Lease) -> String {
+        format!("{} {}", lease.token, lease.node)
+    }
+
+    /// Runs a lease-checked script: `Ok(reply)` when it ran, [`RemoteError::Fenced`] when the
+    /// lease was not the current one.
+    fn checked(
+        &self,
+        lease: &Lease,
+        script: &Script,
+        keys: &[String],
+        args: &[&[u8]],
+    ) -> Result<Vec<Value>> {
+        let value = Self::lease_value(lease);
+        let reply: Vec<Value> = self.with(|c| {
+            let mut inv = script.prepare_invoke();
+            for k in keys {
+                inv.key(k);
+            }
+            inv.arg(value.as_bytes());
+            for a in args {
+                inv.arg(*a);
+            }
+            inv.invoke(c)
+        })?;
+        if reply.first().and_then(int) == Some(1) {
+            return Ok(reply);
+        }
+        Err(RemoteError::Fenced {
+            session: lease.session,
+            token: lease.token,
+            holder: holder_of(reply.get(1)),
+        })
+    }
+
+    /// Refuses locally a write under a lease this node can no longer be sure of.
+    fn check_valid(lease: &Lease) -> Result<()> {
+        if lease.is_valid() {
+            Ok(())
+        } else {
+            Err(RemoteError::LeaseExpired {
+                session: lease.session,
+                token: lease.token,
+            })
+        }
+    }
+
+    fn valid_until(&self, asked: Instant) -> Instant {
+        asked + self.cfg.lease_ttl.mul_f64(1.0 - DRIFT)
+    }
+
+    /// With `replicas > 0`: waits until every master has that many replicas acknowledging
+    /// what this node wrote to it (`WAIT` on every master; the fewest acknowledgements count).
+    fn wait_replicas(&self) -> Result<()> {
+        let want = self.cfg.replicas;
+        if want == 0 {
+            return Ok(());
+        }
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(want)
+            .arg(self.cfg.replica_timeout.as_millis() as u64);
+        let routing = RoutingInfo::MultiNode((
+            MultipleNodeRoutingInfo::AllMasters,
+            Some(ResponsePolicy::Aggregate(AggregateOp::Min)),
+        ));
+        let got = self.with(|c| c.route_command(&wait, routing))?;
+        let got = int(&got).unwrap_or(0).max(0) as u32;
+        if got < want {
+            return Err(RemoteError::NotReplicated { wanted: want, got });
+        }
+        Ok(())
+    }
+
+    /// Deletes page keys, pipelined in batches.
+    fn delete_pages(&self, session: u64, pages: &[(u32, u32, u64)]) -> Result<()> {
+        for chunk in pages.chunks(512) {
+            let mut p = cluster_pipe();
+            for &(l, b, g) in chunk {
+                p.del(self.page_key(session, l, b, g)).ignore();
+            }
+            self.with(|c| p.query::<()>(c))?;
+        }
+        Ok(())
+    }
+
+    /// Removes what interrupted writes left (the crate docs): pages of uncommitted
+    /// generations the record does not name, and pages listed for deletion.
+    fn clean_up(&self, lease: &Lease) -> Result<()> {
+        let pending: Vec<(Vec<u8>, Vec<u8>)> = self.with(|c| {
+            redis::cmd("HGETALL")
+                .arg(self.key(lease.session, "pending"))
+                .query(c)
+        })?;
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let record = self.record(lease.session)?;
+        let named: HashSet<(u32, u32, u64)> = record
+            .iter()
+            .flat_map(|r| r.pages.iter().map(|p| (p.layer, p.block, p.generation)))
+            .collect();
+        let mut fields = Vec::new();
+        for (field, value) in &pending {
+            let name = String::from_utf8_lossy(field).into_owned();
+            let pages = if name.starts_with("del:") {
+                unpack_pages(value)
+            } else if let Ok(generation) = name.parse::<u64>() {
+                unpack_runs(value, generation)
+            } else {
+                continue;
+            };
+            let orphans: Vec<_> = pages.into_iter().filter(|p| !named.contains(p)).collect();
+            self.delete_pages(lease.session, &orphans)?;
+            tracing::info!(session = lease.session, field = %name, pages = orphans.len(), "remote: removed what an interrupted write left");
+            fields.push(field.clone());
+        }
+        let args: Vec<&[u8]> = fields.iter().map(Vec::as_slice).collect();
+        self.checked(
+            lease,
+            &self.scripts.cleared,
+            &[
+                self.key(lease.session, "lease"),
+                self.key(lease.session, "pending"),
+            ],
+            &args,
+        )?;
+        Ok(())
+    }
+
+    fn check_runs(meta: &SessionRecord, runs: &[BlockRun<'_>]) -> Result<()> {
+        let mut seen = HashSet::with_capacity(runs.len());
+        for r in runs {
+            if r.layer >= meta.geometry.layers {
+                return Err(RemoteError::Invalid(format!(
+                    "session {}: layer {} out of range ({} layers)",
+                    meta.id, r.layer, meta.geometry.layers
+                )));
+            }
+            if !seen.insert((r.layer, r.block)) {
+                return Err(RemoteError::Invalid(format!(
+                    "session {}: (layer {}, block {}) given twice",
+                    meta.id, r.layer, r.block
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl RemoteStore for ClusterStore {
+    fn acquire(&self, session: u64, node: &str) -> Result<Lease> {
+        if node.is_empty() || node.contains(' ') {
+            return Err(RemoteError::Invalid(format!(
+                "node name {node:?}: must be non-empty, without spaces"
+            )));
+        }
+        let asked = Instant::now();
+        let reply: Vec<Value> = self.with(|c| {
+            self.scripts
+                .acquire
+                .key(self.key(session, "lease"))
+                .key(self.key(session, "fence"))
+                .arg(node)
+                .arg(self.cfg.lease_ttl.as_millis() as u64)
+                .invoke(c)
+        })?;
+        if reply.first().and_then(int) != Some(1) {
+            return Err(RemoteError::Owned {
+                session,
+                owner: reply.get(1).and_then(text).unwrap_or_default(),
+                expires_ms: reply.get(2).and_then(int).unwrap_or(0),
+            });
+        }
+        let token = reply.get(1).and_then(int).unwrap_or(0) as u64;
+        // The lease and its token on the replicas before anyone relies on them: a failover
+        // must not hand the session, or the same token, to a second node.
+        self.wait_replicas()?;
+        let lease = Lease {
+            session,
+            node: node.to_string(),
+            token,
+            valid_until: self.valid_until(asked),
+        };
+        self.clean_up(&lease)?;
+        Ok(lease)
+    }
+
+    fn renew(&self, lease: &mut Lease) -> Result<()> {
+        let asked = Instant::now();
+        let ttl = (self.cfg.lease_ttl.as_millis() as u64).to_string();
+        self.checked(
+            lease,
+            &self.scripts.renew,
+            &[self.key(lease.session, "lease")],
+            &[ttl.as_bytes()],
+        )?;
+        lease.valid_until = self.valid_until(asked);
+        Ok(())
+    }
+
+    fn release(&self, lease: &Lease) -> Result<()> {
+        match self.checked(
+            lease,
+            &self.scripts.release,
+            &[self.key(lease.session, "lease")],
+            &[],
+        ) {
+            Ok(_) | Err(RemoteError::Fenced { .. }) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn owner(&self, session: u64) -> Result<Option<String>> {
+        let v: Value = self.with(|c| redis::cmd("GET").arg(self.key(session, "lease")).query(c))?;
+        Ok(holder_of(Some(&v)))
+    }
+
+    fn put_session(
+        &self,
+        lease: &Lease,
+        meta: &SessionRecord,
+        runs: &[BlockRun<'_>],
+    ) -> Result<u64> {
+        if meta.id != lease.session {
+            return Err(RemoteError::Invalid(format!(
+                "a lease of session {} cannot write session {}",
+                lease.session, meta.id
+            )));
+        }
+        Self::check_runs(meta, runs)?;
+        Self::check_valid(lease)?;
+        let id = meta.id;
+        let previous = self.record(id)?;
+        // Listed before anything is written: resuming nodes find the session by it.
+        self.with(|c| {
+            redis::cmd("SADD")
+                .arg(self.index_key())
+                .arg(id)
+                .query::<()>(c)
+        })?;
+
+        let packed = pack_runs(runs.iter().map(|r| (r.layer, r.block)));
+        let reply = self.checked(
+            lease,
+            &self.scripts.begin,
+            &[
+                self.key(id, "lease"),
+                self.key(id, "gen"),
+                self.key(id, "pending"),
+            ],
+            &[&packed],
+        )?;
+        let generation = reply.get(1).and_then(int).unwrap_or(0) as u64;
+
+        // The pages, in pipelines of about `batch_bytes`.
+        let mut written = Vec::with_capacity(runs.len());
+        let mut at = 0;
+        while at < runs.len() {
+            Self::check_valid(lease)?;
+            let mut p = cluster_pipe();
+            let mut bytes = 0;
+            while at < runs.len() && (bytes == 0 || bytes < self.cfg.batch_bytes) {
+                let r = &runs[at];
+                let pid = PageId {
+                    session: id,
+                    layer: r.layer,
+                    block: r.block,
+                    generation,
+                };
+                let mut buf = vec![0u8; page::HEADER_LEN + r.bytes.len()];
+                let crc = page::encode(&mut buf, pid, r.bytes);
+                bytes += buf.len();
+                p.set(self.page_key(id, r.layer, r.block, generation), buf)
+                    .ignore();
+                written.push(RemotePage {
+                    layer: r.layer,
+                    block: r.block,
+                    generation,
+                    crc,
+                    payload_len: r.bytes.len() as u32,
+                });
+                at += 1;
+            }
+            self.with(|c| p.query::<()>(c))?;
+        }
+        self.wait_replicas()?;
+
+        // The new record: the previous pages but those rewritten, and the new ones.
+        let rewritten: HashSet<(u32, u32)> = runs.iter().map(|r| (r.layer, r.block)).collect();
+        let mut superseded = Vec::new();
+        let mut pages = Vec::with_capacity(written.len());
+        for p in previous.iter().flat_map(|r| r.pages.iter()) {
+            if rewritten.contains(&(p.layer, p.block)) {
+                superseded.push((p.layer, p.block, p.generation));
+            } else {
+                pages.push(*p);
+            }
+        }
+        pages.extend(written);
+        pages.sort_by_key(|p| (p.layer, p.block));
+        let record = RemoteRecord {
+            session: SessionRecord {
+                pages: Vec::new(),
+                ..meta.clone()
+            },
+            pages,
+            generation,
+        };
+        Self::check_valid(lease)?;
+        let gen_field = generation.to_string();
+        let superseded_packed = pack_pages(superseded.iter().copied());
+        self.checked(
+            lease,
+            &self.scripts.commit,
+            &[
+                self.key(id, "lease"),
+                self.key(id, "record"),
+                self.key(id, "pending"),
+            ],
+            &[gen_field.as_bytes(), &record.encode(), &superseded_packed],
+        )?;
+        self.wait_replicas()?;
+
+        // Committed: what is left is clean-up, which the next owner redoes if this fails.
+        if !superseded.is_empty() {
+            let cleaned = self.delete_pages(id, &superseded).and_then(|()| {
+                let field = format!("del:{generation}");
+                self.checked(
+                    lease,
+                    &self.scripts.cleared,
+                    &[self.key(id, "lease"), self.key(id, "pending")],
+                    &[field.as_bytes()],
+                )
+            });
+            if let Err(e) = cleaned {
+                tracing::warn!(session = id, error = %e, "remote: superseded pages left for the next owner to remove");
+            }
+        }
+        Ok(generation)
+    }
+
+    fn record(&self, session: u64) -> Result<Option<RemoteRecord>> {
+        let bytes: Option<Vec<u8>> =
+            self.with(|c| redis::cmd("GET").arg(self.key(session, "record")).query(c))?;
+        bytes.map(|b| RemoteRecord::decode(session, &b)).transpose()
+    }
+
+    fn read_runs(&self, record: &RemoteRecord, wanted: &[(u32, u32)]) -> Result<Vec<Vec<u8>>> {
+        let id = record.id();
+        let mut pages = Vec::with_capacity(wanted.len());
+        for &(layer, block) in wanted {
+            pages.push(*record.page(layer, block).ok_or(RemoteError::NoSuchRun {
+                session: id,
+                layer,
+                block,
+            })?);
+        }
+        let mut out = Vec::with_capacity(wanted.len());
+        let mut at = 0;
+        while at < pages.len() {
+            let mut p = cluster_pipe();
+            let mut bytes = 0;
+            let start = at;
+            while at < pages.len() && (bytes == 0 || bytes < self.cfg.batch_bytes) {
+                let pg = &pages[at];
+                p.get(self.page_key(id, pg.layer, pg.block, pg.generation));
+                bytes += page::HEADER_LEN + pg.payload_len as usize;
+                at += 1;
+            }
+            let got: Vec<Option<Vec<u8>>> = self.with(|c| p.query(c))?;
+            for (pg, bytes) in pages[start..at].iter().zip(got) {
+                let Some(mut bytes) = bytes else {
+                    return Err(RemoteError::MissingPage {
+                        session: id,
+                        layer: pg.layer,
+                        block: pg.block,
+                        generation: pg.generation,
+                    });
+                };
+                let corrupt = |reason| RemoteError::CorruptPage {
+                    session: id,
+                    layer: pg.layer,
+                    block: pg.block,
+                    reason,
+                };
+                if bytes.len() < page::HEADER_LEN {
+                    return Err(corrupt(kvtier_storage::nvme::CorruptReason::BadLength {
+                        found: bytes.len() as u32,
+                        max: page::HEADER_LEN,
+                    }));
+                }
+                let expected = PageId {
+                    session: id,
+                    layer: pg.layer,
+                    block: pg.block,
+                    generation: pg.generation,
+                };
+                let (len, crc) = page::verify(&bytes, expected).map_err(corrupt)?;
+                if crc != pg.crc || len != pg.payload_len as usize {
+                    return Err(corrupt(
+                        kvtier_storage::nvme::CorruptReason::UnexpectedChecksum {
+                            expected: pg.crc,
+                            found: crc,
+                        },
+                    ));
+                }
+                bytes.drain(..page::HEADER_LEN);
+                bytes.truncate(len);
+                out.push(bytes);
+            }
+        }
+        Ok(out)
+    }
+
+    fn delete_session(&self, lease: &Lease) -> Result<()> {
+        Self::check_valid(lease)?;
+        let id = lease.session;
+        let Some(record) = self.record(id)? else {
+            return Ok(());
+        };
+        let pages: Vec<_> = record
+            .pages
+            .iter()
+            .map(|p| (p.layer, p.block, p.generation))
+            .collect();
+        let packed = pack_pages(pages.iter().copied());
+        self.checked(
+            lease,
+            &self.scripts.delete,
+            &[
+                self.key(id, "lease"),
+                self.key(id, "record"),
+                self.key(id, "pending"),
+            ],
+            &[&packed],
+        )?;
+        self.delete_pages(id, &pages)?;
+        self.checked(
+            lease,
+            &self.scripts.cleared,
+            &[self.key(id, "lease"), self.key(id, "pending")],
+            &[b"del:all"],
+        )?;
+        self.with(|c| {
+            redis::cmd("SREM")
+                .arg(self.index_key())
+                .arg(id)
+                .query::<()>(c)
+        })?;
+        Ok(())
+    }
+
+    fn session_ids(&self) -> Result<Vec<u64>> {
+        let mut ids: Vec<u64> =
+            self.with(|c| redis::cmd("SMEMBERS").arg(self.index_key()).query(c))?;
+        ids.sort_unstable();
+        Ok(ids)
+    }
+}

@@ -1,0 +1,121 @@
+//! kvtier's remote tier: sessions kept in a store shared by every node, so that a session
+//! outlives the node that built it and resumes on any other.
+//!
+//! [`RemoteStore`] is what a node asks of such a store; [`ClusterStore`] implements it on a
+//! Redis Cluster (an S3-style object store with conditional writes could implement it next).
+//!
+//! # What is stored
+//!
+//! - **Pages**: one (layer, block) run each, in the NVMe tier's checksummed page format
+//!   (`kvtier_storage::nvme::page`: identity, generation, crc32c), so a page read from the
+//!   cluster is verified exactly as one read from a disk. Each write of a session takes a new
+//!   generation; a page's key names it, so a stale or half-written page can never pass for
+//!   the one the record names.
+//! - **The record**: the session's manifest record (geometry, policy, tokens per layer, owner,
+//!   label) and, for every (layer, block), the generation, checksum and length of its page.
+//!   A write is committed when its record is.
+//! - **The lease**: which node owns the session now, with a fencing token.
+//!
+//! # Ownership
+//!
+//! One node owns a session at a time: [`RemoteStore::acquire`] takes a lease that expires
+//! unless renewed and issues a fencing token larger than any issued before for that session.
+//! Every write checks, inside the store and atomically with the write, that the lease it
+//! holds is still the current one: a node whose lease expired (a pause, a partition) and was
+//! taken over has its late writes refused ([`RemoteError::Fenced`]), and a node refuses
+//! locally to write under a lease it can no longer be sure of ([`RemoteError::LeaseExpired`]).
+//!
+//! # A write, and what a crash leaves
+//!
+//! [`RemoteStore::put_session`]: (1) *begin*: under the lease check, take a generation and
+//! note the runs about to be written as pending; (2) the pages, pipelined and spread over the
+//! cluster's hash slots; (3) with `replicas > 0`, wait until every master has that many
+//! replicas acknowledging (Redis `WAIT`); (4) *commit*: under the lease check, replace the
+//! record, clear the pending note and note the pages it stops referencing; (5) delete those.
+//! A crash before (4) leaves pages no record names, listed as pending; one after (4), pages
+//! to delete, listed too: the next owner removes both when it takes the lease
+//! ([`RemoteStore::acquire`]). Nothing the record names is deleted before the record stops
+//! naming it.
+//!
+//! # Keys (Redis Cluster)
+//!
+//! With prefix `P` (`remote.key_prefix`), a session `ID` has `{P:ID}:lease`, `{P:ID}:fence`,
+//! `{P:ID}:gen`, `{P:ID}:pending` and `{P:ID}:record`, all in one hash slot (the hash tag), so
+//! each lease-checked step is one atomic script; its pages are `P:page:ID:LAYER:BLOCK:GEN`,
+//! spread over every slot. `P:sessions` lists the session ids stored.
+
+mod cluster;
+mod error;
+mod record;
+
+pub use cluster::{ClusterConfig, ClusterStore};
+pub use error::{RemoteError, Result};
+pub use record::{RemotePage, RemoteRecord};
+
+use std::time::Instant;
+
+use kvtier_storage::nvme::manifest::SessionRecord;
+use kvtier_storage::nvme::BlockRun;
+
+/// A node's ownership of one session, as [`RemoteStore::acquire`] granted it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    pub session: u64,
+    /// The owning node's name (`remote.node`).
+    pub node: String,
+    /// The fencing token: larger than every token issued for this session before.
+    pub token: u64,
+    /// Until when this node may rely on the lease: its expiry measured from before the request
+    /// that took or renewed it, less a margin for clock drift. Past it, writes are refused
+    /// locally ([`RemoteError::LeaseExpired`]).
+    pub valid_until: Instant,
+}
+
+impl Lease {
+    pub fn is_valid(&self) -> bool {
+        Instant::now() < self.valid_until
+    }
+}
+
+/// A store every node shares, holding sessions' pages, records and leases.
+pub trait RemoteStore: Send + Sync {
+    /// Takes the lease of `session` for `node`, if no other node holds a live one
+    /// ([`RemoteError::Owned`] names the one that does). Cleans up what an earlier owner's
+    /// interrupted write left (module docs).
+    fn acquire(&self, session: u64, node: &str) -> Result<Lease>;
+
+    /// Extends the lease by the configured time; [`RemoteError::Fenced`] if it was lost.
+    fn renew(&self, lease: &mut Lease) -> Result<()>;
+
+    /// Gives the lease up (nothing if it was lost already).
+    fn release(&self, lease: &Lease) -> Result<()>;
+
+    /// The node holding a live lease of `session`, if any.
+    fn owner(&self, session: u64) -> Result<Option<String>>;
+
+    /// Stores `runs` of the session `meta` describes (its `pages` are ignored: runs not given
+    /// keep their stored pages) and commits the record. Returns the write's generation; when
+    /// it returns `Ok`, the runs and record are in the store (on `replicas` replicas of each
+    /// master as well, where configured).
+    fn put_session(
+        &self,
+        lease: &Lease,
+        meta: &SessionRecord,
+        runs: &[BlockRun<'_>],
+    ) -> Result<u64>;
+
+    /// The committed record of `session`, if the store holds it.
+    fn record(&self, session: u64) -> Result<Option<RemoteRecord>>;
+
+    /// The payloads of `wanted` (layer, block) runs of the session `record` describes, in
+    /// order, each verified against the record. A run the record does not name, a missing
+    /// page and a corrupt one are errors ([`RemoteError::is_data_loss`]).
+    fn read_runs(&self, record: &RemoteRecord, wanted: &[(u32, u32)]) -> Result<Vec<Vec<u8>>>;
+
+    /// Removes the session's record and pages under the lease (the lease stays until
+    /// released).
+    fn delete_session(&self, lease: &Lease) -> Result<()>;
+
+    /// The ids of the sessions stored.
+    fn session_ids(&self) -> Result<Vec<u64>>;
+}
