@@ -10,7 +10,7 @@ use redis::cluster::{cluster_pipe, ClusterClient, ClusterConnection};
 use redis::cluster_routing::{AggregateOp, MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
 use redis::{Script, Value};
 
-use crate::{Lease, RemoteError, RemotePage, RemoteRecord, RemoteStore, Result};
+use crate::{Claim, RemoteError, RemotePage, RemoteRecord, RemoteStore, Result};
 
 /// How to reach the cluster and what a write waits for (`[remote]` in tierd's config).
 #[derive(Debug, Clone)]
@@ -22,8 +22,8 @@ pub struct ClusterConfig {
     pub connect_timeout: Duration,
     /// How long one request may wait for its answer.
     pub response_timeout: Duration,
-    /// How long a lease lasts unless renewed.
-    pub lease_ttl: Duration,
+    /// How long a claim lasts unless renewed.
+    pub claim_ttl: Duration,
     /// Replicas of each master that must acknowledge a write before it counts (Redis `WAIT`);
     /// 0: a master's acknowledgement.
     pub replicas: u32,
@@ -40,7 +40,7 @@ impl Default for ClusterConfig {
             key_prefix: "kvtier".into(),
             connect_timeout: Duration::from_secs(2),
             response_timeout: Duration::from_secs(5),
-            lease_ttl: Duration::from_secs(10),
+            claim_ttl: Duration::from_secs(10),
             replicas: 1,
             replica_timeout: Duration::from_secs(2),
             batch_bytes: 16 << 20,
@@ -48,15 +48,15 @@ impl Default for ClusterConfig {
     }
 }
 
-/// A lease's local validity is its TTL less this share, for clock drift between the node
+/// A claim's local validity is its TTL less this share, for clock drift between the node
 /// and the store.
 const DRIFT: f64 = 0.1;
 
-// Each script takes the session's keys, all under one hash tag, and checks the lease first:
-// ARGV[1] is the lease value "<token> <node>" the caller holds. A refusal is {0, holder}.
+// Each script takes the session's keys, all under one hash tag, and checks the claim first:
+// ARGV[1] is the claim value "<token> <node>" the caller holds. A refusal is {0, holder}.
 
-/// KEYS lease, fence; ARGV node, ttl_ms → {1, token} or {0, owner, pttl}.
-const ACQUIRE: &str = r"
+/// KEYS claim, fence; ARGV node, ttl_ms → {1, token} or {0, owner, pttl}.
+const CLAIM: &str = r"
 local cur = redis.call('GET', KEYS[1])
 if cur then
   local holder = string.sub(cur, string.find(cur, ' ') + 1)
@@ -67,7 +67,7 @@ redis.call('SET', KEYS[1], token .. ' ' .. ARGV[1], 'PX', ARGV[2])
 return {1, token}
 ";
 
-/// KEYS lease; ARGV value, ttl_ms.
+/// KEYS claim; ARGV value, ttl_ms.
 const RENEW: &str = r"
 local cur = redis.call('GET', KEYS[1])
 if cur ~= ARGV[1] then return {0, cur or ''} end
@@ -75,15 +75,15 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {1}
 ";
 
-/// KEYS lease; ARGV value.
-const RELEASE: &str = r"
+/// KEYS claim; ARGV value.
+const GIVE_UP: &str = r"
 local cur = redis.call('GET', KEYS[1])
 if cur ~= ARGV[1] then return {0, cur or ''} end
 redis.call('DEL', KEYS[1])
 return {1}
 ";
 
-/// KEYS lease, gen, pending; ARGV value, runs → {1, generation}.
+/// KEYS claim, gen, pending; ARGV value, runs → {1, generation}.
 const BEGIN: &str = r"
 local cur = redis.call('GET', KEYS[1])
 if cur ~= ARGV[1] then return {0, cur or ''} end
@@ -92,7 +92,7 @@ redis.call('HSET', KEYS[3], tostring(g), ARGV[2])
 return {1, g}
 ";
 
-/// KEYS lease, record, pending; ARGV value, generation, record, superseded (empty: none).
+/// KEYS claim, record, pending; ARGV value, generation, record, superseded (empty: none).
 const COMMIT: &str = r"
 local cur = redis.call('GET', KEYS[1])
 if cur ~= ARGV[1] then return {0, cur or ''} end
@@ -102,7 +102,7 @@ if ARGV[4] ~= '' then redis.call('HSET', KEYS[3], 'del:' .. ARGV[2], ARGV[4]) en
 return {1}
 ";
 
-/// KEYS lease, pending; ARGV value, fields... (what a cleanup finished).
+/// KEYS claim, pending; ARGV value, fields... (what a cleanup finished).
 const CLEARED: &str = r"
 local cur = redis.call('GET', KEYS[1])
 if cur ~= ARGV[1] then return {0, cur or ''} end
@@ -110,7 +110,7 @@ for i = 2, #ARGV do redis.call('HDEL', KEYS[2], ARGV[i]) end
 return {1}
 ";
 
-/// KEYS lease, record, pending; ARGV value, pages to delete → {1}: the record is gone and
+/// KEYS claim, record, pending; ARGV value, pages to delete → {1}: the record is gone and
 /// its pages are listed for deletion.
 const DELETE: &str = r"
 local cur = redis.call('GET', KEYS[1])
@@ -121,9 +121,9 @@ return {1}
 ";
 
 struct Scripts {
-    acquire: Script,
+    claim: Script,
     renew: Script,
-    release: Script,
+    give_up: Script,
     begin: Script,
     commit: Script,
     cleared: Script,
@@ -208,7 +208,7 @@ fn text(v: &Value) -> Option<String> {
     }
 }
 
-/// The node named in a lease value "<token> <node>" ('' or nil: none).
+/// The node named in a claim value "<token> <node>" ('' or nil: none).
 fn holder_of(v: Option<&Value>) -> Option<String> {
     let s = text(v?)?;
     let (_, node) = s.split_once(' ')?;
@@ -231,9 +231,9 @@ impl ClusterStore {
             cfg,
             idle: Mutex::new(Vec::new()),
             scripts: Scripts {
-                acquire: Script::new(ACQUIRE),
+                claim: Script::new(CLAIM),
                 renew: Script::new(RENEW),
-                release: Script::new(RELEASE),
+                give_up: Script::new(GIVE_UP),
                 begin: Script::new(BEGIN),
                 commit: Script::new(COMMIT),
                 cleared: Script::new(CLEARED),
@@ -285,20 +285,20 @@ impl ClusterStore {
         format!("{}:sessions", self.cfg.key_prefix)
     }
 
-    fn lease_value(lease: &Lease) -> String {
-        format!("{} {}", lease.token, lease.node)
+    fn claim_value(claim: &Claim) -> String {
+        format!("{} {}", claim.token, claim.node)
     }
 
-    /// Runs a lease-checked script: `Ok(reply)` when it ran, [`RemoteError::Fenced`] when the
-    /// lease was not the current one.
+    /// Runs a claim-checked script: `Ok(reply)` when it ran, [`RemoteError::Fenced`] when the
+    /// claim was not the current one.
     fn checked(
         &self,
-        lease: &Lease,
+        claim: &Claim,
         script: &Script,
         keys: &[String],
         args: &[&[u8]],
     ) -> Result<Vec<Value>> {
-        let value = Self::lease_value(lease);
+        let value = Self::claim_value(claim);
         let reply: Vec<Value> = self.with(|c| {
             let mut inv = script.prepare_invoke();
             for k in keys {
@@ -314,26 +314,26 @@ impl ClusterStore {
             return Ok(reply);
         }
         Err(RemoteError::Fenced {
-            session: lease.session,
-            token: lease.token,
+            session: claim.session,
+            token: claim.token,
             holder: holder_of(reply.get(1)),
         })
     }
 
-    /// Refuses locally a write under a lease this node can no longer be sure of.
-    fn check_valid(lease: &Lease) -> Result<()> {
-        if lease.is_valid() {
+    /// Refuses locally a write under a claim this node can no longer be sure of.
+    fn check_valid(claim: &Claim) -> Result<()> {
+        if claim.is_valid() {
             Ok(())
         } else {
-            Err(RemoteError::LeaseExpired {
-                session: lease.session,
-                token: lease.token,
+            Err(RemoteError::ClaimExpired {
+                session: claim.session,
+                token: claim.token,
             })
         }
     }
 
     fn valid_until(&self, asked: Instant) -> Instant {
-        asked + self.cfg.lease_ttl.mul_f64(1.0 - DRIFT)
+        asked + self.cfg.claim_ttl.mul_f64(1.0 - DRIFT)
     }
 
     /// With `replicas > 0`: waits until every master has that many replicas acknowledging
@@ -372,16 +372,16 @@ impl ClusterStore {
 
     /// Removes what interrupted writes left (the crate docs): pages of uncommitted
     /// generations the record does not name, and pages listed for deletion.
-    fn clean_up(&self, lease: &Lease) -> Result<()> {
+    fn clean_up(&self, claim: &Claim) -> Result<()> {
         let pending: Vec<(Vec<u8>, Vec<u8>)> = self.with(|c| {
             redis::cmd("HGETALL")
-                .arg(self.key(lease.session, "pending"))
+                .arg(self.key(claim.session, "pending"))
                 .query(c)
         })?;
         if pending.is_empty() {
             return Ok(());
         }
-        let record = self.record(lease.session)?;
+        let record = self.record(claim.session)?;
         let named: HashSet<(u32, u32, u64)> = record
             .iter()
             .flat_map(|r| r.pages.iter().map(|p| (p.layer, p.block, p.generation)))
@@ -397,17 +397,17 @@ impl ClusterStore {
                 continue;
             };
             let orphans: Vec<_> = pages.into_iter().filter(|p| !named.contains(p)).collect();
-            self.delete_pages(lease.session, &orphans)?;
-            tracing::info!(session = lease.session, field = %name, pages = orphans.len(), "remote: removed what an interrupted write left");
+            self.delete_pages(claim.session, &orphans)?;
+            tracing::info!(session = claim.session, field = %name, pages = orphans.len(), "remote: removed what an interrupted write left");
             fields.push(field.clone());
         }
         let args: Vec<&[u8]> = fields.iter().map(Vec::as_slice).collect();
         self.checked(
-            lease,
+            claim,
             &self.scripts.cleared,
             &[
-                self.key(lease.session, "lease"),
-                self.key(lease.session, "pending"),
+                self.key(claim.session, "claim"),
+                self.key(claim.session, "pending"),
             ],
             &args,
         )?;
@@ -435,7 +435,7 @@ impl ClusterStore {
 }
 
 impl RemoteStore for ClusterStore {
-    fn acquire(&self, session: u64, node: &str) -> Result<Lease> {
+    fn claim(&self, session: u64, node: &str) -> Result<Claim> {
         if node.is_empty() || node.contains(' ') {
             return Err(RemoteError::Invalid(format!(
                 "node name {node:?}: must be non-empty, without spaces"
@@ -444,11 +444,11 @@ impl RemoteStore for ClusterStore {
         let asked = Instant::now();
         let reply: Vec<Value> = self.with(|c| {
             self.scripts
-                .acquire
-                .key(self.key(session, "lease"))
+                .claim
+                .key(self.key(session, "claim"))
                 .key(self.key(session, "fence"))
                 .arg(node)
-                .arg(self.cfg.lease_ttl.as_millis() as u64)
+                .arg(self.cfg.claim_ttl.as_millis() as u64)
                 .invoke(c)
         })?;
         if reply.first().and_then(int) != Some(1) {
@@ -459,37 +459,37 @@ impl RemoteStore for ClusterStore {
             });
         }
         let token = reply.get(1).and_then(int).unwrap_or(0) as u64;
-        // The lease and its token on the replicas before anyone relies on them: a failover
+        // The claim and its token on the replicas before anyone relies on them: a failover
         // must not hand the session, or the same token, to a second node.
         self.wait_replicas()?;
-        let lease = Lease {
+        let claim = Claim {
             session,
             node: node.to_string(),
             token,
             valid_until: self.valid_until(asked),
         };
-        self.clean_up(&lease)?;
-        Ok(lease)
+        self.clean_up(&claim)?;
+        Ok(claim)
     }
 
-    fn renew(&self, lease: &mut Lease) -> Result<()> {
+    fn renew(&self, claim: &mut Claim) -> Result<()> {
         let asked = Instant::now();
-        let ttl = (self.cfg.lease_ttl.as_millis() as u64).to_string();
+        let ttl = (self.cfg.claim_ttl.as_millis() as u64).to_string();
         self.checked(
-            lease,
+            claim,
             &self.scripts.renew,
-            &[self.key(lease.session, "lease")],
+            &[self.key(claim.session, "claim")],
             &[ttl.as_bytes()],
         )?;
-        lease.valid_until = self.valid_until(asked);
+        claim.valid_until = self.valid_until(asked);
         Ok(())
     }
 
-    fn release(&self, lease: &Lease) -> Result<()> {
+    fn give_up(&self, claim: &Claim) -> Result<()> {
         match self.checked(
-            lease,
-            &self.scripts.release,
-            &[self.key(lease.session, "lease")],
+            claim,
+            &self.scripts.give_up,
+            &[self.key(claim.session, "claim")],
             &[],
         ) {
             Ok(_) | Err(RemoteError::Fenced { .. }) => Ok(()),
@@ -498,24 +498,24 @@ impl RemoteStore for ClusterStore {
     }
 
     fn owner(&self, session: u64) -> Result<Option<String>> {
-        let v: Value = self.with(|c| redis::cmd("GET").arg(self.key(session, "lease")).query(c))?;
+        let v: Value = self.with(|c| redis::cmd("GET").arg(self.key(session, "claim")).query(c))?;
         Ok(holder_of(Some(&v)))
     }
 
     fn put_session(
         &self,
-        lease: &Lease,
+        claim: &Claim,
         meta: &SessionRecord,
         runs: &[BlockRun<'_>],
     ) -> Result<u64> {
-        if meta.id != lease.session {
+        if meta.id != claim.session {
             return Err(RemoteError::Invalid(format!(
-                "a lease of session {} cannot write session {}",
-                lease.session, meta.id
+                "a claim of session {} cannot write session {}",
+                claim.session, meta.id
             )));
         }
         Self::check_runs(meta, runs)?;
-        Self::check_valid(lease)?;
+        Self::check_valid(claim)?;
         let id = meta.id;
         let previous = self.record(id)?;
         // Listed before anything is written: resuming nodes find the session by it.
@@ -528,10 +528,10 @@ impl RemoteStore for ClusterStore {
 
         let packed = pack_runs(runs.iter().map(|r| (r.layer, r.block)));
         let reply = self.checked(
-            lease,
+            claim,
             &self.scripts.begin,
             &[
-                self.key(id, "lease"),
+                self.key(id, "claim"),
                 self.key(id, "gen"),
                 self.key(id, "pending"),
             ],
@@ -543,7 +543,7 @@ impl RemoteStore for ClusterStore {
         let mut written = Vec::with_capacity(runs.len());
         let mut at = 0;
         while at < runs.len() {
-            Self::check_valid(lease)?;
+            Self::check_valid(claim)?;
             let mut p = cluster_pipe();
             let mut bytes = 0;
             while at < runs.len() && (bytes == 0 || bytes < self.cfg.batch_bytes) {
@@ -593,14 +593,14 @@ impl RemoteStore for ClusterStore {
             pages,
             generation,
         };
-        Self::check_valid(lease)?;
+        Self::check_valid(claim)?;
         let gen_field = generation.to_string();
         let superseded_packed = pack_pages(superseded.iter().copied());
         self.checked(
-            lease,
+            claim,
             &self.scripts.commit,
             &[
-                self.key(id, "lease"),
+                self.key(id, "claim"),
                 self.key(id, "record"),
                 self.key(id, "pending"),
             ],
@@ -613,9 +613,9 @@ impl RemoteStore for ClusterStore {
             let cleaned = self.delete_pages(id, &superseded).and_then(|()| {
                 let field = format!("del:{generation}");
                 self.checked(
-                    lease,
+                    claim,
                     &self.scripts.cleared,
-                    &[self.key(id, "lease"), self.key(id, "pending")],
+                    &[self.key(id, "claim"), self.key(id, "pending")],
                     &[field.as_bytes()],
                 )
             });
@@ -699,9 +699,9 @@ impl RemoteStore for ClusterStore {
         Ok(out)
     }
 
-    fn delete_session(&self, lease: &Lease) -> Result<()> {
-        Self::check_valid(lease)?;
-        let id = lease.session;
+    fn delete_session(&self, claim: &Claim) -> Result<()> {
+        Self::check_valid(claim)?;
+        let id = claim.session;
         let Some(record) = self.record(id)? else {
             return Ok(());
         };
@@ -712,10 +712,10 @@ impl RemoteStore for ClusterStore {
             .collect();
         let packed = pack_pages(pages.iter().copied());
         self.checked(
-            lease,
+            claim,
             &self.scripts.delete,
             &[
-                self.key(id, "lease"),
+                self.key(id, "claim"),
                 self.key(id, "record"),
                 self.key(id, "pending"),
             ],
@@ -723,9 +723,9 @@ impl RemoteStore for ClusterStore {
         )?;
         self.delete_pages(id, &pages)?;
         self.checked(
-            lease,
+            claim,
             &self.scripts.cleared,
-            &[self.key(id, "lease"), self.key(id, "pending")],
+            &[self.key(id, "claim"), self.key(id, "pending")],
             &[b"del:all"],
         )?;
         self.with(|c| {

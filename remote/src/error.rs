@@ -11,25 +11,25 @@ pub enum RemoteError {
     /// down, a failover in progress, a connection refused): retry later.
     #[error("remote store unavailable: {0}")]
     Unavailable(String),
-    /// Another node holds a live lease of the session.
-    #[error("session {session} is owned by node {owner} (its lease expires in {expires_ms} ms unless renewed)")]
+    /// Another node holds a live claim of the session.
+    #[error("session {session} is owned by node {owner} (its claim expires in {expires_ms} ms unless renewed)")]
     Owned {
         session: u64,
         owner: String,
         expires_ms: i64,
     },
-    /// The lease this write was made under is no longer the current one: it expired, and
+    /// The claim this write was made under is no longer the current one: it expired, and
     /// perhaps another node took the session (`holder`). Nothing was written.
-    #[error("session {session}: lease (token {token}) lost{}", holder.as_ref().map(|h| format!(", now held by {h}")).unwrap_or_default())]
+    #[error("session {session}: claim (token {token}) lost{}", holder.as_ref().map(|h| format!(", now held by {h}")).unwrap_or_default())]
     Fenced {
         session: u64,
         token: u64,
         holder: Option<String>,
     },
-    /// The lease's local validity ran out before the write (no renewal reached the store in
+    /// The claim's local validity ran out before the write (no renewal reached the store in
     /// time): the write is refused here, before it could race a new owner.
-    #[error("session {session}: lease (token {token}) expired locally; not writing")]
-    LeaseExpired { session: u64, token: u64 },
+    #[error("session {session}: claim (token {token}) expired locally; not writing")]
+    ClaimExpired { session: u64, token: u64 },
     /// Fewer replicas acknowledged the write than `remote.replicas` asks for. The write is
     /// not committed.
     #[error("write not acknowledged by {wanted} replicas of every master within the timeout (fewest: {got})")]

@@ -14,34 +14,35 @@
 //! - **The record**: the session's manifest record (geometry, policy, tokens per layer, owner,
 //!   label) and, for every (layer, block), the generation, checksum and length of its page.
 //!   A write is committed when its record is.
-//! - **The lease**: which node owns the session now, with a fencing token.
+//! - **The claim**: which node owns the session now, with a fencing token (a *claim*, since
+//!   in tierd a LEASE is an engine's hold on a session's host extents).
 //!
 //! # Ownership
 //!
-//! One node owns a session at a time: [`RemoteStore::acquire`] takes a lease that expires
+//! One node owns a session at a time: [`RemoteStore::claim`] takes a claim that expires
 //! unless renewed and issues a fencing token larger than any issued before for that session.
-//! Every write checks, inside the store and atomically with the write, that the lease it
-//! holds is still the current one: a node whose lease expired (a pause, a partition) and was
+//! Every write checks, inside the store and atomically with the write, that the claim it
+//! holds is still the current one: a node whose claim expired (a pause, a partition) and was
 //! taken over has its late writes refused ([`RemoteError::Fenced`]), and a node refuses
-//! locally to write under a lease it can no longer be sure of ([`RemoteError::LeaseExpired`]).
+//! locally to write under a claim it can no longer be sure of ([`RemoteError::ClaimExpired`]).
 //!
 //! # A write, and what a crash leaves
 //!
-//! [`RemoteStore::put_session`]: (1) *begin*: under the lease check, take a generation and
+//! [`RemoteStore::put_session`]: (1) *begin*: under the claim check, take a generation and
 //! note the runs about to be written as pending; (2) the pages, pipelined and spread over the
 //! cluster's hash slots; (3) with `replicas > 0`, wait until every master has that many
-//! replicas acknowledging (Redis `WAIT`); (4) *commit*: under the lease check, replace the
+//! replicas acknowledging (Redis `WAIT`); (4) *commit*: under the claim check, replace the
 //! record, clear the pending note and note the pages it stops referencing; (5) delete those.
 //! A crash before (4) leaves pages no record names, listed as pending; one after (4), pages
-//! to delete, listed too: the next owner removes both when it takes the lease
-//! ([`RemoteStore::acquire`]). Nothing the record names is deleted before the record stops
+//! to delete, listed too: the next owner removes both when it takes the claim
+//! ([`RemoteStore::claim`]). Nothing the record names is deleted before the record stops
 //! naming it.
 //!
 //! # Keys (Redis Cluster)
 //!
-//! With prefix `P` (`remote.key_prefix`), a session `ID` has `{P:ID}:lease`, `{P:ID}:fence`,
+//! With prefix `P` (`remote.key_prefix`), a session `ID` has `{P:ID}:claim`, `{P:ID}:fence`,
 //! `{P:ID}:gen`, `{P:ID}:pending` and `{P:ID}:record`, all in one hash slot (the hash tag), so
-//! each lease-checked step is one atomic script; its pages are `P:page:ID:LAYER:BLOCK:GEN`,
+//! each claim-checked step is one atomic script; its pages are `P:page:ID:LAYER:BLOCK:GEN`,
 //! spread over every slot. `P:sessions` lists the session ids stored.
 
 mod cluster;
@@ -57,40 +58,40 @@ use std::time::Instant;
 use kvtier_storage::nvme::manifest::SessionRecord;
 use kvtier_storage::nvme::BlockRun;
 
-/// A node's ownership of one session, as [`RemoteStore::acquire`] granted it.
+/// A node's ownership of one session, as [`RemoteStore::claim`] granted it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Lease {
+pub struct Claim {
     pub session: u64,
     /// The owning node's name (`remote.node`).
     pub node: String,
     /// The fencing token: larger than every token issued for this session before.
     pub token: u64,
-    /// Until when this node may rely on the lease: its expiry measured from before the request
+    /// Until when this node may rely on the claim: its expiry measured from before the request
     /// that took or renewed it, less a margin for clock drift. Past it, writes are refused
-    /// locally ([`RemoteError::LeaseExpired`]).
+    /// locally ([`RemoteError::ClaimExpired`]).
     pub valid_until: Instant,
 }
 
-impl Lease {
+impl Claim {
     pub fn is_valid(&self) -> bool {
         Instant::now() < self.valid_until
     }
 }
 
-/// A store every node shares, holding sessions' pages, records and leases.
+/// A store every node shares, holding sessions' pages, records and claims.
 pub trait RemoteStore: Send + Sync {
-    /// Takes the lease of `session` for `node`, if no other node holds a live one
+    /// Takes the claim of `session` for `node`, if no other node holds a live one
     /// ([`RemoteError::Owned`] names the one that does). Cleans up what an earlier owner's
     /// interrupted write left (module docs).
-    fn acquire(&self, session: u64, node: &str) -> Result<Lease>;
+    fn claim(&self, session: u64, node: &str) -> Result<Claim>;
 
-    /// Extends the lease by the configured time; [`RemoteError::Fenced`] if it was lost.
-    fn renew(&self, lease: &mut Lease) -> Result<()>;
+    /// Extends the claim by the configured time; [`RemoteError::Fenced`] if it was lost.
+    fn renew(&self, claim: &mut Claim) -> Result<()>;
 
-    /// Gives the lease up (nothing if it was lost already).
-    fn release(&self, lease: &Lease) -> Result<()>;
+    /// Gives the claim up (nothing if it was lost already).
+    fn give_up(&self, claim: &Claim) -> Result<()>;
 
-    /// The node holding a live lease of `session`, if any.
+    /// The node holding a live claim of `session`, if any.
     fn owner(&self, session: u64) -> Result<Option<String>>;
 
     /// Stores `runs` of the session `meta` describes (its `pages` are ignored: runs not given
@@ -99,7 +100,7 @@ pub trait RemoteStore: Send + Sync {
     /// master as well, where configured).
     fn put_session(
         &self,
-        lease: &Lease,
+        claim: &Claim,
         meta: &SessionRecord,
         runs: &[BlockRun<'_>],
     ) -> Result<u64>;
@@ -112,9 +113,9 @@ pub trait RemoteStore: Send + Sync {
     /// page and a corrupt one are errors ([`RemoteError::is_data_loss`]).
     fn read_runs(&self, record: &RemoteRecord, wanted: &[(u32, u32)]) -> Result<Vec<Vec<u8>>>;
 
-    /// Removes the session's record and pages under the lease (the lease stays until
-    /// released).
-    fn delete_session(&self, lease: &Lease) -> Result<()>;
+    /// Removes the session's record and pages under the claim (the claim stays until
+    /// given up).
+    fn delete_session(&self, claim: &Claim) -> Result<()>;
 
     /// The ids of the sessions stored.
     fn session_ids(&self) -> Result<Vec<u64>>;

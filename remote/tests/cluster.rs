@@ -4,7 +4,7 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvtier_remote::{ClusterConfig, ClusterStore, Lease, RemoteError, RemoteStore};
+use kvtier_remote::{Claim, ClusterConfig, ClusterStore, RemoteError, RemoteStore};
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
 use kvtier_storage::nvme::BlockRun;
 use kvtier_storage::{DType, Geometry, Policy};
@@ -70,7 +70,7 @@ fn as_runs(owned: &[(u32, u32, Vec<u8>)]) -> Vec<BlockRun<'_>> {
 fn config(cluster: &RedisCluster, ttl: Duration) -> ClusterConfig {
     ClusterConfig {
         seeds: cluster.seeds(),
-        lease_ttl: ttl,
+        claim_ttl: ttl,
         replicas: 1,
         batch_bytes: 64 << 10,
         ..ClusterConfig::default()
@@ -99,10 +99,10 @@ fn a_session_round_trips_and_a_rewrite_replaces_only_its_runs() {
         return;
     };
     let store = ClusterStore::connect(config(&cluster, Duration::from_secs(10))).unwrap();
-    let lease = store.acquire(7, "node-a").unwrap();
+    let claim = store.claim(7, "node-a").unwrap();
     let first = runs_of(7, 0..12, 0);
     store
-        .put_session(&lease, &record(7, 12), &as_runs(&first))
+        .put_session(&claim, &record(7, 12), &as_runs(&first))
         .unwrap();
     assert_holds(&store, 7, 12, 0);
     let keys = cluster.keys();
@@ -110,7 +110,7 @@ fn a_session_round_trips_and_a_rewrite_replaces_only_its_runs() {
     // Rewrite blocks 4..8 of both layers, then add blocks 12..14: the other runs stay.
     let second = runs_of(7, 4..8, 1);
     let g2 = store
-        .put_session(&lease, &record(7, 12), &as_runs(&second))
+        .put_session(&claim, &record(7, 12), &as_runs(&second))
         .unwrap();
     assert_eq!(cluster.keys(), keys, "the superseded pages were deleted");
     let rec = store.record(7).unwrap().unwrap();
@@ -125,7 +125,7 @@ fn a_session_round_trips_and_a_rewrite_replaces_only_its_runs() {
     }
     let third = runs_of(7, 12..14, 0);
     store
-        .put_session(&lease, &record(7, 14), &as_runs(&third))
+        .put_session(&claim, &record(7, 14), &as_runs(&third))
         .unwrap();
     assert_eq!(store.session_ids().unwrap(), vec![7]);
     assert_eq!(store.owner(7).unwrap().as_deref(), Some("node-a"));
@@ -144,11 +144,11 @@ fn a_session_round_trips_and_a_rewrite_replaces_only_its_runs() {
         "{e}"
     );
 
-    // Deleting removes everything but the lease and the fence.
-    store.delete_session(&lease).unwrap();
+    // Deleting removes everything but the claim and the fence.
+    store.delete_session(&claim).unwrap();
     assert!(store.record(7).unwrap().is_none());
     assert!(store.session_ids().unwrap().is_empty());
-    store.release(&lease).unwrap();
+    store.give_up(&claim).unwrap();
     assert_eq!(store.owner(7).unwrap(), None);
     assert_eq!(
         cluster.keys(),
@@ -163,10 +163,10 @@ fn a_missing_or_corrupt_page_or_record_is_data_loss_never_data() {
         return;
     };
     let store = ClusterStore::connect(config(&cluster, Duration::from_secs(10))).unwrap();
-    let lease = store.acquire(3, "node-a").unwrap();
+    let claim = store.claim(3, "node-a").unwrap();
     let runs = runs_of(3, 0..4, 0);
     let g = store
-        .put_session(&lease, &record(3, 4), &as_runs(&runs))
+        .put_session(&claim, &record(3, 4), &as_runs(&runs))
         .unwrap();
     let rec = store.record(3).unwrap().unwrap();
 
@@ -234,12 +234,12 @@ fn one_owner_at_a_time_and_a_stale_owner_is_fenced() {
     let ttl = Duration::from_millis(600);
     let a = ClusterStore::connect(config(&cluster, ttl)).unwrap();
     let b = ClusterStore::connect(config(&cluster, ttl)).unwrap();
-    let mut la = a.acquire(11, "node-a").unwrap();
+    let mut ca = a.claim(11, "node-a").unwrap();
     let runs = runs_of(11, 0..3, 0);
-    a.put_session(&la, &record(11, 3), &as_runs(&runs)).unwrap();
+    a.put_session(&ca, &record(11, 3), &as_runs(&runs)).unwrap();
 
-    // B is refused while A's lease is live, told who owns the session.
-    match b.acquire(11, "node-b") {
+    // B is refused while A's claim is live, told who owns the session.
+    match b.claim(11, "node-b") {
         Err(RemoteError::Owned {
             owner, expires_ms, ..
         }) => {
@@ -250,10 +250,10 @@ fn one_owner_at_a_time_and_a_stale_owner_is_fenced() {
     }
     // A renews and keeps it past the first TTL.
     std::thread::sleep(Duration::from_millis(400));
-    a.renew(&mut la).unwrap();
+    a.renew(&mut ca).unwrap();
     std::thread::sleep(Duration::from_millis(400));
     assert!(matches!(
-        b.acquire(11, "node-b"),
+        b.claim(11, "node-b"),
         Err(RemoteError::Owned { .. })
     ));
 
@@ -261,42 +261,42 @@ fn one_owner_at_a_time_and_a_stale_owner_is_fenced() {
     std::thread::sleep(ttl);
     let late = runs_of(11, 0..1, 9);
     let e = a
-        .put_session(&la, &record(11, 3), &as_runs(&late))
+        .put_session(&ca, &record(11, 3), &as_runs(&late))
         .unwrap_err();
-    assert!(matches!(e, RemoteError::LeaseExpired { .. }), "{e}");
+    assert!(matches!(e, RemoteError::ClaimExpired { .. }), "{e}");
 
     // B takes the session with a larger token.
-    let lb = b.acquire(11, "node-b").unwrap();
-    assert!(lb.token > la.token);
-    // A node that believes its lease still valid (its clock ran slow) is refused by the
+    let cb = b.claim(11, "node-b").unwrap();
+    assert!(cb.token > ca.token);
+    // A node that believes its claim still valid (its clock ran slow) is refused by the
     // store: nothing it sends is written.
-    let stale = Lease {
+    let stale = Claim {
         valid_until: Instant::now() + Duration::from_secs(60),
-        ..la.clone()
+        ..ca.clone()
     };
     match a.put_session(&stale, &record(11, 3), &as_runs(&late)) {
         Err(RemoteError::Fenced { holder, token, .. }) => {
             assert_eq!(holder.as_deref(), Some("node-b"));
-            assert_eq!(token, la.token);
+            assert_eq!(token, ca.token);
         }
         other => panic!("expected Fenced, got {other:?}"),
     }
-    assert!(matches!(a.renew(&mut la), Err(RemoteError::Fenced { .. })));
+    assert!(matches!(a.renew(&mut ca), Err(RemoteError::Fenced { .. })));
     assert!(matches!(
         a.delete_session(&stale),
         Err(RemoteError::Fenced { .. })
     ));
-    a.release(&stale).unwrap();
+    a.give_up(&stale).unwrap();
     assert_eq!(
         b.owner(11).unwrap().as_deref(),
         Some("node-b"),
-        "A's release left B's lease"
+        "A's give_up left B's claim"
     );
     assert_holds(&b, 11, 3, 0);
 
     // B writes; A's data is B's to extend.
     let more = runs_of(11, 3..5, 0);
-    b.put_session(&lb, &record(11, 5), &as_runs(&more)).unwrap();
+    b.put_session(&cb, &record(11, 5), &as_runs(&more)).unwrap();
     assert_holds(&a, 11, 5, 0);
 }
 
@@ -309,17 +309,17 @@ fn crash_child_writes_until_killed() {
     };
     let store = ClusterStore::connect(ClusterConfig {
         seeds: seeds.split(',').map(String::from).collect(),
-        lease_ttl: Duration::from_secs(2),
+        claim_ttl: Duration::from_secs(2),
         batch_bytes: 16 << 10,
         ..ClusterConfig::default()
     })
     .unwrap();
-    let mut lease = store.acquire(21, "crashing").unwrap();
+    let mut claim = store.claim(21, "crashing").unwrap();
     let runs = runs_of(21, 0..64, 1);
     loop {
-        store.renew(&mut lease).unwrap();
+        store.renew(&mut claim).unwrap();
         store
-            .put_session(&lease, &record(21, 64), &as_runs(&runs))
+            .put_session(&claim, &record(21, 64), &as_runs(&runs))
             .unwrap();
     }
 }
@@ -331,10 +331,10 @@ fn an_interrupted_write_is_removed_by_the_next_owner() {
     };
     let store = ClusterStore::connect(config(&cluster, Duration::from_secs(2))).unwrap();
     // The committed state the crash must not touch: blocks 0..64 at version 0.
-    let lease = store.acquire(21, "crashing").unwrap();
+    let claim = store.claim(21, "crashing").unwrap();
     let runs = runs_of(21, 0..64, 0);
     store
-        .put_session(&lease, &record(21, 64), &as_runs(&runs))
+        .put_session(&claim, &record(21, 64), &as_runs(&runs))
         .unwrap();
     let committed_keys = cluster.keys();
 
@@ -369,11 +369,11 @@ fn an_interrupted_write_is_removed_by_the_next_owner() {
     child.kill().unwrap();
     child.wait().unwrap();
 
-    // The next owner (after the lease expires) finds the session whole at whatever version
+    // The next owner (after the claim expires) finds the session whole at whatever version
     // was last committed, and no page left over.
     let t = Instant::now();
-    let lease = loop {
-        match store.acquire(21, "next") {
+    let claim = loop {
+        match store.claim(21, "next") {
             Ok(l) => break l,
             Err(RemoteError::Owned { .. }) if t.elapsed() < Duration::from_secs(10) => {
                 std::thread::sleep(Duration::from_millis(100))
@@ -393,7 +393,7 @@ fn an_interrupted_write_is_removed_by_the_next_owner() {
         .cli(master, &["hlen", "{kvtier:21}:pending"])
         .unwrap();
     assert_eq!(pending.trim(), "0");
-    store.release(&lease).unwrap();
+    store.give_up(&claim).unwrap();
 }
 
 #[test]
@@ -405,9 +405,9 @@ fn a_master_killed_mid_write_loses_no_acknowledged_write() {
     cfg.response_timeout = Duration::from_secs(2);
     let store = ClusterStore::connect(cfg).unwrap();
     let sessions: Vec<u64> = (100..112).collect();
-    let leases: Vec<Lease> = sessions
+    let claims: Vec<Claim> = sessions
         .iter()
-        .map(|&s| store.acquire(s, "node-a").unwrap())
+        .map(|&s| store.claim(s, "node-a").unwrap())
         .collect();
     // The master of the first session's record dies while writes stream (each write is 16
     // pages in several pipelines, so the kill lands inside one); once its replica has taken
@@ -427,11 +427,11 @@ fn a_master_killed_mid_write_loses_no_acknowledged_write() {
         });
         let mut round = 0u32;
         while t.elapsed() < Duration::from_secs(3) || round < 3 {
-            for (&s, lease) in sessions.iter().zip(&leases) {
+            for (&s, claim) in sessions.iter().zip(&claims) {
                 let runs = runs_of(s, 0..8, round);
                 // Retried until the cluster serves every slot again.
                 loop {
-                    match store.put_session(lease, &record(s, 8), &as_runs(&runs)) {
+                    match store.put_session(claim, &record(s, 8), &as_runs(&runs)) {
                         Ok(_) => break,
                         Err(RemoteError::Unavailable(_) | RemoteError::NotReplicated { .. })
                             if t.elapsed() < Duration::from_secs(90) =>
