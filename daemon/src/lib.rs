@@ -92,6 +92,10 @@ pub fn build_service(
     } else {
         metrics::Metrics::disabled()
     });
+    let service = match open_remote(cfg)? {
+        Some(remote) => service.with_remote(remote),
+        None => service,
+    };
     let t0 = std::time::Instant::now();
     let (loaded, problems) = service.recover();
     if loaded > 0 || !problems.is_empty() {
@@ -298,6 +302,50 @@ fn lock_state_dir(dir: &std::path::Path) -> Result<(), String> {
 /// A timeout in ms, 0 meaning none.
 fn millis(ms: u64) -> Option<Duration> {
     (ms > 0).then(|| Duration::from_millis(ms))
+}
+
+/// Connects to the remote tier's cluster the `[remote]` section describes (None when
+/// disabled). A cluster that cannot be reached fails the start, rather than a first OFFLOAD.
+pub fn open_remote(cfg: &Config) -> Result<Option<service::Remote>, String> {
+    let r = &cfg.remote;
+    if !r.enabled {
+        return Ok(None);
+    }
+    let ms = Duration::from_millis;
+    let store = kvtier_remote::ClusterStore::connect(kvtier_remote::ClusterConfig {
+        seeds: r.seeds.clone(),
+        key_prefix: r.key_prefix.clone(),
+        connect_timeout: ms(r.connect_timeout_ms),
+        response_timeout: ms(r.response_timeout_ms),
+        claim_ttl: ms(r.claim_ttl_ms),
+        replicas: r.replicas,
+        replica_timeout: ms(r.replica_timeout_ms),
+        ..Default::default()
+    })
+    .map_err(|e| format!("remote tier at {}: {e}", r.seeds.join(", ")))?;
+    let node = if r.node.is_empty() {
+        host_name()
+    } else {
+        r.node.clone()
+    };
+    tracing::info!(node = %node, seeds = %r.seeds.join(", "), replicas = r.replicas, "remote tier connected");
+    Ok(Some(service::Remote::new(
+        Arc::new(store),
+        node,
+        r.write_through,
+    )))
+}
+
+/// This host's name (`remote.node`'s default).
+fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `buf.len()` bytes into `buf`.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    match (rc, std::str::from_utf8(&buf[..end])) {
+        (0, Ok(name)) if !name.is_empty() => name.to_string(),
+        _ => format!("tierd-{}", std::process::id()),
+    }
 }
 
 /// The socket settings a config describes.

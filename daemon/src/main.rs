@@ -199,6 +199,27 @@ fn lock_progress(notifier: Option<Arc<Notifier>>) -> impl Fn(usize, usize) + Syn
     }
 }
 
+/// Renews the remote tier's claims of `service` every `every`, on a thread of its own, until
+/// the service is dropped.
+fn renew_claims_every(
+    service: std::sync::Weak<tierd::Service>,
+    every: Duration,
+) -> Result<(), String> {
+    std::thread::Builder::new()
+        .name("tierd-claims".into())
+        .spawn(move || loop {
+            std::thread::sleep(every);
+            match service.upgrade() {
+                Some(s) => {
+                    s.renew_claims();
+                }
+                None => break,
+            }
+        })
+        .map(|_| ())
+        .map_err(|e| format!("starting the claim renewal thread: {e}"))
+}
+
 fn serve(cfg: Config) -> Result<(), String> {
     tierd::preflight::check(&cfg).map_err(|e| e.to_string())?;
     let notifier = Notifier::from_env()
@@ -259,6 +280,12 @@ fn serve(cfg: Config) -> Result<(), String> {
     let gpu = gpu_decoder(&cfg, &arena)?;
     let service = Arc::new(tierd::build_service(&cfg, arena, gpu)?);
     bound.keep();
+    if cfg.remote.enabled {
+        renew_claims_every(
+            Arc::downgrade(&service),
+            Duration::from_millis(cfg.remote.claim_ttl_ms / 3),
+        )?;
+    }
     let usage = service.arena().usage();
     tracing::info!(
         capacity = %tierd::config::ByteSize(usage.bytes_total as u64),
@@ -288,7 +315,13 @@ fn serve(cfg: Config) -> Result<(), String> {
         tierd::run(listener, service.clone(), settings, shutdown)
             .await
             .map_err(|e| format!("server: {e}"))?;
-        // Every session goes to NVMe so a restart finds it (no-op without the NVMe tier).
+        // Sessions this node claims in the remote tier go there, and their claims are given
+        // up, so another node can take them at once (no-op without the remote tier).
+        let (offloaded, not_offloaded) = service.offload_claimed();
+        if offloaded + not_offloaded > 0 {
+            tracing::info!(offloaded, failed = not_offloaded, "sessions written to the remote tier");
+        }
+        // Every other session goes to NVMe so a restart finds it (no-op without the NVMe tier).
         let (ok, failed) = service.persist_all();
         if ok + failed > 0 {
             tracing::info!(persisted = ok, failed, "sessions written to the NVMe tier");

@@ -386,6 +386,12 @@ impl Client {
         expect_reply!(self, Request::Promote { session }, Response::Promote { blocks } => blocks)
     }
 
+    /// Moves the session to the remote tier (tierd's `[remote]`): written there, then dropped
+    /// here; any node resumes it when asked for it. Returns the blocks written.
+    pub fn offload(&mut self, session: u64) -> Result<u64, ClientError> {
+        expect_reply!(self, Request::Offload { session }, Response::Offload { blocks } => blocks)
+    }
+
     /// Pins (`true`) or unpins the session: a pinned session is never demoted.
     pub fn pin(&mut self, session: u64, pinned: bool) -> Result<(), ClientError> {
         let req = if pinned {

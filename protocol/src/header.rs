@@ -41,6 +41,7 @@ wire_enum! {
         Release = 0x0015 => "RELEASE",
         Reserve = 0x0016 => "RESERVE",
         Commit = 0x0017 => "COMMIT",
+        Offload = 0x0018 => "OFFLOAD",
     }
 }
 

@@ -311,6 +311,11 @@ pub enum Request<'a> {
     Promote {
         session: u64,
     },
+    /// Move a session to the remote tier: write it there, give up this node's claim and
+    /// drop it here (any node resumes it).
+    Offload {
+        session: u64,
+    },
     /// Never demote this session (until UNPIN).
     Pin {
         session: u64,
@@ -354,6 +359,7 @@ impl<'a> Request<'a> {
             Request::Evict { .. } => Opcode::Evict,
             Request::Demote { .. } => Opcode::Demote,
             Request::Promote { .. } => Opcode::Promote,
+            Request::Offload { .. } => Opcode::Offload,
             Request::Pin { .. } => Opcode::Pin,
             Request::Unpin { .. } => Opcode::Unpin,
             Request::Lease { .. } => Opcode::Lease,
@@ -383,6 +389,7 @@ impl<'a> Request<'a> {
             | Request::Evict { session }
             | Request::Demote { session }
             | Request::Promote { session }
+            | Request::Offload { session }
             | Request::Pin { session }
             | Request::Unpin { session }
             | Request::Lease { session }
@@ -446,6 +453,7 @@ impl<'a> Request<'a> {
             | Opcode::Evict
             | Opcode::Demote
             | Opcode::Promote
+            | Opcode::Offload
             | Opcode::Pin
             | Opcode::Unpin
             | Opcode::Lease
@@ -473,6 +481,7 @@ impl<'a> Request<'a> {
             Opcode::Evict => Request::Evict { session },
             Opcode::Demote => Request::Demote { session },
             Opcode::Promote => Request::Promote { session },
+            Opcode::Offload => Request::Offload { session },
             Opcode::Pin => Request::Pin { session },
             Opcode::Unpin => Request::Unpin { session },
             Opcode::Lease => Request::Lease { session },

@@ -146,6 +146,10 @@ pub enum Response {
     Promote {
         blocks: u64,
     },
+    /// Blocks written to the remote tier.
+    Offload {
+        blocks: u64,
+    },
     Pin,
     Unpin,
     /// The block table of a leased session; the arena's descriptor travels with the frame.
@@ -182,6 +186,7 @@ impl Response {
             Response::Stats(_) => Opcode::Stats,
             Response::Evict => Opcode::Evict,
             Response::Demote { .. } => Opcode::Demote,
+            Response::Offload { .. } => Opcode::Offload,
             Response::Promote { .. } => Opcode::Promote,
             Response::Pin => Opcode::Pin,
             Response::Unpin => Opcode::Unpin,
@@ -220,7 +225,9 @@ impl Response {
                 }
                 Ok(())
             }
-            Response::Demote { blocks } | Response::Promote { blocks } => {
+            Response::Demote { blocks }
+            | Response::Promote { blocks }
+            | Response::Offload { blocks } => {
                 put_u64(buf, *blocks);
                 Ok(())
             }
@@ -301,6 +308,9 @@ impl Response {
                     blocks: r.u64("blocks")?,
                 },
                 Opcode::Promote => Response::Promote {
+                    blocks: r.u64("blocks")?,
+                },
+                Opcode::Offload => Response::Offload {
                     blocks: r.u64("blocks")?,
                 },
                 Opcode::Pin => Response::Pin,

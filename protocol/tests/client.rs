@@ -223,6 +223,10 @@ fn handle(req: Request<'_>, mut fds: Vec<OwnedFd>, st: &mut State) -> Response {
         | Request::Unpin { .. } => {
             err(ErrorCode::Unimplemented, "no NVMe tier in this test double")
         }
+        Request::Offload { .. } => err(
+            ErrorCode::Unimplemented,
+            "no remote tier in this test double",
+        ),
         Request::Lease { .. }
         | Request::Release { .. }
         | Request::Reserve { .. }

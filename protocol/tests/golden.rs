@@ -189,6 +189,12 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
             "PROMOTE request, id 13: session 7",
         ),
         (
+            "offload_request",
+            24,
+            Request::Offload { session: 7 },
+            "OFFLOAD request, id 24: session 7",
+        ),
+        (
             "pin_request",
             14,
             Request::Pin { session: 7 },
@@ -352,6 +358,12 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         13,
         Response::Promote { blocks: 3 },
         "PROMOTE reply, id 13: blocks 3",
+    );
+    resp(
+        "offload_reply",
+        24,
+        Response::Offload { blocks: 6 },
+        "OFFLOAD reply, id 24: blocks 6",
     );
     resp(
         "pin_reply",

@@ -117,6 +117,12 @@ pub enum SessionCommand {
         /// Session id.
         id: u64,
     },
+    /// Move one of your sessions to the remote tier (tierd's `[remote]`): written to the
+    /// cluster, then dropped from this node; any node resumes it when asked for it.
+    Offload {
+        /// Session id.
+        id: u64,
+    },
 }
 
 impl Cli {
@@ -195,10 +201,24 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), CtlError> {
             emit(cli, out, &r, || r.render(now_unix_ms()))
         }
         Command::Session { id, command } => {
+            if let Some(SessionCommand::Offload { id }) = command {
+                let blocks = client.offload(*id).map_err(fail("OFFLOAD", Some(*id)))?;
+                let r = report::TierMove {
+                    session: *id,
+                    action: "offloaded",
+                    blocks,
+                };
+                return emit(cli, out, &r, || {
+                    format!("offloaded session {id}: {blocks} blocks written to the remote tier\n")
+                });
+            }
             // clap asks for one or the other (arg_required_else_help).
             let id = id
                 .as_ref()
-                .or(command.as_ref().map(|SessionCommand::Info { id }| id))
+                .or(match command {
+                    Some(SessionCommand::Info { id }) => Some(id),
+                    _ => None,
+                })
                 .ok_or_else(|| {
                     std::io::Error::new(
                         std::io::ErrorKind::InvalidInput,

@@ -539,13 +539,14 @@ pub struct Dropped {
     pub action: &'static str,
 }
 
-/// `demote` / `promote`.
+/// `demote` / `promote` / `session offload`.
 #[derive(Debug, Serialize)]
 pub struct TierMove {
     pub session: u64,
-    /// `demoted` or `promoted`.
+    /// `demoted`, `promoted` or `offloaded`.
     pub action: &'static str,
-    /// Blocks freed from host RAM (demote) or read back (promote).
+    /// Blocks freed from host RAM (demote), read back (promote) or written to the remote tier
+    /// (offload).
     pub blocks: u64,
 }
 

@@ -216,6 +216,11 @@ class Client:
         """Write the session to the NVMe tier and free its host RAM; returns the blocks freed."""
         return self._call(Op.DEMOTE, p.encode_session(session))
 
+    def offload(self, session: int) -> int:
+        """Move the session to the remote tier (tierd's [remote]): written there, then dropped
+        here; any node resumes it when asked for it. Returns the blocks written."""
+        return self._call(Op.OFFLOAD, p.encode_session(session))
+
     def promote(self, session: int) -> int:
         """Read every cold block of the session back into host RAM; returns blocks read."""
         return self._call(Op.PROMOTE, p.encode_session(session))

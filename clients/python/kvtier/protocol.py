@@ -43,6 +43,7 @@ class Op(IntEnum):
     RELEASE = 0x0015
     RESERVE = 0x0016  # an append written in place into the leased arena (5.10)
     COMMIT = 0x0017
+    OFFLOAD = 0x0018  # a session moved to the remote tier (5.9)
 
     @property
     def reply(self) -> int:
@@ -541,7 +542,7 @@ Reply = Union[HelloReply, int, List[DecodeOutput], SessionInfo, List[SessionInfo
 
 def decode_reply(opcode: int, flags: int, body) -> Reply:
     """Decode a reply body. Returns, by opcode: HelloReply; session id (CREATE_SESSION); new
-    length (APPEND_KV); blocks moved (DEMOTE, PROMOTE); list of DecodeOutput; SessionInfo; None
+    length (APPEND_KV); blocks moved (DEMOTE, PROMOTE, OFFLOAD); list of DecodeOutput; SessionInfo; None
     (CLOSE_SESSION, EVICT, PIN, UNPIN); list
     of SessionInfo; dict key -> value (STATS); ErrorReply (opcode 0xFFFF)."""
     if not opcode & REPLY_BIT:
@@ -563,7 +564,7 @@ def decode_reply(opcode: int, flags: int, body) -> Reply:
             raise ProtocolError(f"unknown reply opcode 0x{opcode:04x}") from None
         if op is Op.HELLO:
             out = HelloReply(r.u16("version"), r.u32("max_frame_bytes"), r.str("server name"), r.str("server version"))
-        elif op in (Op.CREATE_SESSION, Op.APPEND_KV, Op.DEMOTE, Op.PROMOTE, Op.COMMIT):
+        elif op in (Op.CREATE_SESSION, Op.APPEND_KV, Op.DEMOTE, Op.PROMOTE, Op.COMMIT, Op.OFFLOAD):
             out = r.u64("reply value")
         elif op is Op.DECODE:
             outs = []

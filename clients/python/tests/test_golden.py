@@ -29,6 +29,7 @@ REQUESTS = {
     "release_request": lambda: p.frame(p.Op.RELEASE, 0, 17, p.encode_session(7)),
     "reserve_request": lambda: p.frame(p.Op.RESERVE, 0, 18, p.encode_session_tokens(7, 3)),
     "commit_request": lambda: p.frame(p.Op.COMMIT, 0, 19, p.encode_session_tokens(7, 2)),
+    "offload_request": lambda: p.frame(p.Op.OFFLOAD, 0, 24, p.encode_session(7)),
 }
 
 
@@ -57,7 +58,7 @@ def test_simple_replies():
 def test_tier_and_lease_replies():
     for name, rid, value in [("evict_reply", 11, None), ("demote_reply", 12, 4), ("promote_reply", 13, 3),
                              ("pin_reply", 14, None), ("unpin_reply", 15, None), ("release_reply", 17, None),
-                             ("commit_reply", 19, 22)]:
+                             ("commit_reply", 19, 22), ("offload_reply", 24, 6)]:
         assert reply(name) == (rid, value), name
     rid, lease = reply("lease_reply")
     assert rid == 16

@@ -52,7 +52,7 @@ fn rename_old_fields(file: &mut toml::Table) {
     }
 }
 
-const SECTIONS: [&str; 9] = [
+const SECTIONS: [&str; 10] = [
     "server",
     "host",
     "admission",
@@ -60,6 +60,7 @@ const SECTIONS: [&str; 9] = [
     "auth",
     "backend",
     "nvme",
+    "remote",
     "log",
     "metrics",
 ];
@@ -154,6 +155,26 @@ impl Config {
         ] {
             if !(v > 0.0 && v <= 1.0) {
                 return bad(field, format!("must be in (0, 1], got {v}"));
+            }
+        }
+        if self.remote.enabled {
+            if self.remote.seeds.is_empty() {
+                return bad(
+                    "remote.seeds",
+                    "must name at least one cluster node when remote.enabled".into(),
+                );
+            }
+            if self.remote.claim_ttl_ms < 300 {
+                return bad(
+                    "remote.claim_ttl_ms",
+                    format!("must be at least 300, got {}", self.remote.claim_ttl_ms),
+                );
+            }
+            if self.remote.node.contains(char::is_whitespace) {
+                return bad(
+                    "remote.node",
+                    format!("must not contain spaces, got {:?}", self.remote.node),
+                );
             }
         }
         let mfb = self.server.max_frame_bytes.0;

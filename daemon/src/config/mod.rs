@@ -76,6 +76,7 @@ pub struct Config {
     pub auth: AuthConfig,
     pub backend: BackendConfig,
     pub nvme: NvmeConfig,
+    pub remote: RemoteConfig,
     pub log: LogConfig,
     pub metrics: MetricsConfig,
 }
@@ -360,6 +361,47 @@ impl Default for NvmeConfig {
             workers: 0,
             prefetch_blocks: 8,
             damaged_manifests: DamagedManifests::Refuse,
+        }
+    }
+}
+
+/// `[remote]`: the remote tier, a Redis Cluster every node shares (docs/operations.md, "Several
+/// nodes: the remote tier"). Off by default: a single node needs no Redis.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct RemoteConfig {
+    pub enabled: bool,
+    /// Cluster nodes to start from, `redis://host:port` each (at least one).
+    pub seeds: Vec<String>,
+    /// Prefix of every key tierd writes (several deployments can share a cluster).
+    pub key_prefix: String,
+    /// This node's name in session claims (empty: the host name). Unique per node.
+    pub node: String,
+    /// How long a claim on a session lasts unless renewed (renewed every third of it).
+    pub claim_ttl_ms: u64,
+    /// Replicas of each master that must acknowledge a write before it counts (Redis WAIT).
+    pub replicas: u32,
+    pub replica_timeout_ms: u64,
+    pub connect_timeout_ms: u64,
+    pub response_timeout_ms: u64,
+    /// Acknowledge an APPEND_KV or DECODE of a session this node claims only once its tokens
+    /// are in the cluster.
+    pub write_through: bool,
+}
+
+impl Default for RemoteConfig {
+    fn default() -> Self {
+        RemoteConfig {
+            enabled: false,
+            seeds: Vec::new(),
+            key_prefix: "kvtier".into(),
+            node: String::new(),
+            claim_ttl_ms: 10_000,
+            replicas: 1,
+            replica_timeout_ms: 2_000,
+            connect_timeout_ms: 2_000,
+            response_timeout_ms: 5_000,
+            write_through: false,
         }
     }
 }

@@ -39,7 +39,11 @@ impl Class {
             | Opcode::Lease
             | Opcode::Reserve
             | Opcode::Commit => Class::Blocking,
-            Opcode::AppendKv | Opcode::Decode | Opcode::Demote | Opcode::Promote => Class::Compute,
+            Opcode::AppendKv
+            | Opcode::Decode
+            | Opcode::Demote
+            | Opcode::Promote
+            | Opcode::Offload => Class::Compute,
         }
     }
 }
@@ -110,6 +114,9 @@ impl Connection {
             },
             Request::Promote { session } => Response::Promote {
                 blocks: service.promote(peer, session)?,
+            },
+            Request::Offload { session } => Response::Offload {
+                blocks: service.offload(peer, session)?,
             },
             Request::CreateSession(c) => Response::CreateSession {
                 session: service.create(peer, &c)?,

@@ -18,6 +18,8 @@
 //! - `decode`: the data path, APPEND_KV and DECODE (CPU or the CUDA decoder);
 //! - `tiering`: NVMe policy: persistence, DEMOTE, PROMOTE, PIN, memory pressure, shutdown;
 //! - `recovery`: warm restart from the manifest, damaged sessions;
+//! - `remote`: the remote tier (a Redis Cluster): claims, OFFLOAD, resuming a session another
+//!   node wrote, write-through to the cluster;
 //! - `stats`: counters, STATS and the metric series' refresh.
 
 use std::collections::HashMap;
@@ -48,6 +50,8 @@ mod decode;
 mod lease;
 pub use lease::next_connection_id;
 mod recovery;
+mod remote;
+pub use remote::Remote;
 mod stats;
 mod tiering;
 
@@ -120,6 +124,8 @@ struct SessionState {
     persisted: Vec<u64>,
     /// The NVMe manifest holds a record of this session.
     stored: bool,
+    /// Tokens per layer the remote tier's copy holds (all 0 until it is first written).
+    remote_persisted: Vec<u64>,
     /// Removed by CLOSE/EVICT; a request that looked it up before must not write it back.
     closed: bool,
     /// An open in-place append (RESERVE .. COMMIT, `lease.rs`): while it is, the session takes
@@ -131,6 +137,8 @@ pub struct Service {
     limits: ServiceLimits,
     arena: HostArena,
     tier: Option<(Arc<NvmeTier>, TierSettings)>,
+    /// The remote tier, shared with other nodes (`[remote]`).
+    remote: Option<Remote>,
     /// The CUDA decode path, for the sessions it supports (cold blocks a step needs are
     /// promoted first); everything else (and any GPU failure, which happens before the step
     /// changes anything) runs on the CPU backend.
@@ -205,6 +213,7 @@ impl Service {
             limits,
             arena,
             tier,
+            remote: None,
             coalescers: (0..gpu.as_ref().map_or(1, GpuDecoder::lanes))
                 .map(|_| Default::default())
                 .collect(),
@@ -341,6 +350,24 @@ impl Service {
         Ok(s)
     }
 
+    /// [`Service::lookup`], and a session this node does not hold is looked for in the remote
+    /// tier and resumed here (only where a request may wait on the cluster: not on the event
+    /// loop, so SESSION_INFO and LIST show what this node holds).
+    fn lookup_or_resume(
+        &self,
+        peer: &Peer,
+        id: u64,
+        admin_ok: bool,
+    ) -> ServiceResult<Arc<Session>> {
+        match self.lookup(peer, id, admin_ok) {
+            Err(e) if e.code == ErrorCode::NotFound => self
+                .resume(peer, id, admin_ok)?
+                .filter(|s| s.owner_uid == peer.uid || (admin_ok && self.is_admin(peer)))
+                .ok_or(e),
+            r => r,
+        }
+    }
+
     /// [`Service::lookup`] for an operation on the session's data: DATA_LOSS for a session
     /// whose stored data failed verification at startup.
     fn lookup_live(&self, peer: &Peer, id: u64) -> ServiceResult<Arc<Session>> {
@@ -349,7 +376,8 @@ impl Service {
 
     /// [`Service::lookup_live`], for any uid's session when `admin_ok` and `peer` is an admin.
     fn lookup_live_as(&self, peer: &Peer, id: u64, admin_ok: bool) -> ServiceResult<Arc<Session>> {
-        let s = self.lookup(peer, id, admin_ok)?;
+        let s = self.lookup_or_resume(peer, id, admin_ok)?;
+        self.check_claim(id)?;
         if let Some(reason) = &s.damaged {
             return Err(ServiceError::new(
                 ErrorCode::DataLoss,
@@ -488,7 +516,7 @@ impl Service {
     }
 
     pub fn close(&self, peer: &Peer, id: u64) -> ServiceResult<()> {
-        self.lookup(peer, id, false)?;
+        self.lookup_or_resume(peer, id, false)?;
         self.remove(id)?;
         tracing::info!(session = id, uid = peer.uid, "session closed");
         Ok(())
@@ -525,6 +553,7 @@ impl Service {
                 return Err(ServiceError::not_found(id));
             }
             s.check_unleased("removing the session")?;
+            self.remove_remote(id)?;
             if let (Some((tier, _)), true) = (&self.tier, st.stored) {
                 tier.delete_session(id).map_err(nvme_error)?;
                 st.stored = false;
@@ -532,11 +561,7 @@ impl Service {
             st.closed = true;
             self.sessions.write().remove(&id);
         }
-        if let Some(gpu) = &self.gpu {
-            if gpu.is_open(id) {
-                let _ = gpu.close(id);
-            }
-        }
+        self.gpu_close(id);
         Ok(())
     }
 }
@@ -586,6 +611,7 @@ impl Session {
                 kv,
                 persisted: vec![0; layers],
                 stored,
+                remote_persisted: vec![0; layers],
                 closed: false,
                 reserved: None,
             }),

@@ -20,21 +20,44 @@ impl From<NvmeError> for ServiceError {
     }
 }
 
-/// The blocks a write of the session would put on NVMe now: those holding tokens past its
-/// durable watermark. A layer with none has nothing to write, though its partial tail block
-/// (durable, and perhaps demoted since) starts at or after `persisted / block_tokens`.
-fn dirty_blocks(geo: &Geometry, st: &SessionState) -> ServiceResult<Vec<(u32, u32)>> {
+/// The blocks a write of the session would put in a tier whose copy holds `persisted` tokens
+/// per layer (its durable watermark): those holding tokens past it. A layer with none has
+/// nothing to write, though its partial tail block (durable, and perhaps demoted since)
+/// starts at or after `persisted / block_tokens`.
+pub(super) fn dirty_blocks(
+    geo: &Geometry,
+    kv: &KvCache,
+    persisted: &[u64],
+) -> ServiceResult<Vec<(u32, u32)>> {
     let bt = geo.block_tokens as u64;
     let mut out = Vec::new();
     for l in 0..geo.layers {
-        let persisted = st.persisted[l as usize];
-        if st.kv.tokens(l)? == persisted {
+        let persisted = persisted[l as usize];
+        if kv.tokens(l)? == persisted {
             continue;
         }
-        let blocks = st.kv.layer(l)?.blocks() as u32;
+        let blocks = kv.layer(l)?.blocks() as u32;
         out.extend(((persisted / bt) as u32..blocks).map(|b| (l, b)));
     }
     Ok(out)
+}
+
+/// The manifest record of a session as it stands (pages left to the tier that stores it).
+pub(super) fn record_of(s: &Session, kv: &KvCache) -> SessionRecord {
+    let geo = s.geometry;
+    SessionRecord {
+        id: s.id,
+        owner_uid: s.owner_uid,
+        label: s.label.clone(),
+        geometry: (&geo).into(),
+        policy: (&s.policy).into(),
+        layer_tokens: (0..geo.layers)
+            .map(|l| kv.tokens(l).expect("layer exists"))
+            .collect(),
+        pages: Vec::new(),
+        pinned: s.pinned.load(Ordering::Relaxed),
+        created_unix_ms: s.created_unix_ms,
+    }
 }
 
 /// Whether a write to NVMe may take the room other uids' sessions need at shutdown.
@@ -98,7 +121,8 @@ impl Service {
                 .filter(|o| o.owner_uid != s.owner_uid && o.damaged.is_none())
                 .filter_map(|o| {
                     let st = o.state.try_lock()?;
-                    let blocks = dirty_blocks(&o.geometry, &st).ok()?.len() as u64;
+                    let blocks =
+                        dirty_blocks(&o.geometry, &st.kv, &st.persisted).ok()?.len() as u64;
                     Some(blocks * store.page_bytes(o.geometry.block_bytes()))
                 })
                 .sum();
@@ -159,7 +183,7 @@ impl Service {
         })?;
         let geo = s.geometry;
         let mut runs = Vec::new();
-        for (l, b) in dirty_blocks(&geo, st)? {
+        for (l, b) in dirty_blocks(&geo, &st.kv, &st.persisted)? {
             // Appends promote a cold tail before writing into it, so a block with undurable
             // tokens is resident; a cold one here is a bookkeeping bug, answered as an error
             // rather than a panic that would lose every session not yet written.
@@ -175,26 +199,13 @@ impl Service {
                 bytes,
             });
         }
-        let tokens: Vec<u64> = (0..geo.layers)
-            .map(|l| st.kv.tokens(l).expect("layer exists"))
-            .collect();
         if runs.is_empty() && st.stored {
             return Ok(0);
         }
-        let record = SessionRecord {
-            id: s.id,
-            owner_uid: s.owner_uid,
-            label: s.label.clone(),
-            geometry: (&geo).into(),
-            policy: (&s.policy).into(),
-            layer_tokens: tokens.clone(),
-            pages: Vec::new(),
-            pinned: s.pinned.load(Ordering::Relaxed),
-            created_unix_ms: s.created_unix_ms,
-        };
+        let record = record_of(s, &st.kv);
         self.check_nvme_room(tier, s, &runs, write)?;
         tier.put_session(&record, &runs).map_err(nvme_error)?;
-        st.persisted = tokens;
+        st.persisted = record.layer_tokens;
         st.stored = true;
         Ok(runs.len())
     }

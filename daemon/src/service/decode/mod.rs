@@ -169,6 +169,16 @@ impl Service {
                 ));
             }
         }
+        if let Err(e) = self.append_through_remote(s, &mut st) {
+            st.kv.truncate(start);
+            if let Some(gpu) = &self.gpu {
+                let _ = gpu.invalidate(s.id);
+            }
+            return Err(ServiceError::new(
+                e.code,
+                format!("append rolled back, not in the remote tier: {}", e.message),
+            ));
+        }
         let tokens = st.kv.min_tokens();
         self.counters
             .append_tokens
@@ -542,6 +552,15 @@ impl Service {
                 if let Err(e) = gpu.open(id, geometry, policy) {
                     tracing::info!(session = id, error = %e, "session stays on the CPU backend");
                 }
+            }
+        }
+    }
+
+    /// Drops the session's device state, if the CUDA decoder holds any.
+    pub(super) fn gpu_close(&self, id: u64) {
+        if let Some(gpu) = &self.gpu {
+            if gpu.is_open(id) {
+                let _ = gpu.close(id);
             }
         }
     }

@@ -1,0 +1,377 @@
+//! The remote tier's policy (`[remote]`): which sessions this node claims, OFFLOAD, resuming a
+//! session another node wrote, write-through to the cluster, renewing claims, and shutdown.
+//!
+//! A session this node writes to the cluster is claimed first (`kvtier_remote`: one node owns
+//! a session at a time, fenced by a token). A request naming a session this node does not hold
+//! looks in the cluster: if the session is there and no other node claims it, it is claimed,
+//! read back (every page verified) and served from then on. While a claim cannot be renewed
+//! (the node is cut off from the cluster), its sessions' appends and decodes are refused with
+//! UNAVAILABLE rather than run where they might race a new owner; if another node took the
+//! session meanwhile, this node drops its copy.
+
+use kvtier_remote::{Claim, RemoteError, RemoteStore};
+
+use super::*;
+
+/// How the service uses the remote tier.
+pub struct Remote {
+    store: Arc<dyn RemoteStore>,
+    /// This node's name in claims.
+    node: String,
+    /// Acknowledge appends to claimed sessions only once they are in the cluster.
+    write_through: bool,
+    /// The claims this node holds, by session.
+    claims: Mutex<HashMap<u64, Claim>>,
+    /// One resume at a time: two requests naming one session claim it once.
+    resuming: Mutex<()>,
+}
+
+impl Remote {
+    pub fn new(store: Arc<dyn RemoteStore>, node: String, write_through: bool) -> Self {
+        Remote {
+            store,
+            node,
+            write_through,
+            claims: Mutex::new(HashMap::new()),
+            resuming: Mutex::new(()),
+        }
+    }
+
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// The claim on `id`, taken now if this node holds none.
+    fn claim(&self, id: u64) -> ServiceResult<Claim> {
+        if let Some(c) = self.claims.lock().get(&id) {
+            return Ok(c.clone());
+        }
+        let c = self.store.claim(id, &self.node).map_err(remote_error)?;
+        self.claims.lock().insert(id, c.clone());
+        Ok(c)
+    }
+
+    /// Gives the claim on `id` up, if this node holds one.
+    fn give_up(&self, id: u64) {
+        if let Some(c) = self.claims.lock().remove(&id) {
+            if let Err(e) = self.store.give_up(&c) {
+                tracing::warn!(session = id, error = %e, "remote: giving a claim up failed; it lapses by itself");
+            }
+        }
+    }
+}
+
+pub(super) fn remote_error(e: RemoteError) -> ServiceError {
+    let code = match &e {
+        RemoteError::Owned { .. } | RemoteError::Fenced { .. } => ErrorCode::FailedPrecondition,
+        RemoteError::Unavailable(_)
+        | RemoteError::ClaimExpired { .. }
+        | RemoteError::NotReplicated { .. } => ErrorCode::Unavailable,
+        e if e.is_data_loss() => ErrorCode::DataLoss,
+        _ => ErrorCode::Internal,
+    };
+    ServiceError::new(code, format!("remote tier: {e}"))
+}
+
+impl Service {
+    /// Uses `remote` for its sessions from now on.
+    pub fn with_remote(mut self, remote: Remote) -> Self {
+        self.remote = Some(remote);
+        self
+    }
+
+    /// Refuses to serve a session whose claim this node can no longer be sure of (its renewal
+    /// has not reached the cluster within the claim's time).
+    pub(super) fn check_claim(&self, id: u64) -> ServiceResult<()> {
+        let Some(r) = &self.remote else {
+            return Ok(());
+        };
+        match r.claims.lock().get(&id) {
+            Some(c) if !c.is_valid() => Err(ServiceError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "session {id}: this node's claim (node {}, token {}) could not be renewed in the remote tier; not serving it until it is (cut off from the cluster?)",
+                    r.node, c.token
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Writes what the cluster's copy of the session lacks (blocks past its watermark) under
+    /// this node's claim; returns the blocks written.
+    fn put_remote_locked(
+        &self,
+        r: &Remote,
+        s: &Session,
+        st: &mut SessionState,
+    ) -> ServiceResult<u64> {
+        let claim = r.claim(s.id)?;
+        let wanted = tiering::dirty_blocks(&s.geometry, &st.kv, &st.remote_persisted)?;
+        // Resident runs are borrowed; cold ones (demoted to NVMe) are read back first.
+        let cold: Vec<(u32, u32)> = wanted
+            .iter()
+            .copied()
+            .filter(|&(l, b)| st.kv.run(l, b).is_none())
+            .collect();
+        let read = match (&self.tier, cold.is_empty()) {
+            (_, true) => Vec::new(),
+            (Some((tier, _)), false) => tier
+                .read_runs(s.id, &cold)
+                .map_err(nvme_error)?
+                .into_iter()
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(nvme_error)?,
+            (None, false) => {
+                return Err(ServiceError::internal("cold blocks without an NVMe tier"))
+            }
+        };
+        let mut read = read.iter();
+        let mut runs = Vec::with_capacity(wanted.len());
+        for &(layer, block) in &wanted {
+            let bytes = match st.kv.run(layer, block) {
+                Some(b) => b,
+                None => read.next().expect("one page per cold run").payload(),
+            };
+            runs.push(BlockRun {
+                layer,
+                block,
+                bytes,
+            });
+        }
+        let record = tiering::record_of(s, &st.kv);
+        r.store
+            .put_session(&claim, &record, &runs)
+            .map_err(remote_error)?;
+        st.remote_persisted = record.layer_tokens;
+        Ok(runs.len() as u64)
+    }
+
+    /// The end of an append to a session this node claims, with `remote.write_through`: its
+    /// tokens go to the cluster before the reply.
+    pub(super) fn append_through_remote(
+        &self,
+        s: &Session,
+        st: &mut SessionState,
+    ) -> ServiceResult<()> {
+        match &self.remote {
+            Some(r) if r.write_through => self.put_remote_locked(r, s, st).map(|_| ()),
+            _ => Ok(()),
+        }
+    }
+
+    /// OFFLOAD: writes the session to the cluster, gives this node's claim up and drops the
+    /// session here (its NVMe copy too); any node resumes it when asked for it.
+    pub fn offload(&self, peer: &Peer, id: u64) -> ServiceResult<u64> {
+        let r = self.remote.as_ref().ok_or_else(|| {
+            ServiceError::precondition("the remote tier is not enabled (remote.enabled)")
+        })?;
+        let s = self.lookup_live(peer, id)?;
+        if s.pinned.load(Ordering::Relaxed) {
+            return Err(ServiceError::precondition(format!(
+                "session {id} is pinned to this node; UNPIN it first"
+            )));
+        }
+        let blocks = self.offload_session(r, &s)?;
+        tracing::info!(session = id, blocks, "session offloaded to the remote tier");
+        Ok(blocks)
+    }
+
+    /// Writes what the cluster's copy of `s` lacks, then drops the session here: its NVMe copy
+    /// (the cluster is its home now), its table entry, its device state, the claim.
+    fn offload_session(&self, r: &Remote, s: &Session) -> ServiceResult<u64> {
+        let id = s.id;
+        let mut st = s.state.lock();
+        if st.closed {
+            return Err(ServiceError::not_found(id));
+        }
+        s.check_unleased("offloading it")?;
+        let blocks = self.put_remote_locked(r, s, &mut st)?;
+        if let (Some((tier, _)), true) = (&self.tier, st.stored) {
+            tier.delete_session(id).map_err(nvme_error)?;
+            st.stored = false;
+        }
+        st.closed = true;
+        self.sessions.write().remove(&id);
+        drop(st);
+        self.gpu_close(id);
+        r.give_up(id);
+        Ok(blocks)
+    }
+
+    /// The session `id` from the cluster, claimed and restored here, if the cluster holds it
+    /// and `peer` may see it (None otherwise: NOT_FOUND, as for any other uid's session).
+    pub(super) fn resume(
+        &self,
+        peer: &Peer,
+        id: u64,
+        admin_ok: bool,
+    ) -> ServiceResult<Option<Arc<Session>>> {
+        let Some(r) = &self.remote else {
+            return Ok(None);
+        };
+        let _one = r.resuming.lock();
+        if let Some(s) = self.sessions.read().get(&id) {
+            return Ok(Some(s.clone()));
+        }
+        let visible = |owner: u32| owner == peer.uid || (admin_ok && self.is_admin(peer));
+        // Seen before claimed, so a uid cannot take another's session from its node.
+        match r.store.record(id).map_err(remote_error)? {
+            Some(rec) if visible(rec.session.owner_uid) => {}
+            _ => return Ok(None),
+        }
+        let claim = r.claim(id)?;
+        // Read again under the claim: what the last owner committed.
+        let restored = r.store.record(id).map_err(remote_error).and_then(|rec| {
+            let rec = rec.ok_or_else(|| ServiceError::not_found(id))?;
+            self.restore_remote(r, &rec)
+        });
+        let session = match restored {
+            Ok(s) => Arc::new(s),
+            Err(e) => {
+                r.give_up(id);
+                return Err(e);
+            }
+        };
+        {
+            let mut table = self.sessions.write();
+            if table.len() >= self.limits.max_sessions {
+                drop(table);
+                r.give_up(id);
+                self.record_rejection(Rejection::SessionLimit);
+                return Err(ServiceError::exhausted(format!(
+                    "session limit reached ({} sessions; admission.max_sessions)",
+                    self.limits.max_sessions
+                )));
+            }
+            table.insert(id, session.clone());
+        }
+        self.gpu_open(id, &session.geometry, &session.policy);
+        tracing::info!(
+            session = id,
+            token = claim.token,
+            tokens = session.state.lock().kv.max_tokens_stored(),
+            "session resumed from the remote tier"
+        );
+        Ok(Some(session))
+    }
+
+    /// Rebuilds a session from its cluster record: every page read back (verified) and kept
+    /// in the host tier, tiles and bounds rebuilt as a warm restart does.
+    fn restore_remote(
+        &self,
+        r: &Remote,
+        rec: &kvtier_remote::RemoteRecord,
+    ) -> ServiceResult<Session> {
+        let meta = &rec.session;
+        let geometry = recovery::geometry_of(&meta.geometry)?;
+        let policy = recovery::policy_of(&meta.policy)?;
+        let mut kv = KvCache::new_with(
+            geometry,
+            self.arena_for(meta.owner_uid),
+            policy.selector.needs_sketches(),
+        )?;
+        let bt = geometry.block_tokens as u64;
+        let tokens = |l: u32| *meta.layer_tokens.get(l as usize).unwrap_or(&0);
+        let wanted: Vec<(u32, u32)> = (0..geometry.layers)
+            .flat_map(|l| (0..geometry.blocks_for(tokens(l)) as u32).map(move |b| (l, b)))
+            .collect();
+        let workers = kvtier_storage::default_workers();
+        // In batches: at most this many runs' bytes held at once.
+        for chunk in wanted.chunks(256) {
+            let pages = r.store.read_runs(rec, chunk).map_err(remote_error)?;
+            let blocks: Vec<StoredBlock<'_>> = pages
+                .iter()
+                .zip(chunk)
+                .map(|(run, &(l, b))| StoredBlock {
+                    layer: l,
+                    run,
+                    valid: (tokens(l) - b as u64 * bt).min(bt) as usize,
+                    keep: true,
+                })
+                .collect();
+            kv.restore_blocks(&blocks, workers)?;
+        }
+        let mut s = Session::new(
+            meta.id,
+            meta.owner_uid,
+            meta.label.clone(),
+            policy,
+            kv,
+            false,
+        );
+        s.state.get_mut().remote_persisted = meta.layer_tokens.clone();
+        s.created_from(meta);
+        Ok(s)
+    }
+
+    /// CLOSE/EVICT of a session this node claims: its cluster copy goes too.
+    pub(super) fn remove_remote(&self, id: u64) -> ServiceResult<()> {
+        let Some(r) = &self.remote else {
+            return Ok(());
+        };
+        let Some(claim) = r.claims.lock().get(&id).cloned() else {
+            return Ok(());
+        };
+        r.store.delete_session(&claim).map_err(remote_error)?;
+        r.give_up(id);
+        Ok(())
+    }
+
+    /// Renews every claim this node holds (every third of the claim time, from a thread of
+    /// its own). A session another node has taken meanwhile is dropped here: its copy is
+    /// stale. Returns the sessions dropped.
+    pub fn renew_claims(&self) -> usize {
+        let Some(r) = &self.remote else {
+            return 0;
+        };
+        let held: Vec<Claim> = r.claims.lock().values().cloned().collect();
+        let mut dropped = 0;
+        for mut c in held {
+            match r.store.renew(&mut c) {
+                Ok(()) => {
+                    r.claims.lock().insert(c.session, c);
+                }
+                Err(e @ RemoteError::Fenced { .. }) => {
+                    tracing::error!(session = c.session, error = %e, "remote: another node owns the session now; dropping this node's copy");
+                    r.claims.lock().remove(&c.session);
+                    if let Some(s) = self.sessions.write().remove(&c.session) {
+                        s.state.lock().closed = true;
+                        self.gpu_close(c.session);
+                        dropped += 1;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(session = c.session, error = %e, "remote: claim not renewed; its session is refused once the claim lapses");
+                }
+            }
+        }
+        dropped
+    }
+
+    /// At shutdown: every session this node claims is offloaded (written to the cluster,
+    /// dropped here, the claim given up), so another node can take it at once and no stale
+    /// NVMe copy comes back at a restart. One that cannot be written stays, for the NVMe tier
+    /// to keep ([`Service::persist_all`]). Returns (offloaded, failed).
+    pub fn offload_claimed(&self) -> (usize, usize) {
+        let Some(r) = &self.remote else {
+            return (0, 0);
+        };
+        let ids: Vec<u64> = r.claims.lock().keys().copied().collect();
+        let (mut ok, mut failed) = (0, 0);
+        for id in ids {
+            let Some(s) = self.sessions.read().get(&id).cloned() else {
+                r.give_up(id);
+                continue;
+            };
+            match self.offload_session(r, &s) {
+                Ok(_) => ok += 1,
+                Err(e) => {
+                    failed += 1;
+                    tracing::error!(session = id, error = %e, "could not write the session to the remote tier at shutdown");
+                }
+            }
+        }
+        (ok, failed)
+    }
+}

@@ -1,0 +1,206 @@
+//! Two tierd nodes (separate processes and state directories) over a real Redis Cluster on
+//! loopback (3 masters, 3 replicas): a session built on one decodes on the other, ownership is
+//! one node's at a time, and nothing acknowledged is lost when a node dies. Outputs are checked
+//! against the dense oracle ([`Shadow`]). Skips, saying so, where redis-server is not
+//! installed.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvtier_protocol::client::Client;
+use kvtier_protocol::ErrorCode;
+use kvtier_tests::redis::RedisCluster;
+use kvtier_tests::wire::server_error;
+
+const CLAIM_TTL_MS: u64 = 1500;
+
+/// A node named `name` on `cluster`, with `extra` settings.
+fn node(cluster: &RedisCluster, name: &str, extra: &[&str]) -> Tierd {
+    let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("\"{s}\"")).collect();
+    let b = harness()
+        .set("remote.enabled=true")
+        .set(&format!("remote.seeds=[{}]", seeds.join(",")))
+        .set(&format!("remote.node=\"{name}\""))
+        .set(&format!("remote.claim_ttl_ms={CLAIM_TTL_MS}"));
+    extra.iter().fold(b, |b, s| b.set(s)).start()
+}
+
+/// Retries `f` while it fails with `code` (a claim not yet lapsed), for up to 10 s.
+fn until_not<T: std::fmt::Debug>(
+    code: ErrorCode,
+    mut f: impl FnMut() -> Result<T, kvtier_protocol::client::ClientError>,
+) -> Result<T, kvtier_protocol::client::ClientError> {
+    let t = Instant::now();
+    loop {
+        match f() {
+            Err(e) if e.code() == Some(code) && t.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_millis(100))
+            }
+            r => return r,
+        }
+    }
+}
+
+/// The session's stored tokens as node `c` sees it after a PROMOTE (which resumes it there if
+/// the node does not hold it).
+fn tokens_on(c: &mut Client, id: u64) -> u64 {
+    c.promote(id).unwrap();
+    c.session_info(id).unwrap().tokens_max
+}
+
+#[test]
+fn a_session_built_on_one_node_decodes_on_another_with_identical_outputs() {
+    let Some(cluster) = RedisCluster::start(3, 1) else {
+        return;
+    };
+    let a = node(&cluster, "node-a", &[]);
+    let b = node(&cluster, "node-b", &[]);
+    let (mut ca, mut cb) = (a.client(), b.client());
+
+    // Two sessions with the same tokens on A: one stays, one moves to the cluster.
+    let (stay, mut sh) = open(&mut ca, "stay", 150, 7);
+    let moved = ca
+        .create_session(small_geometry(), policy(), "moved")
+        .unwrap();
+    let mut sh_moved = sh.clone();
+    let payload: Vec<u8> = {
+        let mut again = Shadow::new(small_geometry(), 7);
+        again.payload(150)
+    };
+    ca.append_kv(moved, 0, 150, &payload).unwrap();
+    sh.step(&mut ca, stay);
+    sh_moved.step(&mut ca, moved);
+    let blocks = ca.offload(moved).unwrap();
+    assert_eq!(
+        blocks,
+        2 * 10,
+        "every block of both layers written (151 tokens)"
+    );
+    assert_eq!(
+        ca.session_info(moved).unwrap_err().code(),
+        Some(ErrorCode::NotFound),
+        "A dropped its copy"
+    );
+
+    // B resumes it on first use. The two shadows draw the same step inputs: the session that
+    // moved gives the same output, bit for bit, as the one that stayed, and both match the
+    // dense oracle.
+    for step in 0..3 {
+        for layer in 0..2 {
+            let out_a = sh.decode(&mut ca, stay, layer);
+            let out_b = sh_moved.decode(&mut cb, moved, layer);
+            assert_eq!(out_a.out, out_b.out, "step {step} layer {layer}");
+            assert_eq!(out_a.stats.unwrap().selected, out_b.stats.unwrap().selected);
+        }
+    }
+    assert_eq!(cb.session_info(moved).unwrap().tokens_max, 154);
+
+    // A asking for it is told which node owns it now.
+    let (code, message) = server_error(ca.promote(moved));
+    assert_eq!(code, ErrorCode::FailedPrecondition, "{message}");
+    assert!(message.contains("owned by node node-b"), "{message}");
+
+    // B gives it back to the cluster; A resumes it with B's tokens.
+    cb.offload(moved).unwrap();
+    assert_eq!(tokens_on(&mut ca, moved), 154);
+    sh_moved.step(&mut ca, moved);
+
+    // CLOSE deletes it from the cluster too: no node finds it any more.
+    ca.close(moved).unwrap();
+    assert_eq!(code_of(cb.promote(moved)), ErrorCode::NotFound);
+}
+
+fn code_of<T: std::fmt::Debug>(r: Result<T, kvtier_protocol::client::ClientError>) -> ErrorCode {
+    server_error(r).0
+}
+
+#[test]
+fn a_node_killed_mid_append_under_write_through_loses_no_acknowledged_token() {
+    let Some(cluster) = RedisCluster::start(3, 1) else {
+        return;
+    };
+    let a = node(&cluster, "node-a", &["remote.write_through=true"]);
+    let (id, mut sh) = {
+        let mut ca = a.client();
+        open(&mut ca, "appends", 40, 3)
+    };
+    // Appends of 1 to 3 tokens from a client thread until A is SIGKILLed under it.
+    let socket = a.path().to_path_buf();
+    let appender = std::thread::spawn(move || {
+        let mut c = Client::connect(&socket).unwrap();
+        let mut acknowledged = sh.tokens(0);
+        for i in 0.. {
+            let n = 1 + i % 3;
+            let p = sh.payload(n as usize);
+            match c.append_kv(id, acknowledged, n as u32, &p) {
+                Ok(len) => acknowledged = len,
+                Err(_) => return (acknowledged, sh),
+            }
+        }
+        unreachable!()
+    });
+    std::thread::sleep(Duration::from_millis(700));
+    a.signal(libc::SIGKILL);
+    let (acknowledged, mut sh) = appender.join().unwrap();
+    assert!(
+        acknowledged > 40,
+        "no append was acknowledged before the kill"
+    );
+
+    // B takes the session once A's claim lapses, with every acknowledged token (and perhaps
+    // the one append in flight, written to the cluster before its reply was lost).
+    let b = node(&cluster, "node-b", &[]);
+    let mut cb = b.client();
+    until_not(ErrorCode::FailedPrecondition, || cb.promote(id)).unwrap();
+    let held = cb.session_info(id).unwrap().tokens_max;
+    assert!(
+        held >= acknowledged && held <= acknowledged + 3,
+        "B holds {held} tokens; {acknowledged} were acknowledged"
+    );
+    sh.truncate(held);
+    sh.step(&mut cb, id);
+}
+
+#[test]
+fn a_paused_owner_is_fenced_and_a_cut_off_one_refuses_appends() {
+    let Some(cluster) = RedisCluster::start(3, 1) else {
+        return;
+    };
+    let a = node(&cluster, "node-a", &["remote.write_through=true"]);
+    let b = node(&cluster, "node-b", &[]);
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let (id, mut sh) = open(&mut ca, "paused", 40, 5);
+
+    // A pauses past its claim (a stop-the-world pause, a partition that heals): B takes the
+    // session meanwhile and extends it.
+    a.signal(libc::SIGSTOP);
+    std::thread::sleep(Duration::from_millis(CLAIM_TTL_MS + 300));
+    until_not(ErrorCode::FailedPrecondition, || cb.promote(id)).unwrap();
+    sh.step(&mut cb, id);
+    a.signal(libc::SIGCONT);
+
+    // A's late append is refused (its claim is fenced; A learns B owns the session) and
+    // nothing of it reaches B's copy.
+    let late = sh.clone().payload(1);
+    let (code, message) = server_error(ca.append_kv(id, 40, 1, &late));
+    assert!(
+        (code == ErrorCode::FailedPrecondition && message.contains("owned by node node-b"))
+            || (code == ErrorCode::Unavailable && message.contains("claim")),
+        "{code:?}: {message}"
+    );
+    assert_eq!(cb.session_info(id).unwrap().tokens_max, 41);
+    sh.step(&mut cb, id);
+
+    // B cut off from the cluster (every Redis node gone): once its claim lapses, its appends
+    // are refused with a typed error, not run where a new owner might also run them.
+    for n in cluster.nodes.iter().map(|n| n.port).collect::<Vec<_>>() {
+        cluster.kill(n);
+    }
+    std::thread::sleep(Duration::from_millis(CLAIM_TTL_MS + 300));
+    let p = sh.clone().payload(1);
+    let (code, message) = server_error(cb.append_kv(id, 42, 1, &p));
+    assert_eq!(code, ErrorCode::Unavailable, "{message}");
+    assert!(message.contains("claim"), "{message}");
+}
