@@ -104,6 +104,14 @@ pub fn build_service(
     for p in problems {
         tracing::error!("{p} (left on NVMe, not served)");
     }
+    let (dropped, unchecked) = service.defer_to_remote();
+    if dropped + unchecked > 0 {
+        tracing::info!(
+            dropped,
+            unchecked,
+            "restored sessions the remote tier holds are the cluster's"
+        );
+    }
     Ok(service)
 }
 

@@ -18,13 +18,7 @@ const CLAIM_TTL_MS: u64 = 1500;
 
 /// A node named `name` on `cluster`, with `extra` settings.
 fn node(cluster: &RedisCluster, name: &str, extra: &[&str]) -> Tierd {
-    let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("\"{s}\"")).collect();
-    let b = harness()
-        .set("remote.enabled=true")
-        .set(&format!("remote.seeds=[{}]", seeds.join(",")))
-        .set(&format!("remote.node=\"{name}\""))
-        .set(&format!("remote.claim_ttl_ms={CLAIM_TTL_MS}"));
-    extra.iter().fold(b, |b, s| b.set(s)).start()
+    remote_node(cluster, name, CLAIM_TTL_MS, None, extra)
 }
 
 /// Retries `f` while it fails with `code` (a claim not yet lapsed), for up to 10 s.

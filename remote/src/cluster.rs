@@ -481,6 +481,9 @@ impl RemoteStore for ClusterStore {
             &[self.key(claim.session, "claim")],
             &[ttl.as_bytes()],
         )?;
+        // The extension on the replicas too: a failover must not bring back the shorter one,
+        // letting another node claim the session while this one still relies on it.
+        self.wait_replicas()?;
         claim.valid_until = self.valid_until(asked);
         Ok(())
     }

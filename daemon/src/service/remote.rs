@@ -305,6 +305,47 @@ impl Service {
         Ok(s)
     }
 
+    /// After a warm restart: a session the cluster holds is the cluster's, whatever this
+    /// node's NVMe copy says (another node may have resumed and extended it since; tokens
+    /// this node appended without write-through after its last write to the cluster are the
+    /// documented cost of running without it). Such local copies are dropped, NVMe pages
+    /// included; the next request resumes the session from the cluster. Returns the sessions
+    /// dropped and those that could not be checked (kept, with a warning).
+    pub fn defer_to_remote(&self) -> (usize, usize) {
+        let Some(r) = &self.remote else {
+            return (0, 0);
+        };
+        let ids: Vec<u64> = self.sessions.read().keys().copied().collect();
+        let (mut dropped, mut unchecked) = (0, 0);
+        for id in ids {
+            match r.store.record(id) {
+                Ok(None) => {}
+                Ok(Some(_)) | Err(RemoteError::CorruptRecord { .. }) => {
+                    let Some(s) = self.sessions.write().remove(&id) else {
+                        continue;
+                    };
+                    let mut st = s.state.lock();
+                    if let (Some((tier, _)), true) = (&self.tier, st.stored) {
+                        if let Err(e) = tier.delete_session(id) {
+                            tracing::warn!(session = id, error = %e, "remote: the NVMe copy of a session the cluster holds could not be deleted");
+                        }
+                        st.stored = false;
+                    }
+                    st.closed = true;
+                    drop(st);
+                    self.gpu_close(id);
+                    dropped += 1;
+                    tracing::info!(session = id, "remote: the cluster holds this session; the local copy is dropped (resumed from the cluster on its next request)");
+                }
+                Err(e) => {
+                    unchecked += 1;
+                    tracing::warn!(session = id, error = %e, "remote: could not check whether the cluster holds this session; serving the local copy");
+                }
+            }
+        }
+        (dropped, unchecked)
+    }
+
     /// CLOSE/EVICT of a session this node claims: its cluster copy goes too.
     pub(super) fn remove_remote(&self, id: u64) -> ServiceResult<()> {
         let Some(r) = &self.remote else {

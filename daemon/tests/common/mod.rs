@@ -31,6 +31,28 @@ pub fn harness() -> TierdBuilder {
 
 pub type Daemon = Tierd;
 
+/// The [`harness`] daemon as a node named `name` of the remote tier on `cluster` (claims of
+/// `claim_ttl_ms`), in `dir` (a restart) or a fresh directory, with `extra` settings.
+pub fn remote_node(
+    cluster: &kvtier_tests::redis::RedisCluster,
+    name: &str,
+    claim_ttl_ms: u64,
+    dir: Option<tempfile::TempDir>,
+    extra: &[&str],
+) -> Tierd {
+    let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("\"{s}\"")).collect();
+    let b = harness()
+        .set("remote.enabled=true")
+        .set(&format!("remote.seeds=[{}]", seeds.join(",")))
+        .set(&format!("remote.node=\"{name}\""))
+        .set(&format!("remote.claim_ttl_ms={claim_ttl_ms}"));
+    let b = match dir {
+        Some(d) => b.dir(d),
+        None => b,
+    };
+    extra.iter().fold(b, |b, s| b.set(s)).start()
+}
+
 /// `Daemon::start(extra)`, `Daemon::start_in(dir, extra)` and `Daemon::with(settings)`: the
 /// [`harness`] daemon, plus `extra` arguments, up and answering.
 pub trait Harness {

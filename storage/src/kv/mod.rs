@@ -229,33 +229,41 @@ impl KvCache {
     /// one that never held the removed tokens. Used to roll back an append whose durable copy
     /// could not be written. Panics if a tail block it must rewrite is cold.
     pub fn truncate(&mut self, tokens: u64) {
+        for l in 0..self.layers.len() {
+            self.truncate_layer(l, tokens);
+        }
+    }
+
+    /// [`KvCache::truncate`] of one layer (a DECODE's token, appended to its layer alone).
+    pub fn truncate_layer(&mut self, layer: usize, tokens: u64) {
         let geo = self.geo;
         let bt = geo.block_tokens as u64;
         let spb = geo.summary_floats_per_block();
-        for l in &mut self.layers {
-            if l.tokens <= tokens {
-                continue;
-            }
-            let blocks = geo.blocks_for(tokens) as usize;
-            l.slots.truncate(blocks);
-            l.summaries.truncate(blocks * spb);
-            l.tokens = tokens;
-            let valid = (tokens % bt) as usize;
-            if let Some(sk) = &mut l.sketches {
-                sk.truncate(&geo, blocks);
-            }
-            if valid == 0 {
-                continue;
-            }
-            let Some(Slot::Hot(extent)) = l.slots.last_mut() else {
-                panic!("truncate: the tail block must be resident");
-            };
-            let run = extent.as_mut_slice();
-            zero_rows(&geo, run, valid, bt as usize);
-            refold_bounds(&geo, run, valid, &mut l.summaries[(blocks - 1) * spb..]);
-            if let Some(sk) = &mut l.sketches {
-                sk.rebuild(&geo, blocks - 1, run, valid);
-            }
+        let Some(l) = self.layers.get_mut(layer) else {
+            return;
+        };
+        if l.tokens <= tokens {
+            return;
+        }
+        let blocks = geo.blocks_for(tokens) as usize;
+        l.slots.truncate(blocks);
+        l.summaries.truncate(blocks * spb);
+        l.tokens = tokens;
+        let valid = (tokens % bt) as usize;
+        if let Some(sk) = &mut l.sketches {
+            sk.truncate(&geo, blocks);
+        }
+        if valid == 0 {
+            return;
+        }
+        let Some(Slot::Hot(extent)) = l.slots.last_mut() else {
+            panic!("truncate: the tail block must be resident");
+        };
+        let run = extent.as_mut_slice();
+        zero_rows(&geo, run, valid, bt as usize);
+        refold_bounds(&geo, run, valid, &mut l.summaries[(blocks - 1) * spb..]);
+        if let Some(sk) = &mut l.sketches {
+            sk.rebuild(&geo, blocks - 1, run, valid);
         }
     }
 

@@ -171,6 +171,11 @@ impl Service {
         }
         if let Err(e) = self.append_through_remote(s, &mut st) {
             st.kv.truncate(start);
+            // The cluster may hold the tokens already (the write failed after its commit):
+            // their blocks are written again with the next append.
+            for t in &mut st.remote_persisted {
+                *t = (*t).min(start);
+            }
             if let Some(gpu) = &self.gpu {
                 let _ = gpu.invalidate(s.id);
             }
@@ -427,6 +432,34 @@ impl Service {
                 return Err(e);
             }
         };
+        // With remote.write_through, each session's new token goes to the cluster before the
+        // reply; one that cannot be written is rolled back (its layer cut back to where the
+        // step found it) and the whole request refused, as if no entry had been appended.
+        let mut unwritten = None;
+        for (i, s) in sessions.iter().enumerate() {
+            let st = guards[i].as_mut().expect("locked above");
+            if let Err(e) = self.append_through_remote(s, st) {
+                unwritten = Some(e);
+                break;
+            }
+        }
+        if let Some(e) = unwritten {
+            for (i, s) in sessions.iter().enumerate() {
+                let st = guards[i].as_mut().expect("locked above");
+                st.kv.truncate_layer(layers[i] as usize, positions[i]);
+                // The cluster may hold the token already (written before another entry
+                // failed): its block is written again with the next append.
+                let l = layers[i] as usize;
+                st.remote_persisted[l] = st.remote_persisted[l].min(positions[i]);
+                if let Some(gpu) = &self.gpu {
+                    let _ = gpu.invalidate(s.id);
+                }
+            }
+            return Err(ServiceError::new(
+                e.code,
+                format!("decode rolled back, not in the remote tier: {}", e.message),
+            ));
+        }
         self.offer_prefetch(&layers, &guards, &sessions, &queries);
         drop(guards);
         self.count_step(&report, on_gpu, &timings, t0.elapsed());
