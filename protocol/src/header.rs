@@ -16,9 +16,9 @@ pub const ERROR_OPCODE: u16 = 0xFFFF;
 /// SCM_RIGHTS instead of carrying the payload inline.
 pub const FLAG_APPEND_SHM: u16 = 0x0001;
 /// The tier-operation opcode range: DEMOTE 0x0010, PROMOTE 0x0011, PIN 0x0012, UNPIN 0x0013,
-/// LEASE 0x0014, RELEASE 0x0015, RESERVE 0x0016, COMMIT 0x0017; 0x0018..=0x001F are reserved
-/// (answered with UNIMPLEMENTED).
-pub const RESERVED_TIER_OPCODES: std::ops::RangeInclusive<u16> = 0x0018..=0x001F;
+/// LEASE 0x0014, RELEASE 0x0015, RESERVE 0x0016, COMMIT 0x0017, OFFLOAD 0x0018;
+/// 0x0019..=0x001F are reserved (answered with UNIMPLEMENTED).
+pub const RESERVED_TIER_OPCODES: std::ops::RangeInclusive<u16> = 0x0019..=0x001F;
 
 wire_enum! {
     /// Request opcodes. A success reply's opcode is `opcode | 0x8000`; an error reply's is
@@ -226,7 +226,7 @@ mod tests {
 
     #[test]
     fn unknown_and_reserved_opcodes() {
-        for op in [0u16, 0x000A, 0x0018, 0x001F, 0x7FFF, 0x8001, 0xFFFF] {
+        for op in [0u16, 0x000A, 0x0019, 0x001F, 0x7FFF, 0x8001, 0xFFFF] {
             let err = Opcode::from_u16(op).unwrap_err();
             assert_eq!(err, ProtoError::UnknownOpcode { opcode: op });
             assert_eq!(err.error_code(), crate::ErrorCode::Unimplemented);
