@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use kvtier_storage::nvme::manifest::SessionRecord;
-use kvtier_storage::nvme::{page, BlockRun, PageId};
+use kvtier_storage::nvme::{page, BlockRun, CorruptReason, PageId};
 use parking_lot::Mutex;
 use redis::cluster::{cluster_pipe, ClusterClient, ClusterConnection};
 use redis::cluster_routing::{AggregateOp, MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
@@ -31,6 +31,8 @@ pub struct ClusterConfig {
     pub replica_timeout: Duration,
     /// Page bytes per pipeline of a bulk write or read.
     pub batch_bytes: usize,
+    /// Connections a bulk write or read uses at once.
+    pub streams: usize,
 }
 
 impl Default for ClusterConfig {
@@ -44,6 +46,7 @@ impl Default for ClusterConfig {
             replicas: 1,
             replica_timeout: Duration::from_secs(2),
             batch_bytes: 16 << 20,
+            streams: 4,
         }
     }
 }
@@ -192,6 +195,25 @@ fn unpack_runs(bytes: &[u8], generation: u64) -> Vec<(u32, u32, u64)> {
         .collect()
 }
 
+/// Cuts `sizes` (bytes of each item, in order) into consecutive ranges of about `limit` bytes
+/// (at least one item each).
+fn batches(sizes: impl Iterator<Item = usize>, limit: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut bytes, mut n) = (0, 0, 0);
+    for size in sizes {
+        if n > start && bytes + size > limit {
+            out.push(start..n);
+            (start, bytes) = (n, 0);
+        }
+        bytes += size;
+        n += 1;
+    }
+    if n > start {
+        out.push(start..n);
+    }
+    out
+}
+
 fn int(v: &Value) -> Option<i64> {
     match v {
         Value::Int(i) => Some(*i),
@@ -240,7 +262,7 @@ impl ClusterStore {
                 delete: Script::new(DELETE),
             },
         };
-        store.with(|c| redis::cmd("PING").query::<String>(c))?;
+        store.query::<String>(&redis::cmd("PING"))?;
         Ok(store)
     }
 
@@ -249,11 +271,9 @@ impl ClusterStore {
     }
 
     /// Runs `f` on an idle connection (a new one if none is idle). A connection whose
-    /// request failed is dropped, not reused.
-    fn with<T>(
-        &self,
-        f: impl FnOnce(&mut ClusterConnection) -> redis::RedisResult<T>,
-    ) -> Result<T> {
+    /// request failed is dropped, not reused. Redis acknowledges replication per connection
+    /// (`WAIT`), so a write and its wait go in one `f`.
+    fn with<T>(&self, f: impl FnOnce(&mut ClusterConnection) -> Result<T>) -> Result<T> {
         let taken = self.idle.lock().pop();
         let mut con = match taken {
             Some(c) => c,
@@ -263,7 +283,52 @@ impl ClusterStore {
         if r.is_ok() {
             self.idle.lock().push(con);
         }
-        Ok(r?)
+        r
+    }
+
+    /// One command on an idle connection.
+    fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T> {
+        self.with(|c| Ok(cmd.query(c)?))
+    }
+
+    /// Runs `each(connection, i)` for batches `0..n` on up to `streams` connections at once,
+    /// each on a thread of its own with one connection for all its batches, then `finish` on
+    /// that connection (a write's `WAIT`). Results in batch order, or the first error.
+    fn in_streams<T: Send>(
+        &self,
+        n: usize,
+        each: impl Fn(&mut ClusterConnection, usize) -> Result<T> + Sync,
+        finish: impl Fn(&mut ClusterConnection) -> Result<()> + Sync,
+    ) -> Result<Vec<T>> {
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let done: Vec<Mutex<Option<T>>> = (0..n).map(|_| Mutex::new(None)).collect();
+        let failed: Mutex<Option<RemoteError>> = Mutex::new(None);
+        std::thread::scope(|scope| {
+            for _ in 0..self.cfg.streams.clamp(1, n.max(1)) {
+                scope.spawn(|| {
+                    let r = self.with(|con| {
+                        loop {
+                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            if i >= n || failed.lock().is_some() {
+                                break;
+                            }
+                            *done[i].lock() = Some(each(con, i)?);
+                        }
+                        finish(con)
+                    });
+                    if let Err(e) = r {
+                        failed.lock().get_or_insert(e);
+                    }
+                });
+            }
+        });
+        if let Some(e) = failed.into_inner() {
+            return Err(e);
+        }
+        Ok(done
+            .into_iter()
+            .map(|d| d.into_inner().expect("every batch ran"))
+            .collect())
     }
 
     fn tag(&self, session: u64) -> String {
@@ -289,14 +354,16 @@ impl ClusterStore {
         format!("{} {}", claim.token, claim.node)
     }
 
-    /// Runs a claim-checked script: `Ok(reply)` when it ran, [`RemoteError::Fenced`] when the
-    /// claim was not the current one.
+    /// Runs a claim-checked script: `Ok(reply)` when it ran (and, with `replicated`, once
+    /// the replicas acknowledge it), [`RemoteError::Fenced`] when the claim was not the
+    /// current one.
     fn checked(
         &self,
         claim: &Claim,
         script: &Script,
         keys: &[String],
         args: &[&[u8]],
+        replicated: bool,
     ) -> Result<Vec<Value>> {
         let value = Self::claim_value(claim);
         let reply: Vec<Value> = self.with(|c| {
@@ -308,7 +375,11 @@ impl ClusterStore {
             for a in args {
                 inv.arg(*a);
             }
-            inv.invoke(c)
+            let reply: Vec<Value> = inv.invoke(c)?;
+            if replicated && reply.first().and_then(int) == Some(1) {
+                self.wait_replicas(c)?;
+            }
+            Ok(reply)
         })?;
         if reply.first().and_then(int) == Some(1) {
             return Ok(reply);
@@ -337,8 +408,9 @@ impl ClusterStore {
     }
 
     /// With `replicas > 0`: waits until every master has that many replicas acknowledging
-    /// what this node wrote to it (`WAIT` on every master; the fewest acknowledgements count).
-    fn wait_replicas(&self) -> Result<()> {
+    /// what `c` wrote to it (`WAIT` on every master over `c`'s connections; the fewest
+    /// acknowledgements count).
+    fn wait_replicas(&self, c: &mut ClusterConnection) -> Result<()> {
         let want = self.cfg.replicas;
         if want == 0 {
             return Ok(());
@@ -350,7 +422,7 @@ impl ClusterStore {
             MultipleNodeRoutingInfo::AllMasters,
             Some(ResponsePolicy::Aggregate(AggregateOp::Min)),
         ));
-        let got = self.with(|c| c.route_command(&wait, routing))?;
+        let got = c.route_command(&wait, routing)?;
         let got = int(&got).unwrap_or(0).max(0) as u32;
         if got < want {
             return Err(RemoteError::NotReplicated { wanted: want, got });
@@ -365,7 +437,7 @@ impl ClusterStore {
             for &(l, b, g) in chunk {
                 p.del(self.page_key(session, l, b, g)).ignore();
             }
-            self.with(|c| p.query::<()>(c))?;
+            self.with(|c| Ok(p.query::<()>(c)?))?;
         }
         Ok(())
     }
@@ -373,11 +445,8 @@ impl ClusterStore {
     /// Removes what interrupted writes left (the crate docs): pages of uncommitted
     /// generations the record does not name, and pages listed for deletion.
     fn clean_up(&self, claim: &Claim) -> Result<()> {
-        let pending: Vec<(Vec<u8>, Vec<u8>)> = self.with(|c| {
-            redis::cmd("HGETALL")
-                .arg(self.key(claim.session, "pending"))
-                .query(c)
-        })?;
+        let pending: Vec<(Vec<u8>, Vec<u8>)> =
+            self.query(redis::cmd("HGETALL").arg(self.key(claim.session, "pending")))?;
         if pending.is_empty() {
             return Ok(());
         }
@@ -410,8 +479,50 @@ impl ClusterStore {
                 self.key(claim.session, "pending"),
             ],
             &args,
+            false,
         )?;
         Ok(())
+    }
+
+    /// The payload of a page read for `pg` (None: the key is missing), verified against the
+    /// record: identity, checksum, length.
+    fn verified(id: u64, pg: &RemotePage, bytes: Option<Vec<u8>>) -> Result<Vec<u8>> {
+        let Some(mut bytes) = bytes else {
+            return Err(RemoteError::MissingPage {
+                session: id,
+                layer: pg.layer,
+                block: pg.block,
+                generation: pg.generation,
+            });
+        };
+        let corrupt = |reason| RemoteError::CorruptPage {
+            session: id,
+            layer: pg.layer,
+            block: pg.block,
+            reason,
+        };
+        if bytes.len() < page::HEADER_LEN {
+            return Err(corrupt(CorruptReason::BadLength {
+                found: bytes.len() as u32,
+                max: page::HEADER_LEN,
+            }));
+        }
+        let expected = PageId {
+            session: id,
+            layer: pg.layer,
+            block: pg.block,
+            generation: pg.generation,
+        };
+        let (len, crc) = page::verify(&bytes, expected).map_err(corrupt)?;
+        if crc != pg.crc || len != pg.payload_len as usize {
+            return Err(corrupt(CorruptReason::UnexpectedChecksum {
+                expected: pg.crc,
+                found: crc,
+            }));
+        }
+        bytes.drain(..page::HEADER_LEN);
+        bytes.truncate(len);
+        Ok(bytes)
     }
 
     fn check_runs(meta: &SessionRecord, runs: &[BlockRun<'_>]) -> Result<()> {
@@ -443,13 +554,20 @@ impl RemoteStore for ClusterStore {
         }
         let asked = Instant::now();
         let reply: Vec<Value> = self.with(|c| {
-            self.scripts
+            let reply: Vec<Value> = self
+                .scripts
                 .claim
                 .key(self.key(session, "claim"))
                 .key(self.key(session, "fence"))
                 .arg(node)
                 .arg(self.cfg.claim_ttl.as_millis() as u64)
-                .invoke(c)
+                .invoke(c)?;
+            // The claim and its token on the replicas before anyone relies on them: a
+            // failover must not hand the session, or the same token, to a second node.
+            if reply.first().and_then(int) == Some(1) {
+                self.wait_replicas(c)?;
+            }
+            Ok(reply)
         })?;
         if reply.first().and_then(int) != Some(1) {
             return Err(RemoteError::Owned {
@@ -459,9 +577,6 @@ impl RemoteStore for ClusterStore {
             });
         }
         let token = reply.get(1).and_then(int).unwrap_or(0) as u64;
-        // The claim and its token on the replicas before anyone relies on them: a failover
-        // must not hand the session, or the same token, to a second node.
-        self.wait_replicas()?;
         let claim = Claim {
             session,
             node: node.to_string(),
@@ -480,10 +595,10 @@ impl RemoteStore for ClusterStore {
             &self.scripts.renew,
             &[self.key(claim.session, "claim")],
             &[ttl.as_bytes()],
+            // The extension on the replicas too: a failover must not bring back the shorter
+            // one, letting another node claim the session while this one relies on it.
+            true,
         )?;
-        // The extension on the replicas too: a failover must not bring back the shorter one,
-        // letting another node claim the session while this one still relies on it.
-        self.wait_replicas()?;
         claim.valid_until = self.valid_until(asked);
         Ok(())
     }
@@ -494,6 +609,7 @@ impl RemoteStore for ClusterStore {
             &self.scripts.give_up,
             &[self.key(claim.session, "claim")],
             &[],
+            false,
         ) {
             Ok(_) | Err(RemoteError::Fenced { .. }) => Ok(()),
             Err(e) => Err(e),
@@ -501,7 +617,7 @@ impl RemoteStore for ClusterStore {
     }
 
     fn owner(&self, session: u64) -> Result<Option<String>> {
-        let v: Value = self.with(|c| redis::cmd("GET").arg(self.key(session, "claim")).query(c))?;
+        let v: Value = self.query(redis::cmd("GET").arg(self.key(session, "claim")))?;
         Ok(holder_of(Some(&v)))
     }
 
@@ -522,12 +638,7 @@ impl RemoteStore for ClusterStore {
         let id = meta.id;
         let previous = self.record(id)?;
         // Listed before anything is written: resuming nodes find the session by it.
-        self.with(|c| {
-            redis::cmd("SADD")
-                .arg(self.index_key())
-                .arg(id)
-                .query::<()>(c)
-        })?;
+        self.query::<()>(redis::cmd("SADD").arg(self.index_key()).arg(id))?;
 
         let packed = pack_runs(runs.iter().map(|r| (r.layer, r.block)));
         let reply = self.checked(
@@ -539,41 +650,44 @@ impl RemoteStore for ClusterStore {
                 self.key(id, "pending"),
             ],
             &[&packed],
+            false,
         )?;
         let generation = reply.get(1).and_then(int).unwrap_or(0) as u64;
 
-        // The pages, in pipelines of about `batch_bytes`.
-        let mut written = Vec::with_capacity(runs.len());
-        let mut at = 0;
-        while at < runs.len() {
-            Self::check_valid(claim)?;
-            let mut p = cluster_pipe();
-            let mut bytes = 0;
-            while at < runs.len() && (bytes == 0 || bytes < self.cfg.batch_bytes) {
-                let r = &runs[at];
-                let pid = PageId {
-                    session: id,
-                    layer: r.layer,
-                    block: r.block,
-                    generation,
-                };
-                let mut buf = vec![0u8; page::HEADER_LEN + r.bytes.len()];
-                let crc = page::encode(&mut buf, pid, r.bytes);
-                bytes += buf.len();
-                p.set(self.page_key(id, r.layer, r.block, generation), buf)
-                    .ignore();
-                written.push(RemotePage {
-                    layer: r.layer,
-                    block: r.block,
-                    generation,
-                    crc,
-                    payload_len: r.bytes.len() as u32,
-                });
-                at += 1;
-            }
-            self.with(|c| p.query::<()>(c))?;
-        }
-        self.wait_replicas()?;
+        // The pages, in pipelines of about `batch_bytes` on several connections, each
+        // connection waiting for its replicas once its pipelines are written.
+        let cut = batches(runs.iter().map(|r| r.bytes.len()), self.cfg.batch_bytes);
+        let written: Vec<Vec<RemotePage>> = self.in_streams(
+            cut.len(),
+            |c, b| {
+                Self::check_valid(claim)?;
+                let mut p = cluster_pipe();
+                let mut pages = Vec::with_capacity(cut[b].len());
+                for r in &runs[cut[b].clone()] {
+                    let pid = PageId {
+                        session: id,
+                        layer: r.layer,
+                        block: r.block,
+                        generation,
+                    };
+                    let mut buf = vec![0u8; page::HEADER_LEN + r.bytes.len()];
+                    let crc = page::encode(&mut buf, pid, r.bytes);
+                    p.set(self.page_key(id, r.layer, r.block, generation), buf)
+                        .ignore();
+                    pages.push(RemotePage {
+                        layer: r.layer,
+                        block: r.block,
+                        generation,
+                        crc,
+                        payload_len: r.bytes.len() as u32,
+                    });
+                }
+                p.query::<()>(c)?;
+                Ok(pages)
+            },
+            |c| self.wait_replicas(c),
+        )?;
+        let written: Vec<RemotePage> = written.into_iter().flatten().collect();
 
         // The new record: the previous pages but those rewritten, and the new ones.
         let rewritten: HashSet<(u32, u32)> = runs.iter().map(|r| (r.layer, r.block)).collect();
@@ -608,8 +722,8 @@ impl RemoteStore for ClusterStore {
                 self.key(id, "pending"),
             ],
             &[gen_field.as_bytes(), &record.encode(), &superseded_packed],
+            true,
         )?;
-        self.wait_replicas()?;
 
         // Committed: what is left is clean-up, which the next owner redoes if this fails.
         if !superseded.is_empty() {
@@ -620,6 +734,7 @@ impl RemoteStore for ClusterStore {
                     &self.scripts.cleared,
                     &[self.key(id, "claim"), self.key(id, "pending")],
                     &[field.as_bytes()],
+                    false,
                 )
             });
             if let Err(e) = cleaned {
@@ -631,7 +746,7 @@ impl RemoteStore for ClusterStore {
 
     fn record(&self, session: u64) -> Result<Option<RemoteRecord>> {
         let bytes: Option<Vec<u8>> =
-            self.with(|c| redis::cmd("GET").arg(self.key(session, "record")).query(c))?;
+            self.query(redis::cmd("GET").arg(self.key(session, "record")))?;
         bytes.map(|b| RemoteRecord::decode(session, &b)).transpose()
     }
 
@@ -645,61 +760,29 @@ impl RemoteStore for ClusterStore {
                 block,
             })?);
         }
-        let mut out = Vec::with_capacity(wanted.len());
-        let mut at = 0;
-        while at < pages.len() {
-            let mut p = cluster_pipe();
-            let mut bytes = 0;
-            let start = at;
-            while at < pages.len() && (bytes == 0 || bytes < self.cfg.batch_bytes) {
-                let pg = &pages[at];
-                p.get(self.page_key(id, pg.layer, pg.block, pg.generation));
-                bytes += page::HEADER_LEN + pg.payload_len as usize;
-                at += 1;
-            }
-            let got: Vec<Option<Vec<u8>>> = self.with(|c| p.query(c))?;
-            for (pg, bytes) in pages[start..at].iter().zip(got) {
-                let Some(mut bytes) = bytes else {
-                    return Err(RemoteError::MissingPage {
-                        session: id,
-                        layer: pg.layer,
-                        block: pg.block,
-                        generation: pg.generation,
-                    });
-                };
-                let corrupt = |reason| RemoteError::CorruptPage {
-                    session: id,
-                    layer: pg.layer,
-                    block: pg.block,
-                    reason,
-                };
-                if bytes.len() < page::HEADER_LEN {
-                    return Err(corrupt(kvtier_storage::nvme::CorruptReason::BadLength {
-                        found: bytes.len() as u32,
-                        max: page::HEADER_LEN,
-                    }));
+        let cut = batches(
+            pages
+                .iter()
+                .map(|p| page::HEADER_LEN + p.payload_len as usize),
+            self.cfg.batch_bytes,
+        );
+        let got: Vec<Vec<Vec<u8>>> = self.in_streams(
+            cut.len(),
+            |c, b| {
+                let mut p = cluster_pipe();
+                for pg in &pages[cut[b].clone()] {
+                    p.get(self.page_key(id, pg.layer, pg.block, pg.generation));
                 }
-                let expected = PageId {
-                    session: id,
-                    layer: pg.layer,
-                    block: pg.block,
-                    generation: pg.generation,
-                };
-                let (len, crc) = page::verify(&bytes, expected).map_err(corrupt)?;
-                if crc != pg.crc || len != pg.payload_len as usize {
-                    return Err(corrupt(
-                        kvtier_storage::nvme::CorruptReason::UnexpectedChecksum {
-                            expected: pg.crc,
-                            found: crc,
-                        },
-                    ));
-                }
-                bytes.drain(..page::HEADER_LEN);
-                bytes.truncate(len);
-                out.push(bytes);
-            }
-        }
-        Ok(out)
+                let got: Vec<Option<Vec<u8>>> = p.query(c)?;
+                pages[cut[b].clone()]
+                    .iter()
+                    .zip(got)
+                    .map(|(pg, bytes)| Self::verified(id, pg, bytes))
+                    .collect()
+            },
+            |_| Ok(()),
+        )?;
+        Ok(got.into_iter().flatten().collect())
     }
 
     fn delete_session(&self, claim: &Claim) -> Result<()> {
@@ -723,6 +806,7 @@ impl RemoteStore for ClusterStore {
                 self.key(id, "pending"),
             ],
             &[&packed],
+            true,
         )?;
         self.delete_pages(id, &pages)?;
         self.checked(
@@ -730,19 +814,14 @@ impl RemoteStore for ClusterStore {
             &self.scripts.cleared,
             &[self.key(id, "claim"), self.key(id, "pending")],
             &[b"del:all"],
+            false,
         )?;
-        self.with(|c| {
-            redis::cmd("SREM")
-                .arg(self.index_key())
-                .arg(id)
-                .query::<()>(c)
-        })?;
+        self.query::<()>(redis::cmd("SREM").arg(self.index_key()).arg(id))?;
         Ok(())
     }
 
     fn session_ids(&self) -> Result<Vec<u64>> {
-        let mut ids: Vec<u64> =
-            self.with(|c| redis::cmd("SMEMBERS").arg(self.index_key()).query(c))?;
+        let mut ids: Vec<u64> = self.query(redis::cmd("SMEMBERS").arg(self.index_key()))?;
         ids.sort_unstable();
         Ok(ids)
     }

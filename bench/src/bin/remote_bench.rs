@@ -65,10 +65,10 @@ fn redis_benchmark(port: u16, op: &str) -> Result<f64, BoxError> {
     let text = String::from_utf8_lossy(&out.stdout);
     // "SET: 1234.56 requests per second, p50=..."
     let rps: f64 = text
-        .split(|c| c == '\r' || c == '\n')
+        .split(['\r', '\n'])
         .filter_map(|l| l.trim().strip_prefix(&format!("{}: ", op.to_uppercase())))
         .filter_map(|l| l.split_whitespace().next()?.parse().ok())
-        .last()
+        .next_back()
         .ok_or_else(|| format!("no {op} figure in redis-benchmark's output: {text}"))?;
     Ok(rps * 262_144.0 / 1e9)
 }
