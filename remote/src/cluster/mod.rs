@@ -12,6 +12,9 @@ use redis::{Script, Value};
 
 use crate::{Claim, RemoteError, RemotePage, RemoteRecord, RemoteStore, Result};
 
+mod wire;
+use wire::*;
+
 /// How to reach the cluster and what a write waits for (`[remote]` in tierd's config).
 #[derive(Debug, Clone)]
 pub struct ClusterConfig {
@@ -55,84 +58,6 @@ impl Default for ClusterConfig {
 /// and the store.
 const DRIFT: f64 = 0.1;
 
-// Each script takes the session's keys, all under one hash tag, and checks the claim first:
-// ARGV[1] is the claim value "<token> <node>" the caller holds. A refusal is {0, holder}.
-
-/// KEYS claim, fence; ARGV node, ttl_ms → {1, token} or {0, owner, pttl}.
-const CLAIM: &str = r"
-local cur = redis.call('GET', KEYS[1])
-if cur then
-  local holder = string.sub(cur, string.find(cur, ' ') + 1)
-  if holder ~= ARGV[1] then return {0, holder, redis.call('PTTL', KEYS[1])} end
-end
-local token = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[1], token .. ' ' .. ARGV[1], 'PX', ARGV[2])
-return {1, token}
-";
-
-/// KEYS claim; ARGV value, ttl_ms.
-const RENEW: &str = r"
-local cur = redis.call('GET', KEYS[1])
-if cur ~= ARGV[1] then return {0, cur or ''} end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {1}
-";
-
-/// KEYS claim; ARGV value.
-const GIVE_UP: &str = r"
-local cur = redis.call('GET', KEYS[1])
-if cur ~= ARGV[1] then return {0, cur or ''} end
-redis.call('DEL', KEYS[1])
-return {1}
-";
-
-/// KEYS claim, gen, pending; ARGV value, runs → {1, generation}.
-const BEGIN: &str = r"
-local cur = redis.call('GET', KEYS[1])
-if cur ~= ARGV[1] then return {0, cur or ''} end
-local g = redis.call('INCR', KEYS[2])
-redis.call('HSET', KEYS[3], tostring(g), ARGV[2])
-return {1, g}
-";
-
-/// KEYS claim, record, pending; ARGV value, generation, record, superseded (empty: none).
-const COMMIT: &str = r"
-local cur = redis.call('GET', KEYS[1])
-if cur ~= ARGV[1] then return {0, cur or ''} end
-redis.call('SET', KEYS[2], ARGV[3])
-redis.call('HDEL', KEYS[3], ARGV[2])
-if ARGV[4] ~= '' then redis.call('HSET', KEYS[3], 'del:' .. ARGV[2], ARGV[4]) end
-return {1}
-";
-
-/// KEYS claim, pending; ARGV value, fields... (what a cleanup finished).
-const CLEARED: &str = r"
-local cur = redis.call('GET', KEYS[1])
-if cur ~= ARGV[1] then return {0, cur or ''} end
-for i = 2, #ARGV do redis.call('HDEL', KEYS[2], ARGV[i]) end
-return {1}
-";
-
-/// KEYS claim, record, pending; ARGV value, pages to delete → {1}: the record is gone and
-/// its pages are listed for deletion.
-const DELETE: &str = r"
-local cur = redis.call('GET', KEYS[1])
-if cur ~= ARGV[1] then return {0, cur or ''} end
-redis.call('DEL', KEYS[2])
-if ARGV[2] ~= '' then redis.call('HSET', KEYS[3], 'del:all', ARGV[2]) end
-return {1}
-";
-
-struct Scripts {
-    claim: Script,
-    renew: Script,
-    give_up: Script,
-    begin: Script,
-    commit: Script,
-    cleared: Script,
-    delete: Script,
-}
-
 /// The remote tier on a Redis Cluster.
 pub struct ClusterStore {
     client: ClusterClient,
@@ -149,92 +74,6 @@ impl std::fmt::Debug for ClusterStore {
             .field("key_prefix", &self.cfg.key_prefix)
             .finish()
     }
-}
-
-/// (layer, block) pairs, 8 bytes each, little-endian.
-fn pack_runs(runs: impl Iterator<Item = (u32, u32)>) -> Vec<u8> {
-    runs.flat_map(|(l, b)| l.to_le_bytes().into_iter().chain(b.to_le_bytes()))
-        .collect()
-}
-
-/// (layer, block, generation), 16 bytes each.
-fn pack_pages(pages: impl Iterator<Item = (u32, u32, u64)>) -> Vec<u8> {
-    pages
-        .flat_map(|(l, b, g)| {
-            l.to_le_bytes()
-                .into_iter()
-                .chain(b.to_le_bytes())
-                .chain(g.to_le_bytes())
-        })
-        .collect()
-}
-
-fn unpack_pages(bytes: &[u8]) -> Vec<(u32, u32, u64)> {
-    bytes
-        .chunks_exact(16)
-        .map(|c| {
-            (
-                u32::from_le_bytes(c[0..4].try_into().expect("4")),
-                u32::from_le_bytes(c[4..8].try_into().expect("4")),
-                u64::from_le_bytes(c[8..16].try_into().expect("8")),
-            )
-        })
-        .collect()
-}
-
-fn unpack_runs(bytes: &[u8], generation: u64) -> Vec<(u32, u32, u64)> {
-    bytes
-        .chunks_exact(8)
-        .map(|c| {
-            (
-                u32::from_le_bytes(c[0..4].try_into().expect("4")),
-                u32::from_le_bytes(c[4..8].try_into().expect("4")),
-                generation,
-            )
-        })
-        .collect()
-}
-
-/// Cuts `sizes` (bytes of each item, in order) into consecutive ranges of about `limit` bytes
-/// (at least one item each).
-fn batches(sizes: impl Iterator<Item = usize>, limit: usize) -> Vec<std::ops::Range<usize>> {
-    let mut out = Vec::new();
-    let (mut start, mut bytes, mut n) = (0, 0, 0);
-    for size in sizes {
-        if n > start && bytes + size > limit {
-            out.push(start..n);
-            (start, bytes) = (n, 0);
-        }
-        bytes += size;
-        n += 1;
-    }
-    if n > start {
-        out.push(start..n);
-    }
-    out
-}
-
-fn int(v: &Value) -> Option<i64> {
-    match v {
-        Value::Int(i) => Some(*i),
-        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
-        _ => None,
-    }
-}
-
-fn text(v: &Value) -> Option<String> {
-    match v {
-        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
-        Value::SimpleString(s) => Some(s.clone()),
-        _ => None,
-    }
-}
-
-/// The node named in a claim value "<token> <node>" ('' or nil: none).
-fn holder_of(v: Option<&Value>) -> Option<String> {
-    let s = text(v?)?;
-    let (_, node) = s.split_once(' ')?;
-    Some(node.to_string())
 }
 
 impl ClusterStore {
@@ -660,7 +499,6 @@ impl RemoteStore for ClusterStore {
         let written: Vec<Vec<RemotePage>> = self.in_streams(
             cut.len(),
             |c, b| {
-                Self::check_valid(claim)?;
                 let mut p = cluster_pipe();
                 let mut pages = Vec::with_capacity(cut[b].len());
                 for r in &runs[cut[b].clone()] {
@@ -710,7 +548,8 @@ impl RemoteStore for ClusterStore {
             pages,
             generation,
         };
-        Self::check_valid(claim)?;
+        // No local validity check here: a write longer than the claim is kept alive by the
+        // node's renewals, and the commit is fenced in the store whatever this copy says.
         let gen_field = generation.to_string();
         let superseded_packed = pack_pages(superseded.iter().copied());
         self.checked(
