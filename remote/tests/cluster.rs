@@ -8,6 +8,7 @@ use kvtier_remote::{Claim, ClusterConfig, ClusterStore, RemoteError, RemoteStore
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
 use kvtier_storage::nvme::BlockRun;
 use kvtier_storage::{DType, Geometry, Policy};
+use kvtier_tests::kv::xorshift_bytes;
 use kvtier_tests::redis::RedisCluster;
 
 const LAYERS: u32 = 2;
@@ -37,17 +38,10 @@ fn record(id: u64, blocks: u32) -> SessionRecord {
 
 /// The bytes of (layer, block) at version `v`: different for every run and version.
 fn payload(id: u64, layer: u32, block: u32, v: u32) -> Vec<u8> {
-    let mut x = id
+    let state = id
         .wrapping_mul(0x9E37_79B9_7F4A_7C15)
         .wrapping_add(((layer as u64) << 40) ^ ((block as u64) << 20) ^ v as u64);
-    (0..RUN)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    xorshift_bytes(state, RUN)
 }
 
 fn runs_of(id: u64, blocks: impl Iterator<Item = u32> + Clone, v: u32) -> Vec<(u32, u32, Vec<u8>)> {

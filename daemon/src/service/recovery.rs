@@ -14,7 +14,47 @@ pub(super) fn policy_of(p: &PolicyRecord) -> ServiceResult<Policy> {
         .ok_or_else(|| ServiceError::internal(format!("unknown selector {}", p.selector)))
 }
 
+/// What rebuilding a stored session follows: its policy and the (layer, block) runs its record
+/// holds, in the order the cache is rebuilt (layer by layer, block by block).
+pub(super) struct Rebuild {
+    pub policy: Policy,
+    pub wanted: Vec<(u32, u32)>,
+    tokens: Vec<u64>,
+    block_tokens: u64,
+}
+
+impl Rebuild {
+    /// The rows of `(layer, block)` the record holds.
+    pub fn valid(&self, layer: u32, block: u32) -> usize {
+        let tokens = *self.tokens.get(layer as usize).unwrap_or(&0);
+        (tokens - block as u64 * self.block_tokens).min(self.block_tokens) as usize
+    }
+}
+
 impl Service {
+    /// [`Rebuild`] of the session `rec` describes, and the empty cache to rebuild (its
+    /// geometry, charged to its owner).
+    pub(super) fn rebuild(&self, rec: &SessionRecord) -> ServiceResult<(Rebuild, KvCache)> {
+        let geometry = geometry_of(&rec.geometry)?;
+        let policy = policy_of(&rec.policy)?;
+        let kv = KvCache::new_with(
+            geometry,
+            self.arena_for(rec.owner_uid),
+            policy.selector.needs_sketches(),
+        )?;
+        let tokens = |l: u32| *rec.layer_tokens.get(l as usize).unwrap_or(&0);
+        let wanted = (0..geometry.layers)
+            .flat_map(|l| (0..geometry.blocks_for(tokens(l)) as u32).map(move |b| (l, b)))
+            .collect();
+        let rb = Rebuild {
+            policy,
+            wanted,
+            tokens: rec.layer_tokens.clone(),
+            block_tokens: geometry.block_tokens as u64,
+        };
+        Ok((rb, kv))
+    }
+
     /// Loads every session the NVMe manifest holds (warm restart): reads and verifies each
     /// page, rebuilds tiles and bounds bit-identically, keeping blocks resident while the host
     /// tier is below its low-water mark and cold after that. A session that cannot be read
@@ -82,23 +122,12 @@ impl Service {
         t: &TierSettings,
         rec: &SessionRecord,
     ) -> ServiceResult<Session> {
-        let geometry = geometry_of(&rec.geometry)?;
-        let policy = policy_of(&rec.policy)?;
-        let mut kv = KvCache::new_with(
-            geometry,
-            self.arena_for(rec.owner_uid),
-            policy.selector.needs_sketches(),
-        )?;
-        let bt = geometry.block_tokens as u64;
-        let tokens = |l: u32| *rec.layer_tokens.get(l as usize).unwrap_or(&0);
-        // Every run in the order the cache is rebuilt (layer by layer, block by block), read
-        // in batches sized by the devices' tracked rates; the next batch is read and verified
-        // while this one is rebuilt (on the store's workers).
-        let wanted: Vec<(u32, u32)> = (0..geometry.layers)
-            .flat_map(|l| (0..geometry.blocks_for(tokens(l)) as u32).map(move |b| (l, b)))
-            .collect();
+        // Every run, read in batches sized by the devices' tracked rates; the next batch is
+        // read and verified while this one is rebuilt (on the store's workers).
+        let (rb, mut kv) = self.rebuild(rec)?;
+        let wanted = &rb.wanted;
         let workers = tier.store().workers();
-        tier.read_runs_pipelined(rec.id, &wanted, |r, pages| -> ServiceResult<()> {
+        tier.read_runs_pipelined(rec.id, wanted, |r, pages| -> ServiceResult<()> {
             // Block by block, a block stays resident while the host tier is below low water
             // (bytes_used < bytes_total * low_water) and each kept block takes one extent of
             // the session's run size: so the first `room` blocks of the batch are kept, the
@@ -123,7 +152,7 @@ impl Service {
                     StoredBlock {
                         layer: l,
                         run: page.as_ref().expect("before the first failure").payload(),
-                        valid: (tokens(l) - b as u64 * bt).min(bt) as usize,
+                        valid: rb.valid(l, b),
                         keep,
                     }
                 })
@@ -134,10 +163,17 @@ impl Service {
                 _ => Ok(()),
             }
         })?;
-        let persisted = (0..geometry.layers)
+        let persisted = (0..kv.geometry().layers)
             .map(|l| kv.tokens(l).expect("layer"))
             .collect();
-        let mut s = Session::new(rec.id, rec.owner_uid, rec.label.clone(), policy, kv, true);
+        let mut s = Session::new(
+            rec.id,
+            rec.owner_uid,
+            rec.label.clone(),
+            rb.policy,
+            kv,
+            true,
+        );
         s.state.get_mut().persisted = persisted;
         s.pinned.store(rec.pinned, Ordering::Relaxed);
         s.created_from(rec);

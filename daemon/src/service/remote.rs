@@ -264,21 +264,10 @@ impl Service {
         rec: &kvtier_remote::RemoteRecord,
     ) -> ServiceResult<Session> {
         let meta = &rec.session;
-        let geometry = recovery::geometry_of(&meta.geometry)?;
-        let policy = recovery::policy_of(&meta.policy)?;
-        let mut kv = KvCache::new_with(
-            geometry,
-            self.arena_for(meta.owner_uid),
-            policy.selector.needs_sketches(),
-        )?;
-        let bt = geometry.block_tokens as u64;
-        let tokens = |l: u32| *meta.layer_tokens.get(l as usize).unwrap_or(&0);
-        let wanted: Vec<(u32, u32)> = (0..geometry.layers)
-            .flat_map(|l| (0..geometry.blocks_for(tokens(l)) as u32).map(move |b| (l, b)))
-            .collect();
+        let (rb, mut kv) = self.rebuild(meta)?;
         let workers = kvtier_storage::default_workers();
         // In batches: at most this many runs' bytes held at once.
-        for chunk in wanted.chunks(256) {
+        for chunk in rb.wanted.chunks(256) {
             let pages = r.store.read_runs(rec, chunk).map_err(remote_error)?;
             let blocks: Vec<StoredBlock<'_>> = pages
                 .iter()
@@ -286,7 +275,7 @@ impl Service {
                 .map(|(run, &(l, b))| StoredBlock {
                     layer: l,
                     run,
-                    valid: (tokens(l) - b as u64 * bt).min(bt) as usize,
+                    valid: rb.valid(l, b),
                     keep: true,
                 })
                 .collect();
@@ -296,7 +285,7 @@ impl Service {
             meta.id,
             meta.owner_uid,
             meta.label.clone(),
-            policy,
+            rb.policy,
             kv,
             false,
         );

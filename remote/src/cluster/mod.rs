@@ -363,25 +363,6 @@ impl ClusterStore {
         bytes.truncate(len);
         Ok(bytes)
     }
-
-    fn check_runs(meta: &SessionRecord, runs: &[BlockRun<'_>]) -> Result<()> {
-        let mut seen = HashSet::with_capacity(runs.len());
-        for r in runs {
-            if r.layer >= meta.geometry.layers {
-                return Err(RemoteError::Invalid(format!(
-                    "session {}: layer {} out of range ({} layers)",
-                    meta.id, r.layer, meta.geometry.layers
-                )));
-            }
-            if !seen.insert((r.layer, r.block)) {
-                return Err(RemoteError::Invalid(format!(
-                    "session {}: (layer {}, block {}) given twice",
-                    meta.id, r.layer, r.block
-                )));
-            }
-        }
-        Ok(())
-    }
 }
 
 impl RemoteStore for ClusterStore {
@@ -472,7 +453,9 @@ impl RemoteStore for ClusterStore {
                 claim.session, meta.id
             )));
         }
-        Self::check_runs(meta, runs)?;
+        if let Some(why) = BlockRun::refuse(meta.id, meta.geometry.layers, runs) {
+            return Err(RemoteError::Invalid(why));
+        }
         Self::check_valid(claim)?;
         let id = meta.id;
         let previous = self.record(id)?;

@@ -34,6 +34,29 @@ pub struct BlockRun<'a> {
     pub bytes: &'a [u8],
 }
 
+impl BlockRun<'_> {
+    /// Why `runs` cannot be stored as runs of session `id` of `layers` layers: a layer out of
+    /// range, or a (layer, block) given twice.
+    pub fn refuse(id: u64, layers: u32, runs: &[BlockRun<'_>]) -> Option<String> {
+        let mut seen = std::collections::HashSet::with_capacity(runs.len());
+        for r in runs {
+            if r.layer >= layers {
+                return Some(format!(
+                    "session {id}: layer {} out of range ({layers} layers)",
+                    r.layer
+                ));
+            }
+            if !seen.insert((r.layer, r.block)) {
+                return Some(format!(
+                    "session {id}: (layer {}, block {}) given twice",
+                    r.layer, r.block
+                ));
+            }
+        }
+        None
+    }
+}
+
 /// Predicted wall time of one batch of a bulk read at the devices' tracked read rates: long
 /// enough that the per-batch latency is a few percent, short enough to bound the buffers a
 /// batch holds (about 16 MB at 2 GB/s).
@@ -177,20 +200,10 @@ impl NvmeTier {
         meta: &SessionRecord,
         runs: &[BlockRun<'_>],
     ) -> Result<u64, NvmeError> {
-        let mut seen = std::collections::HashSet::with_capacity(runs.len());
+        if let Some(why) = BlockRun::refuse(meta.id, meta.geometry.layers, runs) {
+            return Err(NvmeError::invalid(why));
+        }
         for r in runs {
-            if r.layer >= meta.geometry.layers {
-                return Err(NvmeError::invalid(format!(
-                    "session {}: layer {} out of range ({} layers)",
-                    meta.id, r.layer, meta.geometry.layers
-                )));
-            }
-            if !seen.insert((r.layer, r.block)) {
-                return Err(NvmeError::invalid(format!(
-                    "session {}: (layer {}, block {}) given twice",
-                    meta.id, r.layer, r.block
-                )));
-            }
             if r.bytes.len() > self.store.max_payload() {
                 return Err(NvmeError::invalid(format!(
                     "session {}: run of {} bytes exceeds the page payload {}",
