@@ -341,6 +341,7 @@ pub fn open_remote(cfg: &Config) -> Result<Option<service::Remote>, String> {
         Arc::new(store),
         node,
         r.write_through,
+        (r.flush_interval_ms > 0).then(|| ms(r.flush_interval_ms)),
     )))
 }
 

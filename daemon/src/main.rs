@@ -199,25 +199,23 @@ fn lock_progress(notifier: Option<Arc<Notifier>>) -> impl Fn(usize, usize) + Syn
     }
 }
 
-/// Renews the remote tier's claims of `service` every `every`, on a thread of its own, until
-/// the service is dropped.
-fn renew_claims_every(
+/// The remote tier's background work of `service` (claims renewed, periodic writes) every
+/// `every`, on a thread of its own, until the service is dropped.
+fn remote_tick_every(
     service: std::sync::Weak<tierd::Service>,
     every: Duration,
 ) -> Result<(), String> {
     std::thread::Builder::new()
-        .name("tierd-claims".into())
+        .name("tierd-remote".into())
         .spawn(move || loop {
             std::thread::sleep(every);
             match service.upgrade() {
-                Some(s) => {
-                    s.renew_claims();
-                }
+                Some(s) => s.remote_tick(),
                 None => break,
             }
         })
         .map(|_| ())
-        .map_err(|e| format!("starting the claim renewal thread: {e}"))
+        .map_err(|e| format!("starting the remote tier's thread: {e}"))
 }
 
 fn serve(cfg: Config) -> Result<(), String> {
@@ -281,7 +279,7 @@ fn serve(cfg: Config) -> Result<(), String> {
     let service = Arc::new(tierd::build_service(&cfg, arena, gpu)?);
     bound.keep();
     if cfg.remote.enabled {
-        renew_claims_every(
+        remote_tick_every(
             Arc::downgrade(&service),
             Duration::from_millis(cfg.remote.claim_ttl_ms / 3),
         )?;
@@ -315,9 +313,9 @@ fn serve(cfg: Config) -> Result<(), String> {
         tierd::run(listener, service.clone(), settings, shutdown)
             .await
             .map_err(|e| format!("server: {e}"))?;
-        // Sessions this node claims in the remote tier go there, and their claims are given
-        // up, so another node can take them at once (no-op without the remote tier).
-        let (offloaded, not_offloaded) = service.offload_claimed();
+        // With the remote tier, unpinned sessions go there and their claims are given up, so
+        // another node can take them at once (no-op without the remote tier).
+        let (offloaded, not_offloaded) = service.offload_all();
         if offloaded + not_offloaded > 0 {
             tracing::info!(offloaded, failed = not_offloaded, "sessions written to the remote tier");
         }

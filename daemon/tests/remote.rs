@@ -198,3 +198,47 @@ fn a_paused_owner_is_fenced_and_a_cut_off_one_refuses_appends() {
     assert_eq!(code, ErrorCode::Unavailable, "{message}");
     assert!(message.contains("claim"), "{message}");
 }
+
+#[test]
+fn without_write_through_a_dead_node_loses_at_most_a_flush_interval() {
+    let Some(cluster) = RedisCluster::start(3, 1) else {
+        return;
+    };
+    // Claims renewed every 500 ms; sessions written to the cluster at each renewal.
+    let a = node(&cluster, "node-a", &["remote.flush_interval_ms=300"]);
+    let (id, mut sh) = {
+        let mut ca = a.client();
+        let (id, mut sh) = open(&mut ca, "flushed", 40, 9);
+        ca.append_kv(id, 40, 10, &sh.payload(10)).unwrap();
+        (id, sh)
+    };
+    std::thread::sleep(Duration::from_millis(1500));
+    a.signal(libc::SIGKILL);
+
+    let b = node(&cluster, "node-b", &[]);
+    let mut cb = b.client();
+    until_not(ErrorCode::FailedPrecondition, || cb.promote(id)).unwrap();
+    assert_eq!(cb.session_info(id).unwrap().tokens_max, 50);
+    sh.step(&mut cb, id);
+}
+
+#[test]
+fn a_clean_shutdown_hands_every_unpinned_session_to_the_cluster() {
+    let Some(cluster) = RedisCluster::start(3, 1) else {
+        return;
+    };
+    let mut a = node(&cluster, "node-a", &[]);
+    let mut ca = a.client();
+    let (moved, mut sh) = open(&mut ca, "moved", 70, 4);
+    let (pinned, _) = open(&mut ca, "pinned", 20, 5);
+    ca.pin(pinned, true).unwrap();
+    drop(ca);
+    assert_eq!(a.terminate().code(), Some(0), "clean exit");
+
+    // B takes it at once (A gave its claim up) with every token; the pinned one stayed on A.
+    let b = node(&cluster, "node-b", &[]);
+    let mut cb = b.client();
+    assert_eq!(tokens_on(&mut cb, moved), 70);
+    sh.step(&mut cb, moved);
+    assert_eq!(code_of(cb.promote(pinned)), ErrorCode::NotFound);
+}

@@ -384,9 +384,11 @@ pub struct RemoteConfig {
     pub replica_timeout_ms: u64,
     pub connect_timeout_ms: u64,
     pub response_timeout_ms: u64,
-    /// Acknowledge an APPEND_KV or DECODE of a session this node claims only once its tokens
-    /// are in the cluster.
+    /// Acknowledge an APPEND_KV or DECODE only once its tokens are in the cluster.
     pub write_through: bool,
+    /// Without write-through, write what the cluster lacks of every unpinned session this
+    /// often (0: only at OFFLOAD and shutdown).
+    pub flush_interval_ms: u64,
 }
 
 impl Default for RemoteConfig {
@@ -402,6 +404,7 @@ impl Default for RemoteConfig {
             connect_timeout_ms: 2_000,
             response_timeout_ms: 5_000,
             write_through: false,
+            flush_interval_ms: 30_000,
         }
     }
 }

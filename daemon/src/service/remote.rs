@@ -1,5 +1,6 @@
 //! The remote tier's policy (`[remote]`): which sessions this node claims, OFFLOAD, resuming a
-//! session another node wrote, write-through to the cluster, renewing claims, and shutdown.
+//! session another node wrote, write-through and periodic writes to the cluster, renewing
+//! claims, and shutdown.
 //!
 //! A session this node writes to the cluster is claimed first (`kvtier_remote`: one node owns
 //! a session at a time, fenced by a token). A request naming a session this node does not hold
@@ -18,8 +19,10 @@ pub struct Remote {
     store: Arc<dyn RemoteStore>,
     /// This node's name in claims.
     node: String,
-    /// Acknowledge appends to claimed sessions only once they are in the cluster.
+    /// Acknowledge appends only once they are in the cluster.
     write_through: bool,
+    /// How often unpinned sessions are written to the cluster (None: never), and when last.
+    flush: Option<(Duration, Mutex<Instant>)>,
     /// The claims this node holds, by session.
     claims: Mutex<HashMap<u64, Claim>>,
     /// One resume at a time: two requests naming one session claim it once.
@@ -27,11 +30,19 @@ pub struct Remote {
 }
 
 impl Remote {
-    pub fn new(store: Arc<dyn RemoteStore>, node: String, write_through: bool) -> Self {
+    /// `flush_every`: how often unpinned sessions are written to the cluster (None: only at
+    /// OFFLOAD and shutdown).
+    pub fn new(
+        store: Arc<dyn RemoteStore>,
+        node: String,
+        write_through: bool,
+        flush_every: Option<Duration>,
+    ) -> Self {
         Remote {
             store,
             node,
             write_through,
+            flush: flush_every.map(|d| (d, Mutex::new(Instant::now()))),
             claims: Mutex::new(HashMap::new()),
             resuming: Mutex::new(()),
         }
@@ -348,8 +359,58 @@ impl Service {
         Ok(())
     }
 
-    /// Renews every claim this node holds (every third of the claim time, from a thread of
-    /// its own). A session another node has taken meanwhile is dropped here: its copy is
+    /// The remote tier's background work, called every third of the claim time from a thread
+    /// of its own: claims renewed, and, when due, the sessions written
+    /// ([`Service::flush_remote`]).
+    pub fn remote_tick(&self) {
+        self.renew_claims();
+        let due = self
+            .remote
+            .as_ref()
+            .and_then(|r| r.flush.as_ref())
+            .is_some_and(|(every, last)| {
+                let mut last = last.lock();
+                let due = last.elapsed() >= *every;
+                if due {
+                    *last = Instant::now();
+                }
+                due
+            });
+        if due {
+            self.flush_remote();
+        }
+    }
+
+    /// Writes what the cluster lacks of every unpinned session this node holds (claiming
+    /// those it has not written before); a busy session waits for the next round. Returns
+    /// the sessions written.
+    pub fn flush_remote(&self) -> usize {
+        let Some(r) = &self.remote else {
+            return 0;
+        };
+        let all: Vec<Arc<Session>> = self.sessions.read().values().cloned().collect();
+        let mut written = 0;
+        for s in all {
+            if s.damaged.is_some() || s.pinned.load(Ordering::Relaxed) {
+                continue;
+            }
+            let Some(mut st) = s.state.try_lock() else {
+                continue;
+            };
+            if st.closed || st.remote_persisted == tiering::record_of(&s, &st.kv).layer_tokens {
+                continue;
+            }
+            match self.put_remote_locked(r, &s, &mut st) {
+                Ok(_) => written += 1,
+                Err(e) => {
+                    tracing::warn!(session = s.id, error = %e, "remote: periodic write failed; retried next round")
+                }
+            }
+        }
+        written
+    }
+
+    /// Renews every claim this node holds (from [`Service::remote_tick`]). A session another node has taken meanwhile is dropped here: its copy is
     /// stale. Returns the sessions dropped.
     pub fn renew_claims(&self) -> usize {
         let Some(r) = &self.remote else {
@@ -379,21 +440,21 @@ impl Service {
         dropped
     }
 
-    /// At shutdown: every session this node claims is offloaded (written to the cluster,
-    /// dropped here, the claim given up), so another node can take it at once and no stale
-    /// NVMe copy comes back at a restart. One that cannot be written stays, for the NVMe tier
-    /// to keep ([`Service::persist_all`]). Returns (offloaded, failed).
-    pub fn offload_claimed(&self) -> (usize, usize) {
+    /// At shutdown: every unpinned session is offloaded (written to the cluster, dropped
+    /// here, the claim given up), so another node can take it at once and no stale NVMe copy
+    /// comes back at a restart. One that cannot be written, and a pinned one, stays for the
+    /// NVMe tier to keep ([`Service::persist_all`]). Returns (offloaded, failed).
+    pub fn offload_all(&self) -> (usize, usize) {
         let Some(r) = &self.remote else {
             return (0, 0);
         };
-        let ids: Vec<u64> = r.claims.lock().keys().copied().collect();
+        let all: Vec<Arc<Session>> = self.sessions.read().values().cloned().collect();
         let (mut ok, mut failed) = (0, 0);
-        for id in ids {
-            let Some(s) = self.sessions.read().get(&id).cloned() else {
-                r.give_up(id);
+        for s in all {
+            let id = s.id;
+            if s.damaged.is_some() || s.pinned.load(Ordering::Relaxed) {
                 continue;
-            };
+            }
             match self.offload_session(r, &s) {
                 Ok(_) => ok += 1,
                 Err(e) => {
