@@ -90,6 +90,15 @@ fn a_session_built_on_one_node_decodes_on_another_with_identical_outputs() {
         }
     }
     assert_eq!(cb.session_info(moved).unwrap().tokens_max, 154);
+    let (sa, sb) = (ca.stats().unwrap(), cb.stats().unwrap());
+    assert_eq!(sa.get("remote_offloads_total"), Some(1));
+    assert_eq!(sa.get("remote_blocks_written_total"), Some(20));
+    assert_eq!(sb.get("remote_resumes_total"), Some(1));
+    assert_eq!(sb.get("remote_claims"), Some(1));
+    assert_eq!(
+        sb.get("remote_read_bytes_total"),
+        Some(20 * small_geometry().block_bytes() as u64)
+    );
 
     // A asking for it is told which node owns it now.
     let (code, message) = server_error(ca.promote(moved));

@@ -52,6 +52,11 @@ impl Remote {
         &self.node
     }
 
+    /// Sessions this node claims now.
+    pub fn claims_held(&self) -> usize {
+        self.claims.lock().len()
+    }
+
     /// The claim on `id`, taken now if this node holds none.
     fn claim(&self, id: u64) -> ServiceResult<Claim> {
         if let Some(c) = self.claims.lock().get(&id) {
@@ -155,6 +160,13 @@ impl Service {
             .put_session(&claim, &record, &runs)
             .map_err(remote_error)?;
         st.remote_persisted = record.layer_tokens;
+        let bytes: usize = runs.iter().map(|r| r.bytes.len()).sum();
+        self.counters
+            .remote_blocks_written
+            .fetch_add(runs.len() as u64, Ordering::Relaxed);
+        self.counters
+            .remote_bytes_written
+            .fetch_add(bytes as u64, Ordering::Relaxed);
         Ok(runs.len() as u64)
     }
 
@@ -184,6 +196,9 @@ impl Service {
             )));
         }
         let blocks = self.offload_session(r, &s)?;
+        self.counters
+            .remote_offloads
+            .fetch_add(1, Ordering::Relaxed);
         tracing::info!(session = id, blocks, "session offloaded to the remote tier");
         Ok(blocks)
     }
@@ -258,6 +273,7 @@ impl Service {
             table.insert(id, session.clone());
         }
         self.gpu_open(id, &session.geometry, &session.policy);
+        self.counters.remote_resumes.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             session = id,
             token = claim.token,
@@ -280,6 +296,10 @@ impl Service {
         // In batches: at most this many runs' bytes held at once.
         for chunk in rb.wanted.chunks(256) {
             let pages = r.store.read_runs(rec, chunk).map_err(remote_error)?;
+            let bytes: usize = pages.iter().map(Vec::len).sum();
+            self.counters
+                .remote_bytes_read
+                .fetch_add(bytes as u64, Ordering::Relaxed);
             let blocks: Vec<StoredBlock<'_>> = pages
                 .iter()
                 .zip(chunk)
@@ -425,6 +445,9 @@ impl Service {
                 }
                 Err(e @ RemoteError::Fenced { .. }) => {
                     tracing::error!(session = c.session, error = %e, "remote: another node owns the session now; dropping this node's copy");
+                    self.counters
+                        .remote_claims_lost
+                        .fetch_add(1, Ordering::Relaxed);
                     r.claims.lock().remove(&c.session);
                     if let Some(s) = self.sessions.write().remove(&c.session) {
                         s.state.lock().closed = true;

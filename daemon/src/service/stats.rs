@@ -74,6 +74,14 @@ pub struct Counters {
     /// Decode steps run (one per coalesced group): `decode_entries / decode_steps` is the mean
     /// batch a step served.
     pub decode_steps: AtomicU64,
+    /// The remote tier: sessions resumed here and offloaded from here, block runs and their
+    /// bytes written to and read from the cluster, claims found taken by another node.
+    pub remote_resumes: AtomicU64,
+    pub remote_offloads: AtomicU64,
+    pub remote_blocks_written: AtomicU64,
+    pub remote_bytes_written: AtomicU64,
+    pub remote_bytes_read: AtomicU64,
+    pub remote_claims_lost: AtomicU64,
 }
 
 /// The NVMe tier's metric series.
@@ -208,6 +216,17 @@ impl Service {
                     "blocks_prefetched_total",
                     self.prefetcher.as_ref().map_or(0, |p| get(&p.promoted)),
                 ),
+            ]);
+        }
+        if let Some(r) = &self.remote {
+            entries.extend([
+                ("remote_claims", r.claims_held() as u64),
+                ("remote_resumes_total", get(&c.remote_resumes)),
+                ("remote_offloads_total", get(&c.remote_offloads)),
+                ("remote_blocks_written_total", get(&c.remote_blocks_written)),
+                ("remote_written_bytes_total", get(&c.remote_bytes_written)),
+                ("remote_read_bytes_total", get(&c.remote_bytes_read)),
+                ("remote_claims_lost_total", get(&c.remote_claims_lost)),
             ]);
         }
         if self.limits.coalesce {
