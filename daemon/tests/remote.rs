@@ -251,3 +251,39 @@ fn a_clean_shutdown_hands_every_unpinned_session_to_the_cluster() {
     sh.step(&mut cb, moved);
     assert_eq!(code_of(cb.promote(pinned)), ErrorCode::NotFound);
 }
+
+#[test]
+fn a_damaged_page_fails_the_resume_with_data_loss_and_leaves_the_session_unclaimed() {
+    let Some(cluster) = RedisCluster::start(3, 1) else {
+        return;
+    };
+    let a = node(&cluster, "node-a", &[]);
+    let b = node(&cluster, "node-b", &[]);
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let (id, _) = open(&mut ca, "damaged", 600, 6);
+    ca.offload(id).unwrap();
+
+    // One byte of one page (layer 1, block 30: late in the pull) changed in the cluster.
+    let pattern = format!("kvtier:page:{id}:1:30:*");
+    let (port, key) = cluster
+        .masters()
+        .into_iter()
+        .find_map(|p| {
+            let keys = cluster.cli(p, &["--scan", "--pattern", &pattern]).ok()?;
+            Some((p, keys.lines().next()?.to_string()))
+        })
+        .expect("the page's key");
+    cluster.cli(port, &["setrange", &key, "200", "X"]).unwrap();
+
+    let (code, message) = server_error(cb.promote(id));
+    assert_eq!(code, ErrorCode::DataLoss, "{message}");
+    assert!(message.contains("layer 1 block 30"), "{message}");
+    assert_eq!(cb.stats().unwrap().get("remote_claims"), Some(0));
+    assert_eq!(
+        cb.list_sessions().unwrap().len(),
+        0,
+        "nothing half-restored is served"
+    );
+    // The claim was given up: the other node gets the same answer, not "owned by".
+    assert_eq!(code_of(ca.promote(id)), ErrorCode::DataLoss);
+}

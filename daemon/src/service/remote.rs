@@ -77,6 +77,9 @@ impl Remote {
     }
 }
 
+/// Runs per batch of a resume's pull (32 MiB of Qwen2.5-7B's 256 KiB runs).
+const RESUME_BATCH_RUNS: usize = 128;
+
 pub(super) fn remote_error(e: RemoteError) -> ServiceError {
     let code = match &e {
         RemoteError::Owned { .. } | RemoteError::Fenced { .. } => ErrorCode::FailedPrecondition,
@@ -293,25 +296,54 @@ impl Service {
         let meta = &rec.session;
         let (rb, mut kv) = self.rebuild(meta)?;
         let workers = kvtier_storage::default_workers();
-        // In batches: at most this many runs' bytes held at once.
-        for chunk in rb.wanted.chunks(256) {
-            let pages = r.store.read_runs(rec, chunk).map_err(remote_error)?;
-            let bytes: usize = pages.iter().map(Vec::len).sum();
-            self.counters
-                .remote_bytes_read
-                .fetch_add(bytes as u64, Ordering::Relaxed);
-            let blocks: Vec<StoredBlock<'_>> = pages
-                .iter()
-                .zip(chunk)
-                .map(|(run, &(l, b))| StoredBlock {
-                    layer: l,
-                    run,
-                    valid: rb.valid(l, b),
-                    keep: true,
-                })
-                .collect();
-            kv.restore_blocks(&blocks, workers)?;
-        }
+        // In batches of runs, the next read from the cluster while this one is rebuilt: at
+        // most three batches' bytes held at once (one read, one queued, one rebuilt).
+        let batches: Vec<&[(u32, u32)]> = rb.wanted.chunks(RESUME_BATCH_RUNS).collect();
+        std::thread::scope(|scope| -> ServiceResult<()> {
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            let reader = scope.spawn(move || {
+                for &chunk in &batches {
+                    let pages = r.store.read_runs(rec, chunk).map_err(remote_error);
+                    let failed = pages.is_err();
+                    if tx.send((chunk, pages)).is_err() || failed {
+                        break;
+                    }
+                }
+            });
+            let mut rebuilt = Ok(());
+            for (chunk, pages) in rx {
+                let pages = match pages {
+                    Ok(p) => p,
+                    Err(e) => {
+                        rebuilt = Err(e);
+                        break;
+                    }
+                };
+                let bytes: usize = pages.iter().map(Vec::len).sum();
+                self.counters
+                    .remote_bytes_read
+                    .fetch_add(bytes as u64, Ordering::Relaxed);
+                let blocks: Vec<StoredBlock<'_>> = pages
+                    .iter()
+                    .zip(chunk)
+                    .map(|(run, &(l, b))| StoredBlock {
+                        layer: l,
+                        run,
+                        valid: rb.valid(l, b),
+                        keep: true,
+                    })
+                    .collect();
+                if let Err(e) = kv.restore_blocks(&blocks, workers) {
+                    rebuilt = Err(e.into());
+                    break;
+                }
+            }
+            // Dropping the receiver (above) stops the reader at its next batch.
+            reader
+                .join()
+                .map_err(|_| ServiceError::internal("the resume's reader panicked"))?;
+            rebuilt
+        })?;
         let mut s = Session::new(
             meta.id,
             meta.owner_uid,
