@@ -92,6 +92,10 @@ pub mod names {
     pub const NVME_CHECKSUM_ERRORS: &str = "kvtier_nvme_checksum_errors_total";
     pub const NVME_PAGES_MOVED: &str = "kvtier_nvme_pages_moved_total";
     pub const HOST_RUNS_MOVED: &str = "kvtier_host_runs_moved_total";
+    pub const REMOTE_CLAIMS: &str = "kvtier_remote_claims";
+    pub const REMOTE_RESUMES: &str = "kvtier_remote_resumes_total";
+    pub const REMOTE_OFFLOADS: &str = "kvtier_remote_offloads_total";
+    pub const REMOTE_CLAIMS_LOST: &str = "kvtier_remote_claims_lost_total";
 }
 
 /// Why a request was refused before it ran (label `reason` of
@@ -188,6 +192,18 @@ pub struct NvmeMetrics {
     pub io_errors: Counter,
     /// Pages compaction moved to place writes (STATS `nvme_pages_moved_total`).
     pub pages_moved: Counter,
+}
+
+/// The remote tier's series (the STATS `remote_*` numbers), refreshed at scrape time; its
+/// bytes are the `host_to_remote` and `remote_to_host` links.
+#[derive(Debug, Clone)]
+pub struct RemoteMetrics {
+    pub claims: Gauge,
+    pub resumes: Counter,
+    pub offloads: Counter,
+    pub claims_lost: Counter,
+    pub written: Counter,
+    pub read: Counter,
 }
 
 /// GPU block cache counters (hit rate = hits / lookups), registered by the CUDA backend.
@@ -292,6 +308,18 @@ impl Metrics {
             checksum_errors: r.counter(names::NVME_CHECKSUM_ERRORS, &[]),
             io_errors: r.counter(names::NVME_IO_ERRORS, &[]),
             pages_moved: r.counter(names::NVME_PAGES_MOVED, &[]),
+        }
+    }
+
+    pub fn register_remote(&self) -> RemoteMetrics {
+        let r = self.registrar();
+        RemoteMetrics {
+            claims: r.gauge(names::REMOTE_CLAIMS, &[]),
+            resumes: r.counter(names::REMOTE_RESUMES, &[]),
+            offloads: r.counter(names::REMOTE_OFFLOADS, &[]),
+            claims_lost: r.counter(names::REMOTE_CLAIMS_LOST, &[]),
+            written: r.counter(names::LINK_MOVED_BYTES, &[("link", "host_to_remote")]),
+            read: r.counter(names::LINK_MOVED_BYTES, &[("link", "remote_to_host")]),
         }
     }
 

@@ -4,8 +4,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -19,37 +18,6 @@ fn with_metrics(extra: &[&str]) -> (Tierd, u16) {
     let port = free_port();
     let listen = format!("metrics.listen=\"127.0.0.1:{port}\"");
     (harness().set(&listen).args(extra).start(), port)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Raw HTTP exchange: (status line, body).
-fn http(port: u16, request: &str) -> (String, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.write_all(request.as_bytes()).unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    let (head, body) = resp.split_once("\r\n\r\n").expect("HTTP response");
-    (head.lines().next().unwrap().to_string(), body.to_string())
-}
-
-/// One scrape as `series -> value` (series = name plus labels, as exposed).
-fn scrape(port: u16) -> BTreeMap<String, f64> {
-    let (status, body) = http(port, "GET /metrics HTTP/1.1\r\nHost: tierd\r\n\r\n");
-    assert_eq!(status, "HTTP/1.1 200 OK");
-    body.lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .map(|l| {
-            let (series, value) = l.rsplit_once(' ').expect("series value");
-            (series.to_string(), value.parse().expect("numeric value"))
-        })
-        .collect()
 }
 
 fn get(m: &BTreeMap<String, f64>, series: &str) -> f64 {

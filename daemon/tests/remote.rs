@@ -50,7 +50,12 @@ fn a_session_built_on_one_node_decodes_on_another_with_identical_outputs() {
         return;
     };
     let a = node(&cluster, "node-a", &[]);
-    let b = node(&cluster, "node-b", &[]);
+    let port = free_port();
+    let b = node(
+        &cluster,
+        "node-b",
+        &[&format!("metrics.listen=\"127.0.0.1:{port}\"")],
+    );
     let (mut ca, mut cb) = (a.client(), b.client());
 
     // Two sessions with the same tokens on A: one stays, one moves to the cluster.
@@ -98,6 +103,13 @@ fn a_session_built_on_one_node_decodes_on_another_with_identical_outputs() {
     assert_eq!(
         sb.get("remote_read_bytes_total"),
         Some(20 * small_geometry().block_bytes() as u64)
+    );
+    let m = scrape(port);
+    assert_eq!(m["kvtier_remote_resumes_total"], 1.0);
+    assert_eq!(m["kvtier_remote_claims"], 1.0);
+    assert_eq!(
+        m["kvtier_link_moved_bytes_total{link=\"remote_to_host\"}"],
+        sb.get("remote_read_bytes_total").unwrap() as f64
     );
 
     // A asking for it is told which node owns it now.

@@ -160,6 +160,8 @@ pub struct Service {
     fetch_seconds: Option<metrics::Histogram>,
     /// NVMe tier series, registered only when the tier exists; refreshed at scrape time.
     nvme_metrics: Option<NvmeSeries>,
+    /// Remote tier series, registered only with the remote tier.
+    remote_metrics: Option<crate::metrics::RemoteMetrics>,
     ready: AtomicBool,
     started: Instant,
     started_unix_ms: u64,
@@ -228,6 +230,7 @@ impl Service {
             metrics: Metrics::disabled(),
             fetch_seconds: None,
             nvme_metrics: None,
+            remote_metrics: None,
             ready: AtomicBool::new(false),
             started: Instant::now(),
             started_unix_ms: now_ms(),

@@ -93,9 +93,11 @@ pub(super) fn remote_error(e: RemoteError) -> ServiceError {
 }
 
 impl Service {
-    /// Uses `remote` for its sessions from now on.
+    /// Uses `remote` for its sessions from now on (its series registered in the metrics given
+    /// before, [`Service::with_metrics`]).
     pub fn with_remote(mut self, remote: Remote) -> Self {
         self.remote = Some(remote);
+        self.remote_metrics = Some(self.metrics.register_remote());
         self
     }
 

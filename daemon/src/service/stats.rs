@@ -93,8 +93,24 @@ pub(super) struct NvmeSeries {
 }
 
 impl Service {
+    /// Copies the remote tier's counters into its metric series (scrape time).
+    fn refresh_remote_metrics(&self) {
+        let (Some(m), Some(r)) = (&self.remote_metrics, &self.remote) else {
+            return;
+        };
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        m.claims.set(r.claims_held() as f64);
+        m.resumes.absolute(get(&c.remote_resumes));
+        m.offloads.absolute(get(&c.remote_offloads));
+        m.claims_lost.absolute(get(&c.remote_claims_lost));
+        m.written.absolute(get(&c.remote_bytes_written));
+        m.read.absolute(get(&c.remote_bytes_read));
+    }
+
     /// Copies the NVMe tier's usage and traffic into its metric series (scrape time).
     pub fn refresh_tier_metrics(&self) {
+        self.refresh_remote_metrics();
         let (Some(m), Some((tier, _))) = (&self.nvme_metrics, &self.tier) else {
             return;
         };

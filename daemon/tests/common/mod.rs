@@ -127,3 +127,38 @@ pub fn intact(c: &mut kvtier_protocol::client::Client, id: u64, sh: &mut Shadow)
     );
     sh.step(c, id);
 }
+
+// Scraping the metrics endpoint (`metrics.listen`).
+
+/// A free loopback port.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Raw HTTP exchange: (status line, body).
+pub fn http(port: u16, request: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").expect("HTTP response");
+    (head.lines().next().unwrap().to_string(), body.to_string())
+}
+
+/// One scrape as `series -> value` (series = name plus labels, as exposed).
+pub fn scrape(port: u16) -> std::collections::BTreeMap<String, f64> {
+    let (status, body) = http(port, "GET /metrics HTTP/1.1\r\nHost: tierd\r\n\r\n");
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    body.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| {
+            let (series, value) = l.rsplit_once(' ').expect("series value");
+            (series.to_string(), value.parse().expect("numeric value"))
+        })
+        .collect()
+}
