@@ -364,3 +364,50 @@ fn permission_denied_for_another_uid() {
     // Still there for its owner.
     assert_eq!(c.session_info(id).unwrap().tokens_max, 16);
 }
+
+/// `tierctl session offload`: refused without the remote tier; with it (a real Redis
+/// Cluster), the session moves to the cluster and another node resumes it with its tokens.
+#[test]
+fn session_offload_moves_a_session_to_another_node() {
+    let d = start(&[]);
+    let mut c = client(&d);
+    let id = session(&mut c, "local", 20);
+    let e = err(&ctl(&d, &["session", "offload", &id.to_string()]), 6);
+    assert!(
+        e.contains("OFFLOAD failed: FAILED_PRECONDITION") && e.contains("remote.enabled"),
+        "{e}"
+    );
+
+    let Some(cluster) = kvtier_tests::redis::RedisCluster::start(3, 1) else {
+        return;
+    };
+    let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("\"{s}\"")).collect();
+    let node = |name: &str| {
+        start(&[
+            "--set",
+            "remote.enabled=true",
+            "--set",
+            &format!("remote.seeds=[{}]", seeds.join(",")),
+            "--set",
+            &format!("remote.node=\"{name}\""),
+        ])
+    };
+    let (a, b) = (node("node-a"), node("node-b"));
+    let id = session(&mut client(&a), "moving", 40);
+    let ids = id.to_string();
+    assert_eq!(
+        ok(&ctl(&a, &["session", "offload", &ids])),
+        format!("offloaded session {id}: 6 blocks written to the remote tier\n")
+    );
+    let e = err(&ctl(&a, &["session", "info", &ids]), 5);
+    assert!(e.contains("not found"), "{e}");
+    // A request that may wait resumes it on B; tierctl then shows it there.
+    assert_eq!(client(&b).promote(id).unwrap(), 0);
+    let v = json(&ctl(&b, &["--json", "session", "info", &ids]));
+    assert_eq!(v["tokens_max"], 40, "{v}");
+    let v = json(&ctl(&b, &["--json", "stats"]));
+    assert_eq!(v["stats"]["remote_resumes_total"], 1, "{v}");
+    let v = json(&ctl(&b, &["--json", "session", "offload", &ids]));
+    assert_eq!(v["action"], "offloaded");
+    assert_eq!(v["blocks"], 0, "nothing new to write: {v}");
+}
