@@ -299,3 +299,24 @@ fn a_damaged_page_fails_the_resume_with_data_loss_and_leaves_the_session_unclaim
     // The claim was given up: the other node gets the same answer, not "owned by".
     assert_eq!(code_of(ca.promote(id)), ErrorCode::DataLoss);
 }
+
+#[test]
+fn a_session_demoted_to_nvme_is_offloaded_from_its_pages() {
+    let Some(cluster) = RedisCluster::start(3, 1) else {
+        return;
+    };
+    let a = node(&cluster, "node-a", &[]);
+    let b = node(&cluster, "node-b", &[]);
+    let (mut ca, mut cb) = (a.client(), b.client());
+    // 3,000 tokens: 188 blocks a layer, read back from NVMe in batches for the offload.
+    let (id, mut sh) = open(&mut ca, "cold", 3000, 8);
+    assert!(ca.demote(id).unwrap() > 0);
+    assert_eq!(
+        ca.session_info(id).unwrap().host_bytes,
+        0,
+        "every block on NVMe"
+    );
+    assert_eq!(ca.offload(id).unwrap(), 2 * 188);
+    sh.step(&mut cb, id);
+    assert_eq!(cb.session_info(id).unwrap().tokens_max, 3001);
+}

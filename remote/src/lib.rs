@@ -28,7 +28,7 @@
 //!
 //! # A write, and what a crash leaves
 //!
-//! [`RemoteStore::put_session`]: (1) *begin*: under the claim check, take a generation and
+//! A write ([`RemoteStore::begin`], [`RemoteStore::write`], [`RemoteStore::commit`]): (1) *begin*: under the claim check, take a generation and
 //! note the runs about to be written as pending; (2) the pages, pipelined and spread over the
 //! cluster's hash slots; (3) with `replicas > 0`, wait until every master has that many
 //! replicas acknowledging (Redis `WAIT`); (4) *commit*: under the claim check, replace the
@@ -78,6 +78,18 @@ impl Claim {
     }
 }
 
+/// A write begun by [`RemoteStore::begin`], committed by [`RemoteStore::commit`].
+#[derive(Debug)]
+pub struct Write {
+    claim: Claim,
+    meta: SessionRecord,
+    generation: u64,
+    /// The committed record the write started from.
+    previous: Option<RemoteRecord>,
+    begun: std::collections::HashSet<(u32, u32)>,
+    written: Vec<RemotePage>,
+}
+
 /// A store every node shares, holding sessions' pages, records and claims.
 pub trait RemoteStore: Send + Sync {
     /// Takes the claim of `session` for `node`, if no other node holds a live one
@@ -94,16 +106,34 @@ pub trait RemoteStore: Send + Sync {
     /// The node holding a live claim of `session`, if any.
     fn owner(&self, session: u64) -> Result<Option<String>>;
 
-    /// Stores `runs` of the session `meta` describes (its `pages` are ignored: runs not given
-    /// keep their stored pages) and commits the record. Returns the write's generation; when
-    /// it returns `Ok`, the runs and record are in the store (on `replicas` replicas of each
-    /// master as well, where configured).
+    /// Begins a write of `runs` ((layer, block) pairs) of the session `meta` describes (its
+    /// `pages` are ignored: runs not named keep their stored pages): takes a generation and
+    /// notes the runs as pending, so a writer that dies before [`RemoteStore::commit`] leaves
+    /// nothing the next owner does not remove.
+    fn begin(&self, claim: &Claim, meta: &SessionRecord, runs: &[(u32, u32)]) -> Result<Write>;
+
+    /// Stores some of a begun write's runs (each once, in as many calls as the caller likes:
+    /// a session too large for memory is written batch by batch).
+    fn write(&self, w: &mut Write, runs: &[BlockRun<'_>]) -> Result<()>;
+
+    /// Commits a write whose every run is stored: the record names them from now on. Returns
+    /// the write's generation; when it returns `Ok`, the runs and record are in the store (on
+    /// `replicas` replicas of each master as well, where configured).
+    fn commit(&self, w: Write) -> Result<u64>;
+
+    /// [`RemoteStore::begin`], [`RemoteStore::write`] and [`RemoteStore::commit`] of runs
+    /// held in memory.
     fn put_session(
         &self,
         claim: &Claim,
         meta: &SessionRecord,
         runs: &[BlockRun<'_>],
-    ) -> Result<u64>;
+    ) -> Result<u64> {
+        let listed: Vec<(u32, u32)> = runs.iter().map(|r| (r.layer, r.block)).collect();
+        let mut w = self.begin(claim, meta, &listed)?;
+        self.write(&mut w, runs)?;
+        self.commit(w)
+    }
 
     /// The committed record of `session`, if the store holds it.
     fn record(&self, session: u64) -> Result<Option<RemoteRecord>>;

@@ -452,3 +452,44 @@ fn a_master_killed_mid_write_loses_no_acknowledged_write() {
         assert_holds(&store, s, 8, round);
     }
 }
+
+#[test]
+fn a_write_is_committed_only_once_every_begun_run_is_stored() {
+    let Some(cluster) = RedisCluster::start(3, 1) else {
+        return;
+    };
+    let store = ClusterStore::connect(config(&cluster, Duration::from_secs(10))).unwrap();
+    let claim = store.claim(31, "node-a").unwrap();
+    let runs = runs_of(31, 0..6, 0);
+    let listed: Vec<(u32, u32)> = runs.iter().map(|(l, b, _)| (*l, *b)).collect();
+    // Batch by batch, as a node writes a session too large for memory.
+    let mut w = store.begin(&claim, &record(31, 6), &listed).unwrap();
+    for batch in runs.chunks(5) {
+        store.write(&mut w, &as_runs(batch)).unwrap();
+    }
+    let e = store.write(&mut w, &as_runs(&runs[..1])).unwrap_err();
+    assert!(
+        matches!(e, RemoteError::Invalid(_)),
+        "a run written twice: {e}"
+    );
+    store.commit(w).unwrap();
+    assert_holds(&store, 31, 6, 0);
+
+    // A write missing a run is refused at commit, and the record stays as it was.
+    let mut w = store.begin(&claim, &record(31, 6), &listed).unwrap();
+    let newer = runs_of(31, 0..6, 1);
+    store.write(&mut w, &as_runs(&newer[1..])).unwrap();
+    let e = store.commit(w).unwrap_err();
+    assert!(matches!(e, RemoteError::Invalid(_)), "{e}");
+    assert_holds(&store, 31, 6, 0);
+    // Its pages are the next owner's to remove.
+    store.give_up(&claim).unwrap();
+    let keys = cluster.keys();
+    let next = store.claim(31, "node-b").unwrap();
+    assert_eq!(
+        cluster.keys(),
+        keys - 11 - 1 + 1,
+        "the 11 orphan pages and the emptied pending note removed, a claim added"
+    );
+    store.give_up(&next).unwrap();
+}

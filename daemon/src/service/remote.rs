@@ -77,8 +77,9 @@ impl Remote {
     }
 }
 
-/// Runs per batch of a resume's pull (32 MiB of Qwen2.5-7B's 256 KiB runs).
-const RESUME_BATCH_RUNS: usize = 128;
+/// Runs per batch of a resume's pull, and of cold runs read back for a write to the cluster
+/// (32 MiB of Qwen2.5-7B's 256 KiB runs).
+const BATCH_RUNS: usize = 128;
 
 pub(super) fn remote_error(e: RemoteError) -> ServiceError {
     let code = match &e {
@@ -129,50 +130,66 @@ impl Service {
     ) -> ServiceResult<u64> {
         let claim = r.claim(s.id)?;
         let wanted = tiering::dirty_blocks(&s.geometry, &st.kv, &st.remote_persisted)?;
-        // Resident runs are borrowed; cold ones (demoted to NVMe) are read back first.
+        let record = tiering::record_of(s, &st.kv);
+        let mut w = r
+            .store
+            .begin(&claim, &record, &wanted)
+            .map_err(remote_error)?;
+        let mut bytes = 0;
+        // Cold runs (demoted to NVMe) are read back batch by batch, never the whole session
+        // at once; resident ones are borrowed.
         let cold: Vec<(u32, u32)> = wanted
             .iter()
             .copied()
             .filter(|&(l, b)| st.kv.run(l, b).is_none())
             .collect();
-        let read = match (&self.tier, cold.is_empty()) {
-            (_, true) => Vec::new(),
-            (Some((tier, _)), false) => tier
-                .read_runs(s.id, &cold)
-                .map_err(nvme_error)?
-                .into_iter()
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(nvme_error)?,
-            (None, false) => {
-                return Err(ServiceError::internal("cold blocks without an NVMe tier"))
+        if !cold.is_empty() {
+            let (tier, _) = self
+                .tier
+                .as_ref()
+                .ok_or_else(|| ServiceError::internal("cold blocks without an NVMe tier"))?;
+            for batch in cold.chunks(BATCH_RUNS) {
+                let pages = tier
+                    .read_runs(s.id, batch)
+                    .map_err(nvme_error)?
+                    .into_iter()
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(nvme_error)?;
+                let runs: Vec<BlockRun<'_>> = batch
+                    .iter()
+                    .zip(&pages)
+                    .map(|(&(layer, block), page)| BlockRun {
+                        layer,
+                        block,
+                        bytes: page.payload(),
+                    })
+                    .collect();
+                bytes += runs.iter().map(|r| r.bytes.len()).sum::<usize>();
+                r.store.write(&mut w, &runs).map_err(remote_error)?;
             }
-        };
-        let mut read = read.iter();
-        let mut runs = Vec::with_capacity(wanted.len());
-        for &(layer, block) in &wanted {
-            let bytes = match st.kv.run(layer, block) {
-                Some(b) => b,
-                None => read.next().expect("one page per cold run").payload(),
-            };
-            runs.push(BlockRun {
-                layer,
-                block,
-                bytes,
-            });
         }
-        let record = tiering::record_of(s, &st.kv);
-        r.store
-            .put_session(&claim, &record, &runs)
-            .map_err(remote_error)?;
+        let resident: Vec<BlockRun<'_>> = wanted
+            .iter()
+            .filter_map(|&(layer, block)| {
+                let bytes = st.kv.run(layer, block)?;
+                Some(BlockRun {
+                    layer,
+                    block,
+                    bytes,
+                })
+            })
+            .collect();
+        bytes += resident.iter().map(|r| r.bytes.len()).sum::<usize>();
+        r.store.write(&mut w, &resident).map_err(remote_error)?;
+        r.store.commit(w).map_err(remote_error)?;
         st.remote_persisted = record.layer_tokens;
-        let bytes: usize = runs.iter().map(|r| r.bytes.len()).sum();
         self.counters
             .remote_blocks_written
-            .fetch_add(runs.len() as u64, Ordering::Relaxed);
+            .fetch_add(wanted.len() as u64, Ordering::Relaxed);
         self.counters
             .remote_bytes_written
             .fetch_add(bytes as u64, Ordering::Relaxed);
-        Ok(runs.len() as u64)
+        Ok(wanted.len() as u64)
     }
 
     /// The end of an append to a session this node claims, with `remote.write_through`: its
@@ -300,7 +317,7 @@ impl Service {
         let workers = kvtier_storage::default_workers();
         // In batches of runs, the next read from the cluster while this one is rebuilt: at
         // most three batches' bytes held at once (one read, one queued, one rebuilt).
-        let batches: Vec<&[(u32, u32)]> = rb.wanted.chunks(RESUME_BATCH_RUNS).collect();
+        let batches: Vec<&[(u32, u32)]> = rb.wanted.chunks(BATCH_RUNS).collect();
         std::thread::scope(|scope| -> ServiceResult<()> {
             let (tx, rx) = crossbeam_channel::bounded(1);
             let reader = scope.spawn(move || {

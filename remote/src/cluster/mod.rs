@@ -10,7 +10,7 @@ use redis::cluster::{cluster_pipe, ClusterClient, ClusterConnection};
 use redis::cluster_routing::{AggregateOp, MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
 use redis::{Script, Value};
 
-use crate::{Claim, RemoteError, RemotePage, RemoteRecord, RemoteStore, Result};
+use crate::{Claim, RemoteError, RemotePage, RemoteRecord, RemoteStore, Result, Write};
 
 mod wire;
 use wire::*;
@@ -441,19 +441,22 @@ impl RemoteStore for ClusterStore {
         Ok(holder_of(Some(&v)))
     }
 
-    fn put_session(
-        &self,
-        claim: &Claim,
-        meta: &SessionRecord,
-        runs: &[BlockRun<'_>],
-    ) -> Result<u64> {
+    fn begin(&self, claim: &Claim, meta: &SessionRecord, runs: &[(u32, u32)]) -> Result<Write> {
         if meta.id != claim.session {
             return Err(RemoteError::Invalid(format!(
                 "a claim of session {} cannot write session {}",
                 claim.session, meta.id
             )));
         }
-        if let Some(why) = BlockRun::refuse(meta.id, meta.geometry.layers, runs) {
+        let listed: Vec<BlockRun<'_>> = runs
+            .iter()
+            .map(|&(layer, block)| BlockRun {
+                layer,
+                block,
+                bytes: &[],
+            })
+            .collect();
+        if let Some(why) = BlockRun::refuse(meta.id, meta.geometry.layers, &listed) {
             return Err(RemoteError::Invalid(why));
         }
         Self::check_valid(claim)?;
@@ -461,8 +464,7 @@ impl RemoteStore for ClusterStore {
         let previous = self.record(id)?;
         // Listed before anything is written: resuming nodes find the session by it.
         self.query::<()>(redis::cmd("SADD").arg(self.index_key()).arg(id))?;
-
-        let packed = pack_runs(runs.iter().map(|r| (r.layer, r.block)));
+        let packed = pack_runs(runs.iter().copied());
         let reply = self.checked(
             claim,
             &self.scripts.begin,
@@ -474,8 +476,28 @@ impl RemoteStore for ClusterStore {
             &[&packed],
             false,
         )?;
-        let generation = reply.get(1).and_then(int).unwrap_or(0) as u64;
+        Ok(Write {
+            claim: claim.clone(),
+            meta: meta.clone(),
+            generation: reply.get(1).and_then(int).unwrap_or(0) as u64,
+            previous,
+            begun: runs.iter().copied().collect(),
+            written: Vec::with_capacity(runs.len()),
+        })
+    }
 
+    fn write(&self, w: &mut Write, runs: &[BlockRun<'_>]) -> Result<()> {
+        let (id, generation) = (w.meta.id, w.generation);
+        let done: HashSet<(u32, u32)> = w.written.iter().map(|p| (p.layer, p.block)).collect();
+        if let Some(r) = runs
+            .iter()
+            .find(|r| !w.begun.contains(&(r.layer, r.block)) || done.contains(&(r.layer, r.block)))
+        {
+            return Err(RemoteError::Invalid(format!(
+                "session {id}: (layer {}, block {}) was not begun, or is written twice",
+                r.layer, r.block
+            )));
+        }
         // The pages, in pipelines of about `batch_bytes` on several connections, each
         // connection waiting for its replicas once its pipelines are written.
         let cut = batches(runs.iter().map(|r| r.bytes.len()), self.cfg.batch_bytes);
@@ -508,14 +530,32 @@ impl RemoteStore for ClusterStore {
             },
             |c| self.wait_replicas(c),
         )?;
-        let written: Vec<RemotePage> = written.into_iter().flatten().collect();
+        w.written.extend(written.into_iter().flatten());
+        Ok(())
+    }
 
+    fn commit(&self, w: Write) -> Result<u64> {
+        let Write {
+            claim,
+            meta,
+            generation,
+            previous,
+            begun,
+            written,
+        } = w;
+        let id = meta.id;
+        if written.len() != begun.len() {
+            return Err(RemoteError::Invalid(format!(
+                "session {id}: {} of the {} runs begun were written",
+                written.len(),
+                begun.len()
+            )));
+        }
         // The new record: the previous pages but those rewritten, and the new ones.
-        let rewritten: HashSet<(u32, u32)> = runs.iter().map(|r| (r.layer, r.block)).collect();
         let mut superseded = Vec::new();
         let mut pages = Vec::with_capacity(written.len());
         for p in previous.iter().flat_map(|r| r.pages.iter()) {
-            if rewritten.contains(&(p.layer, p.block)) {
+            if begun.contains(&(p.layer, p.block)) {
                 superseded.push((p.layer, p.block, p.generation));
             } else {
                 pages.push(*p);
@@ -526,7 +566,7 @@ impl RemoteStore for ClusterStore {
         let record = RemoteRecord {
             session: SessionRecord {
                 pages: Vec::new(),
-                ..meta.clone()
+                ..meta
             },
             pages,
             generation,
@@ -536,7 +576,7 @@ impl RemoteStore for ClusterStore {
         let gen_field = generation.to_string();
         let superseded_packed = pack_pages(superseded.iter().copied());
         self.checked(
-            claim,
+            &claim,
             &self.scripts.commit,
             &[
                 self.key(id, "claim"),
@@ -552,7 +592,7 @@ impl RemoteStore for ClusterStore {
             let cleaned = self.delete_pages(id, &superseded).and_then(|()| {
                 let field = format!("del:{generation}");
                 self.checked(
-                    claim,
+                    &claim,
                     &self.scripts.cleared,
                     &[self.key(id, "claim"), self.key(id, "pending")],
                     &[field.as_bytes()],
