@@ -121,6 +121,9 @@ fn main() -> Result<(), BoxError> {
     // 2. Bulk write and read in process.
     let store = ClusterStore::connect(ClusterConfig {
         seeds: cluster.seeds(),
+        // Nothing renews this claim (a node renews its own every third of the TTL): long
+        // enough for the largest write.
+        claim_ttl: Duration::from_secs(600),
         ..ClusterConfig::default()
     })?;
     let blocks = GEOMETRY.blocks_for(args.tokens as u64) as u32;
@@ -175,6 +178,9 @@ fn main() -> Result<(), BoxError> {
                 "remote.enabled=true".into(),
                 format!("remote.seeds=[{seeds}]"),
                 format!("remote.node=\"{name}\""),
+                // The whole session is written by the OFFLOAD measured, not by periodic
+                // writes while it is appended.
+                "remote.flush_interval_ms=0".into(),
             ] {
                 c.args(["--set", &s]);
             }
