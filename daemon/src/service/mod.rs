@@ -133,6 +133,24 @@ struct SessionState {
     reserved: Option<lease::Reservation>,
 }
 
+impl SessionState {
+    /// Cuts `layer` (every layer: None) back to `tokens` after an append a tier could not
+    /// take. Each tier's watermark comes down with it: a tier that took the tokens before
+    /// another refused them holds rows the cache no longer has, written again with the next
+    /// append.
+    fn roll_back(&mut self, layer: Option<usize>, tokens: u64) {
+        let layers = match layer {
+            Some(l) => l..l + 1,
+            None => 0..self.persisted.len(),
+        };
+        for l in layers {
+            self.kv.truncate_layer(l, tokens);
+            self.persisted[l] = self.persisted[l].min(tokens);
+            self.remote_persisted[l] = self.remote_persisted[l].min(tokens);
+        }
+    }
+}
+
 pub struct Service {
     limits: ServiceLimits,
     arena: HostArena,
@@ -557,14 +575,23 @@ impl Service {
             }
             s.check_unleased("removing the session")?;
             self.remove_remote(id)?;
-            if let (Some((tier, _)), true) = (&self.tier, st.stored) {
-                tier.delete_session(id).map_err(nvme_error)?;
-                st.stored = false;
-            }
-            st.closed = true;
-            self.sessions.write().remove(&id);
+            self.forget_locked(&s, &mut st)?;
         }
         self.gpu_close(id);
+        Ok(())
+    }
+
+    /// Drops a session from this node, its lock held: the NVMe copy first (if deleting it
+    /// fails, the session stays, served as before, rather than vanishing now and coming back
+    /// after a restart), then its table entry. The caller closes its device state once the
+    /// lock is released ([`Service::gpu_close`]).
+    fn forget_locked(&self, s: &Session, st: &mut SessionState) -> ServiceResult<()> {
+        if let (Some((tier, _)), true) = (&self.tier, st.stored) {
+            tier.delete_session(s.id).map_err(nvme_error)?;
+            st.stored = false;
+        }
+        st.closed = true;
+        self.sessions.write().remove(&s.id);
         Ok(())
     }
 }

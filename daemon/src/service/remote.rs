@@ -48,10 +48,6 @@ impl Remote {
         }
     }
 
-    pub fn node(&self) -> &str {
-        &self.node
-    }
-
     /// Sessions this node claims now.
     pub fn claims_held(&self) -> usize {
         self.claims.lock().len()
@@ -235,12 +231,7 @@ impl Service {
         }
         s.check_unleased("offloading it")?;
         let blocks = self.put_remote_locked(r, s, &mut st)?;
-        if let (Some((tier, _)), true) = (&self.tier, st.stored) {
-            tier.delete_session(id).map_err(nvme_error)?;
-            st.stored = false;
-        }
-        st.closed = true;
-        self.sessions.write().remove(&id);
+        self.forget_locked(s, &mut st)?;
         drop(st);
         self.gpu_close(id);
         r.give_up(id);
@@ -392,19 +383,9 @@ impl Service {
             match r.store.record(id) {
                 Ok(None) => {}
                 Ok(Some(_)) | Err(RemoteError::CorruptRecord { .. }) => {
-                    let Some(s) = self.sessions.write().remove(&id) else {
+                    if !self.drop_stale(id) {
                         continue;
-                    };
-                    let mut st = s.state.lock();
-                    if let (Some((tier, _)), true) = (&self.tier, st.stored) {
-                        if let Err(e) = tier.delete_session(id) {
-                            tracing::warn!(session = id, error = %e, "remote: the NVMe copy of a session the cluster holds could not be deleted");
-                        }
-                        st.stored = false;
                     }
-                    st.closed = true;
-                    drop(st);
-                    self.gpu_close(id);
                     dropped += 1;
                     tracing::info!(session = id, "remote: the cluster holds this session; the local copy is dropped (resumed from the cluster on its next request)");
                 }
@@ -415,6 +396,24 @@ impl Service {
             }
         }
         (dropped, unchecked)
+    }
+
+    /// Drops this node's copy of a session the cluster holds for another node, or holds newer:
+    /// never served again here, even if its NVMe copy cannot be deleted (a restart then drops
+    /// it again, [`Service::defer_to_remote`]). Returns whether the node held it.
+    fn drop_stale(&self, id: u64) -> bool {
+        let Some(s) = self.sessions.read().get(&id).cloned() else {
+            return false;
+        };
+        let mut st = s.state.lock();
+        if let Err(e) = self.forget_locked(&s, &mut st) {
+            tracing::warn!(session = id, error = %e, "remote: the NVMe copy of a session the cluster holds could not be deleted");
+            st.closed = true;
+            self.sessions.write().remove(&id);
+        }
+        drop(st);
+        self.gpu_close(id);
+        true
     }
 
     /// CLOSE/EVICT of a session this node claims: its cluster copy goes too.
@@ -468,7 +467,8 @@ impl Service {
             let Some(mut st) = s.state.try_lock() else {
                 continue;
             };
-            if st.closed || st.remote_persisted == tiering::record_of(&s, &st.kv).layer_tokens {
+            let lacking = tiering::dirty_blocks(&s.geometry, &st.kv, &st.remote_persisted);
+            if st.closed || lacking.is_ok_and(|d| d.is_empty()) {
                 continue;
             }
             match self.put_remote_locked(r, &s, &mut st) {
@@ -500,11 +500,7 @@ impl Service {
                         .remote_claims_lost
                         .fetch_add(1, Ordering::Relaxed);
                     r.claims.lock().remove(&c.session);
-                    if let Some(s) = self.sessions.write().remove(&c.session) {
-                        s.state.lock().closed = true;
-                        self.gpu_close(c.session);
-                        dropped += 1;
-                    }
+                    dropped += self.drop_stale(c.session) as usize;
                 }
                 Err(e) => {
                     tracing::warn!(session = c.session, error = %e, "remote: claim not renewed; its session is refused once the claim lapses");

@@ -226,8 +226,8 @@ impl KvCache {
 
     /// Cuts every layer back to at most `tokens` tokens: later blocks are dropped, the rows past
     /// the new tail are zeroed and the tail's bounds refolded, so the cache is bit-identical to
-    /// one that never held the removed tokens. Used to roll back an append whose durable copy
-    /// could not be written. Panics if a tail block it must rewrite is cold.
+    /// one that never held the removed tokens (an append rolled back when a tier could not
+    /// take it). Panics if a tail block it must rewrite is cold.
     pub fn truncate(&mut self, tokens: u64) {
         for l in 0..self.layers.len() {
             self.truncate_layer(l, tokens);

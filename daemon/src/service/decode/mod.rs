@@ -157,31 +157,26 @@ impl Service {
         mut st: MutexGuard<'_, SessionState>,
         start: u64,
     ) -> ServiceResult<u64> {
-        if self.tier.as_ref().is_some_and(|(_, t)| t.write_through) {
-            if let Err(e) = self.persist_locked(s, &mut st, tiering::Write::Serving) {
-                st.kv.truncate(start);
-                if let Some(gpu) = &self.gpu {
-                    let _ = gpu.invalidate(s.id);
-                }
-                return Err(ServiceError::new(
-                    e.code,
-                    format!("append rolled back, not durable: {}", e.message),
-                ));
-            }
+        let nvme = self.tier.as_ref().is_some_and(|(_, t)| t.write_through);
+        let written = match nvme {
+            true => self
+                .persist_locked(s, &mut st, tiering::Write::Serving)
+                .map(|_| ())
+                .map_err(|e| (e, "not durable")),
+            false => Ok(()),
         }
-        if let Err(e) = self.append_through_remote(s, &mut st) {
-            st.kv.truncate(start);
-            // The cluster may hold the tokens already (the write failed after its commit):
-            // their blocks are written again with the next append.
-            for t in &mut st.remote_persisted {
-                *t = (*t).min(start);
-            }
+        .and_then(|()| {
+            self.append_through_remote(s, &mut st)
+                .map_err(|e| (e, "not in the remote tier"))
+        });
+        if let Err((e, why)) = written {
+            st.roll_back(None, start);
             if let Some(gpu) = &self.gpu {
                 let _ = gpu.invalidate(s.id);
             }
             return Err(ServiceError::new(
                 e.code,
-                format!("append rolled back, not in the remote tier: {}", e.message),
+                format!("append rolled back, {why}: {}", e.message),
             ));
         }
         let tokens = st.kv.min_tokens();
@@ -446,11 +441,7 @@ impl Service {
         if let Some(e) = unwritten {
             for (i, s) in sessions.iter().enumerate() {
                 let st = guards[i].as_mut().expect("locked above");
-                st.kv.truncate_layer(layers[i] as usize, positions[i]);
-                // The cluster may hold the token already (written before another entry
-                // failed): its block is written again with the next append.
-                let l = layers[i] as usize;
-                st.remote_persisted[l] = st.remote_persisted[l].min(positions[i]);
+                st.roll_back(Some(layers[i] as usize), positions[i]);
                 if let Some(gpu) = &self.gpu {
                     let _ = gpu.invalidate(s.id);
                 }
