@@ -86,7 +86,9 @@ pub struct Write {
     generation: u64,
     /// The committed record the write started from.
     previous: Option<RemoteRecord>,
-    begun: std::collections::HashSet<(u32, u32)>,
+    /// Runs begun, and those not yet stored.
+    begun: usize,
+    unwritten: std::collections::HashSet<(u32, u32)>,
     written: Vec<RemotePage>,
 }
 

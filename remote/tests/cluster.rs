@@ -475,6 +475,14 @@ fn a_write_is_committed_only_once_every_begun_run_is_stored() {
     store.commit(w).unwrap();
     assert_holds(&store, 31, 6, 0);
 
+    // A refused write stores none of its runs: the commit after it is refused too.
+    let mut w = store.begin(&claim, &record(31, 6), &listed).unwrap();
+    store.write(&mut w, &as_runs(&runs[1..])).unwrap();
+    let twice = [runs[0].clone(), runs[1].clone()];
+    assert!(store.write(&mut w, &as_runs(&twice)).is_err());
+    assert!(matches!(store.commit(w), Err(RemoteError::Invalid(_))));
+    assert_holds(&store, 31, 6, 0);
+
     // A write missing a run is refused at commit, and the record stays as it was.
     let mut w = store.begin(&claim, &record(31, 6), &listed).unwrap();
     let newer = runs_of(31, 0..6, 1);
@@ -488,8 +496,8 @@ fn a_write_is_committed_only_once_every_begun_run_is_stored() {
     let next = store.claim(31, "node-b").unwrap();
     assert_eq!(
         cluster.keys(),
-        keys - 11 - 1 + 1,
-        "the 11 orphan pages and the emptied pending note removed, a claim added"
+        keys - 22 - 1 + 1,
+        "the 22 orphan pages of the two refused writes and the emptied pending note removed, a claim added"
     );
     store.give_up(&next).unwrap();
 }

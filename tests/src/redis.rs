@@ -147,6 +147,12 @@ impl RedisCluster {
             .collect()
     }
 
+    /// tierd's `--set` of these seeds: `remote.seeds=["redis://...", ...]`.
+    pub fn seeds_setting(&self) -> String {
+        let quoted: Vec<String> = self.seeds().iter().map(|s| format!("\"{s}\"")).collect();
+        format!("remote.seeds=[{}]", quoted.join(","))
+    }
+
     /// The ports of the nodes that are masters now.
     pub fn masters(&self) -> Vec<u16> {
         self.nodes

@@ -381,13 +381,12 @@ fn session_offload_moves_a_session_to_another_node() {
     let Some(cluster) = kvtier_tests::redis::RedisCluster::start(3, 1) else {
         return;
     };
-    let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("\"{s}\"")).collect();
     let node = |name: &str| {
         start(&[
             "--set",
             "remote.enabled=true",
             "--set",
-            &format!("remote.seeds=[{}]", seeds.join(",")),
+            &cluster.seeds_setting(),
             "--set",
             &format!("remote.node=\"{name}\""),
         ])

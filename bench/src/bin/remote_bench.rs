@@ -163,10 +163,10 @@ fn main() -> Result<(), BoxError> {
 
     // 3. Through two tierd nodes.
     let tierd = find_tierd(args.tierd.as_deref());
-    let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("\"{s}\"")).collect();
+    let seeds = cluster.seeds_setting();
     let capacity = format!("{}MiB", (bytes * 2 / (1 << 20)).max(512));
     let node = |name: &str| {
-        let seeds = seeds.join(",");
+        let seeds = seeds.clone();
         let capacity = capacity.clone();
         let name = name.to_string();
         Daemon::spawn(&tierd, "remote-bench", move |c, _| {
@@ -176,7 +176,7 @@ fn main() -> Result<(), BoxError> {
                 "host.lock_memory=false".into(),
                 "host.huge_pages=false".into(),
                 "remote.enabled=true".into(),
-                format!("remote.seeds=[{seeds}]"),
+                seeds,
                 format!("remote.node=\"{name}\""),
                 // The whole session is written by the OFFLOAD measured, not by periodic
                 // writes while it is appended.
@@ -258,10 +258,10 @@ fn main() -> Result<(), BoxError> {
         offloads[0],
         median(&mut offloads[1..].to_vec())
     );
+    let first = median(&mut firsts);
     println!(
-        "tierd nodes: first request on the other node to its decoded token (resume + layer 0) {:.2} s ({:.2} GB/s of KV); the other 27 layers of that step {:.3} s; a whole step after {:.3} s (medians of {})",
-        median(&mut firsts),
-        bytes as f64 / 1e9 / median(&mut firsts.clone()),
+        "tierd nodes: first request on the other node to its decoded token (resume + layer 0) {first:.2} s ({:.2} GB/s of KV); the other 27 layers of that step {:.3} s; a whole step after {:.3} s (medians of {})",
+        bytes as f64 / 1e9 / first,
         median(&mut rests),
         median(&mut steady),
         args.rounds

@@ -40,10 +40,9 @@ pub fn remote_node(
     dir: Option<tempfile::TempDir>,
     extra: &[&str],
 ) -> Tierd {
-    let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("\"{s}\"")).collect();
     let b = harness()
         .set("remote.enabled=true")
-        .set(&format!("remote.seeds=[{}]", seeds.join(",")))
+        .set(&cluster.seeds_setting())
         .set(&format!("remote.node=\"{name}\""))
         .set(&format!("remote.claim_ttl_ms={claim_ttl_ms}"));
     let b = match dir {

@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use kvtier_storage::nvme::manifest::SessionRecord;
-use kvtier_storage::nvme::{page, BlockRun, CorruptReason, PageId};
+use kvtier_storage::nvme::{page, refuse_runs, BlockRun, CorruptReason, PageId};
 use parking_lot::Mutex;
 use redis::cluster::{cluster_pipe, ClusterClient, ClusterConnection};
 use redis::cluster_routing::{AggregateOp, MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
@@ -448,15 +448,7 @@ impl RemoteStore for ClusterStore {
                 claim.session, meta.id
             )));
         }
-        let listed: Vec<BlockRun<'_>> = runs
-            .iter()
-            .map(|&(layer, block)| BlockRun {
-                layer,
-                block,
-                bytes: &[],
-            })
-            .collect();
-        if let Some(why) = BlockRun::refuse(meta.id, meta.geometry.layers, &listed) {
+        if let Some(why) = refuse_runs(meta.id, meta.geometry.layers, runs.iter().copied()) {
             return Err(RemoteError::Invalid(why));
         }
         Self::check_valid(claim)?;
@@ -481,17 +473,19 @@ impl RemoteStore for ClusterStore {
             meta: meta.clone(),
             generation: reply.get(1).and_then(int).unwrap_or(0) as u64,
             previous,
-            begun: runs.iter().copied().collect(),
+            begun: runs.len(),
+            unwritten: runs.iter().copied().collect(),
             written: Vec::with_capacity(runs.len()),
         })
     }
 
     fn write(&self, w: &mut Write, runs: &[BlockRun<'_>]) -> Result<()> {
         let (id, generation) = (w.meta.id, w.generation);
-        let done: HashSet<(u32, u32)> = w.written.iter().map(|p| (p.layer, p.block)).collect();
+        // Each run is taken off the unwritten set; one not on it was not begun or is written
+        // twice (the write is then refused, and must be begun again).
         if let Some(r) = runs
             .iter()
-            .find(|r| !w.begun.contains(&(r.layer, r.block)) || done.contains(&(r.layer, r.block)))
+            .find(|r| !w.unwritten.remove(&(r.layer, r.block)))
         {
             return Err(RemoteError::Invalid(format!(
                 "session {id}: (layer {}, block {}) was not begun, or is written twice",
@@ -541,21 +535,23 @@ impl RemoteStore for ClusterStore {
             generation,
             previous,
             begun,
+            unwritten: _,
             written,
         } = w;
         let id = meta.id;
-        if written.len() != begun.len() {
+        // By count, not by what is left unwritten: a refused write took its runs off that set.
+        if written.len() != begun {
             return Err(RemoteError::Invalid(format!(
-                "session {id}: {} of the {} runs begun were written",
-                written.len(),
-                begun.len()
+                "session {id}: {} of the {begun} runs begun were written",
+                written.len()
             )));
         }
         // The new record: the previous pages but those rewritten, and the new ones.
+        let rewritten: HashSet<(u32, u32)> = written.iter().map(|p| (p.layer, p.block)).collect();
         let mut superseded = Vec::new();
         let mut pages = Vec::with_capacity(written.len());
         for p in previous.iter().flat_map(|r| r.pages.iter()) {
-            if begun.contains(&(p.layer, p.block)) {
+            if rewritten.contains(&(p.layer, p.block)) {
                 superseded.push((p.layer, p.block, p.generation));
             } else {
                 pages.push(*p);

@@ -28,4 +28,4 @@ pub use error::{CorruptReason, NvmeError};
 pub use io::{open_best_engine, IoEngine, IoRequest, OpKind, PreadEngine, UringEngine};
 pub use page::PageId;
 pub use store::{DeviceConfig, PageAddr, PageStore, PageStoreConfig};
-pub use tier::{BlockRun, NvmeTier, RecoveryReport, TierSource};
+pub use tier::{refuse_runs, BlockRun, NvmeTier, RecoveryReport, TierSource};

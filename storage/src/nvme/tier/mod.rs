@@ -34,27 +34,27 @@ pub struct BlockRun<'a> {
     pub bytes: &'a [u8],
 }
 
-impl BlockRun<'_> {
-    /// Why `runs` cannot be stored as runs of session `id` of `layers` layers: a layer out of
-    /// range, or a (layer, block) given twice.
-    pub fn refuse(id: u64, layers: u32, runs: &[BlockRun<'_>]) -> Option<String> {
-        let mut seen = std::collections::HashSet::with_capacity(runs.len());
-        for r in runs {
-            if r.layer >= layers {
-                return Some(format!(
-                    "session {id}: layer {} out of range ({layers} layers)",
-                    r.layer
-                ));
-            }
-            if !seen.insert((r.layer, r.block)) {
-                return Some(format!(
-                    "session {id}: (layer {}, block {}) given twice",
-                    r.layer, r.block
-                ));
-            }
+/// Why (layer, block) `runs` cannot be stored as runs of session `id` of `layers` layers: a
+/// layer out of range, or a (layer, block) given twice.
+pub fn refuse_runs(
+    id: u64,
+    layers: u32,
+    runs: impl ExactSizeIterator<Item = (u32, u32)>,
+) -> Option<String> {
+    let mut seen = std::collections::HashSet::with_capacity(runs.len());
+    for (layer, block) in runs {
+        if layer >= layers {
+            return Some(format!(
+                "session {id}: layer {layer} out of range ({layers} layers)"
+            ));
         }
-        None
+        if !seen.insert((layer, block)) {
+            return Some(format!(
+                "session {id}: (layer {layer}, block {block}) given twice"
+            ));
+        }
     }
+    None
 }
 
 /// Predicted wall time of one batch of a bulk read at the devices' tracked read rates: long
@@ -200,7 +200,8 @@ impl NvmeTier {
         meta: &SessionRecord,
         runs: &[BlockRun<'_>],
     ) -> Result<u64, NvmeError> {
-        if let Some(why) = BlockRun::refuse(meta.id, meta.geometry.layers, runs) {
+        let listed = runs.iter().map(|r| (r.layer, r.block));
+        if let Some(why) = refuse_runs(meta.id, meta.geometry.layers, listed) {
             return Err(NvmeError::invalid(why));
         }
         for r in runs {
