@@ -294,6 +294,43 @@ fn one_owner_at_a_time_and_a_stale_owner_is_fenced() {
     assert_holds(&a, 11, 5, 0);
 }
 
+/// A master left without its replica stops only the sessions it holds: a claim, renewal or
+/// commit waits for the replicas of its own session's master, not of every master.
+#[test]
+fn a_master_without_replicas_stops_only_the_sessions_it_holds() {
+    let Some(cluster) = RedisCluster::start(3, 1) else {
+        return;
+    };
+    let cfg = ClusterConfig {
+        replica_timeout: Duration::from_millis(300),
+        ..config(&cluster, Duration::from_secs(10))
+    };
+    let claim_key = |id: u64| format!("{{{}:{id}}}:claim", cfg.key_prefix);
+    let lonely = cluster.master_of(&claim_key(1));
+    let elsewhere = (2..)
+        .find(|&id| cluster.master_of(&claim_key(id)) != lonely)
+        .expect("a session on another master");
+    let store = ClusterStore::connect(cfg.clone()).unwrap();
+    let replicas = cluster.replicas_of(lonely);
+    assert_eq!(replicas.len(), 1, "master {lonely}: {replicas:?}");
+    cluster.kill(replicas[0]);
+
+    // The other master's session is claimed, renewed and committed as before (pages, spread
+    // over every slot, still wait for every master).
+    let mut claim = store.claim(elsewhere, "node-a").unwrap();
+    store.renew(&mut claim).unwrap();
+    let runs: Vec<(u32, u32, Vec<u8>)> = Vec::new();
+    store
+        .put_session(&claim, &record(elsewhere, 0), &as_runs(&runs))
+        .unwrap();
+    assert!(store.record(elsewhere).unwrap().is_some());
+    // The lonely master's session cannot be claimed durably: said so, not pretended.
+    match store.claim(1, "node-a") {
+        Err(RemoteError::NotReplicated { wanted: 1, got: 0 }) => {}
+        other => panic!("expected NotReplicated, got {other:?}"),
+    }
+}
+
 /// The child half of the crash test: writes session 21 forever under node "crashing".
 #[test]
 #[ignore = "run by an_interrupted_write_is_removed_by_the_next_owner in a child process"]

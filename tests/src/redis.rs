@@ -167,6 +167,25 @@ impl RedisCluster {
             .collect()
     }
 
+    /// The live replicas of the master on `port` now.
+    pub fn replicas_of(&self, port: u16) -> Vec<u16> {
+        // A replica's ROLE: "slave", its master's host, then its master's port.
+        let master = port.to_string();
+        self.nodes
+            .iter()
+            .filter(|n| n.alive())
+            .filter(|n| {
+                cli(n.port, &["role"])
+                    .map(|r| {
+                        let f: Vec<&str> = r.lines().map(str::trim).collect();
+                        f.first() == Some(&"slave") && f.get(2) == Some(&master.as_str())
+                    })
+                    .unwrap_or(false)
+            })
+            .map(|n| n.port)
+            .collect()
+    }
+
     /// The master that holds `key`'s hash slot now.
     pub fn master_of(&self, key: &str) -> u16 {
         let any = self.nodes.iter().find(|n| n.alive()).expect("a live node");

@@ -7,7 +7,10 @@ use kvtier_storage::nvme::manifest::SessionRecord;
 use kvtier_storage::nvme::{page, refuse_runs, BlockRun, CorruptReason, PageId};
 use parking_lot::Mutex;
 use redis::cluster::{cluster_pipe, ClusterClient, ClusterConnection};
-use redis::cluster_routing::{AggregateOp, MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
+use redis::cluster_routing::{
+    AggregateOp, MultipleNodeRoutingInfo, ResponsePolicy, Route, RoutingInfo,
+    SingleNodeRoutingInfo, SlotAddr,
+};
 use redis::{Script, Value};
 
 use crate::{Claim, RemoteError, RemotePage, RemoteRecord, RemoteStore, Result, Write};
@@ -57,6 +60,15 @@ impl Default for ClusterConfig {
 /// A claim's local validity is its TTL less this share, for clock drift between the node
 /// and the store.
 const DRIFT: f64 = 0.1;
+
+/// The masters a write waits for replicas on.
+#[derive(Clone, Copy)]
+enum Masters<'a> {
+    /// The master of this key's slot (one session's hash-tagged keys).
+    Of(&'a str),
+    /// Every master.
+    All,
+}
 
 /// The remote tier on a Redis Cluster.
 pub struct ClusterStore {
@@ -216,7 +228,7 @@ impl ClusterStore {
             }
             let reply: Vec<Value> = inv.invoke(c)?;
             if replicated && reply.first().and_then(int) == Some(1) {
-                self.wait_replicas(c)?;
+                self.wait_replicas(c, Masters::Of(&keys[0]))?;
             }
             Ok(reply)
         })?;
@@ -246,10 +258,12 @@ impl ClusterStore {
         asked + self.cfg.claim_ttl.mul_f64(1.0 - DRIFT)
     }
 
-    /// With `replicas > 0`: waits until every master has that many replicas acknowledging
-    /// what `c` wrote to it (`WAIT` on every master over `c`'s connections; the fewest
-    /// acknowledgements count).
-    fn wait_replicas(&self, c: &mut ClusterConnection) -> Result<()> {
+    /// With `replicas > 0`: waits until `on` has that many replicas acknowledging what `c`
+    /// wrote to it (`WAIT` over `c`'s connection to each of those masters; the fewest
+    /// acknowledgements count). A script touches one session's hash tag, so it waits on that
+    /// slot's master alone: a master left without replicas then stops only the sessions it
+    /// holds, not every claim and renewal of the node.
+    fn wait_replicas(&self, c: &mut ClusterConnection, on: Masters<'_>) -> Result<()> {
         let want = self.cfg.replicas;
         if want == 0 {
             return Ok(());
@@ -257,10 +271,15 @@ impl ClusterStore {
         let mut wait = redis::cmd("WAIT");
         wait.arg(want)
             .arg(self.cfg.replica_timeout.as_millis() as u64);
-        let routing = RoutingInfo::MultiNode((
-            MultipleNodeRoutingInfo::AllMasters,
-            Some(ResponsePolicy::Aggregate(AggregateOp::Min)),
-        ));
+        let routing = match on {
+            Masters::Of(key) => RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
+                Route::with_key(key, SlotAddr::Master),
+            )),
+            Masters::All => RoutingInfo::MultiNode((
+                MultipleNodeRoutingInfo::AllMasters,
+                Some(ResponsePolicy::Aggregate(AggregateOp::Min)),
+            )),
+        };
         let got = c.route_command(&wait, routing)?;
         let got = int(&got).unwrap_or(0).max(0) as u32;
         if got < want {
@@ -385,7 +404,7 @@ impl RemoteStore for ClusterStore {
             // The claim and its token on the replicas before anyone relies on them: a
             // failover must not hand the session, or the same token, to a second node.
             if reply.first().and_then(int) == Some(1) {
-                self.wait_replicas(c)?;
+                self.wait_replicas(c, Masters::Of(&self.key(session, "claim")))?;
             }
             Ok(reply)
         })?;
@@ -492,6 +511,9 @@ impl RemoteStore for ClusterStore {
                 r.layer, r.block
             )));
         }
+        if runs.is_empty() {
+            return Ok(()); // nothing to store, nothing to wait for
+        }
         // The pages, in pipelines of about `batch_bytes` on several connections, each
         // connection waiting for its replicas once its pipelines are written.
         let cut = batches(runs.iter().map(|r| r.bytes.len()), self.cfg.batch_bytes);
@@ -522,7 +544,8 @@ impl RemoteStore for ClusterStore {
                 p.query::<()>(c)?;
                 Ok(pages)
             },
-            |c| self.wait_replicas(c),
+            // Pages spread over every slot, so over every master.
+            |c| self.wait_replicas(c, Masters::All),
         )?;
         w.written.extend(written.into_iter().flatten());
         Ok(())
