@@ -32,6 +32,14 @@ typedef float sum_t;
 #if SUB != 1 && SUB != 2 && SUB != 4
 #error "the sketch selector scores 1, 2 or 4 quarter records per block"
 #endif
+// The first stage ranks units of four records, UNIT_BLOCKS blocks (kvtier_kernels::select::
+// unit_blocks): a unit is the four octets of one warp. CAND counts candidate blocks, the
+// blocks of CAND_UNITS units (config.rs).
+#define UNIT_BLOCKS (4 / SUB)
+#define CAND_UNITS (CAND / UNIT_BLOCKS)
+#if CAND % UNIT_BLOCKS != 0
+#error "CAND must be whole units"
+#endif
 // A quarter record: its int8 maxima codes [HEAD_DIM], then its minima codes; thread j of the
 // scoring octet takes dims [j * HEAD_DIM / 8, (j + 1) * HEAD_DIM / 8) of both, QW u32 words
 // each. One f32 scale per (block, kv head) beside them (qscales).
@@ -144,13 +152,13 @@ __device__ __forceinline__ u64 shfl_xor64(u64 v, int m) {
     return ((u64)hi << 32) | lo;
 }
 
-// One compare-exchange step of stride j over the warp's list: element e keeps the larger of
-// (e, e ^ j) when `desc(e)`, else the smaller.
-#define LIST_STEP(v, j, desc)                                                          \
+// One compare-exchange step of stride j over the warp's list of 32 * R keys: element e keeps
+// the larger of (e, e ^ j) when `desc(e)`, else the smaller.
+#define LIST_STEP_R(v, j, desc, R)                                                     \
     do {                                                                               \
         if ((j) >= 32) {                                                               \
             const u32 jr_ = (j) >> 5;                                                  \
-            _Pragma("unroll") for (u32 r_ = 0; r_ < LIST_R; ++r_) {                    \
+            _Pragma("unroll") for (u32 r_ = 0; r_ < (R); ++r_) {                       \
                 if ((r_ & jr_) == 0) {                                                 \
                     const u32 e_ = r_ * 32 + lane;                                     \
                     const u64 a_ = v[r_], b_ = v[r_ | jr_];                            \
@@ -160,7 +168,7 @@ __device__ __forceinline__ u64 shfl_xor64(u64 v, int m) {
                 }                                                                      \
             }                                                                          \
         } else {                                                                       \
-            _Pragma("unroll") for (u32 r_ = 0; r_ < LIST_R; ++r_) {                    \
+            _Pragma("unroll") for (u32 r_ = 0; r_ < (R); ++r_) {                       \
                 const u32 e_ = r_ * 32 + lane;                                         \
                 const u64 p_ = shfl_xor64(v[r_], (j));                                 \
                 const bool take_max_ = ((e_ & (j)) == 0) == (desc);                    \
@@ -168,19 +176,23 @@ __device__ __forceinline__ u64 shfl_xor64(u64 v, int m) {
             }                                                                          \
         }                                                                              \
     } while (0)
+#define LIST_STEP(v, j, desc) LIST_STEP_R(v, j, desc, LIST_R)
 
-// Sorts the warp's list descending (element 0, register 0 of lane 0, is the largest).
-__device__ __forceinline__ void list_sort_desc(u64* v) {
+// Sorts the warp's list of 32 * R keys descending (element 0, register 0 of lane 0, is the
+// largest).
+template <u32 R>
+__device__ __forceinline__ void list_sort_desc_r(u64* v) {
     const u32 lane = threadIdx.x & 31u;
 #pragma unroll
-    for (u32 k = 2; k <= LW; k <<= 1) {
+    for (u32 k = 2; k <= 32 * R; k <<= 1) {
 #pragma unroll
         for (u32 j = k >> 1; j > 0; j >>= 1) {
-            // Runs of k elements alternate direction; the last (k = LW) is one descending run.
-            LIST_STEP(v, j, (e_ & k) == 0);
+            // Runs of k elements alternate direction; the last (k = 32 R) is one descending run.
+            LIST_STEP_R(v, j, (e_ & k) == 0, R);
         }
     }
 }
+__device__ __forceinline__ void list_sort_desc(u64* v) { list_sort_desc_r<LIST_R>(v); }
 
 // The top LW of two descending lists into `a`, descending. `b_rev` holds the second list
 // reversed (element e: its element LW - 1 - e), so max(a, b_rev) is a bitonic sequence holding
@@ -209,18 +221,22 @@ __device__ __forceinline__ void list_store(const u64* v, u64* dst) {
     for (u32 r = 0; r < LIST_R; ++r) dst[r * 32 + lane] = v[r];
 }
 
-// The ids of the N best keys of the warp's descending list, ascending, into out[0, N) (a key
-// of 0, no candidate, comes out as 0xffffffff, after every real block).
-__device__ __forceinline__ void list_ids_ascending(const u64* v, u32* out, u32 N) {
+// The ids of the N best keys of the warp's descending list of 32 * R keys, ascending, into
+// out[0, N) (a key of 0, no candidate, comes out as 0xffffffff, after every real block).
+template <u32 R>
+__device__ __forceinline__ void list_ids_ascending_r(const u64* v, u32* out, u32 N) {
     const u32 lane = threadIdx.x & 31u;
     // Winners' complemented ids (the low key word) sorted descending = ids ascending.
-    u64 id[LIST_R];
+    u64 id[R];
 #pragma unroll
-    for (u32 r = 0; r < LIST_R; ++r) id[r] = r * 32 + lane < N ? (u64)(u32)v[r] : 0ull;
-    list_sort_desc(id);
+    for (u32 r = 0; r < R; ++r) id[r] = r * 32 + lane < N ? (u64)(u32)v[r] : 0ull;
+    list_sort_desc_r<R>(id);
 #pragma unroll
-    for (u32 r = 0; r < LIST_R; ++r)
+    for (u32 r = 0; r < R; ++r)
         if (r * 32 + lane < N) out[r * 32 + lane] = ~(u32)id[r];
+}
+__device__ __forceinline__ void list_ids_ascending(const u64* v, u32* out, u32 N) {
+    list_ids_ascending_r<LIST_R>(v, out, N);
 }
 
 // The top LW keys of `nlists` descending lists into warp 0's `v`, descending, called by a whole
@@ -287,7 +303,8 @@ __device__ __forceinline__ void select_distant_merge(const u64* __restrict__ lis
 // the integer bound of the quarter, sum_d pos_d * max_d + neg_d * min_d over its int8 codes
 // (dp4a, exact; the octet's lanes summed in any order), the max over the block's quarters (the
 // warp's four octets), then f32 * the block's scale * the head's scale (rounded) and the max
-// over the group. Each block's key comes from its first quarter's octet.
+// over the group, then the max over the unit's distant blocks (the warp's octets, in floats:
+// each block has its own scale). Each unit's key comes from its first record's octet.
 __device__ __forceinline__ void score_keys_sketch(const float* __restrict__ q, const sum_t* __restrict__ sums,
                                                   const float* __restrict__ qscales, const u32* __restrict__ sess,
                                                   u32 layer, u32 max_blocks, u32 nbo, u32 i, u32 kvh, u32 nb, u32 nr,
@@ -383,7 +400,12 @@ __device__ __forceinline__ void score_keys_sketch(const float* __restrict__ q, c
         }
         const u32 rec = r0 + n * SCORE_OCTETS + oct;
         const u32 b = rec / SUB;
-        key[n] = (rec % SUB == 0 && b >= SINK && b < nb - LOCAL) ? cand_key(m, b) : 0ull;
+        const bool distant = b >= SINK && b < nb - LOCAL;
+        // The unit's best distant block (lane bit 4 pairs blocks, with bit 3 too for four).
+        m = distant ? m : NEG_INF;
+        if (UNIT_BLOCKS >= 4) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 8));
+        if (UNIT_BLOCKS >= 2) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 16));
+        key[n] = (rec % 4 == 0 && m != NEG_INF) ? cand_key(m, rec / 4) : 0ull;
         if (n + 1 < SCORE_NB) {
 #pragma unroll
             for (int u = 0; u < QW; ++u) {
@@ -624,8 +646,8 @@ __device__ __forceinline__ void score_role(
         nsrc = ngroups;
     }
 #if SKETCH
-    // The CAND candidates for the rerank roles.
-    select_distant_merge(src, nsrc, cands + (u64)ih * LW, CAND);
+    // The CAND_UNITS candidate units for the rerank roles.
+    select_distant_merge(src, nsrc, cands + (u64)ih * LW, CAND_UNITS);
     if (ready != nullptr) signal_ready(ready, stamp);
 #else
     u32* row = table + (u64)ih * KSEL;
@@ -659,6 +681,7 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(SelectS
 #define SK_CODE_BYTES (PD / 2)
 #define SK_REC_BYTES ((u64)BLOCK_TOKENS * (SK_CODE_BYTES + 4))
 #define SK_DP4A (PD / 4)                     // dp4a per key and query head
+#define RKW (32 * RERANK_R)                  // rerank keys per (batch item, kv head)
 // Rerank roles per (batch item, kv head): RERANK_PER_ROLE candidates each (config.rs).
 #define RERANK_ROLES ((CAND + RERANK_PER_ROLE - 1) / RERANK_PER_ROLE)
 
@@ -668,6 +691,16 @@ __device__ __forceinline__ int rerank_codes(u32 x, u32 y, u32 jn) {
     const u32 v = ((x >> (4 * jn)) & 0x000f000fu) | (((y >> (4 * jn)) & 0x000f000fu) << 8);
     // Sign-extend each nibble within its byte: (n ^ 8) - 8, bytewise.
     return (int)__vsub4(v ^ 0x08080808u, 0x08080808u);
+}
+
+// Candidate block c of the kv head whose candidate units start at `cands`: block c % UNIT_BLOCKS
+// of unit c / UNIT_BLOCKS, or none (0xffffffff) where that block is not distant or the unit
+// was not filled.
+__device__ __forceinline__ u32 cand_block(const u32* cands, u32 c, u32 nb) {
+    const u32 u = __ldcg(cands + c / UNIT_BLOCKS);
+    if (u == 0xffffffffu) return u;
+    const u32 b = u * UNIT_BLOCKS + c % UNIT_BLOCKS;
+    return b >= SINK && b < nb - LOCAL ? b : 0xffffffffu;
 }
 
 // One rerank role: candidates [x R, x R + R) of (batch item i, kv head kvh) with R =
@@ -701,7 +734,7 @@ __device__ __forceinline__ void rerank_role(
     // This thread's candidate (RERANK_PER_ROLE > 1: tid < R * BLOCK_TOKENS <= blockDim.x).
     const u32 c = x * RERANK_PER_ROLE + (RERANK_PER_ROLE > 1 ? tid / BLOCK_TOKENS : 0u);
     const bool has = (RERANK_PER_ROLE == 1 || tid < RERANK_PER_ROLE * BLOCK_TOKENS) && c < CAND;
-    const u32 b = has ? __ldcg(cands + (u64)ih * LW + c) : 0xffffffffu;
+    const u32 b = has ? cand_block(cands + (u64)ih * LW, c, nb) : 0xffffffffu;
     // The group's query codes: warp g quantizes head g (absmax / 127, round half to even).
     const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
     for (u32 g = w; g < GROUP; g += nw) {
@@ -768,14 +801,14 @@ __device__ __forceinline__ void rerank_role(
     constexpr u32 WPC = RERANK_PER_ROLE > 1 ? BLOCK_TOKENS / 32 : SCORE_THREADS / 32;
     if (tid < RERANK_PER_ROLE && x * RERANK_PER_ROLE + tid < CAND) {
         const u32 cr = x * RERANK_PER_ROLE + tid;
-        const u32 br = __ldcg(cands + (u64)ih * LW + cr);
+        const u32 br = cand_block(cands + (u64)ih * LW, cr, nb);
         float score = NEG_INF;
         for (int g = 0; g < GROUP; ++g) {
             float m = NEG_INF;
             for (u32 v = tid * WPC; v < min((tid + 1) * WPC, nw); ++v) m = fmaxf(m, s_best[v][g]);
             score = fmaxf(score, __fmul_rn(m, s_qs[g]));
         }
-        rkeys[(u64)ih * LW + cr] = br != 0xffffffffu ? cand_key(score, br) : 0ull;
+        rkeys[(u64)ih * RKW + cr] = br != 0xffffffffu ? cand_key(score, br) : 0ull;
         // Publish the key device-wide before it is counted (threadFenceReduction pattern).
         __threadfence();
     }
@@ -791,12 +824,12 @@ __device__ __forceinline__ void rerank_role(
     u32* row = table + (u64)ih * KSEL;
     if (w == 0) {
         // The TOPK best keys, then their ids ascending.
-        u64 v[LIST_R];
+        u64 v[RERANK_R];
 #pragma unroll
-        for (u32 r = 0; r < LIST_R; ++r)
-            v[r] = r * 32 + lane < CAND ? __ldcg(rkeys + (u64)ih * LW + r * 32 + lane) : 0ull;
-        list_sort_desc(v);
-        list_ids_ascending(v, row + SINK, TOPK);
+        for (u32 r = 0; r < RERANK_R; ++r)
+            v[r] = r * 32 + lane < CAND ? __ldcg(rkeys + (u64)ih * RKW + r * 32 + lane) : 0ull;
+        list_sort_desc_r<RERANK_R>(v);
+        list_ids_ascending_r<RERANK_R>(v, row + SINK, TOPK);
     }
     __syncthreads();
     plan_tile_cache(i, kvh, row, SINK, TOPK, 0, 0, DISTANT_SLOT0, CACHE_SLOTS - DISTANT_SLOT0, sess, ntok, layer,

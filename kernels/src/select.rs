@@ -8,17 +8,21 @@
 //!
 //! - [`Selector::Bound`]: an upper bound on any of the block's keys' dot product with any
 //!   query head of the kv-head's group (`bound_dot`, then the max over the group).
-//! - [`Selector::Sketch`]: two stages. The `max(candidates, top_k)` best distant blocks by
-//!   [`QuerySketch::quarter_score`] (the key bound of each quarter of the block in int8, max
-//!   over quarters and the group; ties to the lower block) are the candidates; they are ranked
-//!   by their key sketches ([`QuerySketch::score`]) and the top-k kept. When `candidates`
-//!   covers every distant block, every block is scored by its sketch.
+//! - [`Selector::Sketch`]: two stages. The first ranks *units* of four quarter records
+//!   ([`unit_blocks`]: a block of 128 tokens or more, two of 64, four of 32 or fewer; unit `u`
+//!   is blocks `u G .. (u + 1) G`) by the best [`QuerySketch::quarter_score`] of their distant
+//!   blocks (the key bound of each quarter in int8, max over quarters and the group; ties to
+//!   the lower unit), and the distant blocks of the best [`candidate_units`] are the
+//!   candidates; they are ranked by their key sketches ([`QuerySketch::score`]) and the top-k
+//!   kept. Small blocks so cost the first stage what 128-token blocks cost while the keep-set
+//!   is cut finer. When the candidate units cover every distant block, every block is scored
+//!   by its sketch.
 
 use std::cmp::Ordering;
 
 use rayon::prelude::*;
 
-use kvtier_storage::sketch::{padded_dims, round_half_even, HeadSketch};
+use kvtier_storage::sketch::{padded_dims, quarters, round_half_even, HeadSketch};
 use kvtier_storage::{Geometry, LayerView, Policy, Selector};
 use wide::{i16x16, i16x8, i32x4, i32x8, i8x16};
 
@@ -270,6 +274,22 @@ fn unpack_words(codes: &[u8], out: &mut [i16x8]) {
     }
 }
 
+/// Blocks per unit of the sketch selector's first stage: four quarter records
+/// ([`kvtier_storage::sketch::quarters`] per block: a block of 128 tokens or more, two of 64 to
+/// 127, four smaller ones). One warp's four octets score a unit on the GPU.
+pub fn unit_blocks(block_tokens: u32) -> usize {
+    4 / quarters(block_tokens as usize)
+}
+
+/// Units the sketch selector's first stage passes to the second: enough for `candidates`
+/// blocks, and never fewer than `top_k` distant blocks even when the units at both ends of
+/// the distant range hold one distant block each.
+pub fn candidate_units(candidates: u32, top_k: u32, block_tokens: u32) -> usize {
+    let g = unit_blocks(block_tokens);
+    let blocks = (candidates as usize).max(top_k as usize + 2 * (g - 1));
+    blocks.div_ceil(g)
+}
+
 /// Checks a query's length and values against a geometry.
 pub fn check_query(geo: &Geometry, q: &[f32]) -> Result<()> {
     let expected = (geo.q_heads * geo.head_dim) as usize;
@@ -354,8 +374,8 @@ pub fn select_head(
             );
         }
         Selector::Sketch { candidates } => {
-            // Never fewer candidates than k: the top-k is never short of blocks.
-            let c = (candidates as usize).max(k);
+            let g = unit_blocks(geo.block_tokens);
+            let want = candidate_units(candidates, policy.top_k, geo.block_tokens);
             let SelectScratch {
                 scores,
                 order,
@@ -368,23 +388,39 @@ pub fn select_head(
             };
             query.set(q_group, d);
             let query = &*query;
-            // Stage 1: the c best distant blocks by their quarter bounds (every block when c
-            // covers them), ascending in `order`.
+            // Stage 1: the distant blocks of the `want` best units by their quarter bounds
+            // (every block when they cover them), ascending in `order` (positions from
+            // `sink_end`).
+            let (u0, u1) = (sink_end / g, (local_start - 1) / g + 1);
+            let distant = |u: usize| (u * g).max(sink_end)..((u + 1) * g).min(local_start);
             order.clear();
-            order.extend(0..n as u32);
-            if c < n {
-                let quarter = |b: usize| query.quarter_score(&sketch(b));
+            if want < u1 - u0 {
+                let unit = |u: usize| {
+                    distant(u)
+                        .map(|b| query.quarter_score(&sketch(b)))
+                        .fold(f32::NEG_INFINITY, f32::max)
+                };
                 if n >= PARALLEL_MIN_QUARTERS {
-                    (sink_end..local_start)
+                    (u0..u1)
                         .into_par_iter()
-                        .with_min_len(PARALLEL_MIN_QUARTERS / 2)
-                        .map(quarter)
+                        .with_min_len((PARALLEL_MIN_QUARTERS / 2).div_ceil(g))
+                        .map(unit)
                         .collect_into_vec(scores);
                 } else {
                     scores.clear();
-                    scores.extend((sink_end..local_start).map(quarter));
+                    scores.extend((u0..u1).map(unit));
                 }
-                top_k_in_place(scores, order, c);
+                order.extend(0..(u1 - u0) as u32);
+                top_k_in_place(scores, order, want);
+                let units = std::mem::take(order);
+                order.extend(
+                    units
+                        .iter()
+                        .flat_map(|&i| distant(u0 + i as usize))
+                        .map(|b| (b - sink_end) as u32),
+                );
+            } else {
+                order.extend(0..n as u32);
             }
             // Stage 2: the candidates ranked by their sketches.
             let rank = |&i: &u32| query.score(&sketch(sink_end + i as usize));

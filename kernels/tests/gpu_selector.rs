@@ -246,5 +246,5 @@ fn sketch_configs_the_device_refuses() {
     .validate()
     .unwrap_err()
     .to_string();
-    assert!(e.contains("at most 128 candidates"), "{e}");
+    assert!(e.contains("at most 128 candidate blocks"), "{e}");
 }

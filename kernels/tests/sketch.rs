@@ -38,9 +38,9 @@ fn code(codes: &[u8], d: usize, t: usize, e: usize) -> i32 {
 }
 
 /// The sketch selector's keep-set of one kv head, restated from its documentation with
-/// scalar loops: query codes; candidates by the quarter codes' integer bounds (max over
-/// quarters, the documented float steps, max over the group); key codes, integer dots, the
-/// documented float steps.
+/// scalar loops: query codes; candidate units of four quarter records by the quarter codes'
+/// integer bounds (max over quarters, the documented float steps, max over the group, max over
+/// the unit's distant blocks); key codes, integer dots, the documented float steps.
 fn reference(q: &[f32], v: &LayerView<'_>, policy: &Policy, h: usize) -> Vec<u32> {
     let g = v.geometry();
     let (d, grp, nb) = (g.head_dim as usize, g.group(), v.blocks());
@@ -50,7 +50,17 @@ fn reference(q: &[f32], v: &LayerView<'_>, policy: &Policy, h: usize) -> Vec<u32
     }
     let distant: Vec<usize> = (sink..nb - local).collect();
     let k = policy.top_k as usize;
-    let c = (policy.selector.candidates() as usize).max(k);
+    // Four records a unit: a block of 128 tokens or more has 4, of 64 to 127 has 2, else 1.
+    let bt = g.block_tokens as usize;
+    let unit = if bt >= 128 {
+        1
+    } else if bt >= 64 {
+        2
+    } else {
+        4
+    };
+    let c = (policy.selector.candidates() as usize).max(k + 2 * (unit - 1));
+    let want = c.div_ceil(unit);
     let heads: Vec<&[f32]> = (0..grp)
         .map(|j| &q[(h * grp + j) * d..(h * grp + j + 1) * d])
         .collect();
@@ -94,10 +104,24 @@ fn reference(q: &[f32], v: &LayerView<'_>, policy: &Policy, h: usize) -> Vec<u32
         }
         best + 0.0
     };
-    let cands = if c >= distant.len() {
+    let mut units: Vec<usize> = distant.iter().map(|b| b / unit).collect();
+    units.dedup();
+    let cands: Vec<usize> = if want >= units.len() {
         distant.clone()
     } else {
-        best(&distant, stage1, c)
+        let unit_score = |u: usize| {
+            distant
+                .iter()
+                .filter(|&&b| b / unit == u)
+                .map(|&b| stage1(b))
+                .fold(f32::NEG_INFINITY, f32::max)
+        };
+        let picked = best(&units, unit_score, want);
+        distant
+            .iter()
+            .copied()
+            .filter(|b| picked.contains(&(b / unit)))
+            .collect()
     };
     let score = |b: usize| -> f32 {
         let sk = v.sketch(b, h).unwrap();

@@ -160,7 +160,7 @@ def instrument(rec: "Recording", prefill_keys, arm: Arm, needle_blocks=None):
             oracle = fixed + keepsets.top(sc["mass"], distant, k) if nb > sink + local + k else list(range(nb))
             out["mass"].append(float(sc["mass"][list(keep[h])].sum()))
             out["oracle_mass"].append(float(sc["mass"][sorted(set(oracle))].sum()))
-            rule = keepsets.keep_set(sc, nb, sink, local, k, arm.selector, arm.candidates)
+            rule = keepsets.keep_set(sc, nb, sink, local, k, arm.selector, arm.candidates, bt)
             out["rule_equal"] += int(rule == list(keep[h]))
             out["items"] += 1
             if needle_blocks:

@@ -101,16 +101,26 @@ def top(scores: np.ndarray, cands, k: int) -> List[int]:
 
 
 def keep_set(sc: Dict[str, np.ndarray], nb: int, sink: int, local: int, k: int,
-             selector: str = "sketch", candidates: int = 0) -> List[int]:
-    """The keep-set of a layer of `nb` blocks (after the step's append) under a policy."""
+             selector: str = "sketch", candidates: int = 0, block: int = 128) -> List[int]:
+    """The keep-set of a layer of `nb` blocks of `block` tokens (after the step's append)
+    under a policy."""
     if nb <= sink + local + k:
         return list(range(nb))
     distant = list(range(sink, nb - local))
     if selector == "bound":
         picked = top(sc["bound"], distant, k)
     else:
-        c = max(candidates, k)
-        cands = distant if c >= len(distant) else top(sc["quarter"], distant, c)
+        # The first stage ranks units of four quarter records (kvtier_kernels::select::
+        # unit_blocks) by their best distant block; their distant blocks are the candidates.
+        g = 1 if block >= 128 else 2 if block >= 64 else 4
+        want = -(-max(candidates, k + 2 * (g - 1)) // g)
+        units = sorted({b // g for b in distant})
+        if want >= len(units):
+            cands = distant
+        else:
+            best = {u: max(sc["quarter"][b] for b in distant if b // g == u) for u in units}
+            picked_units = set(top(best, units, want))
+            cands = [b for b in distant if b // g in picked_units]
         picked = top(sc["sketch"], cands, k)
     return list(range(sink)) + picked + list(range(nb - local, nb))
 

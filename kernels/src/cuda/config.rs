@@ -4,6 +4,7 @@ use kvtier_storage::sketch::{padded_dims, quarters};
 use kvtier_storage::{DType, Geometry, Policy, Selector};
 
 use super::error::{CudaError, Result};
+use crate::select::{candidate_units, unit_blocks};
 
 /// How block summaries are stored on the GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,16 +143,18 @@ impl CudaConfig {
         if p.top_k == 0 {
             return Err(invalid("top_k must be at least 1"));
         }
-        // The sketch selector's first stage keeps its candidates in warp lists of at most
-        // MAX_CANDIDATES keys and its second stage ranks them in one warp; each block is scored
-        // by its quarters (kvtier_storage::sketch::quarters).
+        // The sketch selector's first stage keeps its candidate units in warp lists of at most
+        // MAX_CANDIDATES keys and its second stage ranks their blocks in one warp; each unit is
+        // scored by its four quarter records (crate::select::unit_blocks).
         let cand = match p.selector {
             Selector::Bound => p.top_k,
             Selector::Sketch { candidates } => {
-                let c = candidates.max(p.top_k);
+                let bt = g.block_tokens;
+                let c = (candidate_units(candidates, p.top_k, bt) * unit_blocks(bt)) as u32;
                 if c > MAX_CANDIDATES {
                     return Err(invalid(format!(
-                        "the CUDA sketch selector takes at most {MAX_CANDIDATES} candidates (max(candidates, top_k) = {c})"
+                        "the CUDA sketch selector takes at most {MAX_CANDIDATES} candidate blocks ({c} for candidates {candidates}, top_k {})",
+                        p.top_k
                     )));
                 }
                 c
@@ -192,11 +195,21 @@ impl CudaConfig {
         let d = g.head_dim as usize;
         let gs = group;
         let b = g.block_tokens as usize;
-        // select_topk keeps ceil(max_blocks / 1024) keys per thread in registers.
-        let kpt = (self.max_blocks as usize).div_ceil(1024);
+        // Top-k by merging per-thread-block candidate lists (select.cu) where the lists can
+        // hold it: the sketch selector's candidates, or top_k <= 32; the radix select over
+        // every score otherwise. A list holds 32 * list_r keys, list_r per lane of a warp.
+        let topk_merge = self.sketch() || p.top_k <= 32;
+        // select_topk (the radix select) keeps ceil(max_blocks / 1024) keys per thread in
+        // registers; merged lists have no such limit (1M tokens in 32-token blocks and a
+        // decode's worth more).
+        let kpt = if topk_merge {
+            1
+        } else {
+            (self.max_blocks as usize).div_ceil(1024)
+        };
         if kpt > 32 {
             return Err(invalid(format!(
-                "max_blocks {} exceeds 32768",
+                "max_blocks {} exceeds 32768 (with top_k above 32 and the key bound)",
                 self.max_blocks
             )));
         }
@@ -204,14 +217,16 @@ impl CudaConfig {
         // tree and the distant plan.
         let q_smem = gs * d * 4;
         let st = SCORE_THREADS as usize;
-        // Top-k by merging per-thread-block candidate lists (select.cu) where the lists can
-        // hold it: the sketch selector's candidates, or top_k <= 32; the radix select over
-        // every score otherwise. A list holds 32 * list_r keys, list_r per lane of a warp.
-        let topk_merge = self.sketch() || p.top_k <= 32;
-        let list_r = if self.sketch() {
-            cand.div_ceil(32).next_power_of_two()
+        // Stage 1's lists hold the sketch selector's candidate units, the rerank's list its
+        // candidate blocks (as many in 128-token blocks; G times as many in smaller ones).
+        let (list_r, rerank_r) = if self.sketch() {
+            let units = cand / unit_blocks(g.block_tokens) as u32;
+            (
+                units.div_ceil(32).next_power_of_two(),
+                cand.div_ceil(32).next_power_of_two(),
+            )
         } else {
-            1
+            (1, 1)
         };
         let lists_smem = (SCORE_NB as usize * 32 * 2 + st * list_r as usize) * 8;
         // attend_tile: dynamic = tile (+ reduction buffer unless it fits in the dead K half).
@@ -301,6 +316,7 @@ impl CudaConfig {
             candidates: cand,
             rerank_per_role,
             list_r,
+            rerank_r,
         })
     }
 
@@ -380,6 +396,7 @@ impl CudaConfig {
             ("CAND", derived.candidates),
             ("RERANK_PER_ROLE", derived.rerank_per_role),
             ("LIST_R", derived.list_r),
+            ("RERANK_R", derived.rerank_r),
             ("QUARTERS", self.summary_records()),
             ("PD", padded_dims(g.head_dim as usize) as u32),
         ]
@@ -418,14 +435,16 @@ pub struct Derived {
     /// Whether layer_fused can run a layer (but its merge) in one launch: the list-merge
     /// top-k, and as many attention threads as scoring threads.
     pub fused: bool,
-    /// Blocks the selector's first stage keeps: the sketch selector's candidates
-    /// (`max(candidates, top_k)`), else top_k.
+    /// Blocks the selector's first stage keeps: the sketch selector's candidate blocks (those
+    /// of `crate::select::candidate_units`), else top_k.
     pub candidates: u32,
     /// Candidates each rerank role of the sketch selector scores.
     pub rerank_per_role: u32,
     /// Keys per lane of a candidate list (1, 2 or 4): a list holds `32 * list_r` keys, at
-    /// least `candidates` with the sketch selector.
+    /// least the candidate units with the sketch selector.
     pub list_r: u32,
+    /// Keys per lane of the sketch selector's rerank list (1, 2 or 4): at least `candidates`.
+    pub rerank_r: u32,
 }
 
 #[cfg(test)]
@@ -441,7 +460,8 @@ mod tests {
         assert_eq!(qwen().cache_slots, 74);
         let d = qwen().validate().unwrap();
         assert_eq!(d.keep_max, 37);
-        assert_eq!(d.topk_per_thread, 8);
+        // The sketch selector merges lists: the radix select's registers are not used.
+        assert_eq!(d.topk_per_thread, 1);
         assert!(d.red_in_tile);
         assert!(d.att_mma);
         assert_eq!(d.att_dyn_smem, 64 * 1024);
@@ -491,19 +511,53 @@ mod tests {
             |c| c.policy.local_blocks = 0,
             |c| c.max_batch = 9,
             |c| c.geometry.q_heads = 4 * 33,
-            |c| c.max_blocks = 40_000,
+            |c| {
+                // The radix select (the key bound, top_k > 32) holds at most 32,768 blocks.
+                c.policy = Policy::bound(1, 4, 64);
+                c.max_blocks = 40_000;
+            },
             |c| {
                 c.geometry.block_tokens = 1024;
                 c.geometry.dtype = DType::F32;
             },
             |c| c.geometry.kv_heads = 0,
         ];
+        let mut radix = qwen();
+        radix.policy = Policy::bound(1, 4, 64);
+        assert_eq!(radix.validate().unwrap().topk_per_thread, 8);
         for (i, f) in bad.iter().enumerate() {
             let mut c = qwen();
             f(&mut c);
             assert!(
                 matches!(c.validate(), Err(CudaError::InvalidConfig { .. })),
                 "case {i}"
+            );
+        }
+    }
+
+    /// The sketch selector's first stage takes units of four quarter records: its lists hold
+    /// the units, the rerank's list their blocks; 1M tokens in 32-token blocks fit.
+    #[test]
+    fn sketch_candidates_are_whole_units() {
+        let at = |bt: u32, k: u32, c: u32| {
+            let mut cfg = qwen();
+            cfg.geometry.block_tokens = bt;
+            cfg.policy = Policy::sketch(128 / bt, 512 / bt, k, c);
+            cfg.max_blocks = (1u32 << 20) / bt + 64;
+            cfg.cache_slots = 74 * 128 / bt;
+            cfg.validate().unwrap()
+        };
+        for (bt, k, c, cand, list_r, rerank_r) in [
+            (128, 8, 64, 64, 2, 2),
+            (64, 16, 128, 128, 2, 4),
+            (32, 32, 128, 128, 1, 4),
+            (32, 32, 8, 40, 1, 2), // never fewer than k + 2 (G - 1) blocks
+        ] {
+            let d = at(bt, k, c);
+            assert_eq!(
+                (d.candidates, d.list_r, d.rerank_r),
+                (cand, list_r, rerank_r),
+                "{bt}-token blocks, k {k}, {c} candidates"
             );
         }
     }

@@ -270,7 +270,7 @@ impl Harness {
         let g = self.cfg.geometry;
         let p = self.cfg.policy;
         if let Selector::Sketch { candidates } = p.selector {
-            return self.cpu_select_sketch(s, l, q, candidates.max(p.top_k) as usize);
+            return self.cpu_select_sketch(s, l, q, candidates as usize);
         }
         let policy = Policy::bound(p.sink_blocks, p.local_blocks, p.top_k);
         let (d, grp) = (g.head_dim as usize, g.group());
@@ -323,12 +323,29 @@ impl Harness {
                 };
                 let qs = QuerySketch::new(&q[h * grp * d..(h + 1) * grp * d], d);
                 let head = |b: usize| blocks[b].as_ref().head(&g, 0, h);
-                let cands = best(
-                    (sink_end..local_start)
-                        .map(|b| (qs.quarter_score(&head(b)), b as u32))
+                // Units of four quarter records (G blocks): each scored by its best distant
+                // block; the distant blocks of the best `ceil(max(c, k + 2 (G - 1)) / G)`.
+                let unit = 4 / kvtier_storage::sketch::quarters(g.block_tokens as usize);
+                let want = c.max(p.top_k as usize + 2 * (unit - 1)).div_ceil(unit);
+                let (u0, u1) = (sink_end / unit, (local_start - 1) / unit + 1);
+                let distant =
+                    |u: usize| (u * unit).max(sink_end)..((u + 1) * unit).min(local_start);
+                let units = best(
+                    (u0..u1)
+                        .map(|u| {
+                            let m = distant(u)
+                                .map(|b| qs.quarter_score(&head(b)))
+                                .fold(f32::NEG_INFINITY, f32::max);
+                            (m, u as u32)
+                        })
                         .collect(),
-                    c,
+                    want,
                 );
+                let cands: Vec<u32> = units
+                    .iter()
+                    .flat_map(|&u| distant(u as usize))
+                    .map(|b| b as u32)
+                    .collect();
                 let mut keep: Vec<u32> = (0..sink_end as u32).collect();
                 keep.extend(best(
                     cands
