@@ -21,6 +21,11 @@ fn node(cluster: &RedisCluster, name: &str, extra: &[&str]) -> Tierd {
     remote_node(cluster, name, CLAIM_TTL_MS, None, extra)
 }
 
+/// Nodes "node-a" (with `extra` settings) and "node-b" on `cluster`.
+fn two_nodes(cluster: &RedisCluster, extra: &[&str]) -> (Tierd, Tierd) {
+    (node(cluster, "node-a", extra), node(cluster, "node-b", &[]))
+}
+
 /// Retries `f` while it fails with `code` (a claim not yet lapsed), for up to 10 s.
 fn until_not<T: std::fmt::Debug>(
     code: ErrorCode,
@@ -183,8 +188,7 @@ fn a_paused_owner_is_fenced_and_a_cut_off_one_refuses_appends() {
     let Some(cluster) = RedisCluster::start(3, 1) else {
         return;
     };
-    let a = node(&cluster, "node-a", &["remote.write_through=true"]);
-    let b = node(&cluster, "node-b", &[]);
+    let (a, b) = two_nodes(&cluster, &["remote.write_through=true"]);
     let (mut ca, mut cb) = (a.client(), b.client());
     let (id, mut sh) = open(&mut ca, "paused", 40, 5);
 
@@ -269,8 +273,7 @@ fn a_damaged_page_fails_the_resume_with_data_loss_and_leaves_the_session_unclaim
     let Some(cluster) = RedisCluster::start(3, 1) else {
         return;
     };
-    let a = node(&cluster, "node-a", &[]);
-    let b = node(&cluster, "node-b", &[]);
+    let (a, b) = two_nodes(&cluster, &[]);
     let (mut ca, mut cb) = (a.client(), b.client());
     let (id, _) = open(&mut ca, "damaged", 600, 6);
     ca.offload(id).unwrap();
@@ -305,8 +308,7 @@ fn a_session_demoted_to_nvme_is_offloaded_from_its_pages() {
     let Some(cluster) = RedisCluster::start(3, 1) else {
         return;
     };
-    let a = node(&cluster, "node-a", &[]);
-    let b = node(&cluster, "node-b", &[]);
+    let (a, b) = two_nodes(&cluster, &[]);
     let (mut ca, mut cb) = (a.client(), b.client());
     // 3,000 tokens: 188 blocks a layer, read back from NVMe in batches for the offload.
     let (id, mut sh) = open(&mut ca, "cold", 3000, 8);

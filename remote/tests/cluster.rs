@@ -71,6 +71,14 @@ fn config(cluster: &RedisCluster, ttl: Duration) -> ClusterConfig {
     }
 }
 
+/// Writes version 0 of session `id`'s blocks `0..blocks` under `claim`; the generation.
+fn put_v0(store: &ClusterStore, claim: &Claim, id: u64, blocks: u32) -> u64 {
+    let runs = runs_of(id, 0..blocks, 0);
+    store
+        .put_session(claim, &record(id, blocks), &as_runs(&runs))
+        .unwrap()
+}
+
 /// Reads every run of `blocks` back and compares with version `v`.
 fn assert_holds(store: &ClusterStore, id: u64, blocks: u32, v: u32) {
     let rec = store.record(id).unwrap().expect("a record");
@@ -94,10 +102,7 @@ fn a_session_round_trips_and_a_rewrite_replaces_only_its_runs() {
     };
     let store = ClusterStore::connect(config(&cluster, Duration::from_secs(10))).unwrap();
     let claim = store.claim(7, "node-a").unwrap();
-    let first = runs_of(7, 0..12, 0);
-    store
-        .put_session(&claim, &record(7, 12), &as_runs(&first))
-        .unwrap();
+    put_v0(&store, &claim, 7, 12);
     assert_holds(&store, 7, 12, 0);
     let keys = cluster.keys();
 
@@ -158,10 +163,7 @@ fn a_missing_or_corrupt_page_or_record_is_data_loss_never_data() {
     };
     let store = ClusterStore::connect(config(&cluster, Duration::from_secs(10))).unwrap();
     let claim = store.claim(3, "node-a").unwrap();
-    let runs = runs_of(3, 0..4, 0);
-    let g = store
-        .put_session(&claim, &record(3, 4), &as_runs(&runs))
-        .unwrap();
+    let g = put_v0(&store, &claim, 3, 4);
     let rec = store.record(3).unwrap().unwrap();
 
     // One byte of a page's payload changed in the store.
@@ -229,8 +231,7 @@ fn one_owner_at_a_time_and_a_stale_owner_is_fenced() {
     let a = ClusterStore::connect(config(&cluster, ttl)).unwrap();
     let b = ClusterStore::connect(config(&cluster, ttl)).unwrap();
     let mut ca = a.claim(11, "node-a").unwrap();
-    let runs = runs_of(11, 0..3, 0);
-    a.put_session(&ca, &record(11, 3), &as_runs(&runs)).unwrap();
+    put_v0(&a, &ca, 11, 3);
 
     // B is refused while A's claim is live, told who owns the session.
     match b.claim(11, "node-b") {
@@ -319,10 +320,7 @@ fn a_master_without_replicas_stops_only_the_sessions_it_holds() {
     // over every slot, still wait for every master).
     let mut claim = store.claim(elsewhere, "node-a").unwrap();
     store.renew(&mut claim).unwrap();
-    let runs: Vec<(u32, u32, Vec<u8>)> = Vec::new();
-    store
-        .put_session(&claim, &record(elsewhere, 0), &as_runs(&runs))
-        .unwrap();
+    put_v0(&store, &claim, elsewhere, 0);
     assert!(store.record(elsewhere).unwrap().is_some());
     // The lonely master's session cannot be claimed durably: said so, not pretended.
     match store.claim(1, "node-a") {
@@ -363,10 +361,7 @@ fn an_interrupted_write_is_removed_by_the_next_owner() {
     let store = ClusterStore::connect(config(&cluster, Duration::from_secs(2))).unwrap();
     // The committed state the crash must not touch: blocks 0..64 at version 0.
     let claim = store.claim(21, "crashing").unwrap();
-    let runs = runs_of(21, 0..64, 0);
-    store
-        .put_session(&claim, &record(21, 64), &as_runs(&runs))
-        .unwrap();
+    put_v0(&store, &claim, 21, 64);
     let committed_keys = cluster.keys();
 
     // A real process rewriting the session, SIGKILLed while a write is in flight (its
