@@ -124,7 +124,7 @@ __device__ __forceinline__ u32 orderable(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Two-stage top-k (config.rs sets TOPK_MERGE: TOPK <= 32, or the sketch selector's CAND <=
+// Two-stage top-k (config.rs sets TOPK_MERGE: TOPK <= 32, or the sketch selector's units <=
 // 128). Each select_score thread block reduces its blocks to its LW best candidates, a
 // descending list; the kv head's last thread block merges the lists. A candidate is a 64-bit
 // key: the score's order-preserving bits above the complemented block id, so a larger key is a
@@ -682,6 +682,9 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(SelectS
 #define SK_REC_BYTES ((u64)BLOCK_TOKENS * (SK_CODE_BYTES + 4))
 #define SK_DP4A (PD / 4)                     // dp4a per key and query head
 #define RKW (32 * RERANK_R)                  // rerank keys per (batch item, kv head)
+#if RERANK_R != 1 && RERANK_R != 2 && RERANK_R != 4 && RERANK_R != 8
+#error "RERANK_R must be 1, 2, 4 or 8"
+#endif
 // Rerank roles per (batch item, kv head): RERANK_PER_ROLE candidates each (config.rs).
 #define RERANK_ROLES ((CAND + RERANK_PER_ROLE - 1) / RERANK_PER_ROLE)
 

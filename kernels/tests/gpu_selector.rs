@@ -9,7 +9,9 @@
 mod gpu_common;
 
 use gpu_common::{check_layer, geom, gpu, Harness, KeyGen, POLICY};
-use kvtier_kernels::cuda::{CudaConfig, LaunchMode, SummaryDtype, MAX_CANDIDATES};
+use kvtier_kernels::cuda::{
+    CudaConfig, LaunchMode, SummaryDtype, MAX_CANDIDATES, MAX_CANDIDATE_UNITS,
+};
 use kvtier_storage::{DType, Policy};
 
 /// Many exactly equal scores: the lower block index must win, as on the CPU.
@@ -188,6 +190,12 @@ fn sketch_selector_matches_cpu() {
             Policy::sketch(4, 16, 32, 128),
             5,
         ),
+        // 64 units of four 32-token blocks: a rerank list of 256 keys (eight per lane).
+        (
+            geom(28, 4, 128, 32, DType::Bf16),
+            Policy::sketch(4, 16, 32, MAX_CANDIDATES),
+            0,
+        ),
     ];
     for (i, (g, policy, templates)) in cases.into_iter().enumerate() {
         for mode in [LaunchMode::Fused, LaunchMode::Split] {
@@ -246,5 +254,20 @@ fn sketch_configs_the_device_refuses() {
     .validate()
     .unwrap_err()
     .to_string();
-    assert!(e.contains("at most 128 candidate blocks"), "{e}");
+    assert!(
+        e.contains("at most 128 candidate units and 256 candidate blocks"),
+        "{e}"
+    );
+    // In 128-token blocks a unit is a block: 129 candidates are 129 units.
+    let e = CudaConfig::new(
+        geom(28, 4, 128, 128, DType::Bf16),
+        Policy::sketch(1, 4, 8, MAX_CANDIDATE_UNITS + 1),
+        64,
+        1,
+        SummaryDtype::F32,
+    )
+    .validate()
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("(129 units, 129 blocks"), "{e}");
 }

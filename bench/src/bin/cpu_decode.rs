@@ -1,13 +1,15 @@
 //! CPU decode step, sparse vs dense, in one run: Qwen2.5-7B attention geometry, all 28 layers.
 //!
 //! cargo run --release -p kvtier-bench --bin cpu_decode -- [--contexts 8192,32768,131072]
-//!     [--modes sketch:32,bound:32,dense] [--steps 15] [--dense-steps 3] [--json FILE]
+//!     [--modes sketch:32,bound:32,dense] [--steps 15] [--dense-steps 3] [--block-tokens 128]
+//!     [--json FILE]
 //!
 //! Per context it builds a session of that many random bf16 tokens in a host arena, then times
 //! full decode steps (28 layers of append + select + attend, batch 1) of each mode in turn, all
 //! through the same kernels: `sketch:K[:C]` (the sketch selector, top-K, C candidates, default
-//! the daemon's; `all` scores every block), `bound:K` (the key-bound selector), sink 1 and
-//! local 4 for both, and `dense` (every block selected). Prints medians, bytes read per step
+//! the daemon's; `all` scores every block), `bound:K` (the key-bound selector), a sink of 128
+//! tokens and a local window of 512 for both (1 and 4 blocks of the default 128 tokens), and
+//! `dense` (every block selected). Prints medians, bytes read per step
 //! (summaries, sketches scored, selected K/V rows), the achieved read bandwidth and each mode's
 //! speedup over dense.
 
@@ -22,15 +24,18 @@ use kvtier_storage::{ArenaOptions, Geometry, HostArena, KvCache, Policy};
 struct Args {
     contexts: Vec<u64>,
     modes: Vec<(String, Policy)>,
+    block_tokens: u32,
     steps: usize,
     dense_steps: usize,
     json: Option<String>,
 }
 
 fn parse_args() -> Args {
+    let mut specs = String::from("sketch:32,bound:32,dense");
     let mut a = Args {
         contexts: vec![8192, 32768, 131072],
-        modes: ["sketch:32", "bound:32", "dense"].map(mode).to_vec(),
+        modes: Vec::new(),
+        block_tokens: Geometry::QWEN2_5_7B.block_tokens,
         steps: 15,
         dense_steps: 3,
         json: None,
@@ -42,17 +47,27 @@ fn parse_args() -> Args {
                 .map(|s| s.parse().expect("--contexts: integers"))
                 .collect()
         }
-        "--modes" => a.modes = val().split(',').map(mode).collect(),
+        "--modes" => specs = val(),
+        "--block-tokens" => {
+            a.block_tokens = val().parse().expect("--block-tokens: integer");
+            assert!(
+                a.block_tokens > 0 && 512 % a.block_tokens == 0,
+                "--block-tokens: a divisor of 512"
+            );
+        }
         "--steps" => a.steps = val().parse().expect("--steps: integer"),
         "--dense-steps" => a.dense_steps = val().parse().expect("--dense-steps: integer"),
         "--json" => a.json = Some(val()),
         other => panic!("unknown flag {other}"),
     });
+    a.modes = specs.split(',').map(|m| mode(m, a.block_tokens)).collect();
     a
 }
 
-/// A mode's name and policy: `dense`, `bound:K` or `sketch:K[:C]` (C a count or `all`).
-fn mode(spec: &str) -> (String, Policy) {
+/// A mode's name and policy in blocks of `bt` tokens: `dense`, `bound:K` or `sketch:K[:C]` (C a
+/// count or `all`).
+fn mode(spec: &str, bt: u32) -> (String, Policy) {
+    let (sink, local) = (128u32.div_ceil(bt), 512 / bt);
     let parts: Vec<&str> = spec.split(':').collect();
     let num = |s: &str| -> u32 {
         if s == "all" {
@@ -64,9 +79,14 @@ fn mode(spec: &str) -> (String, Policy) {
     };
     let policy = match parts[..] {
         ["dense"] => Policy::bound(0, 1, u32::MAX >> 12),
-        ["bound", k] => Policy::bound(1, 4, num(k)),
-        ["sketch", k] => Policy::sketch(1, 4, num(k), kvtier_storage::geometry::DEFAULT_CANDIDATES),
-        ["sketch", k, c] => Policy::sketch(1, 4, num(k), num(c)),
+        ["bound", k] => Policy::bound(sink, local, num(k)),
+        ["sketch", k] => Policy::sketch(
+            sink,
+            local,
+            num(k),
+            kvtier_storage::geometry::DEFAULT_CANDIDATES,
+        ),
+        ["sketch", k, c] => Policy::sketch(sink, local, num(k), num(c)),
         _ => panic!("--modes: {spec:?} is not dense, bound:K or sketch:K[:C]"),
     };
     (spec.to_string(), policy)
@@ -105,8 +125,14 @@ fn run_steps(
 
 fn main() {
     let args = parse_args();
-    let g = Geometry::QWEN2_5_7B;
-    println!("kvtier cpu_decode: Qwen2.5-7B attention geometry (28 layers, 28/4 heads, D=128, bf16, B=128), batch 1");
+    let g = Geometry {
+        block_tokens: args.block_tokens,
+        ..Geometry::QWEN2_5_7B
+    };
+    println!(
+        "kvtier cpu_decode: Qwen2.5-7B attention geometry (28 layers, 28/4 heads, D=128, bf16, B={}), batch 1",
+        g.block_tokens
+    );
     println!("machine: {}", cpu_description());
     println!(
         "command: cargo run --release -p kvtier-bench --bin cpu_decode -- {}",

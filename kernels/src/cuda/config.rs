@@ -56,9 +56,12 @@ pub(crate) const SCORE_NB: u32 = 8;
 /// Candidate lists merged by one thread block at the first level of select.cu's two-level
 /// merge (MERGE_GROUPS): 2 per warp of the merging thread block.
 pub(crate) const MERGE_GROUP: u32 = 16;
-/// Most candidates the sketch selector's first stage keeps on the device (select.cu lists of
-/// 32 * LIST_R keys, LIST_R <= 4).
-pub const MAX_CANDIDATES: u32 = 128;
+/// Most candidate blocks the sketch selector's second stage ranks on the device (select.cu's
+/// rerank list of 32 * RERANK_R keys, RERANK_R <= 8).
+pub const MAX_CANDIDATES: u32 = 256;
+/// Most candidate units its first stage keeps (lists of 32 * LIST_R keys, LIST_R <= 4): in
+/// 128-token blocks, where a unit is a block, the limit on candidates.
+pub const MAX_CANDIDATE_UNITS: u32 = 128;
 /// Largest opt-in shared memory per block on compute capability 8.0 / 9.0 (checked against
 /// the device at backend creation too).
 const SMEM_OPTIN_LIMIT: usize = 227 * 1024;
@@ -144,16 +147,18 @@ impl CudaConfig {
             return Err(invalid("top_k must be at least 1"));
         }
         // The sketch selector's first stage keeps its candidate units in warp lists of at most
-        // MAX_CANDIDATES keys and its second stage ranks their blocks in one warp; each unit is
-        // scored by its four quarter records (crate::select::unit_blocks).
+        // MAX_CANDIDATE_UNITS keys and its second stage ranks their blocks, at most
+        // MAX_CANDIDATES, in one warp; each unit is scored by its four quarter records
+        // (crate::select::unit_blocks).
         let cand = match p.selector {
             Selector::Bound => p.top_k,
             Selector::Sketch { candidates } => {
                 let bt = g.block_tokens;
-                let c = (candidate_units(candidates, p.top_k, bt) * unit_blocks(bt)) as u32;
-                if c > MAX_CANDIDATES {
+                let units = candidate_units(candidates, p.top_k, bt) as u32;
+                let c = units * unit_blocks(bt) as u32;
+                if units > MAX_CANDIDATE_UNITS || c > MAX_CANDIDATES {
                     return Err(invalid(format!(
-                        "the CUDA sketch selector takes at most {MAX_CANDIDATES} candidate blocks ({c} for candidates {candidates}, top_k {})",
+                        "the CUDA sketch selector takes at most {MAX_CANDIDATE_UNITS} candidate units and {MAX_CANDIDATES} candidate blocks ({units} units, {c} blocks for candidates {candidates}, top_k {} in {bt}-token blocks)",
                         p.top_k
                     )));
                 }
@@ -443,7 +448,8 @@ pub struct Derived {
     /// Keys per lane of a candidate list (1, 2 or 4): a list holds `32 * list_r` keys, at
     /// least the candidate units with the sketch selector.
     pub list_r: u32,
-    /// Keys per lane of the sketch selector's rerank list (1, 2 or 4): at least `candidates`.
+    /// Keys per lane of the sketch selector's rerank list (1, 2, 4 or 8): at least
+    /// `candidates`.
     pub rerank_r: u32,
 }
 
@@ -552,6 +558,7 @@ mod tests {
             (64, 16, 128, 128, 2, 4),
             (32, 32, 128, 128, 1, 4),
             (32, 32, 8, 40, 1, 2), // never fewer than k + 2 (G - 1) blocks
+            (32, 32, 256, 256, 2, 8),
         ] {
             let d = at(bt, k, c);
             assert_eq!(

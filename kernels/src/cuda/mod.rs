@@ -51,7 +51,7 @@ pub use backend::{
     DeviceKv, DeviceTail, LaunchMode, LayerOutput, LayerStats, LayerTiming, StepItem, StepOutput,
     Timing, FUSE_BELOW_HIT_SHARE,
 };
-pub use config::{AttentionMath, CudaConfig, SummaryDtype, MAX_CANDIDATES};
+pub use config::{AttentionMath, CudaConfig, SummaryDtype, MAX_CANDIDATES, MAX_CANDIDATE_UNITS};
 pub use cudarc::driver::{sys::CUstream, CudaContext};
 pub use error::CudaError;
 pub use kvtier_storage::dtype::bf16_outward;
