@@ -37,6 +37,14 @@ impl ServiceError {
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(ErrorCode::Internal, message)
     }
+    /// The error with `context` before its message, except OWNED_ELSEWHERE, whose message is
+    /// the owner's name for the client to go there (protocol.md §3).
+    pub fn context(self, context: impl std::fmt::Display) -> Self {
+        match self.code {
+            ErrorCode::OwnedElsewhere => self,
+            code => Self::new(code, format!("{context}: {}", self.message)),
+        }
+    }
 }
 
 impl From<ProtoError> for ServiceError {

@@ -21,7 +21,7 @@ use tokio::net::UnixListener;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
-use kvtier_protocol::ErrorCode;
+use kvtier_protocol::{ErrorCode, MIN_PROTOCOL_VERSION};
 
 use crate::config::ByteSize;
 use crate::error::{ServiceError, ServiceResult};
@@ -282,7 +282,7 @@ pub async fn run(
                 };
                 match connections.take(peer.uid, shared.service.is_admin(&peer)) {
                     Ok(slot) => {
-                        let conn = Connection { stream, peer, shared: shared.clone(), stop: stop_rx.clone(), hello: false, leases: HashSet::new(), id: crate::service::next_connection_id() };
+                        let conn = Connection { stream, peer, shared: shared.clone(), stop: stop_rx.clone(), version: None, leases: HashSet::new(), id: crate::service::next_connection_id() };
                         tasks.spawn(async move {
                             conn.serve().await;
                             drop(slot);
@@ -293,7 +293,7 @@ pub async fn run(
                         shared.service.record_error(err.code);
                         tasks.spawn(async move {
                             let mut stream = stream;
-                            let _ = stream.write_all(&error_frame(0, &err)).await;
+                            let _ = stream.write_all(&error_frame(0, &err, MIN_PROTOCOL_VERSION)).await;
                         });
                     }
                 }

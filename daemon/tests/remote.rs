@@ -6,13 +6,15 @@
 
 mod common;
 
+use std::io::Write;
+use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use common::*;
 use kvtier_protocol::client::Client;
-use kvtier_protocol::ErrorCode;
+use kvtier_protocol::{ErrorCode, Request, Response};
 use kvtier_tests::redis::RedisCluster;
-use kvtier_tests::wire::server_error;
+use kvtier_tests::wire::{frame, hello_frame, read_reply, server_error};
 
 const CLAIM_TTL_MS: u64 = 1500;
 
@@ -117,10 +119,28 @@ fn a_session_built_on_one_node_decodes_on_another_with_identical_outputs() {
         sb.get("remote_read_bytes_total").unwrap() as f64
     );
 
-    // A asking for it is told which node owns it now.
+    // A asking for it is told which node owns it now: the node's name (protocol version 3),
+    // or a sentence naming it to a version 2 client.
     let (code, message) = server_error(ca.promote(moved));
-    assert_eq!(code, ErrorCode::FailedPrecondition, "{message}");
-    assert!(message.contains("owned by node node-b"), "{message}");
+    assert_eq!(
+        (code, message.as_str()),
+        (ErrorCode::OwnedElsewhere, "node-b")
+    );
+    let mut v2 = UnixStream::connect(a.path()).unwrap();
+    v2.write_all(&hello_frame(1, 2, 2, "v2")).unwrap();
+    match read_reply(&mut v2) {
+        Some((_, Response::Hello(h))) => assert_eq!(h.version, 2),
+        other => panic!("expected a HELLO reply, got {other:?}"),
+    }
+    v2.write_all(&frame(&Request::Promote { session: moved }, 2))
+        .unwrap();
+    match read_reply(&mut v2) {
+        Some((_, Response::Error(e))) => {
+            assert_eq!(e.code, ErrorCode::FailedPrecondition);
+            assert_eq!(e.message, "the session is owned by node node-b");
+        }
+        other => panic!("expected FAILED_PRECONDITION, got {other:?}"),
+    }
 
     // B gives it back to the cluster; A resumes it with B's tokens.
     cb.offload(moved).unwrap();
@@ -173,7 +193,7 @@ fn a_node_killed_mid_append_under_write_through_loses_no_acknowledged_token() {
     // the one append in flight, written to the cluster before its reply was lost).
     let b = node(&cluster, "node-b", &[]);
     let mut cb = b.client();
-    until_not(ErrorCode::FailedPrecondition, || cb.promote(id)).unwrap();
+    until_not(ErrorCode::OwnedElsewhere, || cb.promote(id)).unwrap();
     let held = cb.session_info(id).unwrap().tokens_max;
     assert!(
         held >= acknowledged && held <= acknowledged + 3,
@@ -196,7 +216,7 @@ fn a_paused_owner_is_fenced_and_a_cut_off_one_refuses_appends() {
     // session meanwhile and extends it.
     a.signal(libc::SIGSTOP);
     std::thread::sleep(Duration::from_millis(CLAIM_TTL_MS + 300));
-    until_not(ErrorCode::FailedPrecondition, || cb.promote(id)).unwrap();
+    until_not(ErrorCode::OwnedElsewhere, || cb.promote(id)).unwrap();
     sh.step(&mut cb, id);
     a.signal(libc::SIGCONT);
 
@@ -205,7 +225,7 @@ fn a_paused_owner_is_fenced_and_a_cut_off_one_refuses_appends() {
     let late = sh.clone().payload(1);
     let (code, message) = server_error(ca.append_kv(id, 40, 1, &late));
     assert!(
-        (code == ErrorCode::FailedPrecondition && message.contains("owned by node node-b"))
+        (code == ErrorCode::OwnedElsewhere && message == "node-b")
             || (code == ErrorCode::Unavailable && message.contains("claim")),
         "{code:?}: {message}"
     );
@@ -242,7 +262,7 @@ fn without_write_through_a_dead_node_loses_at_most_a_flush_interval() {
 
     let b = node(&cluster, "node-b", &[]);
     let mut cb = b.client();
-    until_not(ErrorCode::FailedPrecondition, || cb.promote(id)).unwrap();
+    until_not(ErrorCode::OwnedElsewhere, || cb.promote(id)).unwrap();
     assert_eq!(cb.session_info(id).unwrap().tokens_max, 50);
     sh.step(&mut cb, id);
 }

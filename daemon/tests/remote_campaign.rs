@@ -121,17 +121,16 @@ impl Campaign {
             if code == ErrorCode::Internal {
                 self.fail(&format!("INTERNAL from {}: {message}", self.nodes[i].name));
             }
-            let owner = NAMES
-                .iter()
-                .position(|n| message.contains(&format!("owned by node {n} ")));
+            // OWNED_ELSEWHERE names the owner: go there.
+            let owner = NAMES.iter().position(|n| message == *n);
             let transient = match (code, owner) {
-                (ErrorCode::FailedPrecondition, Some(o)) if o != i => {
+                (ErrorCode::OwnedElsewhere, Some(o)) if o != i => {
                     self.tally.moved_to_owner += 1;
                     i = o;
                     true
                 }
                 // This node's own earlier incarnation, or a claim that has not lapsed.
-                (ErrorCode::FailedPrecondition, Some(_)) => true,
+                (ErrorCode::OwnedElsewhere, Some(_)) => true,
                 (ErrorCode::Unavailable, _) => true,
                 _ => false,
             };

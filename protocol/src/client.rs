@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::error::{ErrorCode, ProtoError};
 use crate::fdpass;
-use crate::header::{Header, Opcode, HEADER_LEN, PROTOCOL_VERSION};
+use crate::header::{Header, Opcode, HEADER_LEN, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION};
 use crate::request::{
     AppendData, AppendKvRequest, CreateSessionRequest, DecodeEntryRef, DecodeRequest, HelloRequest,
     Request,
@@ -76,7 +76,7 @@ pub enum ClientError {
     UnexpectedReply { expected: &'static str, got: u16 },
     #[error("request body of {len} bytes exceeds the server's max_frame_bytes {max}")]
     FrameTooLarge { len: usize, max: u32 },
-    #[error("server chose protocol version {version}, this client speaks {PROTOCOL_VERSION}")]
+    #[error("server chose protocol version {version}, this client speaks {MIN_PROTOCOL_VERSION}..={PROTOCOL_VERSION}")]
     Version { version: u16 },
     #[error("peer sent {count} unexpected file descriptors")]
     UnexpectedFds { count: usize },
@@ -184,13 +184,13 @@ impl Client {
             body: Vec::new(),
         };
         let req = Request::Hello(HelloRequest {
-            min_version: PROTOCOL_VERSION,
+            min_version: MIN_PROTOCOL_VERSION,
             max_version: PROTOCOL_VERSION,
             client_name: client_name.to_owned(),
         });
         match c.call(&req)? {
             Response::Hello(h) => {
-                if h.version != PROTOCOL_VERSION {
+                if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&h.version) {
                     return Err(ClientError::Version { version: h.version });
                 }
                 c.server = h;

@@ -24,6 +24,10 @@ wire_enum! {
         Unimplemented = 8 => "UNIMPLEMENTED",
         /// Stored data failed verification (checksum mismatch, corrupt page).
         DataLoss = 9 => "DATA_LOSS",
+        /// The session is owned by another node of the remote tier; the message is that node's
+        /// name (`remote.node`). Protocol version 3; a version 2 client gets
+        /// FAILED_PRECONDITION ([`ErrorCode::for_version`]).
+        OwnedElsewhere = 10 => "OWNED_ELSEWHERE",
     }
 }
 
@@ -33,6 +37,18 @@ impl ErrorCode {
     /// not there, a bad argument, a full tier, a limit).
     pub fn is_daemons(self) -> bool {
         matches!(self, Self::Internal | Self::DataLoss | Self::Unavailable)
+    }
+
+    /// The code and message to send a client that chose protocol `version`: codes newer than
+    /// the version become the code that version used, their message a sentence.
+    pub fn for_version(self, version: u16, message: &str) -> (ErrorCode, String) {
+        match self {
+            Self::OwnedElsewhere if version < 3 => (
+                Self::FailedPrecondition,
+                format!("the session is owned by node {message}"),
+            ),
+            code => (code, message.to_string()),
+        }
     }
 
     /// Parse a wire value.

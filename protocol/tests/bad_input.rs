@@ -444,7 +444,28 @@ fn error_reply_from_proto_error() {
         assert_eq!(ErrorCode::from_u16(code.as_u16()), Ok(code));
     }
     assert!(ErrorCode::from_u16(0).is_err());
-    assert!(ErrorCode::from_u16(10).is_err());
+    assert!(ErrorCode::from_u16(11).is_err());
+}
+
+/// A code newer than the client's protocol version is sent as the code that version knows.
+#[test]
+fn owned_elsewhere_is_failed_precondition_for_version_2() {
+    assert_eq!(
+        ErrorCode::OwnedElsewhere.for_version(3, "node-b"),
+        (ErrorCode::OwnedElsewhere, "node-b".to_string())
+    );
+    assert_eq!(
+        ErrorCode::OwnedElsewhere.for_version(2, "node-b"),
+        (
+            ErrorCode::FailedPrecondition,
+            "the session is owned by node node-b".to_string()
+        )
+    );
+    for code in ErrorCode::ALL {
+        if code != ErrorCode::OwnedElsewhere {
+            assert_eq!(code.for_version(2, "m"), (code, "m".to_string()));
+        }
+    }
 }
 
 #[test]

@@ -75,10 +75,10 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         1,
         Request::Hello(HelloRequest {
             min_version: 2,
-            max_version: 2,
+            max_version: 3,
             client_name: "kvtier-golden".into(),
         }),
-        "HELLO request, id 1: min_version 2, max_version 2, client_name \"kvtier-golden\"",
+        "HELLO request, id 1: min_version 2, max_version 3, client_name \"kvtier-golden\"",
     );
     req(
         "create_session_request",
@@ -251,12 +251,12 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         "hello_reply",
         1,
         Response::Hello(HelloReply {
-            version: 2,
+            version: 3,
             max_frame_bytes: 16 << 20,
             server_name: "tierd".into(),
             server_version: "0.1.0".into(),
         }),
-        "HELLO reply, id 1: version 2, max_frame_bytes 16777216, server \"tierd\" \"0.1.0\"",
+        "HELLO reply, id 1: version 3, max_frame_bytes 16777216, server \"tierd\" \"0.1.0\"",
     );
     resp(
         "create_session_reply",
@@ -334,6 +334,12 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         9,
         Response::Error(ErrorReply::new(ErrorCode::NotFound, "session 42 not found")),
         "error reply, id 9: NOT_FOUND \"session 42 not found\"",
+    );
+    resp(
+        "owned_elsewhere_reply",
+        25,
+        Response::Error(ErrorReply::new(ErrorCode::OwnedElsewhere, "node-b")),
+        "error reply, id 25: OWNED_ELSEWHERE \"node-b\" (protocol version 3: the owner's name)",
     );
     resp(
         "close_session_reply",
@@ -515,7 +521,7 @@ fn hello_request_bytes_by_hand() {
     want.extend_from_slice(&21u32.to_le_bytes()); // 2 + 2 + 4 + 13
     want.extend_from_slice(&1u64.to_le_bytes());
     want.extend_from_slice(&[0x01, 0x00, 0x00, 0x00, 0, 0, 0, 0]);
-    want.extend_from_slice(&[2, 0, 2, 0, 13, 0, 0, 0]);
+    want.extend_from_slice(&[2, 0, 3, 0, 13, 0, 0, 0]);
     want.extend_from_slice(b"kvtier-golden");
     assert_eq!(frame, want);
 }

@@ -406,6 +406,14 @@ fn session_offload_moves_a_session_to_another_node() {
     assert_eq!(v["tokens_max"], 40, "{v}");
     let v = json(&ctl(&b, &["--json", "stats"]));
     assert_eq!(v["stats"]["remote_resumes_total"], 1, "{v}");
+    // A is told where it is now.
+    let e = err(&ctl(&a, &["session", "offload", &ids]), 6);
+    assert!(
+        e.contains(&format!(
+            "session {id} is owned by node node-b (OWNED_ELSEWHERE)"
+        )),
+        "{e}"
+    );
     let v = json(&ctl(&b, &["--json", "session", "offload", &ids]));
     assert_eq!(v["action"], "offloaded");
     assert_eq!(v["blocks"], 0, "nothing new to write: {v}");

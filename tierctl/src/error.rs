@@ -67,6 +67,9 @@ pub enum CtlError {
 fn server_message(code: ErrorCode, message: &str, session: Option<u64>, op: &str) -> String {
     match (code, session) {
         (ErrorCode::NotFound, Some(id)) => format!("session {id} not found ({code}: {message})"),
+        (ErrorCode::OwnedElsewhere, Some(id)) => {
+            format!("session {id} is owned by node {message} ({code})")
+        }
         (ErrorCode::PermissionDenied, _) if op == "EVICT" => {
             format!("permission denied: EVICT needs an admin peer ({code}: {message})")
         }

@@ -136,7 +136,7 @@ class Client:
         self._next_id = 1
         self.server = HelloReply(0, HELLO_REPLY_MAX, "", "")
         reply = self._call(Op.HELLO, p.encode_hello(client_name))
-        if reply.version != p.PROTOCOL_VERSION:
+        if not p.MIN_PROTOCOL_VERSION <= reply.version <= p.PROTOCOL_VERSION:
             raise ProtocolError(f"server chose protocol version {reply.version}")
         self.server = reply
 

@@ -16,13 +16,14 @@ import numpy as np
 MAGIC = 0x3154564B  # b"KVT1" little-endian
 HEADER = struct.Struct("<IIQHHI")
 HEADER_LEN = HEADER.size  # 24
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # the newest this package speaks
+MIN_PROTOCOL_VERSION = 2  # version 3 less the error code OWNED_ELSEWHERE
 REPLY_BIT = 0x8000
 ERROR_OPCODE = 0xFFFF
 FLAG_APPEND_SHM = 0x0001
 DECODE_WANT_STATS = 0x1
 #: Opcodes reserved for future tier operations; servers answer them with UNIMPLEMENTED.
-RESERVED_TIER_OPCODES = range(0x0018, 0x0020)
+RESERVED_TIER_OPCODES = range(0x0019, 0x0020)
 
 
 class Op(IntEnum):
@@ -60,6 +61,7 @@ class ErrorCode(IntEnum):
     INTERNAL = 7
     UNIMPLEMENTED = 8
     DATA_LOSS = 9
+    OWNED_ELSEWHERE = 10  # another node of the remote tier owns the session; the message names it
 
 
 class Dtype(IntEnum):
@@ -407,7 +409,8 @@ def pack_append_payload(k, v) -> bytes:
     return kv_bytes(np.stack([k, v], axis=1), "append payload")
 
 
-def encode_hello(client_name: str, min_version: int = PROTOCOL_VERSION, max_version: int = PROTOCOL_VERSION) -> bytes:
+def encode_hello(client_name: str, min_version: int = MIN_PROTOCOL_VERSION,
+                 max_version: int = PROTOCOL_VERSION) -> bytes:
     return bytes(_Writer().u16(min_version).u16(max_version).str(client_name).buf)
 
 

@@ -8,7 +8,7 @@ from kvtier import protocol as p
 from golden import GEOMETRY, PAYLOAD, POLICY, decode_entries, load, session_info, split
 
 REQUESTS = {
-    "hello_request": lambda: p.frame(p.Op.HELLO, 0, 1, p.encode_hello("kvtier-golden", 2, 2)),
+    "hello_request": lambda: p.frame(p.Op.HELLO, 0, 1, p.encode_hello("kvtier-golden", 2, 3)),
     "create_session_request": lambda: p.frame(
         p.Op.CREATE_SESSION, 0, 2, p.encode_create_session(GEOMETRY, POLICY, "golden")),
     "append_kv_inline_request": lambda: p.frame(
@@ -53,6 +53,7 @@ def test_simple_replies():
     assert reply("close_session_reply") == (10, None)
     assert reply("stats_reply") == (8, {"uptime_ms": 1234, "sessions": 2})
     assert reply("error_reply") == (9, p.ErrorReply(p.ErrorCode.NOT_FOUND, "session 42 not found"))
+    assert reply("owned_elsewhere_reply") == (25, p.ErrorReply(p.ErrorCode.OWNED_ELSEWHERE, "node-b"))
 
 
 def test_tier_and_lease_replies():
@@ -107,7 +108,8 @@ def test_bad_headers(cut):
 
 
 def test_truncated_and_trailing_replies_rejected():
-    for name in ["hello_reply", "decode_reply", "list_sessions_reply", "stats_reply", "error_reply"]:
+    for name in ["hello_reply", "decode_reply", "list_sessions_reply", "stats_reply", "error_reply",
+                 "owned_elsewhere_reply"]:
         _, opcode, flags, body = split(load(name))
         for cut in range(len(body)):
             with pytest.raises(p.ProtocolError):

@@ -14,7 +14,7 @@ use tokio::net::UnixStream;
 use tokio::sync::watch;
 
 use kvtier_protocol::fdpass::{recv_with_fds, send_with_fd};
-use kvtier_protocol::{Header, Opcode, HEADER_LEN};
+use kvtier_protocol::{Header, Opcode, HEADER_LEN, MIN_PROTOCOL_VERSION};
 
 use super::execute::{Class, Outcome};
 use super::reply::{decode_request, error_frame, reply_frame};
@@ -28,7 +28,8 @@ pub(super) struct Connection {
     pub(super) peer: Peer,
     pub(super) shared: Arc<Shared>,
     pub(super) stop: watch::Receiver<bool>,
-    pub(super) hello: bool,
+    /// The protocol version HELLO chose; none before HELLO.
+    pub(super) version: Option<u16>,
     /// Sessions this connection holds a LEASE on; released when it closes (see `Drop`).
     pub(super) leases: HashSet<u64>,
     /// Names this connection's in-place appends (RESERVE), which need its lease.
@@ -88,7 +89,7 @@ impl Connection {
             }
             fds.clear();
             let settings = &self.shared.settings;
-            let deadline = if self.hello {
+            let deadline = if self.version.is_some() {
                 settings.idle_timeout.map(|d| last_done + d)
             } else {
                 settings.handshake_timeout.map(|d| opened + d)
@@ -113,7 +114,8 @@ impl Connection {
                     let e = ServiceError::from(e);
                     self.shared.service.record_rejection(Rejection::Malformed);
                     self.shared.service.record_error(e.code);
-                    let _ = self.stream.write_all(&error_frame(0, &e)).await;
+                    let version = self.version.unwrap_or(MIN_PROTOCOL_VERSION);
+                    let _ = self.stream.write_all(&error_frame(0, &e, version)).await;
                     break;
                 }
             };
@@ -151,7 +153,8 @@ impl Connection {
         let service = self.shared.service.clone();
         let max = self.shared.settings.max_frame_bytes;
         let rid = header.request_id;
-        let refused = |e| (reply_frame(rid, Err(e), max, &service), false);
+        let version = self.version.unwrap_or(MIN_PROTOCOL_VERSION);
+        let refused = |e| (reply_frame(rid, Err(e), max, version, &service), false);
         let opcode = Opcode::from_u16(header.opcode).ok();
         let shm = opcode == Some(Opcode::AppendKv)
             && header.flags & kvtier_protocol::FLAG_APPEND_SHM != 0;
@@ -170,7 +173,7 @@ impl Connection {
                 )));
             }
         };
-        if !self.hello && opcode != Some(Opcode::Hello) {
+        if self.version.is_none() && opcode != Some(Opcode::Hello) {
             return refused(ServiceError::precondition(
                 "the first request on a connection must be HELLO",
             ));
@@ -224,7 +227,11 @@ impl Connection {
             Ok(Outcome::Reply(resp)) => Ok(resp),
             Err(e) => Err(e),
         };
-        (reply_frame(header.request_id, result, max, service), false)
+        let version = self.version.unwrap_or(MIN_PROTOCOL_VERSION);
+        (
+            reply_frame(header.request_id, result, max, version, service),
+            false,
+        )
     }
 }
 

@@ -3,7 +3,9 @@
 
 use std::os::fd::{AsRawFd, OwnedFd};
 
-use kvtier_protocol::{AppendData, HelloReply, Opcode, Request, Response, PROTOCOL_VERSION};
+use kvtier_protocol::{
+    AppendData, HelloReply, Opcode, Request, Response, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+};
 
 use super::connection::Connection;
 use super::reply::encode_reply;
@@ -67,21 +69,23 @@ impl Connection {
         let peer = &self.peer;
         let reply = match req {
             Request::Hello(h) => {
-                if self.hello {
+                if self.version.is_some() {
                     return Err(ServiceError::precondition(
                         "HELLO was already sent on this connection",
                     ));
                 }
-                if !(h.min_version..=h.max_version).contains(&PROTOCOL_VERSION) {
+                // The newest version both speak.
+                let version = h.max_version.min(PROTOCOL_VERSION);
+                if version < h.min_version.max(MIN_PROTOCOL_VERSION) {
                     return Err(ServiceError::precondition(format!(
-                        "no common protocol version: client speaks {}..={}, server {PROTOCOL_VERSION}",
+                        "no common protocol version: client speaks {}..={}, server {MIN_PROTOCOL_VERSION}..={PROTOCOL_VERSION}",
                         h.min_version, h.max_version
                     )));
                 }
-                self.hello = true;
+                self.version = Some(version);
                 tracing::debug!(client = %h.client_name, uid = peer.uid, "hello");
                 Response::Hello(HelloReply {
-                    version: PROTOCOL_VERSION,
+                    version,
                     max_frame_bytes: self.shared.settings.max_frame_bytes,
                     server_name: "tierd".into(),
                     server_version: env!("CARGO_PKG_VERSION").into(),

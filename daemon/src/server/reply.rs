@@ -6,9 +6,12 @@ use crate::error::{ServiceError, ServiceResult};
 use crate::metrics::Rejection;
 use crate::service::Service;
 
-pub(super) fn error_frame(request_id: u64, e: &ServiceError) -> Vec<u8> {
+/// An error's frame for a client that chose protocol `version` (a code newer than it is sent
+/// as the code it knows: [`ErrorCode::for_version`]).
+pub(super) fn error_frame(request_id: u64, e: &ServiceError, version: u16) -> Vec<u8> {
     let mut buf = Vec::new();
-    Response::Error(ErrorReply::new(e.code, e.message.clone()))
+    let (code, message) = e.code.for_version(version, &e.message);
+    Response::Error(ErrorReply::new(code, message))
         .encode_frame(request_id, &mut buf)
         .expect("error replies always encode");
     buf
@@ -19,11 +22,12 @@ pub(super) fn reply_frame(
     request_id: u64,
     result: ServiceResult<Response>,
     max: u32,
+    version: u16,
     service: &Service,
 ) -> Vec<u8> {
     result
         .and_then(|resp| encode_reply(request_id, &resp, max))
-        .unwrap_or_else(|e| error_reply(request_id, e, service))
+        .unwrap_or_else(|e| error_reply(request_id, e, version, service))
 }
 
 /// A reply's frame; RESOURCE_EXHAUSTED when its body exceeds `max`.
@@ -41,12 +45,17 @@ pub(super) fn encode_reply(request_id: u64, resp: &Response, max: u32) -> Servic
 }
 
 /// An error's frame, counted in the metrics.
-pub(super) fn error_reply(request_id: u64, e: ServiceError, service: &Service) -> Vec<u8> {
+pub(super) fn error_reply(
+    request_id: u64,
+    e: ServiceError,
+    version: u16,
+    service: &Service,
+) -> Vec<u8> {
     if e.code == ErrorCode::PermissionDenied {
         service.record_rejection(Rejection::Permission);
     }
     service.record_error(e.code);
-    error_frame(request_id, &e)
+    error_frame(request_id, &e, version)
 }
 
 /// Decodes a request body; a malformed one is a rejection (protocol.md §5.7).

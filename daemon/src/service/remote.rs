@@ -79,7 +79,14 @@ const BATCH_RUNS: usize = 128;
 
 pub(super) fn remote_error(e: RemoteError) -> ServiceError {
     let code = match &e {
-        RemoteError::Owned { .. } | RemoteError::Fenced { .. } => ErrorCode::FailedPrecondition,
+        // The owner's name alone, for a client to go there (protocol.md §3).
+        RemoteError::Owned { owner, .. } => {
+            return ServiceError::new(ErrorCode::OwnedElsewhere, owner.clone())
+        }
+        RemoteError::Fenced {
+            holder: Some(h), ..
+        } => return ServiceError::new(ErrorCode::OwnedElsewhere, h.clone()),
+        RemoteError::Fenced { .. } => ErrorCode::FailedPrecondition,
         RemoteError::Unavailable(_)
         | RemoteError::ClaimExpired { .. }
         | RemoteError::NotReplicated { .. } => ErrorCode::Unavailable,

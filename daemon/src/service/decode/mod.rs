@@ -174,10 +174,7 @@ impl Service {
             if let Some(gpu) = &self.gpu {
                 let _ = gpu.invalidate(s.id);
             }
-            return Err(ServiceError::new(
-                e.code,
-                format!("append rolled back, {why}: {}", e.message),
-            ));
+            return Err(e.context(format_args!("append rolled back, {why}")));
         }
         let tokens = st.kv.min_tokens();
         self.counters
@@ -227,9 +224,9 @@ impl Service {
         }
         let mut sessions = Vec::with_capacity(entries.len());
         for (i, e) in entries.iter().enumerate() {
-            let s = self.lookup_live(peer, e.session).map_err(|err| {
-                ServiceError::new(err.code, format!("batch entry {i}: {}", err.message))
-            })?;
+            let s = self
+                .lookup_live(peer, e.session)
+                .map_err(|err| err.context(format_args!("batch entry {i}")))?;
             s.used_now();
             sessions.push(s);
         }
@@ -446,10 +443,7 @@ impl Service {
                     let _ = gpu.invalidate(s.id);
                 }
             }
-            return Err(ServiceError::new(
-                e.code,
-                format!("decode rolled back, not in the remote tier: {}", e.message),
-            ));
+            return Err(e.context("decode rolled back, not in the remote tier"));
         }
         self.offer_prefetch(&layers, &guards, &sessions, &queries);
         drop(guards);
