@@ -91,6 +91,8 @@ impl KeepSet {
 pub struct SelectScratch {
     scores: Vec<f32>,
     order: Vec<u32>,
+    /// Sketch selector: the first stage's units, before they become candidate blocks.
+    units: Vec<u32>,
     /// Sketch selector: the kv head's quantized query group.
     query: QuerySketch,
 }
@@ -379,6 +381,7 @@ pub fn select_head(
             let SelectScratch {
                 scores,
                 order,
+                units,
                 query,
             } = scratch;
             let sketch = |b: usize| {
@@ -410,9 +413,9 @@ pub fn select_head(
                     scores.clear();
                     scores.extend((u0..u1).map(unit));
                 }
-                order.extend(0..(u1 - u0) as u32);
-                top_k_in_place(scores, order, want);
-                let units = std::mem::take(order);
+                units.clear();
+                units.extend(0..(u1 - u0) as u32);
+                top_k_in_place(scores, units, want);
                 order.extend(
                     units
                         .iter()

@@ -73,6 +73,11 @@ async fn write_with_fd(stream: &UnixStream, frame: &[u8], fd: BorrowedFd<'_>) ->
 }
 
 impl Connection {
+    /// The protocol version replies are encoded for: HELLO's choice, the oldest before it.
+    fn reply_version(&self) -> u16 {
+        self.version.unwrap_or(MIN_PROTOCOL_VERSION)
+    }
+
     pub(super) async fn serve(mut self) {
         let max = self.shared.settings.max_frame_bytes;
         let mut head = [0u8; HEADER_LEN];
@@ -114,8 +119,10 @@ impl Connection {
                     let e = ServiceError::from(e);
                     self.shared.service.record_rejection(Rejection::Malformed);
                     self.shared.service.record_error(e.code);
-                    let version = self.version.unwrap_or(MIN_PROTOCOL_VERSION);
-                    let _ = self.stream.write_all(&error_frame(0, &e, version)).await;
+                    let _ = self
+                        .stream
+                        .write_all(&error_frame(0, &e, self.reply_version()))
+                        .await;
                     break;
                 }
             };
@@ -153,7 +160,7 @@ impl Connection {
         let service = self.shared.service.clone();
         let max = self.shared.settings.max_frame_bytes;
         let rid = header.request_id;
-        let version = self.version.unwrap_or(MIN_PROTOCOL_VERSION);
+        let version = self.reply_version();
         let refused = |e| (reply_frame(rid, Err(e), max, version, &service), false);
         let opcode = Opcode::from_u16(header.opcode).ok();
         let shm = opcode == Some(Opcode::AppendKv)
@@ -227,7 +234,7 @@ impl Connection {
             Ok(Outcome::Reply(resp)) => Ok(resp),
             Err(e) => Err(e),
         };
-        let version = self.version.unwrap_or(MIN_PROTOCOL_VERSION);
+        let version = self.reply_version();
         (
             reply_frame(header.request_id, result, max, version, service),
             false,
