@@ -91,7 +91,8 @@ impl KeepSet {
 pub struct SelectScratch {
     scores: Vec<f32>,
     order: Vec<u32>,
-    /// Sketch selector: the first stage's units, before they become candidate blocks.
+    /// Sketch selector: the first stage's units, before they become candidate blocks; then
+    /// the candidates while the second stage ranks them.
     units: Vec<u32>,
     /// Sketch selector: the kv head's quantized query group.
     query: QuerySketch,
@@ -437,7 +438,10 @@ pub fn select_head(
                 scores.clear();
                 scores.extend(order.iter().map(rank));
             }
-            let cands = std::mem::take(order);
+            // The candidates move to `units` (free now), `order` ranks their positions.
+            std::mem::swap(order, units);
+            let cands = &*units;
+            order.clear();
             order.extend(0..cands.len() as u32);
             top_k_in_place(scores, order, k);
             for j in order.iter_mut() {
