@@ -218,6 +218,24 @@ fn remote_tick_every(
         .map_err(|e| format!("starting the remote tier's thread: {e}"))
 }
 
+/// Streams resumed sessions' blocks in from the cluster ([`tierd::Service::stream_arrivals`]),
+/// on a thread of its own, until the service is dropped; idle, it looks again every 50 ms.
+fn stream_arrivals(service: std::sync::Weak<tierd::Service>) -> Result<(), String> {
+    std::thread::Builder::new()
+        .name("tierd-arrivals".into())
+        .spawn(move || loop {
+            let moved = match service.upgrade() {
+                Some(s) => s.stream_arrivals(),
+                None => break,
+            };
+            if moved == 0 {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+        .map(|_| ())
+        .map_err(|e| format!("starting the remote tier's streaming thread: {e}"))
+}
+
 fn serve(cfg: Config) -> Result<(), String> {
     tierd::preflight::check(&cfg).map_err(|e| e.to_string())?;
     let notifier = Notifier::from_env()
@@ -283,6 +301,7 @@ fn serve(cfg: Config) -> Result<(), String> {
             Arc::downgrade(&service),
             Duration::from_millis(cfg.remote.claim_ttl_ms / 3),
         )?;
+        stream_arrivals(Arc::downgrade(&service))?;
     }
     let usage = service.arena().usage();
     tracing::info!(

@@ -44,6 +44,115 @@ fn until_not<T: std::fmt::Debug>(
     }
 }
 
+/// A session with the tokens of `sh` (a twin of it) on node `c`, written to the cluster and
+/// dropped there; its shadow.
+fn offloaded_twin(c: &mut Client, sh: &Shadow, n: u32, seed: u64) -> (u64, Shadow) {
+    let id = c
+        .create_session(small_geometry(), policy(), "moved")
+        .unwrap();
+    let payload = Shadow::new(small_geometry(), seed).payload(n as usize);
+    c.append_kv(id, 0, n, &payload).unwrap();
+    assert_eq!(
+        c.offload(id).unwrap(),
+        2 * 10,
+        "every block of both layers written"
+    );
+    (id, sh.clone())
+}
+
+/// Blocks read from the cluster on node `c` so far: (on demand, streamed, bytes).
+fn arrived(c: &mut Client) -> (u64, u64, u64) {
+    let s = c.stats().unwrap();
+    let get = |k: &str| s.get(k).unwrap_or_else(|| panic!("STATS has no {k}"));
+    (
+        get("remote_blocks_fetched_total"),
+        get("remote_blocks_streamed_total"),
+        get("remote_read_bytes_total"),
+    )
+}
+
+/// A session resumes from its block summaries: its first step runs with only the blocks it
+/// keeps read from the cluster, outputs bit-identical to a twin that never moved (and to the
+/// dense oracle); the rest is read when a step keeps it, or streams in behind.
+#[test]
+fn a_session_resumes_from_its_summaries_before_its_blocks_arrive() {
+    let Some(cluster) = RedisCluster::start(3, 1) else {
+        return;
+    };
+    let g = small_geometry();
+    let (bb, sb) = (
+        g.block_bytes() as u64,
+        kvtier_storage::summary_bytes(&g, true) as u64,
+    );
+    // B streams nothing (its host tier counts as past a low-water mark of 0.1%): every block
+    // it reads from the cluster is one a step kept. C streams.
+    let a = node(&cluster, "node-a", &[]);
+    let b = node(&cluster, "node-b", &["nvme.low_water=0.001"]);
+    let c = node(&cluster, "node-c", &[]);
+    let (mut ca, mut cb, mut cc) = (a.client(), b.client(), c.client());
+    let (stay, mut sh) = open(&mut ca, "stay", 150, 7);
+    let (moved, mut sh_moved) = offloaded_twin(&mut ca, &sh, 150, 7);
+
+    // B's first step of layer 0: the summaries of all 20 blocks, the runs of its keep-set.
+    let out_a = sh.decode(&mut ca, stay, 0);
+    let out_b = sh_moved.decode(&mut cb, moved, 0);
+    assert_eq!(out_a.out, out_b.out);
+    let mut kept: Vec<u32> = out_b.stats.unwrap().selected.concat();
+    kept.sort_unstable();
+    kept.dedup();
+    let kept = kept.len() as u64;
+    let (fetched, streamed, bytes) = arrived(&mut cb);
+    assert!(
+        fetched > 0 && fetched < 10,
+        "{fetched} of layer 0's 10 blocks read on demand"
+    );
+    assert!(
+        fetched <= kept,
+        "only kept blocks are read ({fetched} read, {kept} kept)"
+    );
+    assert_eq!(streamed, 0);
+    assert_eq!(
+        bytes,
+        20 * sb + fetched * bb,
+        "summaries, then the kept runs"
+    );
+    for step in 0..3 {
+        for layer in (step == 0) as usize..2 {
+            let out_a = sh.decode(&mut ca, stay, layer);
+            let out_b = sh_moved.decode(&mut cb, moved, layer);
+            assert_eq!(out_a.out, out_b.out, "step {step} layer {layer}");
+        }
+    }
+    // PROMOTE reads the rest: each block once.
+    cb.promote(moved).unwrap();
+    let (fetched, streamed, bytes) = arrived(&mut cb);
+    assert_eq!((fetched, streamed, bytes), (20, 0, 20 * sb + 20 * bb));
+
+    // On to C (B's new tokens written first): its first step is served at once, and the
+    // blocks no step kept stream in behind.
+    assert_eq!(
+        cb.offload(moved).unwrap(),
+        2,
+        "the tail block of each layer"
+    );
+    let out_a = sh.decode(&mut ca, stay, 0);
+    let out_c = sh_moved.decode(&mut cc, moved, 0);
+    assert_eq!(out_a.out, out_c.out);
+    let t = Instant::now();
+    while arrived(&mut cc).0 + arrived(&mut cc).1 < 20 && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (fetched, streamed, bytes) = arrived(&mut cc);
+    assert_eq!(fetched + streamed, 20, "every block arrived once");
+    assert_eq!(bytes, 20 * sb + 20 * bb);
+    for layer in 1..2 {
+        let out_a = sh.decode(&mut ca, stay, layer);
+        let out_c = sh_moved.decode(&mut cc, moved, layer);
+        assert_eq!(out_a.out, out_c.out, "layer {layer}");
+    }
+    assert_eq!(cc.session_info(moved).unwrap().tokens_max, 154);
+}
+
 /// The session's stored tokens as node `c` sees it after a PROMOTE (which resumes it there if
 /// the node does not hold it).
 fn tokens_on(c: &mut Client, id: u64) -> u64 {
@@ -58,10 +167,14 @@ fn a_session_built_on_one_node_decodes_on_another_with_identical_outputs() {
     };
     let a = node(&cluster, "node-a", &[]);
     let port = free_port();
+    // B reads every page before serving (the resume from summaries: the next test).
     let b = node(
         &cluster,
         "node-b",
-        &[&format!("metrics.listen=\"127.0.0.1:{port}\"")],
+        &[
+            &format!("metrics.listen=\"127.0.0.1:{port}\""),
+            "remote.resume_from_summaries=false",
+        ],
     );
     let (mut ca, mut cb) = (a.client(), b.client());
 
@@ -293,22 +406,28 @@ fn a_damaged_page_fails_the_resume_with_data_loss_and_leaves_the_session_unclaim
     let Some(cluster) = RedisCluster::start(3, 1) else {
         return;
     };
-    let (a, b) = two_nodes(&cluster, &[]);
-    let (mut ca, mut cb) = (a.client(), b.client());
+    // A and B read every page before serving; C resumes from summaries.
+    let a = node(&cluster, "node-a", &["remote.resume_from_summaries=false"]);
+    let b = node(&cluster, "node-b", &["remote.resume_from_summaries=false"]);
+    let c = node(&cluster, "node-c", &[]);
+    let (mut ca, mut cb, mut cc) = (a.client(), b.client(), c.client());
     let (id, _) = open(&mut ca, "damaged", 600, 6);
     ca.offload(id).unwrap();
-
-    // One byte of one page (layer 1, block 30: late in the pull) changed in the cluster.
-    let pattern = format!("kvtier:page:{id}:1:30:*");
-    let (port, key) = cluster
-        .masters()
-        .into_iter()
-        .find_map(|p| {
-            let keys = cluster.cli(p, &["--scan", "--pattern", &pattern]).ok()?;
-            Some((p, keys.lines().next()?.to_string()))
-        })
-        .expect("the page's key");
-    cluster.cli(port, &["setrange", &key, "200", "X"]).unwrap();
+    // One byte of a key (`what`: page or sum) of layer 1, block `block` changed in the cluster.
+    let damage = |what: &str, block: u32| {
+        let pattern = format!("kvtier:{what}:{id}:1:{block}:*");
+        let (port, key) = cluster
+            .masters()
+            .into_iter()
+            .find_map(|p| {
+                let keys = cluster.cli(p, &["--scan", "--pattern", &pattern]).ok()?;
+                Some((p, keys.lines().next()?.to_string()))
+            })
+            .expect("the key");
+        cluster.cli(port, &["setrange", &key, "200", "X"]).unwrap();
+    };
+    // The page of layer 1, block 30: late in the pull.
+    damage("page", 30);
 
     let (code, message) = server_error(cb.promote(id));
     assert_eq!(code, ErrorCode::DataLoss, "{message}");
@@ -321,6 +440,22 @@ fn a_damaged_page_fails_the_resume_with_data_loss_and_leaves_the_session_unclaim
     );
     // The claim was given up: the other node gets the same answer, not "owned by".
     assert_eq!(code_of(ca.promote(id)), ErrorCode::DataLoss);
+
+    // From summaries, the session is served; the damaged block answers DATA_LOSS when it is
+    // read (here by PROMOTE), never wrong data, and the rest stays readable.
+    let (code, message) = server_error(cc.promote(id));
+    assert_eq!(code, ErrorCode::DataLoss, "{message}");
+    assert!(message.contains("layer 1 block 30"), "{message}");
+    assert_eq!(cc.list_sessions().unwrap().len(), 1);
+    assert_eq!(cc.session_info(id).unwrap().tokens_max, 600);
+    // A damaged summary fails the resume itself, and leaves the session unclaimed.
+    assert_eq!(cc.offload(id).unwrap(), 0, "nothing new to write");
+    damage("sum", 2);
+    let (code, message) = server_error(cc.promote(id));
+    assert_eq!(code, ErrorCode::DataLoss, "{message}");
+    assert!(message.contains("layer 1 block 2"), "{message}");
+    assert_eq!(cc.stats().unwrap().get("remote_claims"), Some(0));
+    assert_eq!(cc.list_sessions().unwrap().len(), 0);
 }
 
 #[test]

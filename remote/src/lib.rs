@@ -11,8 +11,12 @@
 //!   cluster is verified exactly as one read from a disk. Each write of a session takes a new
 //!   generation; a page's key names it, so a stale or half-written page can never pass for
 //!   the one the record names.
+//! - **Summaries**: beside each page, the block's summary (its key bounds and sketches,
+//!   `KvCache::block_summary`, about 1.6% of a page, 15% with sketches) in the same checksummed
+//!   format: what a node needs to select over a session before its pages arrive.
 //! - **The record**: the session's manifest record (geometry, policy, tokens per layer, owner,
-//!   label) and, for every (layer, block), the generation, checksum and length of its page.
+//!   label) and, for every (layer, block), the generation, checksum and length of its page
+//!   and of its summary.
 //!   A write is committed when its record is.
 //! - **The claim**: which node owns the session now, with a fencing token (a *claim*, since
 //!   in tierd a LEASE is an engine's hold on a session's host extents).
@@ -43,7 +47,7 @@
 //! With prefix `P` (`remote.key_prefix`), a session `ID` has `{P:ID}:claim`, `{P:ID}:fence`,
 //! `{P:ID}:gen`, `{P:ID}:pending` and `{P:ID}:record`, all in one hash slot (the hash tag), so
 //! each claim-checked step is one atomic script; its pages are `P:page:ID:LAYER:BLOCK:GEN`,
-//! spread over every slot. `P:sessions` lists the session ids stored.
+//! spread over every slot, each beside its summary `P:sum:ID:LAYER:BLOCK:GEN`. `P:sessions` lists the session ids stored.
 
 mod cluster;
 mod error;
@@ -56,7 +60,6 @@ pub use record::{RemotePage, RemoteRecord};
 use std::time::Instant;
 
 use kvtier_storage::nvme::manifest::SessionRecord;
-use kvtier_storage::nvme::BlockRun;
 
 /// A node's ownership of one session, as [`RemoteStore::claim`] granted it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,6 +79,17 @@ impl Claim {
     pub fn is_valid(&self) -> bool {
         Instant::now() < self.valid_until
     }
+}
+
+/// One (layer, block) run to store: its payload (the block run) and its summary
+/// (`KvCache::block_summary`: what selection reads of the block, so that a node can decode
+/// a session before its runs arrive).
+#[derive(Debug, Clone, Copy)]
+pub struct RemoteRun<'a> {
+    pub layer: u32,
+    pub block: u32,
+    pub bytes: &'a [u8],
+    pub summary: &'a [u8],
 }
 
 /// A write begun by [`RemoteStore::begin`], committed by [`RemoteStore::commit`].
@@ -116,7 +130,7 @@ pub trait RemoteStore: Send + Sync {
 
     /// Stores some of a begun write's runs (each once, in as many calls as the caller likes:
     /// a session too large for memory is written batch by batch).
-    fn write(&self, w: &mut Write, runs: &[BlockRun<'_>]) -> Result<()>;
+    fn write(&self, w: &mut Write, runs: &[RemoteRun<'_>]) -> Result<()>;
 
     /// Commits a write whose every run is stored: the record names them from now on. Returns
     /// the write's generation; when it returns `Ok`, the runs and record are in the store (on
@@ -129,7 +143,7 @@ pub trait RemoteStore: Send + Sync {
         &self,
         claim: &Claim,
         meta: &SessionRecord,
-        runs: &[BlockRun<'_>],
+        runs: &[RemoteRun<'_>],
     ) -> Result<u64> {
         let listed: Vec<(u32, u32)> = runs.iter().map(|r| (r.layer, r.block)).collect();
         let mut w = self.begin(claim, meta, &listed)?;
@@ -144,6 +158,11 @@ pub trait RemoteStore: Send + Sync {
     /// order, each verified against the record. A run the record does not name, a missing
     /// page and a corrupt one are errors ([`RemoteError::is_data_loss`]).
     fn read_runs(&self, record: &RemoteRecord, wanted: &[(u32, u32)]) -> Result<Vec<Vec<u8>>>;
+
+    /// The summaries of `wanted` (layer, block) runs, as [`RemoteStore::read_runs`] reads
+    /// their payloads. A record written before summaries were stored has none
+    /// ([`RemoteRecord::has_summaries`]): asking is [`RemoteError::NoSuchRun`].
+    fn read_summaries(&self, record: &RemoteRecord, wanted: &[(u32, u32)]) -> Result<Vec<Vec<u8>>>;
 
     /// Removes the session's record and pages under the claim (the claim stays until
     /// given up).

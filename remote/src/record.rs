@@ -8,7 +8,9 @@ use rkyv::rancor;
 use crate::{RemoteError, Result};
 
 const MAGIC: u32 = u32::from_le_bytes(*b"KVTR");
-const VERSION: u16 = 1;
+/// Version 2 added the summaries' checksums and lengths; version 1 records are still read
+/// (their pages have no summary).
+const VERSION: u16 = 2;
 const HEADER: usize = 16;
 
 /// Where one (layer, block) run of a session is in the remote store and what it must verify
@@ -20,6 +22,27 @@ pub struct RemotePage {
     pub generation: u64,
     pub crc: u32,
     pub payload_len: u32,
+    /// The checksum and length of the block's summary (0 and 0: none stored, a version 1
+    /// record's page).
+    pub summary_crc: u32,
+    pub summary_len: u32,
+}
+
+/// A version 1 page: no summary.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+struct PageV1 {
+    layer: u32,
+    block: u32,
+    generation: u64,
+    crc: u32,
+    payload_len: u32,
+}
+
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+struct RecordV1 {
+    session: SessionRecord,
+    pages: Vec<PageV1>,
+    generation: u64,
 }
 
 /// A session as the remote store holds it: its manifest record (whose `pages`, the NVMe
@@ -43,6 +66,12 @@ impl RemoteRecord {
             .binary_search_by_key(&(layer, block), |p| (p.layer, p.block))
             .ok()
             .map(|i| &self.pages[i])
+    }
+
+    /// Whether every page has its summary stored (a session written by a node that stored
+    /// none resumes by reading its pages whole).
+    pub fn has_summaries(&self) -> bool {
+        self.pages.iter().all(|p| p.summary_len > 0)
     }
 
     /// The bytes the store keeps.
@@ -87,16 +116,41 @@ impl RemoteRecord {
         if stored != computed {
             return Err(bad(format!("checksum {stored:#x}, computed {computed:#x}")));
         }
-        if version != VERSION {
-            return Err(bad(format!(
-                "version {version}, this build reads {VERSION}"
-            )));
-        }
         // rkyv's validated access wants its bytes aligned: copy into an aligned buffer.
         let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(body.len());
         aligned.extend_from_slice(body);
-        let rec = rkyv::from_bytes::<RemoteRecord, rancor::Error>(&aligned)
-            .map_err(|e| bad(format!("does not decode: {e}")))?;
+        let undecodable = |e: rancor::Error| bad(format!("does not decode: {e}"));
+        let rec = match version {
+            VERSION => {
+                rkyv::from_bytes::<RemoteRecord, rancor::Error>(&aligned).map_err(undecodable)?
+            }
+            1 => {
+                let v1 =
+                    rkyv::from_bytes::<RecordV1, rancor::Error>(&aligned).map_err(undecodable)?;
+                RemoteRecord {
+                    session: v1.session,
+                    pages: v1
+                        .pages
+                        .into_iter()
+                        .map(|p| RemotePage {
+                            layer: p.layer,
+                            block: p.block,
+                            generation: p.generation,
+                            crc: p.crc,
+                            payload_len: p.payload_len,
+                            summary_crc: 0,
+                            summary_len: 0,
+                        })
+                        .collect(),
+                    generation: v1.generation,
+                }
+            }
+            _ => {
+                return Err(bad(format!(
+                    "version {version}, this build reads 1 and {VERSION}"
+                )))
+            }
+        };
         if rec.session.id != id {
             return Err(bad(format!("names session {}", rec.session.id)));
         }
@@ -144,6 +198,8 @@ mod tests {
                 generation: 3,
                 crc: 77,
                 payload_len: 512,
+                summary_crc: 78,
+                summary_len: 96,
             }],
             generation: 3,
         }
@@ -167,9 +223,45 @@ mod tests {
             assert!(e.is_data_loss(), "{e}");
         }
         assert!(RemoteRecord::decode(9, &bytes[..10]).is_err());
+        assert!(r.has_summaries());
         assert!(
             RemoteRecord::decode(8, &bytes).is_err(),
             "another session's record"
         );
+    }
+
+    /// A version 1 record (written before summaries were stored) still reads: its pages
+    /// have no summary, so its session resumes by reading them whole.
+    #[test]
+    fn a_version_1_record_reads_without_summaries() {
+        let r = record();
+        let v1 = RecordV1 {
+            session: r.session.clone(),
+            pages: r
+                .pages
+                .iter()
+                .map(|p| PageV1 {
+                    layer: p.layer,
+                    block: p.block,
+                    generation: p.generation,
+                    crc: p.crc,
+                    payload_len: p.payload_len,
+                })
+                .collect(),
+            generation: r.generation,
+        };
+        let body = rkyv::to_bytes::<rancor::Error>(&v1).unwrap();
+        let mut bytes = Vec::new();
+        bytes.extend_from_slice(&MAGIC.to_le_bytes());
+        bytes.extend_from_slice(&1u16.to_le_bytes());
+        bytes.extend_from_slice(&0u16.to_le_bytes());
+        bytes.extend_from_slice(&crc(1, body.len() as u32, &body).to_le_bytes());
+        bytes.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(&body);
+        let got = RemoteRecord::decode(9, &bytes).unwrap();
+        assert_eq!(got.pages[0].payload_len, 512);
+        assert_eq!((got.pages[0].summary_crc, got.pages[0].summary_len), (0, 0));
+        assert!(!got.has_summaries());
+        assert_eq!(got.session, r.session);
     }
 }

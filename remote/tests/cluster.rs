@@ -4,9 +4,8 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvtier_remote::{Claim, ClusterConfig, ClusterStore, RemoteError, RemoteStore};
+use kvtier_remote::{Claim, ClusterConfig, ClusterStore, RemoteError, RemoteRun, RemoteStore};
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
-use kvtier_storage::nvme::BlockRun;
 use kvtier_storage::{DType, Geometry, Policy};
 use kvtier_tests::kv::xorshift_bytes;
 use kvtier_tests::redis::RedisCluster;
@@ -50,13 +49,20 @@ fn runs_of(id: u64, blocks: impl Iterator<Item = u32> + Clone, v: u32) -> Vec<(u
         .collect()
 }
 
-fn as_runs(owned: &[(u32, u32, Vec<u8>)]) -> Vec<BlockRun<'_>> {
+/// The summary stored beside a payload: its second half (so a page and its summary differ
+/// in length, and a swapped pair cannot verify).
+fn summary(bytes: &[u8]) -> &[u8] {
+    &bytes[bytes.len() / 2..]
+}
+
+fn as_runs(owned: &[(u32, u32, Vec<u8>)]) -> Vec<RemoteRun<'_>> {
     owned
         .iter()
-        .map(|(layer, block, bytes)| BlockRun {
+        .map(|(layer, block, bytes)| RemoteRun {
             layer: *layer,
             block: *block,
             bytes,
+            summary: summary(bytes),
         })
         .collect()
 }
@@ -87,10 +93,14 @@ fn assert_holds(store: &ClusterStore, id: u64, blocks: u32, v: u32) {
         .flat_map(|l| (0..blocks).map(move |b| (l, b)))
         .collect();
     let got = store.read_runs(&rec, &wanted).unwrap();
-    for (&(l, b), bytes) in wanted.iter().zip(&got) {
+    let summaries = store.read_summaries(&rec, &wanted).unwrap();
+    assert!(rec.has_summaries());
+    for ((&(l, b), bytes), sum) in wanted.iter().zip(&got).zip(&summaries) {
+        let want = payload(id, l, b, v);
+        assert!(*bytes == want, "session {id} layer {l} block {b}");
         assert!(
-            *bytes == payload(id, l, b, v),
-            "session {id} layer {l} block {b}"
+            sum == summary(&want),
+            "session {id} layer {l} block {b}'s summary"
         );
     }
 }
@@ -185,6 +195,43 @@ fn a_missing_or_corrupt_page_or_record_is_data_loss_never_data() {
         "{e}"
     );
     assert!(e.is_data_loss());
+    // A summary's bytes changed, and a summary gone: data loss too.
+    let skey = format!("kvtier:sum:3:0:1:{g}");
+    cluster
+        .cli(cluster.master_of(&skey), &["setrange", &skey, "40", "X"])
+        .unwrap();
+    let e = store.read_summaries(&rec, &[(0, 0), (0, 1)]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            RemoteError::CorruptPage {
+                layer: 0,
+                block: 1,
+                ..
+            }
+        ) && e.is_data_loss(),
+        "{e}"
+    );
+    let skey = format!("kvtier:sum:3:0:2:{g}");
+    cluster
+        .cli(cluster.master_of(&skey), &["del", &skey])
+        .unwrap();
+    let e = store.read_summaries(&rec, &[(0, 2)]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            RemoteError::MissingPage {
+                layer: 0,
+                block: 2,
+                ..
+            }
+        ) && e.is_data_loss(),
+        "{e}"
+    );
+    assert_eq!(
+        store.read_summaries(&rec, &[(0, 3)]).unwrap(),
+        vec![summary(&payload(3, 0, 3, 0)).to_vec()]
+    );
 
     // A page gone from the store (a master lost without its replica, a manual delete).
     let other = format!("kvtier:page:3:1:3:{g}");
@@ -528,8 +575,8 @@ fn a_write_is_committed_only_once_every_begun_run_is_stored() {
     let next = store.claim(31, "node-b").unwrap();
     assert_eq!(
         cluster.keys(),
-        keys - 22 - 1 + 1,
-        "the 22 orphan pages of the two refused writes and the emptied pending note removed, a claim added"
+        keys - 2 * 22 - 1 + 1,
+        "the 22 orphan pages (and their summaries) of the two refused writes and the emptied pending note removed, a claim added"
     );
     store.give_up(&next).unwrap();
 }

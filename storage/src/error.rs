@@ -58,10 +58,12 @@ pub enum StorageError {
     #[error("{blocks} block(s) of layer {layer} are not resident and no colder tier was given")]
     NotResident { layer: u32, blocks: usize },
 
-    /// A cold block could not be read back. `corrupt`: the stored bytes failed verification
+    /// A cold block could not be read back from a colder tier. `corrupt`: the stored bytes failed verification
     /// (checksum or identity) — data loss, not a transient fault.
-    #[error("reading block {block} of layer {layer} from the NVMe tier: {reason}")]
+    #[error("reading block {block} of layer {layer} from {tier}: {reason}")]
     ColdRead {
+        /// The tier read, as prose ("the NVMe tier").
+        tier: &'static str,
         layer: u32,
         block: u32,
         reason: String,

@@ -298,7 +298,7 @@ pub struct BlockSketch<'a> {
 
 impl BlockSketch<'_> {
     /// Recomputes the quarter codes of every kv head from its quarter bounds.
-    fn quantize(&mut self, geo: &Geometry) {
+    pub(crate) fn quantize(&mut self, geo: &Geometry) {
         let d = geo.head_dim as usize;
         let qv = quarters(geo.block_tokens as usize) * 2 * d;
         for ((q, c), s) in self

@@ -92,6 +92,7 @@ impl crate::ColdSource for SavedRuns {
                 .0
                 .get(&(layer, *b))
                 .ok_or(crate::StorageError::ColdRead {
+                    tier: "the saved runs",
                     layer,
                     block: *b,
                     reason: "not saved".into(),

@@ -372,3 +372,57 @@ fn restore_blocks_is_all_or_nothing_with_the_block_by_block_error() {
         }
     }
 }
+
+/// A cache rebuilt from block summaries alone (a resume before the runs arrive) selects as the
+/// original: bounds and sketches bit-identical, every block cold until promoted, then the
+/// same cache; a summary of the wrong size is refused.
+#[test]
+fn a_cache_rebuilt_from_summaries_selects_as_the_original() {
+    for bt in [4, 16, 32, 64, 128] {
+        let g = Geometry {
+            head_dim: 32,
+            ..geo(DType::Bf16, bt)
+        };
+        let n = 3 * bt as usize + 5;
+        let a = HostArena::new(&kvtier_storage::ArenaOptions::new(64 << 20, 64 << 10)).unwrap();
+        let src = {
+            let mut kv = KvCache::new(g, a.clone()).unwrap();
+            kv.append(0, n as u64, &payload(&g, n, bt as u64)).unwrap();
+            kv
+        };
+        let mut back = KvCache::new(g, a.clone()).unwrap();
+        for l in 0..g.layers {
+            let v = src.layer(l).unwrap();
+            for b in 0..v.blocks() {
+                let s = src.block_summary(l, b as u32).unwrap();
+                assert_eq!(s.len(), kvtier_storage::summary_bytes(&g, true));
+                back.restore_summary(l, &s, v.valid_tokens(b)).unwrap();
+                assert!(!back.is_resident(l, b as u32));
+            }
+            let got = back.layer(l).unwrap();
+            assert_eq!(got.tokens(), v.tokens());
+            assert_eq!(summary_bits(&got), summary_bits(&v), "block_tokens {bt}");
+        }
+        let saved = SavedRuns::of(&src);
+        for l in 0..g.layers {
+            let all: Vec<u32> = (0..src.layer(l).unwrap().blocks() as u32).collect();
+            back.promote(l, &all, &saved).unwrap();
+        }
+        assert_eq!(snapshot(&back), snapshot(&src));
+        let s = src.block_summary(0, 0).unwrap();
+        let mut fresh = KvCache::new(g, a.clone()).unwrap();
+        assert!(matches!(
+            fresh.restore_summary(0, &s[1..], bt as usize),
+            Err(StorageError::PayloadSize { .. })
+        ));
+        assert!(src.block_summary(0, 99).is_err());
+    }
+    // Without sketches the summary is the bounds alone.
+    let g = geo(DType::Bf16, 16);
+    let kv = KvCache::new_with(g, arena(8), false).unwrap();
+    assert_eq!(
+        kvtier_storage::summary_bytes(&g, false),
+        4 * g.summary_floats_per_block()
+    );
+    assert!(kv.block_summary(0, 0).is_err());
+}

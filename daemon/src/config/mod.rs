@@ -389,6 +389,10 @@ pub struct RemoteConfig {
     /// Without write-through, write what the cluster lacks of every unpinned session this
     /// often (0: only at OFFLOAD and shutdown).
     pub flush_interval_ms: u64,
+    /// Resume a session from its block summaries: serve it at once, its blocks read from the
+    /// cluster when a step keeps them and the rest streamed in the background (false: read
+    /// every page before serving it).
+    pub resume_from_summaries: bool,
 }
 
 impl Default for RemoteConfig {
@@ -405,6 +409,7 @@ impl Default for RemoteConfig {
             response_timeout_ms: 5_000,
             write_through: false,
             flush_interval_ms: 30_000,
+            resume_from_summaries: true,
         }
     }
 }

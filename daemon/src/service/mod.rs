@@ -19,7 +19,8 @@
 //! - `tiering`: NVMe policy: persistence, DEMOTE, PROMOTE, PIN, memory pressure, shutdown;
 //! - `recovery`: warm restart from the manifest, damaged sessions;
 //! - `remote`: the remote tier (a Redis Cluster): claims, OFFLOAD, resuming a session another
-//!   node wrote, write-through to the cluster;
+//!   node wrote, write-through to the cluster; `arrival`: a resumed session served from its
+//!   summaries while its blocks arrive;
 //! - `stats`: counters, STATS and the metric series' refresh.
 
 use std::collections::HashMap;
@@ -44,6 +45,7 @@ use crate::gpu::GpuDecoder;
 use crate::metrics::{Metrics, Rejection};
 use kvtier_protocol::ErrorCode;
 
+mod arrival;
 mod coalesce;
 mod compaction;
 mod decode;
@@ -126,6 +128,8 @@ struct SessionState {
     stored: bool,
     /// Tokens per layer the remote tier's copy holds (all 0 until it is first written).
     remote_persisted: Vec<u64>,
+    /// Blocks of a session resumed from the remote tier not yet read from it (`arrival.rs`).
+    arriving: Option<Arc<arrival::Arriving>>,
     /// Removed by CLOSE/EVICT; a request that looked it up before must not write it back.
     closed: bool,
     /// An open in-place append (RESERVE .. COMMIT, `lease.rs`): while it is, the session takes
@@ -642,6 +646,7 @@ impl Session {
                 persisted: vec![0; layers],
                 stored,
                 remote_persisted: vec![0; layers],
+                arriving: None,
                 closed: false,
                 reserved: None,
             }),

@@ -10,13 +10,13 @@
 //! UNAVAILABLE rather than run where they might race a new owner; if another node took the
 //! session meanwhile, this node drops its copy.
 
-use kvtier_remote::{Claim, RemoteError, RemoteStore};
+use kvtier_remote::{Claim, RemoteError, RemoteRun, RemoteStore};
 
 use super::*;
 
 /// How the service uses the remote tier.
 pub struct Remote {
-    store: Arc<dyn RemoteStore>,
+    pub(super) store: Arc<dyn RemoteStore>,
     /// This node's name in claims.
     node: String,
     /// Acknowledge appends only once they are in the cluster.
@@ -25,6 +25,8 @@ pub struct Remote {
     flush: Option<(Duration, Mutex<Instant>)>,
     /// The claims this node holds, by session.
     claims: Mutex<HashMap<u64, Claim>>,
+    /// Resume from block summaries, runs on demand (else read every page first).
+    from_summaries: bool,
     /// One resume at a time: two requests naming one session claim it once.
     resuming: Mutex<()>,
 }
@@ -37,6 +39,7 @@ impl Remote {
         node: String,
         write_through: bool,
         flush_every: Option<Duration>,
+        from_summaries: bool,
     ) -> Self {
         Remote {
             store,
@@ -44,6 +47,7 @@ impl Remote {
             write_through,
             flush: flush_every.map(|d| (d, Mutex::new(Instant::now()))),
             claims: Mutex::new(HashMap::new()),
+            from_summaries,
             resuming: Mutex::new(()),
         }
     }
@@ -64,13 +68,21 @@ impl Remote {
     }
 
     /// Gives the claim on `id` up, if this node holds one.
-    fn give_up(&self, id: u64) {
+    pub(super) fn give_up(&self, id: u64) {
         if let Some(c) = self.claims.lock().remove(&id) {
             if let Err(e) = self.store.give_up(&c) {
                 tracing::warn!(session = id, error = %e, "remote: giving a claim up failed; it lapses by itself");
             }
         }
     }
+}
+
+/// The summaries of `blocks`, as the cluster keeps them beside their pages.
+fn summaries_of(kv: &KvCache, blocks: &[(u32, u32)]) -> ServiceResult<Vec<Vec<u8>>> {
+    blocks
+        .iter()
+        .map(|&(l, b)| Ok(kv.block_summary(l, b)?))
+        .collect()
 }
 
 /// Runs per batch of a resume's pull, and of cold runs read back for a write to the cluster
@@ -158,27 +170,37 @@ impl Service {
                     .into_iter()
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(nvme_error)?;
-                let runs: Vec<BlockRun<'_>> = batch
+                let summaries = summaries_of(&st.kv, batch)?;
+                let runs: Vec<RemoteRun<'_>> = batch
                     .iter()
                     .zip(&pages)
-                    .map(|(&(layer, block), page)| BlockRun {
+                    .zip(&summaries)
+                    .map(|((&(layer, block), page), summary)| RemoteRun {
                         layer,
                         block,
                         bytes: page.payload(),
+                        summary,
                     })
                     .collect();
                 bytes += runs.iter().map(|r| r.bytes.len()).sum::<usize>();
                 r.store.write(&mut w, &runs).map_err(remote_error)?;
             }
         }
-        let resident: Vec<BlockRun<'_>> = wanted
+        let resident_blocks: Vec<(u32, u32)> = wanted
             .iter()
-            .filter_map(|&(layer, block)| {
-                let bytes = st.kv.run(layer, block)?;
-                Some(BlockRun {
+            .copied()
+            .filter(|&(l, b)| st.kv.run(l, b).is_some())
+            .collect();
+        let summaries = summaries_of(&st.kv, &resident_blocks)?;
+        let resident: Vec<RemoteRun<'_>> = resident_blocks
+            .iter()
+            .zip(&summaries)
+            .filter_map(|(&(layer, block), summary)| {
+                Some(RemoteRun {
                     layer,
                     block,
-                    bytes,
+                    bytes: st.kv.run(layer, block)?,
+                    summary,
                 })
             })
             .collect();
@@ -186,6 +208,9 @@ impl Service {
         r.store.write(&mut w, &resident).map_err(remote_error)?;
         r.store.commit(w).map_err(remote_error)?;
         st.remote_persisted = record.layer_tokens;
+        if let Some(a) = &st.arriving {
+            a.written(&wanted);
+        }
         self.counters
             .remote_blocks_written
             .fetch_add(wanted.len() as u64, Ordering::Relaxed);
@@ -270,7 +295,11 @@ impl Service {
         // Read again under the claim: what the last owner committed.
         let restored = r.store.record(id).map_err(remote_error).and_then(|rec| {
             let rec = rec.ok_or_else(|| ServiceError::not_found(id))?;
-            self.restore_remote(r, &rec)
+            if r.from_summaries && rec.has_summaries() {
+                self.restore_summaries(r, rec)
+            } else {
+                self.restore_remote(r, &rec)
+            }
         });
         let session = match restored {
             Ok(s) => Arc::new(s),

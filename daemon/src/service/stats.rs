@@ -82,6 +82,10 @@ pub struct Counters {
     pub remote_bytes_written: AtomicU64,
     pub remote_bytes_read: AtomicU64,
     pub remote_claims_lost: AtomicU64,
+    /// Blocks of resumed sessions read from the cluster because a step kept them, and
+    /// streamed in ahead of need (`arrival.rs`).
+    pub remote_blocks_fetched: AtomicU64,
+    pub remote_blocks_streamed: AtomicU64,
 }
 
 /// The NVMe tier's metric series.
@@ -243,6 +247,11 @@ impl Service {
                 ("remote_written_bytes_total", get(&c.remote_bytes_written)),
                 ("remote_read_bytes_total", get(&c.remote_bytes_read)),
                 ("remote_claims_lost_total", get(&c.remote_claims_lost)),
+                ("remote_blocks_fetched_total", get(&c.remote_blocks_fetched)),
+                (
+                    "remote_blocks_streamed_total",
+                    get(&c.remote_blocks_streamed),
+                ),
             ]);
         }
         if self.limits.coalesce {

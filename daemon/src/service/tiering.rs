@@ -147,14 +147,9 @@ impl Service {
         if tails.is_empty() {
             return Ok(());
         }
-        let (tier, _) = self
-            .tier
-            .as_ref()
-            .ok_or_else(|| ServiceError::internal("cold blocks without an NVMe tier"))?;
-        let src = TierSource {
-            tier,
-            session: s.id,
-        };
+        let src = self
+            .cold_source(s.id, st)
+            .ok_or_else(|| ServiceError::internal("cold blocks without a colder tier"))?;
         for &(layer, block) in tails {
             let n = st.kv.promote(layer, &[block], &src)?;
             self.counters
@@ -182,12 +177,16 @@ impl Service {
             )
         })?;
         let geo = s.geometry;
+        let dirty = dirty_blocks(&geo, &st.kv, &st.persisted)?;
+        // A session still arriving from the remote tier has blocks only there.
+        let arriving = self.arriving_runs(st, &dirty)?.unwrap_or_default();
         let mut runs = Vec::new();
-        for (l, b) in dirty_blocks(&geo, &st.kv, &st.persisted)? {
+        for (l, b) in dirty {
             // Appends promote a cold tail before writing into it, so a block with undurable
             // tokens is resident; a cold one here is a bookkeeping bug, answered as an error
             // rather than a panic that would lose every session not yet written.
-            let bytes = st.kv.run(l, b).ok_or_else(|| {
+            let arrived = arriving.get(&(l, b)).map(Vec::as_slice);
+            let bytes = st.kv.run(l, b).or(arrived).ok_or_else(|| {
                 ServiceError::internal(format!(
                     "session {}: layer {l} block {b} has undurable tokens but is not resident",
                     s.id
@@ -244,11 +243,10 @@ impl Service {
     /// PROMOTE: read every cold block of the session back into the host tier.
     pub fn promote(&self, peer: &Peer, id: u64) -> ServiceResult<u64> {
         let s = self.lookup_live(peer, id)?;
-        let Some((tier, _)) = &self.tier else {
+        let mut st = s.state.lock();
+        let Some(src) = self.cold_source(id, &st) else {
             return Ok(0);
         };
-        let mut st = s.state.lock();
-        let src = TierSource { tier, session: id };
         // Every block not resident is read back into an extent of its own.
         let need = (st.kv.blocks() - st.kv.extents()) * st.kv.run_extent_bytes();
         // What an attempt promoted stays promoted: a retry reads only what is still cold.

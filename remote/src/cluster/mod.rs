@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use kvtier_storage::nvme::manifest::SessionRecord;
-use kvtier_storage::nvme::{page, refuse_runs, BlockRun, CorruptReason, PageId};
+use kvtier_storage::nvme::{page, refuse_runs, PageId};
 use parking_lot::Mutex;
 use redis::cluster::{cluster_pipe, ClusterClient, ClusterConnection};
 use redis::cluster_routing::{
@@ -13,9 +13,11 @@ use redis::cluster_routing::{
 };
 use redis::{Script, Value};
 
-use crate::{Claim, RemoteError, RemotePage, RemoteRecord, RemoteStore, Result, Write};
+use crate::{Claim, RemoteError, RemotePage, RemoteRecord, RemoteRun, RemoteStore, Result, Write};
 
+mod read;
 mod wire;
+use read::Part;
 use wire::*;
 
 /// How to reach the cluster and what a write waits for (`[remote]` in tierd's config).
@@ -197,6 +199,14 @@ impl ClusterStore {
         )
     }
 
+    /// The key of a page's summary (beside the page, same generation).
+    fn summary_key(&self, session: u64, layer: u32, block: u32, generation: u64) -> String {
+        format!(
+            "{}:sum:{session}:{layer}:{block}:{generation}",
+            self.cfg.key_prefix
+        )
+    }
+
     fn index_key(&self) -> String {
         format!("{}:sessions", self.cfg.key_prefix)
     }
@@ -288,12 +298,13 @@ impl ClusterStore {
         Ok(())
     }
 
-    /// Deletes page keys, pipelined in batches.
+    /// Deletes pages and their summaries, pipelined in batches.
     fn delete_pages(&self, session: u64, pages: &[(u32, u32, u64)]) -> Result<()> {
         for chunk in pages.chunks(512) {
             let mut p = cluster_pipe();
             for &(l, b, g) in chunk {
                 p.del(self.page_key(session, l, b, g)).ignore();
+                p.del(self.summary_key(session, l, b, g)).ignore();
             }
             self.with(|c| Ok(p.query::<()>(c)?))?;
         }
@@ -340,47 +351,6 @@ impl ClusterStore {
             false,
         )?;
         Ok(())
-    }
-
-    /// The payload of a page read for `pg` (None: the key is missing), verified against the
-    /// record: identity, checksum, length.
-    fn verified(id: u64, pg: &RemotePage, bytes: Option<Vec<u8>>) -> Result<Vec<u8>> {
-        let Some(mut bytes) = bytes else {
-            return Err(RemoteError::MissingPage {
-                session: id,
-                layer: pg.layer,
-                block: pg.block,
-                generation: pg.generation,
-            });
-        };
-        let corrupt = |reason| RemoteError::CorruptPage {
-            session: id,
-            layer: pg.layer,
-            block: pg.block,
-            reason,
-        };
-        if bytes.len() < page::HEADER_LEN {
-            return Err(corrupt(CorruptReason::BadLength {
-                found: bytes.len() as u32,
-                max: page::HEADER_LEN,
-            }));
-        }
-        let expected = PageId {
-            session: id,
-            layer: pg.layer,
-            block: pg.block,
-            generation: pg.generation,
-        };
-        let (len, crc) = page::verify(&bytes, expected).map_err(corrupt)?;
-        if crc != pg.crc || len != pg.payload_len as usize {
-            return Err(corrupt(CorruptReason::UnexpectedChecksum {
-                expected: pg.crc,
-                found: crc,
-            }));
-        }
-        bytes.drain(..page::HEADER_LEN);
-        bytes.truncate(len);
-        Ok(bytes)
     }
 }
 
@@ -498,7 +468,7 @@ impl RemoteStore for ClusterStore {
         })
     }
 
-    fn write(&self, w: &mut Write, runs: &[BlockRun<'_>]) -> Result<()> {
+    fn write(&self, w: &mut Write, runs: &[RemoteRun<'_>]) -> Result<()> {
         let (id, generation) = (w.meta.id, w.generation);
         // Each run is taken off the unwritten set; one not on it was not begun or is written
         // twice (the write is then refused, and must be begun again).
@@ -514,9 +484,13 @@ impl RemoteStore for ClusterStore {
         if runs.is_empty() {
             return Ok(()); // nothing to store, nothing to wait for
         }
-        // The pages, in pipelines of about `batch_bytes` on several connections, each
-        // connection waiting for its replicas once its pipelines are written.
-        let cut = batches(runs.iter().map(|r| r.bytes.len()), self.cfg.batch_bytes);
+        // The pages and their summaries, in pipelines of about `batch_bytes` on several
+        // connections, each connection waiting for its replicas once its pipelines are
+        // written.
+        let cut = batches(
+            runs.iter().map(|r| r.bytes.len() + r.summary.len()),
+            self.cfg.batch_bytes,
+        );
         let written: Vec<Vec<RemotePage>> = self.in_streams(
             cut.len(),
             |c, b| {
@@ -529,9 +503,16 @@ impl RemoteStore for ClusterStore {
                         block: r.block,
                         generation,
                     };
-                    let mut buf = vec![0u8; page::HEADER_LEN + r.bytes.len()];
-                    let crc = page::encode(&mut buf, pid, r.bytes);
-                    p.set(self.page_key(id, r.layer, r.block, generation), buf)
+                    let encoded = |bytes: &[u8]| {
+                        let mut buf = vec![0u8; page::HEADER_LEN + bytes.len()];
+                        let crc = page::encode(&mut buf, pid, bytes);
+                        (buf, crc)
+                    };
+                    let (page, crc) = encoded(r.bytes);
+                    let (summary, summary_crc) = encoded(r.summary);
+                    p.set(self.page_key(id, r.layer, r.block, generation), page)
+                        .ignore();
+                    p.set(self.summary_key(id, r.layer, r.block, generation), summary)
                         .ignore();
                     pages.push(RemotePage {
                         layer: r.layer,
@@ -539,6 +520,8 @@ impl RemoteStore for ClusterStore {
                         generation,
                         crc,
                         payload_len: r.bytes.len() as u32,
+                        summary_crc,
+                        summary_len: r.summary.len() as u32,
                     });
                 }
                 p.query::<()>(c)?;
@@ -632,38 +615,11 @@ impl RemoteStore for ClusterStore {
     }
 
     fn read_runs(&self, record: &RemoteRecord, wanted: &[(u32, u32)]) -> Result<Vec<Vec<u8>>> {
-        let id = record.id();
-        let mut pages = Vec::with_capacity(wanted.len());
-        for &(layer, block) in wanted {
-            pages.push(*record.page(layer, block).ok_or(RemoteError::NoSuchRun {
-                session: id,
-                layer,
-                block,
-            })?);
-        }
-        let cut = batches(
-            pages
-                .iter()
-                .map(|p| page::HEADER_LEN + p.payload_len as usize),
-            self.cfg.batch_bytes,
-        );
-        let got: Vec<Vec<Vec<u8>>> = self.in_streams(
-            cut.len(),
-            |c, b| {
-                let mut p = cluster_pipe();
-                for pg in &pages[cut[b].clone()] {
-                    p.get(self.page_key(id, pg.layer, pg.block, pg.generation));
-                }
-                let got: Vec<Option<Vec<u8>>> = p.query(c)?;
-                pages[cut[b].clone()]
-                    .iter()
-                    .zip(got)
-                    .map(|(pg, bytes)| Self::verified(id, pg, bytes))
-                    .collect()
-            },
-            |_| Ok(()),
-        )?;
-        Ok(got.into_iter().flatten().collect())
+        self.read_parts(record, wanted, Part::Page)
+    }
+
+    fn read_summaries(&self, record: &RemoteRecord, wanted: &[(u32, u32)]) -> Result<Vec<Vec<u8>>> {
+        self.read_parts(record, wanted, Part::Summary)
     }
 
     fn delete_session(&self, claim: &Claim) -> Result<()> {

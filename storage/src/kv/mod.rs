@@ -10,8 +10,10 @@ use crate::sketch::{BlockSketchesRef, HeadSketch, LayerSketches};
 mod in_place;
 mod relocate;
 mod restore;
+mod summary;
 pub use in_place::{in_place_row, InPlaceAppend};
 pub use restore::{StoredBlock, RESTORE_MIN_BLOCKS_PER_THREAD};
+pub use summary::summary_bytes;
 
 /// Payload bytes from which [`KvCache::append`] spreads its layers over threads.
 const PARALLEL_APPEND_BYTES: usize = 4 << 20;

@@ -348,14 +348,10 @@ impl Service {
             guards[i] = Some(g);
         }
         let ids: Vec<u64> = sessions.iter().map(|s| s.id).collect();
-        let sources: Vec<Option<TierSource<'_>>> = ids
+        let sources: Vec<_> = ids
             .iter()
-            .map(|&session| {
-                self.tier.as_ref().map(|(tier, _)| TierSource {
-                    tier: tier.as_ref(),
-                    session,
-                })
-            })
+            .zip(&guards)
+            .map(|(&id, g)| self.cold_source(id, g.as_ref().expect("locked above")))
             .collect();
         let out_len: usize = sessions
             .iter()

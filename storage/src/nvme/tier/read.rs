@@ -193,6 +193,7 @@ impl crate::ColdSource for TierSource<'_> {
         extents: &mut [crate::Extent],
     ) -> crate::Result<()> {
         let fail = |block: u32, e: &NvmeError| crate::StorageError::ColdRead {
+            tier: "the NVMe tier",
             layer,
             block,
             reason: e.to_string(),

@@ -1,0 +1,356 @@
+//! Sessions resumed from the remote tier before their runs arrive.
+//!
+//! A resume reads the session's record and every block's summary (its bounds and sketches,
+//! 1.6% of the runs' bytes, 15% with sketches) and serves the session at once: selection runs
+//! over the summaries as it always does, and the keep-set's blocks that are still only in the
+//! cluster are read from it on demand, as cold blocks are from NVMe (the selector as
+//! prefetcher). The rest streams in from the cluster in the background
+//! ([`Service::stream_arrivals`]) while the host tier has room; what does not fit stays in
+//! the cluster, read when a step keeps it.
+//!
+//! Invariant: a block in [`Arriving::blocks`] is cold here and its run is in the cluster at
+//! the generation [`Arriving::record`] names. It leaves the set when its run is read (it is
+//! then resident) and when this node writes it to the cluster again (it was resident or on
+//! NVMe to be written); nothing else replaces a page of a session this node claims.
+
+use std::collections::BTreeSet;
+
+use kvtier_remote::{RemoteRecord, RemoteStore};
+use kvtier_storage::Extent;
+
+use super::*;
+
+/// The blocks of a session still only in the remote tier, and the record naming their pages.
+pub(super) struct Arriving {
+    record: RemoteRecord,
+    blocks: Mutex<BTreeSet<(u32, u32)>>,
+    /// When streaming last failed: the session is left alone for a second after.
+    failed: Mutex<Option<Instant>>,
+}
+
+impl Arriving {
+    pub(super) fn new(record: RemoteRecord, blocks: BTreeSet<(u32, u32)>) -> Self {
+        Arriving {
+            record,
+            blocks: Mutex::new(blocks),
+            failed: Mutex::new(None),
+        }
+    }
+
+    /// Blocks still only in the remote tier.
+    pub(super) fn len(&self) -> usize {
+        self.blocks.lock().len()
+    }
+
+    /// Takes `written` off the set: this node has written them to the cluster again.
+    pub(super) fn written(&self, written: &[(u32, u32)]) {
+        let mut b = self.blocks.lock();
+        for w in written {
+            b.remove(w);
+        }
+    }
+
+    fn contains(&self, layer: u32, block: u32) -> bool {
+        self.blocks.lock().contains(&(layer, block))
+    }
+}
+
+/// Where a session's cold blocks are read from: the NVMe tier, and for a session still
+/// arriving, the remote tier for the blocks only there.
+pub(super) struct SessionSource<'a> {
+    pub(super) nvme: Option<TierSource<'a>>,
+    pub(super) remote: Option<(&'a dyn RemoteStore, Arc<Arriving>)>,
+    /// Counts the blocks (and bytes) read from the remote tier on demand.
+    pub(super) counters: &'a Counters,
+}
+
+impl ColdSource for SessionSource<'_> {
+    fn read_runs(
+        &self,
+        layer: u32,
+        blocks: &[u32],
+        extents: &mut [Extent],
+    ) -> kvtier_storage::Result<()> {
+        let remote = self
+            .remote
+            .as_ref()
+            .filter(|(_, a)| blocks.iter().any(|&b| a.contains(layer, b)));
+        let nvme_read = |blocks: &[u32], extents: &mut [Extent]| match &self.nvme {
+            Some(t) => t.read_runs(layer, blocks, extents),
+            None => Err(StorageError::NotResident {
+                layer,
+                blocks: blocks.len(),
+            }),
+        };
+        let Some((store, arriving)) = remote else {
+            return nvme_read(blocks, extents);
+        };
+        let (mut far, mut near) = (Vec::new(), Vec::new());
+        for (i, &b) in blocks.iter().enumerate() {
+            if arriving.contains(layer, b) {
+                far.push(i);
+            } else {
+                near.push(i);
+            }
+        }
+        // Blocks on NVMe one at a time: a block both promoted and evicted again since the
+        // resume is rare.
+        for &i in &near {
+            nvme_read(&blocks[i..i + 1], &mut extents[i..i + 1])?;
+        }
+        let wanted: Vec<(u32, u32)> = far.iter().map(|&i| (layer, blocks[i])).collect();
+        let runs =
+            store
+                .read_runs(&arriving.record, &wanted)
+                .map_err(|e| StorageError::ColdRead {
+                    tier: "the remote tier",
+                    layer,
+                    block: wanted[0].1,
+                    reason: e.to_string(),
+                    corrupt: e.is_data_loss(),
+                })?;
+        for (&i, run) in far.iter().zip(&runs) {
+            if run.len() > extents[i].len() {
+                return Err(StorageError::ColdRead {
+                    tier: "the remote tier",
+                    layer,
+                    block: blocks[i],
+                    reason: format!("a {}-byte run, longer than a block's", run.len()),
+                    corrupt: true,
+                });
+            }
+            extents[i].put_run(run);
+        }
+        // Read: they are resident once the promotion that asked for them returns.
+        arriving.written(&wanted);
+        self.counters
+            .remote_blocks_fetched
+            .fetch_add(wanted.len() as u64, Ordering::Relaxed);
+        self.counters
+            .remote_bytes_read
+            .fetch_add(runs.iter().map(|r| r.len() as u64).sum(), Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Block runs read from the cluster, by (layer, block).
+pub(super) type Runs = HashMap<(u32, u32), Vec<u8>>;
+
+/// Runs read from the cluster ahead of need, handed to [`KvCache::promote`].
+struct Streamed<'a> {
+    runs: &'a Runs,
+}
+
+impl ColdSource for Streamed<'_> {
+    fn read_runs(
+        &self,
+        layer: u32,
+        blocks: &[u32],
+        extents: &mut [Extent],
+    ) -> kvtier_storage::Result<()> {
+        for (&b, f) in blocks.iter().zip(extents) {
+            let run = self
+                .runs
+                .get(&(layer, b))
+                .ok_or(StorageError::NotResident { layer, blocks: 1 })?;
+            f.put_run(run);
+        }
+        Ok(())
+    }
+}
+
+impl Service {
+    /// Where `st`'s cold blocks are read from (None: nowhere, every block is resident).
+    pub(super) fn cold_source(&self, id: u64, st: &SessionState) -> Option<SessionSource<'_>> {
+        let nvme = self.tier.as_ref().map(|(tier, _)| TierSource {
+            tier: tier.as_ref(),
+            session: id,
+        });
+        let remote = self
+            .remote
+            .as_ref()
+            .zip(st.arriving.clone())
+            .map(|(r, a)| (&*r.store as &dyn RemoteStore, a));
+        (nvme.is_some() || remote.is_some()).then_some(SessionSource {
+            nvme,
+            remote,
+            counters: &self.counters,
+        })
+    }
+
+    /// The runs of `blocks` of an arriving session read from the cluster (for an NVMe write
+    /// of blocks that have not arrived); None when none of them is still arriving.
+    pub(super) fn arriving_runs(
+        &self,
+        st: &SessionState,
+        blocks: &[(u32, u32)],
+    ) -> ServiceResult<Option<Runs>> {
+        let (Some(r), Some(a)) = (&self.remote, &st.arriving) else {
+            return Ok(None);
+        };
+        let far: Vec<(u32, u32)> = blocks
+            .iter()
+            .copied()
+            .filter(|&(l, b)| a.contains(l, b))
+            .collect();
+        if far.is_empty() {
+            return Ok(None);
+        }
+        let runs = r
+            .store
+            .read_runs(&a.record, &far)
+            .map_err(remote::remote_error)?;
+        self.counters
+            .remote_bytes_read
+            .fetch_add(runs.iter().map(|r| r.len() as u64).sum(), Ordering::Relaxed);
+        Ok(Some(far.into_iter().zip(runs).collect()))
+    }
+
+    /// Rebuilds session `rec` from its summaries alone: every block cold, its runs left in
+    /// the cluster (module docs). The caller has checked [`RemoteRecord::has_summaries`].
+    pub(super) fn restore_summaries(
+        &self,
+        r: &Remote,
+        rec: RemoteRecord,
+    ) -> ServiceResult<Session> {
+        let meta = rec.session.clone();
+        let (rb, mut kv) = self.rebuild(&meta)?;
+        for chunk in rb.wanted.chunks(SUMMARY_BATCH) {
+            let summaries = r
+                .store
+                .read_summaries(&rec, chunk)
+                .map_err(remote::remote_error)?;
+            self.counters.remote_bytes_read.fetch_add(
+                summaries.iter().map(|s| s.len() as u64).sum(),
+                Ordering::Relaxed,
+            );
+            for (&(l, b), s) in chunk.iter().zip(&summaries) {
+                kv.restore_summary(l, s, rb.valid(l, b))?;
+            }
+        }
+        let blocks: BTreeSet<(u32, u32)> = rb.wanted.iter().copied().collect();
+        let mut s = Session::new(
+            meta.id,
+            meta.owner_uid,
+            meta.label.clone(),
+            rb.policy,
+            kv,
+            false,
+        );
+        let st = s.state.get_mut();
+        st.remote_persisted = meta.layer_tokens.clone();
+        if !blocks.is_empty() {
+            st.arriving = Some(Arc::new(Arriving::new(rec, blocks)));
+        }
+        s.created_from(&meta);
+        Ok(s)
+    }
+
+    /// Moves one batch of every arriving session's blocks from the cluster into the host
+    /// tier, while the tier stays below its low-water mark (a session that does not fit is
+    /// left to be read on demand). Called in a loop from a thread of its own; returns the
+    /// blocks moved (0: nothing to do now).
+    pub fn stream_arrivals(&self) -> usize {
+        let Some(r) = &self.remote else {
+            return 0;
+        };
+        let arriving: Vec<(Arc<Session>, Arc<Arriving>)> = self
+            .sessions
+            .read()
+            .values()
+            .filter_map(|s| {
+                let a = s.state.try_lock()?.arriving.clone()?;
+                Some((s.clone(), a))
+            })
+            .collect();
+        let mut moved = 0;
+        for (s, a) in arriving {
+            let batch: Vec<(u32, u32)> =
+                a.blocks.lock().iter().take(STREAM_BATCH).copied().collect();
+            if batch.is_empty() {
+                // Every block read on demand (or by PROMOTE) meanwhile.
+                self.install_streamed(&s, &a, &HashMap::new());
+                continue;
+            }
+            let resting = a
+                .failed
+                .lock()
+                .is_some_and(|t| t.elapsed() < Duration::from_secs(1));
+            if resting || !self.host_has_room(batch.len() * s.geometry.block_bytes()) {
+                continue;
+            }
+            // Read without the session lock: steps go on meanwhile.
+            let runs = match r.store.read_runs(&a.record, &batch) {
+                Ok(runs) => runs,
+                Err(e) => {
+                    *a.failed.lock() = Some(Instant::now());
+                    tracing::warn!(session = s.id, error = %e, "remote: streaming a resumed session's blocks failed; they are read when a step keeps them");
+                    continue;
+                }
+            };
+            self.counters
+                .remote_bytes_read
+                .fetch_add(runs.iter().map(|r| r.len() as u64).sum(), Ordering::Relaxed);
+            let runs: Runs = batch.iter().copied().zip(runs).collect();
+            moved += self.install_streamed(&s, &a, &runs);
+        }
+        moved
+    }
+
+    /// Installs streamed runs into a session still arriving from `a` (not one closed, taken
+    /// by another node, or resumed anew since); returns the blocks installed.
+    fn install_streamed(
+        &self,
+        s: &Session,
+        a: &Arc<Arriving>,
+        runs: &Runs,
+    ) -> usize {
+        let mut st = s.state.lock();
+        if st.closed || !st.arriving.as_ref().is_some_and(|x| Arc::ptr_eq(x, a)) {
+            return 0;
+        }
+        let mut by_layer: HashMap<u32, Vec<u32>> = HashMap::new();
+        for &(l, b) in runs.keys() {
+            if a.contains(l, b) {
+                by_layer.entry(l).or_default().push(b);
+            }
+        }
+        let mut installed = 0;
+        for (l, mut blocks) in by_layer {
+            blocks.sort_unstable();
+            match st.kv.promote(l, &blocks, &Streamed { runs }) {
+                Ok(n) => {
+                    installed += n;
+                    a.written(&blocks.iter().map(|&b| (l, b)).collect::<Vec<_>>());
+                }
+                // The host tier filled meanwhile: the rest waits (or is read on demand).
+                Err(_) => break,
+            }
+        }
+        self.counters
+            .remote_blocks_streamed
+            .fetch_add(installed as u64, Ordering::Relaxed);
+        if a.len() == 0 {
+            st.arriving = None;
+            tracing::info!(
+                session = s.id,
+                "remote: every block of the resumed session has arrived"
+            );
+        }
+        installed
+    }
+
+    /// Whether `bytes` more fit in the host tier below its low-water mark (without an NVMe
+    /// tier, below nine tenths of it): streaming never pushes other sessions out.
+    fn host_has_room(&self, bytes: usize) -> bool {
+        let u = self.arena.usage();
+        let low = self.tier.as_ref().map_or(0.9, |(_, t)| t.low_water);
+        (u.bytes_used + bytes) as f64 <= low * u.bytes_total as f64
+    }
+}
+
+/// Summaries per read of a resume (a few MiB with sketches).
+const SUMMARY_BATCH: usize = 1024;
+
+/// Runs per streamed batch (32 MiB of Qwen2.5-7B's 256 KiB runs).
+const STREAM_BATCH: usize = 128;
