@@ -477,3 +477,59 @@ fn a_session_demoted_to_nvme_is_offloaded_from_its_pages() {
     sh.step(&mut cb, id);
     assert_eq!(cb.session_info(id).unwrap().tokens_max, 3001);
 }
+
+/// A full NVMe tier moves idle sessions to the cluster: the write that found it full goes
+/// through, the moved session stays on its node and decodes as before (its blocks read from
+/// the cluster when a step keeps them), and a pinned session is never moved.
+#[test]
+fn a_full_nvme_tier_moves_idle_sessions_to_the_cluster() {
+    let Some(cluster) = RedisCluster::start(3, 1) else {
+        return;
+    };
+    // 12 pages of 8 KiB; a session of 64 tokens takes 8 (4 blocks in each of 2 layers).
+    let a = node(&cluster, "node-a", &["nvme.capacity=\"96KiB\""]);
+    let mut c = a.client();
+    let (idle, mut idle_sh) = open(&mut c, "idle", 64, 3);
+    let (twin, mut twin_sh) = open(&mut c, "twin", 64, 3);
+    c.demote(idle).unwrap();
+    assert!(c.session_info(idle).unwrap().nvme_bytes > 0);
+    // The twin's DEMOTE finds the page store full: the idle session moves to the cluster.
+    c.demote(twin).unwrap();
+    let s = c.stats().unwrap();
+    assert_eq!(s.get("remote_demotions_total"), Some(1));
+    let info = c.session_info(idle).unwrap();
+    assert_eq!(
+        (info.nvme_bytes, info.host_bytes),
+        (0, 0),
+        "only in the cluster now"
+    );
+    // Both decode as before, bit for bit alike (and against the oracle).
+    for layer in 0..2 {
+        let a = idle_sh.decode(&mut c, idle, layer);
+        let b = twin_sh.decode(&mut c, twin, layer);
+        assert_eq!(a.out, b.out, "layer {layer}");
+    }
+    assert!(
+        c.stats()
+            .unwrap()
+            .get("remote_blocks_fetched_total")
+            .unwrap()
+            > 0
+    );
+    assert_eq!(
+        c.stats().unwrap().get("remote_blocks_streamed_total"),
+        Some(0),
+        "not streamed back"
+    );
+
+    // A pinned session stays: with nothing else to move, the page store stays full.
+    let b = node(&cluster, "node-b", &["nvme.capacity=\"96KiB\""]);
+    let mut cb = b.client();
+    let (pinned, _) = open(&mut cb, "pinned", 64, 4);
+    let (other, _) = open(&mut cb, "other", 64, 5);
+    cb.demote(pinned).unwrap();
+    cb.pin(pinned, true).unwrap();
+    assert_eq!(code_of(cb.demote(other)), ErrorCode::ResourceExhausted);
+    assert!(cb.session_info(pinned).unwrap().nvme_bytes > 0);
+    assert_eq!(cb.stats().unwrap().get("remote_demotions_total"), Some(0));
+}

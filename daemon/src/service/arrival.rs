@@ -1,4 +1,5 @@
-//! Sessions resumed from the remote tier before their runs arrive.
+//! Sessions whose blocks are in the remote tier and not here: resumed before their runs
+//! arrive, or moved there from NVMe under pressure.
 //!
 //! A resume reads the session's record and every block's summary (its bounds and sketches,
 //! 1.6% of the runs' bytes, 15% with sketches) and serves the session at once: selection runs
@@ -7,6 +8,11 @@
 //! prefetcher). The rest streams in from the cluster in the background
 //! ([`Service::stream_arrivals`]) while the host tier has room; what does not fit stays in
 //! the cluster, read when a step keeps it.
+//!
+//! Under NVMe pressure (a write that finds the page store full), the least recently used
+//! idle sessions move from NVMe to the cluster ([`Service::demote_to_remote`]): what the
+//! cluster lacks is written, the NVMe copy deleted, and the session stays here, its cold
+//! blocks read from the cluster when a step keeps them (not streamed back: it was idle).
 //!
 //! Invariant: a block in [`Arriving::blocks`] is cold here and its run is in the cluster at
 //! the generation [`Arriving::record`] names. It leaves the set when its run is read (it is
@@ -24,15 +30,19 @@ use super::*;
 pub(super) struct Arriving {
     record: RemoteRecord,
     blocks: Mutex<BTreeSet<(u32, u32)>>,
+    /// Stream the blocks in ahead of need (a resume); else read only on demand (a session
+    /// demoted to the cluster).
+    stream: bool,
     /// When streaming last failed: the session is left alone for a second after.
     failed: Mutex<Option<Instant>>,
 }
 
 impl Arriving {
-    pub(super) fn new(record: RemoteRecord, blocks: BTreeSet<(u32, u32)>) -> Self {
+    pub(super) fn new(record: RemoteRecord, blocks: BTreeSet<(u32, u32)>, stream: bool) -> Self {
         Arriving {
             record,
             blocks: Mutex::new(blocks),
+            stream,
             failed: Mutex::new(None),
         }
     }
@@ -240,7 +250,7 @@ impl Service {
         let st = s.state.get_mut();
         st.remote_persisted = meta.layer_tokens.clone();
         if !blocks.is_empty() {
-            st.arriving = Some(Arc::new(Arriving::new(rec, blocks)));
+            st.arriving = Some(Arc::new(Arriving::new(rec, blocks, true)));
         }
         s.created_from(&meta);
         Ok(s)
@@ -260,7 +270,7 @@ impl Service {
             .values()
             .filter_map(|s| {
                 let a = s.state.try_lock()?.arriving.clone()?;
-                Some((s.clone(), a))
+                a.stream.then(|| (s.clone(), a))
             })
             .collect();
         let mut moved = 0;
@@ -299,12 +309,7 @@ impl Service {
 
     /// Installs streamed runs into a session still arriving from `a` (not one closed, taken
     /// by another node, or resumed anew since); returns the blocks installed.
-    fn install_streamed(
-        &self,
-        s: &Session,
-        a: &Arc<Arriving>,
-        runs: &Runs,
-    ) -> usize {
+    fn install_streamed(&self, s: &Session, a: &Arc<Arriving>, runs: &Runs) -> usize {
         let mut st = s.state.lock();
         if st.closed || !st.arriving.as_ref().is_some_and(|x| Arc::ptr_eq(x, a)) {
             return 0;
@@ -338,6 +343,97 @@ impl Service {
             );
         }
         installed
+    }
+
+    /// Moves least recently used idle sessions (unpinned, unleased, with an NVMe copy, not
+    /// `exclude`) from NVMe to the cluster until `need` bytes of the page store are free
+    /// (module docs). Only `try_lock`s sessions. Returns whether `need` bytes are free.
+    pub(super) fn demote_to_remote(&self, exclude: u64, need: u64) -> bool {
+        let (Some(r), Some((tier, _))) = (&self.remote, &self.tier) else {
+            return false;
+        };
+        let free = || tier.store().free_bytes();
+        let mut idle: Vec<Arc<Session>> = self
+            .sessions
+            .read()
+            .values()
+            .filter(|s| {
+                s.id != exclude
+                    && s.damaged.is_none()
+                    && !s.pinned.load(Ordering::Relaxed)
+                    && s.leases() == 0
+            })
+            .cloned()
+            .collect();
+        idle.sort_by_key(|s| s.last_access_unix_ms.load(Ordering::Relaxed));
+        for s in idle {
+            if free() >= need {
+                break;
+            }
+            let Some(mut st) = s.state.try_lock() else {
+                continue;
+            };
+            if st.closed || !st.stored || st.reserved.is_some() {
+                continue;
+            }
+            match self.demote_to_remote_locked(r, tier, &s, &mut st) {
+                Ok(blocks) => {
+                    self.counters
+                        .remote_demotions
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(
+                        session = s.id,
+                        blocks,
+                        "session moved from NVMe to the remote tier (NVMe full)"
+                    );
+                    // A deleted session's pages are free after the next manifest commit: one
+                    // now.
+                    if let Err(e) = tier.free_retired() {
+                        tracing::warn!(error = %e, "NVMe: committing the manifest to free a moved session's pages failed");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(session = s.id, error = %e, "remote: could not move the session from NVMe to the cluster")
+                }
+            }
+        }
+        free() >= need
+    }
+
+    /// Writes what the cluster lacks of `s`, then drops its NVMe copy: its cold blocks are
+    /// read from the cluster from now on. Returns the session's blocks now only there.
+    fn demote_to_remote_locked(
+        &self,
+        r: &Remote,
+        tier: &NvmeTier,
+        s: &Session,
+        st: &mut SessionState,
+    ) -> ServiceResult<usize> {
+        self.put_remote_locked(r, s, st)?;
+        let record = r
+            .store
+            .record(s.id)
+            .map_err(remote::remote_error)?
+            .ok_or_else(|| {
+                ServiceError::internal("the session's record vanished after its write")
+            })?;
+        let mut cold = BTreeSet::new();
+        for l in 0..s.geometry.layers {
+            let blocks = st.kv.layer(l)?.blocks() as u32;
+            cold.extend(
+                (0..blocks)
+                    .filter(|&b| !st.kv.is_resident(l, b))
+                    .map(|b| (l, b)),
+            );
+        }
+        let n = cold.len();
+        // Every cold block is in the cluster at `record`'s generation (just written or
+        // written before and not replaced since), so the NVMe copy can go.
+        st.arriving = Some(Arc::new(Arriving::new(record, cold, false)));
+        tier.delete_session(s.id).map_err(tiering::nvme_error)?;
+        st.stored = false;
+        st.persisted.iter_mut().for_each(|p| *p = 0);
+        Ok(n)
     }
 
     /// Whether `bytes` more fit in the host tier below its low-water mark (without an NVMe

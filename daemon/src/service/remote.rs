@@ -137,7 +137,7 @@ impl Service {
 
     /// Writes what the cluster's copy of the session lacks (blocks past its watermark) under
     /// this node's claim; returns the blocks written.
-    fn put_remote_locked(
+    pub(super) fn put_remote_locked(
         &self,
         r: &Remote,
         s: &Session,

@@ -86,6 +86,8 @@ pub struct Counters {
     /// streamed in ahead of need (`arrival.rs`).
     pub remote_blocks_fetched: AtomicU64,
     pub remote_blocks_streamed: AtomicU64,
+    /// Sessions moved from NVMe to the cluster because the page store was full.
+    pub remote_demotions: AtomicU64,
 }
 
 /// The NVMe tier's metric series.
@@ -252,6 +254,7 @@ impl Service {
                     "remote_blocks_streamed_total",
                     get(&c.remote_blocks_streamed),
                 ),
+                ("remote_demotions_total", get(&c.remote_demotions)),
             ]);
         }
         if self.limits.coalesce {

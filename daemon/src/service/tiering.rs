@@ -203,7 +203,21 @@ impl Service {
         }
         let record = record_of(s, &st.kv);
         self.check_nvme_room(tier, s, &runs, write)?;
-        tier.put_session(&record, &runs).map_err(nvme_error)?;
+        match tier.put_session(&record, &runs) {
+            // Full: with the remote tier, idle sessions move there to make room, once.
+            Err(NvmeError::Full { .. } | NvmeError::NoSpace { .. })
+                if write == Write::Serving
+                    && self.demote_to_remote(
+                        s.id,
+                        runs.iter()
+                            .map(|r| tier.store().page_bytes(r.bytes.len()))
+                            .sum(),
+                    ) =>
+            {
+                tier.put_session(&record, &runs).map_err(nvme_error)?
+            }
+            r => r.map_err(nvme_error)?,
+        };
         st.persisted = record.layer_tokens;
         st.stored = true;
         Ok(runs.len())

@@ -550,6 +550,20 @@ impl NvmeTier {
         Ok(epoch)
     }
 
+    /// Frees now the pages the last commit retired (kept until the next commit, so that a
+    /// torn commit can fall back to the manifest before it) by committing the manifest
+    /// unchanged: for a caller that deleted sessions to make room for a write at once.
+    pub fn free_retired(&self) -> Result<(), NvmeError> {
+        let mut st = self.state.lock();
+        if st.deferred.is_empty() {
+            return Ok(());
+        }
+        let mut next = st.manifest.clone();
+        st.manifests.commit(&mut next)?;
+        self.after_commit(&mut st, next, Vec::new());
+        Ok(())
+    }
+
     fn after_commit(&self, st: &mut State, next: Manifest, retired: Vec<PageAddr>) {
         st.manifest = next;
         let free = std::mem::replace(&mut st.deferred, retired);
