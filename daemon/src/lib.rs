@@ -343,6 +343,7 @@ pub fn open_remote(cfg: &Config) -> Result<Option<service::Remote>, String> {
         r.write_through,
         (r.flush_interval_ms > 0).then(|| ms(r.flush_interval_ms)),
         r.resume_from_summaries,
+        r.stream_resumed,
     )))
 }
 

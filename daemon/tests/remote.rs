@@ -116,6 +116,15 @@ fn a_session_resumes_from_its_summaries_before_its_blocks_arrive() {
         20 * sb + fetched * bb,
         "summaries, then the kept runs"
     );
+    // Where its bytes are (protocol version 4): all in the cluster, the kept ones here too.
+    let info = cb.session_info(moved).unwrap();
+    assert_eq!(info.remote_bytes, 20 * bb);
+    assert!(info.host_bytes > 0 && info.host_bytes < 20 * bb);
+    assert_eq!(
+        ca.session_info(stay).unwrap().remote_bytes,
+        0,
+        "never written there"
+    );
     for step in 0..3 {
         for layer in (step == 0) as usize..2 {
             let out_a = sh.decode(&mut ca, stay, layer);

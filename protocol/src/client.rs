@@ -478,7 +478,13 @@ impl Client {
             &mut fds,
         )?
         .ok_or(ClientError::Closed)?;
-        let resp = Response::decode(&header, &self.body)?;
+        // Before HELLO's reply (version 0) only the HELLO reply is read, alike in every
+        // version.
+        let version = match self.server.version {
+            0 => PROTOCOL_VERSION,
+            v => v,
+        };
+        let resp = Response::decode_for(&header, &self.body, version)?;
         // A server that cannot parse a header answers with request id 0 before closing.
         let id_ok = header.request_id == id || (header.request_id == 0 && header.is_error());
         if !id_ok {

@@ -7,7 +7,7 @@ pub const MAGIC: u32 = 0x3154_564B;
 /// Size of every frame header.
 pub const HEADER_LEN: usize = 24;
 /// The newest protocol version this crate speaks.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 /// The oldest protocol version this crate speaks: version 2 is version 3 without the error
 /// code OWNED_ELSEWHERE (a server answers a version 2 client FAILED_PRECONDITION instead).
 pub const MIN_PROTOCOL_VERSION: u16 = 2;

@@ -1,7 +1,7 @@
 //! Reply bodies (success replies and the error reply).
 
 use crate::error::{ErrorCode, ProtoError};
-use crate::header::{encode_frame, Header, Opcode, ERROR_OPCODE, REPLY_BIT};
+use crate::header::{encode_frame, Header, Opcode, ERROR_OPCODE, PROTOCOL_VERSION, REPLY_BIT};
 use crate::types::{DecodeStats, LeaseReply, ReserveReply, SessionInfo};
 use crate::wire::{put_f32s, put_len, put_str, put_u16, put_u32, put_u64, put_u8, Reader};
 
@@ -198,8 +198,13 @@ impl Response {
         })
     }
 
-    /// Append the body (no header) to `buf`.
+    /// Append the body (no header) to `buf`, in the current protocol version.
     pub fn encode(&self, buf: &mut Vec<u8>) -> Result<(), ProtoError> {
+        self.encode_for(PROTOCOL_VERSION, buf)
+    }
+
+    /// Append the body (no header) to `buf`, as protocol `version` lays it out.
+    pub fn encode_for(&self, version: u16, buf: &mut Vec<u8>) -> Result<(), ProtoError> {
         match self {
             Response::Hello(h) => h.put(buf),
             Response::CreateSession { session } => {
@@ -212,10 +217,10 @@ impl Response {
             }
             Response::Reserve(r) => r.put(buf),
             Response::Decode(d) => d.put(buf),
-            Response::SessionInfo(s) => s.put(buf),
+            Response::SessionInfo(s) => s.put(buf, version),
             Response::ListSessions(list) => {
                 put_len(buf, list.len(), "session list")?;
-                list.iter().try_for_each(|s| s.put(buf))
+                list.iter().try_for_each(|s| s.put(buf, version))
             }
             Response::Stats(s) => {
                 put_len(buf, s.entries.len(), "stats entries")?;
@@ -244,13 +249,31 @@ impl Response {
         }
     }
 
-    /// Append a whole frame (header + body) answering `request_id` to `buf`.
+    /// Append a whole frame (header + body) answering `request_id` to `buf`, in the current
+    /// protocol version.
     pub fn encode_frame(&self, request_id: u64, buf: &mut Vec<u8>) -> Result<(), ProtoError> {
-        encode_frame(buf, request_id, self.opcode(), 0, |b| self.encode(b))
+        self.encode_frame_for(PROTOCOL_VERSION, request_id, buf)
     }
 
-    /// Decode a reply body given its header.
+    /// [`Response::encode_frame`] for a connection that negotiated protocol `version`.
+    pub fn encode_frame_for(
+        &self,
+        version: u16,
+        request_id: u64,
+        buf: &mut Vec<u8>,
+    ) -> Result<(), ProtoError> {
+        encode_frame(buf, request_id, self.opcode(), 0, |b| {
+            self.encode_for(version, b)
+        })
+    }
+
+    /// Decode a reply body of the current protocol version given its header.
     pub fn decode(header: &Header, body: &[u8]) -> Result<Self, ProtoError> {
+        Self::decode_for(header, body, PROTOCOL_VERSION)
+    }
+
+    /// Decode a reply body of protocol `version` given its header.
+    pub fn decode_for(header: &Header, body: &[u8], version: u16) -> Result<Self, ProtoError> {
         if body.len() != header.body_len as usize {
             return Err(ProtoError::BodyLenMismatch {
                 announced: header.body_len,
@@ -284,13 +307,13 @@ impl Response {
                     tokens: r.u64("tokens")?,
                 },
                 Opcode::Decode => Response::Decode(DecodeReply::get(&mut r)?),
-                Opcode::SessionInfo => Response::SessionInfo(SessionInfo::get(&mut r)?),
+                Opcode::SessionInfo => Response::SessionInfo(SessionInfo::get(&mut r, version)?),
                 Opcode::CloseSession => Response::CloseSession,
                 Opcode::ListSessions => {
                     let n = r.count("session list", SessionInfo::MIN_WIRE_LEN)?;
                     let mut list = Vec::with_capacity(n);
                     for _ in 0..n {
-                        list.push(SessionInfo::get(&mut r)?);
+                        list.push(SessionInfo::get(&mut r, version)?);
                     }
                     Response::ListSessions(list)
                 }

@@ -75,6 +75,9 @@ pub struct SessionInfo {
     pub blocks: u64,
     pub host_bytes: u64,
     pub nvme_bytes: u64,
+    /// KV bytes of the session the remote tier holds (0 without it). Protocol version 4 on:
+    /// an older version's reply has none, and decodes as 0.
+    pub remote_bytes: u64,
     pub pinned: bool,
     /// Its stored data failed verification at startup: listed so an operator sees it, every
     /// use answers DATA_LOSS, CLOSE deletes what remains (wire: bit 1 of the state byte).
@@ -84,11 +87,12 @@ pub struct SessionInfo {
 }
 
 impl SessionInfo {
-    /// Encoded size with an empty label; the minimum size of one list element.
+    /// Encoded size with an empty label in versions 2 and 3 (4 adds 8 bytes): the minimum
+    /// size of one list element.
     pub const MIN_WIRE_LEN: usize =
         8 + 4 + 4 + GEOMETRY_WIRE_LEN + POLICY_WIRE_LEN + 8 * 5 + 1 + 8 * 2;
 
-    pub(crate) fn put(&self, buf: &mut Vec<u8>) -> Result<(), ProtoError> {
+    pub(crate) fn put(&self, buf: &mut Vec<u8>, version: u16) -> Result<(), ProtoError> {
         put_u64(buf, self.session);
         put_u32(buf, self.owner_uid);
         put_str(buf, &self.label, "session label")?;
@@ -102,10 +106,13 @@ impl SessionInfo {
         put_u8(buf, u8::from(self.pinned) | u8::from(self.damaged) << 1);
         put_u64(buf, self.created_unix_ms);
         put_u64(buf, self.last_access_unix_ms);
+        if version >= 4 {
+            put_u64(buf, self.remote_bytes);
+        }
         Ok(())
     }
 
-    pub(crate) fn get(r: &mut Reader<'_>) -> Result<Self, ProtoError> {
+    pub(crate) fn get(r: &mut Reader<'_>, version: u16) -> Result<Self, ProtoError> {
         let (session, owner_uid) = (r.u64("session")?, r.u32("owner_uid")?);
         let label = r.str("session label")?.to_owned();
         let (geometry, policy) = (get_geometry(r)?, get_policy(r)?);
@@ -128,6 +135,11 @@ impl SessionInfo {
             damaged: state & 2 != 0,
             created_unix_ms: r.u64("created_unix_ms")?,
             last_access_unix_ms: r.u64("last_access_unix_ms")?,
+            remote_bytes: if version >= 4 {
+                r.u64("remote_bytes")?
+            } else {
+                0
+            },
         })
     }
 }

@@ -402,6 +402,7 @@ fn unknown_error_code_and_bad_bool_in_replies() {
         blocks: 0,
         host_bytes: 0,
         nvme_bytes: 0,
+        remote_bytes: 0,
         pinned: true,
         damaged: true,
         created_unix_ms: 0,
@@ -411,7 +412,11 @@ fn unknown_error_code_and_bad_bool_in_replies() {
     Response::SessionInfo(info.clone())
         .encode(&mut body)
         .unwrap();
-    assert_eq!(body.len(), SessionInfo::MIN_WIRE_LEN);
+    assert_eq!(
+        body.len(),
+        SessionInfo::MIN_WIRE_LEN + 8,
+        "version 4 adds remote_bytes"
+    );
     assert_eq!(
         body[SessionInfo::MIN_WIRE_LEN - 17],
         3,

@@ -249,6 +249,7 @@ fn info(session: u64, s: &Session) -> SessionInfo {
         blocks: 0,
         host_bytes: 0,
         nvme_bytes: 0,
+        remote_bytes: 0,
         pinned: false,
         damaged: false,
         created_unix_ms: 1,
@@ -441,7 +442,7 @@ fn raw_protocol_unknown_opcode_and_handshake_rules() {
     assert_eq!((h.opcode, h.request_id), (ERROR_OPCODE, 5));
     assert_eq!(error_of(&h, &b).code, ErrorCode::FailedPrecondition);
 
-    let (h, _) = raw_roundtrip(&mut s, &hello_frame(6, 1, 3, "raw")).unwrap();
+    let (h, _) = raw_roundtrip(&mut s, &hello_frame(6, 1, PROTOCOL_VERSION, "raw")).unwrap();
     assert_eq!((h.opcode, h.request_id), (Opcode::Hello.reply(), 6));
 
     // Unknown and reserved opcodes: UNIMPLEMENTED, same id, connection stays usable.

@@ -42,6 +42,7 @@ fn info(session: u64, label: &str, pinned: bool) -> SessionInfo {
         blocks: 2,
         host_bytes: 4096,
         nvme_bytes: 0,
+        remote_bytes: 8192,
         pinned,
         damaged: false,
         created_unix_ms: 1_763_800_000_000,
@@ -75,10 +76,10 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         1,
         Request::Hello(HelloRequest {
             min_version: 2,
-            max_version: 3,
+            max_version: 4,
             client_name: "kvtier-golden".into(),
         }),
-        "HELLO request, id 1: min_version 2, max_version 3, client_name \"kvtier-golden\"",
+        "HELLO request, id 1: min_version 2, max_version 4, client_name \"kvtier-golden\"",
     );
     req(
         "create_session_request",
@@ -251,12 +252,12 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         "hello_reply",
         1,
         Response::Hello(HelloReply {
-            version: 3,
+            version: 4,
             max_frame_bytes: 16 << 20,
             server_name: "tierd".into(),
             server_version: "0.1.0".into(),
         }),
-        "HELLO reply, id 1: version 3, max_frame_bytes 16777216, server \"tierd\" \"0.1.0\"",
+        "HELLO reply, id 1: version 4, max_frame_bytes 16777216, server \"tierd\" \"0.1.0\"",
     );
     resp(
         "create_session_reply",
@@ -312,7 +313,7 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         Response::SessionInfo(info(7, "golden", false)),
         "SESSION_INFO reply, id 6: session 7, uid 1000, label \"golden\", golden geometry, \
          default policy, tokens 2..3, blocks 2, host 4096, nvme 0, not pinned, \
-         created 1763800000000, last access 1763800000500",
+         created 1763800000000, last access 1763800000500, remote 8192 (version 4)",
     );
     resp(
         "list_sessions_reply",
@@ -521,7 +522,7 @@ fn hello_request_bytes_by_hand() {
     want.extend_from_slice(&21u32.to_le_bytes()); // 2 + 2 + 4 + 13
     want.extend_from_slice(&1u64.to_le_bytes());
     want.extend_from_slice(&[0x01, 0x00, 0x00, 0x00, 0, 0, 0, 0]);
-    want.extend_from_slice(&[2, 0, 3, 0, 13, 0, 0, 0]);
+    want.extend_from_slice(&[2, 0, 4, 0, 13, 0, 0, 0]);
     want.extend_from_slice(b"kvtier-golden");
     assert_eq!(frame, want);
 }
@@ -553,4 +554,28 @@ fn every_opcode_has_a_request_and_a_reply_vector() {
             op.name()
         );
     }
+}
+
+/// A version 2 or 3 connection gets SESSION_INFO and LIST_SESSIONS as version 4 lays them out
+/// without its last field (`remote_bytes`), and such a reply decodes with it 0.
+#[test]
+fn a_version_3_session_info_is_version_4_without_remote_bytes() {
+    let resp = Response::ListSessions(vec![info(7, "golden", false), info(9, "", true)]);
+    let (mut v3, mut v4) = (Vec::new(), Vec::new());
+    resp.encode_frame_for(3, 7, &mut v3).unwrap();
+    resp.encode_frame_for(4, 7, &mut v4).unwrap();
+    assert_eq!(v4.len(), v3.len() + 2 * 8);
+    let mut h = [0u8; HEADER_LEN];
+    h.copy_from_slice(&v3[..HEADER_LEN]);
+    let header = Header::decode(&h).unwrap();
+    let Response::ListSessions(got) = Response::decode_for(&header, &v3[HEADER_LEN..], 3).unwrap()
+    else {
+        panic!("a session list");
+    };
+    assert_eq!(got.len(), 2);
+    for s in got {
+        assert_eq!(s.remote_bytes, 0);
+        assert_eq!(s.host_bytes, 4096);
+    }
+    assert!(Response::decode_for(&header, &v3[HEADER_LEN..], 4).is_err());
 }

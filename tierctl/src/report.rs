@@ -245,21 +245,29 @@ impl std::ops::Deref for Session {
 
 impl Session {
     /// The sessions table's STATE column: DAMAGED, else where the session's blocks are
-    /// (`ram`, `nvme` once demoted, `ram+nvme`, `-` with none), and `pinned`.
+    /// (`ram`, `nvme` once demoted, `remote` once in the cluster, joined by `+`, `-` with
+    /// none), and `pinned`.
     fn state_cell(&self) -> String {
         if self.damaged {
             return "DAMAGED".into();
         }
-        let place = match (self.host_bytes > 0, self.nvme_bytes > 0) {
-            (true, false) => "ram",
-            (false, true) => "nvme",
-            (true, true) => "ram+nvme",
-            (false, false) => "-",
+        let places: Vec<&str> = [
+            (self.host_bytes, "ram"),
+            (self.nvme_bytes, "nvme"),
+            (self.remote_bytes, "remote"),
+        ]
+        .into_iter()
+        .filter(|&(b, _)| b > 0)
+        .map(|(_, p)| p)
+        .collect();
+        let place = match places.is_empty() {
+            true => "-".to_string(),
+            false => places.join("+"),
         };
         if self.pinned {
             format!("{place} pinned")
         } else {
-            place.into()
+            place
         }
     }
 
@@ -308,6 +316,7 @@ impl Session {
         kv("blocks", self.blocks.to_string());
         kv("host bytes", human::bytes(self.host_bytes));
         kv("nvme bytes", human::bytes(self.nvme_bytes));
+        kv("remote bytes", human::bytes(self.remote_bytes));
         kv("pinned", if self.pinned { "yes" } else { "no" }.into());
         if self.damaged {
             kv(
@@ -659,5 +668,55 @@ mod tests {
             s.render(),
             "host_bytes_used  3145728 (3.0 MiB)\nsessions         2\n"
         );
+    }
+
+    /// STATE names every tier holding the session's bytes, the remote tier's included.
+    #[test]
+    fn state_names_every_tier_holding_the_session() {
+        let at = |host_bytes, nvme_bytes, remote_bytes, pinned| {
+            Session(SessionInfo {
+                host_bytes,
+                nvme_bytes,
+                remote_bytes,
+                pinned,
+                ..at_info()
+            })
+            .state_cell()
+        };
+        assert_eq!(at(1, 0, 0, false), "ram");
+        assert_eq!(at(1, 1, 0, true), "ram+nvme pinned");
+        assert_eq!(at(0, 0, 1, false), "remote");
+        assert_eq!(at(1, 0, 1, false), "ram+remote");
+        assert_eq!(at(0, 1, 1, false), "nvme+remote");
+        assert_eq!(at(0, 0, 0, false), "-");
+        let info = Session(SessionInfo {
+            remote_bytes: 4096,
+            ..at_info()
+        });
+        assert!(
+            info.render(0).contains("remote bytes:"),
+            "{}",
+            info.render(0)
+        );
+    }
+
+    fn at_info() -> SessionInfo {
+        SessionInfo {
+            session: 1,
+            owner_uid: 0,
+            label: String::new(),
+            geometry: kvtier_protocol::Geometry::new(1, 1, 1, 8, kvtier_protocol::DType::Bf16, 16),
+            policy: kvtier_protocol::Policy::default(),
+            tokens_min: 1,
+            tokens_max: 1,
+            blocks: 1,
+            host_bytes: 0,
+            nvme_bytes: 0,
+            remote_bytes: 0,
+            pinned: false,
+            damaged: false,
+            created_unix_ms: 0,
+            last_access_unix_ms: 0,
+        }
     }
 }

@@ -4,12 +4,12 @@
 //! 1. the cluster's own figure: `redis-benchmark --cluster` SET and GET of 256 KiB values;
 //! 2. a bulk write and read of one session through `ClusterStore` in process (the floor of an
 //!    offload and of a whole-session pull: every page pipelined, `WAIT 1` after the write);
-//! 3. through four tierd nodes, two resuming a session by reading every page first
-//!    (`remote.resume_from_summaries = false`) and two from its block summaries: a session
-//!    built on node A and offloaded, then, round by round and each way in turn, the time from
-//!    the first request on another node to its decoded token (the resume, then the step),
-//!    against the rest of that step, a second step, and (from summaries) the time until every
-//!    block has arrived.
+//! 3. through tierd nodes: a session built on one node and offloaded, then, round by round
+//!    and each way in turn (every page read first, `remote.resume_from_summaries = false`;
+//!    from summaries with the rest streamed behind; from summaries with blocks read only on
+//!    demand, `remote.stream_resumed = false`), resumed on a fresh node: the time from its
+//!    first request to the decoded token, the whole first step, a later step, and (streamed)
+//!    until every block has arrived. One node holds the session at a time.
 //!
 //! `cargo build --release -p tierd -p kvtier-bench --bin remote_bench`, then
 //! `target/release/remote_bench --tokens 32768 --rounds 3`.
@@ -188,10 +188,15 @@ fn bulk(cluster: &RedisCluster, args: &Args, bytes: u64) -> Result<(), BoxError>
 /// Part 3: offload and resume through tierd nodes, reading every page first and from
 /// summaries.
 fn nodes(cluster: &RedisCluster, args: &Args, bytes: u64) -> Result<(), BoxError> {
+    if args.rounds < 2 {
+        return Err("--rounds must be at least 2".into());
+    }
     let tierd = find_tierd(args.tierd.as_deref());
     let seeds = cluster.seeds_setting();
     let capacity = format!("{}MiB", (bytes * 2 / (1 << 20)).max(512));
-    let node = |name: &str, from_summaries: bool| {
+    // A fresh node per resume, the one before it stopped once it has offloaded the session:
+    // at most one node holds it (and its memory) at a time.
+    let node = |name: &str, way: Way| {
         let seeds = seeds.clone();
         let capacity = capacity.clone();
         let name = name.to_string();
@@ -208,35 +213,27 @@ fn nodes(cluster: &RedisCluster, args: &Args, bytes: u64) -> Result<(), BoxError
                 // The whole session is written by the OFFLOAD measured, not by periodic
                 // writes while it is appended.
                 "remote.flush_interval_ms=0".into(),
-                format!("remote.resume_from_summaries={from_summaries}"),
+                format!("remote.resume_from_summaries={}", way != Way::Pages),
+                format!("remote.stream_resumed={}", way == Way::Streamed),
                 format!("remote.replicas={replicas}"),
             ] {
                 c.args(["--set", &s]);
             }
         })
     };
-    // A and B read every page first, C and D resume from summaries.
-    let nodes = [
-        node("node-a", false)?,
-        node("node-b", false)?,
-        node("node-c", true)?,
-        node("node-d", true)?,
-    ];
-    let mut clients = nodes
-        .iter()
-        .map(|n| Client::connect(n.socket()))
-        .collect::<Result<Vec<_>, _>>()?;
+    let mut holder = node("node-0", Way::Pages)?;
+    let mut client = Client::connect(holder.socket())?;
     let mut rng = Rng::new(7);
-    let id = clients[0].create_session(GEOMETRY, Policy::default(), "bench")?;
+    let id = client.create_session(GEOMETRY, Policy::default(), "bench")?;
     let t = Instant::now();
     let chunk = 256u32;
     let mut at = 0u64;
     while at < args.tokens as u64 {
         let n = chunk.min(args.tokens - at as u32);
-        at = clients[0].append_kv(id, at, n, &payload(n as usize, &mut rng))?;
+        at = client.append_kv(id, at, n, &payload(n as usize, &mut rng))?;
     }
     println!(
-        "node A: {} tokens appended in {:.1} s",
+        "node 0: {} tokens appended in {:.1} s",
         args.tokens,
         t.elapsed().as_secs_f64()
     );
@@ -262,45 +259,49 @@ fn nodes(cluster: &RedisCluster, args: &Args, bytes: u64) -> Result<(), BoxError
             false,
         )
     };
-    if args.rounds < 2 {
-        return Err("--rounds must be at least 2".into());
-    }
-    let arrived = |c: &mut Client| -> Result<u64, BoxError> {
+    let arrived = |c: &mut Client| -> Result<(u64, u64), BoxError> {
         let s = c.stats()?;
-        Ok(s.get("remote_blocks_fetched_total").unwrap_or(0)
-            + s.get("remote_blocks_streamed_total").unwrap_or(0))
+        Ok((
+            s.get("remote_blocks_fetched_total").unwrap_or(0),
+            s.get("remote_blocks_streamed_total").unwrap_or(0),
+        ))
     };
     let total_blocks = g.layers as u64 * g.blocks_for(args.tokens as u64);
     let mut offloads = vec![];
-    // Per way (0: every page first, 1: from summaries): first token, rest of that step, a
-    // later step, and (from summaries) every block arrived.
-    let mut firsts = [vec![], vec![]];
-    let mut rests = [vec![], vec![]];
-    let mut steady = [vec![], vec![]];
+    let ways = [Way::Pages, Way::Streamed, Way::OnDemand];
+    // Per way: the first token (resume + layer 0), the whole first step, a later step, the
+    // blocks read for the first step, and (streamed) every block arrived.
+    let mut firsts = [vec![], vec![], vec![]];
+    let mut first_steps = [vec![], vec![], vec![]];
+    let mut steady = [vec![], vec![], vec![]];
+    let mut fetched = [vec![], vec![], vec![]];
     let mut whole = vec![];
     let mut tokens = args.tokens as u64;
-    let mut holder = 0;
-    // The other nodes in turn: B (pages), C (summaries), A (pages), D (summaries), ...
-    let order = [1, 2, 0, 3];
-    for i in 0..2 * args.rounds {
-        let to = order[i % order.len()];
-        let way = (to >= 2) as usize;
-        let before = arrived(&mut clients[to])?;
+    for i in 0..ways.len() * args.rounds {
+        let w = i % ways.len();
+        let next = node(&format!("node-{}", i + 1), ways[w])?;
+        let mut to = Client::connect(next.socket())?;
         let t = Instant::now();
-        clients[holder].offload(id)?;
+        client.offload(id)?;
         offloads.push(t.elapsed().as_secs_f64());
+        drop(client);
+        drop(std::mem::replace(&mut holder, next));
         let t = Instant::now();
-        step(&mut clients[to], 0, tokens, &mut rng)?;
-        firsts[way].push(t.elapsed().as_secs_f64());
-        let t1 = Instant::now();
+        step(&mut to, 0, tokens, &mut rng)?;
+        firsts[w].push(t.elapsed().as_secs_f64());
         for layer in 1..g.layers {
-            step(&mut clients[to], layer, tokens, &mut rng)?;
+            step(&mut to, layer, tokens, &mut rng)?;
         }
-        rests[way].push(t1.elapsed().as_secs_f64());
+        first_steps[w].push(t.elapsed().as_secs_f64());
+        fetched[w].push(arrived(&mut to)?.0 as f64);
         tokens += 1;
-        if way == 1 {
-            while arrived(&mut clients[to])? - before < total_blocks {
-                if t.elapsed() > Duration::from_secs(600) {
+        if ways[w] == Way::Streamed {
+            loop {
+                let (f, s) = arrived(&mut to)?;
+                if f + s >= total_blocks {
+                    break;
+                }
+                if t.elapsed() > Duration::from_secs(900) {
                     return Err("the resumed session never arrived in full".into());
                 }
                 std::thread::sleep(Duration::from_millis(5));
@@ -309,34 +310,55 @@ fn nodes(cluster: &RedisCluster, args: &Args, bytes: u64) -> Result<(), BoxError
         }
         let t = Instant::now();
         for layer in 0..g.layers {
-            step(&mut clients[to], layer, tokens, &mut rng)?;
+            step(&mut to, layer, tokens, &mut rng)?;
         }
-        steady[way].push(t.elapsed().as_secs_f64());
+        steady[w].push(t.elapsed().as_secs_f64());
         tokens += 1;
-        holder = to;
+        client = to;
     }
     println!(
         "tierd nodes: OFFLOAD of the whole session: {:.2} s, of the 2 tokens a round adds {:.3} s (median)",
         offloads[0],
         median(&mut offloads[1..].to_vec())
     );
-    for (way, name) in ["reading every page first", "from summaries"]
-        .iter()
-        .enumerate()
-    {
-        let first = median(&mut firsts[way]);
+    for (w, way) in ways.iter().enumerate() {
+        let first = median(&mut firsts[w]);
         println!(
-            "tierd nodes, resume {name}: first request on the other node to its decoded token (resume + layer 0) {first:.3} s ({:.2} GB/s of KV); the other 27 layers of that step {:.3} s; a whole step after {:.3} s (medians of {})",
-            bytes as f64 / 1e9 / first,
-            median(&mut rests[way]),
-            median(&mut steady[way]),
+            "tierd nodes, resume {}: first request on a fresh node to its decoded token (resume + layer 0) {first:.3} s; the whole first step (28 layers) {:.3} s ({:.2} GB/s of KV), {:.0} blocks read on demand in it; a later step {:.3} s (medians of {})",
+            way.name(),
+            median(&mut first_steps[w]),
+            bytes as f64 / 1e9 / median(&mut first_steps[w]),
+            median(&mut fetched[w]),
+            median(&mut steady[w]),
             args.rounds
         );
     }
     println!(
-        "tierd nodes, resume from summaries: every block arrived {:.2} s after the first request (median of {})",
+        "tierd nodes, resume from summaries, streamed: every block arrived {:.2} s after the first request (median of {})",
         median(&mut whole),
         args.rounds
     );
     Ok(())
+}
+
+/// How a node resumes the session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Way {
+    /// Every page read before the first step (`remote.resume_from_summaries = false`).
+    Pages,
+    /// From summaries, the rest streamed in behind.
+    Streamed,
+    /// From summaries, blocks read only when a step keeps them (`remote.stream_resumed =
+    /// false`).
+    OnDemand,
+}
+
+impl Way {
+    fn name(self) -> &'static str {
+        match self {
+            Way::Pages => "reading every page first",
+            Way::Streamed => "from summaries, the rest streamed",
+            Way::OnDemand => "from summaries, blocks on demand only",
+        }
+    }
 }

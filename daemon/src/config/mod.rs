@@ -393,6 +393,9 @@ pub struct RemoteConfig {
     /// cluster when a step keeps them and the rest streamed in the background (false: read
     /// every page before serving it).
     pub resume_from_summaries: bool,
+    /// Stream a session resumed from its summaries into the host tier behind its steps
+    /// (false: read its blocks only when a step keeps them).
+    pub stream_resumed: bool,
 }
 
 impl Default for RemoteConfig {
@@ -410,6 +413,7 @@ impl Default for RemoteConfig {
             write_through: false,
             flush_interval_ms: 30_000,
             resume_from_summaries: true,
+            stream_resumed: true,
         }
     }
 }

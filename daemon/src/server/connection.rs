@@ -74,7 +74,7 @@ async fn write_with_fd(stream: &UnixStream, frame: &[u8], fd: BorrowedFd<'_>) ->
 
 impl Connection {
     /// The protocol version replies are encoded for: HELLO's choice, the oldest before it.
-    fn reply_version(&self) -> u16 {
+    pub(super) fn reply_version(&self) -> u16 {
         self.version.unwrap_or(MIN_PROTOCOL_VERSION)
     }
 

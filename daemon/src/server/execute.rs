@@ -179,7 +179,12 @@ impl Connection {
         let new = !self.leases.contains(&session);
         let table = service.lease(&self.peer, session, new)?;
         let max = self.shared.settings.max_frame_bytes;
-        match encode_reply(request_id, &Response::Lease(table), max) {
+        match encode_reply(
+            request_id,
+            &Response::Lease(table),
+            max,
+            self.reply_version(),
+        ) {
             Ok(frame) => {
                 self.leases.insert(session);
                 Ok(Outcome::Lease(frame))

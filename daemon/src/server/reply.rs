@@ -26,14 +26,19 @@ pub(super) fn reply_frame(
     service: &Service,
 ) -> Vec<u8> {
     result
-        .and_then(|resp| encode_reply(request_id, &resp, max))
+        .and_then(|resp| encode_reply(request_id, &resp, max, version))
         .unwrap_or_else(|e| error_reply(request_id, e, version, service))
 }
 
-/// A reply's frame; RESOURCE_EXHAUSTED when its body exceeds `max`.
-pub(super) fn encode_reply(request_id: u64, resp: &Response, max: u32) -> ServiceResult<Vec<u8>> {
+/// A reply's frame in protocol `version`; RESOURCE_EXHAUSTED when its body exceeds `max`.
+pub(super) fn encode_reply(
+    request_id: u64,
+    resp: &Response,
+    max: u32,
+    version: u16,
+) -> ServiceResult<Vec<u8>> {
     let mut buf = Vec::new();
-    resp.encode_frame(request_id, &mut buf)
+    resp.encode_frame_for(version, request_id, &mut buf)
         .map_err(|e| ServiceError::internal(format!("encoding reply: {e}")))?;
     if buf.len() - HEADER_LEN > max as usize {
         return Err(ServiceError::exhausted(format!(

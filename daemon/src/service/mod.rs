@@ -514,6 +514,18 @@ impl Service {
             blocks: st.kv.blocks() as u64,
             host_bytes: st.kv.host_bytes() as u64,
             nvme_bytes: nvme_pages * page,
+            // The runs of the blocks the cluster's copy holds tokens of.
+            remote_bytes: match &self.remote {
+                Some(_) => {
+                    let blocks: u64 = st
+                        .remote_persisted
+                        .iter()
+                        .map(|&t| s.geometry.blocks_for(t))
+                        .sum();
+                    blocks * s.geometry.block_bytes() as u64
+                }
+                None => 0,
+            },
             pinned: s.pinned.load(Ordering::Relaxed),
             damaged: s.damaged.is_some(),
             created_unix_ms: s.created_unix_ms,

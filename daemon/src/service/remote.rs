@@ -27,6 +27,8 @@ pub struct Remote {
     claims: Mutex<HashMap<u64, Claim>>,
     /// Resume from block summaries, runs on demand (else read every page first).
     from_summaries: bool,
+    /// Stream a session resumed from its summaries in behind its steps.
+    pub(super) stream_resumed: bool,
     /// One resume at a time: two requests naming one session claim it once.
     resuming: Mutex<()>,
 }
@@ -40,6 +42,7 @@ impl Remote {
         write_through: bool,
         flush_every: Option<Duration>,
         from_summaries: bool,
+        stream_resumed: bool,
     ) -> Self {
         Remote {
             store,
@@ -48,6 +51,7 @@ impl Remote {
             flush: flush_every.map(|d| (d, Mutex::new(Instant::now()))),
             claims: Mutex::new(HashMap::new()),
             from_summaries,
+            stream_resumed,
             resuming: Mutex::new(()),
         }
     }

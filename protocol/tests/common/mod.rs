@@ -57,7 +57,7 @@ pub fn text() -> impl Strategy<Value = String> {
 pub fn session_info() -> impl Strategy<Value = SessionInfo> {
     (
         (any::<u64>(), any::<u32>(), text(), geometry(), policy()),
-        (any::<[u64; 5]>(), any::<bool>(), any::<u64>(), any::<u64>()),
+        (any::<[u64; 6]>(), any::<bool>(), any::<u64>(), any::<u64>()),
     )
         .prop_map(
             |((session, owner_uid, label, geometry, policy), (n, pinned, created, last))| {
@@ -72,6 +72,7 @@ pub fn session_info() -> impl Strategy<Value = SessionInfo> {
                     blocks: n[2],
                     host_bytes: n[3],
                     nvme_bytes: n[4],
+                    remote_bytes: n[5],
                     pinned,
                     damaged: false,
                     created_unix_ms: created,

@@ -46,12 +46,15 @@ impl ClusterStore {
                 })?;
             pages.push(*pg);
         }
-        let cut = batches(
+        let sizes = || {
             pages
                 .iter()
-                .map(|p| page::HEADER_LEN + part.expected(p).1 as usize),
-            self.cfg.batch_bytes,
-        );
+                .map(|p| page::HEADER_LEN + part.expected(p).1 as usize)
+        };
+        // A read smaller than a pipeline per connection (a step's keep-set) is still spread
+        // over every connection.
+        let per_stream = sizes().sum::<usize>().div_ceil(self.cfg.streams.max(1));
+        let cut = batches(sizes(), self.cfg.batch_bytes.min(per_stream.max(1)));
         let got: Vec<Vec<Vec<u8>>> = self.in_streams(
             cut.len(),
             |c, b| {
