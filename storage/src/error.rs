@@ -77,4 +77,24 @@ pub enum StorageError {
     Lock { source: io::Error },
 }
 
+impl StorageError {
+    /// Block `block` of `layer` could not be read back from `tier`; `corrupt` when its stored
+    /// bytes failed verification.
+    pub fn cold_read(
+        tier: &'static str,
+        layer: u32,
+        block: u32,
+        reason: impl std::fmt::Display,
+        corrupt: bool,
+    ) -> Self {
+        StorageError::ColdRead {
+            tier,
+            layer,
+            block,
+            reason: reason.to_string(),
+            corrupt,
+        }
+    }
+}
+
 pub type Result<T, E = StorageError> = std::result::Result<T, E>;

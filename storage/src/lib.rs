@@ -34,7 +34,8 @@ pub mod testing;
 pub use arena::{ArenaOptions, ArenaUsage, Extent, HostArena, HostQuota, Relocation};
 pub use error::{Result, StorageError};
 pub use kv::{
-    in_place_row, summary_bytes, ColdSource, InPlaceAppend, KvCache, LayerView, StoredBlock,
+    in_place_row, summary_bytes, ColdSource, InPlaceAppend, KvCache, LayerView, SavedRuns,
+    StoredBlock,
 };
 pub use kvtier_model::{dtype, geometry, DType, Geometry, ModelError, Policy, Selector};
 pub use par::{default_workers, zip_mut};

@@ -22,7 +22,7 @@
 use std::collections::BTreeSet;
 
 use kvtier_remote::{RemoteRecord, RemoteStore};
-use kvtier_storage::Extent;
+use kvtier_storage::{Extent, SavedRuns};
 
 use super::*;
 
@@ -109,25 +109,16 @@ impl ColdSource for SessionSource<'_> {
             nvme_read(&blocks[i..i + 1], &mut extents[i..i + 1])?;
         }
         let wanted: Vec<(u32, u32)> = far.iter().map(|&i| (layer, blocks[i])).collect();
-        let runs =
-            store
-                .read_runs(&arriving.record, &wanted)
-                .map_err(|e| StorageError::ColdRead {
-                    tier: "the remote tier",
-                    layer,
-                    block: wanted[0].1,
-                    reason: e.to_string(),
-                    corrupt: e.is_data_loss(),
-                })?;
+        let failed = |block, reason: &dyn std::fmt::Display, corrupt| {
+            StorageError::cold_read("the remote tier", layer, block, reason, corrupt)
+        };
+        let runs = store
+            .read_runs(&arriving.record, &wanted)
+            .map_err(|e| failed(wanted[0].1, &e, e.is_data_loss()))?;
         for (&i, run) in far.iter().zip(&runs) {
             if run.len() > extents[i].len() {
-                return Err(StorageError::ColdRead {
-                    tier: "the remote tier",
-                    layer,
-                    block: blocks[i],
-                    reason: format!("a {}-byte run, longer than a block's", run.len()),
-                    corrupt: true,
-                });
+                let why = format!("a {}-byte run, longer than a block's", run.len());
+                return Err(failed(blocks[i], &why, true));
             }
             extents[i].put_run(run);
         }
@@ -145,30 +136,6 @@ impl ColdSource for SessionSource<'_> {
 
 /// Block runs read from the cluster, by (layer, block).
 pub(super) type Runs = HashMap<(u32, u32), Vec<u8>>;
-
-/// Runs read from the cluster ahead of need, handed to [`KvCache::promote`].
-struct Streamed<'a> {
-    runs: &'a Runs,
-}
-
-impl ColdSource for Streamed<'_> {
-    fn read_runs(
-        &self,
-        layer: u32,
-        blocks: &[u32],
-        extents: &mut [Extent],
-    ) -> kvtier_storage::Result<()> {
-        for (&b, f) in blocks.iter().zip(extents) {
-            let run = self
-                .runs
-                .get(&(layer, b))
-                .ok_or(StorageError::NotResident { layer, blocks: 1 })?;
-            f.put_run(run);
-        }
-        Ok(())
-    }
-}
-
 impl Service {
     /// Where `st`'s cold blocks are read from (None: nowhere, every block is resident).
     pub(super) fn cold_source(&self, id: u64, st: &SessionState) -> Option<SessionSource<'_>> {
@@ -239,20 +206,11 @@ impl Service {
             }
         }
         let blocks: BTreeSet<(u32, u32)> = rb.wanted.iter().copied().collect();
-        let mut s = Session::new(
-            meta.id,
-            meta.owner_uid,
-            meta.label.clone(),
-            rb.policy,
-            kv,
-            false,
-        );
-        let st = s.state.get_mut();
-        st.remote_persisted = meta.layer_tokens.clone();
+        let mut s = Session::restored(&meta, rb.policy, kv, Durable::Remote);
         if !blocks.is_empty() {
-            st.arriving = Some(Arc::new(Arriving::new(rec, blocks, r.stream_resumed)));
+            s.state.get_mut().arriving =
+                Some(Arc::new(Arriving::new(rec, blocks, r.stream_resumed)));
         }
-        s.created_from(&meta);
         Ok(s)
     }
 
@@ -279,7 +237,7 @@ impl Service {
                 a.blocks.lock().iter().take(STREAM_BATCH).copied().collect();
             if batch.is_empty() {
                 // Every block read on demand (or by PROMOTE) meanwhile.
-                self.install_streamed(&s, &a, &HashMap::new());
+                self.install_streamed(&s, &a, &SavedRuns::default());
                 continue;
             }
             let resting = a
@@ -301,7 +259,7 @@ impl Service {
             self.counters
                 .remote_bytes_read
                 .fetch_add(runs.iter().map(|r| r.len() as u64).sum(), Ordering::Relaxed);
-            let runs: Runs = batch.iter().copied().zip(runs).collect();
+            let runs = SavedRuns(batch.iter().copied().zip(runs).collect());
             moved += self.install_streamed(&s, &a, &runs);
         }
         moved
@@ -309,13 +267,13 @@ impl Service {
 
     /// Installs streamed runs into a session still arriving from `a` (not one closed, taken
     /// by another node, or resumed anew since); returns the blocks installed.
-    fn install_streamed(&self, s: &Session, a: &Arc<Arriving>, runs: &Runs) -> usize {
+    fn install_streamed(&self, s: &Session, a: &Arc<Arriving>, runs: &SavedRuns) -> usize {
         let mut st = s.state.lock();
         if st.closed || !st.arriving.as_ref().is_some_and(|x| Arc::ptr_eq(x, a)) {
             return 0;
         }
         let mut by_layer: HashMap<u32, Vec<u32>> = HashMap::new();
-        for &(l, b) in runs.keys() {
+        for &(l, b) in runs.0.keys() {
             if a.contains(l, b) {
                 by_layer.entry(l).or_default().push(b);
             }
@@ -323,7 +281,7 @@ impl Service {
         let mut installed = 0;
         for (l, mut blocks) in by_layer {
             blocks.sort_unstable();
-            match st.kv.promote(l, &blocks, &Streamed { runs }) {
+            match st.kv.promote(l, &blocks, runs) {
                 Ok(n) => {
                     installed += n;
                     a.written(&blocks.iter().map(|&b| (l, b)).collect::<Vec<_>>());

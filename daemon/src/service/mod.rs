@@ -119,6 +119,14 @@ pub struct Session {
     state: Mutex<SessionState>,
 }
 
+/// Where a restored session's copy is durable.
+enum Durable {
+    /// On NVMe, holding these tokens per layer (a warm restart).
+    Nvme(Vec<u64>),
+    /// In the remote tier, as its record says (a resume).
+    Remote,
+}
+
 struct SessionState {
     kv: KvCache,
     /// Tokens per layer whose blocks are durable on NVMe (blocks at or past
@@ -619,12 +627,24 @@ impl Session {
         self.last_access_unix_ms.store(now_ms(), Ordering::Relaxed);
     }
 
-    /// Takes the creation time a manifest record kept (a record of an older format has none:
-    /// the session then counts as created at its restore).
-    fn created_from(&mut self, rec: &SessionRecord) {
-        if rec.created_unix_ms > 0 {
-            self.created_unix_ms = rec.created_unix_ms;
+    /// A session rebuilt from its record `rec` into `kv`, its copy durable in the tier
+    /// `durable` names. Takes the creation time the record kept (a record of an older format
+    /// has none: the session then counts as created at its restore).
+    fn restored(rec: &SessionRecord, policy: Policy, kv: KvCache, durable: Durable) -> Self {
+        let nvme = matches!(durable, Durable::Nvme(_));
+        let mut s = Session::new(rec.id, rec.owner_uid, rec.label.clone(), policy, kv, nvme);
+        let st = s.state.get_mut();
+        match durable {
+            Durable::Nvme(persisted) => {
+                st.persisted = persisted;
+                s.pinned.store(rec.pinned, Ordering::Relaxed);
+            }
+            Durable::Remote => st.remote_persisted = rec.layer_tokens.clone(),
         }
+        if rec.created_unix_ms > 0 {
+            s.created_unix_ms = rec.created_unix_ms;
+        }
+        s
     }
 
     /// Runs `f` on the session's KV cache under its lock.

@@ -108,10 +108,7 @@ impl Service {
             rec.policy.top_k,
         ));
         let kv = KvCache::new_with(geometry_of(&rec.geometry)?, self.arena.clone(), false)?;
-        let mut s = Session::new(rec.id, rec.owner_uid, rec.label.clone(), policy, kv, true);
-        s.state.get_mut().persisted = rec.layer_tokens.clone();
-        s.pinned.store(rec.pinned, Ordering::Relaxed);
-        s.created_from(rec);
+        let mut s = Session::restored(rec, policy, kv, Durable::Nvme(rec.layer_tokens.clone()));
         s.damaged = Some(reason);
         Ok(s)
     }
@@ -166,17 +163,11 @@ impl Service {
         let persisted = (0..kv.geometry().layers)
             .map(|l| kv.tokens(l).expect("layer"))
             .collect();
-        let mut s = Session::new(
-            rec.id,
-            rec.owner_uid,
-            rec.label.clone(),
+        Ok(Session::restored(
+            rec,
             rb.policy,
             kv,
-            true,
-        );
-        s.state.get_mut().persisted = persisted;
-        s.pinned.store(rec.pinned, Ordering::Relaxed);
-        s.created_from(rec);
-        Ok(s)
+            Durable::Nvme(persisted),
+        ))
     }
 }

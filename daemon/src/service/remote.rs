@@ -394,17 +394,7 @@ impl Service {
                 .map_err(|_| ServiceError::internal("the resume's reader panicked"))?;
             rebuilt
         })?;
-        let mut s = Session::new(
-            meta.id,
-            meta.owner_uid,
-            meta.label.clone(),
-            rb.policy,
-            kv,
-            false,
-        );
-        s.state.get_mut().remote_persisted = meta.layer_tokens.clone();
-        s.created_from(meta);
-        Ok(s)
+        Ok(Session::restored(meta, rb.policy, kv, Durable::Remote))
     }
 
     /// After a warm restart: a session the cluster holds is the cluster's, whatever this

@@ -41,15 +41,7 @@ impl KvCache {
         keep: bool,
     ) -> Result<()> {
         let geo = self.geo;
-        let bt = geo.block_tokens as u64;
-        let l = self.layer_kv(layer)?;
-        if l.tokens % bt != 0 || valid == 0 || valid as u64 > bt {
-            return Err(StorageError::PositionMismatch {
-                layer,
-                expected: l.tokens.next_multiple_of(bt),
-                got: l.tokens,
-            });
-        }
+        self.check_block_start(layer, valid)?;
         if run.len() != geo.block_bytes() {
             return Err(StorageError::PayloadSize {
                 what: "stored block run",
@@ -80,6 +72,21 @@ impl KvCache {
         }
         l.slots.push(slot);
         l.tokens += valid as u64;
+        Ok(())
+    }
+
+    /// Refuses a block of `valid` tokens appended whole to `layer` unless the layer ends at a
+    /// block boundary and `valid` is 1 to B.
+    pub(super) fn check_block_start(&self, layer: u32, valid: usize) -> Result<()> {
+        let bt = self.geo.block_tokens as u64;
+        let l = self.layer_kv(layer)?;
+        if l.tokens % bt != 0 || valid == 0 || valid as u64 > bt {
+            return Err(StorageError::PositionMismatch {
+                layer,
+                expected: l.tokens.next_multiple_of(bt),
+                got: l.tokens,
+            });
+        }
         Ok(())
     }
 

@@ -62,16 +62,8 @@ impl KvCache {
     /// [`KvCache::restore_block`].
     pub fn restore_summary(&mut self, layer: u32, summary: &[u8], valid: usize) -> Result<()> {
         let geo = self.geo;
-        let bt = geo.block_tokens as u64;
-        let l = self.layer_kv(layer)?;
-        if l.tokens % bt != 0 || valid == 0 || valid as u64 > bt {
-            return Err(StorageError::PositionMismatch {
-                layer,
-                expected: l.tokens.next_multiple_of(bt),
-                got: l.tokens,
-            });
-        }
-        let want = summary_bytes(&geo, l.sketches.is_some());
+        self.check_block_start(layer, valid)?;
+        let want = summary_bytes(&geo, self.has_sketches());
         if summary.len() != want {
             return Err(StorageError::PayloadSize {
                 what: "block summary",

@@ -192,12 +192,8 @@ impl crate::ColdSource for TierSource<'_> {
         blocks: &[u32],
         extents: &mut [crate::Extent],
     ) -> crate::Result<()> {
-        let fail = |block: u32, e: &NvmeError| crate::StorageError::ColdRead {
-            tier: "the NVMe tier",
-            layer,
-            block,
-            reason: e.to_string(),
-            corrupt: e.is_data_loss(),
+        let fail = |block: u32, e: &NvmeError| {
+            crate::StorageError::cold_read("the NVMe tier", layer, block, e, e.is_data_loss())
         };
         if blocks.is_empty() {
             return Ok(());
