@@ -21,6 +21,7 @@
 //! - `remote`: the remote tier (a Redis Cluster): claims, OFFLOAD, resuming a session another
 //!   node wrote, write-through to the cluster; `arrival`: a resumed session served from its
 //!   summaries while its blocks arrive;
+//! - `session`: one session's identity and state, and how a stored one is restored;
 //! - `stats`: counters, STATS and the metric series' refresh.
 
 use std::collections::HashMap;
@@ -54,6 +55,9 @@ pub use lease::next_connection_id;
 mod recovery;
 mod remote;
 pub use remote::Remote;
+mod session;
+pub use session::Session;
+use session::{Durable, SessionState};
 mod stats;
 mod tiering;
 
@@ -97,70 +101,6 @@ pub struct TierSettings {
     pub low_water: f64,
     /// Candidates per kv-head beyond the keep-set promoted ahead of need (0: no prefetch).
     pub prefetch_blocks: u32,
-}
-
-/// One session: its identity, policy and state.
-pub struct Session {
-    pub id: u64,
-    pub owner_uid: u32,
-    pub label: String,
-    pub geometry: Geometry,
-    pub policy: Policy,
-    pub created_unix_ms: u64,
-    last_access_unix_ms: AtomicU64,
-    pinned: std::sync::atomic::AtomicBool,
-    /// Connections holding a LEASE (see `lease.rs`): while any does, no extent is freed.
-    leases: std::sync::atomic::AtomicU32,
-    /// Why its stored data could not be read back at startup, if it could not. Such a session
-    /// stays listed (SESSION_INFO, LIST: its manifest token counts) so the loss is visible;
-    /// every use answers DATA_LOSS; CLOSE deletes its NVMe record and pages, which stay
-    /// untouched until then.
-    damaged: Option<String>,
-    state: Mutex<SessionState>,
-}
-
-/// Where a restored session's copy is durable.
-enum Durable {
-    /// On NVMe, holding these tokens per layer (a warm restart).
-    Nvme(Vec<u64>),
-    /// In the remote tier, as its record says (a resume).
-    Remote,
-}
-
-struct SessionState {
-    kv: KvCache,
-    /// Tokens per layer whose blocks are durable on NVMe (blocks at or past
-    /// `persisted / block_tokens` are dirty and never evicted).
-    persisted: Vec<u64>,
-    /// The NVMe manifest holds a record of this session.
-    stored: bool,
-    /// Tokens per layer the remote tier's copy holds (all 0 until it is first written).
-    remote_persisted: Vec<u64>,
-    /// Blocks of a session resumed from the remote tier not yet read from it (`arrival.rs`).
-    arriving: Option<Arc<arrival::Arriving>>,
-    /// Removed by CLOSE/EVICT; a request that looked it up before must not write it back.
-    closed: bool,
-    /// An open in-place append (RESERVE .. COMMIT, `lease.rs`): while it is, the session takes
-    /// no other append or decode.
-    reserved: Option<lease::Reservation>,
-}
-
-impl SessionState {
-    /// Cuts `layer` (every layer: None) back to `tokens` after an append a tier could not
-    /// take. Each tier's watermark comes down with it: a tier that took the tokens before
-    /// another refused them holds rows the cache no longer has, written again with the next
-    /// append.
-    fn roll_back(&mut self, layer: Option<usize>, tokens: u64) {
-        let layers = match layer {
-            Some(l) => l..l + 1,
-            None => 0..self.persisted.len(),
-        };
-        for l in layers {
-            self.kv.truncate_layer(l, tokens);
-            self.persisted[l] = self.persisted[l].min(tokens);
-            self.remote_persisted[l] = self.remote_persisted[l].min(tokens);
-        }
-    }
 }
 
 pub struct Service {
@@ -620,71 +560,6 @@ impl Service {
     }
 }
 
-impl Session {
-    /// Marks the session used now (an append or a decode): memory pressure demotes the least
-    /// recently used first, so looking at a session (SESSION_INFO, PIN, ...) does not count.
-    fn used_now(&self) {
-        self.last_access_unix_ms.store(now_ms(), Ordering::Relaxed);
-    }
-
-    /// A session rebuilt from its record `rec` into `kv`, its copy durable in the tier
-    /// `durable` names. Takes the creation time the record kept (a record of an older format
-    /// has none: the session then counts as created at its restore).
-    fn restored(rec: &SessionRecord, policy: Policy, kv: KvCache, durable: Durable) -> Self {
-        let nvme = matches!(durable, Durable::Nvme(_));
-        let mut s = Session::new(rec.id, rec.owner_uid, rec.label.clone(), policy, kv, nvme);
-        let st = s.state.get_mut();
-        match durable {
-            Durable::Nvme(persisted) => {
-                st.persisted = persisted;
-                s.pinned.store(rec.pinned, Ordering::Relaxed);
-            }
-            Durable::Remote => st.remote_persisted = rec.layer_tokens.clone(),
-        }
-        if rec.created_unix_ms > 0 {
-            s.created_unix_ms = rec.created_unix_ms;
-        }
-        s
-    }
-
-    /// Runs `f` on the session's KV cache under its lock.
-    pub(crate) fn with_kv<R>(&self, f: impl FnOnce(&mut KvCache) -> R) -> R {
-        f(&mut self.state.lock().kv)
-    }
-
-    fn new(
-        id: u64,
-        owner_uid: u32,
-        label: String,
-        policy: Policy,
-        kv: KvCache,
-        stored: bool,
-    ) -> Self {
-        let now = now_ms();
-        let layers = kv.geometry().layers as usize;
-        Session {
-            id,
-            owner_uid,
-            label,
-            geometry: *kv.geometry(),
-            policy,
-            created_unix_ms: now,
-            last_access_unix_ms: AtomicU64::new(now),
-            pinned: std::sync::atomic::AtomicBool::new(false),
-            leases: std::sync::atomic::AtomicU32::new(0),
-            damaged: None,
-            state: Mutex::new(SessionState {
-                kv,
-                persisted: vec![0; layers],
-                stored,
-                remote_persisted: vec![0; layers],
-                arriving: None,
-                closed: false,
-                reserved: None,
-            }),
-        }
-    }
-}
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -43,6 +43,13 @@ use kvtier_storage::sketch::BlockSketches;
 use kvtier_storage::testing::XorShift64 as Rng;
 use kvtier_storage::{DType, Geometry, Policy};
 
+mod args;
+mod dense;
+mod rows;
+use args::{parse, Args};
+use dense::run_dense;
+use rows::{overlap, trace_phases, Queries, Row};
+
 const PCIE_GBPS: f64 = 55.3;
 /// GPU memory copy bandwidth measured on the H200 (read + write counted; DESIGN.md): the floor
 /// quoted for dense attention over KV in GPU memory.
@@ -53,82 +60,6 @@ const LAYERS: u32 = 28;
 const HQ: u32 = 28;
 const HKV: u32 = 4;
 const D: u32 = 128;
-
-struct Args {
-    host_gb: f64,
-    steps: usize,
-    warmup: usize,
-    rho: f64,
-    contexts: Vec<u32>,
-    ks: Vec<u32>,
-    batches: Vec<u32>,
-    json: Option<String>,
-    sum_bf16: bool,
-    /// The sketch selector's candidates (None: the key bound).
-    sketch: Option<u32>,
-    /// Print select_score's phase breakdown (needs KVTIER_NVRTC_DEFINES=-DSEL_TRACE=1).
-    trace: bool,
-    /// Time the split pass by step only.
-    split_step: bool,
-    /// fp32 attention on the CUDA cores instead of tensor cores.
-    simt: bool,
-    /// No programmatic dependent launch between layers.
-    no_pdl: bool,
-    /// Skip the dense baselines.
-    no_dense: bool,
-    /// Tokens per block; the sink (128 tokens) and the local window (512) keep their size.
-    bt: u32,
-}
-
-fn parse() -> Result<Args, String> {
-    let mut a = Args {
-        host_gb: 60.2,
-        steps: 20,
-        warmup: 3,
-        rho: 0.9,
-        contexts: vec![131_072, 1_048_576],
-        ks: vec![8, 32],
-        batches: vec![1, 8],
-        json: None,
-        sum_bf16: false,
-        sketch: None,
-        trace: false,
-        split_step: false,
-        simt: false,
-        no_pdl: false,
-        no_dense: false,
-        bt: 128,
-    };
-    let mut it = std::env::args().skip(1);
-    let list = |s: String| -> Result<Vec<u32>, String> {
-        s.split(',')
-            .map(|x| x.parse::<u32>().map_err(|e| e.to_string()))
-            .collect()
-    };
-    while let Some(k) = it.next() {
-        let mut v = || it.next().ok_or(format!("{k} needs a value"));
-        match k.as_str() {
-            "--host-gb" => a.host_gb = v()?.parse().map_err(|e| format!("{e}"))?,
-            "--steps" => a.steps = v()?.parse().map_err(|e| format!("{e}"))?,
-            "--warmup" => a.warmup = v()?.parse().map_err(|e| format!("{e}"))?,
-            "--rho" => a.rho = v()?.parse().map_err(|e| format!("{e}"))?,
-            "--contexts" => a.contexts = list(v()?)?,
-            "--ks" => a.ks = list(v()?)?,
-            "--batches" => a.batches = list(v()?)?,
-            "--json" => a.json = Some(v()?),
-            "--summaries-bf16" => a.sum_bf16 = true,
-            "--sketch" => a.sketch = Some(v()?.parse().map_err(|e| format!("{e}"))?),
-            "--trace" => a.trace = true,
-            "--split-step" => a.split_step = true,
-            "--simt-attention" => a.simt = true,
-            "--no-pdl" => a.no_pdl = true,
-            "--no-dense" => a.no_dense = true,
-            "--block-tokens" => a.bt = v()?.parse().map_err(|e| format!("{e}"))?,
-            _ => return Err(format!("unknown argument {k}")),
-        }
-    }
-    Ok(a)
-}
 
 /// Uniform in (0, 1).
 fn unif(rng: &mut Rng) -> f64 {
@@ -234,125 +165,6 @@ fn config(n_blocks: u32, k: u32, batch: u32, a: &Args) -> CudaConfig {
     }
 }
 
-#[derive(Default, Clone)]
-struct Row {
-    ctx: u32,
-    k: u32,
-    batch: u32,
-    mode: &'static str,
-    step_ms: f64,
-    /// The same mode with split launches (main measures both).
-    split_ms: f64,
-    wall_ms: f64,
-    bytes: f64,
-    keep_bytes: f64,
-    hit_rate: f64,
-    sel_us: f64,
-    /// Per step: sum over layers of the fetch + attend phase (ms).
-    fetch_ms: f64,
-    att_us: f64,
-    overlap: f64,
-    chance: f64,
-}
-
-impl Row {
-    fn floor_ms(&self) -> f64 {
-        self.bytes / (PCIE_GBPS * 1e9) * 1e3
-    }
-    fn gbps(&self) -> f64 {
-        self.bytes / (self.step_ms * 1e-3) / 1e9
-    }
-}
-
-/// Queries for every (session, layer): AR(1) with correlation rho between steps.
-struct Queries {
-    q: Vec<Vec<f32>>, // [session] -> [layers * Hq * D]
-    rho: f64,
-    rng: Rng,
-}
-
-impl Queries {
-    fn new(batch: u32, rho: f64, seed: u64) -> Self {
-        let mut rng = Rng(seed);
-        let n = (LAYERS * HQ * D) as usize;
-        let q = (0..batch)
-            .map(|_| (0..n).map(|_| normal(&mut rng) as f32).collect())
-            .collect();
-        Queries { q, rho, rng }
-    }
-    fn advance(&mut self) {
-        let s = (1.0 - self.rho * self.rho).sqrt();
-        for qs in &mut self.q {
-            for x in qs.iter_mut() {
-                *x = (self.rho * *x as f64 + s * normal(&mut self.rng)) as f32;
-            }
-        }
-    }
-}
-
-fn overlap(
-    prev: &[Vec<Vec<u32>>],
-    cur: &[Vec<Vec<u32>>],
-    sink: u32,
-    n_blocks: u32,
-    local: u32,
-) -> (f64, usize) {
-    // Distant blocks only (sink and local always overlap).
-    let mut inter = 0usize;
-    let mut total = 0usize;
-    for (p, c) in prev.iter().flatten().zip(cur.iter().flatten()) {
-        let d = |v: &Vec<u32>| {
-            v.iter()
-                .copied()
-                .filter(|&b| b >= sink && b < n_blocks - local)
-                .collect::<Vec<u32>>()
-        };
-        let (pd, cd) = (d(p), d(c));
-        inter += cd.iter().filter(|b| pd.binary_search(b).is_ok()).count();
-        total += cd.len();
-    }
-    (inter as f64 / total.max(1) as f64, total)
-}
-
-/// One select_score launch's phases from its trace (select.cu, SEL_TRACE), in ns:
-/// [span, start spread, q staged, scored, block top-32, list published, counted (median
-/// over thread blocks), last arrival, merge, plan (median over the kv heads' last blocks)].
-fn trace_phases(t: &[u64]) -> Option<[f64; 16]> {
-    let recs: Vec<&[u64]> = t.chunks_exact(16).filter(|r| r[0] != 0).collect();
-    if recs.is_empty() {
-        return None;
-    }
-    let t0 = recs.iter().map(|r| r[0]).min()? as f64;
-    let ph = |a: usize, b: usize, last: bool| {
-        let mut v: Vec<f64> = recs
-            .iter()
-            .filter(|r| !last || r[7] != 0)
-            .map(|r| r[b] as f64 - r[a] as f64)
-            .collect();
-        median(&mut v)
-    };
-    let mut out = [0f64; 16];
-    out[1] = recs.iter().map(|r| r[0]).max()? as f64 - t0;
-    for k in 0..5 {
-        out[2 + k] = ph(k, k + 1, false);
-    }
-    let mut arrive: Vec<f64> = recs
-        .iter()
-        .filter(|r| r[7] != 0)
-        .map(|r| r[5] as f64 - t0)
-        .collect();
-    out[7] = median(&mut arrive);
-    out[8] = ph(5, 6, true);
-    out[9] = ph(6, 7, true);
-    out[0] = recs.iter().map(|r| r[5].max(r[7])).max()? as f64 - t0;
-    // The same intra-block phases from the SM clock (cycles), against a coarse global timer.
-    for k in 0..5 {
-        out[10 + k] = ph(8 + k, 9 + k, false);
-    }
-    out[15] = ph(13, 15, true);
-    Some(out)
-}
-
 /// Cold: cache flushed before every step. Warm: consecutive AR(1) queries. Hot: the same
 /// query every step, so the keep-set is (nearly) all cache hits: attention over staged tiles.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -360,68 +172,6 @@ enum Mode {
     Cold,
     Warm,
     Hot,
-}
-
-/// Dense attention over every block (no selection), the baseline: KV in GPU memory (where it
-/// fits) and read from host memory over PCIe. Medians of step device time.
-struct DenseRow {
-    ctx: u32,
-    batch: u32,
-    bytes: f64,
-    /// None when the context does not fit in free GPU memory.
-    gpu_ms: Option<f64>,
-    host_ms: f64,
-}
-
-fn run_dense(
-    be: &mut CudaBackend,
-    args: &Args,
-    ctx: u32,
-    batch: u32,
-) -> Result<DenseRow, Box<dyn std::error::Error>> {
-    let qs = Queries::new(batch, 0.0, 0xde45 + ctx as u64 + batch as u64);
-    let items: Vec<StepItem> =
-        qs.q.iter()
-            .enumerate()
-            .map(|(i, q)| StepItem { slot: i as u32, q })
-            .collect();
-    let slots: Vec<u32> = (0..batch).collect();
-    let timed = |be: &mut CudaBackend,
-                 kv: DenseKv,
-                 steps: usize|
-     -> Result<(f64, f64), Box<dyn std::error::Error>> {
-        let mut ms = Vec::new();
-        let mut bytes = 0.0;
-        for step in 0..1 + steps {
-            let out = be.dense_step(&items, kv)?;
-            if !out.out.iter().all(|x| x.is_finite()) {
-                return Err("non-finite dense output".into());
-            }
-            if step >= 1 {
-                ms.push(out.step_ms.unwrap_or(f32::NAN) as f64);
-            }
-            bytes = out.stats.iter().map(|s| s.tiles as f64).sum::<f64>()
-                * (2 * args.bt * D * 2) as f64;
-        }
-        Ok((median(&mut ms), bytes))
-    };
-    be.set_timing(Timing::Step)?;
-    let (host_ms, bytes) = timed(be, DenseKv::Host, DENSE_HOST_STEPS)?;
-    // In GPU memory where it fits, leaving 2 GB of headroom.
-    let (free, _) = be.device_memory()?;
-    let gpu_ms = if bytes + 2e9 < free as f64 {
-        let kv = be.copy_kv_to_device(&slots)?;
-        Some(timed(be, DenseKv::Device(&kv), args.steps)?.0)
-    } else {
-        None
-    };
-    Ok(DenseRow {
-        ctx,
-        batch,
-        bytes,
-        gpu_ms,
-        host_ms,
-    })
 }
 
 #[allow(clippy::too_many_arguments)]
