@@ -318,7 +318,8 @@ class Client:
         if body_len > self.server.max_frame_bytes:
             raise ProtocolError(f"reply body of {body_len} bytes exceeds {self.server.max_frame_bytes}")
         body = self._recv_exact(body_len, fds) if body_len else b""
-        reply = p.decode_reply(opcode, flags, body)
+        # Before HELLO's reply (version 0) only that reply is read, alike in every version.
+        reply = p.decode_reply(opcode, flags, body, self.server.version or p.PROTOCOL_VERSION)
         if isinstance(reply, p.ErrorReply):
             # id 0: the server could not parse our header and is closing the connection.
             if reply_id not in (rid, 0):

@@ -16,7 +16,7 @@ import numpy as np
 MAGIC = 0x3154564B  # b"KVT1" little-endian
 HEADER = struct.Struct("<IIQHHI")
 HEADER_LEN = HEADER.size  # 24
-PROTOCOL_VERSION = 3  # the newest this package speaks
+PROTOCOL_VERSION = 4  # the newest this package speaks
 MIN_PROTOCOL_VERSION = 2  # version 3 less the error code OWNED_ELSEWHERE
 REPLY_BIT = 0x8000
 ERROR_OPCODE = 0xFFFF
@@ -212,6 +212,8 @@ class SessionInfo:
     #: Its stored data failed verification at startup: every use raises DATA_LOSS, close()
     #: deletes what remains (wire: bit 1 of the state byte).
     damaged: bool = False
+    #: Bytes of its block runs the remote tier holds (protocol version 4; 0 before it).
+    remote_bytes: int = 0
 
 
 @dataclass
@@ -476,7 +478,7 @@ def _selector(code: int) -> Selector:
         raise ProtocolError(f"unknown selector {code} (0 bound, 1 sketch)") from None
 
 
-def _session_info(r: _Reader) -> SessionInfo:
+def _session_info(r: _Reader, version: int) -> SessionInfo:
     session = r.u64("session")
     owner = r.u32("owner_uid")
     label = r.str("label")
@@ -504,6 +506,7 @@ def _session_info(r: _Reader) -> SessionInfo:
         **_session_state(r.u8("session state")),
         created_unix_ms=r.u64("created_unix_ms"),
         last_access_unix_ms=r.u64("last_access_unix_ms"),
+        remote_bytes=r.u64("remote_bytes") if version >= 4 else 0,
     )
 
 
@@ -543,8 +546,8 @@ def _decode_stats(r: _Reader) -> DecodeStats:
 Reply = Union[HelloReply, int, List[DecodeOutput], SessionInfo, List[SessionInfo], dict, None, ErrorReply]
 
 
-def decode_reply(opcode: int, flags: int, body) -> Reply:
-    """Decode a reply body. Returns, by opcode: HelloReply; session id (CREATE_SESSION); new
+def decode_reply(opcode: int, flags: int, body, version: int = PROTOCOL_VERSION) -> Reply:
+    """Decode a reply body of protocol `version` (the one the connection negotiated). Returns, by opcode: HelloReply; session id (CREATE_SESSION); new
     length (APPEND_KV); blocks moved (DEMOTE, PROMOTE, OFFLOAD); list of DecodeOutput; SessionInfo; None
     (CLOSE_SESSION, EVICT, PIN, UNPIN); list
     of SessionInfo; dict key -> value (STATS); ErrorReply (opcode 0xFFFF)."""
@@ -578,9 +581,10 @@ def decode_reply(opcode: int, flags: int, body) -> Reply:
                 outs.append(DecodeOutput(vec, stats))
             out = outs
         elif op is Op.SESSION_INFO:
-            out = _session_info(r)
+            out = _session_info(r, version)
         elif op is Op.LIST_SESSIONS:
-            out = [_session_info(r) for _ in range(r.count("session list", SESSION_INFO_MIN_LEN))]
+            n = r.count("session list", SESSION_INFO_MIN_LEN)
+            out = [_session_info(r, version) for _ in range(n)]
         elif op is Op.STATS:
             stats = {}
             for _ in range(r.count("stats entries", 12)):

@@ -49,6 +49,7 @@ def session_info(session: int, label: str, pinned: bool) -> p.SessionInfo:
         session=session, owner_uid=1000, label=label, geometry=GEOMETRY, policy=POLICY,
         tokens_min=2, tokens_max=3, blocks=2, host_bytes=4096, nvme_bytes=0, pinned=pinned,
         created_unix_ms=1_763_800_000_000, last_access_unix_ms=1_763_800_000_500,
+        remote_bytes=8192,
     )
 
 

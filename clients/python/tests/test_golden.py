@@ -1,5 +1,7 @@
 """The Python encoder and decoder against the golden frames written by the Rust crate."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -8,7 +10,7 @@ from kvtier import protocol as p
 from golden import GEOMETRY, PAYLOAD, POLICY, decode_entries, load, session_info, split
 
 REQUESTS = {
-    "hello_request": lambda: p.frame(p.Op.HELLO, 0, 1, p.encode_hello("kvtier-golden", 2, 3)),
+    "hello_request": lambda: p.frame(p.Op.HELLO, 0, 1, p.encode_hello("kvtier-golden", 2, 4)),
     "create_session_request": lambda: p.frame(
         p.Op.CREATE_SESSION, 0, 2, p.encode_create_session(GEOMETRY, POLICY, "golden")),
     "append_kv_inline_request": lambda: p.frame(
@@ -118,13 +120,23 @@ def test_truncated_and_trailing_replies_rejected():
             p.decode_reply(opcode, flags, body + b"\x00")
 
 
+def test_version_3_session_info_has_no_remote_bytes():
+    # Version 3 lays SessionInfo out as version 4 without its last field.
+    _, opcode, flags, body = split(load("session_info_reply"))
+    info = p.decode_reply(opcode, flags, body[:-8], version=3)
+    assert info == dataclasses.replace(session_info(7, "golden", False), remote_bytes=0)
+    with pytest.raises(p.ProtocolError):
+        p.decode_reply(opcode, flags, body[:-8])
+
+
 def test_bad_reply_fields():
     _, opcode, flags, body = split(load("session_info_reply"))
     bad = bytearray(body)
-    bad[len(bad) - 17] = 3  # pinned and damaged
+    state = len(bad) - 25  # then created, last access, remote bytes
+    bad[state] = 3  # pinned and damaged
     info = p.decode_reply(opcode, flags, bytes(bad))
     assert info.pinned and info.damaged
-    bad[len(bad) - 17] = 4  # an unknown state bit
+    bad[state] = 4  # an unknown state bit
     with pytest.raises(p.ProtocolError, match="session state"):
         p.decode_reply(opcode, flags, bytes(bad))
     with pytest.raises(p.ProtocolError, match="error code"):
