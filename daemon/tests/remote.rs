@@ -542,3 +542,49 @@ fn a_full_nvme_tier_moves_idle_sessions_to_the_cluster() {
     assert!(cb.session_info(pinned).unwrap().nvme_bytes > 0);
     assert_eq!(cb.stats().unwrap().get("remote_demotions_total"), Some(0));
 }
+
+/// A session still arriving from the cluster is written to NVMe whole: an append under
+/// `nvme.write_through` reads its blocks that are only in the cluster, so the NVMe copy alone
+/// brings the session back (here after SIGKILL, on a node without the remote tier).
+#[test]
+fn an_arriving_session_is_written_to_nvme_whole() {
+    let Some(cluster) = RedisCluster::start(3, 1) else {
+        return;
+    };
+    let a = node(&cluster, "node-a", &[]);
+    let mut ca = a.client();
+    // 150 blocks a layer: more than one batch of the NVMe write (256 blocks).
+    let (id, mut sh) = open(&mut ca, "arriving", 2400, 7);
+    ca.offload(id).unwrap();
+    // B streams nothing: the blocks no step keeps stay only in the cluster.
+    let b = node(
+        &cluster,
+        "node-b",
+        &["nvme.write_through=true", "nvme.low_water=0.001"],
+    );
+    let mut cb = b.client();
+    sh.decode(&mut cb, id, 0);
+    sh.decode(&mut cb, id, 1);
+    // An append, durable on NVMe before it is acknowledged.
+    let payload = sh.payload(1);
+    assert_eq!(cb.append_kv(id, 2401, 1, &payload).unwrap(), 2402);
+    let s = cb.stats().unwrap();
+    let fetched = s.get("remote_blocks_fetched_total").unwrap();
+    assert!(fetched < 20, "{fetched} blocks read for the steps");
+    let blocks = 2 * 151;
+    assert_eq!(s.get("remote_blocks_streamed_total"), Some(0));
+    assert_eq!(
+        s.get("remote_read_bytes_total").unwrap()
+            - 2 * 150 * kvtier_storage::summary_bytes(&small_geometry(), true) as u64,
+        (blocks - 2) * small_geometry().block_bytes() as u64,
+        "every run read once: the kept ones for the step, the rest for the NVMe write"
+    );
+    drop(cb);
+    let dir = b.stop(true);
+    let c = harness().dir(dir).start();
+    let mut cc = c.client();
+    assert_eq!(cc.session_info(id).unwrap().tokens_max, 2402);
+    for layer in [0, 1] {
+        sh.decode(&mut cc, id, layer);
+    }
+}

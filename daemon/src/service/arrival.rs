@@ -60,7 +60,7 @@ impl Arriving {
         }
     }
 
-    fn contains(&self, layer: u32, block: u32) -> bool {
+    pub(super) fn contains(&self, layer: u32, block: u32) -> bool {
         self.blocks.lock().contains(&(layer, block))
     }
 }
@@ -134,8 +134,6 @@ impl ColdSource for SessionSource<'_> {
     }
 }
 
-/// Block runs read from the cluster, by (layer, block).
-pub(super) type Runs = HashMap<(u32, u32), Vec<u8>>;
 impl Service {
     /// Where `st`'s cold blocks are read from (None: nowhere, every block is resident).
     pub(super) fn cold_source(&self, id: u64, st: &SessionState) -> Option<SessionSource<'_>> {
@@ -161,7 +159,7 @@ impl Service {
         &self,
         st: &SessionState,
         blocks: &[(u32, u32)],
-    ) -> ServiceResult<Option<Runs>> {
+    ) -> ServiceResult<Option<SavedRuns>> {
         let (Some(r), Some(a)) = (&self.remote, &st.arriving) else {
             return Ok(None);
         };
@@ -180,7 +178,7 @@ impl Service {
         self.counters
             .remote_bytes_read
             .fetch_add(runs.iter().map(|r| r.len() as u64).sum(), Ordering::Relaxed);
-        Ok(Some(far.into_iter().zip(runs).collect()))
+        Ok(Some(SavedRuns(far.into_iter().zip(runs).collect())))
     }
 
     /// Rebuilds session `rec` from its summaries alone: every block cold, its runs left in

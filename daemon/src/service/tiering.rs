@@ -60,6 +60,10 @@ pub(super) fn record_of(s: &Session, kv: &KvCache) -> SessionRecord {
     }
 }
 
+/// Blocks per NVMe write of a session still arriving from the remote tier (64 MiB of
+/// Qwen2.5-7B's 256 KiB runs read from the cluster at a time).
+const ARRIVING_BATCH: usize = 256;
+
 /// Whether a write to NVMe may take the room other uids' sessions need at shutdown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Write {
@@ -178,33 +182,70 @@ impl Service {
         })?;
         let geo = s.geometry;
         let dirty = dirty_blocks(&geo, &st.kv, &st.persisted)?;
-        // A session still arriving from the remote tier has blocks only there.
-        let arriving = self.arriving_runs(st, &dirty)?.unwrap_or_default();
-        let mut runs = Vec::new();
-        for (l, b) in dirty {
-            // Appends promote a cold tail before writing into it, so a block with undurable
-            // tokens is resident; a cold one here is a bookkeeping bug, answered as an error
-            // rather than a panic that would lose every session not yet written.
-            let arrived = arriving.get(&(l, b)).map(Vec::as_slice);
-            let bytes = st.kv.run(l, b).or(arrived).ok_or_else(|| {
-                ServiceError::internal(format!(
-                    "session {}: layer {l} block {b} has undurable tokens but is not resident",
-                    s.id
-                ))
-            })?;
-            runs.push(BlockRun {
-                layer: l,
-                block: b,
-                bytes,
-            });
-        }
-        if runs.is_empty() && st.stored {
+        if dirty.is_empty() && st.stored {
             return Ok(0);
         }
-        let record = record_of(s, &st.kv);
-        self.check_nvme_room(tier, s, &runs, write)?;
-        match tier.put_session(&record, &runs) {
-            // Full: with the remote tier, idle sessions move there to make room, once.
+        // A session still arriving from the remote tier has blocks only there: they are read
+        // a batch at a time, each batch committed with the tokens it completes, so memory holds
+        // one batch of the session, never all of it.
+        let batch = match &st.arriving {
+            Some(a) if dirty.iter().any(|&(l, b)| a.contains(l, b)) => ARRIVING_BATCH,
+            _ => dirty.len().max(1),
+        };
+        let chunks: Vec<&[(u32, u32)]> = match dirty.is_empty() {
+            true => vec![&[]],
+            false => dirty.chunks(batch).collect(),
+        };
+        let last = chunks.len() - 1;
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            let arrived = self.arriving_runs(st, chunk)?.unwrap_or_default();
+            let mut runs = Vec::with_capacity(chunk.len());
+            for &(l, b) in chunk {
+                // Appends promote a cold tail before writing into it, so a block with
+                // undurable tokens is resident (or still arriving); a cold one here is a
+                // bookkeeping bug, answered as an error rather than a panic that would lose
+                // every session not yet written.
+                let bytes = st.kv.run(l, b).or(arrived.get(l, b)).ok_or_else(|| {
+                    ServiceError::internal(format!(
+                        "session {}: layer {l} block {b} has undurable tokens but is not resident",
+                        s.id
+                    ))
+                })?;
+                runs.push(BlockRun {
+                    layer: l,
+                    block: b,
+                    bytes,
+                });
+            }
+            let mut record = record_of(s, &st.kv);
+            if let (Some(&(ll, lb)), false) = (chunk.last(), i == last) {
+                // Layers past `ll` keep what NVMe held; `ll` holds its blocks up to `lb`.
+                let through = (lb as u64 + 1) * geo.block_tokens as u64;
+                record.layer_tokens[ll as usize] = record.layer_tokens[ll as usize].min(through);
+                for l in ll as usize + 1..record.layer_tokens.len() {
+                    record.layer_tokens[l] = st.persisted[l];
+                }
+            }
+            self.put_nvme(tier, s, &record, &runs, write)?;
+            drop(runs);
+            st.persisted = record.layer_tokens;
+            st.stored = true;
+        }
+        Ok(dirty.len())
+    }
+
+    /// Writes `runs` of `s` and its `record` to NVMe, within the owner's share; a page store
+    /// found full moves idle sessions to the remote tier (if any) and is tried once more.
+    fn put_nvme(
+        &self,
+        tier: &NvmeTier,
+        s: &Session,
+        record: &SessionRecord,
+        runs: &[BlockRun<'_>],
+        write: Write,
+    ) -> ServiceResult<()> {
+        self.check_nvme_room(tier, s, runs, write)?;
+        match tier.put_session(record, runs) {
             Err(NvmeError::Full { .. } | NvmeError::NoSpace { .. })
                 if write == Write::Serving
                     && self.demote_to_remote(
@@ -214,13 +255,11 @@ impl Service {
                             .sum(),
                     ) =>
             {
-                tier.put_session(&record, &runs).map_err(nvme_error)?
+                tier.put_session(record, runs).map_err(nvme_error)?
             }
             r => r.map_err(nvme_error)?,
         };
-        st.persisted = record.layer_tokens;
-        st.stored = true;
-        Ok(runs.len())
+        Ok(())
     }
 
     /// Persists the session and frees every host extent it holds; returns the extents freed.

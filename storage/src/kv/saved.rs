@@ -25,6 +25,11 @@ impl SavedRuns {
         SavedRuns(m)
     }
 
+    /// The run of (`layer`, `block`), if held.
+    pub fn get(&self, layer: u32, block: u32) -> Option<&[u8]> {
+        self.0.get(&(layer, block)).map(Vec::as_slice)
+    }
+
     /// The saved run of (`layer`, `block`).
     pub fn run(&self, layer: u32, block: u32) -> &[u8] {
         &self.0[&(layer, block)]
