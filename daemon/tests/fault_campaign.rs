@@ -391,14 +391,6 @@ fn operate(
     n: &mut Counts,
     at: &str,
 ) {
-    let pick = |rng: &mut Rng, models: &BTreeMap<u64, Model>| {
-        (!models.is_empty()).then(|| {
-            *models
-                .keys()
-                .nth(rng.below(models.len() as u64) as usize)
-                .unwrap()
-        })
-    };
     match rng.below(10) {
         0 | 1 if models.len() < 6 => {
             let g = geometries()[rng.below(3) as usize];
@@ -761,14 +753,6 @@ fn campaign_tenant() {
         mine.remove(id);
     }
     for _ in 0..40 {
-        let pick = |rng: &mut Rng, mine: &BTreeMap<u64, Model>| {
-            (!mine.is_empty()).then(|| {
-                *mine
-                    .keys()
-                    .nth(rng.below(mine.len() as u64) as usize)
-                    .unwrap()
-            })
-        };
         match rng.below(5) {
             0 if mine.len() < 40 => {
                 let g = geometries[rng.below(2) as usize];
@@ -829,4 +813,13 @@ fn campaign_tenant() {
         c.close(*id).unwrap();
     }
     println!("tenant done: {steps} decode steps checked, {refused} refused for room");
+}
+
+/// A session of `models` drawn at random (None without any).
+fn pick(rng: &mut Rng, models: &BTreeMap<u64, Model>) -> Option<u64> {
+    if models.is_empty() {
+        return None;
+    }
+    let i = rng.below(models.len() as u64) as usize;
+    models.keys().nth(i).copied()
 }
