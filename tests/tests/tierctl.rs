@@ -400,10 +400,14 @@ fn session_offload_moves_a_session_to_another_node() {
     );
     let e = err(&ctl(&a, &["session", "info", &ids]), 5);
     assert!(e.contains("not found"), "{e}");
-    // A request that may wait resumes it on B; tierctl then shows it there.
-    assert_eq!(client(&b).promote(id).unwrap(), 0);
+    // A request that may wait resumes it on B (from its block summaries: PROMOTE then reads
+    // its 6 blocks from the cluster); tierctl then shows it there, and where its bytes are.
+    assert_eq!(client(&b).promote(id).unwrap(), 6);
     let v = json(&ctl(&b, &["--json", "session", "info", &ids]));
     assert_eq!(v["tokens_max"], 40, "{v}");
+    assert!(v["remote_bytes"].as_u64().unwrap() > 0, "{v}");
+    let table = ok(&ctl(&b, &["sessions"]));
+    assert!(table.contains("ram+remote"), "{table}");
     let v = json(&ctl(&b, &["--json", "stats"]));
     assert_eq!(v["stats"]["remote_resumes_total"], 1, "{v}");
     // A is told where it is now.
