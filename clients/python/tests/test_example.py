@@ -50,7 +50,7 @@ def serve(listener, log):
                 w.u32(2).u32(4).u32(2).u32(8).u8(0).u32(16).u32(1).u32(4).u32(32).u32(1).u32(32)
                 for v in (tokens[1], tokens[1], 1, 2, 0):
                     w.u64(v)
-                w.u8(0).u64(0).u64(0)
+                w.u8(0).u64(0).u64(0).u64(0)  # state, created, last access, remote bytes
             elif op == p.Op.CLOSE_SESSION:
                 pass
             elif op == p.Op.STATS:
