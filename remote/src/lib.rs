@@ -12,7 +12,7 @@
 //!   generation; a page's key names it, so a stale or half-written page can never pass for
 //!   the one the record names.
 //! - **Summaries**: beside each page, the block's summary (its key bounds and sketches,
-//!   `KvCache::block_summary`, about 1.6% of a page, 15% with sketches) in the same checksummed
+//!   `KvCache::block_summary`, about 1.6% of a page, 18% with sketches) in the same checksummed
 //!   format: what a node needs to select over a session before its pages arrive.
 //! - **The record**: the session's manifest record (geometry, policy, tokens per layer, owner,
 //!   label) and, for every (layer, block), the generation, checksum and length of its page

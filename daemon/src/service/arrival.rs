@@ -2,7 +2,7 @@
 //! arrive, or moved there from NVMe under pressure.
 //!
 //! A resume reads the session's record and every block's summary (its bounds and sketches,
-//! 1.6% of the runs' bytes, 15% with sketches) and serves the session at once: selection runs
+//! 1.6% of the runs' bytes, 18% with sketches) and serves the session at once: selection runs
 //! over the summaries as it always does, and the keep-set's blocks that are still only in the
 //! cluster are read from it on demand, as cold blocks are from NVMe (the selector as
 //! prefetcher). The rest streams in from the cluster in the background
