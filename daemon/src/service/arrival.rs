@@ -47,9 +47,9 @@ impl Arriving {
         }
     }
 
-    /// Blocks still only in the remote tier.
-    pub(super) fn len(&self) -> usize {
-        self.blocks.lock().len()
+    /// Whether every block has arrived.
+    pub(super) fn is_empty(&self) -> bool {
+        self.blocks.lock().is_empty()
     }
 
     /// Takes `written` off the set: this node has written them to the cluster again.
@@ -81,10 +81,6 @@ impl ColdSource for SessionSource<'_> {
         blocks: &[u32],
         extents: &mut [Extent],
     ) -> kvtier_storage::Result<()> {
-        let remote = self
-            .remote
-            .as_ref()
-            .filter(|(_, a)| blocks.iter().any(|&b| a.contains(layer, b)));
         let nvme_read = |blocks: &[u32], extents: &mut [Extent]| match &self.nvme {
             Some(t) => t.read_runs(layer, blocks, extents),
             None => Err(StorageError::NotResident {
@@ -92,16 +88,15 @@ impl ColdSource for SessionSource<'_> {
                 blocks: blocks.len(),
             }),
         };
-        let Some((store, arriving)) = remote else {
+        let Some((store, arriving)) = &self.remote else {
             return nvme_read(blocks, extents);
         };
-        let (mut far, mut near) = (Vec::new(), Vec::new());
-        for (i, &b) in blocks.iter().enumerate() {
-            if arriving.contains(layer, b) {
-                far.push(i);
-            } else {
-                near.push(i);
-            }
+        let (far, near): (Vec<usize>, Vec<usize>) = {
+            let only_remote = arriving.blocks.lock();
+            (0..blocks.len()).partition(|&i| only_remote.contains(&(layer, blocks[i])))
+        };
+        if far.is_empty() {
+            return nvme_read(blocks, extents);
         }
         // Blocks on NVMe one at a time: a block both promoted and evicted again since the
         // resume is rare.
@@ -127,9 +122,7 @@ impl ColdSource for SessionSource<'_> {
         self.counters
             .remote_blocks_fetched
             .fetch_add(wanted.len() as u64, Ordering::Relaxed);
-        self.counters
-            .remote_bytes_read
-            .fetch_add(runs.iter().map(|r| r.len() as u64).sum(), Ordering::Relaxed);
+        self.counters.read_from_remote(&runs);
         Ok(())
     }
 }
@@ -175,9 +168,7 @@ impl Service {
             .store
             .read_runs(&a.record, &far)
             .map_err(remote::remote_error)?;
-        self.counters
-            .remote_bytes_read
-            .fetch_add(runs.iter().map(|r| r.len() as u64).sum(), Ordering::Relaxed);
+        self.counters.read_from_remote(&runs);
         Ok(Some(SavedRuns(far.into_iter().zip(runs).collect())))
     }
 
@@ -195,10 +186,7 @@ impl Service {
                 .store
                 .read_summaries(&rec, chunk)
                 .map_err(remote::remote_error)?;
-            self.counters.remote_bytes_read.fetch_add(
-                summaries.iter().map(|s| s.len() as u64).sum(),
-                Ordering::Relaxed,
-            );
+            self.counters.read_from_remote(&summaries);
             for (&(l, b), s) in chunk.iter().zip(&summaries) {
                 kv.restore_summary(l, s, rb.valid(l, b))?;
             }
@@ -254,9 +242,7 @@ impl Service {
                     continue;
                 }
             };
-            self.counters
-                .remote_bytes_read
-                .fetch_add(runs.iter().map(|r| r.len() as u64).sum(), Ordering::Relaxed);
+            self.counters.read_from_remote(&runs);
             let runs = SavedRuns(batch.iter().copied().zip(runs).collect());
             moved += self.install_streamed(&s, &a, &runs);
         }
@@ -291,7 +277,7 @@ impl Service {
         self.counters
             .remote_blocks_streamed
             .fetch_add(installed as u64, Ordering::Relaxed);
-        if a.len() == 0 {
+        if a.is_empty() {
             st.arriving = None;
             tracing::info!(
                 session = s.id,

@@ -82,10 +82,13 @@ impl Remote {
 }
 
 /// The summaries of `blocks`, as the cluster keeps them beside their pages.
-fn summaries_of(kv: &KvCache, blocks: &[(u32, u32)]) -> ServiceResult<Vec<Vec<u8>>> {
+fn summaries_of(
+    kv: &KvCache,
+    blocks: impl IntoIterator<Item = (u32, u32)>,
+) -> ServiceResult<Vec<Vec<u8>>> {
     blocks
-        .iter()
-        .map(|&(l, b)| Ok(kv.block_summary(l, b)?))
+        .into_iter()
+        .map(|(l, b)| Ok(kv.block_summary(l, b)?))
         .collect()
 }
 
@@ -157,11 +160,13 @@ impl Service {
         let mut bytes = 0;
         // Cold runs (demoted to NVMe) are read back batch by batch, never the whole session
         // at once; resident ones are borrowed.
-        let cold: Vec<(u32, u32)> = wanted
-            .iter()
-            .copied()
-            .filter(|&(l, b)| st.kv.run(l, b).is_none())
-            .collect();
+        let (mut cold, mut resident) = (Vec::new(), Vec::new());
+        for &(l, b) in &wanted {
+            match st.kv.run(l, b) {
+                Some(run) => resident.push((l, b, run)),
+                None => cold.push((l, b)),
+            }
+        }
         if !cold.is_empty() {
             let (tier, _) = self
                 .tier
@@ -174,7 +179,7 @@ impl Service {
                     .into_iter()
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(nvme_error)?;
-                let summaries = summaries_of(&st.kv, batch)?;
+                let summaries = summaries_of(&st.kv, batch.iter().copied())?;
                 let runs: Vec<RemoteRun<'_>> = batch
                     .iter()
                     .zip(&pages)
@@ -190,22 +195,15 @@ impl Service {
                 r.store.write(&mut w, &runs).map_err(remote_error)?;
             }
         }
-        let resident_blocks: Vec<(u32, u32)> = wanted
-            .iter()
-            .copied()
-            .filter(|&(l, b)| st.kv.run(l, b).is_some())
-            .collect();
-        let summaries = summaries_of(&st.kv, &resident_blocks)?;
-        let resident: Vec<RemoteRun<'_>> = resident_blocks
+        let summaries = summaries_of(&st.kv, resident.iter().map(|&(l, b, _)| (l, b)))?;
+        let resident: Vec<RemoteRun<'_>> = resident
             .iter()
             .zip(&summaries)
-            .filter_map(|(&(layer, block), summary)| {
-                Some(RemoteRun {
-                    layer,
-                    block,
-                    bytes: st.kv.run(layer, block)?,
-                    summary,
-                })
+            .map(|(&(layer, block, bytes), summary)| RemoteRun {
+                layer,
+                block,
+                bytes,
+                summary,
             })
             .collect();
         bytes += resident.iter().map(|r| r.bytes.len()).sum::<usize>();
@@ -369,10 +367,7 @@ impl Service {
                         break;
                     }
                 };
-                let bytes: usize = pages.iter().map(Vec::len).sum();
-                self.counters
-                    .remote_bytes_read
-                    .fetch_add(bytes as u64, Ordering::Relaxed);
+                self.counters.read_from_remote(&pages);
                 let blocks: Vec<StoredBlock<'_>> = pages
                     .iter()
                     .zip(chunk)

@@ -90,6 +90,15 @@ pub struct Counters {
     pub remote_demotions: AtomicU64,
 }
 
+impl Counters {
+    /// Counts `read`, payloads (runs or summaries) read from the remote tier.
+    pub(super) fn read_from_remote(&self, read: &[Vec<u8>]) {
+        let bytes: usize = read.iter().map(Vec::len).sum();
+        self.remote_bytes_read
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+}
+
 /// The NVMe tier's metric series.
 pub(super) struct NvmeSeries {
     pub(super) usage: crate::metrics::TierGauges,
