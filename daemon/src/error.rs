@@ -65,6 +65,7 @@ pub fn storage_code(e: &StorageError) -> ErrorCode {
         StorageError::Model(_)
         | StorageError::BlockTooLarge { .. }
         | StorageError::LayerOutOfRange { .. }
+        | StorageError::BlockOutOfRange { .. }
         | StorageError::PayloadSize { .. }
         | StorageError::NonFinite { .. } => ErrorCode::InvalidArgument,
         StorageError::ColdRead { corrupt: true, .. } => ErrorCode::DataLoss,

@@ -36,6 +36,13 @@ pub enum StorageError {
     #[error("layer {layer} out of range (session has {layers} layers)")]
     LayerOutOfRange { layer: u32, layers: u32 },
 
+    #[error("block {block} of layer {layer} out of range (the layer has {blocks} blocks)")]
+    BlockOutOfRange {
+        layer: u32,
+        block: u32,
+        blocks: usize,
+    },
+
     #[error("position {got} at layer {layer} does not continue the sequence: expected {expected}")]
     PositionMismatch { layer: u32, expected: u64, got: u64 },
 

@@ -31,10 +31,10 @@ impl KvCache {
         let l = self.layer_kv(layer)?;
         let b = block as usize;
         if b >= l.slots.len() {
-            return Err(StorageError::PositionMismatch {
+            return Err(StorageError::BlockOutOfRange {
                 layer,
-                expected: l.slots.len() as u64,
-                got: b as u64,
+                block,
+                blocks: l.slots.len(),
             });
         }
         let spb = geo.summary_floats_per_block();
