@@ -176,70 +176,37 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         "EVICT request, id 11: session 9",
     );
 
-    for (name, id, r, what) in [
-        (
-            "demote_request",
-            12,
-            Request::Demote { session: 7 },
-            "DEMOTE request, id 12: session 7",
-        ),
-        (
-            "promote_request",
-            13,
-            Request::Promote { session: 7 },
-            "PROMOTE request, id 13: session 7",
-        ),
-        (
-            "offload_request",
-            24,
-            Request::Offload { session: 7 },
-            "OFFLOAD request, id 24: session 7",
-        ),
-        (
-            "pin_request",
-            14,
-            Request::Pin { session: 7 },
-            "PIN request, id 14: session 7",
-        ),
-        (
-            "unpin_request",
-            15,
-            Request::Unpin { session: 7 },
-            "UNPIN request, id 15: session 7",
-        ),
-        (
-            "lease_request",
-            16,
-            Request::Lease { session: 7 },
-            "LEASE request, id 16: session 7",
-        ),
-        (
-            "release_request",
-            17,
-            Request::Release { session: 7 },
-            "RELEASE request, id 17: session 7",
-        ),
-        (
-            "reserve_request",
-            18,
-            Request::Reserve {
-                session: 7,
-                tokens: 3,
-            },
-            "RESERVE request, id 18: session 7, tokens 3",
-        ),
-        (
-            "commit_request",
-            19,
-            Request::Commit {
-                session: 7,
-                tokens: 2,
-            },
-            "COMMIT request, id 19: session 7, tokens 2",
-        ),
+    // Requests that name only a session.
+    for (name, id, r) in [
+        ("demote_request", 12, Request::Demote { session: 7 }),
+        ("promote_request", 13, Request::Promote { session: 7 }),
+        ("offload_request", 24, Request::Offload { session: 7 }),
+        ("pin_request", 14, Request::Pin { session: 7 }),
+        ("unpin_request", 15, Request::Unpin { session: 7 }),
+        ("lease_request", 16, Request::Lease { session: 7 }),
+        ("release_request", 17, Request::Release { session: 7 }),
     ] {
-        req(name, id, r, what);
+        let what = format!("{} request, id {id}: session 7", r.opcode().name());
+        req(name, id, r, &what);
     }
+    req(
+        "reserve_request",
+        18,
+        Request::Reserve {
+            session: 7,
+            tokens: 3,
+        },
+        "RESERVE request, id 18: session 7, tokens 3",
+    );
+    req(
+        "commit_request",
+        19,
+        Request::Commit {
+            session: 7,
+            tokens: 2,
+        },
+        "COMMIT request, id 19: session 7, tokens 2",
+    );
 
     let mut resp = |name: &'static str, id: u64, r: Response, what: &str| {
         out.push((

@@ -122,13 +122,21 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn advance_ready(sess: &mut Session, l: usize) {
+    /// Records that blocks `first..first + n` of a session layer have their summaries (`bit`
+    /// 1) or their host runs (`bit` 2), and moves the layer's ready prefix past every block
+    /// that has both.
+    fn mark_uploaded(&mut self, slot: u32, l: usize, first: u32, n: usize, bit: u8) -> Result<()> {
+        let sess = self.session_mut(slot)?;
+        for f in &mut sess.flags[l][first as usize..first as usize + n] {
+            *f |= bit;
+        }
         let f = &sess.flags[l];
         let mut r = sess.ready[l] as usize;
         while r < f.len() && f[r] == 3 {
             r += 1;
         }
         sess.ready[l] = r as u32;
+        Ok(())
     }
 
     /// Uploads the sketch selector's data for blocks `first_block..first_block + n` of one
@@ -206,12 +214,7 @@ impl CudaBackend {
             }
         }
         self.htod(self.sketches.at(rec0 * rb), &recs)?;
-        let sess = self.session_mut(slot)?;
-        for f in &mut sess.flags[l][first_block as usize..first_block as usize + n] {
-            *f |= 1;
-        }
-        Self::advance_ready(sess, l);
-        Ok(())
+        self.mark_uploaded(slot, l, first_block, n, 1)
     }
 
     /// Uploads block summaries [n][kv_head][2][D] f32 (index 0 = max, 1 = min) for blocks
@@ -260,12 +263,7 @@ impl CudaBackend {
             let dev = device_records(summaries, &self.sum_order, |x, _| x);
             self.htod(self.sums.at(elem0 * 4), &dev)?;
         }
-        let sess = self.session_mut(slot)?;
-        for f in &mut sess.flags[l][first_block as usize..first_block as usize + n] {
-            *f |= 1;
-        }
-        Self::advance_ready(sess, l);
-        Ok(())
+        self.mark_uploaded(slot, l, first_block, n, 1)
     }
 
     /// Points blocks `first_block..` of one session layer at block runs in the attached host
@@ -290,12 +288,7 @@ impl CudaBackend {
         let mb = self.cfg.max_blocks as usize;
         let idx = (s * self.cfg.geometry.layers as usize + l) * mb + first_block as usize;
         self.htod(self.pages.at(idx), &addrs)?;
-        let sess = self.session_mut(slot)?;
-        for f in &mut sess.flags[l][first_block as usize..first_block as usize + addrs.len()] {
-            *f |= 2;
-        }
-        Self::advance_ready(sess, l);
-        Ok(())
+        self.mark_uploaded(slot, l, first_block, addrs.len(), 2)
     }
 
     /// Sets a session layer's token count. Positions are append-only: it may only grow.
