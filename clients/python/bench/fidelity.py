@@ -10,7 +10,10 @@ so each policy answers from the identical prefill. An arm is `bound:K` (the key-
 selector, top-K) or `sketch:K[:C]` (the sketch selector, C candidates, `all` for every block;
 default tierd's); `@B` after either gives the arm blocks of B tokens with the sink and local
 window of the same token counts as the run's (`sketch:32:all@32` keeps as many keys as
-`sketch:8` of 128-token blocks: granularity at a matched budget).
+`sketch:8` of 128-token blocks: granularity at a matched budget). `oracle:K[@B]` decodes in
+this process, not through tierd: each global layer attends only the oracle's keep-set (sink,
+local and the top-K distant blocks by the true dense attention mass of each KV head's group),
+the most any block selector can keep at that budget.
 
 Besides the answers, every sparse step is measured against dense attention at each global
 layer (the instrument): the share of the dense attention mass inside tierd's keep-set and
@@ -28,6 +31,7 @@ stopped early (--deadline) still reports every cell.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -45,8 +49,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 from kvtier import DEFAULT_CANDIDATES, Policy, Selector  # noqa: E402
 from kvtier.examples import gemma  # noqa: E402
-from kvtier.hf import KvtierCache, connect, enable  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
+from kvtier.hf import ATTN_IMPLEMENTATION, KvtierCache, connect, enable  # noqa: E402
+from transformers import AttentionInterface, DynamicCache  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
 import keepsets  # noqa: E402  (beside this file)
 
@@ -108,12 +114,12 @@ def parse_arm(spec: str, a) -> Arm:
         raise SystemExit(f"--arms: {spec!r}: the sink and local window are not whole {bt}-token blocks")
     geometry = (bt, a.sink * a.block_tokens // bt, a.local * a.block_tokens // bt)
     parts = body.split(":")
-    if parts[0] == "bound" and len(parts) == 2:
-        return Arm(spec, "bound", int(parts[1]), 0, *geometry)
+    if parts[0] in ("bound", "oracle") and len(parts) == 2:
+        return Arm(spec, parts[0], int(parts[1]), 0, *geometry)
     if parts[0] == "sketch" and len(parts) in (2, 3):
         c = DEFAULT_CANDIDATES if len(parts) == 2 else (ALL_BLOCKS if parts[2] == "all" else int(parts[2]))
         return Arm(spec, "sketch", int(parts[1]), c, *geometry)
-    raise SystemExit(f"--arms: {spec!r} is not bound:K[@B] or sketch:K[:C][@B]")
+    raise SystemExit(f"--arms: {spec!r} is not bound:K[@B], sketch:K[:C][@B] or oracle:K[@B]")
 
 
 def policy_for(arm: Arm):
@@ -139,6 +145,85 @@ class Recording(KvtierCache):
         return out
 
 
+ORACLE_IMPLEMENTATION = "kvtier-fidelity-oracle"
+
+
+class Oracle:
+    """The `oracle:K` arm: dense decoding whose global layers attend, at each decode step, only
+    the oracle's keep-set of each KV head (sink, local window and the top-K distant blocks by
+    the group's mean dense attention mass: the instrument's oracle), renormalised over it. It
+    records its calls as `Recording` does, so the instrument reads both alike."""
+
+    current = None  # the arm being decoded; the attention function reads it
+
+    def __init__(self, model, arm: Arm):
+        cfg = model.config.get_text_config(decoder=True)
+        self.slots = {l: i for i, l in enumerate(i for i, t in enumerate(cfg.layer_types)
+                                                  if t == "full_attention")}
+        self.arm, self.model, self.calls = arm, model, []
+
+    def __enter__(self):
+        AttentionInterface.register(ORACLE_IMPLEMENTATION, Oracle.forward)
+        AttentionMaskInterface.register(ORACLE_IMPLEMENTATION, sdpa_mask)
+        self.model.set_attn_implementation(ORACLE_IMPLEMENTATION)
+        Oracle.current = self
+        return self
+
+    def __exit__(self, *exc):
+        Oracle.current = None
+        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+    def keep(self, mass: np.ndarray):
+        """Per KV head, the oracle's keep-set over `mass` [Hkv, nb]."""
+        a, nb = self.arm, mass.shape[1]
+        if nb <= a.sink + a.local + a.k:
+            return [list(range(nb))] * mass.shape[0]
+        distant = list(range(a.sink, nb - a.local))
+        fixed = list(range(a.sink)), list(range(nb - a.local, nb))
+        return [fixed[0] + keepsets.top(m, distant, a.k) + fixed[1] for m in mass]
+
+    @staticmethod
+    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        self = Oracle.current
+        slot = self.slots.get(getattr(module, "layer_idx", None))
+        if query.shape[2] != 1 or slot is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                          dropout=dropout, scaling=scaling, **kwargs)
+        _, hq, _, d = query.shape
+        hkv, t = key.shape[1], key.shape[2]
+        g, bt = hq // hkv, self.arm.block_tokens
+        scaling = scaling or getattr(module, "scaling", None) or 1.0 / math.sqrt(d)
+        q = query[0, :, 0].float().reshape(hkv, g, d)
+        k, v = key[0].float(), value[0].float()
+        logits = torch.einsum("hgd,htd->hgt", q, k) * scaling
+        nb = -(-t // bt)
+        p = torch.nn.functional.pad(torch.softmax(logits, -1), (0, nb * bt - t))
+        mass = p.reshape(hkv, g, nb, bt).sum(-1).mean(1).numpy()
+        keep = self.keep(mass)
+        allowed = torch.zeros(hkv, nb, dtype=torch.bool)
+        for h, blocks in enumerate(keep):
+            allowed[h, blocks] = True
+        allowed = allowed.repeat_interleave(bt, 1)[:, :t]
+        kept = torch.softmax(logits.masked_fill(~allowed[:, None, :], float("-inf")), -1)
+        out = torch.einsum("hgt,htd->hgd", kept, v).reshape(1, 1, hq, d)
+        self.calls.append((slot, (q.reshape(hq, d) * scaling * math.sqrt(d)).numpy(),
+                           k[:, -1].numpy(), keep))
+        return out.to(query.dtype), None
+
+
+@contextlib.contextmanager
+def continuation(model, cache, client, arm: Arm):
+    """(the cache an arm decodes from, its recorder): a tierd session filled from the dense
+    prefill, or for the oracle a copy of the dense cache, decoded with its attention."""
+    if arm.selector == "oracle":
+        with Oracle(model, arm) as o:
+            yield copy.deepcopy(cache), o
+    else:
+        with Recording.from_dense(model, cache, client=client, policy=policy_for(arm),
+                                  block_tokens=arm.block_tokens) as kc:
+            yield kc, kc
+
+
 def instrument(rec: "Recording", prefill_keys, arm: Arm, needle_blocks=None):
     """Per (step, layer) of a sparse continuation: dense mass inside tierd's keep-set and the
     oracle's, whether tierd's keep-set equals the numpy rule, and (needle trials) the needle's
@@ -160,7 +245,10 @@ def instrument(rec: "Recording", prefill_keys, arm: Arm, needle_blocks=None):
             oracle = fixed + keepsets.top(sc["mass"], distant, k) if nb > sink + local + k else list(range(nb))
             out["mass"].append(float(sc["mass"][list(keep[h])].sum()))
             out["oracle_mass"].append(float(sc["mass"][sorted(set(oracle))].sum()))
-            rule = keepsets.keep_set(sc, nb, sink, local, k, arm.selector, arm.candidates, bt)
+            if arm.selector == "oracle":  # the torch oracle against the numpy one
+                rule = sorted(set(oracle))
+            else:
+                rule = keepsets.keep_set(sc, nb, sink, local, k, arm.selector, arm.candidates, bt)
             out["rule_equal"] += int(rule == list(keep[h]))
             out["items"] += 1
             if needle_blocks:
@@ -194,10 +282,9 @@ def run_needle(model, tok, client, a, ctx, hay, trial, rng):
     for arm in a.arms:
         bt = arm.block_tokens
         needle_blocks = list(range(npos // bt, (npos + needle_len - 1) // bt + 1))
-        with Recording.from_dense(model, cache, client=client, policy=policy_for(arm),
-                                  block_tokens=bt) as kc:
+        with continuation(model, cache, client, arm) as (kc, rec):
             sp = greedy_continue(model, kc, first, a.answer_tokens)
-            res[f"{arm.name}_inst"] = instrument(kc, prefill_keys, arm, needle_blocks)
+            res[f"{arm.name}_inst"] = instrument(rec, prefill_keys, arm, needle_blocks)
         res[arm.name] = gemma.found(tok, sp, code)
         res[f"{arm.name}_text"] = tok.decode(sp)
     res["total_s"] = round(time.time() - t0, 2)
@@ -229,10 +316,9 @@ def run_forced(model, tok, client, a, doc, tokens):
     res["confident_steps"] = int(confident.sum())
     prefill_keys = prefill_keys_of(model, cache)
     for arm in a.arms:
-        with Recording.from_dense(model, cache, client=client, policy=policy_for(arm),
-                                  block_tokens=arm.block_tokens) as kc:
+        with continuation(model, cache, client, arm) as (kc, rec):
             sl = [logits0[0]] + [step(model, kc, t)[0] for t in forced[:m - 1]]
-            inst = instrument(kc, prefill_keys, arm)
+            inst = instrument(rec, prefill_keys, arm)
         sparse = torch.stack(sl).float()
         agree = sparse.argmax(-1) == d_top
         kl = (d_logp.exp() * (d_logp - torch.log_softmax(sparse, -1))).sum(-1)
