@@ -16,6 +16,18 @@
 //!   read-only and a leased session's block runs read in place.
 //! - [`client`]: blocking [`client::Client`] used by tierctl, tests and the load generator.
 
+/// Named string keys (STATS keys): `NAME = "text";` makes a `pub const NAME: &str` for each,
+/// and `ALL`, every one of them in declaration order.
+#[macro_export]
+macro_rules! key_list {
+    ($( $(#[$meta:meta])* $name:ident = $text:literal; )*) => {
+        $( $(#[$meta])* pub const $name: &str = $text; )*
+
+        /// Every key, in declaration (documentation) order.
+        pub const ALL: &[&str] = &[$($name),*];
+    };
+}
+
 /// A `#[repr(u16)]` wire enum: each variant with its wire value and its upper-snake name as in
 /// the documentation. Generates `ALL` (declaration order), `as_u16`, `name`, and `from_wire`
 /// (the variant of a wire value).

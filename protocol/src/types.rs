@@ -215,32 +215,19 @@ impl DecodeStats {
 /// Names of the initial STATS keys. The list is open: servers may add keys without a
 /// version bump and clients must ignore keys they do not know.
 pub mod stats_keys {
-    pub const UPTIME_MS: &str = "uptime_ms";
-    pub const SESSIONS: &str = "sessions";
-    pub const HOST_BYTES_USED: &str = "host_bytes_used";
-    pub const HOST_BYTES_CAPACITY: &str = "host_bytes_capacity";
-    pub const HOST_EXTENTS_USED: &str = "host_extents_used";
-    pub const DECODE_REQUESTS_TOTAL: &str = "decode_requests_total";
-    pub const DECODE_ENTRIES_TOTAL: &str = "decode_entries_total";
-    pub const APPEND_TOKENS_TOTAL: &str = "append_tokens_total";
-    pub const ERRORS_TOTAL: &str = "errors_total";
-    pub const REJECTED_TOTAL: &str = "rejected_total";
-    pub const BYTES_TOUCHED_TOTAL: &str = "bytes_touched_total";
-
-    /// Every initial key, in documentation order.
-    pub const ALL: [&str; 11] = [
-        UPTIME_MS,
-        SESSIONS,
-        HOST_BYTES_USED,
-        HOST_BYTES_CAPACITY,
-        HOST_EXTENTS_USED,
-        DECODE_REQUESTS_TOTAL,
-        DECODE_ENTRIES_TOTAL,
-        APPEND_TOKENS_TOTAL,
-        ERRORS_TOTAL,
-        REJECTED_TOTAL,
-        BYTES_TOUCHED_TOTAL,
-    ];
+    crate::key_list! {
+        UPTIME_MS = "uptime_ms";
+        SESSIONS = "sessions";
+        HOST_BYTES_USED = "host_bytes_used";
+        HOST_BYTES_CAPACITY = "host_bytes_capacity";
+        HOST_EXTENTS_USED = "host_extents_used";
+        DECODE_REQUESTS_TOTAL = "decode_requests_total";
+        DECODE_ENTRIES_TOTAL = "decode_entries_total";
+        APPEND_TOKENS_TOTAL = "append_tokens_total";
+        ERRORS_TOTAL = "errors_total";
+        REJECTED_TOTAL = "rejected_total";
+        BYTES_TOUCHED_TOTAL = "bytes_touched_total";
+    }
 }
 
 /// LEASE's reply: where a session's block runs are in the daemon's shared host arena (whose

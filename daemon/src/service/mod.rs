@@ -607,7 +607,7 @@ mod tests {
         assert_eq!(get(stats_keys::ERRORS_TOTAL), 1);
         assert_eq!(get(stats_keys::REJECTED_TOTAL), 1);
         assert!(get(extra_stats_keys::STARTED_UNIX_MS) > 1_700_000_000_000);
-        for k in extra_stats_keys::ALL.iter().chain(&stats_keys::ALL) {
+        for k in extra_stats_keys::ALL.iter().chain(stats_keys::ALL) {
             assert!(e.stats().get(k).is_some(), "STATS lacks {k}");
         }
     }

@@ -4,40 +4,28 @@ use super::*;
 
 /// STATS keys tierd reports beyond the protocol's initial set (docs/protocol.md §5.7).
 pub mod extra_stats_keys {
-    /// 1 while the daemon accepts requests, 0 once shutdown has begun (draining).
-    pub const READY: &str = "ready";
-    /// Wall-clock start time, ms since the Unix epoch.
-    pub const STARTED_UNIX_MS: &str = "started_unix_ms";
-    /// Selected (block, kv-head) tiles over all decode entries.
-    pub const SELECTED_TILES_TOTAL: &str = "selected_tiles_total";
-    /// Summed wall time of the stages of CPU-path DECODE requests, ns.
-    pub const DECODE_APPEND_NS_TOTAL: &str = "decode_append_ns_total";
-    pub const DECODE_SELECT_NS_TOTAL: &str = "decode_select_ns_total";
-    pub const DECODE_FETCH_NS_TOTAL: &str = "decode_fetch_ns_total";
-    pub const DECODE_ATTEND_NS_TOTAL: &str = "decode_attend_ns_total";
-    /// The longest run extent the host tier could hand out now, and its free ranges.
-    pub const HOST_LARGEST_FREE_BYTES: &str = "host_largest_free_bytes";
-    pub const HOST_FREE_RANGES: &str = "host_free_ranges";
-    /// Runs moved inside the host tier to place a request that fit in the free bytes but in
-    /// no free range (compaction).
-    pub const HOST_RUNS_MOVED_TOTAL: &str = "host_runs_moved_total";
-    /// Error replies that are the daemon's trouble, not the request's: INTERNAL, DATA_LOSS,
-    /// UNAVAILABLE (a part of `errors_total`, which counts every error reply).
-    pub const DAEMON_ERRORS_TOTAL: &str = "daemon_errors_total";
-
-    pub const ALL: [&str; 11] = [
-        READY,
-        STARTED_UNIX_MS,
-        SELECTED_TILES_TOTAL,
-        DECODE_APPEND_NS_TOTAL,
-        DECODE_SELECT_NS_TOTAL,
-        DECODE_FETCH_NS_TOTAL,
-        DECODE_ATTEND_NS_TOTAL,
-        HOST_LARGEST_FREE_BYTES,
-        HOST_FREE_RANGES,
-        HOST_RUNS_MOVED_TOTAL,
-        DAEMON_ERRORS_TOTAL,
-    ];
+    kvtier_protocol::key_list! {
+        /// 1 while the daemon accepts requests, 0 once shutdown has begun (draining).
+        READY = "ready";
+        /// Wall-clock start time, ms since the Unix epoch.
+        STARTED_UNIX_MS = "started_unix_ms";
+        /// Selected (block, kv-head) tiles over all decode entries.
+        SELECTED_TILES_TOTAL = "selected_tiles_total";
+        /// Summed wall time of the stages of CPU-path DECODE requests, ns.
+        DECODE_APPEND_NS_TOTAL = "decode_append_ns_total";
+        DECODE_SELECT_NS_TOTAL = "decode_select_ns_total";
+        DECODE_FETCH_NS_TOTAL = "decode_fetch_ns_total";
+        DECODE_ATTEND_NS_TOTAL = "decode_attend_ns_total";
+        /// The longest run extent the host tier could hand out now, and its free ranges.
+        HOST_LARGEST_FREE_BYTES = "host_largest_free_bytes";
+        HOST_FREE_RANGES = "host_free_ranges";
+        /// Runs moved inside the host tier to place a request that fit in the free bytes but in
+        /// no free range (compaction).
+        HOST_RUNS_MOVED_TOTAL = "host_runs_moved_total";
+        /// Error replies that are the daemon's trouble, not the request's: INTERNAL, DATA_LOSS,
+        /// UNAVAILABLE (a part of `errors_total`, which counts every error reply).
+        DAEMON_ERRORS_TOTAL = "daemon_errors_total";
+    }
 }
 
 /// Monotonic counters reported by STATS (relaxed atomics: read at scrape time).
