@@ -19,7 +19,7 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SELECTORS=${SELECTORS:-bound,sketch}
-D=$PWD/.device
+D=${D:-$PWD/.device}  # the binaries (another folder for an A/B run)
 T0=$(date +%s)
 el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 export KVTIER_TEST_TIERD=$D/tierd KVTIER_TIERD=$D/tierd

@@ -5,9 +5,11 @@
 // Required defines: HEAD_DIM, GROUP (query heads per kv head), KV_HEADS, BLOCK_TOKENS,
 // NUM_LAYERS, ELEM_KIND (0 bf16, 1 f16, 2 f32), SUM_BF16 (0 f32 summaries, 1 bf16),
 // SINK, LOCAL, TOPK, KSEL (= max keep-set size per kv head), CACHE_SLOTS, TOPK_KPT, SCORE_NB,
-// SKETCH (the sketch selector), CAND (its candidate blocks, or TOPK), LIST_R (keys per lane of
-// a candidate list), RERANK_R (of the sketch selector's rerank list), QUARTERS (summary records per
-// block), PD (head dim padded to 32: a key sketch's codes),
+// SKETCH (the sketch selector), CAND (its candidate blocks, or TOPK), SCAN (distant blocks up to
+// which it scores every one), CANDW (candidate units per kv head), LIST_R (keys per lane of a
+// candidate list), RERANK_R and RERANK_R_CAND (of the sketch selector's rerank list for SCAN and
+// for CAND keys), QUARTERS (summary records per block), PD (head dim padded to 32: a key
+// sketch's codes),
 // RED_IN_TILE, ATT_THREADS, SCORE_THREADS, TOPK_MERGE (see kernels/src/cuda/config.rs).
 //
 // Kernel parameters are declared once, in Rust (kernels/src/cuda/params/mod.rs): each kernel's

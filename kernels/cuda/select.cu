@@ -40,6 +40,18 @@ typedef float sum_t;
 #if CAND % UNIT_BLOCKS != 0
 #error "CAND must be whole units"
 #endif
+// A layer of at most SCAN_UNITS distant units skips the first stage: every distant unit is a
+// candidate (kvtier_kernels::select::scan_units; SCAN blocks). A (batch item, kv head)'s
+// candidate units are CANDW apart in cands.
+#define SCAN_UNITS (SCAN / UNIT_BLOCKS)
+#if SCAN % UNIT_BLOCKS != 0 || SCAN < CAND || CANDW < SCAN_UNITS
+#error "SCAN must be whole units, at least CAND, and fit CANDW"
+#endif
+// The distant units of a layer of nb blocks (nb > KSEL): SINK / UNIT_BLOCKS and the ones after
+// it (kvtier_kernels::select::distant_units).
+__device__ __forceinline__ u32 distant_units(u32 nb) {
+    return (nb - LOCAL - 1) / UNIT_BLOCKS + 1 - SINK / UNIT_BLOCKS;
+}
 // A quarter record: its int8 maxima codes [HEAD_DIM], then its minima codes; thread j of the
 // scoring octet takes dims [j * HEAD_DIM / 8, (j + 1) * HEAD_DIM / 8) of both, QW u32 words
 // each. One f32 scale per (block, kv head) beside them (qscales).
@@ -646,8 +658,14 @@ __device__ __forceinline__ void score_role(
         nsrc = ngroups;
     }
 #if SKETCH
-    // The CAND_UNITS candidate units for the rerank roles.
-    select_distant_merge(src, nsrc, cands + (u64)ih * LW, CAND_UNITS);
+    // The candidate units for the rerank roles: every distant unit of a layer within
+    // SCAN_UNITS, else the CAND_UNITS best.
+    const u32 nu = distant_units(nb);
+    if (nu <= SCAN_UNITS) {
+        for (u32 u = tid; u < nu; u += blockDim.x) cands[(u64)ih * CANDW + u] = SINK / UNIT_BLOCKS + u;
+    } else {
+        select_distant_merge(src, nsrc, cands + (u64)ih * CANDW, CAND_UNITS);
+    }
     if (ready != nullptr) signal_ready(ready, stamp);
 #else
     u32* row = table + (u64)ih * KSEL;
@@ -685,8 +703,32 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(SelectS
 #if RERANK_R != 1 && RERANK_R != 2 && RERANK_R != 4 && RERANK_R != 8
 #error "RERANK_R must be 1, 2, 4 or 8"
 #endif
-// Rerank roles per (batch item, kv head): RERANK_PER_ROLE candidates each (config.rs).
-#define RERANK_ROLES ((CAND + RERANK_PER_ROLE - 1) / RERANK_PER_ROLE)
+// Rerank roles per (batch item, kv head): RERANK_PER_ROLE candidates each (config.rs), enough
+// for a layer that scans SCAN blocks. A layer's candidates (rerank_lim) need the first
+// rerank_roles of them; the others return at once, without waiting or counting.
+#define RERANK_ROLES ((SCAN + RERANK_PER_ROLE - 1) / RERANK_PER_ROLE)
+
+// The candidate slots of a layer of nb blocks (nb > KSEL): its distant units' blocks where it
+// has at most SCAN_UNITS of them, else CAND.
+__device__ __forceinline__ u32 rerank_lim(u32 nb) {
+    const u32 nu = distant_units(nb);
+    return nu <= SCAN_UNITS ? nu * UNIT_BLOCKS : CAND;
+}
+__device__ __forceinline__ u32 rerank_roles(u32 nb) {
+    return (rerank_lim(nb) + RERANK_PER_ROLE - 1) / RERANK_PER_ROLE;
+}
+
+// The TOPK best of the n rerank keys at `keys` (a list of 32 R keys per warp), their ids
+// ascending into `out`; by one warp.
+template <u32 R>
+__device__ __forceinline__ void rerank_top(const u64* keys, u32 n, u32* out) {
+    const u32 lane = threadIdx.x & 31u;
+    u64 v[R];
+#pragma unroll
+    for (u32 r = 0; r < R; ++r) v[r] = r * 32 + lane < n ? __ldcg(keys + r * 32 + lane) : 0ull;
+    list_sort_desc_r<R>(v);
+    list_ids_ascending_r<R>(v, out, TOPK);
+}
 
 // The signed codes of nibble slot jn of u32 words x (a) and y (a + 1), as four int8 in one
 // word: bytes [e(jn W + 2a), e(jn W + 2a + 2), e(jn W + 2a + 1), e(jn W + 2a + 3)].
@@ -728,16 +770,17 @@ __device__ __forceinline__ void rerank_role(
     const u32 nw = blockDim.x >> 5;
     const u32 ih = i * KV_HEADS + kvh;
     const u32 nb = n_blocks_of(ntok[i]);
-    if (SHORT_LAYER(nb)) return;
+    if (SHORT_LAYER(nb) || x >= rerank_roles(nb)) return;
     __shared__ int s_qc[GROUP][SK_DP4A];
     __shared__ float s_qs[GROUP];
     __shared__ float s_best[SCORE_THREADS / 32][GROUP];
     __shared__ bool s_last;
     pdl_wait();
+    const u32 lim = rerank_lim(nb);
     // This thread's candidate (RERANK_PER_ROLE > 1: tid < R * BLOCK_TOKENS <= blockDim.x).
     const u32 c = x * RERANK_PER_ROLE + (RERANK_PER_ROLE > 1 ? tid / BLOCK_TOKENS : 0u);
-    const bool has = (RERANK_PER_ROLE == 1 || tid < RERANK_PER_ROLE * BLOCK_TOKENS) && c < CAND;
-    const u32 b = has ? cand_block(cands + (u64)ih * LW, c, nb) : 0xffffffffu;
+    const bool has = (RERANK_PER_ROLE == 1 || tid < RERANK_PER_ROLE * BLOCK_TOKENS) && c < lim;
+    const u32 b = has ? cand_block(cands + (u64)ih * CANDW, c, nb) : 0xffffffffu;
     // The group's query codes: warp g quantizes head g (absmax / 127, round half to even).
     const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
     for (u32 g = w; g < GROUP; g += nw) {
@@ -802,9 +845,9 @@ __device__ __forceinline__ void rerank_role(
     __syncthreads();
     // Thread r keys the role's candidate r from the warps that scored it.
     constexpr u32 WPC = RERANK_PER_ROLE > 1 ? BLOCK_TOKENS / 32 : SCORE_THREADS / 32;
-    if (tid < RERANK_PER_ROLE && x * RERANK_PER_ROLE + tid < CAND) {
+    if (tid < RERANK_PER_ROLE && x * RERANK_PER_ROLE + tid < lim) {
         const u32 cr = x * RERANK_PER_ROLE + tid;
-        const u32 br = cand_block(cands + (u64)ih * LW, cr, nb);
+        const u32 br = cand_block(cands + (u64)ih * CANDW, cr, nb);
         float score = NEG_INF;
         for (int g = 0; g < GROUP; ++g) {
             float m = NEG_INF;
@@ -818,7 +861,7 @@ __device__ __forceinline__ void rerank_role(
     __syncthreads();
     if (tid == 0) {
         const u32 prev = atomicAdd(&done[ih], 1u);
-        s_last = prev == RERANK_ROLES - 1;
+        s_last = prev == rerank_roles(nb) - 1;
         if (s_last) done[ih] = 0;  // every key is in; ready for the next launch
     }
     __syncthreads();
@@ -826,13 +869,13 @@ __device__ __forceinline__ void rerank_role(
     __threadfence();
     u32* row = table + (u64)ih * KSEL;
     if (w == 0) {
-        // The TOPK best keys, then their ids ascending.
-        u64 v[RERANK_R];
-#pragma unroll
-        for (u32 r = 0; r < RERANK_R; ++r)
-            v[r] = r * 32 + lane < CAND ? __ldcg(rkeys + (u64)ih * RKW + r * 32 + lane) : 0ull;
-        list_sort_desc_r<RERANK_R>(v);
-        list_ids_ascending_r<RERANK_R>(v, row + SINK, TOPK);
+        // The TOPK best keys, then their ids ascending: in the shorter list where the
+        // candidates fit it (a layer past SCAN_UNITS).
+        if (lim <= 32 * RERANK_R_CAND) {
+            rerank_top<RERANK_R_CAND>(rkeys + (u64)ih * RKW, lim, row + SINK);
+        } else {
+            rerank_top<RERANK_R>(rkeys + (u64)ih * RKW, lim, row + SINK);
+        }
     }
     __syncthreads();
     plan_tile_cache(i, kvh, row, SINK, TOPK, 0, 0, DISTANT_SLOT0, CACHE_SLOTS - DISTANT_SLOT0, sess, ntok, layer,
@@ -911,7 +954,8 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) layer_fused(LayerFus
 #if SKETCH
         if (t < RERANK_ROLES * heads) {
             const u32 hs = t / RERANK_ROLES;
-            if (SHORT_LAYER(n_blocks_of(ntok[hs / KV_HEADS]))) return;
+            const u32 nb = n_blocks_of(ntok[hs / KV_HEADS]);
+            if (SHORT_LAYER(nb) || t % RERANK_ROLES >= rerank_roles(nb)) return;
             wait_ready(ready + READY_FLAGS * hs + 2, stamp);
             rerank_role(q, sketches, sess, ntok, layer, max_blocks, cands, rkeys, rdone, table, tags, stamps, pages,
                         slot_of, miss_src, stats, stamp, ready + READY_FLAGS * hs + 1, t % RERANK_ROLES,

@@ -396,8 +396,9 @@ pub fn stats(geo: &Geometry, policy: &Policy, tokens: u64) -> StepStats {
     }
 }
 
-/// The key sketches a step of the sketch selector scores, per layer of `blocks` blocks: its
-/// candidates, the blocks of [`crate::select::candidate_units`] per kv-head and never more
+/// The key sketches a step of the sketch selector scores, per layer of `blocks` blocks: every
+/// distant block where the layer has at most [`crate::select::scan_units`] distant units, else
+/// its candidates, the blocks of [`crate::select::candidate_units`] per kv-head and never more
 /// than the distant blocks (a unit at an end of the distant range may hold fewer: an upper
 /// bound there).
 /// (Stage 1 reads the quarter codes, as many bytes as the key bound's summaries, counted with
@@ -411,9 +412,15 @@ pub fn sketch_bytes_read(geo: &Geometry, policy: &Policy, blocks: u64) -> u64 {
     }
     let distant = blocks - policy.sink_blocks as u64 - policy.local_blocks as u64;
     let bt = geo.block_tokens;
-    let cand = crate::select::candidate_units(candidates, policy.top_k, bt)
-        * crate::select::unit_blocks(bt);
-    let scored = distant.min(cand as u64);
+    let sink_end = policy.sink_blocks as usize;
+    let units =
+        crate::select::distant_units(sink_end, blocks as usize - policy.local_blocks as usize, bt);
+    let scored = if units <= crate::select::scan_units(candidates, policy.top_k, bt) {
+        distant
+    } else {
+        let g = crate::select::unit_blocks(bt);
+        distant.min((crate::select::candidate_units(candidates, policy.top_k, bt) * g) as u64)
+    };
     let per_block = geo.block_tokens as u64 * (code_bytes(geo.head_dim as usize) as u64 + 4);
     scored * geo.kv_heads as u64 * per_block
 }

@@ -293,6 +293,27 @@ pub fn candidate_units(candidates: u32, top_k: u32, block_tokens: u32) -> usize 
     blocks.div_ceil(g)
 }
 
+/// Units of the distant blocks `sink_end..local_start` (the units at both ends may hold
+/// fewer distant blocks than [`unit_blocks`]).
+pub fn distant_units(sink_end: usize, local_start: usize, block_tokens: u32) -> usize {
+    let g = unit_blocks(block_tokens);
+    (local_start - 1) / g + 1 - sink_end / g
+}
+
+/// The most candidate blocks the second stage scores in one layer (one warp's list of 8 keys
+/// per lane in the CUDA rerank).
+pub const MAX_SCAN_BLOCKS: usize = 256;
+
+/// Distant units up to which the sketch selector skips its first stage and ranks every
+/// distant block by its sketch: twice [`candidate_units`] (at most [`MAX_SCAN_BLOCKS`] blocks,
+/// and never fewer than the candidates). Where a layer is that short, scoring every block
+/// costs at most twice the rerank of a long one, and the first stage's bound, which tracks
+/// relevance on prose poorly, loses nothing (docs/decisions/0020).
+pub fn scan_units(candidates: u32, top_k: u32, block_tokens: u32) -> usize {
+    let want = candidate_units(candidates, top_k, block_tokens);
+    want.max((2 * want).min(MAX_SCAN_BLOCKS / unit_blocks(block_tokens)))
+}
+
 /// Checks a query's length and values against a geometry.
 pub fn check_query(geo: &Geometry, q: &[f32]) -> Result<()> {
     let expected = (geo.q_heads * geo.head_dim) as usize;
@@ -379,6 +400,7 @@ pub fn select_head(
         Selector::Sketch { candidates } => {
             let g = unit_blocks(geo.block_tokens);
             let want = candidate_units(candidates, policy.top_k, geo.block_tokens);
+            let scan = scan_units(candidates, policy.top_k, geo.block_tokens);
             let SelectScratch {
                 scores,
                 order,
@@ -393,12 +415,15 @@ pub fn select_head(
             query.set(q_group, d);
             let query = &*query;
             // Stage 1: the distant blocks of the `want` best units by their quarter bounds
-            // (every block when they cover them), ascending in `order` (positions from
-            // `sink_end`).
-            let (u0, u1) = (sink_end / g, (local_start - 1) / g + 1);
+            // (every block while the layer has at most `scan` distant units), ascending in
+            // `order` (positions from `sink_end`).
+            let (u0, u1) = (
+                sink_end / g,
+                sink_end / g + distant_units(sink_end, local_start, geo.block_tokens),
+            );
             let distant = |u: usize| (u * g).max(sink_end)..((u + 1) * g).min(local_start);
             order.clear();
-            if want < u1 - u0 {
+            if scan < u1 - u0 {
                 let unit = |u: usize| {
                     distant(u)
                         .map(|b| query.quarter_score(&sketch(b)))

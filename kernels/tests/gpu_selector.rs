@@ -178,6 +178,13 @@ fn sketch_selector_matches_cpu() {
             Policy::sketch(1, 4, 8, 64),
             5,
         ),
+        // 32 candidates: the short session's 52 distant blocks are within twice that, so
+        // every one is scored; the long one's first stage keeps 32.
+        (
+            geom(28, 4, 128, 128, DType::Bf16),
+            Policy::sketch(1, 4, 8, 32),
+            0,
+        ),
         // The budget of 8 blocks of 128 tokens in blocks of 64 (two halves) and of 32 (one
         // record; a sink of 128 tokens, a local window of 512).
         (

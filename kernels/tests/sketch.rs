@@ -1,6 +1,7 @@
 //! The sketch selector against a scalar restatement of its rule, and what it is for: finding
 //! the block a query reads where the key bound cannot tell blocks apart.
 
+use kvtier_kernels::decode::sketch_bytes_read;
 use kvtier_kernels::select::{select_head, QuerySketch};
 use kvtier_kernels::{decode_cpu, select, DecodeEntry, KeepSet, KernelError, SelectScratch};
 use kvtier_storage::testing::Rng;
@@ -61,6 +62,9 @@ fn reference(q: &[f32], v: &LayerView<'_>, policy: &Policy, h: usize) -> Vec<u32
     };
     let c = (policy.selector.candidates() as usize).max(k + 2 * (unit - 1));
     let want = c.div_ceil(unit);
+    // Every distant block is a candidate while the layer has at most twice that many units
+    // (never more than 256 blocks' worth).
+    let scan = want.max((2 * want).min(256 / unit));
     let heads: Vec<&[f32]> = (0..grp)
         .map(|j| &q[(h * grp + j) * d..(h * grp + j + 1) * d])
         .collect();
@@ -106,7 +110,7 @@ fn reference(q: &[f32], v: &LayerView<'_>, policy: &Policy, h: usize) -> Vec<u32
     };
     let mut units: Vec<usize> = distant.iter().map(|b| b / unit).collect();
     units.dedup();
-    let cands: Vec<usize> = if want >= units.len() {
+    let cands: Vec<usize> = if scan >= units.len() {
         distant.clone()
     } else {
         let unit_score = |u: usize| {
@@ -200,6 +204,33 @@ fn candidates_covering_every_block_score_every_block() {
     select(&q, &v, &narrow, &mut s, &mut c).unwrap();
     assert_eq!(a, b);
     assert_eq!(a.tiles(), c.tiles());
+}
+
+/// A layer of at most twice the candidates' units skips the first stage: its keep-set is full
+/// sketch scoring's however few the candidates; one block more and the first stage narrows to
+/// the candidates again (the sketches read say which).
+#[test]
+fn a_layer_within_twice_the_candidates_scores_every_block() {
+    let g = Geometry::new(1, 28, 4, 128, DType::Bf16, 128);
+    let narrow = Policy::sketch(1, 4, 4, 8);
+    let huge = Policy::sketch(1, 4, 4, 1 << 20);
+    let per_block = 128 * 68 * 4; // tokens x (D / 2 code bytes + a scale) x kv heads
+    for seed in 0..4 {
+        // 1 sink + 16 distant + 4 local blocks, the last one partly filled.
+        let kv = cache(g, 21 * 128 - 3, seed);
+        let v = kv.layer(0).unwrap();
+        let q: Vec<f32> = query(&g, &mut Rng::new(seed + 9))
+            .iter()
+            .map(|x| x * 4.0)
+            .collect();
+        let (mut a, mut b) = (KeepSet::new(), KeepSet::new());
+        let mut s = SelectScratch::default();
+        select(&q, &v, &narrow, &mut s, &mut a).unwrap();
+        select(&q, &v, &huge, &mut s, &mut b).unwrap();
+        assert_eq!(a, b, "seed {seed}");
+    }
+    assert_eq!(sketch_bytes_read(&g, &narrow, 21), 16 * per_block);
+    assert_eq!(sketch_bytes_read(&g, &narrow, 22), 8 * per_block);
 }
 
 /// The score is the best sketched logit: within the quantization error of the best true

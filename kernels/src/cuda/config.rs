@@ -4,7 +4,7 @@ use kvtier_storage::sketch::{padded_dims, quarters};
 use kvtier_storage::{DType, Geometry, Policy, Selector};
 
 use super::error::{CudaError, Result};
-use crate::select::{candidate_units, unit_blocks};
+use crate::select::{candidate_units, scan_units, unit_blocks, MAX_SCAN_BLOCKS};
 
 /// How block summaries are stored on the GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,8 +57,8 @@ pub(crate) const SCORE_NB: u32 = 8;
 /// merge (MERGE_GROUPS): 2 per warp of the merging thread block.
 pub(crate) const MERGE_GROUP: u32 = 16;
 /// Most candidate blocks the sketch selector's second stage ranks on the device (select.cu's
-/// rerank list of 32 * RERANK_R keys, RERANK_R <= 8).
-pub const MAX_CANDIDATES: u32 = 256;
+/// rerank list of 32 * RERANK_R keys, RERANK_R <= 8): the CPU's limit too.
+pub const MAX_CANDIDATES: u32 = MAX_SCAN_BLOCKS as u32;
 /// Most candidate units its first stage keeps (lists of 32 * LIST_R keys, LIST_R <= 4): in
 /// 128-token blocks, where a unit is a block, the limit on candidates.
 pub const MAX_CANDIDATE_UNITS: u32 = 128;
@@ -224,14 +224,25 @@ impl CudaConfig {
         let st = SCORE_THREADS as usize;
         // Stage 1's lists hold the sketch selector's candidate units, the rerank's list its
         // candidate blocks (as many in 128-token blocks; G times as many in smaller ones).
-        let (list_r, rerank_r) = if self.sketch() {
+        // The rerank scores every distant block of a layer of at most `scan` (blocks) and
+        // sorts its keys in the list of `rerank_r` keys per lane, a longer layer's candidates
+        // in that of `rerank_r_cand`.
+        let scan = match p.selector {
+            Selector::Sketch { candidates } => {
+                (scan_units(candidates, p.top_k, g.block_tokens) * unit_blocks(g.block_tokens))
+                    as u32
+            }
+            Selector::Bound => cand,
+        };
+        let (list_r, rerank_r, rerank_r_cand) = if self.sketch() {
             let units = cand / unit_blocks(g.block_tokens) as u32;
             (
                 units.div_ceil(32).next_power_of_two(),
+                scan.div_ceil(32).next_power_of_two(),
                 cand.div_ceil(32).next_power_of_two(),
             )
         } else {
-            (1, 1)
+            (1, 1, 1)
         };
         let lists_smem = (SCORE_NB as usize * 32 * 2 + st * list_r as usize) * 8;
         // attend_tile: dynamic = tile (+ reduction buffer unless it fits in the dead K half).
@@ -319,9 +330,12 @@ impl CudaConfig {
             att_mma,
             fused: topk_merge && att_threads as u32 == SCORE_THREADS,
             candidates: cand,
+            scan,
+            cand_stride: (32 * list_r).max(scan / unit_blocks(g.block_tokens) as u32),
             rerank_per_role,
             list_r,
             rerank_r,
+            rerank_r_cand,
         })
     }
 
@@ -399,9 +413,12 @@ impl CudaConfig {
             ("MERGE_GROUP", MERGE_GROUP),
             ("SKETCH", u32::from(self.sketch())),
             ("CAND", derived.candidates),
+            ("SCAN", derived.scan),
+            ("CANDW", derived.cand_stride),
             ("RERANK_PER_ROLE", derived.rerank_per_role),
             ("LIST_R", derived.list_r),
             ("RERANK_R", derived.rerank_r),
+            ("RERANK_R_CAND", derived.rerank_r_cand),
             ("QUARTERS", self.summary_records()),
             ("PD", padded_dims(g.head_dim as usize) as u32),
         ]
@@ -443,14 +460,22 @@ pub struct Derived {
     /// Blocks the selector's first stage keeps: the sketch selector's candidate blocks (those
     /// of `crate::select::candidate_units`), else top_k.
     pub candidates: u32,
+    /// Distant blocks up to which the sketch selector's second stage scores every distant
+    /// block (those of `crate::select::scan_units`; at least `candidates`): the rerank roles
+    /// and list are sized for it.
+    pub scan: u32,
+    /// Candidate units held per (batch item, kv head) (select.cu CANDW): the first stage's
+    /// list, or every distant unit of a layer within `scan`.
+    pub cand_stride: u32,
     /// Candidates each rerank role of the sketch selector scores.
     pub rerank_per_role: u32,
     /// Keys per lane of a candidate list (1, 2 or 4): a list holds `32 * list_r` keys, at
     /// least the candidate units with the sketch selector.
     pub list_r: u32,
-    /// Keys per lane of the sketch selector's rerank list (1, 2, 4 or 8): at least
-    /// `candidates`.
+    /// Keys per lane of the sketch selector's rerank list (1, 2, 4 or 8): at least `scan`.
     pub rerank_r: u32,
+    /// Keys per lane of the rerank list of a layer past `scan`: at least `candidates`.
+    pub rerank_r_cand: u32,
 }
 
 #[cfg(test)]
@@ -553,17 +578,20 @@ mod tests {
             cfg.cache_slots = 74 * 128 / bt;
             cfg.validate().unwrap()
         };
-        for (bt, k, c, cand, list_r, rerank_r) in [
-            (128, 8, 64, 64, 2, 2),
-            (64, 16, 128, 128, 2, 4),
-            (32, 32, 128, 128, 1, 4),
-            (32, 32, 8, 40, 1, 2), // never fewer than k + 2 (G - 1) blocks
-            (32, 32, 256, 256, 2, 8),
+        // (blocks, k, candidates) -> candidate blocks, scan blocks, list_r, rerank_r (for the
+        // scan) and rerank_r_cand.
+        for (bt, k, c, cand, scan, list_r, rerank_r, rerank_r_cand) in [
+            (128, 8, 64, 64, 128, 2, 4, 2),
+            (128, 8, 128, 128, 256, 4, 8, 4),
+            (64, 16, 128, 128, 256, 2, 8, 4),
+            (32, 32, 128, 128, 256, 1, 8, 4),
+            (32, 32, 8, 40, 80, 1, 4, 2), // never fewer than k + 2 (G - 1) blocks
+            (32, 32, 256, 256, 256, 2, 8, 8),
         ] {
             let d = at(bt, k, c);
             assert_eq!(
-                (d.candidates, d.list_r, d.rerank_r),
-                (cand, list_r, rerank_r),
+                (d.candidates, d.scan, d.list_r, d.rerank_r, d.rerank_r_cand),
+                (cand, scan, list_r, rerank_r, rerank_r_cand),
                 "{bt}-token blocks, k {k}, {c} candidates"
             );
         }

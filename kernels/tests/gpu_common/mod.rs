@@ -305,7 +305,8 @@ impl Harness {
 
     /// The sketch selector on the CPU, from its own scoring ([`QuerySketch::quarter_score`],
     /// [`QuerySketch::score`]) of each block's sketches (from its run): the `c` best distant
-    /// blocks by quarter bound, then the top-k of those by sketch, ties to the lower block.
+    /// blocks by quarter bound (every one in a layer within twice as many units), then the
+    /// top-k of those by sketch, ties to the lower block.
     fn cpu_select_sketch(&self, s: usize, l: usize, q: &[f32], c: usize) -> Vec<Vec<u32>> {
         let g = self.cfg.geometry;
         let p = self.cfg.policy;
@@ -324,23 +325,29 @@ impl Harness {
                 let qs = QuerySketch::new(&q[h * grp * d..(h + 1) * grp * d], d);
                 let head = |b: usize| blocks[b].as_ref().head(&g, 0, h);
                 // Units of four quarter records (G blocks): each scored by its best distant
-                // block; the distant blocks of the best `ceil(max(c, k + 2 (G - 1)) / G)`.
+                // block; the distant blocks of the best `ceil(max(c, k + 2 (G - 1)) / G)`, or
+                // of every unit where there are at most twice as many (256 blocks' worth).
                 let unit = 4 / kvtier_storage::sketch::quarters(g.block_tokens as usize);
                 let want = c.max(p.top_k as usize + 2 * (unit - 1)).div_ceil(unit);
+                let scan = want.max((2 * want).min(256 / unit));
                 let (u0, u1) = (sink_end / unit, (local_start - 1) / unit + 1);
                 let distant =
                     |u: usize| (u * unit).max(sink_end)..((u + 1) * unit).min(local_start);
-                let units = best(
-                    (u0..u1)
-                        .map(|u| {
-                            let m = distant(u)
-                                .map(|b| qs.quarter_score(&head(b)))
-                                .fold(f32::NEG_INFINITY, f32::max);
-                            (m, u as u32)
-                        })
-                        .collect(),
-                    want,
-                );
+                let units: Vec<u32> = if u1 - u0 <= scan {
+                    (u0 as u32..u1 as u32).collect()
+                } else {
+                    best(
+                        (u0..u1)
+                            .map(|u| {
+                                let m = distant(u)
+                                    .map(|b| qs.quarter_score(&head(b)))
+                                    .fold(f32::NEG_INFINITY, f32::max);
+                                (m, u as u32)
+                            })
+                            .collect(),
+                        want,
+                    )
+                };
                 let cands: Vec<u32> = units
                     .iter()
                     .flat_map(|&u| distant(u as usize))

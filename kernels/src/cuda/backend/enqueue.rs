@@ -83,9 +83,7 @@ impl CudaBackend {
         let lists = records.div_ceil(nbo * (SCORE_THREADS / 8));
         // The sketch selector's rerank roles per kv head (none without it).
         let reranks = if self.cfg.sketch() {
-            self.derived
-                .candidates
-                .div_ceil(self.derived.rerank_per_role)
+            self.derived.scan.div_ceil(self.derived.rerank_per_role)
         } else {
             0
         };

@@ -346,8 +346,9 @@ pub struct CudaBackend {
     ready: DevBuf<u32>,
     /// layer_fused's ticket counter (one u32).
     tickets: DevBuf<u32>,
-    /// The sketch selector's: per (batch item, kv head) its candidates (32 * list_r slots), the
-    /// rerank roles' keys (as many) and their finished count (zero between launches).
+    /// The sketch selector's: per (batch item, kv head) its candidate units (`cand_stride`
+    /// slots), the rerank roles' keys (32 * rerank_r) and their finished count (zero between
+    /// launches).
     cands: DevBuf<u32>,
     rkeys: DevBuf<u64>,
     rdone: DevBuf<u32>,

@@ -122,9 +122,9 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Records that blocks `first..first + n` of a session layer have their summaries (`bit`
-    /// 1) or their host runs (`bit` 2), and moves the layer's ready prefix past every block
-    /// that has both.
+    /// Records that blocks `first..first + n` of a session layer have their summaries (bit
+    /// value 1) or their host runs (bit value 2), and moves the layer's ready prefix past
+    /// every block that has both.
     fn mark_uploaded(&mut self, slot: u32, l: usize, first: u32, n: usize, bit: u8) -> Result<()> {
         let sess = self.session_mut(slot)?;
         for f in &mut sess.flags[l][first as usize..first as usize + n] {

@@ -72,7 +72,7 @@ impl CudaBackend {
             sums: z8(s * l * mb * hkv * cfg.summary_record_bytes())?,
             qscales: zf(if cfg.sketch() { s * l * mb * hkv } else { 0 })?,
             sketches: z8(s * l * mb * hkv * cfg.sketch_record_bytes())?,
-            cands: z32(bmax * hkv * 32 * derived.list_r as usize)?,
+            cands: z32(bmax * hkv * derived.cand_stride as usize)?,
             rkeys: z64(bmax * hkv * 32 * derived.rerank_r as usize)?,
             rdone: z32(bmax * hkv)?,
             pages: z64(s * l * mb)?,
