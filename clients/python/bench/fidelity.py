@@ -114,12 +114,13 @@ def parse_arm(spec: str, a) -> Arm:
         raise SystemExit(f"--arms: {spec!r}: the sink and local window are not whole {bt}-token blocks")
     geometry = (bt, a.sink * a.block_tokens // bt, a.local * a.block_tokens // bt)
     parts = body.split(":")
-    if parts[0] in ("bound", "oracle") and len(parts) == 2:
+    if parts[0] in ("bound", "oracle", "sketchmass") and len(parts) == 2:
         return Arm(spec, parts[0], int(parts[1]), 0, *geometry)
     if parts[0] == "sketch" and len(parts) in (2, 3):
         c = DEFAULT_CANDIDATES if len(parts) == 2 else (ALL_BLOCKS if parts[2] == "all" else int(parts[2]))
         return Arm(spec, "sketch", int(parts[1]), c, *geometry)
-    raise SystemExit(f"--arms: {spec!r} is not bound:K[@B], sketch:K[:C][@B] or oracle:K[@B]")
+    raise SystemExit(f"--arms: {spec!r} is not bound:K[@B], sketch:K[:C][@B], oracle:K[@B] or "
+                     "sketchmass:K[@B]")
 
 
 def policy_for(arm: Arm):
@@ -149,9 +150,12 @@ ORACLE_IMPLEMENTATION = "kvtier-fidelity-oracle"
 
 
 class Oracle:
-    """The `oracle:K` arm: dense decoding whose global layers attend, at each decode step, only
-    the oracle's keep-set of each KV head (sink, local window and the top-K distant blocks by
-    the group's mean dense attention mass: the instrument's oracle), renormalised over it. It
+    """The in-process arms: dense decoding whose global layers attend, at each decode step,
+    only a keep-set of each KV head (sink, local window and the top-K distant blocks),
+    renormalised over it. `oracle:K` ranks the distant blocks by the group's mean dense
+    attention mass (the instrument's oracle); `sketchmass:K`, a design experiment, by the mass
+    the int4 key sketches estimate (softmax of every token's sketched logit, the second
+    stage's codes and scales, summed per block) instead of the sketch's best token. It
     records its calls as `Recording` does, so the instrument reads both alike."""
 
     current = None  # the arm being decoded; the attention function reads it
@@ -197,7 +201,11 @@ class Oracle:
         k, v = key[0].float(), value[0].float()
         logits = torch.einsum("hgd,htd->hgt", q, k) * scaling
         nb = -(-t // bt)
-        p = torch.nn.functional.pad(torch.softmax(logits, -1), (0, nb * bt - t))
+        if self.arm.selector == "sketchmass":
+            ranked = Oracle.sketched_logits(q * scaling * math.sqrt(d), k) / math.sqrt(d)
+        else:
+            ranked = logits
+        p = torch.nn.functional.pad(torch.softmax(ranked, -1), (0, nb * bt - t))
         mass = p.reshape(hkv, g, nb, bt).sum(-1).mean(1).numpy()
         keep = self.keep(mass)
         allowed = torch.zeros(hkv, nb, dtype=torch.bool)
@@ -210,12 +218,25 @@ class Oracle:
                            k[:, -1].numpy(), keep))
         return out.to(query.dtype), None
 
+    @staticmethod
+    def sketched_logits(q, k):
+        """Every token's logit as the sketch selector's second stage estimates it (q [Hkv, G, D]
+        as tierd receives it, k [Hkv, T, D]): int8 query codes against int4 key codes, each
+        with its absmax scale (keepsets.quantize_rows), [Hkv, G, T]."""
+        def codes(x, levels):
+            s = x.abs().amax(-1, keepdim=True) / levels
+            c = torch.where(s > 0, torch.round(x / torch.where(s > 0, s, 1)), 0).clamp(-levels, levels)
+            return c, s
+        qc, qs = codes(q, 127)
+        kc, ks = codes(k, 7)
+        return torch.einsum("hgd,htd->hgt", qc, kc) * ks.transpose(1, 2) * qs
+
 
 @contextlib.contextmanager
 def continuation(model, cache, client, arm: Arm):
     """(the cache an arm decodes from, its recorder): a tierd session filled from the dense
     prefill, or for the oracle a copy of the dense cache, decoded with its attention."""
-    if arm.selector == "oracle":
+    if arm.selector in ("oracle", "sketchmass"):
         with Oracle(model, arm) as o:
             yield copy.deepcopy(cache), o
     else:
@@ -245,7 +266,9 @@ def instrument(rec: "Recording", prefill_keys, arm: Arm, needle_blocks=None):
             oracle = fixed + keepsets.top(sc["mass"], distant, k) if nb > sink + local + k else list(range(nb))
             out["mass"].append(float(sc["mass"][list(keep[h])].sum()))
             out["oracle_mass"].append(float(sc["mass"][sorted(set(oracle))].sum()))
-            if arm.selector == "oracle":  # the torch oracle against the numpy one
+            if arm.selector in ("oracle", "sketchmass"):
+                # In-process arms against the numpy oracle: the oracle's is a check of the torch
+                # one; sketchmass's says how often it keeps what the oracle keeps.
                 rule = sorted(set(oracle))
             else:
                 rule = keepsets.keep_set(sc, nb, sink, local, k, arm.selector, arm.candidates, bt)
