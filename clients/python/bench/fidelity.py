@@ -114,13 +114,13 @@ def parse_arm(spec: str, a) -> Arm:
         raise SystemExit(f"--arms: {spec!r}: the sink and local window are not whole {bt}-token blocks")
     geometry = (bt, a.sink * a.block_tokens // bt, a.local * a.block_tokens // bt)
     parts = body.split(":")
-    if parts[0] in ("bound", "oracle", "sketchmass") and len(parts) == 2:
+    if parts[0] in ("bound", "oracle", "sketchmass", "hybrid") and len(parts) == 2:
         return Arm(spec, parts[0], int(parts[1]), 0, *geometry)
     if parts[0] == "sketch" and len(parts) in (2, 3):
         c = DEFAULT_CANDIDATES if len(parts) == 2 else (ALL_BLOCKS if parts[2] == "all" else int(parts[2]))
         return Arm(spec, "sketch", int(parts[1]), c, *geometry)
-    raise SystemExit(f"--arms: {spec!r} is not bound:K[@B], sketch:K[:C][@B], oracle:K[@B] or "
-                     "sketchmass:K[@B]")
+    raise SystemExit(f"--arms: {spec!r} is not bound:K[@B], sketch:K[:C][@B], oracle:K[@B], "
+                     "sketchmass:K[@B] or hybrid:K[@B]")
 
 
 def policy_for(arm: Arm):
@@ -155,8 +155,10 @@ class Oracle:
     renormalised over it. `oracle:K` ranks the distant blocks by the group's mean dense
     attention mass (the instrument's oracle); `sketchmass:K`, a design experiment, by the mass
     the int4 key sketches estimate (softmax of every token's sketched logit, the second
-    stage's codes and scales, summed per block) instead of the sketch's best token. It
-    records its calls as `Recording` does, so the instrument reads both alike."""
+    stage's codes and scales, summed per block) instead of the sketch's best token;
+    `hybrid:K`, another, keeps the ceil(K/2) best by the sketch's best token and the rest by
+    that estimated mass. It records its calls as `Recording` does, so the instrument reads
+    them alike."""
 
     current = None  # the arm being decoded; the attention function reads it
 
@@ -177,14 +179,22 @@ class Oracle:
         Oracle.current = None
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
-    def keep(self, mass: np.ndarray):
-        """Per KV head, the oracle's keep-set over `mass` [Hkv, nb]."""
+    def keep(self, mass: np.ndarray, best=None):
+        """Per KV head, the keep-set by `mass` [Hkv, nb]; with `best` (hybrid), the ceil(K/2)
+        distant blocks of the highest `best` first, then the rest by `mass`."""
         a, nb = self.arm, mass.shape[1]
         if nb <= a.sink + a.local + a.k:
             return [list(range(nb))] * mass.shape[0]
         distant = list(range(a.sink, nb - a.local))
         fixed = list(range(a.sink)), list(range(nb - a.local, nb))
-        return [fixed[0] + keepsets.top(m, distant, a.k) + fixed[1] for m in mass]
+        if best is None:
+            return [fixed[0] + keepsets.top(m, distant, a.k) + fixed[1] for m in mass]
+        out = []
+        for m, b in zip(mass, best):
+            first = keepsets.top(b, distant, -(-a.k // 2))
+            rest = keepsets.top(m, [x for x in distant if x not in first], a.k - len(first))
+            out.append(fixed[0] + sorted(first + rest) + fixed[1])
+        return out
 
     @staticmethod
     def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -201,13 +211,18 @@ class Oracle:
         k, v = key[0].float(), value[0].float()
         logits = torch.einsum("hgd,htd->hgt", q, k) * scaling
         nb = -(-t // bt)
-        if self.arm.selector == "sketchmass":
-            ranked = Oracle.sketched_logits(q * scaling * math.sqrt(d), k) / math.sqrt(d)
+        best = None
+        if self.arm.selector in ("sketchmass", "hybrid"):
+            sk = Oracle.sketched_logits(q * scaling * math.sqrt(d), k)
+            ranked = sk / math.sqrt(d)
+            if self.arm.selector == "hybrid":
+                padded = torch.nn.functional.pad(sk, (0, nb * bt - t), value=float("-inf"))
+                best = padded.reshape(hkv, g, nb, bt).amax(-1).amax(1).numpy()
         else:
             ranked = logits
         p = torch.nn.functional.pad(torch.softmax(ranked, -1), (0, nb * bt - t))
         mass = p.reshape(hkv, g, nb, bt).sum(-1).mean(1).numpy()
-        keep = self.keep(mass)
+        keep = self.keep(mass, best)
         allowed = torch.zeros(hkv, nb, dtype=torch.bool)
         for h, blocks in enumerate(keep):
             allowed[h, blocks] = True
@@ -236,7 +251,7 @@ class Oracle:
 def continuation(model, cache, client, arm: Arm):
     """(the cache an arm decodes from, its recorder): a tierd session filled from the dense
     prefill, or for the oracle a copy of the dense cache, decoded with its attention."""
-    if arm.selector in ("oracle", "sketchmass"):
+    if arm.selector in ("oracle", "sketchmass", "hybrid"):
         with Oracle(model, arm) as o:
             yield copy.deepcopy(cache), o
     else:
@@ -266,7 +281,7 @@ def instrument(rec: "Recording", prefill_keys, arm: Arm, needle_blocks=None):
             oracle = fixed + keepsets.top(sc["mass"], distant, k) if nb > sink + local + k else list(range(nb))
             out["mass"].append(float(sc["mass"][list(keep[h])].sum()))
             out["oracle_mass"].append(float(sc["mass"][sorted(set(oracle))].sum()))
-            if arm.selector in ("oracle", "sketchmass"):
+            if arm.selector in ("oracle", "sketchmass", "hybrid"):
                 # In-process arms against the numpy oracle: the oracle's is a check of the torch
                 # one; sketchmass's says how often it keeps what the oracle keeps.
                 rule = sorted(set(oracle))
