@@ -24,14 +24,36 @@ pub fn fill_bf16(rng: &mut Rng, bytes: &mut [u8]) {
 }
 
 /// Walks the command line as `--flag VALUE` pairs and bare flags: `flag` gets each flag's name
-/// and `val`, which takes the next argument as its value (panicking, naming the flag, where
-/// there is none).
+/// and `val`, which takes the next argument as its value (a [`usage_error`] naming the flag
+/// where there is none).
 pub fn each_flag(mut flag: impl FnMut(&str, &mut dyn FnMut() -> String)) {
     let mut it = std::env::args().skip(1);
     while let Some(name) = it.next() {
-        let mut val = || it.next().unwrap_or_else(|| panic!("{name} needs a value"));
+        let mut val = || {
+            it.next()
+                .unwrap_or_else(|| usage_error(format!("{name} needs a value")))
+        };
         flag(&name, &mut val);
     }
+}
+
+/// Ends the program on a command-line mistake: the binary's name and `msg` on stderr, exit
+/// status 2 (a usage error, not a panic).
+pub fn usage_error(msg: impl std::fmt::Display) -> ! {
+    let arg0 = std::env::args().next().unwrap_or_default();
+    let name = std::path::Path::new(&arg0)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or(arg0);
+    eprintln!("{name}: {msg}");
+    std::process::exit(2)
+}
+
+/// `value` of `flag` parsed, or a [`usage_error`] saying what the flag takes.
+pub fn parse_flag<T: std::str::FromStr>(flag: &str, value: &str, what: &str) -> T {
+    value
+        .parse()
+        .unwrap_or_else(|_| usage_error(format!("{flag} takes {what}, not {value:?}")))
 }
 
 /// Nearest-rank percentile `p` (0..=100) of an ascending slice; zero for an empty one.

@@ -58,7 +58,7 @@ fn parse_args() -> Args {
         "--steps" => a.steps = val().parse().expect("--steps: integer"),
         "--dense-steps" => a.dense_steps = val().parse().expect("--dense-steps: integer"),
         "--json" => a.json = Some(val()),
-        other => panic!("unknown flag {other}"),
+        other => kvtier_bench::usage_error(format!("unknown flag {other}")),
     });
     a.modes = specs.split(',').map(|m| mode(m, a.block_tokens)).collect();
     a

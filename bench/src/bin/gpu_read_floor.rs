@@ -66,7 +66,7 @@ fn main() -> Res<()> {
         "--mb" => mb = v().parse().expect("--mb: megabytes"),
         "--layers" => layers = v().parse().expect("--layers: count"),
         "--reps" => reps = v().parse().expect("--reps: count"),
-        _ => panic!("unknown argument {k}"),
+        _ => kvtier_bench::usage_error(format!("unknown argument {k}")),
     });
     let ctx = device_context(0)?;
     let stream = ctx.default_stream();

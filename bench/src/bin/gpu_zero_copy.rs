@@ -73,7 +73,7 @@ fn main() -> Res<()> {
         "--reps" => reps = v().parse().expect("--reps: count"),
         "--tiles" => tiles_list = list(k, &v()),
         "--splits" => splits = list(k, &v()),
-        _ => panic!("unknown argument {k}"),
+        _ => kvtier_bench::usage_error(format!("unknown argument {k}")),
     });
     if splits
         .iter()

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kvtier_bench::daemon::Daemon;
-use kvtier_bench::{cpu_description, each_flag, fill_bf16};
+use kvtier_bench::{cpu_description, each_flag, fill_bf16, parse_flag, usage_error};
 use kvtier_protocol::client::Client;
 use kvtier_protocol::{DType, DecodeEntryRef, Geometry, Policy};
 use kvtier_storage::testing::Rng;
@@ -31,9 +31,9 @@ fn parse_args() -> Args {
         tierd: None,
     };
     each_flag(|flag, val| match flag {
-        "--context" => a.context = val().parse().expect("--context: tokens"),
-        "--steps" => a.steps = val().parse().expect("--steps: count"),
-        "--layers" => a.layers = val().parse().expect("--layers: count"),
+        "--context" => a.context = parse_flag(flag, &val(), "a token count"),
+        "--steps" => a.steps = parse_flag(flag, &val(), "a step count"),
+        "--layers" => a.layers = parse_flag(flag, &val(), "a layer count"),
         "--tierd" => a.tierd = Some(val().into()),
         "-h" | "--help" => {
             println!(
@@ -52,7 +52,7 @@ block was kept, and how far the sparse output is from the dense one.
             );
             std::process::exit(0);
         }
-        other => panic!("unknown flag {other} (try --help)"),
+        other => usage_error(format!("unknown flag {other} (try --help)")),
     });
     a
 }

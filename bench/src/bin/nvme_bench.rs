@@ -74,7 +74,7 @@ fn parse_args() -> Args {
         "--cold-frac" => a.cold_frac = val().parse().expect("--cold-frac"),
         "--mixed-steps" => a.mixed_steps = val().parse().expect("--mixed-steps"),
         "--only" => a.only = Some(val()),
-        other => panic!("unknown flag {other}"),
+        other => kvtier_bench::usage_error(format!("unknown flag {other}")),
     });
     a
 }

@@ -55,7 +55,7 @@ fn parse_args() -> Args {
             "--secs" => a.secs = v().parse().expect("--secs"),
             "--rounds" => a.rounds = v().parse().expect("--rounds"),
             "--json" => a.json = Some(v().into()),
-            other => panic!("unknown argument {other}"),
+            other => kvtier_bench::usage_error(format!("unknown argument {other}")),
         }
     }
     a
