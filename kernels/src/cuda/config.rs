@@ -149,9 +149,10 @@ impl CudaConfig {
         // The sketch selector's first stage keeps its candidate units in warp lists of at most
         // MAX_CANDIDATE_UNITS keys and its second stage ranks their blocks, at most
         // MAX_CANDIDATES, in one warp; each unit is scored by its four quarter records
-        // (crate::select::unit_blocks).
-        let cand = match p.selector {
-            Selector::Bound => p.top_k,
+        // (crate::select::unit_blocks). Its rerank scores every distant block of a layer of at
+        // most `scan` blocks (crate::select::scan_units).
+        let (cand, scan) = match p.selector {
+            Selector::Bound => (p.top_k, p.top_k),
             Selector::Sketch { candidates } => {
                 let bt = g.block_tokens;
                 let units = candidate_units(candidates, p.top_k, bt) as u32;
@@ -162,7 +163,8 @@ impl CudaConfig {
                         p.top_k
                     )));
                 }
-                c
+                let scan = scan_units(candidates, p.top_k, bt) * unit_blocks(bt);
+                (c, scan as u32)
             }
         };
         if p.local_blocks == 0 {
@@ -223,17 +225,8 @@ impl CudaConfig {
         let q_smem = gs * d * 4;
         let st = SCORE_THREADS as usize;
         // Stage 1's lists hold the sketch selector's candidate units, the rerank's list its
-        // candidate blocks (as many in 128-token blocks; G times as many in smaller ones).
-        // The rerank scores every distant block of a layer of at most `scan` (blocks) and
-        // sorts its keys in the list of `rerank_r` keys per lane, a longer layer's candidates
-        // in that of `rerank_r_cand`.
-        let scan = match p.selector {
-            Selector::Sketch { candidates } => {
-                (scan_units(candidates, p.top_k, g.block_tokens) * unit_blocks(g.block_tokens))
-                    as u32
-            }
-            Selector::Bound => cand,
-        };
+        // candidate blocks (as many in 128-token blocks; G times as many in smaller ones), in
+        // `rerank_r` keys per lane for a scanned layer's, `rerank_r_cand` for a longer one's.
         let (list_r, rerank_r, rerank_r_cand) = if self.sketch() {
             let units = cand / unit_blocks(g.block_tokens) as u32;
             (
