@@ -238,13 +238,10 @@ class Oracle:
         """Every token's logit as the sketch selector's second stage estimates it (q [Hkv, G, D]
         as tierd receives it, k [Hkv, T, D]): int8 query codes against int4 key codes, each
         with its absmax scale (keepsets.quantize_rows), [Hkv, G, T]."""
-        def codes(x, levels):
-            s = x.abs().amax(-1, keepdim=True) / levels
-            c = torch.where(s > 0, torch.round(x / torch.where(s > 0, s, 1)), 0).clamp(-levels, levels)
-            return c, s
-        qc, qs = codes(q, 127)
-        kc, ks = codes(k, 7)
-        return torch.einsum("hgd,htd->hgt", qc, kc) * ks.transpose(1, 2) * qs
+        qc, qs = keepsets.quantize_rows(q.numpy(), 127)
+        kc, ks = keepsets.quantize_rows(k.numpy(), 7)
+        dots = np.einsum("hgd,htd->hgt", qc.astype(np.float32), kc.astype(np.float32))
+        return torch.from_numpy(dots * ks[:, None, :] * qs[..., None])
 
 
 @contextlib.contextmanager
