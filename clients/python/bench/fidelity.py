@@ -13,7 +13,8 @@ window of the same token counts as the run's (`sketch:32:all@32` keeps as many k
 `sketch:8` of 128-token blocks: granularity at a matched budget). `oracle:K[@B]` decodes in
 this process, not through tierd: each global layer attends only the oracle's keep-set (sink,
 local and the top-K distant blocks by the true dense attention mass of each KV head's group),
-the most any block selector can keep at that budget.
+the most any block selector can keep at that budget. `sketchmass`, `hybrid`, `truemax` and
+`chansketch` (Oracle's doc) are in-process design experiments alike.
 
 Besides the answers, every sparse step is measured against dense attention at each global
 layer (the instrument): the share of the dense attention mass inside tierd's keep-set and
@@ -106,6 +107,10 @@ class Arm(NamedTuple):
     local: int
 
 
+# The arms decoded in this process (Oracle), not through tierd.
+IN_PROCESS = ("oracle", "sketchmass", "hybrid", "truemax", "chansketch")
+
+
 def parse_arm(spec: str, a) -> Arm:
     """The arm `bound:K[@B]` or `sketch:K[:C][@B]` of a run with a's block geometry."""
     body, _, blk = spec.partition("@")
@@ -114,13 +119,13 @@ def parse_arm(spec: str, a) -> Arm:
         raise SystemExit(f"--arms: {spec!r}: the sink and local window are not whole {bt}-token blocks")
     geometry = (bt, a.sink * a.block_tokens // bt, a.local * a.block_tokens // bt)
     parts = body.split(":")
-    if parts[0] in ("bound", "oracle", "sketchmass", "hybrid") and len(parts) == 2:
+    if parts[0] in ("bound",) + IN_PROCESS and len(parts) == 2:
         return Arm(spec, parts[0], int(parts[1]), 0, *geometry)
     if parts[0] == "sketch" and len(parts) in (2, 3):
         c = DEFAULT_CANDIDATES if len(parts) == 2 else (ALL_BLOCKS if parts[2] == "all" else int(parts[2]))
         return Arm(spec, "sketch", int(parts[1]), c, *geometry)
-    raise SystemExit(f"--arms: {spec!r} is not bound:K[@B], sketch:K[:C][@B], oracle:K[@B], "
-                     "sketchmass:K[@B] or hybrid:K[@B]")
+    raise SystemExit(f"--arms: {spec!r} is not bound:K[@B], sketch:K[:C][@B] or one of "
+                     + ", ".join(f"{x}:K[@B]" for x in IN_PROCESS))
 
 
 def policy_for(arm: Arm):
@@ -157,8 +162,11 @@ class Oracle:
     the int4 key sketches estimate (softmax of every token's sketched logit, the second
     stage's codes and scales, summed per block) instead of the sketch's best token;
     `hybrid:K`, another, keeps the ceil(K/2) best by the sketch's best token and the rest by
-    that estimated mass. It records its calls as `Recording` does, so the instrument reads
-    them alike."""
+    that estimated mass. Two more rank by a block's best token, max over the group, as the
+    sketch does: `truemax:K` by its true logit (the most any best-token sketch can do), and
+    `chansketch:K` by an int4 sketch with one scale per block and channel in place of one per
+    token (the query times the scales in int8 per block). It records its calls as
+    `Recording` does, so the instrument reads them alike."""
 
     current = None  # the arm being decoded; the attention function reads it
 
@@ -179,18 +187,18 @@ class Oracle:
         Oracle.current = None
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
-    def keep(self, mass: np.ndarray, best=None):
-        """Per KV head, the keep-set by `mass` [Hkv, nb]; with `best` (hybrid), the ceil(K/2)
-        distant blocks of the highest `best` first, then the rest by `mass`."""
-        a, nb = self.arm, mass.shape[1]
+    def keep(self, score: np.ndarray, best=None):
+        """Per KV head, the keep-set by `score` [Hkv, nb]; with `best` (hybrid), the ceil(K/2)
+        distant blocks of the highest `best` first, then the rest by `score`."""
+        a, nb = self.arm, score.shape[1]
         if nb <= a.sink + a.local + a.k:
-            return [list(range(nb))] * mass.shape[0]
+            return [list(range(nb))] * score.shape[0]
         distant = list(range(a.sink, nb - a.local))
         fixed = list(range(a.sink)), list(range(nb - a.local, nb))
         if best is None:
-            return [fixed[0] + keepsets.top(m, distant, a.k) + fixed[1] for m in mass]
+            return [fixed[0] + keepsets.top(m, distant, a.k) + fixed[1] for m in score]
         out = []
-        for m, b in zip(mass, best):
+        for m, b in zip(score, best):
             first = keepsets.top(b, distant, -(-a.k // 2))
             rest = keepsets.top(m, [x for x in distant if x not in first], a.k - len(first))
             out.append(fixed[0] + sorted(first + rest) + fixed[1])
@@ -218,11 +226,20 @@ class Oracle:
             if self.arm.selector == "hybrid":
                 padded = torch.nn.functional.pad(sk, (0, nb * bt - t), value=float("-inf"))
                 best = padded.reshape(hkv, g, nb, bt).amax(-1).amax(1).numpy()
+        elif self.arm.selector == "truemax":
+            ranked = None
+            padded = torch.nn.functional.pad(logits, (0, nb * bt - t), value=float("-inf"))
+            score = padded.reshape(hkv, g, nb, bt).amax(-1).amax(1).numpy()
+        elif self.arm.selector == "chansketch":
+            ranked = None
+            qn, kn = (q * scaling * math.sqrt(d)).numpy(), k.numpy()
+            score = np.stack([keepsets.channel_sketch(qn[h], kn[h], t, bt) for h in range(hkv)])
         else:
             ranked = logits
-        p = torch.nn.functional.pad(torch.softmax(ranked, -1), (0, nb * bt - t))
-        mass = p.reshape(hkv, g, nb, bt).sum(-1).mean(1).numpy()
-        keep = self.keep(mass, best)
+        if ranked is not None:  # the (true or estimated) mass of each block, mean over the group
+            p = torch.nn.functional.pad(torch.softmax(ranked, -1), (0, nb * bt - t))
+            score = p.reshape(hkv, g, nb, bt).sum(-1).mean(1).numpy()
+        keep = self.keep(score, best)
         allowed = torch.zeros(hkv, nb, dtype=torch.bool)
         for h, blocks in enumerate(keep):
             allowed[h, blocks] = True
@@ -248,7 +265,7 @@ class Oracle:
 def continuation(model, cache, client, arm: Arm):
     """(the cache an arm decodes from, its recorder): a tierd session filled from the dense
     prefill, or for the oracle a copy of the dense cache, decoded with its attention."""
-    if arm.selector in ("oracle", "sketchmass", "hybrid"):
+    if arm.selector in IN_PROCESS:
         with Oracle(model, arm) as o:
             yield copy.deepcopy(cache), o
     else:
@@ -278,7 +295,7 @@ def instrument(rec: "Recording", prefill_keys, arm: Arm, needle_blocks=None):
             oracle = fixed + keepsets.top(sc["mass"], distant, k) if nb > sink + local + k else list(range(nb))
             out["mass"].append(float(sc["mass"][list(keep[h])].sum()))
             out["oracle_mass"].append(float(sc["mass"][sorted(set(oracle))].sum()))
-            if arm.selector in ("oracle", "sketchmass", "hybrid"):
+            if arm.selector in IN_PROCESS:
                 # In-process arms against the numpy oracle: the oracle's is a check of the torch
                 # one; sketchmass's says how often it keeps what the oracle keeps.
                 rule = sorted(set(oracle))

@@ -94,6 +94,25 @@ def block_scores(q: np.ndarray, k: np.ndarray, t: int, block: int = 128) -> Dict
             "mass": mass_heads.mean(0), "mass_heads": mass_heads}
 
 
+def channel_sketch(q: np.ndarray, k: np.ndarray, t: int, block: int = 128) -> np.ndarray:
+    """Per block, the best token's logit as an int4 key sketch with one absmax scale per block
+    and channel (in place of the sketch's one per token) estimates it, max over the group
+    [nb]: key codes round(k / s) in [-7, 7], s the block's channel absmax / 7; the query times
+    s quantized to int8 per block. A design experiment (selector_study.py, fidelity.py's
+    `chansketch` arm), not what tierd does."""
+    g, d = q.shape
+    nb = -(-t // block)
+    kk = k[:t].astype(np.float32)
+    kb = np.concatenate([kk, np.zeros((nb * block - t, d), np.float32)]).reshape(nb, block, d)
+    s = (np.abs(kb).max(1) / np.float32(7)).astype(np.float32)  # [nb, D]
+    safe = np.where(s > 0, s, np.float32(1))
+    codes = np.where(s[:, None] > 0, np.clip(np.rint(kb / safe[:, None]), -7, 7), 0).astype(np.float32)
+    qc, qs = quantize_rows(q[:, None, :] * s[None], 127)  # [G, nb, D]
+    dots = np.einsum("gnd,ntd->gnt", qc.astype(np.float32), codes) * qs[..., None]
+    valid = (np.arange(nb * block) < t).reshape(nb, block)
+    return np.where(valid[None], dots, -np.inf).max(-1).max(0)
+
+
 def top(scores: np.ndarray, cands, k: int) -> List[int]:
     """The k best of `cands` by `scores`, higher first, ties to the lower block; ascending."""
     order = sorted(cands, key=lambda b: (-scores[b], b))

@@ -11,9 +11,11 @@ the block bound (the bound selector), the sketch over every distant block, the o
 attention mass), and two-stage rules whose first stage picks `c` candidates that the sketch
 then ranks — the quarter bound (the sketch selector), the block bound, the union of each query
 head's best blocks by its own bound, 16- and 64-token sub-block bounds, keys projected on their
-principal directions and 2-bit keys — and prints, per context and `c`: how often the keep-set
-equals scoring every block's sketch, how often it keeps the needle's block where a head reads
-it, and the share of the dense attention mass it keeps.
+principal directions and 2-bit keys — and, over every distant block, the second stage's score
+against two others: the best token's true logit, and an int4 sketch with one scale per block
+and channel in place of one per token (keepsets.channel_sketch). It prints, per context and
+`c`: how often the keep-set equals scoring every block's sketch, how often it keeps the
+needle's block where a head reads it, and the share of the dense attention mass it keeps.
 """
 
 from __future__ import annotations
@@ -174,8 +176,11 @@ def analyse(a):
                     reads = sc["mass_heads"][:, nb_ids].sum(1).max() >= a.read_mass
                     for k in a.ks:
                         full = keepsets.top(sc["sketch"], distant, k)
+                        chan = keepsets.channel_sketch(q, kall[h], t, BLOCK)
                         arms = {"bound (today)": keepsets.top(sc["bound"], distant, k),
                                 "sketch, every block": full,
+                                "sketch with channel scales, every block": keepsets.top(chan, distant, k),
+                                "true best token, every block": keepsets.top(sc["true_max"], distant, k),
                                 "oracle (true mass)": keepsets.top(sc["mass"], distant, k)}
                         for c in a.cs:
                             cc = max(c, k)
