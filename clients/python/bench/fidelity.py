@@ -13,8 +13,8 @@ window of the same token counts as the run's (`sketch:32:all@32` keeps as many k
 `sketch:8` of 128-token blocks: granularity at a matched budget). `oracle:K[@B]` decodes in
 this process, not through tierd: each global layer attends only the oracle's keep-set (sink,
 local and the top-K distant blocks by the true dense attention mass of each KV head's group),
-the most any block selector can keep at that budget. `sketchmass`, `hybrid`, `truemax` and
-`chansketch` (Oracle's doc) are in-process design experiments alike.
+the most any block selector can keep at that budget. `sketchmass`, `hybrid`, `truemax`,
+`chansketch` and `sketch8` (Oracle's doc) are in-process design experiments alike.
 
 Besides the answers, every sparse step is measured against dense attention at each global
 layer (the instrument): the share of the dense attention mass inside tierd's keep-set and
@@ -108,7 +108,7 @@ class Arm(NamedTuple):
 
 
 # The arms decoded in this process (Oracle), not through tierd.
-IN_PROCESS = ("oracle", "sketchmass", "hybrid", "truemax", "chansketch")
+IN_PROCESS = ("oracle", "sketchmass", "hybrid", "truemax", "chansketch", "sketch8")
 
 
 def parse_arm(spec: str, a) -> Arm:
@@ -162,10 +162,11 @@ class Oracle:
     the int4 key sketches estimate (softmax of every token's sketched logit, the second
     stage's codes and scales, summed per block) instead of the sketch's best token;
     `hybrid:K`, another, keeps the ceil(K/2) best by the sketch's best token and the rest by
-    that estimated mass. Two more rank by a block's best token, max over the group, as the
-    sketch does: `truemax:K` by its true logit (the most any best-token sketch can do), and
+    that estimated mass. Three more rank by a block's best token, max over the group, as the
+    sketch does: `truemax:K` by its true logit (the most any best-token sketch can do),
     `chansketch:K` by an int4 sketch with one scale per block and channel in place of one per
-    token (the query times the scales in int8 per block). It records its calls as
+    token (the query times the scales in int8 per block), and `sketch8:K` by the sketch's
+    own codes in int8 instead of int4 (twice the bytes). It records its calls as
     `Recording` does, so the instrument reads them alike."""
 
     current = None  # the arm being decoded; the attention function reads it
@@ -230,6 +231,11 @@ class Oracle:
             ranked = None
             padded = torch.nn.functional.pad(logits, (0, nb * bt - t), value=float("-inf"))
             score = padded.reshape(hkv, g, nb, bt).amax(-1).amax(1).numpy()
+        elif self.arm.selector == "sketch8":
+            ranked = None
+            sk = Oracle.sketched_logits(q * scaling * math.sqrt(d), k, levels=127)
+            padded = torch.nn.functional.pad(sk, (0, nb * bt - t), value=float("-inf"))
+            score = padded.reshape(hkv, g, nb, bt).amax(-1).amax(1).numpy()
         elif self.arm.selector == "chansketch":
             ranked = None
             qn, kn = (q * scaling * math.sqrt(d)).numpy(), k.numpy()
@@ -251,12 +257,12 @@ class Oracle:
         return out.to(query.dtype), None
 
     @staticmethod
-    def sketched_logits(q, k):
+    def sketched_logits(q, k, levels=7):
         """Every token's logit as the sketch selector's second stage estimates it (q [Hkv, G, D]
-        as tierd receives it, k [Hkv, T, D]): int8 query codes against int4 key codes, each
-        with its absmax scale (keepsets.quantize_rows), [Hkv, G, T]."""
+        as tierd receives it, k [Hkv, T, D]): int8 query codes against int4 key codes (codes
+        in -levels..=levels), each with its absmax scale (keepsets.quantize_rows), [Hkv, G, T]."""
         qc, qs = keepsets.quantize_rows(q.numpy(), 127)
-        kc, ks = keepsets.quantize_rows(k.numpy(), 7)
+        kc, ks = keepsets.quantize_rows(k.numpy(), levels)
         dots = np.einsum("hgd,htd->hgt", qc.astype(np.float32), kc.astype(np.float32))
         return torch.from_numpy(dots * ks[:, None, :] * qs[..., None])
 
