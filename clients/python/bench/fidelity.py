@@ -220,25 +220,24 @@ class Oracle:
         k, v = key[0].float(), value[0].float()
         logits = torch.einsum("hgd,htd->hgt", q, k) * scaling
         nb = -(-t // bt)
-        best = None
+        qt = q * scaling * math.sqrt(d)  # the query as tierd receives it
+
+        def block_best(x):  # [Hkv, G, T] per-token scores -> each block's best, max over the group
+            padded = torch.nn.functional.pad(x, (0, nb * bt - t), value=float("-inf"))
+            return padded.reshape(hkv, g, nb, bt).amax(-1).amax(1).numpy()
+
+        best, ranked = None, None
         if self.arm.selector in ("sketchmass", "hybrid"):
-            sk = Oracle.sketched_logits(q * scaling * math.sqrt(d), k)
+            sk = Oracle.sketched_logits(qt, k)
             ranked = sk / math.sqrt(d)
             if self.arm.selector == "hybrid":
-                padded = torch.nn.functional.pad(sk, (0, nb * bt - t), value=float("-inf"))
-                best = padded.reshape(hkv, g, nb, bt).amax(-1).amax(1).numpy()
+                best = block_best(sk)
         elif self.arm.selector == "truemax":
-            ranked = None
-            padded = torch.nn.functional.pad(logits, (0, nb * bt - t), value=float("-inf"))
-            score = padded.reshape(hkv, g, nb, bt).amax(-1).amax(1).numpy()
+            score = block_best(logits)
         elif self.arm.selector == "sketch8":
-            ranked = None
-            sk = Oracle.sketched_logits(q * scaling * math.sqrt(d), k, levels=127)
-            padded = torch.nn.functional.pad(sk, (0, nb * bt - t), value=float("-inf"))
-            score = padded.reshape(hkv, g, nb, bt).amax(-1).amax(1).numpy()
+            score = block_best(Oracle.sketched_logits(qt, k, levels=127))
         elif self.arm.selector == "chansketch":
-            ranked = None
-            qn, kn = (q * scaling * math.sqrt(d)).numpy(), k.numpy()
+            qn, kn = qt.numpy(), k.numpy()
             score = np.stack([keepsets.channel_sketch(qn[h], kn[h], t, bt) for h in range(hkv)])
         else:
             ranked = logits
@@ -252,7 +251,7 @@ class Oracle:
         allowed = allowed.repeat_interleave(bt, 1)[:, :t]
         kept = torch.softmax(logits.masked_fill(~allowed[:, None, :], float("-inf")), -1)
         out = torch.einsum("hgt,htd->hgd", kept, v).reshape(1, 1, hq, d)
-        self.calls.append((slot, (q.reshape(hq, d) * scaling * math.sqrt(d)).numpy(),
+        self.calls.append((slot, qt.reshape(hq, d).numpy(),
                            k[:, -1].numpy(), keep))
         return out.to(query.dtype), None
 

@@ -174,9 +174,9 @@ def analyse(a):
                     ex = stage1_experiments(q, kall[h], t, bases[h])
                     nb_ids = [b for b in nblock if b < nb]
                     reads = sc["mass_heads"][:, nb_ids].sum(1).max() >= a.read_mass
+                    chan = keepsets.channel_sketch(q, kall[h], t, BLOCK)
                     for k in a.ks:
                         full = keepsets.top(sc["sketch"], distant, k)
-                        chan = keepsets.channel_sketch(q, kall[h], t, BLOCK)
                         arms = {"bound (today)": keepsets.top(sc["bound"], distant, k),
                                 "sketch, every block": full,
                                 "sketch with channel scales, every block": keepsets.top(chan, distant, k),
