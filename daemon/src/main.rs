@@ -199,23 +199,40 @@ fn lock_progress(notifier: Option<Arc<Notifier>>) -> impl Fn(usize, usize) + Syn
     }
 }
 
-/// The remote tier's background work of `service` (claims renewed, periodic writes) every
-/// `every`, on a thread of its own, until the service is dropped.
+/// The remote tier's background work of `service` every `every`, until the service is
+/// dropped: claims renewed on a thread of their own, on a fixed schedule (a slow round does
+/// not push the next one back), and periodic writes on another, so that writing sessions
+/// to the cluster never holds renewals up past the claims' time.
 fn remote_tick_every(
     service: std::sync::Weak<tierd::Service>,
     every: Duration,
 ) -> Result<(), String> {
+    let flusher = service.clone();
     std::thread::Builder::new()
         .name("tierd-remote".into())
+        .spawn(move || {
+            let mut next = Instant::now() + every;
+            loop {
+                std::thread::sleep(next.saturating_duration_since(Instant::now()));
+                match service.upgrade() {
+                    Some(s) => s.renew_claims(),
+                    None => break,
+                };
+                next = (next + every).max(Instant::now());
+            }
+        })
+        .map_err(|e| format!("starting the remote tier's thread: {e}"))?;
+    std::thread::Builder::new()
+        .name("tierd-flush".into())
         .spawn(move || loop {
             std::thread::sleep(every);
-            match service.upgrade() {
-                Some(s) => s.remote_tick(),
+            match flusher.upgrade() {
+                Some(s) => s.flush_if_due(),
                 None => break,
             }
         })
         .map(|_| ())
-        .map_err(|e| format!("starting the remote tier's thread: {e}"))
+        .map_err(|e| format!("starting the remote tier's flush thread: {e}"))
 }
 
 /// Streams resumed sessions' blocks in from the cluster ([`tierd::Service::stream_arrivals`]),

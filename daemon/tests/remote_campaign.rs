@@ -11,8 +11,8 @@
 //! - no tierd exits by itself (a panic exits 101) or answers INTERNAL.
 //!
 //! A request refused because the other node owns the session goes to that node; one refused
-//! while a claim lapses or a failover runs (FAILED_PRECONDITION naming a dead node,
-//! UNAVAILABLE) is retried. CI runs a short campaign; the long one is a benchmark:
+//! while a claim lapses or a failover runs (UNAVAILABLE) is retried; FAILED_PRECONDITION never
+//! is. CI runs a short campaign; the long one is a benchmark:
 //! `KVTIER_REMOTE_CYCLES=500 cargo test --release -p tierd --test remote_campaign -- --nocapture`
 //! (`KVTIER_REMOTE_SEED` picks the seed; a failure prints it).
 

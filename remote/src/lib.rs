@@ -113,7 +113,9 @@ pub trait RemoteStore: Send + Sync {
     /// interrupted write left (module docs).
     fn claim(&self, session: u64, node: &str) -> Result<Claim>;
 
-    /// Extends the claim by the configured time; [`RemoteError::Fenced`] if it was lost.
+    /// Extends the claim by the configured time, taking it back if it lapsed and no claim of
+    /// the session was issued since; [`RemoteError::Fenced`] if it was lost (another node
+    /// claimed the session since, or this one gave it up).
     fn renew(&self, claim: &mut Claim) -> Result<()>;
 
     /// Gives the claim up (nothing if it was lost already).

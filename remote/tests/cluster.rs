@@ -342,6 +342,50 @@ fn one_owner_at_a_time_and_a_stale_owner_is_fenced() {
     assert_holds(&a, 11, 5, 0);
 }
 
+/// A claim that lapsed while no other node claimed the session is taken back by its next
+/// renewal (same token: nothing can have been written meanwhile); one claimed by another node
+/// since, or given up, is not.
+#[test]
+fn a_lapsed_claim_nobody_took_is_renewed_but_not_one_taken_or_given_up() {
+    let Some(cluster) = RedisCluster::start(3, 1) else {
+        return;
+    };
+    let ttl = Duration::from_millis(300);
+    let a = ClusterStore::connect(config(&cluster, ttl)).unwrap();
+    let b = ClusterStore::connect(config(&cluster, ttl)).unwrap();
+    let mut ca = a.claim(21, "node-a").unwrap();
+    put_v0(&a, &ca, 21, 2);
+    std::thread::sleep(ttl * 2);
+    assert_eq!(a.owner(21).unwrap(), None, "the claim lapsed");
+    let token = ca.token;
+    a.renew(&mut ca).unwrap();
+    assert_eq!(
+        (ca.token, a.owner(21).unwrap().as_deref()),
+        (token, Some("node-a"))
+    );
+    let more = runs_of(21, 2..3, 0);
+    a.put_session(&ca, &record(21, 3), &as_runs(&more)).unwrap();
+    assert_holds(&a, 21, 3, 0);
+
+    // Lapsed again; B claims and gives up meanwhile: A's renewal is fenced, naming no one.
+    std::thread::sleep(ttl * 2);
+    let cb = b.claim(21, "node-b").unwrap();
+    b.give_up(&cb).unwrap();
+    assert!(matches!(
+        a.renew(&mut ca),
+        Err(RemoteError::Fenced { holder: None, .. })
+    ));
+    // A renewal still in flight when its claim is given up does not take it back.
+    let cb = b.claim(21, "node-b").unwrap();
+    let mut late = cb.clone();
+    b.give_up(&cb).unwrap();
+    assert!(matches!(
+        b.renew(&mut late),
+        Err(RemoteError::Fenced { .. })
+    ));
+    assert_eq!(b.owner(21).unwrap(), None);
+}
+
 /// A master left without its replica stops only the sessions it holds: a claim, renewal or
 /// commit waits for the replicas of its own session's master, not of every master.
 #[test]

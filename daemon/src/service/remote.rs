@@ -105,8 +105,11 @@ pub(super) fn remote_error(e: RemoteError) -> ServiceError {
         RemoteError::Fenced {
             holder: Some(h), ..
         } => return ServiceError::new(ErrorCode::OwnedElsewhere, h.clone()),
-        RemoteError::Fenced { .. } => ErrorCode::FailedPrecondition,
-        RemoteError::Unavailable(_)
+        // The claim lapsed and no node holds it now: nothing was written, and the next
+        // renewal either takes it back (no claim issued since) or drops this copy (one was);
+        // a retry is answered either way (protocol.md, OFFLOAD: UNAVAILABLE, session kept).
+        RemoteError::Fenced { holder: None, .. }
+        | RemoteError::Unavailable(_)
         | RemoteError::ClaimExpired { .. }
         | RemoteError::NotReplicated { .. } => ErrorCode::Unavailable,
         e if e.is_data_loss() => ErrorCode::DataLoss,
@@ -459,6 +462,11 @@ impl Service {
     /// ([`Service::flush_remote`]).
     pub fn remote_tick(&self) {
         self.renew_claims();
+        self.flush_if_due();
+    }
+
+    /// [`Service::flush_remote`], when `remote.flush_interval_ms` has passed since the last.
+    pub fn flush_if_due(&self) {
         let due = self
             .remote
             .as_ref()
@@ -506,25 +514,40 @@ impl Service {
         written
     }
 
-    /// Renews every claim this node holds (from [`Service::remote_tick`]). A session another node has taken meanwhile is dropped here: its copy is
-    /// stale. Returns the sessions dropped.
+    /// Renews every claim this node holds (from [`Service::remote_tick`]); one that lapsed
+    /// with no claim issued since is taken back. A session another node has claimed meanwhile
+    /// is dropped here: its copy may be stale. Returns the sessions dropped.
     pub fn renew_claims(&self) -> usize {
         let Some(r) = &self.remote else {
             return 0;
+        };
+        // Whether the table still holds this very claim: one given up (OFFLOAD, CLOSE) or
+        // replaced while its renewal was in flight must neither come back nor drop anything.
+        let current = |m: &HashMap<u64, Claim>, c: &Claim| {
+            m.get(&c.session).is_some_and(|h| h.token == c.token)
         };
         let held: Vec<Claim> = r.claims.lock().values().cloned().collect();
         let mut dropped = 0;
         for mut c in held {
             match r.store.renew(&mut c) {
                 Ok(()) => {
-                    r.claims.lock().insert(c.session, c);
+                    let mut m = r.claims.lock();
+                    if current(&m, &c) {
+                        m.insert(c.session, c);
+                    }
                 }
                 Err(e @ RemoteError::Fenced { .. }) => {
-                    tracing::error!(session = c.session, error = %e, "remote: another node owns the session now; dropping this node's copy");
+                    let was_held = {
+                        let mut m = r.claims.lock();
+                        current(&m, &c) && m.remove(&c.session).is_some()
+                    };
+                    if !was_held {
+                        continue;
+                    }
+                    tracing::error!(session = c.session, error = %e, "remote: another node claimed the session since; dropping this node's copy");
                     self.counters
                         .remote_claims_lost
                         .fetch_add(1, Ordering::Relaxed);
-                    r.claims.lock().remove(&c.session);
                     dropped += self.drop_stale(c.session) as usize;
                 }
                 Err(e) => {

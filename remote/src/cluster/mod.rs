@@ -402,7 +402,10 @@ impl RemoteStore for ClusterStore {
         self.checked(
             claim,
             &self.scripts.renew,
-            &[self.key(claim.session, "claim")],
+            &[
+                self.key(claim.session, "claim"),
+                self.key(claim.session, "fence"),
+            ],
             &[ttl.as_bytes()],
             // The extension on the replicas too: a failover must not bring back the shorter
             // one, letting another node claim the session while this one relies on it.
@@ -416,7 +419,10 @@ impl RemoteStore for ClusterStore {
         match self.checked(
             claim,
             &self.scripts.give_up,
-            &[self.key(claim.session, "claim")],
+            &[
+                self.key(claim.session, "claim"),
+                self.key(claim.session, "fence"),
+            ],
             &[],
             false,
         ) {

@@ -18,19 +18,29 @@ redis.call('SET', KEYS[1], token .. ' ' .. ARGV[1], 'PX', ARGV[2])
 return {1, token}
 ";
 
-/// KEYS claim; ARGV value, ttl_ms.
+/// KEYS claim, fence; ARGV value, ttl_ms. A claim that lapsed (its key gone) is taken back,
+/// same token, when no claim was issued since (the fence is still at its token): no other node
+/// can have written the session meanwhile, every write being checked against a claim.
 pub(super) const RENEW: &str = r"
 local cur = redis.call('GET', KEYS[1])
-if cur ~= ARGV[1] then return {0, cur or ''} end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if cur == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {1}
+end
+if cur then return {0, cur} end
+local token = string.sub(ARGV[1], 1, string.find(ARGV[1], ' ') - 1)
+if redis.call('GET', KEYS[2]) ~= token then return {0, ''} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return {1}
 ";
 
-/// KEYS claim; ARGV value.
+/// KEYS claim, fence; ARGV value. The fence moves on, so that a renewal still in flight
+/// cannot take a claim given up back ([`RENEW`]).
 pub(super) const GIVE_UP: &str = r"
 local cur = redis.call('GET', KEYS[1])
 if cur ~= ARGV[1] then return {0, cur or ''} end
 redis.call('DEL', KEYS[1])
+redis.call('INCR', KEYS[2])
 return {1}
 ";
 
