@@ -691,15 +691,16 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) select_score(SelectS
 
 #if SKETCH
 // Key sketches (kvtier_storage::sketch): per (block, kv head) a record of BLOCK_TOKENS keys'
-// codes, PD / 2 bytes each, then their BLOCK_TOKENS f32 scales. A key's codes are W = PD / 4
+// codes, PD / 2 bytes each, then the block's HEAD_DIM f32 channel scales. A key's codes are W = PD / 4
 // u16 words, element e in word e % W at bits 4 (e / W): read as the u32 pairs (a, a + 1) of
 // a key's PD / 8 u32 words, nibble slot jn of the pair gives elements jn W + 2a + {0, 2, 1, 3} in
 // bytes 0..3 (rerank_codes), what one dp4a takes against the query's codes in that order.
 #define SK_WORDS (PD / 8)                    // u32 words of one key's codes
 #define SK_CODE_BYTES (PD / 2)
-#define SK_REC_BYTES ((u64)BLOCK_TOKENS * (SK_CODE_BYTES + 4))
+#define SK_REC_BYTES ((u64)BLOCK_TOKENS * SK_CODE_BYTES + 4ull * HEAD_DIM)
 #define SK_DP4A (PD / 4)                     // dp4a per key and query head
 #define RKW (32 * RERANK_R)                  // rerank keys per (batch item, kv head)
+#define I32_MIN (-2147483647 - 1)            // NVRTC compiles without <climits>
 #if RERANK_R != 1 && RERANK_R != 2 && RERANK_R != 4 && RERANK_R != 8
 #error "RERANK_R must be 1, 2, 4 or 8"
 #endif
@@ -738,6 +739,19 @@ __device__ __forceinline__ int rerank_codes(u32 x, u32 y, u32 jn) {
     return (int)__vsub4(v ^ 0x08080808u, 0x08080808u);
 }
 
+// The code words of token t of the sketch record `rec` (SK_WORDS u32, in 16-byte loads).
+__device__ __forceinline__ void rerank_load(const unsigned char* rec, u32 t, u32* words) {
+    const uint4* src = (const uint4*)(rec + (u64)t * SK_CODE_BYTES);
+#pragma unroll
+    for (int v = 0; v < SK_WORDS / 4; ++v) {
+        const uint4 cw = __ldg(src + v);
+        words[4 * v] = cw.x;
+        words[4 * v + 1] = cw.y;
+        words[4 * v + 2] = cw.z;
+        words[4 * v + 3] = cw.w;
+    }
+}
+
 // Candidate block c of the kv head whose candidate units start at `cands`: block c % UNIT_BLOCKS
 // of unit c / UNIT_BLOCKS, or none (0xffffffff) where that block is not distant or the unit
 // was not filled.
@@ -750,14 +764,14 @@ __device__ __forceinline__ u32 cand_block(const u32* cands, u32 c, u32 nb) {
 
 // One rerank role: candidates [x R, x R + R) of (batch item i, kv head kvh) with R =
 // RERANK_PER_ROLE, each scored by its key sketch as kvtier_kernels::select::QuerySketch::score
-// does (integer dots, exact; then f32(dot) * scale rounded, max over tokens, * the query scale
-// rounded, max over the group), its key written to rkeys; the kv head's last role to finish
-// keeps the TOPK best (ties to the lower block), writes them ascending into the distant part of
-// the keep-set row and plans their tiles, then (layer_fused) publishes the row by storing
-// `stamp` in `ready`. Thread t takes candidate t / BLOCK_TOKENS of the role: with R > 1 a
-// candidate's tokens are whole warps (config.rs), so each thread quantizes the query once for
-// R candidates. (One candidate per role left half or more of the threads idle in blocks of 64
-// or 128 tokens and quantized the query CAND times per kv head.)
+// does (per candidate each query head times the block's channel scales, quantized to int8; integer
+// dots, exact, their max over tokens; then f32(max) * that query scale, rounded, max over the
+// group), its key written to rkeys; the kv head's last role to finish keeps the TOPK best (ties to
+// the lower block), writes them ascending into the distant part of the keep-set row and plans
+// their tiles, then (layer_fused) publishes the row by storing `stamp` in `ready`. Thread t takes
+// candidate t / BLOCK_TOKENS of the role: with R > 1 a candidate's tokens are whole warps
+// (config.rs). (One candidate per role left half or more of the threads idle in blocks of 64 or
+// 128 tokens.)
 __device__ __forceinline__ void rerank_role(
     const float* __restrict__ q, const unsigned char* __restrict__ sk, const u32* __restrict__ sess,
     const u32* __restrict__ ntok, u32 layer, u32 max_blocks, const u32* cands, u64* rkeys,
@@ -771,55 +785,69 @@ __device__ __forceinline__ void rerank_role(
     const u32 ih = i * KV_HEADS + kvh;
     const u32 nb = n_blocks_of(ntok[i]);
     if (SHORT_LAYER(nb) || x >= rerank_roles(nb)) return;
-    __shared__ int s_qc[GROUP][SK_DP4A];
-    __shared__ float s_qs[GROUP];
-    __shared__ float s_best[SCORE_THREADS / 32][GROUP];
+    __shared__ int s_qc[RERANK_PER_ROLE][GROUP][SK_DP4A];
+    __shared__ float s_qs[RERANK_PER_ROLE][GROUP];
+    __shared__ int s_best[SCORE_THREADS / 32][GROUP];
     __shared__ bool s_last;
     pdl_wait();
     const u32 lim = rerank_lim(nb);
-    // This thread's candidate (RERANK_PER_ROLE > 1: tid < R * BLOCK_TOKENS <= blockDim.x).
-    const u32 c = x * RERANK_PER_ROLE + (RERANK_PER_ROLE > 1 ? tid / BLOCK_TOKENS : 0u);
+    const u64 rec0 = (((u64)sess[i] * NUM_LAYERS + layer) * max_blocks) * KV_HEADS + kvh;
+    // This thread's candidate r of the role (RERANK_PER_ROLE > 1: tid < R * BLOCK_TOKENS <=
+    // blockDim.x).
+    const u32 r = RERANK_PER_ROLE > 1 ? tid / BLOCK_TOKENS : 0u;
+    const u32 c = x * RERANK_PER_ROLE + r;
     const bool has = (RERANK_PER_ROLE == 1 || tid < RERANK_PER_ROLE * BLOCK_TOKENS) && c < lim;
     const u32 b = has ? cand_block(cands + (u64)ih * CANDW, c, nb) : 0xffffffffu;
-    // The group's query codes: warp g quantizes head g (absmax / 127, round half to even).
+    const unsigned char* rec = b != 0xffffffffu ? sk + (rec0 + (u64)b * KV_HEADS) * SK_REC_BYTES : nullptr;
+    // This thread's first token's codes, loaded now: their latency overlaps the query codes'.
+    const u32 t0 = RERANK_PER_ROLE > 1 ? tid % BLOCK_TOKENS : tid;
+    u32 words[SK_WORDS];
+    if (rec != nullptr && t0 < BLOCK_TOKENS) rerank_load(rec, t0, words);
+    // Each candidate's query codes: half-warp task (candidate rc, head g) quantizes q_g times
+    // the block's channel scales (absmax / 127, round half to even); a role's R x G tasks take
+    // one round of its 16 half-warps where they fit (R = 2, G <= 8).
     const float* qh = q + ((u64)i * HQ + (u64)kvh * GROUP) * HEAD_DIM;
-    for (u32 g = w; g < GROUP; g += nw) {
-        const float qs = q_scale_warp(qh + g * HEAD_DIM);
+    const u32 hl = tid & 15u;
+    for (u32 task0 = 0; task0 < RERANK_PER_ROLE * GROUP; task0 += blockDim.x >> 4) {
+        const u32 task = task0 + (tid >> 4);
+        const u32 rc = task / GROUP, g = task % GROUP;
+        const u32 cc = x * RERANK_PER_ROLE + rc;
+        const u32 bc = task < RERANK_PER_ROLE * GROUP && cc < lim ? cand_block(cands + (u64)ih * CANDW, cc, nb)
+                                                                  : 0xffffffffu;
+        // Every lane takes part in the shuffles; a half without a candidate writes nothing.
+        const float* cs = bc != 0xffffffffu ? (const float*)(sk + (rec0 + (u64)bc * KV_HEADS) * SK_REC_BYTES +
+                                                             (u64)BLOCK_TOKENS * SK_CODE_BYTES)
+                                            : nullptr;
+        float amax = 0.0f;
+        if (cs != nullptr)
+            for (u32 d = hl; d < HEAD_DIM; d += 16) amax = fmaxf(amax, fabsf(__fmul_rn(qh[g * HEAD_DIM + d], __ldg(cs + d))));
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
+        if (cs == nullptr) continue;
+        const float qs = __fdiv_rn(amax, 127.0f);
         // Word k of the dp4a order: nibble slot jn = k / (PD / 16), pair a = 2 (k % (PD / 16)).
-        for (u32 k = lane; k < SK_DP4A; k += 32) {
+        for (u32 k = hl; k < SK_DP4A; k += 16) {
             const u32 jn = k / (PD / 16), a = 2 * (k % (PD / 16));
             const u32 e0 = jn * (PD / 4) + 2 * a;
             const u32 es[4] = {e0, e0 + 2, e0 + 1, e0 + 3};
             u32 word = 0;
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int code = es[c] < HEAD_DIM ? q_code(qh[g * HEAD_DIM + es[c]], qs) : 0;
-                word |= ((u32)code & 0xffu) << (8 * c);
+            for (int j = 0; j < 4; ++j) {
+                const int code =
+                    es[j] < HEAD_DIM ? q_code(__fmul_rn(qh[g * HEAD_DIM + es[j]], __ldg(cs + es[j])), qs) : 0;
+                word |= ((u32)code & 0xffu) << (8 * j);
             }
-            s_qc[g][k] = (int)word;
+            s_qc[rc][g][k] = (int)word;
         }
-        if (lane == 0) s_qs[g] = qs;
+        if (hl == 0) s_qs[rc][g] = qs;
     }
     __syncthreads();
-    float best[GROUP];
+    int best[GROUP];
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) best[g] = NEG_INF;
-    if (b != 0xffffffffu) {
-        const unsigned char* rec = sk + ((((u64)sess[i] * NUM_LAYERS + layer) * max_blocks + b) * KV_HEADS + kvh) * SK_REC_BYTES;
-        const float* scales = (const float*)(rec + (u64)BLOCK_TOKENS * SK_CODE_BYTES);
-        for (u32 t = RERANK_PER_ROLE > 1 ? tid % BLOCK_TOKENS : tid; t < BLOCK_TOKENS;
-             t += RERANK_PER_ROLE > 1 ? BLOCK_TOKENS : blockDim.x) {
-            u32 words[SK_WORDS];
-            const uint4* src = (const uint4*)(rec + (u64)t * SK_CODE_BYTES);
-#pragma unroll
-            for (int v = 0; v < SK_WORDS / 4; ++v) {
-                const uint4 c = __ldg(src + v);
-                words[4 * v] = c.x;
-                words[4 * v + 1] = c.y;
-                words[4 * v + 2] = c.z;
-                words[4 * v + 3] = c.w;
-            }
-            const float ks = __ldg(scales + t);
+    for (int g = 0; g < GROUP; ++g) best[g] = I32_MIN;
+    if (rec != nullptr) {
+        for (u32 t = t0; t < BLOCK_TOKENS; t += RERANK_PER_ROLE > 1 ? BLOCK_TOKENS : blockDim.x) {
+            if (t != t0) rerank_load(rec, t, words);
             int acc[GROUP];
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) acc[g] = 0;
@@ -828,18 +856,18 @@ __device__ __forceinline__ void rerank_role(
                 const u32 jn = k / (PD / 16), a = 2 * (k % (PD / 16));
                 const int kc = rerank_codes(words[a], words[a + 1], jn);
 #pragma unroll
-                for (int g = 0; g < GROUP; ++g) acc[g] = __dp4a(kc, s_qc[g][k], acc[g]);
+                for (int g = 0; g < GROUP; ++g) acc[g] = __dp4a(kc, s_qc[r][g][k], acc[g]);
             }
 #pragma unroll
-            for (int g = 0; g < GROUP; ++g) best[g] = fmaxf(best[g], __fmul_rn((float)acc[g], ks));
+            for (int g = 0; g < GROUP; ++g) best[g] = max(best[g], acc[g]);
         }
     }
     // Max over the thread block per head, then the query scale and the max over heads.
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-        float m = best[g];
+        int m = best[g];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(FULL_MASK, m, o));
         if (lane == 0) s_best[w][g] = m;
     }
     __syncthreads();
@@ -850,9 +878,9 @@ __device__ __forceinline__ void rerank_role(
         const u32 br = cand_block(cands + (u64)ih * CANDW, cr, nb);
         float score = NEG_INF;
         for (int g = 0; g < GROUP; ++g) {
-            float m = NEG_INF;
-            for (u32 v = tid * WPC; v < min((tid + 1) * WPC, nw); ++v) m = fmaxf(m, s_best[v][g]);
-            score = fmaxf(score, __fmul_rn(m, s_qs[g]));
+            int m = I32_MIN;
+            for (u32 v = tid * WPC; v < min((tid + 1) * WPC, nw); ++v) m = max(m, s_best[v][g]);
+            score = fmaxf(score, __fmul_rn((float)m, s_qs[tid][g]));
         }
         rkeys[(u64)ih * RKW + cr] = br != 0xffffffffu ? cand_key(score, br) : 0ull;
         // Publish the key device-wide before it is counted (threadFenceReduction pattern).

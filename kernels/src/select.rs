@@ -22,9 +22,9 @@ use std::cmp::Ordering;
 
 use rayon::prelude::*;
 
-use kvtier_storage::sketch::{padded_dims, quarters, round_half_even, HeadSketch};
+use kvtier_storage::sketch::{padded_dims, quarters, round_half_even, HeadSketch, ROUNDING_MAGIC};
 use kvtier_storage::{Geometry, LayerView, Policy, Selector};
-use wide::{i16x16, i16x8, i32x4, i32x8, i8x16};
+use wide::{f32x8, i16x16, i16x8, i32x4, i32x8, i8x16};
 
 use crate::error::{KernelError, Result};
 use crate::simd::bound_dot;
@@ -119,18 +119,23 @@ pub fn quantize_query(q: &[f32], codes: &mut [i16]) -> f32 {
     scale
 }
 
-/// A kv head's query group quantized for sketch scoring ([`quantize_query`] per head), laid
-/// out for [`QuerySketch::score`]. Reused across calls without allocating once warm.
+/// A kv head's query group quantized for sketch scoring, reused across calls without
+/// allocating once warm. The first stage takes each head quantized once ([`quantize_query`]);
+/// the second quantizes it per candidate block, times the block's channel scales
+/// ([`QuerySketch::score`]).
 #[derive(Debug, Default, Clone)]
 pub struct QuerySketch {
-    /// `[G][padded D / 8]`: each head's codes, the padding zero.
-    vecs: Vec<i16x8>,
+    /// `[G][D]`: the group as given.
+    group: Vec<f32>,
     /// `[G][D]`: each head's codes where positive (else 0), and where negative (else 0): the
     /// quarter bounds' maxima pair with the first, their minima with the second.
     pos: Vec<i16>,
     neg: Vec<i16>,
     scales: Vec<f32>,
 }
+
+/// Query heads whose per-block codes the second stage holds at once (on the stack).
+const HEAD_CHUNK: usize = 8;
 
 impl QuerySketch {
     /// The group `q_group` (`G x d` f32) quantized.
@@ -142,20 +147,14 @@ impl QuerySketch {
 
     /// Quantizes `q_group` (`G x d` f32) in place of the previous group.
     pub fn set(&mut self, q_group: &[f32], d: usize) {
-        let pv = padded_dims(d) / 8;
-        self.vecs.clear();
+        self.group.clear();
+        self.group.extend_from_slice(q_group);
         self.pos.clear();
         self.neg.clear();
         self.scales.clear();
         let mut codes = [0i16; MAX_PADDED_DIMS];
         for qh in q_group.chunks_exact(d) {
-            codes.fill(0);
             self.scales.push(quantize_query(qh, &mut codes[..d]));
-            self.vecs.extend(
-                codes[..pv * 8]
-                    .chunks_exact(8)
-                    .map(|c| i16x8::new(c.try_into().expect("8 codes"))),
-            );
             self.pos.extend(codes[..d].iter().map(|&c| c.max(0)));
             self.neg.extend(codes[..d].iter().map(|&c| c.min(0)));
         }
@@ -206,14 +205,14 @@ impl QuerySketch {
     }
 
     /// Sketch score of one (block, kv-head): the largest sketched logit over the block's
-    /// tokens and the group's query heads. Per head and token the integer dot product of the
-    /// codes is exact; it becomes `f32(dot) * key_scale` (rounded), the max over tokens is
-    /// taken, then `* q_scale` (rounded) and the max over heads: each product rounds
-    /// monotonically, so this is the max of the sketched logits, whatever order a port takes
-    /// the maxima in. `-0.0` is returned as `0.0`.
+    /// tokens and the group's query heads. Each head `q` is quantized for the block
+    /// ([`block_query`]: [`quantize_query`] of `q[d] * s[d]`, `s` the block's channel scales,
+    /// each product rounded), giving codes `c` and a scale `s_q`; per token the integer dot
+    /// product of `c` with the key's codes is exact, the max over tokens is taken, then
+    /// `f32(max) * s_q` (rounded) and the max over heads. `-0.0` is returned as `0.0`.
     pub fn score(&self, sketch: &HeadSketch<'_>) -> f32 {
         // Fixed vector counts unroll the dot products (D = 32, 64, 128, 256).
-        match self.vecs.len() / self.scales.len() {
+        match padded_dims(self.pos.len() / self.scales.len()) / 8 {
             4 => self.score_with::<4>(sketch),
             8 => self.score_with::<8>(sketch),
             16 => self.score_with::<16>(sketch),
@@ -222,38 +221,112 @@ impl QuerySketch {
         }
     }
 
-    /// [`Self::score`] with `PV` vectors of codes per key (0: any count).
+    /// [`Self::score`] with `PV` vectors of codes per key (0: any count). Its buffers are
+    /// sized by `PV`: zeroing ones sized for the largest head, per candidate, cost more than
+    /// its dot products.
     #[inline(always)]
     fn score_with<const PV: usize>(&self, sketch: &HeadSketch<'_>) -> f32 {
+        if PV == 0 {
+            let pv = padded_dims(self.group.len() / self.scales.len()) / 8;
+            let mut key = vec![i16x8::ZERO; pv];
+            let mut qv = vec![i16x8::ZERO; HEAD_CHUNK * pv];
+            return self.score_in::<0>(sketch, &mut key, &mut qv);
+        }
+        let mut key = [i16x8::ZERO; PV];
+        let mut qv = [[i16x8::ZERO; PV]; HEAD_CHUNK];
+        self.score_in::<PV>(sketch, &mut key, qv.as_flattened_mut())
+    }
+
+    /// [`Self::score_with`] in buffers for one key's codes and `HEAD_CHUNK` heads' codes.
+    #[inline(always)]
+    fn score_in<const PV: usize>(
+        &self,
+        sketch: &HeadSketch<'_>,
+        key: &mut [i16x8],
+        qv: &mut [i16x8],
+    ) -> f32 {
         let g = self.scales.len();
-        let pv = if PV == 0 { self.vecs.len() / g } else { PV };
+        let d = self.group.len() / g;
+        let pv = if PV == 0 { key.len() } else { PV };
         let cb = pv * 4; // 8 codes of 4 bits per vector
-        let mut key = [i16x8::ZERO; MAX_PADDED_DIMS / 8];
-        let key = &mut key[..pv];
-        let mut best = [f32::NEG_INFINITY; kvtier_storage::geometry::MAX_HEADS as usize];
-        let best = &mut best[..g];
-        for (t, &ks) in sketch.scales.iter().enumerate() {
-            unpack_words(&sketch.codes[t * cb..(t + 1) * cb], key);
-            for (b, qh) in best.iter_mut().zip(self.vecs.chunks_exact(pv)) {
-                // Two accumulators: integer sums are exact in any order.
-                let (mut a0, mut a1) = (i32x4::ZERO, i32x4::ZERO);
-                let mut pairs = qh.chunks_exact(2).zip(key.chunks_exact(2));
-                for (q, k) in &mut pairs {
-                    a0 += q[0].dot(k[0]);
-                    a1 += q[1].dot(k[1]);
+        let mut qs = [0f32; HEAD_CHUNK];
+        let mut score = f32::NEG_INFINITY;
+        for (c, heads) in self.group.chunks(HEAD_CHUNK * d).enumerate() {
+            let n = heads.len() / d;
+            let qv = &mut qv[..n * pv];
+            for ((qh, v), s) in heads
+                .chunks_exact(d)
+                .zip(qv.chunks_exact_mut(pv))
+                .zip(&mut qs)
+            {
+                *s = block_query(qh, sketch.channel_scales, v);
+            }
+            let mut best = [i32::MIN; HEAD_CHUNK];
+            for codes in sketch.codes.chunks_exact(cb) {
+                unpack_words(codes, key);
+                for (b, qh) in best.iter_mut().zip(qv.chunks_exact(pv)) {
+                    // Two accumulators: integer sums are exact in any order.
+                    let (mut a0, mut a1) = (i32x4::ZERO, i32x4::ZERO);
+                    let mut pairs = qh.chunks_exact(2).zip(key.chunks_exact(2));
+                    for (q, k) in &mut pairs {
+                        a0 += q[0].dot(k[0]);
+                        a1 += q[1].dot(k[1]);
+                    }
+                    if pv % 2 == 1 {
+                        a0 += qh[pv - 1].dot(key[pv - 1]);
+                    }
+                    *b = (*b).max((a0 + a1).reduce_add());
                 }
-                if pv % 2 == 1 {
-                    a0 += qh[pv - 1].dot(key[pv - 1]);
-                }
-                *b = b.max((a0 + a1).reduce_add() as f32 * ks);
+            }
+            debug_assert!(c * HEAD_CHUNK + n <= g);
+            for (&b, &s) in best[..n].iter().zip(&qs) {
+                score = score.max(b as f32 * s);
             }
         }
-        let score = best
-            .iter()
-            .zip(&self.scales)
-            .fold(f32::NEG_INFINITY, |s, (b, qs)| s.max(b * qs));
         score + 0.0
     }
+}
+
+/// One query head quantized for one block: [`quantize_query`] of `q[d] * channel_scales[d]`
+/// (each product rounded to f32), its codes as i16x8 vectors of consecutive elements into `out`
+/// (padded D / 8 of them, the padding zero); returns the codes' scale. In f32x8 lanes: the
+/// second stage quantizes every candidate's query group, and in scalar steps that was a fifth
+/// of the CPU step at 16K. The same IEEE operations as [`quantize_query`], so the same bits.
+pub fn block_query(q: &[f32], channel_scales: &[f32], out: &mut [i16x8]) -> f32 {
+    let d = q.len();
+    // Lane vector v of the products, zero past d (computed twice: a multiply is cheaper than
+    // a buffer for the largest head).
+    let product = |v: usize| {
+        let (lo, hi) = ((8 * v).min(d), (8 * v + 8).min(d));
+        if hi - lo == 8 {
+            let lanes = |c: &[f32]| f32x8::from(<[f32; 8]>::try_from(c).expect("8 lanes"));
+            lanes(&q[lo..hi]) * lanes(&channel_scales[lo..hi])
+        } else {
+            let mut a = [0f32; 8];
+            for ((o, &x), &s) in a.iter_mut().zip(&q[lo..hi]).zip(&channel_scales[lo..hi]) {
+                *o = x * s;
+            }
+            f32x8::from(a)
+        }
+    };
+    let amax = (0..out.len())
+        .fold(f32x8::ZERO, |m, v| m.max(product(v).abs()))
+        .to_array()
+        .into_iter()
+        .fold(0f32, f32::max);
+    let scale = amax / QUERY_LEVELS as f32;
+    if scale == 0.0 {
+        out.fill(i16x8::ZERO);
+        return 0.0;
+    }
+    let (sv, lim) = (f32x8::splat(scale), f32x8::splat(QUERY_LEVELS as f32));
+    let magic = f32x8::splat(ROUNDING_MAGIC);
+    for (v, o) in out.iter_mut().enumerate() {
+        // round_half_even, then the clamp: exact integers, so the conversion is exact.
+        let r = ((product(v) / sv + magic) - magic).max(-lim).min(lim);
+        *o = i16x8::new(r.round_int().to_array().map(|x| x as i16));
+    }
+    scale
 }
 
 /// Largest padded head dim ([`padded_dims`] of `MAX_HEAD_DIM`).
@@ -525,4 +598,57 @@ pub fn select(
         out.push_head(head.iter().copied());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The f32x8 port equals the scalar rule ([`quantize_query`] of the rounded products) bit
+    /// for bit, padding included, over dims that do and do not fill whole lanes, ties, zero
+    /// scales and channels of scale 0.
+    #[test]
+    fn block_query_is_quantize_query_of_the_products() {
+        let mut x = 0x2545_f491_u32;
+        let mut rnd = || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        };
+        for d in [5usize, 21, 32, 100, 128, 256] {
+            for case in 0..50 {
+                let q: Vec<f32> = (0..d).map(|_| rnd() * 8.0).collect();
+                let mut s: Vec<f32> = (0..d).map(|_| (rnd() + 0.5) * 0.3).collect();
+                match case {
+                    0 => s.fill(0.0),
+                    1 => s.iter_mut().step_by(3).for_each(|x| *x = 0.0),
+                    // Products of 0.5 steps against a scale of 1: ties at every element.
+                    2 => {
+                        s.fill(1.0);
+                        let q: Vec<f32> = (0..d).map(|i| (i % 255) as f32 - 127.0 + 0.5).collect();
+                        check(&q, &s);
+                        continue;
+                    }
+                    _ => {}
+                }
+                check(&q, &s);
+            }
+        }
+
+        fn check(q: &[f32], s: &[f32]) {
+            let d = q.len();
+            let p: Vec<f32> = q.iter().zip(s).map(|(a, b)| a * b).collect();
+            let mut want = vec![0i16; padded_dims(d)];
+            let want_scale = quantize_query(&p, &mut want[..d]);
+            let mut got = vec![i16x8::splat(99); padded_dims(d) / 8];
+            let scale = block_query(q, s, &mut got);
+            let got: Vec<i16> = got.iter().flat_map(|v| v.to_array()).collect();
+            assert_eq!(
+                (scale.to_bits(), got),
+                (want_scale.to_bits(), want),
+                "d {d}"
+            );
+        }
+    }
 }

@@ -69,23 +69,21 @@ fn reference(q: &[f32], v: &LayerView<'_>, policy: &Policy, h: usize) -> Vec<u32
         .map(|j| &q[(h * grp + j) * d..(h * grp + j + 1) * d])
         .collect();
     // Queries: absmax / 127, round half to even.
-    let quant: Vec<(Vec<i32>, f32)> = heads
-        .iter()
-        .map(|qh| {
-            let s = qh.iter().map(|x| x.abs()).fold(0.0f32, f32::max) / 127.0;
-            let c = qh
-                .iter()
-                .map(|x| {
-                    if s == 0.0 {
-                        0
-                    } else {
-                        (x / s).round_ties_even() as i32
-                    }
-                })
-                .collect();
-            (c, s)
-        })
-        .collect();
+    let quantize = |x: &[f32]| -> (Vec<i32>, f32) {
+        let s = x.iter().map(|x| x.abs()).fold(0.0f32, f32::max) / 127.0;
+        let c = x
+            .iter()
+            .map(|x| {
+                if s == 0.0 {
+                    0
+                } else {
+                    (x / s).round_ties_even() as i32
+                }
+            })
+            .collect();
+        (c, s)
+    };
+    let quant: Vec<(Vec<i32>, f32)> = heads.iter().map(|qh| quantize(qh)).collect();
     // Stage 1: per head the best quarter's integer bound from the quarter codes (maxima with
     // the positive codes, minima with the negative), then the float steps, max over heads.
     let stage1 = |b: usize| -> f32 {
@@ -127,16 +125,23 @@ fn reference(q: &[f32], v: &LayerView<'_>, policy: &Policy, h: usize) -> Vec<u32
             .filter(|b| picked.contains(&(b / unit)))
             .collect()
     };
+    // Stage 2: per head the query times the block's channel scales, quantized like a query;
+    // the best token's integer dot, then the float step, max over heads.
     let score = |b: usize| -> f32 {
         let sk = v.sketch(b, h).unwrap();
         let mut best = f32::NEG_INFINITY;
-        for (qc, qs) in &quant {
-            let mut m = f32::NEG_INFINITY;
-            for (t, ks) in sk.scales.iter().enumerate() {
-                let dot: i32 = (0..d).map(|e| qc[e] * code(sk.codes, d, t, e)).sum();
-                m = m.max(dot as f32 * ks);
-            }
-            best = best.max(m * qs);
+        for qh in &heads {
+            let p: Vec<f32> = qh
+                .iter()
+                .zip(sk.channel_scales)
+                .map(|(x, s)| x * s)
+                .collect();
+            let (qc, qs) = quantize(&p);
+            let m = (0..bt)
+                .map(|t| (0..d).map(|e| qc[e] * code(sk.codes, d, t, e)).sum::<i32>())
+                .max()
+                .unwrap();
+            best = best.max(m as f32 * qs);
         }
         best + 0.0
     };

@@ -181,9 +181,9 @@ pub enum Selector {
     /// Two stages: the `max(candidates, top_k)` best distant blocks by their quarter bounds
     /// (a key bound per quarter of the block from int8 codes of its keys' extremes, the
     /// largest over the quarters and the group's query heads) are the candidates; they are
-    /// ranked by per-token int4 key sketches (a block's score is its best sketched logit over
-    /// its tokens and the group's heads), and the top-k kept. `candidates` at least the number
-    /// of distant blocks scores every block's sketch.
+    /// ranked by int4 key sketches (one scale per channel of a block; a block's score is its
+    /// best sketched logit over its tokens and the group's heads), and the top-k kept.
+    /// `candidates` at least the number of distant blocks scores every block's sketch.
     Sketch { candidates: u32 },
 }
 

@@ -3,14 +3,17 @@
 //! bytes of a [`RemoteRecord`].
 
 use kvtier_storage::nvme::manifest::SessionRecord;
+use kvtier_storage::Selector;
 use rkyv::rancor;
 
 use crate::{RemoteError, Result};
 
 const MAGIC: u32 = u32::from_le_bytes(*b"KVTR");
-/// Version 2 added the summaries' checksums and lengths; version 1 records are still read
-/// (their pages have no summary).
-const VERSION: u16 = 2;
+/// Version 2 added the summaries' checksums and lengths; version 3 changed the key sketch in a
+/// summary to one scale per channel. Version 1 records are still read, and version 2 ones; a
+/// sketch session's pages of either have no summary this build reads, so it resumes by reading
+/// them whole (its sketches rebuilt from the runs).
+const VERSION: u16 = 3;
 const HEADER: usize = 16;
 
 /// Where one (layer, block) run of a session is in the remote store and what it must verify
@@ -77,14 +80,7 @@ impl RemoteRecord {
     /// The bytes the store keeps.
     pub fn encode(&self) -> Vec<u8> {
         let body = rkyv::to_bytes::<rancor::Error>(self).expect("serialising a record");
-        let mut out = Vec::with_capacity(HEADER + body.len());
-        out.extend_from_slice(&MAGIC.to_le_bytes());
-        out.extend_from_slice(&VERSION.to_le_bytes());
-        out.extend_from_slice(&0u16.to_le_bytes());
-        out.extend_from_slice(&crc(VERSION, body.len() as u32, &body).to_le_bytes());
-        out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-        out.extend_from_slice(&body);
-        out
+        frame(VERSION, &body)
     }
 
     /// Verifies and decodes what [`Self::encode`] wrote for session `id`.
@@ -124,6 +120,17 @@ impl RemoteRecord {
             VERSION => {
                 rkyv::from_bytes::<RemoteRecord, rancor::Error>(&aligned).map_err(undecodable)?
             }
+            2 => {
+                let mut r = rkyv::from_bytes::<RemoteRecord, rancor::Error>(&aligned)
+                    .map_err(undecodable)?;
+                // Its sketches' scales are per key: of a sketch session keep only the runs.
+                if r.session.policy.selector != Selector::Bound.code() {
+                    for p in &mut r.pages {
+                        (p.summary_crc, p.summary_len) = (0, 0);
+                    }
+                }
+                r
+            }
             1 => {
                 let v1 =
                     rkyv::from_bytes::<RecordV1, rancor::Error>(&aligned).map_err(undecodable)?;
@@ -147,7 +154,7 @@ impl RemoteRecord {
             }
             _ => {
                 return Err(bad(format!(
-                    "version {version}, this build reads 1 and {VERSION}"
+                    "version {version}, this build reads 1 to {VERSION}"
                 )))
             }
         };
@@ -156,6 +163,18 @@ impl RemoteRecord {
         }
         Ok(rec)
     }
+}
+
+/// The header (module docs) and `body` of a record of `version`.
+fn frame(version: u16, body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER + body.len());
+    out.extend_from_slice(&MAGIC.to_le_bytes());
+    out.extend_from_slice(&version.to_le_bytes());
+    out.extend_from_slice(&0u16.to_le_bytes());
+    out.extend_from_slice(&crc(version, body.len() as u32, body).to_le_bytes());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(body);
+    out
 }
 
 fn crc(version: u16, len: u32, body: &[u8]) -> u32 {
@@ -250,18 +269,29 @@ mod tests {
                 .collect(),
             generation: r.generation,
         };
-        let body = rkyv::to_bytes::<rancor::Error>(&v1).unwrap();
-        let mut bytes = Vec::new();
-        bytes.extend_from_slice(&MAGIC.to_le_bytes());
-        bytes.extend_from_slice(&1u16.to_le_bytes());
-        bytes.extend_from_slice(&0u16.to_le_bytes());
-        bytes.extend_from_slice(&crc(1, body.len() as u32, &body).to_le_bytes());
-        bytes.extend_from_slice(&(body.len() as u32).to_le_bytes());
-        bytes.extend_from_slice(&body);
+        let bytes = frame(1, &rkyv::to_bytes::<rancor::Error>(&v1).unwrap());
         let got = RemoteRecord::decode(9, &bytes).unwrap();
         assert_eq!(got.pages[0].payload_len, 512);
         assert_eq!((got.pages[0].summary_crc, got.pages[0].summary_len), (0, 0));
         assert!(!got.has_summaries());
         assert_eq!(got.session, r.session);
+    }
+
+    /// A version 2 record's summaries hold per-key sketch scales: a sketch session's are
+    /// dropped (it resumes by reading its pages whole), a bound session's, bounds only, kept.
+    #[test]
+    fn a_version_2_record_keeps_summaries_of_bound_sessions_only() {
+        for (policy, kept) in [
+            (Policy::sketch(1, 1, 2, 2), false),
+            (Policy::bound(1, 1, 2), true),
+        ] {
+            let mut r = record();
+            r.session.policy = PolicyRecord::from(&policy);
+            let bytes = frame(2, &rkyv::to_bytes::<rancor::Error>(&r).unwrap());
+            let got = RemoteRecord::decode(9, &bytes).unwrap();
+            assert_eq!(got.has_summaries(), kept, "{policy:?}");
+            assert_eq!(got.pages[0].payload_len, 512);
+            assert_eq!(got.session, r.session);
+        }
     }
 }

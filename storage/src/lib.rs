@@ -9,8 +9,8 @@
 //!   compaction (moving extents out of a window so a run fits where the free space is in
 //!   pieces).
 //! - [`kv`]: [`KvCache`], one session's per-layer block tables and incremental block summaries.
-//! - [`sketch`]: per-token int4 key sketches, kept beside the summaries for the sketch
-//!   selector.
+//! - [`sketch`]: int4 key sketches (one scale per channel of a block), kept beside the
+//!   summaries for the sketch selector.
 //! - `par`: the scoped-thread fan-out of the bulk paths (page store batches, block restores;
 //!   [`zip_mut`] also serves the engine's bulk bounds).
 //! - [`nvme`]: the NVMe tier: io engines (io_uring, pread), checksummed page store, crash-safe

@@ -1,15 +1,24 @@
 //! Per-block sketches for the sketch selector (`Selector::Sketch`): every stored key quantized
-//! to int4 with one absmax scale, and the key bounds of each quarter of the block.
+//! to int4 with one absmax scale per channel of the block, and the key bounds of each quarter
+//! of the block.
 //!
-//! **Key codes.** A key `k` (the stored key, after dtype rounding, in f32) becomes
-//! `scale = max_d |k_d| / 7` and codes `c_d = clamp(round_ties_even(k_d / scale), -7, 7)` (all
-//! zero when `scale` is 0), in IEEE single precision with round-to-nearest, so the same key
-//! gives the same codes on every machine. A key's codes take [`code_bytes`] bytes: `W =
-//! padded(D) / 4` little-endian u16 words (`padded(D)` is D rounded up to a multiple of 32,
-//! the padding codes 0), element `e` in word `e % W` at bits `4 * (e / W)`, as 4-bit two's
-//! complement. So shifting eight consecutive words by the same amount yields eight
-//! consecutive elements (one SIMD or GPU word operation per eight codes). With its f32 scale a
-//! key's sketch is a quarter of a bf16 key.
+//! **Key codes.** For each (block, kv head), channel `d` has the scale `s_d = max_t |k_t[d]| /
+//! 7` over the block's valid keys `k_t` (the stored keys, after dtype rounding, in f32), and
+//! key `t` the codes `c_t[d] = clamp(round_ties_even(k_t[d] / s_d), -7, 7)` (0 where `s_d` is
+//! 0), in IEEE single precision with round-to-nearest, so the same keys give the same codes on
+//! every machine. One scale per channel, not per key: a model's keys have outlier channels
+//! (in Gemma 3's global layers one channel's absmax is ~25x the median channel's), and a
+//! per-key scale set by the outlier rounds most of a key's other elements to 0 or +-1
+//! (docs/fidelity.md). A key's codes take [`code_bytes`] bytes: `W = padded(D) / 4`
+//! little-endian u16 words (`padded(D)` is D rounded up to a multiple of 32, the padding codes
+//! 0), element `e` in word `e % W` at bits `4 * (e / W)`, as 4-bit two's complement. So
+//! shifting eight consecutive words by the same amount yields eight consecutive elements (one
+//! SIMD or GPU word operation per eight codes). A block's codes and its D f32 scales are a
+//! quarter of its bf16 keys when D <= B.
+//!
+//! A key that raises a channel's scale re-quantizes that channel of the block's earlier keys,
+//! read back from the stored run: a channel's scale rises about ln(B) times while a block
+//! fills, so appending costs about one key's quantization per key.
 //!
 //! **Quarter bounds.** A block of B tokens is cut into [`quarters`] `n` runs of consecutive
 //! tokens of at least 32 tokens each (`n` is 4 from B = 128, 2 from 64, else 1, so the first
@@ -24,11 +33,11 @@
 //! quarter's key bound against an int8 query is then two integer dot products, exact on every
 //! machine. They are recomputed from the bounds whenever a block takes keys.
 //!
-//! A layer keeps, per block: codes `[kv_head][B][code bytes]`, scales `[kv_head][B]` (rows
-//! past the block's valid tokens zero), quarter bounds `[kv_head][quarter][max|min][D]`,
-//! quarter codes `[kv_head][quarter][max|min][D]` and their scales `[kv_head]`. Every path
-//! that adds keys (appends, in-place commits, restores, truncation) produces the same bits as
-//! appending the keys one by one.
+//! A layer keeps, per block: codes `[kv_head][B][code bytes]`, channel scales `[kv_head][D]`
+//! (codes of rows past the block's valid tokens zero), quarter bounds
+//! `[kv_head][quarter][max|min][D]`, quarter codes `[kv_head][quarter][max|min][D]` and their
+//! scales `[kv_head]`. Every path that adds keys (appends, in-place commits, restores,
+//! truncation) produces the same bits as appending the keys one by one.
 
 use crate::dtype::bf16_outward;
 use crate::geometry::{Geometry, MAX_HEAD_DIM};
@@ -74,30 +83,51 @@ pub fn quarter_of(slot: usize, block_tokens: usize) -> usize {
 /// compiles to two vector adds where `round_ties_even` is a libm call on baseline x86-64.
 #[inline(always)]
 pub fn round_half_even(x: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0;
-    (x + MAGIC) - MAGIC
+    (x + ROUNDING_MAGIC) - ROUNDING_MAGIC
 }
 
-/// Sketches `key` into `codes` (exactly [`code_bytes`] long); returns its scale.
-pub fn sketch_key(key: &[f32], codes: &mut [u8]) -> f32 {
-    debug_assert_eq!(codes.len(), code_bytes(key.len()));
-    let amax = key.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let scale = amax / KEY_LEVELS as f32;
-    codes.fill(0);
+/// 1.5 * 2^23: [`round_half_even`]'s constant (for SIMD ports of it).
+pub const ROUNDING_MAGIC: f32 = 12_582_912.0;
+
+/// A channel's scale from the largest |element| of the channel over the block's keys.
+#[inline(always)]
+pub fn channel_scale(amax: f32) -> f32 {
+    amax / KEY_LEVELS as f32
+}
+
+/// The code of a key element `x` whose channel's scale is `scale` (0 where the scale is 0).
+#[inline(always)]
+pub fn key_code(x: f32, scale: f32) -> i16 {
     if scale == 0.0 {
-        return 0.0;
+        return 0;
     }
     let lim = KEY_LEVELS as f32;
+    round_half_even(x / scale).clamp(-lim, lim) as i16
+}
+
+/// Packs the codes of `key` under its block's channel scales `scales` (one per element) into
+/// `codes` (exactly [`code_bytes`] long; the padding codes 0).
+pub fn quantize_key(key: &[f32], scales: &[f32], codes: &mut [u8]) {
+    debug_assert_eq!(codes.len(), code_bytes(key.len()));
+    debug_assert_eq!(scales.len(), key.len());
     let mut c = [0u16; MAX_HEAD_DIM as usize];
-    for (o, x) in c.iter_mut().zip(key) {
-        *o = (round_half_even(x / scale).clamp(-lim, lim) as i16 as u16) & 0xf;
+    for ((o, &x), &s) in c.iter_mut().zip(key).zip(scales) {
+        *o = (key_code(x, s) as u16) & 0xf;
     }
     let w = codes.len() / 2;
     for (word, out) in codes.chunks_exact_mut(2).enumerate() {
         let v = c[word] | c[w + word] << 4 | c[2 * w + word] << 8 | c[3 * w + word] << 12;
         out.copy_from_slice(&v.to_le_bytes());
     }
-    scale
+}
+
+/// Replaces the code of element `e` of one packed key.
+fn set_code(codes: &mut [u8], e: usize, code: i16) {
+    let w = codes.len() / 2;
+    let (at, shift) = (2 * (e % w), 4 * (e / w));
+    let v = u16::from_le_bytes([codes[at], codes[at + 1]]);
+    let v = (v & !(0xf << shift)) | ((code as u16) & 0xf) << shift;
+    codes[at..at + 2].copy_from_slice(&v.to_le_bytes());
 }
 
 /// The signed codes of one packed key, into `out` ([`padded_dims`] long): element `e` at
@@ -175,14 +205,14 @@ fn quantize_quarters(quarters: &[u16], codes: &mut [i8], d: usize) -> f32 {
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct BlockSketches {
     pub codes: Vec<u8>,
-    pub scales: Vec<f32>,
+    pub channel_scales: Vec<f32>,
     pub quarters: Vec<u16>,
     pub quarter_codes: Vec<i8>,
     pub quarter_scales: Vec<f32>,
 }
 
-/// Element counts of one block's sketch: (codes, scales, quarters / quarter codes, quarter
-/// scales).
+/// Element counts of one block's sketch: (codes, channel scales, quarters / quarter codes,
+/// quarter scales).
 fn per_block(geo: &Geometry) -> (usize, usize, usize, usize) {
     let (hkv, bt, d) = (
         geo.kv_heads as usize,
@@ -191,7 +221,7 @@ fn per_block(geo: &Geometry) -> (usize, usize, usize, usize) {
     );
     (
         hkv * bt * code_bytes(d),
-        hkv * bt,
+        hkv * d,
         hkv * quarters(bt) * 2 * d,
         hkv,
     )
@@ -203,7 +233,7 @@ impl BlockSketches {
         let (c, s, q, qs) = per_block(geo);
         let mut b = BlockSketches {
             codes: vec![0; n * c],
-            scales: vec![0.0; n * s],
+            channel_scales: vec![0.0; n * s],
             quarters: vec![0; n * q],
             quarter_codes: vec![0; n * q],
             quarter_scales: vec![0.0; n * qs],
@@ -220,17 +250,19 @@ impl BlockSketches {
         let (c, s, q, qs) = per_block(geo);
         self.codes
             .chunks_exact_mut(c)
-            .zip(self.scales.chunks_exact_mut(s))
+            .zip(self.channel_scales.chunks_exact_mut(s))
             .zip(self.quarters.chunks_exact_mut(q))
             .zip(self.quarter_codes.chunks_exact_mut(q))
             .zip(self.quarter_scales.chunks_exact_mut(qs))
             .map(
-                |((((codes, scales), quarters), quarter_codes), quarter_scales)| BlockSketch {
-                    codes,
-                    scales,
-                    quarters,
-                    quarter_codes,
-                    quarter_scales,
+                |((((codes, channel_scales), quarters), quarter_codes), quarter_scales)| {
+                    BlockSketch {
+                        codes,
+                        channel_scales,
+                        quarters,
+                        quarter_codes,
+                        quarter_scales,
+                    }
                 },
             )
     }
@@ -239,7 +271,7 @@ impl BlockSketches {
     pub fn as_ref(&self) -> BlockSketchesRef<'_> {
         BlockSketchesRef {
             codes: &self.codes,
-            scales: &self.scales,
+            channel_scales: &self.channel_scales,
             quarters: &self.quarters,
             quarter_codes: &self.quarter_codes,
             quarter_scales: &self.quarter_scales,
@@ -249,7 +281,7 @@ impl BlockSketches {
     /// Appends another run of blocks.
     pub fn extend(&mut self, other: &BlockSketches) {
         self.codes.extend_from_slice(&other.codes);
-        self.scales.extend_from_slice(&other.scales);
+        self.channel_scales.extend_from_slice(&other.channel_scales);
         self.quarters.extend_from_slice(&other.quarters);
         self.quarter_codes.extend_from_slice(&other.quarter_codes);
         self.quarter_scales.extend_from_slice(&other.quarter_scales);
@@ -260,7 +292,7 @@ impl BlockSketches {
 #[derive(Debug, Clone, Copy)]
 pub struct BlockSketchesRef<'a> {
     pub codes: &'a [u8],
-    pub scales: &'a [f32],
+    pub channel_scales: &'a [f32],
     pub quarters: &'a [u16],
     pub quarter_codes: &'a [i8],
     pub quarter_scales: &'a [f32],
@@ -279,7 +311,7 @@ impl<'a> BlockSketchesRef<'a> {
         let r = block * geo.kv_heads as usize + kv_head;
         HeadSketch {
             codes: &self.codes[r * bt * cb..(r + 1) * bt * cb],
-            scales: &self.scales[r * bt..(r + 1) * bt],
+            channel_scales: &self.channel_scales[r * d..(r + 1) * d],
             quarters: &self.quarters[r * qv..(r + 1) * qv],
             quarter_codes: &self.quarter_codes[r * qv..(r + 1) * qv],
             quarter_scale: self.quarter_scales[r],
@@ -290,7 +322,7 @@ impl<'a> BlockSketchesRef<'a> {
 /// The sketches of one block, borrowed whole.
 pub struct BlockSketch<'a> {
     pub codes: &'a mut [u8],
-    pub scales: &'a mut [f32],
+    pub channel_scales: &'a mut [f32],
     pub quarters: &'a mut [u16],
     pub quarter_codes: &'a mut [i8],
     pub quarter_scales: &'a mut [f32],
@@ -312,13 +344,13 @@ impl BlockSketch<'_> {
     }
 }
 
-/// One (block, kv head)'s sketch, read-only: key codes `[B][code bytes]` and scales `[B]`,
-/// quarter bounds `[quarter][max|min][D]` (bf16 bits), quarter codes (same shape, int8) and
+/// One (block, kv head)'s sketch, read-only: key codes `[B][code bytes]`, channel scales
+/// `[D]`, quarter bounds `[quarter][max|min][D]` (bf16 bits), quarter codes (same shape, int8) and
 /// their scale.
 #[derive(Clone, Copy, Debug)]
 pub struct HeadSketch<'a> {
     pub codes: &'a [u8],
-    pub scales: &'a [f32],
+    pub channel_scales: &'a [f32],
     pub quarters: &'a [u16],
     pub quarter_codes: &'a [i8],
     pub quarter_scale: f32,
@@ -335,18 +367,30 @@ pub fn sketch_block(geo: &Geometry, run: &[u8], valid: usize, mut out: BlockSket
     );
     let (cb, qb) = (code_bytes(d), self::quarters(bt) * 2 * d);
     out.codes.fill(0);
-    out.scales.fill(0.0);
     reset_quarters(out.quarters, d);
     let mut key = [0f32; MAX_HEAD_DIM as usize];
     let key = &mut key[..d];
     for h in 0..geo.kv_heads as usize {
+        // The channels' scales over every valid key, then each key's codes under them.
+        let scales = &mut out.channel_scales[h * d..(h + 1) * d];
+        let mut amax = [0f32; MAX_HEAD_DIM as usize];
+        for t in 0..valid {
+            let o = geo.k_row_offset(h, t);
+            geo.dtype.decode(&run[o..o + row], key);
+            for (m, x) in amax.iter_mut().zip(key.iter()) {
+                *m = m.max(x.abs());
+            }
+            let q = h * qb + quarter_of(t, bt) * 2 * d;
+            fold_quarter(&mut out.quarters[q..q + 2 * d], key);
+        }
+        for (s, &m) in scales.iter_mut().zip(&amax) {
+            *s = channel_scale(m);
+        }
         for t in 0..valid {
             let o = geo.k_row_offset(h, t);
             geo.dtype.decode(&run[o..o + row], key);
             let r = h * bt + t;
-            out.scales[r] = sketch_key(key, &mut out.codes[r * cb..(r + 1) * cb]);
-            let q = h * qb + quarter_of(t, bt) * 2 * d;
-            fold_quarter(&mut out.quarters[q..q + 2 * d], key);
+            quantize_key(key, scales, &mut out.codes[r * cb..(r + 1) * cb]);
         }
     }
     out.quantize(geo);
@@ -372,14 +416,16 @@ impl LayerSketches {
         let (c, s, q, qs) = per_block(geo);
         let b = &mut self.0;
         b.codes.truncate(blocks * c);
-        b.scales.truncate(blocks * s);
+        b.channel_scales.truncate(blocks * s);
         b.quarters.truncate(blocks * q);
         b.quarter_codes.truncate(blocks * q);
         b.quarter_scales.truncate(blocks * qs);
     }
 
-    /// Adds one key (already decoded to f32) of token `slot` of a block: its codes and its
-    /// quarter's bounds. The block's quarter codes follow at [`Self::seal`].
+    /// Adds one key (already decoded to f32) of token `slot` of a block whose stored run
+    /// `run` holds it and the block's earlier keys: its codes, the channel scales it raises
+    /// (re-quantizing those channels of the earlier keys) and its quarter's bounds. The
+    /// block's quarter codes follow at [`Self::seal`].
     pub(crate) fn add(
         &mut self,
         geo: &Geometry,
@@ -387,15 +433,29 @@ impl LayerSketches {
         kv_head: usize,
         slot: usize,
         key: &[f32],
+        run: &[u8],
     ) {
         let (bt, d) = (geo.block_tokens as usize, geo.head_dim as usize);
-        let cb = code_bytes(d);
+        let (cb, es) = (code_bytes(d), geo.dtype.size());
         let b = &mut self.0;
-        let r = (block * geo.kv_heads as usize + kv_head) * bt + slot;
-        b.scales[r] = sketch_key(key, &mut b.codes[r * cb..(r + 1) * cb]);
-        let q = ((block * geo.kv_heads as usize + kv_head) * quarters(bt) + quarter_of(slot, bt))
-            * 2
-            * d;
+        let r = block * geo.kv_heads as usize + kv_head;
+        let scales = &mut b.channel_scales[r * d..(r + 1) * d];
+        let codes = &mut b.codes[r * bt * cb..(r + 1) * bt * cb];
+        for (c, (s, &x)) in scales.iter_mut().zip(key).enumerate() {
+            // The scale of the max is the max of the scales: division rounds monotonically.
+            let new = channel_scale(x.abs());
+            if new > *s {
+                *s = new;
+                let mut v = [0f32];
+                for (t, codes) in codes.chunks_exact_mut(cb).take(slot).enumerate() {
+                    let o = geo.k_row_offset(kv_head, t) + c * es;
+                    geo.dtype.decode(&run[o..o + es], &mut v);
+                    set_code(codes, c, key_code(v[0], new));
+                }
+            }
+        }
+        quantize_key(key, scales, &mut codes[slot * cb..(slot + 1) * cb]);
+        let q = (r * quarters(bt) + quarter_of(slot, bt)) * 2 * d;
         fold_quarter(&mut b.quarters[q..q + 2 * d], key);
     }
 
@@ -422,7 +482,7 @@ impl LayerSketches {
             for t in rows.clone() {
                 let o = geo.k_row_offset(h, t);
                 geo.dtype.decode(&run[o..o + row], key);
-                self.add(geo, block, h, t, key);
+                self.add(geo, block, h, t, key, run);
             }
         }
         self.seal(geo, block);
@@ -447,7 +507,7 @@ impl LayerSketches {
         let b = &self.0;
         BlockSketchesRef {
             codes: &b.codes[blocks.start * c..blocks.end * c],
-            scales: &b.scales[blocks.start * s..blocks.end * s],
+            channel_scales: &b.channel_scales[blocks.start * s..blocks.end * s],
             quarters: &b.quarters[blocks.start * q..blocks.end * q],
             quarter_codes: &b.quarter_codes[blocks.start * q..blocks.end * q],
             quarter_scales: &b.quarter_scales[blocks.start * qs..blocks.end * qs],
@@ -472,7 +532,7 @@ impl LayerSketches {
     pub(crate) fn bytes(&self) -> usize {
         let b = &self.0;
         b.codes.len()
-            + 4 * b.scales.len()
+            + 4 * b.channel_scales.len()
             + 2 * b.quarters.len()
             + b.quarter_codes.len()
             + 4 * b.quarter_scales.len()
@@ -484,36 +544,103 @@ mod tests {
     use super::*;
 
     #[test]
-    fn codes_round_trip_and_scale_is_absmax_over_7() {
+    fn codes_round_trip_under_their_channel_scales() {
         let key = [0.7f32, -0.35, 0.0, 0.1, -0.7];
+        let scales = [0.1f32, 0.1, 0.1, 0.1, 0.0];
         let mut codes = [0u8; 16];
-        let s = sketch_key(&key, &mut codes);
-        assert_eq!(s, 0.7 / 7.0);
+        quantize_key(&key, &scales, &mut codes);
         let mut out = [0i16; 32];
         unpack(&codes, &mut out);
-        // -0.35 / 0.1 = -3.5 rounds to even: -4; the padding is zero.
-        assert_eq!(out[..5], [7, -4, 0, 1, -7]);
+        // -0.35 / 0.1 = -3.5 rounds to even: -4; a channel of scale 0 codes 0; the padding is
+        // zero.
+        assert_eq!(out[..5], [7, -4, 0, 1, 0]);
         assert!(out[5..].iter().all(|&c| c == 0));
-        assert_eq!(sketch_key(&[0.0; 5], &mut codes), 0.0);
-        assert_eq!(codes, [0; 16]);
+        assert_eq!(channel_scale(0.7), 0.7 / 7.0);
+        assert_eq!(key_code(100.0, 1.0), 7);
     }
 
     #[test]
     fn every_code_of_every_element_unpacks_to_itself() {
         for d in [2usize, 20, 32, 128, 256] {
+            let scales = vec![1f32; d];
             for e in 0..d {
                 for c in -KEY_LEVELS..=KEY_LEVELS {
-                    // Another element at 7 makes the scale 1: codes are the values.
                     let mut key = vec![0f32; d];
                     key[e] = c as f32;
                     key[(e + 1) % d] = 7.0;
                     let mut codes = vec![0u8; code_bytes(d)];
-                    sketch_key(&key, &mut codes);
+                    quantize_key(&key, &scales, &mut codes);
                     let mut out = vec![0i16; padded_dims(d)];
                     unpack(&codes, &mut out);
                     let want: Vec<i16> = key.iter().map(|&x| x as i16).collect();
                     assert_eq!(out[..d], want[..], "d {d} e {e} c {c}");
+                    // Rewriting one element's code changes that element only.
+                    let other = (c + 3).rem_euclid(15) - 7;
+                    set_code(&mut codes, e, other as i16);
+                    unpack(&codes, &mut out);
+                    let mut want = want;
+                    want[e] = other as i16;
+                    assert_eq!(out[..d], want[..], "set: d {d} e {e} c {c}");
                 }
+            }
+        }
+    }
+
+    /// Keys appended one by one, each raising some channels' scales (so earlier keys are
+    /// re-quantized), sketch to the same bits as the block sketched whole, at every length.
+    #[test]
+    fn appending_keys_one_by_one_equals_sketching_the_block() {
+        use crate::dtype::DType;
+        for (dtype, bt, d) in [(DType::Bf16, 64u32, 40u32), (DType::F32, 16, 128)] {
+            let geo = Geometry {
+                layers: 1,
+                q_heads: 4,
+                kv_heads: 2,
+                head_dim: d,
+                dtype,
+                block_tokens: bt,
+            };
+            let (bt, d) = (bt as usize, d as usize);
+            let mut run = vec![0u8; geo.block_bytes()];
+            let mut x = 0x9e37_79b9_u32;
+            let mut layer = LayerSketches::default();
+            layer.open_block(&geo);
+            let mut key = vec![0f32; d];
+            for t in 0..bt {
+                for h in 0..geo.kv_heads as usize {
+                    // Magnitudes growing with t in some channels, shrinking in others.
+                    let vals: Vec<f32> = (0..d)
+                        .map(|c| {
+                            x ^= x << 13;
+                            x ^= x >> 17;
+                            x ^= x << 5;
+                            let u = (x >> 8) as f32 / (1u32 << 24) as f32 - 0.5;
+                            u * if c % 3 == 0 {
+                                1.0 + t as f32
+                            } else {
+                                40.0 / (1.0 + t as f32)
+                            }
+                        })
+                        .collect();
+                    let o = geo.k_row_offset(h, t);
+                    dtype.encode(&vals, &mut run[o..o + geo.row_bytes()]);
+                    dtype.decode(&run[o..o + geo.row_bytes()], &mut key);
+                    layer.add(&geo, 0, h, t, &key, &run);
+                }
+                layer.seal(&geo, 0);
+                let mut whole = BlockSketches::new(&geo, 1);
+                sketch_block(&geo, &run, t + 1, whole.blocks_mut(&geo).next().unwrap());
+                assert_eq!(layer.range(&geo, 0..1).codes, &whole.codes[..], "t {t}");
+                assert_eq!(
+                    layer.range(&geo, 0..1).channel_scales,
+                    &whole.channel_scales[..],
+                    "t {t}"
+                );
+                assert_eq!(
+                    layer.range(&geo, 0..1).quarters,
+                    &whole.quarters[..],
+                    "t {t}"
+                );
             }
         }
     }

@@ -55,9 +55,10 @@ fn bounds_are_exact_max_and_min_of_stored_keys() {
     }
 }
 
-/// Each stored key's sketch is that key quantized and each quarter's bounds bracket its keys
-/// one bf16 step out at most (an independent scalar recomputation of the documented rules);
-/// rows past the tail's tokens are zero; a cache made without sketches has none.
+/// Each stored key's sketch is that key quantized under its block's channel scales (each the
+/// channel's absmax / 7) and each quarter's bounds bracket its keys one bf16 step out at most
+/// (an independent scalar recomputation of the documented rules); rows past the tail's tokens
+/// are zero; a cache made without sketches has none.
 #[test]
 fn sketches_are_the_stored_keys_quantized_and_zero_past_the_tail() {
     for dtype in [DType::Bf16, DType::F16, DType::F32] {
@@ -75,16 +76,32 @@ fn sketches_are_the_stored_keys_quantized_and_zero_past_the_tail() {
                 let (kt, _) = v.tile(b, h);
                 let keys = dtype.decode_vec(kt);
                 let s = v.sketch(b, h).unwrap();
+                // Channel e's scale is the largest |element e| of the block's valid keys / 7.
+                for e in 0..d {
+                    let amax = keys
+                        .chunks(d)
+                        .take(v.valid_tokens(b))
+                        .map(|k| k[e].abs())
+                        .fold(0.0f32, f32::max);
+                    assert_eq!(
+                        s.channel_scales[e],
+                        amax / 7.0,
+                        "block {b} head {h} dim {e}"
+                    );
+                }
                 for (t, key) in keys.chunks(d).enumerate() {
                     let row = &s.codes[t * 2 * w..(t + 1) * 2 * w];
                     if t >= v.valid_tokens(b) {
-                        assert_eq!((s.scales[t], row.iter().all(|&c| c == 0)), (0.0, true));
+                        assert!(row.iter().all(|&c| c == 0));
                         continue;
                     }
-                    let amax = key.iter().map(|x| x.abs()).fold(0.0f32, f32::max);
-                    assert_eq!(s.scales[t], amax / 7.0);
                     for (e, x) in key.iter().enumerate() {
-                        let want = (x / s.scales[t]).round_ties_even().clamp(-7.0, 7.0) as i8;
+                        let sc = s.channel_scales[e];
+                        let want = if sc == 0.0 {
+                            0
+                        } else {
+                            (x / sc).round_ties_even().clamp(-7.0, 7.0) as i8
+                        };
                         let word = u16::from_le_bytes([row[2 * (e % w)], row[2 * (e % w) + 1]]);
                         let nib = ((word >> (4 * (e / w))) & 0xf) as u8;
                         assert_eq!(
@@ -168,7 +185,7 @@ fn sketches_are_the_stored_keys_quantized_and_zero_past_the_tail() {
         let bare = KvCache::new_with(g, a.clone(), false).unwrap();
         assert!(!bare.has_sketches() && bare.sketch_bytes() == 0);
         assert!(kv.has_sketches());
-        let per_block = g.kv_heads as usize * (64 * (2 * w + 4) + quarters(64) * 2 * d * 3 + 4);
+        let per_block = g.kv_heads as usize * (64 * 2 * w + 4 * d + quarters(64) * 2 * d * 3 + 4);
         assert_eq!(kv.sketch_bytes(), g.layers as usize * 3 * per_block);
     }
 }

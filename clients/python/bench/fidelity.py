@@ -13,8 +13,8 @@ window of the same token counts as the run's (`sketch:32:all@32` keeps as many k
 `sketch:8` of 128-token blocks: granularity at a matched budget). `oracle:K[@B]` decodes in
 this process, not through tierd: each global layer attends only the oracle's keep-set (sink,
 local and the top-K distant blocks by the true dense attention mass of each KV head's group),
-the most any block selector can keep at that budget. `sketchmass`, `hybrid`, `truemax`,
-`chansketch` and `sketch8` (Oracle's doc) are in-process design experiments alike.
+the most any block selector can keep at that budget. `sketchmass`, `hybrid`, `truemax`
+and `sketch8` (Oracle's doc) are in-process design experiments alike.
 
 Besides the answers, every sparse step is measured against dense attention at each global
 layer (the instrument): the share of the dense attention mass inside tierd's keep-set and
@@ -108,7 +108,7 @@ class Arm(NamedTuple):
 
 
 # The arms decoded in this process (Oracle), not through tierd.
-IN_PROCESS = ("oracle", "sketchmass", "hybrid", "truemax", "chansketch", "sketch8")
+IN_PROCESS = ("oracle", "sketchmass", "hybrid", "truemax", "sketch8")
 
 
 def parse_arm(spec: str, a) -> Arm:
@@ -158,15 +158,13 @@ class Oracle:
     """The in-process arms: dense decoding whose global layers attend, at each decode step,
     only a keep-set of each KV head (sink, local window and the top-K distant blocks),
     renormalised over it. `oracle:K` ranks the distant blocks by the group's mean dense
-    attention mass (the instrument's oracle); `sketchmass:K`, a design experiment, by the mass
-    the int4 key sketches estimate (softmax of every token's sketched logit, the second
-    stage's codes and scales, summed per block) instead of the sketch's best token;
-    `hybrid:K`, another, keeps the ceil(K/2) best by the sketch's best token and the rest by
-    that estimated mass. Three more rank by a block's best token, max over the group, as the
-    sketch does: `truemax:K` by its true logit (the most any best-token sketch can do),
-    `chansketch:K` by an int4 sketch with one scale per block and channel in place of one per
-    token (the query times the scales in int8 per block), and `sketch8:K` by the sketch's
-    own codes in int8 instead of int4 (twice the bytes). It records its calls as
+    attention mass (the instrument's oracle). The design experiments use the sketch's former
+    format, one absmax scale per token: `sketchmass:K` ranks by the mass the int4 key
+    sketches estimate (softmax of every token's sketched logit, summed per block) instead of
+    the sketch's best token; `hybrid:K` keeps the ceil(K/2) best by the sketch's best token
+    and the rest by that estimated mass; `sketch8:K` ranks by a block's best token in int8
+    codes instead of int4 (twice the bytes); `truemax:K` by its best token's true logit (the
+    most any best-token sketch can do). It records its calls as
     `Recording` does, so the instrument reads them alike."""
 
     current = None  # the arm being decoded; the attention function reads it
@@ -236,9 +234,6 @@ class Oracle:
             score = block_best(logits)
         elif self.arm.selector == "sketch8":
             score = block_best(Oracle.sketched_logits(qt, k, levels=127))
-        elif self.arm.selector == "chansketch":
-            qn, kn = qt.numpy(), k.numpy()
-            score = np.stack([keepsets.channel_sketch(qn[h], kn[h], t, bt) for h in range(hkv)])
         else:
             ranked = logits
         if ranked is not None:  # the (true or estimated) mass of each block, mean over the group

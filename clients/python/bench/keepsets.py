@@ -41,7 +41,8 @@ def block_scores(q: np.ndarray, k: np.ndarray, t: int, block: int = 128) -> Dict
     """Per-block scores over the layer's `t` tokens (`nb` blocks): `bound` (the key bound,
     max over the group: the bound selector), `quarter` (the integer bound of each quarter of the
     block from its int8 quarter codes, max over quarters and the group: the sketch selector's
-    first stage), `sketch` (the best int4 x int8 sketched logit: its second stage),
+    first stage), `sketch` (the best int4 x int8 sketched logit: its second stage,
+    `sketch_scores`),
     `true_max` (the best true logit), `mass` (the share of the group's dense attention, mean
     over its heads) and `mass_heads` `[G, nb]`."""
     g, d = q.shape
@@ -86,31 +87,41 @@ def block_scores(q: np.ndarray, k: np.ndarray, t: int, block: int = 128) -> Dict
     p /= p.sum(1, keepdims=True)
     mass_heads = np.concatenate([p, np.zeros((g, pad))], 1).reshape(g, nb, block).sum(2)
     true_max = np.concatenate([logits, np.full((g, pad), -np.inf)], 1).reshape(g, nb, block).max(2).max(0)
-    kc, ks = quantize_rows(kk, 7)
-    per_token = (qc @ kc.T.astype(np.int64)).astype(np.float32) * ks[None, :]
-    per_token = np.concatenate([per_token, np.full((g, pad), -np.inf, np.float32)], 1)
-    sketch = (per_token.reshape(g, nb, block).max(2) * qs[:, None]).max(0)
-    return {"bound": bound, "quarter": quarter, "sketch": sketch, "true_max": true_max,
-            "mass": mass_heads.mean(0), "mass_heads": mass_heads}
+    return {"bound": bound, "quarter": quarter, "sketch": sketch_scores(q, kk, t, block),
+            "true_max": true_max, "mass": mass_heads.mean(0), "mass_heads": mass_heads}
 
 
-def channel_sketch(q: np.ndarray, k: np.ndarray, t: int, block: int = 128) -> np.ndarray:
-    """Per block, the best token's logit as an int4 key sketch with one absmax scale per block
-    and channel (in place of the sketch's one per token) estimates it, max over the group
-    [nb]: key codes round(k / s) in [-7, 7], s the block's channel absmax / 7; the query times
-    s quantized to int8 per block. A design experiment (selector_study.py, fidelity.py's
-    `chansketch` arm), not what tierd does."""
+def sketch_scores(q: np.ndarray, k: np.ndarray, t: int, block: int = 128) -> np.ndarray:
+    """The sketch selector's second stage [nb]: per block the best token's logit as its int4
+    key sketch estimates it, max over the group. Key codes round(k / s) in [-7, 7], s the
+    block's channel absmax / 7 (kvtier_storage::sketch); each query head times s quantized to
+    int8 per block (kernels/src/select.rs block_query); integer dots, the best token's times
+    the query scale."""
     g, d = q.shape
     nb = -(-t // block)
     kk = k[:t].astype(np.float32)
     kb = np.concatenate([kk, np.zeros((nb * block - t, d), np.float32)]).reshape(nb, block, d)
     s = (np.abs(kb).max(1) / np.float32(7)).astype(np.float32)  # [nb, D]
     safe = np.where(s > 0, s, np.float32(1))
-    codes = np.where(s[:, None] > 0, np.clip(np.rint(kb / safe[:, None]), -7, 7), 0).astype(np.float32)
-    qc, qs = quantize_rows(q[:, None, :] * s[None], 127)  # [G, nb, D]
-    dots = np.einsum("gnd,ntd->gnt", qc.astype(np.float32), codes) * qs[..., None]
+    codes = np.where(s[:, None] > 0, np.clip(np.rint(kb / safe[:, None]), -7, 7), 0).astype(np.int64)
+    qc, qs = quantize_rows(q.astype(np.float32)[:, None, :] * s[None], 127)  # [G, nb, D]
+    dots = np.einsum("gnd,ntd->gnt", qc.astype(np.int64), codes)
     valid = (np.arange(nb * block) < t).reshape(nb, block)
-    return np.where(valid[None], dots, -np.inf).max(-1).max(0)
+    best = np.where(valid[None], dots, np.iinfo(np.int64).min).max(-1)  # [G, nb]
+    return (best.astype(np.float32) * qs).max(0)
+
+
+def token_sketch(q: np.ndarray, k: np.ndarray, t: int, block: int = 128) -> np.ndarray:
+    """The sketch's former second stage [nb], for comparison: int4 key codes with one absmax
+    scale per token, against the query quantized once; the best token's sketched logit, max
+    over the group."""
+    g, d = q.shape
+    nb = -(-t // block)
+    qc, qs = quantize_rows(q, 127)
+    kc, ks = quantize_rows(k[:t].astype(np.float32), 7)
+    per_token = (qc.astype(np.int64) @ kc.T.astype(np.int64)).astype(np.float32) * ks[None, :]
+    per_token = np.concatenate([per_token, np.full((g, nb * block - t), -np.inf, np.float32)], 1)
+    return (per_token.reshape(g, nb, block).max(2) * qs[:, None]).max(0)
 
 
 def top(scores: np.ndarray, cands, k: int) -> List[int]:

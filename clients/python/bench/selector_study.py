@@ -12,8 +12,8 @@ attention mass), and two-stage rules whose first stage picks `c` candidates that
 then ranks — the quarter bound (the sketch selector), the block bound, the union of each query
 head's best blocks by its own bound, 16- and 64-token sub-block bounds, keys projected on their
 principal directions and 2-bit keys — and, over every distant block, the second stage's score
-against two others: the best token's true logit, and an int4 sketch with one scale per block
-and channel in place of one per token (keepsets.channel_sketch). It prints, per context and
+against two others: the best token's true logit, and the sketch's former format, int4 keys with
+one scale per token in place of one per block and channel (keepsets.token_sketch). It prints, per context and
 `c`: how often the keep-set equals scoring every block's sketch, how often it keeps the
 needle's block where a head reads it, and the share of the dense attention mass it keeps.
 """
@@ -174,12 +174,12 @@ def analyse(a):
                     ex = stage1_experiments(q, kall[h], t, bases[h])
                     nb_ids = [b for b in nblock if b < nb]
                     reads = sc["mass_heads"][:, nb_ids].sum(1).max() >= a.read_mass
-                    chan = keepsets.channel_sketch(q, kall[h], t, BLOCK)
+                    per_token = keepsets.token_sketch(q, kall[h], t, BLOCK)
                     for k in a.ks:
                         full = keepsets.top(sc["sketch"], distant, k)
                         arms = {"bound (today)": keepsets.top(sc["bound"], distant, k),
                                 "sketch, every block": full,
-                                "sketch with channel scales, every block": keepsets.top(chan, distant, k),
+                                "sketch with per-token scales, every block": keepsets.top(per_token, distant, k),
                                 "true best token, every block": keepsets.top(sc["true_max"], distant, k),
                                 "oracle (true mass)": keepsets.top(sc["mass"], distant, k)}
                         for c in a.cs:

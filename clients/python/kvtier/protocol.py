@@ -157,7 +157,7 @@ class Selector(IntEnum):
     """How a decode step ranks distant blocks (docs/protocol.md, "Policy")."""
 
     BOUND = 0  # Quest-style key bounds, max over the query group (the rule before sketches)
-    SKETCH = 1  # per-head bound candidates ranked by per-token int4 key sketches
+    SKETCH = 1  # quarter-bound candidates ranked by int4 key sketches (channel scales)
 
 
 #: Candidates per kv head of the daemon's default sketch selector.

@@ -48,6 +48,9 @@ pub struct CudaConfig {
 }
 
 const SMEM_LIMIT: usize = 48 * 1024;
+/// Shared memory a rerank role gives its candidates' query codes at most (select.cu
+/// rerank_role); past it a role takes one candidate.
+const RERANK_QUERY_SMEM: usize = 8 * 1024;
 /// Threads per select_score thread block: 32 octets, one octet per scored block
 /// (kernels/cuda/select.cu).
 pub(crate) const SCORE_THREADS: u32 = 256;
@@ -293,9 +296,14 @@ impl CudaConfig {
             )));
         }
         // Rerank roles take SCORE_THREADS / block_tokens candidates each where a candidate's
-        // tokens are whole warps (select.cu rerank_role), else one.
+        // tokens are whole warps (select.cu rerank_role) and their query codes (G x padded D
+        // bytes a candidate) fit RERANK_QUERY_SMEM, else one.
         let bt = g.block_tokens;
-        let rerank_per_role = if bt.is_multiple_of(32) && bt < SCORE_THREADS {
+        let per_candidate = gs * padded_dims(d);
+        let rerank_per_role = if bt.is_multiple_of(32)
+            && bt < SCORE_THREADS
+            && (SCORE_THREADS / bt) as usize * per_candidate <= RERANK_QUERY_SMEM
+        {
             SCORE_THREADS / bt
         } else {
             1
@@ -370,13 +378,14 @@ impl CudaConfig {
     }
 
     /// Bytes of one (block, kv head)'s key sketch on the device: the codes of its keys, then
-    /// their f32 scales (kvtier_storage::sketch's layout). 0 without the sketch selector.
+    /// its f32 channel scales (kvtier_storage::sketch's layout). 0 without the sketch
+    /// selector.
     pub fn sketch_record_bytes(&self) -> usize {
         if !self.sketch() {
             return 0;
         }
         let g = &self.geometry;
-        g.block_tokens as usize * (padded_dims(g.head_dim as usize) / 2 + 4)
+        g.block_tokens as usize * padded_dims(g.head_dim as usize) / 2 + 4 * g.head_dim as usize
     }
 
     /// The -D defines the kernels are compiled with.

@@ -537,7 +537,7 @@ fn write_rows(
                 *x = x.min(*kv);
             }
             if let Some(sk) = &mut l.sketches {
-                sk.add(geo, block, h, slot, key);
+                sk.add(geo, block, h, slot, key, extent);
             }
         }
         l.tokens += 1;

@@ -3,7 +3,7 @@
 //! whose runs it has not read yet and fetch only the keep-set (a resume from the remote tier).
 //!
 //! Layout, little-endian: the block's bounds (`[kv_head][max|min][D]` f32), then, with
-//! sketches, its key codes (`[kv_head][B][code bytes]`), key scales (`[kv_head][B]` f32) and
+//! sketches, its key codes (`[kv_head][B][code bytes]`), channel scales (`[kv_head][D]` f32) and
 //! quarter bounds (`[kv_head][quarter][max|min][D]` bf16 bits). Quarter codes are not stored:
 //! they are a function of the quarter bounds, recomputed on restore.
 
@@ -20,7 +20,7 @@ pub fn summary_bytes(geo: &Geometry, sketches: bool) -> usize {
         geo.head_dim as usize,
     );
     let bounds = 4 * geo.summary_floats_per_block();
-    let sketch = hkv * bt * code_bytes(d) + 4 * hkv * bt + 2 * hkv * quarters(bt) * 2 * d;
+    let sketch = hkv * bt * code_bytes(d) + 4 * hkv * d + 2 * hkv * quarters(bt) * 2 * d;
     bounds + if sketches { sketch } else { 0 }
 }
 
@@ -45,7 +45,7 @@ impl KvCache {
         if let Some(sk) = &l.sketches {
             let s = sk.range(&geo, b..b + 1);
             out.extend_from_slice(s.codes);
-            for x in s.scales {
+            for x in s.channel_scales {
                 out.extend_from_slice(&x.to_le_bytes());
             }
             for x in s.quarters {
@@ -84,9 +84,9 @@ impl KvCache {
             sk.open_block(&geo);
             let mut s = sk.blocks_mut(&geo, block).next().expect("opened above");
             let (codes, rest) = rest.split_at(s.codes.len());
-            let (scales, quarter_bounds) = rest.split_at(4 * s.scales.len());
+            let (scales, quarter_bounds) = rest.split_at(4 * s.channel_scales.len());
             s.codes.copy_from_slice(codes);
-            for (o, c) in s.scales.iter_mut().zip(scales.chunks_exact(4)) {
+            for (o, c) in s.channel_scales.iter_mut().zip(scales.chunks_exact(4)) {
                 *o = f32::from_le_bytes(c.try_into().expect("4 bytes"));
             }
             for (o, c) in s.quarters.iter_mut().zip(quarter_bounds.chunks_exact(2)) {

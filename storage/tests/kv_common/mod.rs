@@ -28,14 +28,14 @@ pub fn cache(g: Geometry, a: &HostArena, n: usize, seed: u64) -> KvCache {
     kv
 }
 
-/// A layer's bounds and key sketches (codes and scales), as bits: what selection reads.
+/// A layer's bounds and key sketches (codes and channel scales), as bits: what selection reads.
 pub fn summary_bits(v: &LayerView<'_>) -> Vec<u32> {
     let mut bits: Vec<u32> = v.summaries().iter().map(|x| x.to_bits()).collect();
     for b in 0..v.blocks() {
         for h in 0..v.geometry().kv_heads as usize {
             let s = v.sketch(b, h).expect("the caches here keep sketches");
             bits.extend(s.codes.iter().map(|&c| u32::from(c)));
-            bits.extend(s.scales.iter().map(|x| x.to_bits()));
+            bits.extend(s.channel_scales.iter().map(|x| x.to_bits()));
             bits.extend(s.quarters.iter().map(|&x| u32::from(x)));
             bits.extend(s.quarter_codes.iter().map(|&x| x as u32));
             bits.push(s.quarter_scale.to_bits());

@@ -119,7 +119,7 @@ fn host_region(be: &CudaBackend, mut bytes: usize, extent: usize) -> Result<Pinn
 }
 
 /// Synthetic sketches of `n_blocks` blocks (host layout, kvtier_storage::sketch): random
-/// quarter codes, codes and scales. The selector's cost does not depend on the values.
+/// quarter codes, codes and channel scales. The selector's cost does not depend on the values.
 fn synthetic_sketches(geo: &Geometry, n_blocks: u32, rng: &mut Rng) -> BlockSketches {
     let mut s = BlockSketches::new(geo, n_blocks as usize);
     for c in s.quarter_codes.iter_mut() {
@@ -131,7 +131,7 @@ fn synthetic_sketches(geo: &Geometry, n_blocks: u32, rng: &mut Rng) -> BlockSket
     for c in s.codes.iter_mut() {
         *c = rng.next_u64() as u8;
     }
-    for x in s.scales.iter_mut() {
+    for x in s.channel_scales.iter_mut() {
         *x = 0.1 + normal(rng).abs() as f32;
     }
     s

@@ -141,7 +141,7 @@ impl CudaBackend {
 
     /// Uploads the sketch selector's data for blocks `first_block..first_block + n` of one
     /// session layer (`sketches` holds n blocks, kvtier_storage::sketch's host layout): each
-    /// (block, kv head)'s quarter codes and their scale, its keys' codes and scales.
+    /// (block, kv head)'s quarter codes and their scale, its keys' codes and channel scales.
     /// Re-uploading a block (the tail block after appends) replaces it. Only for a backend
     /// whose policy ranks by sketches ([`CudaConfig::sketch`]).
     pub fn upload_sketches(
@@ -175,7 +175,7 @@ impl CudaBackend {
                 n * hkv * self.cfg.summary_records() as usize * 2 * d,
             ),
             ("codes", sketches.codes.len(), n * hkv * bt * cb),
-            ("scales", sketches.scales.len(), n * hkv * bt),
+            ("channel scales", sketches.channel_scales.len(), n * hkv * d),
         ] {
             if n == 0 || got != expected {
                 return Err(CudaError::BadLength {
@@ -191,7 +191,7 @@ impl CudaBackend {
                 .position(|x| !x.is_finite())
                 .map_or(Ok(()), |index| Err(CudaError::NonFinite { what, index }))
         };
-        non_finite("sketch scales", sketches.scales)?;
+        non_finite("channel scales", sketches.channel_scales)?;
         non_finite("quarter scales", sketches.quarter_scales)?;
         self.session_mut(slot)?;
         let mb = self.cfg.max_blocks as usize;
@@ -200,7 +200,7 @@ impl CudaBackend {
         let codes: Vec<u8> = sketches.quarter_codes.iter().map(|&c| c as u8).collect();
         self.htod(self.sums.at(rec0 * self.cfg.summary_record_bytes()), &codes)?;
         self.htod(self.qscales.at(rec0), sketches.quarter_scales)?;
-        // Sketch records: each (block, kv head)'s codes, then its scales.
+        // Sketch records: each (block, kv head)'s codes, then its channel scales.
         let rb = self.cfg.sketch_record_bytes();
         let mut recs = vec![0u8; n * hkv * rb];
         for (r, rec) in recs.chunks_exact_mut(rb).enumerate() {
@@ -208,7 +208,7 @@ impl CudaBackend {
             c.copy_from_slice(&sketches.codes[r * bt * cb..(r + 1) * bt * cb]);
             for (o, x) in sc
                 .chunks_exact_mut(4)
-                .zip(&sketches.scales[r * bt..(r + 1) * bt])
+                .zip(&sketches.channel_scales[r * d..(r + 1) * d])
             {
                 o.copy_from_slice(&x.to_le_bytes());
             }
