@@ -350,7 +350,9 @@ fn a_lapsed_claim_nobody_took_is_renewed_but_not_one_taken_or_given_up() {
     let Some(cluster) = RedisCluster::start(3, 1) else {
         return;
     };
-    let ttl = Duration::from_millis(300);
+    // Long enough for a write under load (300 ms lapsed mid-write under CI), short enough to
+    // wait out twice.
+    let ttl = Duration::from_millis(1500);
     let a = ClusterStore::connect(config(&cluster, ttl)).unwrap();
     let b = ClusterStore::connect(config(&cluster, ttl)).unwrap();
     let mut ca = a.claim(21, "node-a").unwrap();
