@@ -457,15 +457,8 @@ impl Service {
         Ok(())
     }
 
-    /// The remote tier's background work, called every third of the claim time from a thread
-    /// of its own: claims renewed, and, when due, the sessions written
-    /// ([`Service::flush_remote`]).
-    pub fn remote_tick(&self) {
-        self.renew_claims();
-        self.flush_if_due();
-    }
-
-    /// [`Service::flush_remote`], when `remote.flush_interval_ms` has passed since the last.
+    /// [`Service::flush_remote`], when `remote.flush_interval_ms` has passed since the last
+    /// (tierd calls it every third of the claim time, on a thread of its own).
     pub fn flush_if_due(&self) {
         let due = self
             .remote
@@ -514,7 +507,8 @@ impl Service {
         written
     }
 
-    /// Renews every claim this node holds (from [`Service::remote_tick`]); one that lapsed
+    /// Renews every claim this node holds (tierd calls it every third of the claim time, on
+    /// a thread of its own, apart from the writes of [`Service::flush_if_due`]); one that lapsed
     /// with no claim issued since is taken back. A session another node has claimed meanwhile
     /// is dropped here: its copy may be stale. Returns the sessions dropped.
     pub fn renew_claims(&self) -> usize {
