@@ -22,7 +22,7 @@ use std::cmp::Ordering;
 
 use rayon::prelude::*;
 
-use kvtier_storage::sketch::{padded_dims, quarters, round_half_even, HeadSketch, ROUNDING_MAGIC};
+use kvtier_storage::sketch::{code, padded_dims, quarters, HeadSketch, ROUNDING_MAGIC};
 use kvtier_storage::{Geometry, LayerView, Policy, Selector};
 use wide::{f32x8, i16x16, i16x8, i32x4, i32x8, i8x16};
 
@@ -112,9 +112,8 @@ pub fn quantize_query(q: &[f32], codes: &mut [i16]) -> f32 {
         codes.fill(0);
         return 0.0;
     }
-    let lim = QUERY_LEVELS as f32;
-    for (c, x) in codes.iter_mut().zip(q) {
-        *c = round_half_even(x / scale).clamp(-lim, lim) as i16;
+    for (c, &x) in codes.iter_mut().zip(q) {
+        *c = code(x, scale, QUERY_LEVELS);
     }
     scale
 }
@@ -251,7 +250,7 @@ impl QuerySketch {
         let cb = pv * 4; // 8 codes of 4 bits per vector
         let mut qs = [0f32; HEAD_CHUNK];
         let mut score = f32::NEG_INFINITY;
-        for (c, heads) in self.group.chunks(HEAD_CHUNK * d).enumerate() {
+        for heads in self.group.chunks(HEAD_CHUNK * d) {
             let n = heads.len() / d;
             let qv = &mut qv[..n * pv];
             for ((qh, v), s) in heads
@@ -278,7 +277,6 @@ impl QuerySketch {
                     *b = (*b).max((a0 + a1).reduce_add());
                 }
             }
-            debug_assert!(c * HEAD_CHUNK + n <= g);
             for (&b, &s) in best[..n].iter().zip(&qs) {
                 score = score.max(b as f32 * s);
             }

@@ -95,14 +95,21 @@ pub fn channel_scale(amax: f32) -> f32 {
     amax / KEY_LEVELS as f32
 }
 
-/// The code of a key element `x` whose channel's scale is `scale` (0 where the scale is 0).
+/// The symmetric code of `x` under `scale`: `clamp(round_half_even(x / scale), -levels,
+/// levels)`, 0 where the scale is 0. Keys (int4) and queries (int8) are quantized by it.
 #[inline(always)]
-pub fn key_code(x: f32, scale: f32) -> i16 {
+pub fn code(x: f32, scale: f32, levels: i32) -> i16 {
     if scale == 0.0 {
         return 0;
     }
-    let lim = KEY_LEVELS as f32;
+    let lim = levels as f32;
     round_half_even(x / scale).clamp(-lim, lim) as i16
+}
+
+/// The code of a key element `x` whose channel's scale is `scale`.
+#[inline(always)]
+pub fn key_code(x: f32, scale: f32) -> i16 {
+    code(x, scale, KEY_LEVELS)
 }
 
 /// Packs the codes of `key` under its block's channel scales `scales` (one per element) into
