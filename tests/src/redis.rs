@@ -6,6 +6,7 @@
 //! `.ci/run` installs it). [`RedisCluster::start`] returns `None`, saying why, where they are
 //! missing, so a test can skip rather than fail on a machine without them.
 
+use std::collections::BTreeSet;
 use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -53,15 +54,44 @@ pub fn available() -> Result<(), String> {
     Ok(())
 }
 
-/// A loopback port that is free, and whose cluster bus port (+10000) is free too.
+/// A loopback port that is free, and whose cluster bus port (+10000) is free too, and that
+/// this process has not handed out before: the kernel may give a port just released by one
+/// test's probe to another's, and two clusters whose nodes share a port merge into one.
 fn free_port() -> u16 {
+    static GIVEN: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
     loop {
         let l = TcpListener::bind("127.0.0.1:0").expect("bind loopback");
         let port = l.local_addr().expect("local addr").port();
-        if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+        if port < 55_000
+            && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok()
+            && GIVEN.lock().expect("port lock").insert(port)
+        {
             return port;
         }
     }
+}
+
+/// The pid of the redis-server answering on `port`.
+fn pid_on(port: u16) -> Option<u32> {
+    let info = cli(port, &["info", "server"]).ok()?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("process_id:"))
+        .and_then(|p| p.trim().parse().ok())
+}
+
+/// Spawns a redis-server on `port` and waits until it answers. `None` if it exited (another
+/// process holds the port or its bus port) or if the server answering there is not this one.
+fn start_on(dir: &Path, port: u16) -> Option<Child> {
+    let mut child = spawn(dir, port);
+    let up = wait_for(Duration::from_secs(10), || {
+        matches!(child.try_wait(), Ok(Some(_))) || pid_on(port).is_some()
+    });
+    if up.is_some() && pid_on(port) == Some(child.id()) {
+        return Some(child);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
 }
 
 fn cli(port: u16, args: &[&str]) -> Result<String, String> {
@@ -94,6 +124,8 @@ fn spawn(dir: &Path, port: u16) -> Child {
         .args(["--repl-diskless-sync-delay", "0"])
         .arg("--dir")
         .arg(&d)
+        // Relative to --dir: what a failed wait prints (`RedisCluster::state`).
+        .args(["--logfile", "redis.log"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -111,21 +143,19 @@ impl RedisCluster {
         }
         let dir = tempfile::tempdir().expect("tempdir");
         let n = masters * (1 + replicas);
-        let mut nodes: Vec<RedisNode> = (0..n)
+        let nodes: Vec<RedisNode> = (0..n)
             .map(|_| {
-                let port = free_port();
-                RedisNode {
-                    port,
-                    child: Mutex::new(Some(spawn(dir.path(), port))),
-                }
+                (0..20)
+                    .find_map(|_| {
+                        let port = free_port();
+                        start_on(dir.path(), port).map(|c| RedisNode {
+                            port,
+                            child: Mutex::new(Some(c)),
+                        })
+                    })
+                    .expect("no free port where a redis-server would start")
             })
             .collect();
-        for node in &mut nodes {
-            wait_for(Duration::from_secs(10), || {
-                cli(node.port, &["ping"]).is_ok()
-            })
-            .unwrap_or_else(|| panic!("redis-server on {} did not answer", node.port));
-        }
         let mut create = vec!["--cluster".to_string(), "create".to_string()];
         create.extend(nodes.iter().map(RedisNode::addr));
         create.extend(["--cluster-replicas".into(), replicas.to_string()]);
@@ -228,10 +258,10 @@ impl RedisCluster {
             .expect("a node of this cluster");
         let mut child = node.child.lock().expect("node lock");
         assert!(child.is_none(), "node {port} is running");
-        *child = Some(spawn(&dir, port));
-        drop(child);
-        wait_for(Duration::from_secs(10), || cli(port, &["ping"]).is_ok())
-            .unwrap_or_else(|| panic!("redis-server on {port} did not come back"));
+        *child = Some(
+            start_on(&dir, port)
+                .unwrap_or_else(|| panic!("redis-server on {port} did not come back")),
+        );
     }
 
     /// Waits until the killed master on `port` has been replaced: in every live node's view,
@@ -263,7 +293,11 @@ impl RedisCluster {
                     .unwrap_or(false)
             })
         });
-        assert!(ok.is_some(), "the cluster did not reach cluster_state:ok");
+        assert!(
+            ok.is_some(),
+            "the cluster did not reach cluster_state:ok\n{}",
+            self.state()
+        );
     }
 
     /// Waits until every master has `replicas` replicas in sync (`state=online`).
@@ -275,7 +309,34 @@ impl RedisCluster {
                     .unwrap_or(false)
             })
         });
-        assert!(ok.is_some(), "replicas did not connect");
+        assert!(ok.is_some(), "replicas did not connect\n{}", self.state());
+    }
+
+    /// Every node's role, replication and cluster view, and the end of its log: what a
+    /// failed wait prints.
+    pub fn state(&self) -> String {
+        let mut out = String::new();
+        for n in self.nodes.iter().filter(|n| n.alive()) {
+            let ask = |args: &[&str]| cli(n.port, args).unwrap_or_else(|e| format!("({e})"));
+            let log =
+                std::fs::read_to_string(self.dir.path().join(n.port.to_string()).join("redis.log"))
+                    .unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(15).collect();
+            out += &format!(
+                "--- node {}\n{}{}{}log:\n{}\n",
+                n.port,
+                ask(&["info", "replication"]),
+                ask(&["cluster", "nodes"]),
+                ask(&["cluster", "info"])
+                    .lines()
+                    .take(3)
+                    .collect::<Vec<_>>()
+                    .join("\n")
+                    + "\n",
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+        out
     }
 
     /// Keys of the whole cluster (DBSIZE summed over the masters).
