@@ -324,39 +324,18 @@ fn load_versioned(path: &Path) -> Result<(Manifest, u32), NvmeError> {
     }
     // The mapping is page aligned and the header is 48 bytes, so the payload is 16-aligned.
     let body = &map[HEADER..];
-    let mut m: Manifest = match version {
-        VERSION => {
-            let archived = rkyv::access::<ArchivedManifest, rancor::Error>(body)
-                .map_err(|e| corrupt(format!("rkyv validation: {e}")))?;
-            rkyv::deserialize::<Manifest, rancor::Error>(archived)
-                .map_err(|e| corrupt(format!("rkyv deserialize: {e}")))?
-        }
-        5 => {
-            let archived = rkyv::access::<v5::ArchivedManifest, rancor::Error>(body)
-                .map_err(|e| corrupt(format!("rkyv validation (version 5): {e}")))?;
-            rkyv::deserialize::<v5::Manifest, rancor::Error>(archived)
-                .map_err(|e| corrupt(format!("rkyv deserialize (version 5): {e}")))?
-                .into()
-        }
+    let m: Result<Manifest, String> = match version {
+        VERSION => decode::<Manifest>(body, version),
+        5 => decode::<v5::Manifest>(body, version).map(ManifestOf::upgrade),
         // The same layout: 3 moved the version under the checksum, 4 changed what
         // `page_size` and `page` count.
-        2..=4 => {
-            let archived = rkyv::access::<v4::ArchivedManifest, rancor::Error>(body)
-                .map_err(|e| corrupt(format!("rkyv validation (version {version}): {e}")))?;
-            let m: v5::Manifest = rkyv::deserialize::<v4::Manifest, rancor::Error>(archived)
-                .map_err(|e| corrupt(format!("rkyv deserialize (version {version}): {e}")))?
-                .into();
-            m.into()
-        }
-        1 => {
-            let archived = rkyv::access::<v1::ArchivedManifest, rancor::Error>(body)
-                .map_err(|e| corrupt(format!("rkyv validation (version 1): {e}")))?;
-            let m: v4::Manifest = rkyv::deserialize::<v1::Manifest, rancor::Error>(archived)
-                .map_err(|e| corrupt(format!("rkyv deserialize (version 1): {e}")))?
-                .into();
-            let m: v5::Manifest = m.into();
-            m.into()
-        }
+        2..=4 => decode::<v4::Manifest>(body, version)
+            .map(|m| m.upgrade::<v5::SessionRecord>().upgrade()),
+        1 => decode::<v1::Manifest>(body, version).map(|m| {
+            m.upgrade::<v4::SessionRecord>()
+                .upgrade::<v5::SessionRecord>()
+                .upgrade()
+        }),
         found => {
             return Err(NvmeError::UnsupportedManifestVersion {
                 path: path.to_path_buf(),
@@ -366,6 +345,7 @@ fn load_versioned(path: &Path) -> Result<(Manifest, u32), NvmeError> {
             })
         }
     };
+    let mut m = m.map_err(corrupt)?;
     if m.epoch != epoch {
         return Err(corrupt(format!(
             "header epoch {epoch}, body epoch {}",
@@ -378,4 +358,18 @@ fn load_versioned(path: &Path) -> Result<(Manifest, u32), NvmeError> {
         s.sort_pages();
     }
     Ok((m, version))
+}
+
+/// Validates and deserializes a manifest body of `version`'s layout `T`; the message of a
+/// body that does not validate.
+fn decode<T>(body: &[u8], version: u32) -> Result<T, String>
+where
+    T: rkyv::Archive,
+    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rancor::Error>>
+        + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rancor::Error>>,
+{
+    let archived = rkyv::access::<T::Archived, rancor::Error>(body)
+        .map_err(|e| format!("rkyv validation (version {version}): {e}"))?;
+    rkyv::deserialize::<T, rancor::Error>(archived)
+        .map_err(|e| format!("rkyv deserialize (version {version}): {e}"))
 }

@@ -221,17 +221,42 @@ pub struct DeviceRecord {
     pub pages: u64,
 }
 
-/// The whole index.
-#[derive(
-    Debug, Clone, Default, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize,
-)]
-pub struct Manifest {
+/// The whole index, over its sessions' layout: [`Manifest`] is this version's; the older
+/// versions ([`v5`], [`v4`], `v1`) differ only in their sessions.
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ManifestOf<S> {
     /// Set by [`ManifestStore::commit`].
     pub epoch: u64,
     /// Bytes of the store's unit (versions 1 to 3: of its fixed pages).
     pub page_size: u64,
     pub devices: Vec<DeviceRecord>,
-    pub sessions: Vec<SessionRecord>,
+    pub sessions: Vec<S>,
+}
+
+/// The manifest of this version.
+pub type Manifest = ManifestOf<SessionRecord>;
+
+impl<S> Default for ManifestOf<S> {
+    fn default() -> Self {
+        Self {
+            epoch: 0,
+            page_size: 0,
+            devices: Vec::new(),
+            sessions: Vec::new(),
+        }
+    }
+}
+
+impl<S> ManifestOf<S> {
+    /// The same manifest in the next layout (an old file read for an upgrade).
+    pub fn upgrade<T: From<S>>(self) -> ManifestOf<T> {
+        ManifestOf {
+            epoch: self.epoch,
+            page_size: self.page_size,
+            devices: self.devices,
+            sessions: self.sessions.into_iter().map(T::from).collect(),
+        }
+    }
 }
 
 impl Manifest {

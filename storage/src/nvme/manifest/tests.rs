@@ -58,9 +58,31 @@ fn v4_policy() -> v4::PolicyRecord {
     }
 }
 
-/// Writes `old` (an old version's manifest, serialized) as the only file, at `epoch`, and opens
-/// the directory: the store and what it loaded, which must be that file at `version`.
-fn open_old<T>(dir: &Path, version: u32, epoch: u64, old: &T) -> (ManifestStore, Loaded)
+/// A manifest naming [`one_device`] with `sessions` in any version's layout.
+fn on_one_device<S>(epoch: u64, page_size: u64, sessions: Vec<S>) -> ManifestOf<S> {
+    ManifestOf {
+        epoch,
+        page_size,
+        devices: one_device(),
+        sessions,
+    }
+}
+
+/// A version 1 session record of two pages; upgraded, the start of every later layout's.
+fn v1_session(id: u64, label: &str) -> v1::SessionRecord {
+    v1::SessionRecord {
+        id,
+        owner_uid: 1000,
+        label: label.into(),
+        geometry: geometry(),
+        policy: v4_policy(),
+        layer_tokens: vec![40, 40],
+        pages: vec![page(0), page(1)],
+    }
+}
+
+/// `m` (a manifest of any version's layout) serialized, as the tierd of its version wrote it.
+fn bytes_of<T>(m: &T) -> rkyv::util::AlignedVec
 where
     T: for<'a> rkyv::Serialize<
         rkyv::api::high::HighSerializer<
@@ -70,12 +92,13 @@ where
         >,
     >,
 {
-    write_as(
-        dir,
-        version,
-        epoch,
-        &rkyv::to_bytes::<rancor::Error>(old).unwrap(),
-    );
+    rkyv::to_bytes::<rancor::Error>(m).unwrap()
+}
+
+/// Writes `old` (an old version's manifest, [`bytes_of`]) as the only file, at `epoch`, and
+/// opens the directory: the store and what it loaded, which must be that file at `version`.
+fn open_old(dir: &Path, version: u32, epoch: u64, old: &[u8]) -> (ManifestStore, Loaded) {
+    write_as(dir, version, epoch, old);
     let (store, loaded) = ManifestStore::open(dir).unwrap();
     let loaded = loaded.expect("a manifest");
     assert_eq!(loaded.current_version, version);
@@ -125,21 +148,8 @@ fn page_records_load_sorted_and_are_found_by_binary_search() {
 #[test]
 fn a_version_1_manifest_loads_with_sessions_unpinned_and_is_upgraded_on_commit() {
     let dir = tempfile::tempdir().unwrap();
-    let old = v1::Manifest {
-        epoch: 4,
-        page_size: 8192,
-        devices: one_device(),
-        sessions: vec![v1::SessionRecord {
-            id: 42,
-            owner_uid: 1000,
-            label: "old".into(),
-            geometry: geometry(),
-            policy: v4_policy(),
-            layer_tokens: vec![40, 40],
-            pages: vec![page(0), page(1)],
-        }],
-    };
-    let (mut store, loaded) = open_old(dir.path(), 1, 4, &old);
+    let old = on_one_device(4, 8192, vec![v1_session(42, "old")]);
+    let (mut store, loaded) = open_old(dir.path(), 1, 4, &bytes_of(&old));
     assert_eq!(loaded.previous_version, None);
     let mut m = loaded.current;
     assert_eq!(m.epoch, 4);
@@ -170,22 +180,12 @@ fn a_version_1_manifest_loads_with_sessions_unpinned_and_is_upgraded_on_commit()
 #[test]
 fn a_version_4_manifest_loads_its_sessions_with_the_bound_selector() {
     let dir = tempfile::tempdir().unwrap();
-    let old = v4::Manifest {
-        epoch: 7,
-        page_size: 4096,
-        devices: one_device(),
-        sessions: vec![v4::SessionRecord {
-            id: 9,
-            owner_uid: 1000,
-            label: "before sketches".into(),
-            geometry: geometry(),
-            policy: v4_policy(),
-            layer_tokens: vec![40, 40],
-            pages: vec![page(0), page(1)],
-            pinned: true,
-        }],
+    let session = v4::SessionRecord {
+        pinned: true,
+        ..v1_session(9, "before sketches").into()
     };
-    let (mut store, loaded) = open_old(dir.path(), 4, 7, &old);
+    let old = on_one_device(7, 4096, vec![session]);
+    let (mut store, loaded) = open_old(dir.path(), 4, 7, &bytes_of(&old));
     let mut m = loaded.current;
     let s = &m.sessions[0];
     assert_eq!(
@@ -202,22 +202,14 @@ fn a_version_4_manifest_loads_its_sessions_with_the_bound_selector() {
 #[test]
 fn a_version_5_manifest_loads_with_creation_times_unknown_and_commits_them() {
     let dir = tempfile::tempdir().unwrap();
-    let old = v5::Manifest {
-        epoch: 3,
-        page_size: 4096,
-        devices: one_device(),
-        sessions: vec![v5::SessionRecord {
-            id: 5,
-            owner_uid: 1000,
-            label: "before creation times".into(),
-            geometry: geometry(),
-            policy: PolicyRecord::from(&crate::Policy::sketch(1, 4, 8, 16)),
-            layer_tokens: vec![40, 40],
-            pages: vec![page(0), page(1)],
-            pinned: true,
-        }],
+    let v4: v4::SessionRecord = v1_session(5, "before creation times").into();
+    let session = v5::SessionRecord {
+        policy: PolicyRecord::from(&crate::Policy::sketch(1, 4, 8, 16)),
+        pinned: true,
+        ..v4.into()
     };
-    let (mut store, loaded) = open_old(dir.path(), 5, 3, &old);
+    let old = on_one_device(3, 4096, vec![session]);
+    let (mut store, loaded) = open_old(dir.path(), 5, 3, &bytes_of(&old));
     let mut m = loaded.current;
     let s = &m.sessions[0];
     assert_eq!((s.id, s.pinned, s.created_unix_ms), (5, true, 0));
@@ -394,4 +386,34 @@ fn all_manifests_damaged_refuses_until_quarantined() {
     assert!(q.join(file_name(2)).exists() && q.join(copy_name(1)).exists());
     let (_, loaded) = ManifestStore::open(dir.path()).unwrap();
     assert!(loaded.is_none(), "a clean start once they are aside");
+}
+
+/// Every version's layout is fixed: the bytes of one manifest of each, as the tierd of that
+/// version wrote them (the digests were taken with the layouts' own types), are pinned here
+/// by length and crc32c, so a change to the types that would make old files unreadable
+/// fails here rather than on a user's disk.
+#[test]
+fn each_versions_layout_serializes_to_the_bytes_it_always_had() {
+    let digest = |bytes: rkyv::util::AlignedVec| (bytes.len(), crc32c::crc32c(&bytes));
+    // Each layout's record as the upgrade from the one before makes it.
+    let v1 = v1_session(3, "chat");
+    let v4 = v4::SessionRecord::from(v1.clone());
+    let v5 = v5::SessionRecord::from(v4.clone());
+    let current = SessionRecord::from(v5.clone());
+    let got = [
+        digest(bytes_of(&on_one_device(9, 8192, vec![current]))),
+        digest(bytes_of(&on_one_device(9, 8192, vec![v5]))),
+        digest(bytes_of(&on_one_device(9, 8192, vec![v4]))),
+        digest(bytes_of(&on_one_device(9, 8192, vec![v1]))),
+    ];
+    let want = [
+        (256, 0x27fa_5fe0),
+        (248, 0x4d15_e933),
+        (240, 0xc8fa_f5d9),
+        (232, 0x70e4_938a),
+    ];
+    assert_eq!(
+        got, want,
+        "(bytes, crc32c) of the current, 5, 4 and 1 layouts"
+    );
 }
