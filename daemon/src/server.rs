@@ -40,14 +40,19 @@ use slots::ConnectionSlots;
 /// Socket-side settings (from the `[server]` and `[admission]` config sections).
 #[derive(Debug, Clone)]
 pub struct ServerSettings {
+    /// Largest request or reply body (`server.max_frame_bytes`).
     pub max_frame_bytes: u32,
+    /// Open connections at once; more are refused with RESOURCE_EXHAUSTED.
     pub max_connections: usize,
     /// Connections one non-admin uid may hold at once (0: only `max_connections`).
     pub max_connections_per_uid: usize,
     /// Of `max_connections`, the slots only admins may take.
     pub admin_connections: usize,
+    /// APPEND_KV / DECODE requests executing at once (`admission.max_concurrent_requests`).
     pub max_concurrent_requests: usize,
+    /// Requests waiting for an execution slot; beyond this, RESOURCE_EXHAUSTED.
     pub max_queued_requests: usize,
+    /// How long shutdown waits for in-flight requests before dropping them.
     pub shutdown_grace: Duration,
     /// Close a connection that has not completed HELLO this long after it was accepted,
     /// whatever it sends meanwhile (None: never).

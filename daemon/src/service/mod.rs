@@ -77,6 +77,7 @@ pub struct Peer {
 /// Limits and identity the service enforces.
 #[derive(Debug, Clone)]
 pub struct ServiceLimits {
+    /// Open sessions at once, all uids (`admission.max_sessions`).
     pub max_sessions: usize,
     /// Sessions one uid may hold (admins exempt; 0: no limit beyond `max_sessions`).
     pub max_sessions_per_uid: usize,
@@ -89,6 +90,8 @@ pub struct ServiceLimits {
     pub max_reply_bytes: usize,
     /// Run concurrent DECODEs as one step (`backend.coalesce`, resolved).
     pub coalesce: bool,
+    /// Peers with one of these uids or gids are admins (`auth.admin_uids`, `auth.admin_gids`):
+    /// exempt from quotas, and the only ones allowed admin operations.
     pub admin_uids: Vec<u32>,
     pub admin_gids: Vec<u32>,
 }

@@ -13,12 +13,15 @@ use crate::human::{self, Align, Table};
 /// `tierctl status`.
 #[derive(Debug, Serialize)]
 pub struct Status {
+    /// The socket asked.
     pub socket: String,
+    /// HELLO's answer.
     pub server_name: String,
     pub server_version: String,
     pub protocol_version: u16,
     pub max_frame_bytes: u32,
-    /// STATS values; `null` when the daemon does not report the key.
+    /// From here on STATS values, `null` where the daemon does not report the key.
+    ///
     /// Whether the daemon accepts requests (false while it drains for shutdown).
     pub ready: Option<bool>,
     pub uptime_ms: Option<u64>,

@@ -180,9 +180,13 @@ impl PageRecord {
 /// One session on NVMe.
 #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct SessionRecord {
+    /// The session's id, kept across restarts.
     pub id: u64,
+    /// The uid that created it (SO_PEERCRED), whom its quotas count against.
     pub owner_uid: u32,
+    /// The client's label at CREATE_SESSION (may be empty).
     pub label: String,
+    /// What the session was created with; a restore makes it again from these.
     pub geometry: GeometryRecord,
     pub policy: PolicyRecord,
     /// Tokens per layer.

@@ -12,6 +12,7 @@ use crate::nvme::link::{Link, LinkTracker};
 /// Usage of one device.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeviceUsage {
+    /// The device's page file.
     pub path: PathBuf,
     /// Units of the device ([`StoreUsage::unit`] bytes each).
     pub units_total: u64,
@@ -31,9 +32,11 @@ pub struct DeviceUsage {
     pub read_link: Option<Link>,
     /// Tracked read rate at the typical transfer ([`LinkTracker::throughput`]).
     pub read_throughput: Option<f64>,
+    /// Timed page reads folded into `read_link` so far.
     pub read_samples: u64,
     /// Online estimate from this device's timed page writes (None before the first).
     pub write_link: Option<Link>,
+    /// Timed page writes folded into `write_link` so far.
     pub write_samples: u64,
 }
 
