@@ -30,6 +30,11 @@ How it works:
   DECODE path, saying why in `engine_error`; ``"on"`` requires it, ``"off"`` never uses it.
 * A model run with the ``"kvtier"`` implementation but an ordinary `DynamicCache` behaves
   exactly like SDPA, so one loaded model serves both dense and sparse decoding.
+* `KvtierStaticCache` is the variant for compiled decoding (``generate(...,
+  compile_config=...)``): its full-attention layers name themselves to the attention function
+  through the attention's kwargs (not the thread-local hand-off above, which a compiled step
+  cannot hold), keep their length in a tensor, and run each decode step's attention as the
+  opaque op ``kvtier::attend``; the sliding layers are transformers' static ones.
 
 Errors are typed: `TierdUnavailable` (no daemon on the socket), `GeometryRefused` (tierd
 answered INVALID_ARGUMENT to CREATE_SESSION; the message names the geometry), and
@@ -38,9 +43,11 @@ answered INVALID_ARGUMENT to CREATE_SESSION; the message names the geometry), an
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
+import weakref
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -52,6 +59,7 @@ try:
         Cache,
         CacheLayerMixin,
         DYNAMIC_LAYER_TYPE_MAPPING,
+        STATIC_LAYER_TYPE_MAPPING,
         get_layer_types_and_kwargs,
     )
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -81,6 +89,8 @@ __all__ = [
     "GeometryRefused",
     "KvtierCache",
     "KvtierLayer",
+    "KvtierStaticCache",
+    "KvtierStaticLayer",
     "TierdUnavailable",
     "UnsupportedUse",
     "connect",
@@ -150,13 +160,15 @@ _handoff = threading.local()
 
 def kvtier_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                              scaling: Optional[float] = None, **kwargs):
-    pending = getattr(_handoff, "pending", None)
-    _handoff.pending = None
-    if pending is None or pending[1] is not key or pending[0].layer_idx != getattr(module, "layer_idx", pending[0].layer_idx):
-        # Not a layer held in tierd: plain SDPA (sliding layers, or an ordinary cache).
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    layer: KvtierLayer = pending[0]
+    layer = kwargs.pop(_LAYER_KWARG, None)  # a KvtierStaticLayer's update put it there
+    if layer is None:
+        pending = getattr(_handoff, "pending", None)
+        _handoff.pending = None
+        if pending is None or pending[1] is not key or pending[0].layer_idx != getattr(module, "layer_idx", pending[0].layer_idx):
+            # Not a layer held in tierd: plain SDPA (sliding layers, or an ordinary cache).
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
+        layer = pending[0]
     if kwargs.get("softcap") is not None or getattr(module, "attn_logit_softcapping", None) is not None:
         raise UnsupportedUse("attention logit softcapping is not supported by tierd's attention")
     if dropout:
@@ -169,8 +181,8 @@ def kvtier_attention_forward(module, query, key, value, attention_mask, dropout:
     d = query.shape[-1]
     if scaling is None:
         scaling = getattr(module, "scaling", None) or 1.0 / math.sqrt(d)
-    out = layer.cache._decode(layer, query[:, :, 0, :], key[:, :, 0, :], value[:, :, 0, :],
-                              float(scaling) * math.sqrt(d))
+    out = layer.decode(query[:, :, 0, :], key[:, :, 0, :], value[:, :, 0, :],
+                       float(scaling) * math.sqrt(d))
     return out.to(query.dtype).unsqueeze(1), None  # [B, 1, Hq, D]
 
 
@@ -186,6 +198,12 @@ def _valid_from_mask(mask, batch: int, kv_len: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- the cache
+
+
+def _multi_token_step() -> UnsupportedUse:
+    return UnsupportedUse(
+        "a multi-token step after the prefill (chunked prefill, assisted decoding) is not "
+        "supported by the kvtier cache: prefill in one forward, then decode one token per step")
 
 
 class KvtierLayer(CacheLayerMixin):
@@ -211,12 +229,15 @@ class KvtierLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
         if n > 1 and self.cumulative_length > 0:
-            raise UnsupportedUse(
-                "a multi-token step after the prefill (chunked prefill, assisted decoding) is not "
-                "supported by the kvtier cache: prefill in one forward, then decode one token per step")
+            raise _multi_token_step()
         self.cumulative_length += n
         _handoff.pending = (self, key_states)
         return key_states, value_states
+
+    def decode(self, q, k, v, q_scale: float) -> torch.Tensor:
+        """The attention output [B, Hq, D] of one decode step at this layer: q [B, Hq, D]; the new
+        token's k, v [B, Hkv, D], which tierd appends."""
+        return self.cache._decode(self, q, k, v, q_scale)
 
     def get_mask_sizes(self, query_length: int):
         return self.cumulative_length + query_length, 0
@@ -297,13 +318,14 @@ class KvtierCache(Cache):
         self.full_layers: List[int] = []
         for i, (lt, kw) in enumerate(zip(layer_types, per_layer_kwargs)):
             if lt == "full_attention":
-                layers.append(KvtierLayer(self, i, len(self.full_layers)))
+                layers.append(self._full_layer(i, len(self.full_layers)))
                 self.full_layers.append(i)
             elif lt in ("sliding_attention", "chunked_attention"):
-                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[lt](**kw))
+                layers.append(self._engine_layer(lt, kw))
             else:
                 raise UnsupportedUse(f"layer {i} has type {lt!r}; the kvtier cache supports full, sliding and chunked attention")
         super().__init__(layers=layers)
+        self._config = config
         self._n_q_heads = int(config.num_attention_heads)
         self.policy = policy
         self.dtype = Dtype(dtype)
@@ -322,6 +344,13 @@ class KvtierCache(Cache):
         self.device_batch = None  # kvtier.engine.DeviceBatch once decoding in-engine
         self._engine = None  # its kvtier.engine.InEngine, from the prefill on when on a GPU
         self.engine_error: Optional[str] = None  # why "auto" fell back to the DECODE path
+
+    def _full_layer(self, layer_idx: int, slot: int) -> "KvtierLayer":
+        return KvtierLayer(self, layer_idx, slot)
+
+    def _engine_layer(self, layer_type: str, kwargs: dict) -> CacheLayerMixin:
+        """A sliding (or chunked) layer, kept in the engine by transformers' own layer."""
+        return DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if getattr(_handoff, "pending", None) is not None:
@@ -575,3 +604,123 @@ class KvtierCache(Cache):
             self.last_stats = [o.stats for o in outs]
         out = torch.from_numpy(np.stack([o.out.reshape(qn.shape[1], qn.shape[2]) for o in outs]))
         return out.to(q.device)
+
+
+# --------------------------------------------------------------------------- compiled decoding
+
+#: The attention kwarg through which a KvtierStaticLayer's `update` names itself to the
+#: attention function (transformers passes the attention's kwargs to `Cache.update`).
+_LAYER_KWARG = "kvtier_layer"
+
+#: Every open KvtierStaticCache by its handle: what a compiled step's `kvtier::attend` finds
+#: its cache by at run time, so that one compiled step serves every cache of its shapes.
+_static_caches: "weakref.WeakValueDictionary[int, KvtierStaticCache]" = weakref.WeakValueDictionary()
+_handles = itertools.count(1)
+
+
+@torch.library.custom_op("kvtier::attend", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.Tensor, slot: int,
+            q_scale: float) -> torch.Tensor:
+    """One decode step of full layer `slot` of the static cache `handle` (a 0-d int64 CPU
+    tensor): q [B, Hq, D], the new token's k, v [B, Hkv, D] -> [B, Hq, D] in q's dtype. Opaque
+    to torch.compile: it runs this host code (a DECODE, or the in-engine step and its
+    hand-offs) at every step, so a CUDA graph never holds it."""
+    cache = _static_caches.get(int(handle))
+    if cache is None:
+        raise KvtierError("the kvtier cache of this decode step is closed")
+    layer = cache.layers[cache.full_layers[slot]]
+    return cache._decode(layer, q, k, v, q_scale).to(q.dtype).clone()
+
+
+@_attend.register_fake
+def _(q, k, v, handle, slot, q_scale):
+    return torch.empty_like(q)
+
+
+class KvtierStaticLayer(KvtierLayer):
+    """A full-attention layer of a `KvtierStaticCache`: no Python state changes in a decode
+    step (its length is a tensor, its mask size fixed), and the step's attention is one
+    `kvtier::attend`, so a compiled decode step is traced once and replayed."""
+
+    is_compileable = True
+
+    def __init__(self, cache: "KvtierStaticCache", layer_idx: int, slot: int, max_cache_len: int):
+        super().__init__(cache, layer_idx, slot)
+        self.max_cache_len = max_cache_len
+        self.cumulative_length = torch.tensor(0, dtype=torch.int64)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        attn_kwargs = kwargs.get("kwargs")
+        if attn_kwargs is None:
+            raise UnsupportedUse(
+                "this model's attention does not pass its kwargs to the cache (transformers' "
+                "`cache.update(..., kwargs=kwargs)`); use KvtierCache, the eager adapter")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        if n > 1 and getattr(self.cache._config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+            # Another attention would ignore the layer named below and attend the new token
+            # alone in every decode step.
+            raise UnsupportedUse(
+                "the model's attention is not kvtier's: call kvtier.hf.enable(model) (or load it "
+                "with attn_implementation='kvtier' after kvtier.hf.register())")
+        if n > 1 and int(self.cumulative_length) > 0:  # only a prefill reads it (not compiled)
+            raise _multi_token_step()
+        self.cumulative_length.add_(n)
+        attn_kwargs[_LAYER_KWARG] = self
+        return key_states, value_states
+
+    def decode(self, q, k, v, q_scale: float) -> torch.Tensor:
+        return torch.ops.kvtier.attend(q, k, v, self.cache.handle, self.slot, q_scale)
+
+    def get_mask_sizes(self, query_length: int):
+        # A decode step's keys are tierd's: the mask the step builds for this layer is not
+        # read, and its size stays fixed so that the step's shapes do not change.
+        return (self.max_cache_len if query_length == 1 else query_length), 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        self.cumulative_length.zero_()
+        self.is_initialized = False
+
+
+class KvtierStaticCache(KvtierCache):
+    """`KvtierCache` for compiled decoding: the way transformers' `StaticCache` does it, for
+    ``generate(...)`` with a ``compile_config`` (or ``torch.compile`` of the model's forward).
+
+    `max_cache_len`: the longest sequence (prompt and new tokens) the cache serves; it sizes
+    the sliding layers, which stay in the engine as transformers' `StaticSlidingWindowLayer`,
+    and the decode step's (unread) full-attention mask. The full layers' tokens live in tierd
+    as with `KvtierCache`, with the same keyword arguments. The prefill runs eagerly (as
+    `generate` does it); each decode step's full layers run `kvtier::attend`, which the
+    compiled step calls as an opaque op, finding this cache by its `handle` at run time: one
+    compiled step serves every cache of the same shapes. Needs a model whose attention passes
+    its kwargs to `Cache.update` (transformers' decoder models do).
+    """
+
+    def __init__(self, model_or_config, max_cache_len: int, **kwargs):
+        if max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be positive, not {max_cache_len}")
+        self.max_cache_len = int(max_cache_len)
+        super().__init__(model_or_config, **kwargs)
+        key = next(_handles)
+        self.handle = torch.tensor(key, dtype=torch.int64)
+        _static_caches[key] = self
+
+    def _full_layer(self, layer_idx: int, slot: int) -> KvtierLayer:
+        return KvtierStaticLayer(self, layer_idx, slot, self.max_cache_len)
+
+    def _engine_layer(self, layer_type: str, kwargs: dict) -> CacheLayerMixin:
+        return STATIC_LAYER_TYPE_MAPPING[layer_type](max_cache_len=self.max_cache_len, **kwargs)
+
+    def close(self) -> None:
+        handle = getattr(self, "handle", None)
+        if handle is not None:
+            _static_caches.pop(int(handle), None)
+        super().close()
+
+    @classmethod
+    def from_dense(cls, model, dense_cache, attention_mask=None, **kwargs):
+        raise UnsupportedUse("KvtierStaticCache starts from its own prefill; from_dense is KvtierCache's")

@@ -11,7 +11,14 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from kvtier import Dtype, Policy  # noqa: E402
-from kvtier.hf import GeometryRefused, KvtierCache, TierdUnavailable, UnsupportedUse, enable  # noqa: E402
+from kvtier.hf import (  # noqa: E402
+    GeometryRefused,
+    KvtierCache,
+    KvtierStaticCache,
+    TierdUnavailable,
+    UnsupportedUse,
+    enable,
+)
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
@@ -71,6 +78,62 @@ def test_sparse_policy_and_sampling_run(tierd_factory):
         # Sparse: 1 sink + 2 local + 3 distant blocks of 16 tokens selected, per kv head.
         assert all(s.blocks_selected == 2 * 6 for s in c.last_stats)
         assert c.last_stats[0].blocks_total == 26
+
+
+def compiled(**kw):
+    """A generation config's `compile_config` for compiled decoding on this machine's CPU too:
+    one graph for the whole step (`fullgraph`: a graph break fails)."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    cc = CompileConfig(fullgraph=True, mode="default", **kw)
+    cc._compile_all_devices = True  # transformers compiles only on accelerators by default
+    return cc
+
+
+def graphs() -> int:
+    import torch._dynamo.utils
+
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_static_cache_decodes_as_the_eager_adapter_compiled_or_not(tierd_factory, kind):
+    sock = tierd_factory()
+    m = tiny(kind)
+    ids, am = batch()  # batch 2, row 1 left-padded
+    # Sparse: 1 sink + 2 local + 4 of the 19-20 blocks of 16 tokens.
+    opts = dict(socket=sock, policy=Policy(1, 2, 4), block_tokens=16)
+    n = 300 + 16
+    start, step = graphs(), None
+    for sample in (False, True):  # sampling is outside the step: the same step serves it
+        kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=16, do_sample=sample,
+                  top_k=20, pad_token_id=0)
+        torch.manual_seed(5)
+        with KvtierCache(m, **opts) as c:
+            eager = m.generate(cache=c, **kw)
+        torch.manual_seed(5)
+        with KvtierStaticCache(m, max_cache_len=n, **opts) as c:
+            static = m.generate(cache=c, disable_compile=True, **kw)
+        assert torch.equal(static, eager)
+        for i in range(2):
+            torch.manual_seed(5)
+            with KvtierStaticCache(m, max_cache_len=n, **opts) as c:
+                out = m.generate(cache=c, compile_config=compiled(), **kw)
+                assert c.positions[:, 1].tolist() == [300 - 37 + 15] * 3  # every step in tierd
+            assert torch.equal(out, eager), (sample, i)
+            step = step or graphs()
+            assert step > start, "the decode step was compiled"
+            assert graphs() == step, "later caches reuse the compiled step"
+
+
+def test_static_cache_refuses_another_attention(tierd_factory):
+    sock = tierd_factory()
+    m = tiny("qwen2")
+    m.set_attn_implementation("sdpa")
+    ids, am = batch(prompt_len=40, pad=0)
+    with KvtierStaticCache(m.config, max_cache_len=48, socket=sock) as c:
+        with pytest.raises(UnsupportedUse, match="enable"):
+            m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
 
 
 def test_unreachable_tierd_is_a_typed_error(tmp_path):
