@@ -66,7 +66,7 @@ try:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 except ImportError as e:
     raise ImportError(
-        f"kvtier.hf needs torch >= 2.4 and transformers >= 5 ({e}); install the extra: "
+        f"kvtier.hf needs torch >= 2.8 and transformers >= 5 ({e}); install the extra: "
         f"pip install 'kvtier[hf]' (Python 3.10 or newer)") from e
 
 from .client import Client, TierdUnavailable, default_socket_path
