@@ -649,6 +649,14 @@ class KvtierStaticLayer(KvtierLayer):
         self.max_cache_len = max_cache_len
         self.cumulative_length = torch.tensor(0, dtype=torch.int64)
 
+    def lazy_initialization(self, key_states, value_states) -> None:
+        super().lazy_initialization(key_states, value_states)
+        # On the model's device at a fixed address, as StaticLayer keeps its own: a compiled
+        # step updates it in place.
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(self.cumulative_length)
+
     def update(self, key_states, value_states, *args, **kwargs):
         attn_kwargs = kwargs.get("kwargs")
         if attn_kwargs is None:
@@ -706,7 +714,7 @@ class KvtierStaticCache(KvtierCache):
         self.max_cache_len = int(max_cache_len)
         super().__init__(model_or_config, **kwargs)
         key = next(_handles)
-        self.handle = torch.tensor(key, dtype=torch.int64)
+        self.handle = torch.tensor(key, dtype=torch.int64)  # on the CPU: the op reads it there
         _static_caches[key] = self
 
     def _full_layer(self, layer_idx: int, slot: int) -> KvtierLayer:
