@@ -340,24 +340,42 @@ impl Service {
     /// share, which go first. A uid within its share never loses residency to another uid.
     /// For a request, it frees until `want` bytes (an estimate, at least `need`) fit with the
     /// tier at its low-water mark, and nothing at all when even every session it may demote
-    /// would not free `need`. Only
-    /// `try_lock`s sessions, so it never waits on a busy one. Returns whether `need` bytes are
-    /// free (perhaps in pieces: `compact_host` places runs there).
+    /// would not free `need`. Returns whether `need` bytes are free (perhaps in pieces:
+    /// `compact_host` places runs there).
+    ///
+    /// It only `try_lock`s sessions (the requester holds its own lock: waiting on another's
+    /// could deadlock), so a session being decoded or prefetched is passed over. A request
+    /// that only such sessions could satisfy tries again for up to [`BUSY_WAIT`]: they are
+    /// free again within one read.
     pub(super) fn make_room(&self, exclude: &[u64], need: usize, want: usize) -> bool {
+        let deadline = Instant::now() + BUSY_WAIT;
+        loop {
+            match self.make_room_once(exclude, need, want) {
+                Room::Fits => return true,
+                Room::Busy if need > 0 && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                Room::Busy | Room::Short => return false,
+            }
+        }
+    }
+
+    /// One pass of [`Self::make_room`].
+    fn make_room_once(&self, exclude: &[u64], need: usize, want: usize) -> Room {
         let want = want.max(need);
         let u = self.arena.usage();
         let Some((_, t)) = &self.tier else {
             // Nothing can be demoted; the free bytes may still hold it (in pieces: compaction).
-            return u.bytes_total - u.bytes_used >= need;
+            return Room::fits(u.bytes_total - u.bytes_used >= need);
         };
         let total = u.bytes_total;
         let free = |used: usize| total - used;
         let above_high = u.bytes_used as f64 >= total as f64 * t.high_water;
         if free(u.bytes_used) >= want && (want > 0 || !above_high) {
-            return true;
+            return Room::Fits;
         }
         if need > total {
-            return false;
+            return Room::Short;
         }
         let over = self.over_fair_share();
         let candidates: Vec<Arc<Session>> = {
@@ -396,7 +414,7 @@ impl Service {
             .collect();
         let demotable: usize = resident.iter().map(|(_, b)| b).sum();
         if need > 0 && !busy && free(u.bytes_used) + demotable < need {
-            return false;
+            return Room::Short;
         }
         resident.sort_by_key(|(s, _)| {
             (
@@ -420,6 +438,7 @@ impl Service {
                 break;
             }
             let Some(mut st) = s.state.try_lock() else {
+                busy = true;
                 continue;
             };
             if st.kv.extents() == 0 {
@@ -432,7 +451,11 @@ impl Service {
                 Err(e) => tracing::warn!(session = s.id, error = %e, "demotion failed"),
             }
         }
-        free(self.arena.usage().bytes_used) >= need
+        match free(self.arena.usage().bytes_used) >= need {
+            true => Room::Fits,
+            false if busy => Room::Busy,
+            false => Room::Short,
+        }
     }
 
     /// Writes every session to NVMe (clean shutdown), so a restart finds them all.
@@ -462,3 +485,30 @@ impl Service {
         (ok, failed)
     }
 }
+
+/// How long a request waits for sessions [`Service::make_room`] had to pass over (being
+/// decoded or prefetched) before it is refused.
+pub(super) const BUSY_WAIT: Duration = Duration::from_millis(500);
+
+/// What one pass of making room ended with.
+enum Room {
+    /// `need` bytes are free.
+    Fits,
+    /// Not free, and sessions that might have freed them were busy.
+    Busy,
+    /// Not free, and nothing it may demote would free them.
+    Short,
+}
+
+impl Room {
+    fn fits(yes: bool) -> Self {
+        if yes {
+            Self::Fits
+        } else {
+            Self::Short
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
