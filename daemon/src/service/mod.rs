@@ -59,6 +59,8 @@ mod session;
 pub use session::Session;
 use session::{Durable, SessionState};
 mod stats;
+#[cfg(test)]
+mod testing;
 mod tiering;
 
 pub use crate::metrics::Snapshot;
@@ -570,19 +572,7 @@ mod tests {
 
     fn service() -> Service {
         let arena = HostArena::new(&ArenaOptions::new(1 << 20, 4096)).unwrap();
-        Service::new(
-            arena,
-            ServiceLimits {
-                max_sessions: 4,
-                max_sessions_per_uid: 0,
-                host_share_per_uid: 1.0,
-                nvme_share_per_uid: 1.0,
-                max_reply_bytes: 1 << 20,
-                coalesce: false,
-                admin_uids: vec![],
-                admin_gids: vec![],
-            },
-        )
+        Service::new(arena, testing::limits(4, false))
     }
 
     #[test]

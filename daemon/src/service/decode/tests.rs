@@ -1,65 +1,26 @@
 //! Coalesced requests on the CPU backend: one step for many requests answers each exactly
 //! as it would alone, and one request's error stays its own.
 
-use kvtier_protocol::{CreateSessionRequest, DType, Geometry, Policy};
 use kvtier_storage::testing::Rng;
 use kvtier_storage::ArenaOptions;
 
 use super::*;
-
-const GEO: Geometry = Geometry {
-    layers: 2,
-    q_heads: 4,
-    kv_heads: 2,
-    head_dim: 32,
-    dtype: DType::Bf16,
-    block_tokens: 16,
-};
-const PEER: Peer = Peer {
-    uid: 1000,
-    gid: 1000,
-    pid: None,
-};
+use crate::service::testing::{self, GEO, PEER};
 
 fn service() -> Service {
     let arena = HostArena::new(&ArenaOptions::new(16 << 20, 16 << 10)).unwrap();
-    Service::new(
-        arena,
-        ServiceLimits {
-            max_sessions: 16,
-            max_sessions_per_uid: 0,
-            host_share_per_uid: 1.0,
-            nvme_share_per_uid: 1.0,
-            max_reply_bytes: 1 << 20,
-            coalesce: true,
-            admin_uids: vec![],
-            admin_gids: vec![],
-        },
-    )
+    Service::new(arena, testing::limits(16, true))
 }
 
 /// `n` sessions of 40 + i tokens each, in two engines with identical contents.
 fn twins(n: usize, rng: &mut Rng) -> (Service, Service, Vec<u64>) {
     let (a, b) = (service(), service());
-    let mut ids = Vec::new();
+    let (mut ida, mut idb) = (Vec::new(), Vec::new());
     for i in 0..n {
-        let req = CreateSessionRequest {
-            geometry: GEO,
-            policy: Policy::bound(1, 1, 1),
-            label: String::new(),
-        };
-        let (ia, ib) = (
-            a.create(&PEER, &req).unwrap(),
-            b.create(&PEER, &req).unwrap(),
-        );
-        let tokens = 40 + i as u32;
-        let n = (tokens * GEO.layers * 2 * GEO.kv_heads * GEO.head_dim) as usize;
-        let payload = GEO.dtype.encode_vec(&rng.normals(n));
-        a.append(&PEER, ia, 0, tokens, &payload).unwrap();
-        b.append(&PEER, ib, 0, tokens, &payload).unwrap();
-        ids.push((ia, ib));
+        let ids = testing::open(&[&a, &b], 40 + i as u32, rng);
+        ida.push(ids[0]);
+        idb.push(ids[1]);
     }
-    let (ida, idb): (Vec<u64>, Vec<u64>) = ids.into_iter().unzip();
     (a, b, [ida, idb].concat())
 }
 

@@ -1,27 +1,13 @@
 //! Making room in a full host tier while another thread holds the session that would free it.
 
-use kvtier_protocol::{CreateSessionRequest, DType, Geometry, Policy};
 use kvtier_storage::testing::Rng;
 use kvtier_storage::ArenaOptions;
 
 use super::*;
+use crate::service::testing::{self, open};
 
-/// One block run (one layer's block of 16 tokens) is 2 kv heads x K, V x 16 x 32 x 2 bytes =
-/// 4 KiB: one extent.
-const GEO: Geometry = Geometry {
-    layers: 2,
-    q_heads: 4,
-    kv_heads: 2,
-    head_dim: 32,
-    dtype: DType::Bf16,
-    block_tokens: 16,
-};
+/// One block run of [`testing::GEO`]: one extent.
 const RUN: usize = 4096;
-const PEER: Peer = Peer {
-    uid: 1000,
-    gid: 1000,
-    pid: None,
-};
 
 /// A host tier of 64 extents over an NVMe tier in `dir`; no prefetch, and no demotion by
 /// the pressure pass after an append (high water at 100%).
@@ -35,30 +21,7 @@ fn service(dir: &std::path::Path) -> Service {
     cfg.nvme.low_water = 1.0;
     let tier = crate::open_tier(&cfg).unwrap();
     let arena = HostArena::new(&ArenaOptions::new(64 * RUN, RUN)).unwrap();
-    let limits = ServiceLimits {
-        max_sessions: 16,
-        max_sessions_per_uid: 0,
-        host_share_per_uid: 1.0,
-        nvme_share_per_uid: 1.0,
-        max_reply_bytes: 1 << 20,
-        coalesce: false,
-        admin_uids: vec![],
-        admin_gids: vec![],
-    };
-    Service::with_tier(arena, limits, tier, None)
-}
-
-fn open(svc: &Service, tokens: u32, rng: &mut Rng) -> u64 {
-    let req = CreateSessionRequest {
-        geometry: GEO,
-        policy: Policy::bound(1, 1, 1),
-        label: String::new(),
-    };
-    let id = svc.create(&PEER, &req).unwrap();
-    let n = (tokens * GEO.layers * 2 * GEO.kv_heads * GEO.head_dim) as usize;
-    let payload = GEO.dtype.encode_vec(&rng.normals(n));
-    svc.append(&PEER, id, 0, tokens, &payload).unwrap();
-    id
+    Service::with_tier(arena, testing::limits(16, false), tier, None)
 }
 
 /// Holds `id`'s lock on another thread (as the prefetcher does while it reads the session's
@@ -83,8 +46,8 @@ fn a_request_waits_for_a_busy_session_to_make_room_and_is_refused_past_the_wait(
     let svc = service(dir.path());
     let mut rng = Rng::new(1);
     // 25 blocks in each of 2 layers, then 7: 64 extents, the whole tier.
-    let big = open(&svc, 400, &mut rng);
-    let small = open(&svc, 100, &mut rng);
+    let big = open(&[&svc], 400, &mut rng)[0];
+    let small = open(&[&svc], 100, &mut rng)[0];
     let extents = |id: u64| svc.sessions.read()[&id].state.lock().kv.extents();
     assert_eq!((extents(big), extents(small)), (50, 14));
     assert_eq!(svc.arena.usage().bytes_used, 64 * RUN);
