@@ -142,27 +142,30 @@ impl RedisCluster {
             return None;
         }
         let dir = tempfile::tempdir().expect("tempdir");
-        let n = masters * (1 + replicas);
-        let nodes: Vec<RedisNode> = (0..n)
-            .map(|_| {
-                (0..20)
-                    .find_map(|_| {
-                        let port = free_port();
-                        start_on(dir.path(), port).map(|c| RedisNode {
-                            port,
-                            child: Mutex::new(Some(c)),
-                        })
+        // Held by the cluster from the first node on, so that a panic below kills the nodes
+        // started so far (Drop) rather than leaving them running.
+        let mut c = RedisCluster {
+            nodes: Vec::new(),
+            dir,
+        };
+        for _ in 0..masters * (1 + replicas) {
+            let node = (0..20)
+                .find_map(|_| {
+                    let port = free_port();
+                    start_on(c.dir.path(), port).map(|child| RedisNode {
+                        port,
+                        child: Mutex::new(Some(child)),
                     })
-                    .expect("no free port where a redis-server would start")
-            })
-            .collect();
+                })
+                .expect("no free port where a redis-server would start");
+            c.nodes.push(node);
+        }
         let mut create = vec!["--cluster".to_string(), "create".to_string()];
-        create.extend(nodes.iter().map(RedisNode::addr));
+        create.extend(c.nodes.iter().map(RedisNode::addr));
         create.extend(["--cluster-replicas".into(), replicas.to_string()]);
         create.push("--cluster-yes".into());
         let args: Vec<&str> = create.iter().map(String::as_str).collect();
-        cli(nodes[0].port, &args).expect("redis-cli --cluster create");
-        let c = RedisCluster { nodes, dir };
+        cli(c.nodes[0].port, &args).expect("redis-cli --cluster create");
         c.wait_ok(Duration::from_secs(30));
         c.wait_replicas(replicas, Duration::from_secs(30));
         Some(c)
