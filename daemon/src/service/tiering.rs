@@ -366,7 +366,10 @@ impl Service {
         let u = self.arena.usage();
         let Some((_, t)) = &self.tier else {
             // Nothing can be demoted; the free bytes may still hold it (in pieces: compaction).
-            return Room::fits(u.bytes_total - u.bytes_used >= need);
+            return match u.bytes_total - u.bytes_used >= need {
+                true => Room::Fits,
+                false => Room::Short,
+            };
         };
         let total = u.bytes_total;
         let free = |used: usize| total - used;
@@ -498,16 +501,6 @@ enum Room {
     Busy,
     /// Not free, and nothing it may demote would free them.
     Short,
-}
-
-impl Room {
-    fn fits(yes: bool) -> Self {
-        if yes {
-            Self::Fits
-        } else {
-            Self::Short
-        }
-    }
 }
 
 #[cfg(test)]
