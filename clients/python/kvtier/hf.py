@@ -629,7 +629,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.Ten
     if cache is None:
         raise KvtierError("the kvtier cache of this decode step is closed")
     layer = cache.layers[cache.full_layers[slot]]
-    return cache._decode(layer, q, k, v, q_scale).to(q.dtype).clone()
+    # A copy in one step: the in-engine path answers with its own buffer, which an op's
+    # output must not alias.
+    return cache._decode(layer, q, k, v, q_scale).to(q.dtype, copy=True)
 
 
 @_attend.register_fake
