@@ -474,7 +474,10 @@ impl LayerSketches {
             .quantize(geo);
     }
 
-    /// Adds rows `rows` of a block from its stored run (every kv head), then seals it.
+    /// Adds rows `rows` of a block from its stored run (every kv head), then seals it. Rows
+    /// that are a large share of the block's (a prefill's whole blocks) sketch the block anew,
+    /// which equals adding them one by one without re-quantizing earlier keys each time a
+    /// channel's scale grows.
     pub(crate) fn add_run(
         &mut self,
         geo: &Geometry,
@@ -482,6 +485,10 @@ impl LayerSketches {
         run: &[u8],
         rows: std::ops::Range<usize>,
     ) {
+        if rows.len() * 4 >= rows.end {
+            self.rebuild(geo, block, run, rows.end);
+            return;
+        }
         let (d, row) = (geo.head_dim as usize, geo.row_bytes());
         let mut key = [0f32; MAX_HEAD_DIM as usize];
         let key = &mut key[..d];

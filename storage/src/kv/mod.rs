@@ -491,7 +491,7 @@ fn write_rows(
     let spb = geo.summary_floats_per_block();
     let mut key = [0f32; MAX_HEAD_DIM as usize];
     let key = &mut key[..d];
-    let first_block = (l.tokens / bt) as usize;
+    let start = l.tokens;
     for i in 0..n as usize {
         let pos = l.tokens;
         let (block, slot) = ((pos / bt) as usize, (pos % bt) as usize);
@@ -536,16 +536,19 @@ fn write_rows(
                 *m = m.max(*kv);
                 *x = x.min(*kv);
             }
-            if let Some(sk) = &mut l.sketches {
-                sk.add(geo, block, h, slot, key, extent);
-            }
         }
         l.tokens += 1;
     }
-    // The quarter codes of every block the rows went to, once.
+    // The keys' sketches once their blocks hold them, block by block.
     if let Some(sk) = &mut l.sketches {
-        for b in first_block..l.tokens.div_ceil(bt) as usize {
-            sk.seal(geo, b);
+        let end = l.tokens;
+        for b in start / bt..end.div_ceil(bt) {
+            let Slot::Hot(extent) = &l.slots[b as usize] else {
+                unreachable!("the blocks just written are resident")
+            };
+            let base = b * bt;
+            let rows = (start.max(base) - base) as usize..(end.min(base + bt) - base) as usize;
+            sk.add_run(geo, b as usize, extent.as_slice(), rows);
         }
     }
 }
