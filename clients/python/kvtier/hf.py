@@ -27,7 +27,8 @@ How it works:
   the new tokens stay on the GPU and go to tierd a block at a time, and no tensor crosses the
   socket per step. The prefill's K/V then go from GPU memory into tierd's arena by DMA
   (`InEngine.append_rows`) instead of through host memory and APPEND_KV. ``engine="auto"`` (the default) takes it when it can and otherwise uses the
-  DECODE path, saying why in `engine_error`; ``"on"`` requires it, ``"off"`` never uses it.
+  DECODE path, warning once and saying why in `engine_error`; ``"on"`` requires it, ``"off"``
+  never uses it.
 * A model run with the ``"kvtier"`` implementation but an ordinary `DynamicCache` behaves
   exactly like SDPA, so one loaded model serves both dense and sparse decoding.
 * `KvtierStaticCache` is the variant for compiled decoding (``generate(...,
@@ -47,6 +48,8 @@ import itertools
 import math
 import os
 import threading
+import time
+import warnings
 import weakref
 from typing import List, Optional, Sequence
 
@@ -344,6 +347,9 @@ class KvtierCache(Cache):
         self.device_batch = None  # kvtier.engine.DeviceBatch once decoding in-engine
         self._engine = None  # its kvtier.engine.InEngine, from the prefill on when on a GPU
         self.engine_error: Optional[str] = None  # why "auto" fell back to the DECODE path
+        #: Seconds of the prefill's hand-off to tierd (sessions opened, K/V appended), with the
+        #: in-engine path's phases summed over the sessions (`InEngine.last_append`'s).
+        self.prefill_handoff: Optional[dict] = None
 
     def _full_layer(self, layer_idx: int, slot: int) -> "KvtierLayer":
         return KvtierLayer(self, layer_idx, slot)
@@ -450,6 +456,8 @@ class KvtierCache(Cache):
             starts.append(start)
         g = Geometry(len(self.full_layers), q_heads, hkv, d, self.dtype, self.block_tokens)
         self.geometry = g
+        t0 = time.perf_counter()
+        handoff = dict(seconds=0.0)
         client = self.client
         for r in range(b):
             try:
@@ -466,7 +474,7 @@ class KvtierCache(Cache):
             s = starts[r]
             if e is not None:
                 self._prefill_by_dma(e, sid, [kl[r, :, s:, :] for kl in keys],
-                                     [vl[r, :, s:, :] for vl in values])
+                                     [vl[r, :, s:, :] for vl in values], handoff)
                 continue
             k = np.stack([_to_wire(kl[r, :, s:, :].transpose(0, 1), self.dtype) for kl in keys])
             v = np.stack([_to_wire(vl[r, :, s:, :].transpose(0, 1), self.dtype) for vl in values])
@@ -475,6 +483,8 @@ class KvtierCache(Cache):
             except (OSError, ConnectionError) as e:
                 raise TierdUnavailable(f"lost the connection to tierd while appending the prefill: {e}") from e
         self.positions = np.array([[t - s for s in starts]] * len(self.full_layers), dtype=np.int64)
+        handoff["seconds"] = time.perf_counter() - t0
+        self.prefill_handoff = handoff
 
     def _open_engine(self, device):
         """This cache's in-engine path on `device` (its sessions attached), opened once; None
@@ -498,17 +508,23 @@ class KvtierCache(Cache):
         except (KvtierError, OSError, ValueError, RuntimeError) as err:
             if self.engine_mode == "on":
                 raise
-            self.engine_error = str(err)
+            self._fall_back(err)
             return None
         self._engine = e
         return e
 
+    def _fall_back(self, err) -> None:
+        """engine="auto" on a GPU takes the DECODE path: said once, since it is much slower."""
+        self.engine_error = str(err)
+        warnings.warn(f"kvtier: the in-engine path is unavailable, decoding through tierd's "
+                      f"DECODE instead: {err}", RuntimeWarning, stacklevel=3)
+
     #: Tokens per in-place append of a prefill: bounds each RESERVE's reply (its run table).
     PREFILL_CHUNK = 16384
 
-    def _prefill_by_dma(self, e, sid: int, keys, values) -> None:
+    def _prefill_by_dma(self, e, sid: int, keys, values, phases: dict) -> None:
         """One session's prefill (per full layer k, v [Hkv, n, D] on the GPU) appended by DMA
-        into tierd's arena, in chunks."""
+        into tierd's arena, in chunks; each append's phases are added to `phases`."""
         from .engine import _torch_dtype
 
         kv_dtype = _torch_dtype(self.dtype)
@@ -518,6 +534,8 @@ class KvtierCache(Cache):
         n = rows.shape[4]
         for first in range(0, n, self.PREFILL_CHUNK):
             e.append_rows([sid], rows, min(self.PREFILL_CHUNK, n - first), first)
+            for phase, sec in (e.last_append() or {}).items():
+                phases[phase] = phases.get(phase, 0.0) + sec
 
     def _in_engine(self, q, q_scale: float):
         """The device batch decoding this cache's sessions in this process, opened at the first
@@ -534,7 +552,7 @@ class KvtierCache(Cache):
         except (KvtierError, OSError, ValueError, RuntimeError) as err:
             if self.engine_mode == "on":
                 raise
-            self.engine_error = str(err)
+            self._fall_back(err)
             self._engine = None
             return None
         return self.device_batch
