@@ -12,13 +12,19 @@ Modes (``--modes``), each with a fresh cache per ``generate``:
 * ``kvtier``: `KvtierCache`, eager (on a GPU its decode steps take the in-engine path).
 * ``kvtier-compiled``: `KvtierStaticCache` with the same compile_config.
 
-Per (context, batch, mode):
-* ``first``: seconds of ``generate(max_new_tokens=1)`` (prefill and the first token) after one
-  warm-up call, which pays a process's first arena registration and any compilation; median
-  of ``--reps``. ``warmup`` is that first call.
-* ``step``: ms per decode step, the median over ``--reps`` of (generate with 1 + N new tokens
-  minus generate with 1) / N: transformers' loop, sampling and all.
-* ``same``: for kvtier-compiled, whether its N greedy tokens equal kvtier's.
+Per (context, batch, mode), each number the median over ``--reps`` generate calls of 1 + N
+new tokens, timed inside the call (a logits processor synchronizes and reads the clock):
+* ``first``: seconds from the call to the first token's logits (prefill and the first token).
+* ``step``: ms between later tokens' logits, the median step of the call (``mean`` too):
+  transformers' loop, sampling and all. The median leaves out a compiled step's recording.
+* ``same``: for kvtier-compiled, whether its N greedy tokens equal kvtier's (for
+  dense-compiled, dense's), and ``same_steps`` per row how many leading tokens do: what
+  compilation alone changes on a random model shows in dense-compiled against dense.
+* ``handoff``: for kvtier's caches, the prefill's hand-off to tierd by phase
+  (`KvtierCache.prefill_handoff`).
+Before the timed calls, one warm-up call per mode with a ``--warmup-tokens`` prompt and the
+timed calls' cache size pays a process's first arena registration and any compilation, so
+``first`` is that of a second and later cache of the process.
 
 Usage (tierd running with host.shared = true and room for batch x context tokens):
     python hf_generate.py --socket /tmp/t/tierd.sock --contexts 32768,131072 --batches 1,4 \\
@@ -33,6 +39,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -65,17 +72,32 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
+class Clock:
+    """A logits processor that reads the clock (the device synchronized) at every token."""
+
+    def __init__(self, dev):
+        self.dev, self.times = dev, []
+
+    def __call__(self, input_ids, scores):
+        sync(self.dev)
+        self.times.append(time.perf_counter())
+        return scores
+
+
 class Run:
     """One (model, prompt) pair's generate calls in one mode."""
 
     def __init__(self, model, ids, mode, socket, policy, dev):
         self.model, self.ids, self.mode = model, ids, mode
         self.socket, self.policy, self.dev = socket, policy, dev
+        self.handoff = None  # the last call's KvtierCache.prefill_handoff
+        self.engine_error = None  # and its engine_error
 
-    def cache(self, new_tokens):
+    def cache(self, n):
+        """A fresh cache of this mode for `n` tokens."""
         from transformers import DynamicCache, StaticCache
 
-        m, n = self.model, self.ids.shape[1] + new_tokens
+        m = self.model
         if self.mode == "dense":
             return DynamicCache(config=m.config)
         if self.mode == "dense-compiled":
@@ -84,25 +106,91 @@ class Run:
             return KvtierCache(m, socket=self.socket, policy=self.policy)
         return KvtierStaticCache(m, max_cache_len=n, socket=self.socket, policy=self.policy)
 
-    def generate(self, new_tokens):
-        """(seconds, the new tokens) of one generate call with a fresh cache."""
-        kw = dict(input_ids=self.ids, attention_mask=torch.ones_like(self.ids),
+    def generate(self, new_tokens, ids=None):
+        """(seconds to the first token's logits, the later steps' ms, the new tokens) of one
+        generate call with a fresh cache; `ids` (default: the run's prompt) may be shorter than
+        the prompt, the cache is sized for the prompt all the same."""
+        from transformers import LogitsProcessorList
+
+        ids = self.ids if ids is None else ids
+        clock = Clock(self.dev)
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                  pad_token_id=0)
+                  pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
         if self.mode.endswith("compiled"):
             kw["compile_config"] = compile_config(self.dev)
         else:
             kw["disable_compile"] = True
-        c = self.cache(new_tokens)
+        c = self.cache(self.ids.shape[1] + new_tokens)
         try:
             sync(self.dev)
             t = time.perf_counter()
             out = self.model.generate(cache=c, **kw)
             sync(self.dev)
-            return time.perf_counter() - t, out[:, self.ids.shape[1]:].cpu()
         finally:
+            self.handoff = getattr(c, "prefill_handoff", None)
+            self.engine_error = getattr(c, "engine_error", None)
             if hasattr(c, "close"):
                 c.close()
+        steps = [(b - a) * 1e3 for a, b in zip(clock.times, clock.times[1:])]
+        return clock.times[0] - t, steps, out[:, ids.shape[1]:].cpu()
+
+
+def fmt(phases):
+    return " ".join(f"{k} {v:.3f}" for k, v in phases.items())
+
+
+def same_steps(a, b):
+    """Per batch row, how many leading new tokens of `a` equal `b`'s."""
+    eq = (a == b).int().cumprod(dim=1)
+    return eq.sum(dim=1).tolist()
+
+
+def profile(run, a):
+    """One more generate call under torch's profiler: where a step's time goes, by op."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.dev.type == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        run.generate(a.new_tokens + 1)
+    device_key = "self_cuda_time_total" if run.dev.type == "cuda" else "self_cpu_time_total"
+    print(f"profile of {run.mode} (prefill and {a.new_tokens} steps), by device time:\n"
+          + prof.key_averages().table(sort_by=device_key, row_limit=20), flush=True)
+    print(f"profile of {run.mode}, by host time:\n"
+          + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
+
+
+def measure(run, a, tokens):
+    """One mode's row: a warm-up call, then `--reps` timed calls (medians)."""
+    t = time.perf_counter()
+    run.generate(a.new_tokens + 1, run.ids[:, :a.warmup_tokens])
+    warm = time.perf_counter() - t
+    firsts, steps, means = [], [], []
+    for _ in range(a.reps):
+        first, st, out = run.generate(a.new_tokens + 1)
+        firsts.append(first)
+        steps.append(statistics.median(st))
+        means.append(statistics.fmean(st))
+    ctx, b = run.ids.shape[1], run.ids.shape[0]
+    row = dict(context=ctx, batch=b, mode=run.mode, warmup_s=warm,
+               first_s=statistics.median(firsts), step_ms=statistics.median(steps),
+               step_mean_ms=statistics.median(means), firsts_s=firsts, steps_ms=steps,
+               last_steps_ms=[round(x, 3) for x in st])
+    if run.handoff:
+        row["handoff"] = run.handoff  # the last call's prefill hand-off to tierd, by phase
+    if run.engine_error:
+        row["engine_error"] = run.engine_error  # why "auto" took the DECODE path
+    if a.profile and run.mode in a.profile.split(","):
+        profile(run, a)
+    tokens[run.mode] = out
+    if run.mode == "kvtier-compiled" and "kvtier" in tokens:
+        row["same"] = bool(torch.equal(out, tokens["kvtier"]))
+        row["same_steps"] = same_steps(out, tokens["kvtier"])
+    if run.mode == "dense-compiled" and "dense" in tokens:
+        row["same"] = bool(torch.equal(out, tokens["dense"]))
+        row["same_steps"] = same_steps(out, tokens["dense"])
+    return row
 
 
 def main():
@@ -112,11 +200,18 @@ def main():
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--modes", default="dense,kvtier,kvtier-compiled")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--warmup-tokens", type=int, default=2048,
+                    help="the warm-up call's prompt length (its cache is the timed calls' size)")
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--tiny", action="store_true", help="a tiny random Qwen2 (any device)")
+    ap.add_argument("--profile", default="",
+                    help="modes (comma-separated) to run once more under torch's profiler")
+    ap.add_argument("--deadline", type=float, default=0,
+                    help="seconds after which no further mode is started (0: none)")
     ap.add_argument("--json")
     a = ap.parse_args()
+    t_start = time.perf_counter()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if a.tiny:
         model = tiny_model(dev)
@@ -136,25 +231,34 @@ def main():
             ids = torch.randint(3, model.config.vocab_size, (b, ctx), generator=g).to(dev)
             tokens = {}
             for mode in a.modes.split(","):
-                run = Run(model, ids, mode, a.socket, policy, dev)
-                warm, _ = run.generate(1)
-                if mode.endswith("compiled"):
-                    run.generate(a.new_tokens + 1)  # compiles the decode step
-                firsts, steps = [], []
-                for _ in range(a.reps):
-                    t1, _ = run.generate(1)
-                    tn, out = run.generate(a.new_tokens + 1)
-                    firsts.append(t1)
-                    steps.append((tn - t1) / a.new_tokens * 1e3)
-                tokens[mode] = out
-                row = dict(context=ctx, batch=b, mode=mode, warmup_s=warm,
-                           first_s=statistics.median(firsts), step_ms=statistics.median(steps))
-                if mode == "kvtier-compiled" and "kvtier" in tokens:
-                    row["same"] = bool(torch.equal(out, tokens["kvtier"]))
+                if a.deadline and time.perf_counter() - t_start > a.deadline:
+                    print(f"{ctx:>7} x {b}  {mode:<16} not run: past the {a.deadline:.0f} s deadline",
+                          flush=True)
+                    continue
+                try:
+                    row = measure(Run(model, ids, mode, a.socket, policy, dev), a, tokens)
+                except Exception as e:  # noqa: BLE001 - one mode's failure must not end the run
+                    print(f"{ctx:>7} x {b}  {mode:<16} FAILED: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:300] if str(e) else ''}", flush=True)
+                    traceback.print_exc()
+                    rows.append(dict(context=ctx, batch=b, mode=mode, error=repr(e)[:500]))
+                    continue
+                finally:
+                    if dev.type == "cuda":
+                        # The engine allocates outside torch: give back what the mode cached.
+                        torch.cuda.empty_cache()
                 rows.append(row)
-                print(f"{ctx:>7} x {b}  {mode:<16} warm-up {warm:7.2f} s  first {row['first_s']:7.3f} s"
-                      f"  step {row['step_ms']:8.2f} ms" + (f"  same as kvtier: {row['same']}"
-                                                            if "same" in row else ""), flush=True)
+                print(f"{ctx:>7} x {b}  {mode:<16} warm-up {row['warmup_s']:7.2f} s  first "
+                      f"{row['first_s']:7.3f} s  step {row['step_ms']:8.2f} ms (mean "
+                      f"{row['step_mean_ms']:.2f})" + (f"  same tokens: {row['same']} "
+                                                      f"{row['same_steps']}" if "same" in row else "")
+                      + (f"  hand-off {fmt(row['handoff'])}" if "handoff" in row else "")
+                      + (f"  DECODE path: {row['engine_error']}" if "engine_error" in row else ""),
+                      flush=True)
+    from torch._dynamo.utils import counters
+
+    print("compile counters:", {k: dict(v) for k, v in counters.items()
+                                if k in ("stats", "inductor", "graph_break")}, flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(device=name, torch=torch.__version__, policy=str(policy),
