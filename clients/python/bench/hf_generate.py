@@ -20,6 +20,9 @@ new tokens, timed inside the call (a logits processor synchronizes and reads the
 * ``same``: for kvtier-compiled, whether its N greedy tokens equal kvtier's (for
   dense-compiled, dense's), and ``same_steps`` per row how many leading tokens do: what
   compilation alone changes on a random model shows in dense-compiled against dense.
+  ``forced_agree``: one more call decoding the eager mode's tokens (teacher-forced), per row
+  the steps whose own greedy pick is that token; ``forced_gap_max`` the largest logit gap by
+  which a pick beat it (a random model's near-ties show as small gaps).
 * ``handoff``: for kvtier's caches, the prefill's hand-off to tierd by phase
   (`KvtierCache.prefill_handoff`).
 Before the timed calls, one warm-up call per mode with a ``--warmup-tokens`` prompt and the
@@ -106,17 +109,18 @@ class Run:
             return KvtierCache(m, socket=self.socket, policy=self.policy)
         return KvtierStaticCache(m, max_cache_len=n, socket=self.socket, policy=self.policy)
 
-    def generate(self, new_tokens, ids=None):
+    def generate(self, new_tokens, ids=None, force=None):
         """(seconds to the first token's logits, the later steps' ms, the new tokens) of one
         generate call with a fresh cache; `ids` (default: the run's prompt) may be shorter than
-        the prompt, the cache is sized for the prompt all the same."""
+        the prompt, the cache is sized for the prompt all the same. `force`: a `Forced`."""
         from transformers import LogitsProcessorList
 
         ids = self.ids if ids is None else ids
         clock = Clock(self.dev)
         kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                  pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
+                  pad_token_id=0,
+                  logits_processor=LogitsProcessorList([clock] + ([force] if force else [])))
         if self.mode.endswith("compiled"):
             kw["compile_config"] = compile_config(self.dev)
         else:
@@ -134,6 +138,29 @@ class Run:
                 c.close()
         steps = [(b - a) * 1e3 for a, b in zip(clock.times, clock.times[1:])]
         return clock.times[0] - t, steps, out[:, ids.shape[1]:].cpu()
+
+
+class Forced:
+    """A logits processor that decodes given tokens (teacher forcing) and records, at every
+    step, whether the model's own greedy pick is the given token, and by how much its logit
+    tops the given token's: near-ties show as small gaps."""
+
+    def __init__(self, tokens):
+        self.tokens, self.step, self.agree, self.gaps = tokens, 0, [], []
+
+    def __call__(self, input_ids, scores):
+        want = self.tokens[:, self.step].to(scores.device)[:, None]
+        logits = scores.float()
+        best = logits.max(dim=-1)
+        self.agree.append((best.indices == want[:, 0]).cpu())
+        self.gaps.append((best.values - logits.gather(1, want)[:, 0]).cpu())
+        self.step += 1
+        return torch.full_like(scores, float("-inf")).scatter_(1, want, 0.0)
+
+    def summary(self):
+        """(steps agreeing per batch row, the largest gap where they do not)."""
+        agree, gaps = torch.stack(self.agree, 1), torch.stack(self.gaps, 1)
+        return agree.sum(1).tolist(), float(gaps[~agree].max()) if (~agree).any() else 0.0
 
 
 def fmt(phases):
@@ -184,12 +211,14 @@ def measure(run, a, tokens):
     if a.profile and run.mode in a.profile.split(","):
         profile(run, a)
     tokens[run.mode] = out
-    if run.mode == "kvtier-compiled" and "kvtier" in tokens:
-        row["same"] = bool(torch.equal(out, tokens["kvtier"]))
-        row["same_steps"] = same_steps(out, tokens["kvtier"])
-    if run.mode == "dense-compiled" and "dense" in tokens:
-        row["same"] = bool(torch.equal(out, tokens["dense"]))
-        row["same_steps"] = same_steps(out, tokens["dense"])
+    ref = {"kvtier-compiled": "kvtier", "dense-compiled": "dense"}.get(run.mode)
+    if ref in tokens:
+        row["same"] = bool(torch.equal(out, tokens[ref]))
+        row["same_steps"] = same_steps(out, tokens[ref])
+        # Teacher-forced on the eager mode's tokens: whether each step's own pick agrees.
+        forced = Forced(tokens[ref])
+        run.generate(a.new_tokens + 1, force=forced)
+        row["forced_agree"], row["forced_gap_max"] = forced.summary()
     return row
 
 
@@ -251,7 +280,10 @@ def main():
                 print(f"{ctx:>7} x {b}  {mode:<16} warm-up {row['warmup_s']:7.2f} s  first "
                       f"{row['first_s']:7.3f} s  step {row['step_ms']:8.2f} ms (mean "
                       f"{row['step_mean_ms']:.2f})" + (f"  same tokens: {row['same']} "
-                                                      f"{row['same_steps']}" if "same" in row else "")
+                                                      f"{row['same_steps']}, teacher-forced "
+                                                      f"{row['forced_agree']} of {a.new_tokens + 1}"
+                                                      f" (largest gap {row['forced_gap_max']:.4f})"
+                                                      if "same" in row else "")
                       + (f"  hand-off {fmt(row['handoff'])}" if "handoff" in row else "")
                       + (f"  DECODE path: {row['engine_error']}" if "engine_error" in row else ""),
                       flush=True)
