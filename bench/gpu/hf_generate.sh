@@ -28,12 +28,9 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "trans
 cp "$D/_native.abi3.so" clients/python/kvtier/_native.abi3.so
 S=/tmp/hf.sock
 pkill -f "tierd --socket $S" && sleep 1  # one left by an earlier run cut short
-rm -f $S
-"$D/tierd" --socket $S --backend cpu --host-capacity "${CAPACITY:-48GiB}" --set host.shared=true \
-  --set host.lock_memory=true --set nvme.enabled=false --log-level warn > "$OUT/tierd.log" 2>&1 &
-TP=$!
+. bench/gpu/tierd.sh
+start_tierd $S "${CAPACITY:-48GiB}" "$OUT/tierd.log"
 trap 'kill $TP 2> /dev/null' EXIT
-for _ in $(seq 1200); do [ -S $S ] && break; sleep 0.1; done
 for ctx in ${CONTEXTS//,/ }; do
   el "whole_model.py kvtier step, $ctx tokens, batches $BATCHES, k=$TOPK"
   python3 clients/python/bench/whole_model.py --socket $S --context "$ctx" --batches "$BATCHES" \

@@ -26,13 +26,11 @@ $D/gpu_engine --include-ignored --nocapture --test-threads=1 engine_processes_on
   | tee $OUT/mgpu.txt | grep -E "bit for bit|test result|panicked|FAILED|^test "
 el "pcie"
 python3 bench/gpu/pcie_pair.py --gib 2 --reps 5 2>&1 | tee $OUT/pcie.txt
+. bench/gpu/tierd.sh
 bench() { # context batches capacity
   local ctx=$1 batches=$2 cap=$3 S=/tmp/multi_gpu.sock
-  rm -f $S
-  $D/tierd --socket $S --backend cpu --host-capacity $cap --set host.shared=true \
-    --set host.lock_memory=true --set nvme.enabled=false > $OUT/tierd_$ctx.log 2>&1 &
-  local tp=$!
-  for _ in $(seq 600); do [ -S $S ] && break; sleep 0.1; done
+  start_tierd $S $cap $OUT/tierd_$ctx.log
+  local tp=$TP
   local ids
   ids=$($D/engine_bench --socket $S --context $ctx --batches $batches --fill-only \
     | tee -a $OUT/bench_$ctx.txt | awk '/^sessions/{print $2}')

@@ -40,13 +40,8 @@ tests)
 bench|engine|whole)
   cp $D/_native.abi3.so clients/python/kvtier/_native.abi3.so
   S=/tmp/sketch.sock
-  start() { # capacity
-    rm -f $S
-    $D/tierd --socket $S --backend cpu --host-capacity $1 --set host.shared=true \
-      --set host.lock_memory=true --set nvme.enabled=false --log-level warn > $OUT/tierd.log 2>&1 &
-    TP=$!
-    for _ in $(seq 1200); do [ -S $S ] && break; sleep 0.1; done
-  }
+  . bench/gpu/tierd.sh
+  start() { start_tierd $S $1 $OUT/tierd.log; }  # capacity
   for entry in ${BLOCKS:-128:8:$SELECTORS}; do
     BT=${entry%%:*}; rest=${entry#*:}; K=${rest%%:*}; SEL=${rest#*:}
     tag=b$BT-k$K
