@@ -17,9 +17,9 @@ new tokens, timed inside the call (a logits processor synchronizes and reads the
 * ``first``: seconds from the call to the first token's logits (prefill and the first token).
 * ``step``: ms between later tokens' logits, the median step of the call (``mean`` too):
   transformers' loop, sampling and all. The median leaves out a compiled step's recording.
-* ``same``: for kvtier-compiled, whether its N greedy tokens equal kvtier's (for
-  dense-compiled, dense's), and ``same_steps`` per row how many leading tokens do: what
-  compilation alone changes on a random model shows in dense-compiled against dense.
+* ``same_steps``: for kvtier-compiled, per row how many leading greedy tokens equal kvtier's
+  (for dense-compiled, dense's): what compilation alone changes on a random model shows in
+  dense-compiled against dense.
   ``forced_agree``: one more call decoding the eager mode's tokens (teacher-forced), per row
   the steps whose own greedy pick is that token; ``forced_gap_max`` the largest logit gap by
   which a pick beat it (a random model's near-ties show as small gaps).
@@ -163,8 +163,19 @@ class Forced:
         return agree.sum(1).tolist(), float(gaps[~agree].max()) if (~agree).any() else 0.0
 
 
-def fmt(phases):
-    return " ".join(f"{k} {v:.3f}" for k, v in phases.items())
+def describe(row, n):
+    """One printed line of a row of `n` new tokens."""
+    out = (f"{row['context']:>7} x {row['batch']}  {row['mode']:<16} warm-up {row['warmup_s']:7.2f} s"
+           f"  first {row['first_s']:7.3f} s  step {row['step_ms']:8.2f} ms"
+           f" (mean {row['step_mean_ms']:.2f})")
+    if "same_steps" in row:
+        out += (f"  same leading tokens {row['same_steps']} of {n}, teacher-forced "
+                f"{row['forced_agree']} (largest gap {row['forced_gap_max']:.4f})")
+    if "handoff" in row:
+        out += "  hand-off " + " ".join(f"{k} {v:.3f}" for k, v in row["handoff"].items())
+    if "engine_error" in row:
+        out += f"  DECODE path: {row['engine_error']}"
+    return out
 
 
 def same_steps(a, b):
@@ -213,7 +224,6 @@ def measure(run, a, tokens):
     tokens[run.mode] = out
     ref = {"kvtier-compiled": "kvtier", "dense-compiled": "dense"}.get(run.mode)
     if ref in tokens:
-        row["same"] = bool(torch.equal(out, tokens[ref]))
         row["same_steps"] = same_steps(out, tokens[ref])
         # Teacher-forced on the eager mode's tokens: whether each step's own pick agrees.
         forced = Forced(tokens[ref])
@@ -277,16 +287,7 @@ def main():
                         # The engine allocates outside torch: give back what the mode cached.
                         torch.cuda.empty_cache()
                 rows.append(row)
-                print(f"{ctx:>7} x {b}  {mode:<16} warm-up {row['warmup_s']:7.2f} s  first "
-                      f"{row['first_s']:7.3f} s  step {row['step_ms']:8.2f} ms (mean "
-                      f"{row['step_mean_ms']:.2f})" + (f"  same tokens: {row['same']} "
-                                                      f"{row['same_steps']}, teacher-forced "
-                                                      f"{row['forced_agree']} of {a.new_tokens + 1}"
-                                                      f" (largest gap {row['forced_gap_max']:.4f})"
-                                                      if "same" in row else "")
-                      + (f"  hand-off {fmt(row['handoff'])}" if "handoff" in row else "")
-                      + (f"  DECODE path: {row['engine_error']}" if "engine_error" in row else ""),
-                      flush=True)
+                print(describe(row, a.new_tokens + 1), flush=True)
     from torch._dynamo.utils import counters
 
     print("compile counters:", {k: dict(v) for k, v in counters.items()
