@@ -360,14 +360,20 @@ def run_engine(rows, a, model, dev, c, ids, policy, cache_slots, rounds, breakdo
     off). `tag` names the engine in the report."""
     b = len(ids)
     t = time.time()
+    # GPU memory the engine takes (the driver's free memory, so cudarc's allocations count):
+    # its own state, then what the sessions' mirrors add (bounds, sketches, block cache).
+    free0 = torch.cuda.mem_get_info(dev)[0]
     e = kv_engine.InEngine(a.socket, GEO, policy, device=0, max_sessions=b,
                            max_blocks=(a.context + 4096) // GEO.block_tokens,
                            cache_slots=cache_slots or None)
+    free1 = torch.cuda.mem_get_info(dev)[0]
     db = kv_engine.DeviceBatch(e, c, ids)
+    free2 = torch.cuda.mem_get_info(dev)[0]
     reg_bytes, reg_s = e.registration()
     print(f"kvtier{tag} b={b} cache_slots={cache_slots or 'default'}: leased, registered, synced in "
           f"{time.time() - t:.1f} s (mapping and registering the {reg_bytes / 2**30:.1f} GiB arena: "
-          f"{reg_s:.1f} s)", flush=True)
+          f"{reg_s:.1f} s); GPU memory: engine {(free0 - free1) / 2**30:.2f} GiB, "
+          f"{b} session(s) {(free1 - free2) / 2**30:.2f} GiB", flush=True)
     st = Step(model, b, dev)
     kt = Kvtier(st, db, a.context)
     kt.capture()
@@ -381,6 +387,8 @@ def run_engine(rows, a, model, dev, c, ids, policy, cache_slots, rounds, breakdo
             run_kvtier(rows, a, e, db, kt, whole, how, b, tag + (f"/c{cache_slots}" if cache_slots else ""))
             rows[-1]["cache_slots"] = cache_slots
             rows[-1]["selector"] = f"{policy.selector.name.lower()}:{policy.candidates}"
+            rows[-1]["gpu_engine_bytes"] = free0 - free1
+            rows[-1]["gpu_sessions_bytes"] = free1 - free2
     if breakdown:
         kt.skip_kvtier = True
         ms2, walls2 = time_steps(kt.step, min(a.steps, 100), 2)
