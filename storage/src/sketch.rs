@@ -41,6 +41,7 @@
 
 use crate::dtype::bf16_outward;
 use crate::geometry::{Geometry, MAX_HEAD_DIM};
+use wide::f32x8;
 
 // Codes are built in a stack buffer of the largest padded key.
 const _: () = assert!((MAX_HEAD_DIM as usize).is_multiple_of(32));
@@ -118,7 +119,24 @@ pub fn quantize_key(key: &[f32], scales: &[f32], codes: &mut [u8]) {
     debug_assert_eq!(codes.len(), code_bytes(key.len()));
     debug_assert_eq!(scales.len(), key.len());
     let mut c = [0u16; MAX_HEAD_DIM as usize];
-    for ((o, &x), &s) in c.iter_mut().zip(key).zip(scales) {
+    // `key_code` eight elements at a time: the same IEEE division, rounding and clamp (no NaN
+    // reaches the clamp but 0 / 0, whose code a zero scale sets to 0 anyway), so the codes
+    // are bit for bit the scalar rule's; the tail, if any, by the scalar rule.
+    let (lim, magic) = (f32x8::splat(KEY_LEVELS as f32), f32x8::splat(ROUNDING_MAGIC));
+    let lanes = key.len() / 8 * 8;
+    for ((o, x), s) in c[..lanes]
+        .chunks_exact_mut(8)
+        .zip(key.chunks_exact(8))
+        .zip(scales.chunks_exact(8))
+    {
+        let (x, s) = (f32x8::new(x.try_into().unwrap()), f32x8::new(s.try_into().unwrap()));
+        let r = ((x / s + magic) - magic).fast_max(-lim).fast_min(lim);
+        let r = s.simd_eq(f32x8::ZERO).select(f32x8::ZERO, r);
+        for (o, v) in o.iter_mut().zip(r.fast_trunc_int().to_array()) {
+            *o = (v as u16) & 0xf;
+        }
+    }
+    for ((o, &x), &s) in c[lanes..key.len()].iter_mut().zip(&key[lanes..]).zip(&scales[lanes..]) {
         *o = (key_code(x, s) as u16) & 0xf;
     }
     let w = codes.len() / 2;
@@ -571,6 +589,43 @@ mod tests {
         assert!(out[5..].iter().all(|&c| c == 0));
         assert_eq!(channel_scale(0.7), 0.7 / 7.0);
         assert_eq!(key_code(100.0, 1.0), 7);
+    }
+
+    /// The eight-lane quantizer gives every element the scalar rule's code: ties, the clamp,
+    /// zero and tiny scales, signed zeros and subnormals, at head dims with and without a tail.
+    #[test]
+    fn quantize_key_is_the_scalar_rule_element_by_element() {
+        let mut rng = crate::testing::Rng::new(0x2545_f491);
+        let mut next = || rng.next_u64() as u32;
+        let special = [0.0f32, -0.0, 0.5, -0.5, 1.5, -2.5, 7.5, -7.5, 7.0, 1e-40, -1e-40, 1e30];
+        for d in [3usize, 8, 20, 40, 128, 256] {
+            for round in 0..400 {
+                let mut scales = vec![0f32; d];
+                let mut key = vec![0f32; d];
+                for (s, k) in scales.iter_mut().zip(key.iter_mut()) {
+                    let r = next();
+                    *s = match r % 7 {
+                        0 => 0.0,
+                        1 => 1e-38,
+                        2 => 1.0,
+                        _ => f32::from_bits(0x3c00_0000 + (next() >> 9)),
+                    };
+                    *k = match (r >> 3) % 4 {
+                        0 => special[(next() % special.len() as u32) as usize] * s.max(1.0),
+                        1 => special[(next() % special.len() as u32) as usize],
+                        _ => f32::from_bits(next() & 0xbfff_ffff) * if round % 2 == 0 { 1.0 } else { *s },
+                    };
+                }
+                let mut codes = vec![0u8; code_bytes(d)];
+                quantize_key(&key, &scales, &mut codes);
+                let mut out = vec![0i16; padded_dims(d)];
+                unpack(&codes, &mut out);
+                for e in 0..d {
+                    assert_eq!(out[e], key_code(key[e], scales[e]), "d {d} e {e}: {} / {}", key[e], scales[e]);
+                }
+                assert!(out[d..].iter().all(|&c| c == 0));
+            }
+        }
     }
 
     #[test]
