@@ -67,6 +67,8 @@ pub fn storage_code(e: &StorageError) -> ErrorCode {
         | StorageError::LayerOutOfRange { .. }
         | StorageError::BlockOutOfRange { .. }
         | StorageError::PayloadSize { .. }
+        | StorageError::LayerCommitted { .. }
+        | StorageError::CommitTokens { .. }
         | StorageError::NonFinite { .. } => ErrorCode::InvalidArgument,
         StorageError::ColdRead { corrupt: true, .. } => ErrorCode::DataLoss,
         StorageError::InvalidArena { .. }

@@ -59,6 +59,14 @@ pub enum StorageError {
     #[error("layers hold different token counts ({min} to {max}): an in-place append needs every layer at one length")]
     UnevenLayers { min: u64, max: u64 },
 
+    #[error("layer {layer} of this in-place append is already committed")]
+    LayerCommitted { layer: u32 },
+
+    #[error(
+        "{got} tokens committed where this in-place append's earlier layers committed {expected}"
+    )]
+    CommitTokens { expected: u64, got: u64 },
+
     #[error("session would exceed {max} tokens")]
     TooManyTokens { max: u64 },
 

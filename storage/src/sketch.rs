@@ -122,21 +122,31 @@ pub fn quantize_key(key: &[f32], scales: &[f32], codes: &mut [u8]) {
     // `key_code` eight elements at a time: the same IEEE division, rounding and clamp (no NaN
     // reaches the clamp but 0 / 0, whose code a zero scale sets to 0 anyway), so the codes
     // are bit for bit the scalar rule's; the tail, if any, by the scalar rule.
-    let (lim, magic) = (f32x8::splat(KEY_LEVELS as f32), f32x8::splat(ROUNDING_MAGIC));
+    let (lim, magic) = (
+        f32x8::splat(KEY_LEVELS as f32),
+        f32x8::splat(ROUNDING_MAGIC),
+    );
     let lanes = key.len() / 8 * 8;
     for ((o, x), s) in c[..lanes]
         .chunks_exact_mut(8)
         .zip(key.chunks_exact(8))
         .zip(scales.chunks_exact(8))
     {
-        let (x, s) = (f32x8::new(x.try_into().unwrap()), f32x8::new(s.try_into().unwrap()));
+        let (x, s) = (
+            f32x8::new(x.try_into().unwrap()),
+            f32x8::new(s.try_into().unwrap()),
+        );
         let r = ((x / s + magic) - magic).fast_max(-lim).fast_min(lim);
         let r = s.simd_eq(f32x8::ZERO).select(f32x8::ZERO, r);
         for (o, v) in o.iter_mut().zip(r.fast_trunc_int().to_array()) {
             *o = (v as u16) & 0xf;
         }
     }
-    for ((o, &x), &s) in c[lanes..key.len()].iter_mut().zip(&key[lanes..]).zip(&scales[lanes..]) {
+    for ((o, &x), &s) in c[lanes..key.len()]
+        .iter_mut()
+        .zip(&key[lanes..])
+        .zip(&scales[lanes..])
+    {
         *o = (key_code(x, s) as u16) & 0xf;
     }
     let w = codes.len() / 2;
@@ -520,6 +530,25 @@ impl LayerSketches {
         self.seal(geo, block);
     }
 
+    /// A copy of block `block` alone: what a staged append adds keys to before it adopts them
+    /// ([`Self::replace_from`]).
+    pub(crate) fn copy_block(&self, geo: &Geometry, block: usize) -> LayerSketches {
+        let r = self.range(geo, block..block + 1);
+        LayerSketches(BlockSketches {
+            codes: r.codes.to_vec(),
+            channel_scales: r.channel_scales.to_vec(),
+            quarters: r.quarters.to_vec(),
+            quarter_codes: r.quarter_codes.to_vec(),
+            quarter_scales: r.quarter_scales.to_vec(),
+        })
+    }
+
+    /// Blocks `block..` become `staged`'s blocks.
+    pub(crate) fn replace_from(&mut self, geo: &Geometry, block: usize, staged: &LayerSketches) {
+        self.truncate(geo, block);
+        self.0.extend(&staged.0);
+    }
+
     /// Rebuilds one block from the first `valid` keys of its run (truncation).
     pub(crate) fn rebuild(&mut self, geo: &Geometry, block: usize, run: &[u8], valid: usize) {
         let b = self
@@ -597,7 +626,9 @@ mod tests {
     fn quantize_key_is_the_scalar_rule_element_by_element() {
         let mut rng = crate::testing::Rng::new(0x2545_f491);
         let mut next = || rng.next_u64() as u32;
-        let special = [0.0f32, -0.0, 0.5, -0.5, 1.5, -2.5, 7.5, -7.5, 7.0, 1e-40, -1e-40, 1e30];
+        let special = [
+            0.0f32, -0.0, 0.5, -0.5, 1.5, -2.5, 7.5, -7.5, 7.0, 1e-40, -1e-40, 1e30,
+        ];
         for d in [3usize, 8, 20, 40, 128, 256] {
             for round in 0..400 {
                 let mut scales = vec![0f32; d];
@@ -613,7 +644,10 @@ mod tests {
                     *k = match (r >> 3) % 4 {
                         0 => special[(next() % special.len() as u32) as usize] * s.max(1.0),
                         1 => special[(next() % special.len() as u32) as usize],
-                        _ => f32::from_bits(next() & 0xbfff_ffff) * if round % 2 == 0 { 1.0 } else { *s },
+                        _ => {
+                            f32::from_bits(next() & 0xbfff_ffff)
+                                * if round % 2 == 0 { 1.0 } else { *s }
+                        }
                     };
                 }
                 let mut codes = vec![0u8; code_bytes(d)];
@@ -621,7 +655,13 @@ mod tests {
                 let mut out = vec![0i16; padded_dims(d)];
                 unpack(&codes, &mut out);
                 for e in 0..d {
-                    assert_eq!(out[e], key_code(key[e], scales[e]), "d {d} e {e}: {} / {}", key[e], scales[e]);
+                    assert_eq!(
+                        out[e],
+                        key_code(key[e], scales[e]),
+                        "d {d} e {e}: {} / {}",
+                        key[e],
+                        scales[e]
+                    );
                 }
                 assert!(out[d..].iter().all(|&c| c == 0));
             }

@@ -440,13 +440,18 @@ fn write_in_place(
 
 #[test]
 fn an_in_place_append_is_bit_identical_to_an_append_of_the_same_rows() {
-    // Starting inside a block, at a block boundary, and spanning several blocks.
-    for (dtype, bt, before, n) in [
+    // Starting inside a block, at a block boundary, and spanning several blocks; committed at
+    // once, or some layers first (ranges (first, end) staged in turn, then the COMMIT).
+    let orders: [&[(usize, usize)]; 4] = [&[], &[(1, 2)], &[(0, 1), (1, 2)], &[(1, 2), (0, 1)]];
+    for ((dtype, bt, before, n), order) in [
         (DType::Bf16, 8, 5, 1),
         (DType::Bf16, 8, 5, 20),
         (DType::F32, 8, 16, 8),
         (DType::F16, 4, 0, 9),
-    ] {
+    ]
+    .into_iter()
+    .flat_map(|case| orders.map(|o| (case, o)))
+    {
         let g = geo(dtype, bt);
         let p = payload(&g, before + n, 7);
         let (mut kv, mut map) = shared_cache(g, 0, 0);
@@ -463,7 +468,7 @@ fn an_in_place_append_is_bit_identical_to_an_append_of_the_same_rows() {
         want.append(0, (before + n) as u64, &p).unwrap();
 
         let used = kv.arena().usage().bytes_used;
-        let ip = kv.begin_in_place(n as u64).unwrap();
+        let mut ip = kv.begin_in_place(n as u64).unwrap();
         assert_eq!((ip.start(), ip.tokens()), (before as u64, n as u64));
         let offsets = kv.in_place_offsets(&ip);
         let blocks = g.blocks_for((before + n) as u64) - (before as u64 / bt as u64);
@@ -482,11 +487,17 @@ fn an_in_place_append_is_bit_identical_to_an_append_of_the_same_rows() {
             before + n,
             before..before + n,
         );
+        let seen = visible(&kv);
+        for &(first, end) in order {
+            kv.stage_in_place(&mut ip, n as u64, first..end).unwrap();
+            // Staged layers are invisible until the commit adopts every layer.
+            assert_eq!(visible(&kv), seen, "{order:?}");
+        }
         kv.commit_in_place(ip, n as u64).unwrap();
         assert_eq!(
             snapshot(&kv),
             snapshot(&want),
-            "{dtype:?} bt={bt} {before}+{n}"
+            "{dtype:?} bt={bt} {before}+{n} {order:?}"
         );
         assert!(kv.arena().usage().bytes_used >= used);
         // Past each run, to the end of its 4 KiB extent: zero.
@@ -500,6 +511,49 @@ fn an_in_place_append_is_bit_identical_to_an_append_of_the_same_rows() {
             );
         }
     }
+}
+
+/// Tokens and bounds and sketches of every layer: what readers see (not the runs' bytes past
+/// the stored rows, which a writer in place changes before it commits).
+fn visible(kv: &KvCache) -> Vec<(u64, Vec<u32>)> {
+    snapshot(kv).into_iter().map(|(t, _, s)| (t, s)).collect()
+}
+
+#[test]
+fn a_partial_commit_is_refused_for_a_layer_twice_other_tokens_or_a_bad_row() {
+    let g = geo(DType::F32, 8);
+    let p = payload(&g, 20, 5);
+    let (mut kv, mut map) = shared_cache(g, 5, 9);
+    let (before, used) = (snapshot(&kv), kv.arena().usage().bytes_used);
+    let mut ip = kv.begin_in_place(10).unwrap();
+    let offsets = kv.in_place_offsets(&ip);
+    write_in_place(&g, &mut map, &offsets, 5, &p, 20, 5..15);
+    kv.stage_in_place(&mut ip, 10, 0..1).unwrap();
+    // A layer twice, other tokens, a layer past the last.
+    for (tokens, layers, want) in [
+        (10, 0..2, "LayerCommitted { layer: 0 }"),
+        (9, 1..2, "CommitTokens { expected: 10, got: 9 }"),
+        (10, 1..3, "LayerOutOfRange { layer: 2, layers: 2 }"),
+    ] {
+        let e = kv.stage_in_place(&mut ip, tokens, layers).unwrap_err();
+        assert_eq!(format!("{e:?}"), want);
+    }
+    // A NaN in layer 1: refused by its stage, and by the commit that would stage it.
+    let (_, vo) = kvtier_storage::in_place_row(&g, &offsets[1], 5, 7, 1);
+    map[vo as usize + 12..vo as usize + 16].copy_from_slice(&f32::NAN.to_le_bytes());
+    let e = kv.stage_in_place(&mut ip, 10, 1..2).unwrap_err();
+    assert!(
+        matches!(e, StorageError::NonFinite { what: "v", .. }),
+        "{e}"
+    );
+    let e = kv.commit_in_place(ip, 10).unwrap_err();
+    assert!(
+        matches!(e, StorageError::NonFinite { what: "v", .. }),
+        "{e}"
+    );
+    // Nothing was appended; the opened extents went back.
+    assert_eq!(snapshot(&kv), before);
+    assert_eq!(kv.arena().usage().bytes_used, used);
 }
 
 #[test]

@@ -8,6 +8,7 @@ use crate::arena::Extent;
 use crate::error::{Result, StorageError};
 use crate::geometry::Geometry;
 use crate::par;
+use crate::sketch::LayerSketches;
 
 impl KvCache {
     /// Opens an append of `n` tokens to every layer whose rows another process writes in
@@ -45,7 +46,13 @@ impl KvCache {
         let fresh = (0..self.layers.len())
             .map(|_| all.split_off(all.len() - per_layer))
             .collect();
-        Ok(InPlaceAppend { start, n, fresh })
+        Ok(InPlaceAppend {
+            start,
+            n,
+            fresh,
+            staged: (0..self.layers.len()).map(|_| None).collect(),
+            rows: None,
+        })
     }
 
     /// Arena byte offsets of the block runs `p`'s rows go to, per layer: the partial tail
@@ -68,47 +75,118 @@ impl KvCache {
     }
 
     /// Adopts the first `n` (at most `p.tokens()`) rows written in place into every layer:
-    /// checks them (a NaN or infinity is refused like an append's), zeroes any row written
-    /// past them, folds the keys into the bounds and takes the blocks' extents. The result is
+    /// stages the layers [`KvCache::stage_in_place`] has not (checks them: a NaN or infinity
+    /// is refused like an append's; zeroes any row written past them; folds the keys into
+    /// the bounds and sketches), then adopts every layer's blocks at once. The result is
     /// bit-identical to [`KvCache::append`] of the same rows. On error, or with `n == 0`,
     /// nothing is appended and the append is aborted ([`KvCache::abort_in_place`]).
-    pub fn commit_in_place(&mut self, p: InPlaceAppend, n: u64) -> Result<()> {
+    pub fn commit_in_place(&mut self, mut p: InPlaceAppend, n: u64) -> Result<()> {
+        let rest: Vec<usize> = (0..self.layers.len())
+            .filter(|&l| p.staged[l].is_none())
+            .collect();
+        if let Err(e) = self.stage(&mut p, n, &rest) {
+            self.abort_in_place(p);
+            return Err(e);
+        }
+        let (start, end) = (p.start, p.start + n);
+        let geo = self.geo;
+        for ((l, fresh), staged) in self.layers.iter_mut().zip(p.fresh).zip(p.staged) {
+            adopt_layer(
+                &geo,
+                l,
+                fresh,
+                staged.expect("every layer staged"),
+                start,
+                end,
+            );
+        }
+        Ok(())
+    }
+
+    /// Checks and summarizes the first `n` rows of layers `layers` written in place, without
+    /// adopting them: a partial COMMIT, while the writer still writes the other layers. The
+    /// layers read nothing of it until [`KvCache::commit_in_place`] adopts every layer at
+    /// once. Each layer is staged once, and every stage of one append stages the same `n`. On
+    /// error the append is unchanged (the caller aborts it).
+    pub fn stage_in_place(
+        &mut self,
+        p: &mut InPlaceAppend,
+        n: u64,
+        layers: std::ops::Range<usize>,
+    ) -> Result<()> {
+        let count = self.layers.len() as u32;
+        if let Some(l) = layers.clone().find(|&l| l >= self.layers.len()) {
+            return Err(StorageError::LayerOutOfRange {
+                layer: l as u32,
+                layers: count,
+            });
+        }
+        if let Some(l) = layers.clone().find(|&l| p.staged[l].is_some()) {
+            return Err(StorageError::LayerCommitted { layer: l as u32 });
+        }
+        self.stage(p, n, &layers.collect::<Vec<_>>())
+    }
+
+    /// Stages `layers` (none staged yet) with `n` rows, on several threads when they are a
+    /// prefill's size.
+    fn stage(&mut self, p: &mut InPlaceAppend, n: u64, layers: &[usize]) -> Result<()> {
         if n > p.n {
-            let err = StorageError::PayloadSize {
+            return Err(StorageError::PayloadSize {
                 what: "committed tokens (at most the reserved count)",
                 expected: p.n as usize,
                 got: n as usize,
-            };
-            self.abort_in_place(p);
-            return Err(err);
+            });
+        }
+        match p.rows {
+            Some(rows) if rows != n => {
+                return Err(StorageError::CommitTokens {
+                    expected: rows,
+                    got: n,
+                })
+            }
+            _ => {}
         }
         let geo = self.geo;
-        let layers = self.layers.len();
-        // A prefill-sized commit checks and folds its layers on several threads, as a large
-        // append does.
-        let bytes = (n as usize).saturating_mul(2 * geo.token_bytes() * layers);
+        let bytes = (n as usize).saturating_mul(2 * geo.token_bytes() * layers.len());
         let threads = if bytes < PARALLEL_APPEND_BYTES {
             1
         } else {
             par::default_workers()
         };
-        let checked = par::map_indexed(layers, threads, "kvtier-commit", |i| {
-            check_in_place(&geo, &self.layers[i], &p.fresh[i], p.start, n)
+        let checked = par::map_indexed(layers.len(), threads, "kvtier-commit", |i| {
+            let l = layers[i];
+            check_in_place(&geo, &self.layers[l], &p.fresh[l], p.start, n)
         });
         if let Some(e) = checked.into_iter().flatten().next() {
-            self.abort_in_place(p);
             return Err(e);
         }
         let (start, end) = (p.start, p.start + n);
-        let mut work: Vec<(&mut LayerKv, Vec<Extent>)> =
-            self.layers.iter_mut().zip(p.fresh).collect();
+        let mut work: Vec<(&mut LayerKv, &mut Vec<Extent>, Option<Staged>)> = self
+            .layers
+            .iter_mut()
+            .zip(p.fresh.iter_mut())
+            .enumerate()
+            .filter(|(l, _)| layers.contains(l))
+            .map(|(_, (l, f))| (l, f, None))
+            .collect();
+        let units = vec![(); work.len()];
         par::zip_mut(
             &mut work,
-            &vec![(); layers],
+            &units,
             threads,
             "kvtier-commit",
-            |(l, fresh), _| commit_layer(&geo, l, std::mem::take(fresh), start, end),
+            |(l, fresh, out), _| {
+                *out = Some(stage_layer(&geo, l, fresh, start, end));
+            },
         );
+        let staged: Vec<Staged> = work
+            .into_iter()
+            .map(|(_, _, s)| s.expect("staged"))
+            .collect();
+        for (&l, s) in layers.iter().zip(staged) {
+            p.staged[l] = Some(s);
+        }
+        p.rows = Some(n);
         Ok(())
     }
 
@@ -142,6 +220,18 @@ pub struct InPlaceAppend {
     n: u64,
     /// Per layer, the extents of the blocks the append opens, in block order.
     fresh: Vec<Vec<Extent>>,
+    /// Per layer, its rows checked and summarized ([`KvCache::stage_in_place`]), not adopted.
+    staged: Vec<Option<Staged>>,
+    /// The rows every stage so far staged.
+    rows: Option<u64>,
+}
+
+/// One layer's rows checked and summarized, waiting to be adopted: the bounds and sketches of
+/// its blocks from the first the rows go to (the partial tail block, when they start in one).
+#[derive(Debug)]
+struct Staged {
+    summaries: Vec<f32>,
+    sketches: Option<LayerSketches>,
 }
 
 impl InPlaceAppend {
@@ -153,6 +243,11 @@ impl InPlaceAppend {
     /// Rows reserved.
     pub fn tokens(&self) -> u64 {
         self.n
+    }
+
+    /// Layers not yet staged ([`KvCache::stage_in_place`]).
+    pub fn layers_left(&self) -> usize {
+        self.staged.iter().filter(|s| s.is_none()).count()
     }
 }
 
@@ -190,41 +285,78 @@ fn check_in_place(
     None
 }
 
-/// Rows `start..end` written in place join one layer: the blocks they open take `fresh`'s
-/// extents (the rest go back), rows past `end` are zeroed (written or not: the extents were not
-/// zeroed when reserved), as is each new extent's padding past its run; the keys are folded
-/// into the bounds.
-fn commit_layer(geo: &Geometry, l: &mut LayerKv, mut fresh: Vec<Extent>, start: u64, end: u64) {
+/// Rows `start..end` written in place into one layer, checked, made ready to join it: rows past
+/// `end` are zeroed (written or not: the extents were not zeroed when reserved), as is each new
+/// extent's padding past its run; the keys are folded into copies of the bounds and sketches
+/// of the blocks they go to, which [`adopt_layer`] puts in place.
+fn stage_layer(
+    geo: &Geometry,
+    l: &mut LayerKv,
+    fresh: &mut [Extent],
+    start: u64,
+    end: u64,
+) -> Staged {
     let bt = geo.block_tokens as u64;
     let spb = geo.summary_floats_per_block();
-    fresh.truncate((geo.blocks_for(end) - geo.blocks_for(start)) as usize);
-    for mut f in fresh {
-        // A new block starts at row 0 (`start` is a block boundary or in the tail block), so
-        // its rows are `start..end`'s or zeroed below; only the padding is left.
-        f.as_mut_slice()[geo.block_bytes()..].fill(0);
-        l.slots.push(Slot::Hot(f));
-        l.summaries.extend(std::iter::repeat_n(0.0, spb));
-        if let Some(sk) = &mut l.sketches {
-            sk.open_block(geo);
-        }
-    }
-    for b in start / bt..end.div_ceil(bt) {
-        let Slot::Hot(extent) = &mut l.slots[b as usize] else {
-            unreachable!("the tail is resident and the rest is new")
+    let (first, held) = ((start / bt) as usize, l.slots.len());
+    let blocks = first..geo.blocks_for(end) as usize;
+    let mut summaries = Vec::with_capacity(blocks.len() * spb);
+    let mut sketches = l.sketches.as_ref().map(|sk| match first < held {
+        true => sk.copy_block(geo, first),
+        false => LayerSketches::default(),
+    });
+    for b in blocks.clone() {
+        let (i, base) = (b - first, b as u64 * bt);
+        let run = match l.slots.get_mut(b) {
+            Some(Slot::Hot(extent)) => extent.as_mut_slice(),
+            Some(_) => unreachable!("begin_in_place checked the tail is resident"),
+            None => {
+                let run = fresh[b - held].as_mut_slice();
+                // A new block starts at row 0: only its padding is left to zero.
+                run[geo.block_bytes()..].fill(0);
+                if let Some(sk) = &mut sketches {
+                    sk.open_block(geo);
+                }
+                run
+            }
         };
-        let base = b * bt;
         let from = (start.max(base) - base) as usize;
         let to = (end.min(base + bt) - base) as usize;
-        let run = extent.as_mut_slice();
         zero_rows(geo, run, to, bt as usize);
-        let summ = &mut l.summaries[b as usize * spb..(b as usize + 1) * spb];
         if from == 0 {
-            reset_bounds(geo, summ);
+            summaries.extend(std::iter::repeat_n(0.0, spb));
+            reset_bounds(geo, &mut summaries[i * spb..]);
+        } else {
+            summaries.extend_from_slice(&l.summaries[b * spb..(b + 1) * spb]);
         }
-        fold_bounds(geo, run, from..to, summ);
-        if let Some(sk) = &mut l.sketches {
-            sk.add_run(geo, b as usize, run, from..to);
+        fold_bounds(geo, run, from..to, &mut summaries[i * spb..]);
+        if let Some(sk) = &mut sketches {
+            sk.add_run(geo, i, run, from..to);
         }
+    }
+    Staged {
+        summaries,
+        sketches,
+    }
+}
+
+/// A staged layer joins: the blocks its rows open take `fresh`'s extents (the rest go back),
+/// and its bounds and sketches replace those of the blocks from the first its rows go to.
+fn adopt_layer(
+    geo: &Geometry,
+    l: &mut LayerKv,
+    mut fresh: Vec<Extent>,
+    s: Staged,
+    start: u64,
+    end: u64,
+) {
+    let first = (start / geo.block_tokens as u64) as usize;
+    fresh.truncate((geo.blocks_for(end) - geo.blocks_for(start)) as usize);
+    l.slots.extend(fresh.into_iter().map(Slot::Hot));
+    l.summaries.truncate(first * geo.summary_floats_per_block());
+    l.summaries.extend_from_slice(&s.summaries);
+    if let (Some(sk), Some(staged)) = (&mut l.sketches, &s.sketches) {
+        sk.replace_from(geo, first, staged);
     }
     l.tokens = end;
 }
