@@ -65,42 +65,96 @@ fn runs(c: &mut Client, id: u64) -> Vec<Vec<u8>> {
 
 #[test]
 fn rows_written_in_place_equal_an_append_of_them_and_decode_like_the_oracle() {
+    // Committed at once, and layer 1 first (then the rest): the same session either way.
+    for by_layer in [false, true] {
+        let d = shared_daemon();
+        let mut c = d.client();
+        // Twin sessions with the same rows: one appended through APPEND_KV, one in place. 40
+        // tokens then 25: the append starts inside a block and opens two.
+        let (twin, mut tsh) = open(&mut c, "append", 40, 7);
+        let (id, mut sh) = open(&mut c, "in place", 40, 7);
+        let g = sh.g;
+        let payload = tsh.payload(25);
+        assert_eq!(sh.payload(25), payload);
+        c.append_kv(twin, 40, 25, &payload).unwrap();
+
+        let (lease, fd) = c.lease(id).unwrap();
+        let mut map = map_writable(fd, &lease);
+        let r = c.reserve(id, 25).unwrap();
+        assert_eq!((r.start, r.tokens), (40, 25));
+        assert_eq!(r.layers.len(), g.layers as usize);
+        // Block 2 (the partial tail, rows 32..48) and the two it opens.
+        assert!(r.layers.iter().all(|o| o.len() == 3), "{:?}", r.layers);
+        assert_eq!(r.layers[0][0], lease.layers[0].offsets[2], "the tail run");
+        write_rows(&mut map, &g, &r, &payload, 25);
+        // Until COMMIT the session still holds 40 tokens.
+        assert_eq!(c.session_info(id).unwrap().tokens_max, 40);
+        if by_layer {
+            // Layer 1 is checked and summarized, but every layer still holds 40 tokens and
+            // the session takes no decode until the last layer is committed.
+            assert_eq!(c.commit_layers(id, 25, 1, 1).unwrap(), 40);
+            let info = c.session_info(id).unwrap();
+            assert_eq!((info.tokens_min, info.tokens_max), (40, 40));
+            let (q, k, v) = sh.step_input(0);
+            let e = c
+                .decode(0, entry(id, 40, &f32_bytes(&q), &k, &v), false)
+                .unwrap_err();
+            assert!(e.to_string().contains("RESERVE"), "{e}");
+            sh.truncate(65); // the shadow keeps the 25 rows, not the refused step's
+        }
+        // A COMMIT without layers takes every layer not yet committed.
+        assert_eq!(c.commit(id, 25).unwrap(), 65);
+        c.release(id).unwrap();
+
+        assert_eq!(
+            runs(&mut c, id),
+            runs(&mut c, twin),
+            "in place == APPEND_KV (by layer: {by_layer})"
+        );
+        for _ in 0..3 {
+            sh.step(&mut c, id);
+            tsh.step(&mut c, twin);
+        }
+        let stats = c.stats().unwrap();
+        assert_eq!(stats.get("append_tokens_total"), Some(2 * (40 + 25)));
+    }
+}
+
+#[test]
+fn a_wrong_commit_of_some_layers_ends_the_append_with_nothing_appended() {
     let d = shared_daemon();
     let mut c = d.client();
-    // Twin sessions with the same rows: one appended through APPEND_KV, one in place. 40
-    // tokens then 25: the append starts inside a block and opens two.
-    let (twin, mut tsh) = open(&mut c, "append", 40, 7);
-    let (id, mut sh) = open(&mut c, "in place", 40, 7);
-    let g = sh.g;
-    let payload = tsh.payload(25);
-    assert_eq!(sh.payload(25), payload);
-    c.append_kv(twin, 40, 25, &payload).unwrap();
-
+    let code = |e: kvtier_protocol::client::ClientError| e.code().unwrap();
+    let (id, mut sh) = open(&mut c, "s", 40, 5);
     let (lease, fd) = c.lease(id).unwrap();
     let mut map = map_writable(fd, &lease);
-    let r = c.reserve(id, 25).unwrap();
-    assert_eq!((r.start, r.tokens), (40, 25));
-    assert_eq!(r.layers.len(), g.layers as usize);
-    // Block 2 (the partial tail, rows 32..48) and the two it opens.
-    assert!(r.layers.iter().all(|o| o.len() == 3), "{:?}", r.layers);
-    assert_eq!(r.layers[0][0], lease.layers[0].offsets[2], "the tail run");
-    write_rows(&mut map, &g, &r, &payload, 25);
-    // Until COMMIT the session still holds 40 tokens.
-    assert_eq!(c.session_info(id).unwrap().tokens_max, 40);
-    assert_eq!(c.commit(id, 25).unwrap(), 65);
-    c.release(id).unwrap();
-
-    assert_eq!(
-        runs(&mut c, id),
-        runs(&mut c, twin),
-        "in place == APPEND_KV"
-    );
-    for _ in 0..3 {
-        sh.step(&mut c, id);
-        tsh.step(&mut c, twin);
+    let more = sh.payload(8);
+    // A layer committed twice, no layer, other token counts, a layer past the last.
+    for bad in [
+        [(0, 1, 8), (0, 1, 8)],
+        [(0, 1, 8), (1, 0, 8)],
+        [(1, 1, 8), (0, 1, 7)],
+        [(0, 1, 8), (1, 2, 8)],
+    ] {
+        let r = c.reserve(id, 8).unwrap();
+        write_rows(&mut map, &sh.g, &r, &more, 8);
+        let (first, count, tokens) = bad[0];
+        assert_eq!(c.commit_layers(id, tokens, first, count).unwrap(), 40);
+        let (first, count, tokens) = bad[1];
+        let e = c.commit_layers(id, tokens, first, count).unwrap_err();
+        assert_eq!(code(e), ErrorCode::InvalidArgument, "{bad:?}");
+        // The append is over.
+        assert_eq!(
+            code(c.commit(id, 8).unwrap_err()),
+            ErrorCode::FailedPrecondition
+        );
+        assert_eq!(c.session_info(id).unwrap().tokens_max, 40);
     }
-    let stats = c.stats().unwrap();
-    assert_eq!(stats.get("append_tokens_total"), Some(2 * (40 + 25)));
+    drop(map);
+    c.release(id).unwrap();
+    // Nothing of them landed: the rows go in through APPEND_KV and decode like the oracle.
+    c.append_kv(id, 40, 8, &more).unwrap();
+    sh.step(&mut c, id);
 }
 
 #[test]

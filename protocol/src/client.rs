@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use crate::error::{ErrorCode, ProtoError};
 use crate::fdpass;
-use crate::header::{Header, Opcode, HEADER_LEN, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION};
+use crate::header::{
+    Header, Opcode, HEADER_LEN, LAYER_COMMIT_VERSION, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+};
 use crate::request::{
     AppendData, AppendKvRequest, CreateSessionRequest, DecodeEntryRef, DecodeRequest, HelloRequest,
     Request,
@@ -450,10 +452,31 @@ impl Client {
         expect_reply!(self, Request::Reserve { session, tokens }, Response::Reserve(r) => r)
     }
 
-    /// Adopts the first `tokens` rows written since RESERVE (0 drops them); returns the
-    /// session's stored tokens.
+    /// Adopts the first `tokens` rows written since RESERVE (0 drops them) into every layer
+    /// not yet committed; returns the session's stored tokens.
     pub fn commit(&mut self, session: u64, tokens: u32) -> Result<u64, ClientError> {
-        expect_reply!(self, Request::Commit { session, tokens }, Response::Commit { tokens } => tokens)
+        let layers = None;
+        expect_reply!(self, Request::Commit { session, tokens, layers }, Response::Commit { tokens } => tokens)
+    }
+
+    /// Commits the first `tokens` rows of layers `first..first + count` only: checked and
+    /// summarized now, adopted with the last layer's COMMIT (protocol version 5; an older
+    /// server is [`ClientError::Version`]). Returns the session's stored tokens: unchanged
+    /// until every layer is committed.
+    pub fn commit_layers(
+        &mut self,
+        session: u64,
+        tokens: u32,
+        first: u32,
+        count: u32,
+    ) -> Result<u64, ClientError> {
+        if self.server.version < LAYER_COMMIT_VERSION {
+            return Err(ClientError::Version {
+                version: self.server.version,
+            });
+        }
+        let layers = Some((first, count));
+        expect_reply!(self, Request::Commit { session, tokens, layers }, Response::Commit { tokens } => tokens)
     }
 
     fn read_reply(&mut self, id: u64, op: Opcode) -> Result<Response, ClientError> {

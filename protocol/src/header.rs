@@ -7,7 +7,9 @@ pub const MAGIC: u32 = 0x3154_564B;
 /// Size of every frame header.
 pub const HEADER_LEN: usize = 24;
 /// The newest protocol version this crate speaks.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
+/// The first protocol version whose COMMIT may name its layers.
+pub const LAYER_COMMIT_VERSION: u16 = 5;
 /// The oldest protocol version this crate speaks: version 2 is version 3 without the error
 /// code OWNED_ELSEWHERE (a server answers a version 2 client FAILED_PRECONDITION instead).
 pub const MIN_PROTOCOL_VERSION: u16 = 2;
@@ -18,6 +20,8 @@ pub const ERROR_OPCODE: u16 = 0xFFFF;
 /// Header flag of APPEND_KV: the body names a range of a file descriptor passed with
 /// SCM_RIGHTS instead of carrying the payload inline.
 pub const FLAG_APPEND_SHM: u16 = 0x0001;
+/// Header flag of COMMIT (protocol version 5): the body names the layers it commits.
+pub const FLAG_COMMIT_LAYERS: u16 = 0x0001;
 /// The tier-operation opcode range: DEMOTE 0x0010, PROMOTE 0x0011, PIN 0x0012, UNPIN 0x0013,
 /// LEASE 0x0014, RELEASE 0x0015, RESERVE 0x0016, COMMIT 0x0017, OFFLOAD 0x0018;
 /// 0x0019..=0x001F are reserved (answered with UNIMPLEMENTED).
@@ -64,6 +68,7 @@ impl Opcode {
     pub fn allowed_flags(self) -> u16 {
         match self {
             Opcode::AppendKv => FLAG_APPEND_SHM,
+            Opcode::Commit => FLAG_COMMIT_LAYERS,
             _ => 0,
         }
     }

@@ -80,8 +80,9 @@ mod wire;
 
 pub use error::{ErrorCode, ProtoError};
 pub use header::{
-    Header, Opcode, ERROR_OPCODE, FLAG_APPEND_SHM, HEADER_LEN, MAGIC, MIN_PROTOCOL_VERSION,
-    PROTOCOL_VERSION, REPLY_BIT, RESERVED_TIER_OPCODES,
+    Header, Opcode, ERROR_OPCODE, FLAG_APPEND_SHM, FLAG_COMMIT_LAYERS, HEADER_LEN,
+    LAYER_COMMIT_VERSION, MAGIC, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, REPLY_BIT,
+    RESERVED_TIER_OPCODES,
 };
 pub use request::{
     AppendData, AppendKvRequest, CreateSessionRequest, DecodeEntryRef, DecodeRequest, HelloRequest,

@@ -1,7 +1,7 @@
 //! Request bodies. Decoding borrows KV and query payloads from the body buffer.
 
 use crate::error::ProtoError;
-use crate::header::{encode_frame, Header, Opcode, FLAG_APPEND_SHM, REPLY_BIT};
+use crate::header::{encode_frame, Header, Opcode, FLAG_APPEND_SHM, FLAG_COMMIT_LAYERS, REPLY_BIT};
 use crate::types::{get_geometry, get_policy, put_geometry, put_policy, Geometry, Policy};
 use crate::wire::{f32s_le, put_len, put_str, put_u16, put_u32, put_u64, Reader};
 
@@ -338,10 +338,13 @@ pub enum Request<'a> {
         session: u64,
         tokens: u32,
     },
-    /// Adopt the first `tokens` rows written since RESERVE (0: drop them).
+    /// Adopt the first `tokens` rows written since RESERVE (0: drop them): of the layers
+    /// `layers` names (first, count; since protocol version 5), which are checked and
+    /// summarized now and adopted with the last ones, or of every layer not yet committed.
     Commit {
         session: u64,
         tokens: u32,
+        layers: Option<(u32, u32)>,
     },
 }
 
@@ -373,6 +376,9 @@ impl<'a> Request<'a> {
     pub fn flags(&self) -> u16 {
         match self {
             Request::AppendKv(a) => a.flags(),
+            Request::Commit {
+                layers: Some(_), ..
+            } => FLAG_COMMIT_LAYERS,
             _ => 0,
         }
     }
@@ -397,9 +403,22 @@ impl<'a> Request<'a> {
                 put_u64(buf, *session);
                 Ok(())
             }
-            Request::Reserve { session, tokens } | Request::Commit { session, tokens } => {
+            Request::Reserve { session, tokens } => {
                 put_u64(buf, *session);
                 put_u32(buf, *tokens);
+                Ok(())
+            }
+            Request::Commit {
+                session,
+                tokens,
+                layers,
+            } => {
+                put_u64(buf, *session);
+                put_u32(buf, *tokens);
+                if let Some((first, count)) = layers {
+                    put_u32(buf, *first);
+                    put_u32(buf, *count);
+                }
                 Ok(())
             }
             Request::ListSessions | Request::Stats => Ok(()),
@@ -463,11 +482,20 @@ impl<'a> Request<'a> {
             Opcode::Reserve | Opcode::Commit => {
                 let mut r = Reader::new(body);
                 let (session, tokens) = (r.u64("session")?, r.u32("tokens")?);
+                // A COMMIT with FLAG_COMMIT_LAYERS names its layers (first, count).
+                let layers = match header.flags & FLAG_COMMIT_LAYERS != 0 {
+                    true => Some((r.u32("first layer")?, r.u32("layer count")?)),
+                    false => None,
+                };
                 r.finish()?;
                 if op == Opcode::Reserve {
                     Request::Reserve { session, tokens }
                 } else {
-                    Request::Commit { session, tokens }
+                    Request::Commit {
+                        session,
+                        tokens,
+                        layers,
+                    }
                 }
             }
         })

@@ -76,10 +76,10 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         1,
         Request::Hello(HelloRequest {
             min_version: 2,
-            max_version: 4,
+            max_version: 5,
             client_name: "kvtier-golden".into(),
         }),
-        "HELLO request, id 1: min_version 2, max_version 4, client_name \"kvtier-golden\"",
+        "HELLO request, id 1: min_version 2, max_version 5, client_name \"kvtier-golden\"",
     );
     req(
         "create_session_request",
@@ -204,8 +204,19 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         Request::Commit {
             session: 7,
             tokens: 2,
+            layers: None,
         },
         "COMMIT request, id 19: session 7, tokens 2",
+    );
+    req(
+        "commit_layers_request",
+        20,
+        Request::Commit {
+            session: 7,
+            tokens: 2,
+            layers: Some((1, 3)),
+        },
+        "COMMIT request, id 20: session 7, tokens 2, layers 1..4",
     );
 
     let mut resp = |name: &'static str, id: u64, r: Response, what: &str| {
@@ -219,12 +230,12 @@ fn vectors() -> Vec<(&'static str, String, Vec<u8>)> {
         "hello_reply",
         1,
         Response::Hello(HelloReply {
-            version: 4,
+            version: 5,
             max_frame_bytes: 16 << 20,
             server_name: "tierd".into(),
             server_version: "0.1.0".into(),
         }),
-        "HELLO reply, id 1: version 4, max_frame_bytes 16777216, server \"tierd\" \"0.1.0\"",
+        "HELLO reply, id 1: version 5, max_frame_bytes 16777216, server \"tierd\" \"0.1.0\"",
     );
     resp(
         "create_session_reply",
@@ -489,7 +500,7 @@ fn hello_request_bytes_by_hand() {
     want.extend_from_slice(&21u32.to_le_bytes()); // 2 + 2 + 4 + 13
     want.extend_from_slice(&1u64.to_le_bytes());
     want.extend_from_slice(&[0x01, 0x00, 0x00, 0x00, 0, 0, 0, 0]);
-    want.extend_from_slice(&[2, 0, 4, 0, 13, 0, 0, 0]);
+    want.extend_from_slice(&[2, 0, 5, 0, 13, 0, 0, 0]);
     want.extend_from_slice(b"kvtier-golden");
     assert_eq!(frame, want);
 }

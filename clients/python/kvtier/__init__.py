@@ -1,4 +1,4 @@
-"""Python client for kvtier's tierd daemon (protocol v2, see docs/protocol.md)."""
+"""Python client for kvtier's tierd daemon (protocol versions 2 to 5, see docs/protocol.md)."""
 
 #: The project's version: tierd's, tierctl's and this package's (one version for all).
 __version__ = "0.1.0"

@@ -7,7 +7,7 @@ import fcntl
 import mmap
 import os
 import socket
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -253,10 +253,16 @@ class Client:
         each row goes. COMMIT it with `commit`."""
         return self._call(Op.RESERVE, p.encode_session_tokens(session, tokens))
 
-    def commit(self, session: int, tokens: int) -> int:
+    def commit(self, session: int, tokens: int, layers: Optional[Tuple[int, int]] = None) -> int:
         """COMMIT: adopt the first `tokens` rows written since `reserve` (0 drops them);
-        returns the session's stored tokens."""
-        return self._call(Op.COMMIT, p.encode_session_tokens(session, tokens))
+        returns the session's stored tokens. With `layers` (first, count; protocol version 5)
+        only those layers are checked and summarized now, and the append lands with the COMMIT
+        that leaves no layer uncommitted (the stored tokens do not change before)."""
+        if layers is not None and self.server.version < p.LAYER_COMMIT_VERSION:
+            raise ProtocolError(f"COMMIT of some layers needs protocol version {p.LAYER_COMMIT_VERSION}; "
+                                f"tierd speaks {self.server.version}")
+        flags = 0 if layers is None else p.FLAG_COMMIT_LAYERS
+        return self._call(Op.COMMIT, p.encode_session_tokens(session, tokens, layers), flags)
 
     # -- plumbing -------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""kvtier wire protocol v1: framing, body encoders and reply decoders.
+"""kvtier wire protocol (versions 2 to 5): framing, body encoders and reply decoders.
 
 Pure Python + numpy. The byte layout is specified in docs/protocol.md; the golden frames in
 protocol/tests/golden/*.hex are checked by tests/test_golden.py.
@@ -16,11 +16,13 @@ import numpy as np
 MAGIC = 0x3154564B  # b"KVT1" little-endian
 HEADER = struct.Struct("<IIQHHI")
 HEADER_LEN = HEADER.size  # 24
-PROTOCOL_VERSION = 4  # the newest this package speaks
+PROTOCOL_VERSION = 5  # the newest this package speaks
+LAYER_COMMIT_VERSION = 5  # the first whose COMMIT may name its layers
 MIN_PROTOCOL_VERSION = 2  # version 3 less the error code OWNED_ELSEWHERE
 REPLY_BIT = 0x8000
 ERROR_OPCODE = 0xFFFF
 FLAG_APPEND_SHM = 0x0001
+FLAG_COMMIT_LAYERS = 0x0001  # COMMIT: the body names its layers (version 5)
 DECODE_WANT_STATS = 0x1
 #: Opcodes reserved for future tier operations; servers answer them with UNIMPLEMENTED.
 RESERVED_TIER_OPCODES = range(0x0019, 0x0020)
@@ -463,9 +465,11 @@ def encode_session(session: int) -> bytes:
     return struct.pack("<Q", session)
 
 
-def encode_session_tokens(session: int, tokens: int) -> bytes:
-    """Body of RESERVE and COMMIT."""
-    return struct.pack("<QI", session, tokens)
+def encode_session_tokens(session: int, tokens: int, layers: Optional[Tuple[int, int]] = None) -> bytes:
+    """Body of RESERVE and COMMIT; a COMMIT may name its layers (first, count)."""
+    if layers is None:
+        return struct.pack("<QI", session, tokens)
+    return struct.pack("<QIII", session, tokens, *layers)
 
 
 # --------------------------------------------------------------------------- reply bodies

@@ -10,7 +10,7 @@ from kvtier import protocol as p
 from golden import GEOMETRY, PAYLOAD, POLICY, decode_entries, load, session_info, split
 
 REQUESTS = {
-    "hello_request": lambda: p.frame(p.Op.HELLO, 0, 1, p.encode_hello("kvtier-golden", 2, 4)),
+    "hello_request": lambda: p.frame(p.Op.HELLO, 0, 1, p.encode_hello("kvtier-golden", 2, 5)),
     "create_session_request": lambda: p.frame(
         p.Op.CREATE_SESSION, 0, 2, p.encode_create_session(GEOMETRY, POLICY, "golden")),
     "append_kv_inline_request": lambda: p.frame(
@@ -31,6 +31,7 @@ REQUESTS = {
     "release_request": lambda: p.frame(p.Op.RELEASE, 0, 17, p.encode_session(7)),
     "reserve_request": lambda: p.frame(p.Op.RESERVE, 0, 18, p.encode_session_tokens(7, 3)),
     "commit_request": lambda: p.frame(p.Op.COMMIT, 0, 19, p.encode_session_tokens(7, 2)),
+    "commit_layers_request": lambda: p.frame(p.Op.COMMIT, p.FLAG_COMMIT_LAYERS, 20, p.encode_session_tokens(7, 2, (1, 3))),
     "offload_request": lambda: p.frame(p.Op.OFFLOAD, 0, 24, p.encode_session(7)),
 }
 

@@ -161,8 +161,12 @@ impl Connection {
                 }
                 Response::Reserve(service.reserve(peer, session, self.id, tokens)?)
             }
-            Request::Commit { session, tokens } => Response::Commit {
-                tokens: service.commit(peer, session, self.id, tokens)?,
+            Request::Commit {
+                session,
+                tokens,
+                layers,
+            } => Response::Commit {
+                tokens: service.commit(peer, session, self.id, tokens, layers)?,
             },
         };
         Ok(Outcome::Reply(reply))

@@ -158,14 +158,22 @@ impl Service {
     }
 
     /// COMMIT: adopts the first `tokens` rows connection `conn` wrote in place since its
-    /// RESERVE of session `id` (0: drops them); returns the session's stored tokens. A row
-    /// that is not finite is INVALID_ARGUMENT and nothing is appended: the append is over
-    /// either way.
-    pub fn commit(&self, peer: &Peer, id: u64, conn: u64, tokens: u32) -> ServiceResult<u64> {
+    /// RESERVE of session `id` (0: drops them); returns the session's stored tokens. With
+    /// `layers` (first, count) only those layers are checked and summarized now: the append
+    /// stays open, and lands with the COMMIT that leaves no layer uncommitted. A row that is
+    /// not finite, or any other error, is refused and nothing is appended: the append is over.
+    pub fn commit(
+        &self,
+        peer: &Peer,
+        id: u64,
+        conn: u64,
+        tokens: u32,
+        layers: Option<(u32, u32)>,
+    ) -> ServiceResult<u64> {
         let s = self.lookup_live_as(peer, id, true)?;
         s.used_now();
         let mut st = s.state.lock();
-        let r = match st.reserved.take() {
+        let mut r = match st.reserved.take() {
             Some(r) if r.conn == conn => r,
             other => {
                 st.reserved = other;
@@ -175,6 +183,28 @@ impl Service {
             }
         };
         let start = r.append.start();
+        if tokens == 0 {
+            st.kv.abort_in_place(r.append);
+            return Ok(st.kv.min_tokens());
+        }
+        if let Some((first, count)) = layers {
+            let staged = match count {
+                0 => Err(ServiceError::invalid("COMMIT names no layer (count 0)")),
+                _ => {
+                    let range = first as usize..first as usize + count as usize;
+                    let staged = st.kv.stage_in_place(&mut r.append, tokens as u64, range);
+                    staged.map_err(ServiceError::from)
+                }
+            };
+            if let Err(e) = staged {
+                st.kv.abort_in_place(r.append);
+                return Err(e);
+            }
+            if r.append.layers_left() > 0 {
+                st.reserved = Some(r);
+                return Ok(st.kv.min_tokens());
+            }
+        }
         st.kv.commit_in_place(r.append, tokens as u64)?;
         self.appended(&s, st, start)
     }

@@ -161,7 +161,7 @@ pub enum OwnedRequest {
     Lease(u64),
     Release(u64),
     Reserve(u64, u32),
-    Commit(u64, u32),
+    Commit(u64, u32, Option<(u32, u32)>),
 }
 
 impl OwnedRequest {
@@ -208,9 +208,10 @@ impl OwnedRequest {
                 session: *session,
                 tokens: *tokens,
             },
-            OwnedRequest::Commit(session, tokens) => Request::Commit {
+            OwnedRequest::Commit(session, tokens, layers) => Request::Commit {
                 session: *session,
                 tokens: *tokens,
+                layers: *layers,
             },
         }
     }
@@ -261,7 +262,8 @@ pub fn request() -> impl Strategy<Value = OwnedRequest> {
         any::<u64>().prop_map(OwnedRequest::Lease),
         any::<u64>().prop_map(OwnedRequest::Release),
         (any::<u64>(), any::<u32>()).prop_map(|(s, t)| OwnedRequest::Reserve(s, t)),
-        (any::<u64>(), any::<u32>()).prop_map(|(s, t)| OwnedRequest::Commit(s, t)),
+        (any::<u64>(), any::<u32>(), any::<Option<(u32, u32)>>())
+            .prop_map(|(s, t, l)| OwnedRequest::Commit(s, t, l)),
     ]
 }
 
