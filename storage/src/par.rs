@@ -94,6 +94,17 @@ pub fn zip_mut<T: Send, U: Sync>(
     });
 }
 
+/// Runs `f(&mut items[i])` for every item on up to `threads` threads, as [`zip_mut`] does.
+pub(crate) fn each_mut<T: Send>(
+    items: &mut [T],
+    threads: usize,
+    name: &str,
+    f: impl Fn(&mut T) + Sync,
+) {
+    let units = vec![(); items.len()];
+    zip_mut(items, &units, threads, name, |item, _| f(item));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,7 +8,7 @@ use crate::arena::Extent;
 use crate::error::{Result, StorageError};
 use crate::geometry::Geometry;
 use crate::par;
-use crate::sketch::LayerSketches;
+use crate::sketch::{sketch_block, BlockSketch, LayerSketches};
 
 impl KvCache {
     /// Opens an append of `n` tokens to every layer whose rows another process writes in
@@ -169,16 +169,11 @@ impl KvCache {
             .filter(|(l, _)| layers.contains(l))
             .map(|(_, (l, f))| (l, f, None))
             .collect();
-        let units = vec![(); work.len()];
-        par::zip_mut(
-            &mut work,
-            &units,
-            threads,
-            "kvtier-commit",
-            |(l, fresh, out), _| {
-                *out = Some(stage_layer(&geo, l, fresh, start, end));
-            },
-        );
+        // Layers on `threads` threads, and each layer's blocks on its share of them.
+        let inner = (threads / layers.len().max(1)).max(1);
+        par::each_mut(&mut work, threads, "kvtier-commit", |(l, fresh, out)| {
+            *out = Some(stage_layer(&geo, l, fresh, start, end, inner));
+        });
         let staged: Vec<Staged> = work
             .into_iter()
             .map(|(_, _, s)| s.expect("staged"))
@@ -288,52 +283,79 @@ fn check_in_place(
 /// Rows `start..end` written in place into one layer, checked, made ready to join it: rows past
 /// `end` are zeroed (written or not: the extents were not zeroed when reserved), as is each new
 /// extent's padding past its run; the keys are folded into copies of the bounds and sketches
-/// of the blocks they go to, which [`adopt_layer`] puts in place.
+/// of the blocks they go to, which [`adopt_layer`] puts in place. The blocks the rows open are
+/// summarized on up to `threads` threads (a prefill's layer alone is hundreds of blocks).
 fn stage_layer(
     geo: &Geometry,
     l: &mut LayerKv,
     fresh: &mut [Extent],
     start: u64,
     end: u64,
+    threads: usize,
 ) -> Staged {
     let bt = geo.block_tokens as u64;
     let spb = geo.summary_floats_per_block();
     let (first, held) = ((start / bt) as usize, l.slots.len());
-    let blocks = first..geo.blocks_for(end) as usize;
-    let mut summaries = Vec::with_capacity(blocks.len() * spb);
-    let mut sketches = l.sketches.as_ref().map(|sk| match first < held {
-        true => sk.copy_block(geo, first),
-        false => LayerSketches::default(),
-    });
-    for b in blocks.clone() {
-        let (i, base) = (b - first, b as u64 * bt);
-        let run = match l.slots.get_mut(b) {
-            Some(Slot::Hot(extent)) => extent.as_mut_slice(),
-            Some(_) => unreachable!("begin_in_place checked the tail is resident"),
-            None => {
-                let run = fresh[b - held].as_mut_slice();
-                // A new block starts at row 0: only its padding is left to zero.
-                run[geo.block_bytes()..].fill(0);
-                if let Some(sk) = &mut sketches {
-                    sk.open_block(geo);
-                }
-                run
-            }
+    let blocks = geo.blocks_for(end) as usize - first;
+    // 1 when the rows start inside the resident tail block (block `first`).
+    let tail = usize::from(first < held);
+    let mut summaries = vec![0f32; blocks * spb];
+    let mut sketches = l.sketches.as_ref().map(|sk| {
+        let mut staged = match tail {
+            1 => sk.copy_block(geo, first),
+            _ => LayerSketches::default(),
         };
-        let from = (start.max(base) - base) as usize;
-        let to = (end.min(base + bt) - base) as usize;
-        zero_rows(geo, run, to, bt as usize);
-        if from == 0 {
-            summaries.extend(std::iter::repeat_n(0.0, spb));
-            reset_bounds(geo, &mut summaries[i * spb..]);
-        } else {
-            summaries.extend_from_slice(&l.summaries[b * spb..(b + 1) * spb]);
+        for _ in tail..blocks {
+            staged.open_block(geo);
         }
-        fold_bounds(geo, run, from..to, &mut summaries[i * spb..]);
+        staged
+    });
+    if tail == 1 {
+        let Some(Slot::Hot(extent)) = l.slots.get_mut(first) else {
+            unreachable!("begin_in_place checked the tail is resident")
+        };
+        let run = extent.as_mut_slice();
+        let base = first as u64 * bt;
+        let (from, to) = (
+            (start - base) as usize,
+            (end.min(base + bt) - base) as usize,
+        );
+        zero_rows(geo, run, to, bt as usize);
+        summaries[..spb].copy_from_slice(&l.summaries[first * spb..(first + 1) * spb]);
+        fold_bounds(geo, run, from..to, &mut summaries[..spb]);
         if let Some(sk) = &mut sketches {
-            sk.add_run(geo, i, run, from..to);
+            sk.add_run(geo, 0, run, from..to);
         }
     }
+    // The blocks the rows open start at row 0: each is summarized whole, on its own.
+    let sketch_blocks: Vec<Option<BlockSketch<'_>>> = match &mut sketches {
+        Some(sk) => sk.blocks_mut(geo, tail).map(Some).collect(),
+        None => (tail..blocks).map(|_| None).collect(),
+    };
+    let mut work: Vec<_> = (tail..blocks)
+        .zip(summaries[tail * spb..].chunks_mut(spb))
+        .zip(sketch_blocks)
+        .zip(fresh.iter_mut())
+        .map(|(((i, sum), sketch), f)| {
+            let base = (first + i) as u64 * bt;
+            let to = (end.min(base + bt) - base) as usize;
+            (sum, sketch, f.as_mut_slice(), to)
+        })
+        .collect();
+    par::each_mut(
+        &mut work,
+        threads,
+        "kvtier-commit",
+        |(sum, sketch, run, to)| {
+            run[geo.block_bytes()..].fill(0);
+            zero_rows(geo, run, *to, bt as usize);
+            reset_bounds(geo, sum);
+            fold_bounds(geo, run, 0..*to, sum);
+            if let Some(out) = sketch.take() {
+                sketch_block(geo, run, *to, out);
+            }
+        },
+    );
     Staged {
         summaries,
         sketches,
