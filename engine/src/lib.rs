@@ -13,6 +13,7 @@
 //!     sync: map new runs, bounds of new blocks (from the runs), token counts
 //!     decode_layer / decode_step: select, gather, attend on the engine's device
 //!     append_from_device ──RESERVE──▶ run offsets; DMA device -> arena; ──COMMIT──▶
+//!     begin_append_by_layer, copy_layer, commit_layers: the same, a layer at a time
 //! ```
 //!
 //! The lease keeps every run the engine maps where it is (tierd refuses DEMOTE, CLOSE and
@@ -39,6 +40,7 @@
 //! the model's own kernels around them).
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -48,11 +50,13 @@ use kvtier_kernels::cuda::{
     LayerStats, StepItem, StepOutput, Timing,
 };
 use kvtier_protocol::client::{Client, ClientError};
-use kvtier_protocol::{Geometry, LeaseLayer, LeaseReply, ReserveReply};
+use kvtier_protocol::{Geometry, LeaseLayer, LeaseReply};
 
+mod append;
 mod arena;
 mod sync;
 
+pub use append::{AppendTiming, DeviceRows};
 use arena::{shared_arena, Mapped};
 use sync::{new_summaries, sync_layer, Part};
 
@@ -141,17 +145,6 @@ struct EngineSession {
     layers: Vec<LayerMirror>,
 }
 
-/// Rows an engine appends from its device memory ([`InEngine::append_from_device`]): per layer
-/// `[kv_heads][2][capacity][head_dim]` elements of the sessions' dtype (each KV head's K rows,
-/// then its V rows, `capacity` slots each, the rows to append first), layer `l` at
-/// `ptr + l * layer_stride` bytes. A block run's layout with `capacity` for `block_tokens`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeviceRows {
-    pub ptr: u64,
-    pub layer_stride: u64,
-    pub capacity: u32,
-}
-
 /// One engine's in-process decode path over tierd's arena, for sessions of one geometry and
 /// policy (`CudaConfig`), on one device; all of their KV heads or one shard of them.
 pub struct InEngine {
@@ -170,22 +163,10 @@ pub struct InEngine {
     registered: Option<(Duration, bool)>,
     /// Map and register the arena read-write ([`InEngine::enable_in_place_appends`]).
     in_place: bool,
-    /// Where the last [`InEngine::append_from_device`] spent its time.
+    /// Where the last append from the device spent its time.
     last_append: Option<AppendTiming>,
-}
-
-/// The phases of one [`InEngine::append_from_device`], summed over its sessions.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct AppendTiming {
-    /// RESERVE round trips.
-    pub reserve: Duration,
-    /// Enqueueing the DMA copies and waiting for them.
-    pub copy: Duration,
-    /// COMMIT round trips (the daemon checks the rows and folds their bounds).
-    pub commit: Duration,
-    /// The engine's device state following the reservations (bounds of the new blocks
-    /// recomputed from the runs, uploads).
-    pub sync: Duration,
+    /// The append [`InEngine::begin_append_by_layer`] opened, until its last layer's COMMIT.
+    by_layer: Option<append::ByLayer>,
 }
 
 impl std::fmt::Debug for InEngine {
@@ -232,6 +213,7 @@ impl InEngine {
             registered: None,
             in_place: false,
             last_append: None,
+            by_layer: None,
         })
     }
 
@@ -326,11 +308,11 @@ impl InEngine {
             self.client.promote(session)?;
             lease = self.lease(session)?;
         }
-        self.apply(session, &lease)
+        self.apply(session, &lease, 0..lease.layers.len())
     }
 
-    /// Brings the device's state of `session` to `lease`'s table.
-    fn apply(&mut self, session: u64, lease: &LeaseReply) -> Result<()> {
+    /// Brings the device's state of `session`'s layers `layers` to `lease`'s table.
+    fn apply(&mut self, session: u64, lease: &LeaseReply, layers: Range<usize>) -> Result<()> {
         let view = &self.mapped.as_ref().expect("mapped by lease").view;
         let s = self.sessions.get_mut(&session).expect("attached");
         let geo = self.be.config().geometry;
@@ -341,11 +323,11 @@ impl InEngine {
         // Layers in groups of at least BOUNDS_GROUP_BLOCKS new blocks: a prefill's chunk is
         // ~128 blocks per layer, too few for every core, and a first sync of a 1M session is
         // 8K per layer, whose bounds for all layers at once would be ~1 GiB of host memory.
-        let mut first = 0;
-        while first < s.layers.len() {
+        let mut first = layers.start;
+        while first < layers.end {
             let mut end = first;
             let mut blocks = 0;
-            while end < s.layers.len() && blocks < BOUNDS_GROUP_BLOCKS {
+            while end < layers.end && blocks < BOUNDS_GROUP_BLOCKS {
                 let nb = lease.layers[end].offsets.len();
                 blocks += nb - s.layers[end].final_blocks().min(nb);
                 end += 1;
@@ -415,201 +397,6 @@ impl InEngine {
     ) -> Result<()> {
         // SAFETY: the caller's contract, passed on.
         Ok(unsafe { self.be.enqueue_layer_device(layer, io, stream) }?)
-    }
-
-    /// Lets [`InEngine::append_from_device`] write into tierd's arena: the arena is then mapped
-    /// and registered read-write (the device may write it) instead of read-only. Call before
-    /// the first attach; an engine of every KV head only (an append writes whole rows).
-    pub fn enable_in_place_appends(&mut self) -> Result<()> {
-        if self.shard != HeadShard::WHOLE {
-            return Err(EngineError::InPlace(format!(
-                "head shard {} of {} holds part of each row; in-place appends need every head",
-                self.shard.rank, self.shard.world
-            )));
-        }
-        if self.mapped.is_some() && !self.in_place {
-            return Err(EngineError::InPlace(
-                "the arena is already mapped read-only: enable in-place appends before the \
-                 first attach"
-                    .into(),
-            ));
-        }
-        self.in_place = true;
-        Ok(())
-    }
-
-    /// Appends `tokens` rows to every layer of each attached session, straight from device
-    /// memory: RESERVE (each session), one DMA copy per layer and block on `stream` (behind the
-    /// work that produced the rows), a wait for them, COMMIT, and the device state updated
-    /// from the RESERVE reply. Rows that are not finite make that session's COMMIT fail
-    /// (INVALID_ARGUMENT, nothing appended); the others still append, and the first error is
-    /// returned. Bind again afterwards. Needs [`InEngine::enable_in_place_appends`].
-    ///
-    /// # Safety
-    /// Each item's rows (as [`DeviceRows`] lays them out, `tokens` of each layer) are device
-    /// memory of the engine's device (primary context) that stays allocated and unchanged
-    /// until this returns; `stream` is a live stream of that context.
-    pub unsafe fn append_from_device(
-        &mut self,
-        items: &[(u64, DeviceRows)],
-        tokens: u32,
-        stream: CUstream,
-    ) -> Result<()> {
-        if !self.in_place {
-            return Err(EngineError::InPlace(
-                "not enabled on this engine (enable_in_place_appends)".into(),
-            ));
-        }
-        for &(session, rows) in items {
-            self.slot_of(session)?;
-            if tokens == 0 || tokens > rows.capacity {
-                return Err(EngineError::InPlace(format!(
-                    "session {session}: {tokens} rows from a buffer of {} slots",
-                    rows.capacity
-                )));
-            }
-        }
-        let mut timing = AppendTiming::default();
-        let t = Instant::now();
-        let mut reserved = Vec::with_capacity(items.len());
-        for &(session, _) in items {
-            match self.client.reserve(session, tokens) {
-                Ok(r) => reserved.push(r),
-                Err(e) => {
-                    self.drop_reservations(&items[..reserved.len()]);
-                    return Err(e.into());
-                }
-            }
-        }
-        timing.reserve = t.elapsed();
-        let t = Instant::now();
-        let copied = items
-            .iter()
-            .zip(&reserved)
-            .try_for_each(|(&(_, rows), r)| {
-                // SAFETY: the caller's contract on the rows and the stream, passed on.
-                unsafe { self.enqueue_rows(rows, r, stream) }
-            })
-            // SAFETY: the caller's contract: `stream` is a live stream of the context.
-            .and_then(|()| Ok(unsafe { self.be.synchronize_caller(stream) }?));
-        if let Err(e) = copied {
-            // A copy may still be in flight only if enqueueing failed part way; the
-            // reservations go either way (COMMIT 0 drops their rows).
-            self.drop_reservations(items);
-            return Err(e);
-        }
-        timing.copy = t.elapsed();
-        let mut first = None;
-        for (&(session, _), r) in items.iter().zip(&reserved) {
-            let t = Instant::now();
-            let committed = self.client.commit(session, tokens);
-            timing.commit += t.elapsed();
-            let t = Instant::now();
-            let done = committed
-                .map_err(EngineError::from)
-                .and_then(|_| self.sync_reserved(session, r));
-            timing.sync += t.elapsed();
-            if let Err(e) = done {
-                first.get_or_insert(e);
-            }
-        }
-        self.last_append = Some(timing);
-        first.map_or(Ok(()), Err)
-    }
-
-    /// Where the last [`InEngine::append_from_device`] that reached its copies spent its time.
-    pub fn last_append(&self) -> Option<AppendTiming> {
-        self.last_append
-    }
-
-    /// Enqueues the copies of one session's rows to where `r` reserved them: per layer, one
-    /// 2D copy per block touched (rows `[kv_heads][2]`, each of the block's part of the rows).
-    ///
-    /// # Safety
-    /// As [`InEngine::append_from_device`].
-    unsafe fn enqueue_rows(
-        &self,
-        rows: DeviceRows,
-        r: &ReserveReply,
-        stream: CUstream,
-    ) -> Result<()> {
-        let region = &self.mapped.as_ref().expect("leased, so mapped").region;
-        let g = &self.full;
-        let (bt, row) = (g.block_tokens as u64, g.row_bytes() as u64);
-        let first_block = r.start / bt;
-        for (l, offsets) in r.layers.iter().enumerate() {
-            let src = rows.ptr + l as u64 * rows.layer_stride;
-            let mut i = 0u64;
-            while i < u64::from(r.tokens) {
-                let pos = r.start + i;
-                let block = (pos / bt - first_block) as usize;
-                let run = *offsets.get(block).ok_or(EngineError::Unmapped {
-                    layer: l,
-                    block: (pos / bt) as usize,
-                })?;
-                let n = (bt - pos % bt).min(u64::from(r.tokens) - i);
-                // SAFETY: the destination rows are this connection's reservation (the
-                // daemon neither reads nor moves them before COMMIT); the source is the
-                // caller's contract.
-                unsafe {
-                    region.enqueue_copy_in(
-                        run + (pos % bt) * row,
-                        g.half_tile_bytes() as u64,
-                        src + i * row,
-                        u64::from(rows.capacity) * row,
-                        n * row,
-                        2 * u64::from(g.kv_heads),
-                        stream,
-                    )
-                }?;
-                i += n;
-            }
-        }
-        Ok(())
-    }
-
-    /// COMMITs 0 rows (drops the reservation) for each of `items`' sessions; best effort, on
-    /// an error path.
-    fn drop_reservations(&mut self, items: &[(u64, DeviceRows)]) {
-        for &(session, _) in items {
-            let _ = self.client.commit(session, 0);
-        }
-    }
-
-    /// Updates the device state of `session` after a COMMIT of what `r` reserved: its table is
-    /// the held one up to `r.start` plus `r`'s runs. When the held state does not end where `r`
-    /// starts (something else appended meanwhile), a full [`InEngine::sync`] instead.
-    fn sync_reserved(&mut self, session: u64, r: &ReserveReply) -> Result<()> {
-        let m = self.mapped.as_ref().expect("leased, so mapped");
-        let s = self.sessions.get(&session).expect("attached");
-        let g = &self.full;
-        let bt = u64::from(g.block_tokens);
-        let keep = (r.start / bt) as usize;
-        let end = r.start + u64::from(r.tokens);
-        let mut layers = Vec::with_capacity(r.layers.len());
-        for (ls, new) in s.layers.iter().zip(&r.layers) {
-            let held = ls.tokens() == r.start
-                && ls.extents().len() == g.blocks_for(r.start) as usize
-                && new.len() == g.blocks_for(end) as usize - keep
-                // A partial block: the reservation continues the held run.
-                && ls.extents().get(keep).is_none_or(|&o| Some(&o) == new.first());
-            if !held {
-                return self.sync(session);
-            }
-            let mut offsets = ls.extents()[..keep].to_vec();
-            offsets.extend_from_slice(new);
-            layers.push(LeaseLayer {
-                tokens: end,
-                offsets,
-            });
-        }
-        let lease = LeaseReply {
-            instance: m.instance,
-            arena_bytes: m.view.len() as u64,
-            run_bytes: g.block_bytes() as u64,
-            layers,
-        };
-        self.apply(session, &lease)
     }
 
     /// Per-layer statistics of the device calls since [`InEngine::bind`] (waits for them).

@@ -84,6 +84,7 @@ class InEngine:
         self.rank, self.world = rank, world
         self.in_place = in_place
         self.q_heads = g.q_heads // world  # this engine's query heads per session
+        self._by_layer: Optional[List[int]] = None  # the sessions of the last append by layer
 
     def attach(self, session: int) -> int:
         """Lease the session and give it device state (synced)."""
@@ -169,6 +170,43 @@ class InEngine:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self._e.append_from_device(list(sessions), rows.data_ptr() + first * row, rows[0, 0].nbytes,
                                    rows[0].nbytes, cap, tokens, stream)
+
+    def begin_append_by_layer(self, sessions: Sequence[int], tokens: Sequence[int]) -> None:
+        """Opens an append of `tokens[i]` rows to every layer of `sessions[i]` that the caller
+        copies (`copy_layer`) and commits (`commit_layers`) layer by layer, while its model
+        still computes the later layers: RESERVE for each. Needs `in_place` and tierd's
+        protocol version 5. Bind again after the last layer."""
+        if not self.in_place:
+            raise EngineError("this engine was opened without in_place: it cannot append rows")
+        self._e.begin_append_by_layer(list(sessions), list(tokens))
+        self._by_layer = list(sessions)
+
+    def copy_layer(self, layer: int, rows: Sequence) -> None:
+        """Enqueues the DMA of layer `layer`'s rows of each session of the open append behind
+        torch's current stream and returns at once: `rows[i]` [kv_heads, 2, n, head_dim]
+        contiguous in the sessions' dtype on this engine's device (each KV head's K rows, then
+        its V rows), its first `tokens[i]` rows appended. Keep `rows` alive and unchanged
+        until the layer is committed."""
+        import torch
+
+        g = self.geometry
+        sessions = self._by_layer
+        if sessions is None or len(rows) != len(sessions):
+            raise EngineError("copy_layer: one rows tensor per session of an open append by layer")
+        for r in rows:
+            if (not isinstance(r, torch.Tensor) or r.device.type != "cuda" or r.device.index != self.device
+                    or r.dtype != _torch_dtype(g.dtype) or r.dim() != 4 or not r.is_contiguous()
+                    or (r.shape[0], r.shape[1], r.shape[3]) != (g.kv_heads, 2, g.head_dim)):
+                raise ValueError(f"rows must be contiguous {_torch_dtype(g.dtype)} [kv_heads, 2, n, head_dim] "
+                                 f"= ({g.kv_heads}, 2, n, {g.head_dim}) on cuda:{self.device}")
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._e.copy_layer(layer, sessions, [r.data_ptr() for r in rows], [r.shape[2] for r in rows], stream)
+
+    def commit_layers(self, first: int, count: int = 1) -> None:
+        """Waits for the copies of layers `first .. first + count` (each copied, none committed),
+        COMMITs them in tierd and brings the device state of those layers up to date; the last
+        layers' COMMIT lands the append. On error the append is dropped."""
+        self._e.commit_layers(first, count)
 
     def bound_stats(self) -> List[dict]:
         """Per layer: hits, misses, bytes_moved and tiles of the device calls since `bind`."""

@@ -52,7 +52,7 @@ pub use backend::{
     Timing, FUSE_BELOW_HIT_SHARE,
 };
 pub use config::{AttentionMath, CudaConfig, SummaryDtype, MAX_CANDIDATES, MAX_CANDIDATE_UNITS};
-pub use cudarc::driver::{sys::CUstream, CudaContext};
+pub use cudarc::driver::{sys::CUstream, CudaContext, CudaEvent};
 pub use error::CudaError;
 pub use kvtier_storage::dtype::bf16_outward;
 pub use mirror::{LayerMirror, LayerTarget, Summaries};

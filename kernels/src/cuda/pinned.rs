@@ -5,7 +5,7 @@ use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, DriverError};
+use cudarc::driver::{sys, CudaContext, CudaEvent, DriverError};
 
 use super::error::{CudaError, Result};
 
@@ -393,6 +393,23 @@ impl PinnedRegion {
         // the source and the stream are the caller's contract.
         check(unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream) })
             .map_err(CudaError::driver("cuMemcpy2DAsync"))
+    }
+
+    /// An event recorded on `stream` behind what is enqueued there so far (copies into this
+    /// region): its `synchronize` waits for that work alone, not for what the stream takes
+    /// later.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of the region's context.
+    pub unsafe fn fence(&self, stream: sys::CUstream) -> Result<CudaEvent> {
+        let event = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(CudaError::driver("cuEventCreate"))?;
+        // SAFETY: the event is of this context; the stream is the caller's contract.
+        check(unsafe { sys::cuEventRecord(event.cu_event(), stream) })
+            .map_err(CudaError::driver("cuEventRecord"))?;
+        Ok(event)
     }
 }
 

@@ -6,7 +6,7 @@ use kvtier_engine::{DeviceRows, HeadShard, InEngine};
 use kvtier_kernels::cuda::{CUstream, CudaConfig, DeviceIo, DeviceTail, SummaryDtype};
 use kvtier_protocol::{dtype_from_wire, Geometry, Policy, Selector};
 use pyo3::create_exception;
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -208,6 +208,63 @@ impl Engine {
                 .append_from_device(&items, tokens, stream as usize as CUstream)
         }
         .map_err(err)
+    }
+
+    /// Opens an append of `tokens[i]` rows to `sessions[i]` copied and committed layer by
+    /// layer (`copy_layer`, `commit_layers`) while the model computes the later layers:
+    /// RESERVE for each. Needs tierd's protocol version 5.
+    fn begin_append_by_layer(&mut self, sessions: Vec<u64>, tokens: Vec<u32>) -> PyResult<()> {
+        if sessions.len() != tokens.len() {
+            return Err(PyValueError::new_err("one token count per session"));
+        }
+        let items: Vec<(u64, u32)> = sessions.into_iter().zip(tokens).collect();
+        self.inner.begin_append_by_layer(&items).map_err(err)
+    }
+
+    /// Enqueues on `stream` (a raw `CUstream`) the copies of layer `layer`'s rows of the open
+    /// append by layer, behind the work that produces them: session `i`'s at `ptrs[i]`,
+    /// `[kv_heads][2][capacities[i]][head_dim]` elements of the sessions' dtype. Raw on
+    /// purpose: only `kvtier.hf`'s prefill calls it, keeping the tensors alive until the layer
+    /// is committed.
+    fn copy_layer(
+        &mut self,
+        layer: usize,
+        sessions: Vec<u64>,
+        ptrs: Vec<u64>,
+        capacities: Vec<u32>,
+        stream: u64,
+    ) -> PyResult<()> {
+        if sessions.len() != ptrs.len() || sessions.len() != capacities.len() {
+            return Err(PyValueError::new_err(
+                "one pointer and capacity per session",
+            ));
+        }
+        let items: Vec<(u64, DeviceRows)> = sessions
+            .into_iter()
+            .zip(ptrs.into_iter().zip(capacities))
+            .map(|(s, (ptr, capacity))| {
+                let rows = DeviceRows {
+                    ptr,
+                    layer_stride: 0,
+                    capacity,
+                };
+                (s, rows)
+            })
+            .collect();
+        // SAFETY: kvtier.hf passes live contiguous tensors of the engine's device in that
+        // layout and keeps them until it commits the layer; `stream` is torch's current
+        // stream there.
+        unsafe {
+            self.inner
+                .copy_layer(layer, &items, stream as usize as CUstream)
+        }
+        .map_err(err)
+    }
+
+    /// Waits for the copies of layers `first..first + count`, COMMITs them in tierd and
+    /// updates the device state of those layers; the last layers' COMMIT lands the append.
+    fn commit_layers(&mut self, first: usize, count: usize) -> PyResult<()> {
+        self.inner.commit_layers(first..first + count).map_err(err)
     }
 
     /// Per-layer (hits, misses, bytes_moved, tiles) of the device calls since `bind`.
