@@ -8,7 +8,8 @@
 #   CONTEXTS=32768 BATCHES=1,4 bash bench/gpu/hf_generate.sh
 #   MODES (default dense,dense-compiled,kvtier,kvtier-compiled), NEW (64), REPS (2), TOPK (8),
 #   CAPACITY (tierd's host capacity: room for the largest batch x context, 48GiB), DEADLINE
-#   (seconds of generate() after which no further mode starts; 0: none).
+#   (seconds of generate() after which no further mode starts; 0: none), WHOLE (0: skip the
+#   whole_model.py step).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 D=${D:-$PWD/.device}
@@ -32,6 +33,7 @@ pkill -f "tierd --socket $S" && sleep 1  # one left by an earlier run cut short
 start_tierd $S "${CAPACITY:-48GiB}" "$OUT/tierd.log"
 trap 'kill $TP 2> /dev/null' EXIT
 for ctx in ${CONTEXTS//,/ }; do
+  [ "${WHOLE:-1}" = 0 ] && break
   el "whole_model.py kvtier step, $ctx tokens, batches $BATCHES, k=$TOPK"
   python3 clients/python/bench/whole_model.py --socket $S --context "$ctx" --batches "$BATCHES" \
     --modes kvtier --top-k "$TOPK" --selectors sketch --graphs whole --rounds 1 --steps 60 \

@@ -11,6 +11,8 @@ Modes (``--modes``), each with a fresh cache per ``generate``:
   CUDA graphs with ``mode="reduce-overhead"`` on a GPU).
 * ``kvtier``: `KvtierCache`, eager (on a GPU its decode steps take the in-engine path).
 * ``kvtier-compiled``: `KvtierStaticCache` with the same compile_config.
+* ``kvtier-by-layer``, ``kvtier-compiled-by-layer``: the same with ``prefill_by_layer=True``
+  (the prefill goes to tierd layer by layer while the model computes the later layers).
 
 Per (context, batch, mode), each number the median over ``--reps`` generate calls of 1 + N
 new tokens, timed inside the call (a logits processor synchronizes and reads the clock):
@@ -19,7 +21,8 @@ new tokens, timed inside the call (a logits processor synchronizes and reads the
   transformers' loop, sampling and all. The median leaves out a compiled step's recording.
 * ``same_steps``: for kvtier-compiled, per row how many leading greedy tokens equal kvtier's
   (for dense-compiled, dense's): what compilation alone changes on a random model shows in
-  dense-compiled against dense.
+  dense-compiled against dense. For a ``-by-layer`` mode, its twin's that hands the prefill
+  over at once: the same stored KV, so every token should match.
   ``forced_agree``: one more call decoding the eager mode's tokens (teacher-forced), per row
   the steps whose own greedy pick is that token; ``forced_gap_max`` the largest logit gap by
   which a pick beat it (a random model's near-ties show as small gaps).
@@ -105,9 +108,11 @@ class Run:
             return DynamicCache(config=m.config)
         if self.mode == "dense-compiled":
             return StaticCache(config=m.config, max_cache_len=n)
-        if self.mode == "kvtier":
-            return KvtierCache(m, socket=self.socket, policy=self.policy)
-        return KvtierStaticCache(m, max_cache_len=n, socket=self.socket, policy=self.policy)
+        by_layer = self.mode.endswith("-by-layer")
+        if self.mode.removesuffix("-by-layer") == "kvtier":
+            return KvtierCache(m, socket=self.socket, policy=self.policy, prefill_by_layer=by_layer)
+        return KvtierStaticCache(m, max_cache_len=n, socket=self.socket, policy=self.policy,
+                                 prefill_by_layer=by_layer)
 
     def generate(self, new_tokens, ids=None, force=None):
         """(seconds to the first token's logits, the later steps' ms, the new tokens) of one
@@ -121,7 +126,7 @@ class Run:
                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                   pad_token_id=0,
                   logits_processor=LogitsProcessorList([clock] + ([force] if force else [])))
-        if self.mode.endswith("compiled"):
+        if "compiled" in self.mode:
             kw["compile_config"] = compile_config(self.dev)
         else:
             kw["disable_compile"] = True
@@ -222,7 +227,9 @@ def measure(run, a, tokens):
     if a.profile and run.mode in a.profile.split(","):
         profile(run, a)
     tokens[run.mode] = out
-    ref = {"kvtier-compiled": "kvtier", "dense-compiled": "dense"}.get(run.mode)
+    # The tokens a mode should match: eager for compiled, and the prefill at once for by layer.
+    ref = {"kvtier-compiled": "kvtier", "dense-compiled": "dense", "kvtier-by-layer": "kvtier",
+           "kvtier-compiled-by-layer": "kvtier-compiled"}.get(run.mode)
     if ref in tokens:
         row["same_steps"] = same_steps(out, tokens[ref])
         # Teacher-forced on the eager mode's tokens: whether each step's own pick agrees.

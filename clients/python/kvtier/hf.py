@@ -179,7 +179,7 @@ def kvtier_attention_forward(module, query, key, value, attention_mask, dropout:
     if query.shape[2] > 1:
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                      scaling=scaling, **kwargs)
-        layer.cache._stage_prefill(layer, key, value, _valid_from_mask(attention_mask, key.shape[0], key.shape[2]))
+        layer.cache._stage_prefill(layer, key, value, attention_mask)
         return out
     d = query.shape[-1]
     if scaling is None:
@@ -283,6 +283,37 @@ def _to_wire(t: torch.Tensor, dtype: Dtype) -> np.ndarray:
     return t.to(torch.float32).contiguous().numpy()
 
 
+class _PrefillByLayer:
+    """A prefill handed to tierd layer by layer on the in-engine path: each full layer's K/V is
+    copied by DMA into its reserved rows as soon as the model has produced it, and committed
+    `LAG` layers later, while the GPU computes the layers in between (tierd checks and
+    summarizes the committed rows, the engine takes their bounds and sketches). The last
+    layer lands the append: the hand-off costs the prefill about its last layers' commits."""
+
+    #: Full layers between a layer's copy and its commit: the GPU work queued meanwhile.
+    LAG = 2
+
+    def __init__(self, engine, starts: List[int], t: int, layers: int, kv_dtype, seconds: float):
+        self.e, self.starts, self.t, self.layers, self.kv_dtype = engine, starts, t, layers, kv_dtype
+        self.seconds = seconds  # spent in the hand-off's calls so far
+        self.rows: dict = {}  # layer -> the copied tensors, kept until committed
+        self.committed = 0  # layers committed (in order)
+
+    def layer(self, slot: int, key, value) -> None:
+        t0 = time.perf_counter()
+        rows = [torch.stack([key[r, :, s:, :], value[r, :, s:, :]], dim=1).to(self.kv_dtype).contiguous()
+                for r, s in enumerate(self.starts)]
+        self.e.copy_layer(slot, rows)
+        self.rows[slot] = rows
+        upto = self.layers if slot == self.layers - 1 else slot - self.LAG + 1
+        if upto > self.committed:
+            self.e.commit_layers(self.committed, upto - self.committed)
+            for done in range(self.committed, upto):
+                del self.rows[done]
+            self.committed = upto
+        self.seconds += time.perf_counter() - t0
+
+
 class KvtierCache(Cache):
     """A transformers `Cache` whose full-attention layers live in tierd.
 
@@ -290,15 +321,19 @@ class KvtierCache(Cache):
     one is opened on `socket` (default `default_socket_path()`). `policy`: the sessions'
     selection policy. `dtype`: session dtype (default: the model's — F32, F16 or BF16).
     `block_tokens`: tokens per block. `engine`: "auto", "on" or "off", the in-engine path for a
-    model on a GPU (module docstring); `max_blocks`: its per-session capacity in blocks. Given a
-    model, it switches the model to the ``"kvtier"`` attention (`enable`) if needed; given only
-    a config, call `enable(model)` yourself. Close it (or use it as a context manager) to close
-    the tierd sessions.
+    model on a GPU (module docstring); `max_blocks`: its per-session capacity in blocks.
+    `prefill_by_layer`: on the in-engine path, hand the prefill to tierd layer by layer while
+    the model computes the later layers (tierd's protocol version 5), instead of all layers
+    after the last; off by default until it is measured faster on a GPU (docs/performance.md).
+    Given a model, it switches the model to the ``"kvtier"`` attention (`enable`) if needed;
+    given only a config, call `enable(model)` yourself. Close it (or use it as a context
+    manager) to close the tierd sessions.
     """
 
     def __init__(self, model_or_config, client: Optional[Client] = None, socket: Optional[str] = None,
                  policy: Policy = Policy(), dtype: Optional[Dtype] = None, block_tokens: int = 128,
-                 label: str = "hf", engine: str = "auto", max_blocks: int = 8192):
+                 label: str = "hf", engine: str = "auto", max_blocks: int = 8192,
+                 prefill_by_layer: bool = False):
         if engine not in ("auto", "on", "off"):
             raise ValueError(f"engine must be 'auto', 'on' or 'off', not {engine!r}")
         if hasattr(model_or_config, "set_attn_implementation"):
@@ -340,6 +375,9 @@ class KvtierCache(Cache):
         self.positions: Optional[np.ndarray] = None  # [n_full, B]: each session layer's length
         self.geometry: Optional[Geometry] = None
         self._staged: dict = {}
+        self.prefill_by_layer = prefill_by_layer
+        self._by_layer: Optional[_PrefillByLayer] = None  # a prefill going to tierd layer by layer
+        self._starts: List[int] = []  # where each batch row's real tokens start
         self.last_stats = None
         self.want_stats = False
         self.engine_mode, self.max_blocks = engine, max_blocks
@@ -418,6 +456,7 @@ class KvtierCache(Cache):
     def reset(self) -> None:
         self._close_sessions(self._client)
         self.sessions, self.positions, self.geometry, self._staged = [], None, None, {}
+        self._by_layer, self._starts = None, []
         super().reset()
 
     @property
@@ -428,22 +467,33 @@ class KvtierCache(Cache):
 
     # -- prefill ---------------------------------------------------------------------------
 
-    def _stage_prefill(self, layer: KvtierLayer, key, value, valid) -> None:
-        if self.sessions:
-            raise UnsupportedUse("the kvtier cache already holds a prefill; use a new cache per generate call")
-        self._staged[layer.slot] = (key.detach(), value.detach(), valid)
-        if len(self._staged) == len(self.full_layers):
+    def _stage_prefill(self, layer: KvtierLayer, key, value, mask) -> None:
+        """One full layer's K/V of a prefill [B, Hkv, T, D], and its attention mask. With
+        `prefill_by_layer` on the in-engine path each layer goes to tierd as the model produces
+        it (`_PrefillByLayer`); otherwise the layers are kept until the last and handed over
+        together."""
+        last = layer.slot == len(self.full_layers) - 1
+        if layer.slot == 0:
+            if self.sessions:
+                raise UnsupportedUse("the kvtier cache already holds a prefill; use a new cache per generate call")
+            self._by_layer = self._begin_by_layer(key, mask)
+        if self._by_layer is not None:
+            self._by_layer.layer(layer.slot, key, value)
+            if last:
+                self._end_by_layer()
+            return
+        self._staged[layer.slot] = (key.detach(), value.detach())
+        if last:
             staged, self._staged = self._staged, {}
-            self._open_sessions([staged[s][0] for s in range(len(self.full_layers))],
-                                [staged[s][1] for s in range(len(self.full_layers))],
-                                staged[len(self.full_layers) - 1][2])
+            n = len(self.full_layers)
+            self._open_sessions([staged[s][0] for s in range(n)], [staged[s][1] for s in range(n)],
+                                _valid_from_mask(mask, key.shape[0], key.shape[2]))
 
-    def _open_sessions(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], valid) -> None:
-        """One session per batch row holding that row's real tokens of every full layer.
-        keys/values: per full layer [B, Hkv, T, D]; valid: [B, T] bool (False = padding)."""
-        b, hkv, t, d = keys[0].shape
-        q_heads = self._q_heads()
+    def _create_sessions(self, hkv: int, d: int, valid) -> List[int]:
+        """One session per batch row (its real tokens are the row's last ones); returns where
+        each row's real tokens start. valid: [B, T] bool (False = padding)."""
         valid = torch.as_tensor(valid, dtype=torch.bool).to("cpu")
+        b, t = valid.shape
         starts = []
         for r in range(b):
             row = valid[r]
@@ -454,10 +504,8 @@ class KvtierCache(Cache):
                     f"batch row {r}: padding is not on the left (or the row is empty); the kvtier "
                     "cache needs left padding (tokenizer.padding_side = 'left')")
             starts.append(start)
-        g = Geometry(len(self.full_layers), q_heads, hkv, d, self.dtype, self.block_tokens)
+        g = Geometry(len(self.full_layers), self._q_heads(), hkv, d, self.dtype, self.block_tokens)
         self.geometry = g
-        t0 = time.perf_counter()
-        handoff = dict(seconds=0.0)
         client = self.client
         for r in range(b):
             try:
@@ -469,6 +517,50 @@ class KvtierCache(Cache):
                     raise GeometryRefused(g, self.policy, e.message) from e
                 raise
             self.sessions.append(sid)
+        self._starts = starts
+        return starts
+
+    def _begin_by_layer(self, key, mask) -> Optional["_PrefillByLayer"]:
+        """Opens the sessions and, on the in-engine path, an append by layer of the prefill
+        whose first full layer's K/V is `key`'s; None for the other paths (the sessions, if
+        opened, then take the prefill when its last layer is staged)."""
+        if (not self.prefill_by_layer or key.device.type != "cuda" or self.engine_mode == "off"
+                or self.engine_error is not None):
+            return None
+        t0 = time.perf_counter()
+        b, hkv, t, d = key.shape
+        starts = self._create_sessions(hkv, d, _valid_from_mask(mask, b, t))
+        e = self._open_engine(key.device)
+        if e is None:
+            return None
+        from .engine import _torch_dtype
+
+        try:
+            e.begin_append_by_layer(self.sessions, [t - s for s in starts])
+        except (KvtierError, RuntimeError) as err:  # kvtier.engine.EngineError is a RuntimeError
+            # E.g. an older tierd (protocol version 4): all layers at once, after the last.
+            warnings.warn(f"kvtier: the prefill goes to tierd after its last layer: {err}",
+                          RuntimeWarning, stacklevel=4)
+            return None
+        return _PrefillByLayer(e, starts, t, len(self.full_layers), _torch_dtype(self.dtype),
+                               time.perf_counter() - t0)
+
+    def _end_by_layer(self) -> None:
+        pb, self._by_layer = self._by_layer, None
+        self.positions = np.array([[pb.t - s for s in pb.starts]] * len(self.full_layers), dtype=np.int64)
+        handoff = dict(seconds=pb.seconds)
+        handoff.update(self._engine.last_append() or {})
+        self.prefill_handoff = handoff
+
+    def _open_sessions(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], valid) -> None:
+        """The prefill of every full layer at once, one session per batch row holding that
+        row's real tokens (opened here unless `_begin_by_layer` opened them). keys/values: per
+        full layer [B, Hkv, T, D]; valid: [B, T] bool (False = padding)."""
+        b, hkv, t, d = keys[0].shape
+        t0 = time.perf_counter()
+        handoff = dict(seconds=0.0)
+        starts = self._starts if self.sessions else self._create_sessions(hkv, d, valid)
+        client = self.client
         e = self._open_engine(keys[0].device)
         for r, sid in enumerate(self.sessions):
             s = starts[r]

@@ -240,11 +240,13 @@ def test_a_failed_hand_off_stops_the_next_step_with_a_typed_error(tierd_factory)
 
 @pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_hf_adapter_decodes_in_engine_on_a_gpu_like_dense(tierd_factory, dtype, monkeypatch):
+@pytest.mark.parametrize("by_layer", [False, True])
+def test_hf_adapter_decodes_in_engine_on_a_gpu_like_dense(tierd_factory, dtype, by_layer, monkeypatch):
     """kvtier.hf with the model on the GPU takes the in-engine path (no DECODE per step, the
     prefill and the hand-offs by DMA, never through host memory and APPEND_KV): with a policy
     that covers every block, greedy generation equals dense generation (f32 KV: exactly; bf16:
-    nearly always), across hand-offs of the GPU-held tokens to tierd."""
+    nearly always), across hand-offs of the GPU-held tokens to tierd, with the prefill handed
+    over at once or layer by layer."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
@@ -253,7 +255,8 @@ def test_hf_adapter_decodes_in_engine_on_a_gpu_like_dense(tierd_factory, dtype, 
 
     sock = tierd_factory("--set", "host.shared=true")
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+    # 5 layers: by layer, the prefill's commits lag its copies by two layers; the last lands it.
+    cfg = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=5,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
     m = Qwen2ForCausalLM(cfg).eval().to("cuda")
     hf.enable(m)
@@ -273,7 +276,7 @@ def test_hf_adapter_decodes_in_engine_on_a_gpu_like_dense(tierd_factory, dtype, 
     monkeypatch.setattr(Client, "append_kv_shm", through_host)
     monkeypatch.setattr(Client, "append_kv_fd", through_host)
     with hf.KvtierCache(m, socket=sock, policy=Policy(1, 4, 32), block_tokens=16, dtype=wire,
-                        engine="on") as c:
+                        engine="on", prefill_by_layer=by_layer) as c:
         sparse = m.generate(past_key_values=c, **kw)
         assert c.device_batch is not None and c.engine_error is None
         assert c.device_batch.stored == [300 + 32, 263 + 32] and c.device_batch.count == 7
@@ -387,6 +390,54 @@ def test_device_path_refuses_bad_buffers_and_batches_with_typed_errors(tierd_fac
         with pytest.raises(ValueError, match=what):
             e.append_rows([s], bad, tokens, first)
     assert c.session_info(s).tokens_max == 300
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
+def test_an_append_layer_by_layer_equals_one_append_of_every_layer(tierd_factory):
+    """kvtier.hf's prefill on a GPU: rows copied and committed layer by layer (the commits
+    lagging the copies) give tierd the session one append of every layer gives, byte for byte,
+    and land with the last layer; the engine answers alike from both. Misuse is a typed error
+    and lands nothing."""
+    torch = pytest.importorskip("torch")
+    sock = tierd_factory("--backend", "cpu", "--set", "host.shared=true")
+    g = Geometry(4, 8, 2, 64, Dtype.BF16, 16)
+    pol = Policy(sink_blocks=1, local_blocks=2, top_k=3)
+    c = Client(sock)
+    a, b = c.create_session(g, pol, "at-once"), c.create_session(g, pol, "by-layer")
+    e = engine.InEngine(sock, g, pol)
+    e.attach(a)
+    e.attach(b)
+    n = 200
+    torch.manual_seed(3)
+    rows = torch.randn((g.layers, 1, g.kv_heads, 2, n, g.head_dim), device="cuda").to(torch.bfloat16)
+    e.append_rows([a], rows, n)
+    with pytest.raises(engine.EngineError, match="no append by layer"):
+        e.commit_layers(0, 1)
+    e.begin_append_by_layer([b], [n])
+    e.copy_layer(0, [rows[0, 0]])
+    e.copy_layer(1, [rows[1, 0]])
+    e.commit_layers(0, 1)
+    assert c.session_info(b).tokens_max == 0  # lands with the last layer
+    e.copy_layer(2, [rows[2, 0]])
+    e.copy_layer(3, [rows[3, 0]])
+    e.commit_layers(1, 3)
+    assert [c.session_info(s).tokens_max for s in (a, b)] == [n, n]
+    la, lb = c.lease(a), c.lease(b)
+    for layer in range(g.layers):
+        for blk in range((n + g.block_tokens - 1) // g.block_tokens):
+            assert np.array_equal(la.run(layer, blk), lb.run(layer, blk)), (layer, blk)
+    la.close()
+    lb.close()
+    q = np.random.default_rng(5).standard_normal((1, g.q_heads, g.head_dim), dtype=np.float32)
+    for layer in range(g.layers):
+        out = e.decode_layer(layer, [a, b], np.concatenate([q, q]))
+        assert np.array_equal(out[0], out[1]), layer
+    # Misuse: a commit of a layer not copied (the append is dropped), rows of the wrong shape.
+    for wrong in [lambda: e.commit_layers(0, 1), lambda: e.copy_layer(0, [rows[0, 0, :1]])]:
+        e.begin_append_by_layer([b], [8])
+        with pytest.raises((engine.EngineError, ValueError)):
+            wrong()
+    assert c.session_info(b).tokens_max == n
 
 
 @pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
