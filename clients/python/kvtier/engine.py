@@ -219,10 +219,12 @@ class InEngine:
         return self._e.registration()
 
     def last_append(self) -> Optional[dict]:
-        """Seconds of the last `append_rows` (or hand-off) by phase, summed over its sessions:
-        reserve (RESERVE round trips), copy (the DMA copies), commit (COMMIT: tierd checks the
-        rows and folds their bounds), sync (this engine's device state follows: bounds of the
-        new blocks from the runs, uploads). None before one reached its copies."""
+        """Seconds of the last `append_rows`, hand-off or append by layer (once its last layer
+        is committed) by phase, summed over its sessions: reserve (RESERVE round trips), copy
+        (enqueueing the DMA copies and waiting for them; by layer, for their fences), commit
+        (COMMIT: tierd checks the rows and folds their bounds and sketches), sync (this
+        engine's device state follows: summaries of the new blocks from the runs, uploads).
+        None before one reached its copies."""
         t = self._e.last_append()
         return None if t is None else dict(zip(("reserve", "copy", "commit", "sync"), t))
 
