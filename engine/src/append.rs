@@ -305,8 +305,7 @@ impl InEngine {
         let layers = self.full.layers as usize;
         self.by_layer = Some(ByLayer {
             reserved,
-            fences: (0..layers).map(|_| None).collect(),
-            committed: vec![false; layers],
+            layers: (0..layers).map(|_| LayerState::Reserved).collect(),
             timing: AppendTiming {
                 reserve: t.elapsed(),
                 ..AppendTiming::default()
@@ -356,9 +355,9 @@ impl InEngine {
             .by_layer
             .as_ref()
             .ok_or_else(|| not_open("copy_layer"))?;
-        if layer >= a.committed.len() || a.fences[layer].is_some() {
+        if !matches!(a.layers.get(layer), Some(LayerState::Reserved)) {
             return Err(EngineError::InPlace(format!(
-                "layer {layer}: out of range or copied already"
+                "layer {layer}: out of range, or copied already"
             )));
         }
         if items.len() != a.reserved.len()
@@ -379,7 +378,7 @@ impl InEngine {
         let region = &self.mapped.as_ref().expect("leased, so mapped").region;
         // SAFETY: the caller's contract: `stream` is a live stream of the context.
         let fence = unsafe { region.fence(stream) }?;
-        self.by_layer.as_mut().expect("open").fences[layer] = Some(fence);
+        self.by_layer.as_mut().expect("open").layers[layer] = LayerState::Copied(fence);
         Ok(())
     }
 
@@ -402,18 +401,20 @@ impl InEngine {
             .as_mut()
             .ok_or_else(|| not_open("commit_layers"))?;
         if layers.is_empty()
-            || layers.end > a.committed.len()
-            || layers
-                .clone()
-                .any(|l| a.committed[l] || a.fences[l].is_none())
+            || layers.end > a.layers.len()
+            || !a.layers[layers.clone()]
+                .iter()
+                .all(|l| matches!(l, LayerState::Copied(_)))
         {
             return Err(EngineError::InPlace(format!(
                 "layers {layers:?}: empty, out of range, not copied or committed already"
             )));
         }
         let t = Instant::now();
-        for l in layers.clone() {
-            let fence = a.fences[l].take().expect("checked");
+        for l in &a.layers[layers.clone()] {
+            let LayerState::Copied(fence) = l else {
+                unreachable!("checked")
+            };
             fence
                 .synchronize()
                 .map_err(|e| kvtier_kernels::cuda::CudaError::Driver {
@@ -449,10 +450,10 @@ impl InEngine {
         let a = self.by_layer.as_mut().expect("open");
         a.reserved = reserved;
         result?;
-        for l in layers {
-            a.committed[l] = true;
+        for l in &mut a.layers[layers] {
+            *l = LayerState::Committed;
         }
-        if a.committed.iter().all(|&c| c) {
+        if a.layers.iter().all(|l| matches!(l, LayerState::Committed)) {
             let a = self.by_layer.take().expect("open");
             self.last_append = Some(a.timing);
         }
@@ -477,11 +478,18 @@ impl InEngine {
 pub(crate) struct ByLayer {
     /// Each session's reservation, in the order the caller gave.
     reserved: Vec<(u64, ReserveReply)>,
-    /// Per layer, the fence behind its copies, from [`InEngine::copy_layer`] to its COMMIT.
-    fences: Vec<Option<CudaEvent>>,
-    /// Per layer, whether it is committed.
-    committed: Vec<bool>,
+    /// Where each layer stands.
+    layers: Vec<LayerState>,
     timing: AppendTiming,
+}
+
+/// One layer of an append by layer: each goes through these once, in order.
+#[derive(Debug)]
+enum LayerState {
+    Reserved,
+    /// Copies enqueued ([`InEngine::copy_layer`]), behind this fence.
+    Copied(CudaEvent),
+    Committed,
 }
 
 fn not_open(call: &str) -> EngineError {

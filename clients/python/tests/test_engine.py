@@ -432,10 +432,17 @@ def test_an_append_layer_by_layer_equals_one_append_of_every_layer(tierd_factory
     for layer in range(g.layers):
         out = e.decode_layer(layer, [a, b], np.concatenate([q, q]))
         assert np.array_equal(out[0], out[1]), layer
-    # Misuse: a commit of a layer not copied (the append is dropped), rows of the wrong shape.
-    for wrong in [lambda: e.commit_layers(0, 1), lambda: e.copy_layer(0, [rows[0, 0, :1]])]:
+    # Misuse: a commit of a layer not copied, a committed layer copied again (each drops the
+    # append), rows of the wrong shape.
+    def recopy():
+        e.copy_layer(0, [rows[0, 0]])
+        e.commit_layers(0, 1)
+        e.copy_layer(0, [rows[0, 0]])
+
+    for wrong, error in [(lambda: e.commit_layers(0, 1), engine.EngineError), (recopy, engine.EngineError),
+                         (lambda: e.copy_layer(0, [rows[0, 0, :1]]), ValueError)]:
         e.begin_append_by_layer([b], [8])
-        with pytest.raises((engine.EngineError, ValueError)):
+        with pytest.raises(error):
             wrong()
     assert c.session_info(b).tokens_max == n
 
