@@ -534,6 +534,11 @@ fn a_partial_commit_is_refused_for_a_layer_twice_other_tokens_or_a_bad_row() {
         (10, 0..2, "LayerCommitted { layer: 0 }"),
         (9, 1..2, "CommitTokens { expected: 10, got: 9 }"),
         (10, 1..3, "LayerOutOfRange { layer: 2, layers: 2 }"),
+        (
+            10,
+            1..1,
+            "PayloadSize { what: \"layers committed\", expected: 1, got: 0 }",
+        ),
     ] {
         let e = kv.stage_in_place(&mut ip, tokens, layers).unwrap_err();
         assert_eq!(format!("{e:?}"), want);
@@ -615,12 +620,18 @@ fn an_aborted_in_place_append_leaves_the_cache_as_it_was() {
     kv.abort_in_place(ip);
     assert_eq!(snapshot(&kv), before);
     assert_eq!(kv.arena().usage().bytes_used, used);
-    // Committing zero rows is an abort too.
-    let ip = kv.begin_in_place(2).unwrap();
-    let offsets = kv.in_place_offsets(&ip);
-    write_in_place(&g, &mut map, &offsets, 3, &p, 40, 3..5);
-    kv.commit_in_place(ip, 0).unwrap();
-    assert_eq!(snapshot(&kv), before);
+    // Committing zero rows is an abort too, after a layer was staged as well.
+    for stage in [false, true] {
+        let mut ip = kv.begin_in_place(2).unwrap();
+        let offsets = kv.in_place_offsets(&ip);
+        write_in_place(&g, &mut map, &offsets, 3, &p, 40, 3..5);
+        if stage {
+            kv.stage_in_place(&mut ip, 2, 0..1).unwrap();
+        }
+        kv.commit_in_place(ip, 0).unwrap();
+        assert_eq!(snapshot(&kv), before);
+        assert_eq!(kv.arena().usage().bytes_used, used);
+    }
 }
 
 #[test]

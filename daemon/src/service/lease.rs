@@ -183,22 +183,12 @@ impl Service {
             }
         };
         let start = r.append.start();
-        if tokens == 0 {
-            st.kv.abort_in_place(r.append);
-            return Ok(st.kv.min_tokens());
-        }
-        if let Some((first, count)) = layers {
-            let staged = match count {
-                0 => Err(ServiceError::invalid("COMMIT names no layer (count 0)")),
-                _ => {
-                    let range = first as usize..first as usize + count as usize;
-                    let staged = st.kv.stage_in_place(&mut r.append, tokens as u64, range);
-                    staged.map_err(ServiceError::from)
-                }
-            };
-            if let Err(e) = staged {
+        // COMMIT 0 drops the append in either form (commit_in_place aborts it).
+        if let Some((first, count)) = layers.filter(|_| tokens > 0) {
+            let range = first as usize..first as usize + count as usize;
+            if let Err(e) = st.kv.stage_in_place(&mut r.append, tokens as u64, range) {
                 st.kv.abort_in_place(r.append);
-                return Err(e);
+                return Err(e.into());
             }
             if r.append.layers_left() > 0 {
                 st.reserved = Some(r);

@@ -81,6 +81,10 @@ impl KvCache {
     /// bit-identical to [`KvCache::append`] of the same rows. On error, or with `n == 0`,
     /// nothing is appended and the append is aborted ([`KvCache::abort_in_place`]).
     pub fn commit_in_place(&mut self, mut p: InPlaceAppend, n: u64) -> Result<()> {
+        if n == 0 {
+            self.abort_in_place(p);
+            return Ok(());
+        }
         let rest: Vec<usize> = (0..self.layers.len())
             .filter(|&l| p.staged[l].is_none())
             .collect();
@@ -106,14 +110,21 @@ impl KvCache {
     /// Checks and summarizes the first `n` rows of layers `layers` written in place, without
     /// adopting them: a partial COMMIT, while the writer still writes the other layers. The
     /// layers read nothing of it until [`KvCache::commit_in_place`] adopts every layer at
-    /// once. Each layer is staged once, and every stage of one append stages the same `n`. On
-    /// error the append is unchanged (the caller aborts it).
+    /// once. Each layer is staged once, every stage of one append stages the same `n`, and
+    /// `layers` is not empty. On error the append is unchanged (the caller aborts it).
     pub fn stage_in_place(
         &mut self,
         p: &mut InPlaceAppend,
         n: u64,
         layers: std::ops::Range<usize>,
     ) -> Result<()> {
+        if layers.is_empty() {
+            return Err(StorageError::PayloadSize {
+                what: "layers committed",
+                expected: 1,
+                got: 0,
+            });
+        }
         let count = self.layers.len() as u32;
         if let Some(l) = layers.clone().find(|&l| l >= self.layers.len()) {
             return Err(StorageError::LayerOutOfRange {
