@@ -361,7 +361,8 @@ def run_engine(rows, a, model, dev, c, ids, policy, cache_slots, rounds, breakdo
     b = len(ids)
     t = time.time()
     # GPU memory the engine takes (the driver's free memory, so cudarc's allocations count):
-    # its own state, then what the sessions' mirrors add (bounds, sketches, block cache).
+    # what it sizes at creation for max_sessions x max_blocks (mirrors with their bounds and
+    # sketches, the block cache), then what attaching and binding the sessions adds.
     free0 = torch.cuda.mem_get_info(dev)[0]
     e = kv_engine.InEngine(a.socket, GEO, policy, device=0, max_sessions=b,
                            max_blocks=(a.context + 4096) // GEO.block_tokens,
