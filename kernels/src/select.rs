@@ -375,14 +375,19 @@ pub fn distant_units(sink_end: usize, local_start: usize, block_tokens: u32) -> 
 /// per lane in the CUDA rerank).
 pub const MAX_SCAN_BLOCKS: usize = 256;
 
+/// Distant tokens up to which a layer's keep-set scores every distant block's sketch (at
+/// most [`MAX_SCAN_BLOCKS`] blocks): the sketches of 16,384 tokens, whatever the block size.
+pub const SCAN_TOKENS: usize = 16 * 1024;
+
 /// Distant units up to which the sketch selector skips its first stage and ranks every
-/// distant block by its sketch: twice [`candidate_units`] (at most [`MAX_SCAN_BLOCKS`] blocks,
-/// and never fewer than the candidates). Where a layer is that short, scoring every block
-/// costs at most twice the rerank of a long one, and the first stage's bound, which tracks
-/// relevance on prose poorly, loses nothing (docs/decisions/0020).
+/// distant block by its sketch: [`SCAN_TOKENS`] worth of blocks, at most one rerank list
+/// ([`MAX_SCAN_BLOCKS`]), and never fewer than the candidates. The first stage's bound tracks
+/// relevance on prose poorly; a layer that short loses nothing to it, and scoring it costs
+/// the sketches of 16,384 tokens in any block size (docs/decisions/0024).
 pub fn scan_units(candidates: u32, top_k: u32, block_tokens: u32) -> usize {
     let want = candidate_units(candidates, top_k, block_tokens);
-    want.max((2 * want).min(MAX_SCAN_BLOCKS / unit_blocks(block_tokens)))
+    let blocks = MAX_SCAN_BLOCKS.min(SCAN_TOKENS / block_tokens as usize);
+    want.max(blocks / unit_blocks(block_tokens))
 }
 
 /// Checks a query's length and values against a geometry.

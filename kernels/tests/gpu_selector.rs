@@ -178,8 +178,8 @@ fn sketch_selector_matches_cpu() {
             Policy::sketch(1, 4, 8, 64),
             5,
         ),
-        // 32 candidates: the short session's 52 distant blocks are within twice that, so
-        // every one is scored; the long one's first stage keeps 32.
+        // 32 candidates: the short session's 118 distant blocks are within the scan (16,384
+        // tokens), so every one is scored; the long one's first stage keeps 32.
         (
             geom(28, 4, 128, 128, DType::Bf16),
             Policy::sketch(1, 4, 8, 32),
@@ -211,7 +211,10 @@ fn sketch_selector_matches_cpu() {
             h.be.set_launch_mode(mode);
             let bt = g.block_tokens;
             let a = h.add_session(300 * bt, KeyGen { templates });
-            let b = h.add_session(57 * bt + 5, KeyGen { templates });
+            // Just within the scan (16,384 distant tokens, at most 256 blocks): every distant
+            // block is scored, in a rerank list of up to 256.
+            let short = (16_384 / bt).min(256) - 5;
+            let b = h.add_session(short * bt + 5, KeyGen { templates });
             check_layer(&mut h, 0, &[a, b]);
             check_layer(&mut h, 1, &[b, a]);
             // Appends grow the tail: its sketch is uploaded again, and selection follows.

@@ -62,9 +62,9 @@ fn reference(q: &[f32], v: &LayerView<'_>, policy: &Policy, h: usize) -> Vec<u32
     };
     let c = (policy.selector.candidates() as usize).max(k + 2 * (unit - 1));
     let want = c.div_ceil(unit);
-    // Every distant block is a candidate while the layer has at most twice that many units
-    // (never more than 256 blocks' worth).
-    let scan = want.max((2 * want).min(256 / unit));
+    // Every distant block is a candidate while the layer has at most 16,384 tokens' worth of
+    // units (256 blocks at most; `want` if more).
+    let scan = want.max((16_384 / bt).min(256) / unit);
     let heads: Vec<&[f32]> = (0..grp)
         .map(|j| &q[(h * grp + j) * d..(h * grp + j + 1) * d])
         .collect();
@@ -211,18 +211,18 @@ fn candidates_covering_every_block_score_every_block() {
     assert_eq!(a.tiles(), c.tiles());
 }
 
-/// A layer of at most twice the candidates' units skips the first stage: its keep-set is full
-/// sketch scoring's however few the candidates; one block more and the first stage narrows to
-/// the candidates again (the sketches read say which).
+/// A layer of at most 16,384 distant tokens skips the first stage: its keep-set is full sketch
+/// scoring's however few the candidates; one block more and the first stage narrows to the
+/// candidates again (the sketches read say which).
 #[test]
-fn a_layer_within_twice_the_candidates_scores_every_block() {
+fn a_layer_within_the_scan_scores_every_block() {
     let g = Geometry::new(1, 28, 4, 128, DType::Bf16, 128);
     let narrow = Policy::sketch(1, 4, 4, 8);
     let huge = Policy::sketch(1, 4, 4, 1 << 20);
     let per_block = 128 * 68 * 4; // tokens x (D / 2 code bytes + a scale) x kv heads
     for seed in 0..4 {
-        // 1 sink + 16 distant + 4 local blocks, the last one partly filled.
-        let kv = cache(g, 21 * 128 - 3, seed);
+        // 1 sink + 128 distant + 4 local blocks, the last one partly filled.
+        let kv = cache(g, 133 * 128 - 3, seed);
         let v = kv.layer(0).unwrap();
         let q: Vec<f32> = query(&g, &mut Rng::new(seed + 9))
             .iter()
@@ -234,8 +234,14 @@ fn a_layer_within_twice_the_candidates_scores_every_block() {
         select(&q, &v, &huge, &mut s, &mut b).unwrap();
         assert_eq!(a, b, "seed {seed}");
     }
-    assert_eq!(sketch_bytes_read(&g, &narrow, 21), 16 * per_block);
-    assert_eq!(sketch_bytes_read(&g, &narrow, 22), 8 * per_block);
+    assert_eq!(sketch_bytes_read(&g, &narrow, 133), 128 * per_block);
+    assert_eq!(sketch_bytes_read(&g, &narrow, 134), 8 * per_block);
+    // In 64-token blocks the scan holds 256 blocks (the same tokens).
+    let g64 = Geometry::new(1, 28, 4, 128, DType::Bf16, 64);
+    let narrow64 = Policy::sketch(2, 8, 8, 8);
+    let per_block64 = per_block / 2;
+    assert_eq!(sketch_bytes_read(&g64, &narrow64, 266), 256 * per_block64);
+    assert_eq!(sketch_bytes_read(&g64, &narrow64, 268), 10 * per_block64); // k + 2 (G - 1)
 }
 
 /// The score is the best sketched logit: within the quantization error of the best true

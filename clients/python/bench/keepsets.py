@@ -142,10 +142,11 @@ def keep_set(sc: Dict[str, np.ndarray], nb: int, sink: int, local: int, k: int,
     else:
         # The first stage ranks units of four quarter records (kvtier_kernels::select::
         # unit_blocks) by their best distant block; their distant blocks are the candidates.
-        # A layer of at most twice `want` units (256 blocks' worth at most) skips it.
+        # A layer of at most 16,384 tokens' worth of units (256 blocks at most; `want` if
+        # more) skips it.
         g = 1 if block >= 128 else 2 if block >= 64 else 4
         want = -(-max(candidates, k + 2 * (g - 1)) // g)
-        scan = max(want, min(2 * want, 256 // g))
+        scan = max(want, min(256, 16384 // block) // g)
         units = sorted({b // g for b in distant})
         if scan >= len(units):
             cands = distant

@@ -326,10 +326,11 @@ impl Harness {
                 let head = |b: usize| blocks[b].as_ref().head(&g, 0, h);
                 // Units of four quarter records (G blocks): each scored by its best distant
                 // block; the distant blocks of the best `ceil(max(c, k + 2 (G - 1)) / G)`, or
-                // of every unit where there are at most twice as many (256 blocks' worth).
+                // of every unit where there are at most 16,384 tokens' worth (256 blocks at most;
+                // `want` if more).
                 let unit = 4 / kvtier_storage::sketch::quarters(g.block_tokens as usize);
                 let want = c.max(p.top_k as usize + 2 * (unit - 1)).div_ceil(unit);
-                let scan = want.max((2 * want).min(256 / unit));
+                let scan = want.max((16_384 / g.block_tokens as usize).min(256) / unit);
                 let (u0, u1) = (sink_end / unit, (local_start - 1) / unit + 1);
                 let distant =
                     |u: usize| (u * unit).max(sink_end)..((u + 1) * unit).min(local_start);
