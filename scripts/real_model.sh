@@ -4,7 +4,7 @@
 # attention through tierd (its global-attention layers' KV held in tierd) — side by side.
 # Builds tierd (release), starts it on its embedded defaults but a 512 MiB page file (socket
 # and NVMe dir in a temp dir), makes .venv on first use (scripts/pyenv.sh). Arguments go to
-# `python -m kvtier.examples.real_model` (e.g. --context 8192 --top-k 4 --haystack repeated).
+# `python -m kvtier.examples.real_model` (e.g. --context 8192 --top-k 8 --haystack repeated).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/pyenv.sh

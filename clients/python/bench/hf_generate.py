@@ -54,6 +54,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kvtier import Policy  # noqa: E402
 from kvtier.hf import KvtierCache, KvtierStaticCache, enable  # noqa: E402
 
+#: Blocks of whole_model.py's step, which this compares against (its default), so that
+#: `Policy(1, 4, top_k)` is the same budget in both.
+BLOCK_TOKENS = 128
+
 
 def tiny_model(dev):
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -110,9 +114,10 @@ class Run:
             return StaticCache(config=m.config, max_cache_len=n)
         by_layer = self.mode.endswith("-by-layer")
         if self.mode.removesuffix("-by-layer") == "kvtier":
-            return KvtierCache(m, socket=self.socket, policy=self.policy, prefill_by_layer=by_layer)
+            return KvtierCache(m, socket=self.socket, policy=self.policy, block_tokens=BLOCK_TOKENS,
+                               prefill_by_layer=by_layer)
         return KvtierStaticCache(m, max_cache_len=n, socket=self.socket, policy=self.policy,
-                                 prefill_by_layer=by_layer)
+                                 block_tokens=BLOCK_TOKENS, prefill_by_layer=by_layer)
 
     def generate(self, new_tokens, ids=None, force=None):
         """(seconds to the first token's logits, the later steps' ms, the new tokens) of one

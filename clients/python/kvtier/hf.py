@@ -2,7 +2,7 @@
 
     from kvtier.hf import KvtierCache, enable
     enable(model)                                   # registers and selects attn "kvtier"
-    with KvtierCache(model, socket="/tmp/kvtier/tierd.sock", policy=Policy(1, 4, 32)) as cache:
+    with KvtierCache(model, socket="/tmp/kvtier/tierd.sock") as cache:   # default_policy(64)
         out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
 
 How it works:
@@ -314,25 +314,36 @@ class _PrefillByLayer:
         self.seconds += time.perf_counter() - t0
 
 
+def default_policy(block_tokens: int) -> Policy:
+    """`KvtierCache`'s policy when none is given: a sink of 128 tokens, a local window of 512 and
+    4,096 distant tokens (the sketch selector's top-k), in blocks of `block_tokens` (at least one
+    of each): `Policy(2, 8, 64)` in 64-token blocks, `Policy(1, 4, 32)` in 128-token blocks."""
+    return Policy(max(1, 128 // block_tokens), max(1, 512 // block_tokens), max(1, 4096 // block_tokens))
+
+
 class KvtierCache(Cache):
     """A transformers `Cache` whose full-attention layers live in tierd.
 
     `model_or_config`: the model (or its config). `client`: a connected `kvtier.Client`, else
     one is opened on `socket` (default `default_socket_path()`). `policy`: the sessions'
-    selection policy. `dtype`: session dtype (default: the model's — F32, F16 or BF16).
-    `block_tokens`: tokens per block. `engine`: "auto", "on" or "off", the in-engine path for a
-    model on a GPU (module docstring); `max_blocks`: its per-session capacity in blocks.
+    selection policy, counted in blocks of `block_tokens` (default: `default_policy`).
+    `dtype`: session dtype (default: the model's — F32, F16 or BF16). `block_tokens`: tokens
+    per block, 64 by default (at one budget of keys, 64-token blocks keep answers that
+    128-token blocks lose, at no more cost: docs/decisions/0025). `engine`: "auto", "on" or
+    "off", the in-engine path for a model on a GPU (module docstring); `max_blocks`: its
+    per-session capacity in blocks (16,384: 1M tokens in 64-token blocks).
     `prefill_by_layer`: on the in-engine path, hand the prefill to tierd layer by layer while
     the model computes the later layers (tierd's protocol version 5), instead of all layers
-    after the last; off by default until it is measured faster on a GPU (docs/performance.md).
+    after the last; off by default: on an H200 it gave the first token sooner at batch 1 and
+    later at batch 4 (docs/performance.md).
     Given a model, it switches the model to the ``"kvtier"`` attention (`enable`) if needed;
     given only a config, call `enable(model)` yourself. Close it (or use it as a context
     manager) to close the tierd sessions.
     """
 
     def __init__(self, model_or_config, client: Optional[Client] = None, socket: Optional[str] = None,
-                 policy: Policy = Policy(), dtype: Optional[Dtype] = None, block_tokens: int = 128,
-                 label: str = "hf", engine: str = "auto", max_blocks: int = 8192,
+                 policy: Optional[Policy] = None, dtype: Optional[Dtype] = None, block_tokens: int = 64,
+                 label: str = "hf", engine: str = "auto", max_blocks: int = 16384,
                  prefill_by_layer: bool = False):
         if engine not in ("auto", "on", "off"):
             raise ValueError(f"engine must be 'auto', 'on' or 'off', not {engine!r}")
@@ -365,7 +376,7 @@ class KvtierCache(Cache):
         super().__init__(layers=layers)
         self._config = config
         self._n_q_heads = int(config.num_attention_heads)
-        self.policy = policy
+        self.policy = policy if policy is not None else default_policy(block_tokens)
         self.dtype = Dtype(dtype)
         self.block_tokens = block_tokens
         self.label = label

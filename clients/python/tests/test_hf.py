@@ -17,6 +17,7 @@ from kvtier.hf import (  # noqa: E402
     KvtierStaticCache,
     TierdUnavailable,
     UnsupportedUse,
+    default_policy,
     enable,
 )
 
@@ -143,7 +144,7 @@ def test_unreachable_tierd_is_a_typed_error(tmp_path):
 
 
 def test_refused_geometry_names_the_geometry(tierd_factory):
-    # A block run of 2 kv heads x 2 x 128 tokens x 16 dims x 4 bytes = 32 KiB > 4 KiB runs.
+    # A block run of 2 kv heads x 2 x 64 tokens x 16 dims x 4 bytes = 16 KiB > 4 KiB runs.
     sock = tierd_factory("--set", 'host.max_run_bytes="4KiB"', capacity="64MiB")
     m = tiny("llama")
     ids, am = batch(prompt_len=20, pad=0)
@@ -151,13 +152,28 @@ def test_refused_geometry_names_the_geometry(tierd_factory):
         with pytest.raises(GeometryRefused) as e:
             m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
     msg = str(e.value)
-    assert "layers=3, q_heads=4, kv_heads=2, head_dim=16, dtype=F32, block_tokens=128" in msg
+    assert "layers=3, q_heads=4, kv_heads=2, head_dim=16, dtype=F32, block_tokens=64" in msg
     assert "host.max_run_bytes" in msg
     # And a geometry no tierd accepts: block_tokens above 4096.
     sock2 = tierd_factory()
     with KvtierCache(m, socket=sock2, block_tokens=8192) as c:
         with pytest.raises(GeometryRefused, match="block_tokens"):
             m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
+
+
+def test_the_default_is_64_token_blocks_at_the_budget_in_tokens(tierd_factory):
+    sock = tierd_factory()
+    m = tiny("llama")
+    ids, am = batch(prompt_len=40, pad=0)
+    with KvtierCache(m, socket=sock) as c:
+        m.generate(input_ids=ids, attention_mask=am, max_new_tokens=2, cache=c, pad_token_id=0)
+        assert (c.geometry.block_tokens, c.policy) == (64, Policy(2, 8, 64))
+        info = c.client.session_info(c.sessions[0])  # what tierd holds
+        assert (info.geometry.block_tokens, info.policy) == (64, Policy(2, 8, 64))
+    # A sink of 128 tokens, a local window of 512, 4,096 distant tokens; at least a block each.
+    assert default_policy(128) == Policy(1, 4, 32)
+    assert default_policy(16) == Policy(8, 32, 256)
+    assert default_policy(8192) == Policy(1, 1, 1)
 
 
 def test_right_padding_is_refused(tierd_factory):

@@ -62,12 +62,12 @@ def test_gemma_needle_2k(model_tok, tierd_factory):
     x, kw = needle_2k(tok)
     dense = model.generate(cache=DynamicCache(config=model.config), **kw)[0, x.shape[1]:]
     assert gemma.found(tok, dense, code), tok.decode(dense)
-    # Every one of the 16 blocks attended: the same tokens as dense.
-    with KvtierCache(model, socket=sock, policy=Policy(1, 4, 16)) as c:
+    # Every one of the 16 blocks of 128 tokens attended: the same tokens as dense.
+    with KvtierCache(model, socket=sock, policy=Policy(1, 4, 16), block_tokens=128) as c:
         full = model.generate(cache=c, **kw)[0, x.shape[1]:]
     assert torch.equal(full, dense), (tok.decode(full), tok.decode(dense))
     # Sparse: 1 sink + 4 local + top-8 of the 16 blocks; the needle is still found.
-    with KvtierCache(model, socket=sock, policy=Policy(1, 4, 8)) as c:
+    with KvtierCache(model, socket=sock, policy=Policy(1, 4, 8), block_tokens=128) as c:
         c.want_stats = True
         sparse = model.generate(cache=c, **kw)[0, x.shape[1]:]
         assert c.last_stats[0].blocks_selected == 13 and c.last_stats[0].blocks_total == 17
@@ -80,14 +80,14 @@ def test_gemma_compiled_decoding_gives_the_eager_adapters_tokens_2k(model_tok, t
     model, tok = model_tok
     sock = tierd_factory()
     x, kw = needle_2k(tok)
-    with KvtierCache(model, socket=sock, policy=Policy(1, 4, 8)) as c:
+    with KvtierCache(model, socket=sock, policy=Policy(1, 4, 8), block_tokens=128) as c:
         eager = model.generate(cache=c, **kw)[0, x.shape[1]:]
     # The whole step in one graph (a graph break fails); sliding layers in the engine as
     # StaticSlidingWindowLayers, the global layers' attention in tierd through kvtier::attend.
     cc = CompileConfig(fullgraph=True, mode="default")
     cc._compile_all_devices = True  # transformers compiles only on accelerators by default
     with KvtierStaticCache(model, max_cache_len=x.shape[1] + 8, socket=sock,
-                           policy=Policy(1, 4, 8)) as c:
+                           policy=Policy(1, 4, 8), block_tokens=128) as c:
         out = model.generate(cache=c, compile_config=cc, **kw)[0, x.shape[1]:]
         assert c.positions[:, 0].tolist() == [x.shape[1] + 7] * 3
     assert torch.equal(out, eager), (tok.decode(out), tok.decode(eager))
