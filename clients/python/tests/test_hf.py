@@ -45,6 +45,11 @@ def batch(prompt_len=300, pad=37):
     return ids, am
 
 
+def short_generate(m, cache, ids, am, new_tokens):
+    """`generate` of a few greedy tokens of `batch`'s ids through `cache`."""
+    return m.generate(input_ids=ids, attention_mask=am, max_new_tokens=new_tokens, cache=cache, pad_token_id=0)
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize("dtype", [Dtype.F32, Dtype.BF16])
 def test_generate_matches_dense_when_policy_covers_every_block(tierd_factory, kind, dtype):
@@ -134,7 +139,7 @@ def test_static_cache_refuses_another_attention(tierd_factory):
     ids, am = batch(prompt_len=40, pad=0)
     with KvtierStaticCache(m.config, max_cache_len=48, socket=sock) as c:
         with pytest.raises(UnsupportedUse, match="enable"):
-            m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
+            short_generate(m, c, ids, am, 3)
 
 
 def test_unreachable_tierd_is_a_typed_error(tmp_path):
@@ -150,7 +155,7 @@ def test_refused_geometry_names_the_geometry(tierd_factory):
     ids, am = batch(prompt_len=20, pad=0)
     with KvtierCache(m, socket=sock) as c:
         with pytest.raises(GeometryRefused) as e:
-            m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
+            short_generate(m, c, ids, am, 3)
     msg = str(e.value)
     assert "layers=3, q_heads=4, kv_heads=2, head_dim=16, dtype=F32, block_tokens=64" in msg
     assert "host.max_run_bytes" in msg
@@ -158,15 +163,13 @@ def test_refused_geometry_names_the_geometry(tierd_factory):
     sock2 = tierd_factory()
     with KvtierCache(m, socket=sock2, block_tokens=8192) as c:
         with pytest.raises(GeometryRefused, match="block_tokens"):
-            m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
+            short_generate(m, c, ids, am, 3)
 
 
 def test_the_default_is_64_token_blocks_at_the_budget_in_tokens(tierd_factory):
-    sock = tierd_factory()
-    m = tiny("llama")
-    ids, am = batch(prompt_len=40, pad=0)
+    sock, m, (ids, am) = tierd_factory(), tiny("llama"), batch(prompt_len=40, pad=0)
     with KvtierCache(m, socket=sock) as c:
-        m.generate(input_ids=ids, attention_mask=am, max_new_tokens=2, cache=c, pad_token_id=0)
+        short_generate(m, c, ids, am, 2)
         assert (c.geometry.block_tokens, c.policy) == (64, Policy(2, 8, 64))
         info = c.client.session_info(c.sessions[0])  # what tierd holds
         assert (info.geometry.block_tokens, info.policy) == (64, Policy(2, 8, 64))
@@ -183,7 +186,7 @@ def test_right_padding_is_refused(tierd_factory):
     am[1, -5:] = 0
     with KvtierCache(m, socket=sock) as c:
         with pytest.raises(UnsupportedUse, match="left padding"):
-            m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
+            short_generate(m, c, ids, am, 3)
 
 
 def test_model_without_kvtier_attention_is_caught(tierd_factory):
@@ -193,18 +196,16 @@ def test_model_without_kvtier_attention_is_caught(tierd_factory):
     ids, am = batch(prompt_len=40, pad=0)
     with KvtierCache(m.config, socket=sock) as c:  # a config: the model is not switched
         with pytest.raises(UnsupportedUse, match="enable"):
-            m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
+            short_generate(m, c, ids, am, 3)
     with KvtierCache(m, socket=sock) as c:  # a model: switched to "kvtier"
-        m.generate(input_ids=ids, attention_mask=am, max_new_tokens=3, cache=c, pad_token_id=0)
+        short_generate(m, c, ids, am, 3)
     assert m.config._attn_implementation == "kvtier"
 
 
 def test_tierd_gone_mid_generation_is_a_typed_error(tierd_factory):
-    sock = tierd_factory()
-    m = tiny("llama")
-    ids, am = batch(prompt_len=40, pad=0)
+    sock, m, (ids, am) = tierd_factory(), tiny("llama"), batch(prompt_len=40, pad=0)
     with KvtierCache(m, socket=sock) as c:
-        m.generate(input_ids=ids, attention_mask=am, max_new_tokens=2, cache=c, pad_token_id=0)
+        short_generate(m, c, ids, am, 2)
         c.client._sock.close()  # as if tierd had gone away
         with pytest.raises(TierdUnavailable):
             m(input_ids=ids[:, :1], cache=c)
