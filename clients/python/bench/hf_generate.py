@@ -55,8 +55,9 @@ from kvtier import Policy  # noqa: E402
 from kvtier.hf import KvtierCache, KvtierStaticCache, enable  # noqa: E402
 
 #: Blocks of whole_model.py's step, which this compares against (its default), so that
-#: `Policy(1, 4, top_k)` is the same budget in both.
+#: `Policy(1, 4, top_k)` is the same budget in both; the engine sized for 1M tokens a row.
 BLOCK_TOKENS = 128
+MAX_BLOCKS = (1 << 20) // BLOCK_TOKENS
 
 
 def tiny_model(dev):
@@ -115,9 +116,10 @@ class Run:
         by_layer = self.mode.endswith("-by-layer")
         if self.mode.removesuffix("-by-layer") == "kvtier":
             return KvtierCache(m, socket=self.socket, policy=self.policy, block_tokens=BLOCK_TOKENS,
-                               prefill_by_layer=by_layer)
+                               max_blocks=MAX_BLOCKS, prefill_by_layer=by_layer)
         return KvtierStaticCache(m, max_cache_len=n, socket=self.socket, policy=self.policy,
-                                 block_tokens=BLOCK_TOKENS, prefill_by_layer=by_layer)
+                                 block_tokens=BLOCK_TOKENS, max_blocks=MAX_BLOCKS,
+                                 prefill_by_layer=by_layer)
 
     def generate(self, new_tokens, ids=None, force=None):
         """(seconds to the first token's logits, the later steps' ms, the new tokens) of one
