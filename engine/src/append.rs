@@ -75,11 +75,7 @@ impl InEngine {
         tokens: u32,
         stream: CUstream,
     ) -> Result<()> {
-        if !self.in_place {
-            return Err(EngineError::InPlace(
-                "not enabled on this engine (enable_in_place_appends)".into(),
-            ));
-        }
+        self.check_in_place()?;
         for &(session, rows) in items {
             self.slot_of(session)?;
             if tokens == 0 || tokens > rows.capacity {
@@ -91,16 +87,8 @@ impl InEngine {
         }
         let mut timing = AppendTiming::default();
         let t = Instant::now();
-        let mut reserved = Vec::with_capacity(items.len());
-        for &(session, _) in items {
-            match self.client.reserve(session, tokens) {
-                Ok(r) => reserved.push(r),
-                Err(e) => {
-                    self.drop_reservations(&items[..reserved.len()]);
-                    return Err(e.into());
-                }
-            }
-        }
+        let sessions: Vec<(u64, u32)> = items.iter().map(|&(s, _)| (s, tokens)).collect();
+        let reserved = self.reserve_each(&sessions)?;
         timing.reserve = t.elapsed();
         let t = Instant::now();
         let copied = items
@@ -115,7 +103,7 @@ impl InEngine {
         if let Err(e) = copied {
             // A copy may still be in flight only if enqueueing failed part way; the
             // reservations go either way (COMMIT 0 drops their rows).
-            self.drop_reservations(items);
+            self.drop_reservations(items.iter().map(|&(s, _)| s));
             return Err(e);
         }
         timing.copy = t.elapsed();
@@ -195,10 +183,36 @@ impl InEngine {
         Ok(())
     }
 
-    /// COMMITs 0 rows (drops the reservation) for each of `items`' sessions; best effort, on
-    /// an error path.
-    fn drop_reservations(&mut self, items: &[(u64, DeviceRows)]) {
-        for &(session, _) in items {
+    /// Errs unless [`InEngine::enable_in_place_appends`] was called.
+    fn check_in_place(&self) -> Result<()> {
+        match self.in_place {
+            true => Ok(()),
+            false => Err(EngineError::InPlace(
+                "not enabled on this engine (enable_in_place_appends)".into(),
+            )),
+        }
+    }
+
+    /// RESERVEs `tokens` rows in each `(session, tokens)`, in order; on an error the
+    /// reservations made so far are dropped.
+    fn reserve_each(&mut self, items: &[(u64, u32)]) -> Result<Vec<ReserveReply>> {
+        let mut reserved = Vec::with_capacity(items.len());
+        for &(session, tokens) in items {
+            match self.client.reserve(session, tokens) {
+                Ok(r) => reserved.push(r),
+                Err(e) => {
+                    self.drop_reservations(items[..reserved.len()].iter().map(|&(s, _)| s));
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(reserved)
+    }
+
+    /// COMMITs 0 rows (drops the reservation) in each of `sessions`; best effort, on an error
+    /// path.
+    fn drop_reservations(&mut self, sessions: impl IntoIterator<Item = u64>) {
+        for session in sessions {
             let _ = self.client.commit(session, 0);
         }
     }
@@ -265,11 +279,7 @@ impl InEngine {
     /// ([`InEngine::commit_layers`]) while its model still computes the later layers: RESERVE
     /// for each. Needs [`InEngine::enable_in_place_appends`] and tierd's protocol version 5.
     pub fn begin_append_by_layer(&mut self, items: &[(u64, u32)]) -> Result<()> {
-        if !self.in_place {
-            return Err(EngineError::InPlace(
-                "not enabled on this engine (enable_in_place_appends)".into(),
-            ));
-        }
+        self.check_in_place()?;
         if self.by_layer.is_some() {
             return Err(EngineError::InPlace(
                 "an append by layer is already open".into(),
@@ -290,18 +300,8 @@ impl InEngine {
             }
         }
         let t = Instant::now();
-        let mut reserved = Vec::with_capacity(items.len());
-        for &(session, tokens) in items {
-            match self.client.reserve(session, tokens) {
-                Ok(r) => reserved.push((session, r)),
-                Err(e) => {
-                    for &(s, _) in &reserved {
-                        let _ = self.client.commit(s, 0);
-                    }
-                    return Err(e.into());
-                }
-            }
-        }
+        let reserved = self.reserve_each(items)?;
+        let reserved = items.iter().map(|&(s, _)| s).zip(reserved).collect();
         let layers = self.full.layers as usize;
         self.by_layer = Some(ByLayer {
             reserved,
