@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from kvtier import Policy
 from kvtier.examples import gemma
-from kvtier.hf import KvtierCache, default_socket_path, enable
+from kvtier.hf import KvtierCache, default_policy, default_socket_path, enable
 
 
 def main(argv=None):
@@ -39,8 +39,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=7)
     a = ap.parse_args(argv)
     bt = a.block_tokens
-    a.sink = max(1, 128 // bt) if a.sink is None else a.sink
-    a.local = max(1, 512 // bt) if a.local is None else a.local
+    d = default_policy(bt)  # the adapter's sink and local window; top-k 8 blocks of 128 tokens' keys
+    a.sink = d.sink_blocks if a.sink is None else a.sink
+    a.local = d.local_blocks if a.local is None else a.local
     a.top_k = max(1, 1024 // bt) if a.top_k is None else a.top_k
 
     t0 = time.time()
