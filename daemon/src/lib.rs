@@ -58,7 +58,7 @@ pub fn build_arena(
     HostArena::with_progress(&opts, progress)
 }
 
-/// Opens the NVMe tier (recovering its manifest) and builds the engine over `arena`; `gpu` is
+/// Opens the NVMe tier (recovering its manifest) and builds the service over `arena`; `gpu` is
 /// the CUDA decode path over the same arena when the backend resolved to cuda. Sessions found
 /// on NVMe are loaded back (warm restart).
 pub fn build_service(
@@ -116,7 +116,7 @@ pub fn build_service(
 }
 
 /// Opens the NVMe tier the `[nvme]` section describes (None when disabled): the page files,
-/// the io engine, the manifest (recovered), with devices weighted by a startup bandwidth probe.
+/// the io driver, the manifest (recovered), with devices weighted by a startup bandwidth probe.
 pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, String> {
     use kvtier_storage::nvme::io::UringConfig;
     use kvtier_storage::nvme::{self, DeviceConfig, PageStore, PageStoreConfig};
@@ -129,14 +129,14 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
     let uring = UringConfig {
         queue_depth: n.queue_depth,
     };
-    let engine: Arc<dyn nvme::IoEngine> = match n.engine {
-        config::IoEngineKind::Auto => nvme::open_best_engine(uring),
-        config::IoEngineKind::Uring => {
-            Arc::new(nvme::UringEngine::new(uring).map_err(|e| e.to_string())?)
+    let driver: Arc<dyn nvme::IoDriver> = match n.driver {
+        config::IoDriverKind::Auto => nvme::open_best_driver(uring),
+        config::IoDriverKind::Uring => {
+            Arc::new(nvme::UringDriver::new(uring).map_err(|e| e.to_string())?)
         }
-        config::IoEngineKind::Pread => Arc::new(nvme::PreadEngine::new()),
+        config::IoDriverKind::Pread => Arc::new(nvme::PreadDriver::new()),
     };
-    let engine = with_test_faults(engine)?;
+    let driver = with_test_faults(driver)?;
     let devices: Vec<(std::path::PathBuf, u64)> = if n.devices.is_empty() {
         vec![(n.dir.join("pages-0"), n.capacity.0)]
     } else {
@@ -163,7 +163,7 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
             // Probed over a written scratch file beside it: a fresh device file's unwritten
             // extents read back as zeros without I/O and would probe far too fast. (The page
             // store sizes the device file when it opens.)
-            let link = nvme::link::probe_path(engine.as_ref(), path, Default::default())
+            let link = nvme::link::probe_path(driver.as_ref(), path, Default::default())
                 .map_err(|e| e.to_string())?;
             tracing::info!(device = %path.display(), gbps = link.bandwidth_bytes_per_s / 1e9, latency_us = link.latency_s * 1e6, "probed NVMe device");
             link.bandwidth_bytes_per_s
@@ -181,7 +181,7 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
             devices: configs,
             max_payload: cfg.host.max_run_bytes.0 as usize,
         },
-        engine,
+        driver,
     )
     .map_err(|e| e.to_string())?;
     if n.workers > 0 {
@@ -192,7 +192,7 @@ pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, 
         tracing::warn!(manifest = %skipped, "skipped a damaged manifest file");
     }
     tracing::info!(
-        engine = tier.store().engine_name(),
+        driver = tier.store().driver_name(),
         workers = tier.store().workers(),
         epoch = report.epoch,
         sessions = report.sessions,
@@ -222,22 +222,22 @@ pub const INJECTS_FAULTS: bool = cfg!(any(debug_assertions, feature = "test-faul
 
 #[cfg(not(any(debug_assertions, feature = "test-faults")))]
 fn with_test_faults(
-    engine: Arc<dyn kvtier_storage::nvme::IoEngine>,
-) -> Result<Arc<dyn kvtier_storage::nvme::IoEngine>, String> {
+    driver: Arc<dyn kvtier_storage::nvme::IoDriver>,
+) -> Result<Arc<dyn kvtier_storage::nvme::IoDriver>, String> {
     if std::env::var_os(TEST_IO_FAULTS_ENV).is_some() {
         tracing::warn!("{TEST_IO_FAULTS_ENV} is ignored: this build has no fault injection");
     }
-    Ok(engine)
+    Ok(driver)
 }
 
 #[cfg(any(debug_assertions, feature = "test-faults"))]
 fn with_test_faults(
-    engine: Arc<dyn kvtier_storage::nvme::IoEngine>,
-) -> Result<Arc<dyn kvtier_storage::nvme::IoEngine>, String> {
-    use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyEngine, Trigger};
+    driver: Arc<dyn kvtier_storage::nvme::IoDriver>,
+) -> Result<Arc<dyn kvtier_storage::nvme::IoDriver>, String> {
+    use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyDriver, Trigger};
     use kvtier_storage::nvme::OpKind;
     let Ok(spec) = std::env::var(TEST_IO_FAULTS_ENV) else {
-        return Ok(engine);
+        return Ok(driver);
     };
     let bad = || format!("{TEST_IO_FAULTS_ENV}={spec:?}: expected <seed>,<write p>[,<read p>]");
     let mut parts = spec.split(',').map(str::trim);
@@ -257,7 +257,7 @@ fn with_test_faults(
         .map(|f| rule(OpKind::Write, f, write / 3.0))
         .to_vec();
     rules.extend([Fault::Eio, Fault::ShortTransfer].map(|f| rule(OpKind::Read, f, read / 2.0)));
-    let faulty = FaultyEngine::new(engine, rules, seed).map_err(|e| e.to_string())?;
+    let faulty = FaultyDriver::new(driver, rules, seed).map_err(|e| e.to_string())?;
     Ok(Arc::new(faulty))
 }
 

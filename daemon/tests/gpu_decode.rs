@@ -14,7 +14,7 @@ use kvtier_kernels::{decode_cpu, decode_step, DecodeEntry, KernelError, StageTim
 use kvtier_storage::nvme::io::UringConfig;
 use kvtier_storage::nvme::manifest::SessionRecord;
 use kvtier_storage::nvme::{
-    open_best_engine, BlockRun, DeviceConfig, NvmeTier, PageStore, PageStoreConfig, TierSource,
+    open_best_driver, BlockRun, DeviceConfig, NvmeTier, PageStore, PageStoreConfig, TierSource,
 };
 use kvtier_storage::testing::Rng;
 use kvtier_storage::{
@@ -591,7 +591,7 @@ fn nvme_tier(dir: &Path) -> NvmeTier {
             }],
             max_payload: GEO.block_bytes(),
         },
-        open_best_engine(UringConfig::default()),
+        open_best_driver(UringConfig::default()),
     )
     .unwrap();
     NvmeTier::open(store, dir).unwrap().0

@@ -12,13 +12,13 @@
 //! - [`sketch`]: int4 key sketches (one scale per channel of a block), kept beside the
 //!   summaries for the sketch selector.
 //! - `par`: the scoped-thread fan-out of the bulk paths (page store batches, block restores;
-//!   [`zip_mut`] also serves the engine's bulk bounds).
-//! - [`nvme`]: the NVMe tier: io engines (io_uring, pread), checksummed page store, crash-safe
+//!   [`zip_mut`] also serves the in-engine library's bulk summaries).
+//! - [`nvme`]: the NVMe tier: I/O drivers (io_uring, pread), checksummed page store, crash-safe
 //!   manifest and link model.
 //!
 //! A tile is one (layer, block, kv-head): the K tile `[B x D]` followed by the V tile `[B x D]`.
 //! The tiles of one (layer, block) are adjacent, forming a block run that takes one arena extent of its size.
-//! Nothing here depends on a GPU, and io_uring only in the NVMe tier's io engine (with a pread
+//! Nothing here depends on a GPU, and io_uring only in the NVMe tier's I/O driver (with a pread
 //! fallback where it is unavailable): policy code is testable anywhere.
 
 pub mod arena;

@@ -10,10 +10,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyEngine, OpKind, Trigger, UringConfig};
+use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyDriver, OpKind, Trigger, UringConfig};
 use kvtier_storage::nvme::{
-    open_best_engine, BlockRun, DeviceConfig, IoEngine, NvmeError, NvmeTier, PageAddr, PageStore,
-    PageStoreConfig, PreadEngine,
+    open_best_driver, BlockRun, DeviceConfig, IoDriver, NvmeError, NvmeTier, PageAddr, PageStore,
+    PageStoreConfig, PreadDriver,
 };
 use kvtier_tests::kv::xorshift_bytes;
 
@@ -46,12 +46,12 @@ fn open_tier(dir: &Path, units: u64) -> NvmeTier {
     open_tier_on(
         dir,
         units,
-        open_best_engine(UringConfig { queue_depth: 32 }),
+        open_best_driver(UringConfig { queue_depth: 32 }),
     )
 }
 
-fn open_tier_on(dir: &Path, units: u64, engine: Arc<dyn IoEngine>) -> NvmeTier {
-    let store = PageStore::open(&store_cfg(dir, units), engine).unwrap();
+fn open_tier_on(dir: &Path, units: u64, driver: Arc<dyn IoDriver>) -> NvmeTier {
+    let store = PageStore::open(&store_cfg(dir, units), driver).unwrap();
     NvmeTier::open(store, &dir.join("manifest")).unwrap().0
 }
 
@@ -373,8 +373,8 @@ fn kill9_during_fragmenting_churn_and_compaction() {
 fn compaction_under_write_faults_loses_nothing() {
     let dir = scratch_dir(env!("CARGO_TARGET_TMPDIR"), "compaction-faults");
     fragment(&open_tier(&dir, DEVICE_UNITS));
-    let faulty = FaultyEngine::new(
-        PreadEngine::new(),
+    let faulty = FaultyDriver::new(
+        PreadDriver::new(),
         vec![FaultRule {
             kind: Some(OpKind::Write),
             fault: Fault::Eio,

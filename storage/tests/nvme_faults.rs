@@ -6,9 +6,9 @@ mod common;
 
 use std::sync::Arc;
 
-use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyEngine, Trigger, UringConfig};
+use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyDriver, Trigger, UringConfig};
 use kvtier_storage::nvme::{
-    CorruptReason, IoEngine, NvmeError, OpKind, PageStore, PreadEngine, UringEngine,
+    CorruptReason, IoDriver, NvmeError, OpKind, PageStore, PreadDriver, UringDriver,
 };
 
 use common::{
@@ -41,10 +41,10 @@ fn page_store_under_injected_faults_never_returns_wrong_data() {
             trigger: Trigger::Probability(0.05),
         },
     ];
-    let engine = Arc::new(
-        FaultyEngine::new(UringEngine::new(UringConfig::default()).unwrap(), rules, 7).unwrap(),
+    let driver = Arc::new(
+        FaultyDriver::new(UringDriver::new(UringConfig::default()).unwrap(), rules, 7).unwrap(),
     );
-    let store = PageStore::open(&store_cfg(&dir, &[1.0, 2.0], 4 << 20), engine.clone()).unwrap();
+    let store = PageStore::open(&store_cfg(&dir, &[1.0, 2.0], 4 << 20), driver.clone()).unwrap();
     let addrs = store.alloc(9, 64, 9000).unwrap();
     let payloads: Vec<Vec<u8>> = (0..64).map(|i| pattern(i, 9000)).collect();
     let all: Vec<usize> = (0..addrs.len()).collect();
@@ -70,7 +70,7 @@ fn page_store_under_injected_faults_never_returns_wrong_data() {
             }
         }
     }
-    assert!(engine.injected() > 100);
+    assert!(driver.injected() > 100);
     assert!(
         ok > 0 && corrupt > 0 && io > 0,
         "ok {ok} corrupt {corrupt} io {io}"
@@ -94,8 +94,8 @@ fn io_errors_are_counted_per_failed_operation_apart_from_corruption() {
         rule(OpKind::Read, Fault::Eio, 1),
         rule(OpKind::Read, Fault::ShortTransfer, 3),
     ];
-    let engine = Arc::new(FaultyEngine::new(PreadEngine::new(), rules, 11).unwrap());
-    let store = PageStore::open(&store_cfg(&dir, &[1.0], 1 << 20), engine).unwrap();
+    let driver = Arc::new(FaultyDriver::new(PreadDriver::new(), rules, 11).unwrap());
+    let store = PageStore::open(&store_cfg(&dir, &[1.0], 1 << 20), driver).unwrap();
     let addrs = store.alloc(9, 5, 4000).unwrap();
     let payloads: Vec<Vec<u8>> = (0..5).map(|i| pattern(i, 4000)).collect();
     let all: Vec<usize> = (0..addrs.len()).collect();
@@ -142,14 +142,14 @@ fn io_errors_are_counted_per_failed_operation_apart_from_corruption() {
 
 // ---- Multi-threaded batches: faults pinned to chosen pages ----
 
-type MakeEngine = fn() -> Box<dyn IoEngine>;
+type MakeDriver = fn() -> Box<dyn IoDriver>;
 
-fn both_engines() -> Vec<(&'static str, MakeEngine)> {
+fn both_drivers() -> Vec<(&'static str, MakeDriver)> {
     vec![
         ("io_uring", || {
-            Box::new(UringEngine::new(UringConfig { queue_depth: 16 }).unwrap())
+            Box::new(UringDriver::new(UringConfig { queue_depth: 16 }).unwrap())
         }),
-        ("pread", || Box::new(PreadEngine::new())),
+        ("pread", || Box::new(PreadDriver::new())),
     ]
 }
 
@@ -160,15 +160,15 @@ fn eio_short_read_and_a_bit_flip_on_chosen_pages_through_the_multi_threaded_read
     let all: Vec<usize> = (0..PAGES).collect();
     // A fresh single-device store hands out pages 0, 1, 2, ... in order.
     let (eio, flip, short) = (10, 150, 299);
-    for (name, inner) in both_engines() {
+    for (name, inner) in both_drivers() {
         for workers in [1, 2, 4] {
             let rules = vec![
                 pinned(OpKind::Read, Fault::Eio, eio),
                 pinned(OpKind::Read, Fault::BitFlip, flip),
                 pinned(OpKind::Read, Fault::ShortTransfer, short),
             ];
-            let engine = Arc::new(FaultyEngine::new(inner(), rules, 3).unwrap());
-            let store = full_page_store(&dir, engine, workers);
+            let driver = Arc::new(FaultyDriver::new(inner(), rules, 3).unwrap());
+            let store = full_page_store(&dir, driver, workers);
             let addrs = store.alloc(9, PAGES, FULL_PAYLOAD).unwrap();
             assert!(addrs
                 .iter()
@@ -223,7 +223,7 @@ fn enospc_short_write_eio_and_a_bit_flip_on_chosen_pages_through_the_multi_threa
     let dir = test_dir("mt-write-faults");
     let payloads = full_payloads();
     let (enospc, flip, short, eio) = (70, 130, 200, 250);
-    for (name, inner) in both_engines() {
+    for (name, inner) in both_drivers() {
         for workers in [1, 4] {
             let rules = vec![
                 pinned(OpKind::Write, Fault::Enospc, enospc),
@@ -231,8 +231,8 @@ fn enospc_short_write_eio_and_a_bit_flip_on_chosen_pages_through_the_multi_threa
                 pinned(OpKind::Write, Fault::ShortTransfer, short),
                 pinned(OpKind::Write, Fault::Eio, eio),
             ];
-            let engine = Arc::new(FaultyEngine::new(inner(), rules, 5).unwrap());
-            let store = full_page_store(&dir, engine, workers);
+            let driver = Arc::new(FaultyDriver::new(inner(), rules, 5).unwrap());
+            let store = full_page_store(&dir, driver, workers);
             let addrs = store.alloc(9, PAGES, FULL_PAYLOAD).unwrap();
             let ctx = format!("{name}, {workers} workers");
             let except = |skip: &[usize]| -> Vec<usize> {

@@ -7,7 +7,7 @@ use kvtier_storage::nvme::link::{
     probe_device, probe_path, split_batches, Link, LinkTracker, Observed, ProbeConfig,
     TRACKER_OUTLIER_FACTOR, TRACKER_WARMUP,
 };
-use kvtier_storage::nvme::{open_best_engine, AlignedBuf, DirectFile, IoRequest, NvmeError};
+use kvtier_storage::nvme::{open_best_driver, AlignedBuf, DirectFile, IoRequest, NvmeError};
 use proptest::prelude::*;
 
 const GB: f64 = 1e9;
@@ -378,7 +378,7 @@ fn probe_measures_a_real_file() {
     let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("nvme-probe-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let engine = open_best_engine(UringConfig::default());
+    let driver = open_best_driver(UringConfig::default());
     let f = Arc::new(DirectFile::open(&dir.join("dev")).unwrap());
     let span = 16u64 << 20;
     f.ensure_len(span).unwrap();
@@ -388,7 +388,7 @@ fn probe_measures_a_real_file() {
             IoRequest::write(f.clone(), i << 20, AlignedBuf::new(1 << 20, 4096).unwrap()).unwrap()
         })
         .collect();
-    for c in engine.submit(reqs).unwrap() {
+    for c in driver.submit(reqs).unwrap() {
         c.result.unwrap();
     }
     let cfg = ProbeConfig {
@@ -397,14 +397,14 @@ fn probe_measures_a_real_file() {
         depth: 8,
         batches: 4,
     };
-    let l = probe_device(engine.as_ref(), &f, span, cfg).unwrap();
+    let l = probe_device(driver.as_ref(), &f, span, cfg).unwrap();
     assert!(
         l.bandwidth_bytes_per_s > 1e6 && l.bandwidth_bytes_per_s < 1e12,
         "{l:?}"
     );
     assert!(l.latency_s > 0.0 && l.latency_s < 1.0, "{l:?}");
     assert!(
-        probe_device(engine.as_ref(), &f, 1000, cfg).is_err(),
+        probe_device(driver.as_ref(), &f, 1000, cfg).is_err(),
         "span too small"
     );
     let bad = ProbeConfig {
@@ -412,7 +412,7 @@ fn probe_measures_a_real_file() {
         ..cfg
     };
     assert!(matches!(
-        probe_device(engine.as_ref(), &f, span, bad),
+        probe_device(driver.as_ref(), &f, span, bad),
         Err(NvmeError::Misaligned { .. })
     ));
     std::fs::remove_dir_all(dir).unwrap();
@@ -426,13 +426,13 @@ fn probe_path_measures_written_bytes_beside_the_device_and_cleans_up() {
     let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("nvme-probe-path-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let engine = open_best_engine(UringConfig::default());
+    let driver = open_best_driver(UringConfig::default());
     let dev = dir.join("pages-0");
     let f = Arc::new(DirectFile::open(&dev).unwrap());
     f.ensure_len(8 << 20).unwrap();
     let mut buf = AlignedBuf::new(1 << 20, 4096).unwrap();
     buf.fill(0xC3);
-    for c in engine
+    for c in driver
         .submit(vec![IoRequest::write(f.clone(), 3 << 20, buf).unwrap()])
         .unwrap()
     {
@@ -445,7 +445,7 @@ fn probe_path_measures_written_bytes_beside_the_device_and_cleans_up() {
         depth: 8,
         batches: 4,
     };
-    let l = probe_path(engine.as_ref(), &dev, cfg).unwrap();
+    let l = probe_path(driver.as_ref(), &dev, cfg).unwrap();
     assert!(
         l.bandwidth_bytes_per_s > 1e6 && l.bandwidth_bytes_per_s < 1e12,
         "{l:?}"
@@ -463,7 +463,7 @@ fn probe_path_measures_written_bytes_beside_the_device_and_cleans_up() {
         ..cfg
     };
     assert!(matches!(
-        probe_path(engine.as_ref(), &dev, bad),
+        probe_path(driver.as_ref(), &dev, bad),
         Err(NvmeError::Misaligned { .. })
     ));
     assert!(

@@ -11,7 +11,7 @@ use kvtier_storage::nvme::manifest::{
 };
 use kvtier_storage::nvme::store::{PageRead, PageWrite};
 use kvtier_storage::nvme::{
-    open_best_engine, BlockRun, DeviceConfig, NvmeError, NvmeTier, PageAddr, PageId, PageStore,
+    open_best_driver, BlockRun, DeviceConfig, NvmeError, NvmeTier, PageAddr, PageId, PageStore,
     PageStoreConfig, RecoveryReport,
 };
 use kvtier_storage::{Geometry, Policy};
@@ -185,8 +185,8 @@ fn rewrite_session(
 }
 
 fn open_all(dir: &Path) -> (PageStore, ManifestStore, Manifest, Vec<PageAddr>) {
-    let engine = open_best_engine(UringConfig { queue_depth: 32 });
-    let store = PageStore::open(&store_cfg(dir), engine).unwrap();
+    let driver = open_best_driver(UringConfig { queue_depth: 32 });
+    let store = PageStore::open(&store_cfg(dir), driver).unwrap();
     let (ms, loaded) = ManifestStore::open(&dir.join("manifest")).unwrap();
     let (m, deferred) = match loaded {
         Some(mut l) => {
@@ -265,8 +265,8 @@ fn corrupt_or_truncated_newest_manifest_falls_back_to_previous() {
         );
         assert_eq!(l.skipped.len(), 2, "{name}");
         // And the fallback's pages are intact (the reuse rule kept them).
-        let engine = open_best_engine(UringConfig::default());
-        let store = PageStore::open(&store_cfg(&dir), engine).unwrap();
+        let driver = open_best_driver(UringConfig::default());
+        let store = PageStore::open(&store_cfg(&dir), driver).unwrap();
         l.current.recover_into(&store, None).unwrap();
         assert_eq!(verify_all(&store, &l.current).unwrap(), 8, "{name}");
     }
@@ -310,14 +310,14 @@ fn manifest_from_other_devices_is_rejected() {
     cfg.devices[1].capacity_bytes += 4096; // a device of another size
     cfg.devices[0].path = dir.join("other0");
     cfg.devices[1].path = dir.join("other1");
-    let other = PageStore::open(&cfg, open_best_engine(UringConfig::default())).unwrap();
+    let other = PageStore::open(&cfg, open_best_driver(UringConfig::default())).unwrap();
     assert!(matches!(
         m.recover_into(&other, None),
         Err(NvmeError::ManifestMismatch { .. })
     ));
     // A manifest of another unit.
     let store2 =
-        PageStore::open(&store_cfg(&dir), open_best_engine(UringConfig::default())).unwrap();
+        PageStore::open(&store_cfg(&dir), open_best_driver(UringConfig::default())).unwrap();
     let mut other_unit = m.clone();
     other_unit.page_size = 8192;
     assert!(matches!(
@@ -335,8 +335,8 @@ fn manifest_from_other_devices_is_rejected() {
 }
 
 fn open_tier(dir: &Path) -> (NvmeTier, RecoveryReport) {
-    let engine = open_best_engine(UringConfig { queue_depth: 32 });
-    let store = PageStore::open(&store_cfg(dir), engine).unwrap();
+    let driver = open_best_driver(UringConfig { queue_depth: 32 });
+    let store = PageStore::open(&store_cfg(dir), driver).unwrap();
     NvmeTier::open(store, &dir.join("manifest")).unwrap()
 }
 

@@ -11,7 +11,7 @@ use kvtier_storage::nvme::manifest::{
     v4, GeometryRecord, Manifest, ManifestStore, PageRecord, PolicyRecord, SessionRecord,
 };
 use kvtier_storage::nvme::{
-    open_best_engine, BlockRun, DeviceConfig, NvmeError, NvmeTier, PageId, PageStore,
+    open_best_driver, BlockRun, DeviceConfig, NvmeError, NvmeTier, PageId, PageStore,
     PageStoreConfig,
 };
 use kvtier_tests::kv::xorshift_bytes;
@@ -151,7 +151,7 @@ fn a_version_3_manifest_of_fixed_pages_is_converted_to_units_and_keeps_its_sessi
         // Not what the old store had: variable pages do not depend on it.
         max_payload: MIB,
     };
-    let open_store = || PageStore::open(&cfg, open_best_engine(UringConfig::default())).unwrap();
+    let open_store = || PageStore::open(&cfg, open_best_driver(UringConfig::default())).unwrap();
     drop(open_store()); // creates the files
 
     // (session, block, device, old page, payload length); generation 7 (the epoch).
@@ -352,7 +352,7 @@ fn recovery_of_pages_of_several_sizes_marks_their_extents_and_refuses_an_overlap
             .collect(),
         max_payload: 3 * MIB,
     };
-    let open_store = || PageStore::open(&cfg, open_best_engine(UringConfig::default())).unwrap();
+    let open_store = || PageStore::open(&cfg, open_best_driver(UringConfig::default())).unwrap();
     let put = |tier: &NvmeTier, id: u64, blocks: std::ops::Range<u32>, total: u32, len: usize| {
         let generation = tier.next_generation();
         let bytes: Vec<Vec<u8>> = blocks

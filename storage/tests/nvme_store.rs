@@ -7,10 +7,10 @@ mod common;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyEngine, Trigger, UringConfig};
+use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyDriver, Trigger, UringConfig};
 use kvtier_storage::nvme::store::{PageRead, PageWrite};
 use kvtier_storage::nvme::{
-    CorruptReason, IoEngine, IoRequest, NvmeError, PageAddr, PageStore, PreadEngine, UringEngine,
+    CorruptReason, IoDriver, IoRequest, NvmeError, PageAddr, PageStore, PreadDriver, UringDriver,
 };
 
 use common::{
@@ -20,11 +20,11 @@ use common::{
 #[test]
 fn page_store_roundtrip_and_verification() {
     let dir = test_dir("store");
-    for engine in [
-        Arc::new(UringEngine::new(UringConfig::default()).unwrap()) as Arc<dyn IoEngine>,
-        Arc::new(PreadEngine::new()),
+    for driver in [
+        Arc::new(UringDriver::new(UringConfig::default()).unwrap()) as Arc<dyn IoDriver>,
+        Arc::new(PreadDriver::new()),
     ] {
-        let store = PageStore::open(&store_cfg(&dir, &[1.0, 1.0], 1 << 20), engine).unwrap();
+        let store = PageStore::open(&store_cfg(&dir, &[1.0, 1.0], 1 << 20), driver).unwrap();
         assert_eq!(store.unit(), 4096);
         let payloads: Vec<Vec<u8>> = (0..20)
             .map(|i| pattern(i, 1000 + i as usize * 400))
@@ -104,9 +104,9 @@ fn page_store_roundtrip_and_verification() {
 #[test]
 fn page_store_bad_input_is_typed() {
     let dir = test_dir("store-bad");
-    let engine: Arc<dyn IoEngine> = Arc::new(PreadEngine::new());
+    let driver: Arc<dyn IoDriver> = Arc::new(PreadDriver::new());
     // 30 units; the largest page (10_000 bytes of payload) takes 3.
-    let store = PageStore::open(&store_cfg(&dir, &[1.0], 10 * 12288), engine.clone()).unwrap();
+    let store = PageStore::open(&store_cfg(&dir, &[1.0], 10 * 12288), driver.clone()).unwrap();
     assert_eq!((store.page_units(10_000), store.page_units(100)), (3, 1));
     let a = store.alloc(1, 1, 10_000).unwrap()[0];
     assert_eq!(
@@ -306,18 +306,18 @@ fn page_store_bad_input_is_typed() {
     let mut cfg = store_cfg(&dir, &[1.0], 8192);
     assert!(
         matches!(
-            PageStore::open(&cfg, engine.clone()),
+            PageStore::open(&cfg, driver.clone()),
             Err(NvmeError::InvalidArgument { .. })
         ),
         "no room for the largest page"
     );
     cfg.devices.clear();
-    assert!(PageStore::open(&cfg, engine.clone()).is_err());
+    assert!(PageStore::open(&cfg, driver.clone()).is_err());
     let cfg = store_cfg(&dir, &[0.0], 1 << 20);
-    assert!(PageStore::open(&cfg, engine.clone()).is_err());
+    assert!(PageStore::open(&cfg, driver.clone()).is_err());
     let mut cfg = store_cfg(&dir, &[1.0], 1 << 20);
     cfg.max_payload = 0;
-    assert!(PageStore::open(&cfg, engine).is_err());
+    assert!(PageStore::open(&cfg, driver).is_err());
 }
 
 #[test]
@@ -325,7 +325,7 @@ fn striping_follows_bandwidth() {
     let dir = test_dir("stripe");
     let store = PageStore::open(
         &store_cfg(&dir, &[3.0e9, 1.0e9, 2.0e9], 1 << 22),
-        Arc::new(PreadEngine::new()),
+        Arc::new(PreadDriver::new()),
     )
     .unwrap();
     let mut per_dev = [0usize; 3];
@@ -358,15 +358,15 @@ fn striping_follows_bandwidth() {
     assert_eq!(store.free_bytes(), 0);
 }
 
-/// An engine for a store of two devices whose first is slow: its operations go through a
-/// stalling [`FaultyEngine`], the other device's straight to pread.
+/// An driver for a store of two devices whose first is slow: its operations go through a
+/// stalling [`FaultyDriver`], the other device's straight to pread.
 struct SlowFirstDevice {
     slow: PathBuf,
-    stalled: FaultyEngine<PreadEngine>,
-    fast: PreadEngine,
+    stalled: FaultyDriver<PreadDriver>,
+    fast: PreadDriver,
 }
 
-impl IoEngine for SlowFirstDevice {
+impl IoDriver for SlowFirstDevice {
     fn submit(
         &self,
         reqs: Vec<IoRequest>,
@@ -404,10 +404,10 @@ fn tracked_read_rates_set_the_stripe_weights_of_new_sessions_and_the_bulk_batche
     // Configured as equals; device 0 really holds every operation 5 ms longer (a margin
     // that CPU contention on the fast device's reads cannot eat).
     let cfg = store_cfg(&dir, &[1.0, 1.0], 4 << 20);
-    let engine = SlowFirstDevice {
+    let driver = SlowFirstDevice {
         slow: cfg.devices[0].path.clone(),
-        stalled: FaultyEngine::new(
-            PreadEngine::new(),
+        stalled: FaultyDriver::new(
+            PreadDriver::new(),
             vec![FaultRule {
                 kind: None,
                 fault: Fault::Stall(std::time::Duration::from_millis(5)),
@@ -416,9 +416,9 @@ fn tracked_read_rates_set_the_stripe_weights_of_new_sessions_and_the_bulk_batche
             0,
         )
         .unwrap(),
-        fast: PreadEngine::new(),
+        fast: PreadDriver::new(),
     };
-    let store = PageStore::open(&cfg, Arc::new(engine)).unwrap();
+    let store = PageStore::open(&cfg, Arc::new(driver)).unwrap();
     assert!(store.usage().devices.iter().all(|d| d.read_link.is_none()));
     let (tier, _) = NvmeTier::open(store, &dir.join("manifest")).unwrap();
     let record = |id: u64| one_layer_record(id, 100);
@@ -512,10 +512,10 @@ const MIB: usize = 1 << 20;
 #[test]
 fn pages_of_different_sizes_share_a_store_and_reuse_freed_space() {
     let dir = test_dir("store-mixed");
-    let engine: Arc<dyn IoEngine> = Arc::new(UringEngine::new(UringConfig::default()).unwrap());
+    let driver: Arc<dyn IoDriver> = Arc::new(UringDriver::new(UringConfig::default()).unwrap());
     let mut cfg = store_cfg(&dir, &[1.0, 1.0], 16 * MIB as u64);
     cfg.max_payload = 3 * MIB;
-    let store = PageStore::open(&cfg, engine).unwrap();
+    let store = PageStore::open(&cfg, driver).unwrap();
     store.set_workers(4).unwrap();
     let sizes = [(20 * KIB, 12), (512 * KIB, 6), (3 * MIB, 3)];
     let mut addrs = Vec::new();
@@ -642,11 +642,11 @@ fn pages_of_different_sizes_share_a_store_and_reuse_freed_space() {
 #[test]
 fn full_for_a_large_page_while_small_ones_still_fit() {
     let dir = test_dir("store-full-large");
-    let engine: Arc<dyn IoEngine> = Arc::new(UringEngine::new(UringConfig::default()).unwrap());
+    let driver: Arc<dyn IoDriver> = Arc::new(UringDriver::new(UringConfig::default()).unwrap());
     // 64 units; a 100 KiB page takes 26.
     let mut cfg = store_cfg(&dir, &[1.0], 64 * 4096);
     cfg.max_payload = 100 * KIB;
-    let store = PageStore::open(&cfg, engine.clone()).unwrap();
+    let store = PageStore::open(&cfg, driver.clone()).unwrap();
     assert_eq!(store.page_units(100 * KIB), 26);
     let small = store.alloc(1, 64, 1000).unwrap();
     // Every other page freed: 32 free units, none next to another.
@@ -679,7 +679,7 @@ fn full_for_a_large_page_while_small_ones_still_fit() {
     let dir = test_dir("store-full-large-2");
     let mut cfg = store_cfg(&dir, &[1.0, 1.0], 40 * 4096);
     cfg.max_payload = 100 * KIB;
-    let store = PageStore::open(&cfg, engine).unwrap();
+    let store = PageStore::open(&cfg, driver).unwrap();
     let before = store.usage();
     let e = store.alloc(2, 3, 100 * KIB).unwrap_err();
     assert!(

@@ -5,9 +5,9 @@ mod common;
 
 use std::sync::Arc;
 
-use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyEngine, Trigger, UringConfig};
+use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyDriver, Trigger, UringConfig};
 use kvtier_storage::nvme::{
-    IoEngine, IoRequest, NvmeError, OpKind, PageStore, PreadEngine, UringEngine,
+    IoDriver, IoRequest, NvmeError, OpKind, PageStore, PreadDriver, UringDriver,
 };
 
 use common::{
@@ -15,13 +15,13 @@ use common::{
     test_dir, writes_of, FULL_PAGE, FULL_PAYLOAD, PAGES,
 };
 
-/// Records which threads submit to the engine.
+/// Records which threads submit to the driver.
 struct Recording<E> {
     inner: E,
     threads: parking_lot::Mutex<Vec<std::thread::ThreadId>>,
 }
 
-impl<E: IoEngine> IoEngine for Recording<E> {
+impl<E: IoDriver> IoDriver for Recording<E> {
     fn submit(
         &self,
         reqs: Vec<IoRequest>,
@@ -50,11 +50,11 @@ fn one_worker_runs_every_batch_on_the_caller_with_the_same_bytes_as_several() {
             fault: Fault::Stall(std::time::Duration::from_micros(300)),
             trigger: Trigger::Always,
         };
-        let engine = Arc::new(Recording {
-            inner: FaultyEngine::new(PreadEngine::new(), vec![stall], 0).unwrap(),
+        let driver = Arc::new(Recording {
+            inner: FaultyDriver::new(PreadDriver::new(), vec![stall], 0).unwrap(),
             threads: Default::default(),
         });
-        let store = full_page_store(&dir, engine.clone(), workers);
+        let store = full_page_store(&dir, driver.clone(), workers);
         let chunk = PageStore::chunk_pages(FULL_PAGE);
         let chunks = PAGES.div_ceil(chunk);
         let addrs = store.alloc(9, PAGES, FULL_PAYLOAD).unwrap();
@@ -68,7 +68,7 @@ fn one_worker_runs_every_batch_on_the_caller_with_the_same_bytes_as_several() {
             .map(|r| r.unwrap().payload().to_vec())
             .collect();
         assert_eq!(read, payloads);
-        let threads = std::mem::take(&mut *engine.threads.lock());
+        let threads = std::mem::take(&mut *driver.threads.lock());
         assert_eq!(threads.len(), 2 * chunks, "one submission per chunk");
         let distinct: std::collections::HashSet<_> = threads.iter().collect();
         if workers == 1 {
@@ -87,7 +87,7 @@ fn one_worker_runs_every_batch_on_the_caller_with_the_same_bytes_as_several() {
         store
             .read_pages(&reads_of(&addrs, Some(&crcs), &all[..chunk]))
             .unwrap();
-        assert_eq!(*engine.threads.lock(), vec![me]);
+        assert_eq!(*driver.threads.lock(), vec![me]);
         let u = store.usage();
         assert_eq!(
             (u.devices[0].read_samples, u.devices[0].write_samples),
@@ -106,7 +106,7 @@ fn one_worker_runs_every_batch_on_the_caller_with_the_same_bytes_as_several() {
 #[test]
 fn workers_are_validated() {
     let dir = test_dir("workers-bad");
-    let store = full_page_store(&dir, Arc::new(PreadEngine::new()), 1);
+    let store = full_page_store(&dir, Arc::new(PreadDriver::new()), 1);
     use kvtier_storage::nvme::store::MAX_WORKERS;
     assert!((1..=8).contains(&kvtier_storage::default_workers()));
     for bad in [0, MAX_WORKERS + 1] {
@@ -128,15 +128,15 @@ fn read_runs_pipelined_delivers_every_batch_in_order_and_stops_at_the_first_erro
     let dir = test_dir("pipelined");
     let n = 200usize;
     let eio_run = 77;
-    let engine = Arc::new(
-        FaultyEngine::new(
-            UringEngine::new(UringConfig::default()).unwrap(),
+    let driver = Arc::new(
+        FaultyDriver::new(
+            UringDriver::new(UringConfig::default()).unwrap(),
             vec![pinned(OpKind::Read, Fault::Eio, eio_run)],
             0,
         )
         .unwrap(),
     );
-    let store = full_page_store(&dir, engine, 4);
+    let store = full_page_store(&dir, driver, 4);
     let (tier, _) = NvmeTier::open(store, &dir.join("manifest")).unwrap();
     let payloads: Vec<Vec<u8>> = (0..n as u64).map(|i| pattern(i, 9000)).collect();
     let runs = layer0_runs(&payloads);
@@ -233,7 +233,7 @@ fn read_runs_pipelined_cuts_batches_by_the_bytes_of_the_pages() {
             }],
             max_payload: run,
         },
-        Arc::new(UringEngine::new(UringConfig::default()).unwrap()),
+        Arc::new(UringDriver::new(UringConfig::default()).unwrap()),
     )
     .unwrap();
     let page = store.page_bytes(run);

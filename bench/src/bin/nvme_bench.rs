@@ -6,7 +6,7 @@
 //!
 //! cargo run --release -p kvtier-bench --bin nvme_bench -- [--tokens 69760]
 //!     [--dir target/tier-bench] [--fast-dir /dev/shm/kvtier-bench] [--steps 3] [--workers N]
-//!     [--engine auto|pread] [--cold-frac 0.5] [--mixed-steps 9] [--only restore|stripe|mixed|cold]
+//!     [--driver auto|pread] [--cold-frac 0.5] [--mixed-steps 9] [--only restore|stripe|mixed|cold]
 //!
 //! `--dir` should be on the NVMe (or whatever disk) under test; `--fast-dir` on a faster link
 //! (tmpfs stands in for a second, faster device on a machine with one disk). `--workers` sets
@@ -26,8 +26,8 @@ use kvtier_bench::{
 use kvtier_storage::nvme::link::{probe_path, Link};
 use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord};
 use kvtier_storage::nvme::{
-    open_best_engine, AlignedBuf, BlockRun, DeviceConfig, DirectFile, IoEngine, NvmeError,
-    NvmeTier, PageStore, PageStoreConfig, PreadEngine, TierSource,
+    open_best_driver, AlignedBuf, BlockRun, DeviceConfig, DirectFile, IoDriver, NvmeError,
+    NvmeTier, PageStore, PageStoreConfig, PreadDriver, TierSource,
 };
 use kvtier_storage::testing::Rng;
 use kvtier_storage::{
@@ -40,7 +40,7 @@ struct Args {
     fast_dir: PathBuf,
     steps: usize,
     workers: usize,
-    engine: String,
+    driver: String,
     cold_frac: f64,
     mixed_steps: usize,
     only: Option<String>,
@@ -59,7 +59,7 @@ fn parse_args() -> Args {
         fast_dir: PathBuf::from("/dev/shm/kvtier-bench"),
         steps: 3,
         workers: kvtier_storage::default_workers(),
-        engine: "auto".into(),
+        driver: "auto".into(),
         cold_frac: 0.5,
         mixed_steps: 9,
         only: None,
@@ -70,7 +70,7 @@ fn parse_args() -> Args {
         "--fast-dir" => a.fast_dir = val().into(),
         "--steps" => a.steps = val().parse().expect("--steps"),
         "--workers" => a.workers = val().parse().expect("--workers"),
-        "--engine" => a.engine = val(),
+        "--driver" => a.driver = val(),
         "--cold-frac" => a.cold_frac = val().parse().expect("--cold-frac"),
         "--mixed-steps" => a.mixed_steps = val().parse().expect("--mixed-steps"),
         "--only" => a.only = Some(val()),
@@ -108,7 +108,7 @@ fn arena(blocks: usize) -> HostArena {
 fn tier(
     dir: &Path,
     devices: &[(PathBuf, u64, f64)],
-    engine: Arc<dyn IoEngine>,
+    driver: Arc<dyn IoDriver>,
     workers: usize,
 ) -> NvmeTier {
     let _ = std::fs::remove_dir_all(dir);
@@ -128,7 +128,7 @@ fn tier(
                 .collect(),
             max_payload: G.block_bytes(),
         },
-        engine,
+        driver,
     )
     .expect("page store");
     store.set_workers(workers).expect("--workers");
@@ -248,25 +248,25 @@ fn plain_rate(path: &Path, span: u64, threads: usize, write: bool) -> f64 {
 }
 
 /// The link as tierd probes it at startup (over written bytes, see `probe_path`).
-fn probe(engine: &dyn IoEngine, path: &Path) -> Link {
-    probe_path(engine, path, Default::default()).expect("probe")
+fn probe(driver: &dyn IoDriver, path: &Path) -> Link {
+    probe_path(driver, path, Default::default()).expect("probe")
 }
 
 fn main() {
     let args = parse_args();
-    let engine: Arc<dyn IoEngine> = match args.engine.as_str() {
-        "auto" => open_best_engine(Default::default()),
-        "pread" => Arc::new(PreadEngine::new()),
-        other => panic!("--engine {other}: auto or pread"),
+    let driver: Arc<dyn IoDriver> = match args.driver.as_str() {
+        "auto" => open_best_driver(Default::default()),
+        "pread" => Arc::new(PreadDriver::new()),
+        other => panic!("--driver {other}: auto or pread"),
     };
     println!(
         "kvtier nvme_bench: Qwen2.5-7B geometry, {} tokens",
         args.tokens
     );
     println!(
-        "machine: {}; io engine: {}",
+        "machine: {}; io driver: {}",
         cpu_description(),
-        engine.name()
+        driver.name()
     );
     println!(
         "links: slow = {}, fast = {}; page store and restore workers: {}",
@@ -306,8 +306,8 @@ fn main() {
     // Link bandwidths, probed the way tierd does at startup.
     let slow_path = args.dir.join("pages-slow");
     let fast_path = args.fast_dir.join("pages-fast");
-    let slow = probe(engine.as_ref(), &slow_path);
-    let fast = probe(engine.as_ref(), &fast_path);
+    let slow = probe(driver.as_ref(), &slow_path);
+    let fast = probe(driver.as_ref(), &fast_path);
     println!(
         "probe: slow {:.2} GB/s ({:.0} us), fast {:.2} GB/s ({:.0} us)",
         slow.bandwidth_bytes_per_s / 1e9,
@@ -335,7 +335,7 @@ fn main() {
         tier(
             &args.dir.join("one"),
             &[(slow_path.clone(), cap, 1.0)],
-            engine.clone(),
+            driver.clone(),
             args.workers,
         )
     };
@@ -391,7 +391,7 @@ fn main() {
         let t = tier(
             &args.dir.join(mode),
             &[(slow_path.clone(), cap, ws), (fast_path.clone(), cap, wf)],
-            engine.clone(),
+            driver.clone(),
             args.workers,
         );
         let w = store_all(&t, &kv);

@@ -7,10 +7,10 @@
 //! Rows:
 //! - `pread`: QD threads, each a loop of one O_DIRECT pread of a random page (fio psync-like).
 //! - `store/uring xQD threads`: QD threads, each reading one random page per call through
-//!   `PageStore::read_pages` (io_uring engine, header + crc32c verification included).
+//!   `PageStore::read_pages` (io_uring driver, header + crc32c verification included).
 //! - `store/uring batch`: one thread, `read_pages` of QD random pages per call (how the daemon
 //!   fetches a keep-set's misses); latency is per batch.
-//! - `uring raw batch`: the io_uring engine alone, QD reads per submit, no verification.
+//! - `uring raw batch`: the io_uring driver alone, QD reads per submit, no verification.
 
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
@@ -18,10 +18,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_storage::nvme::io::{UringConfig, UringEngine};
+use kvtier_storage::nvme::io::{UringConfig, UringDriver};
 use kvtier_storage::nvme::store::{PageRead, PageWrite};
 use kvtier_storage::nvme::{
-    AlignedBuf, DeviceConfig, IoEngine, IoRequest, PageAddr, PageId, PageStore, PageStoreConfig,
+    AlignedBuf, DeviceConfig, IoDriver, IoRequest, PageAddr, PageId, PageStore, PageStoreConfig,
 };
 
 struct Args {
@@ -166,7 +166,7 @@ fn main() {
         .dir
         .join(format!("kvtier-pagestore-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let uring = Arc::new(UringEngine::new(UringConfig { queue_depth: 64 }).expect("io_uring"));
+    let uring = Arc::new(UringDriver::new(UringConfig { queue_depth: 64 }).expect("io_uring"));
     let cfg = PageStoreConfig {
         devices: vec![DeviceConfig {
             path: dir.join("dev0"),

@@ -30,7 +30,10 @@ fn typed(tree: &toml::Table) -> Result<Config, String> {
 
 /// Settings read under an old name too: (section, old field, field). A config file, variable
 /// or `--set` written for an older tierd keeps working.
-const RENAMED: [(&str, &str, &str); 1] = [("host", "frame_bytes", "max_run_bytes")];
+const RENAMED: [(&str, &str, &str); 2] = [
+    ("host", "frame_bytes", "max_run_bytes"),
+    ("nvme", "engine", "driver"),
+];
 
 /// `field` of `section` under its current name.
 fn current_name<'a>(section: &str, field: &'a str) -> &'a str {

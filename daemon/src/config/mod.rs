@@ -266,10 +266,10 @@ impl Default for GpuSettings {
     }
 }
 
-/// Which io engine the NVMe tier uses.
+/// Which I/O driver the NVMe tier uses.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
-pub enum IoEngineKind {
+pub enum IoDriverKind {
     /// io_uring when the kernel allows it, else pread/pwrite (logged).
     Auto,
     Uring,
@@ -301,7 +301,8 @@ pub struct NvmeConfig {
     /// demoted until it falls below `low_water`.
     pub high_water: f64,
     pub low_water: f64,
-    pub engine: IoEngineKind,
+    /// The I/O driver of the page files. Also set by `engine`, its old name (see [`RENAMED`]).
+    pub driver: IoDriverKind,
     pub queue_depth: u32,
     /// Threads a bulk page-store batch (demotion, warm restart) and the warm restart's
     /// rebuild of tiles and bounds may use, the caller's included (0: one per core, at most 8).
@@ -356,7 +357,7 @@ impl Default for NvmeConfig {
             write_through: false,
             high_water: 0.9,
             low_water: 0.75,
-            engine: IoEngineKind::Auto,
+            driver: IoDriverKind::Auto,
             queue_depth: 64,
             workers: 0,
             prefetch_blocks: 8,

@@ -239,3 +239,26 @@ fn socket_mode_prints_in_octal_and_reads_back() {
     let e = load_err("", &[], &[("server.socket_mode", "\"rw\"")]);
     assert!(e.contains("octal mode"), "{e}");
 }
+
+#[test]
+fn the_io_driver_loads_under_its_old_name_too() {
+    let cfg = load("[nvme]\nengine = \"pread\"\n", &[], &[]).unwrap();
+    assert_eq!(
+        cfg.nvme.driver,
+        IoDriverKind::Pread,
+        "nvme.engine, the old name"
+    );
+    let cfg = load(
+        "",
+        &[("TIERD_NVME_ENGINE", "uring")],
+        &[("nvme.engine", "\"pread\"")],
+    )
+    .unwrap();
+    assert_eq!(
+        cfg.nvme.driver,
+        IoDriverKind::Pread,
+        "--set nvme.engine, the old name"
+    );
+    let cfg = load("", &[("TIERD_NVME_DRIVER", "uring")], &[]).unwrap();
+    assert_eq!(cfg.nvme.driver, IoDriverKind::Uring);
+}

@@ -120,9 +120,9 @@ pub enum NvmeError {
     #[error("manifest does not match the page store: {what}")]
     ManifestMismatch { what: String },
 
-    /// The I/O engine's thread is gone (it panicked or was shut down).
-    #[error("I/O engine stopped")]
-    EngineStopped,
+    /// The I/O driver's thread is gone (it panicked or was shut down).
+    #[error("I/O driver stopped")]
+    DriverStopped,
 }
 
 /// Why a page failed verification.

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::buf::{AlignedBuf, DirectFile};
-use super::io::{IoEngine, IoRequest};
+use super::io::{IoDriver, IoRequest};
 use super::NvmeError;
 
 /// A transfer path: bandwidth in bytes/s and per-transfer latency in seconds.
@@ -278,7 +278,7 @@ impl Default for ProbeConfig {
 /// must exist): latency = median of single small reads, bandwidth = bytes / time of batches of
 /// `depth` large reads at spread-out offsets.
 pub fn probe_device(
-    engine: &dyn IoEngine,
+    driver: &dyn IoDriver,
     file: &Arc<DirectFile>,
     span: u64,
     cfg: ProbeConfig,
@@ -311,7 +311,7 @@ pub fn probe_device(
     for _ in 0..cfg.latency_reads {
         let req = IoRequest::read(file.clone(), next_off(), AlignedBuf::new(align, align)?)?;
         let t = Instant::now();
-        let c = engine.submit(vec![req])?;
+        let c = driver.submit(vec![req])?;
         lat.push(t.elapsed().as_secs_f64());
         for c in c {
             c.result?;
@@ -336,7 +336,7 @@ pub fn probe_device(
             .drain(..)
             .map(|buf| IoRequest::read(file.clone(), next_off(), buf))
             .collect::<Result<Vec<_>, _>>()?;
-        for c in engine.submit(reqs)? {
+        for c in driver.submit(reqs)? {
             c.result?;
             bytes += c.buf.len() as u64;
             pool.push(c.buf);
@@ -353,25 +353,25 @@ pub fn probe_device(
 /// or sparse file are holes or unwritten extents, which O_DIRECT reads answer with zeros without
 /// any device I/O (a virtio disk that plain O_DIRECT reads at 1.44 GB/s probed at 17.5 GB/s that
 /// way), and the device file's own pages may be anything. So a scratch file beside it
-/// (`<path>.probe`, as large as the probe reads) is written with real bytes through `engine`,
+/// (`<path>.probe`, as large as the probe reads) is written with real bytes through `driver`,
 /// synced, probed, and removed whatever the outcome.
-pub fn probe_path(engine: &dyn IoEngine, path: &Path, cfg: ProbeConfig) -> Result<Link, NvmeError> {
+pub fn probe_path(driver: &dyn IoDriver, path: &Path, cfg: ProbeConfig) -> Result<Link, NvmeError> {
     {
         let dev = DirectFile::open(path)?;
         if dev.is_block_device() {
             let span = dev.size()?.min(1 << 30);
-            return probe_device(engine, &Arc::new(dev), span, cfg);
+            return probe_device(driver, &Arc::new(dev), span, cfg);
         }
     }
     let mut scratch = PathBuf::from(path);
     scratch.as_mut_os_string().push(".probe");
-    let result = probe_scratch(engine, &scratch, cfg);
+    let result = probe_scratch(driver, &scratch, cfg);
     let _ = std::fs::remove_file(&scratch);
     result
 }
 
 fn probe_scratch(
-    engine: &dyn IoEngine,
+    driver: &dyn IoDriver,
     scratch: &Path,
     cfg: ProbeConfig,
 ) -> Result<Link, NvmeError> {
@@ -394,11 +394,11 @@ fn probe_scratch(
             reqs.push(IoRequest::write(file.clone(), off, buf)?);
             off += len;
         }
-        for c in engine.submit(reqs)? {
+        for c in driver.submit(reqs)? {
             c.result?;
             pool.push(c.buf);
         }
     }
     file.sync_data()?;
-    probe_device(engine, &file, span, cfg)
+    probe_device(driver, &file, span, cfg)
 }

@@ -5,7 +5,7 @@
 //! # Layout
 //!
 //! - [`buf`]: [`AlignedBuf`] and [`DirectFile`]: O_DIRECT rules enforced by construction.
-//! - [`io`]: the [`IoEngine`] trait and its io_uring, pread and fault-injecting engines.
+//! - [`io`]: the [`IoDriver`] trait and its io_uring, pread and fault-injecting drivers.
 //! - [`page`]: the on-disk page format (header, crc32c, identity).
 //! - [`store`]: [`PageStore`]: devices, page allocation, bandwidth-weighted striping.
 //! - [`manifest`]: the rkyv index of what is on NVMe, replaced atomically.
@@ -25,7 +25,7 @@ pub mod tier;
 
 pub use buf::{AlignedBuf, DirectFile};
 pub use error::{CorruptReason, NvmeError};
-pub use io::{open_best_engine, IoEngine, IoRequest, OpKind, PreadEngine, UringEngine};
+pub use io::{open_best_driver, IoDriver, IoRequest, OpKind, PreadDriver, UringDriver};
 pub use page::PageId;
 pub use store::{DeviceConfig, PageAddr, PageStore, PageStoreConfig};
 pub use tier::{refuse_runs, BlockRun, NvmeTier, RecoveryReport, TierSource};

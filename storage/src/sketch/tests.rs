@@ -41,8 +41,7 @@ fn quantize_key_is_the_scalar_rule_element_by_element() {
                     0 => special[(next() % special.len() as u32) as usize] * s.max(1.0),
                     1 => special[(next() % special.len() as u32) as usize],
                     _ => {
-                        f32::from_bits(next() & 0xbfff_ffff)
-                            * if round % 2 == 0 { 1.0 } else { *s }
+                        f32::from_bits(next() & 0xbfff_ffff) * if round % 2 == 0 { 1.0 } else { *s }
                     }
                 };
             }

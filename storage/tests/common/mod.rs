@@ -1,4 +1,4 @@
-//! Helpers shared by the NVMe tier's integration tests (`nvme_engines`, `nvme_store`,
+//! Helpers shared by the NVMe tier's integration tests (`nvme_drivers`, `nvme_store`,
 //! `nvme_faults`, `nvme_workers`, `nvme_pages_upgrade`): scratch directories, payload
 //! patterns, page-store configurations and page batches.
 
@@ -11,7 +11,7 @@ use kvtier_storage::nvme::manifest::{GeometryRecord, PolicyRecord, SessionRecord
 use kvtier_storage::nvme::store::{PageRead, PageWrite};
 use kvtier_storage::nvme::BlockRun;
 use kvtier_storage::nvme::{
-    DeviceConfig, IoEngine, OpKind, PageAddr, PageId, PageStore, PageStoreConfig,
+    DeviceConfig, IoDriver, OpKind, PageAddr, PageId, PageStore, PageStoreConfig,
 };
 use kvtier_tests::kv::xorshift_bytes;
 use kvtier_tests::sys::{scratch_dir, ScratchDir};
@@ -101,7 +101,7 @@ pub const PAGES: usize = 300;
 
 pub fn full_page_store(
     dir: &std::path::Path,
-    engine: Arc<dyn IoEngine>,
+    driver: Arc<dyn IoDriver>,
     workers: usize,
 ) -> PageStore {
     let store = PageStore::open(
@@ -113,7 +113,7 @@ pub fn full_page_store(
             }],
             max_payload: FULL_PAYLOAD,
         },
-        engine,
+        driver,
     )
     .unwrap();
     assert_eq!(

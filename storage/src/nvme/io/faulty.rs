@@ -1,4 +1,4 @@
-//! A fault-injecting wrapper around any engine, for tests: short transfers, EIO, ENOSPC, bit
+//! A fault-injecting wrapper around any driver, for tests: short transfers, EIO, ENOSPC, bit
 //! flips and stalls, chosen per operation kind by probability, operation count or file offset,
 //! deterministic for a given seed and submission order (offset rules for any order).
 
@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{IoCompletion, IoEngine, IoRequest, OpKind};
+use super::{IoCompletion, IoDriver, IoRequest, OpKind};
 use crate::nvme::buf::AlignedBuf;
 use crate::nvme::NvmeError;
 
@@ -27,7 +27,7 @@ pub enum Fault {
     BitFlip,
     /// A slow device: the operation succeeds, but holds the device this much longer. The
     /// stalled operations of a batch take their stalls one after another, before the batch
-    /// reaches the wrapped engine, and count as in flight from the start of their stall.
+    /// reaches the wrapped driver, and count as in flight from the start of their stall.
     Stall(Duration),
 }
 
@@ -43,7 +43,7 @@ pub enum Trigger {
     /// Every n-th matching operation.
     EveryNth(u64),
     /// Every matching operation at this file offset (on any file): a fault pinned to one
-    /// page, whatever the order in which concurrent batches reach the engine.
+    /// page, whatever the order in which concurrent batches reach the driver.
     AtOffset(u64),
 }
 
@@ -62,7 +62,7 @@ struct State {
 }
 
 /// Wraps `E`, injecting faults according to its rules.
-pub struct FaultyEngine<E> {
+pub struct FaultyDriver<E> {
     inner: E,
     rules: Vec<FaultRule>,
     state: Mutex<State>,
@@ -94,7 +94,7 @@ impl SplitMix64 {
     }
 }
 
-impl<E: IoEngine> FaultyEngine<E> {
+impl<E: IoDriver> FaultyDriver<E> {
     pub fn new(inner: E, rules: Vec<FaultRule>, seed: u64) -> Result<Self, NvmeError> {
         for r in &rules {
             match r.trigger {
@@ -141,7 +141,7 @@ enum Plan {
     ShortWrite { keep: usize, full: AlignedBuf },
 }
 
-impl<E: IoEngine> IoEngine for FaultyEngine<E> {
+impl<E: IoDriver> IoDriver for FaultyDriver<E> {
     fn submit(&self, reqs: Vec<IoRequest>) -> Result<Vec<IoCompletion>, NvmeError> {
         let mut plans = Vec::with_capacity(reqs.len());
         let mut inner_reqs = Vec::with_capacity(reqs.len());
@@ -170,7 +170,7 @@ impl<E: IoEngine> IoEngine for FaultyEngine<E> {
                         Plan::FlipWrite { bit }
                     }
                     (Some(Fault::ShortTransfer), OpKind::Read) => {
-                        // Any byte count short of the whole: the engine contract is that
+                        // Any byte count short of the whole: the driver contract is that
                         // this never surfaces as success.
                         let keep = st.rng.below(len as u64) as usize;
                         Plan::ShortRead { keep }
@@ -235,7 +235,7 @@ impl<E: IoEngine> IoEngine for FaultyEngine<E> {
                 out.push(c);
                 continue;
             }
-            let mut c = inner_done.next().ok_or(NvmeError::EngineStopped)?;
+            let mut c = inner_done.next().ok_or(NvmeError::DriverStopped)?;
             match plan {
                 Plan::Pass | Plan::Stall | Plan::Fail(_) => {}
                 Plan::FlipRead { bit } => {
@@ -279,7 +279,7 @@ impl<E: IoEngine> IoEngine for FaultyEngine<E> {
     }
 }
 
-impl<E> FaultyEngine<E> {
+impl<E> FaultyDriver<E> {
     fn decide(&self, st: &mut State, kind: OpKind, offset: u64) -> Option<Fault> {
         let mut chosen = None;
         for (i, r) in self.rules.iter().enumerate() {

@@ -1,4 +1,4 @@
-//! I/O engines: positional reads and writes of aligned buffers on [`DirectFile`]s.
+//! I/O drivers: positional reads and writes of aligned buffers on [`DirectFile`]s.
 //!
 //! An operation owns its buffer from submission to completion and hands it back in the
 //! [`IoCompletion`], so no buffer can be freed or touched while the kernel may still write it.
@@ -12,9 +12,9 @@ mod uring;
 use std::sync::Arc;
 use std::time::Instant;
 
-pub use faulty::{Fault, FaultRule, FaultyEngine, Trigger};
-pub use pread::PreadEngine;
-pub use uring::{UringConfig, UringEngine};
+pub use faulty::{Fault, FaultRule, FaultyDriver, Trigger};
+pub use pread::PreadDriver;
+pub use uring::{UringConfig, UringDriver};
 
 use super::buf::{AlignedBuf, DirectFile};
 use super::NvmeError;
@@ -27,14 +27,14 @@ pub enum OpKind {
 }
 
 /// One positional transfer of a whole aligned buffer. Built only through the checked
-/// constructors, so alignment is guaranteed when an engine sees it.
+/// constructors, so alignment is guaranteed when an driver sees it.
 #[derive(Debug)]
 pub struct IoRequest {
     file: Arc<DirectFile>,
     kind: OpKind,
     offset: u64,
     buf: AlignedBuf,
-    /// When the engine first handed the operation to the kernel (None until then).
+    /// When the driver first handed the operation to the kernel (None until then).
     started: Option<Instant>,
 }
 
@@ -160,11 +160,11 @@ pub struct IoCompletion {
     pub finished: Instant,
 }
 
-/// A positional I/O engine. `submit` sends a batch and waits for all of it; completions come
-/// back in request order. Engines are shared between threads; concurrent batches proceed in
-/// parallel where the engine can (io_uring interleaves them in one ring).
-pub trait IoEngine: Send + Sync {
-    /// Submits every request and waits for all completions. The outer error means the engine
+/// A positional I/O driver. `submit` sends a batch and waits for all of it; completions come
+/// back in request order. Drivers are shared between threads; concurrent batches proceed in
+/// parallel where the driver can (io_uring interleaves them in one ring).
+pub trait IoDriver: Send + Sync {
+    /// Submits every request and waits for all completions. The outer error means the driver
     /// itself is gone; per-request failures are in each completion's `result`.
     fn submit(&self, reqs: Vec<IoRequest>) -> Result<Vec<IoCompletion>, NvmeError>;
 
@@ -172,7 +172,7 @@ pub trait IoEngine: Send + Sync {
     fn name(&self) -> &'static str;
 }
 
-impl<E: IoEngine + ?Sized> IoEngine for Arc<E> {
+impl<E: IoDriver + ?Sized> IoDriver for Arc<E> {
     fn submit(&self, reqs: Vec<IoRequest>) -> Result<Vec<IoCompletion>, NvmeError> {
         (**self).submit(reqs)
     }
@@ -181,7 +181,7 @@ impl<E: IoEngine + ?Sized> IoEngine for Arc<E> {
     }
 }
 
-impl<E: IoEngine + ?Sized> IoEngine for Box<E> {
+impl<E: IoDriver + ?Sized> IoDriver for Box<E> {
     fn submit(&self, reqs: Vec<IoRequest>) -> Result<Vec<IoCompletion>, NvmeError> {
         (**self).submit(reqs)
     }
@@ -191,12 +191,12 @@ impl<E: IoEngine + ?Sized> IoEngine for Box<E> {
 }
 
 /// io_uring where the kernel allows it, otherwise pread/pwrite, with the reason logged.
-pub fn open_best_engine(cfg: UringConfig) -> Arc<dyn IoEngine> {
-    match UringEngine::new(cfg) {
+pub fn open_best_driver(cfg: UringConfig) -> Arc<dyn IoDriver> {
+    match UringDriver::new(cfg) {
         Ok(e) => Arc::new(e),
         Err(err) => {
             tracing::warn!(error = %err, "io_uring unavailable, falling back to pread/pwrite");
-            Arc::new(PreadEngine::new())
+            Arc::new(PreadDriver::new())
         }
     }
 }

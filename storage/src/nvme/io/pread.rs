@@ -1,19 +1,19 @@
-//! pread/pwrite engine for machines without io_uring. Each batch runs serially on the calling
+//! pread/pwrite driver for machines without io_uring. Each batch runs serially on the calling
 //! thread; concurrent callers run in parallel (positional I/O needs no shared file offset).
 
 use std::io;
 use std::os::unix::fs::FileExt;
 
-use super::{IoCompletion, IoEngine, IoRequest, OpKind};
+use super::{IoCompletion, IoDriver, IoRequest, OpKind};
 use crate::nvme::NvmeError;
 
 /// Synchronous positional I/O through `std::os::unix::fs::FileExt`.
 #[derive(Debug, Default)]
-pub struct PreadEngine {
+pub struct PreadDriver {
     _private: (),
 }
 
-impl PreadEngine {
+impl PreadDriver {
     pub fn new() -> Self {
         Self::default()
     }
@@ -86,7 +86,7 @@ pub(crate) fn errno_error(kind: OpKind, offset: u64, len: usize, e: io::Error) -
     }
 }
 
-impl IoEngine for PreadEngine {
+impl IoDriver for PreadDriver {
     fn submit(&self, reqs: Vec<IoRequest>) -> Result<Vec<IoCompletion>, NvmeError> {
         Ok(reqs.into_iter().map(run_one).collect())
     }

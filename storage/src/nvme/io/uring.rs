@@ -1,4 +1,4 @@
-//! io_uring engine: one dedicated thread owns the ring; callers send batches over a channel
+//! io_uring driver: one dedicated thread owns the ring; callers send batches over a channel
 //! and block on a per-batch reply channel. Completions are matched by `user_data` (a slot in
 //! the in-flight table).
 //!
@@ -28,10 +28,10 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 use super::pread::errno_error;
-use super::{IoCompletion, IoEngine, IoRequest, OpKind};
+use super::{IoCompletion, IoDriver, IoRequest, OpKind};
 use crate::nvme::NvmeError;
 
-/// io_uring engine settings.
+/// io_uring driver settings.
 #[derive(Debug, Clone, Copy)]
 pub struct UringConfig {
     /// Maximum operations in the kernel at once (SQ size; the CQ gets twice this).
@@ -54,7 +54,7 @@ struct Counters {
     sq_full: AtomicU64,
 }
 
-/// A snapshot of the engine's counters.
+/// A snapshot of the driver's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct UringStats {
     /// Operations completed (successfully or not).
@@ -74,8 +74,8 @@ struct Batch {
     reply: Sender<Vec<IoCompletion>>,
 }
 
-/// The io_uring engine. Dropping it waits for every in-flight operation to finish.
-pub struct UringEngine {
+/// The io_uring driver. Dropping it waits for every in-flight operation to finish.
+pub struct UringDriver {
     tx: Option<Sender<Batch>>,
     wake: Arc<EventFd>,
     thread: Option<JoinHandle<()>>,
@@ -83,9 +83,9 @@ pub struct UringEngine {
     depth: u32,
 }
 
-impl std::fmt::Debug for UringEngine {
+impl std::fmt::Debug for UringDriver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("UringEngine")
+        f.debug_struct("UringDriver")
             .field("depth", &self.depth)
             .finish()
     }
@@ -98,10 +98,10 @@ fn unavailable(reason: &str, e: io::Error) -> NvmeError {
     }
 }
 
-impl UringEngine {
+impl UringDriver {
     /// Sets up a ring and its thread, and proves the ring works with a NOP round trip (some
     /// sandboxes allow io_uring_setup but block io_uring_enter). Errors are
-    /// [`NvmeError::UringUnavailable`]: fall back to [`super::PreadEngine`].
+    /// [`NvmeError::UringUnavailable`]: fall back to [`super::PreadDriver`].
     pub fn new(cfg: UringConfig) -> Result<Self, NvmeError> {
         let depth = cfg.queue_depth;
         if depth == 0 || depth > 4096 || !depth.is_power_of_two() {
@@ -176,17 +176,17 @@ impl UringEngine {
     }
 }
 
-impl IoEngine for UringEngine {
+impl IoDriver for UringDriver {
     fn submit(&self, reqs: Vec<IoRequest>) -> Result<Vec<IoCompletion>, NvmeError> {
         if reqs.is_empty() {
             return Ok(Vec::new());
         }
         let (reply, done) = crossbeam_channel::bounded(1);
-        let tx = self.tx.as_ref().ok_or(NvmeError::EngineStopped)?;
+        let tx = self.tx.as_ref().ok_or(NvmeError::DriverStopped)?;
         tx.send(Batch { reqs, reply })
-            .map_err(|_| NvmeError::EngineStopped)?;
+            .map_err(|_| NvmeError::DriverStopped)?;
         self.wake.notify();
-        done.recv().map_err(|_| NvmeError::EngineStopped)
+        done.recv().map_err(|_| NvmeError::DriverStopped)
     }
 
     fn name(&self) -> &'static str {
@@ -194,7 +194,7 @@ impl IoEngine for UringEngine {
     }
 }
 
-impl Drop for UringEngine {
+impl Drop for UringDriver {
     fn drop(&mut self) {
         // Closing the channel tells the thread to finish in-flight work and exit.
         drop(self.tx.take());
@@ -385,8 +385,8 @@ impl RingThread {
             if let Err(e) = self.fill_and_submit() {
                 // The ring itself failed: nothing more can be trusted. Operations the
                 // kernel may hold keep their buffers (leaked by Slots::drop); callers see
-                // EngineStopped because their reply senders are dropped.
-                tracing::error!(error = %e, "io_uring submit failed fatally; engine stopping");
+                // DriverStopped because their reply senders are dropped.
+                tracing::error!(error = %e, "io_uring submit failed fatally; driver stopping");
                 return;
             }
             self.reap();

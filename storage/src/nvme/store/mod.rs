@@ -21,8 +21,8 @@
 //! A batch is cut into chunks of about [`CHUNK_BYTES`] of pages (at most [`CHUNK_MAX_PAGES`]
 //! pages, at least one whatever its size); up to [`PageStore::workers`] threads (the caller is
 //! one) each take a chunk at a time, encode it into page buffers (or verify what was read),
-//! submit it to the engine and wait. So checksums and copies run on several
-//! cores while the engine has other chunks in flight, and a batch of one chunk runs inline
+//! submit it to the driver and wait. So checksums and copies run on several
+//! cores while the driver has other chunks in flight, and a batch of one chunk runs inline
 //! with no thread at all. Page buffers come from a pool of recycled aligned buffers, kept by
 //! length (a fresh one costs an allocation, page faults and zeroing), whose idle part is capped
 //! at [`POOL_BYTES`]; a write batch holds at most `workers` chunks of buffers at once, whatever
@@ -45,7 +45,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::buf::{BufPool, DirectFile};
-use super::io::{IoEngine, OpKind};
+use super::io::{IoDriver, OpKind};
 use super::link::{Link, LinkTracker};
 use super::page::{PageId, HEADER_LEN};
 use super::NvmeError;
@@ -63,7 +63,7 @@ pub use alloc::Evacuation;
 pub use links::{DeviceUsage, StoreUsage};
 pub use read::{PageData, PageResults};
 
-/// Bytes of pages one worker encodes or verifies and hands the engine as one submission (a
+/// Bytes of pages one worker encodes or verifies and hands the driver as one submission (a
 /// page larger than this is a chunk of its own).
 pub const CHUNK_BYTES: usize = 4 << 20;
 /// Most pages in one chunk (small pages).
@@ -159,7 +159,7 @@ impl Device {
 
 /// The NVMe page store. Cheap to share (`Arc<PageStore>`); all methods take `&self`.
 pub struct PageStore {
-    engine: Arc<dyn IoEngine>,
+    driver: Arc<dyn IoDriver>,
     devices: Vec<Device>,
     unit: usize,
     max_payload: usize,
@@ -175,7 +175,7 @@ pub struct PageStore {
 impl std::fmt::Debug for PageStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PageStore")
-            .field("engine", &self.engine.name())
+            .field("driver", &self.driver.name())
             .field("devices", &self.devices.len())
             .field("unit", &self.unit)
             .finish()
@@ -186,7 +186,7 @@ impl PageStore {
     /// Opens (creating and preallocating regular files as needed) every device. All space
     /// starts free: after a restart, call [`PageStore::mark_allocated`] for every page the
     /// manifest references.
-    pub fn open(cfg: &PageStoreConfig, engine: Arc<dyn IoEngine>) -> Result<Self, NvmeError> {
+    pub fn open(cfg: &PageStoreConfig, driver: Arc<dyn IoDriver>) -> Result<Self, NvmeError> {
         if cfg.devices.is_empty() {
             return Err(NvmeError::invalid("page store needs at least one device"));
         }
@@ -247,7 +247,7 @@ impl PageStore {
             .expect("non-empty");
         let pool = Arc::new(BufPool::new(mem_align, POOL_BYTES)?);
         Ok(Self {
-            engine,
+            driver,
             devices,
             unit,
             max_payload: cfg.max_payload,
@@ -291,8 +291,8 @@ impl PageStore {
         self.devices.len()
     }
 
-    pub fn engine_name(&self) -> &'static str {
-        self.engine.name()
+    pub fn driver_name(&self) -> &'static str {
+        self.driver.name()
     }
 
     /// Units per device.

@@ -49,7 +49,7 @@ pub type PageResults = Vec<Result<PageData, NvmeError>>;
 
 impl PageStore {
     /// Reads and verifies pages in one batch, each exactly its extent (`addr.units` units).
-    /// The outer error is for bad arguments or a dead engine; each page has its own result. A
+    /// The outer error is for bad arguments or a dead driver; each page has its own result. A
     /// page that fails verification is `NvmeError::Corrupt`, never data.
     pub fn read_pages(&self, reads: &[PageRead]) -> Result<PageResults, NvmeError> {
         for r in reads {
@@ -77,7 +77,7 @@ impl PageStore {
         }
     }
 
-    /// Reads and verifies one chunk. The outer error is a dead engine.
+    /// Reads and verifies one chunk. The outer error is a dead driver.
     fn read_chunk(&self, reads: &[PageRead]) -> Result<(PageResults, Vec<OpTiming>), NvmeError> {
         let mut reqs = Vec::with_capacity(reads.len());
         for r in reads {
@@ -86,7 +86,7 @@ impl PageStore {
             let buf = self.pool.get(self.addr_bytes(r.addr) as usize)?;
             reqs.push(IoRequest::read(file.clone(), self.offset(r.addr), buf)?);
         }
-        let done = self.engine.submit(reqs)?;
+        let done = self.driver.submit(reqs)?;
         let timings = done
             .iter()
             .zip(reads)

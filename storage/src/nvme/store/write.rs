@@ -71,7 +71,7 @@ impl PageStore {
     }
 
     /// Encodes one chunk of validated writes into pooled buffers and submits it. The outer
-    /// error is a dead engine.
+    /// error is a dead driver.
     fn write_chunk(&self, writes: &[PageWrite<'_>]) -> Result<ChunkWritten, NvmeError> {
         let mut reqs = Vec::with_capacity(writes.len());
         let mut crcs = Vec::with_capacity(writes.len());
@@ -82,7 +82,7 @@ impl PageStore {
             crcs.push(page::encode(&mut buf, w.id, w.payload));
             reqs.push(IoRequest::write(file.clone(), self.offset(w.addr), buf)?);
         }
-        let done = self.engine.submit(reqs)?;
+        let done = self.driver.submit(reqs)?;
         let mut timings = Vec::with_capacity(done.len());
         let mut first_err = None;
         for (c, w) in done.into_iter().zip(writes) {

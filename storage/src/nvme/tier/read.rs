@@ -62,7 +62,7 @@ impl NvmeTier {
     }
 
     /// Reads and verifies runs of a session. The outer error is for an unknown session or a
-    /// dead engine; each run has its own result (`InvalidArgument` for a run that is not
+    /// dead driver; each run has its own result (`InvalidArgument` for a run that is not
     /// stored, `Corrupt`/`ShortRead`/`Io` for one that cannot be read back correctly).
     pub fn read_runs(
         &self,
@@ -104,7 +104,7 @@ impl NvmeTier {
     /// thread reads the next batch while `consume` works on the current one, so reading and
     /// verifying overlap what the caller does with the pages; at most two batches of pages
     /// are alive at once. Stops at the first error `consume` returns, or an error of a whole
-    /// batch (unknown session, dead engine), and returns it; no batch after it is consumed.
+    /// batch (unknown session, dead driver), and returns it; no batch after it is consumed.
     pub fn read_runs_pipelined<E: From<NvmeError>>(
         &self,
         session: u64,

@@ -1,21 +1,21 @@
-//! The I/O engines on real O_DIRECT files: io_uring and pread (ordering, short
-//! transfers, errno failures, a shared ring), and the fault-injecting engine.
+//! The I/O drivers on real O_DIRECT files: io_uring and pread (ordering, short
+//! transfers, errno failures, a shared ring), and the fault-injecting driver.
 
 mod common;
 
 use std::sync::Arc;
 
-use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyEngine, Trigger, UringConfig};
+use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyDriver, Trigger, UringConfig};
 use kvtier_storage::nvme::{
-    AlignedBuf, DirectFile, IoEngine, IoRequest, NvmeError, OpKind, PreadEngine, UringEngine,
+    AlignedBuf, DirectFile, IoDriver, IoRequest, NvmeError, OpKind, PreadDriver, UringDriver,
 };
 
 use common::{pattern, test_dir};
 
-fn engines() -> Vec<Box<dyn IoEngine>> {
+fn drivers() -> Vec<Box<dyn IoDriver>> {
     vec![
-        Box::new(UringEngine::new(UringConfig { queue_depth: 8 }).expect("io_uring on this host")),
-        Box::new(PreadEngine::new()),
+        Box::new(UringDriver::new(UringConfig { queue_depth: 8 }).expect("io_uring on this host")),
+        Box::new(PreadDriver::new()),
     ]
 }
 
@@ -28,13 +28,13 @@ fn filled(file: &DirectFile, data: &[u8]) -> AlignedBuf {
 #[test]
 fn write_then_read_many_ops_more_than_queue_depth() {
     let dir = test_dir("rw");
-    for (ei, engine) in engines().iter().enumerate() {
+    for (ei, driver) in drivers().iter().enumerate() {
         let f = Arc::new(DirectFile::open(&dir.join(format!("f{ei}"))).unwrap());
         f.ensure_len(100 * 8192).unwrap();
         let writes = (0..100u64)
             .map(|i| IoRequest::write(f.clone(), i * 8192, filled(&f, &pattern(i, 8192))).unwrap())
             .collect();
-        for c in engine.submit(writes).unwrap() {
+        for c in driver.submit(writes).unwrap() {
             c.result.unwrap();
         }
         let reads = (0..100u64)
@@ -44,21 +44,21 @@ fn write_then_read_many_ops_more_than_queue_depth() {
                     .unwrap()
             })
             .collect();
-        let done = engine.submit(reads).unwrap();
+        let done = driver.submit(reads).unwrap();
         for (k, c) in done.into_iter().enumerate() {
             let i = 99 - k as u64;
             assert_eq!(
                 c.offset,
                 i * 8192,
                 "{}: completions in request order",
-                engine.name()
+                driver.name()
             );
             c.result.unwrap();
             assert_eq!(
                 &c.buf[..],
                 &pattern(i, 8192)[..],
                 "{} op {i}",
-                engine.name()
+                driver.name()
             );
         }
     }
@@ -67,17 +67,17 @@ fn write_then_read_many_ops_more_than_queue_depth() {
 #[test]
 fn short_read_at_eof_is_an_error_not_success() {
     let dir = test_dir("eof");
-    let uring = UringEngine::new(UringConfig { queue_depth: 4 }).unwrap();
-    let pread = PreadEngine::new();
-    for (name, engine) in [("uring", &uring as &dyn IoEngine), ("pread", &pread)] {
+    let uring = UringDriver::new(UringConfig { queue_depth: 4 }).unwrap();
+    let pread = PreadDriver::new();
+    for (name, driver) in [("uring", &uring as &dyn IoDriver), ("pread", &pread)] {
         let f = Arc::new(DirectFile::open(&dir.join(name)).unwrap());
         f.ensure_len(8192).unwrap();
         let w = IoRequest::write(f.clone(), 0, filled(&f, &[7u8; 8192])).unwrap();
-        engine.submit(vec![w]).unwrap()[0].result.as_ref().unwrap();
+        driver.submit(vec![w]).unwrap()[0].result.as_ref().unwrap();
         // 16 KiB from offset 0 of an 8 KiB file: the kernel returns 8 KiB, the remainder is
         // resubmitted, hits EOF, and the whole op must fail with the byte count.
         let r = IoRequest::read(f.clone(), 0, AlignedBuf::for_file(&f, 16384).unwrap()).unwrap();
-        let c = engine.submit(vec![r]).unwrap().pop().unwrap();
+        let c = driver.submit(vec![r]).unwrap().pop().unwrap();
         match c.result {
             Err(NvmeError::ShortRead {
                 offset: 0,
@@ -88,7 +88,7 @@ fn short_read_at_eof_is_an_error_not_success() {
         }
         // Entirely past EOF.
         let r = IoRequest::read(f.clone(), 65536, AlignedBuf::for_file(&f, 4096).unwrap()).unwrap();
-        let c = engine.submit(vec![r]).unwrap().pop().unwrap();
+        let c = driver.submit(vec![r]).unwrap().pop().unwrap();
         assert!(
             matches!(c.result, Err(NvmeError::ShortRead { got: 0, .. })),
             "{name}"
@@ -101,11 +101,11 @@ fn short_read_at_eof_is_an_error_not_success() {
 #[test]
 fn errno_failures_are_typed() {
     let dir = test_dir("errno");
-    for (i, engine) in engines().iter().enumerate() {
+    for (i, driver) in drivers().iter().enumerate() {
         let f = Arc::new(DirectFile::open(&dir.join(format!("f{i}"))).unwrap());
         // Past ext4's maximum file size: the kernel answers EFBIG, a real errno completion.
         let w = IoRequest::write(f.clone(), 1 << 50, filled(&f, &[1u8; 4096])).unwrap();
-        let c = engine.submit(vec![w]).unwrap().pop().unwrap();
+        let c = driver.submit(vec![w]).unwrap().pop().unwrap();
         match &c.result {
             Err(NvmeError::Io {
                 kind: OpKind::Write,
@@ -117,12 +117,12 @@ fn errno_failures_are_typed() {
                 assert!(
                     source.raw_os_error().is_some(),
                     "{}: {source}",
-                    engine.name()
+                    driver.name()
                 );
             }
-            other => panic!("{}: {other:?}", engine.name()),
+            other => panic!("{}: {other:?}", driver.name()),
         }
-        // Misaligned offsets never reach the engine.
+        // Misaligned offsets never reach the driver.
         assert!(matches!(
             IoRequest::write(f.clone(), 512, AlignedBuf::for_file(&f, 4096).unwrap()),
             Err(NvmeError::Misaligned { .. })
@@ -133,18 +133,18 @@ fn errno_failures_are_typed() {
 #[test]
 fn concurrent_callers_share_one_ring() {
     let dir = test_dir("conc");
-    let engine = Arc::new(UringEngine::new(UringConfig { queue_depth: 16 }).unwrap());
+    let driver = Arc::new(UringDriver::new(UringConfig { queue_depth: 16 }).unwrap());
     let f = Arc::new(DirectFile::open(&dir.join("f")).unwrap());
     f.ensure_len(64 * 4096).unwrap();
     let w = (0..64u64)
         .map(|i| IoRequest::write(f.clone(), i * 4096, filled(&f, &pattern(i, 4096))).unwrap())
         .collect();
-    for c in engine.submit(w).unwrap() {
+    for c in driver.submit(w).unwrap() {
         c.result.unwrap();
     }
     std::thread::scope(|s| {
         for t in 0..4u64 {
-            let engine = engine.clone();
+            let driver = driver.clone();
             let f = f.clone();
             s.spawn(move || {
                 for round in 0..20u64 {
@@ -160,7 +160,7 @@ fn concurrent_callers_share_one_ring() {
                             .unwrap()
                         })
                         .collect();
-                    for (c, &i) in engine.submit(reqs).unwrap().into_iter().zip(&ids) {
+                    for (c, &i) in driver.submit(reqs).unwrap().into_iter().zip(&ids) {
                         c.result.unwrap();
                         assert_eq!(&c.buf[..], &pattern(i, 4096)[..]);
                     }
@@ -168,22 +168,22 @@ fn concurrent_callers_share_one_ring() {
             });
         }
     });
-    assert_eq!(engine.stats().ops, 64 + 4 * 20 * 8);
+    assert_eq!(driver.stats().ops, 64 + 4 * 20 * 8);
 }
 
-fn faulty(rules: Vec<FaultRule>, seed: u64) -> FaultyEngine<PreadEngine> {
-    FaultyEngine::new(PreadEngine::new(), rules, seed).unwrap()
+fn faulty(rules: Vec<FaultRule>, seed: u64) -> FaultyDriver<PreadDriver> {
+    FaultyDriver::new(PreadDriver::new(), rules, seed).unwrap()
 }
 
 #[test]
-fn faulty_engine_injects_each_fault() {
+fn faulty_driver_injects_each_fault() {
     let dir = test_dir("faulty");
     let f = Arc::new(DirectFile::open(&dir.join("f")).unwrap());
     f.ensure_len(4 * 8192).unwrap();
-    let clean = PreadEngine::new();
+    let clean = PreadDriver::new();
     let w = IoRequest::write(f.clone(), 0, filled(&f, &pattern(1, 8192))).unwrap();
     clean.submit(vec![w]).unwrap()[0].result.as_ref().unwrap();
-    let read = |e: &dyn IoEngine| {
+    let read = |e: &dyn IoDriver| {
         let r = IoRequest::read(f.clone(), 0, AlignedBuf::for_file(&f, 8192).unwrap()).unwrap();
         e.submit(vec![r]).unwrap().pop().unwrap()
     };
@@ -252,7 +252,7 @@ fn faulty_engine_injects_each_fault() {
 }
 
 #[test]
-fn faulty_engine_triggers_are_deterministic() {
+fn faulty_driver_triggers_are_deterministic() {
     let dir = test_dir("faulty-det");
     let f = Arc::new(DirectFile::open(&dir.join("f")).unwrap());
     f.ensure_len(8192).unwrap();
@@ -297,8 +297,8 @@ fn faulty_engine_triggers_are_deterministic() {
     );
     assert_eq!(every.iter().filter(|&&x| x).count(), 20);
 
-    assert!(FaultyEngine::new(
-        PreadEngine::new(),
+    assert!(FaultyDriver::new(
+        PreadDriver::new(),
         vec![FaultRule {
             kind: None,
             fault: Fault::Eio,
@@ -307,8 +307,8 @@ fn faulty_engine_triggers_are_deterministic() {
         0
     )
     .is_err());
-    assert!(FaultyEngine::new(
-        PreadEngine::new(),
+    assert!(FaultyDriver::new(
+        PreadDriver::new(),
         vec![FaultRule {
             kind: None,
             fault: Fault::Eio,
