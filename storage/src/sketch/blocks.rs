@@ -168,32 +168,36 @@ pub fn sketch_block(geo: &Geometry, run: &[u8], valid: usize, mut out: BlockSket
         geo.block_tokens as usize,
     );
     let (cb, qb) = (code_bytes(d), self::quarters(bt) * 2 * d);
-    out.codes.fill(0);
     reset_quarters(out.quarters, d);
-    let mut key = [0f32; MAX_HEAD_DIM as usize];
-    let key = &mut key[..d];
+    // Each head's keys decoded once, for both passes.
+    let mut keys = vec![0f32; valid * d];
+    let mut amax = vec![0f32; d];
     for h in 0..geo.kv_heads as usize {
-        // The channels' scales over every valid key, then each key's codes under them.
-        let scales = &mut out.channel_scales[h * d..(h + 1) * d];
-        let mut amax = [0f32; MAX_HEAD_DIM as usize];
-        for t in 0..valid {
+        for (t, key) in keys.chunks_exact_mut(d).enumerate() {
             let o = geo.k_row_offset(h, t);
             geo.dtype.decode(&run[o..o + row], key);
-            for (m, x) in amax.iter_mut().zip(key.iter()) {
-                *m = m.max(x.abs());
+        }
+        // The channels' scales over every valid key, then each key's codes under them.
+        amax.fill(0.0);
+        for (t, key) in keys.chunks_exact(d).enumerate() {
+            for (m, x) in amax.iter_mut().zip(key) {
+                // f32::max for a non-negative (or NaN) `x.abs()`, but branch-free.
+                let a = x.abs();
+                *m = if a > *m { a } else { *m };
             }
             let q = h * qb + quarter_of(t, bt) * 2 * d;
             fold_quarter(&mut out.quarters[q..q + 2 * d], key);
         }
+        let scales = &mut out.channel_scales[h * d..(h + 1) * d];
         for (s, &m) in scales.iter_mut().zip(&amax) {
             *s = channel_scale(m);
         }
-        for t in 0..valid {
-            let o = geo.k_row_offset(h, t);
-            geo.dtype.decode(&run[o..o + row], key);
-            let r = h * bt + t;
-            quantize_key(key, scales, &mut out.codes[r * cb..(r + 1) * cb]);
+        let codes = &mut out.codes[h * bt * cb..(h + 1) * bt * cb];
+        let (kept, past) = codes.split_at_mut(valid * cb);
+        for (key, c) in keys.chunks_exact(d).zip(kept.chunks_exact_mut(cb)) {
+            quantize_key(key, scales, c);
         }
+        past.fill(0);
     }
     out.quantize(geo);
 }

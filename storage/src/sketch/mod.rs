@@ -115,22 +115,25 @@ pub fn key_code(x: f32, scale: f32) -> i16 {
 
 /// Packs the codes of `key` under its block's channel scales `scales` (one per element) into
 /// `codes` (exactly [`code_bytes`] long; the padding codes 0).
+#[inline]
 pub fn quantize_key(key: &[f32], scales: &[f32], codes: &mut [u8]) {
     debug_assert_eq!(codes.len(), code_bytes(key.len()));
     debug_assert_eq!(scales.len(), key.len());
-    let mut c = [0u16; MAX_HEAD_DIM as usize];
+    codes.fill(0);
+    let w = codes.len() / 2;
     // `key_code` eight elements at a time: the same IEEE division, rounding and clamp (no NaN
     // reaches the clamp but 0 / 0, whose code a zero scale sets to 0 anyway), so the codes
-    // are bit for bit the scalar rule's; the tail, if any, by the scalar rule.
+    // are bit for bit the scalar rule's; the tail, if any, by the scalar rule. Eight
+    // consecutive elements share a nibble of eight consecutive words (`w` is a multiple of 8).
     let (lim, magic) = (
         f32x8::splat(KEY_LEVELS as f32),
         f32x8::splat(ROUNDING_MAGIC),
     );
     let lanes = key.len() / 8 * 8;
-    for ((o, x), s) in c[..lanes]
-        .chunks_exact_mut(8)
-        .zip(key.chunks_exact(8))
+    for (e, (x, s)) in key[..lanes]
+        .chunks_exact(8)
         .zip(scales.chunks_exact(8))
+        .enumerate()
     {
         let (x, s) = (
             f32x8::new(x.try_into().unwrap()),
@@ -138,21 +141,17 @@ pub fn quantize_key(key: &[f32], scales: &[f32], codes: &mut [u8]) {
         );
         let r = ((x / s + magic) - magic).fast_max(-lim).fast_min(lim);
         let r = s.simd_eq(f32x8::ZERO).select(f32x8::ZERO, r);
-        for (o, v) in o.iter_mut().zip(r.fast_trunc_int().to_array()) {
-            *o = (v as u16) & 0xf;
+        let (word, shift) = ((8 * e) % w, 4 * (8 * e / w));
+        for (out, v) in codes[2 * word..2 * word + 16]
+            .chunks_exact_mut(2)
+            .zip(r.fast_trunc_int().to_array())
+        {
+            let v = u16::from_le_bytes([out[0], out[1]]) | ((v as u16) & 0xf) << shift;
+            out.copy_from_slice(&v.to_le_bytes());
         }
     }
-    for ((o, &x), &s) in c[lanes..key.len()]
-        .iter_mut()
-        .zip(&key[lanes..])
-        .zip(&scales[lanes..])
-    {
-        *o = (key_code(x, s) as u16) & 0xf;
-    }
-    let w = codes.len() / 2;
-    for (word, out) in codes.chunks_exact_mut(2).enumerate() {
-        let v = c[word] | c[w + word] << 4 | c[2 * w + word] << 8 | c[3 * w + word] << 12;
-        out.copy_from_slice(&v.to_le_bytes());
+    for (e, (&x, &s)) in key.iter().zip(scales).enumerate().skip(lanes) {
+        set_code(codes, e, key_code(x, s));
     }
 }
 
@@ -180,7 +179,8 @@ pub fn unpack(codes: &[u8], out: &mut [i16]) {
 }
 
 /// Folds one key into a quarter's `[max|min][D]` bf16 bounds, rounded outward. Compares in
-/// f32 (a widened bf16 is exact).
+/// f32 (a widened bf16 is exact). Branch-free, so it compiles to vector code.
+#[inline]
 fn fold_quarter(bounds: &mut [u16], key: &[f32]) {
     let d = key.len();
     let (mx, mn) = bounds.split_at_mut(d);
@@ -225,11 +225,29 @@ fn quantize_quarters(quarters: &[u16], codes: &mut [i8], d: usize) -> f32 {
         } else if scale == 0.0 {
             c.fill(0);
         } else {
+            // ceil and floor from the nearest integer, exact for |x| <= 2^22 (here |x| <=
+            // 127): libm calls on baseline x86-64, vector code this way.
+            let ceil = |x: f32| {
+                let r = round_half_even(x);
+                if r < x {
+                    r + 1.0
+                } else {
+                    r
+                }
+            };
+            let floor = |x: f32| {
+                let r = round_half_even(x);
+                if r > x {
+                    r - 1.0
+                } else {
+                    r
+                }
+            };
             for (o, &b) in c[..d].iter_mut().zip(&q[..d]) {
-                *o = (f(b) / scale).ceil().clamp(-lim, lim) as i8;
+                *o = ceil(f(b) / scale).clamp(-lim, lim) as i8;
             }
             for (o, &b) in c[d..].iter_mut().zip(&q[d..]) {
-                *o = (f(b) / scale).floor().clamp(-lim, lim) as i8;
+                *o = floor(f(b) / scale).clamp(-lim, lim) as i8;
             }
         }
     }

@@ -45,7 +45,7 @@ fn quantize_key_is_the_scalar_rule_element_by_element() {
                     }
                 };
             }
-            let mut codes = vec![0u8; code_bytes(d)];
+            let mut codes = vec![0xa5u8; code_bytes(d)]; // stale codes are overwritten
             quantize_key(&key, &scales, &mut codes);
             let mut out = vec![0i16; padded_dims(d)];
             unpack(&codes, &mut out);
@@ -163,5 +163,52 @@ fn quarters_partition_the_block() {
             last = q;
         }
         assert_eq!(last, n - 1);
+    }
+}
+
+/// Quarter codes are the libm rule: the max's code rounded up, the min's down, clamped.
+#[test]
+fn quarter_codes_are_ceil_and_floor_of_their_bounds() {
+    let mut rng = crate::testing::Rng::new(0x5eed_0042);
+    let d = 40;
+    let f = |b: u16| f32::from_bits(u32::from(b) << 16);
+    for round in 0..2000 {
+        let mut q = vec![0u16; 4 * 2 * d];
+        for b in q.iter_mut() {
+            // Finite bf16 bits of every exponent, and zeros of both signs.
+            *b = match rng.next_u64() % 9 {
+                0 => 0x8000,
+                1 => 0,
+                _ => loop {
+                    let v = rng.next_u64() as u16;
+                    if f(v).is_finite() {
+                        break v;
+                    }
+                },
+            };
+        }
+        if round % 3 == 0 {
+            reset_quarters(&mut q[3 * 2 * d..], d); // a quarter without tokens
+        }
+        let mut codes = vec![0i8; q.len()];
+        let scale = quantize_quarters(&q, &mut codes, d);
+        let lim = BOUND_LEVELS as f32;
+        for (i, (&b, &c)) in q.iter().zip(&codes).enumerate() {
+            let (quarter, upper) = (i / (2 * d), i % (2 * d) < d);
+            let want = if !f(q[quarter * 2 * d]).is_finite() {
+                if upper {
+                    -127
+                } else {
+                    127
+                }
+            } else if scale == 0.0 {
+                0
+            } else if upper {
+                (f(b) / scale).ceil().clamp(-lim, lim) as i8
+            } else {
+                (f(b) / scale).floor().clamp(-lim, lim) as i8
+            };
+            assert_eq!(c, want, "round {round} element {i}: {} / {scale}", f(b));
+        }
     }
 }
