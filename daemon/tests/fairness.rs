@@ -118,11 +118,7 @@ fn a_fragmented_host_tier_places_runs_that_fit_in_its_free_bytes() {
         "{st:?}"
     );
     if is_root() {
-        run_as_nobody(
-            "fragmented_host_tenant",
-            &[("KVTIER_TENANT_SOCKET", d.path().to_str().unwrap())],
-            "tenant done",
-        );
+        run_tenant("fragmented_host_tenant", &d, &[]);
     } else {
         place_large_session(&mut c);
     }
@@ -156,10 +152,8 @@ fn place_large_session(c: &mut Client) {
 #[test]
 #[ignore = "run as a second uid by a_fragmented_host_tier_places_runs_that_fit_in_its_free_bytes"]
 fn fragmented_host_tenant() {
-    let Ok(path) = std::env::var("KVTIER_TENANT_SOCKET") else {
-        return;
-    };
-    place_large_session(&mut Client::connect(&path).unwrap());
+    let Some(mut c) = tenant() else { return };
+    place_large_session(&mut c);
     println!("tenant done");
 }
 
@@ -327,8 +321,7 @@ fn refused_by(e: &kvtier_protocol::client::ClientError, setting: &str) {
 /// only, as CI runs).
 #[test]
 fn memory_pressure_from_one_uid_does_not_push_another_uids_sessions_out() {
-    if !is_root() {
-        eprintln!("not root: cannot run a second uid, test not applicable");
+    if !can_run_second_uid() {
         return;
     }
     // 256 extents of 4 KiB; high water 0.9.
@@ -337,11 +330,7 @@ fn memory_pressure_from_one_uid_does_not_push_another_uids_sessions_out() {
     // Root's session: 38 blocks x 2 layers = 76 extents, then left idle (least recently used).
     let (mine, mut sh) = open(&mut c, "", 600, 40);
     let full = c.session_info(mine).unwrap().host_bytes;
-    run_as_nobody(
-        "fair_share_tenant",
-        &[("KVTIER_TENANT_SOCKET", d.path().to_str().unwrap())],
-        "tenant done",
-    );
+    run_tenant("fair_share_tenant", &d, &[]);
     let stats = c.stats().unwrap();
     assert!(stats.get("demotions_total").unwrap() > 0, "{stats:?}");
     assert_eq!(
@@ -356,10 +345,7 @@ fn memory_pressure_from_one_uid_does_not_push_another_uids_sessions_out() {
 #[test]
 #[ignore = "run as a second uid by memory_pressure_from_one_uid_does_not_push_another_uids_sessions_out"]
 fn fair_share_tenant() {
-    let Ok(path) = std::env::var("KVTIER_TENANT_SOCKET") else {
-        return;
-    };
-    let mut c = Client::connect(&path).unwrap();
+    let Some(mut c) = tenant() else { return };
     // Six sessions of 50 extents: more than the 180 extents left; over its fair share (128)
     // this uid's own older sessions are demoted to make room.
     for i in 0..6 {
@@ -376,8 +362,7 @@ fn fair_share_tenant() {
 /// Runs `room_tenant` as nobody (root only, as CI runs).
 #[test]
 fn making_room_takes_only_what_the_request_may_take() {
-    if !is_root() {
-        eprintln!("not root: cannot run a second uid, test not applicable");
+    if !can_run_second_uid() {
         return;
     }
     for share in ["1.0", "0.5"] {
@@ -400,14 +385,7 @@ fn making_room_takes_only_what_the_request_may_take() {
             .iter()
             .map(|(id, _)| c.session_info(*id).unwrap().host_bytes)
             .collect();
-        run_as_nobody(
-            "room_tenant",
-            &[
-                ("KVTIER_TENANT_SOCKET", d.path().to_str().unwrap()),
-                ("KVTIER_TENANT_SHARE", share),
-            ],
-            "tenant done",
-        );
+        run_tenant("room_tenant", &d, &[("KVTIER_TENANT_SHARE", share)]);
         for ((id, sh), bytes) in mine.iter_mut().zip(held) {
             assert_eq!(
                 c.session_info(*id).unwrap().host_bytes,
@@ -423,11 +401,8 @@ fn making_room_takes_only_what_the_request_may_take() {
 #[test]
 #[ignore = "run as a second uid by making_room_takes_only_what_the_request_may_take"]
 fn room_tenant() {
-    let Ok(path) = std::env::var("KVTIER_TENANT_SOCKET") else {
-        return;
-    };
+    let Some(mut c) = tenant() else { return };
     let capped = std::env::var("KVTIER_TENANT_SHARE").unwrap() != "1.0";
-    let mut c = Client::connect(&path).unwrap();
     let extents = |c: &mut Client, id| c.session_info(id).unwrap().host_bytes / 4096;
     let demotions = |c: &mut Client| c.stats().unwrap().get("demotions_total").unwrap();
     // X: 4 blocks x 2 layers, then on NVMe. 128 extents are free.
@@ -474,8 +449,7 @@ fn room_tenant() {
 /// `connection_tenant` as nobody (root only, as CI runs).
 #[test]
 fn no_uid_can_hold_every_connection_slot() {
-    if !is_root() {
-        eprintln!("not root: cannot run a second uid, test not applicable");
+    if !can_run_second_uid() {
         return;
     }
     // (settings, connections nobody gets, what refuses the next one)
@@ -504,7 +478,7 @@ fn no_uid_can_hold_every_connection_slot() {
             exe.path(),
             "connection_tenant",
         ))
-        .env("KVTIER_TENANT_SOCKET", d.path())
+        .env(TENANT_SOCKET, d.path())
         .env("KVTIER_TENANT_HELD", held.to_string())
         .env("KVTIER_TENANT_REFUSAL", refusal)
         .stdin(std::process::Stdio::piped())
@@ -540,14 +514,9 @@ fn no_uid_can_hold_every_connection_slot() {
 #[test]
 #[ignore = "run as a second uid by no_uid_can_hold_every_connection_slot"]
 fn connection_tenant() {
-    let Ok(path) = std::env::var("KVTIER_TENANT_SOCKET") else {
-        return;
-    };
-    let held: usize = std::env::var("KVTIER_TENANT_HELD")
-        .unwrap()
-        .parse()
-        .unwrap();
-    let refusal = std::env::var("KVTIER_TENANT_REFUSAL").unwrap();
+    let Some(path) = tenant_socket() else { return };
+    let held: usize = passed("KVTIER_TENANT_HELD");
+    let refusal: String = passed("KVTIER_TENANT_REFUSAL");
     let mut open = Vec::new();
     // A refused connection gets its error frame unasked; an accepted one waits for HELLO.
     let err = loop {
@@ -584,8 +553,7 @@ fn connection_tenant() {
 /// unwritten blocks. Runs `nvme_tenant` as nobody (root only, as CI runs).
 #[test]
 fn one_uid_cannot_take_the_nvme_room_another_needs_at_shutdown() {
-    if !is_root() {
-        eprintln!("not root: cannot run a second uid, test not applicable");
+    if !can_run_second_uid() {
         return;
     }
     // 128 pages of 8 KiB (a 4 KiB run and its header); root is an admin, nobody is not.
@@ -593,11 +561,7 @@ fn one_uid_cannot_take_the_nvme_room_another_needs_at_shutdown() {
     let mut c = d.client();
     // Root's four sessions in RAM, 4 blocks x 2 layers each: 32 pages to write at shutdown.
     let mut mine: Vec<(u64, Shadow)> = (0..4).map(|i| open(&mut c, "", 64, 80 + i)).collect();
-    run_as_nobody(
-        "nvme_tenant",
-        &[("KVTIER_TENANT_SOCKET", d.path().to_str().unwrap())],
-        "tenant done",
-    );
+    run_tenant("nvme_tenant", &d, &[]);
     drop(c);
     // The clean shutdown writes every session (Daemon::stop checks exit 0) ...
     let dir = d.stop(false);
@@ -614,10 +578,7 @@ fn one_uid_cannot_take_the_nvme_room_another_needs_at_shutdown() {
 #[test]
 #[ignore = "run as a second uid by one_uid_cannot_take_the_nvme_room_another_needs_at_shutdown"]
 fn nvme_tenant() {
-    let Ok(path) = std::env::var("KVTIER_TENANT_SOCKET") else {
-        return;
-    };
-    let mut c = Client::connect(&path).unwrap();
+    let Some(mut c) = tenant() else { return };
     let mut demoted = 0;
     let refusal = loop {
         let (id, _) = open(&mut c, "", 64, 90 + demoted);

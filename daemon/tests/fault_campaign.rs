@@ -673,7 +673,7 @@ impl Tenant {
             exe.path(),
             "campaign_tenant",
         ))
-        .env("KVTIER_TENANT_SOCKET", d.path())
+        .env(TENANT_SOCKET, d.path())
         .env("KVTIER_TENANT_SEED", seed.to_string())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -702,16 +702,10 @@ impl Tenant {
 #[ignore = "run as a second uid by fault_campaign"]
 fn campaign_tenant() {
     use kvtier_protocol::{DType, Geometry};
-    let Ok(path) = std::env::var("KVTIER_TENANT_SOCKET") else {
-        return;
-    };
-    let seed: u64 = std::env::var("KVTIER_TENANT_SEED")
-        .unwrap()
-        .parse()
-        .unwrap();
+    let Some(mut c) = tenant() else { return };
+    let seed: u64 = passed("KVTIER_TENANT_SEED");
     let at = format!("tenant seed {seed}");
     let mut rng = Rng::new(seed);
-    let mut c = Client::connect(&path).unwrap();
     let geometries = [
         Geometry::new(2, 2, 1, 16, DType::Bf16, 16),
         Geometry::new(2, 4, 2, 64, DType::Bf16, 32),

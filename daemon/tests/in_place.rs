@@ -8,15 +8,10 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::os::fd::OwnedFd;
-use std::process::Stdio;
 
 use common::*;
 use kvtier_protocol::client::Client;
 use kvtier_protocol::{ErrorCode, Geometry, LeaseReply, ReserveReply};
-
-fn shared_daemon() -> Daemon {
-    harness().set("host.shared=true").start()
-}
 
 /// The arena descriptor of a LEASE mapped writable, as an engine that DMAs into it maps it.
 fn map_writable(fd: OwnedFd, lease: &LeaseReply) -> memmap2::MmapMut {
@@ -67,7 +62,7 @@ fn runs(c: &mut Client, id: u64) -> Vec<Vec<u8>> {
 fn rows_written_in_place_equal_an_append_of_them_and_decode_like_the_oracle() {
     // Committed at once, and layer 1 first (then the rest): the same session either way.
     for by_layer in [false, true] {
-        let d = shared_daemon();
+        let d = shared_harness().start();
         let mut c = d.client();
         // Twin sessions with the same rows: one appended through APPEND_KV, one in place. 40
         // tokens then 25: the append starts inside a block and opens two.
@@ -122,7 +117,7 @@ fn rows_written_in_place_equal_an_append_of_them_and_decode_like_the_oracle() {
 
 #[test]
 fn a_wrong_commit_of_some_layers_ends_the_append_with_nothing_appended() {
-    let d = shared_daemon();
+    let d = shared_harness().start();
     let mut c = d.client();
     let code = |e: kvtier_protocol::client::ClientError| e.code().unwrap();
     let (id, mut sh) = open(&mut c, "s", 40, 5);
@@ -159,7 +154,7 @@ fn a_wrong_commit_of_some_layers_ends_the_append_with_nothing_appended() {
 
 #[test]
 fn wrong_in_place_requests_are_typed_errors_and_change_nothing() {
-    let d = shared_daemon();
+    let d = shared_harness().start();
     let mut c = d.client();
     let (id, mut sh) = open(&mut c, "s", 40, 3);
     let g = sh.g;
@@ -241,7 +236,7 @@ fn wrong_in_place_requests_are_typed_errors_and_change_nothing() {
 
 #[test]
 fn releasing_the_lease_drops_the_in_place_append() {
-    let d = shared_daemon();
+    let d = shared_harness().start();
     let mut c = d.client();
     let (id, mut sh) = open(&mut c, "s", 20, 5);
     let g = sh.g;
@@ -274,15 +269,11 @@ fn releasing_the_lease_drops_the_in_place_append() {
 #[test]
 #[ignore = "run as an engine process by the test below"]
 fn engine_process() {
-    let Ok(spec) = std::env::var("KVTIER_IN_PLACE_ENGINE") else {
+    let Some(mut engine) = engine_lease("KVTIER_IN_PLACE_ENGINE", "in-place-engine") else {
         return;
     };
-    let (sock, session) = spec.split_once(' ').unwrap();
-    let id: u64 = session.parse().unwrap();
-    let mut c = Client::connect_as(sock, "in-place-engine").unwrap();
-    let (lease, fd) = c.lease(id).unwrap();
-    let mut map = map_writable(fd, &lease);
-    let r = c.reserve(id, 40).unwrap();
+    let mut map = map_writable(engine.fd, &engine.lease);
+    let r = engine.client.reserve(engine.session, 40).unwrap();
     let g = small_geometry();
     write_rows(&mut map, &g, &r, &Shadow::new(g, 1234).payload(40), 40);
     println!("ready");
@@ -292,20 +283,11 @@ fn engine_process() {
 
 #[test]
 fn an_engine_killed_mid_append_leaves_the_session_as_it_was() {
-    let d = shared_daemon();
+    let d = shared_harness().start();
     let mut c = d.client();
     let (id, mut sh) = open(&mut c, "s", 24, 11);
     let before = runs(&mut c, id);
-    let mut engine =
-        kvtier_tests::sys::rerun_test(&std::env::current_exe().unwrap(), "engine_process")
-            .env(
-                "KVTIER_IN_PLACE_ENGINE",
-                format!("{} {id}", d.path().to_str().unwrap()),
-            )
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
+    let mut engine = spawn_engine_process(&d, "KVTIER_IN_PLACE_ENGINE", id);
     let out = BufReader::new(engine.stdout.take().unwrap());
     let ready = out
         .lines()

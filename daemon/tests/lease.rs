@@ -7,22 +7,13 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvtier_protocol::client::{Client, ClientError};
+use kvtier_protocol::client::ClientError;
 use kvtier_protocol::lease::ArenaView;
 use kvtier_protocol::ErrorCode;
-
-/// The harness daemon with the host arena shared with engines.
-fn shared_daemon(dir: Option<tempfile::TempDir>) -> Daemon {
-    let b = harness().set("host.shared=true");
-    match dir {
-        Some(d) => b.dir(d).start(),
-        None => b.start(),
-    }
-}
 
 fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
@@ -64,16 +55,14 @@ fn expected_run(sh: &Shadow, layer: usize, block: usize) -> Vec<u8> {
 #[test]
 #[ignore = "run as an engine process by the tests below"]
 fn engine_process() {
-    let Ok(spec) = std::env::var("KVTIER_LEASE_ENGINE") else {
+    let Some(engine) = engine_lease("KVTIER_LEASE_ENGINE", "lease-engine") else {
         return;
     };
-    let (sock, session) = spec.split_once(' ').unwrap();
-    let mut c = Client::connect_as(sock, "lease-engine").unwrap();
-    let (lease, fd) = c.lease(session.parse().unwrap()).unwrap();
-    let view = ArenaView::map(fd, &lease).unwrap();
+    let lease = &engine.lease;
+    let view = ArenaView::map(engine.fd, lease).unwrap();
     for (l, layer) in lease.layers.iter().enumerate() {
         for b in 0..layer.offsets.len() {
-            let run = view.run(&lease, l, b).expect("a hot block");
+            let run = view.run(lease, l, b).expect("a hot block");
             println!("run {l} {b} {:016x}", fnv1a(run));
         }
     }
@@ -85,16 +74,7 @@ fn engine_process() {
 /// Starts the engine process on session `id` and reads its output up to `ready`: the run
 /// hashes it read, and the daemon instance its lease named.
 fn spawn_engine(d: &Daemon, id: u64) -> (Child, Vec<(usize, usize, u64)>, u64) {
-    let mut child =
-        kvtier_tests::sys::rerun_test(&std::env::current_exe().unwrap(), "engine_process")
-            .env(
-                "KVTIER_LEASE_ENGINE",
-                format!("{} {id}", d.path().to_str().unwrap()),
-            )
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
+    let mut child = spawn_engine_process(d, "KVTIER_LEASE_ENGINE", id);
     let mut runs = Vec::new();
     let out = BufReader::new(child.stdout.take().unwrap());
     for line in out.lines() {
@@ -126,7 +106,7 @@ fn lease_needs_the_shared_arena_and_release_needs_a_lease() {
     let e = c.lease(id).unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::FailedPrecondition), "{e}");
     assert!(e.to_string().contains("host.shared"), "{e}");
-    let d = shared_daemon(None);
+    let d = shared_harness().start();
     let mut c = d.client();
     let (id, _) = open(&mut c, "shared", 40, 1);
     let e = c.release(id).unwrap_err();
@@ -141,36 +121,28 @@ fn lease_needs_the_shared_arena_and_release_needs_a_lease() {
 /// even for its own session.
 #[test]
 fn a_non_admin_uid_cannot_lease() {
-    if !is_root() {
-        eprintln!("skipped: needs root to run a second uid");
+    if !can_run_second_uid() {
         return;
     }
-    let d = shared_daemon(None);
-    run_as_nobody(
-        "lease_as_nobody",
-        &[("KVTIER_LEASE_SOCKET", d.path().to_str().unwrap())],
-        "lease refused",
-    );
+    let d = shared_harness().start();
+    run_tenant("lease_as_nobody", &d, &[]);
 }
 
 /// The second-uid half of `a_non_admin_uid_cannot_lease`.
 #[test]
 #[ignore = "run as a second uid by a_non_admin_uid_cannot_lease"]
 fn lease_as_nobody() {
-    let Ok(path) = std::env::var("KVTIER_LEASE_SOCKET") else {
-        return;
-    };
-    let mut c = Client::connect(&path).unwrap();
+    let Some(mut c) = tenant() else { return };
     let (id, _) = open(&mut c, "mine", 20, 5);
     let e = c.lease(id).unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::PermissionDenied), "{e}");
     assert!(e.to_string().contains("admin"), "{e}");
-    println!("lease refused");
+    println!("tenant done");
 }
 
 #[test]
 fn an_engine_reads_runs_in_place_and_holds_them_until_it_is_killed() {
-    let d = shared_daemon(None);
+    let d = shared_harness().start();
     let mut c = d.client();
     let (id, mut sh) = open(&mut c, "leased", 600, 7);
     let (mut engine, runs, _) = spawn_engine(&d, id);
@@ -222,7 +194,7 @@ fn an_engine_reads_runs_in_place_and_holds_them_until_it_is_killed() {
 
 #[test]
 fn a_released_lease_frees_the_session_and_a_restart_is_a_typed_error() {
-    let d = shared_daemon(None);
+    let d = shared_harness().start();
     let mut c = d.client();
     let (id, sh) = open(&mut c, "restart", 100, 3);
     let mut engine = d.client_as("engine");
@@ -248,7 +220,7 @@ fn a_released_lease_frees_the_session_and_a_restart_is_a_typed_error() {
     // a table of the old arena; a new lease names another instance.
     drop(c);
     engine.set_timeout(Some(Duration::from_secs(10))).unwrap();
-    let d = shared_daemon(Some(d.stop(false)));
+    let d = shared_harness().dir(d.stop(false)).start();
     let e = engine.lease(id).unwrap_err();
     assert!(
         matches!(e, ClientError::Closed | ClientError::Io(_)),
@@ -262,10 +234,7 @@ fn a_released_lease_frees_the_session_and_a_restart_is_a_typed_error() {
 #[test]
 fn memory_pressure_passes_over_a_leased_session() {
     // 96 runs of 4 KiB; each session below holds 2 x 20 = 40 of them.
-    let d = harness()
-        .set("host.shared=true")
-        .set("host.capacity=\"384KiB\"")
-        .start();
+    let d = shared_harness().set("host.capacity=\"384KiB\"").start();
     let mut c = d.client();
     let (leased, mut sh) = open(&mut c, "leased", 320, 11);
     let mut engine = d.client_as("engine");
@@ -299,8 +268,7 @@ fn memory_pressure_passes_over_a_leased_session() {
 fn a_lease_whose_table_exceeds_a_frame_takes_no_lease() {
     use std::os::fd::AsFd;
 
-    let d = harness()
-        .set("host.shared=true")
+    let d = shared_harness()
         .set("server.max_frame_bytes=\"4KiB\"")
         .start();
     let mut c = d.client();

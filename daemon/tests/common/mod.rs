@@ -31,6 +31,11 @@ pub fn harness() -> TierdBuilder {
 
 pub type Daemon = Tierd;
 
+/// The [`harness`] daemon with its host arena shared with engines (LEASE, RESERVE).
+pub fn shared_harness() -> TierdBuilder {
+    harness().set("host.shared=true")
+}
+
 /// The [`harness`] daemon as a node named `name` of the remote tier on `cluster` (claims of
 /// `claim_ttl_ms`), in `dir` (a restart) or a fresh directory, with `extra` settings.
 pub fn remote_node(
@@ -160,4 +165,82 @@ pub fn scrape(port: u16) -> std::collections::BTreeMap<String, f64> {
             (series.to_string(), value.parse().expect("numeric value"))
         })
         .collect()
+}
+
+// Tests in two processes: this test binary re-run for one of its ignored tests, the other half.
+
+/// Whether this process can run a second uid (only root can, as CI runs); where it cannot, says
+/// the calling test does not apply.
+pub fn can_run_second_uid() -> bool {
+    if !is_root() {
+        eprintln!("not root: cannot run a second uid, test not applicable");
+    }
+    is_root()
+}
+
+/// Where a test passes its second uid's half (a tenant) the daemon's socket.
+pub const TENANT_SOCKET: &str = "KVTIER_TENANT_SOCKET";
+
+/// Runs the ignored test `name` as nobody against `d` (its socket in [`TENANT_SOCKET`]), with
+/// `env` besides; it must pass and say `tenant done`.
+pub fn run_tenant(name: &str, d: &Daemon, env: &[(&str, &str)]) {
+    let socket = [(TENANT_SOCKET, d.path().to_str().unwrap())];
+    run_as_nobody(name, &[&socket[..], env].concat(), "tenant done");
+}
+
+/// In a tenant (see [`run_tenant`]): the daemon's socket; None where the ignored test runs on
+/// its own, with nothing to check.
+pub fn tenant_socket() -> Option<String> {
+    std::env::var(TENANT_SOCKET).ok()
+}
+
+/// In a tenant: a client of [`tenant_socket`].
+pub fn tenant() -> Option<kvtier_protocol::client::Client> {
+    tenant_socket().map(|path| kvtier_protocol::client::Client::connect(&path).unwrap())
+}
+
+/// A value a test passed its other half in environment variable `var`.
+pub fn passed<T: std::str::FromStr>(var: &str) -> T
+where
+    T::Err: std::fmt::Debug,
+{
+    std::env::var(var).unwrap().parse().unwrap()
+}
+
+/// Starts this test binary's ignored `engine_process` test beside `d`, on session `id` (passed
+/// in `var`, read back by [`engine_lease`]), its stdin and stdout piped.
+pub fn spawn_engine_process(d: &Daemon, var: &str, id: u64) -> std::process::Child {
+    use std::process::Stdio;
+    kvtier_tests::sys::rerun_test(&std::env::current_exe().unwrap(), "engine_process")
+        .env(var, format!("{} {id}", d.path().to_str().unwrap()))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// What an engine process holds (see [`engine_lease`]).
+pub struct EngineLease {
+    /// Its connection, which holds the lease.
+    pub client: kvtier_protocol::client::Client,
+    pub session: u64,
+    pub lease: kvtier_protocol::LeaseReply,
+    /// The shared arena's descriptor.
+    pub fd: std::os::fd::OwnedFd,
+}
+
+/// In an engine process (see [`spawn_engine_process`]): a connection as `name` and the lease
+/// it took on its session; None where the ignored test runs on its own.
+pub fn engine_lease(var: &str, name: &str) -> Option<EngineLease> {
+    let spec = std::env::var(var).ok()?;
+    let (sock, session) = spec.split_once(' ').unwrap();
+    let session = session.parse().unwrap();
+    let mut client = kvtier_protocol::client::Client::connect_as(sock, name).unwrap();
+    let (lease, fd) = client.lease(session).unwrap();
+    Some(EngineLease {
+        client,
+        session,
+        lease,
+        fd,
+    })
 }
