@@ -141,23 +141,28 @@ fn trailing_bytes_rejected_for_every_request_kind() {
     }
 }
 
+/// Decoding a CREATE_SESSION body changed by `corrupt`: an INVALID_ARGUMENT refusal, which
+/// this returns.
+fn invalid_create(corrupt: impl FnOnce(&mut [u8])) -> ProtoError {
+    let mut body = create_body();
+    corrupt(&mut body);
+    let err = req(Opcode::CreateSession, 0, &body).unwrap_err();
+    assert_eq!(err.error_code(), ErrorCode::InvalidArgument);
+    err
+}
+
 #[test]
 fn bad_dtype() {
-    let mut body = create_body();
-    body[16] = 3; // layers, q_heads, kv_heads, head_dim, then dtype
-    let err = req(Opcode::CreateSession, 0, &body).unwrap_err();
+    // Layers, q_heads, kv_heads, head_dim, then dtype.
+    let err = invalid_create(|body| body[16] = 3);
     assert_eq!(err, ProtoError::BadDtype { value: 3 });
-    assert_eq!(err.error_code(), ErrorCode::InvalidArgument);
 }
 
 #[test]
 fn bad_selector() {
-    let mut body = create_body();
     // Geometry (21 bytes), then sink, local, top_k, selector (u32 each).
-    body[21 + 12..21 + 16].copy_from_slice(&2u32.to_le_bytes());
-    let err = req(Opcode::CreateSession, 0, &body).unwrap_err();
+    let err = invalid_create(|body| body[21 + 12..21 + 16].copy_from_slice(&2u32.to_le_bytes()));
     assert_eq!(err, ProtoError::BadSelector { value: 2 });
-    assert_eq!(err.error_code(), ErrorCode::InvalidArgument);
 }
 
 #[test]

@@ -6,7 +6,9 @@ mod kv_common;
 use kv_common::*;
 use kvtier_storage::sketch::{quarter_of, quarters};
 use kvtier_storage::testing::Rng;
-use kvtier_storage::{ArenaOptions, DType, Geometry, HostArena, KvCache, StorageError};
+use kvtier_storage::{
+    ArenaOptions, DType, Geometry, HostArena, InPlaceAppend, KvCache, StorageError,
+};
 use kvtier_tests::kv::{layer_rows, payload, rows, sub_payload};
 use proptest::prelude::*;
 
@@ -438,6 +440,23 @@ fn write_in_place(
     }
 }
 
+/// Reserves `tokens` rows after the cache's `start` tokens and writes them in place from
+/// payload `p` (of `n` tokens), as an engine does: the reservation and its offsets.
+fn reserve_and_write(
+    kv: &KvCache,
+    map: &mut [u8],
+    g: &Geometry,
+    p: &[u8],
+    n: usize,
+    start: usize,
+    tokens: usize,
+) -> (InPlaceAppend, Vec<Vec<u64>>) {
+    let ip = kv.begin_in_place(tokens as u64).unwrap();
+    let offsets = kv.in_place_offsets(&ip);
+    write_in_place(g, map, &offsets, start as u64, p, n, start..start + tokens);
+    (ip, offsets)
+}
+
 #[test]
 fn an_in_place_append_is_bit_identical_to_an_append_of_the_same_rows() {
     // Starting inside a block, at a block boundary, and spanning several blocks; committed at
@@ -513,6 +532,15 @@ fn an_in_place_append_is_bit_identical_to_an_append_of_the_same_rows() {
     }
 }
 
+/// What [`snapshot`] reads.
+type Snapshot = Vec<(u64, Vec<u8>, Vec<u32>)>;
+
+/// What the cache holds and the arena bytes in use: all that a refused or aborted in-place
+/// append must leave as it was.
+fn contents_and_usage(kv: &KvCache) -> (Snapshot, usize) {
+    (snapshot(kv), kv.arena().usage().bytes_used)
+}
+
 /// Tokens and bounds and sketches of every layer: what readers see (not the runs' bytes past
 /// the stored rows, which a writer in place changes before it commits).
 fn visible(kv: &KvCache) -> Vec<(u64, Vec<u32>)> {
@@ -524,10 +552,8 @@ fn a_partial_commit_is_refused_for_a_layer_twice_other_tokens_or_a_bad_row() {
     let g = geo(DType::F32, 8);
     let p = payload(&g, 20, 5);
     let (mut kv, mut map) = shared_cache(g, 5, 9);
-    let (before, used) = (snapshot(&kv), kv.arena().usage().bytes_used);
-    let mut ip = kv.begin_in_place(10).unwrap();
-    let offsets = kv.in_place_offsets(&ip);
-    write_in_place(&g, &mut map, &offsets, 5, &p, 20, 5..15);
+    let before = contents_and_usage(&kv);
+    let (mut ip, offsets) = reserve_and_write(&kv, &mut map, &g, &p, 20, 5, 10);
     kv.stage_in_place(&mut ip, 10, 0..1).unwrap();
     // A layer twice, other tokens, a layer past the last.
     for (tokens, layers, want) in [
@@ -557,8 +583,7 @@ fn a_partial_commit_is_refused_for_a_layer_twice_other_tokens_or_a_bad_row() {
         "{e}"
     );
     // Nothing was appended; the opened extents went back.
-    assert_eq!(snapshot(&kv), before);
-    assert_eq!(kv.arena().usage().bytes_used, used);
+    assert_eq!(contents_and_usage(&kv), before);
 }
 
 #[test]
@@ -570,10 +595,8 @@ fn committing_fewer_rows_than_reserved_zeroes_the_rest_and_returns_their_extents
     kv.append(0, 6, &sub_payload(&g, &p, 30, 0..6)).unwrap();
     let (mut want, _) = shared_cache(g, 0, 0);
     want.append(0, 9, &sub_payload(&g, &p, 30, 0..9)).unwrap();
-    let ip = kv.begin_in_place(24).unwrap();
-    let offsets = kv.in_place_offsets(&ip);
     // The engine wrote all 24 rows but commits 3: rows 9.. must read zero, as in `want`.
-    write_in_place(&g, &mut map, &offsets, 6, &p, 30, 6..30);
+    let (ip, _) = reserve_and_write(&kv, &mut map, &g, &p, 30, 6, 24);
     kv.commit_in_place(ip, 3).unwrap();
     assert_eq!(snapshot(&kv), snapshot(&want));
     assert_eq!(kv.extents(), want.extents());
@@ -585,11 +608,8 @@ fn a_non_finite_row_written_in_place_is_refused_and_nothing_changes() {
     let g = geo(DType::F32, 8);
     let p = payload(&g, 20, 5);
     let (mut kv, mut map) = shared_cache(g, 5, 9);
-    let before = snapshot(&kv);
-    let extents = kv.arena().usage().bytes_used;
-    let ip = kv.begin_in_place(10).unwrap();
-    let offsets = kv.in_place_offsets(&ip);
-    write_in_place(&g, &mut map, &offsets, 5, &p, 20, 5..15);
+    let before = contents_and_usage(&kv);
+    let (ip, offsets) = reserve_and_write(&kv, &mut map, &g, &p, 20, 5, 10);
     // Row 7 of the append, kv head 1, V element 3 of layer 1: a NaN.
     let (_, vo) = kvtier_storage::in_place_row(&g, &offsets[1], 5, 7, 1);
     let at = vo as usize + 3 * 4;
@@ -601,8 +621,7 @@ fn a_non_finite_row_written_in_place_is_refused_and_nothing_changes() {
         "{e}"
     );
     // The rows written into the tail block are zero again; the opened extents went back.
-    assert_eq!(snapshot(&kv), before);
-    assert_eq!(kv.arena().usage().bytes_used, extents);
+    assert_eq!(contents_and_usage(&kv), before);
     // And the cache takes appends as before.
     kv.append(5, 1, &sub_payload(&g, &p, 20, 5..6)).unwrap();
 }
@@ -612,25 +631,18 @@ fn an_aborted_in_place_append_leaves_the_cache_as_it_was() {
     let g = geo(DType::Bf16, 8);
     let p = payload(&g, 40, 2);
     let (mut kv, mut map) = shared_cache(g, 3, 4);
-    let before = snapshot(&kv);
-    let used = kv.arena().usage().bytes_used;
-    let ip = kv.begin_in_place(30).unwrap();
-    let offsets = kv.in_place_offsets(&ip);
-    write_in_place(&g, &mut map, &offsets, 3, &p, 40, 3..33);
+    let before = contents_and_usage(&kv);
+    let (ip, _) = reserve_and_write(&kv, &mut map, &g, &p, 40, 3, 30);
     kv.abort_in_place(ip);
-    assert_eq!(snapshot(&kv), before);
-    assert_eq!(kv.arena().usage().bytes_used, used);
+    assert_eq!(contents_and_usage(&kv), before);
     // Committing zero rows is an abort too, after a layer was staged as well.
     for stage in [false, true] {
-        let mut ip = kv.begin_in_place(2).unwrap();
-        let offsets = kv.in_place_offsets(&ip);
-        write_in_place(&g, &mut map, &offsets, 3, &p, 40, 3..5);
+        let (mut ip, _) = reserve_and_write(&kv, &mut map, &g, &p, 40, 3, 2);
         if stage {
             kv.stage_in_place(&mut ip, 2, 0..1).unwrap();
         }
         kv.commit_in_place(ip, 0).unwrap();
-        assert_eq!(snapshot(&kv), before);
-        assert_eq!(kv.arena().usage().bytes_used, used);
+        assert_eq!(contents_and_usage(&kv), before);
     }
 }
 

@@ -25,18 +25,27 @@ fn filled(file: &DirectFile, data: &[u8]) -> AlignedBuf {
     b
 }
 
+/// Writes `n` blocks of `len` bytes through `driver`, block i (at i * len) the [`pattern`] of
+/// i, so that reads can check what they get.
+fn write_patterns(driver: &dyn IoDriver, f: &Arc<DirectFile>, n: u64, len: usize) {
+    let writes = (0..n)
+        .map(|i| {
+            let buf = filled(f, &pattern(i, len));
+            IoRequest::write(f.clone(), i * len as u64, buf).unwrap()
+        })
+        .collect();
+    for c in driver.submit(writes).unwrap() {
+        c.result.unwrap();
+    }
+}
+
 #[test]
 fn write_then_read_many_ops_more_than_queue_depth() {
     let dir = test_dir("rw");
     for (ei, driver) in drivers().iter().enumerate() {
         let f = Arc::new(DirectFile::open(&dir.join(format!("f{ei}"))).unwrap());
         f.ensure_len(100 * 8192).unwrap();
-        let writes = (0..100u64)
-            .map(|i| IoRequest::write(f.clone(), i * 8192, filled(&f, &pattern(i, 8192))).unwrap())
-            .collect();
-        for c in driver.submit(writes).unwrap() {
-            c.result.unwrap();
-        }
+        write_patterns(driver.as_ref(), &f, 100, 8192);
         let reads = (0..100u64)
             .rev()
             .map(|i| {
@@ -136,12 +145,7 @@ fn concurrent_callers_share_one_ring() {
     let driver = Arc::new(UringDriver::new(UringConfig { queue_depth: 16 }).unwrap());
     let f = Arc::new(DirectFile::open(&dir.join("f")).unwrap());
     f.ensure_len(64 * 4096).unwrap();
-    let w = (0..64u64)
-        .map(|i| IoRequest::write(f.clone(), i * 4096, filled(&f, &pattern(i, 4096))).unwrap())
-        .collect();
-    for c in driver.submit(w).unwrap() {
-        c.result.unwrap();
-    }
+    write_patterns(&*driver, &f, 64, 4096);
     std::thread::scope(|s| {
         for t in 0..4u64 {
             let driver = driver.clone();
@@ -173,6 +177,15 @@ fn concurrent_callers_share_one_ring() {
 
 fn faulty(rules: Vec<FaultRule>, seed: u64) -> FaultyDriver<PreadDriver> {
     FaultyDriver::new(PreadDriver::new(), rules, seed).unwrap()
+}
+
+/// One rule: any op fails with EIO when `trigger` fires.
+fn eio_when(trigger: Trigger) -> Vec<FaultRule> {
+    vec![FaultRule {
+        kind: None,
+        fault: Fault::Eio,
+        trigger,
+    }]
 }
 
 #[test]
@@ -266,55 +279,23 @@ fn faulty_driver_triggers_are_deterministic() {
             })
             .collect::<Vec<bool>>()
     };
-    let p = vec![FaultRule {
-        kind: None,
-        fault: Fault::Eio,
-        trigger: Trigger::Probability(0.3),
-    }];
+    let p = eio_when(Trigger::Probability(0.3));
     let a = outcomes(p.clone(), 42);
     assert_eq!(a, outcomes(p.clone(), 42), "same seed, same faults");
     assert_ne!(a, outcomes(p, 43), "another seed, other faults");
     let fails = a.iter().filter(|&&x| x).count();
     assert!((30..90).contains(&fails), "about 30% of 200: {fails}");
 
-    let nth = outcomes(
-        vec![FaultRule {
-            kind: None,
-            fault: Fault::Eio,
-            trigger: Trigger::Nth(5),
-        }],
-        0,
-    );
+    let nth = outcomes(eio_when(Trigger::Nth(5)), 0);
     assert_eq!(nth.iter().position(|&x| x), Some(4));
     assert_eq!(nth.iter().filter(|&&x| x).count(), 1);
-    let every = outcomes(
-        vec![FaultRule {
-            kind: None,
-            fault: Fault::Eio,
-            trigger: Trigger::EveryNth(10),
-        }],
-        0,
-    );
+    let every = outcomes(eio_when(Trigger::EveryNth(10)), 0);
     assert_eq!(every.iter().filter(|&&x| x).count(), 20);
 
-    assert!(FaultyDriver::new(
-        PreadDriver::new(),
-        vec![FaultRule {
-            kind: None,
-            fault: Fault::Eio,
-            trigger: Trigger::Probability(1.5)
-        }],
-        0
-    )
-    .is_err());
-    assert!(FaultyDriver::new(
-        PreadDriver::new(),
-        vec![FaultRule {
-            kind: None,
-            fault: Fault::Eio,
-            trigger: Trigger::Nth(0)
-        }],
-        0
-    )
-    .is_err());
+    for bad in [Trigger::Probability(1.5), Trigger::Nth(0)] {
+        assert!(
+            FaultyDriver::new(PreadDriver::new(), eio_when(bad), 0).is_err(),
+            "{bad:?}"
+        );
+    }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyDriver, Trigger, UringConfig};
 use kvtier_storage::nvme::{
-    CorruptReason, IoDriver, NvmeError, OpKind, PageStore, PreadDriver, UringDriver,
+    CorruptReason, IoDriver, NvmeError, OpKind, PageAddr, PageStore, PreadDriver, UringDriver,
 };
 
 use common::{
@@ -153,6 +153,26 @@ fn both_drivers() -> Vec<(&'static str, MakeDriver)> {
     ]
 }
 
+/// A [`full_page_store`] of `workers` workers over `inner`, each `(fault, page)` of `faults`
+/// pinned to that page's `kind` ops, and its [`PAGES`] pages allocated (in order).
+fn store_with_pinned_faults(
+    dir: &std::path::Path,
+    inner: MakeDriver,
+    kind: OpKind,
+    faults: &[(Fault, usize)],
+    seed: u64,
+    workers: usize,
+) -> (PageStore, Vec<PageAddr>) {
+    let rules = faults
+        .iter()
+        .map(|&(fault, page)| pinned(kind, fault, page))
+        .collect();
+    let driver = Arc::new(FaultyDriver::new(inner(), rules, seed).unwrap());
+    let store = full_page_store(dir, driver, workers);
+    let addrs = store.alloc(9, PAGES, FULL_PAYLOAD).unwrap();
+    (store, addrs)
+}
+
 #[test]
 fn eio_short_read_and_a_bit_flip_on_chosen_pages_through_the_multi_threaded_read_path() {
     let dir = test_dir("mt-read-faults");
@@ -162,14 +182,13 @@ fn eio_short_read_and_a_bit_flip_on_chosen_pages_through_the_multi_threaded_read
     let (eio, flip, short) = (10, 150, 299);
     for (name, inner) in both_drivers() {
         for workers in [1, 2, 4] {
-            let rules = vec![
-                pinned(OpKind::Read, Fault::Eio, eio),
-                pinned(OpKind::Read, Fault::BitFlip, flip),
-                pinned(OpKind::Read, Fault::ShortTransfer, short),
+            let faults = [
+                (Fault::Eio, eio),
+                (Fault::BitFlip, flip),
+                (Fault::ShortTransfer, short),
             ];
-            let driver = Arc::new(FaultyDriver::new(inner(), rules, 3).unwrap());
-            let store = full_page_store(&dir, driver, workers);
-            let addrs = store.alloc(9, PAGES, FULL_PAYLOAD).unwrap();
+            let (store, addrs) =
+                store_with_pinned_faults(&dir, inner, OpKind::Read, &faults, 3, workers);
             assert!(addrs
                 .iter()
                 .enumerate()
@@ -225,15 +244,14 @@ fn enospc_short_write_eio_and_a_bit_flip_on_chosen_pages_through_the_multi_threa
     let (enospc, flip, short, eio) = (70, 130, 200, 250);
     for (name, inner) in both_drivers() {
         for workers in [1, 4] {
-            let rules = vec![
-                pinned(OpKind::Write, Fault::Enospc, enospc),
-                pinned(OpKind::Write, Fault::BitFlip, flip),
-                pinned(OpKind::Write, Fault::ShortTransfer, short),
-                pinned(OpKind::Write, Fault::Eio, eio),
+            let faults = [
+                (Fault::Enospc, enospc),
+                (Fault::BitFlip, flip),
+                (Fault::ShortTransfer, short),
+                (Fault::Eio, eio),
             ];
-            let driver = Arc::new(FaultyDriver::new(inner(), rules, 5).unwrap());
-            let store = full_page_store(&dir, driver, workers);
-            let addrs = store.alloc(9, PAGES, FULL_PAYLOAD).unwrap();
+            let (store, addrs) =
+                store_with_pinned_faults(&dir, inner, OpKind::Write, &faults, 5, workers);
             let ctx = format!("{name}, {workers} workers");
             let except = |skip: &[usize]| -> Vec<usize> {
                 (0..PAGES).filter(|i| !skip.contains(i)).collect()

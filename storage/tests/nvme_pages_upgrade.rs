@@ -11,12 +11,11 @@ use kvtier_storage::nvme::manifest::{
     v4, GeometryRecord, Manifest, ManifestStore, PageRecord, PolicyRecord, SessionRecord,
 };
 use kvtier_storage::nvme::{
-    open_best_driver, BlockRun, DeviceConfig, NvmeError, NvmeTier, PageId, PageStore,
-    PageStoreConfig,
+    open_best_driver, BlockRun, NvmeError, NvmeTier, PageId, PageStore, PageStoreConfig,
 };
 use kvtier_tests::kv::xorshift_bytes;
 
-use common::{layer0_runs, test_dir};
+use common::{devices, layer0_runs, store_cfg, test_dir};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -139,15 +138,7 @@ fn a_version_3_manifest_of_fixed_pages_is_converted_to_units_and_keeps_its_sessi
     // Capacities that are no whole number of old pages: 41 and 30 of them.
     let caps = [41 * OLD_PAGE + 5000, 30 * OLD_PAGE + 200_000];
     let cfg = PageStoreConfig {
-        devices: caps
-            .iter()
-            .enumerate()
-            .map(|(i, &c)| DeviceConfig {
-                path: dir.join(format!("dev{i}")),
-                capacity_bytes: c,
-                bandwidth_bytes_per_s: 1.0,
-            })
-            .collect(),
+        devices: devices(&dir, caps.iter().map(|&c| (c, 1.0))),
         // Not what the old store had: variable pages do not depend on it.
         max_payload: MIB,
     };
@@ -343,14 +334,8 @@ fn recovery_of_pages_of_several_sizes_marks_their_extents_and_refuses_an_overlap
     let dir = test_dir("mixed-recovery");
     let mdir = dir.join("manifest");
     let cfg = PageStoreConfig {
-        devices: (0..2)
-            .map(|i| DeviceConfig {
-                path: dir.join(format!("dev{i}")),
-                capacity_bytes: 16 * MIB as u64,
-                bandwidth_bytes_per_s: 1.0,
-            })
-            .collect(),
         max_payload: 3 * MIB,
+        ..store_cfg(&dir, &[1.0, 1.0], 16 * MIB as u64)
     };
     let open_store = || PageStore::open(&cfg, open_best_driver(UringConfig::default())).unwrap();
     let put = |tier: &NvmeTier, id: u64, blocks: std::ops::Range<u32>, total: u32, len: usize| {
@@ -400,26 +385,16 @@ fn recovery_of_pages_of_several_sizes_marks_their_extents_and_refuses_an_overlap
     loaded().recover_into(&open_store()).unwrap();
     let big = loaded().current.session(3).unwrap().pages[0].clone();
     assert_eq!(big.addr(4096).units, 769);
+    // As stored, but page `page` of session `session` placed `units` units into the 3 MiB one.
+    let moved = |session: u64, page: usize, units: u64| {
+        let mut l = loaded();
+        let s = l.current.sessions.iter_mut().find(|s| s.id == session);
+        let p = &mut s.unwrap().pages[page];
+        (p.device, p.page) = (big.device, big.page + units);
+        l
+    };
     // A 20 KiB page moved inside the 3 MiB one, or a 512 KiB one reaching into it.
-    let mut inside = loaded();
-    let p = &mut inside
-        .current
-        .sessions
-        .iter_mut()
-        .find(|s| s.id == 4)
-        .unwrap()
-        .pages[0];
-    (p.device, p.page) = (big.device, big.page + 700);
-    let mut reaching = loaded();
-    let p = &mut reaching
-        .current
-        .sessions
-        .iter_mut()
-        .find(|s| s.id == 2)
-        .unwrap()
-        .pages[5];
-    (p.device, p.page) = (big.device, big.page + 768);
-    for (name, mut l) in [("inside", inside), ("reaching", reaching)] {
+    for (name, mut l) in [("inside", moved(4, 0, 700)), ("reaching", moved(2, 5, 768))] {
         let e = l.recover_into(&open_store()).unwrap_err();
         assert!(
             matches!(&e, NvmeError::ManifestMismatch { what } if what.contains("overlaps")),

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvtier_storage::nvme::io::{Fault, FaultRule, FaultyDriver, Trigger, UringConfig};
@@ -16,6 +16,19 @@ use kvtier_storage::nvme::{
 use common::{
     id, layer0_runs, one_layer_record, pattern, reads_of, store_cfg, test_dir, writes_of,
 };
+
+/// A `Full` refusal's (requested, page_bytes, free_bytes, largest_free_bytes), to compare whole.
+fn full(e: &NvmeError) -> (usize, u64, u64, u64) {
+    match *e {
+        NvmeError::Full {
+            requested,
+            page_bytes,
+            free_bytes,
+            largest_free_bytes,
+        } => (requested, page_bytes, free_bytes, largest_free_bytes),
+        _ => panic!("not Full: {e:?}"),
+    }
+}
 
 #[test]
 fn page_store_roundtrip_and_verification() {
@@ -249,32 +262,10 @@ fn page_store_bad_input_is_typed() {
     // Full: all or nothing.
     let all = store.alloc(1, 10, 10_000).unwrap();
     let e = store.alloc(1, 1, 10_000).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            NvmeError::Full {
-                requested: 1,
-                page_bytes: 12288,
-                free_bytes: 0,
-                largest_free_bytes: 0
-            }
-        ),
-        "{e:?}"
-    );
+    assert_eq!(full(&e), (1, 12288, 0, 0));
     store.free(&all[..3]).unwrap();
     let e = store.alloc(1, 4, 10_000).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            NvmeError::Full {
-                requested: 4,
-                page_bytes: 12288,
-                free_bytes: 36864,
-                largest_free_bytes: 36864
-            }
-        ),
-        "{e:?}"
-    );
+    assert_eq!(full(&e), (4, 12288, 36864, 36864));
     assert!(e.to_string().contains("4 pages of 12288 bytes"), "{e}");
     assert_eq!(store.free_bytes(), 9 * 4096, "a failed alloc takes nothing");
     // Recovery marks.
@@ -637,6 +628,23 @@ fn pages_of_different_sizes_share_a_store_and_reuse_freed_space() {
     assert_eq!(store.largest_free_bytes(), 16 * MIB as u64);
 }
 
+/// A store of devices of `units` 4 KiB units, one a bandwidth of `bws`, for payloads of up to
+/// 100 KiB.
+fn large_page_store(dir: &Path, bws: &[f64], units: u64, driver: Arc<dyn IoDriver>) -> PageStore {
+    let mut cfg = store_cfg(dir, bws, units * 4096);
+    cfg.max_payload = 100 * KIB;
+    PageStore::open(&cfg, driver).unwrap()
+}
+
+/// Allocating `pages` pages of 100 KiB for `session` is refused and allocates nothing
+/// (`why`): the refusal.
+fn refused_large(store: &PageStore, session: u64, pages: usize, why: &str) -> NvmeError {
+    let before = store.usage();
+    let e = store.alloc(session, pages, 100 * KIB).unwrap_err();
+    assert_eq!(store.usage(), before, "{why}");
+    e
+}
+
 /// A store with room for small pages but no extent long enough for a large one: `Full`,
 /// typed, with nothing allocated, on one device and across two (all or nothing).
 #[test]
@@ -644,56 +652,28 @@ fn full_for_a_large_page_while_small_ones_still_fit() {
     let dir = test_dir("store-full-large");
     let driver: Arc<dyn IoDriver> = Arc::new(UringDriver::new(UringConfig::default()).unwrap());
     // 64 units; a 100 KiB page takes 26.
-    let mut cfg = store_cfg(&dir, &[1.0], 64 * 4096);
-    cfg.max_payload = 100 * KIB;
-    let store = PageStore::open(&cfg, driver.clone()).unwrap();
+    let store = large_page_store(&dir, &[1.0], 64, driver.clone());
     assert_eq!(store.page_units(100 * KIB), 26);
     let small = store.alloc(1, 64, 1000).unwrap();
     // Every other page freed: 32 free units, none next to another.
     let odd: Vec<PageAddr> = small.iter().skip(1).step_by(2).copied().collect();
     store.free(&odd).unwrap();
-    let before = store.usage();
-    let e = store.alloc(1, 1, 100 * KIB).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            NvmeError::Full {
-                requested: 1,
-                page_bytes: 106_496,
-                free_bytes: 131_072,
-                largest_free_bytes: 4096,
-            }
-        ),
-        "{e:?}"
-    );
+    let e = refused_large(&store, 1, 1, "nothing allocated");
+    assert_eq!(full(&e), (1, 106_496, 131_072, 4096));
     assert!(
         e.to_string().contains("largest free extent 4096 bytes"),
         "{e}"
     );
-    assert_eq!(store.usage(), before, "nothing allocated");
     // Small pages still fit, in every hole.
     store.alloc(1, 32, 1000).unwrap();
     assert_eq!(store.free_bytes(), 0);
 
     // Two devices, room for one large page each: three are refused as a whole.
     let dir = test_dir("store-full-large-2");
-    let mut cfg = store_cfg(&dir, &[1.0, 1.0], 40 * 4096);
-    cfg.max_payload = 100 * KIB;
-    let store = PageStore::open(&cfg, driver).unwrap();
-    let before = store.usage();
-    let e = store.alloc(2, 3, 100 * KIB).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            NvmeError::Full {
-                requested: 3,
-                free_bytes: 327_680,
-                ..
-            }
-        ),
-        "{e:?}"
-    );
-    assert_eq!(store.usage(), before, "the two that fitted were given back");
+    let store = large_page_store(&dir, &[1.0, 1.0], 40, driver);
+    let e = refused_large(&store, 2, 3, "the two that fitted were given back");
+    let (requested, _, free_bytes, _) = full(&e);
+    assert_eq!((requested, free_bytes), (3, 327_680));
     let two = store.alloc(2, 2, 100 * KIB).unwrap();
     assert_ne!(two[0].device, two[1].device);
     // And the 14 units left on each still take small pages.

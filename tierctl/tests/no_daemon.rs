@@ -4,7 +4,7 @@
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixListener;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -18,14 +18,20 @@ fn tierctl(socket: &Path, args: &[&str]) -> Output {
         .expect("run tierctl")
 }
 
+/// A socket path `name` in a fresh directory (removed when the directory is dropped).
+fn socket_in_fresh_dir(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join(name);
+    (dir, sock)
+}
+
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 #[test]
 fn missing_socket_is_not_running() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("absent.sock");
+    let (_dir, sock) = socket_in_fresh_dir("absent.sock");
     for cmd in [
         &["status"][..],
         &["sessions"],
@@ -53,8 +59,7 @@ fn missing_socket_is_not_running() {
 
 #[test]
 fn missing_socket_json_error_object() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("absent.sock");
+    let (_dir, sock) = socket_in_fresh_dir("absent.sock");
     let o = tierctl(&sock, &["--json", "status"]);
     assert_eq!(o.status.code(), Some(3));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
@@ -68,8 +73,7 @@ fn missing_socket_json_error_object() {
 
 #[test]
 fn stale_socket_file_is_not_running() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("stale.sock");
+    let (_dir, sock) = socket_in_fresh_dir("stale.sock");
     // Bind then drop: the file stays, nobody listens, connect gets ECONNREFUSED.
     drop(UnixListener::bind(&sock).unwrap());
     assert!(sock.exists());
@@ -80,8 +84,7 @@ fn stale_socket_file_is_not_running() {
 
 #[test]
 fn silent_peer_times_out() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("silent.sock");
+    let (_dir, sock) = socket_in_fresh_dir("silent.sock");
     let listener = UnixListener::bind(&sock).unwrap();
     let t0 = Instant::now();
     let child = Command::new(env!("CARGO_BIN_EXE_tierctl"))
@@ -113,8 +116,7 @@ fn silent_peer_times_out() {
 
 #[test]
 fn garbage_reply_is_a_communication_error() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("garbage.sock");
+    let (_dir, sock) = socket_in_fresh_dir("garbage.sock");
     let listener = UnixListener::bind(&sock).unwrap();
     let peer = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
@@ -131,8 +133,7 @@ fn garbage_reply_is_a_communication_error() {
 
 #[test]
 fn bad_arguments_are_usage_errors() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("absent.sock");
+    let (_dir, sock) = socket_in_fresh_dir("absent.sock");
     for args in [
         &["close"][..],
         &["close", "abc"],
@@ -148,8 +149,7 @@ fn bad_arguments_are_usage_errors() {
 
 #[test]
 fn socket_from_environment() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("from-env.sock");
+    let (_dir, sock) = socket_in_fresh_dir("from-env.sock");
     let o = Command::new(env!("CARGO_BIN_EXE_tierctl"))
         .arg("status")
         .env("KVTIER_SOCKET", &sock)

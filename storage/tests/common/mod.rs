@@ -65,17 +65,26 @@ pub fn layer0_runs(payloads: &[Vec<u8>]) -> Vec<BlockRun<'_>> {
         .collect()
 }
 
+/// Devices `dev0`, `dev1`, ... in `dir`, one a `(capacity_bytes, bandwidth_bytes_per_s)`.
+pub fn devices(
+    dir: &std::path::Path,
+    specs: impl IntoIterator<Item = (u64, f64)>,
+) -> Vec<DeviceConfig> {
+    specs
+        .into_iter()
+        .enumerate()
+        .map(|(i, (capacity, bw))| DeviceConfig {
+            path: dir.join(format!("dev{i}")),
+            capacity_bytes: capacity,
+            bandwidth_bytes_per_s: bw,
+        })
+        .collect()
+}
+
+/// Devices of `capacity` bytes, one a bandwidth of `bws`, for payloads of up to 10,000 bytes.
 pub fn store_cfg(dir: &std::path::Path, bws: &[f64], capacity: u64) -> PageStoreConfig {
     PageStoreConfig {
-        devices: bws
-            .iter()
-            .enumerate()
-            .map(|(i, &bw)| DeviceConfig {
-                path: dir.join(format!("dev{i}")),
-                capacity_bytes: capacity,
-                bandwidth_bytes_per_s: bw,
-            })
-            .collect(),
+        devices: devices(dir, bws.iter().map(|&bw| (capacity, bw))),
         max_payload: 10_000,
     }
 }
