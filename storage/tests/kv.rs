@@ -406,7 +406,12 @@ fn appends_into_extents_a_former_owner_left_dirty_equal_appends_into_clean_ones(
 /// A cache in a shared (memfd) arena holding `n` tokens, and a second writable mapping of that
 /// arena: what an engine process maps from LEASE's descriptor.
 fn shared_cache(g: Geometry, n: usize, seed: u64) -> (KvCache, memmap2::MmapMut) {
-    let mut opts = ArenaOptions::new(64 * 4096, 4096);
+    shared_cache_of(64 * 4096, g, n, seed)
+}
+
+/// [`shared_cache`] in an arena of `bytes`.
+fn shared_cache_of(bytes: usize, g: Geometry, n: usize, seed: u64) -> (KvCache, memmap2::MmapMut) {
+    let mut opts = ArenaOptions::new(bytes, 4096);
     opts.shared = true;
     let a = HostArena::new(&opts).unwrap();
     let fd = a.shared_fd().unwrap().try_clone_to_owned().unwrap();
@@ -624,6 +629,31 @@ fn a_non_finite_row_written_in_place_is_refused_and_nothing_changes() {
     assert_eq!(contents_and_usage(&kv), before);
     // And the cache takes appends as before.
     kv.append(5, 1, &sub_payload(&g, &p, 20, 5..6)).unwrap();
+}
+
+/// A one-layer COMMIT of a prefill's size checks its rows on several threads, in chunks: the
+/// error still names the first non-finite element in row order, wherever the chunks split.
+#[test]
+fn a_large_one_layer_commit_names_its_first_non_finite_row() {
+    let g = geo(DType::F32, 16);
+    let n = 20_000; // 5 MB of rows a layer: past the parallel threshold
+    let p = payload(&g, n, 3);
+    let (mut kv, mut map) = shared_cache_of(48 << 20, g, 0, 0);
+    let (mut ip, offsets) = reserve_and_write(&kv, &mut map, &g, &p, n, 0, n);
+    let mut poison = |row: u64, head: usize, v: bool, element: usize| {
+        let (ko, vo) = kvtier_storage::in_place_row(&g, &offsets[0], 0, row, head);
+        let at = if v { vo } else { ko } as usize + element * 4;
+        map[at..at + 4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+    };
+    poison(15_000, 0, false, 1);
+    poison(9_001, 1, true, 2);
+    poison(9_000, 1, true, 5);
+    let e = kv.stage_in_place(&mut ip, n as u64, 0..1).unwrap_err();
+    let want = (9_000 * g.kv_heads as usize + 1) * g.head_dim as usize + 5;
+    assert!(
+        matches!(e, StorageError::NonFinite { what: "v", index } if index == want),
+        "{e}"
+    );
 }
 
 #[test]

@@ -164,9 +164,12 @@ impl KvCache {
         } else {
             par::default_workers()
         };
+        // Layers on `threads` threads, and each layer's rows (or blocks) on its share of them:
+        // a COMMIT of one layer of a prefill checks tens of MB.
+        let inner = (threads / layers.len().max(1)).max(1);
         let checked = par::map_indexed(layers.len(), threads, "kvtier-commit", |i| {
             let l = layers[i];
-            check_in_place(&geo, &self.layers[l], &p.fresh[l], p.start, n)
+            check_in_place(&geo, &self.layers[l], &p.fresh[l], p.start, n, inner)
         });
         if let Some(e) = checked.into_iter().flatten().next() {
             return Err(e);
@@ -180,8 +183,6 @@ impl KvCache {
             .filter(|(l, _)| layers.contains(l))
             .map(|(_, (l, f))| (l, f, None))
             .collect();
-        // Layers on `threads` threads, and each layer's blocks on its share of them.
-        let inner = (threads / layers.len().max(1)).max(1);
         par::each_mut(&mut work, threads, "kvtier-commit", |(l, fresh, out)| {
             *out = Some(stage_layer(&geo, l, fresh, start, end, inner));
         });
@@ -266,13 +267,36 @@ fn check_in_place(
     fresh: &[Extent],
     start: u64,
     n: u64,
+    threads: usize,
+) -> Option<StorageError> {
+    // Rows in `threads` consecutive chunks; the first error of the first chunk that has one
+    // is the first in row order, as a scan of all rows would find it.
+    let chunk = n.div_ceil(threads.max(1) as u64).max(1);
+    let chunks = n.div_ceil(chunk) as usize;
+    par::map_indexed(chunks, threads, "kvtier-check", |c| {
+        let rows = c as u64 * chunk..((c as u64 + 1) * chunk).min(n);
+        check_rows(geo, l, fresh, start, rows)
+    })
+    .into_iter()
+    .flatten()
+    .next()
+}
+
+/// The first non-finite element of rows `rows` (counted from `start`) of one layer's append,
+/// as [`StorageError::NonFinite`] indexes it: `(row * kv_heads + head) * head_dim + element`.
+fn check_rows(
+    geo: &Geometry,
+    l: &LayerKv,
+    fresh: &[Extent],
+    start: u64,
+    rows: std::ops::Range<u64>,
 ) -> Option<StorageError> {
     let (bt, hkv, row) = (
         geo.block_tokens as u64,
         geo.kv_heads as usize,
         geo.row_bytes(),
     );
-    for i in 0..n {
+    for i in rows {
         let pos = start + i;
         let (b, t) = (pos / bt, (pos % bt) as usize);
         let run = match l.slots.get(b as usize) {
