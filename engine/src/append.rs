@@ -6,8 +6,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use kvtier_kernels::cuda::CUstream;
-use kvtier_kernels::cuda::CudaEvent;
-use kvtier_protocol::{LeaseLayer, LeaseReply, ReserveReply, LAYER_COMMIT_VERSION};
+use kvtier_protocol::{LeaseLayer, LeaseReply, ReserveReply};
 
 use crate::{EngineError, HeadShard, InEngine, Result};
 
@@ -110,7 +109,7 @@ impl InEngine {
         let mut first = None;
         for (&(session, _), r) in items.iter().zip(&reserved) {
             let t = Instant::now();
-            let committed = self.client.commit(session, tokens);
+            let committed = self.client()?.commit(session, tokens);
             timing.commit += t.elapsed();
             let t = Instant::now();
             let done = committed
@@ -135,7 +134,7 @@ impl InEngine {
     ///
     /// # Safety
     /// As [`InEngine::append_from_device`].
-    unsafe fn enqueue_rows(
+    pub(crate) unsafe fn enqueue_rows(
         &self,
         rows: DeviceRows,
         r: &ReserveReply,
@@ -184,7 +183,7 @@ impl InEngine {
     }
 
     /// Errs unless [`InEngine::enable_in_place_appends`] was called.
-    fn check_in_place(&self) -> Result<()> {
+    pub(crate) fn check_in_place(&self) -> Result<()> {
         match self.in_place {
             true => Ok(()),
             false => Err(EngineError::InPlace(
@@ -195,10 +194,10 @@ impl InEngine {
 
     /// RESERVEs `tokens` rows in each `(session, tokens)`, in order; on an error the
     /// reservations made so far are dropped.
-    fn reserve_each(&mut self, items: &[(u64, u32)]) -> Result<Vec<ReserveReply>> {
+    pub(crate) fn reserve_each(&mut self, items: &[(u64, u32)]) -> Result<Vec<ReserveReply>> {
         let mut reserved = Vec::with_capacity(items.len());
         for &(session, tokens) in items {
-            match self.client.reserve(session, tokens) {
+            match self.client()?.reserve(session, tokens) {
                 Ok(r) => reserved.push(r),
                 Err(e) => {
                     self.drop_reservations(items[..reserved.len()].iter().map(|&(s, _)| s));
@@ -211,9 +210,11 @@ impl InEngine {
 
     /// COMMITs 0 rows (drops the reservation) in each of `sessions`; best effort, on an error
     /// path.
-    fn drop_reservations(&mut self, sessions: impl IntoIterator<Item = u64>) {
+    pub(crate) fn drop_reservations(&mut self, sessions: impl IntoIterator<Item = u64>) {
         for session in sessions {
-            let _ = self.client.commit(session, 0);
+            if let Ok(c) = self.client() {
+                let _ = c.commit(session, 0);
+            }
         }
     }
 
@@ -230,7 +231,7 @@ impl InEngine {
     /// The table of `session`'s layers `layers` after a COMMIT of what `r` reserved (the
     /// other layers' entries empty): the held one up to `r.start` plus `r`'s runs; None when
     /// the held state of one of them does not end where `r` starts.
-    fn reserved_table(
+    pub(crate) fn reserved_table(
         &self,
         session: u64,
         r: &ReserveReply,
@@ -273,227 +274,4 @@ impl InEngine {
             layers: table,
         })
     }
-
-    /// Opens an append of `tokens` rows to each `(session, tokens)` that the caller copies
-    /// layer by layer ([`InEngine::copy_layer`]) and commits layer by layer
-    /// ([`InEngine::commit_layers`]) while its model still computes the later layers: RESERVE
-    /// for each. Needs [`InEngine::enable_in_place_appends`] and tierd's protocol version 5.
-    pub fn begin_append_by_layer(&mut self, items: &[(u64, u32)]) -> Result<()> {
-        self.check_in_place()?;
-        if self.by_layer.is_some() {
-            return Err(EngineError::InPlace(
-                "an append by layer is already open".into(),
-            ));
-        }
-        let version = self.client.server().version;
-        if version < LAYER_COMMIT_VERSION {
-            return Err(EngineError::InPlace(format!(
-                "tierd speaks protocol version {version}; committing layer by layer needs {LAYER_COMMIT_VERSION}"
-            )));
-        }
-        for &(session, tokens) in items {
-            self.slot_of(session)?;
-            if tokens == 0 {
-                return Err(EngineError::InPlace(format!(
-                    "session {session}: an append of 0 rows"
-                )));
-            }
-        }
-        let t = Instant::now();
-        let reserved = self.reserve_each(items)?;
-        let reserved = items.iter().map(|&(s, _)| s).zip(reserved).collect();
-        let layers = self.full.layers as usize;
-        self.by_layer = Some(ByLayer {
-            reserved,
-            layers: (0..layers).map(|_| LayerState::Reserved).collect(),
-            timing: AppendTiming {
-                reserve: t.elapsed(),
-                ..AppendTiming::default()
-            },
-        });
-        Ok(())
-    }
-
-    /// Enqueues on `stream` the copies of layer `layer`'s rows of each session of the open
-    /// append by layer (`rows.ptr`: that layer's rows, `tokens` of them as reserved), behind
-    /// the work that produces them, and returns at once. On error the append is dropped.
-    ///
-    /// # Safety
-    /// Each item's rows are device memory of the engine's device (primary context) that stays
-    /// allocated and unchanged until the layer is committed; `stream` is a live stream of
-    /// that context.
-    pub unsafe fn copy_layer(
-        &mut self,
-        layer: usize,
-        items: &[(u64, DeviceRows)],
-        stream: CUstream,
-    ) -> Result<()> {
-        let t = Instant::now();
-        // SAFETY: the caller's contract, passed on.
-        let done = unsafe { self.try_copy_layer(layer, items, stream) };
-        if let Err(e) = done {
-            self.drop_append_by_layer();
-            return Err(e);
-        }
-        if let Some(a) = &mut self.by_layer {
-            a.timing.copy += t.elapsed();
-        }
-        Ok(())
-    }
-
-    /// [`InEngine::copy_layer`] without the clean-up.
-    ///
-    /// # Safety
-    /// As [`InEngine::copy_layer`].
-    unsafe fn try_copy_layer(
-        &mut self,
-        layer: usize,
-        items: &[(u64, DeviceRows)],
-        stream: CUstream,
-    ) -> Result<()> {
-        let a = self
-            .by_layer
-            .as_ref()
-            .ok_or_else(|| not_open("copy_layer"))?;
-        if !matches!(a.layers.get(layer), Some(LayerState::Reserved)) {
-            return Err(EngineError::InPlace(format!(
-                "layer {layer}: out of range, or copied already"
-            )));
-        }
-        if items.len() != a.reserved.len()
-            || items
-                .iter()
-                .zip(&a.reserved)
-                .any(|(&(s, rows), (rs, r))| s != *rs || rows.capacity < r.tokens)
-        {
-            return Err(EngineError::InPlace(
-                "copy_layer: not the append's sessions in its order, or fewer slots than rows"
-                    .into(),
-            ));
-        }
-        for (&(_, rows), (_, r)) in items.iter().zip(&a.reserved) {
-            // SAFETY: the caller's contract on the rows and the stream, passed on.
-            unsafe { self.enqueue_rows(rows, r, layer..layer + 1, stream) }?;
-        }
-        let region = &self.mapped.as_ref().expect("leased, so mapped").region;
-        // SAFETY: the caller's contract: `stream` is a live stream of the context.
-        let fence = unsafe { region.fence(stream) }?;
-        self.by_layer.as_mut().expect("open").layers[layer] = LayerState::Copied(fence);
-        Ok(())
-    }
-
-    /// Waits for the copies of layers `layers` (each copied, none committed), COMMITs them
-    /// in each session (tierd checks and summarizes their rows; the COMMIT of the last
-    /// layers lands the append) and brings the engine's device state of those layers up to
-    /// date. On error the append is dropped, in tierd and on the device.
-    pub fn commit_layers(&mut self, layers: Range<usize>) -> Result<()> {
-        let done = self.try_commit_layers(layers);
-        if done.is_err() {
-            self.drop_append_by_layer();
-        }
-        done
-    }
-
-    /// [`InEngine::commit_layers`] without the clean-up.
-    fn try_commit_layers(&mut self, layers: Range<usize>) -> Result<()> {
-        let a = self
-            .by_layer
-            .as_mut()
-            .ok_or_else(|| not_open("commit_layers"))?;
-        if layers.is_empty()
-            || layers.end > a.layers.len()
-            || !a.layers[layers.clone()]
-                .iter()
-                .all(|l| matches!(l, LayerState::Copied(_)))
-        {
-            return Err(EngineError::InPlace(format!(
-                "layers {layers:?}: empty, out of range, not copied or committed already"
-            )));
-        }
-        let t = Instant::now();
-        for l in &a.layers[layers.clone()] {
-            let LayerState::Copied(fence) = l else {
-                unreachable!("checked")
-            };
-            fence
-                .synchronize()
-                .map_err(|e| kvtier_kernels::cuda::CudaError::Driver {
-                    call: "cuEventSynchronize",
-                    source: e,
-                })?;
-        }
-        a.timing.copy += t.elapsed();
-        let reserved = std::mem::take(&mut a.reserved);
-        let (first, count) = (layers.start as u32, layers.len() as u32);
-        let mut result = Ok(());
-        for (session, r) in &reserved {
-            let t = Instant::now();
-            let committed = self.client.commit_layers(*session, r.tokens, first, count);
-            let commit = t.elapsed();
-            let t = Instant::now();
-            let done = committed.map_err(EngineError::from).and_then(|_| {
-                match self.reserved_table(*session, r, layers.clone()) {
-                    Some(lease) => self.apply(*session, &lease, layers.clone()),
-                    None => Err(EngineError::InPlace(format!(
-                        "session {session}: its device state does not end where its reservation starts"
-                    ))),
-                }
-            });
-            let a = self.by_layer.as_mut().expect("open");
-            a.timing.commit += commit;
-            a.timing.sync += t.elapsed();
-            if let Err(e) = done {
-                result = Err(e);
-                break;
-            }
-        }
-        let a = self.by_layer.as_mut().expect("open");
-        a.reserved = reserved;
-        result?;
-        for l in &mut a.layers[layers] {
-            *l = LayerState::Committed;
-        }
-        if a.layers.iter().all(|l| matches!(l, LayerState::Committed)) {
-            let a = self.by_layer.take().expect("open");
-            self.last_append = Some(a.timing);
-        }
-        Ok(())
-    }
-
-    /// Drops the open append by layer: in tierd (COMMIT 0 ends a reservation still open) and
-    /// on the device, whose state of layers already committed is brought back to tierd's.
-    fn drop_append_by_layer(&mut self) {
-        let Some(a) = self.by_layer.take() else {
-            return;
-        };
-        for (session, _) in &a.reserved {
-            let _ = self.client.commit(*session, 0);
-            let _ = self.sync(*session);
-        }
-    }
-}
-
-/// An append by layer in progress ([`InEngine::begin_append_by_layer`]).
-#[derive(Debug)]
-pub(crate) struct ByLayer {
-    /// Each session's reservation, in the order the caller gave.
-    reserved: Vec<(u64, ReserveReply)>,
-    /// Where each layer stands.
-    layers: Vec<LayerState>,
-    timing: AppendTiming,
-}
-
-/// One layer of an append by layer: each goes through these once, in order.
-#[derive(Debug)]
-enum LayerState {
-    Reserved,
-    /// Copies enqueued ([`InEngine::copy_layer`]), behind this fence.
-    Copied(CudaEvent),
-    Committed,
-}
-
-fn not_open(call: &str) -> EngineError {
-    EngineError::InPlace(format!(
-        "{call}: no append by layer is open (begin_append_by_layer)"
-    ))
 }

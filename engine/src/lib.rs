@@ -13,7 +13,8 @@
 //!     sync: map new runs, bounds of new blocks (from the runs), token counts
 //!     decode_layer / decode_step: select, gather, attend on the engine's device
 //!     append_from_device ──RESERVE──▶ run offsets; DMA device -> arena; ──COMMIT──▶
-//!     begin_append_by_layer, copy_layer, commit_layers: the same, a layer at a time
+//!     begin_append_by_layer, copy_layer, commit_layers: the same, a layer at a time, the
+//!       COMMITs and summaries on a committer thread beside the model's forward
 //! ```
 //!
 //! The lease keeps every run the engine maps where it is (tierd refuses DEMOTE, CLOSE and
@@ -54,6 +55,7 @@ use kvtier_protocol::{Geometry, LeaseLayer, LeaseReply};
 
 mod append;
 mod arena;
+mod by_layer;
 mod sync;
 
 pub use append::{AppendTiming, DeviceRows};
@@ -148,7 +150,8 @@ struct EngineSession {
 /// One engine's in-process decode path over tierd's arena, for sessions of one geometry and
 /// policy (`CudaConfig`), on one device; all of their KV heads or one shard of them.
 pub struct InEngine {
-    client: Client,
+    /// None while an append by layer's committer holds it.
+    client: Option<Client>,
     /// tierd's socket, which names its arena among the shared ones ([`arena::shared_arena`]).
     socket: std::path::PathBuf,
     be: CudaBackend,
@@ -166,7 +169,7 @@ pub struct InEngine {
     /// Where the last append from the device spent its time.
     last_append: Option<AppendTiming>,
     /// The append [`InEngine::begin_append_by_layer`] opened, until its last layer's COMMIT.
-    by_layer: Option<append::ByLayer>,
+    by_layer: Option<by_layer::ByLayer>,
 }
 
 impl std::fmt::Debug for InEngine {
@@ -202,7 +205,7 @@ impl InEngine {
         let be = CudaBackend::new(device, cfg)?;
         let free_slots = (0..be.config().max_sessions).rev().collect();
         Ok(InEngine {
-            client,
+            client: Some(client),
             socket: socket.to_path_buf(),
             be,
             full,
@@ -217,9 +220,14 @@ impl InEngine {
         })
     }
 
-    /// The control connection, for appends (APPEND_KV) and the other requests.
-    pub fn client(&mut self) -> &mut Client {
-        &mut self.client
+    /// The control connection, for appends (APPEND_KV) and the other requests; an append by
+    /// layer holds it from its first [`InEngine::commit_layers`] to its last.
+    pub fn client(&mut self) -> Result<&mut Client> {
+        self.client.as_mut().ok_or_else(|| {
+            EngineError::InPlace(
+                "an append by layer holds the connection until its last layer is committed".into(),
+            )
+        })
     }
 
     /// The backend's configuration: its geometry is this engine's shard of the sessions'.
@@ -242,7 +250,7 @@ impl InEngine {
         if let Some(s) = self.sessions.get(&session) {
             return Ok(s.slot);
         }
-        let info = self.client.session_info(session)?;
+        let info = self.client()?.session_info(session)?;
         let cfg = *self.be.config();
         // The keep-set policy is the engine's own (its CudaConfig); the session's is what
         // tierd uses when it decodes the session itself.
@@ -270,7 +278,9 @@ impl InEngine {
             // Undo the attach and report why it failed: the lease may never have been taken
             // (LEASE refused), so a failed RELEASE here says nothing new.
             let _ = self.forget(session);
-            let _ = self.client.release(session);
+            if let Ok(c) = self.client() {
+                let _ = c.release(session);
+            }
             return Err(e);
         }
         Ok(slot)
@@ -279,7 +289,7 @@ impl InEngine {
     /// Releases `session` and frees its device slot.
     pub fn detach(&mut self, session: u64) -> Result<()> {
         if self.forget(session)? {
-            self.client.release(session)?;
+            self.client()?.release(session)?;
         }
         Ok(())
     }
@@ -305,10 +315,20 @@ impl InEngine {
             .iter()
             .any(|l| l.offsets.contains(&LeaseLayer::COLD))
         {
-            self.client.promote(session)?;
+            self.client()?.promote(session)?;
             lease = self.lease(session)?;
         }
         self.apply(session, &lease, 0..lease.layers.len())
+    }
+
+    /// Drops `session`'s device state and syncs it anew from tierd's table, in the same slot:
+    /// for a device state ahead of tierd's.
+    fn resync(&mut self, session: u64) -> Result<()> {
+        let s = self.sessions.get_mut(&session).expect("attached");
+        self.be.close_session(s.slot)?;
+        self.be.open_session(s.slot)?;
+        s.layers.fill(LayerMirror::default());
+        self.sync(session)
     }
 
     /// Brings the device's state of `session`'s layers `layers` to `lease`'s table.
@@ -333,7 +353,11 @@ impl InEngine {
                 end += 1;
             }
             let sketches = self.be.config().sketch();
-            let sums = new_summaries(view, lease, &part, sketches, first, &s.layers[first..end])?;
+            let finals: Vec<usize> = s.layers[first..end]
+                .iter()
+                .map(|l| l.final_blocks())
+                .collect();
+            let sums = new_summaries(view, lease, &part, sketches, first, &finals)?;
             for (l, sums) in (first..end).zip(&sums) {
                 let (ls, want) = (&mut s.layers[l], &lease.layers[l]);
                 sync_layer(&mut self.be, &part, s.slot, l, ls, want, sums)?;
@@ -449,7 +473,7 @@ impl InEngine {
     /// LEASE, mapping and registering the arena on the first one; a reply from another
     /// daemon instance than the mapped one is [`EngineError::Restarted`].
     fn lease(&mut self, session: u64) -> Result<LeaseReply> {
-        let (lease, fd) = self.client.lease(session)?;
+        let (lease, fd) = self.client()?.lease(session)?;
         match &self.mapped {
             Some(m) if m.instance != lease.instance => Err(EngineError::Restarted {
                 old: m.instance,

@@ -46,23 +46,24 @@ enum BlockOut<'a> {
 
 /// The summaries of every layer's blocks from its first non-final one on, recomputed from the
 /// runs with the daemon's functions (so they are the daemon's bit for bit), for the layers from
-/// `first` on that `held` covers, in one pass over all of them.
+/// `first` on that `finals` covers (each layer's final blocks, whose summaries the device holds
+/// already: [`LayerMirror::final_blocks`]), in one pass over all of them.
 pub(crate) fn new_summaries(
     view: &ArenaView,
     lease: &LeaseReply,
     part: &Part,
     sketches: bool,
     first: usize,
-    held: &[LayerMirror],
+    finals: &[usize],
 ) -> Result<Vec<Summaries>> {
     let geo = &part.geo;
     let (at, len) = (part.offset as usize, geo.block_bytes());
     let (bt, spb) = (geo.block_tokens as u64, geo.summary_floats_per_block());
-    let mut out = Vec::with_capacity(held.len());
+    let mut out = Vec::with_capacity(finals.len());
     let mut runs = Vec::new(); // (valid rows, run), in the order of `out`'s blocks
-    for (layer, (ls, want)) in (first..).zip(held.iter().zip(&lease.layers[first..])) {
+    for (layer, (&held, want)) in (first..).zip(finals.iter().zip(&lease.layers[first..])) {
         let nb = want.offsets.len();
-        let from = ls.final_blocks().min(nb);
+        let from = held.min(nb);
         out.push(if sketches {
             Summaries::Sketches(BlockSketches::new(geo, nb - from))
         } else {

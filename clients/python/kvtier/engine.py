@@ -185,8 +185,10 @@ class InEngine:
         """Enqueues the DMA of layer `layer`'s rows of each session of the open append behind
         torch's current stream and returns at once: `rows[i]` [kv_heads, 2, n, head_dim]
         contiguous in the sessions' dtype on this engine's device (each KV head's K rows, then
-        its V rows), its first `tokens[i]` rows appended. Keep `rows` alive and unchanged
-        until the layer is committed."""
+        its V rows), its first `tokens[i]` rows appended. The copies run in stream order, so
+        `rows` may be freed once this returns (torch's caching allocator reuses the memory only
+        for work behind them on that stream), but must not be changed by work on another
+        stream before they have run."""
         import torch
 
         g = self.geometry
@@ -203,9 +205,12 @@ class InEngine:
         self._e.copy_layer(layer, sessions, [r.data_ptr() for r in rows], [r.shape[2] for r in rows], stream)
 
     def commit_layers(self, first: int, count: int = 1) -> None:
-        """Waits for the copies of layers `first .. first + count` (each copied, none committed),
-        COMMITs them in tierd and brings the device state of those layers up to date; the last
-        layers' COMMIT lands the append. On error the append is dropped."""
+        """Hands layers `first .. first + count` (each copied, none committed) to the engine's
+        committer thread, which waits for their copies, COMMITs them in tierd and summarizes
+        them while the caller goes on; uploads the device state of the layers it has finished
+        and returns. The call that commits the last layers waits for the rest, and its COMMIT
+        lands the append. An error (this call's, or an earlier call's layers' on the committer)
+        drops the append; it is raised by the last call at the latest."""
         self._e.commit_layers(first, count)
 
     def bound_stats(self) -> List[dict]:

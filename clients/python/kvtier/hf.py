@@ -285,32 +285,24 @@ def _to_wire(t: torch.Tensor, dtype: Dtype) -> np.ndarray:
 
 class _PrefillByLayer:
     """A prefill handed to tierd layer by layer on the in-engine path: each full layer's K/V is
-    copied by DMA into its reserved rows as soon as the model has produced it, and committed
-    `LAG` layers later, while the GPU computes the layers in between (tierd checks and
-    summarizes the committed rows, the engine takes their bounds and sketches). The last
-    layer lands the append: the hand-off costs the prefill about its last layers' commits."""
-
-    #: Full layers between a layer's copy and its commit: the GPU work queued meanwhile.
-    LAG = 2
+    copied by DMA into its reserved rows as soon as the model has produced it, and handed to the
+    engine's committer at once, which waits for the copy, COMMITs it (tierd checks and
+    summarizes the rows) and summarizes it for the device state while the model computes the
+    later layers. The last layer lands the append: the hand-off costs the prefill about its last
+    layer's COMMIT."""
 
     def __init__(self, engine, starts: List[int], t: int, layers: int, kv_dtype, seconds: float):
         self.e, self.starts, self.t, self.layers, self.kv_dtype = engine, starts, t, layers, kv_dtype
         self.seconds = seconds  # spent in the hand-off's calls so far
-        self.rows: dict = {}  # layer -> the copied tensors, kept until committed
-        self.committed = 0  # layers committed (in order)
 
     def layer(self, slot: int, key, value) -> None:
         t0 = time.perf_counter()
+        # The copies run on torch's current stream, so these tensors may be freed once they are
+        # enqueued: the caching allocator reuses their memory only for work behind them.
         rows = [torch.stack([key[r, :, s:, :], value[r, :, s:, :]], dim=1).to(self.kv_dtype).contiguous()
                 for r, s in enumerate(self.starts)]
         self.e.copy_layer(slot, rows)
-        self.rows[slot] = rows
-        upto = self.layers if slot == self.layers - 1 else slot - self.LAG + 1
-        if upto > self.committed:
-            self.e.commit_layers(self.committed, upto - self.committed)
-            for done in range(self.committed, upto):
-                del self.rows[done]
-            self.committed = upto
+        self.e.commit_layers(slot, 1)
         self.seconds += time.perf_counter() - t0
 
 

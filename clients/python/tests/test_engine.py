@@ -445,6 +445,30 @@ def test_an_append_layer_by_layer_equals_one_append_of_every_layer(tierd_factory
         with pytest.raises(error):
             wrong()
     assert c.session_info(b).tokens_max == n
+    # The rows of the wrong shape were refused before the append was touched: it is still open,
+    # and completes with the right rows, every layer committed by one call.
+    for layer in range(g.layers):
+        e.copy_layer(layer, [rows[layer, 0]])
+    e.commit_layers(0, g.layers)
+    assert c.session_info(b).tokens_max == n + 8
+    # Rows tierd refuses (not finite) in layer 1: its COMMIT fails on the committer thread, the
+    # error comes back by the last commit_layers at the latest, nothing lands, and the engine
+    # has its connection again (sync, then a whole append by layer).
+    bad = rows.clone()
+    bad[1, 0, 0, 0, 5, 0] = float("nan")
+    for src, error in [(bad, "non-finite"), (rows, None)]:
+        e.begin_append_by_layer([b], [n])
+        try:
+            for layer in range(g.layers):
+                e.copy_layer(layer, [src[layer, 0]])
+                if layer >= 1:
+                    e.commit_layers(layer - 1, 1 if layer < g.layers - 1 else 2)
+        except engine.EngineError as x:
+            assert error is not None and error in str(x), x
+        else:
+            assert error is None
+        e.sync(b)
+    assert c.session_info(b).tokens_max == 2 * n + 8
 
 
 @pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")

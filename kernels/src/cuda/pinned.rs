@@ -404,7 +404,9 @@ impl PinnedRegion {
     pub unsafe fn fence(&self, stream: sys::CUstream) -> Result<CudaEvent> {
         let event = self
             .ctx
-            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            // Blocking: its waiter is the engine's committer thread, which should sleep
+            // while the model computes rather than spin a core the COMMITs want.
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
             .map_err(CudaError::driver("cuEventCreate"))?;
         // SAFETY: the event is of this context; the stream is the caller's contract.
         check(unsafe { sys::cuEventRecord(event.cu_event(), stream) })
