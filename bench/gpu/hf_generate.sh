@@ -6,7 +6,8 @@
 # that the GPU host runs the version the CPU tests ran.
 # Usage (on the device machine, repo root):
 #   CONTEXTS=32768 BATCHES=1,4 bash bench/gpu/hf_generate.sh
-#   MODES (default dense,dense-compiled,kvtier,kvtier-compiled), NEW (64), REPS (2), TOPK (8),
+#   MODES (default dense,dense-compiled,kvtier,kvtier-compiled; kvtier-at-once and
+#   kvtier-compiled-at-once hand the prefill over after the forward), NEW (64), REPS (2), TOPK (8),
 #   CAPACITY (tierd's host capacity: room for the largest batch x context, 48GiB), DEADLINE
 #   (seconds of generate() after which no further mode starts; 0: none), WHOLE (0: skip the
 #   whole_model.py step).

@@ -9,10 +9,11 @@ Modes (``--modes``), each with a fresh cache per ``generate``:
 * ``dense``: transformers' `DynamicCache`, eager.
 * ``dense-compiled``: `StaticCache`, ``generate(..., compile_config=...)`` (torch.compile;
   CUDA graphs with ``mode="reduce-overhead"`` on a GPU).
-* ``kvtier``: `KvtierCache`, eager (on a GPU its decode steps take the in-engine path).
+* ``kvtier``: `KvtierCache`, eager (on a GPU its decode steps take the in-engine path, and
+  its prefill goes to tierd layer by layer while the model computes the later layers).
 * ``kvtier-compiled``: `KvtierStaticCache` with the same compile_config.
-* ``kvtier-by-layer``, ``kvtier-compiled-by-layer``: the same with ``prefill_by_layer=True``
-  (the prefill goes to tierd layer by layer while the model computes the later layers).
+* ``kvtier-at-once``, ``kvtier-compiled-at-once``: the same with ``prefill_by_layer=False``
+  (the prefill goes to tierd after the forward, every layer at once).
 
 Per (context, batch, mode), each number the median over ``--reps`` generate calls of 1 + N
 new tokens, timed inside the call (a logits processor synchronizes and reads the clock):
@@ -21,8 +22,8 @@ new tokens, timed inside the call (a logits processor synchronizes and reads the
   transformers' loop, sampling and all. The median leaves out a compiled step's recording.
 * ``same_steps``: for kvtier-compiled, per row how many leading greedy tokens equal kvtier's
   (for dense-compiled, dense's): what compilation alone changes on a random model shows in
-  dense-compiled against dense. For a ``-by-layer`` mode, its twin's that hands the prefill
-  over at once: the same stored KV, so every token should match.
+  dense-compiled against dense. For an ``-at-once`` mode, its twin's that hands the prefill
+  over by layer: the same stored KV, so every token should match.
   ``forced_agree``: one more call decoding the eager mode's tokens (teacher-forced), per row
   the steps whose own greedy pick is that token; ``forced_gap_max`` the largest logit gap by
   which a pick beat it (a random model's near-ties show as small gaps).
@@ -113,8 +114,8 @@ class Run:
             return DynamicCache(config=m.config)
         if self.mode == "dense-compiled":
             return StaticCache(config=m.config, max_cache_len=n)
-        by_layer = self.mode.endswith("-by-layer")
-        if self.mode.removesuffix("-by-layer") == "kvtier":
+        by_layer = not self.mode.endswith("-at-once")
+        if self.mode.removesuffix("-at-once") == "kvtier":
             return KvtierCache(m, socket=self.socket, policy=self.policy, block_tokens=BLOCK_TOKENS,
                                max_blocks=MAX_BLOCKS, prefill_by_layer=by_layer)
         return KvtierStaticCache(m, max_cache_len=n, socket=self.socket, policy=self.policy,
@@ -234,9 +235,9 @@ def measure(run, a, tokens):
     if a.profile and run.mode in a.profile.split(","):
         profile(run, a)
     tokens[run.mode] = out
-    # The tokens a mode should match: eager for compiled, and the prefill at once for by layer.
-    ref = {"kvtier-compiled": "kvtier", "dense-compiled": "dense", "kvtier-by-layer": "kvtier",
-           "kvtier-compiled-by-layer": "kvtier-compiled"}.get(run.mode)
+    # The tokens a mode should match: eager for compiled, and the prefill by layer for at once.
+    ref = {"kvtier-compiled": "kvtier", "dense-compiled": "dense", "kvtier-at-once": "kvtier",
+           "kvtier-compiled-at-once": "kvtier-compiled"}.get(run.mode)
     if ref in tokens:
         row["same_steps"] = same_steps(out, tokens[ref])
         # Teacher-forced on the eager mode's tokens: whether each step's own pick agrees.

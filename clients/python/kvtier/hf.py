@@ -325,9 +325,9 @@ class KvtierCache(Cache):
     "off", the in-engine path for a model on a GPU (module docstring); `max_blocks`: its
     per-session capacity in blocks (16,384: 1M tokens in 64-token blocks).
     `prefill_by_layer`: on the in-engine path, hand the prefill to tierd layer by layer while
-    the model computes the later layers (tierd's protocol version 5), instead of all layers
-    after the last; off by default: on an H200 it gave the first token sooner at batch 1 and
-    later at batch 4 (docs/performance.md).
+    the model computes the later layers (tierd's protocol version 5; the default), or all
+    layers after the last (False): on an H200 the first token comes 1.16-1.22x dense's by layer
+    and 1.7-1.8x at once (docs/decisions/0026).
     Given a model, it switches the model to the ``"kvtier"`` attention (`enable`) if needed;
     given only a config, call `enable(model)` yourself. Close it (or use it as a context
     manager) to close the tierd sessions.
@@ -336,7 +336,7 @@ class KvtierCache(Cache):
     def __init__(self, model_or_config, client: Optional[Client] = None, socket: Optional[str] = None,
                  policy: Optional[Policy] = None, dtype: Optional[Dtype] = None, block_tokens: int = 64,
                  label: str = "hf", engine: str = "auto", max_blocks: int = 16384,
-                 prefill_by_layer: bool = False):
+                 prefill_by_layer: bool = True):
         if engine not in ("auto", "on", "off"):
             raise ValueError(f"engine must be 'auto', 'on' or 'off', not {engine!r}")
         if hasattr(model_or_config, "set_attn_implementation"):
