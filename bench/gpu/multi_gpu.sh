@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-GPU run on a host of several GPUs (device tool kind nvidia-h200-x2), then the one-GPU
+# The multi-GPU run on a host of several GPUs (measured on two H200s), then the one-GPU
 # test suite. Prebuilt x86-64 binaries in .device/ (bench/gpu/README.md; also engine_bench,
 # tierd and the Python extension as .device/_native.abi3.so); builds nothing.
 # Usage (on the device machine, repo root): bash bench/gpu/multi_gpu.sh
@@ -14,7 +14,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 D=$PWD/.device
 T0=$(date +%s)
 el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
-# NVLink multicast stays off on shared multi-GPU hosts (the device tool's KINDS.md).
+# NVLink multicast stays off: shared multi-GPU hosts may not allow it.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export KVTIER_TEST_TIERD=$D/tierd
 NGPU=$(nvidia-smi -L | wc -l)
