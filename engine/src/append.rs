@@ -21,7 +21,9 @@ pub struct DeviceRows {
     pub capacity: u32,
 }
 
-/// The phases of one [`InEngine::append_from_device`], summed over its sessions.
+/// The phases of one [`InEngine::append_from_device`] or append by layer, summed over its
+/// sessions. By layer the committer's phases run beside the caller and beside one another, so
+/// their sum is not the time the caller waited.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct AppendTiming {
     /// RESERVE round trips.
