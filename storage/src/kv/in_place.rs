@@ -340,9 +340,7 @@ fn stage_layer(
             1 => sk.copy_block(geo, first),
             _ => LayerSketches::default(),
         };
-        for _ in tail..blocks {
-            staged.open_block(geo);
-        }
+        staged.open_blocks(geo, blocks - tail);
         staged
     });
     if tail == 1 {
@@ -411,8 +409,12 @@ fn adopt_layer(
     fresh.truncate((geo.blocks_for(end) - geo.blocks_for(start)) as usize);
     l.slots.extend(fresh.into_iter().map(Slot::Hot));
     l.summaries.truncate(first * geo.summary_floats_per_block());
-    l.summaries.extend_from_slice(&s.summaries);
-    if let (Some(sk), Some(staged)) = (&mut l.sketches, &s.sketches) {
+    if l.summaries.is_empty() {
+        l.summaries = s.summaries; // a prefill into an empty layer: moved, not copied
+    } else {
+        l.summaries.extend_from_slice(&s.summaries);
+    }
+    if let (Some(sk), Some(staged)) = (&mut l.sketches, s.sketches) {
         sk.replace_from(geo, first, staged);
     }
     l.tokens = end;

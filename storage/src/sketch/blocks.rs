@@ -214,7 +214,17 @@ impl LayerSketches {
 
     /// Appends an empty block.
     pub(crate) fn open_block(&mut self, geo: &Geometry) {
-        self.0.extend(&BlockSketches::new(geo, 1));
+        self.open_blocks(geo, 1);
+    }
+
+    /// Appends `n` empty blocks (a prefill's layer opens hundreds at once).
+    pub(crate) fn open_blocks(&mut self, geo: &Geometry, n: usize) {
+        let blocks = BlockSketches::new(geo, n);
+        if self.0.quarter_scales.is_empty() {
+            self.0 = blocks;
+        } else {
+            self.0.extend(&blocks);
+        }
     }
 
     /// Keeps the first `blocks` blocks.
@@ -315,9 +325,14 @@ impl LayerSketches {
     }
 
     /// Blocks `block..` become `staged`'s blocks.
-    pub(crate) fn replace_from(&mut self, geo: &Geometry, block: usize, staged: &LayerSketches) {
+    pub(crate) fn replace_from(&mut self, geo: &Geometry, block: usize, staged: LayerSketches) {
         self.truncate(geo, block);
-        self.0.extend(&staged.0);
+        if self.0.quarter_scales.is_empty() {
+            // A prefill into an empty layer: hundreds of MB at 128K tokens, moved, not copied.
+            *self = staged;
+        } else {
+            self.0.extend(&staged.0);
+        }
     }
 
     /// Rebuilds one block from the first `valid` keys of its run (truncation).
