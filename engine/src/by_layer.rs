@@ -506,12 +506,7 @@ impl InEngine {
             return;
         };
         if let Some(c) = a.committer {
-            drop(c.jobs);
-            for _ in c.done.iter() {}
-            let _ = c.summaries.join();
-            if let Ok(Some(client)) = c.commits.join() {
-                self.client = Some(client);
-            }
+            self.client = c.stop();
         }
         for (session, _) in &a.reserved {
             if let Ok(c) = self.client() {
@@ -523,6 +518,28 @@ impl InEngine {
                 true => self.resync(*session),
                 false => self.sync(*session),
             };
+        }
+    }
+}
+
+impl Committer {
+    /// Stops after the jobs already sent, discarding their results; the connection back
+    /// (None if the COMMIT thread panicked).
+    fn stop(self) -> Option<Client> {
+        drop(self.jobs);
+        for _ in self.done.iter() {}
+        let _ = self.summaries.join();
+        self.commits.join().ok().flatten()
+    }
+}
+
+impl Drop for InEngine {
+    /// An append by layer still open is dropped with the engine: its committer stops and the
+    /// connection closes now, with the engine (tierd then drops the reservation), not whenever
+    /// the committer's thread ends.
+    fn drop(&mut self) {
+        if let Some(c) = self.by_layer.as_mut().and_then(|a| a.committer.take()) {
+            self.client = c.stop();
         }
     }
 }

@@ -288,8 +288,9 @@ class _PrefillByLayer:
     copied by DMA into its reserved rows as soon as the model has produced it, and handed to the
     engine's committer at once, which waits for the copy, COMMITs it (tierd checks and
     summarizes the rows) and summarizes it for the device state while the model computes the
-    later layers. The last layer lands the append: the hand-off costs the prefill about its last
-    layer's COMMIT."""
+    later layers. The last layer is committed at the first decode step (`land`), so the model's
+    last layer and the first token run while the committer finishes: the first token costs
+    about what dense's does, and the first decode step waits for what is left."""
 
     def __init__(self, engine, starts: List[int], t: int, layers: int, kv_dtype, seconds: float):
         self.e, self.starts, self.t, self.layers, self.kv_dtype = engine, starts, t, layers, kv_dtype
@@ -302,7 +303,14 @@ class _PrefillByLayer:
         rows = [torch.stack([key[r, :, s:, :], value[r, :, s:, :]], dim=1).to(self.kv_dtype).contiguous()
                 for r, s in enumerate(self.starts)]
         self.e.copy_layer(slot, rows)
-        self.e.commit_layers(slot, 1)
+        if slot < self.layers - 1:
+            self.e.commit_layers(slot, 1)
+        self.seconds += time.perf_counter() - t0
+
+    def land(self) -> None:
+        """Commits the last layer and waits for the committer: the append lands in tierd."""
+        t0 = time.perf_counter()
+        self.e.commit_layers(self.layers - 1, 1)
         self.seconds += time.perf_counter() - t0
 
 
@@ -326,8 +334,8 @@ class KvtierCache(Cache):
     per-session capacity in blocks (16,384: 1M tokens in 64-token blocks).
     `prefill_by_layer`: on the in-engine path, hand the prefill to tierd layer by layer while
     the model computes the later layers (tierd's protocol version 5; the default), or all
-    layers after the last (False): on an H200 the first token comes 1.16-1.22x dense's by layer
-    and 1.7-1.8x at once (docs/decisions/0026).
+    layers after the last (False): on an H200 the first token comes 1.03-1.06x dense's by layer
+    (32K, eager) and 1.7-1.8x at once (docs/decisions/0026).
     Given a model, it switches the model to the ``"kvtier"`` attention (`enable`) if needed;
     given only a config, call `enable(model)` yourself. Close it (or use it as a context
     manager) to close the tierd sessions.
@@ -438,8 +446,8 @@ class KvtierCache(Cache):
         are not handed to tierd."""
         db, self.device_batch = self.device_batch, None
         # An engine without a device batch yet (a prefill, no decode step) holds leases
-        # until its connection closes: dropped with it.
-        self._engine = None
+        # until its connection closes: dropped with it, and with it a prefill not landed.
+        self._engine, self._by_layer = None, None
         if db is not None:
             try:
                 db.close(hand_off=False)
@@ -481,9 +489,8 @@ class KvtierCache(Cache):
                 raise UnsupportedUse("the kvtier cache already holds a prefill; use a new cache per generate call")
             self._by_layer = self._begin_by_layer(key, mask)
         if self._by_layer is not None:
+            # The last layer lands at the first decode step (`_land_prefill`).
             self._by_layer.layer(layer.slot, key, value)
-            if last:
-                self._end_by_layer()
             return
         self._staged[layer.slot] = (key.detach(), value.detach())
         if last:
@@ -548,8 +555,11 @@ class KvtierCache(Cache):
         return _PrefillByLayer(e, starts, t, len(self.full_layers), _torch_dtype(self.dtype),
                                time.perf_counter() - t0)
 
-    def _end_by_layer(self) -> None:
+    def _land_prefill(self) -> None:
+        """Lands a prefill handed over by layer (its last layer committed, the committer
+        waited for): before the first decode step."""
         pb, self._by_layer = self._by_layer, None
+        pb.land()
         self.positions = np.array([[pb.t - s for s in pb.starts]] * len(self.full_layers), dtype=np.int64)
         handoff = dict(seconds=pb.seconds)
         handoff.update(self._engine.last_append() or {})
@@ -691,6 +701,8 @@ class KvtierCache(Cache):
         b = q.shape[0]
         if b != len(self.sessions):
             raise UnsupportedUse(f"batch of {b} rows but the cache holds {len(self.sessions)} sessions")
+        if self._by_layer is not None:
+            self._land_prefill()
         db = self._in_engine(q, q_scale)
         if db is not None:
             self.last_stats = None  # the in-engine path reports no per-step keep-sets
