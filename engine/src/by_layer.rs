@@ -1,8 +1,9 @@
 //! Appends by layer: RESERVE once, then per layer a DMA copy ([`InEngine::copy_layer`]) and a
 //! COMMIT ([`InEngine::commit_layers`]) while the caller's model computes the later layers.
 //!
-//! The COMMITs and the committed layers' summaries run on a thread of their own, the
-//! committer, which holds the engine's connection from the first `commit_layers` to the last.
+//! The COMMITs and the committed layers' summaries run on the committer, two threads of its own
+//! (one COMMITs, the other summarizes what was committed), which holds the engine's connection
+//! from the first `commit_layers` to the last.
 //! The caller's thread only enqueues copies and uploads the summaries the committer finished,
 //! so the CPU work of a prefill's hand-off (tierd checking and summarizing the rows, the engine
 //! summarizing them again for its device state) runs beside the forward instead of between its
