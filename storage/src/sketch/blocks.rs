@@ -219,7 +219,12 @@ impl LayerSketches {
 
     /// Appends `n` empty blocks (a prefill's layer opens hundreds at once).
     pub(crate) fn open_blocks(&mut self, geo: &Geometry, n: usize) {
-        let blocks = BlockSketches::new(geo, n);
+        self.append(BlockSketches::new(geo, n));
+    }
+
+    /// Appends `blocks`: moved into an empty layer (a prefill's, hundreds of MB at 128K
+    /// tokens), copied after blocks it holds.
+    fn append(&mut self, blocks: BlockSketches) {
         if self.0.quarter_scales.is_empty() {
             self.0 = blocks;
         } else {
@@ -327,12 +332,7 @@ impl LayerSketches {
     /// Blocks `block..` become `staged`'s blocks.
     pub(crate) fn replace_from(&mut self, geo: &Geometry, block: usize, staged: LayerSketches) {
         self.truncate(geo, block);
-        if self.0.quarter_scales.is_empty() {
-            // A prefill into an empty layer: hundreds of MB at 128K tokens, moved, not copied.
-            *self = staged;
-        } else {
-            self.0.extend(&staged.0);
-        }
+        self.append(staged.0);
     }
 
     /// Rebuilds one block from the first `valid` keys of its run (truncation).
