@@ -432,15 +432,11 @@ impl InEngine {
 
     /// Moves the connection to a new committer (its two threads) for the open append.
     fn start_committer(&mut self) -> Result<Committer> {
-        let geo = self.be.config().geometry;
         let a = self.by_layer.as_ref().expect("open");
         let sessions = a.reserved.iter().map(|(s, r)| (*s, r.tokens)).collect();
         let summarize = Summarize {
             mapped: self.mapped.clone().expect("leased, so mapped"),
-            part: Part {
-                offset: self.shard.run_offset(&geo),
-                geo,
-            },
+            part: self.part(),
             sketches: self.be.config().sketch(),
         };
         self.client()?; // the engine's, not an earlier append's
@@ -479,15 +475,11 @@ impl InEngine {
     /// Brings the device state of one session's committed layers up to date.
     fn upload(&mut self, piece: Done) -> Result<()> {
         let t = Instant::now();
+        let part = self.part();
         let a = self.by_layer.as_mut().expect("open");
         a.uploaded = true; // before the first upload, which may fail part way
         let session = a.reserved[piece.index].0;
         let s = self.sessions.get_mut(&session).expect("attached");
-        let geo = self.be.config().geometry;
-        let part = Part {
-            offset: self.shard.run_offset(&geo),
-            geo,
-        };
         for (l, sums) in piece.layers.clone().zip(&piece.summaries) {
             let (ls, want) = (&mut s.layers[l], &piece.table.layers[l]);
             sync_layer(&mut self.be, &part, s.slot, l, ls, want, sums)?;

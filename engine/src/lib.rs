@@ -331,15 +331,20 @@ impl InEngine {
         self.sync(session)
     }
 
-    /// Brings the device's state of `session`'s layers `layers` to `lease`'s table.
-    fn apply(&mut self, session: u64, lease: &LeaseReply, layers: Range<usize>) -> Result<()> {
-        let view = &self.mapped.as_ref().expect("mapped by lease").view;
-        let s = self.sessions.get_mut(&session).expect("attached");
+    /// The part of every block run this engine reads (its shard's heads).
+    fn part(&self) -> Part {
         let geo = self.be.config().geometry;
-        let part = Part {
+        Part {
             offset: self.shard.run_offset(&geo),
             geo,
-        };
+        }
+    }
+
+    /// Brings the device's state of `session`'s layers `layers` to `lease`'s table.
+    fn apply(&mut self, session: u64, lease: &LeaseReply, layers: Range<usize>) -> Result<()> {
+        let part = self.part();
+        let view = &self.mapped.as_ref().expect("mapped by lease").view;
+        let s = self.sessions.get_mut(&session).expect("attached");
         // Layers in groups of at least BOUNDS_GROUP_BLOCKS new blocks: a prefill's chunk is
         // ~128 blocks per layer, too few for every core, and a first sync of a 1M session is
         // 8K per layer, whose bounds for all layers at once would be ~1 GiB of host memory.
