@@ -206,7 +206,7 @@ class InEngine:
 
     def commit_layers(self, first: int, count: int = 1) -> None:
         """Hands layers `first .. first + count` (each copied, none committed) to the engine's
-        committer thread, which waits for their copies, COMMITs them in tierd and summarizes
+        committer (two threads), which waits for their copies, COMMITs them in tierd and summarizes
         them while the caller goes on; uploads the device state of the layers it has finished
         and returns. The call that commits the last layers waits for the rest, and its COMMIT
         lands the append. An error (this call's, or an earlier call's layers' on the committer)

@@ -334,8 +334,9 @@ class KvtierCache(Cache):
     per-session capacity in blocks (16,384: 1M tokens in 64-token blocks).
     `prefill_by_layer`: on the in-engine path, hand the prefill to tierd layer by layer while
     the model computes the later layers (tierd's protocol version 5; the default: the last
-    layer lands in tierd at the first decode step), or all layers after the last (False): on an H200 the first token comes 1.03-1.06x dense's by layer
-    (32K, eager) and 1.7-1.8x at once (docs/decisions/0026).
+    layer lands in tierd at the first decode step), or all layers after the last (False): on
+    an H200 the first token comes 1.03-1.06x dense's by layer (32K, eager) and 1.7-1.8x at
+    once (docs/decisions/0026).
     Given a model, it switches the model to the ``"kvtier"`` attention (`enable`) if needed;
     given only a config, call `enable(model)` yourself. Close it (or use it as a context
     manager) to close the tierd sessions.
