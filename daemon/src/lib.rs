@@ -116,7 +116,7 @@ pub fn build_service(
 }
 
 /// Opens the NVMe tier the `[nvme]` section describes (None when disabled): the page files,
-/// the io driver, the manifest (recovered), with devices weighted by a startup bandwidth probe.
+/// the I/O driver, the manifest (recovered), with devices weighted by a startup bandwidth probe.
 pub fn open_tier(cfg: &Config) -> Result<Option<(Arc<NvmeTier>, TierSettings)>, String> {
     use kvtier_storage::nvme::io::UringConfig;
     use kvtier_storage::nvme::{self, DeviceConfig, PageStore, PageStoreConfig};
