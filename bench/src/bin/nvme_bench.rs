@@ -264,7 +264,7 @@ fn main() {
         args.tokens
     );
     println!(
-        "machine: {}; io driver: {}",
+        "machine: {}; I/O driver: {}",
         cpu_description(),
         driver.name()
     );
