@@ -10,7 +10,8 @@
 #   kvtier-compiled-at-once hand the prefill over after the forward), NEW (64), REPS (2), TOPK (8),
 #   CAPACITY (tierd's host capacity: room for the largest batch x context, 48GiB), DEADLINE
 #   (seconds of generate() after which no further mode starts; 0: none), WHOLE (0: skip the
-#   whole_model.py step).
+#   whole_model.py step), DTYPE (bfloat16; float32 the same random weights, for token identity), BLOCK (kvtier's block
+#   tokens for generate(), 128), PROFILE (modes to run once more under torch's profiler).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 D=${D:-$PWD/.device}
@@ -43,7 +44,8 @@ done
 el "generate(): contexts $CONTEXTS, batches $BATCHES, k=$TOPK"
 python3 clients/python/bench/hf_generate.py --socket $S --contexts "$CONTEXTS" --batches "$BATCHES" \
   --modes "${MODES:-dense,dense-compiled,kvtier,kvtier-compiled}" --new-tokens "${NEW:-64}" --reps "${REPS:-2}" \
-  --top-k "$TOPK" --deadline "${DEADLINE:-0}" --json "$OUT/hf_generate.json" 2>&1 | tee "$OUT/hf_generate.txt" \
+  --top-k "$TOPK" --dtype "${DTYPE:-bfloat16}" --block-tokens "${BLOCK:-128}" \
+  ${PROFILE:+--profile "$PROFILE"} --deadline "${DEADLINE:-0}" --json "$OUT/hf_generate.json" 2>&1 | tee "$OUT/hf_generate.txt" \
   | grep -vE "^\s*$|Warning|warn\("
 kill $TP; wait $TP
 trap - EXIT

@@ -1,9 +1,10 @@
 """transformers' own ``generate()`` with kvtier's caches against dense: what a transformers user
 gets, prefill and decode, eager and compiled.
 
-The model is the randomly initialised Qwen2.5-7B of whole_model.py (bf16, on the GPU), or with
-``--tiny`` a tiny random Qwen2 on this machine's device (float32; to try the script anywhere).
-The prompt is random token ids, every batch row the same length; greedy decoding.
+The model is the randomly initialised Qwen2.5-7B of whole_model.py (bf16, on the GPU; ``--dtype
+float32`` the same weights in float32), or with ``--tiny`` a tiny random Qwen2 on this machine's
+device (float32; to try the script anywhere). The prompt is random token ids, every batch row
+the same length; greedy decoding.
 
 Modes (``--modes``), each with a fresh cache per ``generate``:
 * ``dense``: transformers' `DynamicCache`, eager.
@@ -56,9 +57,10 @@ from kvtier import Policy  # noqa: E402
 from kvtier.hf import KvtierCache, KvtierStaticCache, enable  # noqa: E402
 
 #: Blocks of whole_model.py's step, which this compares against (its default), so that
-#: `Policy(1, 4, top_k)` is the same budget in both; the engine sized for 1M tokens a row.
+#: `Policy(1, 4, top_k)` is the same budget in both (``--block-tokens`` changes it).
 BLOCK_TOKENS = 128
-MAX_BLOCKS = (1 << 20) // BLOCK_TOKENS
+#: Tokens a row the engine is sized for.
+MAX_TOKENS = 1 << 20
 
 
 def tiny_model(dev):
@@ -99,9 +101,10 @@ class Clock:
 class Run:
     """One (model, prompt) pair's generate calls in one mode."""
 
-    def __init__(self, model, ids, mode, socket, policy, dev):
+    def __init__(self, model, ids, mode, socket, policy, dev, block_tokens=BLOCK_TOKENS):
         self.model, self.ids, self.mode = model, ids, mode
         self.socket, self.policy, self.dev = socket, policy, dev
+        self.blocks = dict(block_tokens=block_tokens, max_blocks=MAX_TOKENS // block_tokens)
         self.handoff = None  # the last call's KvtierCache.prefill_handoff
         self.engine_error = None  # and its engine_error
 
@@ -116,11 +119,10 @@ class Run:
             return StaticCache(config=m.config, max_cache_len=n)
         by_layer = not self.mode.endswith("-at-once")
         if self.mode.removesuffix("-at-once") == "kvtier":
-            return KvtierCache(m, socket=self.socket, policy=self.policy, block_tokens=BLOCK_TOKENS,
-                               max_blocks=MAX_BLOCKS, prefill_by_layer=by_layer)
+            return KvtierCache(m, socket=self.socket, policy=self.policy,
+                               prefill_by_layer=by_layer, **self.blocks)
         return KvtierStaticCache(m, max_cache_len=n, socket=self.socket, policy=self.policy,
-                                 block_tokens=BLOCK_TOKENS, max_blocks=MAX_BLOCKS,
-                                 prefill_by_layer=by_layer)
+                                 prefill_by_layer=by_layer, **self.blocks)
 
     def generate(self, new_tokens, ids=None, force=None):
         """(seconds to the first token's logits, the later steps' ms, the new tokens) of one
@@ -258,7 +260,12 @@ def main():
     ap.add_argument("--warmup-tokens", type=int, default=2048,
                     help="the warm-up call's prompt length (its cache is the timed calls' size)")
     ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS,
+                    help="kvtier's block size (KvtierCache's own default is 64)")
     ap.add_argument("--tiny", action="store_true", help="a tiny random Qwen2 (any device)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="the Qwen2.5-7B's dtype, and so its sessions' (float32: where compiled "
+                         "and eager numerics part by less than a bf16 rounding)")
     ap.add_argument("--profile", default="",
                     help="modes (comma-separated) to run once more under torch's profiler")
     ap.add_argument("--deadline", type=float, default=0,
@@ -272,12 +279,12 @@ def main():
     else:
         from whole_model import build_model
 
-        model = build_model(dev)
+        model = build_model(dev, getattr(torch, a.dtype))
     enable(model)
     policy = Policy(1, 4, a.top_k)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    print(f"{name}, torch {torch.__version__}; policy {policy}; {a.new_tokens} new tokens, "
-          f"median of {a.reps}", flush=True)
+    print(f"{name}, torch {torch.__version__}; {model.dtype}; {a.block_tokens}-token blocks, "
+          f"policy {policy}; {a.new_tokens} new tokens, median of {a.reps}", flush=True)
     rows = []
     for ctx in map(int, a.contexts.split(",")):
         for b in map(int, a.batches.split(",")):
@@ -290,7 +297,8 @@ def main():
                           flush=True)
                     continue
                 try:
-                    row = measure(Run(model, ids, mode, a.socket, policy, dev), a, tokens)
+                    row = measure(Run(model, ids, mode, a.socket, policy, dev, a.block_tokens),
+                                  a, tokens)
                 except Exception as e:  # noqa: BLE001 - one mode's failure must not end the run
                     print(f"{ctx:>7} x {b}  {mode:<16} FAILED: {type(e).__name__}: "
                           f"{str(e).splitlines()[0][:300] if str(e) else ''}", flush=True)
@@ -309,8 +317,9 @@ def main():
                                 if k in ("stats", "inductor", "graph_break")}, flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(device=name, torch=torch.__version__, policy=str(policy),
-                           new_tokens=a.new_tokens, reps=a.reps, rows=rows), f, indent=1)
+            json.dump(dict(device=name, torch=torch.__version__, dtype=str(model.dtype),
+                           block_tokens=a.block_tokens, policy=str(policy), new_tokens=a.new_tokens, reps=a.reps, rows=rows),
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -54,16 +54,17 @@ GEO = Geometry(LAYERS, HQ, HKV, D, Dtype.BF16, 128)
 CHUNK = 1024
 
 
-def build_model(dev):
+def build_model(dev, dtype=torch.bfloat16):
+    """The randomly initialised Qwen2.5-7B (seed 0), in `dtype` (this script's step needs bf16)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
                       num_attention_heads=HQ, num_key_value_heads=HKV, vocab_size=VOCAB,
                       rope_theta=THETA, rms_norm_eps=EPS, max_position_embeddings=1 << 21,
-                      tie_word_embeddings=False, torch_dtype="bfloat16")
+                      tie_word_embeddings=False, torch_dtype=str(dtype).removeprefix("torch."))
     torch.manual_seed(0)
     with torch.device(dev):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+        model = Qwen2ForCausalLM(cfg).to(dtype)
     return model.eval()
 
 
