@@ -12,6 +12,8 @@
 #   (seconds of generate() after which no further mode starts; 0: none), WHOLE (0: skip the
 #   whole_model.py step), DTYPE (bfloat16; float32 the same random weights, for token identity), BLOCK (kvtier's block
 #   tokens for generate(), 128), PROFILE (modes to run once more under torch's profiler).
+# The GPU's clocks, power and temperature every 100 ms go to $OUT/gpu-clocks.csv (the rows of
+# hf_generate.json say when each mode's timed calls began: "began", seconds since the epoch).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 D=${D:-$PWD/.device}
@@ -33,7 +35,10 @@ S=/tmp/hf.sock
 pkill -f "tierd --socket $S" && sleep 1  # one left by an earlier run cut short
 . bench/gpu/tierd.sh
 start_tierd $S "${CAPACITY:-48GiB}" "$OUT/tierd.log"
-trap 'kill $TP 2> /dev/null' EXIT
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu \
+  --format=csv,nounits -lms 100 > "$OUT/gpu-clocks.csv" 2>&1 &
+CP=$!
+trap 'kill $TP $CP 2> /dev/null' EXIT
 for ctx in ${CONTEXTS//,/ }; do
   [ "${WHOLE:-1}" = 0 ] && break
   el "whole_model.py kvtier step, $ctx tokens, batches $BATCHES, k=$TOPK"
@@ -47,6 +52,6 @@ python3 clients/python/bench/hf_generate.py --socket $S --contexts "$CONTEXTS" -
   --top-k "$TOPK" --dtype "${DTYPE:-bfloat16}" --block-tokens "${BLOCK:-128}" \
   ${PROFILE:+--profile "$PROFILE"} --deadline "${DEADLINE:-0}" --json "$OUT/hf_generate.json" 2>&1 | tee "$OUT/hf_generate.txt" \
   | grep -vE "^\s*$|Warning|warn\("
-kill $TP; wait $TP
+kill $TP $CP; wait $TP
 trap - EXIT
 el "done"

@@ -220,13 +220,14 @@ def measure(run, a, tokens):
     run.generate(a.new_tokens + 1, run.ids[:, :a.warmup_tokens])
     warm = time.perf_counter() - t
     firsts, steps, means = [], [], []
+    began = time.time()  # wall clock, to line the steps up with the GPU's clock log
     for _ in range(a.reps):
         first, st, out = run.generate(a.new_tokens + 1)
         firsts.append(first)
         steps.append(statistics.median(st))
         means.append(statistics.fmean(st))
     ctx, b = run.ids.shape[1], run.ids.shape[0]
-    row = dict(context=ctx, batch=b, mode=run.mode, warmup_s=warm,
+    row = dict(context=ctx, batch=b, mode=run.mode, began=began, warmup_s=warm,
                first_s=statistics.median(firsts), step_ms=statistics.median(steps),
                step_mean_ms=statistics.median(means), firsts_s=firsts, steps_ms=steps,
                last_steps_ms=[round(x, 3) for x in st])
