@@ -344,10 +344,8 @@ impl InEngine {
             })
             .collect();
         let last = a.layers.iter().all(|l| matches!(l, LayerState::Committed));
-        let reserved = std::mem::take(&mut a.reserved);
-        let tables = self.tables_after(&reserved, layers.clone());
-        self.by_layer.as_mut().expect("open").reserved = reserved;
-        let tables = tables?;
+        let reserved = &self.by_layer.as_ref().expect("open").reserved;
+        let tables = self.tables_after(reserved, layers.clone())?;
         if self.by_layer.as_ref().expect("open").committer.is_none() {
             let committer = self.start_committer()?;
             self.by_layer.as_mut().expect("open").committer = Some(committer);
@@ -501,10 +499,8 @@ impl InEngine {
         if let Some(c) = a.committer {
             self.client = c.stop();
         }
+        self.drop_reservations(a.reserved.iter().map(|&(s, _)| s));
         for (session, _) in &a.reserved {
-            if let Ok(c) = self.client() {
-                let _ = c.commit(*session, 0);
-            }
             // Layers uploaded before the error hold rows tierd dropped with the append (a
             // failed COMMIT ends it whole), and a device state never shrinks: start over.
             let _ = match a.uploaded {
