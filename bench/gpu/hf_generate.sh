@@ -10,8 +10,9 @@
 #   kvtier-compiled-at-once hand the prefill over after the forward), NEW (64), REPS (2), TOPK (8),
 #   CAPACITY (tierd's host capacity: room for the largest batch x context, 48GiB), DEADLINE
 #   (seconds of generate() after which no further mode starts; 0: none), WHOLE (0: skip the
-#   whole_model.py step), DTYPE (bfloat16; float32 the same random weights, for token identity), BLOCK (kvtier's block
-#   tokens for generate(), 128), PROFILE (modes to run once more under torch's profiler).
+#   whole_model.py step), DTYPE (bfloat16; float32 the same random weights, for token
+#   identity), BLOCK (kvtier's block tokens for generate(), 128), PROFILE (modes to run once
+#   more under torch's profiler).
 # The GPU's clocks, power and temperature every 100 ms go to $OUT/gpu-clocks.csv (the rows of
 # hf_generate.json say when each mode's timed calls began: "began", seconds since the epoch).
 set -u
